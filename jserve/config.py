@@ -1,0 +1,169 @@
+"""Model configuration read from a Hugging Face ``config.json``.
+
+One frozen dataclass holds everything the forward pass needs; nothing is read from globals.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1 style frequency-dependent RoPE scaling (``rope_type == "llama3"``)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = 1
+    eos_token_ids: tuple[int, ...] = (2,)
+    dtype: str = "float32"  # "float32" | "bfloat16"
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any], dtype: str | None = None) -> "LlamaConfig":
+        archs = cfg.get("architectures") or ["LlamaForCausalLM"]
+        if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+            raise ValueError(f"unsupported architecture {archs}; jserve serves {SUPPORTED_ARCHITECTURES}")
+        for flag in ("attention_bias", "mlp_bias"):
+            if cfg.get(flag):
+                raise ValueError(f"config.json sets {flag}=true, which jserve does not support")
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r} (Llama uses 'silu')")
+        n_heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
+        rope_theta = cfg.get("rope_theta", 10000.0)
+        raw_scaling = cfg.get("rope_scaling")
+        if raw_scaling is None and isinstance(cfg.get("rope_parameters"), dict):
+            # transformers >= 5 writes rope settings under ``rope_parameters``.
+            raw_scaling = cfg["rope_parameters"]
+            rope_theta = raw_scaling.get("rope_theta", rope_theta)
+        scaling = None
+        if raw_scaling:
+            kind = raw_scaling.get("rope_type", raw_scaling.get("type", "default"))
+            if kind == "llama3":
+                scaling = RopeScaling(
+                    factor=float(raw_scaling["factor"]),
+                    low_freq_factor=float(raw_scaling["low_freq_factor"]),
+                    high_freq_factor=float(raw_scaling["high_freq_factor"]),
+                    original_max_position_embeddings=int(raw_scaling["original_max_position_embeddings"]),
+                )
+            elif kind != "default":
+                raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: llama3)")
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        if dtype is None:
+            torch_dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+            dtype = "bfloat16" if torch_dtype in ("bfloat16", "float16") else "float32"
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=n_heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or n_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+            rope_theta=float(rope_theta),
+            rope_scaling=scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            dtype=dtype,
+        )
+
+    @classmethod
+    def from_json_file(cls, path: str | Path, dtype: str | None = None) -> "LlamaConfig":
+        return cls.from_hf_dict(json.loads(Path(path).read_text()), dtype=dtype)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The HF ``config.json`` form, so an orbax checkpoint directory is self-describing."""
+        d: dict[str, Any] = {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids),
+            "hidden_act": "silu",
+            "torch_dtype": self.dtype,
+        }
+        if self.rope_scaling is not None:
+            d["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
+        return d
+
+    def num_params(self) -> int:
+        d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q = self.num_attention_heads * self.head_dim
+        kv = self.num_key_value_heads * self.head_dim
+        per_layer = d * (q + 2 * kv) + q * d + 3 * d * f + 2 * d
+        return v * d * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * per_layer + d
+
+
+def inv_frequencies(cfg: LlamaConfig) -> np.ndarray:
+    """RoPE inverse frequencies in float32, with Llama 3.1 scaling when configured.
+
+    Computed in float32 step by step as Hugging Face does, so f32 logits match to rounding.
+    """
+    dim = cfg.head_dim
+    exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    inv = (np.float32(1.0) / (np.float32(cfg.rope_theta) ** exponents)).astype(np.float32)
+    s = cfg.rope_scaling
+    if s is None:
+        return inv
+    old_len = np.float32(s.original_max_position_embeddings)
+    low_wavelen = old_len / np.float32(s.low_freq_factor)
+    high_wavelen = old_len / np.float32(s.high_freq_factor)
+    wavelen = np.float32(2 * math.pi) / inv
+    scaled = np.where(wavelen > low_wavelen, inv / np.float32(s.factor), inv).astype(np.float32)
+    smooth = (old_len / wavelen - np.float32(s.low_freq_factor)) / np.float32(
+        s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / np.float32(s.factor) + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)

@@ -1,0 +1,23 @@
+"""The Llama model as pure functions over a params pytree.
+
+Params layout (``jax.Array`` leaves, dtype = ``LlamaConfig.dtype``; matrices stored as
+``[in, out]`` so a layer is ``x @ w``)::
+
+    {
+      "embed": [vocab, hidden],
+      "layers": [                       # one dict per layer, a Python list
+        {"attn_norm": [hidden], "wq": [hidden, n_heads*head_dim],
+         "wk": [hidden, n_kv_heads*head_dim], "wv": [hidden, n_kv_heads*head_dim],
+         "wo": [n_heads*head_dim, hidden], "mlp_norm": [hidden],
+         "w_gate": [hidden, inter], "w_up": [hidden, inter], "w_down": [inter, hidden]},
+        ...
+      ],
+      "final_norm": [hidden],
+      "lm_head": [hidden, vocab],       # absent when tie_word_embeddings (embed.T is used)
+    }
+
+HF names map as: model.embed_tokens.weight -> embed; model.layers.i.input_layernorm ->
+attn_norm; self_attn.{q,k,v,o}_proj (transposed) -> wq/wk/wv/wo; post_attention_layernorm ->
+mlp_norm; mlp.{gate,up,down}_proj (transposed) -> w_gate/w_up/w_down; model.norm -> final_norm;
+lm_head.weight (transposed) -> lm_head.
+"""
