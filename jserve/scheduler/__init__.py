@@ -1,0 +1,10 @@
+"""Scheduling: request state, batch plans and policies. No JAX import, so the simulator and the
+live engine run the same code."""
+from jserve.scheduler.plan import BatchPlan, ScheduledChunk
+from jserve.scheduler.request import Request, RequestStatus
+from jserve.scheduler.sarathi import SarathiScheduler
+
+SCHEDULERS = {"sarathi": SarathiScheduler}
+
+__all__ = ["BatchPlan", "ScheduledChunk", "Request", "RequestStatus", "SarathiScheduler",
+           "SCHEDULERS"]

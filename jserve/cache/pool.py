@@ -1,0 +1,50 @@
+"""The device page pool: layout, sizing from a memory budget, allocation."""
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jserve.config import LlamaConfig
+
+KVCache = list[tuple[jax.Array, jax.Array]]  # per layer (k_pages, v_pages): [Hkv, P, S, D]
+
+
+def kv_bytes_per_page(cfg: LlamaConfig, page_size: int) -> int:
+    itemsize = 2 if cfg.dtype == "bfloat16" else 4
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * page_size * cfg.head_dim * itemsize
+
+
+def available_device_bytes(device: jax.Device) -> int:
+    """Free accelerator memory; on CPU (no memory stats) the host's available RAM."""
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def num_pages_for_budget(cfg: LlamaConfig, page_size: int, *, kv_cache_bytes: int | None,
+                         memory_fraction: float, max_useful_pages: int) -> int:
+    """Pages that fit the budget: an explicit byte count, else a fraction of free memory.
+
+    Capped at ``max_useful_pages`` (every sequence slot at full context) plus the reserved
+    page, so a small model on a large host does not grab memory it can never use.
+    """
+    if not 0 < memory_fraction <= 1:
+        raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+    budget = kv_cache_bytes
+    if budget is None:
+        budget = int(available_device_bytes(jax.devices()[0]) * memory_fraction)
+    pages = min(budget // kv_bytes_per_page(cfg, page_size), max_useful_pages + 1)
+    if pages < 2:
+        raise ValueError(
+            f"KV cache budget of {budget} bytes holds {pages} pages of {page_size} tokens; need >= 2")
+    return int(pages)
+
+
+def allocate_kv_cache(cfg: LlamaConfig, num_pages: int, page_size: int) -> KVCache:
+    dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else np.float32
+    shape = (cfg.num_key_value_heads, num_pages, page_size, cfg.head_dim)
+    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_hidden_layers)]

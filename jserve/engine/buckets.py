@@ -1,0 +1,51 @@
+"""Padding buckets: every device dimension takes one of a few sizes, so a workload of any mix
+compiles nothing once the buckets are warmed up."""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+
+
+def _pow2_ladder(lo: int, hi: int) -> tuple[int, ...]:
+    sizes = set()
+    n = lo
+    while n < hi:
+        sizes.add(n)
+        n *= 2
+    sizes.add(hi)
+    return tuple(sorted(sizes))
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    decode_rows: tuple[int, ...]      # sizes for the number of decode sequences (0 included)
+    prefill_tokens: tuple[int, ...]   # sizes for the number of prefill tokens (0 included)
+    prefill_rows: int                 # prefill sequence rows when there is any prefill
+    page_table_width: int             # pages per sequence row (max_model_len / page_size, padded)
+
+    @classmethod
+    def for_limits(cls, *, max_num_seqs: int, token_budget: int, max_prefill_seqs: int,
+                   max_model_len: int, page_size: int, pages_per_block: int = 16) -> "Buckets":
+        pages = -(-max_model_len // page_size)
+        block = min(pages_per_block, 1 << (pages - 1).bit_length())
+        width = -(-pages // block) * block
+        return cls(
+            decode_rows=(0,) + _pow2_ladder(1, min(max_num_seqs, token_budget)),
+            prefill_tokens=(0,) + _pow2_ladder(min(16, token_budget), token_budget),
+            prefill_rows=max_prefill_seqs,
+            page_table_width=width,
+        )
+
+    @staticmethod
+    def fit(sizes: tuple[int, ...], n: int) -> int:
+        i = bisect.bisect_left(sizes, n)
+        if i == len(sizes):
+            raise ValueError(f"{n} exceeds the largest bucket {sizes[-1]}")
+        return sizes[i]
+
+    def shape_for(self, num_decodes: int, num_prefill_tokens: int) -> tuple[int, int]:
+        return (self.fit(self.decode_rows, num_decodes),
+                self.fit(self.prefill_tokens, num_prefill_tokens))
+
+    def all_shapes(self) -> list[tuple[int, int]]:
+        return [(d, p) for d in self.decode_rows for p in self.prefill_tokens if d or p]

@@ -1,0 +1,34 @@
+"""Engine settings (frozen; built from ``LLM(...)`` keywords or CLI flags)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+
+def default_compilation_cache_dir() -> str:
+    return os.environ.get("JSERVE_COMPILATION_CACHE",
+                          str(Path.home() / ".cache" / "jserve" / "xla"))
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    max_num_seqs: int = 32             # running sequences (decode rows) at most
+    max_num_batched_tokens: int = 256  # token budget per iteration (the chunk size limit)
+    max_prefill_seqs: int = 4          # prefill chunks per iteration at most
+    max_model_len: int | None = None   # default: min(model's max positions, 8192)
+    page_size: int = 16
+    kv_cache_bytes: int | None = None  # explicit KV budget; else memory_fraction of free memory
+    memory_fraction: float = 0.5
+    attention_impl: str = "reference"
+    scheduler: str = "sarathi"
+    seed: int = 0                      # draws seeds for requests that give none
+    warmup: bool = True                # compile every bucket at start
+    compilation_cache_dir: str | None = dataclasses.field(default_factory=default_compilation_cache_dir)
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_seqs", "page_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

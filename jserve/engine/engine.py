@@ -1,0 +1,270 @@
+"""LLMEngine: iteration-level continuous batching on one device.
+
+Each ``step()`` asks the scheduler for a BatchPlan, runs one fused device step for it, and
+turns sampled ids into per-request outputs (detokenize, stop checks, finish). Requests are
+added and aborted between steps; every accepted request ends with a finish reason.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import random
+import time
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from jserve.cache.allocator import BlockAllocator
+from jserve.cache.pool import allocate_kv_cache, num_pages_for_budget
+from jserve.config import LlamaConfig
+from jserve.engine.buckets import Buckets
+from jserve.engine.config import EngineConfig
+from jserve.engine.output import (IncrementalDetokenizer, RequestMetrics, RequestOutput,
+                                  TokenLogprob, find_stop)
+from jserve.engine.runner import ModelRunner
+from jserve.engine.step_builder import StepBuilder
+from jserve.kernels import ATTENTION_IMPLS
+from jserve.model.llama import Params
+from jserve.sampling.params import MAX_BANNED_IDS, SamplingParams
+from jserve.sampling.sampler import SamplerRow
+from jserve.scheduler import SCHEDULERS, Request, RequestStatus
+from jserve.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+_NEUTRAL_ROW = SamplerRow(SamplingParams(temperature=0.0), seed=0, step=0)
+
+
+@dataclasses.dataclass(eq=False)
+class _Tracked:
+    """Engine-side data of one request (the scheduler's Request.payload)."""
+
+    params: SamplingParams
+    seed: int
+    prompt: str | None
+    metrics: RequestMetrics
+    detok: IncrementalDetokenizer
+    text: str = ""
+    logprobs: list[TokenLogprob] | None = None
+    state_row: int | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+def enable_compilation_cache(path: str | None) -> None:
+    """Persistent XLA cache: restarts and repeated test processes skip recompiling."""
+    if path is None:
+        return
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+class LLMEngine:
+    def __init__(self, cfg: LlamaConfig, params: Params, tokenizer: Tokenizer | None,
+                 config: EngineConfig = EngineConfig()):
+        if config.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, "
+                             f"got {config.attention_impl!r}")
+        if config.scheduler not in SCHEDULERS:
+            raise ValueError(f"scheduler must be one of {sorted(SCHEDULERS)}, "
+                             f"got {config.scheduler!r}")
+        enable_compilation_cache(config.compilation_cache_dir)
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.config = config
+        self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, 8192)
+        if self.max_model_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {cfg.max_position_embeddings}")
+        budget = min(config.max_num_batched_tokens, self.max_model_len)
+        self.buckets = Buckets.for_limits(
+            max_num_seqs=config.max_num_seqs, token_budget=budget,
+            max_prefill_seqs=config.max_prefill_seqs, max_model_len=self.max_model_len,
+            page_size=config.page_size)
+        pages_per_seq = -(-self.max_model_len // config.page_size)
+        num_pages = num_pages_for_budget(
+            cfg, config.page_size, kv_cache_bytes=config.kv_cache_bytes,
+            memory_fraction=config.memory_fraction,
+            max_useful_pages=config.max_num_seqs * pages_per_seq)
+        self.allocator = BlockAllocator(num_pages, config.page_size)
+        self.scheduler = SCHEDULERS[config.scheduler](
+            self.allocator, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=budget,
+            max_prefill_seqs=config.max_prefill_seqs)
+        self.runner = ModelRunner(cfg, params, allocate_kv_cache(cfg, num_pages, config.page_size),
+                                  self.buckets, config.max_num_seqs, config.attention_impl)
+        self.builder = StepBuilder(self.buckets, config.page_size, self.runner.state_sink)
+        self._free_state_rows = list(range(self.runner.state_sink - 1, -1, -1))
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._rng = random.Random(config.seed)
+        self.eos_ids = tuple(tokenizer.eos_token_ids if tokenizer else cfg.eos_token_ids)
+        self.num_steps = 0
+        if config.warmup:
+            self.runner.warmup()
+
+    # -- requests ------------------------------------------------------------------------
+    def tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass the prompt as token ids")
+            return prompt, self.tokenizer.encode(prompt)
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids outside the vocabulary [0, {self.cfg.vocab_size}): "
+                             f"{bad[:5]}")
+        return None, ids
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Every check that could refuse a request, before any state changes."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        params.validate(vocab_size=self.cfg.vocab_size)
+        n = len(prompt_ids)
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt has {n} tokens; the context holds {self.max_model_len}")
+        if n + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                             f"context of {self.max_model_len} tokens")
+        need = self.allocator.blocks_for(n + params.max_tokens)
+        if need > self.allocator.total:
+            raise ValueError(f"request needs {need} KV blocks; the pool has {self.allocator.total}")
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+        params = params if params is not None else SamplingParams()
+        text, ids = self.tokenize(prompt)
+        self.validate(ids, params)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        tracked = _Tracked(
+            params=params,
+            seed=params.seed if params.seed is not None else self._rng.getrandbits(32),
+            prompt=text, metrics=RequestMetrics(arrival_time or time.monotonic()),
+            detok=IncrementalDetokenizer(self.tokenizer),
+            logprobs=[] if params.logprobs is not None else None)
+        req = Request(rid, ids, params.max_tokens, tracked.metrics.arrival_time, payload=tracked)
+        self.requests[rid] = req
+        self.scheduler.add(req)
+        return rid
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Abort between steps; blocks are freed at once. None if the id is unknown or done."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        return self._finish(req, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def compile_count(self) -> int:
+        return self.runner.compile_count
+
+    # -- one iteration -----------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        for rid in plan.preempted:
+            self._release_state_row(self.requests[rid])
+        if plan.is_empty:
+            return []
+        now = time.monotonic()
+        for c in itertools.chain(plan.decodes, plan.prefills):
+            req = self.requests[c.request_id]
+            tr: _Tracked = req.payload
+            if tr.state_row is None:
+                tr.state_row = self._free_state_rows.pop()
+            if tr.metrics.first_scheduled_time is None:
+                tr.metrics.first_scheduled_time = now
+        want_logprobs = any(self.requests[c.request_id].payload.params.logprobs is not None
+                            for c in itertools.chain(plan.decodes, plan.prefills) if c.samples)
+        built = self.builder.build(plan, self.requests, self._sampler_row, _NEUTRAL_ROW,
+                                   lambda r: r.payload.state_row, want_logprobs)
+        out = self.runner.execute(built.shape, built.arrays)
+        tokens = np.asarray(out.tokens)
+        if want_logprobs:
+            chosen, top_ids, top_lp = map(np.asarray, (out.logprobs, out.top_ids, out.top_logprobs))
+        self.num_steps += 1
+        for c in itertools.chain(plan.decodes, plan.prefills):
+            self.requests[c.request_id].num_computed += c.num_tokens
+        now = time.monotonic()
+        outputs = []
+        for row, c in built.sample_rows:
+            req = self.requests[c.request_id]
+            tr: _Tracked = req.payload
+            tok = int(tokens[row])
+            if tr.logprobs is not None:
+                n = tr.params.logprobs
+                tr.logprobs.append(TokenLogprob(tok, float(chosen[row]), tuple(
+                    zip(top_ids[row, :n].tolist(), top_lp[row, :n].tolist()))))
+            outputs.append(self._append_token(req, tok, now))
+        return outputs
+
+    def _sampler_row(self, req: Request) -> SamplerRow:
+        tr: _Tracked = req.payload
+        p = tr.params
+        banned: tuple[int, ...] = ()
+        if req.num_output_tokens < p.min_tokens:
+            banned = (p.stop_token_ids + (() if p.ignore_eos else self.eos_ids))[:MAX_BANNED_IDS]
+        return SamplerRow(p, tr.seed, req.num_output_tokens, banned)
+
+    def _append_token(self, req: Request, tok: int, now: float) -> RequestOutput:
+        tr: _Tracked = req.payload
+        p = tr.params
+        req.token_ids.append(tok)
+        m = tr.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        m.token_times.append(now)
+        n_out = req.num_output_tokens
+        status = None
+        if tok in p.stop_token_ids or (tok in self.eos_ids and not p.ignore_eos):
+            status = RequestStatus.FINISHED_STOPPED
+            tr.text += tr.detok.flush()
+        else:
+            before = len(tr.text)
+            tr.text += tr.detok.add(tok)
+            cut = find_stop(tr.text, before, p.stop) if n_out >= p.min_tokens else None
+            if cut is not None:
+                tr.text = tr.text[:cut]
+                status = RequestStatus.FINISHED_STOPPED
+        if status is None and (n_out >= p.max_tokens or len(req.token_ids) >= self.max_model_len):
+            status = RequestStatus.FINISHED_LENGTH
+            tr.text += tr.detok.flush()
+        if status is not None:
+            return self._finish(req, status)
+        return self._output(req)
+
+    def _finish(self, req: Request, status: RequestStatus, error: str | None = None) -> RequestOutput:
+        tr: _Tracked = req.payload
+        self.scheduler.finish(req, status)
+        self._release_state_row(req)
+        tr.finish_reason = status.value
+        tr.error = error
+        tr.metrics.finished_time = time.monotonic()
+        del self.requests[req.request_id]
+        return self._output(req)
+
+    def _release_state_row(self, req: Request) -> None:
+        tr: _Tracked = req.payload
+        if tr.state_row is not None:
+            self._free_state_rows.append(tr.state_row)
+            tr.state_row = None
+
+    def _output(self, req: Request) -> RequestOutput:
+        tr: _Tracked = req.payload
+        return RequestOutput(
+            request_id=req.request_id, prompt=tr.prompt,
+            prompt_token_ids=list(req.prompt_token_ids), token_ids=req.output_token_ids,
+            text=tr.text, finished=tr.finish_reason is not None, finish_reason=tr.finish_reason,
+            metrics=tr.metrics, logprobs=list(tr.logprobs) if tr.logprobs is not None else None,
+            error=tr.error)

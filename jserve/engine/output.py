@@ -1,0 +1,82 @@
+"""What the engine hands back: per-request outputs, incremental detokenization, stop checks."""
+from __future__ import annotations
+
+import dataclasses
+
+from jserve.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob) best first; empty when logprobs=0
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    """Times from ``time.monotonic()``: arrival, first token, every token, finish."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = dataclasses.field(default_factory=list)
+    finished_time: float | None = None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None  # 'stop' | 'length' | 'abort'
+    metrics: RequestMetrics
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None   # set when the engine failed the request
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of ids into text deltas without re-decoding everything each step.
+
+    Decodes a short window before the newest tokens so multi-token characters come out whole;
+    text ending in U+FFFD (an incomplete UTF-8 sequence) is held back until it completes.
+    """
+
+    def __init__(self, tokenizer: Tokenizer | None):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        if self.tokenizer is None:
+            return ""
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return full[len(prefix):]
+        return ""
+
+    def flush(self) -> str:
+        """The held-back tail, decoded as is (at the end of a request)."""
+        if self.tokenizer is None or self.read_offset == len(self.ids):
+            return ""
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return full[len(prefix):]
+
+
+def find_stop(text: str, new_from: int, stops: tuple[str, ...]) -> int | None:
+    """Index where the earliest stop string starts, searching only where new text could
+    complete one (from ``new_from`` minus the longest stop's length)."""
+    if not stops:
+        return None
+    lo = max(0, new_from - max(len(s) for s in stops) + 1)
+    hits = [i for i in (text.find(s, lo) for s in stops) if i != -1]
+    return min(hits) if hits else None

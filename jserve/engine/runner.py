@@ -1,0 +1,166 @@
+"""The device side of the engine: one fused jitted step (forward, penalty state, sampling)
+compiled ahead of time per bucket, with a compile counter tests read."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jserve.cache.pool import KVCache
+from jserve.config import LlamaConfig
+from jserve.engine.buckets import Buckets
+from jserve.kernels import AttentionMetadata
+from jserve.model.llama import Params, StepInput, forward
+from jserve.sampling.params import MAX_BANNED_IDS, MAX_LOGPROBS
+from jserve.sampling.sampler import SamplingBatch, sample
+
+log = logging.getLogger(__name__)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SeqState:
+    """Per-sequence device state for penalties: generated-token counts and prompt membership.
+
+    Rows are handed to running sequences; a row is reset when its sequence's first chunk
+    (position 0) runs, and filled from the tokens the forward pass consumes, so recompute after
+    preemption rebuilds it exactly. The last row is a sink for padding.
+    """
+
+    output_counts: jax.Array  # [R, V] int32
+    prompt_mask: jax.Array    # [R, V] bool
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepArrays:
+    """Everything one step sends to the device (see ``StepBuilder``)."""
+
+    batch: StepInput
+    token_state_rows: jax.Array  # [T]
+    token_is_prompt: jax.Array   # [T]
+    state_rows: jax.Array        # [S]
+    reset_rows: jax.Array        # [S]
+    sampling: SamplingBatch
+    any_random: jax.Array        # scalar bool: some row samples (else argmax only)
+    want_logprobs: jax.Array     # scalar bool
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepOutput:
+    tokens: jax.Array        # [S]
+    logprobs: jax.Array      # [S] (zeros unless want_logprobs)
+    top_ids: jax.Array       # [S, MAX_LOGPROBS]
+    top_logprobs: jax.Array  # [S, MAX_LOGPROBS]
+
+
+def _update_state(state: SeqState, tokens, rows, is_prompt, reset_rows) -> SeqState:
+    sink = state.output_counts.shape[0] - 1
+    counts = state.output_counts.at[reset_rows].set(0)
+    mask = state.prompt_mask.at[reset_rows].set(False)
+    counts = counts.at[rows, tokens].add(jnp.where(is_prompt, 0, 1).astype(counts.dtype))
+    mask = mask.at[jnp.where(is_prompt, rows, sink), tokens].set(True)
+    return SeqState(counts, mask)
+
+
+def _step(params: Params, kv_cache: KVCache, state: SeqState, arrays: StepArrays, *,
+          cfg: LlamaConfig, attention_impl: str):
+    logits, kv_cache = forward(params, kv_cache, arrays.batch, cfg=cfg,
+                               attention_impl=attention_impl)
+    state = _update_state(state, arrays.batch.tokens, arrays.token_state_rows,
+                          arrays.token_is_prompt, arrays.reset_rows)
+    counts = state.output_counts[arrays.state_rows]
+    prompt_mask = state.prompt_mask[arrays.state_rows]
+    tokens = jax.lax.cond(
+        arrays.any_random,
+        lambda: sample(logits, counts, prompt_mask, arrays.sampling, all_greedy=False,
+                       num_logprobs=0).tokens,
+        lambda: sample(logits, counts, prompt_mask, arrays.sampling, all_greedy=True,
+                       num_logprobs=0).tokens)
+    s = logits.shape[0]
+
+    def with_logprobs():
+        lp = jax.nn.log_softmax(logits, axis=-1)
+        top_lp, top_ids = jax.lax.top_k(lp, MAX_LOGPROBS)
+        return jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0], top_ids, top_lp
+
+    def without_logprobs():
+        return (jnp.zeros((s,), jnp.float32), jnp.zeros((s, MAX_LOGPROBS), jnp.int32),
+                jnp.zeros((s, MAX_LOGPROBS), jnp.float32))
+
+    chosen, top_ids, top_lp = jax.lax.cond(arrays.want_logprobs, with_logprobs, without_logprobs)
+    return StepOutput(tokens, chosen, top_ids, top_lp), kv_cache, state
+
+
+def _spec(shape, dtype) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+class ModelRunner:
+    def __init__(self, cfg: LlamaConfig, params: Params, kv_cache: KVCache, buckets: Buckets,
+                 max_num_seqs: int, attention_impl: str):
+        self.cfg = cfg
+        self.params = params
+        self.kv_cache = kv_cache
+        self.buckets = buckets
+        rows = max_num_seqs + buckets.prefill_rows + 1
+        self.state = SeqState(jnp.zeros((rows, cfg.vocab_size), jnp.int32),
+                              jnp.zeros((rows, cfg.vocab_size), bool))
+        self.state_sink = rows - 1
+        self.attention_impl = attention_impl
+        self._jitted = jax.jit(_step, static_argnames=("cfg", "attention_impl"),
+                               donate_argnums=(1, 2))
+        self._compiled: dict[tuple[int, int], jax.stages.Compiled] = {}
+        self.compile_count = 0
+        self.compile_seconds = 0.0
+
+    def arrays_spec(self, num_decodes: int, num_prefill_tokens: int) -> StepArrays:
+        """Abstract shapes of a bucket's inputs (what ``StepBuilder`` fills)."""
+        t = num_decodes + num_prefill_tokens
+        s = num_decodes + (self.buckets.prefill_rows if num_prefill_tokens else 0)
+        i32 = jnp.int32
+        attn = AttentionMetadata(
+            positions=_spec((t,), i32), token_seq=_spec((t,), i32), kv_lens=_spec((s,), i32),
+            page_table=_spec((s, self.buckets.page_table_width), i32),
+            num_prefills=_spec((), i32), num_decodes=num_decodes)
+        f32 = jnp.float32
+        sampling = SamplingBatch(
+            temperature=_spec((s,), f32), top_k=_spec((s,), i32), top_p=_spec((s,), f32),
+            min_p=_spec((s,), f32), repetition_penalty=_spec((s,), f32),
+            presence_penalty=_spec((s,), f32), frequency_penalty=_spec((s,), f32),
+            seed=_spec((s,), jnp.uint32), step=_spec((s,), i32),
+            banned_ids=_spec((s, MAX_BANNED_IDS), i32))
+        return StepArrays(
+            batch=StepInput(tokens=_spec((t,), i32), slots=_spec((t,), i32),
+                            logits_rows=_spec((s,), i32), attn=attn),
+            token_state_rows=_spec((t,), i32), token_is_prompt=_spec((t,), bool),
+            state_rows=_spec((s,), i32), reset_rows=_spec((s,), i32), sampling=sampling,
+            any_random=_spec((), bool), want_logprobs=_spec((), bool))
+
+    def compiled(self, shape: tuple[int, int]) -> jax.stages.Compiled:
+        exe = self._compiled.get(shape)
+        if exe is None:
+            t0 = time.perf_counter()
+            exe = self._jitted.lower(self.params, self.kv_cache, self.state,
+                                     self.arrays_spec(*shape), cfg=self.cfg,
+                                     attention_impl=self.attention_impl).compile()
+            self.compile_seconds += time.perf_counter() - t0
+            self.compile_count += 1
+            self._compiled[shape] = exe
+        return exe
+
+    def warmup(self) -> None:
+        t0 = time.perf_counter()
+        for shape in self.buckets.all_shapes():
+            self.compiled(shape)
+        log.info("warmed up %d step shapes in %.1fs", len(self._compiled), time.perf_counter() - t0)
+
+    def execute(self, shape: tuple[int, int], arrays: StepArrays) -> StepOutput:
+        out, self.kv_cache, self.state = self.compiled(shape)(
+            self.params, self.kv_cache, self.state, arrays)
+        return out

@@ -1,0 +1,95 @@
+"""Host side of a step: turn a BatchPlan into padded numpy arrays for one bucket."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jserve.engine.buckets import Buckets
+from jserve.kernels import AttentionMetadata
+from jserve.model.llama import StepInput
+from jserve.engine.runner import StepArrays
+from jserve.sampling.sampler import SamplerRow, make_sampling_batch
+from jserve.scheduler import BatchPlan, Request, ScheduledChunk
+
+
+@dataclasses.dataclass(frozen=True)
+class BuiltStep:
+    shape: tuple[int, int]
+    arrays: StepArrays
+    sample_rows: list[tuple[int, ScheduledChunk]]  # (row in the step, chunk) for sampled rows
+
+
+class StepBuilder:
+    def __init__(self, buckets: Buckets, page_size: int, state_sink: int):
+        self.buckets = buckets
+        self.page_size = page_size
+        self.state_sink = state_sink
+
+    def build(self, plan: BatchPlan, requests: dict[str, Request],
+              sampler_row: "callable[[Request], SamplerRow]", neutral_row: SamplerRow,
+              state_row: "callable[[Request], int]", want_logprobs: bool) -> BuiltStep:
+        nd = len(plan.decodes)
+        n_pre_tokens = sum(c.num_tokens for c in plan.prefills)
+        bd, tp = self.buckets.shape_for(nd, n_pre_tokens)
+        t = bd + tp
+        s = bd + (self.buckets.prefill_rows if tp else 0)
+        ps = self.page_size
+
+        tokens = np.zeros(t, np.int32)
+        positions = np.zeros(t, np.int32)
+        slots = np.zeros(t, np.int32)
+        token_seq = np.full(t, s, np.int32)
+        token_state = np.full(t, self.state_sink, np.int32)
+        token_is_prompt = np.zeros(t, bool)
+        kv_lens = np.zeros(s, np.int32)
+        page_table = np.zeros((s, self.buckets.page_table_width), np.int32)
+        logits_rows = np.zeros(s, np.int32)
+        state_rows = np.full(s, self.state_sink, np.int32)
+        reset_rows = np.full(s, self.state_sink, np.int32)
+        rows: list[SamplerRow] = [neutral_row] * s
+        sample_rows: list[tuple[int, ScheduledChunk]] = []
+        any_random = False
+
+        token_seq[:bd] = np.arange(bd)
+        chunks = [(i, i, c) for i, c in enumerate(plan.decodes)]
+        offset = bd
+        for j, c in enumerate(plan.prefills):
+            chunks.append((bd + j, offset, c))
+            offset += c.num_tokens
+
+        for row, start, c in chunks:
+            req = requests[c.request_id]
+            n = c.num_tokens
+            end = start + n
+            pos = np.arange(c.start, c.start + n, dtype=np.int32)
+            blocks = np.asarray(req.block_ids, np.int32)
+            tokens[start:end] = req.token_ids[c.start:c.start + n]
+            positions[start:end] = pos
+            slots[start:end] = blocks[pos // ps] * ps + pos % ps
+            token_seq[start:end] = row
+            srow = state_row(req)
+            token_state[start:end] = srow
+            token_is_prompt[start:end] = pos < req.num_prompt_tokens
+            kv_lens[row] = c.start + n
+            page_table[row, :len(blocks)] = blocks
+            logits_rows[row] = end - 1
+            state_rows[row] = srow
+            if c.start == 0:
+                reset_rows[row] = srow
+            if c.samples:
+                rows[row] = sampler_row(req)
+                any_random |= rows[row].params.temperature > 0
+                sample_rows.append((row, c))
+
+        attn = AttentionMetadata(positions=positions, token_seq=token_seq, kv_lens=kv_lens,
+                                 page_table=page_table,
+                                 num_prefills=np.asarray(len(plan.prefills), np.int32),
+                                 num_decodes=bd)
+        arrays = StepArrays(
+            batch=StepInput(tokens=tokens, slots=slots, logits_rows=logits_rows, attn=attn),
+            token_state_rows=token_state, token_is_prompt=token_is_prompt,
+            state_rows=state_rows, reset_rows=reset_rows,
+            sampling=make_sampling_batch(rows, pad_to=s),
+            any_random=np.asarray(any_random), want_logprobs=np.asarray(want_logprobs))
+        return BuiltStep((bd, tp), arrays, sample_rows)

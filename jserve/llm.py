@@ -1,0 +1,72 @@
+"""The offline API: ``LLM(model=...).generate(prompts, params)``, the shape vLLM users know."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from jserve.engine.config import EngineConfig
+from jserve.engine.engine import LLMEngine
+from jserve.engine.output import RequestOutput
+from jserve.model.weights import load_model
+from jserve.sampling.params import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    """Loads a model (``"default"``, an HF directory or an orbax directory) and serves batches.
+
+    Engine settings are keyword arguments named as in ``EngineConfig``.
+    """
+
+    def __init__(self, model: str = "default", *, dtype: str | None = None, seed: int = 0,
+                 **engine_kwargs):
+        fields = {f.name for f in dataclasses.fields(EngineConfig)}
+        unknown = sorted(set(engine_kwargs) - fields)
+        if unknown:
+            raise TypeError(f"unknown LLM arguments {unknown}; engine settings are {sorted(fields)}")
+        cfg, params, tokenizer = load_model(model, dtype=dtype, seed=seed)
+        self.model = model
+        self.engine = LLMEngine(cfg, params, tokenizer, EngineConfig(**engine_kwargs))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def chat_prompt(self, messages: list[dict]) -> str:
+        """Renders chat messages with the tokenizer's chat template."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so no chat template")
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Runs every prompt to completion and returns outputs in prompt order.
+
+        All prompts are validated before any is queued: a bad one raises ValueError and leaves
+        the engine as it was.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                _, ids = self.engine.tokenize(prompt)
+                self.engine.validate(ids, p)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        ids = [self.engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+        wanted = set(ids)
+        done: dict[str, RequestOutput] = {}
+        while wanted - done.keys():
+            for out in self.engine.step():
+                if out.finished and out.request_id in wanted:
+                    done[out.request_id] = out
+        return [done[i] for i in ids]

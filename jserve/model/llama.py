@@ -1,0 +1,95 @@
+"""Pure-JAX Llama forward over a token-flattened ragged batch and a paged KV cache.
+
+One call runs prefill chunks of several requests and single-token decodes together, writes
+their KV into the cache pages, and computes logits only for the rows that will be sampled.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jserve.config import LlamaConfig, inv_frequencies
+from jserve.kernels import AttentionMetadata, attention
+
+Params = dict[str, Any]
+from jserve.cache.pool import KVCache
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepInput:
+    """Device arrays of one engine step (every dimension padded to a bucket).
+
+    tokens/slots [T]: input ids and flat KV slot (page * page_size + offset) of every token;
+    padding tokens write to the reserved page 0. logits_rows [S]: the token whose hidden state
+    gives each sequence row's next-token logits.
+    """
+
+    tokens: jax.Array
+    slots: jax.Array
+    logits_rows: jax.Array
+    attn: AttentionMetadata
+
+
+def dtype_of(cfg: LlamaConfig) -> jnp.dtype:
+    return jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """HF LlamaRMSNorm: normalise in float32, cast back, then scale."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return w * xf.astype(x.dtype)
+
+
+def rope_tables(cfg: LlamaConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    inv = jnp.asarray(inv_frequencies(cfg))
+    freqs = positions.astype(jnp.float32)[:, None] * inv[None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE (HF layout). x [T, H, D]; cos/sin [T, D]."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    cos = cos[:, None, :].astype(x.dtype)
+    sin = sin[:, None, :].astype(x.dtype)
+    return x * cos + rotated * sin
+
+
+def write_kv(pages: jax.Array, slots: jax.Array, new: jax.Array) -> jax.Array:
+    """Scatter new [T, Hkv, D] into pages [Hkv, P, S, D] at flat slots [T]."""
+    hkv, p, s, d = pages.shape
+    flat = pages.reshape(hkv, p * s, d)
+    flat = flat.at[:, slots].set(new.transpose(1, 0, 2).astype(pages.dtype))
+    return flat.reshape(hkv, p, s, d)
+
+
+def forward(params: Params, kv_cache: KVCache, batch: StepInput, *, cfg: LlamaConfig,
+            attention_impl: str = "reference") -> tuple[jax.Array, KVCache]:
+    """Returns (float32 logits [S, vocab] for ``batch.logits_rows``, updated KV cache)."""
+    t = batch.tokens.shape[0]
+    hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    x = params["embed"][batch.tokens]
+    cos, sin = rope_tables(cfg, batch.attn.positions)
+    new_cache: KVCache = []
+    for layer, (k_pages, v_pages) in zip(params["layers"], kv_cache):
+        h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
+        q = apply_rope((h @ layer["wq"]).reshape(t, hq, hd), cos, sin)
+        k = apply_rope((h @ layer["wk"]).reshape(t, hkv, hd), cos, sin)
+        v = (h @ layer["wv"]).reshape(t, hkv, hd)
+        k_pages = write_kv(k_pages, batch.slots, k)
+        v_pages = write_kv(v_pages, batch.slots, v)
+        new_cache.append((k_pages, v_pages))
+        out, _ = attention(q, k_pages, v_pages, batch.attn, impl=attention_impl)
+        x = x + out.reshape(t, hq * hd).astype(x.dtype) @ layer["wo"]
+        h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
+        x = x + (jax.nn.silu(h @ layer["w_gate"]) * (h @ layer["w_up"])) @ layer["w_down"]
+    h = rms_norm(x[batch.logits_rows], params["final_norm"], cfg.rms_norm_eps)
+    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    logits = jnp.dot(h, head, preferred_element_type=jnp.float32)
+    return logits, new_cache

@@ -1,0 +1,62 @@
+"""A request's scheduling state. Pure Python: shared by the live engine and the simulator."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"          # prefilling or decoding; holds KV blocks
+    PREEMPTED = "preempted"      # blocks released; recomputed from scratch when readmitted
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """``token_ids`` is prompt + generated so far. Tokens ``[num_computed, len(token_ids))``
+    still have to go through the model: more than one is a prefill (or a recompute after
+    preemption), exactly one is a decode."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    arrival_time: float
+    payload: Any = None  # engine-side data (sampling params, detokenizer); opaque here
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    num_computed: int = 0
+    block_ids: list[int] = dataclasses.field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_uncomputed == 1 and self.num_output_tokens > 0
