@@ -1,0 +1,174 @@
+"""Tokenizers: a built-in byte tokenizer for the default model and HF ``tokenizer.json`` files.
+
+The engine only needs ids in, text out, the special ids that start and stop generation, and
+chat-template rendering, so both implementations share the small :class:`Tokenizer` protocol.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import jinja2
+import jinja2.ext
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+# Files that make up a tokenizer directory; copied along when a checkpoint is converted.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                   "chat_template.jinja")
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def bos_token_id(self) -> int | None: ...
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]: ...
+
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255 plus <bos>/<eos>/<pad>: needs no files, so the default model runs anywhere."""
+
+    BOS, EOS, PAD = 256, 257, 258
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = list(text.encode("utf-8"))
+        return [self.BOS, *ids] if add_special_tokens else ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        names = {self.BOS: b"<bos>", self.EOS: b"<eos>", self.PAD: b"<pad>"}
+        out = bytearray()
+        for i in ids:
+            if i < 256:
+                out.append(i)
+            elif i in names and not skip_special_tokens:
+                out += names[i]
+        return out.decode("utf-8", errors="replace")
+
+    @property
+    def vocab_size(self) -> int:
+        return 259
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.BOS
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return (self.EOS,)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True) -> str:
+        text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
+        return text + "<|assistant|>\n" if add_generation_prompt else text
+
+
+def _token_content(token: str | dict[str, Any] | None) -> str | None:
+    """tokenizer_config.json writes special tokens as plain strings or AddedToken dicts."""
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def _chat_environment() -> ImmutableSandboxedEnvironment:
+    """A sandbox set up like transformers' so Hub templates render identically.
+
+    Templates are untrusted code from the checkpoint, hence the immutable sandbox.
+    """
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+        # jinja's own tojson HTML-escapes, which chat templates do not expect.
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+class HFTokenizer:
+    """A Hugging Face fast-tokenizer directory (``tokenizer.json`` + ``tokenizer_config.json``)."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        model_dir = Path(model_dir)
+        self._tok = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        config_path = model_dir / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        self._special_tokens = {
+            name: content for name in ("bos_token", "eos_token", "unk_token", "pad_token")
+            if (content := _token_content(config.get(name))) is not None}
+
+        bos = self._special_tokens.get("bos_token")
+        self._bos_id = self._tok.token_to_id(bos) if bos is not None else None
+        eos: list[int] = []
+        if (eos_tok := self._special_tokens.get("eos_token")) is not None:
+            if (eos_id := self._tok.token_to_id(eos_tok)) is not None:
+                eos.append(eos_id)
+        # Instruct models stop on several ids (e.g. Llama 3's <|eot_id|>) listed only here.
+        gen_path = model_dir / "generation_config.json"
+        if gen_path.exists():
+            gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
+            for i in gen_eos if isinstance(gen_eos, list) else ([] if gen_eos is None else [gen_eos]):
+                if int(i) not in eos:
+                    eos.append(int(i))
+        self._eos_ids = tuple(eos)
+
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        jinja_path = model_dir / "chat_template.jinja"
+        if template is None and jinja_path.exists():
+            template = jinja_path.read_text()
+        self._template = _chat_environment().from_string(template) if template else None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        # The tokenizer.json post-processor decides what specials to add (Llama: BOS).
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos_id
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._eos_ids
+
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True) -> str:
+        if self._template is None:
+            raise ValueError("this tokenizer has no chat template; send a plain prompt instead")
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     **self._special_tokens)
+
+
+def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:
+    """The directory's HF tokenizer, or None: a bare checkpoint still serves token-id prompts."""
+    if (Path(model_dir) / "tokenizer.json").exists():
+        return HFTokenizer(model_dir)
+    return None

@@ -1,0 +1,156 @@
+"""Tiny random Hugging Face Llama checkpoints (and a tokenizer) for loader and parity tests.
+
+Everything is built locally (no hub access) and cached per process: ``tiny_llama_dir`` writes
+each variant once into a temp dir, ``tiny_llama_model`` keeps the torch model it came from.
+Cached directories and models are shared between tests: treat them as read-only.
+"""
+from __future__ import annotations
+
+import atexit
+import copy
+import functools
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach the hub
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
+
+_COMMON: dict[str, Any] = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                               vocab_size=512, head_dim=16, num_attention_heads=4,
+                               bos_token_id=1, eos_token_id=2)
+_LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64}
+
+# HF LlamaConfig kwargs per family. transformers 5 takes rope settings as ``rope_parameters``
+# (rope_theta inside it) and writes them to config.json under that key.
+CONFIGS: dict[str, dict[str, Any]] = {
+    "llama2": dict(_COMMON, num_key_value_heads=4,
+                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    "llama3": dict(_COMMON, num_key_value_heads=2, eos_token_id=[2, 3],
+                   rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+    # max_position_embeddings far above original_max_position_embeddings, so scaling matters.
+    "llama31": dict(_COMMON, num_key_value_heads=2, eos_token_id=[2, 3],
+                    max_position_embeddings=512, rope_parameters=_LLAMA3_ROPE),
+    "llama32": dict(_COMMON, num_key_value_heads=2, eos_token_id=[2, 3],
+                    max_position_embeddings=512, rope_parameters=dict(_LLAMA3_ROPE, factor=32.0),
+                    tie_word_embeddings=True),
+}
+
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|eot_id|>"]  # ids 0..3, matching the configs above
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}\n"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' + message['role']) }}{% endif %}\n"
+    "{{ bos_token if loop.first else '' }}<|{{ message['role'] }}|>\n"
+    "    {% if message['role'] == 'system' %}{{ message['content'] | tojson }}"
+    "{% else %}{{ message['content'] | trim }}{% endif %}{{ eos_token }}\n"
+    "{% endfor %}\n"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+_TRAINING_TEXT = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello, world! How are you today?",
+    "JAX compiles numerical programs with XLA for accelerators.",
+    "Paged attention keeps the key value cache in fixed size blocks.",
+    "Grüße aus Köln, naïve café, déjà vu — ünïcödé text.",
+    "日本語のテキストと絵文字 🙂 も少し。",
+    "def forward(x): return x @ w + b  # code, too",
+]
+
+
+def tiny_hf_config(name: str) -> transformers.LlamaConfig:
+    if name not in CONFIGS:
+        raise KeyError(f"unknown tiny config {name!r}; choose from {sorted(CONFIGS)}")
+    return transformers.LlamaConfig(**CONFIGS[name])
+
+
+@functools.cache
+def tiny_llama_model(name: str) -> transformers.LlamaForCausalLM:
+    """The float32 torch model behind ``tiny_llama_dir(name)``, seeded, in eval mode.
+
+    Norm weights are jittered away from HF's all-ones init so a mixed-up norm shows in parity.
+    """
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(tiny_hf_config(name)).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def write_tiny_tokenizer(out_dir: Path) -> Path:
+    """A byte-level BPE tokenizer.json with a Llama-like BOS post-processor, plus its config."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(_TRAINING_TEXT, trainer)
+    tok.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                      special_tokens=[("<s>", 1)]),
+    ])
+    tok.save(str(out_dir / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        # The AddedToken dict form older Llama configs use.
+        "eos_token": {"__type": "AddedToken", "content": "</s>", "lstrip": False,
+                      "normalized": False, "rstrip": False, "single_word": False},
+        "unk_token": "<unk>",
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 512,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return out_dir
+
+
+def write_tiny_llama(name: str, out_dir: Path, *, max_shard_size: str | None = None,
+                     with_tokenizer: bool = False, dtype: str = "float32") -> Path:
+    """``save_pretrained`` the tiny model ``name`` (optionally sharded, bf16, with tokenizer)."""
+    model = tiny_llama_model(name)
+    if dtype != "float32":
+        model = copy.deepcopy(model).to(getattr(torch, dtype))
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(out_dir, **kwargs)
+    if with_tokenizer:
+        write_tiny_tokenizer(out_dir)
+    return out_dir
+
+
+@functools.cache
+def _cache_root() -> Path:
+    root = Path(tempfile.mkdtemp(prefix="jserve-tiny-hf-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return root
+
+
+@functools.cache
+def tiny_llama_dir(name: str, *, max_shard_size: str | None = None,
+                   with_tokenizer: bool = False, dtype: str = "float32") -> Path:
+    """Process-wide cached ``write_tiny_llama``: each variant is written once. Read-only."""
+    variant = "-".join([name, dtype, f"shard{max_shard_size}" if max_shard_size else "single",
+                        "tok" if with_tokenizer else "notok"])
+    return write_tiny_llama(name, _cache_root() / variant, max_shard_size=max_shard_size,
+                            with_tokenizer=with_tokenizer, dtype=dtype)
+
+
+@functools.cache
+def tiny_tokenizer_dir() -> Path:
+    """A directory holding only the tiny tokenizer files. Read-only."""
+    return write_tiny_tokenizer(_cache_root() / "tokenizer")
