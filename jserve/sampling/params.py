@@ -1,0 +1,156 @@
+"""Per-request sampling parameters (vLLM-like) and their validation.
+
+Everything a client can send is checked here, on the host, so that the device-side sampler
+never has to deal with out-of-range values and every rejection names the offending field.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Iterable, Sequence
+
+# Size limits keep the device-side arrays fixed-shape (no recompiles per request).
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 16
+# stop ids + eos ids that are masked while ``min_tokens`` has not been reached.
+MAX_BANNED_IDS = 32
+
+_SEED_LIMIT = 2**32
+
+
+def _is_int(value: object) -> bool:
+    """bool is an int subclass, but ``top_k=True`` is a client bug, not a value."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _require_int(name: str, value: object) -> None:
+    if not _is_int(value):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+
+
+def _require_finite(name: str, value: object) -> None:
+    if not _is_real(value) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+
+
+def _as_tuple(name: str, value: object) -> tuple:
+    if value is None:
+        return ()
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise ValueError(f"{name} must be a list, got {value!r}")
+    return tuple(value)
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """How to sample one request's completion.
+
+    ``stop`` and ``stop_token_ids`` are normalised to tuples (empty when not given) so that
+    consumers never have to handle ``None`` / a bare string.
+    """
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: Sequence[str] | str | None = None
+    stop_token_ids: Sequence[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; 0: chosen token only; n: chosen + top-n
+
+    def __post_init__(self) -> None:
+        self.stop = _as_tuple("stop", (self.stop,) if isinstance(self.stop, str) else self.stop)
+        self.stop_token_ids = _as_tuple("stop_token_ids", self.stop_token_ids)
+        self.validate()
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ``ValueError`` naming the field for any invalid value.
+
+        Called without ``vocab_size`` at construction; the engine calls it again with the
+        model's vocabulary size to also check token-id ranges.
+        """
+        _require_int("max_tokens", self.max_tokens)
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        _require_int("min_tokens", self.min_tokens)
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+
+        _require_finite("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+
+        _require_int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (disabled) or >= 1, got {self.top_k}")
+        if vocab_size is not None and self.top_k > vocab_size:
+            raise ValueError(f"top_k must be <= vocab_size={vocab_size}, got {self.top_k}")
+
+        _require_finite("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _require_finite("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+
+        _require_finite("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _require_finite(name, value)
+            if not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+
+        if self.seed is not None:
+            _require_int("seed", self.seed)
+            if not 0 <= self.seed < _SEED_LIMIT:
+                raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
+
+        self._validate_stop()
+        self._validate_stop_token_ids(vocab_size)
+
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.logprobs is not None:
+            _require_int("logprobs", self.logprobs)
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+
+    def _validate_stop(self) -> None:
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(
+                f"stop must have at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty str, got {s!r}")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise ValueError(
+                    f"stop strings must be at most {MAX_STOP_STRING_CHARS} chars, got {len(s)}")
+
+    def _validate_stop_token_ids(self, vocab_size: int | None) -> None:
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids must have at most {MAX_STOP_TOKEN_IDS} ids, "
+                             f"got {len(self.stop_token_ids)}")
+        upper = "vocab_size" if vocab_size is None else vocab_size
+        for t in self.stop_token_ids:
+            if not _is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
+                raise ValueError(f"stop_token_ids must be ints in [0, {upper}), got {t!r}")

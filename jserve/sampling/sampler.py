@@ -1,0 +1,182 @@
+"""Batched token sampling on device (pure, jittable JAX; vLLM semantics).
+
+Pipeline per row: penalties -> banned ids -> (greedy: argmax) | (temperature -> top-k ->
+top-p -> min-p -> Gumbel-max). Randomness comes only from ``fold_in(key(seed), step)`` of the
+row itself, so a seeded request draws the same tokens whatever else is in the batch.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jserve.sampling.params import MAX_BANNED_IDS, SamplingParams
+
+# Non-greedy temperatures are floored here so that ``logits / temperature`` stays finite.
+_MIN_TEMPERATURE = 1e-5
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingBatch:
+    """Per-row sampling parameters as arrays (numpy on host, jax on device)."""
+
+    temperature: jax.Array  # f32[B]; 0 = greedy
+    top_k: jax.Array  # i32[B]; <= 0 = disabled
+    top_p: jax.Array  # f32[B]
+    min_p: jax.Array  # f32[B]
+    repetition_penalty: jax.Array  # f32[B]
+    presence_penalty: jax.Array  # f32[B]
+    frequency_penalty: jax.Array  # f32[B]
+    seed: jax.Array  # u32[B]
+    step: jax.Array  # i32[B]; index of the token being generated
+    banned_ids: jax.Array  # i32[B, MAX_BANNED_IDS]; -1 padded
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerRow:
+    """Host-side description of one row; ``seed`` is already resolved by the engine."""
+
+    params: SamplingParams
+    seed: int
+    step: int
+    banned_ids: tuple[int, ...] = ()
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SampleResult:
+    tokens: jax.Array  # i32[B]
+    logprobs: jax.Array  # f32[B]; raw log-softmax of the chosen token
+    top_ids: jax.Array  # i32[B, n]
+    top_logprobs: jax.Array  # f32[B, n]
+
+
+def make_sampling_batch(rows: Sequence[SamplerRow], pad_to: int) -> SamplingBatch:
+    """Pack rows into fixed-size numpy arrays; padding rows are greedy with neutral penalties.
+
+    Runs every engine step, so it builds plain lists and calls ``np.array`` once per field.
+    """
+    n_pad = pad_to - len(rows)
+    if n_pad < 0:
+        raise ValueError(f"pad_to={pad_to} is smaller than the number of rows ({len(rows)})")
+    params = [r.params for r in rows]
+
+    def column(values: list, pad: float | int, dtype: type) -> np.ndarray:
+        return np.array(values + [pad] * n_pad, dtype=dtype)
+
+    banned = []
+    for r in rows:
+        if len(r.banned_ids) > MAX_BANNED_IDS:
+            raise ValueError(f"banned_ids must have at most {MAX_BANNED_IDS} ids, "
+                             f"got {len(r.banned_ids)}")
+        banned.append(list(r.banned_ids) + [-1] * (MAX_BANNED_IDS - len(r.banned_ids)))
+    banned += [[-1] * MAX_BANNED_IDS] * n_pad
+
+    return SamplingBatch(
+        temperature=column([p.temperature for p in params], 0.0, np.float32),
+        top_k=column([max(p.top_k, 0) for p in params], 0, np.int32),
+        top_p=column([p.top_p for p in params], 1.0, np.float32),
+        min_p=column([p.min_p for p in params], 0.0, np.float32),
+        repetition_penalty=column([p.repetition_penalty for p in params], 1.0, np.float32),
+        presence_penalty=column([p.presence_penalty for p in params], 0.0, np.float32),
+        frequency_penalty=column([p.frequency_penalty for p in params], 0.0, np.float32),
+        seed=column([r.seed for r in rows], 0, np.uint32),
+        step=column([r.step for r in rows], 0, np.int32),
+        banned_ids=np.array(banned, dtype=np.int32).reshape(pad_to, MAX_BANNED_IDS),
+    )
+
+
+def apply_penalties(logits: jax.Array, output_counts: jax.Array, prompt_mask: jax.Array,
+                    sb: SamplingBatch) -> jax.Array:
+    """Repetition (prompt or output tokens), then frequency and presence (output tokens).
+
+    Written as ``x / 1.0`` and ``x - 0.0`` for default values so they are bit-exact no-ops.
+    """
+    logits = logits.astype(jnp.float32)
+    in_output = output_counts > 0
+    r = sb.repetition_penalty[:, None]
+    repeated = jnp.where(logits > 0, logits / r, logits * r)
+    logits = jnp.where(prompt_mask | in_output, repeated, logits)
+    logits = logits - sb.frequency_penalty[:, None] * output_counts.astype(jnp.float32)
+    return logits - sb.presence_penalty[:, None] * in_output.astype(jnp.float32)
+
+
+def _ban(logits: jax.Array, banned_ids: jax.Array) -> jax.Array:
+    vocab = logits.shape[1]
+    rows = jnp.arange(logits.shape[0])[:, None]
+    # -1 padding is mapped out of range and dropped (negative ids would wrap around).
+    cols = jnp.where(banned_ids >= 0, banned_ids, vocab)
+    return logits.at[rows, cols].set(-jnp.inf, mode="drop")
+
+
+def allowed_mask(scaled_logits: jax.Array, sb: SamplingBatch) -> jax.Array:
+    """Tokens that survive top-k, then top-p (on the renormalised top-k), then min-p.
+
+    All three filters keep a prefix of the descending order (ties: lower id first), so the
+    result is "the first n sorted tokens" and is mapped back to vocab order by comparing
+    against the n-th token (value, id) instead of scattering. The argmax is always kept.
+    """
+    # Canonicalise -0.0 so the sort order and the == comparison below agree.
+    logits = jnp.where(scaled_logits == 0, 0.0, scaled_logits.astype(jnp.float32))
+    batch, vocab = logits.shape
+    ids = lax.broadcasted_iota(jnp.int32, (batch, vocab), 1)
+    neg_sorted, order = lax.sort((-logits, ids), dimension=1, is_stable=True, num_keys=1)
+    sorted_logits = -neg_sorted
+    rank = ids
+
+    top_k = jnp.where(sb.top_k > 0, jnp.minimum(sb.top_k, vocab), vocab)[:, None]
+    in_top_k = rank < top_k
+    probs = jax.nn.softmax(jnp.where(in_top_k, sorted_logits, -jnp.inf), axis=-1)
+    cumulative = jnp.cumsum(probs, axis=-1)
+    mass_before = jnp.pad(cumulative[:, :-1], ((0, 0), (1, 0)))
+    top_p = sb.top_p[:, None]
+    in_top_p = (mass_before < top_p) | (top_p >= 1.0)
+    in_min_p = jnp.exp(sorted_logits - sorted_logits[:, :1]) >= sb.min_p[:, None]
+    keep = in_top_k & in_top_p & in_min_p & (sorted_logits > -jnp.inf)
+
+    # Length of the leading run of kept tokens (robust to rounding in the cumsum), >= 1.
+    n_keep = jnp.maximum(jnp.min(jnp.where(keep, vocab, rank), axis=-1), 1)[:, None]
+    cutoff_logit = jnp.take_along_axis(sorted_logits, n_keep - 1, axis=1)
+    cutoff_id = jnp.take_along_axis(order, n_keep - 1, axis=1)
+    return (logits > cutoff_logit) | ((logits == cutoff_logit) & (ids <= cutoff_id))
+
+
+def _row_gumbel(seed: jax.Array, step: jax.Array, vocab: int) -> jax.Array:
+    key = jax.random.fold_in(jax.random.key(seed), step)
+    return jax.random.gumbel(key, (vocab,), dtype=jnp.float32)
+
+
+def sample(logits: jax.Array, output_counts: jax.Array, prompt_mask: jax.Array,
+           sb: SamplingBatch, *, all_greedy: bool, num_logprobs: int) -> SampleResult:
+    """Pick one token per row; ``all_greedy`` and ``num_logprobs`` are static.
+
+    ``all_greedy`` skips the sort and the random draws when every row has temperature 0.
+    Logprobs are of the raw model distribution (before penalties / temperature / filters).
+    """
+    logits = logits.astype(jnp.float32)
+    batch, vocab = logits.shape
+    penalised = _ban(apply_penalties(logits, output_counts, prompt_mask, sb), sb.banned_ids)
+    tokens = jnp.argmax(penalised, axis=-1).astype(jnp.int32)
+    if not all_greedy:
+        greedy = sb.temperature == 0
+        temperature = jnp.where(greedy, 1.0, jnp.maximum(sb.temperature, _MIN_TEMPERATURE))
+        scaled = penalised / temperature[:, None]
+        gumbel = jax.vmap(_row_gumbel, in_axes=(0, 0, None))(sb.seed, sb.step, vocab)
+        perturbed = jnp.where(allowed_mask(scaled, sb), scaled + gumbel, -jnp.inf)
+        sampled = jnp.argmax(perturbed, axis=-1).astype(jnp.int32)
+        tokens = jnp.where(greedy, tokens, sampled)
+
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=1)[:, 0]
+    if num_logprobs:
+        top_logprobs, top_ids = lax.top_k(logprobs, num_logprobs)
+    else:
+        top_logprobs = jnp.zeros((batch, 0), jnp.float32)
+        top_ids = jnp.zeros((batch, 0), jnp.int32)
+    return SampleResult(tokens=tokens, logprobs=chosen, top_ids=top_ids.astype(jnp.int32),
+                        top_logprobs=top_logprobs)
