@@ -25,7 +25,7 @@ class Buckets:
 
     @classmethod
     def for_limits(cls, *, max_num_seqs: int, token_budget: int, max_prefill_seqs: int,
-                   max_model_len: int, page_size: int, pages_per_block: int = 16) -> "Buckets":
+                   max_model_len: int, page_size: int, pages_per_block: int = 8) -> "Buckets":
         pages = -(-max_model_len // page_size)
         block = min(pages_per_block, 1 << (pages - 1).bit_length())
         width = -(-pages // block) * block

@@ -100,7 +100,9 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._rng = random.Random(config.seed)
-        self.eos_ids = tuple(tokenizer.eos_token_ids if tokenizer else cfg.eos_token_ids)
+        # The model's own EOS ids plus the tokenizer's (generation_config may add end-of-turn).
+        self.eos_ids = tuple(dict.fromkeys(
+            cfg.eos_token_ids + (tokenizer.eos_token_ids if tokenizer else ())))
         self.num_steps = 0
         if config.warmup:
             self.runner.warmup()
@@ -192,7 +194,8 @@ class LLMEngine:
         out = self.runner.execute(built.shape, built.arrays)
         tokens = np.asarray(out.tokens)
         if want_logprobs:
-            chosen, top_ids, top_lp = map(np.asarray, (out.logprobs, out.top_ids, out.top_logprobs))
+            chosen, top_ids, top_lp = map(np.asarray, (out.logprobs, out.top_ids,
+                                                     out.top_logprobs))
         self.num_steps += 1
         for c in itertools.chain(plan.decodes, plan.prefills):
             self.requests[c.request_id].num_computed += c.num_tokens

@@ -16,7 +16,7 @@ from jserve.engine.buckets import Buckets
 from jserve.kernels import AttentionMetadata
 from jserve.model.llama import Params, StepInput, forward
 from jserve.sampling.params import MAX_BANNED_IDS, MAX_LOGPROBS
-from jserve.sampling.sampler import SamplingBatch, sample
+from jserve.sampling.sampler import SampleResult, SamplingBatch, sample
 
 log = logging.getLogger(__name__)
 
@@ -50,15 +50,6 @@ class StepArrays:
     want_logprobs: jax.Array     # scalar bool
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class StepOutput:
-    tokens: jax.Array        # [S]
-    logprobs: jax.Array      # [S] (zeros unless want_logprobs)
-    top_ids: jax.Array       # [S, MAX_LOGPROBS]
-    top_logprobs: jax.Array  # [S, MAX_LOGPROBS]
-
-
 def _update_state(state: SeqState, tokens, rows, is_prompt, reset_rows) -> SeqState:
     sink = state.output_counts.shape[0] - 1
     counts = state.output_counts.at[reset_rows].set(0)
@@ -76,25 +67,24 @@ def _step(params: Params, kv_cache: KVCache, state: SeqState, arrays: StepArrays
                           arrays.token_is_prompt, arrays.reset_rows)
     counts = state.output_counts[arrays.state_rows]
     prompt_mask = state.prompt_mask[arrays.state_rows]
-    tokens = jax.lax.cond(
-        arrays.any_random,
-        lambda: sample(logits, counts, prompt_mask, arrays.sampling, all_greedy=False,
-                       num_logprobs=0).tokens,
-        lambda: sample(logits, counts, prompt_mask, arrays.sampling, all_greedy=True,
-                       num_logprobs=0).tokens)
-    s = logits.shape[0]
 
-    def with_logprobs():
-        lp = jax.nn.log_softmax(logits, axis=-1)
-        top_lp, top_ids = jax.lax.top_k(lp, MAX_LOGPROBS)
-        return jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0], top_ids, top_lp
+    def branch(all_greedy: bool, num_logprobs: int):
+        def run() -> SampleResult:
+            r = sample(logits, counts, prompt_mask, arrays.sampling, all_greedy=all_greedy,
+                       num_logprobs=num_logprobs)
+            if num_logprobs:
+                return r
+            s = logits.shape[0]
+            return SampleResult(r.tokens, r.logprobs, jnp.zeros((s, MAX_LOGPROBS), jnp.int32),
+                                jnp.zeros((s, MAX_LOGPROBS), jnp.float32))
+        return run
 
-    def without_logprobs():
-        return (jnp.zeros((s,), jnp.float32), jnp.zeros((s, MAX_LOGPROBS), jnp.int32),
-                jnp.zeros((s, MAX_LOGPROBS), jnp.float32))
-
-    chosen, top_ids, top_lp = jax.lax.cond(arrays.want_logprobs, with_logprobs, without_logprobs)
-    return StepOutput(tokens, chosen, top_ids, top_lp), kv_cache, state
+    # Runtime choice (no recompile): skip the sort when every row is greedy, top-n when
+    # nobody asked for logprobs.
+    index = arrays.any_random.astype(jnp.int32) * 2 + arrays.want_logprobs.astype(jnp.int32)
+    result = jax.lax.switch(index, [branch(True, 0), branch(True, MAX_LOGPROBS),
+                                    branch(False, 0), branch(False, MAX_LOGPROBS)])
+    return result, kv_cache, state
 
 
 def _spec(shape, dtype) -> jax.ShapeDtypeStruct:
@@ -160,7 +150,7 @@ class ModelRunner:
             self.compiled(shape)
         log.info("warmed up %d step shapes in %.1fs", len(self._compiled), time.perf_counter() - t0)
 
-    def execute(self, shape: tuple[int, int], arrays: StepArrays) -> StepOutput:
+    def execute(self, shape: tuple[int, int], arrays: StepArrays) -> SampleResult:
         out, self.kv_cache, self.state = self.compiled(shape)(
             self.params, self.kv_cache, self.state, arrays)
         return out

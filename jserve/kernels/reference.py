@@ -41,8 +41,11 @@ def _gather_block(pages, page_ids):
 
 
 def _decode_attention(q, k_pages, v_pages, kv_lens, page_table, pages_per_block, scale):
-    """q [B, Hkv, G, D]; one query per sequence at position kv_len - 1."""
-    b, hkv, g, d = q.shape
+    """q [Hkv, B, G, D]; one query per sequence at position kv_len - 1.
+
+    Head-major everywhere so both products are plain batched matmuls over (head, sequence).
+    """
+    hkv, b, g, d = q.shape
     page_size = k_pages.shape[2]
     block = pages_per_block * page_size
     qf = q.astype(jnp.float32) * scale
@@ -52,24 +55,24 @@ def _decode_attention(q, k_pages, v_pages, kv_lens, page_table, pages_per_block,
         ids = jax.lax.dynamic_slice_in_dim(page_table, j * pages_per_block, pages_per_block, axis=1)
         k = _gather_block(k_pages, ids).astype(jnp.float32)  # [Hkv, B, C, D]
         v = _gather_block(v_pages, ids).astype(jnp.float32)
-        s = jnp.einsum("bhgd,hbcd->bhgc", qf, k)
+        s = jnp.einsum("hbgd,hbcd->hbgc", qf, k)
         pos = j * block + jnp.arange(block)
-        valid = (pos[None, :] < kv_lens[:, None])[:, None, None, :]
-        return _online_update(*carry, s, lambda p: jnp.einsum("bhgc,hbcd->bhgd", p, v), valid)
+        valid = (pos[None, :] < kv_lens[:, None])[None, :, None, :]
+        return _online_update(*carry, s, lambda p: jnp.einsum("hbgc,hbcd->hbgd", p, v), valid)
 
-    init = (jnp.full((b, hkv, g), _MASKED, jnp.float32), jnp.zeros((b, hkv, g), jnp.float32),
-            jnp.zeros((b, hkv, g, d), jnp.float32))
+    init = (jnp.full((hkv, b, g), _MASKED, jnp.float32), jnp.zeros((hkv, b, g), jnp.float32),
+            jnp.zeros((hkv, b, g, d), jnp.float32))
     return _finish(*jax.lax.fori_loop(0, n_blocks, body, init))
 
 
 def _prefill_attention(q, q_seq, q_pos, k_pages, v_pages, kv_lens, page_table, num_seqs,
                        pages_per_block, scale):
-    """q [T, Hkv, G, D] of several sequences' chunks; q_seq/q_pos give each token's owner and
+    """q [Hkv, T, G, D] of several sequences' chunks; q_seq/q_pos give each token's owner and
     absolute position. Loops over live sequences, then over their KV blocks."""
-    t, hkv, g, d = q.shape
+    hkv, t, g, d = q.shape
     page_size = k_pages.shape[2]
     block = pages_per_block * page_size
-    qf = q.astype(jnp.float32) * scale
+    qf = (q.astype(jnp.float32) * scale).reshape(hkv, t * g, d)
 
     def per_seq(i, carry):
         rows = q_seq == i
@@ -78,22 +81,25 @@ def _prefill_attention(q, q_seq, q_pos, k_pages, v_pages, kv_lens, page_table, n
             ids = jax.lax.dynamic_slice_in_dim(page_table[i], j * pages_per_block, pages_per_block)
             k = _gather_block(k_pages, ids).astype(jnp.float32)  # [Hkv, C, D]
             v = _gather_block(v_pages, ids).astype(jnp.float32)
-            s = jnp.einsum("thgd,hcd->thgc", qf, k)
+            s = jnp.einsum("hqd,hcd->hqc", qf, k).reshape(hkv, t, g, block)
             pos = j * block + jnp.arange(block)
             valid = rows[:, None] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] < kv_lens[i])
-            return _online_update(*carry, s, lambda p: jnp.einsum("thgc,hcd->thgd", p, v),
-                                  valid[:, None, None, :])
+            return _online_update(
+                *carry, s,
+                lambda p: jnp.einsum("hqc,hcd->hqd", p.reshape(hkv, t * g, block), v).reshape(
+                    hkv, t, g, d),
+                valid[None, :, None, :])
 
         n_blocks = (kv_lens[i] + block - 1) // block
         return jax.lax.fori_loop(0, n_blocks, per_block, carry)
 
-    init = (jnp.full((t, hkv, g), _MASKED, jnp.float32), jnp.zeros((t, hkv, g), jnp.float32),
-            jnp.zeros((t, hkv, g, d), jnp.float32))
+    init = (jnp.full((hkv, t, g), _MASKED, jnp.float32), jnp.zeros((hkv, t, g), jnp.float32),
+            jnp.zeros((hkv, t, g, d), jnp.float32))
     return _finish(*jax.lax.fori_loop(0, num_seqs, per_seq, init))
 
 
 def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-                           meta: AttentionMetadata, *, pages_per_block: int = 16
+                           meta: AttentionMetadata, *, pages_per_block: int = 8
                            ) -> tuple[jax.Array, jax.Array]:
     """Attention of a mixed batch of decodes and prefill chunks over a paged KV cache.
 
@@ -110,22 +116,23 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     pages_per_block = min(pages_per_block, width)
     if width % pages_per_block:
         raise ValueError(f"page table width {width} is not a multiple of {pages_per_block}")
-    qg = q.reshape(t, hkv, g, d)
+    qg = q.reshape(t, hkv, g, d).transpose(1, 0, 2, 3)  # [Hkv, T, G, D]
     outs, lses = [], []
     if nd:
-        o, l = _decode_attention(qg[:nd], k_pages, v_pages, meta.kv_lens[:nd],
+        o, l = _decode_attention(qg[:, :nd], k_pages, v_pages, meta.kv_lens[:nd],
                                  meta.page_table[:nd], pages_per_block, scale)
         outs.append(o)
         lses.append(l)
     if t > nd:
-        o, l = _prefill_attention(qg[nd:], meta.token_seq[nd:] - nd, meta.positions[nd:], k_pages,
-                                  v_pages, meta.kv_lens[nd:], meta.page_table[nd:],
+        o, l = _prefill_attention(qg[:, nd:], meta.token_seq[nd:] - nd, meta.positions[nd:],
+                                  k_pages, v_pages, meta.kv_lens[nd:], meta.page_table[nd:],
                                   meta.num_prefills, pages_per_block, scale)
         outs.append(o)
         lses.append(l)
-    out = jnp.concatenate(outs) if len(outs) > 1 else outs[0]
-    lse = jnp.concatenate(lses) if len(lses) > 1 else lses[0]
-    return out.reshape(t, hq, d).astype(q.dtype), lse.reshape(t, hq)
+    out = jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]  # [Hkv, T, G, D]
+    lse = jnp.concatenate(lses, axis=1) if len(lses) > 1 else lses[0]
+    out = out.transpose(1, 0, 2, 3).reshape(t, hq, d).astype(q.dtype)
+    return out, lse.transpose(1, 0, 2).reshape(t, hq)
 
 
 def dense_reference(q, k, v, q_pos, kv_len):
