@@ -44,6 +44,10 @@ class ByteTokenizer:
     """UTF-8 bytes as ids 0..255 plus <bos>/<eos>/<pad>: needs no files, so the default model runs anywhere."""
 
     BOS, EOS, PAD = 256, 257, 258
+    MARKER_FILE = "jserve_byte_tokenizer.json"  # how a checkpoint says "use the byte tokenizer"
+
+    def save(self, model_dir: str | Path) -> None:
+        (Path(model_dir) / self.MARKER_FILE).write_text('{"type": "byte"}\n')
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = list(text.encode("utf-8"))
@@ -171,4 +175,6 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:
     """The directory's HF tokenizer, or None: a bare checkpoint still serves token-id prompts."""
     if (Path(model_dir) / "tokenizer.json").exists():
         return HFTokenizer(model_dir)
+    if (Path(model_dir) / ByteTokenizer.MARKER_FILE).exists():
+        return ByteTokenizer()
     return None

@@ -166,13 +166,17 @@ def _abstract_params(cfg: LlamaConfig) -> Params:
 
 
 def save_orbax(ckpt_dir: str | Path, cfg: LlamaConfig, params: Params,
-               tokenizer_dir: str | Path | None = None) -> None:
-    """Write a self-describing checkpoint: config.json, orbax ``params/``, tokenizer files."""
+               tokenizer_dir: str | Path | None = None,
+               tokenizer: Tokenizer | None = None) -> None:
+    """Write a self-describing checkpoint: config.json, orbax ``params/``, tokenizer files
+    (copied from ``tokenizer_dir``, or the built-in byte tokenizer's marker)."""
     ckpt_dir = Path(ckpt_dir).absolute()
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     (ckpt_dir / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
     with ocp.StandardCheckpointer() as ckptr:  # leaving the block waits for the async save
         ckptr.save(ckpt_dir / "params", params)
+    if isinstance(tokenizer, ByteTokenizer):
+        tokenizer.save(ckpt_dir)
     if tokenizer_dir is not None:
         for name in TOKENIZER_FILES:
             if (src := Path(tokenizer_dir) / name).exists():

@@ -1,0 +1,140 @@
+"""Engine behaviour: chunking invariance, block conservation, preemption, aborts, bad input,
+no compilation after warm-up, orbax round trip."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import small_llm
+from jserve import SamplingParams
+from jserve.model.weights import DEFAULT_CONFIG, init_params, save_orbax
+from jserve.tokenizer import ByteTokenizer
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+rng = np.random.default_rng(7)
+PROMPTS = [rng.integers(0, 256, n).tolist() for n in (3, 40, 100)]
+
+
+@pytest.fixture(scope="module")
+def reference(llm):
+    """Each prompt alone with a generous budget."""
+    return [llm.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
+
+
+@pytest.mark.parametrize("budget", [1, 7, 32, 256, None])
+def test_greedy_output_is_independent_of_chunk_size_and_batch_mix(budget, reference):
+    llm = small_llm(max_num_batched_tokens=budget or 512)
+    alone = [llm.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
+    mixed = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    assert alone == reference
+    assert mixed == reference
+    llm.engine.allocator.check()
+    assert llm.engine.allocator.num_allocated == 0
+
+
+def test_blocks_are_conserved_after_every_step(llm):
+    eng = llm.engine
+    for i, p in enumerate(PROMPTS * 2):
+        eng.add_request(p, SamplingParams(temperature=0.0, max_tokens=5 + 3 * i, ignore_eos=True))
+    finished = 0
+    while eng.has_unfinished():
+        finished += sum(o.finished for o in eng.step())
+        eng.allocator.check()
+        held = sum(len(r.block_ids) for r in eng.scheduler.running)
+        assert eng.allocator.num_allocated == held
+    assert finished == 6
+    assert eng.allocator.num_free == eng.allocator.total
+
+
+def test_preemption_by_recompute_keeps_greedy_outputs(reference):
+    # 10 blocks of 16 tokens cannot hold three growing sequences at once.
+    llm = small_llm(kv_cache_bytes=11 * 2 * 4 * 2 * 16 * 64 * 4, max_model_len=160)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outs] == reference
+    assert llm.engine.allocator.num_allocated == 0
+
+
+def test_abort_frees_blocks_at_once_and_others_finish(llm, reference):
+    eng = llm.engine
+    ids = [eng.add_request(p, GREEDY) for p in PROMPTS]
+    extra = eng.add_request(PROMPTS[1], GREEDY)
+    outs = {}
+    for _ in range(3):
+        for o in eng.step():
+            outs[o.request_id] = o
+    running = next(r for r in eng.scheduler.running if r.request_id == ids[0])
+    held = len(running.block_ids)
+    assert held > 0
+    before = eng.allocator.num_free
+    aborted = eng.abort(ids[0])
+    assert aborted.finish_reason == "abort" and aborted.finished
+    assert eng.allocator.num_free == before + held and running.block_ids == []
+    assert eng.abort(ids[0]) is None  # already gone
+    eng.abort(extra)
+    eng.allocator.check()
+    while eng.has_unfinished():
+        for o in eng.step():
+            outs[o.request_id] = o
+    assert [outs[i].token_ids for i in ids[1:]] == reference[1:]
+    assert eng.allocator.num_allocated == 0
+
+
+@pytest.mark.parametrize("prompt, params, message", [
+    ("", SamplingParams(), "prompt is empty"),
+    ([], SamplingParams(), "prompt is empty"),
+    ([1, 2, 999], SamplingParams(), "outside the vocabulary"),
+    ([1] * 512, SamplingParams(), "context holds 512"),
+    ([1] * 500, SamplingParams(max_tokens=20), "exceeds the context"),
+    ([1, 2], SamplingParams(top_k=1000), "top_k"),
+    ([1, 2], SamplingParams(stop_token_ids=[400]), "stop_token_ids"),
+])
+def test_bad_input_is_refused_and_in_flight_requests_are_untouched(llm, reference, prompt, params,
+                                                                   message):
+    eng = llm.engine
+    ids = [eng.add_request(p, GREEDY) for p in PROMPTS]
+    eng.step()
+    with pytest.raises(ValueError, match=message):
+        eng.add_request(prompt, params)
+    with pytest.raises(ValueError, match=message):
+        llm.generate([PROMPTS[0], prompt], [GREEDY, params])
+    outs = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            outs[o.request_id] = o
+    assert [outs[i].token_ids for i in ids] == reference
+
+
+@pytest.mark.parametrize("field, value", [("temperature", -1.0), ("top_p", 0.0), ("min_p", 1.5),
+                                          ("max_tokens", 0), ("top_k", -2)])
+def test_invalid_sampling_values_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_nothing_compiles_after_warmup_on_a_mixed_workload():
+    llm = small_llm(warmup=True)
+    eng = llm.engine
+    warm = eng.compile_count
+    assert warm == len(eng.buckets.all_shapes())
+    params = [SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
+              SamplingParams(temperature=0.9, top_p=0.8, top_k=20, seed=3, max_tokens=17,
+                             ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.7, min_p=0.1, repetition_penalty=1.2,
+                             presence_penalty=0.3, max_tokens=5, ignore_eos=True),
+              SamplingParams(temperature=0.0, frequency_penalty=0.5, max_tokens=30,
+                             stop=["zz"], ignore_eos=True)]
+    prompts = [rng.integers(0, 256, n).tolist() for n in (1, 5, 17, 31, 33, 64, 150, 7)]
+    llm.generate(prompts, [params[i % 4] for i in range(len(prompts))])
+    llm.generate(prompts[:1], params[1])
+    assert eng.compile_count == warm
+
+
+def test_orbax_round_trip_gives_identical_outputs(tmp_path, llm, reference):
+    save_orbax(tmp_path / "ckpt", DEFAULT_CONFIG, init_params(DEFAULT_CONFIG, seed=0),
+               tokenizer=ByteTokenizer())
+    restored = small_llm(str(tmp_path / "ckpt"))
+    assert isinstance(restored.tokenizer, ByteTokenizer)
+    assert [o.token_ids for o in restored.generate(PROMPTS, GREEDY)] == reference
+    text = "Hello, jserve"
+    assert (restored.generate(text, GREEDY)[0].token_ids == llm.generate(text, GREEDY)[0].token_ids)
