@@ -70,18 +70,18 @@ class SarathiScheduler:
 
     # -- the policy --------------------------------------------------------------------
     def schedule(self) -> BatchPlan:
-        plan = self._schedule_once()
+        plan = self._schedule_once(admit=True)
         preempted = list(plan.preempted)
         while plan.is_empty and self.running:
             # Running prefills hold blocks none of them can grow into: free the newest.
             victim = self.running[-1]
             self._preempt(victim)
             preempted.append(victim.request_id)
-            plan = self._schedule_once()
+            plan = self._schedule_once(admit=False)
             preempted.extend(plan.preempted)
         return dataclasses.replace(plan, preempted=tuple(preempted))
 
-    def _schedule_once(self) -> BatchPlan:
+    def _schedule_once(self, admit: bool) -> BatchPlan:
         budget = self.token_budget
         decodes: list[ScheduledChunk] = []
         prefills: list[ScheduledChunk] = []
@@ -115,7 +115,10 @@ class SarathiScheduler:
             prefills.append(self._chunk(req, chunk))
             budget -= chunk
 
-        while (self.waiting and budget > 0 and len(prefills) < self.max_prefill_seqs
+        # No admissions in a step that had to preempt: memory is short, and readmitting the
+        # victim at once would only thrash.
+        while (admit and not preempted and self.waiting and budget > 0
+               and len(prefills) < self.max_prefill_seqs
                and len(self.running) < self.max_num_seqs):
             req = self.waiting[0]
             chunk = self._fits(req, min(req.num_uncomputed, budget))
