@@ -1,0 +1,99 @@
+"""The ``jserve`` command: ``generate`` streams a completion, ``convert`` writes an orbax
+checkpoint."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from jserve.engine.config import EngineConfig
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default",
+                   help='"default" (built-in random model), an HF directory or an orbax directory')
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   default=EngineConfig.max_num_batched_tokens)
+    p.add_argument("--kv-cache-bytes", type=int, default=None)
+    p.add_argument("--memory-fraction", type=float, default=EngineConfig.memory_fraction)
+    p.add_argument("--warmup", action="store_true",
+                   help="compile every bucket at start (what a server wants; a single "
+                        "completion compiles only the shapes it uses)")
+
+
+def _engine_kwargs(a: argparse.Namespace) -> dict:
+    return dict(max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
+                max_num_batched_tokens=a.max_num_batched_tokens, kv_cache_bytes=a.kv_cache_bytes,
+                memory_fraction=a.memory_fraction, warmup=a.warmup)
+
+
+def _generate(a: argparse.Namespace) -> int:
+    from jserve import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
+                            top_k=a.top_k, seed=a.seed, stop=a.stop or None,
+                            ignore_eos=a.ignore_eos)
+    llm = LLM(a.model, dtype=a.dtype, **_engine_kwargs(a))
+    prompt = llm.chat_prompt([{"role": "user", "content": a.prompt}]) if a.chat else a.prompt
+    if a.token_ids:
+        prompt = [int(t) for t in a.prompt.replace(",", " ").split()]
+    eng = llm.engine
+    rid = eng.add_request(prompt, params)
+    shown = 0
+    while True:
+        for out in eng.step():
+            if out.request_id != rid:
+                continue
+            sys.stdout.write(out.text[shown:])
+            sys.stdout.flush()
+            shown = len(out.text)
+            if out.finished:
+                sys.stdout.write("\n")
+                print(f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]",
+                      file=sys.stderr)
+                return 0
+
+
+def _convert(a: argparse.Namespace) -> int:
+    from jserve.model.weights import load_model, save_orbax
+
+    cfg, params, tokenizer = load_model(a.model, dtype=a.dtype)
+    src = a.model if a.model != "default" else None
+    save_orbax(a.out, cfg, params, tokenizer_dir=src, tokenizer=tokenizer)
+    print(f"wrote orbax checkpoint to {a.out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="jserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="stream one completion to the terminal")
+    _add_engine_args(g)
+    g.add_argument("prompt")
+    g.add_argument("--token-ids", action="store_true", help="the prompt is a list of token ids")
+    g.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[])
+    g.add_argument("--ignore-eos", action="store_true")
+    g.set_defaults(func=_generate)
+    c = sub.add_parser("convert", help="save a model as an orbax checkpoint directory")
+    c.add_argument("--model", default="default")
+    c.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    c.add_argument("--out", required=True)
+    c.set_defaults(func=_convert)
+    a = parser.parse_args(argv)
+    try:
+        return a.func(a)
+    except ValueError as e:
+        print(f"jserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
