@@ -28,7 +28,9 @@ runs jserve and then HF back to back in the same process):
    this CPU).
 
 jserve compiles every bucket before timing (``warmup=True``; not timed) and each measurement
-runs once untimed on both sides first. Timings move with whatever else runs on the machine.
+runs once untimed on both sides first. Timings move with whatever else runs on the machine
+(the load average is printed at start and end). OMP_WAIT_POLICY defaults to PASSIVE for
+torch (see below); ``OMP_WAIT_POLICY=ACTIVE python scripts/bench_engine.py`` to compare.
 """
 from __future__ import annotations
 
@@ -44,6 +46,10 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach the hub
+# Before torch starts OpenMP: with libgomp's spinning waits, torch's threads slowed down up to
+# 10x (and erratically) whenever another process or XLA's own threads held a core of this
+# small shared machine; passive waits kept HF's times steady. Override by setting it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -398,7 +404,7 @@ def main() -> int:
     torch.set_num_threads(threads)
     print(f"jserve vs HF transformers {transformers.__version__} generate, torch "
           f"{torch.__version__} ({threads} threads), float32 on CPU; median of {s.reps} reps"
-          f"{' (quick)' if args.quick else ''}")
+          f"{' (quick)' if args.quick else ''}; OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}")
     print(f"load average at start: {load_average()} (other work on the machine skews timings)")
     params, attn = describe_model()
     rng = np.random.default_rng(s.seed)
