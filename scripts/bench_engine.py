@@ -368,7 +368,7 @@ def print_table(results: dict) -> None:
     rows.append((f"offline useful output tok/s ({o['requests']} req)", o["jserve_tok_s"],
                  o["hf_tok_s"]))
     rows.append((f"offline requests/s ({o['requests']} req)", o["jserve_req_s"], o["hf_req_s"]))
-    rows.append(("offline wall time s", o["jserve_s"], o["hf_s"]))
+    rows.append(("offline wall time s (lower is better)", o["jserve_s"], o["hf_s"]))
     w = max(len(r[0]) for r in rows)
     print(f"\n{'metric':{w}s}  {'jserve':>10s}  {'HF':>10s}  {'jserve/HF':>9s}")
     for name, a, b in rows:
