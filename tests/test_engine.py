@@ -138,3 +138,19 @@ def test_orbax_round_trip_gives_identical_outputs(tmp_path, llm, reference):
     assert [o.token_ids for o in restored.generate(PROMPTS, GREEDY)] == reference
     text = "Hello, jserve"
     assert (restored.generate(text, GREEDY)[0].token_ids == llm.generate(text, GREEDY)[0].token_ids)
+
+
+def test_a_failing_step_ends_its_requests_with_an_error_and_frees_blocks(monkeypatch):
+    llm = small_llm()
+    eng = llm.engine
+    ids = [eng.add_request(p, GREEDY) for p in PROMPTS[:2]]
+
+    def broken(shape, arrays):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(eng.runner, "execute", broken)
+    outs = eng.step()
+    assert sorted(o.request_id for o in outs) == sorted(ids)
+    assert all(o.finished and o.finish_reason == "abort" and "device lost" in o.error
+               for o in outs)
+    assert not eng.has_unfinished() and eng.allocator.num_allocated == 0

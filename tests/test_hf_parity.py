@@ -76,3 +76,16 @@ def test_greedy_generation_matches_transformers_generate(family):
         assert out.finish_reason == "length"
     llm.engine.allocator.check()
     assert llm.engine.allocator.num_allocated == 0
+
+
+def test_bfloat16_checkpoint_runs_in_bfloat16_close_to_float32():
+    cfg, params, _ = load_model(str(tiny_llama_dir("llama3", dtype="bfloat16")))
+    assert cfg.dtype == "bfloat16" and params["embed"].dtype == jnp.bfloat16
+    ids = PROMPTS[0] + PROMPTS[2]
+    ours = _all_position_logits(cfg, params, ids)
+    with torch.no_grad():
+        theirs = tiny_llama_model("llama3")(torch.tensor([ids])).logits[0].numpy()
+    # bf16 weights (rounded from f32) and bf16 activations: a few bf16 ulps of the logit scale.
+    scale = np.abs(theirs).max()
+    assert np.abs(ours - theirs).max() < 0.05 * scale
+    assert (ours.argmax(-1) == theirs.argmax(-1)).mean() > 0.9

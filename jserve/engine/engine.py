@@ -150,7 +150,7 @@ class LLMEngine:
         tracked = _Tracked(
             params=params,
             seed=params.seed if params.seed is not None else self._rng.getrandbits(32),
-            prompt=text, metrics=RequestMetrics(arrival_time or time.monotonic()),
+            prompt=text, metrics=RequestMetrics(time.monotonic() if arrival_time is None else arrival_time),
             detok=IncrementalDetokenizer(self.tokenizer),
             logprobs=[] if params.logprobs is not None else None)
         req = Request(rid, ids, params.max_tokens, tracked.metrics.arrival_time, payload=tracked)
@@ -189,13 +189,20 @@ class LLMEngine:
                 tr.metrics.first_scheduled_time = now
         want_logprobs = any(self.requests[c.request_id].payload.params.logprobs is not None
                             for c in itertools.chain(plan.decodes, plan.prefills) if c.samples)
-        built = self.builder.build(plan, self.requests, self._sampler_row, _NEUTRAL_ROW,
-                                   lambda r: r.payload.state_row, want_logprobs)
-        out = self.runner.execute(built.shape, built.arrays)
-        tokens = np.asarray(out.tokens)
-        if want_logprobs:
-            chosen, top_ids, top_lp = map(np.asarray, (out.logprobs, out.top_ids,
-                                                     out.top_logprobs))
+        try:
+            built = self.builder.build(plan, self.requests, self._sampler_row, _NEUTRAL_ROW,
+                                       lambda r: r.payload.state_row, want_logprobs)
+            out = self.runner.execute(built.shape, built.arrays)
+            tokens = np.asarray(out.tokens)
+            if want_logprobs:
+                chosen, top_ids, top_lp = map(np.asarray, (out.logprobs, out.top_ids,
+                                                         out.top_logprobs))
+        except Exception as e:  # noqa: BLE001 - a failed step must not strand its requests
+            log.exception("engine step failed; failing its %d requests",
+                          len(plan.decodes) + len(plan.prefills))
+            return [self._finish(self.requests[c.request_id], RequestStatus.FINISHED_ABORTED,
+                                 error=f"engine step failed: {e}")
+                    for c in itertools.chain(plan.decodes, plan.prefills)]
         self.num_steps += 1
         for c in itertools.chain(plan.decodes, plan.prefills):
             self.requests[c.request_id].num_computed += c.num_tokens
