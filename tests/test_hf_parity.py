@@ -13,7 +13,7 @@ from hf_models import CONFIGS, tiny_llama_dir, tiny_llama_model
 from jserve import LLM, SamplingParams
 from jserve.cache.pool import allocate_kv_cache
 from jserve.kernels import AttentionMetadata
-from jserve.model.llama import StepInput, forward
+from jserve.model.llama import StepInput, forward, prepare_params
 from jserve.model.weights import load_model
 
 FAMILIES = sorted(CONFIGS)
@@ -24,7 +24,7 @@ PROMPTS = [[1, 5, 9, 200, 33, 7, 81, 64, 12, 400, 3 + 30, 77, 5, 9],
 
 @functools.partial(jax.jit, static_argnames=("cfg", "num_pages"))
 def _forward_one_sequence(params, batch, *, cfg, num_pages):
-    return forward(params, allocate_kv_cache(cfg, num_pages, _PAGE),
+    return forward(prepare_params(params), allocate_kv_cache(cfg, num_pages, _PAGE),
                    batch, cfg=cfg)[0]
 
 

@@ -180,18 +180,22 @@ class LLMEngine:
         if plan.is_empty:
             return []
         now = time.monotonic()
-        for c in itertools.chain(plan.decodes, plan.prefills):
+        chunks = plan.decodes + plan.prefills
+        for c in chunks:
             req = self.requests[c.request_id]
             tr: _Tracked = req.payload
             if tr.state_row is None:
                 tr.state_row = self._free_state_rows.pop()
             if tr.metrics.first_scheduled_time is None:
                 tr.metrics.first_scheduled_time = now
-        want_logprobs = any(self.requests[c.request_id].payload.params.logprobs is not None
-                            for c in itertools.chain(plan.decodes, plan.prefills) if c.samples)
+        params = [self.requests[c.request_id].payload.params for c in chunks]
+        want_logprobs = any(p.logprobs is not None for c, p in zip(chunks, params) if c.samples)
+        # Every chunk of a penalised request counts: its prompt tokens fill the penalty state.
+        any_penalty = any(p.uses_penalties for p in params)
         try:
             built = self.builder.build(plan, self.requests, self._sampler_row, _NEUTRAL_ROW,
-                                       lambda r: r.payload.state_row, want_logprobs)
+                                       lambda r: r.payload.state_row, want_logprobs,
+                                       any_penalty)
             out = self.runner.execute(built.shape, built.arrays)
             tokens = np.asarray(out.tokens)
             if want_logprobs:
@@ -199,12 +203,12 @@ class LLMEngine:
                                                          out.top_logprobs))
         except Exception as e:  # noqa: BLE001 - a failed step must not strand its requests
             log.exception("engine step failed; failing its %d requests",
-                          len(plan.decodes) + len(plan.prefills))
+                          len(chunks))
             return [self._finish(self.requests[c.request_id], RequestStatus.FINISHED_ABORTED,
                                  error=f"engine step failed: {e}")
-                    for c in itertools.chain(plan.decodes, plan.prefills)]
+                    for c in chunks]
         self.num_steps += 1
-        for c in itertools.chain(plan.decodes, plan.prefills):
+        for c in chunks:
             self.requests[c.request_id].num_computed += c.num_tokens
         now = time.monotonic()
         outputs = []

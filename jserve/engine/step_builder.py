@@ -28,7 +28,8 @@ class StepBuilder:
 
     def build(self, plan: BatchPlan, requests: dict[str, Request],
               sampler_row: "callable[[Request], SamplerRow]", neutral_row: SamplerRow,
-              state_row: "callable[[Request], int]", want_logprobs: bool) -> BuiltStep:
+              state_row: "callable[[Request], int]", want_logprobs: bool,
+              any_penalty: bool) -> BuiltStep:
         nd = len(plan.decodes)
         n_pre_tokens = sum(c.num_tokens for c in plan.prefills)
         bd, tp = self.buckets.shape_for(nd, n_pre_tokens)
@@ -91,5 +92,6 @@ class StepBuilder:
             token_state_rows=token_state, token_is_prompt=token_is_prompt,
             state_rows=state_rows, reset_rows=reset_rows,
             sampling=make_sampling_batch(rows, pad_to=s),
-            any_random=np.asarray(any_random), want_logprobs=np.asarray(want_logprobs))
+            any_random=np.asarray(any_random), any_penalty=np.asarray(any_penalty),
+            want_logprobs=np.asarray(want_logprobs))
         return BuiltStep((bd, tp), arrays, sample_rows)

@@ -77,6 +77,11 @@ class SamplingParams:
         self.validate()
 
     @property
+    def uses_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+    @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
 

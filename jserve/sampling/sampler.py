@@ -151,32 +151,42 @@ def _row_gumbel(seed: jax.Array, step: jax.Array, vocab: int) -> jax.Array:
     return jax.random.gumbel(key, (vocab,), dtype=jnp.float32)
 
 
-def sample(logits: jax.Array, output_counts: jax.Array, prompt_mask: jax.Array,
-           sb: SamplingBatch, *, all_greedy: bool, num_logprobs: int) -> SampleResult:
-    """Pick one token per row; ``all_greedy`` and ``num_logprobs`` are static.
-
-    ``all_greedy`` skips the sort and the random draws when every row has temperature 0.
-    Logprobs are of the raw model distribution (before penalties / temperature / filters).
-    """
-    logits = logits.astype(jnp.float32)
-    batch, vocab = logits.shape
-    penalised = _ban(apply_penalties(logits, output_counts, prompt_mask, sb), sb.banned_ids)
+def choose_tokens(penalised: jax.Array, sb: SamplingBatch, *, all_greedy: bool) -> jax.Array:
+    """Pick one token per row from penalised logits; ``all_greedy`` (static) skips the sort
+    and the random draws when every row has temperature 0."""
+    penalised = _ban(penalised.astype(jnp.float32), sb.banned_ids)
+    vocab = penalised.shape[1]
     tokens = jnp.argmax(penalised, axis=-1).astype(jnp.int32)
-    if not all_greedy:
-        greedy = sb.temperature == 0
-        temperature = jnp.where(greedy, 1.0, jnp.maximum(sb.temperature, _MIN_TEMPERATURE))
-        scaled = penalised / temperature[:, None]
-        gumbel = jax.vmap(_row_gumbel, in_axes=(0, 0, None))(sb.seed, sb.step, vocab)
-        perturbed = jnp.where(allowed_mask(scaled, sb), scaled + gumbel, -jnp.inf)
-        sampled = jnp.argmax(perturbed, axis=-1).astype(jnp.int32)
-        tokens = jnp.where(greedy, tokens, sampled)
+    if all_greedy:
+        return tokens
+    greedy = sb.temperature == 0
+    temperature = jnp.where(greedy, 1.0, jnp.maximum(sb.temperature, _MIN_TEMPERATURE))
+    scaled = penalised / temperature[:, None]
+    gumbel = jax.vmap(_row_gumbel, in_axes=(0, 0, None))(sb.seed, sb.step, vocab)
+    perturbed = jnp.where(allowed_mask(scaled, sb), scaled + gumbel, -jnp.inf)
+    sampled = jnp.argmax(perturbed, axis=-1).astype(jnp.int32)
+    return jnp.where(greedy, tokens, sampled)
 
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, num_logprobs: int
+                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Logprobs of the raw model distribution: the chosen token's and the top ``num_logprobs``."""
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=1)[:, 0]
     if num_logprobs:
         top_logprobs, top_ids = lax.top_k(logprobs, num_logprobs)
     else:
-        top_logprobs = jnp.zeros((batch, 0), jnp.float32)
-        top_ids = jnp.zeros((batch, 0), jnp.int32)
-    return SampleResult(tokens=tokens, logprobs=chosen, top_ids=top_ids.astype(jnp.int32),
+        top_logprobs = jnp.zeros((logits.shape[0], 0), jnp.float32)
+        top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
+    return chosen, top_ids.astype(jnp.int32), top_logprobs
+
+
+def sample(logits: jax.Array, output_counts: jax.Array, prompt_mask: jax.Array,
+           sb: SamplingBatch, *, all_greedy: bool, num_logprobs: int) -> SampleResult:
+    """Penalties, then token choice, then logprobs; ``all_greedy`` and ``num_logprobs`` are
+    static. Logprobs are of the raw model distribution (before penalties / temperature)."""
+    penalised = apply_penalties(logits, output_counts, prompt_mask, sb)
+    tokens = choose_tokens(penalised, sb, all_greedy=all_greedy)
+    chosen, top_ids, top_logprobs = token_logprobs(logits, tokens, num_logprobs)
+    return SampleResult(tokens=tokens, logprobs=chosen, top_ids=top_ids,
                         top_logprobs=top_logprobs)
