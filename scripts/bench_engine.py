@@ -14,9 +14,9 @@ runs jserve and then HF back to back in the same process):
    that jserve loads with ``LLM(dir)``. FLOPs per decoded token = 2 x matmul params touched
    (the lm_head included, the embedding lookup not) plus attention, which grows with context.
 2. Decode tokens/s at batch 1, 8, 32: random 128-token prompts, greedy, EOS ignored, N new
-   tokens. jserve: per request (tokens after the first) / (last token time - first token
-   time), summed over the batch. HF: batch*(N-1) / (t[generate N] - t[generate 1]), from
-   the medians of the two times.
+   tokens. HF: batch*(N-1) / (t[generate N] - t[generate 1]), from the medians of the two
+   times. jserve, the same quantity from token timestamps: the tokens generated after the
+   last request got its first token, over the time from then to the last token.
    The batch-8 case also checks that jserve's greedy tokens equal HF's.
 3. Prefill tokens/s: 8 prompts x 512 tokens, one new token, wall time on both sides.
 4. Offline: 256 ShareGPT4 requests (lengths divided by ``--length-scale``, clipped), all
@@ -212,12 +212,14 @@ def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 
 # -- measurements -----------------------------------------------------------------------------
 def jserve_decode_stats(outs) -> dict:
-    """Decode rate from token timestamps, and the steady step time while every sequence of the
-    batch is decoding (after the last first token, before the first request's last token)."""
-    rate = 0.0
-    for o in outs:
-        tt = o.metrics.token_times
-        rate += (len(tt) - 1) / (tt[-1] - tt[0])
+    """Decode rate as HF's is measured: tokens generated after every request has its first
+    token (HF: after generate(1) would return), over the time from then to the last token.
+    Also the steady step time while every sequence of the batch is decoding (after the last
+    first token, before the first request's last token)."""
+    first_all = max(o.metrics.first_token_time for o in outs)
+    end = max(o.metrics.token_times[-1] for o in outs)
+    later = sum(t > first_all for o in outs for t in o.metrics.token_times)
+    rate = later / (end - first_all)
     t_start = max(o.metrics.token_times[0] for o in outs)
     t_end = min(o.metrics.token_times[-1] for o in outs)
     last = max(outs, key=lambda o: o.metrics.token_times[0]).metrics.token_times

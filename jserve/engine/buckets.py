@@ -5,6 +5,8 @@ from __future__ import annotations
 import bisect
 import dataclasses
 
+from jserve.kernels.reference import PAGES_PER_BLOCK
+
 
 def _pow2_ladder(lo: int, hi: int) -> tuple[int, ...]:
     sizes = set()
@@ -25,7 +27,8 @@ class Buckets:
 
     @classmethod
     def for_limits(cls, *, max_num_seqs: int, token_budget: int, max_prefill_seqs: int,
-                   max_model_len: int, page_size: int, pages_per_block: int = 8) -> "Buckets":
+                   max_model_len: int, page_size: int,
+                   pages_per_block: int = PAGES_PER_BLOCK) -> "Buckets":
         pages = -(-max_model_len // page_size)
         block = min(pages_per_block, 1 << (pages - 1).bit_length())
         width = -(-pages // block) * block

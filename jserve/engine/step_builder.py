@@ -50,16 +50,29 @@ class StepBuilder:
         reset_rows = np.full(s, self.state_sink, np.int32)
         rows: list[SamplerRow] = [neutral_row] * s
         sample_rows: list[tuple[int, ScheduledChunk]] = []
-        any_random = False
 
         token_seq[:bd] = np.arange(bd)
-        chunks = [(i, i, c) for i, c in enumerate(plan.decodes)]
-        offset = bd
-        for j, c in enumerate(plan.prefills):
-            chunks.append((bd + j, offset, c))
-            offset += c.num_tokens
+        # Decodes (the bulk of rows): scalars gathered in Python, one numpy store per field.
+        nd = len(plan.decodes)
+        if nd:
+            dec = [requests[c.request_id] for c in plan.decodes]
+            pos_d = [c.start for c in plan.decodes]
+            srows = [state_row(r) for r in dec]
+            tokens[:nd] = [r.token_ids[p] for r, p in zip(dec, pos_d)]
+            positions[:nd] = pos_d
+            slots[:nd] = [r.block_ids[p // ps] * ps + p % ps for r, p in zip(dec, pos_d)]
+            token_state[:nd] = srows
+            kv_lens[:nd] = [p + 1 for p in pos_d]
+            logits_rows[:nd] = np.arange(nd)
+            state_rows[:nd] = srows
+            for i, (r, c) in enumerate(zip(dec, plan.decodes)):
+                page_table[i, :len(r.block_ids)] = r.block_ids
+                rows[i] = sampler_row(r)
+                sample_rows.append((i, c))
 
-        for row, start, c in chunks:
+        start = bd
+        for j, c in enumerate(plan.prefills):
+            row = bd + j
             req = requests[c.request_id]
             n = c.num_tokens
             end = start + n
@@ -80,8 +93,9 @@ class StepBuilder:
                 reset_rows[row] = srow
             if c.samples:
                 rows[row] = sampler_row(req)
-                any_random |= rows[row].params.temperature > 0
                 sample_rows.append((row, c))
+            start = end
+        any_random = any(r.params.temperature > 0 for r in rows)
 
         attn = AttentionMetadata(positions=positions, token_seq=token_seq, kv_lens=kv_lens,
                                  page_table=page_table,

@@ -16,6 +16,10 @@ import jax.numpy as jnp
 from jserve.kernels.metadata import AttentionMetadata
 
 _MASKED = -1e30
+# KV pages visited per online-softmax step. Small blocks waste less on short contexts; on a
+# 2-core CPU 4 pages of 16 tokens beat 1, 2, 8 and 16 at both 160- and 1000-token contexts
+# (decode, batch 32, 2 KV heads).
+PAGES_PER_BLOCK = 4
 
 
 def _online_update(m, l, acc, s, v, valid):
@@ -99,7 +103,7 @@ def _prefill_attention(q, q_seq, q_pos, k_pages, v_pages, kv_lens, page_table, n
 
 
 def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-                           meta: AttentionMetadata, *, pages_per_block: int = 8
+                           meta: AttentionMetadata, *, pages_per_block: int = PAGES_PER_BLOCK
                            ) -> tuple[jax.Array, jax.Array]:
     """Attention of a mixed batch of decodes and prefill chunks over a paged KV cache.
 
