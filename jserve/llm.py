@@ -16,16 +16,16 @@ Prompt = str | Sequence[int]
 class LLM:
     """Loads a model (``"default"``, an HF directory or an orbax directory) and serves batches.
 
-    Engine settings are keyword arguments named as in ``EngineConfig``.
+    Engine settings are keyword arguments named as in ``EngineConfig`` (``seed`` seeds the
+    draws for requests that bring no seed of their own; the default model's weights are fixed).
     """
 
-    def __init__(self, model: str = "default", *, dtype: str | None = None, seed: int = 0,
-                 **engine_kwargs):
+    def __init__(self, model: str = "default", *, dtype: str | None = None, **engine_kwargs):
         fields = {f.name for f in dataclasses.fields(EngineConfig)}
         unknown = sorted(set(engine_kwargs) - fields)
         if unknown:
             raise TypeError(f"unknown LLM arguments {unknown}; engine settings are {sorted(fields)}")
-        cfg, params, tokenizer = load_model(model, dtype=dtype, seed=seed)
+        cfg, params, tokenizer = load_model(model, dtype=dtype)
         self.model = model
         self.engine = LLMEngine(cfg, params, tokenizer, EngineConfig(**engine_kwargs))
 
