@@ -1,0 +1,6 @@
+"""Simulator: the live scheduler driven by a virtual clock and a hardware time model, so
+paper-scale experiments run without GPUs (and without JAX)."""
+from jserve.sim.hardware import (HARDWARE_SPECS, MODEL_SHAPES, GpuTimeModel, HardwareSpec,
+                                 ModelShape)
+
+__all__ = ["GpuTimeModel", "HARDWARE_SPECS", "HardwareSpec", "MODEL_SHAPES", "ModelShape"]
