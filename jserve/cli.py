@@ -66,6 +66,24 @@ def _convert(a: argparse.Namespace) -> int:
     return 0
 
 
+def _profile(a: argparse.Namespace) -> int:
+    from jserve import LLM
+    from jserve.engine.profiler import default_predictor_path, fit_predictor, profile_samples
+    from jserve.scheduler.predictor import FEATURES
+
+    llm = LLM(a.model, dtype=a.dtype, **_engine_kwargs(a))
+    samples = profile_samples(llm.engine, repeats=a.repeats)
+    predictor, report = fit_predictor(llm.engine, samples)
+    out = a.out or default_predictor_path(llm.engine)
+    predictor.save(out)
+    for name, c in zip(FEATURES, predictor.coef):
+        print(f"  {name:18s} {c:.3e}")
+    print(f"held-out median relative error {report['held_out_median_rel_error']:.1%}, "
+          f"p90 {report['held_out_p90_rel_error']:.1%} over {report['held_out_steps']} steps "
+          f"(trained on {report['train_steps']}); wrote {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -87,6 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     c.add_argument("--out", required=True)
     c.set_defaults(func=_convert)
+    pr = sub.add_parser("profile", help="time the engine over a grid and fit the runtime "
+                                        "predictor the deadline-aware scheduler uses")
+    _add_engine_args(pr)
+    pr.add_argument("--repeats", type=int, default=2)
+    pr.add_argument("--out", default=None, help="default: ~/.cache/jserve/predictors/KEY.json")
+    pr.set_defaults(func=_profile)
     a = parser.parse_args(argv)
     try:
         return a.func(a)

@@ -29,7 +29,7 @@ from jserve.kernels import ATTENTION_IMPLS
 from jserve.model.llama import Params
 from jserve.sampling.params import MAX_BANNED_IDS, SamplingParams
 from jserve.sampling.sampler import SamplerRow
-from jserve.scheduler import SCHEDULERS, Request, RequestStatus
+from jserve.scheduler import SCHEDULERS, BatchPlan, Request, RequestStatus
 from jserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -104,6 +104,7 @@ class LLMEngine:
         self.eos_ids = tuple(dict.fromkeys(
             cfg.eos_token_ids + (tokenizer.eos_token_ids if tokenizer else ())))
         self.num_steps = 0
+        self.step_log: list[tuple[BatchPlan, float]] | None = None  # (plan, seconds) when on
         if config.warmup:
             self.runner.warmup()
 
@@ -196,8 +197,11 @@ class LLMEngine:
             built = self.builder.build(plan, self.requests, self._sampler_row, _NEUTRAL_ROW,
                                        lambda r: r.payload.state_row, want_logprobs,
                                        any_penalty)
+            t0 = time.perf_counter()
             out = self.runner.execute(built.shape, built.arrays)
             tokens = np.asarray(out.tokens)
+            if self.step_log is not None:
+                self.step_log.append((plan, time.perf_counter() - t0))
             if want_logprobs:
                 chosen, top_ids, top_lp = map(np.asarray, (out.logprobs, out.top_ids,
                                                          out.top_logprobs))

@@ -1,0 +1,76 @@
+"""``jserve profile``: time the live engine over a grid of batches and fit the runtime
+predictor the deadline-aware scheduler packs with.
+
+Grid: decode batches of several sizes at several context lengths, and prompts long enough to
+be cut into budget-sized prefill chunks at growing KV offsets (chunk x KV). Every step's
+(plan, device time) is recorded; one step in five is held out to report the error.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jserve.engine.engine import LLMEngine
+from jserve.sampling.params import SamplingParams
+from jserve.scheduler.predictor import LinearPredictor
+
+
+def predictor_key(engine: LLMEngine, mesh: str = "1") -> str:
+    """model + hardware + mesh: a fitted predictor is only valid for all three."""
+    model = hashlib.sha1(json.dumps(engine.cfg.to_hf_dict(), sort_keys=True).encode())
+    device = jax.devices()[0].device_kind.replace(" ", "_")
+    return f"{model.hexdigest()[:12]}-{device}-mesh{mesh}"
+
+
+def default_predictor_path(engine: LLMEngine) -> Path:
+    return Path(engine.config.compilation_cache_dir or ".").parent / "predictors" / (
+        predictor_key(engine) + ".json")
+
+
+def profile_samples(engine: LLMEngine, *, seed: int = 0, repeats: int = 2
+                    ) -> list[tuple[object, float]]:
+    """Runs the grid and returns (plan, seconds) for every step after the first (warm) pass."""
+    rng = np.random.default_rng(seed)
+    vocab = min(engine.cfg.vocab_size, 256)
+    max_len = engine.max_model_len
+    budget = engine.scheduler.token_budget
+    max_seqs = engine.config.max_num_seqs
+    batches = sorted({1, max(1, max_seqs // 4), max_seqs})
+    contexts = sorted({c for c in (16, 128, 512, 2048, 8192) if c + 16 < max_len})
+    long_prompts = sorted({min(max_len - 16, m * budget) for m in (2, 8)})
+    engine.step_log = []
+    samples: list[tuple[object, float]] = []
+    for rep in range(repeats + 1):
+        engine.step_log = []
+        for batch in batches:
+            for ctx in contexts:
+                params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+                for _ in range(batch):
+                    engine.add_request(rng.integers(0, vocab, ctx).tolist(), params)
+                while engine.has_unfinished():
+                    engine.step()
+        for n in long_prompts:
+            engine.add_request(rng.integers(0, vocab, n).tolist(),
+                               SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+            while engine.has_unfinished():
+                engine.step()
+        if rep:  # the first pass compiles and warms caches
+            samples.extend(engine.step_log)
+    engine.step_log = None
+    return samples
+
+
+def fit_predictor(engine: LLMEngine, samples) -> tuple[LinearPredictor, dict]:
+    held = samples[::5]
+    train = [s for i, s in enumerate(samples) if i % 5]
+    predictor = LinearPredictor.fit(train, meta={"key": predictor_key(engine),
+                                                 "samples": len(train)})
+    err = predictor.relative_errors(held)
+    report = {"train_steps": len(train), "held_out_steps": len(held),
+              "held_out_median_rel_error": float(np.median(err)),
+              "held_out_p90_rel_error": float(np.quantile(err, 0.9))}
+    return predictor, report
