@@ -36,6 +36,7 @@ class Request:
     block_ids: list[int] = dataclasses.field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
+    ttft_deadline: float | None = None  # absolute time; deadline-aware policies fill it in
 
     def __post_init__(self) -> None:
         if not self.token_ids:

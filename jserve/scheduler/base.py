@@ -1,0 +1,122 @@
+"""What every policy shares: the waiting and running queues, KV blocks (grow, release,
+recompute preemption), retiring requests, and a guard against running prefills deadlocked on
+memory. Pure Python, so the simulator drives the same objects as the live engine."""
+from __future__ import annotations
+
+import abc
+import collections
+import dataclasses
+
+from jserve.cache.allocator import BlockAllocator
+from jserve.scheduler.plan import BatchPlan, ScheduledChunk
+from jserve.scheduler.request import Request, RequestStatus
+
+
+class SchedulerBase(abc.ABC):
+    def __init__(self, allocator: BlockAllocator, *, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_prefill_seqs: int):
+        self.allocator = allocator
+        self.max_num_seqs = max_num_seqs
+        self.token_budget = max_num_batched_tokens
+        self.max_prefill_seqs = max_prefill_seqs
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []  # in admission order
+        self.num_preemptions = 0
+
+    # -- queue management --------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Retire a request (done, failed or aborted) and free its blocks at once."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)
+        req.status = status
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- blocks ------------------------------------------------------------------------
+    def _release(self, req: Request) -> None:
+        self.allocator.free(req.block_ids)
+        req.block_ids = []
+
+    def _grow(self, req: Request, num_tokens: int) -> bool:
+        """Make ``req`` own enough blocks for ``num_tokens`` KV entries."""
+        need = self.allocator.blocks_for(num_tokens) - len(req.block_ids)
+        if need <= 0:
+            return True
+        if not self.allocator.can_allocate(need):
+            return False
+        req.block_ids.extend(self.allocator.allocate(need))
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute preemption: drop the KV, requeue at the head of the waiting queue."""
+        self.running.remove(req)
+        self._release(req)
+        req.num_computed = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _fits(self, req: Request, max_chunk: int) -> int:
+        """Largest chunk <= max_chunk whose KV fits in req's blocks plus the free pool."""
+        capacity = (len(req.block_ids) + self.allocator.num_free) * self.allocator.block_size
+        return max(0, min(max_chunk, capacity - req.num_computed))
+
+    def _victim(self) -> Request:
+        """The running request to preempt under memory pressure (policies override)."""
+        return self.running[-1]
+
+    def _schedule_decodes(self, max_decodes: int) -> tuple[list[ScheduledChunk], list[str]]:
+        """Every running decode (up to ``max_decodes``), each with a KV slot for its token;
+        when the pool is short, victims are preempted until it fits (possibly itself)."""
+        decodes: list[ScheduledChunk] = []
+        preempted: list[str] = []
+        for req in list(self.running):
+            if len(decodes) == max_decodes:
+                break
+            if req.status is not RequestStatus.RUNNING or not req.is_decode:
+                continue
+            while not self._grow(req, req.num_computed + 1):
+                victim = self._victim()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            if req.status is RequestStatus.RUNNING:
+                decodes.append(ScheduledChunk(req.request_id, req.num_computed, 1, True))
+        return decodes, preempted
+
+    def _admit(self, req: Request) -> None:
+        self.waiting.remove(req)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
+    @staticmethod
+    def _chunk(req: Request, n: int) -> ScheduledChunk:
+        return ScheduledChunk(req.request_id, req.num_computed, n,
+                              req.num_computed + n == len(req.token_ids))
+
+    # -- the policy --------------------------------------------------------------------
+    @abc.abstractmethod
+    def _schedule_once(self, admit: bool) -> BatchPlan:
+        """One batch under the policy; ``admit`` False forbids taking waiting requests."""
+
+    def schedule(self) -> BatchPlan:
+        plan = self._schedule_once(admit=True)
+        preempted = list(plan.preempted)
+        while plan.is_empty and self.running:
+            # Running prefills hold blocks none of them can grow into: free the newest.
+            victim = self._victim()
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            plan = self._schedule_once(admit=False)
+            preempted.extend(plan.preempted)
+        return dataclasses.replace(plan, preempted=tuple(preempted))
