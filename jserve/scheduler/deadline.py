@@ -78,6 +78,10 @@ class DeadlineScheduler(SchedulerBase):
     def slack(self, req: Request, now: float) -> float:
         return req.ttft_deadline - now - self.remaining_work(req)
 
+    def relative_slack(self, req: Request, now: float) -> float:
+        """Slack over the request's total isolated prefill time."""
+        return self.slack(req, now) / max(self.cache.time(len(req.token_ids)), 1e-9)
+
     def key(self, req: Request, now: float) -> float:
         if self._priority is not None:
             return self._priority(req, now)
@@ -88,10 +92,8 @@ class DeadlineScheduler(SchedulerBase):
         if self.policy == "lrs":
             return self.slack(req, now)
         if self.config.lars_variant == "relative_deadline":
-            scale = req.ttft_deadline - req.arrival_time
-        else:
-            scale = self.cache.time(len(req.token_ids))
-        return self.slack(req, now) / max(scale, 1e-9)
+            return self.slack(req, now) / max(req.ttft_deadline - req.arrival_time, 1e-9)
+        return self.relative_slack(req, now)
 
     def _victim(self) -> Request:
         now = self.clock()
@@ -133,7 +135,7 @@ class DeadlineScheduler(SchedulerBase):
                 budget = self.config.t_target
                 if long and self.config.space_sharing:
                     used = self.predictor.predict(plan)
-                    rho = self.slack(req, now) / max(self.cache.time(len(req.token_ids)), 1e-9)
+                    rho = self.relative_slack(req, now)
                     share = 1.0 - min(max(rho, 0.0), self.config.rho_max)
                     budget = used + (budget - used) * share
                 n = largest_chunk(self.predictor, plan, req.request_id, req.num_computed,
