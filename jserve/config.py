@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
@@ -50,6 +51,11 @@ class LlamaConfig:
                 f"num_key_value_heads ({self.num_key_value_heads})")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        """The params' and KV cache's element type (jnp accepts numpy dtypes)."""
+        return np.dtype(ml_dtypes.bfloat16 if self.dtype == "bfloat16" else np.float32)
 
     @property
     def q_per_kv(self) -> int:

@@ -44,8 +44,8 @@ class LLM:
                  ) -> list[RequestOutput]:
         """Runs every prompt to completion and returns outputs in prompt order.
 
-        All prompts are validated before any is queued: a bad one raises ValueError and leaves
-        the engine as it was.
+        All prompts are validated before any is queued (``LLMEngine.add_requests``): a bad one
+        raises ValueError and leaves the engine as it was.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -56,13 +56,7 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
-            try:
-                _, ids = self.engine.tokenize(prompt)
-                self.engine.validate(ids, p)
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
-        ids = [self.engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+        ids = self.engine.add_requests(prompts, params)
         wanted = set(ids)
         done: dict[str, RequestOutput] = {}
         while wanted - done.keys():

@@ -252,7 +252,7 @@ def test_allowed_mask_matches_reference(logits: list[float], top_k: int, top_p: 
 
 
 def test_sampling_many_seeds_covers_exactly_the_allowed_support() -> None:
-    n, vocab = 2000, 12
+    n = 2000
     probs = np.array([0.2, 0.01, 0.15, 0.12, 0.1, 0.02, 0.25, 0.05, 0.04, 0.03, 0.02, 0.01])
     logits = np.tile(np.log(probs / probs.sum()), (n, 1))
     # top_k=6 -> {6,0,2,3,4,7}; top_p=0.85 on those drops 7 (mass before it: 0.943);

@@ -5,7 +5,6 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jserve.config import LlamaConfig
 
@@ -13,8 +12,8 @@ KVCache = list[tuple[jax.Array, jax.Array]]  # per layer (k_pages, v_pages): [Hk
 
 
 def kv_bytes_per_page(cfg: LlamaConfig, page_size: int) -> int:
-    itemsize = 2 if cfg.dtype == "bfloat16" else 4
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * page_size * cfg.head_dim * itemsize
+    return (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * page_size * cfg.head_dim
+            * cfg.np_dtype.itemsize)
 
 
 def available_device_bytes(device: jax.Device) -> int:
@@ -45,6 +44,6 @@ def num_pages_for_budget(cfg: LlamaConfig, page_size: int, *, kv_cache_bytes: in
 
 
 def allocate_kv_cache(cfg: LlamaConfig, num_pages: int, page_size: int) -> KVCache:
-    dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else np.float32
+    dtype = cfg.np_dtype
     shape = (cfg.num_key_value_heads, num_pages, page_size, cfg.head_dim)
     return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_hidden_layers)]

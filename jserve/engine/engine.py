@@ -24,7 +24,7 @@ from jserve.engine.config import EngineConfig
 from jserve.engine.output import (IncrementalDetokenizer, RequestMetrics, RequestOutput,
                                   TokenLogprob, find_stop)
 from jserve.engine.runner import ModelRunner
-from jserve.engine.step_builder import StepBuilder
+from jserve.engine.step_builder import StepBuilder, StepFlags
 from jserve.kernels import ATTENTION_IMPLS
 from jserve.model.llama import Params
 from jserve.sampling.params import MAX_BANNED_IDS, SamplingParams
@@ -103,7 +103,6 @@ class LLMEngine:
         # The model's own EOS ids plus the tokenizer's (generation_config may add end-of-turn).
         self.eos_ids = tuple(dict.fromkeys(
             cfg.eos_token_ids + (tokenizer.eos_token_ids if tokenizer else ())))
-        self.num_steps = 0
         self.step_log: list[tuple[BatchPlan, float]] | None = None  # (plan, seconds) when on
         if config.warmup:
             self.runner.warmup()
@@ -145,13 +144,33 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         text, ids = self.tokenize(prompt)
         self.validate(ids, params)
+        return self._enqueue(text, ids, params, request_id, arrival_time)
+
+    def add_requests(self, prompts: Sequence[str | Sequence[int]],
+                     params: Sequence[SamplingParams]) -> list[str]:
+        """All or nothing: every prompt is tokenized and validated (once) before any is
+        queued, so a bad one raises ValueError naming its index and leaves the engine as it
+        was."""
+        prepared = []
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            try:
+                text, ids = self.tokenize(prompt)
+                self.validate(ids, p)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+            prepared.append((text, ids, p))
+        return [self._enqueue(text, ids, p) for text, ids, p in prepared]
+
+    def _enqueue(self, text: str | None, ids: list[int], params: SamplingParams,
+                 request_id: str | None = None, arrival_time: float | None = None) -> str:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise ValueError(f"request_id {rid!r} is already in use")
         tracked = _Tracked(
             params=params,
             seed=params.seed if params.seed is not None else self._rng.getrandbits(32),
-            prompt=text, metrics=RequestMetrics(time.monotonic() if arrival_time is None else arrival_time),
+            prompt=text,
+            metrics=RequestMetrics(time.monotonic() if arrival_time is None else arrival_time),
             detok=IncrementalDetokenizer(self.tokenizer),
             logprobs=[] if params.logprobs is not None else None)
         req = Request(rid, ids, params.max_tokens, tracked.metrics.arrival_time, payload=tracked)
@@ -190,19 +209,21 @@ class LLMEngine:
             if tr.metrics.first_scheduled_time is None:
                 tr.metrics.first_scheduled_time = now
         params = [self.requests[c.request_id].payload.params for c in chunks]
-        want_logprobs = any(p.logprobs is not None for c, p in zip(chunks, params) if c.samples)
-        # Every chunk of a penalised request counts: its prompt tokens fill the penalty state.
-        any_penalty = any(p.uses_penalties for p in params)
+        sampled = [p for c, p in zip(chunks, params) if c.samples]
+        flags = StepFlags(any_random=any(p.temperature > 0 for p in sampled),
+                          # Every chunk of a penalised request counts: its prompt tokens
+                          # fill the penalty state.
+                          any_penalty=any(p.uses_penalties for p in params),
+                          want_logprobs=any(p.logprobs is not None for p in sampled))
         try:
             built = self.builder.build(plan, self.requests, self._sampler_row, _NEUTRAL_ROW,
-                                       lambda r: r.payload.state_row, want_logprobs,
-                                       any_penalty)
+                                       lambda r: r.payload.state_row, flags)
             t0 = time.perf_counter()
             out = self.runner.execute(built.shape, built.arrays)
             tokens = np.asarray(out.tokens)
             if self.step_log is not None:
                 self.step_log.append((plan, time.perf_counter() - t0))
-            if want_logprobs:
+            if flags.want_logprobs:
                 chosen, top_ids, top_lp = map(np.asarray, (out.logprobs, out.top_ids,
                                                          out.top_logprobs))
         except Exception as e:  # noqa: BLE001 - a failed step must not strand its requests
@@ -211,7 +232,6 @@ class LLMEngine:
             return [self._finish(self.requests[c.request_id], RequestStatus.FINISHED_ABORTED,
                                  error=f"engine step failed: {e}")
                     for c in chunks]
-        self.num_steps += 1
         for c in chunks:
             self.requests[c.request_id].num_computed += c.num_tokens
         now = time.monotonic()

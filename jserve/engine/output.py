@@ -53,22 +53,21 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)
-        if self.tokenizer is None:
-            return ""
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self.tokenizer.decode(self.ids[self.prefix_offset:])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            return full[len(prefix):]
-        return ""
+        return self._emit(final=False)
 
     def flush(self) -> str:
         """The held-back tail, decoded as is (at the end of a request)."""
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
         if self.tokenizer is None or self.read_offset == len(self.ids):
             return ""
         prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
         full = self.tokenizer.decode(self.ids[self.prefix_offset:])
-        self.prefix_offset = self.read_offset = len(self.ids)
+        if not final and (len(full) <= len(prefix) or full.endswith("\ufffd")):
+            return ""
+        self.prefix_offset = len(self.ids) if final else self.read_offset
+        self.read_offset = len(self.ids)
         return full[len(prefix):]
 
 

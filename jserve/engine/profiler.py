@@ -42,7 +42,6 @@ def profile_samples(engine: LLMEngine, *, seed: int = 0, repeats: int = 2
     batches = sorted({1, max(1, max_seqs // 4), max_seqs})
     contexts = sorted({c for c in (16, 128, 512, 2048, 8192) if c + 16 < max_len})
     long_prompts = sorted({min(max_len - 16, m * budget) for m in (2, 8)})
-    engine.step_log = []
     samples: list[tuple[object, float]] = []
     for rep in range(repeats + 1):
         engine.step_log = []

@@ -156,7 +156,6 @@ class ModelRunner:
                                donate_argnums=(1, 2))
         self._compiled: dict[tuple[int, int], tuple[jax.stages.Compiled, PackedLayout]] = {}
         self.compile_count = 0
-        self.compile_seconds = 0.0
 
     def arrays_spec(self, num_decodes: int, num_prefill_tokens: int) -> StepArrays:
         """Abstract shapes of a bucket's inputs (what ``StepBuilder`` fills)."""
@@ -185,14 +184,12 @@ class ModelRunner:
     def compiled(self, shape: tuple[int, int]) -> tuple[jax.stages.Compiled, PackedLayout]:
         entry = self._compiled.get(shape)
         if entry is None:
-            t0 = time.perf_counter()
             layout = PackedLayout(self.arrays_spec(*shape))
             ibuf = jax.ShapeDtypeStruct((layout.int_size,), jnp.int32)
             fbuf = jax.ShapeDtypeStruct((layout.float_size,), jnp.float32)
             exe = self._jitted.lower(self.params, self.kv_cache, self.state, ibuf, fbuf,
                                      layout=layout, cfg=self.cfg,
                                      attention_impl=self.attention_impl).compile()
-            self.compile_seconds += time.perf_counter() - t0
             self.compile_count += 1
             entry = self._compiled[shape] = (exe, layout)
         return entry

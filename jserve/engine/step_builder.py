@@ -14,6 +14,15 @@ from jserve.scheduler import BatchPlan, Request, ScheduledChunk
 
 
 @dataclasses.dataclass(frozen=True)
+class StepFlags:
+    """Run-time switches of the fused step (no recompile): see ``runner._step``."""
+
+    any_random: bool     # some sampled row has temperature > 0
+    any_penalty: bool    # some request in the step uses penalties
+    want_logprobs: bool  # some sampled row asked for logprobs
+
+
+@dataclasses.dataclass(frozen=True)
 class BuiltStep:
     shape: tuple[int, int]
     arrays: StepArrays
@@ -28,8 +37,7 @@ class StepBuilder:
 
     def build(self, plan: BatchPlan, requests: dict[str, Request],
               sampler_row: "callable[[Request], SamplerRow]", neutral_row: SamplerRow,
-              state_row: "callable[[Request], int]", want_logprobs: bool,
-              any_penalty: bool) -> BuiltStep:
+              state_row: "callable[[Request], int]", flags: StepFlags) -> BuiltStep:
         nd = len(plan.decodes)
         n_pre_tokens = sum(c.num_tokens for c in plan.prefills)
         bd, tp = self.buckets.shape_for(nd, n_pre_tokens)
@@ -95,7 +103,6 @@ class StepBuilder:
                 rows[row] = sampler_row(req)
                 sample_rows.append((row, c))
             start = end
-        any_random = any(r.params.temperature > 0 for r in rows)
 
         attn = AttentionMetadata(positions=positions, token_seq=token_seq, kv_lens=kv_lens,
                                  page_table=page_table,
@@ -106,6 +113,6 @@ class StepBuilder:
             token_state_rows=token_state, token_is_prompt=token_is_prompt,
             state_rows=state_rows, reset_rows=reset_rows,
             sampling=make_sampling_batch(rows, pad_to=s),
-            any_random=np.asarray(any_random), any_penalty=np.asarray(any_penalty),
-            want_logprobs=np.asarray(want_logprobs))
+            any_random=np.asarray(flags.any_random), any_penalty=np.asarray(flags.any_penalty),
+            want_logprobs=np.asarray(flags.want_logprobs))
         return BuiltStep((bd, tp), arrays, sample_rows)

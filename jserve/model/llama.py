@@ -34,10 +34,6 @@ class StepInput:
     attn: AttentionMetadata
 
 
-def dtype_of(cfg: LlamaConfig) -> jnp.dtype:
-    return jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
-
-
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     """HF LlamaRMSNorm: normalise in float32, cast back, then scale."""
     xf = x.astype(jnp.float32)

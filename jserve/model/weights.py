@@ -40,10 +40,6 @@ DEFAULT_CONFIG = LlamaConfig(
 )
 
 
-def _jnp_dtype(cfg: LlamaConfig) -> jnp.dtype:
-    return jnp.dtype(jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32)
-
-
 def param_shapes(cfg: LlamaConfig) -> Params:
     """The params pytree with shape tuples as leaves: the single source of the layout."""
     d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
@@ -66,7 +62,7 @@ def init_params(cfg: LlamaConfig, seed: int = 0) -> Params:
     """Random params (normal(0, 0.02) matrices, unit norms), drawn with numpy so a seed gives
     the same weights on every backend."""
     rng = np.random.default_rng(seed)
-    dtype = _jnp_dtype(cfg)
+    dtype = cfg.np_dtype
 
     def make(shape: tuple[int, ...]) -> jax.Array:
         if len(shape) == 1:
@@ -136,7 +132,7 @@ def load_hf_safetensors(model_dir: str | Path, cfg: LlamaConfig) -> Params:
         raise ValueError(f"checkpoint {model_dir} does not match its config.json: "
                          f"missing tensors {missing}, unexpected tensors {unexpected}")
 
-    dtype = _jnp_dtype(cfg)
+    dtype = cfg.np_dtype
     # Fresh containers holding expected shapes; every leaf is replaced by its tensor below.
     params = jax.tree.map(lambda s: s, param_shapes(cfg), is_leaf=_is_shape)
     for file, names in layout.items():
@@ -160,7 +156,7 @@ def load_hf_safetensors(model_dir: str | Path, cfg: LlamaConfig) -> Params:
 def _abstract_params(cfg: LlamaConfig) -> Params:
     """Restore targets; the sharding makes orbax return jax arrays on the default device."""
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    dtype = _jnp_dtype(cfg)
+    dtype = cfg.np_dtype
     return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype, sharding=sharding),
                         param_shapes(cfg), is_leaf=_is_shape)
 

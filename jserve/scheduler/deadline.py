@@ -112,8 +112,7 @@ class DeadlineScheduler(SchedulerBase):
                       if r.request_id not in scheduled and not r.is_decode]
         if admit and not preempted:
             room = self.max_num_seqs - len(self.running)
-            candidates += list(self.waiting)[:max(room, 0)] if self.policy == "fcfs" else \
-                sorted(self.waiting, key=lambda r: self.key(r, now))[:max(room, 0)]
+            candidates += sorted(self.waiting, key=lambda r: self.key(r, now))[:max(room, 0)]
         candidates.sort(key=lambda r: (self.key(r, now), r.arrival_time))
         if self.policy == "fcfs":
             candidates = candidates[:1]  # non-preemptive: the oldest prefill runs alone
