@@ -68,13 +68,14 @@ def _convert(a: argparse.Namespace) -> int:
 
 def _profile(a: argparse.Namespace) -> int:
     from jserve import LLM
-    from jserve.engine.profiler import default_predictor_path, fit_predictor, profile_samples
+    from jserve.engine.profiler import fit_predictor, profile_samples
+    from jserve.engine.timing import default_predictor_path
     from jserve.scheduler.predictor import FEATURES
 
     llm = LLM(a.model, dtype=a.dtype, **_engine_kwargs(a))
     samples = profile_samples(llm.engine, repeats=a.repeats)
     predictor, report = fit_predictor(llm.engine, samples)
-    out = a.out or default_predictor_path(llm.engine)
+    out = a.out or default_predictor_path(llm.engine.cfg, llm.engine.config)
     predictor.save(out)
     for name, c in zip(FEATURES, predictor.coef):
         print(f"  {name:18s} {c:.3e}")

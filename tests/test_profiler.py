@@ -3,7 +3,8 @@ the fitted predictor is saved where the engine will look for it."""
 from __future__ import annotations
 
 from conftest import small_llm
-from jserve.engine.profiler import default_predictor_path, fit_predictor, profile_samples
+from jserve.engine.profiler import fit_predictor, profile_samples
+from jserve.engine.timing import default_predictor_path
 from jserve.scheduler.predictor import LinearPredictor
 
 
@@ -18,7 +19,7 @@ def test_profile_grid_and_fit(tmp_path):
     predictor, report = fit_predictor(engine, samples)
     assert report["held_out_steps"] == len(samples[::5])
     assert all(c >= 0 for c in predictor.coef)
-    default = default_predictor_path(engine)
+    default = default_predictor_path(engine.cfg, engine.config)
     assert default.parent.name == "predictors" and default.name.endswith("-cpu-mesh1.json")
     path = tmp_path / default.name
     predictor.save(path)

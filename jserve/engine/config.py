@@ -21,7 +21,14 @@ class EngineConfig:
     kv_cache_bytes: int | None = None  # explicit KV budget; else memory_fraction of free memory
     memory_fraction: float = 0.5
     attention_impl: str = "reference"
-    scheduler: str = "sarathi"
+    scheduler: str = "sarathi"         # sarathi | fcfs | edf | lrs | lars (jserve.scheduler.POLICIES)
+    # Deadline-aware policies: the TPOT SLO is the iteration time budget; a request's TTFT
+    # deadline defaults to max(ttft_slo_factor x its isolated prefill time, ttft_slo_floor).
+    tpot_slo: float = 0.05
+    ttft_slo_factor: float = 1.5
+    ttft_slo_floor: float = 0.5
+    space_sharing: bool = True
+    predictor_path: str | None = None  # default: the one `jserve profile` saved for this model
     seed: int = 0                      # draws seeds for requests that give none
     warmup: bool = True                # compile every bucket at start
     compilation_cache_dir: str | None = dataclasses.field(default_factory=default_compilation_cache_dir)
@@ -30,5 +37,10 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_seqs", "page_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("tpot_slo", "ttft_slo_factor"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.ttft_slo_floor < 0:
+            raise ValueError(f"ttft_slo_floor must be >= 0, got {self.ttft_slo_floor}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

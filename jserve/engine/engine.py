@@ -29,7 +29,9 @@ from jserve.kernels import ATTENTION_IMPLS
 from jserve.model.llama import Params
 from jserve.sampling.params import MAX_BANNED_IDS, SamplingParams
 from jserve.sampling.sampler import SamplerRow
-from jserve.scheduler import SCHEDULERS, BatchPlan, Request, RequestStatus
+from jserve.engine.timing import load_predictor
+from jserve.scheduler import POLICIES, BatchPlan, Request, RequestStatus, build_scheduler
+from jserve.scheduler.deadline import DeadlineConfig
 from jserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -68,9 +70,8 @@ class LLMEngine:
         if config.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, "
                              f"got {config.attention_impl!r}")
-        if config.scheduler not in SCHEDULERS:
-            raise ValueError(f"scheduler must be one of {sorted(SCHEDULERS)}, "
-                             f"got {config.scheduler!r}")
+        if config.scheduler not in POLICIES:
+            raise ValueError(f"scheduler must be one of {POLICIES}, got {config.scheduler!r}")
         enable_compilation_cache(config.compilation_cache_dir)
         self.cfg = cfg
         self.tokenizer = tokenizer
@@ -90,9 +91,14 @@ class LLMEngine:
             memory_fraction=config.memory_fraction,
             max_useful_pages=config.max_num_seqs * pages_per_seq)
         self.allocator = BlockAllocator(num_pages, config.page_size)
-        self.scheduler = SCHEDULERS[config.scheduler](
-            self.allocator, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=budget,
-            max_prefill_seqs=config.max_prefill_seqs)
+        self.predictor = load_predictor(cfg, config) if config.scheduler != "sarathi" else None
+        self.scheduler = build_scheduler(
+            config.scheduler, self.allocator, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=budget, max_prefill_seqs=config.max_prefill_seqs,
+            predictor=self.predictor, max_context=self.max_model_len,
+            deadline=DeadlineConfig(t_target=config.tpot_slo, ttft_k=config.ttft_slo_factor,
+                                    ttft_floor=config.ttft_slo_floor,
+                                    space_sharing=config.space_sharing))
         self.runner = ModelRunner(cfg, params, allocate_kv_cache(cfg, num_pages, config.page_size),
                                   self.buckets, config.max_num_seqs, config.attention_impl)
         self.builder = StepBuilder(self.buckets, config.page_size, self.runner.state_sink)
@@ -140,11 +146,15 @@ class LLMEngine:
             raise ValueError(f"request needs {need} KV blocks; the pool has {self.allocator.total}")
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    ttft_slo: float | None = None) -> str:
+        """``ttft_slo`` (seconds after arrival) overrides the policy's default TTFT deadline."""
         params = params if params is not None else SamplingParams()
         text, ids = self.tokenize(prompt)
         self.validate(ids, params)
-        return self._enqueue(text, ids, params, request_id, arrival_time)
+        if ttft_slo is not None and not ttft_slo > 0:
+            raise ValueError(f"ttft_slo must be > 0 seconds, got {ttft_slo}")
+        return self._enqueue(text, ids, params, request_id, arrival_time, ttft_slo)
 
     def add_requests(self, prompts: Sequence[str | Sequence[int]],
                      params: Sequence[SamplingParams]) -> list[str]:
@@ -162,7 +172,8 @@ class LLMEngine:
         return [self._enqueue(text, ids, p) for text, ids, p in prepared]
 
     def _enqueue(self, text: str | None, ids: list[int], params: SamplingParams,
-                 request_id: str | None = None, arrival_time: float | None = None) -> str:
+                 request_id: str | None = None, arrival_time: float | None = None,
+                 ttft_slo: float | None = None) -> str:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise ValueError(f"request_id {rid!r} is already in use")
@@ -174,6 +185,8 @@ class LLMEngine:
             detok=IncrementalDetokenizer(self.tokenizer),
             logprobs=[] if params.logprobs is not None else None)
         req = Request(rid, ids, params.max_tokens, tracked.metrics.arrival_time, payload=tracked)
+        if ttft_slo is not None:
+            req.ttft_deadline = req.arrival_time + ttft_slo
         self.requests[rid] = req
         self.scheduler.add(req)
         return rid

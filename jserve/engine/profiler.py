@@ -7,28 +7,12 @@ be cut into budget-sized prefill chunks at growing KV offsets (chunk x KV). Ever
 """
 from __future__ import annotations
 
-import hashlib
-import json
-from pathlib import Path
-
-import jax
 import numpy as np
 
 from jserve.engine.engine import LLMEngine
 from jserve.sampling.params import SamplingParams
+from jserve.engine.timing import predictor_key
 from jserve.scheduler.predictor import LinearPredictor
-
-
-def predictor_key(engine: LLMEngine, mesh: str = "1") -> str:
-    """model + hardware + mesh: a fitted predictor is only valid for all three."""
-    model = hashlib.sha1(json.dumps(engine.cfg.to_hf_dict(), sort_keys=True).encode())
-    device = jax.devices()[0].device_kind.replace(" ", "_")
-    return f"{model.hexdigest()[:12]}-{device}-mesh{mesh}"
-
-
-def default_predictor_path(engine: LLMEngine) -> Path:
-    return Path(engine.config.compilation_cache_dir or ".").parent / "predictors" / (
-        predictor_key(engine) + ".json")
 
 
 def profile_samples(engine: LLMEngine, *, seed: int = 0, repeats: int = 2
@@ -66,7 +50,7 @@ def profile_samples(engine: LLMEngine, *, seed: int = 0, repeats: int = 2
 def fit_predictor(engine: LLMEngine, samples) -> tuple[LinearPredictor, dict]:
     held = samples[::5]
     train = [s for i, s in enumerate(samples) if i % 5]
-    predictor = LinearPredictor.fit(train, meta={"key": predictor_key(engine),
+    predictor = LinearPredictor.fit(train, meta={"key": predictor_key(engine.cfg),
                                                  "samples": len(train)})
     err = predictor.relative_errors(held)
     report = {"train_steps": len(train), "held_out_steps": len(held),

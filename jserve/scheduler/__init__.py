@@ -2,9 +2,8 @@
 live engine run the same code."""
 from jserve.scheduler.plan import BatchPlan, ScheduledChunk
 from jserve.scheduler.request import Request, RequestStatus
+from jserve.scheduler.registry import POLICIES, build_scheduler
 from jserve.scheduler.sarathi import SarathiScheduler
 
-SCHEDULERS = {"sarathi": SarathiScheduler}
-
 __all__ = ["BatchPlan", "ScheduledChunk", "Request", "RequestStatus", "SarathiScheduler",
-           "SCHEDULERS"]
+           "POLICIES", "build_scheduler"]

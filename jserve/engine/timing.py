@@ -1,0 +1,64 @@
+"""The runtime predictor the live engine's deadline-aware scheduler packs with.
+
+A predictor fitted by ``jserve profile`` is only valid for one model on one kind of device
+with one mesh, so it is stored under a key naming all three and loaded at start. Without one
+the engine falls back to a FLOP/byte estimate (and says so): good enough to shape chunks,
+not to hold deadlines tightly.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+import jax
+
+from jserve.config import LlamaConfig
+from jserve.engine.config import EngineConfig
+from jserve.scheduler.predictor import FEATURES, LinearPredictor
+
+log = logging.getLogger(__name__)
+
+# Rough sustained rates for the fallback estimate, by platform: (FLOP/s, bytes/s, step overhead s).
+_NOMINAL_RATES = {"cpu": (5e10, 1e10, 2e-3), "gpu": (2e14, 1.5e12, 5e-4),
+                  "tpu": (2e14, 1e12, 5e-4)}
+
+
+def predictor_key(cfg: LlamaConfig, mesh: str = "1") -> str:
+    """model + hardware + mesh."""
+    model = hashlib.sha1(json.dumps(cfg.to_hf_dict(), sort_keys=True).encode())
+    device = jax.devices()[0].device_kind.replace(" ", "_")
+    return f"{model.hexdigest()[:12]}-{device}-mesh{mesh}"
+
+
+def default_predictor_path(cfg: LlamaConfig, config: EngineConfig) -> Path:
+    return Path(config.compilation_cache_dir or ".").parent / "predictors" / (
+        predictor_key(cfg) + ".json")
+
+
+def estimated_predictor(cfg: LlamaConfig) -> LinearPredictor:
+    """FLOPs and KV bytes at nominal platform rates, in ``plan_features`` terms."""
+    flops, bandwidth, overhead = _NOMINAL_RATES.get(jax.devices()[0].platform,
+                                                    _NOMINAL_RATES["gpu"])
+    layers, q_dim = cfg.num_hidden_layers, cfg.num_attention_heads * cfg.head_dim
+    kv_bytes = 2 * layers * cfg.num_key_value_heads * cfg.head_dim * cfg.np_dtype.itemsize
+    per_token = 2 * cfg.num_params() / flops
+    attn_flop = 4 * layers * q_dim / flops       # QK^T and PV per (query, key) pair
+    coef = dict(constant=overhead, tokens=per_token, decodes=0.0,
+                decode_context=kv_bytes / bandwidth + attn_flop,
+                prefill_attention=attn_flop / 2,  # causal: half the pairs
+                prefill_seqs=0.0)
+    return LinearPredictor(tuple(coef[f] for f in FEATURES), {"estimated": True})
+
+
+def load_predictor(cfg: LlamaConfig, config: EngineConfig) -> LinearPredictor:
+    path = Path(config.predictor_path) if config.predictor_path else default_predictor_path(
+        cfg, config)
+    if path.exists():
+        return LinearPredictor.load(path)
+    if config.predictor_path:
+        raise FileNotFoundError(f"predictor file {path} does not exist")
+    log.warning("no profiled runtime predictor at %s; using a FLOP estimate "
+                "(run `jserve profile` for deadlines the scheduler can keep)", path)
+    return estimated_predictor(cfg)
