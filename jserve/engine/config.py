@@ -29,6 +29,10 @@ class EngineConfig:
     ttft_slo_floor: float = 0.5
     space_sharing: bool = True
     predictor_path: str | None = None  # default: the one `jserve profile` saved for this model
+    # Preemption under KV pressure: "auto" swaps a victim's KV to host memory when the copy
+    # is predicted cheaper than recomputing it, within swap_space_bytes of host memory.
+    preemption: str = "auto"           # auto | swap | recompute
+    swap_space_bytes: int = 4 << 30
     seed: int = 0                      # draws seeds for requests that give none
     warmup: bool = True                # compile every bucket at start
     compilation_cache_dir: str | None = dataclasses.field(default_factory=default_compilation_cache_dir)
@@ -37,6 +41,11 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_seqs", "page_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.preemption not in ("auto", "swap", "recompute"):
+            raise ValueError(f"preemption must be 'auto', 'swap' or 'recompute', "
+                             f"got {self.preemption!r}")
+        if self.swap_space_bytes < 0:
+            raise ValueError(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
         for name in ("tpot_slo", "ttft_slo_factor"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from jserve.cache.allocator import BlockAllocator
-from jserve.cache.pool import allocate_kv_cache, num_pages_for_budget
+from jserve.cache.pool import allocate_kv_cache, kv_bytes_per_page, num_pages_for_budget
 from jserve.config import LlamaConfig
 from jserve.engine.buckets import Buckets
 from jserve.engine.config import EngineConfig
@@ -29,8 +29,9 @@ from jserve.kernels import ATTENTION_IMPLS
 from jserve.model.llama import Params
 from jserve.sampling.params import MAX_BANNED_IDS, SamplingParams
 from jserve.sampling.sampler import SamplerRow
-from jserve.engine.timing import load_predictor
-from jserve.scheduler import POLICIES, BatchPlan, Request, RequestStatus, build_scheduler
+from jserve.engine.timing import estimated_predictor, host_round_trip_seconds, load_predictor
+from jserve.scheduler import (POLICIES, BatchPlan, Request, RequestStatus, ScheduledChunk,
+                              build_scheduler)
 from jserve.scheduler.deadline import DeadlineConfig
 from jserve.tokenizer import Tokenizer
 
@@ -99,6 +100,13 @@ class LLMEngine:
             deadline=DeadlineConfig(t_target=config.tpot_slo, ttft_k=config.ttft_slo_factor,
                                     ttft_floor=config.ttft_slo_floor,
                                     space_sharing=config.space_sharing))
+        # Swap-to-host preemption: host copies by request id and the bytes they reserve.
+        self._cost_predictor = self.predictor or estimated_predictor(cfg)
+        self._page_bytes = kv_bytes_per_page(cfg, config.page_size)
+        self._host_kv: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+        self._host_reserved: dict[str, int] = {}
+        if config.preemption != "recompute":
+            self.scheduler.choose_preemption = self._preemption_mode
         self.runner = ModelRunner(cfg, params, allocate_kv_cache(cfg, num_pages, config.page_size),
                                   self.buckets, config.max_num_seqs, config.attention_impl)
         self.builder = StepBuilder(self.buckets, config.page_size, self.runner.state_sink)
@@ -208,8 +216,13 @@ class LLMEngine:
     # -- one iteration -----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
+        for rid, pages in plan.swap_out:  # before anything can overwrite the freed pages
+            self._host_kv[rid] = self.runner.read_pages(pages)
         for rid in plan.preempted:
             self._release_state_row(self.requests[rid])
+        for rid, pages in plan.swap_in:
+            self.runner.write_pages(pages, self._host_kv.pop(rid))
+            del self._host_reserved[rid]
         if plan.is_empty:
             return []
         now = time.monotonic()
@@ -260,6 +273,24 @@ class LLMEngine:
             outputs.append(self._append_token(req, tok, now))
         return outputs
 
+    def _preemption_mode(self, req: Request) -> str:
+        """Swap when the host copy there and back is predicted cheaper than recomputing the
+        KV and fits the swap space. Penalised requests recompute: their penalty state is
+        rebuilt from the tokens a recompute feeds through again."""
+        tr: _Tracked = req.payload
+        if tr.params.uses_penalties:
+            return "recompute"
+        nbytes = self.allocator.blocks_for(req.num_computed) * self._page_bytes
+        if sum(self._host_reserved.values()) + nbytes > self.config.swap_space_bytes:
+            return "recompute"
+        if self.config.preemption == "auto":
+            recompute = self._cost_predictor.predict(BatchPlan((), (ScheduledChunk(
+                req.request_id, 0, req.num_computed, False),)))
+            if host_round_trip_seconds(nbytes) >= recompute:
+                return "recompute"
+        self._host_reserved[req.request_id] = nbytes
+        return "swap"
+
     def _sampler_row(self, req: Request) -> SamplerRow:
         tr: _Tracked = req.payload
         p = tr.params
@@ -299,6 +330,8 @@ class LLMEngine:
         tr: _Tracked = req.payload
         self.scheduler.finish(req, status)
         self._release_state_row(req)
+        self._host_kv.pop(req.request_id, None)
+        self._host_reserved.pop(req.request_id, None)
         tr.finish_reason = status.value
         tr.error = error
         tr.metrics.finished_time = time.monotonic()

@@ -3,8 +3,10 @@ compiled ahead of time per bucket, with a compile counter tests read."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -140,6 +142,24 @@ def _spec(shape, dtype) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
+def _padded_page_ids(pages: Sequence[int]) -> np.ndarray:
+    """Page ids padded to a power of two with the reserved sink page 0, so swapping compiles
+    one gather and one scatter per size class."""
+    ids = np.zeros(1 << max(len(pages) - 1, 0).bit_length(), np.int32)
+    ids[:len(pages)] = pages
+    return ids
+
+
+@jax.jit
+def _gather_pages(kv_cache: KVCache, ids: jax.Array) -> KVCache:
+    return [(k[:, ids], v[:, ids]) for k, v in kv_cache]
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _scatter_pages(kv_cache: KVCache, ids: jax.Array, data: KVCache) -> KVCache:
+    return [(k.at[:, ids].set(dk), v.at[:, ids].set(dv)) for (k, v), (dk, dv) in zip(kv_cache, data)]
+
+
 class ModelRunner:
     def __init__(self, cfg: LlamaConfig, params: Params, kv_cache: KVCache, buckets: Buckets,
                  max_num_seqs: int, attention_impl: str):
@@ -199,6 +219,20 @@ class ModelRunner:
         for shape in self.buckets.all_shapes():
             self.compiled(shape)
         log.info("warmed up %d step shapes in %.1fs", len(self._compiled), time.perf_counter() - t0)
+
+    # -- swapping KV pages to host memory and back ---------------------------------------
+    def read_pages(self, pages: Sequence[int]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Host copies of ``pages`` of every layer ([Hkv, len(pages), S, D] each)."""
+        ids = _padded_page_ids(pages)
+        out = jax.device_get(_gather_pages(self.kv_cache, ids))
+        return [(k[:, :len(pages)], v[:, :len(pages)]) for k, v in out]
+
+    def write_pages(self, pages: Sequence[int], data: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        ids = _padded_page_ids(pages)
+        pad = len(ids) - len(pages)
+        widths = ((0, 0), (0, pad), (0, 0), (0, 0))
+        data = [(np.pad(k, widths), np.pad(v, widths)) for k, v in data]
+        self.kv_cache = _scatter_pages(self.kv_cache, ids, data)
 
     def execute(self, shape: tuple[int, int], arrays: StepArrays) -> SampleResult:
         exe, layout = self.compiled(shape)

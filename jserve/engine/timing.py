@@ -23,6 +23,15 @@ log = logging.getLogger(__name__)
 # Rough sustained rates for the fallback estimate, by platform: (FLOP/s, bytes/s, step overhead s).
 _NOMINAL_RATES = {"cpu": (5e10, 1e10, 2e-3), "gpu": (2e14, 1.5e12, 5e-4),
                   "tpu": (2e14, 1e12, 5e-4)}
+# Device <-> host copies (bytes/s, seconds per transfer): PCIe-class links on accelerators,
+# memcpy plus dispatch on CPU.
+_HOST_COPY = {"cpu": (5e9, 1e-3), "gpu": (2e10, 1e-4), "tpu": (2e10, 1e-4)}
+
+
+def host_round_trip_seconds(num_bytes: int) -> float:
+    """Swap out now and back in later."""
+    bandwidth, latency = _HOST_COPY.get(jax.devices()[0].platform, _HOST_COPY["gpu"])
+    return 2 * (latency + num_bytes / bandwidth)
 
 
 def predictor_key(cfg: LlamaConfig, mesh: str = "1") -> str:

@@ -1,14 +1,19 @@
 """What every policy shares: the waiting and running queues, KV blocks (grow, release,
 recompute preemption), retiring requests, and a guard against running prefills deadlocked on
-memory. Pure Python, so the simulator drives the same objects as the live engine."""
+memory. Pure Python, so the simulator drives the same objects as the live engine.
+
+Preemption frees a victim's blocks either by recompute (its KV is dropped and rebuilt by
+prefilling again) or by swap (the engine copies its KV to host memory and back when it is
+readmitted); ``choose_preemption`` picks per victim, recompute when unset."""
 from __future__ import annotations
 
 import abc
 import collections
 import dataclasses
+from typing import Callable, Literal
 
 from jserve.cache.allocator import BlockAllocator
-from jserve.scheduler.plan import BatchPlan, ScheduledChunk
+from jserve.scheduler.plan import BatchPlan, PageMove, ScheduledChunk
 from jserve.scheduler.request import Request, RequestStatus
 
 
@@ -22,6 +27,10 @@ class SchedulerBase(abc.ABC):
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
+        self.num_swaps = 0
+        self.choose_preemption: Callable[[Request], Literal["swap", "recompute"]] | None = None
+        self._swap_out: list[PageMove] = []
+        self._swap_in: list[PageMove] = []
 
     # -- queue management --------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -56,10 +65,18 @@ class SchedulerBase(abc.ABC):
         return True
 
     def _preempt(self, req: Request) -> None:
-        """Recompute preemption: drop the KV, requeue at the head of the waiting queue."""
+        """Free the victim's blocks (swapping its KV out or dropping it for recompute) and
+        requeue it at the head of the waiting queue."""
         self.running.remove(req)
+        if req.num_computed and self.choose_preemption is not None \
+                and self.choose_preemption(req) == "swap":
+            used = self.allocator.blocks_for(req.num_computed)
+            self._swap_out.append((req.request_id, tuple(req.block_ids[:used])))
+            req.swapped = True
+            self.num_swaps += 1
+        else:
+            req.num_computed = 0
         self._release(req)
-        req.num_computed = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -95,7 +112,13 @@ class SchedulerBase(abc.ABC):
         return decodes, preempted
 
     def _admit(self, req: Request) -> None:
+        """Callers have grown ``req`` to hold its computed KV plus its first chunk; a swapped
+        request's KV goes back into the leading blocks."""
         self.waiting.remove(req)
+        if req.swapped:
+            used = self.allocator.blocks_for(req.num_computed)
+            self._swap_in.append((req.request_id, tuple(req.block_ids[:used])))
+            req.swapped = False
         req.status = RequestStatus.RUNNING
         self.running.append(req)
 
@@ -119,4 +142,8 @@ class SchedulerBase(abc.ABC):
             preempted.append(victim.request_id)
             plan = self._schedule_once(admit=False)
             preempted.extend(plan.preempted)
-        return dataclasses.replace(plan, preempted=tuple(preempted))
+        swap_out, swap_in = tuple(self._swap_out), tuple(self._swap_in)
+        self._swap_out.clear()
+        self._swap_in.clear()
+        return dataclasses.replace(plan, preempted=tuple(preempted), swap_out=swap_out,
+                                   swap_in=swap_in)

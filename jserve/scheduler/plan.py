@@ -12,11 +12,20 @@ class ScheduledChunk:
     samples: bool     # the chunk reaches the end of the known tokens: sample a new one
 
 
+PageMove = tuple[str, tuple[int, ...]]  # (request id, KV blocks in token order)
+
+
 @dataclasses.dataclass(frozen=True)
 class BatchPlan:
+    """One iteration. Before running it the engine copies ``swap_out`` blocks to host memory
+    (their ids may be reused by this very plan), then ``swap_in`` host copies into their new
+    blocks."""
+
     decodes: tuple[ScheduledChunk, ...]
     prefills: tuple[ScheduledChunk, ...]
     preempted: tuple[str, ...] = ()
+    swap_out: tuple[PageMove, ...] = ()
+    swap_in: tuple[PageMove, ...] = ()
 
     @property
     def num_tokens(self) -> int:

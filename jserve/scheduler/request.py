@@ -9,7 +9,7 @@ from typing import Any
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"          # prefilling or decoding; holds KV blocks
-    PREEMPTED = "preempted"      # blocks released; recomputed from scratch when readmitted
+    PREEMPTED = "preempted"      # blocks released; KV swapped to host or to be recomputed
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -37,6 +37,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     ttft_deadline: float | None = None  # absolute time; deadline-aware policies fill it in
+    swapped: bool = False  # preempted with its KV (num_computed tokens) kept in host memory
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -31,7 +31,7 @@ class SarathiScheduler(SchedulerBase):
                and len(self.running) < self.max_num_seqs):
             req = self.waiting[0]
             chunk = self._fits(req, min(req.num_uncomputed, budget))
-            if chunk == 0 or not self._grow(req, chunk):
+            if chunk == 0 or not self._grow(req, req.num_computed + chunk):
                 break
             self._admit(req)
             prefills.append(self._chunk(req, chunk))
