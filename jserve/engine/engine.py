@@ -155,14 +155,19 @@ class LLMEngine:
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
-                    ttft_slo: float | None = None) -> str:
-        """``ttft_slo`` (seconds after arrival) overrides the policy's default TTFT deadline."""
+                    ttft_slo: float | None = None, tpot_slo: float | None = None,
+                    priority: int = 0) -> str:
+        """``ttft_slo`` (seconds after arrival) overrides the policy's default TTFT deadline;
+        ``tpot_slo`` caps the iteration budget while the request runs; a lower ``priority``
+        goes first under deadline-aware policies."""
         params = params if params is not None else SamplingParams()
         text, ids = self.tokenize(prompt)
         self.validate(ids, params)
-        if ttft_slo is not None and not ttft_slo > 0:
-            raise ValueError(f"ttft_slo must be > 0 seconds, got {ttft_slo}")
-        return self._enqueue(text, ids, params, request_id, arrival_time, ttft_slo)
+        for name, slo in (("ttft_slo", ttft_slo), ("tpot_slo", tpot_slo)):
+            if slo is not None and not slo > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {slo}")
+        return self._enqueue(text, ids, params, request_id, arrival_time, ttft_slo, tpot_slo,
+                             int(priority))
 
     def add_requests(self, prompts: Sequence[str | Sequence[int]],
                      params: Sequence[SamplingParams]) -> list[str]:
@@ -181,7 +186,8 @@ class LLMEngine:
 
     def _enqueue(self, text: str | None, ids: list[int], params: SamplingParams,
                  request_id: str | None = None, arrival_time: float | None = None,
-                 ttft_slo: float | None = None) -> str:
+                 ttft_slo: float | None = None, tpot_slo: float | None = None,
+                 priority: int = 0) -> str:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise ValueError(f"request_id {rid!r} is already in use")
@@ -192,7 +198,8 @@ class LLMEngine:
             metrics=RequestMetrics(time.monotonic() if arrival_time is None else arrival_time),
             detok=IncrementalDetokenizer(self.tokenizer),
             logprobs=[] if params.logprobs is not None else None)
-        req = Request(rid, ids, params.max_tokens, tracked.metrics.arrival_time, payload=tracked)
+        req = Request(rid, ids, params.max_tokens, tracked.metrics.arrival_time, payload=tracked,
+                      tpot_slo=tpot_slo, priority=priority)
         if ttft_slo is not None:
             req.ttft_deadline = req.arrival_time + ttft_slo
         self.requests[rid] = req

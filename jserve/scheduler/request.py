@@ -38,6 +38,8 @@ class Request:
     num_preemptions: int = 0
     ttft_deadline: float | None = None  # absolute time; deadline-aware policies fill it in
     swapped: bool = False  # preempted with its KV (num_computed tokens) kept in host memory
+    tpot_slo: float | None = None  # seconds per output token; None: the engine's default
+    priority: int = 0              # lower runs first among deadline-aware policies' ties
 
     def __post_init__(self) -> None:
         if not self.token_ids:
