@@ -1,12 +1,18 @@
 """Adaptive chunking: the largest prefill chunk whose batch still fits a time budget, and the
-prefill-time cache built from that chunk sequence (Medha Algorithms 2 and 3)."""
+prefill-time cache built from that chunk sequence (Medha Algorithms 2 and 3).
+
+The search assumes a predictor's time never falls when a chunk gets longer, starts later
+(more context to attend to) or samples; every predictor here has non-negative terms. That
+is what lets it bisect, and lets one ``ChunkSearch`` skip, unprobed, a request whose smallest
+chunk costs no less than one that already missed the same or a larger budget.
+"""
 from __future__ import annotations
 
 import bisect
 import dataclasses
 
 from jserve.scheduler.plan import BatchPlan, ScheduledChunk
-from jserve.scheduler.predictor import RuntimePredictor
+from jserve.scheduler.predictor import ChunkTimer, RuntimePredictor
 
 
 def with_chunk(plan: BatchPlan, request_id: str, start: int, n: int, samples: bool) -> BatchPlan:
@@ -14,32 +20,78 @@ def with_chunk(plan: BatchPlan, request_id: str, start: int, n: int, samples: bo
         plan, prefills=plan.prefills + (ScheduledChunk(request_id, start, n, samples),))
 
 
+def chunk_timer(predictor: RuntimePredictor, plan: BatchPlan, request_id: str = "_"
+                ) -> ChunkTimer:
+    """predict(plan + one prefill chunk) as a function of the chunk: the predictor's own O(1)
+    ``chunk_timer`` when it has one, else ``predict`` on the extended plan."""
+    fast = getattr(predictor, "chunk_timer", None)
+    if fast is not None:
+        return fast(plan)
+
+    def time(start: int, n: int, samples: bool) -> float:
+        return predictor.predict(with_chunk(plan, request_id, start, n, samples))
+    return time
+
+
+class ChunkSearch:
+    """Largest chunks against one plan for one candidate request after another: the plan's
+    time is prepared once, and probes that missed a budget are remembered (module docstring)."""
+
+    def __init__(self, predictor: RuntimePredictor, plan: BatchPlan, *, granularity: int = 32,
+                 request_id: str = "_"):
+        self.time = chunk_timer(predictor, plan, request_id)
+        self.granularity = granularity
+        self._missed: list[tuple[float, int, int, bool]] = []  # (budget, start, n, samples)
+
+    def largest(self, start: int, remaining: int, budget_s: float,
+                max_chunk: int | None = None) -> int:
+        """Largest n <= min(remaining, max_chunk), a multiple of ``granularity`` unless it is
+        the whole remainder, whose batch time is <= budget_s; 0 if none fits."""
+        cap = remaining if max_chunk is None else min(remaining, max_chunk)
+        if cap <= 0:
+            return 0
+        g, time = self.granularity, self.time
+        smallest = min(cap, g)  # the search's smallest candidate: it decides "none fits"
+        samples = smallest == remaining
+        for budget, s, n, smp in self._missed:
+            if budget_s <= budget and start >= s and smallest >= n and samples >= smp:
+                return 0
+        if time(start, smallest, samples) > budget_s:
+            self._missed.append((budget_s, start, smallest, samples))
+            return 0
+        if smallest == cap or time(start, cap, cap == remaining) <= budget_s:
+            return cap
+        lo, hi = 1, (cap - 1) // g  # k * g fits for k = lo, not for k > hi
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if time(start, mid * g, False) <= budget_s:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo * g
+
+
 def largest_chunk(predictor: RuntimePredictor, plan: BatchPlan, request_id: str, start: int,
                   remaining: int, budget_s: float, *, granularity: int = 32,
                   max_chunk: int | None = None) -> int:
     """Largest n <= min(remaining, max_chunk), a multiple of ``granularity`` unless it is the
-    whole remainder, with predict(plan + chunk(n)) <= budget_s; 0 if none fits.
+    whole remainder, with predict(plan + chunk(n)) <= budget_s; 0 if none fits."""
+    return ChunkSearch(predictor, plan, granularity=granularity, request_id=request_id
+                       ).largest(start, remaining, budget_s, max_chunk)
 
-    Binary search: predicted time is non-decreasing in n.
-    """
-    cap = remaining if max_chunk is None else min(remaining, max_chunk)
-    if cap <= 0:
-        return 0
 
-    def fits(n: int) -> bool:
-        return predictor.predict(with_chunk(plan, request_id, start, n,
-                                            start + n == start + remaining)) <= budget_s
+class _Memo(dict):
+    """n -> fn(n), computed on a miss; hits are a C-level dict lookup. Cleared when full."""
 
-    if fits(cap):
-        return cap
-    lo, hi = 0, (cap - 1) // granularity  # candidates k * granularity, k in [1, hi]
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if fits(mid * granularity):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo * granularity
+    def __init__(self, fn, limit: int = 1 << 16):
+        super().__init__()
+        self.fn, self.limit = fn, limit
+
+    def __missing__(self, n: int) -> float:
+        if len(self) >= self.limit:
+            self.clear()
+        value = self[n] = self.fn(n)
+        return value
 
 
 class PrefillTimeCache:
@@ -54,13 +106,12 @@ class PrefillTimeCache:
         self.lengths = [0]
         self.times = [0.0]
         done, elapsed = 0, 0.0
-        empty = BatchPlan((), ())
+        search = ChunkSearch(predictor, BatchPlan((), ()), granularity=chunk_granularity)
         while done < max_context:
-            n = largest_chunk(predictor, empty, "_", done, max_context - done, budget_s,
-                              granularity=chunk_granularity, max_chunk=max_chunk)
+            n = search.largest(done, max_context - done, budget_s, max_chunk)
             if n == 0:  # the budget is below one minimal chunk: take it anyway
                 n = min(chunk_granularity, max_context - done)
-            step = predictor.predict(with_chunk(empty, "_", done, n, False))
+            step = search.time(done, n, False)
             # Record every granularity boundary this chunk crosses, pro rata within the chunk.
             while self.lengths[-1] + granularity <= done + n:
                 mark = self.lengths[-1] + granularity
@@ -71,15 +122,20 @@ class PrefillTimeCache:
         if self.lengths[-1] != done:
             self.lengths.append(done)
             self.times.append(elapsed)
+        # T(n) for every n asked so far: the scheduler asks for the same lengths every step.
+        self.lookup = _Memo(self._interpolate).__getitem__
 
     def time(self, n: int) -> float:
         """T(n), linear between table points (n beyond the table extrapolates the last slope)."""
+        return self.lookup(n)
+
+    def remaining(self, total: int, processed: int) -> float:
+        return self.lookup(total) - self.lookup(processed)
+
+    def _interpolate(self, n: int) -> float:
         if n <= 0:
             return 0.0
         i = min(bisect.bisect_left(self.lengths, n), len(self.lengths) - 1)
         x0, x1 = self.lengths[i - 1], self.lengths[i]
         y0, y1 = self.times[i - 1], self.times[i]
         return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
-
-    def remaining(self, total: int, processed: int) -> float:
-        return self.time(total) - self.time(processed)
