@@ -35,6 +35,9 @@ def _generate(a: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
                             top_k=a.top_k, seed=a.seed, stop=a.stop or None,
                             ignore_eos=a.ignore_eos)
+    if a.server:
+        from jserve.serving.commands import generate_remote
+        return generate_remote(a, params)
     llm = LLM(a.model, dtype=a.dtype, **_engine_kwargs(a))
     prompt = llm.chat_prompt([{"role": "user", "content": a.prompt}]) if a.chat else a.prompt
     if a.token_ids:
@@ -86,6 +89,8 @@ def _profile(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from jserve.serving.commands import add_remote_args, add_serve_parser
+
     parser = argparse.ArgumentParser(prog="jserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="stream one completion to the terminal")
@@ -100,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[])
     g.add_argument("--ignore-eos", action="store_true")
+    add_remote_args(g)
     g.set_defaults(func=_generate)
     c = sub.add_parser("convert", help="save a model as an orbax checkpoint directory")
     c.add_argument("--model", default="default")
@@ -112,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     pr.add_argument("--repeats", type=int, default=2)
     pr.add_argument("--out", default=None, help="default: ~/.cache/jserve/predictors/KEY.json")
     pr.set_defaults(func=_profile)
+    add_serve_parser(sub, _add_engine_args, _engine_kwargs)
     a = parser.parse_args(argv)
     try:
         return a.func(a)

@@ -1,0 +1,102 @@
+"""``jserve serve`` and ``jserve generate --server``: the CLI side of the gRPC service (kept
+here so ``jserve/cli.py`` only wires them in)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Callable
+
+from jserve.scheduler import POLICIES
+
+TOKEN_ENV = "JSERVE_AUTH_TOKEN"
+
+
+def add_remote_args(g: argparse.ArgumentParser) -> None:
+    """``jserve generate`` flags for talking to a server instead of loading a model."""
+    g.add_argument("--server", default=None, metavar="HOST:PORT",
+                   help="stream from a running `jserve serve` instead of loading the model")
+    g.add_argument("--auth-token", default=None,
+                   help=f"bearer token for --server (default: ${TOKEN_ENV})")
+    g.add_argument("--tls-ca", default=None, metavar="PEM",
+                   help="use TLS to --server, trusting this CA certificate")
+    g.add_argument("--timeout", type=float, default=None, help="gRPC deadline in seconds")
+
+
+def add_serve_parser(sub, add_engine_args: Callable, engine_kwargs: Callable) -> None:
+    s = sub.add_parser("serve", help="serve the jserve.v1.Generation gRPC service")
+    add_engine_args(s)
+    s.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="skip compiling every bucket at start (the server warms up by default)")
+    s.set_defaults(warmup=True)
+    s.add_argument("--scheduler", choices=POLICIES, default="sarathi")
+    s.add_argument("--host", default="0.0.0.0", help="address for gRPC and metrics")
+    s.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
+    s.add_argument("--metrics-port", type=int, default=9400,
+                   help="Prometheus /metrics port (0: any free port; -1: off)")
+    s.add_argument("--max-waiting", type=int, default=1024,
+                   help="admission queue size; further requests get RESOURCE_EXHAUSTED")
+    s.add_argument("--max-request-bytes", type=int, default=4 << 20,
+                   help="larger request messages get INVALID_ARGUMENT")
+    s.add_argument("--grace-period", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM")
+    s.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key)")
+    s.add_argument("--tls-key", default=None, help="PEM private key (with --tls-cert)")
+    s.add_argument("--auth-token", default=os.environ.get(TOKEN_ENV),
+                   help=f"require 'authorization: Bearer TOKEN' (default: ${TOKEN_ENV})")
+    s.add_argument("--log-level", default="INFO")
+    s.set_defaults(func=lambda a: serve_command(a, engine_kwargs(a)))
+
+
+def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
+    import asyncio
+
+    from jserve import LLM
+    from jserve.serving.server import ServerConfig, serve
+
+    logging.basicConfig(level=a.log_level.upper(), force=True,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = ServerConfig(
+        host=a.host, port=a.port, metrics_port=None if a.metrics_port < 0 else a.metrics_port,
+        max_waiting=a.max_waiting, max_request_bytes=a.max_request_bytes,
+        grace_period=a.grace_period, tls_cert=a.tls_cert, tls_key=a.tls_key,
+        auth_token=a.auth_token or None, model_name=a.model)
+    llm = LLM(a.model, dtype=a.dtype, scheduler=a.scheduler, **engine_kwargs)
+
+    def ready(server) -> None:
+        metrics = (f"http://{a.host}:{server.metrics_port}/metrics"
+                   if server.metrics_port is not None else "off")
+        print(f"jserve: serving {a.model} on {a.host}:{server.port} "
+              f"({'TLS' if a.tls_cert else 'plaintext'}; metrics {metrics})", flush=True)
+    return asyncio.run(serve(llm.engine, config, ready=ready))
+
+
+def generate_remote(a: argparse.Namespace, params) -> int:
+    import grpc
+
+    from jserve.client import Client
+    from jserve.proto import generate_pb2 as pb
+
+    if a.chat:
+        print("jserve: error: --chat needs the local model's template; not with --server",
+              file=sys.stderr)
+        return 2
+    prompt = [int(t) for t in a.prompt.replace(",", " ").split()] if a.token_ids else a.prompt
+    ca = open(a.tls_ca, "rb").read() if a.tls_ca else None
+    token = a.auth_token or os.environ.get(TOKEN_ENV)
+    try:
+        with Client(a.server, auth_token=token, root_certificates=ca) as c:
+            n = 0
+            for r in c.stream(prompt, params, timeout=a.timeout):
+                sys.stdout.write(r.text)
+                sys.stdout.flush()
+                n += len(r.token_ids)
+                if r.finish_reason:
+                    sys.stdout.write("\n")
+                    reason = "stop" if r.finish_reason == pb.FINISH_REASON_STOP else "length"
+                    print(f"[{n} tokens, finish_reason={reason}]", file=sys.stderr)
+    except grpc.RpcError as e:
+        print(f"jserve: error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 2 if e.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
+    return 0

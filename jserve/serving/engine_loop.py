@@ -1,0 +1,302 @@
+"""The engine in a thread of its own, fed by a thread-safe command queue, streaming to asyncio.
+
+``LLMEngine`` is not thread-safe, so exactly one thread (this loop's) touches it. The asyncio
+side never calls the engine: it puts commands (add, abort, run-this-function) on a
+``queue.SimpleQueue`` and the engine thread applies them between steps, so an abort lands at
+the next iteration and frees the request's blocks before the next ``schedule()``. Outputs go
+back through ``loop.call_soon_threadsafe`` into one ``asyncio.Queue`` per request, one
+callback per iteration for all requests.
+
+Text deltas hold back the last ``len(longest stop string) - 1`` characters until the request
+finishes: a stop string that completes later cuts the text where it starts, and what was
+already streamed must stay a prefix of the final text.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+from jserve.engine.engine import LLMEngine
+from jserve.engine.output import RequestOutput, TokenLogprob
+from jserve.sampling.params import SamplingParams
+from jserve.serving.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+# Error kinds a stream can end with (the server maps them to gRPC status codes).
+INVALID = "invalid_argument"
+EXHAUSTED = "resource_exhausted"
+DEADLINE = "deadline_exceeded"
+UNAVAILABLE = "unavailable"
+INTERNAL = "internal"
+
+
+@dataclasses.dataclass
+class Delta:
+    """What one request got in one iteration (``finish_reason`` or ``error`` on the last)."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None = None        # 'stop' | 'length'
+    error: tuple[str, str] | None = None    # (kind, message)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    timings: dict[str, float] | None = None
+
+    @property
+    def last(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+@dataclasses.dataclass(eq=False)
+class _Live:
+    """Engine-thread bookkeeping of one request in flight."""
+
+    sink: asyncio.Queue
+    deadline: float | None
+    holdback: int
+    prompt_tokens: int = 0
+    sent_tokens: int = 0
+    sent_text: int = 0
+    sent_logprobs: int = 0
+    last_token_time: float | None = None
+
+
+_STOP = object()
+
+
+def _error(kind: str, message: str) -> Delta:
+    return Delta([], "", [], error=(kind, message))
+
+
+class EngineLoop:
+    """Owns ``engine`` from ``start()`` until ``shutdown()`` returns."""
+
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None, *,
+                 max_waiting: int = 1024, idle_poll_s: float = 1.0):
+        if max_waiting < 1:
+            raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
+        self.engine = engine
+        self.metrics = metrics
+        self.max_waiting = max_waiting
+        self._idle_poll_s = idle_poll_s
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[str, _Live] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.crashed: BaseException | None = None
+
+    # -- asyncio side ------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self._loop = loop or asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="jserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
+               arrival_time: float, deadline: float | None = None,
+               ttft_slo: float | None = None, tpot_slo: float | None = None,
+               priority: int = 0) -> asyncio.Queue:
+        """Queues an add; returns the request's queue of ``Delta``s. ``deadline`` is a
+        ``time.monotonic()`` instant. Errors (bad input the engine refuses, a full admission
+        queue, a passed deadline) arrive as the stream's last Delta."""
+        sink: asyncio.Queue = asyncio.Queue()
+        self._cmds.put(lambda out: self._add(out, sink, request_id, prompt, params,
+                                             arrival_time, deadline, ttft_slo, tpot_slo,
+                                             priority))
+        return sink
+
+    def abort(self, request_id: str) -> None:
+        """Client gone: drop the request at the next iteration; nothing more is sent."""
+        self._cmds.put(lambda out: self._abort(request_id))
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Runs ``fn(engine)`` on the engine thread between steps; returns its result."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def run(out):
+            try:
+                result, exc = fn(self.engine), None
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                result, exc = None, e
+            loop.call_soon_threadsafe(
+                lambda: fut.done() or (fut.set_exception(exc) if exc else fut.set_result(result)))
+        self._cmds.put(run)
+        return await fut
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Ends every request still in flight with UNAVAILABLE and stops the thread."""
+        if self._thread is None:
+            return
+        self._cmds.put(_STOP)
+        self._thread.join(timeout)
+
+    # -- engine thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        eng = self.engine
+        try:
+            while True:
+                out: list[tuple[asyncio.Queue, Delta]] = []
+                cmds = self._drain(block=not eng.has_unfinished())
+                stop = False
+                for cmd in cmds:
+                    if cmd is _STOP:
+                        stop = True
+                        break
+                    cmd(out)
+                if stop:
+                    self._fail_all(out, UNAVAILABLE, "the server is shutting down")
+                    self._publish(out)
+                    self._update_metrics(0)
+                    return
+                self._expire(out)
+                new_tokens = 0
+                if eng.has_unfinished():
+                    try:
+                        outputs = eng.step()
+                    except Exception as e:  # noqa: BLE001 - fail requests, keep serving
+                        log.exception("engine iteration failed")
+                        self._fail_all(out, INTERNAL, f"engine iteration failed: {e}")
+                        outputs = []
+                    now = time.monotonic()
+                    for o in outputs:
+                        new_tokens += self._on_output(out, o, now)
+                self._publish(out)
+                self._update_metrics(new_tokens)
+        except BaseException as e:  # noqa: BLE001 - tell every waiting client, then die
+            log.exception("engine loop crashed")
+            self.crashed = e
+            out = []
+            self._fail_all(out, INTERNAL, f"engine loop crashed: {e}")
+            self._publish(out)
+            raise
+
+    def _drain(self, block: bool) -> list:
+        cmds = []
+        if block:
+            try:
+                cmds.append(self._cmds.get(timeout=self._idle_poll_s))
+            except queue.Empty:
+                return cmds
+        while True:
+            try:
+                cmds.append(self._cmds.get_nowait())
+            except queue.Empty:
+                return cmds
+
+    def _add(self, out, sink, request_id, prompt, params, arrival_time, deadline, ttft_slo,
+             tpot_slo, priority) -> None:
+        eng = self.engine
+        if len(eng.scheduler.waiting) >= self.max_waiting:
+            out.append((sink, _error(EXHAUSTED, f"admission queue full "
+                                                f"({self.max_waiting} requests waiting)")))
+            return
+        if deadline is not None and time.monotonic() >= deadline:
+            out.append((sink, _error(DEADLINE, "deadline passed before admission")))
+            return
+        try:
+            eng.add_request(prompt, params, request_id=request_id, arrival_time=arrival_time,
+                            ttft_slo=ttft_slo, tpot_slo=tpot_slo, priority=priority)
+        except ValueError as e:
+            out.append((sink, _error(INVALID, str(e))))
+            return
+        req = eng.requests[request_id]
+        holdback = max((len(s) for s in params.stop), default=1) - 1
+        self._live[request_id] = _Live(sink, deadline, holdback, req.num_prompt_tokens)
+        if self.metrics is not None:
+            self.metrics.prompt_tokens.inc(req.num_prompt_tokens)
+
+    def _abort(self, request_id: str) -> None:
+        if self._live.pop(request_id, None) is not None:
+            self.engine.abort(request_id)
+
+    def _expire(self, out) -> None:
+        now = time.monotonic()
+        expired = [rid for rid, lv in self._live.items()
+                   if lv.deadline is not None and now >= lv.deadline]
+        for rid in expired:
+            lv = self._live.pop(rid)
+            self.engine.abort(rid)
+            out.append((lv.sink, _error(DEADLINE, f"deadline passed after {lv.sent_tokens} "
+                                                  f"generated tokens")))
+
+    def _fail_all(self, out, kind: str, message: str) -> None:
+        for rid, lv in list(self._live.items()):
+            self.engine.abort(rid)
+            out.append((lv.sink, _error(kind, message)))
+        self._live.clear()
+
+    def _on_output(self, out, o: RequestOutput, now: float) -> int:
+        lv = self._live.get(o.request_id)
+        if lv is None:
+            return 0
+        ids = o.token_ids[lv.sent_tokens:]
+        lv.sent_tokens += len(ids)
+        lps = o.logprobs[lv.sent_logprobs:] if o.logprobs else []
+        lv.sent_logprobs += len(lps)
+        end = len(o.text) if o.finished else len(o.text) - lv.holdback
+        text = o.text[lv.sent_text:end] if end > lv.sent_text else ""
+        lv.sent_text = max(lv.sent_text, end)
+        m = self.metrics
+        if m is not None and ids:
+            if lv.last_token_time is None:
+                m.ttft.observe(now - o.metrics.arrival_time)
+            else:
+                m.tpot.observe((now - lv.last_token_time) / len(ids))
+            lv.last_token_time = now
+        delta = Delta(ids, text, lps)
+        if o.finished:
+            del self._live[o.request_id]
+            if o.error is not None or o.finish_reason not in ("stop", "length"):
+                delta.error = (INTERNAL, o.error or f"request ended with {o.finish_reason}")
+            else:
+                delta.finish_reason = o.finish_reason
+                delta.prompt_tokens = lv.prompt_tokens
+                delta.completion_tokens = lv.sent_tokens
+                delta.timings = _timings(o)
+                if m is not None:
+                    m.e2e.observe(delta.timings["e2e_seconds"])
+        out.append((lv.sink, delta))
+        return len(ids)
+
+    def _publish(self, out: list[tuple[asyncio.Queue, Delta]]) -> None:
+        if not out:
+            return
+        try:
+            self._loop.call_soon_threadsafe(_deliver, out)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    def _update_metrics(self, new_tokens: int) -> None:
+        if self.metrics is None:
+            return
+        eng = self.engine
+        self.metrics.engine_state(
+            waiting=len(eng.scheduler.waiting), running=len(eng.scheduler.running),
+            blocks_used=eng.allocator.num_allocated, blocks_free=eng.allocator.num_free,
+            preemptions=eng.scheduler.num_preemptions, new_tokens=new_tokens)
+
+
+def _deliver(items: list[tuple[asyncio.Queue, Delta]]) -> None:
+    for sink, delta in items:
+        sink.put_nowait(delta)
+
+
+def _timings(o: RequestOutput) -> dict[str, float]:
+    m = o.metrics
+    t = m.token_times
+    return dict(
+        queue_seconds=(m.first_scheduled_time or m.arrival_time) - m.arrival_time,
+        time_to_first_token=(m.first_token_time or m.arrival_time) - m.arrival_time,
+        time_per_output_token=(t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else 0.0,
+        e2e_seconds=(m.finished_time or m.arrival_time) - m.arrival_time)

@@ -1,0 +1,83 @@
+"""Prometheus metrics of one server (own registry, so several servers can live in a process).
+
+Latency histograms are observed on the engine thread as tokens come out; gauges are set after
+every engine iteration. prometheus-client is thread-safe.
+"""
+from __future__ import annotations
+
+import collections
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 30.0, 60.0, 120.0)
+_TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0,
+                 2.5, 5.0)
+# Request outcomes (label values of jserve_requests_total).
+OUTCOMES = ("stop", "length", "cancelled", "deadline_exceeded", "invalid_argument",
+            "resource_exhausted", "unavailable", "internal", "already_exists",
+            "unauthenticated")
+
+
+class ServerMetrics:
+    def __init__(self, rate_window_s: float = 10.0):
+        self.registry = r = CollectorRegistry()
+        self.ttft = Histogram("jserve_time_to_first_token_seconds",
+                              "Arrival at the server to the first generated token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("jserve_time_per_output_token_seconds",
+                              "Gap between consecutive generated tokens of a request",
+                              buckets=_TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("jserve_e2e_request_latency_seconds",
+                             "Arrival to the last token of finished requests",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.waiting = Gauge("jserve_num_requests_waiting",
+                             "Requests queued for admission (incl. preempted)", registry=r)
+        self.running = Gauge("jserve_num_requests_running",
+                             "Requests holding KV blocks (prefilling or decoding)", registry=r)
+        self.blocks_used = Gauge("jserve_kv_blocks_used", "KV cache blocks in use", registry=r)
+        self.blocks_free = Gauge("jserve_kv_blocks_free", "KV cache blocks free", registry=r)
+        self.preemptions = Counter("jserve_preemptions", "Requests preempted under KV pressure",
+                                   registry=r)
+        self.prompt_tokens = Counter("jserve_prompt_tokens", "Prompt tokens admitted",
+                                     registry=r)
+        self.generation_tokens = Counter("jserve_generation_tokens", "Tokens generated",
+                                         registry=r)
+        self.tokens_per_second = Gauge(
+            "jserve_generation_tokens_per_second",
+            f"Tokens generated per second over the last {rate_window_s:g} s", registry=r)
+        self.requests = Counter("jserve_requests", "Requests by outcome", ["outcome"],
+                                registry=r)
+        for o in OUTCOMES:
+            self.requests.labels(o)
+        self._window = rate_window_s
+        self._recent: collections.deque[tuple[float, int]] = collections.deque()
+        self._recent_sum = 0
+        self._preemptions_seen = 0
+
+    def outcome(self, name: str) -> None:
+        self.requests.labels(name).inc()
+
+    def engine_state(self, *, waiting: int, running: int, blocks_used: int, blocks_free: int,
+                     preemptions: int, new_tokens: int) -> None:
+        """After each engine iteration (engine thread)."""
+        self.waiting.set(waiting)
+        self.running.set(running)
+        self.blocks_used.set(blocks_used)
+        self.blocks_free.set(blocks_free)
+        if preemptions > self._preemptions_seen:
+            self.preemptions.inc(preemptions - self._preemptions_seen)
+            self._preemptions_seen = preemptions
+        now = time.monotonic()
+        if new_tokens:
+            self.generation_tokens.inc(new_tokens)
+            self._recent.append((now, new_tokens))
+            self._recent_sum += new_tokens
+        while self._recent and self._recent[0][0] < now - self._window:
+            self._recent_sum -= self._recent.popleft()[1]
+        self.tokens_per_second.set(self._recent_sum / self._window)
+
+    def serve_http(self, port: int, host: str = "0.0.0.0"):
+        """Starts the /metrics endpoint in a daemon thread; returns (http server, thread)."""
+        return start_http_server(port, addr=host, registry=self.registry)

@@ -1,0 +1,81 @@
+"""Wire messages <-> the offline API's types. No JAX and no engine state: the client uses the
+``*_to_proto`` half, the server the ``*_from_proto`` half, and validation stays where it is
+(``SamplingParams`` and ``LLMEngine.tokenize/validate``)."""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from jserve.proto import generate_pb2 as pb
+from jserve.sampling.params import SamplingParams
+
+# Scalar SamplingParams fields carried as proto3 ``optional`` (unset: the offline default).
+SCALAR_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p",
+                 "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
+                 "ignore_eos", "logprobs")
+LIST_FIELDS = ("stop", "stop_token_ids")
+MAX_REQUEST_ID_CHARS = 256
+
+
+def params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+    """Raises ValueError naming the field (SamplingParams' own validation)."""
+    kw: dict = {name: getattr(msg, name) for name in SCALAR_FIELDS if msg.HasField(name)}
+    for name in LIST_FIELDS:
+        if len(getattr(msg, name)):
+            kw[name] = list(getattr(msg, name))
+    return SamplingParams(**kw)
+
+
+def params_to_proto(p: SamplingParams) -> pb.SamplingParams:
+    """Every field, so the server samples exactly as the offline API would."""
+    msg = pb.SamplingParams(stop=list(p.stop), stop_token_ids=list(p.stop_token_ids))
+    for name in SCALAR_FIELDS:
+        value = getattr(p, name)
+        if value is not None:
+            setattr(msg, name, value)
+    return msg
+
+
+def build_request(prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+                  request_id: str = "", priority: int = 0, ttft_slo: float | None = None,
+                  tpot_slo: float | None = None) -> pb.GenerateRequest:
+    req = pb.GenerateRequest(request_id=request_id, priority=priority,
+                             sampling_params=params_to_proto(params or SamplingParams()))
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(int(t) for t in prompt)
+    if ttft_slo is not None:
+        req.ttft_slo_seconds = ttft_slo
+    if tpot_slo is not None:
+        req.tpot_slo_seconds = tpot_slo
+    return req
+
+
+@dataclasses.dataclass(frozen=True)
+class ParsedRequest:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    priority: int
+    ttft_slo: float | None
+    tpot_slo: float | None
+
+
+def parse_request(req: pb.GenerateRequest) -> ParsedRequest:
+    """The checks that need no model; the engine's tokenize/validate do the rest."""
+    if len(req.request_id) > MAX_REQUEST_ID_CHARS:
+        raise ValueError(f"request_id must be at most {MAX_REQUEST_ID_CHARS} chars, "
+                         f"got {len(req.request_id)}")
+    kind = req.WhichOneof("prompt")
+    if kind is None:
+        raise ValueError("prompt is empty: set text or token_ids")
+    prompt = req.text if kind == "text" else list(req.token_ids.ids)
+    try:
+        params = params_from_proto(req.sampling_params)
+    except ValueError as e:
+        raise ValueError(f"sampling_params.{e}") from None
+    return ParsedRequest(
+        request_id=req.request_id, prompt=prompt, params=params, priority=req.priority,
+        ttft_slo=req.ttft_slo_seconds if req.HasField("ttft_slo_seconds") else None,
+        tpot_slo=req.tpot_slo_seconds if req.HasField("tpot_slo_seconds") else None)

@@ -1,0 +1,324 @@
+"""The ``jserve.v1.Generation`` gRPC service on ``grpc.aio`` and the process around it.
+
+One event loop runs the gRPC server, the health and reflection services and the request
+handlers; the engine runs in its own thread (``EngineLoop``). A handler validates the request
+with the engine's own checks (``SamplingParams``, ``LLMEngine.tokenize/validate``: they read only
+immutable model settings, so calling them from the event loop is safe), submits it, and writes
+the request's deltas to the stream as they arrive, coalescing whatever piled up while the
+client was slow. A cancelled or disconnected client, or a passed gRPC deadline, aborts the
+request on the engine thread at the next iteration.
+
+Status codes: INVALID_ARGUMENT (the message names the field), ALREADY_EXISTS (request_id in
+flight), RESOURCE_EXHAUSTED (admission queue full), DEADLINE_EXCEEDED, UNAVAILABLE (draining
+or stopped), UNAUTHENTICATED (bearer token), INTERNAL (engine failure).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import itertools
+import logging
+import signal
+import time
+
+import grpc
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from jserve.engine.engine import LLMEngine
+from jserve.proto import generate_pb2 as pb
+from jserve.sampling.params import (MAX_LOGPROBS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
+                                    MAX_STOP_TOKEN_IDS)
+from jserve.serving import engine_loop as el
+from jserve.serving.metrics import ServerMetrics
+from jserve.serving.protocol import parse_request
+
+log = logging.getLogger(__name__)
+
+SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "jserve.v1.Generation"
+_HEALTH_PREFIX = f"/{health.SERVICE_NAME}/"
+_CODES = {el.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+          el.EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+          el.DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED,
+          el.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+          el.INTERNAL: grpc.StatusCode.INTERNAL}
+_FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    host: str = "0.0.0.0"
+    port: int = 50051                  # 0: pick a free port (see GenerationServer.port)
+    metrics_port: int | None = 9400    # None: no HTTP endpoint; 0: pick a free port
+    max_waiting: int = 1024            # admission queue; one more gets RESOURCE_EXHAUSTED
+    max_request_bytes: int = 4 << 20   # bigger messages get INVALID_ARGUMENT
+    grace_period: float = 30.0         # seconds in-flight requests get to finish on SIGTERM
+    tls_cert: str | None = None        # PEM files; both or neither
+    tls_key: str | None = None
+    auth_token: str | None = None      # clients send "authorization: Bearer <token>"
+    model_name: str = "default"
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
+        if self.grace_period < 0:
+            raise ValueError(f"grace_period must be >= 0, got {self.grace_period}")
+        if self.auth_token is not None and not self.auth_token:
+            raise ValueError("auth_token is empty")
+
+
+@dataclasses.dataclass(frozen=True)
+class _BadMessage:
+    """What the deserializer hands the handler instead of raising (so the client gets
+    INVALID_ARGUMENT, not a bare INTERNAL)."""
+
+    reason: str
+
+
+class _BearerAuth(grpc.aio.ServerInterceptor):
+    """Every method but health checks needs ``authorization: Bearer <token>``."""
+
+    def __init__(self, token: str, on_denied):
+        self._expected = f"Bearer {token}".encode()
+        self._on_denied = on_denied
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(_HEALTH_PREFIX):
+            return handler
+        got = dict(details.invocation_metadata or ()).get("authorization", "")
+        if hmac.compare_digest(got.encode() if isinstance(got, str) else got, self._expected):
+            return handler
+        self._on_denied()
+        return _denying(handler)
+
+
+def _denying(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as ``handler`` that answers UNAUTHENTICATED."""
+    msg = "missing or wrong bearer token (metadata 'authorization: Bearer <token>')"
+
+    async def unary(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, msg)
+
+    async def streaming(request_or_iterator, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, msg)
+        yield  # pragma: no cover - makes this an async generator
+
+    kw = dict(request_deserializer=handler.request_deserializer,
+              response_serializer=handler.response_serializer)
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(streaming, **kw)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(unary, **kw)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(streaming, **kw)
+    return grpc.unary_unary_rpc_method_handler(unary, **kw)
+
+
+class GenerationServer:
+    """``await start()``, then ``await stop()`` (drain) or ``wait_for_termination()``.
+
+    The server owns ``engine`` from ``start()`` on: touch it only through
+    ``self.engine_loop.call(fn)``.
+    """
+
+    def __init__(self, engine: LLMEngine, config: ServerConfig = ServerConfig()):
+        self.engine = engine
+        self.config = config
+        self.metrics = ServerMetrics()
+        self.engine_loop = el.EngineLoop(engine, self.metrics, max_waiting=config.max_waiting)
+        self.health = health.aio.HealthServicer()
+        self.port: int | None = None
+        self.metrics_port: int | None = None
+        self.draining = False
+        self._server: grpc.aio.Server | None = None
+        self._http = None
+        self._streams: set[str] = set()
+        self._drained = asyncio.Event()
+        self._ids = itertools.count()
+        self._info = pb.ModelInfo(
+            model=config.model_name, vocab_size=engine.cfg.vocab_size,
+            max_model_len=engine.max_model_len, eos_token_ids=list(engine.eos_ids),
+            has_tokenizer=engine.tokenizer is not None, scheduler=engine.config.scheduler,
+            page_size=engine.config.page_size, num_kv_blocks=engine.allocator.total,
+            max_num_seqs=engine.config.max_num_seqs, max_logprobs=MAX_LOGPROBS,
+            max_stop_strings=MAX_STOP_STRINGS, max_stop_string_chars=MAX_STOP_STRING_CHARS,
+            max_stop_token_ids=MAX_STOP_TOKEN_IDS, max_request_bytes=config.max_request_bytes)
+
+    # -- lifecycle ---------------------------------------------------------------------
+    async def start(self) -> None:
+        cfg = self.config
+        # The transport refuses (RESOURCE_EXHAUSTED) only far past the application limit, so
+        # an oversized request normally gets INVALID_ARGUMENT from the handler.
+        transport_limit = max(4 * cfg.max_request_bytes, 16 << 20)
+        interceptors = [_BearerAuth(cfg.auth_token, lambda: self.metrics.outcome(
+            "unauthenticated"))] if cfg.auth_token else []
+        server = grpc.aio.server(interceptors=interceptors, options=[
+            ("grpc.max_receive_message_length", transport_limit),
+            ("grpc.so_reuseport", 0)])
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
+            "Generate": grpc.unary_stream_rpc_method_handler(
+                self._generate, request_deserializer=self._deserialize,
+                response_serializer=pb.GenerateResponse.SerializeToString),
+            "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+                self._model_info, request_deserializer=pb.GetModelInfoRequest.FromString,
+                response_serializer=pb.ModelInfo.SerializeToString),
+        }),))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        address = f"{cfg.host}:{cfg.port}"
+        if cfg.tls_cert:
+            with open(cfg.tls_key, "rb") as k, open(cfg.tls_cert, "rb") as c:
+                creds = grpc.ssl_server_credentials([(k.read(), c.read())])
+            port = server.add_secure_port(address, creds)
+        else:
+            port = server.add_insecure_port(address)
+        if port == 0:
+            raise RuntimeError(f"could not bind {address}")
+        self.port = port
+        self._server = server
+        self.engine_loop.start(asyncio.get_running_loop())
+        await server.start()
+        if cfg.metrics_port is not None:
+            self._http = self.metrics.serve_http(cfg.metrics_port, cfg.host)
+            self.metrics_port = self._http[0].server_port
+        for name in ("", SERVICE):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving %s on %s:%d", SERVICE, cfg.host, port)
+
+    async def stop(self, grace: float | None = None, *, hurry: asyncio.Event | None = None
+                   ) -> None:
+        """Drain: refuse new requests (UNAVAILABLE), report NOT_SERVING, give in-flight
+        requests ``grace`` seconds (the config's by default; ``hurry`` set cuts it short) to
+        finish, then end the rest with UNAVAILABLE and stop."""
+        grace = self.config.grace_period if grace is None else grace
+        self.draining = True
+        await self.health.enter_graceful_shutdown()
+        if self._streams:
+            self._drained.clear()
+            waits = [asyncio.ensure_future(self._drained.wait())]
+            if hurry is not None:
+                waits.append(asyncio.ensure_future(hurry.wait()))
+            await asyncio.wait(waits, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
+            for w in waits:
+                w.cancel()
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self.engine_loop.shutdown)
+        if self._server is not None:
+            await self._server.stop(1.0)  # lets the UNAVAILABLE statuses go out
+        if self._http is not None:
+            self._http[0].shutdown()
+            self._http[0].server_close()
+            self._http = None
+
+    async def wait_for_termination(self) -> None:
+        await self._server.wait_for_termination()
+
+    # -- handlers ----------------------------------------------------------------------
+    def _deserialize(self, data: bytes) -> pb.GenerateRequest | _BadMessage:
+        limit = self.config.max_request_bytes
+        if len(data) > limit:
+            return _BadMessage(f"request is {len(data)} bytes; the limit is {limit} bytes "
+                               f"(prompt and stop strings count)")
+        try:
+            return pb.GenerateRequest.FromString(data)
+        except DecodeError as e:
+            return _BadMessage(f"request is not a valid jserve.v1.GenerateRequest: {e}")
+
+    async def _model_info(self, request, context) -> pb.ModelInfo:
+        return self._info
+
+    async def _fail(self, context, kind: str, message: str) -> None:
+        self.metrics.outcome(kind)
+        await context.abort(_CODES.get(kind, grpc.StatusCode.INTERNAL)
+                            if kind != "already_exists" else grpc.StatusCode.ALREADY_EXISTS,
+                            message)
+
+    async def _generate(self, request, context) -> None:
+        arrival = time.monotonic()
+        if isinstance(request, _BadMessage):
+            await self._fail(context, el.INVALID, request.reason)
+        if self.draining:
+            await self._fail(context, el.UNAVAILABLE, "the server is shutting down")
+        if not self.engine_loop.alive:
+            await self._fail(context, el.UNAVAILABLE, "the engine is not running")
+        try:
+            parsed = parse_request(request)
+            _, ids = self.engine.tokenize(parsed.prompt)
+            self.engine.validate(ids, parsed.params)
+        except ValueError as e:
+            await self._fail(context, el.INVALID, str(e))
+        rid = parsed.request_id or f"grpc-{next(self._ids)}"
+        if rid in self._streams:
+            await self._fail(context, "already_exists",
+                             f"request_id {rid!r} is already in flight")
+        remaining = context.time_remaining()
+        self._streams.add(rid)
+        done = False
+        try:
+            sink = self.engine_loop.submit(
+                rid, ids, parsed.params, arrival_time=arrival,
+                deadline=arrival + remaining if remaining is not None else None,
+                ttft_slo=parsed.ttft_slo, tpot_slo=parsed.tpot_slo, priority=parsed.priority)
+            while not done:
+                deltas = [await sink.get()]
+                while not sink.empty():
+                    deltas.append(sink.get_nowait())
+                last = deltas[-1]
+                done = last.last
+                if last.error is not None:
+                    if len(deltas) > 1:
+                        await context.write(_response(rid, deltas[:-1]))
+                    await self._fail(context, *last.error)
+                await context.write(_response(rid, deltas))
+            self.metrics.outcome(last.finish_reason)
+        finally:
+            if not done:  # cancelled, disconnected or timed out on the client's side
+                self.engine_loop.abort(rid)
+                self.metrics.outcome("cancelled")
+            self._streams.discard(rid)
+            if not self._streams:
+                self._drained.set()
+
+
+def _response(rid: str, deltas: list[el.Delta]) -> pb.GenerateResponse:
+    r = pb.GenerateResponse(request_id=rid, text="".join(d.text for d in deltas))
+    for d in deltas:
+        r.token_ids.extend(d.token_ids)
+        for lp in d.logprobs:
+            r.logprobs.add(token_id=lp.token_id, logprob=lp.logprob,
+                           top_token_ids=[t for t, _ in lp.top],
+                           top_logprobs=[v for _, v in lp.top])
+    last = deltas[-1]
+    if last.finish_reason is not None:
+        r.finish_reason = _FINISH[last.finish_reason]
+        r.usage.prompt_tokens = last.prompt_tokens
+        r.usage.completion_tokens = last.completion_tokens
+        r.timings.CopyFrom(pb.Timings(**last.timings))
+    return r
+
+
+async def serve(engine: LLMEngine, config: ServerConfig, *, ready=None) -> int:
+    """Runs until SIGTERM or SIGINT, then drains (a second signal cuts the grace short).
+    ``ready(server)`` is called once the ports are bound."""
+    server = GenerationServer(engine, config)
+    await server.start()
+    loop = asyncio.get_running_loop()
+    stop, hurry = asyncio.Event(), asyncio.Event()
+
+    def on_signal() -> None:
+        (hurry if stop.is_set() else stop).set()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+    if ready is not None:
+        ready(server)
+    await stop.wait()
+    log.info("draining: %d requests in flight, grace %.1f s", len(server._streams),
+             config.grace_period)
+    await server.stop(hurry=hurry)
+    return 0
