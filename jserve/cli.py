@@ -88,6 +88,51 @@ def _profile(a: argparse.Namespace) -> int:
     return 0
 
 
+def _add_simulate_parser(sub) -> None:
+    from jserve.sim.runner import POLICIES, SimConfig
+
+    d = SimConfig()
+    s = sub.add_parser("simulate", help="replay a trace through a scheduling policy on the "
+                                        "GPU time model (no GPU, no JAX)")
+    s.add_argument("--trace", required=True, help="CSV or JSONL: num_prefill_tokens, "
+                   "num_decode_tokens, arrived_at (unless --qps)")
+    s.add_argument("--policy", required=True, choices=POLICIES,
+                   help="lars: LARS alone; lars-ss: LARS with space sharing")
+    s.add_argument("--model", default=d.model)
+    s.add_argument("--hardware", default=d.hardware)
+    s.add_argument("--tp", type=int, default=d.tp)
+    s.add_argument("--spp", type=int, default=d.spp)
+    s.add_argument("--kvp", type=int, default=d.kvp)
+    s.add_argument("--qps", type=float, default=None, help="draw Poisson arrivals at this rate")
+    s.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
+    s.add_argument("--max-requests", type=int, default=None, help="the trace's first N requests")
+    s.add_argument("--tpot-slo", type=float, default=d.tpot_slo,
+                   help="seconds; the iteration budget of the deadline-aware policies")
+    s.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    s.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    s.add_argument("--horizon", type=float, default=None,
+                   help="stop the virtual clock here (s); unfinished requests get null times")
+    s.add_argument("--out", required=True, help="records JSONL")
+    s.set_defaults(func=_simulate)
+
+
+def _simulate(a: argparse.Namespace) -> int:
+    from jserve.sim.metrics import format_summary, summarize
+    from jserve.sim.runner import SimConfig, run
+    from jserve.sim.trace import read_trace, write_records
+
+    trace = read_trace(a.trace, qps=a.qps, seed=a.seed, max_requests=a.max_requests)
+    cfg = SimConfig(model=a.model, hardware=a.hardware, tp=a.tp, spp=a.spp, kvp=a.kvp,
+                    tpot_slo=a.tpot_slo, max_num_seqs=a.max_num_seqs,
+                    max_num_batched_tokens=a.max_num_batched_tokens, horizon_s=a.horizon)
+    records = run(trace, a.policy, cfg)
+    write_records(a.out, records)
+    print(f"{a.policy}: {len(records)} requests on {a.model} {a.hardware} "
+          f"tp={a.tp} spp={a.spp} kvp={a.kvp}; wrote {a.out}")
+    print(format_summary(summarize(records)))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from jserve.serving.commands import add_remote_args, add_serve_parser
 
@@ -119,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     pr.add_argument("--out", default=None, help="default: ~/.cache/jserve/predictors/KEY.json")
     pr.set_defaults(func=_profile)
     add_serve_parser(sub, _add_engine_args, _engine_kwargs)
+    _add_simulate_parser(sub)
     a = parser.parse_args(argv)
     try:
         return a.func(a)

@@ -15,10 +15,13 @@ import math
 import os
 from collections import defaultdict
 from pathlib import Path
+from typing import Callable
 
 from jserve.scheduler.plan import BatchPlan, ScheduledChunk
+from jserve.scheduler.predictor import ChunkTimer
 
 BF16 = 2  # bytes
+_MEMO_LIMIT = 1 << 17  # entries per memo table (a few MB)
 GPUS_PER_NODE = 8  # DGX A100 / H100: collectives among up to 8 GPUs stay on NVLink
 
 
@@ -105,10 +108,12 @@ def _isotonic(ys: list[float]) -> list[float]:
 class _Curve:
     """Time (seconds) against a size, from profiled points: linear between them, the first
     point's time below them, proportional to size beyond the last (large ops are throughput
-    bound, and the last two points are too close together for a reliable slope)."""
+    bound, and the last two points are too close together for a reliable slope). Answers
+    are memoized: the simulator asks about the same few thousand sizes millions of times."""
 
     xs: tuple[float, ...]
     ys: tuple[float, ...]
+    _memo: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_points(cls, points: dict[float, list[float]]) -> "_Curve":
@@ -118,6 +123,14 @@ class _Curve:
         return cls(tuple(xs), tuple(ys))
 
     def __call__(self, x: float) -> float:
+        y = self._memo.get(x)
+        if y is None:
+            y = self._eval(x)
+            if len(self._memo) < _MEMO_LIMIT:
+                self._memo[x] = y
+        return y
+
+    def _eval(self, x: float) -> float:
         xs, ys = self.xs, self.ys
         if x >= xs[-1]:
             return ys[-1] * x / xs[-1]
@@ -246,6 +259,13 @@ class GpuTimeModel:
             _nearest_config(_load_network(net / "send_recv.csv"), 2,
                             2 if tp * kvp * spp <= GPUS_PER_NODE else 1)
             if spp > 1 else None)
+        self._stage_layers = math.ceil(self.shape.num_layers / spp)
+        # Memos of the hot path (see _parts, _sums, _chunk_attention).
+        self._last_plan: BatchPlan | None = None
+        self._last_parts = (0.0, 0.0, 0.0)
+        self._last_decodes: tuple | None = None
+        self._decode_sums = (0.0, 0)
+        self._attention_memo: dict[tuple[int, int], float] = {}
 
     def _nearest_profile(self, compute_dir: Path) -> _ComputeProfile:
         paths = sorted(compute_dir.glob("*/mlp.csv"))
@@ -256,25 +276,104 @@ class GpuTimeModel:
             sum(_op_work(pr.shape)[op] for op in LAYER_OPS) / flops)))
 
     def predict(self, plan: BatchPlan) -> float:
-        if plan.is_empty:
-            return 0.0
+        """Latency of one batch through every pipeline stage."""
+        return self._latency(*self._parts(plan)) if not plan.is_empty else 0.0
+
+    def stage_time(self, plan: BatchPlan) -> float:
+        """The pipeline's issue interval for this batch: its slowest stage (the layers of one
+        stage plus the embedding, lm_head and one activation send, all charged to it). With
+        spp = 1 this is ``predict``."""
+        return self._stage(*self._parts(plan)) if not plan.is_empty else 0.0
+
+    def chunk_timer(self, plan: BatchPlan) -> ChunkTimer:
+        """``predict(plan + one prefill chunk)`` with the plan's sums taken once (the
+        scheduler's chunk-size search probes a dozen sizes against one plan)."""
+        return self._chunk_timer(plan, self._latency)
+
+    def stage_chunk_timer(self, plan: BatchPlan) -> ChunkTimer:
+        """``stage_time(plan + one prefill chunk)``, as ``chunk_timer``."""
+        return self._chunk_timer(plan, self._stage)
+
+    def _latency(self, layer: float, once: float, send: float) -> float:
+        return layer * self._stage_layers * self.spp + once + (self.spp - 1) * send
+
+    def _stage(self, layer: float, once: float, send: float) -> float:
+        return layer * self._stage_layers + once + (send if self.spp > 1 else 0.0)
+
+    def _chunk_timer(self, plan: BatchPlan, total: Callable[[float, float, float], float]
+                     ) -> ChunkTimer:
+        tokens, attention, sampled = self._sums(plan)
+        combine, chunk_attention = self._combine, self._chunk_attention
+
+        def time(request_id: str, start: int, n: int, samples: bool) -> float:
+            return total(*combine(tokens + n, attention + chunk_attention(start, n),
+                                  sampled + samples))
+        return time
+
+    def _parts(self, plan: BatchPlan) -> tuple[float, float, float]:
+        """(one layer's time, once-per-step time, one inter-stage send) of a non-empty plan;
+        the last plan's answer is kept (the simulator asks for latency and stage time)."""
+        if plan is not self._last_plan:
+            self._last_plan, self._last_parts = plan, self._combine(*self._sums(plan))
+        return self._last_parts
+
+    def _sums(self, plan: BatchPlan) -> tuple[int, float, int]:
+        """(tokens, one layer's attention time, sampled rows). The decodes' share is kept for
+        the last decode tuple seen: the scheduler tries many prefill chunks beside one."""
+        if plan.decodes is not self._last_decodes:
+            self._last_decodes = plan.decodes
+            self._decode_sums = (sum(self._attention(c) for c in plan.decodes),
+                                 sum(c.samples for c in plan.decodes))
+        attention, sampled = self._decode_sums
+        tokens = len(plan.decodes)
+        for c in plan.prefills:
+            attention += self._chunk_attention(c.start, c.num_tokens)
+            sampled += c.samples
+            tokens += c.num_tokens
+        return tokens, attention, sampled
+
+    def _chunk_attention(self, start: int, n: int) -> float:
+        """``_attention`` of a prefill chunk, memoized by (start, length)."""
+        key = (start, n)
+        a = self._attention_memo.get(key)
+        if a is None:
+            if len(self._attention_memo) >= _MEMO_LIMIT:
+                self._attention_memo.clear()
+            a = self._attention_memo[key] = self._attention(ScheduledChunk("_", start, n, False))
+        return a
+
+    def _combine(self, tokens: int, attention: float, sampled: int
+                 ) -> tuple[float, float, float]:
         s = self.shape
-        chunks = plan.decodes + plan.prefills
-        tokens = plan.num_tokens
         act_bytes = tokens * s.hidden * BF16
-        layer = self._layer(tokens) + sum(self._attention(c) for c in chunks)
+        layer = self._layer(tokens) + attention
         if self._tp_all_reduce is not None:
             layer += 2 * self._tp_all_reduce(act_bytes)
         if self._kvp_all_reduce is not None:  # partial outputs (bf16) + LSEs (fp32)
             heads = s.num_heads / self.tp
             layer += self._kvp_all_reduce(tokens * heads * (s.head_dim * BF16 + 4))
-        total = layer * math.ceil(s.num_layers / self.spp) * self.spp + self._emb(tokens)
-        if self._send_recv is not None:
-            total += (self.spp - 1) * self._send_recv(act_bytes)
-        sampled = sum(c.samples for c in chunks)
+        once = self._emb(tokens)
         if sampled:
-            total += self._lm_head(sampled)
-        return total
+            once += self._lm_head(sampled)
+        send = self._send_recv(act_bytes) if self._send_recv is not None else 0.0
+        return layer, once, send
+
+    def kv_cache_tokens(self, memory_fraction: float = 0.9) -> int:
+        """KV entries the replica holds: per GPU, ``memory_fraction`` of memory less its share
+        of the bf16 weights, over one token's KV on that GPU (its stage's layers, its KV
+        heads, 1 / kvp of the context)."""
+        s = self.shape
+        q_dim, kv_dim = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        params = (s.num_layers * (s.hidden * (q_dim + 2 * kv_dim) + q_dim * s.hidden
+                                  + 3 * s.hidden * s.intermediate + 2 * s.hidden)
+                  + 2 * s.vocab * s.hidden)
+        free = self.hw.memory_bytes * memory_fraction - params * BF16 / (self.tp * self.spp)
+        kv_heads = max(s.num_kv_heads / self.tp, 1.0)
+        per_token = (2 * math.ceil(s.num_layers / self.spp) * kv_heads * s.head_dim * BF16
+                     / self.kvp)
+        if free <= 0:
+            raise ValueError(f"{self.describe()}: weights do not fit in memory")
+        return int(free / per_token)
 
     def _attention(self, c: ScheduledChunk) -> float:
         """One layer's attention for one chunk on one GPU: roofline over heads / tp and the
@@ -293,3 +392,18 @@ class GpuTimeModel:
         return (f"{self.shape.name} on {self.hw.name} tp={self.tp} spp={self.spp} "
                 f"kvp={self.kvp} attention_efficiency={self.eff} "
                 f"(profile {self.profile_name})")
+
+
+class StageTimes:
+    """A ``RuntimePredictor`` answering a model's ``stage_time``: the time a prefill takes
+    when its chunks stream through the pipeline stages one issue interval apart (SPP), which
+    is what isolated prefill times (TTFT deadlines, slack) should sum on a pipelined mesh."""
+
+    def __init__(self, model: GpuTimeModel):
+        self.model = model
+
+    def predict(self, plan: BatchPlan) -> float:
+        return self.model.stage_time(plan)
+
+    def chunk_timer(self, plan: BatchPlan) -> ChunkTimer:
+        return self.model.stage_chunk_timer(plan)

@@ -1,0 +1,108 @@
+"""Policy name + mesh -> a simulated run: the one place ``jserve simulate`` and the
+reproduction script build schedulers, time models and KV pools, so a name means one setup.
+
+Policies: ``fcfs`` (non-preemptive, whole prompts up to the token budget), ``sarathi``
+(FCFS chunks of a fixed ``sarathi_chunk`` tokens), ``edf``, ``lrs``, ``lars`` (adaptive
+chunks, space sharing off), ``lars-ss`` (LARS with space sharing on: the full Medha policy),
+``loongserve`` (``jserve.scheduler.loongserve`` on ``spp x kvp`` TP groups with ESP).
+Deadline policies get TTFT deadlines from ``DeadlineConfig`` (max(1.5 x isolated prefill,
+0.5 s)) and the iteration budget t_target = the TPOT SLO.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+from jserve.cache.allocator import BlockAllocator
+from jserve.scheduler.base import SchedulerBase
+from jserve.scheduler.chunking import PrefillTimeCache
+from jserve.scheduler.deadline import DeadlineConfig, DeadlineScheduler
+from jserve.scheduler.loongserve import LoongServeScheduler
+from jserve.scheduler.predictor import RuntimePredictor
+from jserve.scheduler.sarathi import SarathiScheduler
+from jserve.sim.esp import EspTimeModel
+from jserve.sim.hardware import GpuTimeModel, StageTimes
+from jserve.sim.simulator import VirtualClock, simulate
+from jserve.sim.trace import TraceRequest
+
+_CONTEXT_STEP = 65_536
+POLICIES = ("fcfs", "sarathi", "edf", "lrs", "lars", "lars-ss", "loongserve")
+
+
+@dataclasses.dataclass(frozen=True)
+class SimConfig:
+    model: str = "llama3-8b"
+    hardware: str = "a100"
+    tp: int = 8
+    spp: int = 1
+    kvp: int = 1
+    tpot_slo: float = 0.05              # seconds; the deadline policies' iteration budget
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 32_768  # the token cap of fcfs / loongserve iterations
+    max_prefill_seqs: int = 8
+    sarathi_chunk: int = 512
+    block_size: int = 16
+    memory_fraction: float = 0.9
+    esp_tokens_per_instance: int = 65_536
+    esp_efficiency: float = 0.9
+    horizon_s: float | None = None      # stop the clock here; None: run until all finish
+
+    def __post_init__(self) -> None:
+        if self.tpot_slo <= 0:
+            raise ValueError(f"tpot_slo must be > 0, got {self.tpot_slo}")
+
+
+@functools.lru_cache(maxsize=8)
+def _time_model(model: str, hardware: str, tp: int, spp: int, kvp: int) -> GpuTimeModel:
+    return GpuTimeModel(model, hardware, tp=tp, spp=spp, kvp=kvp)
+
+
+@functools.lru_cache(maxsize=8)
+def _prefill_cache(cfg: SimConfig, max_context: int) -> PrefillTimeCache:
+    """Isolated prefill times on the pipelined mesh: chunks stream one stage time apart, so
+    the times sum stage times, for chunks sized to a stage-time budget of t_target / spp
+    (within the embedding and one send of the scheduler's latency-budget chunks)."""
+    model = _time_model(cfg.model, cfg.hardware, cfg.tp, cfg.spp, cfg.kvp)
+    return PrefillTimeCache(StageTimes(model), max_context, cfg.tpot_slo / cfg.spp,
+                            chunk_granularity=DeadlineConfig.chunk_granularity,
+                            max_chunk=cfg.max_num_batched_tokens)
+
+
+def build(policy: str, cfg: SimConfig, clock: VirtualClock, max_context: int
+          ) -> tuple[SchedulerBase, RuntimePredictor]:
+    """A fresh scheduler (with its KV pool) and the time model that executes its plans."""
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    limits = dict(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                  max_prefill_seqs=cfg.max_prefill_seqs)
+
+    def pool(kv_tokens: int) -> BlockAllocator:
+        return BlockAllocator(kv_tokens // cfg.block_size + 1, cfg.block_size)
+
+    if policy == "loongserve":
+        instance = _time_model(cfg.model, cfg.hardware, cfg.tp, 1, 1)
+        n = cfg.spp * cfg.kvp  # the mesh's TP groups
+        sched = LoongServeScheduler(pool(n * instance.kv_cache_tokens(cfg.memory_fraction)),
+                                    num_instances=n,
+                                    tokens_per_instance=cfg.esp_tokens_per_instance, **limits)
+        return sched, EspTimeModel(instance, n, sched.degree_of, cfg.esp_efficiency)
+    model = _time_model(cfg.model, cfg.hardware, cfg.tp, cfg.spp, cfg.kvp)
+    kv = pool(model.kv_cache_tokens(cfg.memory_fraction))
+    if policy == "sarathi":
+        return SarathiScheduler(kv, **{**limits, "max_num_batched_tokens": cfg.sarathi_chunk}), model
+    config = DeadlineConfig(t_target=cfg.tpot_slo, space_sharing=policy == "lars-ss")
+    sched = DeadlineScheduler(kv, policy=policy.removesuffix("-ss"), predictor=model,
+                              prefill_cache=_prefill_cache(cfg, max_context), config=config,
+                              clock=clock, **limits)
+    return sched, model
+
+
+def run(trace: Sequence[TraceRequest], policy: str, cfg: SimConfig = SimConfig()) -> list[dict]:
+    """Simulates ``trace`` under ``policy``; one record per request in arrival order."""
+    # The prefill-time cache covers the longest sequence, rounded up so runs can share it.
+    longest = max(t.prompt_tokens + t.output_tokens for t in trace)
+    max_context = -(-longest // _CONTEXT_STEP) * _CONTEXT_STEP
+    clock = VirtualClock()
+    sched, predictor = build(policy, cfg, clock, max_context)
+    return simulate(sched, predictor, clock, trace, policy, horizon_s=cfg.horizon_s)
