@@ -2,9 +2,11 @@
 prefill-time cache built from that chunk sequence (Medha Algorithms 2 and 3).
 
 The search assumes a predictor's time never falls when a chunk gets longer, starts later
-(more context to attend to) or samples; every predictor here has non-negative terms. That
-is what lets it bisect, and lets one ``ChunkSearch`` skip, unprobed, a request whose smallest
-chunk costs no less than one that already missed the same or a larger budget.
+(more context to attend to) or samples, and does not depend on whose chunk it is; the
+predictors the deadline policies use (``LinearPredictor``, ``jserve.sim.GpuTimeModel``) are
+sums of non-negative terms of sizes and positions. That is what lets it bisect, and lets one
+``ChunkSearch`` skip, unprobed, a request whose smallest chunk costs no less than one that
+already missed the same or a larger budget.
 """
 from __future__ import annotations
 
@@ -20,15 +22,14 @@ def with_chunk(plan: BatchPlan, request_id: str, start: int, n: int, samples: bo
         plan, prefills=plan.prefills + (ScheduledChunk(request_id, start, n, samples),))
 
 
-def chunk_timer(predictor: RuntimePredictor, plan: BatchPlan, request_id: str = "_"
-                ) -> ChunkTimer:
+def chunk_timer(predictor: RuntimePredictor, plan: BatchPlan) -> ChunkTimer:
     """predict(plan + one prefill chunk) as a function of the chunk: the predictor's own O(1)
     ``chunk_timer`` when it has one, else ``predict`` on the extended plan."""
     fast = getattr(predictor, "chunk_timer", None)
     if fast is not None:
         return fast(plan)
 
-    def time(start: int, n: int, samples: bool) -> float:
+    def time(request_id: str, start: int, n: int, samples: bool) -> float:
         return predictor.predict(with_chunk(plan, request_id, start, n, samples))
     return time
 
@@ -37,13 +38,12 @@ class ChunkSearch:
     """Largest chunks against one plan for one candidate request after another: the plan's
     time is prepared once, and probes that missed a budget are remembered (module docstring)."""
 
-    def __init__(self, predictor: RuntimePredictor, plan: BatchPlan, *, granularity: int = 32,
-                 request_id: str = "_"):
-        self.time = chunk_timer(predictor, plan, request_id)
+    def __init__(self, predictor: RuntimePredictor, plan: BatchPlan, granularity: int = 32):
+        self.time = chunk_timer(predictor, plan)
         self.granularity = granularity
         self._missed: list[tuple[float, int, int, bool]] = []  # (budget, start, n, samples)
 
-    def largest(self, start: int, remaining: int, budget_s: float,
+    def largest(self, request_id: str, start: int, remaining: int, budget_s: float,
                 max_chunk: int | None = None) -> int:
         """Largest n <= min(remaining, max_chunk), a multiple of ``granularity`` unless it is
         the whole remainder, whose batch time is <= budget_s; 0 if none fits."""
@@ -53,22 +53,27 @@ class ChunkSearch:
         g, time = self.granularity, self.time
         smallest = min(cap, g)  # the search's smallest candidate: it decides "none fits"
         samples = smallest == remaining
-        for budget, s, n, smp in self._missed:
-            if budget_s <= budget and start >= s and smallest >= n and samples >= smp:
-                return 0
-        if time(start, smallest, samples) > budget_s:
+        if self.missed(start, smallest, samples, budget_s):
+            return 0
+        if time(request_id, start, smallest, samples) > budget_s:
             self._missed.append((budget_s, start, smallest, samples))
             return 0
-        if smallest == cap or time(start, cap, cap == remaining) <= budget_s:
+        if smallest == cap or time(request_id, start, cap, cap == remaining) <= budget_s:
             return cap
         lo, hi = 1, (cap - 1) // g  # k * g fits for k = lo, not for k > hi
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if time(start, mid * g, False) <= budget_s:
+            if time(request_id, start, mid * g, False) <= budget_s:
                 lo = mid
             else:
                 hi = mid - 1
         return lo * g
+
+    def missed(self, start: int, n: int, samples: bool, budget_s: float) -> bool:
+        """Whether a chunk so placed is known not to fit: a probe no more costly (no later,
+        no longer, sampling no more) already missed a budget no smaller."""
+        return any(budget_s <= b and start >= s and n >= m and samples >= smp
+                   for b, s, m, smp in self._missed)
 
 
 def largest_chunk(predictor: RuntimePredictor, plan: BatchPlan, request_id: str, start: int,
@@ -76,8 +81,8 @@ def largest_chunk(predictor: RuntimePredictor, plan: BatchPlan, request_id: str,
                   max_chunk: int | None = None) -> int:
     """Largest n <= min(remaining, max_chunk), a multiple of ``granularity`` unless it is the
     whole remainder, with predict(plan + chunk(n)) <= budget_s; 0 if none fits."""
-    return ChunkSearch(predictor, plan, granularity=granularity, request_id=request_id
-                       ).largest(start, remaining, budget_s, max_chunk)
+    return ChunkSearch(predictor, plan, granularity).largest(request_id, start, remaining,
+                                                             budget_s, max_chunk)
 
 
 class _Memo(dict):
@@ -106,12 +111,12 @@ class PrefillTimeCache:
         self.lengths = [0]
         self.times = [0.0]
         done, elapsed = 0, 0.0
-        search = ChunkSearch(predictor, BatchPlan((), ()), granularity=chunk_granularity)
+        search = ChunkSearch(predictor, BatchPlan((), ()), chunk_granularity)
         while done < max_context:
-            n = search.largest(done, max_context - done, budget_s, max_chunk)
+            n = search.largest("_", done, max_context - done, budget_s, max_chunk)
             if n == 0:  # the budget is below one minimal chunk: take it anyway
                 n = min(chunk_granularity, max_context - done)
-            step = search.time(done, n, False)
+            step = search.time("_", done, n, False)
             # Record every granularity boundary this chunk crosses, pro rata within the chunk.
             while self.lengths[-1] + granularity <= done + n:
                 mark = self.lengths[-1] + granularity

@@ -17,12 +17,13 @@ order, one at a time, each run to completion at the token cap before the next st
 from __future__ import annotations
 
 import dataclasses
+import operator
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 from jserve.cache.allocator import BlockAllocator
 from jserve.scheduler.base import SchedulerBase
-from jserve.scheduler.chunking import PrefillTimeCache, largest_chunk, with_chunk
+from jserve.scheduler.chunking import ChunkSearch, PrefillTimeCache, with_chunk
 from jserve.scheduler.plan import BatchPlan
 from jserve.scheduler.predictor import RuntimePredictor
 from jserve.scheduler.request import Request
@@ -68,6 +69,8 @@ class DeadlineScheduler(SchedulerBase):
         self._priority = priority  # the hook an SPRPT-style policy plugs into
 
     # -- deadlines and slack -----------------------------------------------------------
+    # Each quantity is computed for a list of requests at once (the waiting queue, every
+    # step, through memoized prefill-time lookups); the one-request methods wrap the lists.
     def add(self, req: Request) -> None:
         if req.ttft_deadline is None:
             isolated = self.cache.time(req.num_prompt_tokens)
@@ -76,82 +79,137 @@ class DeadlineScheduler(SchedulerBase):
         super().add(req)
 
     def remaining_work(self, req: Request) -> float:
-        return self.cache.remaining(len(req.token_ids), req.num_computed)
+        return self._remaining_works([req])[0]
 
     def slack(self, req: Request, now: float) -> float:
-        return req.ttft_deadline - now - self.remaining_work(req)
+        return self._slacks([req], now)[0]
 
     def relative_slack(self, req: Request, now: float) -> float:
         """Slack over the request's total isolated prefill time."""
-        return self.slack(req, now) / max(self.cache.time(len(req.token_ids)), 1e-9)
+        return _ratios(self._slacks([req], now), self._total_works([req]))[0]
 
     def key(self, req: Request, now: float) -> float:
+        return self._keys([req], now)[0]
+
+    def _total_works(self, reqs: Sequence[Request]) -> list[float]:
+        return list(map(self.cache.lookup, map(len, map(_TOKENS, reqs))))
+
+    def _remaining_works(self, reqs: Sequence[Request]) -> list[float]:
+        return list(map(operator.sub, self._total_works(reqs),
+                        map(self.cache.lookup, map(_COMPUTED, reqs))))
+
+    def _slacks(self, reqs: Sequence[Request], now: float,
+                work: list[float] | None = None) -> list[float]:
+        work = self._remaining_works(reqs) if work is None else work
+        return [d - now - w for d, w in zip(map(_DEADLINE, reqs), work)]
+
+    def _keys(self, reqs: Sequence[Request], now: float) -> list[float]:
+        """The policy's order (lower first) of each request at ``now``."""
         if self._priority is not None:
-            return self._priority(req, now)
+            return [self._priority(r, now) for r in reqs]
         if self.policy == "fcfs":
-            return req.arrival_time
+            return list(map(_ARRIVAL, reqs))
         if self.policy == "edf":
-            return req.ttft_deadline
+            return list(map(_DEADLINE, reqs))
+        work = self._remaining_works(reqs)
+        slack = self._slacks(reqs, now, work)
         if self.policy == "lrs":
-            return self.slack(req, now)
+            return slack
         if self.config.lars_variant == "relative_deadline":
-            return self.slack(req, now) / max(req.ttft_deadline - req.arrival_time, 1e-9)
+            return _ratios(slack, list(map(operator.sub, map(_DEADLINE, reqs),
+                                           map(_ARRIVAL, reqs))))
         if self.config.lars_variant == "remaining_work":
-            return self.slack(req, now) / max(self.remaining_work(req), 1e-9)
-        return self.relative_slack(req, now)
+            return _ratios(slack, work)
+        return _ratios(slack, self._total_works(reqs))
 
     def _victim(self) -> Request:
-        now = self.clock()
-        return max(self.running, key=lambda r: (self.key(r, now), r.arrival_time))
+        keys = self._keys(self.running, self.clock())
+        return self.running[max(range(len(keys)),
+                                key=lambda i: (keys[i], self.running[i].arrival_time))]
 
     def _is_long(self, req: Request) -> bool:
         return req.num_computed >= self.config.long_threshold
+
+    def _candidates(self, now: float, admit: bool, scheduled: set[str]
+                    ) -> tuple[list[Request], set[Request]]:
+        """Running prefills and the ``room`` most urgent waiting requests, in policy order
+        (ties: earlier arrival, then running before waiting, then queue order); and which of
+        them are waiting. Every waiting key is computed, but only ``room`` are sorted."""
+        reqs = [r for r in self.running if r.request_id not in scheduled and not r.is_decode]
+        keys = self._keys(reqs, now)
+        room = self.max_num_seqs - len(self.running)
+        waiting: list[Request] = []
+        if admit and room > 0 and self.waiting:
+            queue = list(self.waiting)
+            queue_keys = self._keys(queue, now)
+            picked = range(len(queue)) if room >= len(queue) else sorted(
+                range(len(queue)), key=queue_keys.__getitem__)[:room]
+            waiting = [queue[i] for i in picked]
+            reqs += waiting
+            keys += [queue_keys[i] for i in picked]
+        order = sorted(range(len(reqs)), key=lambda i: (keys[i], reqs[i].arrival_time))
+        return [reqs[i] for i in order], set(waiting)
 
     # -- the batch ---------------------------------------------------------------------
     def _schedule_once(self, admit: bool) -> BatchPlan:
         now = self.clock()
         decodes, preempted = self._schedule_decodes(self.max_num_seqs)
         plan = BatchPlan(tuple(decodes), ())
-        scheduled = {c.request_id for c in decodes}
-        candidates = [r for r in self.running
-                      if r.request_id not in scheduled and not r.is_decode]
-        if admit and not preempted:
-            room = self.max_num_seqs - len(self.running)
-            candidates += sorted(self.waiting, key=lambda r: self.key(r, now))[:max(room, 0)]
-        candidates.sort(key=lambda r: (self.key(r, now), r.arrival_time))
+        candidates, waiting = self._candidates(now, admit and not preempted,
+                                               {c.request_id for c in decodes})
         if self.policy == "fcfs":
             candidates = candidates[:1]  # non-preemptive: the oldest prefill runs alone
 
+        granularity, t_target = self.config.chunk_granularity, self.config.t_target
+        search = ChunkSearch(self.predictor, plan, granularity)
+        used = None  # predicted time of ``plan``, when space sharing needs it
+        tokens_left = self.token_budget - plan.num_tokens
+        hopeless: set[Request] | None = None  # candidates known not to fit beside ``plan``
         has_long = False
-        for req in candidates:
-            if len(plan.prefills) == self.max_prefill_seqs:
-                break
-            tokens_left = self.token_budget - plan.num_tokens
-            if tokens_left <= 0:
+        for i, req in enumerate(candidates):
+            if len(plan.prefills) == self.max_prefill_seqs or tokens_left <= 0:
                 break
             long = self._is_long(req)
-            if long and has_long:
+            if (long and has_long) or (hopeless and req in hopeless):
                 continue
             cap = self._fits(req, min(req.num_uncomputed, tokens_left))
             if self.policy == "fcfs":
                 n = cap
             else:
-                budget = self.config.t_target
+                budget = t_target
                 if long and self.config.space_sharing:
-                    used = self.predictor.predict(plan)
+                    used = self.predictor.predict(plan) if used is None else used
                     rho = self.relative_slack(req, now)
                     share = 1.0 - min(max(rho, 0.0), self.config.rho_max)
                     budget = used + (budget - used) * share
-                n = largest_chunk(self.predictor, plan, req.request_id, req.num_computed,
-                                  req.num_uncomputed, budget,
-                                  granularity=self.config.chunk_granularity, max_chunk=cap)
-                if n == 0 and not plan.decodes and not plan.prefills:
-                    n = min(cap, self.config.chunk_granularity)  # always make progress
+                n = search.largest(req.request_id, req.num_computed, req.num_uncomputed,
+                                   budget, max_chunk=cap)
+                if n == 0 and plan.is_empty:
+                    n = min(cap, granularity)  # always make progress
+                elif n == 0 and hopeless is None and search.missed(0, granularity, False,
+                                                                   t_target):
+                    # Not even a first granule fits: until the plan changes, only requests
+                    # that cannot take a whole granule (short remainders, KV-bound) may fit.
+                    hopeless = {r for r in candidates[i + 1:] if self._fits(
+                        r, min(r.num_uncomputed, tokens_left)) >= granularity}
             if n <= 0 or not self._grow(req, req.num_computed + n):
                 continue
-            if req in self.waiting:
+            if req in waiting:
                 self._admit(req)
             plan = with_chunk(plan, req.request_id, req.num_computed, n,
                               req.num_computed + n == len(req.token_ids))
+            search, used, hopeless = ChunkSearch(self.predictor, plan, granularity), None, None
+            tokens_left -= n
             has_long |= long
         return dataclasses.replace(plan, preempted=tuple(preempted))
+
+
+_ARRIVAL = operator.attrgetter("arrival_time")
+_DEADLINE = operator.attrgetter("ttft_deadline")
+_TOKENS = operator.attrgetter("token_ids")
+_COMPUTED = operator.attrgetter("num_computed")
+
+
+def _ratios(values: list[float], scales: list[float]) -> list[float]:
+    """values / max(scale, 1e-9), elementwise."""
+    return [v / (1e-9 if s < 1e-9 else s) for v, s in zip(values, scales)]
