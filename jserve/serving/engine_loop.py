@@ -134,6 +134,17 @@ class EngineLoop:
         self._cmds.put(run)
         return await fut
 
+    async def stats(self) -> dict[str, int]:
+        """Engine counters read on the engine thread (consistent between steps)."""
+        def read(eng: LLMEngine) -> dict[str, int]:
+            eng.allocator.check()
+            return dict(in_flight=len(self._live), engine_requests=len(eng.requests),
+                        waiting=len(eng.scheduler.waiting), running=len(eng.scheduler.running),
+                        blocks_used=eng.allocator.num_allocated,
+                        blocks_free=eng.allocator.num_free, blocks_total=eng.allocator.total,
+                        preemptions=eng.scheduler.num_preemptions)
+        return await self.call(read)
+
     def shutdown(self, timeout: float | None = None) -> None:
         """Ends every request still in flight with UNAVAILABLE and stops the thread."""
         if self._thread is None:

@@ -20,6 +20,7 @@ import hmac
 import itertools
 import logging
 import signal
+import threading
 import time
 
 import grpc
@@ -258,12 +259,12 @@ class GenerationServer:
             await self._fail(context, "already_exists",
                              f"request_id {rid!r} is already in flight")
         remaining = context.time_remaining()
+        deadline = arrival + remaining if remaining is not None else None
         self._streams.add(rid)
         done = False
         try:
             sink = self.engine_loop.submit(
-                rid, ids, parsed.params, arrival_time=arrival,
-                deadline=arrival + remaining if remaining is not None else None,
+                rid, ids, parsed.params, arrival_time=arrival, deadline=deadline,
                 ttft_slo=parsed.ttft_slo, tpot_slo=parsed.tpot_slo, priority=parsed.priority)
             while not done:
                 deltas = [await sink.get()]
@@ -278,9 +279,10 @@ class GenerationServer:
                 await context.write(_response(rid, deltas))
             self.metrics.outcome(last.finish_reason)
         finally:
-            if not done:  # cancelled, disconnected or timed out on the client's side
+            if not done:  # cancelled, disconnected, or gRPC ended it at its deadline
                 self.engine_loop.abort(rid)
-                self.metrics.outcome("cancelled")
+                expired = deadline is not None and time.monotonic() >= deadline
+                self.metrics.outcome(el.DEADLINE if expired else "cancelled")
             self._streams.discard(rid)
             if not self._streams:
                 self._drained.set()
@@ -301,6 +303,40 @@ def _response(rid: str, deltas: list[el.Delta]) -> pb.GenerateResponse:
         r.usage.completion_tokens = last.completion_tokens
         r.timings.CopyFrom(pb.Timings(**last.timings))
     return r
+
+
+class BackgroundServer:
+    """A GenerationServer on its own event loop in a daemon thread, for embedding (notebooks,
+    tests): ``BackgroundServer(engine, config).target`` is ready to dial; ``stop()`` drains."""
+
+    def __init__(self, engine: LLMEngine, config: ServerConfig = ServerConfig()):
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="jserve-grpc",
+                                        daemon=True)
+        self._thread.start()
+
+        async def create() -> GenerationServer:
+            server = GenerationServer(engine, config)
+            await server.start()
+            return server
+        self.server = self.run(create())
+        host = "127.0.0.1" if config.host in ("0.0.0.0", "[::]", "") else config.host
+        self.target = f"{host}:{self.server.port}"
+
+    def run(self, coro, timeout: float | None = None):
+        """Runs a coroutine on the server's loop and returns its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def stats(self) -> dict[str, int]:
+        return self.run(self.server.engine_loop.stats())
+
+    def stop(self, grace: float | None = None) -> None:
+        if self._loop.is_closed():
+            return
+        self.run(self.server.stop(grace))
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
 
 
 async def serve(engine: LLMEngine, config: ServerConfig, *, ready=None) -> int:

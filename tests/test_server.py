@@ -1,0 +1,732 @@
+"""The gRPC service against a real server on a free loopback port: streamed results equal the
+offline API's, bad input gets INVALID_ARGUMENT naming the field, 200 concurrent streams and 500
+cancels/disconnects/deadlines leave the block pool whole, health and reflection work for
+generic tooling, metrics are exported, TLS and bearer auth, graceful drain on stop and on
+SIGTERM (subprocess), the generated modules are current."""
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import math
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from google.protobuf import json_format, message_factory
+from google.protobuf.descriptor_pool import DescriptorPool
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase)
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import small_llm
+from jserve import SamplingParams
+from jserve.cli import main
+from jserve.client import AsyncClient, Client
+from jserve.proto import generate_pb2 as pb
+from jserve.serving.engine_loop import DEADLINE, EngineLoop
+from jserve.serving.protocol import LIST_FIELDS, SCALAR_FIELDS
+from jserve.serving.metrics import OUTCOMES
+from jserve.serving.server import BackgroundServer, ServerConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+TLS = Path(__file__).resolve().parent / "data" / "tls"
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+MAX_REQUEST_BYTES = 1 << 16
+SMALL_FLAGS = ["--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--max-model-len", "512"]
+
+
+@pytest.fixture(scope="module")
+def bg():
+    server = BackgroundServer(small_llm().engine, ServerConfig(
+        host="127.0.0.1", port=0, metrics_port=0, max_request_bytes=MAX_REQUEST_BYTES))
+    yield server
+    server.stop(grace=0)
+
+
+@pytest.fixture(scope="module")
+def client(bg):
+    with Client(bg.target) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def spare_engine():
+    """A second engine for servers with other settings (one at a time)."""
+    return small_llm().engine
+
+
+def wait_idle(bg: BackgroundServer, timeout: float = 30.0) -> dict:
+    """Waits until nothing is in flight, then asserts the block pool is whole."""
+    end = time.monotonic() + timeout
+    while True:
+        st = bg.stats()  # allocator.check() runs on the engine thread
+        if st["in_flight"] == 0 and st["engine_requests"] == 0:
+            break
+        assert time.monotonic() < end, f"requests still in flight: {st}"
+        time.sleep(0.02)
+    assert st["waiting"] == st["running"] == 0, st
+    assert st["blocks_used"] == 0 and st["blocks_free"] == st["blocks_total"], st
+    return st
+
+
+def metrics(bg: BackgroundServer) -> dict[str, float]:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{bg.server.metrics_port}/metrics").read()
+    out = {}
+    for fam in text_string_to_metric_families(body.decode()):
+        for s in fam.samples:
+            key = s.name + ("" if not s.labels else json.dumps(s.labels, sort_keys=True))
+            out[key] = s.value
+    return out
+
+
+def outcome(name: str) -> str:
+    return 'jserve_requests_total{"outcome": "%s"}' % name
+
+
+def stream(client: Client, prompt, params, **kw) -> tuple[list[pb.GenerateResponse], str]:
+    msgs = list(client.stream(prompt, params, **kw))
+    return msgs, "".join(m.text for m in msgs)
+
+
+# -- results -----------------------------------------------------------------------------
+def test_streamed_results_equal_the_offline_api(client, llm, bg):
+    base = llm.generate("Hello, jserve", SamplingParams(temperature=0.0, max_tokens=30,
+                                                        ignore_eos=True))
+    stop = base[0].text[19:21]  # a stop string the greedy output really contains
+    assert len(stop) == 2
+    cases = [
+        ("Hello, jserve", GREEDY),
+        ([256, 72, 105, 33], SamplingParams(temperature=0.0, max_tokens=10, logprobs=3,
+                                            ignore_eos=True)),
+        ("Once upon a time", SamplingParams(temperature=0.8, top_p=0.9, top_k=50, min_p=0.01,
+                                            seed=7, max_tokens=10, repetition_penalty=1.2,
+                                            presence_penalty=0.5, frequency_penalty=0.3,
+                                            min_tokens=2, ignore_eos=True)),
+        ("Hello, jserve", SamplingParams(temperature=0.0, max_tokens=30, stop=[stop, "zzz"],
+                                         ignore_eos=True)),
+    ]
+    for prompt, params in cases:
+        want = llm.generate(prompt, params)[0]
+        msgs, text = stream(client, prompt, params)
+        assert len(msgs) > 1  # streamed, not one message at the end
+        assert [t for m in msgs for t in m.token_ids] == want.token_ids
+        assert text == want.text
+        last = msgs[-1]
+        assert all(m.finish_reason == pb.FINISH_REASON_UNSPECIFIED for m in msgs[:-1])
+        assert last.finish_reason == {"stop": pb.FINISH_REASON_STOP,
+                                      "length": pb.FINISH_REASON_LENGTH}[want.finish_reason]
+        assert last.usage.prompt_tokens == len(want.prompt_token_ids)
+        assert last.usage.completion_tokens == len(want.token_ids)
+        t = last.timings
+        assert 0 <= t.queue_seconds <= t.time_to_first_token <= t.e2e_seconds
+        if params.logprobs is not None:
+            got = [lp for m in msgs for lp in m.logprobs]
+            assert [lp.token_id for lp in got] == [w.token_id for w in want.logprobs]
+            for g, w in zip(got, want.logprobs):
+                assert g.logprob == pytest.approx(w.logprob, abs=1e-4)
+                assert list(g.top_token_ids) == [i for i, _ in w.top]
+                assert list(g.top_logprobs) == pytest.approx([v for _, v in w.top], abs=1e-4)
+    assert llm.generate(*cases[-1])[0].finish_reason == "stop"
+    wait_idle(bg)
+
+
+def test_model_info(client, llm):
+    info = client.model_info()
+    eng = llm.engine
+    assert (info.vocab_size, info.max_model_len, info.has_tokenizer) == (
+        eng.cfg.vocab_size, eng.max_model_len, True)
+    assert list(info.eos_token_ids) == list(eng.eos_ids)
+    assert info.num_kv_blocks == eng.allocator.total and info.scheduler == "sarathi"
+    assert info.max_request_bytes == MAX_REQUEST_BYTES
+
+
+def test_proto_sampling_params_carry_every_offline_field():
+    import dataclasses
+    offline = {f.name for f in dataclasses.fields(SamplingParams)}
+    wire = set(pb.SamplingParams.DESCRIPTOR.fields_by_name)
+    assert offline == wire == set(SCALAR_FIELDS) | set(LIST_FIELDS)
+
+
+def test_generated_modules_are_current():
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_protos.py"), "--check"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# -- bad input ---------------------------------------------------------------------------
+def _req(prompt="hi", **sampling) -> pb.GenerateRequest:
+    r = pb.GenerateRequest(sampling_params=pb.SamplingParams(**{"max_tokens": 4, **sampling}))
+    if isinstance(prompt, str):
+        r.text = prompt
+    elif prompt is not None:
+        r.token_ids.ids.extend(prompt)
+    return r
+
+
+def _with(r: pb.GenerateRequest, **fields) -> pb.GenerateRequest:
+    for k, v in fields.items():
+        setattr(r, k, v)
+    return r
+
+
+def _empty_ids() -> pb.GenerateRequest:
+    r = _req(None)
+    r.token_ids.SetInParent()
+    return r
+
+
+BAD = [  # (request, words the status message must contain)
+    (_req(""), ["prompt"]),
+    (_req(None), ["prompt"]),
+    (_empty_ids(), ["prompt"]),
+    (_req([1, 320]), ["token ids", "vocabulary"]),
+    (_req([-1]), ["token ids", "vocabulary"]),
+    (_req([1] * 600), ["prompt", "context"]),
+    (_req("hi", max_tokens=600), ["max_tokens", "context"]),
+    (_req(max_tokens=0), ["max_tokens"]),
+    (_req(max_tokens=4, min_tokens=5), ["min_tokens"]),
+    (_req(temperature=-0.5), ["temperature"]),
+    (_req(temperature=math.nan), ["temperature"]),
+    (_req(top_p=0.0), ["top_p"]),
+    (_req(top_p=1.5), ["top_p"]),
+    (_req(top_k=-2), ["top_k"]),
+    (_req(top_k=1000), ["top_k"]),
+    (_req(min_p=1.5), ["min_p"]),
+    (_req(min_p=-0.1), ["min_p"]),
+    (_req(repetition_penalty=0.0), ["repetition_penalty"]),
+    (_req(presence_penalty=3.0), ["presence_penalty"]),
+    (_req(frequency_penalty=-2.5), ["frequency_penalty"]),
+    (_req(seed=-1), ["seed"]),
+    (_req(seed=2**32), ["seed"]),
+    (_req(logprobs=21), ["logprobs"]),
+    (_req(stop=["x"] * 17), ["stop", "at most 16"]),
+    (_req(stop=["x" * 257]), ["stop", "256"]),
+    (_req(stop=[""]), ["stop"]),
+    (_req(stop_token_ids=[320]), ["stop_token_ids"]),
+    (_req(stop_token_ids=[1] * 17), ["stop_token_ids"]),
+    (_with(_req(), ttft_slo_seconds=0.0), ["ttft_slo"]),
+    (_with(_req(), tpot_slo_seconds=-1.0), ["tpot_slo"]),
+    (_with(_req(), request_id="r" * 300), ["request_id"]),
+    (_req("x" * (MAX_REQUEST_BYTES + 1)), ["request is", "bytes", "limit"]),
+]
+
+
+def test_bad_input_gets_invalid_argument_naming_the_field_and_disturbs_nobody(bg, llm):
+    before = metrics(bg)[outcome("invalid_argument")]
+    want = llm.generate([7, 8, 9], SamplingParams(temperature=0.0, max_tokens=60,
+                                                  ignore_eos=True))[0]
+
+    async def run():
+        async with AsyncClient(bg.target) as c:
+            good = asyncio.ensure_future(c.generate(
+                [7, 8, 9], SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)))
+
+            async def bad(r):
+                try:
+                    await c.generate(r, timeout=30)
+                except grpc.aio.AioRpcError as e:
+                    return e.code(), e.details()
+                return grpc.StatusCode.OK, ""
+            results = await asyncio.gather(*(bad(r) for r, _ in BAD))
+            return await good, results
+
+    good, results = asyncio.run(run())
+    for (r, words), (code, details) in zip(BAD, results):
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (str(r)[:200], code, details)
+        for w in words:
+            assert w in details, (w, details)
+    assert good.token_ids == want.token_ids and good.finish_reason == "length"
+    assert metrics(bg)[outcome("invalid_argument")] == before + len(BAD)
+    wait_idle(bg)
+
+
+def test_undecodable_bytes_get_invalid_argument(bg):
+    with grpc.insecure_channel(bg.target) as ch:
+        call = ch.unary_stream("/jserve.v1.Generation/Generate",
+                               request_serializer=lambda b: b,
+                               response_deserializer=pb.GenerateResponse.FromString)
+        with pytest.raises(grpc.RpcError) as e:
+            list(call(b"\x12\x02\xff\xfe"))  # field 2 (text) with invalid UTF-8
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "GenerateRequest" in e.value.details()
+
+
+def test_duplicate_request_id_in_flight_gets_already_exists(client, bg):
+    first = client.stream([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=400,
+                                                    ignore_eos=True), request_id="dup")
+    next(first)
+    with pytest.raises(grpc.RpcError) as e:
+        client.generate("hi", SamplingParams(max_tokens=2), request_id="dup")
+    assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    first.cancel()
+    wait_idle(bg)
+    assert client.generate("hi", GREEDY, request_id="dup").finish_reason == "length"
+
+
+def test_full_admission_queue_gets_resource_exhausted(bg):
+    bg.server.engine_loop.max_waiting = 2
+    try:
+        async def run():
+            async with AsyncClient(bg.target) as c:
+                async def one(i):
+                    try:
+                        await c.generate([i + 1] * 5, SamplingParams(
+                            temperature=0.0, max_tokens=40, ignore_eos=True))
+                        return "ok", ""
+                    except grpc.aio.AioRpcError as e:
+                        return e.code(), e.details()
+                return await asyncio.gather(*(one(i) for i in range(16)))
+        results = asyncio.run(run())
+    finally:
+        bg.server.engine_loop.max_waiting = 1024
+    codes = collections.Counter(r[0] for r in results)
+    assert codes["ok"] >= 2 and codes[grpc.StatusCode.RESOURCE_EXHAUSTED] >= 1, codes
+    assert codes["ok"] + codes[grpc.StatusCode.RESOURCE_EXHAUSTED] == 16, codes
+    assert all("admission queue" in d for c, d in results if c != "ok")
+    wait_idle(bg)
+
+
+# -- load, cancellation, deadlines -----------------------------------------------------
+def test_200_concurrent_streaming_clients_all_complete(bg, llm):
+    rng = random.Random(1)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(1, 40))] for _ in range(200)]
+    params = [SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 8), ignore_eos=True)
+              for _ in range(200)]
+    want = llm.generate(prompts, params)
+
+    async def run():
+        clients = [AsyncClient(bg.target) for _ in range(200)]
+
+        async def one(i):
+            ids, text, last = [], "", None
+            async for r in clients[i].stream(prompts[i], params[i], request_id=f"c{i}"):
+                assert r.request_id == f"c{i}"
+                ids += r.token_ids
+                text += r.text
+                last = r
+            return ids, text, last
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(200))), 240)
+        finally:
+            await asyncio.gather(*(c.close() for c in clients))
+
+    got = asyncio.run(run())
+    for (ids, text, last), w, p in zip(got, want, params):
+        assert ids == w.token_ids and text == w.text and len(ids) == p.max_tokens
+        assert last.finish_reason == pb.FINISH_REASON_LENGTH
+        assert last.usage.completion_tokens == p.max_tokens
+    wait_idle(bg)
+
+
+def test_500_random_cancels_disconnects_and_deadlines_leak_nothing(bg, client, llm):
+    before = metrics(bg)
+    rng = random.Random(2)
+    kinds = [rng.choice(["cancel_now", "cancel_mid", "disconnect", "deadline"])
+             for _ in range(500)]
+
+    async def run():
+        shared = AsyncClient(bg.target)
+        sem = asyncio.Semaphore(48)
+        seen = collections.Counter()
+
+        async def one(i, kind):
+            r = random.Random(i)
+            prompt = [r.randrange(256) for _ in range(r.randint(1, 60))]
+            params = SamplingParams(temperature=0.0, max_tokens=r.randint(20, 200),
+                                    ignore_eos=True)
+            after = r.randint(0, 3)
+            async with sem:
+                c = AsyncClient(bg.target) if kind == "disconnect" else shared
+                call = c.stream(prompt, params,
+                                timeout=r.uniform(0.02, 0.3) if kind == "deadline" else None)
+                try:
+                    if kind == "cancel_now":
+                        await asyncio.sleep(r.uniform(0, 0.01))
+                        call.cancel()
+                        seen["cancelled"] += 1
+                        return
+                    n = 0
+                    async for _ in call:
+                        n += 1
+                        if n > after and kind == "cancel_mid":
+                            call.cancel()
+                            break
+                        if n > after and kind == "disconnect":
+                            break
+                    seen[f"{kind} after {n}"] += 1
+                except grpc.aio.AioRpcError as e:
+                    seen[e.code().name] += 1
+                finally:
+                    if c is not shared:
+                        await c.close()  # drops the connection mid-stream
+        try:
+            await asyncio.wait_for(asyncio.gather(*(one(i, k) for i, k in enumerate(kinds))),
+                                   240)
+        finally:
+            await shared.close()
+        return seen
+
+    seen = asyncio.run(run())
+    assert seen["DEADLINE_EXCEEDED"] > 50, seen
+    assert not set(seen) - {"cancelled", "DEADLINE_EXCEEDED"} - {
+        k for k in seen if re.fullmatch(r"(cancel_mid|disconnect|deadline) after \d+", k)}, seen
+    wait_idle(bg)
+    after = metrics(bg)
+    ended = {o: after[outcome(o)] - before[outcome(o)] for o in OUTCOMES}
+    # A call cancelled before it was sent never reaches the server.
+    assert 500 - kinds.count("cancel_now") <= ended["cancelled"] + ended["deadline_exceeded"] \
+        == sum(ended.values()) <= 500, (seen, ended)
+    assert ended["cancelled"] > 250 and ended["deadline_exceeded"] > 50, ended
+    # Still healthy and still right.
+    with grpc.insecure_channel(bg.target) as ch:
+        status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest()).status
+    assert status == health_pb2.HealthCheckResponse.SERVING
+    assert client.generate("Hello, jserve", GREEDY).token_ids == \
+        llm.generate("Hello, jserve", GREEDY)[0].token_ids
+
+
+def test_grpc_deadline_becomes_deadline_exceeded_and_frees_blocks(client, bg):
+    with pytest.raises(grpc.RpcError) as e:
+        client.generate([5] * 30, SamplingParams(temperature=0.0, max_tokens=450,
+                                                 ignore_eos=True), timeout=0.3)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_idle(bg)
+
+
+def test_engine_thread_enforces_the_deadline_itself(spare_engine):
+    """Without gRPC in between: the engine loop aborts an expired request and says why."""
+    async def run():
+        loop = EngineLoop(spare_engine)
+        loop.start()
+        try:
+            sink = loop.submit("d", [5] * 30, SamplingParams(temperature=0.0, max_tokens=450,
+                                                             ignore_eos=True),
+                               arrival_time=time.monotonic(), deadline=time.monotonic() + 0.2)
+            n = 0
+            while True:
+                d = await asyncio.wait_for(sink.get(), 30)
+                n += len(d.token_ids)
+                if d.last:
+                    return d, n, await loop.stats()
+        finally:
+            loop.shutdown()
+    d, n, st = asyncio.run(run())
+    assert d.error is not None and d.error[0] == DEADLINE and n < 450
+    assert st["in_flight"] == st["engine_requests"] == st["blocks_used"] == 0
+
+
+# -- health, reflection, metrics -------------------------------------------------------
+def test_health_and_reflection_serve_generic_tooling(bg, llm):
+    with grpc.insecure_channel(bg.target) as ch:
+        hs = health_pb2_grpc.HealthStub(ch)
+        for service in ("", "jserve.v1.Generation"):
+            assert hs.Check(health_pb2.HealthCheckRequest(service=service)).status == \
+                health_pb2.HealthCheckResponse.SERVING
+        # What grpcurl does: learn the schema by reflection, build the request from JSON.
+        db = ProtoReflectionDescriptorDatabase(ch)
+        assert {"jserve.v1.Generation", "grpc.health.v1.Health"} <= set(db.get_services())
+        method = DescriptorPool(db).FindServiceByName("jserve.v1.Generation") \
+            .methods_by_name["Generate"]
+        req_cls = message_factory.GetMessageClass(method.input_type)
+        resp_cls = message_factory.GetMessageClass(method.output_type)
+        req = json_format.Parse('{"text": "Hello, jserve", "sampling_params": {"max_tokens": 12,'
+                                ' "temperature": 0, "ignore_eos": true}}', req_cls())
+        call = ch.unary_stream("/jserve.v1.Generation/Generate",
+                               request_serializer=req_cls.SerializeToString,
+                               response_deserializer=resp_cls.FromString)
+        text = "".join(r.text for r in call(req))
+    assert text == llm.generate("Hello, jserve", GREEDY)[0].text
+
+
+def test_metrics_endpoint_exports_latency_queue_and_kv_figures(bg, client):
+    before = metrics(bg)
+    for i in range(3):
+        client.generate([i + 1, 2, 3], GREEDY)
+    st = wait_idle(bg)
+    time.sleep(0.05)
+    m = metrics(bg)
+    for name in ("jserve_time_to_first_token_seconds_count",
+                 "jserve_e2e_request_latency_seconds_count"):
+        assert m[name] == before[name] + 3
+    assert m["jserve_time_per_output_token_seconds_count"] >= \
+        before["jserve_time_per_output_token_seconds_count"] + 3 * 11
+    assert m["jserve_generation_tokens_total"] == before["jserve_generation_tokens_total"] + 36
+    assert m[outcome("length")] == before[outcome("length")] + 3
+    assert m["jserve_kv_blocks_free"] == st["blocks_total"] and m["jserve_kv_blocks_used"] == 0
+    assert m["jserve_num_requests_waiting"] == m["jserve_num_requests_running"] == 0
+    assert m["jserve_generation_tokens_per_second"] > 0
+    assert "jserve_preemptions_total" in m
+
+
+# -- CLI, TLS and auth, shutdown ---------------------------------------------------------
+def test_cli_generate_streams_from_the_server(bg, llm, capsys):
+    assert main(["generate", "--server", bg.target, "--max-tokens", "12", "--ignore-eos",
+                 "Hello, jserve"]) == 0
+    out = capsys.readouterr()
+    assert out.out == llm.generate("Hello, jserve", GREEDY)[0].text + "\n"
+    assert "[12 tokens, finish_reason=length]" in out.err
+    assert main(["generate", "--server", bg.target, "--max-tokens", "1000", "hi"]) == 2
+    assert "INVALID_ARGUMENT" in capsys.readouterr().err
+
+
+def test_tls_and_bearer_token(spare_engine, llm):
+    server = BackgroundServer(spare_engine, ServerConfig(
+        host="127.0.0.1", port=0, metrics_port=None, tls_cert=str(TLS / "server.crt"),
+        tls_key=str(TLS / "server.key"), auth_token="s3cret"))
+    ca = (TLS / "server.crt").read_bytes()
+    target = f"localhost:{server.server.port}"
+    try:
+        with Client(target, root_certificates=ca, auth_token="s3cret") as c:
+            assert c.generate("Hello, jserve", GREEDY).token_ids == \
+                llm.generate("Hello, jserve", GREEDY)[0].token_ids
+        for token in (None, "wrong"):
+            with Client(target, root_certificates=ca, auth_token=token) as c:
+                for call in (lambda: c.generate("hi", GREEDY), c.model_info):
+                    with pytest.raises(grpc.RpcError) as e:
+                        call()
+                    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # Health checks need no token; plaintext to a TLS port gets nowhere.
+        creds = grpc.ssl_channel_credentials(root_certificates=ca)
+        with grpc.secure_channel(target, creds) as ch:
+            assert health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest()).status \
+                == health_pb2.HealthCheckResponse.SERVING
+        with Client(target, auth_token="s3cret") as c:
+            with pytest.raises(grpc.RpcError) as e:
+                c.model_info(timeout=5)
+            assert e.value.code() in (grpc.StatusCode.UNAVAILABLE,
+                                      grpc.StatusCode.DEADLINE_EXCEEDED)
+    finally:
+        server.stop(grace=0)
+
+
+def test_stop_after_grace_ends_stragglers_with_unavailable(spare_engine):
+    server = BackgroundServer(spare_engine, ServerConfig(host="127.0.0.1", port=0,
+                                                         metrics_port=None))
+
+    async def run():
+        async with AsyncClient(server.target) as c:
+            async def long(i):
+                try:
+                    async for _ in c.stream([i + 1] * 4, SamplingParams(
+                            temperature=0.0, max_tokens=450, ignore_eos=True)):
+                        started.set()
+                    return "finished"
+                except grpc.aio.AioRpcError as e:
+                    return e.code()
+            started = asyncio.Event()
+            tasks = [asyncio.ensure_future(long(i)) for i in range(2)]
+            await started.wait()
+            stopping = asyncio.get_running_loop().run_in_executor(None, server.stop, 0.2)
+            while not server.server.draining:
+                await asyncio.sleep(0.005)
+            try:
+                await c.generate("hi", GREEDY, timeout=5)
+                late = "accepted"
+            except grpc.aio.AioRpcError as e:
+                late = e.code()
+            await stopping
+            return await asyncio.gather(*tasks), late
+    results, late = asyncio.run(run())
+    assert results == [grpc.StatusCode.UNAVAILABLE] * 2
+    assert late == grpc.StatusCode.UNAVAILABLE
+    assert not spare_engine.has_unfinished() and spare_engine.allocator.num_allocated == 0
+
+
+def test_sigterm_drains_in_flight_requests_and_exits_0(llm):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jserve.cli", "serve", "--no-warmup", *SMALL_FLAGS,
+         "--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--grace-period", "60"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        line = proc.stdout.readline()
+        m = re.search(r"on 127\.0\.0\.1:(\d+) ", line)
+        assert m, (line, proc.stderr.read() if proc.poll() is not None else "")
+        target = f"127.0.0.1:{m.group(1)}"
+        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        results: dict[int, object] = {}
+        first = [threading.Event() for _ in range(4)]
+
+        def consume(i):
+            with Client(target) as c:
+                try:
+                    ids = []
+                    for r in c.stream([i + 1] * 8, params):
+                        ids += r.token_ids
+                        first[i].set()
+                    results[i] = (ids, r.finish_reason)
+                except grpc.RpcError as e:
+                    results[i] = e.code()
+                    first[i].set()
+        threads = [threading.Thread(target=consume, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for e in first:
+            assert e.wait(120)
+        proc.send_signal(signal.SIGTERM)
+        with grpc.insecure_channel(target) as ch:  # wait until the drain has begun
+            hs = health_pb2_grpc.HealthStub(ch)
+            while hs.Check(health_pb2.HealthCheckRequest(), timeout=10).status == \
+                    health_pb2.HealthCheckResponse.SERVING:
+                time.sleep(0.01)
+        with Client(target) as c, pytest.raises(grpc.RpcError) as late:
+            c.generate("hi", GREEDY, timeout=10)
+        assert late.value.code() == grpc.StatusCode.UNAVAILABLE
+        for t in threads:
+            t.join(120)
+        assert proc.wait(60) == 0
+        for i in range(4):
+            ids, reason = results[i]
+            assert reason == pb.FINISH_REASON_LENGTH
+            assert ids == llm.generate([i + 1] * 8, params)[0].token_ids
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+# -- fuzzing -----------------------------------------------------------------------------
+I64 = dict(min_value=-2**63, max_value=2**63 - 1)
+NAN = st.just(math.nan)
+VALID = {
+    "max_tokens": st.none() | st.integers(1, 6),
+    "min_tokens": st.none() | st.integers(0, 1),
+    "temperature": st.none() | st.just(0.0) | st.floats(0.05, 2.0),
+    "top_k": st.none() | st.integers(-1, 320),
+    "top_p": st.none() | st.floats(0.01, 1.0),
+    "min_p": st.none() | st.floats(0.0, 1.0),
+    "repetition_penalty": st.none() | st.floats(0.5, 2.0),
+    "presence_penalty": st.none() | st.floats(-2.0, 2.0),
+    "frequency_penalty": st.none() | st.floats(-2.0, 2.0),
+    "seed": st.none() | st.integers(0, 2**32 - 1),
+    "stop": st.lists(st.text(min_size=1, max_size=4), max_size=3),
+    "stop_token_ids": st.lists(st.integers(0, 319), max_size=3),
+    "ignore_eos": st.none() | st.booleans(),
+    "logprobs": st.none() | st.integers(0, 20),
+    "prompt": st.text(min_size=1, max_size=30) | st.lists(st.integers(0, 319), min_size=1,
+                                                          max_size=30),
+    "ttft_slo": st.none() | st.floats(0.001, 100.0),
+    "tpot_slo": st.none() | st.floats(0.001, 100.0),
+    "priority": st.integers(-2**31, 2**31 - 1),
+}
+INVALID = {
+    "max_tokens": st.integers(I64["min_value"], 0) | st.integers(600, I64["max_value"]),
+    "min_tokens": st.integers(I64["min_value"], -1) | st.integers(7, I64["max_value"]),
+    "temperature": st.floats(max_value=-1e-9) | NAN | st.just(math.inf),
+    "top_k": st.integers(I64["min_value"], -2) | st.integers(321, I64["max_value"]),
+    "top_p": st.floats(max_value=0.0) | st.floats(min_value=1.0, exclude_min=True) | NAN,
+    "min_p": st.floats(max_value=0.0, exclude_max=True) | st.floats(min_value=1.0,
+                                                                    exclude_min=True) | NAN,
+    "repetition_penalty": st.floats(max_value=0.0) | NAN,
+    "presence_penalty": st.floats(min_value=2.0, exclude_min=True) | NAN,
+    "frequency_penalty": st.floats(max_value=-2.0, exclude_max=True) | st.just(-math.inf),
+    "seed": st.integers(I64["min_value"], -1) | st.integers(2**32, I64["max_value"]),
+    "stop": st.lists(st.text(min_size=1, max_size=3), min_size=17, max_size=20)
+    | st.lists(st.text(min_size=257, max_size=300), min_size=1, max_size=1) | st.just([""]),
+    "stop_token_ids": st.lists(st.integers(320, I64["max_value"])
+                               | st.integers(I64["min_value"], -1), min_size=1, max_size=2)
+    | st.lists(st.integers(0, 319), min_size=17, max_size=17),
+    "logprobs": st.integers(I64["min_value"], -1) | st.integers(21, I64["max_value"]),
+    "prompt": st.just("") | st.just([]) | st.none()
+    | st.lists(st.integers(320, I64["max_value"]) | st.integers(I64["min_value"], -1),
+               min_size=1, max_size=3)
+    | st.lists(st.integers(0, 319), min_size=513, max_size=520),
+    "ttft_slo": st.floats(max_value=0.0) | NAN,
+    "tpot_slo": st.floats(max_value=0.0) | NAN,
+}
+
+
+@st.composite
+def fuzzed_requests(draw) -> dict:
+    """Mostly valid fields with zero to two corrupted ones."""
+    fields = {k: draw(v) for k, v in VALID.items()}
+    for k in draw(st.lists(st.sampled_from(sorted(INVALID)), max_size=2, unique=True)):
+        fields[k] = draw(INVALID[k])
+    return fields
+
+
+def _to_wire(f: dict) -> pb.GenerateRequest:
+    r = pb.GenerateRequest(priority=f["priority"])
+    if isinstance(f["prompt"], str):
+        r.text = f["prompt"]
+    elif f["prompt"] is not None:
+        r.token_ids.SetInParent()
+        r.token_ids.ids.extend(f["prompt"])
+    r.sampling_params.SetInParent()
+    for k in SCALAR_FIELDS:
+        if f[k] is not None:
+            setattr(r.sampling_params, k, f[k])
+    for k in LIST_FIELDS:
+        getattr(r.sampling_params, k).extend(f[k])
+    if f["ttft_slo"] is not None:
+        r.ttft_slo_seconds = f["ttft_slo"]
+    if f["tpot_slo"] is not None:
+        r.tpot_slo_seconds = f["tpot_slo"]
+    return r
+
+
+def _offline_verdict(llm, f: dict) -> SamplingParams | None:
+    """The offline API's answer: SamplingParams or None when it raises ValueError."""
+    try:
+        params = SamplingParams(**{k: f[k] for k in SCALAR_FIELDS if f[k] is not None},
+                                **{k: f[k] for k in LIST_FIELDS if f[k]})
+        if f["prompt"] is None:
+            raise ValueError("no prompt")
+        rid = llm.engine.add_request(f["prompt"], params, ttft_slo=f["ttft_slo"],
+                                     tpot_slo=f["tpot_slo"], priority=f["priority"])
+    except ValueError:
+        return None
+    llm.engine.abort(rid)
+    return params
+
+
+@settings(max_examples=80, deadline=None, print_blob=True)
+@given(f=fuzzed_requests())
+def test_fuzzed_requests_end_in_a_result_or_invalid_argument(bg, client, llm, f):
+    params = _offline_verdict(llm, f)
+    event("valid" if params is not None else "invalid")
+    try:
+        got = client.generate(_to_wire(f), timeout=60)
+    except grpc.RpcError as e:
+        assert params is None, (e.code(), e.details())
+        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and e.details(), e
+        return
+    assert params is not None, "the offline API refuses what the server accepted"
+    assert got.finish_reason in ("stop", "length")
+    assert got.completion_tokens == len(got.token_ids) <= params.max_tokens
+    if params.temperature == 0 or params.seed is not None:
+        want = llm.generate(f["prompt"], params)[0]
+        assert (got.token_ids, got.text, got.finish_reason) == (
+            want.token_ids, want.text, want.finish_reason)
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.binary(max_size=64))
+def test_fuzzed_bytes_never_crash_the_server(bg, data):
+    with grpc.insecure_channel(bg.target) as ch:
+        call = ch.unary_stream("/jserve.v1.Generation/Generate",
+                               request_serializer=lambda b: b,
+                               response_deserializer=pb.GenerateResponse.FromString)
+        try:
+            for _ in call(data, timeout=60):
+                pass
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, (e.code(), e.details())
+
+
+def test_server_is_whole_after_fuzzing(bg, client, llm):
+    wait_idle(bg)
+    assert client.generate("Hello, jserve", GREEDY).token_ids == \
+        llm.generate("Hello, jserve", GREEDY)[0].token_ids
