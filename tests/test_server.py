@@ -153,6 +153,18 @@ def test_model_info(client, llm):
     assert info.max_request_bytes == MAX_REQUEST_BYTES
 
 
+def test_priority_and_slos_reach_the_schedulers_request(client, bg):
+    call = client.stream([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=400,
+                                                   ignore_eos=True),
+                         request_id="slo", priority=-3, ttft_slo=2.5, tpot_slo=0.07)
+    next(call)
+    req = bg.run(bg.server.engine_loop.call(lambda e: e.requests["slo"]))
+    call.cancel()
+    assert (req.priority, req.tpot_slo) == (-3, 0.07)
+    assert req.ttft_deadline == pytest.approx(req.arrival_time + 2.5)
+    wait_idle(bg)
+
+
 def test_proto_sampling_params_carry_every_offline_field():
     import dataclasses
     offline = {f.name for f in dataclasses.fields(SamplingParams)}

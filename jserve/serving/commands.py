@@ -69,7 +69,11 @@ def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
                    if server.metrics_port is not None else "off")
         print(f"jserve: serving {a.model} on {a.host}:{server.port} "
               f"({'TLS' if a.tls_cert else 'plaintext'}; metrics {metrics})", flush=True)
-    return asyncio.run(serve(llm.engine, config, ready=ready))
+    try:
+        return asyncio.run(serve(llm.engine, config, ready=ready))
+    except (OSError, RuntimeError) as e:  # a port in use, an unreadable certificate
+        print(f"jserve: error: {e}", file=sys.stderr)
+        return 1
 
 
 def generate_remote(a: argparse.Namespace, params) -> int:

@@ -19,6 +19,7 @@ import dataclasses
 import hmac
 import itertools
 import logging
+import os
 import signal
 import threading
 import time
@@ -44,7 +45,8 @@ _CODES = {el.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
           el.EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
           el.DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED,
           el.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
-          el.INTERNAL: grpc.StatusCode.INTERNAL}
+          el.INTERNAL: grpc.StatusCode.INTERNAL,
+          "already_exists": grpc.StatusCode.ALREADY_EXISTS}
 _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
 
 
@@ -70,6 +72,10 @@ class ServerConfig:
             raise ValueError(f"grace_period must be >= 0, got {self.grace_period}")
         if self.auth_token is not None and not self.auth_token:
             raise ValueError("auth_token is empty")
+        for name in ("tls_cert", "tls_key"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"{name} {path!r} is not a file")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +186,7 @@ class GenerationServer:
         else:
             port = server.add_insecure_port(address)
         if port == 0:
-            raise RuntimeError(f"could not bind {address}")
+            raise OSError(f"could not bind {address}")
         self.port = port
         self._server = server
         self.engine_loop.start(asyncio.get_running_loop())
@@ -236,9 +242,7 @@ class GenerationServer:
 
     async def _fail(self, context, kind: str, message: str) -> None:
         self.metrics.outcome(kind)
-        await context.abort(_CODES.get(kind, grpc.StatusCode.INTERNAL)
-                            if kind != "already_exists" else grpc.StatusCode.ALREADY_EXISTS,
-                            message)
+        await context.abort(_CODES[kind], message)
 
     async def _generate(self, request, context) -> None:
         arrival = time.monotonic()
