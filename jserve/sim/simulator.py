@@ -38,15 +38,18 @@ class VirtualClock:
 
 def _schedule_visible(scheduler: SchedulerBase, hidden: set[Request]) -> BatchPlan:
     """``scheduler.schedule()`` with the requests in ``hidden`` (tokens in flight) out of the
-    running queue, so that no policy schedules, counts or preempts them; afterwards they go
-    back at their places in admission order, with any new admissions after them."""
+    running queue, so that no policy schedules or preempts them (they still count against
+    ``max_num_seqs``); afterwards they go back at their places in admission order, with any
+    new admissions after them."""
     if not hidden:
         return scheduler.schedule()
     before = scheduler.running
     scheduler.running = [r for r in before if r not in hidden]
+    scheduler.max_num_seqs -= len(hidden)  # they still count against the concurrency cap
     try:
         return scheduler.schedule()
     finally:
+        scheduler.max_num_seqs += len(hidden)
         after = scheduler.running
         kept, old = set(after), set(before)
         scheduler.running = ([r for r in before if r in hidden or r in kept]
