@@ -558,15 +558,19 @@ def test_stop_after_grace_ends_stragglers_with_unavailable(spare_engine):
 
 
 def test_sigterm_drains_in_flight_requests_and_exits_0(llm):
+    """`jserve serve` as a subprocess, on the LARS policy: same greedy tokens as offline."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "jserve.cli", "serve", "--no-warmup", *SMALL_FLAGS,
-         "--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--grace-period", "60"],
+         "--scheduler", "lars", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1",
+         "--grace-period", "60"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         line = proc.stdout.readline()
         m = re.search(r"on 127\.0\.0\.1:(\d+) ", line)
         assert m, (line, proc.stderr.read() if proc.poll() is not None else "")
         target = f"127.0.0.1:{m.group(1)}"
+        with Client(target) as c:
+            assert c.model_info().scheduler == "lars"
         params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
         results: dict[int, object] = {}
         first = [threading.Event() for _ in range(4)]
