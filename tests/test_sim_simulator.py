@@ -14,6 +14,7 @@ from jserve.scheduler.deadline import DeadlineScheduler
 from jserve.scheduler.plan import BatchPlan, ScheduledChunk
 from jserve.scheduler.predictor import LinearPredictor
 from jserve.scheduler.request import Request
+from jserve.scheduler.sarathi import SarathiScheduler
 from jserve.sim import GpuTimeModel, LengthOnlyTokens, TraceRequest, VirtualClock, simulate
 from jserve.sim.hardware import StageTimes
 from jserve.sim.metrics import percentile, summarize
@@ -152,3 +153,19 @@ def test_kv_capacity_of_tp8_spp2_on_a100():
     tokens = GpuTimeModel("llama3-8b", "a100", tp=8, spp=2).kv_cache_tokens()
     assert tokens == pytest.approx((0.9 * 80 * 2**30 - 16.06e9 / 16) / 8192, rel=0.01)
     assert GpuTimeModel("llama3-8b", "a100", tp=8, spp=1).kv_cache_tokens() < tokens
+
+
+def test_requests_with_tokens_in_flight_count_against_max_num_seqs():
+    sched, clock = SarathiScheduler(BlockAllocator(4097, 16), max_num_seqs=2,
+                                    max_num_batched_tokens=100, max_prefill_seqs=4), VirtualClock()
+    seen = []
+
+    class Watching(TwoStagePipeline):
+        def predict(self, plan):
+            seen.append(len(sched.running))
+            return super().predict(plan)
+
+    trace = [TraceRequest(f"r{i}", 0.0, 40, 6) for i in range(5)]
+    records = simulate(sched, Watching(), clock, trace, "sarathi")
+    assert all(r["finish_reason"] == "length" for r in records)
+    assert max(seen) == 2
