@@ -524,6 +524,54 @@ def test_tls_and_bearer_token(spare_engine, llm):
         server.stop(grace=0)
 
 
+class _EngineDeath(BaseException):
+    pass
+
+
+@pytest.mark.parametrize("fault", [RuntimeError, _EngineDeath])
+def test_engine_faults_fail_in_flight_requests_with_internal(spare_engine, fault, llm):
+    """A failed iteration fails its requests and the server keeps serving; a dead engine
+    thread fails them too and turns health NOT_SERVING and new calls UNAVAILABLE."""
+    server = BackgroundServer(spare_engine, ServerConfig(host="127.0.0.1", port=0,
+                                                         metrics_port=None))
+    step = spare_engine.step
+    try:
+        with Client(server.target) as c:
+            call = c.stream([3, 4], SamplingParams(temperature=0.0, max_tokens=400,
+                                                   ignore_eos=True))
+            next(call)
+
+            def broken_step():
+                spare_engine.step = step
+                raise fault("injected")
+            spare_engine.step = broken_step
+            with pytest.raises(grpc.RpcError) as e:
+                list(call)
+            assert e.value.code() == grpc.StatusCode.INTERNAL and "injected" in e.value.details()
+            with grpc.insecure_channel(server.target) as ch:
+                hs = health_pb2_grpc.HealthStub(ch)
+                for _ in range(1 if fault is RuntimeError else 100):  # set just after
+                    status = hs.Check(health_pb2.HealthCheckRequest())
+                    if status.status != health_pb2.HealthCheckResponse.SERVING:
+                        break
+                    time.sleep(0.01)
+            if fault is RuntimeError:
+                assert status.status == health_pb2.HealthCheckResponse.SERVING
+                assert c.generate("Hello, jserve", GREEDY).token_ids == \
+                    llm.generate("Hello, jserve", GREEDY)[0].token_ids
+                wait_idle(server)
+            else:
+                assert status.status == health_pb2.HealthCheckResponse.NOT_SERVING
+                with pytest.raises(grpc.RpcError) as e:
+                    c.generate("Hello, jserve", GREEDY)
+                assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert spare_engine.allocator.num_allocated == 0
+                assert not spare_engine.has_unfinished()
+    finally:
+        spare_engine.step = step
+        server.stop(grace=0)
+
+
 def test_stop_after_grace_ends_stragglers_with_unavailable(spare_engine):
     server = BackgroundServer(spare_engine, ServerConfig(host="127.0.0.1", port=0,
                                                          metrics_port=None))

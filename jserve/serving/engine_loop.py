@@ -79,7 +79,8 @@ class EngineLoop:
     """Owns ``engine`` from ``start()`` until ``shutdown()`` returns."""
 
     def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None, *,
-                 max_waiting: int = 1024, idle_poll_s: float = 1.0):
+                 max_waiting: int = 1024, idle_poll_s: float = 1.0,
+                 on_crash: Callable[[BaseException], None] | None = None):
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
         self.engine = engine
@@ -91,6 +92,7 @@ class EngineLoop:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.crashed: BaseException | None = None
+        self._on_crash = on_crash  # called on the event loop if the engine thread dies
 
     # -- asyncio side ------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -184,13 +186,14 @@ class EngineLoop:
                         new_tokens += self._on_output(out, o, now)
                 self._publish(out)
                 self._update_metrics(new_tokens)
-        except BaseException as e:  # noqa: BLE001 - tell every waiting client, then die
+        except BaseException as e:  # noqa: BLE001 - tell every waiting client, then end
             log.exception("engine loop crashed")
             self.crashed = e
             out = []
             self._fail_all(out, INTERNAL, f"engine loop crashed: {e}")
             self._publish(out)
-            raise
+            if self._on_crash is not None:
+                self._loop.call_soon_threadsafe(self._on_crash, e)
 
     def _drain(self, block: bool) -> list:
         cmds = []

@@ -137,7 +137,8 @@ class GenerationServer:
         self.engine = engine
         self.config = config
         self.metrics = ServerMetrics()
-        self.engine_loop = el.EngineLoop(engine, self.metrics, max_waiting=config.max_waiting)
+        self.engine_loop = el.EngineLoop(engine, self.metrics, max_waiting=config.max_waiting,
+                                         on_crash=self._engine_died)
         self.health = health.aio.HealthServicer()
         self.port: int | None = None
         self.metrics_port: int | None = None
@@ -222,6 +223,13 @@ class GenerationServer:
             self._http[0].shutdown()
             self._http[0].server_close()
             self._http = None
+
+    def _engine_died(self, error: BaseException) -> None:
+        """The engine thread is gone (not a failed step: those are handled): report it."""
+        log.error("engine thread died (%s); reporting NOT_SERVING", error)
+        for name in ("", SERVICE):
+            asyncio.ensure_future(self.health.set(
+                name, health_pb2.HealthCheckResponse.NOT_SERVING))
 
     async def wait_for_termination(self) -> None:
         await self._server.wait_for_termination()
