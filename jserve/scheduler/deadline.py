@@ -19,7 +19,9 @@ from __future__ import annotations
 import dataclasses
 import operator
 import time
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
 
 from jserve.cache.allocator import BlockAllocator
 from jserve.scheduler.base import SchedulerBase
@@ -69,8 +71,9 @@ class DeadlineScheduler(SchedulerBase):
         self._priority = priority  # the hook an SPRPT-style policy plugs into
 
     # -- deadlines and slack -----------------------------------------------------------
-    # Each quantity is computed for a list of requests at once (the waiting queue, every
-    # step, through memoized prefill-time lookups); the one-request methods wrap the lists.
+    # Each quantity is computed for a list of requests at once, as a float64 array (the whole
+    # waiting queue is keyed every step; prefill times come from memoized lookups); the
+    # one-request methods wrap the arrays. numpy's elementwise arithmetic is Python's.
     def add(self, req: Request) -> None:
         if req.ttft_deadline is None:
             isolated = self.cache.time(req.num_prompt_tokens)
@@ -79,53 +82,52 @@ class DeadlineScheduler(SchedulerBase):
         super().add(req)
 
     def remaining_work(self, req: Request) -> float:
-        return self._remaining_works([req])[0]
+        return float(self._remaining_works([req])[0])
 
     def slack(self, req: Request, now: float) -> float:
-        return self._slacks([req], now)[0]
+        return float(self._slacks([req], now)[0])
 
     def relative_slack(self, req: Request, now: float) -> float:
         """Slack over the request's total isolated prefill time."""
-        return _ratios(self._slacks([req], now), self._total_works([req]))[0]
+        return float(_ratios(self._slacks([req], now), self._total_works([req]))[0])
 
     def key(self, req: Request, now: float) -> float:
-        return self._keys([req], now)[0]
+        return float(self._keys([req], now)[0])
 
-    def _total_works(self, reqs: Sequence[Request]) -> list[float]:
-        return list(map(self.cache.lookup, map(len, map(_TOKENS, reqs))))
+    def _total_works(self, reqs: Sequence[Request]) -> np.ndarray:
+        return _column(reqs, lambda rs: map(self.cache.lookup, map(len, map(_TOKENS, rs))))
 
-    def _remaining_works(self, reqs: Sequence[Request]) -> list[float]:
-        return list(map(operator.sub, self._total_works(reqs),
-                        map(self.cache.lookup, map(_COMPUTED, reqs))))
+    def _remaining_works(self, reqs: Sequence[Request]) -> np.ndarray:
+        return self._total_works(reqs) - _column(
+            reqs, lambda rs: map(self.cache.lookup, map(_COMPUTED, rs)))
 
     def _slacks(self, reqs: Sequence[Request], now: float,
-                work: list[float] | None = None) -> list[float]:
+                work: np.ndarray | None = None) -> np.ndarray:
         work = self._remaining_works(reqs) if work is None else work
-        return [d - now - w for d, w in zip(map(_DEADLINE, reqs), work)]
+        return _column(reqs, _DEADLINE) - now - work
 
-    def _keys(self, reqs: Sequence[Request], now: float) -> list[float]:
+    def _keys(self, reqs: Sequence[Request], now: float) -> np.ndarray:
         """The policy's order (lower first) of each request at ``now``."""
         if self._priority is not None:
-            return [self._priority(r, now) for r in reqs]
+            return _column(reqs, lambda rs: (self._priority(r, now) for r in rs))
         if self.policy == "fcfs":
-            return list(map(_ARRIVAL, reqs))
+            return _column(reqs, _ARRIVAL)
         if self.policy == "edf":
-            return list(map(_DEADLINE, reqs))
+            return _column(reqs, _DEADLINE)
         work = self._remaining_works(reqs)
         slack = self._slacks(reqs, now, work)
         if self.policy == "lrs":
             return slack
         if self.config.lars_variant == "relative_deadline":
-            return _ratios(slack, list(map(operator.sub, map(_DEADLINE, reqs),
-                                           map(_ARRIVAL, reqs))))
+            return _ratios(slack, _column(reqs, _DEADLINE) - _column(reqs, _ARRIVAL))
         if self.config.lars_variant == "remaining_work":
             return _ratios(slack, work)
         return _ratios(slack, self._total_works(reqs))
 
     def _victim(self) -> Request:
         keys = self._keys(self.running, self.clock())
-        return self.running[max(range(len(keys)),
-                                key=lambda i: (keys[i], self.running[i].arrival_time))]
+        # The highest key, the latest arrival among equals, the first in running order after.
+        return self.running[np.lexsort((_column(self.running, _ARRIVAL), keys))[::-1][0]]
 
     def _is_long(self, req: Request) -> bool:
         return req.num_computed >= self.config.long_threshold
@@ -134,7 +136,7 @@ class DeadlineScheduler(SchedulerBase):
                     ) -> tuple[list[Request], set[Request]]:
         """Running prefills and the ``room`` most urgent waiting requests, in policy order
         (ties: earlier arrival, then running before waiting, then queue order); and which of
-        them are waiting. Every waiting key is computed, but only ``room`` are sorted."""
+        them are waiting."""
         reqs = [r for r in self.running if r.request_id not in scheduled and not r.is_decode]
         keys = self._keys(reqs, now)
         room = self.max_num_seqs - len(self.running)
@@ -142,13 +144,14 @@ class DeadlineScheduler(SchedulerBase):
         if admit and room > 0 and self.waiting:
             queue = list(self.waiting)
             queue_keys = self._keys(queue, now)
-            picked = range(len(queue)) if room >= len(queue) else sorted(
-                range(len(queue)), key=queue_keys.__getitem__)[:room]
-            waiting = [queue[i] for i in picked]
+            picked = np.argsort(queue_keys, kind="stable")[:room]
+            if room >= len(queue):
+                picked.sort()  # all of them, in queue order
+            waiting = [queue[i] for i in picked.tolist()]
             reqs += waiting
-            keys += [queue_keys[i] for i in picked]
-        order = sorted(range(len(reqs)), key=lambda i: (keys[i], reqs[i].arrival_time))
-        return [reqs[i] for i in order], set(waiting)
+            keys = np.concatenate([keys, queue_keys[picked]])
+        order = np.lexsort((_column(reqs, _ARRIVAL), keys))  # stable: ties keep list order
+        return [reqs[i] for i in order.tolist()], set(waiting)
 
     # -- the batch ---------------------------------------------------------------------
     def _schedule_once(self, admit: bool) -> BatchPlan:
@@ -210,6 +213,12 @@ _TOKENS = operator.attrgetter("token_ids")
 _COMPUTED = operator.attrgetter("num_computed")
 
 
-def _ratios(values: list[float], scales: list[float]) -> list[float]:
-    """values / max(scale, 1e-9), elementwise."""
-    return [v / (1e-9 if s < 1e-9 else s) for v, s in zip(values, scales)]
+def _column(reqs: Sequence[Request], values: Callable[[Sequence[Request]], Iterable[float]]
+            ) -> np.ndarray:
+    """values(reqs) as a float64 array: ``map``s of attribute getters stay at C speed."""
+    return np.fromiter(values(reqs) if not isinstance(values, operator.attrgetter)
+                       else map(values, reqs), np.float64, len(reqs))
+
+
+def _ratios(values: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    return values / np.maximum(scales, 1e-9)

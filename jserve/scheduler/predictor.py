@@ -14,7 +14,7 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 from scipy.optimize import nnls
 
-from jserve.scheduler.plan import BatchPlan
+from jserve.scheduler.plan import BatchPlan, ScheduledChunk
 
 
 class RuntimePredictor(Protocol):
@@ -25,16 +25,19 @@ class RuntimePredictor(Protocol):
 # plus one more prefill chunk, in O(1) per call, so the chunk-size search does not rebuild and
 # re-walk a batch of a hundred decodes for every chunk size it tries
 # (``chunking.chunk_timer`` falls back to ``predict`` without it).
-ChunkTimer = Callable[[int, int, bool], float]  # (start, num_tokens, samples) -> seconds
+ChunkTimer = Callable[[str, int, int, bool], float]  # (request_id, start, num_tokens, samples)
 
 
 FEATURES = ("constant", "tokens", "decodes", "decode_context", "prefill_attention",
             "prefill_seqs")
 
 
-def _terms(plan: BatchPlan) -> tuple[int, int, int, int, int]:
+def _decode_context(decodes: tuple[ScheduledChunk, ...]) -> int:
+    return sum(c.start + 1 for c in decodes)
+
+
+def _terms(plan: BatchPlan, decode_ctx: int) -> tuple[int, int, int, int, int]:
     """The features after the constant, as exact integers."""
-    decode_ctx = sum(c.start + 1 for c in plan.decodes)
     attention = sum(c.num_tokens * (c.start + c.num_tokens) for c in plan.prefills)
     return plan.num_tokens, len(plan.decodes), decode_ctx, attention, len(plan.prefills)
 
@@ -42,7 +45,7 @@ def _terms(plan: BatchPlan) -> tuple[int, int, int, int, int]:
 def plan_features(plan: BatchPlan) -> np.ndarray:
     """The terms a step's time is linear in: a constant, tokens (matmuls), decode rows and
     their context (KV reads), chunk x context of prefills (attention), prefill rows."""
-    return np.array([1.0, *_terms(plan)], np.float64)
+    return np.array([1.0, *_terms(plan, _decode_context(plan.decodes))], np.float64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,22 +58,32 @@ class LinearPredictor:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "coef", tuple(float(c) for c in self.coef))
+        # The decode context of the last decode tuple seen: the scheduler prices many
+        # prefill chunks beside one set of decodes.
+        object.__setattr__(self, "_last_decodes", ((), 0))
 
     def predict(self, plan: BatchPlan) -> float:
         if plan.is_empty:
             return 0.0
-        return self._seconds(*_terms(plan))
+        return self._seconds(*self._terms(plan))
 
     def chunk_timer(self, plan: BatchPlan) -> ChunkTimer:
         """predict(plan + one prefill chunk) from the plan's features summed once: exactly
         ``predict``'s arithmetic (integer features, one order of summation)."""
-        tokens, decodes, decode_ctx, attention, prefills = _terms(plan)
+        tokens, decodes, decode_ctx, attention, prefills = self._terms(plan)
         seconds = self._seconds
 
-        def time(start: int, n: int, samples: bool) -> float:
+        def time(request_id: str, start: int, n: int, samples: bool) -> float:
             return seconds(tokens + n, decodes, decode_ctx, attention + n * (start + n),
                            prefills + 1)
         return time
+
+    def _terms(self, plan: BatchPlan) -> tuple[int, int, int, int, int]:
+        decodes, decode_ctx = self._last_decodes
+        if plan.decodes is not decodes:
+            decode_ctx = _decode_context(plan.decodes)
+            object.__setattr__(self, "_last_decodes", (plan.decodes, decode_ctx))
+        return _terms(plan, decode_ctx)
 
     def _seconds(self, tokens: int, decodes: int, decode_ctx: int, attention: int,
                  prefills: int) -> float:
