@@ -2,6 +2,7 @@
 
     python scripts/bench_scheduler.py                      # table: every policy x predictor
     python scripts/bench_scheduler.py --reps 100 --json out.json
+    python scripts/bench_scheduler.py --warm               # state read once before timing
     python scripts/bench_scheduler.py --profile lars --predictor gpu   # cProfile one case
 
 The state (seeded, rebuilt identically for every policy and predictor):
@@ -16,6 +17,8 @@ The state (seeded, rebuilt identically for every policy and predictor):
 Predictors: ``gpu`` is the simulator's ``GpuTimeModel("llama3-8b", "a100", tp=8, spp=2)``;
 ``linear`` a ``LinearPredictor`` fitted to it on random plans. Each repetition restores the
 state (a deep copy; predictor and prefill-time cache shared) and times ``schedule()`` alone.
+A fresh copy is cold in the CPU caches; ``--warm`` reads every request once before timing,
+as the previous step would have left them.
 """
 from __future__ import annotations
 
@@ -109,11 +112,18 @@ def restore(sched: DeadlineScheduler) -> DeadlineScheduler:
     return copy.deepcopy(sched, shared)
 
 
-def measure(sched: DeadlineScheduler, reps: int) -> tuple[list[float], BatchPlan]:
+def touch(sched: DeadlineScheduler) -> None:
+    for r in (*sched.waiting, *sched.running):
+        tuple(vars(r).values())
+
+
+def measure(sched: DeadlineScheduler, reps: int, warm: bool) -> tuple[list[float], BatchPlan]:
     """Times of ``schedule()`` on ``reps`` fresh copies of ``sched`` (seconds), and one plan."""
     times, plan = [], None
     for _ in range(reps + 1):  # the first is a warm-up
         fresh = restore(sched)
+        if warm:
+            touch(fresh)
         t0 = time.perf_counter()
         plan = fresh.schedule()
         times.append(time.perf_counter() - t0)
@@ -131,6 +141,7 @@ def main() -> None:
     ap.add_argument("--policy", choices=POLICIES, nargs="*", default=list(POLICIES))
     ap.add_argument("--predictor", choices=("gpu", "linear"), nargs="*",
                     default=["gpu", "linear"])
+    ap.add_argument("--warm", action="store_true", help="read the state once before timing")
     ap.add_argument("--profile", choices=POLICIES, help="cProfile this policy instead")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
@@ -155,14 +166,14 @@ def main() -> None:
         return
 
     print(f"schedule() with 1,000+5 waiting and 128 running; {args.reps} reps each; "
-          f"t_target {CONFIG.t_target * 1e3:.0f} ms")
+          f"t_target {CONFIG.t_target * 1e3:.0f} ms; {'warm' if args.warm else 'cold'} state")
     print(f"{'policy':<6} {'predictor':<9} {'median ms':>10} {'p90 ms':>8}  "
           f"{'decodes':>7} {'prefills':>8} {'tokens':>6} {'predicted ms':>12}")
     rows = []
     for name in args.predictor:
         for policy in args.policy:
             sched = build(policy, predictors[name], caches[name])
-            times, plan = measure(sched, args.reps)
+            times, plan = measure(sched, args.reps, args.warm)
             row = dict(policy=policy, predictor=name,
                        median_ms=statistics.median(times) * 1e3,
                        p90_ms=percentile(times, 0.9) * 1e3, decodes=len(plan.decodes),

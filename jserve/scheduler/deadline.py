@@ -11,8 +11,9 @@ remaining slack (deadline - now - remaining isolated prefill time); ``lars`` the
 to the request's length: by default over its remaining isolated prefill time; the variants
 ``total_work`` (over the total isolated prefill time, the paper's wording) and
 ``relative_deadline`` (over deadline - arrival, as Medha's public code does) are switches.
-Only the default meets the paper's constructed case (docs/scheduler.md has the arithmetic). ``fcfs`` is the non-preemptive convoy baseline: prefills in arrival
-order, one at a time, each run to completion at the token cap before the next starts.
+Only the default meets the paper's constructed case (docs/scheduler.md has the arithmetic).
+``fcfs`` is the non-preemptive convoy baseline: prefills in arrival order, one at a time, each
+run to completion at the token cap before the next starts.
 """
 from __future__ import annotations
 
@@ -95,39 +96,40 @@ class DeadlineScheduler(SchedulerBase):
         return float(self._keys([req], now)[0])
 
     def _total_works(self, reqs: Sequence[Request]) -> np.ndarray:
-        return _column(reqs, lambda rs: map(self.cache.lookup, map(len, map(_TOKENS, rs))))
+        return _column(map(self.cache.lookup, map(len, map(_TOKENS, reqs))), len(reqs))
 
     def _remaining_works(self, reqs: Sequence[Request]) -> np.ndarray:
-        return self._total_works(reqs) - _column(
-            reqs, lambda rs: map(self.cache.lookup, map(_COMPUTED, rs)))
+        return self._total_works(reqs) - _column(map(self.cache.lookup, map(_COMPUTED, reqs)),
+                                                 len(reqs))
 
     def _slacks(self, reqs: Sequence[Request], now: float,
                 work: np.ndarray | None = None) -> np.ndarray:
         work = self._remaining_works(reqs) if work is None else work
-        return _column(reqs, _DEADLINE) - now - work
+        return _column(map(_DEADLINE, reqs), len(reqs)) - now - work
 
     def _keys(self, reqs: Sequence[Request], now: float) -> np.ndarray:
         """The policy's order (lower first) of each request at ``now``."""
         if self._priority is not None:
-            return _column(reqs, lambda rs: (self._priority(r, now) for r in rs))
+            return _column((self._priority(r, now) for r in reqs), len(reqs))
         if self.policy == "fcfs":
-            return _column(reqs, _ARRIVAL)
+            return _column(map(_ARRIVAL, reqs), len(reqs))
         if self.policy == "edf":
-            return _column(reqs, _DEADLINE)
+            return _column(map(_DEADLINE, reqs), len(reqs))
         work = self._remaining_works(reqs)
         slack = self._slacks(reqs, now, work)
         if self.policy == "lrs":
             return slack
         if self.config.lars_variant == "relative_deadline":
-            return _ratios(slack, _column(reqs, _DEADLINE) - _column(reqs, _ARRIVAL))
+            return _ratios(slack, _column(map(_DEADLINE, reqs), len(reqs))
+                           - _column(map(_ARRIVAL, reqs), len(reqs)))
         if self.config.lars_variant == "remaining_work":
             return _ratios(slack, work)
         return _ratios(slack, self._total_works(reqs))
 
     def _victim(self) -> Request:
-        keys = self._keys(self.running, self.clock())
-        # The highest key, the latest arrival among equals, the first in running order after.
-        return self.running[np.lexsort((_column(self.running, _ARRIVAL), keys))[::-1][0]]
+        keys = self._keys(self.running, self.clock()).tolist()
+        return self.running[max(range(len(keys)),
+                                key=lambda i: (keys[i], self.running[i].arrival_time))]
 
     def _is_long(self, req: Request) -> bool:
         return req.num_computed >= self.config.long_threshold
@@ -144,13 +146,12 @@ class DeadlineScheduler(SchedulerBase):
         if admit and room > 0 and self.waiting:
             queue = list(self.waiting)
             queue_keys = self._keys(queue, now)
-            picked = np.argsort(queue_keys, kind="stable")[:room]
-            if room >= len(queue):
-                picked.sort()  # all of them, in queue order
+            picked = (np.arange(len(queue)) if room >= len(queue)
+                      else np.argsort(queue_keys, kind="stable")[:room])
             waiting = [queue[i] for i in picked.tolist()]
             reqs += waiting
             keys = np.concatenate([keys, queue_keys[picked]])
-        order = np.lexsort((_column(reqs, _ARRIVAL), keys))  # stable: ties keep list order
+        order = np.lexsort((_column(map(_ARRIVAL, reqs), len(reqs)), keys))  # stable
         return [reqs[i] for i in order.tolist()], set(waiting)
 
     # -- the batch ---------------------------------------------------------------------
@@ -213,11 +214,9 @@ _TOKENS = operator.attrgetter("token_ids")
 _COMPUTED = operator.attrgetter("num_computed")
 
 
-def _column(reqs: Sequence[Request], values: Callable[[Sequence[Request]], Iterable[float]]
-            ) -> np.ndarray:
-    """values(reqs) as a float64 array: ``map``s of attribute getters stay at C speed."""
-    return np.fromiter(values(reqs) if not isinstance(values, operator.attrgetter)
-                       else map(values, reqs), np.float64, len(reqs))
+def _column(values: Iterable[float], n: int) -> np.ndarray:
+    """n values as a float64 array; ``map``s of attribute getters run at C speed."""
+    return np.fromiter(values, np.float64, n)
 
 
 def _ratios(values: np.ndarray, scales: np.ndarray) -> np.ndarray:
