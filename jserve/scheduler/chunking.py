@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 
 from jserve.scheduler.plan import BatchPlan, ScheduledChunk
 from jserve.scheduler.predictor import ChunkTimer, RuntimePredictor
@@ -39,9 +40,13 @@ class ChunkSearch:
     time is prepared once, and probes that missed a budget are remembered (module docstring)."""
 
     def __init__(self, predictor: RuntimePredictor, plan: BatchPlan, granularity: int = 32):
-        self.time = chunk_timer(predictor, plan)
-        self.granularity = granularity
+        self.predictor, self.plan, self.granularity = predictor, plan, granularity
         self._missed: list[tuple[float, int, int, bool]] = []  # (budget, start, n, samples)
+
+    @functools.cached_property
+    def time(self) -> ChunkTimer:
+        """Prepared on the first probe: a batch may need none (fcfs, nothing left to pack)."""
+        return chunk_timer(self.predictor, self.plan)
 
     def largest(self, request_id: str, start: int, remaining: int, budget_s: float,
                 max_chunk: int | None = None) -> int:
