@@ -158,6 +158,9 @@ class DeadlineScheduler(SchedulerBase):
     def _schedule_once(self, admit: bool) -> BatchPlan:
         now = self.clock()
         decodes, preempted = self._schedule_decodes(self.max_num_seqs)
+        if preempted:  # a victim by policy may be a decode that loop had already scheduled
+            gone = set(preempted)
+            decodes = [c for c in decodes if c.request_id not in gone]
         plan = BatchPlan(tuple(decodes), ())
         candidates, waiting = self._candidates(now, admit and not preempted,
                                                {c.request_id for c in decodes})
