@@ -30,6 +30,7 @@ QPS = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75)
 COLUMNS = ("policy", "qps", "requests", "short", "long", "short_ttft_p50", "short_ttft_p90",
            "short_tpot_p50", "short_tpot_p90", "long_ttft_p50", "long_ttft_p90",
            "long_completed", "window_s", "wall_s")
+_COUNTS = ("requests", "short", "long", "long_completed")
 MESH = SimConfig(model="llama3-8b", hardware="a100", tp=8, spp=2)
 
 
@@ -99,7 +100,7 @@ def plot(rows: list[dict], path: Path) -> None:
             if not pts:
                 continue
             line, = ax.plot([q for q, _ in pts], [min(v, top) for _, v in pts], marker="o",
-                            label=p)
+                            label=p, linestyle="--" if p == "lars-ss" else "-")
             never = [(q, top) for q, v in pts if math.isinf(v)]
             if never:
                 ax.plot(*zip(*never), "x", color=line.get_color(), markersize=10)
@@ -115,6 +116,29 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def sweep(a: argparse.Namespace) -> list[dict]:
+    workload = a.out_dir / "workload.csv"
+    write_workload(workload, a.requests, a.seed)
+    # Costliest first (deadline policies at high load) so the pool's tail is short.
+    tasks = sorted(((p, q, str(workload), a.seed, a.drain, a.tpot_slo)
+                    for p in a.policies for q in a.qps),
+                   key=lambda t: (t[0] in ("fcfs", "sarathi", "loongserve"), -t[1]))
+    rows = []
+    with multiprocessing.Pool(a.jobs) as pool:
+        for r in pool.imap_unordered(run_point, tasks):
+            rows.append(r)
+            print(f"{r['policy']:>10} qps={r['qps']:<5} short TTFT P50 "
+                  f"{fmt(r['short_ttft_p50'])} P90 {fmt(r['short_ttft_p90'])}  long "
+                  f"{r['long_completed']}/{r['long']}  ({r['wall_s']} s)", flush=True)
+    return rows
+
+
+def read_rows(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return [{k: v if k == "policy" else (int(v) if k in _COUNTS else float(v))
+                 for k, v in r.items()} for r in csv.DictReader(f)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=1000)
@@ -127,30 +151,24 @@ def main() -> None:
     ap.add_argument("--focus-qps", type=float, default=0.75)
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out-dir", type=Path, default=Path("docs/sim"))
+    ap.add_argument("--replot", action="store_true",
+                    help="redraw the PNG and tables from OUT_DIR/reproduction.csv, no runs")
     a = ap.parse_args()
 
     a.out_dir.mkdir(parents=True, exist_ok=True)
-    workload = a.out_dir / "workload.csv"
-    write_workload(workload, a.requests, a.seed)
-    # Costliest first (deadline policies at high load) so the pool's tail is short.
-    tasks = sorted(((p, q, str(workload), a.seed, a.drain, a.tpot_slo)
-                    for p in a.policies for q in a.qps),
-                   key=lambda t: (t[0] in ("fcfs", "sarathi", "loongserve"), -t[1]))
     t0 = time.perf_counter()
-    rows = []
-    with multiprocessing.Pool(a.jobs) as pool:
-        for r in pool.imap_unordered(run_point, tasks):
-            rows.append(r)
-            print(f"{r['policy']:>10} qps={r['qps']:<5} short TTFT P50 "
-                  f"{fmt(r['short_ttft_p50'])} P90 {fmt(r['short_ttft_p90'])}  long "
-                  f"{r['long_completed']}/{r['long']}  ({r['wall_s']} s)", flush=True)
-    rows.sort(key=lambda r: (POLICIES.index(r["policy"]), r["qps"]))
+    if a.replot:
+        rows = read_rows(a.out_dir / "reproduction.csv")
+        a.qps = sorted({r["qps"] for r in rows})
+    else:
+        rows = sweep(a)
     wall = time.perf_counter() - t0
-
-    with open(a.out_dir / "reproduction.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
-        w.writeheader()
-        w.writerows(rows)
+    rows.sort(key=lambda r: (POLICIES.index(r["policy"]), r["qps"]))
+    if not a.replot:
+        with open(a.out_dir / "reproduction.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=COLUMNS)
+            w.writeheader()
+            w.writerows(rows)
     plot(rows, a.out_dir / "ttft_vs_qps.png")
     table = markdown(rows, sorted(a.qps), a.focus_qps)
     (a.out_dir / "reproduction.md").write_text(table)
@@ -163,8 +181,10 @@ def main() -> None:
                   f"{base['short_ttft_p50'] / r['short_ttft_p50']:.0f}x lower, P90 "
                   f"{base['short_ttft_p90'] / r['short_ttft_p90']:.0f}x lower; long completed "
                   f"{r['long_completed']}/{r['long']}")
-    print(f"{len(rows)} runs of {a.requests} requests in {wall:.0f} s with {a.jobs} processes; "
-          f"wrote {a.out_dir}/reproduction.csv, ttft_vs_qps.png, reproduction.md")
+    if not a.replot:
+        print(f"{len(rows)} runs of {a.requests} requests in {wall:.0f} s with {a.jobs} "
+              f"processes; wrote {a.out_dir}/reproduction.csv")
+    print(f"wrote {a.out_dir}/ttft_vs_qps.png and reproduction.md")
 
 
 if __name__ == "__main__":
