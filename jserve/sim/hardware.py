@@ -204,8 +204,8 @@ class GpuTimeModel:
 
     ``spp`` stages: the predictor answers for one batch passing through every stage, i.e.
     the slowest stage's time × spp plus (spp - 1) activation send/recvs. In a live pipeline
-    consecutive chunks of a request overlap across stages; the simulator models that overlap
-    itself, not this predictor.
+    consecutive chunks of a request overlap across stages: ``stage_time`` is the interval
+    at which the simulator issues batches into the pipeline (``jserve.sim.simulator``).
     """
 
     def __init__(self, model: str, hardware: str, tp: int = 1, spp: int = 1, kvp: int = 1,
@@ -260,12 +260,11 @@ class GpuTimeModel:
                             2 if tp * kvp * spp <= GPUS_PER_NODE else 1)
             if spp > 1 else None)
         self._stage_layers = math.ceil(self.shape.num_layers / spp)
-        # Memos of the hot path (see _parts, _sums, _chunk_attention).
+        # Memos of the hot path (see _parts and _sums).
         self._last_plan: BatchPlan | None = None
         self._last_parts = (0.0, 0.0, 0.0)
         self._last_decodes: tuple | None = None
         self._decode_sums = (0.0, 0)
-        self._attention_memo: dict[tuple[int, int], float] = {}
 
     def _nearest_profile(self, compute_dir: Path) -> _ComputeProfile:
         paths = sorted(compute_dir.glob("*/mlp.csv"))
@@ -303,11 +302,11 @@ class GpuTimeModel:
     def _chunk_timer(self, plan: BatchPlan, total: Callable[[float, float, float], float]
                      ) -> ChunkTimer:
         tokens, attention, sampled = self._sums(plan)
-        combine, chunk_attention = self._combine, self._chunk_attention
+        combine, chunk_attention = self._combine, self._attention
 
         def time(request_id: str, start: int, n: int, samples: bool) -> float:
-            return total(*combine(tokens + n, attention + chunk_attention(start, n),
-                                  sampled + samples))
+            c = ScheduledChunk(request_id, start, n, samples)
+            return total(*combine(tokens + n, attention + chunk_attention(c), sampled + samples))
         return time
 
     def _parts(self, plan: BatchPlan) -> tuple[float, float, float]:
@@ -327,20 +326,10 @@ class GpuTimeModel:
         attention, sampled = self._decode_sums
         tokens = len(plan.decodes)
         for c in plan.prefills:
-            attention += self._chunk_attention(c.start, c.num_tokens)
+            attention += self._attention(c)
             sampled += c.samples
             tokens += c.num_tokens
         return tokens, attention, sampled
-
-    def _chunk_attention(self, start: int, n: int) -> float:
-        """``_attention`` of a prefill chunk, memoized by (start, length)."""
-        key = (start, n)
-        a = self._attention_memo.get(key)
-        if a is None:
-            if len(self._attention_memo) >= _MEMO_LIMIT:
-                self._attention_memo.clear()
-            a = self._attention_memo[key] = self._attention(ScheduledChunk("_", start, n, False))
-        return a
 
     def _combine(self, tokens: int, attention: float, sampled: int
                  ) -> tuple[float, float, float]:
