@@ -138,21 +138,18 @@ class DeadlineScheduler(SchedulerBase):
                     ) -> tuple[list[Request], set[Request]]:
         """Running prefills and the ``room`` most urgent waiting requests, in policy order
         (ties: earlier arrival, then running before waiting, then queue order); and which of
-        them are waiting."""
+        them are waiting. All keys are computed in one pass."""
         reqs = [r for r in self.running if r.request_id not in scheduled and not r.is_decode]
+        num_running, room = len(reqs), self.max_num_seqs - len(self.running)
+        if admit and room > 0:
+            reqs += self.waiting
         keys = self._keys(reqs, now)
-        room = self.max_num_seqs - len(self.running)
-        waiting: list[Request] = []
-        if admit and room > 0 and self.waiting:
-            queue = list(self.waiting)
-            queue_keys = self._keys(queue, now)
-            picked = (np.arange(len(queue)) if room >= len(queue)
-                      else np.argsort(queue_keys, kind="stable")[:room])
-            waiting = [queue[i] for i in picked.tolist()]
-            reqs += waiting
-            keys = np.concatenate([keys, queue_keys[picked]])
+        if room < len(reqs) - num_running:  # keep only the room most urgent waiting ones
+            urgent = np.argsort(keys[num_running:], kind="stable")[:max(room, 0)]
+            keep = np.concatenate([np.arange(num_running), num_running + urgent])
+            reqs, keys = [reqs[i] for i in keep.tolist()], keys[keep]
         order = np.lexsort((_column(map(_ARRIVAL, reqs), len(reqs)), keys))  # stable
-        return [reqs[i] for i in order.tolist()], set(waiting)
+        return [reqs[i] for i in order.tolist()], set(reqs[num_running:])
 
     # -- the batch ---------------------------------------------------------------------
     def _schedule_once(self, admit: bool) -> BatchPlan:
