@@ -3,8 +3,8 @@ TP groups) with elastic sequence parallelism (ESP).
 
 Deliberately simple:
 - a prefill chunk whose request has ESP degree d runs on d instances in 1 / (d x e) of its
-  single-instance time (e = ``efficiency`` for d > 1: LoongServe reports near-linear prefill
-  scaling; attention and matmuls both split over the instances). Chunks of different degrees
+  single-instance time (e = ``efficiency`` for d > 1, an assumed scaling efficiency, 0.9 by
+  default; attention and matmuls both split over the instances). Chunks of different degrees
   in one iteration run one after another; chunks of one degree are batched together;
 - the decodes are spread evenly over the instances no prefill occupies and run beside the
   prefill (iteration = the longer of the two); when every instance prefills, each also runs
