@@ -24,7 +24,7 @@ from pathlib import Path
 from jserve.sim.hardware import default_data_dir
 from jserve.sim.metrics import summarize
 from jserve.sim.runner import POLICIES, SimConfig, run
-from jserve.sim.trace import mix_long_requests, read_trace, TraceRequest, write_trace
+from jserve.sim.trace import TraceRequest, mix_long_requests, read_trace, write_trace
 
 QPS = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75)
 COLUMNS = ("policy", "qps", "requests", "short", "long", "short_ttft_p50", "short_ttft_p90",

@@ -58,15 +58,22 @@ def _time_model(model: str, hardware: str, tp: int, spp: int, kvp: int) -> GpuTi
     return GpuTimeModel(model, hardware, tp=tp, spp=spp, kvp=kvp)
 
 
-@functools.lru_cache(maxsize=8)
 def _prefill_cache(cfg: SimConfig, max_context: int) -> PrefillTimeCache:
     """Isolated prefill times on the pipelined mesh: chunks stream one stage time apart, so
     the times sum stage times, for chunks sized to a stage-time budget of t_target / spp
     (within the embedding and one send of the scheduler's latency-budget chunks)."""
-    model = _time_model(cfg.model, cfg.hardware, cfg.tp, cfg.spp, cfg.kvp)
-    return PrefillTimeCache(StageTimes(model), max_context, cfg.tpot_slo / cfg.spp,
-                            chunk_granularity=DeadlineConfig.chunk_granularity,
-                            max_chunk=cfg.max_num_batched_tokens)
+    return _cached_prefill_cache(cfg.model, cfg.hardware, cfg.tp, cfg.spp, cfg.kvp,
+                                 cfg.tpot_slo, cfg.max_num_batched_tokens, max_context)
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_prefill_cache(model: str, hardware: str, tp: int, spp: int, kvp: int,
+                          tpot_slo: float, max_chunk: int, max_context: int
+                          ) -> PrefillTimeCache:
+    """Keyed on what the table depends on, so runs differing in anything else share it."""
+    return PrefillTimeCache(StageTimes(_time_model(model, hardware, tp, spp, kvp)), max_context,
+                            tpot_slo / spp, chunk_granularity=DeadlineConfig.chunk_granularity,
+                            max_chunk=max_chunk)
 
 
 def build(policy: str, cfg: SimConfig, clock: VirtualClock, max_context: int
