@@ -296,7 +296,7 @@ def test_full_admission_queue_gets_resource_exhausted(bg):
                 async def one(i):
                     try:
                         await c.generate([i + 1] * 5, SamplingParams(
-                            temperature=0.0, max_tokens=40, ignore_eos=True))
+                            temperature=0.0, max_tokens=100, ignore_eos=True))
                         return "ok", ""
                     except grpc.aio.AioRpcError as e:
                         return e.code(), e.details()
@@ -510,6 +510,10 @@ def test_tls_and_bearer_token(spare_engine, llm):
                     with pytest.raises(grpc.RpcError) as e:
                         call()
                     assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert main(["generate", "--server", target, "--tls-ca", str(TLS / "server.crt"),
+                     "--auth-token", "s3cret", "--max-tokens", "3", "hi"]) == 0
+        assert main(["generate", "--server", target, "--tls-ca", str(TLS / "server.crt"),
+                     "--max-tokens", "3", "hi"]) == 1
         # Health checks need no token; plaintext to a TLS port gets nowhere.
         creds = grpc.ssl_channel_credentials(root_certificates=ca)
         with grpc.secure_channel(target, creds) as ch:

@@ -162,11 +162,11 @@ class EngineLoop:
                 out: list[tuple[asyncio.Queue, Delta]] = []
                 cmds = self._drain(block=not eng.has_unfinished())
                 stop = False
-                for cmd in cmds:
+                for cmd in cmds:  # adds after a stop are taken, then failed with the rest
                     if cmd is _STOP:
                         stop = True
-                        break
-                    cmd(out)
+                    else:
+                        cmd(out)
                 if stop:
                     self._fail_all(out, UNAVAILABLE, "the server is shutting down")
                     self._publish(out)
