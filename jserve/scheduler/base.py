@@ -96,18 +96,25 @@ class SchedulerBase(abc.ABC):
         when the pool is short, victims are preempted until it fits (possibly itself)."""
         decodes: list[ScheduledChunk] = []
         preempted: list[str] = []
+        block_size = self.allocator.block_size
+        running = RequestStatus.RUNNING
         for req in list(self.running):
             if len(decodes) == max_decodes:
                 break
-            if req.status is not RequestStatus.RUNNING or not req.is_decode:
+            n = len(req.token_ids)  # is_decode, inlined: this loop runs for every decode
+            if (req.status is not running or n - req.num_computed != 1
+                    or n == len(req.prompt_token_ids)):
                 continue
-            while not self._grow(req, req.num_computed + 1):
-                victim = self._victim()
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is req:
-                    break
-            if req.status is RequestStatus.RUNNING:
+            if n > len(req.block_ids) * block_size:  # its token needs a new block
+                while not self._grow(req, n):
+                    victim = self._victim()
+                    self._preempt(victim)
+                    preempted.append(victim.request_id)
+                    if victim is req:
+                        break
+                    # A victim may be a decode this loop already scheduled.
+                    decodes = [c for c in decodes if c.request_id != victim.request_id]
+            if req.status is running:
                 decodes.append(ScheduledChunk(req.request_id, req.num_computed, 1, True))
         return decodes, preempted
 

@@ -155,9 +155,6 @@ class DeadlineScheduler(SchedulerBase):
     def _schedule_once(self, admit: bool) -> BatchPlan:
         now = self.clock()
         decodes, preempted = self._schedule_decodes(self.max_num_seqs)
-        if preempted:  # a victim by policy may be a decode that loop had already scheduled
-            gone = set(preempted)
-            decodes = [c for c in decodes if c.request_id not in gone]
         plan = BatchPlan(tuple(decodes), ())
         candidates, waiting = self._candidates(now, admit and not preempted,
                                                {c.request_id for c in decodes})
@@ -168,15 +165,19 @@ class DeadlineScheduler(SchedulerBase):
         search = ChunkSearch(self.predictor, plan, granularity)
         used = None  # predicted time of ``plan``, when space sharing needs it
         tokens_left = self.token_budget - plan.num_tokens
-        hopeless: set[Request] | None = None  # candidates known not to fit beside ``plan``
+        # Set once not even a first granule fits beside ``plan``: until the plan changes,
+        # only requests that cannot take a whole granule (short remainders, KV-bound) may fit.
+        hopeless = False
         has_long = False
-        for i, req in enumerate(candidates):
+        for req in candidates:
             if len(plan.prefills) == self.max_prefill_seqs or tokens_left <= 0:
                 break
             long = self._is_long(req)
-            if (long and has_long) or (hopeless and req in hopeless):
+            if long and has_long:
                 continue
             cap = self._fits(req, min(req.num_uncomputed, tokens_left))
+            if hopeless and cap >= granularity:
+                continue
             if self.policy == "fcfs":
                 n = cap
             else:
@@ -190,19 +191,15 @@ class DeadlineScheduler(SchedulerBase):
                                    budget, max_chunk=cap)
                 if n == 0 and plan.is_empty:
                     n = min(cap, granularity)  # always make progress
-                elif n == 0 and hopeless is None and search.missed(0, granularity, False,
-                                                                   t_target):
-                    # Not even a first granule fits: until the plan changes, only requests
-                    # that cannot take a whole granule (short remainders, KV-bound) may fit.
-                    hopeless = {r for r in candidates[i + 1:] if self._fits(
-                        r, min(r.num_uncomputed, tokens_left)) >= granularity}
+                elif n == 0 and not hopeless:
+                    hopeless = search.missed(0, granularity, False, t_target)
             if n <= 0 or not self._grow(req, req.num_computed + n):
                 continue
             if req in waiting:
                 self._admit(req)
             plan = with_chunk(plan, req.request_id, req.num_computed, n,
                               req.num_computed + n == len(req.token_ids))
-            search, used, hopeless = ChunkSearch(self.predictor, plan, granularity), None, None
+            search, used, hopeless = ChunkSearch(self.predictor, plan, granularity), None, False
             tokens_left -= n
             has_long |= long
         return dataclasses.replace(plan, preempted=tuple(preempted))
