@@ -19,19 +19,20 @@ def build_scheduler(policy: str, allocator: BlockAllocator, *, max_num_seqs: int
                     max_num_batched_tokens: int, max_prefill_seqs: int,
                     predictor: RuntimePredictor | None = None, max_context: int | None = None,
                     deadline: DeadlineConfig = DeadlineConfig(),
-                    clock: Callable[[], float] = time.monotonic) -> SchedulerBase:
-    """Deadline-aware policies need a predictor and the longest context (for the prefill-time
-    cache); ``sarathi`` needs neither."""
+                    clock: Callable[[], float] = time.monotonic,
+                    prefill_cache: PrefillTimeCache | None = None) -> SchedulerBase:
+    """Deadline-aware policies need a predictor and either the longest context (to build the
+    prefill-time cache) or a ready cache; ``sarathi`` needs none of them."""
     limits = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                   max_prefill_seqs=max_prefill_seqs)
     if policy == "sarathi":
         return SarathiScheduler(allocator, **limits)
     if policy not in DEADLINE_POLICIES:
         raise ValueError(f"scheduler must be one of {POLICIES}, got {policy!r}")
-    if predictor is None or max_context is None:
+    if predictor is None or (max_context is None and prefill_cache is None):
         raise ValueError(f"policy {policy!r} needs a runtime predictor and max_context")
-    cache = PrefillTimeCache(predictor, max_context, deadline.t_target,
-                             chunk_granularity=deadline.chunk_granularity,
-                             max_chunk=max_num_batched_tokens)
+    cache = prefill_cache or PrefillTimeCache(predictor, max_context, deadline.t_target,
+                                              chunk_granularity=deadline.chunk_granularity,
+                                              max_chunk=max_num_batched_tokens)
     return DeadlineScheduler(allocator, policy=policy, predictor=predictor, prefill_cache=cache,
                              config=deadline, clock=clock, **limits)

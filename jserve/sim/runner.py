@@ -17,10 +17,10 @@ from typing import Sequence
 from jserve.cache.allocator import BlockAllocator
 from jserve.scheduler.base import SchedulerBase
 from jserve.scheduler.chunking import PrefillTimeCache
-from jserve.scheduler.deadline import DeadlineConfig, DeadlineScheduler
+from jserve.scheduler.deadline import DeadlineConfig
 from jserve.scheduler.loongserve import LoongServeScheduler
 from jserve.scheduler.predictor import RuntimePredictor
-from jserve.scheduler.sarathi import SarathiScheduler
+from jserve.scheduler.registry import build_scheduler
 from jserve.sim.esp import EspTimeModel
 from jserve.sim.hardware import GpuTimeModel, StageTimes
 from jserve.sim.simulator import VirtualClock, simulate
@@ -95,13 +95,13 @@ def build(policy: str, cfg: SimConfig, clock: VirtualClock, max_context: int
                                     tokens_per_instance=cfg.esp_tokens_per_instance, **limits)
         return sched, EspTimeModel(instance, n, sched.degree_of, cfg.esp_efficiency)
     model = _time_model(cfg.model, cfg.hardware, cfg.tp, cfg.spp, cfg.kvp)
-    kv = pool(model.kv_cache_tokens(cfg.memory_fraction))
-    if policy == "sarathi":
-        return SarathiScheduler(kv, **{**limits, "max_num_batched_tokens": cfg.sarathi_chunk}), model
-    config = DeadlineConfig(t_target=cfg.tpot_slo, space_sharing=policy == "lars-ss")
-    sched = DeadlineScheduler(kv, policy=policy.removesuffix("-ss"), predictor=model,
-                              prefill_cache=_prefill_cache(cfg, max_context), config=config,
-                              clock=clock, **limits)
+    name = policy.removesuffix("-ss")
+    if name == "sarathi":
+        limits["max_num_batched_tokens"] = cfg.sarathi_chunk
+    sched = build_scheduler(
+        name, pool(model.kv_cache_tokens(cfg.memory_fraction)), **limits, predictor=model,
+        deadline=DeadlineConfig(t_target=cfg.tpot_slo, space_sharing=policy == "lars-ss"),
+        clock=clock, prefill_cache=None if name == "sarathi" else _prefill_cache(cfg, max_context))
     return sched, model
 
 
