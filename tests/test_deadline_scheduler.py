@@ -136,3 +136,31 @@ def test_space_sharing_leaves_room_for_short_prefills_beside_a_long_one():
     assert alone["short"]["first_token_s"] == pytest.approx(6.1)
     assert shared["long"]["first_token_s"] == pytest.approx(6.2)
     assert alone["long"]["first_token_s"] == pytest.approx(6.2)
+
+
+def test_priority_ranks_before_the_policy_key_and_tpot_slo_caps_the_budget():
+    clock = VirtualClock()
+    sched = DeadlineScheduler(
+        BlockAllocator(4097, 16), policy="edf", predictor=MS_PER_TOKEN,
+        prefill_cache=PrefillTimeCache(MS_PER_TOKEN, 20_000, 0.05), max_num_seqs=64,
+        max_num_batched_tokens=4096, max_prefill_seqs=8,
+        config=dataclasses.replace(CONFIG, chunk_granularity=1), clock=clock)
+    tight = Request("tight", [0] * 8, 4, 0.0, tpot_slo=0.02, priority=-2)
+    first = Request("first", [0] * 400, 1, 0.0)
+    second = Request("second", [0] * 400, 1, 0.0, priority=-1)  # same deadline, later in line
+    for r in (first, second, tight):
+        sched.add(r)
+    plan = sched.schedule()
+    assert [(c.request_id, c.num_tokens) for c in plan.prefills] == [("tight", 8), ("second", 42)]
+    for c in plan.prefills:
+        sched.running[[r.request_id for r in sched.running].index(c.request_id)
+                      ].num_computed += c.num_tokens
+    tight.token_ids.append(0)  # its first token: it decodes from now on
+    plan = sched.schedule()
+    # 20 ms, not 50: one decode and 19 tokens of "second".
+    assert [c.request_id for c in plan.decodes] == ["tight"]
+    assert [(c.request_id, c.num_tokens) for c in plan.prefills] == [("second", 19)]
+    # Under memory pressure the worst priority goes first, whatever its key.
+    assert sched._victim() is second  # priority -1 against tight's -2
+    tight.priority = 5
+    assert sched._victim() is tight

@@ -70,12 +70,17 @@ class DeadlineScheduler(SchedulerBase):
         self.config = config
         self.clock = clock
         self._priority = priority  # the hook an SPRPT-style policy plugs into
+        self._priorities = self._tpot_slos = False
 
     # -- deadlines and slack -----------------------------------------------------------
     # Each quantity is computed for a list of requests at once, as a float64 array (the whole
     # waiting queue is keyed every step; prefill times come from memoized lookups); the
     # one-request methods wrap the arrays. numpy's elementwise arithmetic is Python's.
     def add(self, req: Request) -> None:
+        # Per-request priorities and TPOT SLOs are rare: their columns are read only once
+        # some request has brought one.
+        self._priorities |= req.priority != 0
+        self._tpot_slos |= req.tpot_slo is not None
         if req.ttft_deadline is None:
             isolated = self.cache.time(req.num_prompt_tokens)
             req.ttft_deadline = req.arrival_time + max(self.config.ttft_k * isolated,
@@ -128,8 +133,9 @@ class DeadlineScheduler(SchedulerBase):
 
     def _victim(self) -> Request:
         keys = self._keys(self.running, self.clock()).tolist()
-        return self.running[max(range(len(keys)),
-                                key=lambda i: (keys[i], self.running[i].arrival_time))]
+        running = self.running
+        return running[max(range(len(keys)), key=lambda i: (
+            running[i].priority, keys[i], running[i].arrival_time))]
 
     def _is_long(self, req: Request) -> bool:
         return req.num_computed >= self.config.long_threshold
@@ -144,6 +150,8 @@ class DeadlineScheduler(SchedulerBase):
         if admit and room > 0:
             reqs += self.waiting
         keys = self._keys(reqs, now)
+        if self._priorities:  # a lower priority value first, then the policy's key
+            keys = np.lexsort((keys, _column(map(_PRIORITY, reqs), len(reqs)))).argsort()
         if room < len(reqs) - num_running:  # keep only the room most urgent waiting ones
             urgent = np.argsort(keys[num_running:], kind="stable")[:max(room, 0)]
             keep = np.concatenate([np.arange(num_running), num_running + urgent])
@@ -162,6 +170,8 @@ class DeadlineScheduler(SchedulerBase):
             candidates = candidates[:1]  # non-preemptive: the oldest prefill runs alone
 
         granularity, t_target = self.config.chunk_granularity, self.config.t_target
+        if self._tpot_slos:  # the tightest TPOT SLO among running requests caps the budget
+            t_target = min([t_target] + [r.tpot_slo for r in self.running if r.tpot_slo])
         search = ChunkSearch(self.predictor, plan, granularity)
         used = None  # predicted time of ``plan``, when space sharing needs it
         tokens_left = self.token_budget - plan.num_tokens
@@ -207,6 +217,7 @@ class DeadlineScheduler(SchedulerBase):
 
 _ARRIVAL = operator.attrgetter("arrival_time")
 _DEADLINE = operator.attrgetter("ttft_deadline")
+_PRIORITY = operator.attrgetter("priority")
 _TOKENS = operator.attrgetter("token_ids")
 _COMPUTED = operator.attrgetter("num_computed")
 
