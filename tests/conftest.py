@@ -17,3 +17,24 @@ def small_llm(model: str = "default", **overrides) -> LLM:
 @pytest.fixture(scope="module")
 def llm() -> LLM:
     return small_llm()
+
+
+def run_checked(llm: LLM, prompts, params) -> list[list[int]]:
+    """Runs ``prompts`` to completion, checking after every step that blocks are conserved
+    (held exactly by running requests), waiting requests hold none, and exactly the swapped
+    ones have a host copy; returns the output ids in prompt order. Plans land in
+    ``llm.engine.step_log``."""
+    eng = llm.engine
+    ids = [eng.add_request(p, params) for p in prompts]
+    eng.step_log = []
+    done = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+        eng.allocator.check()
+        assert eng.allocator.num_allocated == sum(len(r.block_ids) for r in eng.scheduler.running)
+        assert all(not r.block_ids for r in eng.scheduler.waiting)
+        assert set(eng._host_kv) == {r.request_id for r in eng.scheduler.waiting if r.swapped}
+    assert eng.allocator.num_allocated == 0
+    return [done[i] for i in ids]

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import small_llm
+from conftest import run_checked, small_llm
 from jserve import SamplingParams
 from jserve.engine.timing import estimated_predictor
 from jserve.scheduler.predictor import LinearPredictor
@@ -23,25 +23,6 @@ def reference():
     return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
 
 
-def _run_checked(llm, prompts, params):
-    """Runs to completion checking blocks and plan limits after every step."""
-    eng = llm.engine
-    ids = [eng.add_request(p, params) for p in prompts]
-    eng.step_log = []
-    done = {}
-    while eng.has_unfinished():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out.token_ids
-        eng.allocator.check()
-        assert eng.allocator.num_allocated == sum(len(r.block_ids) for r in eng.scheduler.running)
-    for plan, _ in eng.step_log:
-        assert plan.num_tokens <= eng.scheduler.token_budget
-        assert len(plan.prefills) <= eng.config.max_prefill_seqs
-    assert eng.allocator.num_allocated == 0
-    return [done[i] for i in ids]
-
-
 @pytest.mark.parametrize("policy", ["fcfs", "edf", "lrs", "lars"])
 def test_every_policy_gives_the_reference_greedy_outputs(policy, reference, tmp_path):
     # 1 ms a token plus 1 us per (query, key) pair, a 70 ms budget and a 128-token cap.
@@ -51,8 +32,10 @@ def test_every_policy_gives_the_reference_greedy_outputs(policy, reference, tmp_
     llm = small_llm(scheduler=policy, tpot_slo=0.07, max_num_batched_tokens=128,
                     predictor_path=str(path))
     assert llm.engine.predictor == predictor
-    assert _run_checked(llm, PROMPTS, GREEDY) == reference
+    assert run_checked(llm, PROMPTS, GREEDY) == reference
     plans = [plan for plan, _ in llm.engine.step_log]
+    assert all(p.num_tokens <= 128 and len(p.prefills) <= llm.engine.config.max_prefill_seqs
+               for p in plans)
     longest = max(c.num_tokens for plan in plans for c in plan.prefills)
     if policy == "fcfs":  # ignores the time budget: as many tokens as the step has room for
         assert longest > 70

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import small_llm
+from conftest import run_checked, small_llm
 from jserve import SamplingParams
 from jserve.scheduler.predictor import LinearPredictor
 
@@ -22,26 +22,10 @@ def reference():
     return [o.token_ids for o in small_llm().generate(PROMPTS, GREEDY)]
 
 
-def _run(llm, prompts, params):
-    eng = llm.engine
-    ids = [eng.add_request(p, params) for p in prompts]
-    done = {}
-    while eng.has_unfinished():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out.token_ids
-        eng.allocator.check()
-        assert eng.allocator.num_allocated == sum(len(r.block_ids) for r in eng.scheduler.running)
-        assert all(not r.block_ids for r in eng.scheduler.waiting)
-        swapped = {r.request_id for r in eng.scheduler.waiting if r.swapped}
-        assert set(eng._host_kv) == swapped  # a host copy exactly for each swapped request
-    return [done[i] for i in ids]
-
-
 @pytest.mark.parametrize("policy", ["sarathi", "lars"])
 def test_swapped_requests_resume_with_identical_greedy_outputs(policy, reference):
     llm = small_llm(scheduler=policy, preemption="swap", **TINY_POOL)
-    assert _run(llm, PROMPTS, GREEDY) == reference
+    assert run_checked(llm, PROMPTS, GREEDY) == reference
     sched = llm.engine.scheduler
     assert sched.num_swaps > 0 and sched.num_swaps == sched.num_preemptions
     assert llm.engine.allocator.num_allocated == 0
@@ -53,7 +37,7 @@ def test_penalised_requests_recompute_instead_of_swapping():
                             repetition_penalty=1.3, frequency_penalty=0.4)
     expected = [o.token_ids for o in small_llm().generate(PROMPTS, params)]
     llm = small_llm(preemption="swap", **TINY_POOL)
-    assert _run(llm, PROMPTS, params) == expected
+    assert run_checked(llm, PROMPTS, params) == expected
     assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.scheduler.num_swaps == 0
 
 
