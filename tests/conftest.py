@@ -2,6 +2,9 @@
 everywhere so the persistent compilation cache is shared between tests."""
 from __future__ import annotations
 
+import gc
+
+import jax
 import pytest
 
 from jserve import LLM
@@ -38,3 +41,13 @@ def run_checked(llm: LLM, prompts, params) -> list[list[int]]:
         assert set(eng._host_kv) == {r.request_id for r in eng.scheduler.waiting if r.swapped}
     assert eng.allocator.num_allocated == 0
     return [done[i] for i in ids]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_executables():
+    """JAX's caches keep every compiled step executable (about 400 memory maps each on CPU)
+    after its LLM is gone; a whole-suite process would otherwise pass vm.max_map_count (65530)
+    and segfault mid-run. Dropping them after each module keeps the count bounded."""
+    yield
+    gc.collect()
+    jax.clear_caches()
