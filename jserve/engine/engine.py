@@ -63,9 +63,6 @@ def enable_compilation_cache(path: str | None) -> None:
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    # A size bound turns on the cache's file lock: without it a process can read an entry
-    # another is still writing (engines in several processes share the directory).
-    jax.config.update("jax_compilation_cache_max_size", 8 << 30)
 
 
 class LLMEngine:
