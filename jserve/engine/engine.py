@@ -49,6 +49,7 @@ class _Tracked:
     prompt: str | None
     metrics: RequestMetrics
     detok: IncrementalDetokenizer
+    prompt_ids: list[int]  # what outputs show: one copy per request, not one per step
     text: str = ""
     logprobs: list[TokenLogprob] | None = None
     state_row: int | None = None
@@ -197,6 +198,7 @@ class LLMEngine:
             prompt=text,
             metrics=RequestMetrics(time.monotonic() if arrival_time is None else arrival_time),
             detok=IncrementalDetokenizer(self.tokenizer),
+            prompt_ids=list(ids),
             logprobs=[] if params.logprobs is not None else None)
         req = Request(rid, ids, params.max_tokens, tracked.metrics.arrival_time, payload=tracked,
                       tpot_slo=tpot_slo, priority=priority)
@@ -355,7 +357,7 @@ class LLMEngine:
         tr: _Tracked = req.payload
         return RequestOutput(
             request_id=req.request_id, prompt=tr.prompt,
-            prompt_token_ids=list(req.prompt_token_ids), token_ids=req.output_token_ids,
+            prompt_token_ids=tr.prompt_ids, token_ids=req.output_token_ids,
             text=tr.text, finished=tr.finish_reason is not None, finish_reason=tr.finish_reason,
             metrics=tr.metrics, logprobs=list(tr.logprobs) if tr.logprobs is not None else None,
             error=tr.error)
