@@ -13,7 +13,6 @@ from jserve.sim.hardware import LAYER_OPS, MODEL_SHAPES, GpuTimeModel, default_d
 
 DATA = default_data_dir()
 PROFILE = DATA / "profiles" / "compute" / "a100" / "Meta-Llama-3-8B" / "mlp.csv"
-pytestmark = pytest.mark.skipif(not PROFILE.exists(), reason=f"no shared data at {DATA}")
 
 LAYERS = MODEL_SHAPES["llama3-8b"].num_layers
 
