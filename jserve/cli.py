@@ -117,7 +117,7 @@ def _add_simulate_parser(sub) -> None:
 
 
 def _simulate(a: argparse.Namespace) -> int:
-    from jserve.sim.metrics import format_summary, summarize
+    from jserve.bench.metrics import format_summary, summarize
     from jserve.sim.runner import SimConfig, run
     from jserve.sim.trace import read_trace, write_records
 

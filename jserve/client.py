@@ -26,7 +26,7 @@ from jserve.proto import generate_pb2_grpc as pb_grpc
 from jserve.sampling.params import SamplingParams
 from jserve.serving.protocol import build_request
 
-_FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
+FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
 
 
 @dataclasses.dataclass
@@ -56,7 +56,7 @@ class _Collector:
                              tuple(zip(lp.top_token_ids, lp.top_logprobs)))
                 for lp in r.logprobs]
         if r.finish_reason:
-            c.finish_reason = _FINISH[r.finish_reason]
+            c.finish_reason = FINISH_REASONS[r.finish_reason]
             c.prompt_tokens = r.usage.prompt_tokens
             c.completion_tokens = r.usage.completion_tokens
             t = r.timings

@@ -21,10 +21,11 @@ import multiprocessing
 import time
 from pathlib import Path
 
-from jserve.sim.hardware import default_data_dir
-from jserve.sim.metrics import summarize
+from jserve.bench.metrics import summarize
+from jserve.bench.plots import qps_sweep
+from jserve.bench.workload import WorkloadSpec, build_workload
 from jserve.sim.runner import POLICIES, SimConfig, run
-from jserve.sim.trace import TraceRequest, mix_long_requests, read_trace, write_trace
+from jserve.sim.trace import TraceRequest, read_trace, write_trace
 
 QPS = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75)
 COLUMNS = ("policy", "qps", "requests", "short", "long", "short_ttft_p50", "short_ttft_p90",
@@ -36,11 +37,7 @@ MESH = SimConfig(model="llama3-8b", hardware="a100", tp=8, spp=2)
 
 def write_workload(path: Path, n: int, seed: int) -> None:
     """The request lengths (no arrivals): ShareGPT4 shorts with 5% long requests mixed in."""
-    with open(default_data_dir() / "traces" / "sharegpt4_8k_lengths.csv", newline="") as f:
-        short = [(int(r["num_prefill_tokens"]), int(r["num_decode_tokens"]))
-                 for r in csv.DictReader(f)]
-    pairs = mix_long_requests(short, n, 0.05, seed)
-    write_trace(path, [TraceRequest(str(i), 0.0, p, o) for i, (p, o) in enumerate(pairs)],
+    write_trace(path, build_workload(WorkloadSpec(num_requests=n, long_fraction=0.05, seed=seed)),
                 arrivals=False)
 
 
@@ -85,35 +82,6 @@ def markdown(rows: list[dict], qps_list: list[float], focus: float) -> str:
                 "" if c is None else (f"{c[key]}/{c['long']}" if key == "long_completed"
                                       else fmt(c[key])) for c in cells) + " |")
     return "\n".join(out) + "\n"
-
-
-def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
-    top = max(r["window_s"] for r in rows)
-    for ax, key in zip(axes, ("short_ttft_p50", "short_ttft_p90")):
-        for p in POLICIES:
-            pts = sorted((r["qps"], r[key]) for r in rows if r["policy"] == p)
-            if not pts:
-                continue
-            line, = ax.plot([q for q, _ in pts], [min(v, top) for _, v in pts], marker="o",
-                            label=p, linestyle="--" if p == "lars-ss" else "-")
-            never = [(q, top) for q, v in pts if math.isinf(v)]
-            if never:
-                ax.plot(*zip(*never), "x", color=line.get_color(), markersize=10)
-        ax.set_yscale("log")
-        ax.set_xlabel("QPS")
-        ax.set_title(f"short-request TTFT {key[-3:].upper()}")
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0].set_ylabel("seconds (x: never, drawn at the window)")
-    axes[1].legend(fontsize=8)
-    fig.suptitle("Llama-3 8B, 16 A100 (TP8 x SPP2), ShareGPT4 + 5% synthetic Medha-SWE long",
-                 fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 def sweep(a: argparse.Namespace) -> list[dict]:
@@ -169,7 +137,8 @@ def main() -> None:
             w = csv.DictWriter(f, fieldnames=COLUMNS)
             w.writeheader()
             w.writerows(rows)
-    plot(rows, a.out_dir / "ttft_vs_qps.png")
+    qps_sweep(rows, a.out_dir / "ttft_vs_qps.png", dashed=("lars-ss",),
+              title="Llama-3 8B, 16 A100 (TP8 x SPP2), ShareGPT4 + 5% synthetic Medha-SWE long")
     table = markdown(rows, sorted(a.qps), a.focus_qps)
     (a.out_dir / "reproduction.md").write_text(table)
     print(table)

@@ -17,7 +17,7 @@ from jserve.scheduler.request import Request
 from jserve.scheduler.sarathi import SarathiScheduler
 from jserve.sim import GpuTimeModel, LengthOnlyTokens, TraceRequest, VirtualClock, simulate
 from jserve.sim.hardware import StageTimes
-from jserve.sim.metrics import percentile, summarize
+from jserve.bench.metrics import percentile, summarize
 
 MS_PER_TOKEN = LinearPredictor((0.0, 1e-3, 0.0, 0.0, 0.0, 0.0))
 

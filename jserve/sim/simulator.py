@@ -69,7 +69,7 @@ def simulate(scheduler: SchedulerBase, predictor: RuntimePredictor, clock: Virtu
     records = {t.request_id: {
         "request_id": t.request_id, "prompt_tokens": t.prompt_tokens, "output_tokens": 0,
         "arrival_s": t.arrival_s, "first_token_s": None, "finish_s": None,
-        "finish_reason": None, "policy": policy} for t in pending}
+        "finish_reason": None, "policy": policy, "token_times_s": []} for t in pending}
     in_flight: list[tuple[float, int, list[Request]]] = []  # heap of (arrives, seq, requests)
     requests: dict[str, Request] = {}
     hidden: set[Request] = set()
@@ -81,6 +81,7 @@ def simulate(scheduler: SchedulerBase, predictor: RuntimePredictor, clock: Virtu
         req.token_ids.append(0)
         rec = records[req.request_id]
         rec["output_tokens"] += 1
+        rec["token_times_s"].append(at)
         if rec["first_token_s"] is None:
             rec["first_token_s"] = at
         if req.num_output_tokens >= req.max_tokens:

@@ -3,8 +3,10 @@ runner and the benchmark harness. Pure Python + numpy (no JAX), so any tool can 
 
 A trace is CSV or JSONL with ``num_prefill_tokens`` and ``num_decode_tokens`` per request and
 ``arrived_at`` (seconds) unless arrivals are drawn from a Poisson process at a given QPS.
-A record is one JSON object per request with exactly ``RECORD_FIELDS``; ``first_token_s`` and
-``finish_s`` are null when the run ended before the request got there.
+A record is one JSON object per request with every one of ``RECORD_FIELDS`` and optionally
+``token_times_s`` (the time of every output token, which TBT needs); ``first_token_s`` and
+``finish_s`` are null when the run ended before the request got there. All times are seconds
+from the start of the run.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import numpy as np
 
 RECORD_FIELDS = ("request_id", "prompt_tokens", "output_tokens", "arrival_s", "first_token_s",
                  "finish_s", "finish_reason", "policy")
+OPTIONAL_RECORD_FIELDS = ("token_times_s",)
 
 # Medha-SWE's published statistics (no public trace): prompt P50 393K / P90 839K tokens in
 # 128K-1M, output P50 518 / P90 808. Only a log-normal fitted to the two quantiles is known.
@@ -104,7 +107,8 @@ def write_records(path: str | Path, records: Iterable[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
         for r in records:
-            f.write(json.dumps({k: r[k] for k in RECORD_FIELDS}) + "\n")
+            f.write(json.dumps({k: r[k] for k in RECORD_FIELDS + OPTIONAL_RECORD_FIELDS
+                                if k in r}) + "\n")
 
 
 def read_records(path: str | Path) -> list[dict]:
@@ -114,9 +118,11 @@ def read_records(path: str | Path) -> list[dict]:
             if not line.strip():
                 continue
             r = json.loads(line)
-            if set(r) != set(RECORD_FIELDS):
-                raise ValueError(f"{path} line {i + 1}: fields {sorted(r)}, expected "
-                                 f"{sorted(RECORD_FIELDS)}")
+            missing = set(RECORD_FIELDS) - set(r)
+            unknown = set(r) - set(RECORD_FIELDS) - set(OPTIONAL_RECORD_FIELDS)
+            if missing or unknown:
+                raise ValueError(f"{path} line {i + 1}: missing fields {sorted(missing)}, "
+                                 f"unknown fields {sorted(unknown)}")
             out.append(r)
     return out
 

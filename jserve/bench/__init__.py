@@ -1,0 +1,2 @@
+"""Offline evaluation: workloads (``workload``), live runs in process or over gRPC (``runner``),
+latency metrics for live and simulated records alike (``metrics``) and plots (``plots``)."""

@@ -1,0 +1,144 @@
+"""Latency metrics of a run's records, one function for live and simulated runs alike.
+
+Per group (short and long requests, split by prompt length): TTFT, TPOT, TBT and end-to-end
+latency at P50/P90/P99, normalized latency (end-to-end seconds per output token, as Orca and
+vLLM report it), the TTFT deadline-miss rate and completions; over the whole run: goodput
+(requests per second that finished meeting both their TTFT and TPOT SLOs). Pure Python, no JAX.
+
+Unfinished requests are not dropped: a TTFT or end-to-end latency that never happened is
+``inf``, so a backlog shows in the percentiles instead of being averaged away.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Iterable, Sequence
+
+LONG_PROMPT_TOKENS = 32_768  # default split: prompts at least this long are long requests
+QUANTILES = (50, 90, 99)
+GROUPS = ("short", "long")
+
+
+@dataclasses.dataclass(frozen=True)
+class Slo:
+    """A request's TTFT SLO is max(``ttft_s``, ``ttft_per_token_s`` x its prompt tokens), so
+    long prompts get deadlines that grow with their prefill; TPOT SLO is ``tpot_s``."""
+
+    ttft_s: float = 0.5
+    ttft_per_token_s: float = 0.0
+    tpot_s: float = 0.05
+
+    def __post_init__(self) -> None:
+        if not (self.ttft_s >= 0 and self.ttft_per_token_s >= 0 and self.tpot_s > 0):
+            raise ValueError(f"SLOs must be non-negative (tpot_s > 0): {self}")
+
+    def ttft_deadline(self, prompt_tokens: int) -> float:
+        return max(self.ttft_s, self.ttft_per_token_s * prompt_tokens)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile where ``inf`` stands for "never happened": a requested
+    rank that touches an unfinished request is ``inf``. NaN for no values."""
+    xs = sorted(values)
+    if not xs:
+        return math.nan
+    pos = q / 100 * (len(xs) - 1)
+    lo, hi = math.floor(pos), math.ceil(pos)
+    if lo == hi or math.isinf(xs[hi]):
+        return xs[lo] if lo == hi else math.inf
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def ttft(rec: dict) -> float:
+    """Seconds from arrival to first token; inf if none came."""
+    first = rec["first_token_s"]
+    return math.inf if first is None else first - rec["arrival_s"]
+
+
+def e2e(rec: dict) -> float:
+    """Seconds from arrival to the last token; inf if the request did not finish."""
+    return math.inf if rec["finish_s"] is None else rec["finish_s"] - rec["arrival_s"]
+
+
+def tpot(rec: dict) -> float | None:
+    """Mean seconds per output token after the first, for finished requests with at least
+    two tokens (None otherwise: a backlog shows in TTFT and completion instead)."""
+    if rec["finish_s"] is None or rec["output_tokens"] < 2:
+        return None
+    return (rec["finish_s"] - rec["first_token_s"]) / (rec["output_tokens"] - 1)
+
+
+def tbt(rec: dict) -> list[float]:
+    """Every gap between consecutive output tokens (needs ``token_times_s``; [] without)."""
+    times = rec.get("token_times_s") or []
+    return [b - a for a, b in zip(times, times[1:])]
+
+
+def meets_slo(rec: dict, slo: Slo) -> bool:
+    """Finished, first token within its TTFT SLO, mean TPOT within the TPOT SLO."""
+    t = tpot(rec)
+    return (rec["finish_s"] is not None and ttft(rec) <= slo.ttft_deadline(rec["prompt_tokens"])
+            and (t is None or t <= slo.tpot_s))
+
+
+def summarize(records: Iterable[dict], *, long_prompt_tokens: int = LONG_PROMPT_TOKENS,
+              slo: Slo = Slo(), window_s: float | None = None) -> dict:
+    """Flat dict: counts, ``{group}_{metric}_p{q}`` for group in short/long/all and metric in
+    ttft/tpot/tbt/e2e, ``{group}_normalized_latency`` (mean), ``{group}_deadline_miss_rate``,
+    ``{group}_completed``, ``goodput_rps`` and ``window_s``. The window defaults to first
+    arrival -> last event; goodput counts requests meeting both SLOs per second of it."""
+    recs = list(records)
+    groups = {"short": [r for r in recs if r["prompt_tokens"] < long_prompt_tokens],
+              "long": [r for r in recs if r["prompt_tokens"] >= long_prompt_tokens],
+              "all": recs}
+    if window_s is None:
+        events = [t for r in recs for t in (r["first_token_s"], r["finish_s"]) if t is not None]
+        window_s = (max(events) - min(r["arrival_s"] for r in recs)) if events else 0.0
+    out: dict = {"requests": len(recs), "long_prompt_tokens": long_prompt_tokens,
+                 "window_s": window_s,
+                 "goodput_rps": (sum(meets_slo(r, slo) for r in recs) / window_s
+                                 if window_s > 0 else math.nan)}
+    for name, group in groups.items():
+        out[name] = len(group)
+        out[f"{name}_completed"] = sum(r["finish_s"] is not None for r in group)
+        series = {"ttft": [ttft(r) for r in group], "e2e": [e2e(r) for r in group],
+                  "tpot": [t for t in map(tpot, group) if t is not None],
+                  "tbt": [g for r in group for g in tbt(r)]}
+        for metric, values in series.items():
+            for q in QUANTILES:
+                out[f"{name}_{metric}_p{q}"] = percentile(values, q)
+        normalized = [e2e(r) / r["output_tokens"] for r in group
+                      if r["finish_s"] is not None and r["output_tokens"]]
+        out[f"{name}_normalized_latency"] = (sum(normalized) / len(normalized) if normalized
+                                             else math.nan)
+        out[f"{name}_deadline_miss_rate"] = (
+            sum(ttft(r) > slo.ttft_deadline(r["prompt_tokens"]) for r in group) / len(group)
+            if group else math.nan)
+    return out
+
+
+def _s(x: float) -> str:
+    return "-" if math.isnan(x) else ("never" if math.isinf(x) else f"{x:.3f}s")
+
+
+def format_summary(s: dict) -> str:
+    lines = []
+    for g in GROUPS:
+        if not s[g]:
+            continue
+        lines.append(
+            f"{g} ({s[g]}, completed {s[f'{g}_completed']}): "
+            + "  ".join(f"{m.upper()} P50 {_s(s[f'{g}_{m}_p50'])} P90 {_s(s[f'{g}_{m}_p90'])}"
+                        f" P99 {_s(s[f'{g}_{m}_p99'])}" for m in ("ttft", "tpot", "tbt", "e2e"))
+            + f"  deadline misses {s[f'{g}_deadline_miss_rate']:.0%}")
+    lines.append(f"goodput {s['goodput_rps']:.3f} req/s over {s['window_s']:.1f}s; normalized "
+                 f"latency {s['all_normalized_latency']:.4f} s/token")
+    return "\n".join(lines)
+
+
+def ratio(baseline: float, value: float) -> float:
+    """How many times lower ``value`` is than ``baseline`` (inf when the baseline never came
+    and the value did; nan when neither did)."""
+    if math.isinf(baseline):
+        return math.nan if math.isinf(value) else math.inf
+    return baseline / value if value > 0 else math.inf

@@ -1,0 +1,151 @@
+"""Replay a trace against the live engine, in process (``run_local``) or through the gRPC
+service (``run_remote``), with real wall-clock arrivals: a request is submitted when its
+arrival time comes, and its latency counts from then, queueing included.
+
+Every request asks for exactly its trace's output length (greedy, EOS ignored), with random
+prompt token ids of its trace's prompt length, drawn from ``seed``. The result is one record
+per request in the trace format (``jserve.sim.trace.RECORD_FIELDS``) plus ``token_times_s``;
+times are seconds from the start of the run. With ``window_s`` the run stops there: what has
+not finished is aborted and keeps a null ``finish_s`` (and ``first_token_s`` if none came).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Sequence
+
+import numpy as np
+from tqdm import tqdm
+
+from jserve.sampling.params import SamplingParams
+from jserve.sim.trace import TraceRequest
+
+log = logging.getLogger(__name__)
+
+
+def prompt_token_ids(trace: Sequence[TraceRequest], vocab_size: int, seed: int
+                     ) -> list[list[int]]:
+    """Random prompts of the trace's lengths, the same for every policy given the seed."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab_size, t.prompt_tokens).tolist() for t in trace]
+
+
+def request_params(t: TraceRequest) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=t.output_tokens, ignore_eos=True)
+
+
+def _empty_record(t: TraceRequest, policy: str) -> dict:
+    return {"request_id": t.request_id, "prompt_tokens": t.prompt_tokens, "output_tokens": 0,
+            "arrival_s": t.arrival_s, "first_token_s": None, "finish_s": None,
+            "finish_reason": None, "policy": policy, "token_times_s": []}
+
+
+def _fill(rec: dict, token_times: list[float], finish_reason: str | None) -> None:
+    """Token times (run-relative) and how the request ended; ``finish_s`` is the last token's
+    time for requests that ended normally, null for those the window cut."""
+    rec["token_times_s"] = token_times
+    rec["output_tokens"] = len(token_times)
+    rec["first_token_s"] = token_times[0] if token_times else None
+    rec["finish_reason"] = finish_reason
+    rec["finish_s"] = token_times[-1] if finish_reason in ("stop", "length") else None
+
+
+def _sorted(trace: Sequence[TraceRequest]) -> list[TraceRequest]:
+    return sorted(trace, key=lambda t: t.arrival_s)
+
+
+def run_local(engine, trace: Sequence[TraceRequest], *, window_s: float | None = None,
+              seed: int = 0, progress: bool = True) -> list[dict]:
+    """Drives ``engine`` (an ``LLMEngine``) from this thread: arrivals are admitted between
+    steps, as a serving loop would. Every request is validated before the clock starts, so
+    a trace the engine cannot hold fails at once instead of part way through."""
+    trace = _sorted(trace)
+    policy = engine.config.scheduler
+    prompts = prompt_token_ids(trace, engine.cfg.vocab_size, seed)
+    for t, ids in zip(trace, prompts):
+        try:
+            engine.validate(ids, request_params(t))
+        except ValueError as e:
+            raise ValueError(f"trace request {t.request_id}: {e}") from None
+    records = {t.request_id: _empty_record(t, policy) for t in trace}
+    bar = tqdm(total=len(trace), desc=policy, unit="req", disable=not progress, leave=False)
+    t0 = time.monotonic()
+
+    def done(out, cut: bool = False) -> None:
+        _fill(records[out.request_id], [x - t0 for x in out.metrics.token_times],
+              None if cut else out.finish_reason)
+        bar.update()
+
+    i = 0
+    try:
+        while True:
+            now = time.monotonic()
+            while i < len(trace) and t0 + trace[i].arrival_s <= now:
+                t = trace[i]
+                engine.add_request(prompts[i], request_params(t), request_id=t.request_id,
+                                   arrival_time=t0 + t.arrival_s)
+                i += 1
+            if window_s is not None and now - t0 >= window_s:
+                break
+            if engine.has_unfinished():
+                for out in engine.step():
+                    if out.finished:
+                        done(out)
+            elif i < len(trace):
+                time.sleep(max(0.0, t0 + trace[i].arrival_s - time.monotonic()))
+            else:
+                break
+    finally:
+        for rid in [t.request_id for t in trace[:i] if t.request_id in engine.requests]:
+            done(engine.abort(rid), cut=True)
+        bar.close()
+    return [records[t.request_id] for t in trace]
+
+
+async def run_remote(target: str, trace: Sequence[TraceRequest], *,
+                     window_s: float | None = None, seed: int = 0, progress: bool = True,
+                     auth_token: str | None = None) -> list[dict]:
+    """The same against ``jserve serve`` at ``target``: one streaming Generate per request,
+    token times taken as each streamed token arrives at the client. The window becomes each
+    call's gRPC deadline, which the server turns into the request's deadline."""
+    import grpc
+
+    from jserve.client import FINISH_REASONS, AsyncClient
+
+    trace = _sorted(trace)
+    async with AsyncClient(target, auth_token=auth_token) as client:
+        info = await client.model_info(timeout=30)
+        prompts = prompt_token_ids(trace, info.vocab_size, seed)
+        records = {t.request_id: _empty_record(t, info.scheduler) for t in trace}
+        bar = tqdm(total=len(trace), desc=info.scheduler, unit="req", disable=not progress,
+                   leave=False)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()  # the event loop's clock is monotonic
+
+        async def one(t: TraceRequest, ids: list[int]) -> None:
+            await asyncio.sleep(max(0.0, t0 + t.arrival_s - loop.time()))
+            timeout = None if window_s is None else t0 + window_s - loop.time()
+            times: list[float] = []
+            reason = None
+            try:
+                if timeout is None or timeout > 0:
+                    async for r in client.stream(ids, request_params(t), timeout=timeout,
+                                                 request_id=t.request_id):
+                        now = loop.time() - t0
+                        times.extend([now] * len(r.token_ids))
+                        if r.finish_reason:
+                            reason = FINISH_REASONS[r.finish_reason]
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    log.warning("request %s failed: %s %s", t.request_id, e.code().name,
+                                e.details())
+                    reason = "abort"
+            _fill(records[t.request_id], times, reason)
+            bar.update()
+
+        try:
+            await asyncio.gather(*(one(t, ids) for t, ids in zip(trace, prompts)))
+        finally:
+            bar.close()
+    return [records[t.request_id] for t in trace]
