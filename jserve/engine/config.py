@@ -20,7 +20,9 @@ class EngineConfig:
     page_size: int = 16
     kv_cache_bytes: int | None = None  # explicit KV budget; else memory_fraction of free memory
     memory_fraction: float = 0.5
-    attention_impl: str = "reference"
+    # auto | reference | pallas_gpu | pallas_tpu (jserve.kernels): auto is the backend's Pallas
+    # kernel on GPU/TPU and the XLA reference on CPU; a Pallas flavour on CPU runs interpreted.
+    attention_impl: str = "auto"
     scheduler: str = "sarathi"         # sarathi | fcfs | edf | lrs | lars (jserve.scheduler.POLICIES)
     # Deadline-aware policies: the TPOT SLO is the iteration time budget; a request's TTFT
     # deadline defaults to max(ttft_slo_factor x its isolated prefill time, ttft_slo_floor).

@@ -1,23 +1,42 @@
 """Attention for a mixed ragged batch over the paged KV cache.
 
-``attention`` is the one call site the model uses; Pallas kernels plug in behind ``impl``.
+``attention`` is the one call site the model uses; ``impl`` picks the implementation:
+``reference`` (pure jnp, any backend), ``pallas_gpu`` (Triton), ``pallas_tpu`` (Mosaic), or
+``auto``: the Pallas flavour of the backend JAX runs on, else the reference. A Pallas flavour
+asked for on another backend (CPU in tests) runs in Pallas interpret mode: same kernel code,
+executed by XLA, slow but exact, which is how the engine is tested with the kernels.
 """
 from __future__ import annotations
 
 import jax
 
+from jserve.kernels import pallas_gpu, pallas_tpu
 from jserve.kernels.metadata import AttentionMetadata
 from jserve.kernels.reference import ragged_paged_attention
 
-ATTENTION_IMPLS = ("reference",)
+ATTENTION_IMPLS = ("auto", "reference", "pallas_gpu", "pallas_tpu")
+_KERNELS = {"pallas_gpu": ("gpu", pallas_gpu.ragged_paged_attention),
+            "pallas_tpu": ("tpu", pallas_tpu.ragged_paged_attention)}
+
+
+def resolve_impl(impl: str, backend: str | None = None) -> str:
+    """The concrete implementation ``impl`` stands for on ``backend`` (default: JAX's)."""
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"unknown attention_impl {impl!r}; choose from {ATTENTION_IMPLS}")
+    if impl != "auto":
+        return impl
+    backend = backend or jax.default_backend()
+    return next((name for name, (b, _) in _KERNELS.items() if b == backend), "reference")
 
 
 def attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: AttentionMetadata,
               impl: str = "reference") -> tuple[jax.Array, jax.Array]:
     """Returns (output [T, Hq, D], log-sum-exp [T, Hq])."""
+    impl = resolve_impl(impl)
     if impl == "reference":
         return ragged_paged_attention(q, k_pages, v_pages, meta)
-    raise ValueError(f"unknown attention_impl {impl!r}; choose from {ATTENTION_IMPLS}")
+    backend, kernel = _KERNELS[impl]
+    return kernel(q, k_pages, v_pages, meta, interpret=jax.default_backend() != backend)
 
 
-__all__ = ["AttentionMetadata", "attention", "ATTENTION_IMPLS"]
+__all__ = ["AttentionMetadata", "attention", "resolve_impl", "ATTENTION_IMPLS"]

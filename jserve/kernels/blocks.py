@@ -1,0 +1,127 @@
+"""Query row blocks: the layout both Pallas flavours tile a ragged batch into, the per-block
+online-softmax step they share, and the log-sum-exp merge of partial results.
+
+A token of a GQA model carries G = Hq / Hkv query heads that all read the same KV head, so
+the kernels work on *rows* (token, head-in-group) per KV head: one KV block loaded from the
+paged cache serves every query head of the group. Rows are grouped into blocks of
+``tokens_per_block`` consecutive tokens (padded to a power of two, at least 16 rows: the
+smallest Triton matmul and a whole bf16 TPU sublane tile). A block may hold tokens of several
+sequences; the kernels loop over the sequences a block touches, ``seq_lo .. seq_hi - 1``.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+MASKED = -1e30
+MIN_ROWS = 16
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RowBlocks:
+    """q [Hkv, NB, R, D]; seq/pos [NB, R] (seq -1 for padding rows); seq_lo/seq_hi [NB]: the
+    live sequences each block touches. tok_pos [NB * tokens_per_block] and q_end [S] (one past
+    each sequence's last token) let a kernel find, with scalar reads only, the last position
+    of sequence s inside block b: the causal end of its KV loop."""
+
+    q: jax.Array
+    seq: jax.Array
+    pos: jax.Array
+    seq_lo: jax.Array
+    seq_hi: jax.Array
+    tok_pos: jax.Array
+    q_end: jax.Array
+    tokens_per_block: int = dataclasses.field(metadata=dict(static=True))
+
+
+def rows_per_block(tokens_per_block: int, group: int) -> int:
+    return max(MIN_ROWS, 1 << (tokens_per_block * group - 1).bit_length())
+
+
+def block_rows(q: jax.Array, positions: jax.Array, token_seq: jax.Array, num_live: jax.Array,
+               num_seqs: int, num_kv_heads: int, tokens_per_block: int) -> RowBlocks:
+    """Tiles tokens q [T, Hq, D] owned by ``token_seq`` (live when ``< num_live``; ``num_seqs``
+    sequence rows in all)."""
+    t, hq, d = q.shape
+    g = hq // num_kv_heads
+    bt = tokens_per_block
+    nb = -(-t // bt)
+    r = rows_per_block(bt, g)
+    pad = nb * bt - t
+    seq = jnp.pad(jnp.where(token_seq < num_live, token_seq, -1), (0, pad), constant_values=-1)
+    pos = jnp.pad(positions, (0, pad))
+    qg = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(nb, bt, num_kv_heads, g, d)
+    qg = qg.transpose(2, 0, 1, 3, 4).reshape(num_kv_heads, nb, bt * g, d)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, r - bt * g), (0, 0)))
+
+    def rows(x):  # per token [NB * bt] -> per row [NB, R]
+        x = jnp.repeat(x.reshape(nb, bt), g, axis=1)
+        return jnp.pad(x, ((0, 0), (0, r - bt * g)), constant_values=-1)
+
+    blk_seq = seq.reshape(nb, bt)
+    hi = jnp.where(blk_seq >= 0, blk_seq + 1, 0).max(axis=1)
+    lo = jnp.minimum(jnp.where(blk_seq >= 0, blk_seq, num_seqs).min(axis=1), hi)
+    q_end = jnp.zeros(num_seqs, jnp.int32).at[jnp.where(seq >= 0, seq, num_seqs)].max(
+        jnp.arange(1, nb * bt + 1, dtype=jnp.int32), mode="drop")
+    return RowBlocks(q=qg, seq=rows(seq), pos=rows(pos), seq_lo=lo, seq_hi=hi, tok_pos=pos,
+                     q_end=q_end, tokens_per_block=bt)
+
+
+def unblock(x: jax.Array, num_tokens: int, group: int, tokens_per_block: int) -> jax.Array:
+    """[Hkv, NB, R, ...] -> [T, Hkv * G, ...]: drops padding rows and tokens."""
+    hkv, nb = x.shape[:2]
+    rest = x.shape[3:]
+    x = x[:, :, :tokens_per_block * group].reshape(hkv, nb * tokens_per_block, group, *rest)
+    x = jnp.moveaxis(x[:, :num_tokens], 0, 1)
+    return x.reshape(num_tokens, hkv * group, *rest)
+
+
+def causal_end(b, s, blocks_tok_pos, q_end, kv_len, tokens_per_block):
+    """KV length sequence ``s`` needs in block ``b``: up to its last query position there
+    (tokens of a sequence are consecutive with rising positions), capped by its context."""
+    last = jnp.minimum((b + 1) * tokens_per_block, q_end[s]) - 1
+    return jnp.minimum(kv_len, blocks_tok_pos[last] + 1)
+
+
+def attend_block(carry, q, k, v, valid, scale):
+    """One online-softmax step of a query block q [R, D] over a KV block k, v [C, D]; the
+    carry is (m [R, 1], l [R, 1], acc [R, D]) in float32. Kept 2-D for Mosaic's layouts."""
+    m, l, acc = carry
+    prec = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec,
+                            preferred_element_type=jnp.float32) * scale
+    s = jnp.where(valid, s, MASKED)
+    m_new = jnp.maximum(m, s.max(axis=1, keepdims=True))
+    p = jnp.where(valid, jnp.exp(s - m_new), 0.0)
+    alpha = jnp.exp(m - m_new)
+    pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=prec,
+                             preferred_element_type=jnp.float32)
+    return m_new, alpha * l + p.sum(axis=1, keepdims=True), alpha * acc + pv
+
+
+def init_carry(rows: int, head_dim: int):
+    return (jnp.full((rows, 1), MASKED, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
+            jnp.zeros((rows, head_dim), jnp.float32))
+
+
+def finish(m, l, acc):
+    """(out [R, D], lse [R, 1]); rows that saw no key get 0 and -inf, as in the reference."""
+    seen = l > 0
+    out = acc / jnp.where(seen, l, 1.0)
+    return out, jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+
+
+def merge_partials(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Combines attention over disjoint KV parts: out [K, ..., D] (each normalised over its
+    part), lse [K, ...] -> (out [..., D], lse [...]). Parts that saw no key (lse -inf) weigh
+    nothing; split-K decoding and KV-cache parallelism both merge this way."""
+    top = lse.max(axis=0)
+    safe_top = jnp.where(jnp.isfinite(top), top, 0.0)
+    w = jnp.exp(lse - safe_top)
+    total = w.sum(axis=0)
+    merged = (w[..., None] * out).sum(axis=0) / jnp.where(total > 0, total, 1.0)[..., None]
+    return merged, jnp.where(total > 0, safe_top + jnp.log(total), -jnp.inf)

@@ -1,0 +1,134 @@
+"""Ragged paged attention for GPUs: Pallas lowered to Triton.
+
+Grid (KV head, query block, KV split); the KV loop runs inside the kernel, gathering
+``pages_per_block`` pages of the head's cache per step straight from HBM (Triton keeps the
+tiles in registers/shared memory; no staging copies). A query block covers
+``tokens_per_block`` consecutive tokens times the G query heads sharing the KV head (see
+:mod:`jserve.kernels.blocks`), so GQA reads each KV block once per group.
+
+Decodes and prefill chunks are two launches of the same kernel with different blocking:
+decodes one token (one sequence) per block and split-K over the KV (``decode_splits`` parts,
+merged on their log-sum-exps), so a small decode batch still fills the GPU; prefill chunks
+``prefill_block_tokens`` tokens per block, split only when asked (long contexts, short chunks).
+The reference for this kernel is :func:`jserve.kernels.reference.ragged_paged_attention`.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jserve.kernels import blocks
+from jserve.kernels.metadata import AttentionMetadata
+
+PAGES_PER_BLOCK = 4
+PREFILL_BLOCK_ROWS = 64
+# Split-K aims for this many programs per decode launch (an H100 has 132 SMs; two programs
+# per SM hide the gather latency) without splitting below one KV block per part.
+TARGET_PROGRAMS = 256
+MAX_SPLITS = 32
+
+
+def _kernel(seq_lo_ref, seq_hi_ref, tok_pos_ref, q_end_ref, kv_lens_ref, table_ref, q_ref,
+            seq_ref, pos_ref, k_ref, v_ref, o_ref, lse_ref, *, pages_per_block,
+            blocks_per_split, tokens_per_block, scale):
+    b, split = pl.program_id(1), pl.program_id(2)
+    rows, d = q_ref.shape
+    chunk = pages_per_block * k_ref.shape[1]
+    q, row_seq, row_pos = q_ref[...], seq_ref[...], pos_ref[...]
+
+    def per_seq(s, carry):
+        kv_end = blocks.causal_end(b, s, tok_pos_ref, q_end_ref, kv_lens_ref[s],
+                                   tokens_per_block)
+        first = split * blocks_per_split
+        last = jnp.minimum(first + blocks_per_split, pl.cdiv(kv_end, chunk))
+
+        def per_block(j, carry):
+            ids = table_ref[s, pl.ds(j * pages_per_block, pages_per_block)]
+            k = k_ref[ids].reshape(chunk, d)
+            v = v_ref[ids].reshape(chunk, d)
+            kv_pos = j * chunk + jnp.arange(chunk)
+            valid = (row_seq[:, None] == s) & (kv_pos[None, :] <= row_pos[:, None])
+            return blocks.attend_block(carry, q, k, v, valid, scale)
+
+        return jax.lax.fori_loop(first, jnp.maximum(first, last), per_block, carry)
+
+    carry = jax.lax.fori_loop(seq_lo_ref[b], seq_hi_ref[b], per_seq,
+                              blocks.init_carry(rows, d))
+    out, lse = blocks.finish(*carry)
+    o_ref[...] = out
+    lse_ref[...] = lse.reshape(rows)
+
+
+def _attend(rb: blocks.RowBlocks, k_pages, v_pages, kv_lens, page_table, *, splits,
+            pages_per_block, interpret):
+    """One launch over row blocks -> (out [Hkv, NB, R, D] f32, lse [Hkv, NB, R])."""
+    hkv, nb, rows, d = rb.q.shape
+    _, num_pages, page_size, _ = k_pages.shape
+    width = page_table.shape[1]
+    blocks_per_split = -(-(width // pages_per_block) // splits)
+    kernel = functools.partial(_kernel, pages_per_block=pages_per_block,
+                               blocks_per_split=blocks_per_split,
+                               tokens_per_block=rb.tokens_per_block, scale=d ** -0.5)
+    whole = lambda x: pl.BlockSpec(x.shape, lambda h, b, k: (0,) * x.ndim)
+    per_row = pl.BlockSpec((None, rows), lambda h, b, k: (b, 0))
+    pages = pl.BlockSpec((None, num_pages, page_size, d), lambda h, b, k: (h, 0, 0, 0))
+    scalars = (rb.seq_lo, rb.seq_hi, rb.tok_pos, rb.q_end, kv_lens, page_table)
+    out, lse = pl.pallas_call(
+        kernel,
+        grid=(hkv, nb, splits),
+        in_specs=[*map(whole, scalars),
+                  pl.BlockSpec((None, None, rows, d), lambda h, b, k: (h, b, 0, 0)),
+                  per_row, per_row, pages, pages],
+        out_specs=[pl.BlockSpec((None, None, None, rows, d), lambda h, b, k: (k, h, b, 0, 0)),
+                   pl.BlockSpec((None, None, None, rows), lambda h, b, k: (k, h, b, 0))],
+        out_shape=[jax.ShapeDtypeStruct((splits, hkv, nb, rows, d), jnp.float32),
+                   jax.ShapeDtypeStruct((splits, hkv, nb, rows), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="ragged_paged_attention_gpu",
+    )(*scalars, rb.q, rb.seq, rb.pos, k_pages, v_pages)
+    return blocks.merge_partials(out, lse) if splits > 1 else (out[0], lse[0])
+
+
+def decode_splits(num_decodes: int, num_kv_heads: int, kv_blocks: int) -> int:
+    """Split-K factor for a decode launch of ``num_decodes x num_kv_heads`` programs."""
+    want = -(-TARGET_PROGRAMS // max(1, num_decodes * num_kv_heads))
+    return max(1, min(want, kv_blocks, MAX_SPLITS))
+
+
+def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                           meta: AttentionMetadata, *, interpret: bool = False,
+                           pages_per_block: int = PAGES_PER_BLOCK,
+                           prefill_block_rows: int = PREFILL_BLOCK_ROWS,
+                           decode_splits_: int | None = None, prefill_splits: int = 1
+                           ) -> tuple[jax.Array, jax.Array]:
+    """Same contract as the reference: (out [T, Hq, D] in q's dtype, lse [T, Hq] float32)."""
+    t, hq, d = q.shape
+    hkv = k_pages.shape[0]
+    g = hq // hkv
+    nd = meta.num_decodes
+    width = meta.page_table.shape[1]
+    pages_per_block = min(pages_per_block, width)
+    if width % pages_per_block:
+        raise ValueError(f"page table width {width} is not a multiple of {pages_per_block}")
+    num_seqs = meta.page_table.shape[0]
+    num_live = nd + meta.num_prefills
+    run = functools.partial(_attend, k_pages=k_pages, v_pages=v_pages, kv_lens=meta.kv_lens,
+                            page_table=meta.page_table, pages_per_block=pages_per_block,
+                            interpret=interpret)
+    outs, lses = [], []
+    for lo, hi, bt, splits in (
+            (0, nd, 1, decode_splits_ or decode_splits(nd, hkv, width // pages_per_block)),
+            (nd, t, max(1, prefill_block_rows // g), prefill_splits)):
+        if hi == lo:
+            continue
+        rb = blocks.block_rows(q[lo:hi], meta.positions[lo:hi], meta.token_seq[lo:hi],
+                               num_live, num_seqs, hkv, bt)
+        out, lse = run(rb, splits=splits)
+        outs.append(blocks.unblock(out, hi - lo, g, bt))
+        lses.append(blocks.unblock(lse, hi - lo, g, bt))
+    return jnp.concatenate(outs).astype(q.dtype), jnp.concatenate(lses)

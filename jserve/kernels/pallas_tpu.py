@@ -1,0 +1,126 @@
+"""Ragged paged attention for TPUs: Pallas lowered to Mosaic.
+
+One launch covers the whole batch, decodes and prefill chunks alike: grid (KV head, query
+block), ``tokens_per_block`` tokens per query block (see :mod:`jserve.kernels.blocks`). The
+page table, context lengths and per-block sequence ranges ride in SMEM through scalar
+prefetch (``PrefetchScalarGridSpec``), so the kernel computes every page address itself. The
+cache stays in HBM (``pl.ANY``); the kernel copies ``pages_per_block`` pages per KV step into
+one of two VMEM buffers with async DMAs, starting step j+1's copies before computing on step
+j's buffer (double buffering), so the MXU works while the next KV block is in flight.
+
+Limit: the flattened page table must fit SMEM (a few hundred thousand entries).
+The reference for this kernel is :func:`jserve.kernels.reference.ragged_paged_attention`.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from jserve.kernels import blocks
+from jserve.kernels.metadata import AttentionMetadata
+
+PAGES_PER_BLOCK = 4
+BLOCK_ROWS = 128
+
+
+def _kernel(seq_lo_ref, seq_hi_ref, tok_pos_ref, q_end_ref, kv_lens_ref, table_ref,  # SMEM
+            q_ref, seq_ref, pos_ref, k_hbm, v_hbm,  # inputs
+            o_ref, lse_ref,  # outputs
+            k_buf, v_buf, sem,  # scratch
+            *, pages_per_block, width, tokens_per_block, scale):
+    h, b = pl.program_id(0), pl.program_id(1)
+    rows, d = q_ref.shape
+    page_size = k_hbm.shape[2]
+    chunk = pages_per_block * page_size
+    q, row_seq, row_pos = q_ref[...], seq_ref[...], pos_ref[...]
+
+    def copies(s, j, slot):
+        """The DMAs bringing KV block j of sequence s into buffer ``slot``."""
+        out = []
+        for i in range(pages_per_block):
+            page = table_ref[s * width + j * pages_per_block + i]
+            for src, dst in ((k_hbm, k_buf), (v_hbm, v_buf)):
+                out.append(pltpu.make_async_copy(
+                    src.at[h, page], dst.at[slot, pl.ds(i * page_size, page_size)],
+                    sem.at[slot]))
+        return out
+
+    def per_seq(s, carry):
+        kv_end = blocks.causal_end(b, s, tok_pos_ref, q_end_ref, kv_lens_ref[s],
+                                   tokens_per_block)
+        n = pl.cdiv(kv_end, chunk)
+
+        @pl.when(n > 0)
+        def _():
+            for c in copies(s, 0, 0):
+                c.start()
+
+        def per_block(j, carry):
+            slot = j % 2
+
+            @pl.when(j + 1 < n)
+            def _():
+                for c in copies(s, j + 1, 1 - slot):
+                    c.start()
+
+            for c in copies(s, j, slot):
+                c.wait()
+            kv_pos = j * chunk + jax.lax.broadcasted_iota(jnp.int32, (1, chunk), 1)
+            valid = (row_seq == s) & (kv_pos <= row_pos)
+            return blocks.attend_block(carry, q, k_buf[slot], v_buf[slot], valid, scale)
+
+        return jax.lax.fori_loop(0, n, per_block, carry)
+
+    carry = jax.lax.fori_loop(seq_lo_ref[b], seq_hi_ref[b], per_seq,
+                              blocks.init_carry(rows, d))
+    out, lse = blocks.finish(*carry)
+    o_ref[...] = out.astype(o_ref.dtype)
+    lse_ref[...] = lse
+
+
+def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                           meta: AttentionMetadata, *, interpret: bool = False,
+                           pages_per_block: int = PAGES_PER_BLOCK, block_rows: int = BLOCK_ROWS
+                           ) -> tuple[jax.Array, jax.Array]:
+    """Same contract as the reference: (out [T, Hq, D] in q's dtype, lse [T, Hq] float32)."""
+    t, hq, d = q.shape
+    hkv, _, page_size, _ = k_pages.shape
+    g = hq // hkv
+    num_seqs, width = meta.page_table.shape
+    pages_per_block = min(pages_per_block, width)
+    if width % pages_per_block:
+        raise ValueError(f"page table width {width} is not a multiple of {pages_per_block}")
+    bt = max(1, block_rows // g)
+    rb = blocks.block_rows(q, meta.positions, meta.token_seq,
+                           meta.num_decodes + meta.num_prefills, num_seqs, hkv, bt)
+    _, nb, rows, _ = rb.q.shape
+    chunk = pages_per_block * page_size
+    kernel = functools.partial(_kernel, pages_per_block=pages_per_block, width=width,
+                               tokens_per_block=bt, scale=d ** -0.5)
+    per_row = pl.BlockSpec((None, rows, 1), lambda h, b, *_: (b, 0, 0))
+    scalars = (rb.seq_lo, rb.seq_hi, rb.tok_pos, rb.q_end, meta.kv_lens,
+               meta.page_table.reshape(-1))
+    out, lse = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=len(scalars),
+            grid=(hkv, nb),
+            in_specs=[pl.BlockSpec((None, None, rows, d), lambda h, b, *_: (h, b, 0, 0)),
+                      per_row, per_row,
+                      pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=[pl.BlockSpec((None, None, rows, d), lambda h, b, *_: (h, b, 0, 0)),
+                       pl.BlockSpec((None, None, rows, 1), lambda h, b, *_: (h, b, 0, 0))],
+            scratch_shapes=[pltpu.VMEM((2, chunk, d), k_pages.dtype),
+                            pltpu.VMEM((2, chunk, d), v_pages.dtype),
+                            pltpu.SemaphoreType.DMA((2,))]),
+        out_shape=[jax.ShapeDtypeStruct((hkv, nb, rows, d), q.dtype),
+                   jax.ShapeDtypeStruct((hkv, nb, rows, 1), jnp.float32)],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        interpret=interpret,
+        name="ragged_paged_attention_tpu",
+    )(*scalars, rb.q, rb.seq[..., None], rb.pos[..., None], k_pages, v_pages)
+    return blocks.unblock(out, t, g, bt), blocks.unblock(lse[..., 0], t, g, bt)
