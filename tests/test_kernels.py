@@ -1,6 +1,6 @@
-"""The Pallas attention kernels (GPU and TPU flavours, interpret mode on CPU) against the
-reference on random ragged batches, their lowering to Triton and Mosaic, the dispatch, and the
-engine's greedy tokens with each flavour."""
+"""The Pallas kernels (GPU and TPU flavours, interpret mode on CPU): attention against the
+reference on random ragged batches, the cache write against the scatter, their lowering to
+Triton and Mosaic, the dispatch, and the engine's greedy tokens with each flavour."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +13,7 @@ import pytest
 
 from conftest import small_llm
 from jserve import SamplingParams
-from jserve.kernels import pallas_gpu, pallas_tpu, resolve_impl
+from jserve.kernels import kv_write, pallas_gpu, pallas_tpu, resolve_impl
 from jserve.kernels.blocks import merge_partials
 from jserve.kernels.reference import ragged_paged_attention as reference
 from jserve.model.weights import DEFAULT_CONFIG, init_params, save_orbax
@@ -101,19 +101,40 @@ def test_lse_merge_of_disjoint_parts_equals_attention_over_all():
     np.testing.assert_allclose(lse, whole_lse, atol=1e-6)
 
 
-@pytest.mark.parametrize("module, platform, target", [
-    (pallas_gpu, "cuda", "__gpu$xla.gpu.triton"), (pallas_tpu, "tpu", "tpu_custom_call")])
-def test_kernel_lowers_for_its_accelerator(module, platform, target):
+def kv_write_case(rng, dtype=jnp.float32):
+    """21 new rows of 2 KV heads: 18 to scattered slots, 3 padding rows to the sink page 0."""
+    hkv, p, s, d = 2, 8, 4, 64
+    pages = jnp.asarray(rng.normal(size=(hkv, p, s, d)), dtype)
+    live = rng.permutation(np.arange(s, p * s))[:18]
+    slots = jnp.asarray(np.concatenate([live, [0, 0, 0]]), jnp.int32)
+    return pages, slots, jnp.asarray(rng.normal(size=(21, hkv, d)), jnp.float32)
+
+
+@pytest.mark.parametrize("writer", [kv_write.write_kv_gpu, kv_write.write_kv_tpu])
+def test_kv_write_kernel_matches_the_scatter_outside_the_sink_page(writer):
+    pages, slots, new = kv_write_case(np.random.default_rng(5), jnp.bfloat16)
+    out = jax.jit(functools.partial(writer, interpret=True))(pages, slots, new)
+    ref = kv_write.write_kv(pages, slots, new)
+    assert out.dtype == pages.dtype
+    np.testing.assert_array_equal(np.asarray(out[:, 1:], np.float32),
+                                  np.asarray(ref[:, 1:], np.float32))
+
+
+@pytest.mark.parametrize("platform, attend, writer, target", [
+    ("cuda", pallas_gpu.ragged_paged_attention, kv_write.write_kv_gpu, "__gpu$xla.gpu.triton"),
+    ("tpu", pallas_tpu.ragged_paged_attention, kv_write.write_kv_tpu, "tpu_custom_call")])
+def test_kernels_lower_for_their_accelerator(platform, attend, writer, target):
     """Lowering runs the Pallas-to-Triton / Pallas-to-Mosaic rules without the device: an op
     the backend cannot express fails here (the backend compiler's own passes do not run)."""
     rng = np.random.default_rng(0)
     q, kp, vp, meta, _ = ragged_case(rng, [9, 0], [(0, 20), (30, 5)], hq=8, hkv=2, d=128,
                                      page_size=16, width=8)
+    export = functools.partial(
+        jax.export.export, platforms=[platform],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(target)])
     args = [jnp.asarray(x, jnp.bfloat16) for x in (q, kp, vp)]
-    exported = jax.export.export(
-        jax.jit(module.ragged_paged_attention), platforms=[platform],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(target)])(*args, meta)
-    assert target in exported.mlir_module()
+    assert target in export(jax.jit(attend))(*args, meta).mlir_module()
+    assert target in export(jax.jit(writer))(*kv_write_case(rng, jnp.bfloat16)).mlir_module()
 
 
 def test_auto_picks_the_backends_kernel():

@@ -2,7 +2,8 @@
 
 ``attention`` is the one call site the model uses; ``impl`` picks the implementation:
 ``reference`` (pure jnp, any backend), ``pallas_gpu`` (Triton), ``pallas_tpu`` (Mosaic), or
-``auto``: the Pallas flavour of the backend JAX runs on, else the reference. A Pallas flavour
+``auto``: the Pallas flavour of the backend JAX runs on, else the reference. ``write_kv``, the
+cache write before attention, follows the same choice. A Pallas flavour
 asked for on another backend (CPU in tests) runs in Pallas interpret mode: same kernel code,
 executed by XLA, slow but exact, which is how the engine is tested with the kernels.
 """
@@ -10,13 +11,14 @@ from __future__ import annotations
 
 import jax
 
-from jserve.kernels import pallas_gpu, pallas_tpu
+from jserve.kernels import kv_write, pallas_gpu, pallas_tpu
 from jserve.kernels.metadata import AttentionMetadata
 from jserve.kernels.reference import ragged_paged_attention
 
 ATTENTION_IMPLS = ("auto", "reference", "pallas_gpu", "pallas_tpu")
-_KERNELS = {"pallas_gpu": ("gpu", pallas_gpu.ragged_paged_attention),
-            "pallas_tpu": ("tpu", pallas_tpu.ragged_paged_attention)}
+# impl -> (backend it compiles for, attention kernel, cache-write kernel)
+_KERNELS = {"pallas_gpu": ("gpu", pallas_gpu.ragged_paged_attention, kv_write.write_kv_gpu),
+            "pallas_tpu": ("tpu", pallas_tpu.ragged_paged_attention, kv_write.write_kv_tpu)}
 
 
 def resolve_impl(impl: str, backend: str | None = None) -> str:
@@ -26,7 +28,7 @@ def resolve_impl(impl: str, backend: str | None = None) -> str:
     if impl != "auto":
         return impl
     backend = backend or jax.default_backend()
-    return next((name for name, (b, _) in _KERNELS.items() if b == backend), "reference")
+    return next((name for name, (b, *_) in _KERNELS.items() if b == backend), "reference")
 
 
 def attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: AttentionMetadata,
@@ -35,8 +37,18 @@ def attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: Attent
     impl = resolve_impl(impl)
     if impl == "reference":
         return ragged_paged_attention(q, k_pages, v_pages, meta)
-    backend, kernel = _KERNELS[impl]
+    backend, kernel, _ = _KERNELS[impl]
     return kernel(q, k_pages, v_pages, meta, interpret=jax.default_backend() != backend)
 
 
-__all__ = ["AttentionMetadata", "attention", "resolve_impl", "ATTENTION_IMPLS"]
+def write_kv(pages: jax.Array, slots: jax.Array, new: jax.Array,
+             impl: str = "reference") -> jax.Array:
+    """Writes new [T, Hkv, D] into pages [Hkv, P, S, D] at flat slots [T]."""
+    impl = resolve_impl(impl)
+    if impl == "reference":
+        return kv_write.write_kv(pages, slots, new)
+    backend, _, kernel = _KERNELS[impl]
+    return kernel(pages, slots, new, interpret=jax.default_backend() != backend)
+
+
+__all__ = ["AttentionMetadata", "attention", "write_kv", "resolve_impl", "ATTENTION_IMPLS"]

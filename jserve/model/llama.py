@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jserve.config import LlamaConfig, inv_frequencies
-from jserve.kernels import AttentionMetadata, attention
+from jserve.kernels import AttentionMetadata, attention, write_kv
 
 Params = dict[str, Any]
 from jserve.cache.pool import KVCache
@@ -57,14 +57,6 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos + rotated * sin
 
 
-def write_kv(pages: jax.Array, slots: jax.Array, new: jax.Array) -> jax.Array:
-    """Scatter new [T, Hkv, D] into pages [Hkv, P, S, D] at flat slots [T]."""
-    hkv, p, s, d = pages.shape
-    flat = pages.reshape(hkv, p * s, d)
-    flat = flat.at[:, slots].set(new.transpose(1, 0, 2).astype(pages.dtype))
-    return flat.reshape(hkv, p, s, d)
-
-
 def prepare_params(params: Params) -> Params:
     """The runtime layout ``forward`` takes: each layer's gate and up projections fused into
     one ``w_gate_up`` [hidden, 2 * inter] matrix (one matmul instead of two: 1.8x faster MLP
@@ -92,8 +84,8 @@ def forward(params: Params, kv_cache: KVCache, batch: StepInput, *, cfg: LlamaCo
         q = apply_rope((h @ layer["wq"]).reshape(t, hq, hd), cos, sin)
         k = apply_rope((h @ layer["wk"]).reshape(t, hkv, hd), cos, sin)
         v = (h @ layer["wv"]).reshape(t, hkv, hd)
-        k_pages = write_kv(k_pages, batch.slots, k)
-        v_pages = write_kv(v_pages, batch.slots, v)
+        k_pages = write_kv(k_pages, batch.slots, k, impl=attention_impl)
+        v_pages = write_kv(v_pages, batch.slots, v, impl=attention_impl)
         new_cache.append((k_pages, v_pages))
         out, _ = attention(q, k_pages, v_pages, batch.attn, impl=attention_impl)
         x = x + out.reshape(t, hq * hd).astype(x.dtype) @ layer["wo"]
