@@ -7,9 +7,10 @@ tiles in registers/shared memory; no staging copies). A query block covers
 :mod:`jserve.kernels.blocks`), so GQA reads each KV block once per group.
 
 Decodes and prefill chunks are two launches of the same kernel with different blocking:
-decodes one token (one sequence) per block and split-K over the KV (``decode_splits`` parts,
-merged on their log-sum-exps), so a small decode batch still fills the GPU; prefill chunks
-``prefill_block_tokens`` tokens per block, split only when asked (long contexts, short chunks).
+decodes one token (one sequence) per block, prefill chunks ``prefill_block_rows / G`` tokens
+per block. Either launch splits the KV range of each block into parts run by separate
+programs (split-K) when it has too few programs to fill the GPU (a small decode batch, a short
+chunk at a long context); the parts are merged on their log-sum-exps.
 The reference for this kernel is :func:`jserve.kernels.reference.ragged_paged_attention`.
 """
 from __future__ import annotations
@@ -26,8 +27,8 @@ from jserve.kernels.metadata import AttentionMetadata
 
 PAGES_PER_BLOCK = 4
 PREFILL_BLOCK_ROWS = 64
-# Split-K aims for this many programs per decode launch (an H100 has 132 SMs; two programs
-# per SM hide the gather latency) without splitting below one KV block per part.
+# Split-K aims for this many programs per launch (an H100 has 132 SMs; two programs per SM
+# hide the gather latency) without splitting below one KV block per part.
 TARGET_PROGRAMS = 256
 MAX_SPLITS = 32
 
@@ -94,19 +95,19 @@ def _attend(rb: blocks.RowBlocks, k_pages, v_pages, kv_lens, page_table, *, spli
     return blocks.merge_partials(out, lse) if splits > 1 else (out[0], lse[0])
 
 
-def decode_splits(num_decodes: int, num_kv_heads: int, kv_blocks: int) -> int:
-    """Split-K factor for a decode launch of ``num_decodes x num_kv_heads`` programs."""
-    want = -(-TARGET_PROGRAMS // max(1, num_decodes * num_kv_heads))
-    return max(1, min(want, kv_blocks, MAX_SPLITS))
+def kv_splits(programs: int, kv_blocks: int) -> int:
+    """Split-K factor for a launch of ``programs`` (KV head x query block) programs."""
+    return max(1, min(-(-TARGET_PROGRAMS // max(1, programs)), kv_blocks, MAX_SPLITS))
 
 
 def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            meta: AttentionMetadata, *, interpret: bool = False,
                            pages_per_block: int = PAGES_PER_BLOCK,
                            prefill_block_rows: int = PREFILL_BLOCK_ROWS,
-                           decode_splits_: int | None = None, prefill_splits: int = 1
-                           ) -> tuple[jax.Array, jax.Array]:
-    """Same contract as the reference: (out [T, Hq, D] in q's dtype, lse [T, Hq] float32)."""
+                           splits: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """Same contract as the reference: (out [T, Hq, D] in q's dtype, lse [T, Hq] float32).
+
+    ``splits`` fixes the split-K factor of both launches (default: :func:`kv_splits`)."""
     t, hq, d = q.shape
     hkv = k_pages.shape[0]
     g = hq // hkv
@@ -121,14 +122,13 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                             page_table=meta.page_table, pages_per_block=pages_per_block,
                             interpret=interpret)
     outs, lses = [], []
-    for lo, hi, bt, splits in (
-            (0, nd, 1, decode_splits_ or decode_splits(nd, hkv, width // pages_per_block)),
-            (nd, t, max(1, prefill_block_rows // g), prefill_splits)):
+    for lo, hi, bt in ((0, nd, 1), (nd, t, max(1, prefill_block_rows // g))):
         if hi == lo:
             continue
         rb = blocks.block_rows(q[lo:hi], meta.positions[lo:hi], meta.token_seq[lo:hi],
                                num_live, num_seqs, hkv, bt)
-        out, lse = run(rb, splits=splits)
+        n = splits or kv_splits(hkv * rb.q.shape[1], width // pages_per_block)
+        out, lse = run(rb, splits=n)
         outs.append(blocks.unblock(out, hi - lo, g, bt))
         lses.append(blocks.unblock(lse, hi - lo, g, bt))
     return jnp.concatenate(outs).astype(q.dtype), jnp.concatenate(lses)
