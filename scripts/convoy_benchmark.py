@@ -17,9 +17,10 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from jserve.bench.evaluate import evaluate, local_runner, ratio_table, write_plots
+from jserve.bench.evaluate import (ensure_predictor, evaluate, local_runner, ratio_table,
+                                   write_plots)
 from jserve.bench.metrics import Slo, ratio
-from jserve.bench.workload import WorkloadSpec
+from jserve.bench.workload import WorkloadSpec, build_workload, longest_context, round_up
 
 POLICIES = ("fcfs", "sarathi", "edf", "lars")
 CPU = WorkloadSpec(num_requests=100, long_fraction=0.05, qps=1.0, short_scale=1 / 4,
@@ -64,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     spec, engine = (SMOKE, SMOKE_ENGINE) if a.smoke else (CPU, CPU_ENGINE)
     spec = dataclasses.replace(spec, **{k: v for k, v in (
         ("qps", a.qps), ("num_requests", a.requests), ("seed", a.seed)) if v is not None})
+    if not a.smoke:  # the smoke run checks plumbing only; it leaves the saved predictor be
+        max_len = round_up(longest_context(build_workload(spec)), 4096)
+        ensure_predictor("default", max_context=max_len,
+                         **{k: v for k, v in engine.items() if k != "tpot_slo"})
     run = local_runner("default", seed=spec.seed, progress=not a.no_progress, **engine)
     # TTFT SLO: 0.5 s, or 2 ms a prompt token for long prompts; TPOT SLO 0.2 s (CPU figures).
     results = evaluate(spec, POLICIES, run, out_dir=a.out_dir,

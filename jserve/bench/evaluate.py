@@ -49,6 +49,30 @@ def remote_runner(target: str, *, window_s: float | None = None, seed: int = 0,
     return run
 
 
+def ensure_predictor(model: str, *, max_context: int, log: Callable[[str], None] = print,
+                     **engine_kwargs) -> Path:
+    """The deadline-aware policies pack batches with the predictor ``jserve profile`` saves.
+    One fitted on shorter contexts than the workload's (or none) is re-profiled here on an
+    engine with these settings and saved where every engine looks, so the compared policies
+    all plan with the same, measured model."""
+    from jserve import LLM
+    from jserve.engine.profiler import LONG_GRID_TOKENS, fit_predictor, profile_samples
+    from jserve.engine.timing import default_predictor_path
+    from jserve.scheduler.predictor import LinearPredictor
+
+    llm = LLM(model, scheduler="sarathi", max_model_len=max_context, **engine_kwargs)
+    path = default_predictor_path(llm.engine.cfg, llm.engine.config)
+    want = min(max_context, LONG_GRID_TOKENS)
+    if path.exists() and LinearPredictor.load(path).meta.get("max_context", 0) >= want - 16:
+        return path
+    log(f"profiling the engine up to {want} tokens of context for {path} (a few minutes)")
+    predictor, report = fit_predictor(llm.engine, profile_samples(llm.engine))
+    predictor.save(path)
+    log(f"held-out median relative error {report['held_out_median_rel_error']:.1%}, "
+        f"p90 {report['held_out_p90_rel_error']:.1%}")
+    return path
+
+
 @dataclasses.dataclass
 class PolicyResult:
     policy: str

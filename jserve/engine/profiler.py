@@ -14,6 +14,9 @@ from jserve.sampling.params import SamplingParams
 from jserve.engine.timing import predictor_key
 from jserve.scheduler.predictor import LinearPredictor
 
+LONG_GRID_TOKENS = 16_384     # the longest context profiled (when max_model_len allows)
+DECODE_GRID_TOKENS = 65_536   # the most context one decode grid point holds
+
 
 def profile_samples(engine: LLMEngine, *, seed: int = 0, repeats: int = 2
                     ) -> list[tuple[object, float]]:
@@ -24,18 +27,21 @@ def profile_samples(engine: LLMEngine, *, seed: int = 0, repeats: int = 2
     budget = engine.scheduler.token_budget
     max_seqs = engine.config.max_num_seqs
     batches = sorted({1, max(1, max_seqs // 4), max_seqs})
-    contexts = sorted({c for c in (16, 128, 512, 2048, 8192) if c + 16 < max_len})
-    long_prompts = sorted({min(max_len - 16, m * budget) for m in (2, 8)})
+    contexts = [c for c in (16, 128, 512, 2048, 8192, LONG_GRID_TOKENS) if c + 16 < max_len]
+    # Decode batches of up to DECODE_GRID_TOKENS context in all, and one prompt of up to
+    # LONG_GRID_TOKENS, so chunk x KV is measured where long prefills run, not extrapolated.
+    decode_points = [(b, c) for b in batches for c in contexts if b * c <= DECODE_GRID_TOKENS]
+    long_prompts = sorted({min(max_len - 16, m * budget) for m in (2, 8)}
+                          | {min(max_len - 16, LONG_GRID_TOKENS)})
     samples: list[tuple[object, float]] = []
     for rep in range(repeats + 1):
         engine.step_log = []
-        for batch in batches:
-            for ctx in contexts:
-                params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-                for _ in range(batch):
-                    engine.add_request(rng.integers(0, vocab, ctx).tolist(), params)
-                while engine.has_unfinished():
-                    engine.step()
+        for batch, ctx in decode_points:
+            params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+            for _ in range(batch):
+                engine.add_request(rng.integers(0, vocab, ctx).tolist(), params)
+            while engine.has_unfinished():
+                engine.step()
         for n in long_prompts:
             engine.add_request(rng.integers(0, vocab, n).tolist(),
                                SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
@@ -51,9 +57,17 @@ def fit_predictor(engine: LLMEngine, samples) -> tuple[LinearPredictor, dict]:
     held = samples[::5]
     train = [s for i, s in enumerate(samples) if i % 5]
     predictor = LinearPredictor.fit(train, meta={"key": predictor_key(engine.cfg),
-                                                 "samples": len(train)})
+                                                 "samples": len(train),
+                                                 "max_context": profiled_context(samples)})
     err = predictor.relative_errors(held)
     report = {"train_steps": len(train), "held_out_steps": len(held),
               "held_out_median_rel_error": float(np.median(err)),
               "held_out_p90_rel_error": float(np.quantile(err, 0.9))}
     return predictor, report
+
+
+def profiled_context(samples) -> int:
+    """The longest context any timed step touched: how far the fit is measured, not
+    extrapolated."""
+    return max(max((c.start + c.num_tokens for c in plan.decodes + plan.prefills), default=0)
+               for plan, _ in samples)
