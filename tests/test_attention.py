@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jserve.kernels import attention
-from jserve.kernels.reference import dense_reference
+from jserve.kernels.reference import dense_reference, ragged_paged_attention
 from ragged import ragged_case
 
 
@@ -30,11 +30,18 @@ def test_mixed_ragged_batch_matches_dense_causal_attention(hq, hkv, d, dtype, to
     assert np.all(out[row:] == 0) and np.all(np.isneginf(lse[row:]))
 
 
-def test_long_context_spanning_many_kv_blocks():
+@pytest.mark.parametrize("decode_ctx, prefill, rows_per_tile", [
+    ([700, 3], [(500, 37)], 64),
+    # One long decode among short ones (live blocks visited, not B x the longest), and
+    # prefill chunks spanning several query tiles, the last tile clamped into the previous
+    # sequence's rows.
+    ([3, 650, 1, 17], [(0, 23), (5, 2), (300, 30)], 8)])
+def test_long_context_spanning_many_kv_blocks(decode_ctx, prefill, rows_per_tile):
     rng = np.random.default_rng(0)
-    q, kp, vp, meta, dense = ragged_case(rng, decode_ctx=[700, 3], prefill=[(500, 37)], hq=4,
+    q, kp, vp, meta, dense = ragged_case(rng, decode_ctx=decode_ctx, prefill=prefill, hq=4,
                                           hkv=2, d=16, page_size=8, width=128)
-    out, lse = attention(jnp.asarray(q), jnp.asarray(kp), jnp.asarray(vp), meta)
+    out, lse = ragged_paged_attention(jnp.asarray(q), jnp.asarray(kp), jnp.asarray(vp), meta,
+                                      rows_per_tile=rows_per_tile)
     row = 0
     for qi, k, v, pos in dense:
         ref_out, ref_lse = dense_reference(jnp.asarray(qi), jnp.asarray(k), jnp.asarray(v),

@@ -22,7 +22,8 @@ class EngineConfig:
     memory_fraction: float = 0.5
     # auto | reference | pallas_gpu | pallas_tpu (jserve.kernels): auto is the backend's Pallas
     # kernel on GPU/TPU and the XLA reference on CPU; a Pallas flavour on CPU runs interpreted.
-    attention_impl: str = "auto"
+    # The default stays the reference until the kernels have been compiled on the hardware.
+    attention_impl: str = "reference"
     scheduler: str = "sarathi"         # sarathi | fcfs | edf | lrs | lars (jserve.scheduler.POLICIES)
     # Deadline-aware policies: the TPOT SLO is the iteration time budget; a request's TTFT
     # deadline defaults to max(ttft_slo_factor x its isolated prefill time, ttft_slo_floor).

@@ -20,6 +20,8 @@ _MASKED = -1e30
 # 2-core CPU 4 pages of 16 tokens beat 1, 2, 8 and 16 at both 160- and 1000-token contexts
 # (decode, batch 32, 2 KV heads).
 PAGES_PER_BLOCK = 4
+# Query rows of one prefill sequence attended together (a tile reads each KV block once).
+_PREFILL_TILE = 64
 
 
 def _online_update(m, l, acc, s, v, valid):
@@ -47,55 +49,94 @@ def _gather_block(pages, page_ids):
 def _decode_attention(q, k_pages, v_pages, kv_lens, page_table, pages_per_block, scale):
     """q [Hkv, B, G, D]; one query per sequence at position kv_len - 1.
 
-    Head-major everywhere so both products are plain batched matmuls over (head, sequence).
-    """
+    The live (sequence, KV block) pairs are flattened and visited B at a time, so a step
+    costs the batch's total context, not B x its longest: one long decode no longer makes
+    every row in the batch pay for its context. Each visit's partial softmax is merged into
+    its row by scatter max/add (split-K with a log-sum-exp merge)."""
     hkv, b, g, d = q.shape
     page_size = k_pages.shape[2]
     block = pages_per_block * page_size
     qf = q.astype(jnp.float32) * scale
-    n_blocks = (kv_lens.max() + block - 1) // block
+    n_blocks = (kv_lens + block - 1) // block               # [B]
+    ends = jnp.cumsum(n_blocks)
+    starts = ends - n_blocks
+    live_pairs = ends[-1]
 
-    def body(j, carry):
-        ids = jax.lax.dynamic_slice_in_dim(page_table, j * pages_per_block, pages_per_block, axis=1)
-        k = _gather_block(k_pages, ids).astype(jnp.float32)  # [Hkv, B, C, D]
+    def body(step, carry):
+        m, l, acc = carry
+        item = step * b + jnp.arange(b)                     # b (row, block) pairs per step
+        row = jnp.minimum(jnp.sum(ends[None, :] <= item[:, None], axis=1), b - 1)
+        blk = item - starts[row]
+        cols = blk[:, None] * pages_per_block + jnp.arange(pages_per_block)[None, :]
+        ids = jnp.take_along_axis(page_table[row], jnp.clip(cols, 0, page_table.shape[1] - 1),
+                                  axis=1)
+        k = _gather_block(k_pages, ids).astype(jnp.float32)  # [Hkv, b, C, D]
         v = _gather_block(v_pages, ids).astype(jnp.float32)
-        s = jnp.einsum("hbgd,hbcd->hbgc", qf, k)
-        pos = j * block + jnp.arange(block)
-        valid = (pos[None, :] < kv_lens[:, None])[None, :, None, :]
-        return _online_update(*carry, s, lambda p: jnp.einsum("hbgc,hbcd->hbgd", p, v), valid)
+        s = jnp.einsum("hbgd,hbcd->hbgc", qf[:, row], k)
+        pos = blk[:, None] * block + jnp.arange(block)[None, :]
+        valid = ((item < live_pairs)[:, None] & (pos < kv_lens[row][:, None]))[None, :, None, :]
+        s = jnp.where(valid, s, _MASKED)
+        m_i = s.max(axis=-1)                                 # [Hkv, b, G]
+        p = jnp.where(valid, jnp.exp(s - m_i[..., None]), 0.0)
+        m_new = m.at[:, row].max(m_i)
+        beta = jnp.exp(m_i - m_new[:, row])
+        alpha = jnp.exp(m - m_new)
+        l = l * alpha + jnp.zeros_like(l).at[:, row].add(p.sum(axis=-1) * beta)
+        pv = jnp.einsum("hbgc,hbcd->hbgd", p, v) * beta[..., None]
+        acc = acc * alpha[..., None] + jnp.zeros_like(acc).at[:, row].add(pv)
+        return m_new, l, acc
 
     init = (jnp.full((hkv, b, g), _MASKED, jnp.float32), jnp.zeros((hkv, b, g), jnp.float32),
             jnp.zeros((hkv, b, g, d), jnp.float32))
-    return _finish(*jax.lax.fori_loop(0, n_blocks, body, init))
+    return _finish(*jax.lax.fori_loop(0, (live_pairs + b - 1) // b, body, init))
 
 
 def _prefill_attention(q, q_seq, q_pos, k_pages, v_pages, kv_lens, page_table, num_seqs,
-                       pages_per_block, scale):
+                       pages_per_block, scale, rows_per_tile=_PREFILL_TILE):
     """q [Hkv, T, G, D] of several sequences' chunks; q_seq/q_pos give each token's owner and
-    absolute position. Loops over live sequences, then over their KV blocks."""
+    absolute position (a sequence's tokens are contiguous). Loops over live sequences, then
+    over tiles of their own query rows, then over the KV blocks the tile can see, so a long
+    sequence's context is read against its own chunk only, not every prefill row."""
     hkv, t, g, d = q.shape
     page_size = k_pages.shape[2]
     block = pages_per_block * page_size
-    qf = (q.astype(jnp.float32) * scale).reshape(hkv, t * g, d)
+    r = min(rows_per_tile, t)
+    qf = q.astype(jnp.float32) * scale
 
     def per_seq(i, carry):
-        rows = q_seq == i
+        first = jnp.sum(q_seq < i)
+        n_rows = jnp.sum(q_seq == i)
 
-        def per_block(j, carry):
-            ids = jax.lax.dynamic_slice_in_dim(page_table[i], j * pages_per_block, pages_per_block)
-            k = _gather_block(k_pages, ids).astype(jnp.float32)  # [Hkv, C, D]
-            v = _gather_block(v_pages, ids).astype(jnp.float32)
-            s = jnp.einsum("hqd,hcd->hqc", qf, k).reshape(hkv, t, g, block)
-            pos = j * block + jnp.arange(block)
-            valid = rows[:, None] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] < kv_lens[i])
-            return _online_update(
-                *carry, s,
-                lambda p: jnp.einsum("hqc,hcd->hqd", p.reshape(hkv, t * g, block), v).reshape(
-                    hkv, t, g, d),
-                valid[None, :, None, :])
+        def per_tile(tile, carry):
+            # Clamped to stay inside T; rows of other sequences in the tile are masked and
+            # come out of the online update unchanged.
+            at = jnp.minimum(first + tile * r, t - r)
+            sl = lambda x: jax.lax.dynamic_slice_in_dim(x, at, r, axis=1)
+            rows = jax.lax.dynamic_slice_in_dim(q_seq, at, r) == i
+            pos_q = jax.lax.dynamic_slice_in_dim(q_pos, at, r)
+            qt = sl(qf).reshape(hkv, r * g, d)
+            seen = jnp.minimum(kv_lens[i], jnp.max(jnp.where(rows, pos_q, -1)) + 1)
 
-        n_blocks = (kv_lens[i] + block - 1) // block
-        return jax.lax.fori_loop(0, n_blocks, per_block, carry)
+            def per_block(j, tile_carry):
+                ids = jax.lax.dynamic_slice_in_dim(page_table[i], j * pages_per_block,
+                                                   pages_per_block)
+                k = _gather_block(k_pages, ids).astype(jnp.float32)  # [Hkv, C, D]
+                v = _gather_block(v_pages, ids).astype(jnp.float32)
+                s = jnp.einsum("hqd,hcd->hqc", qt, k).reshape(hkv, r, g, block)
+                pos = j * block + jnp.arange(block)
+                valid = rows[:, None] & (pos[None, :] <= pos_q[:, None]) & (pos[None, :] < seen)
+                return _online_update(
+                    *tile_carry, s,
+                    lambda p: jnp.einsum("hqc,hcd->hqd", p.reshape(hkv, r * g, block),
+                                         v).reshape(hkv, r, g, d),
+                    valid[None, :, None, :])
+
+            out = jax.lax.fori_loop(0, (seen + block - 1) // block, per_block,
+                                    tuple(map(sl, carry)))
+            return tuple(jax.lax.dynamic_update_slice_in_dim(c, o, at, axis=1)
+                         for c, o in zip(carry, out))
+
+        return jax.lax.fori_loop(0, (n_rows + r - 1) // r, per_tile, carry)
 
     init = (jnp.full((hkv, t, g), _MASKED, jnp.float32), jnp.zeros((hkv, t, g), jnp.float32),
             jnp.zeros((hkv, t, g, d), jnp.float32))
@@ -103,8 +144,8 @@ def _prefill_attention(q, q_seq, q_pos, k_pages, v_pages, kv_lens, page_table, n
 
 
 def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-                           meta: AttentionMetadata, *, pages_per_block: int = PAGES_PER_BLOCK
-                           ) -> tuple[jax.Array, jax.Array]:
+                           meta: AttentionMetadata, *, pages_per_block: int = PAGES_PER_BLOCK,
+                           rows_per_tile: int = _PREFILL_TILE) -> tuple[jax.Array, jax.Array]:
     """Attention of a mixed batch of decodes and prefill chunks over a paged KV cache.
 
     q: [T, Hq, D]; k_pages, v_pages: [Hkv, num_pages, page_size, D] (already holding this
@@ -130,7 +171,7 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     if t > nd:
         o, l = _prefill_attention(qg[:, nd:], meta.token_seq[nd:] - nd, meta.positions[nd:],
                                   k_pages, v_pages, meta.kv_lens[nd:], meta.page_table[nd:],
-                                  meta.num_prefills, pages_per_block, scale)
+                                  meta.num_prefills, pages_per_block, scale, rows_per_tile)
         outs.append(o)
         lses.append(l)
     out = jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]  # [Hkv, T, G, D]
