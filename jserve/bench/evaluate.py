@@ -31,8 +31,25 @@ def local_runner(model: str = "default", *, window_s: float | None = None, seed:
     def run(policy: str, trace: Sequence[TraceRequest]) -> list[dict]:
         kwargs = {"max_model_len": round_up(longest_context(trace), 4096), **engine_kwargs}
         llm = LLM(model, scheduler=policy, **kwargs)
-        return run_local(llm.engine, trace, window_s=window_s, seed=seed, progress=progress)
+        try:
+            return run_local(llm.engine, trace, window_s=window_s, seed=seed,
+                             progress=progress)
+        finally:
+            del llm
+            release_executables()
     return run
+
+
+def release_executables() -> None:
+    """JAX keeps every compiled executable after its engine is gone (hundreds of memory maps
+    each on CPU); a process that builds engine after engine would pass vm.max_map_count and
+    fail to compile. Dropping them between engines keeps the count bounded."""
+    import gc
+
+    import jax
+
+    gc.collect()
+    jax.clear_caches()
 
 
 def remote_runner(target: str, *, window_s: float | None = None, seed: int = 0,
@@ -56,18 +73,23 @@ def ensure_predictor(model: str, *, max_context: int, log: Callable[[str], None]
     engine with these settings and saved where every engine looks, so the compared policies
     all plan with the same, measured model."""
     from jserve import LLM
+    from jserve.engine.config import EngineConfig
     from jserve.engine.profiler import LONG_GRID_TOKENS, fit_predictor, profile_samples
     from jserve.engine.timing import default_predictor_path
+    from jserve.model.weights import load_model
     from jserve.scheduler.predictor import LinearPredictor
 
-    llm = LLM(model, scheduler="sarathi", max_model_len=max_context, **engine_kwargs)
-    path = default_predictor_path(llm.engine.cfg, llm.engine.config)
+    kwargs = dict(engine_kwargs, max_model_len=max_context)
+    path = default_predictor_path(load_model(model)[0], EngineConfig(**kwargs))
     want = min(max_context, LONG_GRID_TOKENS)
     if path.exists() and LinearPredictor.load(path).meta.get("max_context", 0) >= want - 16:
         return path
+    llm = LLM(model, scheduler="sarathi", **kwargs)
     log(f"profiling the engine up to {want} tokens of context for {path} (a few minutes)")
     predictor, report = fit_predictor(llm.engine, profile_samples(llm.engine))
     predictor.save(path)
+    del llm
+    release_executables()
     log(f"held-out median relative error {report['held_out_median_rel_error']:.1%}, "
         f"p90 {report['held_out_p90_rel_error']:.1%}")
     return path
