@@ -3,7 +3,7 @@ documents mixed in, run against fcfs (non-preemptive, the convoy baseline), sara
 lars on the built-in default model, with the ratios against fcfs and the pass/fail lines of
 the claims in docs/convoy.md.
 
-    python scripts/convoy_benchmark.py                  # the CPU configuration (~25 min)
+    python scripts/convoy_benchmark.py                  # the CPU configuration (~20 min)
     python scripts/convoy_benchmark.py --smoke          # seconds; what CI runs
 
 CPU scale: ShareGPT4 short prompts x1/4 (64-2K tokens), synthetic Medha-SWE long prompts
@@ -23,7 +23,7 @@ from jserve.bench.metrics import Slo, ratio
 from jserve.bench.workload import WorkloadSpec, build_workload, longest_context, round_up
 
 POLICIES = ("fcfs", "sarathi", "edf", "lars")
-CPU = WorkloadSpec(num_requests=100, long_fraction=0.05, qps=1.0, short_scale=1 / 4,
+CPU = WorkloadSpec(num_requests=200, long_fraction=0.05, qps=2.0, short_scale=1 / 4,
                    long_scale=1 / 32, output_scale=1 / 4, min_tokens=64, seed=0)
 CPU_ENGINE = dict(max_num_seqs=32, max_num_batched_tokens=256, kv_cache_bytes=2 << 30,
                   tpot_slo=0.05)

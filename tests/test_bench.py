@@ -202,3 +202,19 @@ def test_convoy_benchmark_script_end_to_end(tmp_path, capsys):
     assert (tmp_path / "ttft_cdf.png").stat().st_size > 0
     assert (tmp_path / "tpot.png").stat().st_size > 0
     assert "| lars | 8 |" in out and ("PASS lars completed" in out)
+
+
+def test_sweep_results_make_every_plot_and_a_ratio_table(tmp_path):
+    from jserve.bench.evaluate import PolicyResult, ratio_table, write_plots
+
+    results = []
+    for qps in (1.0, 2.0):
+        for policy, wait in (("fcfs", 10.0 * qps), ("lars", 0.2)):
+            recs = [rec("s", 10, 0.0, [wait, wait + 0.1]), rec("L", 5000, 0.0, [20.0, 20.5])]
+            results.append(PolicyResult(policy, qps, recs, summarize(
+                recs, long_prompt_tokens=1000), 1.0))
+    paths = write_plots(results, tmp_path, title="t", long_prompt_tokens=1000)
+    assert [p.name for p in paths] == ["ttft_cdf.png", "tpot.png", "qps_sweep.png"]
+    assert all(p.stat().st_size > 10_000 for p in paths)
+    table = ratio_table(results, "fcfs", keys=("short_ttft_p50",))
+    assert "| lars | 2 | 0.200 (100.0x) |" in table and "| fcfs | 1 | 10.000 |" in table
