@@ -5,6 +5,8 @@ import dataclasses
 import os
 from pathlib import Path
 
+from sharding.mesh import MeshConfig
+
 
 def default_compilation_cache_dir() -> str:
     return os.environ.get("JSERVE_COMPILATION_CACHE",
@@ -37,6 +39,8 @@ class EngineConfig:
     preemption: str = "auto"           # auto | swap | recompute
     swap_space_bytes: int = 4 << 30
     seed: int = 0                      # draws seeds for requests that give none
+    # "tp=2" (sharding.MeshConfig: dp, spp, kvp, tp); only tensor parallelism runs so far.
+    mesh: str = "tp=1"
     warmup: bool = True                # compile every bucket at start
     compilation_cache_dir: str | None = dataclasses.field(default_factory=default_compilation_cache_dir)
 
@@ -54,5 +58,6 @@ class EngineConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.ttft_slo_floor < 0:
             raise ValueError(f"ttft_slo_floor must be >= 0, got {self.ttft_slo_floor}")
+        MeshConfig.parse(self.mesh)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

@@ -34,6 +34,8 @@ from jserve.scheduler import (POLICIES, BatchPlan, Request, RequestStatus, Sched
                               build_scheduler)
 from jserve.scheduler.deadline import DeadlineConfig
 from jserve.tokenizer import Tokenizer
+from sharding.mesh import MeshConfig, make_mesh
+from sharding.specs import allocate_sharded_kv_cache
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +77,12 @@ class LLMEngine:
         if config.scheduler not in POLICIES:
             raise ValueError(f"scheduler must be one of {POLICIES}, got {config.scheduler!r}")
         enable_compilation_cache(config.compilation_cache_dir)
+        mesh_config = MeshConfig.parse(config.mesh)
+        if max(mesh_config.dp, mesh_config.spp, mesh_config.kvp) > 1:
+            raise ValueError(f"mesh {config.mesh!r}: spp/kvp/dp > 1 not supported yet "
+                             "(only tensor parallelism, tp=N, runs)")
+        mesh_config.validate(cfg)
+        mesh = make_mesh(mesh_config) if mesh_config.size > 1 else None
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.config = config
@@ -108,8 +116,10 @@ class LLMEngine:
         self._host_reserved: dict[str, int] = {}
         if config.preemption != "recompute":
             self.scheduler.choose_preemption = self._preemption_mode
-        self.runner = ModelRunner(cfg, params, allocate_kv_cache(cfg, num_pages, config.page_size),
-                                  self.buckets, config.max_num_seqs, config.attention_impl)
+        kv_cache = (allocate_kv_cache(cfg, num_pages, config.page_size) if mesh is None else
+                    allocate_sharded_kv_cache(cfg, num_pages, config.page_size, mesh))
+        self.runner = ModelRunner(cfg, params, kv_cache, self.buckets, config.max_num_seqs,
+                                  config.attention_impl, mesh)
         self.builder = StepBuilder(self.buckets, config.page_size, self.runner.state_sink)
         self._free_state_rows = list(range(self.runner.state_sink - 1, -1, -1))
         self.requests: dict[str, Request] = {}

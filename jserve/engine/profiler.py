@@ -13,6 +13,7 @@ from jserve.engine.engine import LLMEngine
 from jserve.sampling.params import SamplingParams
 from jserve.engine.timing import predictor_key
 from jserve.scheduler.predictor import LinearPredictor
+from sharding.mesh import MeshConfig
 
 LONG_GRID_TOKENS = 16_384     # the longest context profiled (when max_model_len allows)
 DECODE_GRID_TOKENS = 65_536   # the most context one decode grid point holds
@@ -56,7 +57,7 @@ def profile_samples(engine: LLMEngine, *, seed: int = 0, repeats: int = 2
 def fit_predictor(engine: LLMEngine, samples) -> tuple[LinearPredictor, dict]:
     held = samples[::5]
     train = [s for i, s in enumerate(samples) if i % 5]
-    predictor = LinearPredictor.fit(train, meta={"key": predictor_key(engine.cfg),
+    predictor = LinearPredictor.fit(train, meta={"key": predictor_key(engine.cfg, MeshConfig.parse(engine.config.mesh).key()),
                                                  "samples": len(train),
                                                  "max_context": profiled_context(samples)})
     err = predictor.relative_errors(held)

@@ -20,6 +20,8 @@ from jserve.model.llama import Params, StepInput, forward, prepare_params
 from jserve.sampling.params import MAX_BANNED_IDS, MAX_LOGPROBS
 from jserve.sampling.sampler import (SampleResult, SamplingBatch, apply_penalties,
                                      choose_tokens, token_logprobs)
+from sharding.specs import shard_params
+from sharding.tensor_parallel import tp_forward
 
 log = logging.getLogger(__name__)
 
@@ -107,11 +109,16 @@ class PackedLayout:
 
 
 def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, fbuf: jax.Array,
-          *, layout: PackedLayout, cfg: LlamaConfig, attention_impl: str):
+          *, layout: PackedLayout, cfg: LlamaConfig, attention_impl: str,
+          mesh: jax.sharding.Mesh | None):
     arrays = layout.unpack(ibuf, fbuf)
     sb = arrays.sampling
-    logits, kv_cache = forward(params, kv_cache, arrays.batch, cfg=cfg,
-                               attention_impl=attention_impl)
+    if mesh is None:
+        logits, kv_cache = forward(params, kv_cache, arrays.batch, cfg=cfg,
+                                   attention_impl=attention_impl)
+    else:  # tensor parallel; the rest of the step runs replicated on the logits
+        logits, kv_cache = tp_forward(params, kv_cache, arrays.batch, mesh=mesh, cfg=cfg,
+                                      attention_impl=attention_impl)
     # Runtime choices (no recompile): penalty bookkeeping only when some row uses penalties
     # (a row is reset at its sequence's first chunk, so skipped steps leave nothing stale
     # that a penalised request reads), the sort only when some row samples, top-n logprobs
@@ -161,18 +168,29 @@ def _scatter_pages(kv_cache: KVCache, ids: jax.Array, data: KVCache) -> KVCache:
 
 
 class ModelRunner:
+    """Holds the device state and runs steps. With a ``mesh`` the params are split for tensor
+    parallelism (``sharding.specs``) and ``kv_cache`` must come from
+    ``allocate_sharded_kv_cache`` on it; the step's inputs, penalty state and sampling are
+    replicated."""
+
     def __init__(self, cfg: LlamaConfig, params: Params, kv_cache: KVCache, buckets: Buckets,
-                 max_num_seqs: int, attention_impl: str):
+                 max_num_seqs: int, attention_impl: str, mesh: jax.sharding.Mesh | None = None):
         self.cfg = cfg
+        self.mesh = mesh
         self.params = prepare_params(params)
+        self._replicated = None
+        if mesh is not None:
+            self.params = shard_params(self.params, cfg, mesh)
+            self._replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         self.kv_cache = kv_cache
         self.buckets = buckets
         rows = max_num_seqs + buckets.prefill_rows + 1
-        self.state = SeqState(jnp.zeros((rows, cfg.vocab_size), jnp.int32),
-                              jnp.zeros((rows, cfg.vocab_size), bool))
+        self.state = jax.device_put(SeqState(jnp.zeros((rows, cfg.vocab_size), jnp.int32),
+                                             jnp.zeros((rows, cfg.vocab_size), bool)),
+                                    self._replicated)
         self.state_sink = rows - 1
         self.attention_impl = attention_impl
-        self._jitted = jax.jit(_step, static_argnames=("layout", "cfg", "attention_impl"),
+        self._jitted = jax.jit(_step, static_argnames=("layout", "cfg", "attention_impl", "mesh"),
                                donate_argnums=(1, 2))
         self._compiled: dict[tuple[int, int], tuple[jax.stages.Compiled, PackedLayout]] = {}
         self.compile_count = 0
@@ -205,11 +223,12 @@ class ModelRunner:
         entry = self._compiled.get(shape)
         if entry is None:
             layout = PackedLayout(self.arrays_spec(*shape))
-            ibuf = jax.ShapeDtypeStruct((layout.int_size,), jnp.int32)
-            fbuf = jax.ShapeDtypeStruct((layout.float_size,), jnp.float32)
+            ibuf = jax.ShapeDtypeStruct((layout.int_size,), jnp.int32, sharding=self._replicated)
+            fbuf = jax.ShapeDtypeStruct((layout.float_size,), jnp.float32,
+                                        sharding=self._replicated)
             exe = self._jitted.lower(self.params, self.kv_cache, self.state, ibuf, fbuf,
                                      layout=layout, cfg=self.cfg,
-                                     attention_impl=self.attention_impl).compile()
+                                     attention_impl=self.attention_impl, mesh=self.mesh).compile()
             self.compile_count += 1
             entry = self._compiled[shape] = (exe, layout)
         return entry

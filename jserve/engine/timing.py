@@ -17,6 +17,7 @@ import jax
 from jserve.config import LlamaConfig
 from jserve.engine.config import EngineConfig
 from jserve.scheduler.predictor import FEATURES, LinearPredictor
+from sharding.mesh import MeshConfig
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ def predictor_key(cfg: LlamaConfig, mesh: str = "1") -> str:
 
 def default_predictor_path(cfg: LlamaConfig, config: EngineConfig) -> Path:
     return Path(config.compilation_cache_dir or ".").parent / "predictors" / (
-        predictor_key(cfg) + ".json")
+        predictor_key(cfg, MeshConfig.parse(config.mesh).key()) + ".json")
 
 
 def estimated_predictor(cfg: LlamaConfig) -> LinearPredictor:

@@ -70,12 +70,18 @@ def prepare_params(params: Params) -> Params:
 
 
 def forward(params: Params, kv_cache: KVCache, batch: StepInput, *, cfg: LlamaConfig,
-            attention_impl: str = "reference") -> tuple[jax.Array, KVCache]:
+            attention_impl: str = "reference",
+            tp_axis: str | None = None) -> tuple[jax.Array, KVCache]:
     """Returns (float32 logits [S, vocab] for ``batch.logits_rows``, updated KV cache).
 
-    ``params`` must be in the runtime layout of :func:`prepare_params`."""
+    ``params`` must be in the runtime layout of :func:`prepare_params`. Head counts come from
+    the weights' shapes, so under ``shard_map`` (``sharding.tensor_parallel``) the same code
+    runs a tensor-parallel shard's heads and MLP slice; ``tp_axis`` then names the mesh axis
+    whose partial attention and MLP outputs are summed."""
     t = batch.tokens.shape[0]
-    hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    hd = cfg.head_dim
+    hq, hkv = params["layers"][0]["wq"].shape[1] // hd, params["layers"][0]["wk"].shape[1] // hd
+    reduce = (lambda y: jax.lax.psum(y, tp_axis)) if tp_axis else (lambda y: y)
     x = params["embed"][batch.tokens]
     cos, sin = rope_tables(cfg, batch.attn.positions)
     new_cache: KVCache = []
@@ -88,10 +94,10 @@ def forward(params: Params, kv_cache: KVCache, batch: StepInput, *, cfg: LlamaCo
         v_pages = write_kv(v_pages, batch.slots, v, impl=attention_impl)
         new_cache.append((k_pages, v_pages))
         out, _ = attention(q, k_pages, v_pages, batch.attn, impl=attention_impl)
-        x = x + out.reshape(t, hq * hd).astype(x.dtype) @ layer["wo"]
+        x = x + reduce(out.reshape(t, hq * hd).astype(x.dtype) @ layer["wo"])
         h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
         gate, up = jnp.split(h @ layer["w_gate_up"], 2, axis=-1)
-        x = x + (jax.nn.silu(gate) * up) @ layer["w_down"]
+        x = x + reduce((jax.nn.silu(gate) * up) @ layer["w_down"])
     h = rms_norm(x[batch.logits_rows], params["final_norm"], cfg.rms_norm_eps)
     head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
     logits = jnp.dot(h, head, preferred_element_type=jnp.float32)

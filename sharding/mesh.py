@@ -1,0 +1,83 @@
+"""The mesh config ``dp x spp x kvp x tp`` and the ``jax.sharding.Mesh`` built from it.
+
+One string (``"tp=2,kvp=2"``) names the whole layout so ``LLM(mesh=...)``, the CLI and the
+predictor key all agree on it."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from jserve.config import LlamaConfig
+
+AXES = ("dp", "spp", "kvp", "tp")  # data, stream-pipeline, KV-cache and tensor parallel
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    dp: int = 1
+    spp: int = 1
+    kvp: int = 1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in AXES:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"mesh axis {name} must be an integer >= 1, got {value!r}")
+
+    @classmethod
+    def parse(cls, text: str | None) -> MeshConfig:
+        """``"tp=2,kvp=2"`` (axes left out are 1; ``None`` or ``""`` is one device)."""
+        sizes: dict[str, int] = {}
+        for part in filter(None, (p.strip() for p in (text or "").split(","))):
+            name, eq, value = part.partition("=")
+            name = name.strip()
+            if not eq or name not in AXES:
+                raise ValueError(f"bad mesh entry {part!r} in {text!r}: expected AXIS=N with "
+                                 f"AXIS one of {AXES}")
+            if name in sizes:
+                raise ValueError(f"mesh axis {name} given twice in {text!r}")
+            try:
+                sizes[name] = int(value)
+            except ValueError:
+                raise ValueError(f"mesh axis {name} needs an integer, got {value.strip()!r}") from None
+        return cls(**sizes)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self, name) for name in AXES)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape))
+
+    def key(self) -> str:
+        """Short name for file keys (runtime predictors): ``"1"`` for one device."""
+        parts = [f"{name}{getattr(self, name)}" for name in AXES if getattr(self, name) > 1]
+        return "x".join(parts) or "1"
+
+    def validate(self, cfg: LlamaConfig) -> None:
+        """Raises ValueError when the model cannot be split this way."""
+        tp = self.tp
+        hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        if hq % tp:
+            raise ValueError(f"tp={tp} does not divide num_attention_heads={hq}")
+        if cfg.intermediate_size % tp:
+            raise ValueError(f"tp={tp} does not divide intermediate_size={cfg.intermediate_size}")
+        # Each shard's query heads must share whole KV heads: split them (hkv % tp == 0) or
+        # give every shard one copy of the head its group reads (tp % hkv == 0).
+        if hkv % tp and tp % hkv:
+            raise ValueError(f"tp={tp} and num_key_value_heads={hkv}: one must divide the other")
+
+
+def make_mesh(mc: MeshConfig, devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh:
+    """A mesh with axes ``AXES`` over the first ``mc.size`` of ``devices`` (default: all of
+    ``jax.devices()``, every process's, so the same call is right on each host)."""
+    devices = list(jax.devices() if devices is None else devices)
+    if mc.size > len(devices):
+        raise ValueError(f"mesh {mc.key()} needs {mc.size} devices, have {len(devices)}")
+    return jax.make_mesh(mc.shape, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES),
+                         devices=devices[:mc.size])

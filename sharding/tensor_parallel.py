@@ -1,0 +1,27 @@
+"""The model step under ``jax.shard_map``: each ``tp`` shard runs the unsharded ``forward``
+on its heads and MLP slice (shapes say how many) and psums the partial outputs of wo and
+w_down over ``tp`` (Megatron); logits come out replicated, KV pages stay split."""
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jserve.cache.pool import KVCache
+from jserve.config import LlamaConfig
+from jserve.model.llama import Params, StepInput, forward
+from sharding.specs import kv_cache_specs, param_specs
+
+
+def tp_forward(params: Params, kv_cache: KVCache, batch: StepInput, *, mesh: Mesh,
+               cfg: LlamaConfig, attention_impl: str = "reference") -> tuple[jax.Array, KVCache]:
+    """``forward`` over params from ``shard_params`` and pages from
+    ``allocate_sharded_kv_cache``; the batch is replicated."""
+    kv_specs = kv_cache_specs(len(kv_cache))
+    local = functools.partial(forward, cfg=cfg, attention_impl=attention_impl, tp_axis="tp")
+    # check_vma off: the attention kernels' loop carries start as invariant constants and
+    # turn varying over tp; the outputs' replication is by construction (psum, then replicated
+    # norm and head), and tests hold it by comparing tokens with the unsharded engine.
+    return jax.shard_map(local, mesh=mesh, in_specs=(param_specs(params), kv_specs, P()),
+                         out_specs=(P(), kv_specs), check_vma=False)(params, kv_cache, batch)
