@@ -33,7 +33,7 @@ def test_simulate_writes_every_record_field_and_a_summary(tmp_path, capsys, poli
     else:                    # it waits for (nearly) all of it: FCFS
         assert short_ttft > long["first_token_s"] - 0.6
     text = capsys.readouterr().out
-    assert "short (3): TTFT P50" in text and "completed 1/1" in text
+    assert "short (3, completed 3): TTFT P50" in text and "long (1, completed 1)" in text
 
 
 def test_simulate_with_poisson_arrivals_and_a_window(tmp_path, capsys):
@@ -46,7 +46,7 @@ def test_simulate_with_poisson_arrivals_and_a_window(tmp_path, capsys):
     records = read_records(out)
     assert len(records) == 4 and records[0]["arrival_s"] > 0
     assert all(r["finish_s"] is None for r in records)  # 900K tokens take far beyond 5 s
-    assert "completed 0/1" in capsys.readouterr().out
+    assert "long (1, completed 0)" in capsys.readouterr().out
 
 
 def test_simulate_rejects_a_trace_without_arrivals_or_qps(tmp_path, capsys):
