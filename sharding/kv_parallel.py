@@ -1,0 +1,104 @@
+"""KV-cache parallelism (``kvp``, Medha-style): a sequence's KV is split by token range over
+the ``kvp`` groups, so one very long context is read by every group at once.
+
+Group ``g`` holds tokens ``[g*L, (g+1)*L)`` of every sequence (``L`` = tokens per group, a
+multiple of the page size): a short sequence lives only in group 0, a long one spills into
+later groups as it grows. Each group has its own page pool (page 0 its sink) and the page
+table is laid out in logical page order with group-local page ids: logical page ``j`` covers
+tokens ``[j*S, (j+1)*S)`` and belongs to group ``j // (L/S)``, so splitting the table's columns
+on ``kvp`` (``PAGE_TABLE_SPEC``) hands each group exactly its own pages.
+
+Queries are replicated over ``kvp``; each group attends to its local keys and the partial
+results are merged by their log-sum-exp (online softmax across the axis).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jserve.kernels import AttentionMetadata, attention
+
+KV_PAGES_SPEC = P("tp", "kvp")       # [KV heads, kvp * local pages, page_size, head_dim]
+PAGE_TABLE_SPEC = P(None, "kvp")     # [seqs, kvp * local pages per sequence]
+
+
+def owner_group(position, tokens_per_group: int):
+    """The group whose pages hold the KV of the token at absolute ``position``."""
+    return position // tokens_per_group
+
+
+def local_kv_len(kv_len, group, tokens_per_group: int):
+    """How many of a sequence's ``kv_len`` tokens live in ``group``."""
+    return jnp.clip(kv_len - group * tokens_per_group, 0, tokens_per_group)
+
+
+def local_page_table(page_table, group: int, pages_per_group: int):
+    """Group ``group``'s columns of the logical page table (what ``PAGE_TABLE_SPEC`` gives
+    each shard): its local page ids for the sequence's tokens in its range."""
+    return page_table[:, group * pages_per_group:(group + 1) * pages_per_group]
+
+
+def local_metadata(meta: AttentionMetadata, group, tokens_per_group: int) -> AttentionMetadata:
+    """``meta`` (global positions and kv_lens, ``page_table`` already the group's columns)
+    as group ``group`` sees it. Shifting the query positions by ``-group*L`` keeps causality
+    in local key indices: local key j (absolute ``group*L + j``) is visible to a query at
+    absolute p iff ``j <= p - group*L``; queries before the group's range see no key."""
+    offset = group * tokens_per_group
+    return dataclasses.replace(meta, positions=meta.positions - offset,
+                               kv_lens=local_kv_len(meta.kv_lens, group, tokens_per_group))
+
+
+def group_write_slots(positions, token_seq, kv_lens, page_table, group,
+                      tokens_per_group: int, page_size: int):
+    """Flat local cache slots [T] where ``group`` writes this step's new KV: a live token's
+    own slot in the group that owns its position, the sink slot 0 everywhere else (other
+    groups' tokens, padding tokens and rows), so every token's KV is stored exactly once.
+
+    ``page_table`` is the group's local table [S, L/S]; token_seq may point past it (padding)."""
+    rows = page_table.shape[0]
+    seq = jnp.clip(token_seq, 0, rows - 1)
+    live = (token_seq < rows) & (positions < kv_lens[seq])
+    local = positions - group * tokens_per_group
+    mine = live & (owner_group(positions, tokens_per_group) == group)
+    col = jnp.clip(local // page_size, 0, page_table.shape[1] - 1)
+    slot = page_table[seq, col] * page_size + local % page_size
+    return jnp.where(mine, slot, 0)
+
+
+def merge_partials(out, lse, axis: str):
+    """Online-softmax merge of per-group partial attention (out [T, H, D], lse [T, H]) over
+    ``axis``. A group without keys for a row (lse -inf) gets weight 0; a row without keys in
+    any group comes out as zeros with lse -inf, never NaN."""
+    m = jax.lax.pmax(lse, axis)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    w = jnp.where(jnp.isfinite(lse), jnp.exp(lse - m_safe), 0.0)
+    den = jax.lax.psum(w, axis)
+    num = jax.lax.psum(out.astype(jnp.float32) * w[..., None], axis)
+    has_keys = den > 0
+    safe_den = jnp.where(has_keys, den, 1.0)
+    merged = (num / safe_den[..., None]).astype(out.dtype)
+    return merged, jnp.where(has_keys, m_safe + jnp.log(safe_den), -jnp.inf)
+
+
+def kvp_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: AttentionMetadata,
+                  axis: str = "kvp", impl: str = "reference") -> tuple[jax.Array, jax.Array]:
+    """Ragged paged attention with the KV split by token range over ``axis``; call inside
+    ``jax.shard_map`` with q and the metadata replicated over ``axis``, the pages split by
+    ``KV_PAGES_SPEC`` and the page table by ``PAGE_TABLE_SPEC``.
+
+    The tokens per group are implied by the layout: the local table width times the page
+    size. Returns (out [T, Hq, D], lse [T, Hq]), replicated over ``axis``."""
+    tokens_per_group = meta.page_table.shape[1] * k_pages.shape[2]
+    group = jax.lax.axis_index(axis)
+    out, lse = attention(q, k_pages, v_pages, local_metadata(meta, group, tokens_per_group),
+                         impl=impl)
+    return merge_partials(out, lse, axis)
+
+
+def metadata_specs(meta: AttentionMetadata) -> AttentionMetadata:
+    """shard_map in_specs for ``meta``: everything replicated but the page table's columns."""
+    return dataclasses.replace(meta, positions=P(), token_seq=P(), kv_lens=P(),
+                               page_table=PAGE_TABLE_SPEC, num_prefills=P())
