@@ -40,7 +40,14 @@ def _generate(a: argparse.Namespace) -> int:
     if a.server:
         from jserve.serving.commands import generate_remote
         return generate_remote(a, params)
+    from jserve.serving.commands import join_processes, leading
+    join_processes(a)
     llm = LLM(a.model, dtype=a.dtype, **_engine_kwargs(a))
+    with leading(a, llm) as leader:
+        return _stream(a, llm, params) if leader else 0
+
+
+def _stream(a: argparse.Namespace, llm, params) -> int:
     prompt = llm.chat_prompt([{"role": "user", "content": a.prompt}]) if a.chat else a.prompt
     if a.token_ids:
         prompt = [int(t) for t in a.prompt.replace(",", " ").split()]
@@ -136,7 +143,7 @@ def _simulate(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jserve.serving.commands import add_remote_args, add_serve_parser
+    from jserve.serving.commands import add_multihost_args, add_remote_args, add_serve_parser
 
     parser = argparse.ArgumentParser(prog="jserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -153,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--stop", action="append", default=[])
     g.add_argument("--ignore-eos", action="store_true")
     add_remote_args(g)
+    add_multihost_args(g)
     g.set_defaults(func=_generate)
     c = sub.add_parser("convert", help="save a model as an orbax checkpoint directory")
     c.add_argument("--model", default="default")

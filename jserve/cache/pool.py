@@ -35,7 +35,7 @@ def num_pages_for_budget(cfg: LlamaConfig, page_size: int, *, kv_cache_bytes: in
         raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
     budget = kv_cache_bytes
     if budget is None:
-        budget = int(available_device_bytes(jax.devices()[0]) * memory_fraction)
+        budget = int(available_device_bytes(jax.local_devices()[0]) * memory_fraction)
     pages = min(budget // kv_bytes_per_page(cfg, page_size), max_useful_pages + 1)
     if pages < 2:
         raise ValueError(

@@ -34,6 +34,7 @@ from jserve.scheduler import (POLICIES, BatchPlan, Request, RequestStatus, Sched
                               build_scheduler)
 from jserve.scheduler.deadline import DeadlineConfig
 from jserve.tokenizer import Tokenizer
+from sharding import distributed
 from sharding.mesh import MeshConfig, make_mesh
 from sharding.specs import allocate_sharded_kv_cache
 
@@ -82,6 +83,9 @@ class LLMEngine:
             raise ValueError(f"mesh {config.mesh!r}: spp/kvp/dp > 1 not supported yet "
                              "(only tensor parallelism, tp=N, runs)")
         mesh_config.validate(cfg)
+        if jax.process_count() > 1 and mesh_config.size != jax.device_count():
+            raise ValueError(f"mesh {config.mesh!r}: with {jax.process_count()} processes it "
+                             f"must cover all {jax.device_count()} devices")
         mesh = make_mesh(mesh_config) if mesh_config.size > 1 else None
         self.cfg = cfg
         self.tokenizer = tokenizer
@@ -114,7 +118,9 @@ class LLMEngine:
         self._page_bytes = kv_bytes_per_page(cfg, config.page_size)
         self._host_kv: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
         self._host_reserved: dict[str, int] = {}
-        if config.preemption != "recompute":
+        # Swapping moves pages through host memory of one process; across processes the
+        # engine recomputes instead.
+        if config.preemption != "recompute" and jax.process_count() == 1:
             self.scheduler.choose_preemption = self._preemption_mode
         kv_cache = (allocate_kv_cache(cfg, num_pages, config.page_size) if mesh is None else
                     allocate_sharded_kv_cache(cfg, num_pages, config.page_size, mesh))
@@ -264,7 +270,9 @@ class LLMEngine:
             built = self.builder.build(plan, self.requests, self._sampler_row, _NEUTRAL_ROW,
                                        lambda r: r.payload.state_row, flags)
             t0 = time.perf_counter()
-            out = self.runner.execute(built.shape, built.arrays)
+            # Multi-process: the leader broadcasts each step so followers launch it too.
+            out = (self.runner.execute(built.shape, built.arrays) if jax.process_count() == 1
+                   else distributed.leader_execute(self.runner, built.shape, built.arrays))
             tokens = np.asarray(out.tokens)
             if self.step_log is not None:
                 self.step_log.append((plan, time.perf_counter() - t0))

@@ -254,7 +254,10 @@ class ModelRunner:
         self.kv_cache = _scatter_pages(self.kv_cache, ids, data)
 
     def execute(self, shape: tuple[int, int], arrays: StepArrays) -> SampleResult:
-        exe, layout = self.compiled(shape)
-        out, self.kv_cache, self.state = exe(self.params, self.kv_cache, self.state,
-                                             *layout.pack(arrays))
+        return self.execute_packed(shape, *self.compiled(shape)[1].pack(arrays))
+
+    def execute_packed(self, shape: tuple[int, int], ibuf, fbuf) -> SampleResult:
+        """The step on already packed buffers (what multi-process followers receive)."""
+        exe, _ = self.compiled(shape)
+        out, self.kv_cache, self.state = exe(self.params, self.kv_cache, self.state, ibuf, fbuf)
         return out

@@ -155,7 +155,7 @@ def load_hf_safetensors(model_dir: str | Path, cfg: LlamaConfig) -> Params:
 
 def _abstract_params(cfg: LlamaConfig) -> Params:
     """Restore targets; the sharding makes orbax return jax arrays on the default device."""
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     dtype = cfg.np_dtype
     return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype, sharding=sharding),
                         param_shapes(cfg), is_leaf=_is_shape)

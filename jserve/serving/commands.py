@@ -3,6 +3,7 @@ here so ``jserve/cli.py`` only wires them in)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -24,9 +25,49 @@ def add_remote_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout", type=float, default=None, help="gRPC deadline in seconds")
 
 
+def add_multihost_args(p: argparse.ArgumentParser) -> None:
+    """Flags of a multi-process launch (docs/multihost.md): every process runs the same
+    command with its own ``--process-id``."""
+    g = p.add_argument_group("multi-host (one process per host, see docs/multihost.md)")
+    g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="process 0's address, the same for every process")
+    g.add_argument("--num-processes", type=int, default=1)
+    g.add_argument("--process-id", type=int, default=0,
+                   help="0 serves (or generates); the others run the steps it broadcasts")
+    g.add_argument("--local-devices", type=int, default=None,
+                   help="CPU devices of this process (testing multi-host on one machine)")
+
+
+def join_processes(a: argparse.Namespace) -> None:
+    """Starts JAX's distributed runtime when ``--coordinator`` is given; before any JAX work."""
+    if a.coordinator is not None:
+        from sharding import distributed
+        distributed.initialize(a.coordinator, a.num_processes, a.process_id, a.local_devices)
+
+
+@contextlib.contextmanager
+def leading(a: argparse.Namespace, llm):
+    """Yields True on the process that does the work (process 0, or the only one); on the
+    others runs the leader's steps until it stops and yields False. The leader releases its
+    followers when its block ends, however it ends."""
+    if a.coordinator is None:
+        yield True
+        return
+    from sharding import distributed
+    if not distributed.is_leader():
+        distributed.follow(llm.engine.runner)
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        distributed.stop_followers()
+
+
 def add_serve_parser(sub, add_engine_args: Callable, engine_kwargs: Callable) -> None:
     s = sub.add_parser("serve", help="serve the jserve.v1.Generation gRPC service")
     add_engine_args(s)
+    add_multihost_args(s)
     s.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip compiling every bucket at start (the server warms up by default)")
     s.set_defaults(warmup=True)
@@ -62,6 +103,7 @@ def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
         max_waiting=a.max_waiting, max_request_bytes=a.max_request_bytes,
         grace_period=a.grace_period, tls_cert=a.tls_cert, tls_key=a.tls_key,
         auth_token=a.auth_token or None, model_name=a.model)
+    join_processes(a)
     llm = LLM(a.model, dtype=a.dtype, scheduler=a.scheduler, **engine_kwargs)
 
     def ready(server) -> None:
@@ -69,11 +111,14 @@ def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
                    if server.metrics_port is not None else "off")
         print(f"jserve: serving {a.model} on {a.host}:{server.port} "
               f"({'TLS' if a.tls_cert else 'plaintext'}; metrics {metrics})", flush=True)
-    try:
-        return asyncio.run(serve(llm.engine, config, ready=ready))
-    except (OSError, RuntimeError) as e:  # a port in use, an unreadable certificate
-        print(f"jserve: error: {e}", file=sys.stderr)
-        return 1
+    with leading(a, llm) as leader:
+        if not leader:
+            return 0
+        try:
+            return asyncio.run(serve(llm.engine, config, ready=ready))
+        except (OSError, RuntimeError) as e:  # a port in use, an unreadable certificate
+            print(f"jserve: error: {e}", file=sys.stderr)
+            return 1
 
 
 def generate_remote(a: argparse.Namespace, params) -> int:

@@ -1,0 +1,78 @@
+"""Multi-process serving: one engine per process over a mesh that spans all of them.
+
+A jitted computation on a multi-process mesh runs only when every process launches it with
+the same inputs, but only process 0 (the leader) has requests, a scheduler and a tokenizer.
+So the leader plans each step as usual and broadcasts what the device step needs: a small
+header (the bucket shape) and the step's two packed buffers (``PackedLayout``). Followers
+(``follow``) sit in a loop receiving those and launching the same compiled step, until the
+leader broadcasts a stop. Step outputs are replicated; only the leader reads them.
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.experimental.multihost_utils import broadcast_one_to_all
+
+from jserve.engine.runner import ModelRunner
+from jserve.sampling.sampler import SampleResult
+
+_STEP, _STOP = 1, 0
+
+
+def initialize(coordinator: str, num_processes: int, process_id: int,
+               local_device_count: int | None = None) -> None:
+    """``jax.distributed.initialize`` with CPU collectives over gloo (without them a CPU
+    psum across processes has no transport). ``local_device_count`` sets this process's CPU
+    devices, like ``--xla_force_host_platform_device_count``; call before any JAX work."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if local_device_count is not None:
+        jax.config.update("jax_num_cpu_devices", local_device_count)
+    jax.distributed.initialize(coordinator, num_processes, process_id)
+
+
+def is_leader() -> bool:
+    return jax.process_index() == 0
+
+
+def _header(kind: int, shape: tuple[int, int] = (0, 0)) -> np.ndarray:
+    return np.array([kind, *shape], np.int32)
+
+
+def _run(runner: ModelRunner, shape: tuple[int, int], ibuf: np.ndarray,
+         fbuf: np.ndarray) -> SampleResult:
+    """Every process calls this with the same buffers; the result is this process's copy of
+    the replicated outputs."""
+    replicated = NamedSharding(runner.mesh, P())
+    ibuf, fbuf = (jax.make_array_from_process_local_data(replicated, b) for b in (ibuf, fbuf))
+    out = runner.execute_packed(shape, ibuf, fbuf)
+    return jax.tree.map(lambda x: x.addressable_data(0), out)
+
+
+def leader_execute(runner: ModelRunner, shape: tuple[int, int], arrays) -> SampleResult:
+    """The leader's ``runner.execute``: broadcast the step, then run it like the followers."""
+    _, layout = runner.compiled(shape)
+    broadcast_one_to_all(_header(_STEP, shape))
+    ibuf, fbuf = broadcast_one_to_all(layout.pack(arrays))
+    return _run(runner, shape, ibuf, fbuf)
+
+
+def stop_followers() -> None:
+    """Ends every follower's ``follow`` loop; the leader calls it once, when done serving."""
+    broadcast_one_to_all(_header(_STOP))
+
+
+def follow(runner: ModelRunner) -> int:
+    """A follower's main loop: run each step the leader broadcasts until it says stop.
+    Returns the number of steps run."""
+    steps = 0
+    while True:
+        kind, *shape = broadcast_one_to_all(_header(_STOP)).tolist()
+        if kind == _STOP:
+            return steps
+        shape = tuple(shape)
+        _, layout = runner.compiled(shape)
+        ibuf, fbuf = broadcast_one_to_all((np.zeros(layout.int_size, np.int32),
+                                           np.zeros(layout.float_size, np.float32)))
+        _run(runner, shape, ibuf, fbuf)
+        steps += 1

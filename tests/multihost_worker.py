@@ -1,0 +1,40 @@
+"""One process of the multi-host test: ``python -m tests.multihost_worker COORD N I DEVICES MESH
+OUT``. Process 0 generates greedy outputs for fixed prompts and writes them (JSON) to OUT;
+the others follow. ``N=1`` runs the same engine in one process, the reference."""
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+
+
+def main(coordinator: str, num_processes: int, process_id: int, devices: int, mesh: str,
+         out: str) -> None:
+    from sharding import distributed
+    if num_processes > 1:
+        distributed.initialize(coordinator, num_processes, process_id, devices)
+    else:
+        jax.config.update("jax_num_cpu_devices", devices)
+    from jserve import LLM, SamplingParams
+    from tests.conftest import SMALL
+
+    llm = LLM("default", mesh=mesh, **SMALL)
+    if not distributed.is_leader():
+        distributed.follow(llm.engine.runner)
+        return
+    prompts = [[1, 2, 3, 4, 5], list(range(10, 50)), [7] * 3, list(range(100, 119))]
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12,
+                                                    ignore_eos=True))
+    finally:
+        if num_processes > 1:
+            distributed.stop_followers()
+    with open(out, "w") as f:
+        json.dump({"tokens": [o.token_ids for o in outs], "processes": jax.process_count(),
+                   "devices": jax.device_count()}, f)
+
+
+if __name__ == "__main__":
+    c, n, i, d, m, o = sys.argv[1:]
+    main(c, int(n), int(i), int(d), m, o)
