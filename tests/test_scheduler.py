@@ -91,3 +91,27 @@ def test_running_prefills_stuck_on_memory_do_not_deadlock():
         ("a", 8, 4, True)]
     s.allocator.check()
     assert s.allocator.num_allocated == 3
+
+
+def test_requests_with_a_token_in_flight_are_neither_scheduled_nor_preempted():
+    """Stream pipeline parallelism: a decode re-enters only after its token left the last
+    stage; meanwhile it keeps its place and its blocks and counts against max_num_seqs."""
+    s = _sched(blocks=4, budget=16, seqs=2, block_size=4)
+    a, b, c = _req("a", 4, 0), _req("b", 3, 1), _req("c", 4, 2)
+    for r in (a, b, c):
+        s.add(r)
+    _run(s, s.schedule())  # a and b prefilled (two sequences at most), both sampled
+    assert [r.request_id for r in s.running] == ["a", "b"]
+    s.hold([a])
+    plan = s.schedule()
+    # Only b decodes; c is not admitted (a still counts against max_num_seqs); a keeps its
+    # blocks and its place in the running queue.
+    assert [d.request_id for d in plan.decodes] == ["b"] and not plan.prefills
+    assert "a" not in plan.preempted and a.block_ids and a.status is RequestStatus.RUNNING
+    assert [r.request_id for r in s.running] == ["a", "b"]
+    _run(s, plan)
+    s.release(a)
+    assert {d.request_id for d in s.schedule().decodes} == {"a", "b"}
+    s.hold([b])
+    s.finish(b, RequestStatus.FINISHED_ABORTED)
+    assert not s.in_flight and s.has_schedulable()

@@ -31,6 +31,9 @@ class SchedulerBase(abc.ABC):
         self.choose_preemption: Callable[[Request], Literal["swap", "recompute"]] | None = None
         self._swap_out: list[PageMove] = []
         self._swap_in: list[PageMove] = []
+        # Running requests whose sampled token is still in the pipeline (stream pipeline
+        # parallelism): they may not decode or be preempted until it leaves the last stage.
+        self.in_flight: set[Request] = set()
 
     # -- queue management --------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -39,6 +42,7 @@ class SchedulerBase(abc.ABC):
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Retire a request (done, failed or aborted) and free its blocks at once."""
+        self.in_flight.discard(req)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
@@ -48,6 +52,19 @@ class SchedulerBase(abc.ABC):
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def hold(self, reqs) -> None:
+        """``reqs`` have a token in flight: no policy schedules or preempts them until
+        ``release``; they still count against ``max_num_seqs``."""
+        self.in_flight.update(reqs)
+
+    def release(self, req: Request) -> None:
+        """``req``'s token has come out of the last stage."""
+        self.in_flight.discard(req)
+
+    def has_schedulable(self) -> bool:
+        """Something a plan could contain: a waiting request or a running one not in flight."""
+        return bool(self.waiting) or len(self.running) > len(self.in_flight)
 
     # -- blocks ------------------------------------------------------------------------
     def _release(self, req: Request) -> None:
@@ -140,6 +157,24 @@ class SchedulerBase(abc.ABC):
         """One batch under the policy; ``admit`` False forbids taking waiting requests."""
 
     def schedule(self) -> BatchPlan:
+        """The next batch. Requests in flight are out of the running queue while the policy
+        plans (so none schedules or preempts them) and go back at their places in admission
+        order after it, with new admissions after them."""
+        if not self.in_flight:
+            return self._schedule()
+        before = self.running
+        self.running = [r for r in before if r not in self.in_flight]
+        self.max_num_seqs -= len(self.in_flight)  # they still count against the cap
+        try:
+            return self._schedule()
+        finally:
+            self.max_num_seqs += len(self.in_flight)
+            after = self.running
+            kept, old = set(after), set(before)
+            self.running = ([r for r in before if r in self.in_flight or r in kept]
+                            + [r for r in after if r not in old])
+
+    def _schedule(self) -> BatchPlan:
         plan = self._schedule_once(admit=True)
         preempted = list(plan.preempted)
         while plan.is_empty and self.running:

@@ -9,8 +9,9 @@ Pipelines (stream pipeline parallelism): the next batch is issued one *stage tim
 previous one (``stage_time(plan)``, the slowest stage), while the batch's sampled tokens
 arrive one *latency* (``predictor.predict(plan)``, every stage) after its issue. Prefill chunks
 of one request may therefore follow each other every stage time, as SPP allows; a request
-waiting for its sampled token is hidden from the scheduler until the token arrives (it cannot
-decode before). Without a ``stage_time`` the two coincide and batches run one at a time.
+waiting for its sampled token is held out of scheduling (``SchedulerBase.hold``) until the
+token arrives (it cannot decode before). Without a ``stage_time`` the two coincide and
+batches run one at a time.
 """
 from __future__ import annotations
 
@@ -36,26 +37,6 @@ class VirtualClock:
         return self.now
 
 
-def _schedule_visible(scheduler: SchedulerBase, hidden: set[Request]) -> BatchPlan:
-    """``scheduler.schedule()`` with the requests in ``hidden`` (tokens in flight) out of the
-    running queue, so that no policy schedules or preempts them (they still count against
-    ``max_num_seqs``); afterwards they go back at their places in admission order, with any
-    new admissions after them."""
-    if not hidden:
-        return scheduler.schedule()
-    before = scheduler.running
-    scheduler.running = [r for r in before if r not in hidden]
-    scheduler.max_num_seqs -= len(hidden)  # they still count against the concurrency cap
-    try:
-        return scheduler.schedule()
-    finally:
-        scheduler.max_num_seqs += len(hidden)
-        after = scheduler.running
-        kept, old = set(after), set(before)
-        scheduler.running = ([r for r in before if r in hidden or r in kept]
-                             + [r for r in after if r not in old])
-
-
 def simulate(scheduler: SchedulerBase, predictor: RuntimePredictor, clock: VirtualClock,
              trace: Iterable[TraceRequest], policy: str, *,
              stage_time: Callable[[BatchPlan], float] | None = None,
@@ -72,12 +53,11 @@ def simulate(scheduler: SchedulerBase, predictor: RuntimePredictor, clock: Virtu
         "finish_reason": None, "policy": policy, "token_times_s": []} for t in pending}
     in_flight: list[tuple[float, int, list[Request]]] = []  # heap of (arrives, seq, requests)
     requests: dict[str, Request] = {}
-    hidden: set[Request] = set()
     seq = itertools.count()
     i = 0
 
     def deliver(req: Request, at: float) -> None:
-        hidden.discard(req)
+        scheduler.release(req)
         req.token_ids.append(0)
         rec = records[req.request_id]
         rec["output_tokens"] += 1
@@ -110,8 +90,7 @@ def simulate(scheduler: SchedulerBase, predictor: RuntimePredictor, clock: Virtu
             scheduler.add(req)
         if horizon_s is not None and clock.now >= horizon_s:
             break
-        visible = scheduler.waiting or len(scheduler.running) > len(hidden)
-        plan = _schedule_visible(scheduler, hidden) if visible else BatchPlan((), ())
+        plan = scheduler.schedule() if scheduler.has_schedulable() else BatchPlan((), ())
         if plan.is_empty:
             events = ([in_flight[0][0]] if in_flight else []) + (
                 [pending[i].arrival_s] if i < len(pending) else [])
@@ -129,7 +108,7 @@ def simulate(scheduler: SchedulerBase, predictor: RuntimePredictor, clock: Virtu
             if c.samples:
                 sampled.append(req)
         if sampled:
-            hidden.update(sampled)
+            scheduler.hold(sampled)
             heapq.heappush(in_flight, (arrives, next(seq), sampled))
         clock.now += stage(plan)
     return [records[t.request_id] for t in pending]
