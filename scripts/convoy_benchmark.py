@@ -20,7 +20,7 @@ from pathlib import Path
 from jserve.bench.evaluate import (ensure_predictor, evaluate, local_runner, ratio_table,
                                    write_plots)
 from jserve.bench.metrics import Slo, ratio
-from jserve.bench.workload import WorkloadSpec, build_workload, longest_context, round_up
+from jserve.bench.workload import WorkloadSpec, build_workload, model_len_for
 
 POLICIES = ("fcfs", "sarathi", "edf", "lars")
 CPU = WorkloadSpec(num_requests=200, long_fraction=0.05, qps=2.0, short_scale=1 / 4,
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = dataclasses.replace(spec, **{k: v for k, v in (
         ("qps", a.qps), ("num_requests", a.requests), ("seed", a.seed)) if v is not None})
     if not a.smoke:  # the smoke run checks plumbing only; it leaves the saved predictor be
-        max_len = round_up(longest_context(build_workload(spec)), 4096)
+        max_len = model_len_for(build_workload(spec))
         ensure_predictor("default", max_context=max_len,
                          **{k: v for k, v in engine.items() if k != "tpot_slo"})
     run = local_runner("default", seed=spec.seed, progress=not a.no_progress, **engine)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jserve.kernels import AttentionMetadata, attention
+from jserve.kernels import AttentionMetadata, attention, blocks
 
 KV_PAGES_SPEC = P("tp", "kvp")       # [KV heads, kvp * local pages, page_size, head_dim]
 PAGE_TABLE_SPEC = P(None, "kvp")     # [seqs, kvp * local pages per sequence]
@@ -69,18 +69,10 @@ def group_write_slots(positions, token_seq, kv_lens, page_table, group,
 
 
 def merge_partials(out, lse, axis: str):
-    """Online-softmax merge of per-group partial attention (out [T, H, D], lse [T, H]) over
-    ``axis``. A group without keys for a row (lse -inf) gets weight 0; a row without keys in
-    any group comes out as zeros with lse -inf, never NaN."""
-    m = jax.lax.pmax(lse, axis)
-    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-    w = jnp.where(jnp.isfinite(lse), jnp.exp(lse - m_safe), 0.0)
-    den = jax.lax.psum(w, axis)
-    num = jax.lax.psum(out.astype(jnp.float32) * w[..., None], axis)
-    has_keys = den > 0
-    safe_den = jnp.where(has_keys, den, 1.0)
-    merged = (num / safe_den[..., None]).astype(out.dtype)
-    return merged, jnp.where(has_keys, m_safe + jnp.log(safe_den), -jnp.inf)
+    """Per-group partial attention (out [T, H, D], lse [T, H]) merged over mesh ``axis``."""
+    merged, merged_lse = blocks.merge_partials(
+        out, lse, lambda x: jax.lax.pmax(x, axis), lambda x: jax.lax.psum(x, axis))
+    return merged.astype(out.dtype), merged_lse
 
 
 def kvp_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: AttentionMetadata,

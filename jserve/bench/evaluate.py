@@ -12,7 +12,7 @@ from typing import Callable, Iterable, Sequence
 
 from jserve.bench import plots
 from jserve.bench.metrics import Slo, format_summary, ratio, summarize
-from jserve.bench.workload import WorkloadSpec, build_workload, longest_context, round_up
+from jserve.bench.workload import WorkloadSpec, build_workload, model_len_for
 from jserve.sim.trace import TraceRequest, write_records, write_trace
 
 Runner = Callable[[str, Sequence[TraceRequest]], list[dict]]  # (policy, trace) -> records
@@ -23,13 +23,13 @@ RATIO_KEYS = ("short_ttft_p50", "short_ttft_p90", "short_ttft_p99", "long_ttft_p
 def local_runner(model: str = "default", *, window_s: float | None = None, seed: int = 0,
                  progress: bool = True, **engine_kwargs) -> Runner:
     """Runs each policy on a fresh in-process engine (``LLM(model, scheduler=policy, ...)``);
-    ``max_model_len`` defaults to the trace's longest request rounded up to 4096, so every
-    policy compiles the same shapes (the persistent XLA cache then serves the later ones)."""
+    ``max_model_len`` defaults to ``model_len_for(trace)``, so every policy compiles the same
+    shapes (the persistent XLA cache then serves the later ones)."""
     from jserve import LLM
     from jserve.bench.runner import run_local
 
     def run(policy: str, trace: Sequence[TraceRequest]) -> list[dict]:
-        kwargs = {"max_model_len": round_up(longest_context(trace), 4096), **engine_kwargs}
+        kwargs = {"max_model_len": model_len_for(trace), **engine_kwargs}
         llm = LLM(model, scheduler=policy, **kwargs)
         try:
             return run_local(llm.engine, trace, window_s=window_s, seed=seed,
@@ -76,11 +76,11 @@ def ensure_predictor(model: str, *, max_context: int, log: Callable[[str], None]
     from jserve.engine.config import EngineConfig
     from jserve.engine.profiler import LONG_GRID_TOKENS, fit_predictor, profile_samples
     from jserve.engine.timing import default_predictor_path
-    from jserve.model.weights import load_model
+    from jserve.model.weights import load_config
     from jserve.scheduler.predictor import LinearPredictor
 
     kwargs = dict(engine_kwargs, max_model_len=max_context)
-    path = default_predictor_path(load_model(model)[0], EngineConfig(**kwargs))
+    path = default_predictor_path(load_config(model), EngineConfig(**kwargs))
     want = min(max_context, LONG_GRID_TOKENS)
     if path.exists() and LinearPredictor.load(path).meta.get("max_context", 0) >= want - 16:
         return path

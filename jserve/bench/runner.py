@@ -19,7 +19,7 @@ import numpy as np
 from tqdm import tqdm
 
 from jserve.sampling.params import SamplingParams
-from jserve.sim.trace import TraceRequest
+from jserve.sim.trace import TraceRequest, empty_record
 
 log = logging.getLogger(__name__)
 
@@ -33,12 +33,6 @@ def prompt_token_ids(trace: Sequence[TraceRequest], vocab_size: int, seed: int
 
 def request_params(t: TraceRequest) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=t.output_tokens, ignore_eos=True)
-
-
-def _empty_record(t: TraceRequest, policy: str) -> dict:
-    return {"request_id": t.request_id, "prompt_tokens": t.prompt_tokens, "output_tokens": 0,
-            "arrival_s": t.arrival_s, "first_token_s": None, "finish_s": None,
-            "finish_reason": None, "policy": policy, "token_times_s": []}
 
 
 def _fill(rec: dict, token_times: list[float], finish_reason: str | None) -> None:
@@ -68,7 +62,7 @@ def run_local(engine, trace: Sequence[TraceRequest], *, window_s: float | None =
             engine.validate(ids, request_params(t))
         except ValueError as e:
             raise ValueError(f"trace request {t.request_id}: {e}") from None
-    records = {t.request_id: _empty_record(t, policy) for t in trace}
+    records = {t.request_id: empty_record(t, policy) for t in trace}
     bar = tqdm(total=len(trace), desc=policy, unit="req", disable=not progress, leave=False)
     t0 = time.monotonic()
 
@@ -117,7 +111,7 @@ async def run_remote(target: str, trace: Sequence[TraceRequest], *,
     async with AsyncClient(target, auth_token=auth_token) as client:
         info = await client.model_info(timeout=30)
         prompts = prompt_token_ids(trace, info.vocab_size, seed)
-        records = {t.request_id: _empty_record(t, info.scheduler) for t in trace}
+        records = {t.request_id: empty_record(t, info.scheduler) for t in trace}
         bar = tqdm(total=len(trace), desc=info.scheduler, unit="req", disable=not progress,
                    leave=False)
         loop = asyncio.get_running_loop()

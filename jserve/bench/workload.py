@@ -17,7 +17,7 @@ import numpy as np
 
 from jserve.sim.hardware import default_data_dir
 from jserve.sim.trace import (MEDHA_SWE_PROMPT_RANGE, TraceRequest, mix_long_requests,
-                              poisson_arrivals)
+                              poisson_arrivals, read_trace)
 
 
 def sharegpt4_path() -> Path:
@@ -87,8 +87,7 @@ def _read_pairs(path: Path) -> list[tuple[int, int]]:
 
 def replayed_arrivals(path: str | Path, n: int, time_scale: float) -> np.ndarray:
     """The first ``n`` arrival times of a trace, from 0, stretched by ``time_scale``."""
-    with open(path, newline="") as f:
-        times = [float(r["arrived_at"]) for _, r in zip(range(n), csv.DictReader(f))]
+    times = [t.arrival_s for t in read_trace(path, max_requests=n)]
     if len(times) < n:
         raise ValueError(f"{path} has {len(times)} arrivals; the workload needs {n}")
     return (np.asarray(times) - times[0]) * time_scale
@@ -112,10 +111,8 @@ def build_workload(spec: WorkloadSpec) -> list[TraceRequest]:
     return out
 
 
-def longest_context(trace: list[TraceRequest]) -> int:
-    """Prompt plus output of the longest request: what ``max_model_len`` must hold."""
-    return max(t.prompt_tokens + t.output_tokens for t in trace)
-
-
-def round_up(n: int, multiple: int) -> int:
-    return multiple * math.ceil(n / multiple)
+def model_len_for(trace: list[TraceRequest]) -> int:
+    """``max_model_len`` for a trace: its longest prompt plus output, rounded up to 4096 so
+    traces of similar reach share one set of compiled shapes."""
+    longest = max(t.prompt_tokens + t.output_tokens for t in trace)
+    return 4096 * math.ceil(longest / 4096)

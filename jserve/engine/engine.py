@@ -83,7 +83,8 @@ class LLMEngine:
             raise ValueError(f"mesh {config.mesh!r}: spp/kvp/dp > 1 not supported yet "
                              "(only tensor parallelism, tp=N, runs)")
         mesh_config.validate(cfg)
-        if jax.process_count() > 1 and mesh_config.size != jax.device_count():
+        self._multi_process = jax.process_count() > 1
+        if self._multi_process and mesh_config.size != jax.device_count():
             raise ValueError(f"mesh {config.mesh!r}: with {jax.process_count()} processes it "
                              f"must cover all {jax.device_count()} devices")
         mesh = make_mesh(mesh_config) if mesh_config.size > 1 else None
@@ -120,7 +121,7 @@ class LLMEngine:
         self._host_reserved: dict[str, int] = {}
         # Swapping moves pages through host memory of one process; across processes the
         # engine recomputes instead.
-        if config.preemption != "recompute" and jax.process_count() == 1:
+        if config.preemption != "recompute" and not self._multi_process:
             self.scheduler.choose_preemption = self._preemption_mode
         kv_cache = (allocate_kv_cache(cfg, num_pages, config.page_size) if mesh is None else
                     allocate_sharded_kv_cache(cfg, num_pages, config.page_size, mesh))
@@ -271,8 +272,8 @@ class LLMEngine:
                                        lambda r: r.payload.state_row, flags)
             t0 = time.perf_counter()
             # Multi-process: the leader broadcasts each step so followers launch it too.
-            out = (self.runner.execute(built.shape, built.arrays) if jax.process_count() == 1
-                   else distributed.leader_execute(self.runner, built.shape, built.arrays))
+            out = (distributed.leader_execute(self.runner, built.shape, built.arrays)
+                   if self._multi_process else self.runner.execute(built.shape, built.arrays))
             tokens = np.asarray(out.tokens)
             if self.step_log is not None:
                 self.step_log.append((plan, time.perf_counter() - t0))

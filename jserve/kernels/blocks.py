@@ -115,13 +115,16 @@ def finish(m, l, acc):
     return out, jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
 
 
-def merge_partials(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Combines attention over disjoint KV parts: out [K, ..., D] (each normalised over its
-    part), lse [K, ...] -> (out [..., D], lse [...]). Parts that saw no key (lse -inf) weigh
-    nothing; split-K decoding and KV-cache parallelism both merge this way."""
-    top = lse.max(axis=0)
+def merge_partials(out: jax.Array, lse: jax.Array, reduce_max=lambda x: x.max(axis=0),
+                   reduce_sum=lambda x: x.sum(axis=0)) -> tuple[jax.Array, jax.Array]:
+    """Combines attention over disjoint KV parts, each normalised over its own part, by their
+    log-sum-exps. By default the parts are the leading axis (out [K, ..., D], lse [K, ...]);
+    KV-cache parallelism passes collectives over a mesh axis instead. Parts that saw no key
+    (lse -inf) weigh nothing; a row no part saw comes out 0 with lse -inf, never NaN."""
+    top = reduce_max(lse)
     safe_top = jnp.where(jnp.isfinite(top), top, 0.0)
-    w = jnp.exp(lse - safe_top)
-    total = w.sum(axis=0)
-    merged = (w[..., None] * out).sum(axis=0) / jnp.where(total > 0, total, 1.0)[..., None]
+    w = jnp.where(jnp.isfinite(lse), jnp.exp(lse - safe_top), 0.0)
+    total = reduce_sum(w)
+    merged = reduce_sum(w[..., None] * out.astype(jnp.float32))
+    merged = merged / jnp.where(total > 0, total, 1.0)[..., None]
     return merged, jnp.where(total > 0, safe_top + jnp.log(total), -jnp.inf)

@@ -185,19 +185,26 @@ def restore_orbax(ckpt_dir: str | Path, cfg: LlamaConfig) -> Params:
         return ckptr.restore(Path(ckpt_dir).absolute() / "params", _abstract_params(cfg))
 
 
-def load_model(model: str, dtype: str | None = None,
-               seed: int = 0) -> tuple[LlamaConfig, Params, Tokenizer | None]:
-    """Resolve ``--model``: "default" (built-in random model), an orbax or a HF directory."""
+def load_config(model: str, dtype: str | None = None) -> LlamaConfig:
+    """The config ``load_model`` would use, without reading any weights."""
     if model == "default":
-        cfg = DEFAULT_CONFIG if dtype is None else dataclasses.replace(DEFAULT_CONFIG, dtype=dtype)
-        return cfg, init_params(cfg, seed), ByteTokenizer()
+        return DEFAULT_CONFIG if dtype is None else dataclasses.replace(DEFAULT_CONFIG, dtype=dtype)
     path = Path(model)
     if not path.is_dir():
         raise FileNotFoundError(f"model {model!r} is not a directory (use 'default' for the "
                                 "built-in random model)")
     if not (path / "config.json").exists():
         raise ValueError(f"model directory {path} has no config.json")
-    cfg = LlamaConfig.from_json_file(path / "config.json", dtype=dtype)
+    return LlamaConfig.from_json_file(path / "config.json", dtype=dtype)
+
+
+def load_model(model: str, dtype: str | None = None,
+               seed: int = 0) -> tuple[LlamaConfig, Params, Tokenizer | None]:
+    """Resolve ``--model``: "default" (built-in random model), an orbax or a HF directory."""
+    cfg = load_config(model, dtype)
+    if model == "default":
+        return cfg, init_params(cfg, seed), ByteTokenizer()
+    path = Path(model)
     if (path / "params").is_dir():
         params = restore_orbax(path, cfg)
     elif (path / "model.safetensors").exists() or (path / "model.safetensors.index.json").exists():

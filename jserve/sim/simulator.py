@@ -24,7 +24,7 @@ from jserve.scheduler.plan import BatchPlan
 from jserve.scheduler.predictor import RuntimePredictor
 from jserve.scheduler.request import Request, RequestStatus
 from jserve.sim.tokens import LengthOnlyTokens
-from jserve.sim.trace import TraceRequest
+from jserve.sim.trace import TraceRequest, empty_record
 
 _EPS = 1e-9  # summed step times (100 x 0.05 s) may land a hair below an event time
 
@@ -47,10 +47,7 @@ def simulate(scheduler: SchedulerBase, predictor: RuntimePredictor, clock: Virtu
     ``stage_time`` defaults to ``predictor.stage_time`` when the predictor has one."""
     stage = stage_time or getattr(predictor, "stage_time", predictor.predict)
     pending = sorted(trace, key=lambda t: t.arrival_s)
-    records = {t.request_id: {
-        "request_id": t.request_id, "prompt_tokens": t.prompt_tokens, "output_tokens": 0,
-        "arrival_s": t.arrival_s, "first_token_s": None, "finish_s": None,
-        "finish_reason": None, "policy": policy, "token_times_s": []} for t in pending}
+    records = {t.request_id: empty_record(t, policy) for t in pending}
     in_flight: list[tuple[float, int, list[Request]]] = []  # heap of (arrives, seq, requests)
     requests: dict[str, Request] = {}
     seq = itertools.count()

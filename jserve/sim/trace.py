@@ -102,6 +102,13 @@ def write_trace(path: str | Path, requests: Iterable[TraceRequest], *,
         raise ValueError(f"{path}: trace must be .csv or .jsonl")
 
 
+def empty_record(t: TraceRequest, policy: str) -> dict:
+    """A request's record before anything has happened to it (runs fill it in)."""
+    return {"request_id": t.request_id, "prompt_tokens": t.prompt_tokens, "output_tokens": 0,
+            "arrival_s": t.arrival_s, "first_token_s": None, "finish_s": None,
+            "finish_reason": None, "policy": policy, "token_times_s": []}
+
+
 def write_records(path: str | Path, records: Iterable[dict]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
