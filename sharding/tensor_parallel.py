@@ -3,8 +3,6 @@ on its heads and MLP slice (shapes say how many) and psums the partial outputs o
 w_down over ``tp`` (Megatron); logits come out replicated, KV pages stay split."""
 from __future__ import annotations
 
-import functools
-
 import jax
 from jax.sharding import Mesh, PartitionSpec as P
 
@@ -19,7 +17,10 @@ def tp_forward(params: Params, kv_cache: KVCache, batch: StepInput, *, mesh: Mes
     """``forward`` over params from ``shard_params`` and pages from
     ``allocate_sharded_kv_cache``; the batch is replicated."""
     kv_specs = kv_cache_specs(len(kv_cache))
-    local = functools.partial(forward, cfg=cfg, attention_impl=attention_impl, tp_axis="tp")
+    def local(params, kv_cache, batch):
+        logits, kv_cache, _ = forward(params, kv_cache, batch, cfg=cfg,
+                                      attention_impl=attention_impl, tp_axis="tp")
+        return logits, kv_cache
     # check_vma off: the attention kernels' loop carries start as invariant constants and
     # turn varying over tp; the outputs' replication is by construction (psum, then replicated
     # norm and head), and tests hold it by comparing tokens with the unsharded engine.

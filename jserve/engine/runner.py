@@ -114,8 +114,8 @@ def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, f
     arrays = layout.unpack(ibuf, fbuf)
     sb = arrays.sampling
     if mesh is None:
-        logits, kv_cache = forward(params, kv_cache, arrays.batch, cfg=cfg,
-                                   attention_impl=attention_impl)
+        logits, kv_cache, _ = forward(params, kv_cache, arrays.batch, cfg=cfg,
+                                      attention_impl=attention_impl)
     else:  # tensor parallel; the rest of the step runs replicated on the logits
         logits, kv_cache = tp_forward(params, kv_cache, arrays.batch, mesh=mesh, cfg=cfg,
                                       attention_impl=attention_impl)

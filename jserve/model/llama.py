@@ -69,36 +69,62 @@ def prepare_params(params: Params) -> Params:
     return {**params, "layers": layers}
 
 
-def forward(params: Params, kv_cache: KVCache, batch: StepInput, *, cfg: LlamaConfig,
-            attention_impl: str = "reference",
-            tp_axis: str | None = None) -> tuple[jax.Array, KVCache]:
-    """Returns (float32 logits [S, vocab] for ``batch.logits_rows``, updated KV cache).
+def embed(params: Params, tokens: jax.Array) -> jax.Array:
+    return params["embed"][tokens]
 
-    ``params`` must be in the runtime layout of :func:`prepare_params`. Head counts come from
-    the weights' shapes, so under ``shard_map`` (``sharding.tensor_parallel``) the same code
-    runs a tensor-parallel shard's heads and MLP slice; ``tp_axis`` then names the mesh axis
-    whose partial attention and MLP outputs are summed."""
-    t = batch.tokens.shape[0]
+
+def decoder_layer(layer: Params, kv: tuple[jax.Array, jax.Array], x: jax.Array, batch: StepInput,
+                  cos: jax.Array, sin: jax.Array, *, cfg: LlamaConfig, attention_impl: str,
+                  tp_axis: str | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """One transformer block on the token-flattened batch: writes this step's K/V into the
+    layer's pages and returns (residual stream, updated (k_pages, v_pages)).
+
+    Head counts come from the weights' shapes, so under ``shard_map`` the same code runs a
+    tensor-parallel shard's heads and MLP slice; ``tp_axis`` then names the mesh axis whose
+    partial attention and MLP outputs are summed (Megatron)."""
+    t = x.shape[0]
     hd = cfg.head_dim
-    hq, hkv = params["layers"][0]["wq"].shape[1] // hd, params["layers"][0]["wk"].shape[1] // hd
+    hq, hkv = layer["wq"].shape[1] // hd, layer["wk"].shape[1] // hd
     reduce = (lambda y: jax.lax.psum(y, tp_axis)) if tp_axis else (lambda y: y)
-    x = params["embed"][batch.tokens]
+    k_pages, v_pages = kv
+    h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
+    q = apply_rope((h @ layer["wq"]).reshape(t, hq, hd), cos, sin)
+    k = apply_rope((h @ layer["wk"]).reshape(t, hkv, hd), cos, sin)
+    v = (h @ layer["wv"]).reshape(t, hkv, hd)
+    k_pages = write_kv(k_pages, batch.slots, k, impl=attention_impl)
+    v_pages = write_kv(v_pages, batch.slots, v, impl=attention_impl)
+    out, _ = attention(q, k_pages, v_pages, batch.attn, impl=attention_impl)
+    x = x + reduce(out.reshape(t, hq * hd).astype(x.dtype) @ layer["wo"])
+    h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
+    gate, up = jnp.split(h @ layer["w_gate_up"], 2, axis=-1)
+    x = x + reduce((jax.nn.silu(gate) * up) @ layer["w_down"])
+    return x, (k_pages, v_pages)
+
+
+def final_logits(params: Params, x: jax.Array, rows: jax.Array, cfg: LlamaConfig) -> jax.Array:
+    """float32 logits [S, vocab] of the residual stream's ``rows``."""
+    h = rms_norm(x[rows], params["final_norm"], cfg.rms_norm_eps)
+    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    return jnp.dot(h, head, preferred_element_type=jnp.float32)
+
+
+def forward(params: Params, kv_cache: KVCache, batch: StepInput, *, cfg: LlamaConfig,
+            attention_impl: str = "reference", tp_axis: str | None = None,
+            capture_layer: int | None = None) -> tuple[jax.Array, KVCache, jax.Array | None]:
+    """Returns (float32 logits [S, vocab] for ``batch.logits_rows``, updated KV cache, hidden).
+
+    ``params`` must be in the runtime layout of :func:`prepare_params`; ``tp_axis`` as in
+    :func:`decoder_layer`. ``hidden`` is the float32 residual stream after layer
+    ``capture_layer`` (0-based; ``None``: not captured) at ``batch.logits_rows`` [S, hidden],
+    the embedding an output-length probe reads."""
+    x = embed(params, batch.tokens)
     cos, sin = rope_tables(cfg, batch.attn.positions)
     new_cache: KVCache = []
-    for layer, (k_pages, v_pages) in zip(params["layers"], kv_cache):
-        h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
-        q = apply_rope((h @ layer["wq"]).reshape(t, hq, hd), cos, sin)
-        k = apply_rope((h @ layer["wk"]).reshape(t, hkv, hd), cos, sin)
-        v = (h @ layer["wv"]).reshape(t, hkv, hd)
-        k_pages = write_kv(k_pages, batch.slots, k, impl=attention_impl)
-        v_pages = write_kv(v_pages, batch.slots, v, impl=attention_impl)
-        new_cache.append((k_pages, v_pages))
-        out, _ = attention(q, k_pages, v_pages, batch.attn, impl=attention_impl)
-        x = x + reduce(out.reshape(t, hq * hd).astype(x.dtype) @ layer["wo"])
-        h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
-        gate, up = jnp.split(h @ layer["w_gate_up"], 2, axis=-1)
-        x = x + reduce((jax.nn.silu(gate) * up) @ layer["w_down"])
-    h = rms_norm(x[batch.logits_rows], params["final_norm"], cfg.rms_norm_eps)
-    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    logits = jnp.dot(h, head, preferred_element_type=jnp.float32)
-    return logits, new_cache
+    hidden = None
+    for i, (layer, kv) in enumerate(zip(params["layers"], kv_cache)):
+        x, kv = decoder_layer(layer, kv, x, batch, cos, sin, cfg=cfg,
+                              attention_impl=attention_impl, tp_axis=tp_axis)
+        new_cache.append(kv)
+        if i == capture_layer:
+            hidden = x[batch.logits_rows].astype(jnp.float32)
+    return final_logits(params, x, batch.logits_rows, cfg), new_cache, hidden
