@@ -229,6 +229,9 @@ def plot(rows: Sequence[dict], path: Path, *, title: str) -> None:
                 ax.set_xlabel("context (prompt tokens)")
             if ax.get_legend_handles_labels()[0]:
                 ax.legend(fontsize=8)
+    failed = [m for m in meshes if not any(r["mesh"] == m and r["status"] == "ok" for r in rows)]
+    if failed:
+        title += "\nnot run (see the CSV for the reason): " + ", ".join(failed)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
