@@ -8,7 +8,7 @@ For each mesh x chunk size one engine (max_num_batched_tokens = chunk, one seque
 KV budget); every context runs once untimed (compiles), then ``--repeats`` times; the median
 TTFT and the median gap between tokens (TBT) are kept. Writes ``mesh_experiment.csv``,
 ``mesh_experiment.png`` and ``summary.json`` to ``--out-dir`` and prints whether every mesh
-produced the same greedy tokens as the one-device mesh ("1").
+produced the same greedy tokens as the one-device mesh ("1"); exits 1 when one did not.
 
 Devices: ``--cpu-devices N`` (default 8) gives the host platform N simulated devices; it is
 set in XLA_FLAGS before JAX is imported and only affects the CPU backend, so on a GPU or TPU
@@ -76,10 +76,11 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = Path(args.out_dir)
-    run(settings, out, log=lambda msg: print(msg, flush=True))
+    summary = run(settings, out, log=lambda msg: print(msg, flush=True))
     print(f"wrote {out / 'mesh_experiment.csv'}, {out / 'mesh_experiment.png'}, "
           f"{out / 'summary.json'}")
-    return 0
+    # Rejected meshes are expected (error rows); a mesh that ran and changed the tokens is not.
+    return 1 if False in summary["same_as_reference"].values() else 0
 
 
 if __name__ == "__main__":

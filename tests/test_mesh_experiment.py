@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import small_llm
 
-from jserve.bench.mesh_sweep import SweepSettings, digest, make_prompt, parse_list
+from jserve.bench.mesh_sweep import (SweepSettings, compare_outputs, digest, make_prompt,
+                                     parse_list)
 from jserve.model.weights import DEFAULT_CONFIG
 from jserve.sampling.params import SamplingParams
 
@@ -63,7 +64,7 @@ def test_tp_gives_the_one_device_tokens(result):
     for c in CHUNKS:
         for x in CONTEXTS:
             assert by[("tp=2", str(c), str(x))] == by[("1", str(c), str(x))] != ""
-    assert "every mesh produced the same tokens as the one-device run" in stdout
+    assert "every mesh that ran produced the same tokens as the one-device run" in stdout
 
 
 def test_digest_is_the_greedy_output_of_the_seeded_prompt(result):
@@ -105,3 +106,16 @@ def test_bad_settings_raise_value_error():
         parse_list("256,abc", ",", int)
     with pytest.raises(ValueError, match="chunk sizes"):
         SweepSettings(chunks=(0,))
+
+
+def test_compare_outputs_flags_a_mesh_whose_tokens_differ():
+    def row(mesh, devices, chunk, context, d, status="ok"):
+        return {"mesh": mesh, "devices": devices, "chunk": chunk, "context": context,
+                "tokens_digest": d, "status": status}
+    rows = [row("1", 1, 16, 24, "a"), row("1", 1, 16, 72, "b"),
+            row("tp=2", 2, 16, 24, "a"), row("tp=2", 2, 16, 72, "b"),
+            row("tp=4", 4, 16, 24, "a"), row("tp=4", 4, 16, 72, "X"),
+            row("kvp=2", 2, 16, 24, "", "error")]
+    assert compare_outputs(rows) == {"reference": "1", "same_as_reference": {
+        "1": True, "tp=2": True, "tp=4": False, "kvp=2": None}}
+    assert compare_outputs(rows[2:])["reference"] is None

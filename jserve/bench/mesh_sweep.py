@@ -85,6 +85,21 @@ def digest(token_ids: Sequence[int]) -> str:
     return hashlib.sha1(",".join(map(str, token_ids)).encode()).hexdigest()[:16]
 
 
+class RequestFailed(RuntimeError):
+    """The engine finished the request with an error (``RequestOutput.error``)."""
+
+
+def _sweep_errors() -> tuple[type[Exception], ...]:
+    """What becomes an error row instead of ending the sweep: settings the engine rejects,
+    device failures such as running out of memory, and requests the engine failed."""
+    import jax
+    return ValueError, jax.errors.JaxRuntimeError, RequestFailed
+
+
+def _reason(e: Exception) -> str:
+    return str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+
+
 def run_alone(engine, prompt: list[int], decode_tokens: int) -> tuple[float, float, list[int]]:
     """One greedy request with nothing else in the engine: (TTFT, median TBT, output ids)."""
     from jserve.sampling.params import SamplingParams
@@ -100,7 +115,7 @@ def run_alone(engine, prompt: list[int], decode_tokens: int) -> tuple[float, flo
     if out is None:
         raise RuntimeError("request did not finish")
     if out.error:
-        raise RuntimeError(f"engine failed the request: {out.error}")
+        raise RequestFailed(f"engine failed the request: {out.error}")
     m = out.metrics
     gaps = [b - a for a, b in zip(m.token_times, m.token_times[1:])]
     return m.first_token_time - m.arrival_time, statistics.median(gaps), list(out.token_ids)
@@ -116,8 +131,6 @@ def sweep(s: SweepSettings, *, log=print) -> list[dict]:
     """Every mesh x chunk x context as a CSV row (error rows name the reason)."""
     from jserve.bench.evaluate import release_executables
     from jserve.cache.pool import kv_bytes_per_page
-    from jserve.engine.config import EngineConfig
-    from jserve.engine.engine import LLMEngine
     from jserve.model.weights import load_model
 
     cfg, params, tokenizer = load_model(s.model)
@@ -127,58 +140,56 @@ def sweep(s: SweepSettings, *, log=print) -> list[dict]:
     pages = -(-s.max_model_len // s.page_size) + 1
     kv_bytes = pages * kv_bytes_per_page(cfg, s.page_size)
     rows = []
+    catch = _sweep_errors()
     for label in s.meshes:
         devices = mesh_devices(label)
         for chunk in s.chunks:
-            def error_rows(reason: str) -> list[dict]:
-                return [_row(label, devices, chunk, c, status="error", error=reason)
-                        for c in s.contexts]
             try:
-                ec = EngineConfig(max_num_seqs=1, max_prefill_seqs=1, max_num_batched_tokens=chunk,
-                                  max_model_len=s.max_model_len, page_size=s.page_size,
-                                  kv_cache_bytes=kv_bytes, attention_impl=s.attention_impl,
-                                  mesh=engine_mesh(label), scheduler="sarathi", warmup=False,
-                                  seed=s.seed)
-                engine = LLMEngine(cfg, params, tokenizer, ec)
-            except ValueError as e:
-                log(f"mesh {label!r} chunk {chunk}: rejected: {e}")
-                rows += error_rows(str(e))
-                continue
-            try:
-                # Warm-up: each context once, untimed, compiles exactly the shapes timed below.
-                t0 = time.perf_counter()
-                for c in s.contexts:
-                    run_alone(engine, prompts[c], s.decode_tokens)
-                log(f"mesh {label!r} chunk {chunk}: warmed up in {time.perf_counter() - t0:.1f}s")
-                for c in s.contexts:
-                    runs = [run_alone(engine, prompts[c], s.decode_tokens)
-                            for _ in range(s.repeats)]
-                    digests = {digest(r[2]) for r in runs}
-                    row = _row(label, devices, chunk, c,
-                               ttft_s=statistics.median(r[0] for r in runs),
-                               tbt_s=statistics.median(r[1] for r in runs),
-                               tokens_digest=digest(runs[0][2]))
-                    if len(digests) > 1:
-                        row.update(status="error", error="outputs differ between repeats")
-                    rows.append(row)
-                    log(f"mesh {label!r} chunk {chunk} context {c}: ttft {row['ttft_s'] * 1e3:.1f} ms"
-                        f" tbt {row['tbt_s'] * 1e3:.2f} ms digest {row['tokens_digest']}")
-            except ValueError as e:
-                log(f"mesh {label!r} chunk {chunk}: failed: {e}")
-                done = {(r["mesh"], r["chunk"], r["context"]) for r in rows}
-                rows += [r for r in error_rows(str(e))
-                         if (r["mesh"], r["chunk"], r["context"]) not in done]
+                _measure_engine(s, label, devices, chunk, cfg, params, tokenizer, prompts,
+                                kv_bytes, rows, log)
+            except catch as e:
+                log(f"mesh {label!r} chunk {chunk}: {_reason(e)}")
+                done = {r["context"] for r in rows if r["mesh"] == label and r["chunk"] == chunk}
+                rows += [_row(label, devices, chunk, c, status="error", error=_reason(e))
+                         for c in s.contexts if c not in done]
             finally:
-                engine = None
                 release_executables()
     return rows
+
+
+def _measure_engine(s: SweepSettings, label: str, devices: int | None, chunk: int, cfg, params,
+                    tokenizer, prompts: dict, kv_bytes: int, rows: list, log) -> None:
+    """One engine: warm-up, then every context timed. Appends to ``rows`` as it goes so a
+    failure part way keeps the contexts already measured."""
+    from jserve.engine.config import EngineConfig
+    from jserve.engine.engine import LLMEngine
+
+    ec = EngineConfig(max_num_seqs=1, max_prefill_seqs=1, max_num_batched_tokens=chunk,
+                      max_model_len=s.max_model_len, page_size=s.page_size,
+                      kv_cache_bytes=kv_bytes, attention_impl=s.attention_impl,
+                      mesh=engine_mesh(label), scheduler="sarathi", warmup=False, seed=s.seed)
+    engine = LLMEngine(cfg, params, tokenizer, ec)
+    # Warm-up: each context once, untimed, compiles exactly the shapes timed below.
+    t0 = time.perf_counter()
+    for c in s.contexts:
+        run_alone(engine, prompts[c], s.decode_tokens)
+    log(f"mesh {label!r} chunk {chunk}: warmed up in {time.perf_counter() - t0:.1f}s")
+    for c in s.contexts:
+        runs = [run_alone(engine, prompts[c], s.decode_tokens) for _ in range(s.repeats)]
+        row = _row(label, devices, chunk, c, ttft_s=statistics.median(r[0] for r in runs),
+                   tbt_s=statistics.median(r[1] for r in runs), tokens_digest=digest(runs[0][2]))
+        if len({digest(r[2]) for r in runs}) > 1:
+            row.update(status="error", error="outputs differ between repeats")
+        rows.append(row)
+        log(f"mesh {label!r} chunk {chunk} context {c}: ttft {row['ttft_s'] * 1e3:.1f} ms"
+            f" tbt {row['tbt_s'] * 1e3:.2f} ms digest {row['tokens_digest']}")
 
 
 def compare_outputs(rows: Sequence[dict]) -> dict:
     """Per mesh: does every (chunk, context) digest equal the one-device mesh's? None when a
     mesh has no successful rows or there is no one-device reference."""
     ok = [r for r in rows if r["status"] == "ok"]
-    ref_label = next((r["mesh"] for r in ok if r["devices"] == 1), None)
+    ref_label = next((r["mesh"] for r in ok if str(r["devices"]) == "1"), None)
     ref = {(r["chunk"], r["context"]): r["tokens_digest"] for r in ok if r["mesh"] == ref_label}
     result = {}
     for label in dict.fromkeys(r["mesh"] for r in rows):
@@ -256,6 +267,7 @@ def run(s: SweepSettings, out_dir: Path, *, log=print) -> dict:
     plot(rows, out_dir / "mesh_experiment.png",
          title=f"{s.model} on {info['device_count']} x {info['device_kind']}: one request alone, "
                f"{s.decode_tokens} greedy tokens, median of {s.repeats}")
+    log(markdown_table(rows))
     cmp = compare_outputs(rows)
     summary = {"settings": dataclasses.asdict(s), "max_model_len": s.max_model_len, **info,
                **cmp, "errors": {f"{r['mesh']} chunk {r['chunk']}": r["error"] for r in rows
@@ -271,13 +283,16 @@ def run(s: SweepSettings, out_dir: Path, *, log=print) -> dict:
                        else f"DIFFERENT tokens from {cmp['reference']!r}")
             log(f"mesh {label!r}: {verdict}")
         compared = [v for v in cmp["same_as_reference"].values() if v is not None]
-        log("every mesh produced the same tokens as the one-device run" if all(compared)
-            else "NOT every mesh produced the same tokens as the one-device run")
+        log("every mesh that ran produced the same tokens as the one-device run"
+            if all(compared) else
+            "NOT every mesh that ran produced the same tokens as the one-device run")
     return summary
 
 
-def _fmt(v) -> str:
-    return "" if v in ("", None) or (isinstance(v, float) and math.isnan(v)) else f"{float(v) * 1e3:.1f}"
+def _ms(v) -> str:
+    if v in ("", None) or math.isnan(float(v)):
+        return ""
+    return f"{float(v) * 1e3:.1f}"
 
 
 def markdown_table(rows: Sequence[dict]) -> str:
@@ -287,5 +302,5 @@ def markdown_table(rows: Sequence[dict]) -> str:
     for r in rows:
         status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r['error']}"
         lines.append(f"| {r['mesh']} | {r['devices']} | {r['chunk']} | {r['context']} | "
-                     f"{_fmt(r['ttft_s'])} | {_fmt(r['tbt_s'])} | {r['tokens_digest']} | {status} |")
+                     f"{_ms(r['ttft_s'])} | {_ms(r['tbt_s'])} | {r['tokens_digest']} | {status} |")
     return "\n".join(lines)
