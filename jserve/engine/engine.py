@@ -390,7 +390,8 @@ class LLMEngine:
         if self.pipeline_log is not None:
             self.pipeline_log.append({
                 "in_flight": sum(b is not None for b in self._pipeline),
-                "stages": [[(req.request_id, c.start, c.num_tokens) for req, c in b.chunks]
+                "stages": [[(req.request_id, c.start, c.num_tokens, c.samples)
+                            for req, c in b.chunks]
                            if b is not None else [] for b in self._pipeline]})
         if len(self._pipeline) < self._spp:
             return []
