@@ -16,6 +16,9 @@ import numpy as np
 import pytest
 from conftest import small_llm
 
+from jserve.cache.allocator import BlockAllocator
+from jserve.scheduler import Request, RequestStatus, SarathiScheduler
+
 _SCRIPT = textwrap.dedent("""
     import json, os, sys
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
@@ -55,7 +58,12 @@ _SCRIPT = textwrap.dedent("""
                 "top": [[[lp for _, lp in t.top] for t in o.logprobs] for o in outs],
                 "preemptions": eng.scheduler.num_preemptions,
                 "log": eng.pipeline_log,
-                "devices": len(eng.runner.params["embed"].sharding.device_set)}
+                "devices": len(eng.runner.params["embed"].sharding.device_set),
+                # what one device holds: stage-local layers and pages
+                "kv_layers": len(eng.runner.kv_cache),
+                "kv_shard": list(eng.runner.kv_cache[0][0].addressable_shards[0].data.shape),
+                "wq_shard": list(eng.runner.params["layers"]["wq"].addressable_shards[0]
+                                 .data.shape) if eng.runner.spp > 1 else None}
 
     def run_abort():
         # Abort a long prompt while one of its chunks is in the pipeline; its id is reused
@@ -107,6 +115,10 @@ def test_pipeline_matches_one_device_engine(result, mesh, spp, devices):
     assert all(len(t) == 8 for t in base["tokens"])
     assert base["preemptions"] >= 1 and run["preemptions"] >= 1
     assert run["tokens"] == base["tokens"]
+    layers, tp = 4, devices // spp
+    assert run["kv_layers"] == layers // spp  # [spp, KV heads, pages, page, head_dim] pairs
+    assert run["kv_shard"][:2] == [1, base["kv_shard"][0] // tp]
+    assert run["wq_shard"][:2] == [1, layers // spp] and run["wq_shard"][3] == 256 // tp
     np.testing.assert_allclose(np.array(run["top"]), np.array(base["top"]), atol=1e-4, rtol=0)
 
 
@@ -145,3 +157,57 @@ def test_abort_in_flight_defers_block_release(result):
 def test_spp_must_divide_the_layers():
     with pytest.raises(ValueError, match="spp=3 does not divide num_hidden_layers=4"):
         small_llm(mesh="spp=3")
+
+
+# -- scheduler pinning (pure Python, constructed cases) -----------------------------------
+def _pinning_case():
+    """a (8 tokens) and b (20) under a 4-block pool of 4-token blocks: plan 1 prefills a
+    (sampling) and the first 8 tokens of b; applied the SPP way, b's chunk is still in the
+    pipeline (pinned) and a's sampled token has come out (a needs a third block)."""
+    s = SarathiScheduler(BlockAllocator(5, 4), max_num_seqs=8, max_num_batched_tokens=64,
+                         max_prefill_seqs=4)
+    a = Request("a", list(range(1, 9)), 8, 0.0)
+    b = Request("b", list(range(1, 21)), 8, 1.0)
+    s.add(a)
+    s.add(b)
+    plan = s.schedule()
+    assert [(c.request_id, c.num_tokens, c.samples) for c in plan.prefills] == [
+        ("a", 8, True), ("b", 8, False)]
+    for req, c in zip((a, b), plan.prefills):
+        req.num_computed += c.num_tokens
+    a.token_ids.append(5)
+    s.pin([b])
+    return s, a, b
+
+
+def test_pinned_request_is_never_the_preemption_victim():
+    s, a, b = _pinning_case()
+    blocks = list(b.block_ids)
+    plan = s.schedule()
+    # Unpinned, b (the latest arrival) would be the victim; pinned, a yields instead and b
+    # continues with its next chunk while its previous one is in flight.
+    assert plan.preempted == ("a",) and a.status is RequestStatus.PREEMPTED
+    assert [(c.request_id, c.start, c.num_tokens) for c in plan.prefills] == [("b", 8, 8)]
+    assert b.block_ids[:2] == blocks
+    s.allocator.check()
+
+
+def test_all_pinned_means_an_empty_plan_not_a_preemption():
+    s, a, b = _pinning_case()
+    s.pin([a])
+    plan = s.schedule()
+    assert plan.is_empty and plan.preempted == ()
+    assert a.status is RequestStatus.RUNNING and b.status is RequestStatus.RUNNING
+
+
+def test_finish_while_pinned_defers_the_block_release():
+    s, a, b = _pinning_case()
+    s.pin([b])  # two chunks of b in flight
+    held = s.allocator.num_allocated
+    s.finish(b, RequestStatus.FINISHED_ABORTED)
+    assert s.allocator.num_allocated == held and not b.block_ids and b not in s.running
+    s.unpin(b)
+    assert s.allocator.num_allocated == held  # one chunk still in flight
+    s.unpin(b)
+    assert s.allocator.num_allocated == held - 2 and b not in s.pinned
+    s.allocator.check()

@@ -376,8 +376,11 @@ class LLMEngine:
             launch = _Launch([(self.requests[c.request_id], c) for c in chunks],
                              built.sample_rows, flags.want_logprobs)
         try:
+            t0 = time.perf_counter()
             out = self.runner.execute(built.shape, built.arrays)
             tokens = np.asarray(out.tokens)
+            if self.step_log is not None and launch is not None:
+                self.step_log.append((plan, time.perf_counter() - t0))  # one tick's time
         except Exception as e:  # noqa: BLE001 - a failed tick must not strand its requests
             log.exception("pipeline tick failed; failing every request in flight")
             return self._fail_pipeline(launch, e)
