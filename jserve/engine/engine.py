@@ -101,8 +101,6 @@ class LLMEngine:
         if self._spp > 1:
             pipeline.validate(cfg, self._spp)
         self._multi_process = jax.process_count() > 1
-        if self._multi_process and self._spp > 1:
-            raise ValueError(f"mesh {config.mesh!r}: spp > 1 runs in one process only")
         if self._multi_process and mesh_config.size != jax.device_count():
             raise ValueError(f"mesh {config.mesh!r}: with {jax.process_count()} processes it "
                              f"must cover all {jax.device_count()} devices")
@@ -377,7 +375,9 @@ class LLMEngine:
                              built.sample_rows, flags.want_logprobs)
         try:
             t0 = time.perf_counter()
-            out = self.runner.execute(built.shape, built.arrays)
+            # Multi-process: followers replay every tick, empty ones included.
+            out = (distributed.leader_execute(self.runner, built.shape, built.arrays)
+                   if self._multi_process else self.runner.execute(built.shape, built.arrays))
             tokens = np.asarray(out.tokens)
             if self.step_log is not None and launch is not None:
                 self.step_log.append((plan, time.perf_counter() - t0))  # one tick's time

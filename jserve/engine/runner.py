@@ -165,6 +165,10 @@ def _tick(params: Params, kv_cache: KVCache, state: SeqState, carry: pipeline.Pi
     arrays = layout.unpack(ib, fb)
     logits = final_logits(params, x, arrays.batch.logits_rows, cfg)
     out, state = _sample(logits, state, arrays)
+    # Replicated like the plain step's outputs (multi-process leaders read their own copy;
+    # the donated state keeps its input sharding).
+    out, state = jax.lax.with_sharding_constraint(
+        (out, state), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     return out, kv_cache, state, carry
 
 
