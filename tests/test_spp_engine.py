@@ -29,6 +29,12 @@ _SCRIPT = textwrap.dedent("""
     LENGTHS = (70, 6, 45, 3, 33, 12)  # 70 and 45 take several 32-token chunks
     prompts = [list(range(3 + i, 3 + i + n)) for i, n in enumerate(LENGTHS)]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+    # Penalties (state updated as each batch leaves the pipeline) and seeded sampling too.
+    mixed = [params] * len(prompts)
+    mixed[1] = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2,
+                              repetition_penalty=1.5, frequency_penalty=0.7)
+    mixed[4] = SamplingParams(max_tokens=8, temperature=0.9, top_k=40, seed=7,
+                              ignore_eos=True, logprobs=2)
 
     def check_blocks(eng):
         eng.allocator.check()
@@ -52,7 +58,7 @@ _SCRIPT = textwrap.dedent("""
         llm = LLM("default", mesh=mesh, **settings)
         eng = llm.engine
         eng.pipeline_log = []
-        ids = [eng.add_request(p, params) for p in prompts]
+        ids = [eng.add_request(p, sp) for p, sp in zip(prompts, mixed)]
         done = {}
         drain(eng, done)
         outs = [done[i] for i in ids]
@@ -73,7 +79,7 @@ _SCRIPT = textwrap.dedent("""
         llm = LLM("default", mesh="spp=2", **settings)
         eng = llm.engine
         a = eng.add_request(prompts[0], params, request_id="a")
-        b = eng.add_request(prompts[1], params, request_id="b")
+        b = eng.add_request(prompts[3], params, request_id="b")
         done = {}
         eng.step()
         check_blocks(eng)
@@ -110,8 +116,9 @@ def result():
 @pytest.mark.parametrize("mesh, spp, devices", [("spp=2", 2, 2), ("spp=4", 4, 4),
                                                  ("spp=2,tp=2", 2, 4)])
 def test_pipeline_matches_one_device_engine(result, mesh, spp, devices):
-    """Greedy tokens identical to the unsharded engine, top logprobs within float32
-    rounding, on multi-chunk prefills, decodes and preemptions (both runs preempt)."""
+    """Tokens identical to the unsharded engine (greedy, penalised greedy and seeded
+    sampling), top logprobs within float32 rounding, on multi-chunk prefills, decodes and
+    preemptions (both runs preempt)."""
     base, run = result["tp=1"], result[mesh]
     assert base["devices"] == 1 and run["devices"] == devices
     assert all(len(t) == 8 for t in base["tokens"])
@@ -153,7 +160,7 @@ def test_abort_in_flight_defers_block_release(result):
     base, run = result["tp=1"], result["abort"]
     assert run["deferred_kept"]
     assert run["a"] == base["tokens"][2]
-    assert run["b"] == base["tokens"][1]
+    assert run["b"] == base["tokens"][3]
 
 
 def test_spp_must_divide_the_layers():

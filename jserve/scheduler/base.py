@@ -166,7 +166,9 @@ class SchedulerBase(abc.ABC):
                         break
                     # A victim may be a decode this loop already scheduled.
                     decodes = [c for c in decodes if c.request_id != victim.request_id]
-            if req.status is running and n <= len(req.block_ids) * block_size:
+                if n > len(req.block_ids) * block_size:
+                    continue
+            if req.status is running:
                 decodes.append(ScheduledChunk(req.request_id, req.num_computed, 1, True))
         return decodes, preempted
 
