@@ -3,6 +3,8 @@
 Each ``step()`` asks the scheduler for a BatchPlan, runs one fused device step for it, and
 turns sampled ids into per-request outputs (detokenize, stop checks, finish). Requests are
 added and aborted between steps; every accepted request ends with a finish reason.
+With ``spp > 1`` in the mesh each ``step()`` is one stream-pipeline tick instead (``_tick``;
+docs/engine.md, "Stream pipeline parallelism").
 """
 from __future__ import annotations
 
