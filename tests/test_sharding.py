@@ -52,7 +52,7 @@ def test_validate_rejects_splits_the_model_cannot_take(tp, message):
 
 
 def test_engine_rejects_axes_not_implemented():
-    with pytest.raises(ValueError, match="spp/kvp/dp > 1 not supported yet"):
+    with pytest.raises(ValueError, match="kvp/dp > 1 not supported yet"):
         small_llm(mesh="kvp=2")
 
 

@@ -3,9 +3,12 @@
 Each ``step()`` asks the scheduler for a BatchPlan, runs one fused device step for it, and
 turns sampled ids into per-request outputs (detokenize, stop checks, finish). Requests are
 added and aborted between steps; every accepted request ends with a finish reason.
+With ``spp > 1`` in the mesh each ``step()`` is one stream-pipeline tick instead (``_tick``;
+docs/engine.md, "Stream pipeline parallelism").
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
@@ -34,7 +37,7 @@ from jserve.scheduler import (POLICIES, BatchPlan, Request, RequestStatus, Sched
                               build_scheduler)
 from jserve.scheduler.deadline import DeadlineConfig
 from jserve.tokenizer import Tokenizer
-from sharding import distributed
+from sharding import distributed, pipeline
 from sharding.mesh import MeshConfig, make_mesh
 from sharding.specs import allocate_sharded_kv_cache
 
@@ -60,6 +63,19 @@ class _Tracked:
     error: str | None = None
 
 
+@dataclasses.dataclass(eq=False)
+class _Launch:
+    """A batch in the pipeline: its chunks with their Request objects (an id may be reused
+    once a request is aborted) and the rows it samples."""
+
+    chunks: list[tuple[Request, ScheduledChunk]]
+    sample_rows: list[tuple[int, ScheduledChunk]]
+    want_logprobs: bool
+
+
+_EMPTY_PLAN = BatchPlan((), ())
+
+
 def enable_compilation_cache(path: str | None) -> None:
     """Persistent XLA cache: restarts and repeated test processes skip recompiling."""
     if path is None:
@@ -79,10 +95,13 @@ class LLMEngine:
             raise ValueError(f"scheduler must be one of {POLICIES}, got {config.scheduler!r}")
         enable_compilation_cache(config.compilation_cache_dir)
         mesh_config = MeshConfig.parse(config.mesh)
-        if max(mesh_config.dp, mesh_config.spp, mesh_config.kvp) > 1:
-            raise ValueError(f"mesh {config.mesh!r}: spp/kvp/dp > 1 not supported yet "
-                             "(only tensor parallelism, tp=N, runs)")
+        if max(mesh_config.dp, mesh_config.kvp) > 1:
+            raise ValueError(f"mesh {config.mesh!r}: kvp/dp > 1 not supported yet "
+                             "(tensor and stream pipeline parallelism, tp=N and spp=N, run)")
         mesh_config.validate(cfg)
+        self._spp = mesh_config.spp
+        if self._spp > 1:
+            pipeline.validate(cfg, self._spp)
         self._multi_process = jax.process_count() > 1
         if self._multi_process and mesh_config.size != jax.device_count():
             raise ValueError(f"mesh {config.mesh!r}: with {jax.process_count()} processes it "
@@ -100,6 +119,10 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs, token_budget=budget,
             max_prefill_seqs=config.max_prefill_seqs, max_model_len=self.max_model_len,
             page_size=config.page_size)
+        if self._spp > 1:  # one tick shape: the pipeline carry's shape is fixed
+            self.buckets = dataclasses.replace(
+                self.buckets, decode_rows=self.buckets.decode_rows[-1:],
+                prefill_tokens=self.buckets.prefill_tokens[-1:])
         pages_per_seq = -(-self.max_model_len // config.page_size)
         num_pages = num_pages_for_budget(
             cfg, config.page_size, kv_cache_bytes=config.kv_cache_bytes,
@@ -121,9 +144,11 @@ class LLMEngine:
         self._host_reserved: dict[str, int] = {}
         # Swapping moves pages through host memory of one process; across processes the
         # engine recomputes instead.
-        if config.preemption != "recompute" and not self._multi_process:
+        if config.preemption != "recompute" and not self._multi_process and self._spp == 1:
             self.scheduler.choose_preemption = self._preemption_mode
         kv_cache = (allocate_kv_cache(cfg, num_pages, config.page_size) if mesh is None else
+                    pipeline.allocate_pipeline_kv_cache(cfg, num_pages, config.page_size, mesh)
+                    if self._spp > 1 else
                     allocate_sharded_kv_cache(cfg, num_pages, config.page_size, mesh))
         self.runner = ModelRunner(cfg, params, kv_cache, self.buckets, config.max_num_seqs,
                                   config.attention_impl, mesh)
@@ -138,6 +163,15 @@ class LLMEngine:
         self.step_log: list[tuple[BatchPlan, float]] | None = None  # (plan, seconds) when on
         if config.warmup:
             self.runner.warmup()
+        # Stream pipeline: the batches in the stages (newest first; None: an empty slot) and,
+        # when on, one record per tick for tests (see ``_tick``).
+        self._pipeline: collections.deque[_Launch | None] = collections.deque()
+        self.pipeline_log: list[dict] | None = None
+        if self._spp > 1:
+            self._empty = self.builder.build(_EMPTY_PLAN, self.requests, self._sampler_row,
+                                             _NEUTRAL_ROW, lambda r: r.payload.state_row,
+                                             StepFlags(False, False, False))
+            self.runner.start_pipeline(self._empty.shape, self._empty.arrays)
 
     # -- requests ------------------------------------------------------------------------
     def tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
@@ -233,7 +267,8 @@ class LLMEngine:
         return self._finish(req, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or (
+            self._spp > 1 and any(b is not None for b in self._pipeline))
 
     @property
     def compile_count(self) -> int:
@@ -241,6 +276,8 @@ class LLMEngine:
 
     # -- one iteration -----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self._spp > 1:
+            return self._tick()
         plan = self.scheduler.schedule()
         for rid, pages in plan.swap_out:  # before anything can overwrite the freed pages
             self._host_kv[rid] = self.runner.read_pages(pages)
@@ -251,6 +288,32 @@ class LLMEngine:
             del self._host_reserved[rid]
         if plan.is_empty:
             return []
+        chunks, flags = self._prepare(plan)
+        try:
+            built = self.builder.build(plan, self.requests, self._sampler_row, _NEUTRAL_ROW,
+                                       lambda r: r.payload.state_row, flags)
+            t0 = time.perf_counter()
+            # Multi-process: the leader broadcasts each step so followers launch it too.
+            out = (distributed.leader_execute(self.runner, built.shape, built.arrays)
+                   if self._multi_process else self.runner.execute(built.shape, built.arrays))
+            tokens = np.asarray(out.tokens)
+            if self.step_log is not None:
+                self.step_log.append((plan, time.perf_counter() - t0))
+            logprobs = (tuple(map(np.asarray, (out.logprobs, out.top_ids, out.top_logprobs)))
+                        if flags.want_logprobs else None)
+        except Exception as e:  # noqa: BLE001 - a failed step must not strand its requests
+            log.exception("engine step failed; failing its %d requests",
+                          len(chunks))
+            return [self._finish(self.requests[c.request_id], RequestStatus.FINISHED_ABORTED,
+                                 error=f"engine step failed: {e}")
+                    for c in chunks]
+        for c in chunks:
+            self.requests[c.request_id].num_computed += c.num_tokens
+        return self._sampled_outputs(built.sample_rows, self.requests, tokens, logprobs)
+
+    def _prepare(self, plan: BatchPlan) -> tuple[tuple[ScheduledChunk, ...], StepFlags]:
+        """Hands state rows to the plan's requests, stamps first-scheduled times and sets the
+        step's run-time switches."""
         now = time.monotonic()
         chunks = plan.decodes + plan.prefills
         for c in chunks:
@@ -267,38 +330,106 @@ class LLMEngine:
                           # fill the penalty state.
                           any_penalty=any(p.uses_penalties for p in params),
                           want_logprobs=any(p.logprobs is not None for p in sampled))
-        try:
-            built = self.builder.build(plan, self.requests, self._sampler_row, _NEUTRAL_ROW,
-                                       lambda r: r.payload.state_row, flags)
-            t0 = time.perf_counter()
-            # Multi-process: the leader broadcasts each step so followers launch it too.
-            out = (distributed.leader_execute(self.runner, built.shape, built.arrays)
-                   if self._multi_process else self.runner.execute(built.shape, built.arrays))
-            tokens = np.asarray(out.tokens)
-            if self.step_log is not None:
-                self.step_log.append((plan, time.perf_counter() - t0))
-            if flags.want_logprobs:
-                chosen, top_ids, top_lp = map(np.asarray, (out.logprobs, out.top_ids,
-                                                         out.top_logprobs))
-        except Exception as e:  # noqa: BLE001 - a failed step must not strand its requests
-            log.exception("engine step failed; failing its %d requests",
-                          len(chunks))
-            return [self._finish(self.requests[c.request_id], RequestStatus.FINISHED_ABORTED,
-                                 error=f"engine step failed: {e}")
-                    for c in chunks]
-        for c in chunks:
-            self.requests[c.request_id].num_computed += c.num_tokens
+        return chunks, flags
+
+    def _sampled_outputs(self, sample_rows, requests: dict[str, Request], tokens: np.ndarray,
+                         logprobs: tuple[np.ndarray, ...] | None) -> list[RequestOutput]:
+        """Appends each sampled row's token to its request (``requests``: by id)."""
         now = time.monotonic()
         outputs = []
-        for row, c in built.sample_rows:
-            req = self.requests[c.request_id]
+        for row, c in sample_rows:
+            req = requests[c.request_id]
             tr: _Tracked = req.payload
             tok = int(tokens[row])
             if tr.logprobs is not None:
+                chosen, top_ids, top_lp = logprobs
                 n = tr.params.logprobs
                 tr.logprobs.append(TokenLogprob(tok, float(chosen[row]), tuple(
                     zip(top_ids[row, :n].tolist(), top_lp[row, :n].tolist()))))
             outputs.append(self._append_token(req, tok, now))
+        return outputs
+
+    # -- stream pipeline parallelism (spp > 1) -------------------------------------------
+    def _tick(self) -> list[RequestOutput]:
+        """One pipeline tick: a new batch (or, while batches are in flight and nothing is
+        schedulable, an empty one) enters stage 0; returns the outputs of the batch that left
+        the last stage. Every chunk advances ``num_computed`` at launch, so the next chunk of
+        a prefill can follow one tick behind; requests with a sampled token in flight are
+        held, and every request with a chunk in flight is pinned (never preempted, blocks
+        freed only once its chunks are out)."""
+        sched = self.scheduler
+        plan = sched.schedule() if sched.has_schedulable() else _EMPTY_PLAN
+        for rid in plan.preempted:
+            self._release_state_row(self.requests[rid])
+        if plan.is_empty and not any(b is not None for b in self._pipeline):
+            return []
+        launch, built = None, self._empty
+        if not plan.is_empty:
+            chunks, flags = self._prepare(plan)
+            try:
+                built = self.builder.build(plan, self.requests, self._sampler_row, _NEUTRAL_ROW,
+                                           lambda r: r.payload.state_row, flags)
+            except Exception as e:  # noqa: BLE001
+                log.exception("building a pipeline batch failed; failing its requests")
+                return [self._finish(self.requests[c.request_id], RequestStatus.FINISHED_ABORTED,
+                                     error=f"engine step failed: {e}") for c in chunks]
+            launch = _Launch([(self.requests[c.request_id], c) for c in chunks],
+                             built.sample_rows, flags.want_logprobs)
+        try:
+            t0 = time.perf_counter()
+            # Multi-process: followers replay every tick, empty ones included.
+            out = (distributed.leader_execute(self.runner, built.shape, built.arrays)
+                   if self._multi_process else self.runner.execute(built.shape, built.arrays))
+            tokens = np.asarray(out.tokens)
+            if self.step_log is not None and launch is not None:
+                self.step_log.append((plan, time.perf_counter() - t0))  # one tick's time
+        except Exception as e:  # noqa: BLE001 - a failed tick must not strand its requests
+            log.exception("pipeline tick failed; failing every request in flight")
+            return self._fail_pipeline(launch, e)
+        if launch is not None:
+            for req, c in launch.chunks:
+                req.num_computed += c.num_tokens
+            sched.pin([req for req, _ in launch.chunks])
+            sched.hold([req for req, c in launch.chunks if c.samples])
+        self._pipeline.appendleft(launch)
+        if self.pipeline_log is not None:
+            self.pipeline_log.append({
+                "in_flight": sum(b is not None for b in self._pipeline),
+                "stages": [[(req.request_id, c.start, c.num_tokens, c.samples)
+                            for req, c in b.chunks]
+                           if b is not None else [] for b in self._pipeline]})
+        if len(self._pipeline) < self._spp:
+            return []
+        exiting = self._pipeline.pop()
+        if exiting is None:
+            return []
+        for req, c in exiting.chunks:
+            sched.unpin(req)
+            if c.samples:
+                sched.release(req)
+        # Aborted while in flight (ids may even be reused): their sampled rows are dropped.
+        live = {c.request_id: req for req, c in exiting.chunks
+                if self.requests.get(c.request_id) is req}
+        rows = [(row, c) for row, c in exiting.sample_rows if c.request_id in live]
+        logprobs = (tuple(map(np.asarray, (out.logprobs, out.top_ids, out.top_logprobs)))
+                    if exiting.want_logprobs else None)
+        return self._sampled_outputs(rows, live, tokens, logprobs)
+
+    def _fail_pipeline(self, launch: _Launch | None, error: Exception) -> list[RequestOutput]:
+        """Fails the new batch's requests and every request with a chunk in flight, and
+        empties the pipeline."""
+        batches = [b for b in [launch, *self._pipeline] if b is not None]
+        self._pipeline.clear()
+        for req, _ in [rc for b in batches if b is not launch for rc in b.chunks]:
+            self.scheduler.unpin(req)
+        outputs, seen = [], set()
+        for req, c in [rc for b in batches for rc in b.chunks]:
+            if req in seen or self.requests.get(c.request_id) is not req:
+                continue
+            seen.add(req)
+            outputs.append(self._finish(req, RequestStatus.FINISHED_ABORTED,
+                                        error=f"engine step failed: {error}"))
+        self.runner.start_pipeline(self._empty.shape, self._empty.arrays)
         return outputs
 
     def _preemption_mode(self, req: Request) -> str:

@@ -16,10 +16,11 @@ from jserve.cache.pool import KVCache
 from jserve.config import LlamaConfig
 from jserve.engine.buckets import Buckets
 from jserve.kernels import AttentionMetadata
-from jserve.model.llama import Params, StepInput, forward, prepare_params
+from jserve.model.llama import Params, StepInput, final_logits, forward, prepare_params
 from jserve.sampling.params import MAX_BANNED_IDS, MAX_LOGPROBS
 from jserve.sampling.sampler import (SampleResult, SamplingBatch, apply_penalties,
                                      choose_tokens, token_logprobs)
+from sharding import pipeline
 from sharding.specs import shard_params
 from sharding.tensor_parallel import tp_forward
 
@@ -108,17 +109,11 @@ class PackedLayout:
         return jax.tree.unflatten(self.treedef, leaves)
 
 
-def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, fbuf: jax.Array,
-          *, layout: PackedLayout, cfg: LlamaConfig, attention_impl: str,
-          mesh: jax.sharding.Mesh | None):
-    arrays = layout.unpack(ibuf, fbuf)
+def _sample(logits: jax.Array, state: SeqState, arrays: StepArrays
+            ) -> tuple[SampleResult, SeqState]:
+    """The step's tail after the forward: penalty state, sampling and logprobs (shared by the
+    plain step and the pipeline tick)."""
     sb = arrays.sampling
-    if mesh is None:
-        logits, kv_cache, _ = forward(params, kv_cache, arrays.batch, cfg=cfg,
-                                      attention_impl=attention_impl)
-    else:  # tensor parallel; the rest of the step runs replicated on the logits
-        logits, kv_cache = tp_forward(params, kv_cache, arrays.batch, mesh=mesh, cfg=cfg,
-                                      attention_impl=attention_impl)
     # Runtime choices (no recompile): penalty bookkeeping only when some row uses penalties
     # (a row is reset at its sequence's first chunk, so skipped steps leave nothing stale
     # that a penalised request reads), the sort only when some row samples, top-n logprobs
@@ -142,7 +137,39 @@ def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, f
         lambda: token_logprobs(logits, tokens, MAX_LOGPROBS),
         lambda: (jnp.zeros((s,), jnp.float32), jnp.zeros((s, MAX_LOGPROBS), jnp.int32),
                  jnp.zeros((s, MAX_LOGPROBS), jnp.float32)))
-    return SampleResult(tokens, chosen, top_ids, top_lp), kv_cache, state
+    return SampleResult(tokens, chosen, top_ids, top_lp), state
+
+
+def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, fbuf: jax.Array,
+          *, layout: PackedLayout, cfg: LlamaConfig, attention_impl: str,
+          mesh: jax.sharding.Mesh | None):
+    arrays = layout.unpack(ibuf, fbuf)
+    if mesh is None:
+        logits, kv_cache, _ = forward(params, kv_cache, arrays.batch, cfg=cfg,
+                                      attention_impl=attention_impl)
+    else:  # tensor parallel; the rest of the step runs replicated on the logits
+        logits, kv_cache = tp_forward(params, kv_cache, arrays.batch, mesh=mesh, cfg=cfg,
+                                      attention_impl=attention_impl)
+    out, state = _sample(logits, state, arrays)
+    return out, kv_cache, state
+
+
+def _tick(params: Params, kv_cache: KVCache, state: SeqState, carry: pipeline.PipelineCarry,
+          ibuf: jax.Array, fbuf: jax.Array, *, layout: PackedLayout, cfg: LlamaConfig,
+          attention_impl: str, mesh: jax.sharding.Mesh):
+    """A stream-pipeline tick (``sharding.pipeline.tick``), then the plain step's tail on the
+    batch that left the last stage (replicated, outside the shard_map)."""
+    kv_cache, carry = pipeline.tick(params, kv_cache, carry, ibuf, fbuf, unpack=layout.unpack,
+                                    mesh=mesh, cfg=cfg, attention_impl=attention_impl)
+    x, ib, fb = carry.exiting()
+    arrays = layout.unpack(ib, fb)
+    logits = final_logits(params, x, arrays.batch.logits_rows, cfg)
+    out, state = _sample(logits, state, arrays)
+    # Replicated like the plain step's outputs (multi-process leaders read their own copy;
+    # the donated state keeps its input sharding).
+    out, state = jax.lax.with_sharding_constraint(
+        (out, state), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    return out, kv_cache, state, carry
 
 
 def _spec(shape, dtype) -> jax.ShapeDtypeStruct:
@@ -171,7 +198,8 @@ class ModelRunner:
     """Holds the device state and runs steps. With a ``mesh`` the params are split for tensor
     parallelism (``sharding.specs``) and ``kv_cache`` must come from
     ``allocate_sharded_kv_cache`` on it; the step's inputs, penalty state and sampling are
-    replicated."""
+    replicated. With ``spp > 1`` on the mesh each step is a pipeline tick
+    (``sharding.pipeline``): params and pages are split by stage, swapping is unsupported."""
 
     def __init__(self, cfg: LlamaConfig, params: Params, kv_cache: KVCache, buckets: Buckets,
                  max_num_seqs: int, attention_impl: str, mesh: jax.sharding.Mesh | None = None):
@@ -179,8 +207,15 @@ class ModelRunner:
         self.mesh = mesh
         self.params = prepare_params(params)
         self._replicated = None
-        if mesh is not None:
+        # Stream pipeline: every call of the step is one tick; ``kv_cache`` must come from
+        # ``pipeline.allocate_pipeline_kv_cache`` and ``start_pipeline`` fill the carry.
+        self.spp = mesh.shape["spp"] if mesh is not None else 1
+        self.carry: pipeline.PipelineCarry | None = None
+        if self.spp > 1:
+            self.params = pipeline.shard_stage_params(self.params, cfg, mesh)
+        elif mesh is not None:
             self.params = shard_params(self.params, cfg, mesh)
+        if mesh is not None:
             self._replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         self.kv_cache = kv_cache
         self.buckets = buckets
@@ -190,8 +225,11 @@ class ModelRunner:
                                     self._replicated)
         self.state_sink = rows - 1
         self.attention_impl = attention_impl
-        self._jitted = jax.jit(_step, static_argnames=("layout", "cfg", "attention_impl", "mesh"),
-                               donate_argnums=(1, 2))
+        self._jitted = (
+            jax.jit(_tick, static_argnames=("layout", "cfg", "attention_impl", "mesh"),
+                    donate_argnums=(1, 2, 3)) if self.spp > 1 else
+            jax.jit(_step, static_argnames=("layout", "cfg", "attention_impl", "mesh"),
+                    donate_argnums=(1, 2)))
         self._compiled: dict[tuple[int, int], tuple[jax.stages.Compiled, PackedLayout]] = {}
         self.compile_count = 0
 
@@ -226,7 +264,9 @@ class ModelRunner:
             ibuf = jax.ShapeDtypeStruct((layout.int_size,), jnp.int32, sharding=self._replicated)
             fbuf = jax.ShapeDtypeStruct((layout.float_size,), jnp.float32,
                                         sharding=self._replicated)
-            exe = self._jitted.lower(self.params, self.kv_cache, self.state, ibuf, fbuf,
+            carry = () if self.spp == 1 else (pipeline.carry_spec(
+                self.mesh, self.cfg, sum(shape), layout.int_size, layout.float_size),)
+            exe = self._jitted.lower(self.params, self.kv_cache, self.state, *carry, ibuf, fbuf,
                                      layout=layout, cfg=self.cfg,
                                      attention_impl=self.attention_impl, mesh=self.mesh).compile()
             self.compile_count += 1
@@ -259,5 +299,14 @@ class ModelRunner:
     def execute_packed(self, shape: tuple[int, int], ibuf, fbuf) -> SampleResult:
         """The step on already packed buffers (what multi-process followers receive)."""
         exe, _ = self.compiled(shape)
+        if self.spp > 1:
+            out, self.kv_cache, self.state, self.carry = exe(
+                self.params, self.kv_cache, self.state, self.carry, ibuf, fbuf)
+            return out
         out, self.kv_cache, self.state = exe(self.params, self.kv_cache, self.state, ibuf, fbuf)
         return out
+
+    def start_pipeline(self, shape: tuple[int, int], empty: StepArrays) -> None:
+        """Fill every pipeline slot with ``empty`` (an all-padding step of the tick shape)."""
+        layout = self.compiled(shape)[1]
+        self.carry = pipeline.empty_carry(self.mesh, self.cfg, sum(shape), *layout.pack(empty))

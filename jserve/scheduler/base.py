@@ -34,6 +34,11 @@ class SchedulerBase(abc.ABC):
         # Running requests whose sampled token is still in the pipeline (stream pipeline
         # parallelism): they may not decode or be preempted until it leaves the last stage.
         self.in_flight: set[Request] = set()
+        # Requests with chunks still in the pipeline (count of them): those chunks may still
+        # write KV into the request's blocks, so it is never preempted and a finish defers
+        # freeing its blocks (``_deferred``) until the last chunk is out (``unpin``).
+        self.pinned: dict[Request, int] = {}
+        self._deferred: dict[Request, list[int]] = {}
 
     # -- queue management --------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -47,7 +52,11 @@ class SchedulerBase(abc.ABC):
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self._release(req)
+        if req in self.pinned:
+            self._deferred[req] = req.block_ids
+            req.block_ids = []
+        else:
+            self._release(req)
         req.status = status
 
     def has_unfinished(self) -> bool:
@@ -61,6 +70,19 @@ class SchedulerBase(abc.ABC):
     def release(self, req: Request) -> None:
         """``req``'s token has come out of the last stage."""
         self.in_flight.discard(req)
+
+    def pin(self, reqs) -> None:
+        """One more chunk of each of ``reqs`` entered the pipeline."""
+        for req in reqs:
+            self.pinned[req] = self.pinned.get(req, 0) + 1
+
+    def unpin(self, req: Request) -> None:
+        """One chunk of ``req`` left the pipeline; the last one frees deferred blocks."""
+        left = self.pinned.pop(req) - 1
+        if left:
+            self.pinned[req] = left
+        elif req in self._deferred:
+            self.allocator.free(self._deferred.pop(req))
 
     def has_schedulable(self) -> bool:
         """Something a plan could contain: a waiting request or a running one not in flight."""
@@ -108,6 +130,17 @@ class SchedulerBase(abc.ABC):
         """The running request to preempt under memory pressure (policies override)."""
         return self.running[-1]
 
+    def _pick_victim(self) -> Request | None:
+        """``_victim`` among the running requests that are not pinned; None if all are."""
+        if not self.pinned:
+            return self._victim()
+        full = self.running
+        self.running = [r for r in full if r not in self.pinned]
+        try:
+            return self._victim() if self.running else None
+        finally:
+            self.running = full
+
     def _schedule_decodes(self, max_decodes: int) -> tuple[list[ScheduledChunk], list[str]]:
         """Every running decode (up to ``max_decodes``), each with a KV slot for its token;
         when the pool is short, victims are preempted until it fits (possibly itself)."""
@@ -124,13 +157,17 @@ class SchedulerBase(abc.ABC):
                 continue
             if n > len(req.block_ids) * block_size:  # its token needs a new block
                 while not self._grow(req, n):
-                    victim = self._victim()
+                    victim = self._pick_victim()
+                    if victim is None:  # every candidate is pinned: the decode waits
+                        break
                     self._preempt(victim)
                     preempted.append(victim.request_id)
                     if victim is req:
                         break
                     # A victim may be a decode this loop already scheduled.
                     decodes = [c for c in decodes if c.request_id != victim.request_id]
+                if n > len(req.block_ids) * block_size:
+                    continue
             if req.status is running:
                 decodes.append(ScheduledChunk(req.request_id, req.num_computed, 1, True))
         return decodes, preempted
@@ -179,7 +216,9 @@ class SchedulerBase(abc.ABC):
         preempted = list(plan.preempted)
         while plan.is_empty and self.running:
             # Running prefills hold blocks none of them can grow into: free the newest.
-            victim = self._victim()
+            victim = self._pick_victim()
+            if victim is None:  # all pinned: their chunks leave the pipeline first
+                break
             self._preempt(victim)
             preempted.append(victim.request_id)
             plan = self._schedule_once(admit=False)

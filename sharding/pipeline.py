@@ -1,0 +1,160 @@
+"""Stream pipeline parallelism (``spp``): the layers split into ``spp`` contiguous stages, one
+microbatch per stage, every stage busy on every tick.
+
+Layout. Layer ``s * L/spp + j`` is stage ``s``'s ``j``-th layer. Each layer weight is stacked
+to ``[spp, L/spp, ...]`` with the leading dim split on ``"spp"`` (composed with the ``tp``
+split of :mod:`sharding.specs`), so a stage holds only its own layers. The KV cache is a
+list of ``L/spp`` (k, v) pairs ``[spp, KV heads, pages, page_size, head_dim]``, split on
+``("spp", "tp")``: a stage holds only its layers' pages. Page ids are global (one allocator),
+so every stage stores the same pages for different layers.
+
+Tick. One ``jax.shard_map`` over the whole mesh: stage 0 embeds the new batch, every stage
+runs its layers on the microbatch it holds, and the residual stream plus the batch's packed
+step buffers move one stage on with a cyclic ``ppermute``. The wrap-around puts the batch
+that left the last stage in slot 0 of the carry (stage 0 overwrites slot 0 with the next new
+batch), where the caller takes it through ``final_logits`` and sampling. The carry
+(``PipelineCarry``) stays on device between ticks; every tick has one shape (the engine's
+largest bucket), so the carry's shape is fixed and one executable serves all ticks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jserve.cache.pool import KVCache
+from jserve.config import LlamaConfig
+from jserve.model.llama import Params, decoder_layer, embed, rope_tables
+from sharding.specs import kv_head_map, param_specs, tp_layout
+
+STAGE_SPEC = P("spp")                # carry leaves: [spp, ...]
+KV_PAGES_SPEC = P("spp", "tp")       # [spp, stored KV heads, pages, page_size, head_dim]
+# Extra keywords every stage passes to ``decoder_layer`` (e.g. ``kvp_axis="kvp"``).
+LAYER_KWARGS: dict[str, Any] = {}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PipelineCarry:
+    """What each stage holds between ticks: slot ``s`` is the microbatch entering stage ``s``
+    on the next tick (slot 0: the batch that just left the last stage)."""
+
+    x: jax.Array     # [spp, T, hidden] residual stream
+    ibuf: jax.Array  # [spp, int_size] the batch's packed int32 step buffer
+    fbuf: jax.Array  # [spp, float_size] its packed float32 buffer
+
+    def exiting(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        return self.x[0], self.ibuf[0], self.fbuf[0]
+
+
+def validate(cfg: LlamaConfig, spp: int) -> None:
+    if cfg.num_hidden_layers % spp:
+        raise ValueError(f"spp={spp} does not divide num_hidden_layers={cfg.num_hidden_layers}")
+
+
+def layers_per_stage(cfg: LlamaConfig, spp: int) -> int:
+    validate(cfg, spp)
+    return cfg.num_hidden_layers // spp
+
+
+def stage_layout(params: Params, cfg: LlamaConfig, spp: int, tp: int) -> Params:
+    """Runtime params (``prepare_params``) in ``tp_layout`` with the layer list replaced by one
+    dict of stacked leaves ``[spp, L/spp, ...]``."""
+    lps = layers_per_stage(cfg, spp)
+    params = tp_layout(params, cfg, tp)
+    layers = params["layers"]
+    stacked = {name: jnp.stack([jnp.stack([layers[s * lps + j][name] for j in range(lps)])
+                                for s in range(spp)]) for name in layers[0]}
+    return {**params, "layers": stacked}
+
+
+def stage_param_specs(params: Params) -> Params:
+    """Specs of ``stage_layout`` params: layer leaves get ``("spp", None)`` in front of
+    their tp spec; the rest is replicated."""
+    tp_specs = param_specs({**params, "layers": [params["layers"]]})  # specs go by name
+    layers = {name: P("spp", None, *spec) for name, spec in tp_specs["layers"][0].items()}
+    return {**{k: P() for k in params if k != "layers"}, "layers": layers}
+
+
+def shard_stage_params(params: Params, cfg: LlamaConfig, mesh: Mesh) -> Params:
+    params = stage_layout(params, cfg, mesh.shape["spp"], mesh.shape["tp"])
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), stage_param_specs(params))
+    return jax.device_put(params, shardings)
+
+
+def kv_specs(cfg: LlamaConfig, spp: int) -> list[tuple[P, P]]:
+    return [(KV_PAGES_SPEC, KV_PAGES_SPEC)] * layers_per_stage(cfg, spp)
+
+
+def allocate_pipeline_kv_cache(cfg: LlamaConfig, num_pages: int, page_size: int,
+                               mesh: Mesh) -> KVCache:
+    """Zeroed stage-stacked KV pages created in place on ``mesh``."""
+    spp = mesh.shape["spp"]
+    shape = (spp, len(kv_head_map(cfg, mesh.shape["tp"])), num_pages, page_size, cfg.head_dim)
+    sharding = NamedSharding(mesh, KV_PAGES_SPEC)
+    zeros = jax.jit(functools.partial(jnp.zeros, shape, cfg.np_dtype), out_shardings=sharding)
+    return [(zeros(), zeros()) for _ in range(layers_per_stage(cfg, spp))]
+
+
+def carry_spec(mesh: Mesh, cfg: LlamaConfig, tokens: int, int_size: int,
+               float_size: int) -> PipelineCarry:
+    """Abstract carry (shapes and shardings) for lowering the tick."""
+    spp = mesh.shape["spp"]
+    sharding = NamedSharding(mesh, STAGE_SPEC)
+    return PipelineCarry(
+        x=jax.ShapeDtypeStruct((spp, tokens, cfg.hidden_size), cfg.np_dtype, sharding=sharding),
+        ibuf=jax.ShapeDtypeStruct((spp, int_size), jnp.int32, sharding=sharding),
+        fbuf=jax.ShapeDtypeStruct((spp, float_size), jnp.float32, sharding=sharding))
+
+
+def empty_carry(mesh: Mesh, cfg: LlamaConfig, tokens: int, ibuf, fbuf) -> PipelineCarry:
+    """Every slot an empty batch (``ibuf``/``fbuf``: a packed all-padding step, whose writes
+    go to the sink page 0 and which samples no row) with a zero residual stream."""
+    spp = mesh.shape["spp"]
+    sharding = NamedSharding(mesh, STAGE_SPEC)
+    tile = lambda b: jnp.tile(jnp.asarray(b)[None], (spp, 1))
+    return jax.device_put(PipelineCarry(jnp.zeros((spp, tokens, cfg.hidden_size), cfg.np_dtype),
+                                        tile(ibuf), tile(fbuf)), sharding)
+
+
+def tick(params: Params, kv_cache: KVCache, carry: PipelineCarry, ibuf: jax.Array,
+         fbuf: jax.Array, *, unpack: Callable, mesh: Mesh, cfg: LlamaConfig,
+         attention_impl: str, layer_kwargs: dict[str, Any] | None = None
+         ) -> tuple[KVCache, PipelineCarry]:
+    """One pipeline tick with the new batch (``ibuf``, ``fbuf``; replicated) entering stage 0.
+    ``unpack(ibuf, fbuf)`` turns packed buffers into ``StepArrays``. Returns the updated KV
+    cache and carry; ``carry.exiting()`` is the batch that left the last stage."""
+    spp = mesh.shape["spp"]
+    lps = layers_per_stage(cfg, spp)
+    kwargs = dict(LAYER_KWARGS if layer_kwargs is None else layer_kwargs)
+    perm = [(s, (s + 1) % spp) for s in range(spp)]
+
+    def local(params, kv_cache, carry, ibuf, fbuf):
+        first = jax.lax.axis_index("spp") == 0
+        ib = jnp.where(first, ibuf, carry.ibuf[0])
+        fb = jnp.where(first, fbuf, carry.fbuf[0])
+        batch = unpack(ib, fb).batch
+        x = jnp.where(first, embed(params, batch.tokens), carry.x[0])
+        cos, sin = rope_tables(cfg, batch.attn.positions)
+        new_cache = []
+        for j in range(lps):
+            layer = {name: leaf[0, j] for name, leaf in params["layers"].items()}
+            k, v = kv_cache[j]
+            x, (k, v) = decoder_layer(layer, (k[0], v[0]), x, batch, cos, sin, cfg=cfg,
+                                      attention_impl=attention_impl, tp_axis="tp", **kwargs)
+            new_cache.append((k[None], v[None]))
+        moved = PipelineCarry(*(jax.lax.ppermute(a, "spp", perm)[None] for a in (x, ib, fb)))
+        return new_cache, moved
+
+    specs = kv_specs(cfg, spp)
+    carry_specs = PipelineCarry(STAGE_SPEC, STAGE_SPEC, STAGE_SPEC)
+    # check_vma off for the same reason as tp_forward (kernel loop carries); replication of
+    # the moved carry over tp holds by construction (psum'd residual stream).
+    return jax.shard_map(local, mesh=mesh,
+                         in_specs=(stage_param_specs(params), specs, carry_specs, P(), P()),
+                         out_specs=(specs, carry_specs), check_vma=False)(
+        params, kv_cache, carry, ibuf, fbuf)

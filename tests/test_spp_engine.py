@@ -1,0 +1,256 @@
+"""Stream pipeline parallelism in the live engine against the one-device engine.
+
+The multi-device runs happen in a subprocess that forces 8 host devices before JAX starts
+(like tests/test_sharding.py). One script runs the reference and every mesh, checking after
+every tick that KV blocks are conserved (running requests plus blocks whose release waits for
+in-flight chunks), and reports tokens, logprobs and what the pipeline held per tick."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from conftest import small_llm
+from pathlib import Path
+
+from jserve.cache.allocator import BlockAllocator
+from jserve.scheduler import Request, RequestStatus, SarathiScheduler
+
+_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    from jserve import LLM, SamplingParams
+    settings = json.loads(sys.argv[1])
+    LENGTHS = (70, 6, 45, 3, 33, 12)  # 70 and 45 take several 32-token chunks
+    prompts = [list(range(3 + i, 3 + i + n)) for i, n in enumerate(LENGTHS)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+    # Penalties (state updated as each batch leaves the pipeline) and seeded sampling too.
+    mixed = [params] * len(prompts)
+    mixed[1] = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2,
+                              repetition_penalty=1.5, frequency_penalty=0.7)
+    mixed[4] = SamplingParams(max_tokens=8, temperature=0.9, top_k=40, seed=7,
+                              ignore_eos=True, logprobs=2)
+
+    def check_blocks(eng):
+        eng.allocator.check()
+        sched = eng.scheduler
+        held = sum(len(r.block_ids) for r in sched.running)
+        deferred = sum(len(b) for b in sched._deferred.values())
+        assert eng.allocator.num_allocated == held + deferred, (eng.allocator.num_allocated,
+                                                                 held, deferred)
+        assert all(not r.block_ids for r in sched.waiting)
+
+    def drain(eng, done):
+        while eng.has_unfinished():
+            for out in eng.step():
+                if out.finished:
+                    done[out.request_id] = out
+            check_blocks(eng)
+        assert eng.allocator.num_allocated == 0 and not eng.scheduler._deferred
+        assert not eng.scheduler.pinned and not eng.scheduler.in_flight
+
+    def run(mesh):
+        llm = LLM("default", mesh=mesh, **settings)
+        eng = llm.engine
+        eng.pipeline_log = []
+        ids = [eng.add_request(p, sp) for p, sp in zip(prompts, mixed)]
+        done = {}
+        drain(eng, done)
+        outs = [done[i] for i in ids]
+        return {"tokens": [o.token_ids for o in outs],
+                "top": [[[lp for _, lp in t.top] for t in o.logprobs] for o in outs],
+                "preemptions": eng.scheduler.num_preemptions,
+                "log": eng.pipeline_log,
+                "devices": len(eng.runner.params["embed"].sharding.device_set),
+                # what one device holds: stage-local layers and pages
+                "kv_layers": len(eng.runner.kv_cache),
+                "kv_shard": list(eng.runner.kv_cache[0][0].addressable_shards[0].data.shape),
+                "wq_shard": list(eng.runner.params["layers"]["wq"].addressable_shards[0]
+                                 .data.shape) if eng.runner.spp > 1 else None}
+
+    def run_abort():
+        # Abort a long prompt while one of its chunks is in the pipeline; its id is reused
+        # at once by a new request, which must get its own tokens (not the aborted one's).
+        llm = LLM("default", mesh="spp=2", **settings)
+        eng = llm.engine
+        a = eng.add_request(prompts[0], params, request_id="a")
+        b = eng.add_request(prompts[3], params, request_id="b")
+        done = {}
+        eng.step()
+        check_blocks(eng)
+        req = eng.requests["a"]
+        assert req in eng.scheduler.pinned and req.num_computed > 0, req.num_computed
+        before = eng.allocator.num_allocated
+        blocks = len(req.block_ids)
+        eng.abort("a")
+        check_blocks(eng)
+        deferred_kept = eng.allocator.num_allocated == before and blocks > 0
+        eng.add_request(prompts[2], params, request_id="a")
+        drain(eng, done)
+        return {"deferred_kept": deferred_kept, "a": done["a"].token_ids,
+                "b": done["b"].token_ids}
+
+    result = {mesh: run(mesh) for mesh in ("tp=1", "spp=2", "spp=4", "spp=2,tp=2")}
+    result["abort"] = run_abort()
+    print(json.dumps(result))
+""")
+
+
+@pytest.fixture(scope="module")
+def result():
+    # A 10-page pool (9 usable 16-token blocks) forces preemptions on this workload.
+    settings = {"max_num_seqs": 4, "max_num_batched_tokens": 32, "max_prefill_seqs": 2,
+                "max_model_len": 512, "warmup": False, "kv_cache_bytes": 10 * 65536}
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(settings)],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("mesh, spp, devices", [("spp=2", 2, 2), ("spp=4", 4, 4),
+                                                 ("spp=2,tp=2", 2, 4)])
+def test_pipeline_matches_one_device_engine(result, mesh, spp, devices):
+    """Tokens identical to the unsharded engine (greedy, penalised greedy and seeded
+    sampling), top logprobs within float32 rounding, on multi-chunk prefills, decodes and
+    preemptions (both runs preempt)."""
+    base, run = result["tp=1"], result[mesh]
+    assert base["devices"] == 1 and run["devices"] == devices
+    assert all(len(t) == 8 for t in base["tokens"])
+    assert base["preemptions"] >= 1 and run["preemptions"] >= 1
+    assert run["tokens"] == base["tokens"]
+    layers, tp = 4, devices // spp
+    assert run["kv_layers"] == layers // spp  # [spp, KV heads, pages, page, head_dim] pairs
+    assert run["kv_shard"][:2] == [1, base["kv_shard"][0] // tp]
+    assert run["wq_shard"][:2] == [1, layers // spp] and run["wq_shard"][3] == 256 // tp
+    np.testing.assert_allclose(np.array(run["top"]), np.array(base["top"]), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("mesh, spp", [("spp=2", 2), ("spp=4", 4), ("spp=2,tp=2", 2)])
+def test_pipeline_keeps_spp_batches_in_flight(result, mesh, spp):
+    log = result[mesh]["log"]
+    assert all(len(tick["stages"]) <= spp for tick in log)
+    assert max(tick["in_flight"] for tick in log) == spp
+    # A non-sampling prefill chunk lets the next chunk of the same request enter stage 0
+    # while it is still on stage 1.
+    follows = [tick for tick in log if len(tick["stages"]) > 1 and any(
+        rid == rid0 and start + n == start0 and not samples
+        for rid0, start0, _, _ in tick["stages"][0]
+        for rid, start, n, samples in tick["stages"][1])]
+    assert follows
+    # A chunk that samples is its request's only chunk in the pipeline: the next one (its
+    # decode) enters after the token left the last stage.
+    for tick in log:
+        for s, batch in enumerate(tick["stages"]):
+            for rid, _, _, samples in batch:
+                if samples:
+                    others = [r for stage in tick["stages"][:s] for r, _, _, _ in stage]
+                    assert rid not in others, (tick, rid)
+
+
+def test_abort_in_flight_defers_block_release(result):
+    """Aborting a request whose chunk is in the pipeline keeps its blocks until the chunk
+    is out, then frees them (no leak: checked in the script); the id reused at once gets
+    its own tokens, and the other request is unaffected."""
+    base, run = result["tp=1"], result["abort"]
+    assert run["deferred_kept"]
+    assert run["a"] == base["tokens"][2]
+    assert run["b"] == base["tokens"][3]
+
+
+def test_spp_must_divide_the_layers():
+    with pytest.raises(ValueError, match="spp=3 does not divide num_hidden_layers=4"):
+        small_llm(mesh="spp=3")
+
+
+# -- scheduler pinning (pure Python, constructed cases) -----------------------------------
+def _pinning_case():
+    """a (8 tokens) and b (20) under a 4-block pool of 4-token blocks: plan 1 prefills a
+    (sampling) and the first 8 tokens of b; applied the SPP way, b's chunk is still in the
+    pipeline (pinned) and a's sampled token has come out (a needs a third block)."""
+    s = SarathiScheduler(BlockAllocator(5, 4), max_num_seqs=8, max_num_batched_tokens=64,
+                         max_prefill_seqs=4)
+    a = Request("a", list(range(1, 9)), 8, 0.0)
+    b = Request("b", list(range(1, 21)), 8, 1.0)
+    s.add(a)
+    s.add(b)
+    plan = s.schedule()
+    assert [(c.request_id, c.num_tokens, c.samples) for c in plan.prefills] == [
+        ("a", 8, True), ("b", 8, False)]
+    for req, c in zip((a, b), plan.prefills):
+        req.num_computed += c.num_tokens
+    a.token_ids.append(5)
+    s.pin([b])
+    return s, a, b
+
+
+def test_pinned_request_is_never_the_preemption_victim():
+    s, a, b = _pinning_case()
+    blocks = list(b.block_ids)
+    plan = s.schedule()
+    # Unpinned, b (the latest arrival) would be the victim; pinned, a yields instead and b
+    # continues with its next chunk while its previous one is in flight.
+    assert plan.preempted == ("a",) and a.status is RequestStatus.PREEMPTED
+    assert [(c.request_id, c.start, c.num_tokens) for c in plan.prefills] == [("b", 8, 8)]
+    assert b.block_ids[:2] == blocks
+    s.allocator.check()
+
+
+def test_all_pinned_means_an_empty_plan_not_a_preemption():
+    s, a, b = _pinning_case()
+    s.pin([a])
+    plan = s.schedule()
+    assert plan.is_empty and plan.preempted == ()
+    assert a.status is RequestStatus.RUNNING and b.status is RequestStatus.RUNNING
+
+
+def test_finish_while_pinned_defers_the_block_release():
+    s, a, b = _pinning_case()
+    s.pin([b])  # two chunks of b in flight
+    held = s.allocator.num_allocated
+    s.finish(b, RequestStatus.FINISHED_ABORTED)
+    assert s.allocator.num_allocated == held and not b.block_ids and b not in s.running
+    s.unpin(b)
+    assert s.allocator.num_allocated == held  # one chunk still in flight
+    s.unpin(b)
+    assert s.allocator.num_allocated == held - 2 and b not in s.pinned
+    s.allocator.check()
+
+
+# -- multi-process: followers replay every tick ---------------------------------------------
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _worker(coordinator: str, n: int, i: int, devices: int, mesh: str, out: Path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("XLA_FLAGS", None)  # the worker sets its device count itself
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.multihost_worker", coordinator, str(n), str(i),
+         str(devices), mesh, str(out)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_two_processes_run_the_pipeline(tmp_path):
+    """spp=2 x tp=2 over two processes of 2 CPU devices each (the leader broadcasts every
+    tick, empty drain ticks included) gives the greedy tokens of one device."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        coordinator = f"127.0.0.1:{s.getsockname()[1]}"
+    multi, single = tmp_path / "multi.json", tmp_path / "single.json"
+    procs = [_worker(coordinator, 2, i, 2, "spp=2,tp=2", multi) for i in (0, 1)]
+    procs.append(_worker("", 1, 0, 1, "tp=1", single))
+    try:
+        logs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode == 0 for p in procs), [log[-2000:] for log in logs]
+    m, s = json.loads(multi.read_text()), json.loads(single.read_text())
+    assert (m["processes"], m["devices"], s["devices"]) == (2, 4, 1)
+    assert m["tokens"] == s["tokens"] and all(len(t) == 12 for t in m["tokens"])
