@@ -41,14 +41,23 @@ def local_page_table(page_table, group: int, pages_per_group: int):
     return page_table[:, group * pages_per_group:(group + 1) * pages_per_group]
 
 
-def local_metadata(meta: AttentionMetadata, group, tokens_per_group: int) -> AttentionMetadata:
+def row_offsets(start_groups, group, kvp: int, tokens_per_group: int):
+    """First absolute token of each row [S] that ``group`` holds when a row's sequence starts
+    in ``start_groups[row]`` (its logical chunk ``(group - start) % kvp`` lives there)."""
+    return ((group - start_groups) % kvp) * tokens_per_group
+
+
+def local_metadata(meta: AttentionMetadata, offsets, tokens_per_group: int) -> AttentionMetadata:
     """``meta`` (global positions and kv_lens, ``page_table`` already the group's columns)
-    as group ``group`` sees it. Shifting the query positions by ``-group*L`` keeps causality
-    in local key indices: local key j (absolute ``group*L + j``) is visible to a query at
-    absolute p iff ``j <= p - group*L``; queries before the group's range see no key."""
-    offset = group * tokens_per_group
-    return dataclasses.replace(meta, positions=meta.positions - offset,
-                               kv_lens=local_kv_len(meta.kv_lens, group, tokens_per_group))
+    as the group whose range of each row starts at ``offsets`` (a scalar or per row [S])
+    sees it. Shifting the query positions by ``-offset`` keeps causality in local key
+    indices: local key j (absolute ``offset + j``) is visible to a query at absolute p iff
+    ``j <= p - offset``; queries before the group's range see no key."""
+    offsets = jnp.broadcast_to(jnp.asarray(offsets, meta.kv_lens.dtype), meta.kv_lens.shape)
+    rows = meta.kv_lens.shape[0]
+    token_offsets = offsets[jnp.clip(meta.token_seq, 0, rows - 1)]  # padding: any row's
+    kv_lens = jnp.clip(meta.kv_lens - offsets, 0, tokens_per_group)
+    return dataclasses.replace(meta, positions=meta.positions - token_offsets, kv_lens=kv_lens)
 
 
 def group_write_slots(positions, token_seq, kv_lens, page_table, group,
@@ -76,18 +85,32 @@ def merge_partials(out, lse, axis: str):
 
 
 def kvp_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: AttentionMetadata,
-                  axis: str = "kvp", impl: str = "reference") -> tuple[jax.Array, jax.Array]:
+                  axis: str = "kvp", impl: str = "reference",
+                  start_groups: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Ragged paged attention with the KV split by token range over ``axis``; call inside
     ``jax.shard_map`` with q and the metadata replicated over ``axis``, the pages split by
     ``KV_PAGES_SPEC`` and the page table by ``PAGE_TABLE_SPEC``.
 
-    The tokens per group are implied by the layout: the local table width times the page
-    size. Returns (out [T, Hq, D], lse [T, Hq]), replicated over ``axis``."""
+    ``start_groups`` [S]: the group holding each row's first tokens (the engine starts a
+    sequence on the least-loaded group; its table's column block g then holds its logical
+    chunk ``(g - start) % kvp``); None: every row starts in group 0. The tokens per group
+    are implied by the layout: the local table width times the page size. Returns
+    (out [T, Hq, D], lse [T, Hq]), replicated over ``axis``."""
     tokens_per_group = meta.page_table.shape[1] * k_pages.shape[2]
     group = jax.lax.axis_index(axis)
-    out, lse = attention(q, k_pages, v_pages, local_metadata(meta, group, tokens_per_group),
+    if start_groups is None:
+        offsets = group * tokens_per_group
+    else:
+        offsets = row_offsets(start_groups, group, jax.lax.axis_size(axis), tokens_per_group)
+    out, lse = attention(q, k_pages, v_pages, local_metadata(meta, offsets, tokens_per_group),
                          impl=impl)
     return merge_partials(out, lse, axis)
+
+
+def owned_slots(slots, slot_groups, axis: str):
+    """This group's write slots: a token's local slot where the group owns it
+    (``slot_groups`` from the step builder), the sink slot 0 elsewhere."""
+    return jnp.where(slot_groups == jax.lax.axis_index(axis), slots, 0)
 
 
 def metadata_specs(meta: AttentionMetadata) -> AttentionMetadata:
