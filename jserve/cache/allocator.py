@@ -110,11 +110,13 @@ class BlockAllocator:
 
     def extend(self, block_ids: Sequence[int], n: int) -> list[int]:
         """The sequence's next ``n`` pages (global ids, logical order); the caller appends
-        them to its block list. All or nothing."""
+        them to its block list. All or nothing: ValueError past a sequence's maximum,
+        OutOfBlocks when one of its groups is short."""
+        groups = self._groups_of(block_ids, n)
         if not self.can_extend(block_ids, n):
             raise OutOfBlocks(f"asked for {n} KV blocks for a sequence holding "
                               f"{len(block_ids)}; free per group: {list(map(len, self._free))}")
-        out = [self._free[g].pop() for g in self._groups_of(block_ids, n)]
+        out = [self._free[g].pop() for g in groups]
         self._allocated.update(out)
         return out
 
