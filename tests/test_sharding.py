@@ -51,9 +51,10 @@ def test_validate_rejects_splits_the_model_cannot_take(tp, message):
     MeshConfig(tp=4).validate(DEFAULT_CONFIG)
 
 
-def test_engine_rejects_axes_not_implemented():
-    with pytest.raises(ValueError, match="spp/kvp/dp > 1 not supported yet"):
-        small_llm(mesh="kvp=2")
+@pytest.mark.parametrize("mesh", ["dp=2", "spp=2"])
+def test_engine_rejects_axes_not_implemented(mesh):
+    with pytest.raises(ValueError, match="spp/dp > 1 not supported yet"):
+        small_llm(mesh=mesh)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
