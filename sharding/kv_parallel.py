@@ -10,6 +10,11 @@ on ``kvp`` (``PAGE_TABLE_SPEC``) hands each group exactly its own pages.
 
 Queries are replicated over ``kvp``; each group attends to its local keys and the partial
 results are merged by their log-sum-exp (online softmax across the axis).
+
+The engine starts each sequence on the least-loaded group ``s`` rather than group 0: group
+``g`` then holds its logical chunk ``(g - s) % kvp``, i.e. tokens from ``row_offsets``; the
+page table's column block ``g`` holds that chunk's local ids, and ``start_groups`` carries
+``s`` per row (see ``jserve/cache/allocator.py`` and ``jserve/engine/step_builder.py``).
 """
 from __future__ import annotations
 
@@ -61,17 +66,21 @@ def local_metadata(meta: AttentionMetadata, offsets, tokens_per_group: int) -> A
 
 
 def group_write_slots(positions, token_seq, kv_lens, page_table, group,
-                      tokens_per_group: int, page_size: int):
+                      tokens_per_group: int, page_size: int, offsets=None):
     """Flat local cache slots [T] where ``group`` writes this step's new KV: a live token's
     own slot in the group that owns its position, the sink slot 0 everywhere else (other
     groups' tokens, padding tokens and rows), so every token's KV is stored exactly once.
 
-    ``page_table`` is the group's local table [S, L/S]; token_seq may point past it (padding)."""
+    ``page_table`` is the group's local table [S, L/S]; token_seq may point past it (padding).
+    ``offsets`` [S]: first token of each row's range in this group (``row_offsets``); default
+    ``group * L`` (every sequence starting in group 0). The engine computes the same slots on
+    the host instead (``StepInput.slot_groups``, ``owned_slots``)."""
     rows = page_table.shape[0]
     seq = jnp.clip(token_seq, 0, rows - 1)
     live = (token_seq < rows) & (positions < kv_lens[seq])
-    local = positions - group * tokens_per_group
-    mine = live & (owner_group(positions, tokens_per_group) == group)
+    offset = group * tokens_per_group if offsets is None else jnp.asarray(offsets)[seq]
+    local = positions - offset
+    mine = live & (local >= 0) & (local < tokens_per_group)
     col = jnp.clip(local // page_size, 0, page_table.shape[1] - 1)
     slot = page_table[seq, col] * page_size + local % page_size
     return jnp.where(mine, slot, 0)
