@@ -40,7 +40,7 @@ _SCRIPT = textwrap.dedent("""
         ids = [eng.add_request(p, params) for p in prompts]
         outs = {}
         eng.step_log = []
-        starts = set()
+        starts, spread = set(), 0
         while eng.has_unfinished():
             for o in eng.step():
                 if o.finished:
@@ -50,10 +50,13 @@ _SCRIPT = textwrap.dedent("""
             for r in eng.scheduler.running:
                 if r.block_ids:
                     starts.add(eng.allocator.start_group(r.block_ids))
+                    spread = max(spread, len({eng.allocator.group_of(b) for b in r.block_ids}))
         plans = [p for p, _ in eng.step_log]
         L = eng.allocator.tokens_per_group
         crossing = L is not None and any(c.start // L != (c.start + c.num_tokens - 1) // L
                                          for p in plans for c in p.prefills)
+        # A decode writing the first token of a group's range (its KV goes to the next group).
+        decode_cross = L is not None and any(c.start % L == 0 for p in plans for c in p.decodes)
         outs = [outs[i] for i in ids]
         result[mesh] = {
             "tokens": [o.token_ids for o in outs],
@@ -63,7 +66,8 @@ _SCRIPT = textwrap.dedent("""
             "groups": eng.allocator.groups,
             "preemptions": eng.scheduler.num_preemptions, "swaps": eng.scheduler.num_swaps,
             "chunked": sum(1 for p in plans for c in p.prefills if not c.samples),
-            "crossing": crossing, "starts": sorted(starts),
+            "crossing": crossing, "starts": sorted(starts), "spread": spread,
+            "decode_cross": decode_cross,
             "free": eng.allocator.num_free, "total": eng.allocator.total}
         del llm, eng
     print(json.dumps(result))
@@ -90,5 +94,6 @@ def test_kvp_engines_match_the_unsharded_engine():
         assert r["preemptions"] > 0, (mesh, r)        # the small per-group pools were short
         assert r["chunked"] > 0 and not r["crossing"], (mesh, r)
         assert len(r["starts"]) > 1, (mesh, r)        # sequences started on several groups
+        assert r["spread"] == groups and r["decode_cross"], (mesh, r)  # 200 tokens: all groups
         assert r["free"] == r["total"]
     assert result["kvp=4"]["swaps"] > 0
