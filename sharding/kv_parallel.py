@@ -10,6 +10,11 @@ on ``kvp`` (``PAGE_TABLE_SPEC``) hands each group exactly its own pages.
 
 Queries are replicated over ``kvp``; each group attends to its local keys and the partial
 results are merged by their log-sum-exp (online softmax across the axis).
+
+The engine starts each sequence on the least-loaded group ``s`` rather than group 0: group
+``g`` then holds its logical chunk ``(g - s) % kvp``, i.e. tokens from ``row_offsets``; the
+page table's column block ``g`` holds that chunk's local ids, and ``start_groups`` carries
+``s`` per row (see ``jserve/cache/allocator.py`` and ``jserve/engine/step_builder.py``).
 """
 from __future__ import annotations
 
@@ -35,34 +40,49 @@ def local_kv_len(kv_len, group, tokens_per_group: int):
     return jnp.clip(kv_len - group * tokens_per_group, 0, tokens_per_group)
 
 
-def local_page_table(page_table, group: int, pages_per_group: int):
+def local_page_table(page_table, group, pages_per_group: int):
     """Group ``group``'s columns of the logical page table (what ``PAGE_TABLE_SPEC`` gives
-    each shard): its local page ids for the sequence's tokens in its range."""
-    return page_table[:, group * pages_per_group:(group + 1) * pages_per_group]
+    each shard): its local page ids for the sequence's tokens in its range. ``group`` may be
+    traced (``axis_index``)."""
+    return jax.lax.dynamic_slice_in_dim(page_table, group * pages_per_group, pages_per_group,
+                                        axis=1)
 
 
-def local_metadata(meta: AttentionMetadata, group, tokens_per_group: int) -> AttentionMetadata:
+def row_offsets(start_groups, group, kvp: int, tokens_per_group: int):
+    """First absolute token of each row [S] that ``group`` holds when a row's sequence starts
+    in ``start_groups[row]`` (its logical chunk ``(group - start) % kvp`` lives there)."""
+    return ((group - start_groups) % kvp) * tokens_per_group
+
+
+def local_metadata(meta: AttentionMetadata, offsets, tokens_per_group: int) -> AttentionMetadata:
     """``meta`` (global positions and kv_lens, ``page_table`` already the group's columns)
-    as group ``group`` sees it. Shifting the query positions by ``-group*L`` keeps causality
-    in local key indices: local key j (absolute ``group*L + j``) is visible to a query at
-    absolute p iff ``j <= p - group*L``; queries before the group's range see no key."""
-    offset = group * tokens_per_group
-    return dataclasses.replace(meta, positions=meta.positions - offset,
-                               kv_lens=local_kv_len(meta.kv_lens, group, tokens_per_group))
+    as the group whose range of each row starts at ``offsets`` (a scalar or per row [S])
+    sees it. Shifting the query positions by ``-offset`` keeps causality in local key
+    indices: local key j (absolute ``offset + j``) is visible to a query at absolute p iff
+    ``j <= p - offset``; queries before the group's range see no key."""
+    offsets = jnp.broadcast_to(jnp.asarray(offsets, meta.kv_lens.dtype), meta.kv_lens.shape)
+    rows = meta.kv_lens.shape[0]
+    token_offsets = offsets[jnp.clip(meta.token_seq, 0, rows - 1)]  # padding: any row's
+    kv_lens = jnp.clip(meta.kv_lens - offsets, 0, tokens_per_group)
+    return dataclasses.replace(meta, positions=meta.positions - token_offsets, kv_lens=kv_lens)
 
 
 def group_write_slots(positions, token_seq, kv_lens, page_table, group,
-                      tokens_per_group: int, page_size: int):
+                      tokens_per_group: int, page_size: int, offsets=None):
     """Flat local cache slots [T] where ``group`` writes this step's new KV: a live token's
     own slot in the group that owns its position, the sink slot 0 everywhere else (other
     groups' tokens, padding tokens and rows), so every token's KV is stored exactly once.
 
-    ``page_table`` is the group's local table [S, L/S]; token_seq may point past it (padding)."""
+    ``page_table`` is the group's local table [S, L/S]; token_seq may point past it (padding).
+    ``offsets`` [S]: first token of each row's range in this group (``row_offsets``); default
+    ``group * L`` (every sequence starting in group 0). The engine computes the same slots on
+    the host instead (``StepInput.slot_groups``, ``owned_slots``)."""
     rows = page_table.shape[0]
     seq = jnp.clip(token_seq, 0, rows - 1)
     live = (token_seq < rows) & (positions < kv_lens[seq])
-    local = positions - group * tokens_per_group
-    mine = live & (owner_group(positions, tokens_per_group) == group)
+    offset = group * tokens_per_group if offsets is None else jnp.asarray(offsets)[seq]
+    local = positions - offset
+    mine = live & (local >= 0) & (local < tokens_per_group)
     col = jnp.clip(local // page_size, 0, page_table.shape[1] - 1)
     slot = page_table[seq, col] * page_size + local % page_size
     return jnp.where(mine, slot, 0)
@@ -76,18 +96,32 @@ def merge_partials(out, lse, axis: str):
 
 
 def kvp_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: AttentionMetadata,
-                  axis: str = "kvp", impl: str = "reference") -> tuple[jax.Array, jax.Array]:
+                  axis: str = "kvp", impl: str = "reference",
+                  start_groups: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Ragged paged attention with the KV split by token range over ``axis``; call inside
     ``jax.shard_map`` with q and the metadata replicated over ``axis``, the pages split by
     ``KV_PAGES_SPEC`` and the page table by ``PAGE_TABLE_SPEC``.
 
-    The tokens per group are implied by the layout: the local table width times the page
-    size. Returns (out [T, Hq, D], lse [T, Hq]), replicated over ``axis``."""
+    ``start_groups`` [S]: the group holding each row's first tokens (the engine starts a
+    sequence on the least-loaded group; its table's column block g then holds its logical
+    chunk ``(g - start) % kvp``); None: every row starts in group 0. The tokens per group
+    are implied by the layout: the local table width times the page size. Returns
+    (out [T, Hq, D], lse [T, Hq]), replicated over ``axis``."""
     tokens_per_group = meta.page_table.shape[1] * k_pages.shape[2]
     group = jax.lax.axis_index(axis)
-    out, lse = attention(q, k_pages, v_pages, local_metadata(meta, group, tokens_per_group),
+    if start_groups is None:
+        offsets = group * tokens_per_group
+    else:
+        offsets = row_offsets(start_groups, group, jax.lax.axis_size(axis), tokens_per_group)
+    out, lse = attention(q, k_pages, v_pages, local_metadata(meta, offsets, tokens_per_group),
                          impl=impl)
     return merge_partials(out, lse, axis)
+
+
+def owned_slots(slots, slot_groups, axis: str):
+    """This group's write slots: a token's local slot where the group owns it
+    (``slot_groups`` from the step builder), the sink slot 0 elsewhere."""
+    return jnp.where(slot_groups == jax.lax.axis_index(axis), slots, 0)
 
 
 def metadata_specs(meta: AttentionMetadata) -> AttentionMetadata:

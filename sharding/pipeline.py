@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -29,12 +29,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jserve.cache.pool import KVCache
 from jserve.config import LlamaConfig
 from jserve.model.llama import Params, decoder_layer, embed, rope_tables
+from sharding.kv_parallel import local_page_table
 from sharding.specs import kv_head_map, param_specs, tp_layout
 
 STAGE_SPEC = P("spp")                # carry leaves: [spp, ...]
-KV_PAGES_SPEC = P("spp", "tp")       # [spp, stored KV heads, pages, page_size, head_dim]
-# Extra keywords every stage passes to ``decoder_layer`` (e.g. ``kvp_axis="kvp"``).
-LAYER_KWARGS: dict[str, Any] = {}
+# [spp, stored KV heads, kvp * pages per group, page_size, head_dim]: stages on spp, heads on
+# tp, each KV-cache-parallel group's pool on kvp (a size-1 axis splits nothing).
+KV_PAGES_SPEC = P("spp", "tp", "kvp")
 
 
 @jax.tree_util.register_dataclass
@@ -123,14 +124,17 @@ def empty_carry(mesh: Mesh, cfg: LlamaConfig, tokens: int, ibuf, fbuf) -> Pipeli
 
 def tick(params: Params, kv_cache: KVCache, carry: PipelineCarry, ibuf: jax.Array,
          fbuf: jax.Array, *, unpack: Callable, mesh: Mesh, cfg: LlamaConfig,
-         attention_impl: str, layer_kwargs: dict[str, Any] | None = None
-         ) -> tuple[KVCache, PipelineCarry]:
+         attention_impl: str) -> tuple[KVCache, PipelineCarry]:
     """One pipeline tick with the new batch (``ibuf``, ``fbuf``; replicated) entering stage 0.
     ``unpack(ibuf, fbuf)`` turns packed buffers into ``StepArrays``. Returns the updated KV
-    cache and carry; ``carry.exiting()`` is the batch that left the last stage."""
-    spp = mesh.shape["spp"]
+    cache and carry; ``carry.exiting()`` is the batch that left the last stage.
+
+    With ``kvp`` > 1 every stage runs KV-cache-parallel attention: the batch travels whole,
+    so each group takes its own columns of the page table here (what ``PAGE_TABLE_SPEC``
+    does for the unpipelined step)."""
+    spp, kvp = mesh.shape["spp"], mesh.shape["kvp"]
     lps = layers_per_stage(cfg, spp)
-    kwargs = dict(LAYER_KWARGS if layer_kwargs is None else layer_kwargs)
+    kvp_axis = "kvp" if kvp > 1 else None
     perm = [(s, (s + 1) % spp) for s in range(spp)]
 
     def local(params, kv_cache, carry, ibuf, fbuf):
@@ -138,6 +142,11 @@ def tick(params: Params, kv_cache: KVCache, carry: PipelineCarry, ibuf: jax.Arra
         ib = jnp.where(first, ibuf, carry.ibuf[0])
         fb = jnp.where(first, fbuf, carry.fbuf[0])
         batch = unpack(ib, fb).batch
+        if kvp_axis is not None:
+            table = batch.attn.page_table
+            local = local_page_table(table, jax.lax.axis_index("kvp"), table.shape[1] // kvp)
+            batch = dataclasses.replace(
+                batch, attn=dataclasses.replace(batch.attn, page_table=local))
         x = jnp.where(first, embed(params, batch.tokens), carry.x[0])
         cos, sin = rope_tables(cfg, batch.attn.positions)
         new_cache = []
@@ -145,7 +154,8 @@ def tick(params: Params, kv_cache: KVCache, carry: PipelineCarry, ibuf: jax.Arra
             layer = {name: leaf[0, j] for name, leaf in params["layers"].items()}
             k, v = kv_cache[j]
             x, (k, v) = decoder_layer(layer, (k[0], v[0]), x, batch, cos, sin, cfg=cfg,
-                                      attention_impl=attention_impl, tp_axis="tp", **kwargs)
+                                      attention_impl=attention_impl, tp_axis="tp",
+                                      kvp_axis=kvp_axis)
             new_cache.append((k[None], v[None]))
         moved = PipelineCarry(*(jax.lax.ppermute(a, "spp", perm)[None] for a in (x, ib, fb)))
         return new_cache, moved

@@ -18,12 +18,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jserve.cache.pool import KVCache
 from jserve.config import LlamaConfig
 from jserve.model.llama import Params
+from sharding.kv_parallel import KV_PAGES_SPEC as KVP_PAGES_SPEC
 
 # Runtime-layout leaves split on "tp" (column-split on the last axis, row-split on the first);
 # everything else (norms, embed, lm_head) is replicated.
 _COLUMN = ("wq", "wk", "wv", "w_gate_up")
 _ROW = ("wo", "w_down")
-KV_PAGES_SPEC = P("tp")  # [stored KV heads, pages, page_size, head_dim]
+# [stored KV heads, kvp * pages per group, page_size, head_dim]: heads split on tp, pages on
+# kvp (each KV-cache-parallel group holds its own pool; a size-1 axis splits nothing).
+KV_PAGES_SPEC = KVP_PAGES_SPEC
 
 
 def kv_head_map(cfg: LlamaConfig, tp: int) -> np.ndarray:
@@ -72,9 +75,15 @@ def shard_params(params: Params, cfg: LlamaConfig, mesh: Mesh) -> Params:
     return jax.device_put(params, shardings)
 
 
+def kv_heads_per_device(cfg: LlamaConfig, tp: int) -> int:
+    """KV heads one device stores (``kv_head_map`` split over ``tp``): what sizes its pages."""
+    return len(kv_head_map(cfg, tp)) // tp
+
+
 def allocate_sharded_kv_cache(cfg: LlamaConfig, num_pages: int, page_size: int,
                               mesh: Mesh) -> KVCache:
-    """Zeroed KV pages created in place on ``mesh`` (no full copy on one device first)."""
+    """Zeroed KV pages created in place on ``mesh`` (no full copy on one device first);
+    ``num_pages`` is the global count, ``kvp`` pools of ``num_pages / kvp``."""
     shape = (len(kv_head_map(cfg, mesh.shape["tp"])), num_pages, page_size, cfg.head_dim)
     sharding = NamedSharding(mesh, KV_PAGES_SPEC)
     zeros = jax.jit(functools.partial(jnp.zeros, shape, cfg.np_dtype), out_shardings=sharding)

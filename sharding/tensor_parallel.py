@@ -1,7 +1,11 @@
 """The model step under ``jax.shard_map``: each ``tp`` shard runs the unsharded ``forward``
 on its heads and MLP slice (shapes say how many) and psums the partial outputs of wo and
-w_down over ``tp`` (Megatron); logits come out replicated, KV pages stay split."""
+w_down over ``tp`` (Megatron); with ``kvp`` > 1 each KV-cache-parallel group holds its pool
+and its columns of the page table and attention merges over ``kvp``
+(``sharding.kv_parallel``). Logits come out replicated, KV pages stay split."""
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 from jax.sharding import Mesh, PartitionSpec as P
@@ -9,20 +13,32 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jserve.cache.pool import KVCache
 from jserve.config import LlamaConfig
 from jserve.model.llama import Params, StepInput, forward
+from sharding.kv_parallel import PAGE_TABLE_SPEC
 from sharding.specs import kv_cache_specs, param_specs
+
+
+def batch_specs(batch: StepInput) -> StepInput:
+    """shard_map in_specs for a step's batch: replicated, the page table split on kvp."""
+    specs = jax.tree.map(lambda _: P(), batch)
+    return dataclasses.replace(specs, attn=dataclasses.replace(specs.attn,
+                                                               page_table=PAGE_TABLE_SPEC))
 
 
 def tp_forward(params: Params, kv_cache: KVCache, batch: StepInput, *, mesh: Mesh,
                cfg: LlamaConfig, attention_impl: str = "reference") -> tuple[jax.Array, KVCache]:
     """``forward`` over params from ``shard_params`` and pages from
-    ``allocate_sharded_kv_cache``; the batch is replicated."""
+    ``allocate_sharded_kv_cache``; the batch is replicated but for the page table's
+    columns, split over ``kvp``."""
     kv_specs = kv_cache_specs(len(kv_cache))
+    kvp_axis = "kvp" if mesh.shape["kvp"] > 1 else None
     def local(params, kv_cache, batch):
         logits, kv_cache, _ = forward(params, kv_cache, batch, cfg=cfg,
-                                      attention_impl=attention_impl, tp_axis="tp")
+                                      attention_impl=attention_impl, tp_axis="tp",
+                                      kvp_axis=kvp_axis)
         return logits, kv_cache
     # check_vma off: the attention kernels' loop carries start as invariant constants and
     # turn varying over tp; the outputs' replication is by construction (psum, then replicated
     # norm and head), and tests hold it by comparing tokens with the unsharded engine.
-    return jax.shard_map(local, mesh=mesh, in_specs=(param_specs(params), kv_specs, P()),
+    return jax.shard_map(local, mesh=mesh,
+                         in_specs=(param_specs(params), kv_specs, batch_specs(batch)),
                          out_specs=(P(), kv_specs), check_vma=False)(params, kv_cache, batch)

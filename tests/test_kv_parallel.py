@@ -155,3 +155,26 @@ def test_kvp_attention_matches_unsharded_reference():
         assert r["out_err"] < 1e-5 and r["lse_err"] < 1e-5, (mesh, r)
         assert r["padding_ok"] and not r["nan"], (mesh, r)
         assert r["padding_rows"] == 4, (mesh, r)  # the padding decode row and 3 padding tokens
+
+
+def test_row_offsets_place_each_rows_range_from_its_start_group():
+    """A sequence starting in group s keeps logical chunk (g - s) % kvp in group g: with
+    kvp=3, L=8 a row starting in group 2 has tokens 0..7 in group 2, 8..15 in group 0; the
+    write slots and local kv_lens follow the per-row offsets."""
+    from sharding.kv_parallel import row_offsets
+    L, S = 8, 4
+    start = np.array([0, 2], np.int32)
+    assert [row_offsets(start, g, 3, L).tolist() for g in range(3)] == [[0, 8], [8, 16],
+                                                                         [16, 0]]
+    kv_lens = np.array([3, 12], np.int32)
+    positions = np.array([0, 1, 2, *range(12)], np.int32)
+    token_seq = np.array([0, 0, 0] + [1] * 12, np.int32)
+    tables = [np.array([[1, 0], [2, 0]]), np.array([[0, 0], [0, 0]]), np.array([[0, 0], [1, 3]])]
+    slots = [np.asarray(group_write_slots(positions, token_seq, kv_lens, tables[g], g, L, S,
+                                          offsets=row_offsets(start, g, 3, L)))
+             for g in range(3)]
+    # row 0 (start 0): group 0 page 1; row 1: tokens 0..7 in group 2 (pages 1, 3), 8..11 in
+    # group 0 (page 2); group 1 holds nothing.
+    assert slots[0].tolist() == [4, 5, 6] + [0] * 8 + [8, 9, 10, 11]
+    assert slots[1].tolist() == [0] * 15
+    assert slots[2].tolist() == [0, 0, 0] + [4, 5, 6, 7, 12, 13, 14, 15] + [0] * 4

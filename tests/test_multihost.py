@@ -1,9 +1,11 @@
-"""Multi-process serving (``sharding.distributed``): two processes with 2 CPU devices each,
-joined over gloo into one tp=4 mesh, give the greedy tokens of one process with 4 devices.
+"""Multi-process serving (``sharding.distributed``): two processes joined over gloo into one
+mesh give the greedy tokens of one process on one device.
 
-tp=4 rather than 2 x 4 devices: the default model has 4 query heads, so no tp mesh covers 8
-devices (and tp is the only axis implemented). Each process runs ``tests/multihost_worker.py``
-under a hard timeout, so a hang fails the test instead of stalling the suite."""
+Two layouts: 2 x 4 devices as spp=2 x kvp=2 x tp=2 (pipeline stages on different processes,
+so activations and step buffers cross processes by ppermute; the leader broadcasts every
+tick, empty drain ticks included), and 2 x 2 devices as tp=4 (the tensor-parallel psums
+cross processes). Each process runs ``tests/multihost_worker.py`` under a hard timeout, so a
+hang fails the test instead of stalling the suite."""
 from __future__ import annotations
 
 import json
@@ -13,8 +15,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
-TIMEOUT = 120
+TIMEOUT = 300
 
 
 def _free_port() -> int:
@@ -23,12 +27,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(coordinator: str, n: int, i: int, devices: int, out: Path) -> subprocess.Popen:
+def _launch(coordinator: str, n: int, i: int, devices: int, mesh: str,
+            out: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("XLA_FLAGS", None)  # the worker sets its device count itself
     return subprocess.Popen(
         [sys.executable, "-m", "tests.multihost_worker", coordinator, str(n), str(i),
-         str(devices), "tp=4", str(out)],
+         str(devices), mesh, str(out)],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -45,13 +50,14 @@ def _wait_all(procs: list[subprocess.Popen]) -> None:
     assert not failed, failed
 
 
-def test_two_processes_match_one(tmp_path):
+@pytest.mark.parametrize("devices, mesh", [(4, "spp=2,kvp=2,tp=2"), (2, "tp=4")])
+def test_two_processes_match_one_device(tmp_path, devices, mesh):
     coordinator = f"127.0.0.1:{_free_port()}"
     multi, single = tmp_path / "multi.json", tmp_path / "single.json"
-    procs = [_launch(coordinator, 2, i, 2, multi) for i in (0, 1)]
-    procs.append(_launch("", 1, 0, 4, single))
+    procs = [_launch(coordinator, 2, i, devices, mesh, multi) for i in (0, 1)]
+    procs.append(_launch("", 1, 0, 1, "tp=1", single))
     _wait_all(procs)
     m, s = json.loads(multi.read_text()), json.loads(single.read_text())
-    assert (m["processes"], m["devices"], s["processes"], s["devices"]) == (2, 4, 1, 4)
+    assert (m["processes"], m["devices"], s["processes"], s["devices"]) == (2, 2 * devices, 1, 1)
     assert m["tokens"] == s["tokens"]
     assert all(len(t) == 12 for t in m["tokens"])

@@ -115,3 +115,131 @@ def test_requests_with_a_token_in_flight_are_neither_scheduled_nor_preempted():
     s.hold([b])
     s.finish(b, RequestStatus.FINISHED_ABORTED)
     assert not s.in_flight and s.has_schedulable()
+
+
+# -- KV-cache parallel groups (kvp): per-group pools and the group-boundary rules -------------
+import random
+
+import pytest
+
+from jserve.cache.allocator import OutOfBlocks
+from jserve.scheduler.chunking import PrefillTimeCache
+from jserve.scheduler.deadline import DeadlineConfig, DeadlineScheduler
+from jserve.scheduler.predictor import LinearPredictor
+
+
+def test_grouped_allocator_conserves_blocks_per_group_under_random_traffic():
+    alloc = BlockAllocator(9, 4, groups=3, pages_per_group=3)  # 8 usable pages per group
+    rng = random.Random(0)
+    seqs: list[list[int]] = []
+    for _ in range(400):
+        if seqs and rng.random() < 0.35:
+            alloc.free(seqs.pop(rng.randrange(len(seqs))))
+        elif seqs and rng.random() < 0.5:
+            seq = rng.choice(seqs)
+            n = rng.randint(1, 3)
+            if len(seq) + n <= 9 and alloc.can_extend(seq, n):
+                seq += alloc.extend(seq, n)
+            elif len(seq) + n <= 9:
+                with pytest.raises(OutOfBlocks):
+                    alloc.extend(seq, n)
+        else:
+            n = rng.randint(1, 5)
+            if alloc.can_extend([], n):
+                seqs.append(alloc.extend([], n))
+        alloc.check()
+        assert alloc.num_allocated == sum(map(len, seqs))
+        for seq in seqs:  # logical page j lives in group (start + j // 3) % 3, never a sink
+            start = alloc.group_of(seq[0])
+            assert [alloc.group_of(b) for b in seq] == [(start + j // 3) % 3
+                                                        for j in range(len(seq))]
+            assert all(b % 9 for b in seq)
+    for seq in seqs:
+        alloc.free(seq)
+    alloc.check()
+    assert alloc.num_free == alloc.total == 24
+    with pytest.raises(ValueError, match="at most 9 pages"):
+        alloc.extend([], 10)
+
+
+def test_new_sequences_start_on_the_least_loaded_group():
+    alloc = BlockAllocator(9, 4, groups=3, pages_per_group=3)
+    a = alloc.extend([], 2)                          # all equal: group 0
+    assert {alloc.group_of(b) for b in a} == {0}
+    b = alloc.extend([], 3)                          # groups 1 and 2 tie: group 1
+    assert {alloc.group_of(x) for x in b} == {1}
+    c = alloc.extend([], 5)                          # group 2 is free-est; spills into 0
+    assert [alloc.group_of(x) for x in c] == [2, 2, 2, 0, 0]
+    assert [alloc.num_free_in(g) for g in range(3)] == [4, 5, 5]
+    assert alloc.start_group([]) == 1
+    # A sequence's capacity: the rest of its current group's chunk, then the next groups'
+    # chunks while their pools have room, up to 3 groups x 3 pages.
+    assert alloc.extendable(c) == 1 + 3 and alloc.extendable(a) == 1 + 3 + 3
+    alloc.extend([], 3)                              # group 1 (5 free) -> 2 left there
+    assert alloc.num_free_in(1) == 2
+    assert alloc.extendable(a) == 1 + 2              # a's next chunk (group 1) is short
+    assert alloc.can_extend(a, 3) and not alloc.can_extend(a, 4)
+
+
+def _grouped_sched(**kw):
+    # 4-token pages, 2 pages a group: L = 8 tokens per group, 3 groups, 7 usable pages each.
+    return SarathiScheduler(BlockAllocator(8, 4, groups=3, pages_per_group=2), **{
+        "max_num_seqs": 8, "max_num_batched_tokens": 32, "max_prefill_seqs": 4, **kw})
+
+
+def test_prefill_chunks_stop_at_group_boundaries():
+    s = _grouped_sched()
+    a = _req("a", 20, 0)
+    s.add(a)
+    sizes = []
+    while a.num_computed < 20:
+        plan = s.schedule()
+        sizes.append([(c.start, c.num_tokens) for c in plan.prefills])
+        _run(s, plan)
+    assert sizes == [[(0, 8)], [(8, 8)], [(16, 4)]]  # never across 8 or 16
+    s.allocator.check()
+
+
+def test_group_boundary_clip_also_applies_to_deadline_chunks():
+    pred = LinearPredictor((0.0, 1e-3, 0.0, 0.0, 0.0, 0.0))
+    cfg = DeadlineConfig(t_target=1.0, chunk_granularity=2)
+    s = DeadlineScheduler(BlockAllocator(8, 4, groups=3, pages_per_group=2), policy="edf",
+                          predictor=pred, prefill_cache=PrefillTimeCache(pred, 64, 1.0),
+                          max_num_seqs=8, max_num_batched_tokens=32, max_prefill_seqs=4,
+                          config=cfg, clock=lambda: 0.0)
+    a = _req("a", 20, 0)
+    s.add(a)
+    plan = s.schedule()
+    assert [(c.start, c.num_tokens) for c in plan.prefills] == [(0, 8)]
+
+
+def test_at_most_one_group_spanning_prefill_per_batch():
+    s = _grouped_sched()
+    a, b, c = _req("a", 12, 0), _req("b", 14, 1), _req("c", 5, 2)  # a and b span groups
+    for r in (a, b, c):
+        s.add(r)
+    p1 = s.schedule()
+    # b waits while a (spanning) prefills; Sarathi admits in arrival order, so c waits too.
+    assert [(x.request_id, x.num_tokens) for x in p1.prefills] == [("a", 8)]
+    _run(s, p1)
+    p2 = s.schedule()
+    assert [x.request_id for x in p2.prefills] == ["a"]
+    _run(s, p2)
+    p3 = s.schedule()  # a decodes now; b may start
+    assert [x.request_id for x in p3.decodes] == ["a"]
+    assert [(x.request_id, x.num_tokens) for x in p3.prefills][:1] == [("b", 8)]
+    s.allocator.check()
+
+
+def test_deadline_policy_runs_one_group_spanning_prefill_per_batch():
+    pred = LinearPredictor((0.0, 1e-4, 0.0, 0.0, 0.0, 0.0))
+    s = DeadlineScheduler(BlockAllocator(8, 4, groups=3, pages_per_group=2), policy="edf",
+                          predictor=pred, prefill_cache=PrefillTimeCache(pred, 64, 1.0),
+                          max_num_seqs=8, max_num_batched_tokens=32, max_prefill_seqs=4,
+                          config=DeadlineConfig(t_target=1.0, chunk_granularity=2),
+                          clock=lambda: 0.0)
+    a, b, c = _req("a", 12, 0), _req("b", 14, 1), _req("c", 5, 2)
+    for r in (a, b, c):
+        s.add(r)
+    plan = s.schedule()
+    assert [(x.request_id, x.num_tokens) for x in plan.prefills] == [("a", 8), ("c", 5)]

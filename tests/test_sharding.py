@@ -52,8 +52,8 @@ def test_validate_rejects_splits_the_model_cannot_take(tp, message):
 
 
 def test_engine_rejects_axes_not_implemented():
-    with pytest.raises(ValueError, match="kvp/dp > 1 not supported yet"):
-        small_llm(mesh="kvp=2")
+    with pytest.raises(ValueError, match="dp > 1 not supported yet"):
+        small_llm(mesh="dp=2")
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -16,7 +15,6 @@ import textwrap
 import numpy as np
 import pytest
 from conftest import small_llm
-from pathlib import Path
 
 from jserve.cache.allocator import BlockAllocator
 from jserve.scheduler import Request, RequestStatus, SarathiScheduler
@@ -220,37 +218,3 @@ def test_finish_while_pinned_defers_the_block_release():
     s.unpin(b)
     assert s.allocator.num_allocated == held - 2 and b not in s.pinned
     s.allocator.check()
-
-
-# -- multi-process: followers replay every tick ---------------------------------------------
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _worker(coordinator: str, n: int, i: int, devices: int, mesh: str, out: Path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("XLA_FLAGS", None)  # the worker sets its device count itself
-    return subprocess.Popen(
-        [sys.executable, "-m", "tests.multihost_worker", coordinator, str(n), str(i),
-         str(devices), mesh, str(out)],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def test_two_processes_run_the_pipeline(tmp_path):
-    """spp=2 x tp=2 over two processes of 2 CPU devices each (the leader broadcasts every
-    tick, empty drain ticks included) gives the greedy tokens of one device."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        coordinator = f"127.0.0.1:{s.getsockname()[1]}"
-    multi, single = tmp_path / "multi.json", tmp_path / "single.json"
-    procs = [_worker(coordinator, 2, i, 2, "spp=2,tp=2", multi) for i in (0, 1)]
-    procs.append(_worker("", 1, 0, 1, "tp=1", single))
-    try:
-        logs = [p.communicate(timeout=300)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert all(p.returncode == 0 for p in procs), [log[-2000:] for log in logs]
-    m, s = json.loads(multi.read_text()), json.loads(single.read_text())
-    assert (m["processes"], m["devices"], s["devices"]) == (2, 4, 1)
-    assert m["tokens"] == s["tokens"] and all(len(t) == 12 for t in m["tokens"])

@@ -11,9 +11,14 @@ from jserve.config import LlamaConfig
 KVCache = list[tuple[jax.Array, jax.Array]]  # per layer (k_pages, v_pages): [Hkv, P, S, D]
 
 
-def kv_bytes_per_page(cfg: LlamaConfig, page_size: int) -> int:
-    return (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * page_size * cfg.head_dim
-            * cfg.np_dtype.itemsize)
+def kv_bytes_per_page(cfg: LlamaConfig, page_size: int, kv_heads: int | None = None,
+                      num_layers: int | None = None) -> int:
+    """Bytes of one page over ``num_layers`` layers (K and V) holding ``kv_heads`` heads
+    (defaults: the model's; a tensor-parallel device stores its share of the heads, a
+    pipeline stage its layers, see ``sharding.specs`` and ``sharding.pipeline``)."""
+    heads = cfg.num_key_value_heads if kv_heads is None else kv_heads
+    layers = cfg.num_hidden_layers if num_layers is None else num_layers
+    return 2 * layers * heads * page_size * cfg.head_dim * cfg.np_dtype.itemsize
 
 
 def available_device_bytes(device: jax.Device) -> int:
@@ -25,18 +30,23 @@ def available_device_bytes(device: jax.Device) -> int:
 
 
 def num_pages_for_budget(cfg: LlamaConfig, page_size: int, *, kv_cache_bytes: int | None,
-                         memory_fraction: float, max_useful_pages: int) -> int:
-    """Pages that fit the budget: an explicit byte count, else a fraction of free memory.
+                         memory_fraction: float, max_useful_pages: int,
+                         kv_heads: int | None = None, num_layers: int | None = None) -> int:
+    """Pages that fit one device's budget: an explicit byte count, else a fraction of its free
+    memory; ``kv_heads`` and ``num_layers`` are what a device stores per page
+    (``kv_bytes_per_page``).
 
     Capped at ``max_useful_pages`` (every sequence slot at full context) plus the reserved
-    page, so a small model on a large host does not grab memory it can never use.
+    page, so a small model on a large host does not grab memory it can never use. With
+    KV-cache parallelism this is one group's pool (each group's pool is on its own devices).
     """
     if not 0 < memory_fraction <= 1:
         raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
     budget = kv_cache_bytes
     if budget is None:
         budget = int(available_device_bytes(jax.local_devices()[0]) * memory_fraction)
-    pages = min(budget // kv_bytes_per_page(cfg, page_size), max_useful_pages + 1)
+    pages = min(budget // kv_bytes_per_page(cfg, page_size, kv_heads, num_layers),
+                max_useful_pages + 1)
     if pages < 2:
         raise ValueError(
             f"KV cache budget of {budget} bytes holds {pages} pages of {page_size} tokens; need >= 2")

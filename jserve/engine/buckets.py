@@ -24,19 +24,28 @@ class Buckets:
     prefill_tokens: tuple[int, ...]   # sizes for the number of prefill tokens (0 included)
     prefill_rows: int                 # prefill sequence rows when there is any prefill
     page_table_width: int             # pages per sequence row (max_model_len / page_size, padded)
+    kvp: int = 1                      # KV-cache-parallel groups: the width is kvp equal blocks
+
+    @property
+    def pages_per_group(self) -> int:
+        """Pages of a sequence each kvp group holds (its block of the page table)."""
+        return self.page_table_width // self.kvp
 
     @classmethod
     def for_limits(cls, *, max_num_seqs: int, token_budget: int, max_prefill_seqs: int,
                    max_model_len: int, page_size: int,
-                   pages_per_block: int = PAGES_PER_BLOCK) -> "Buckets":
-        pages = -(-max_model_len // page_size)
+                   pages_per_block: int = PAGES_PER_BLOCK, kvp: int = 1) -> "Buckets":
+        # Each group's block of the table is padded like a whole table, so the kernels read
+        # it (and L = its width x page_size tokens per group) on every group alike.
+        pages = -(-(-(-max_model_len // page_size)) // kvp)
         block = min(pages_per_block, 1 << (pages - 1).bit_length())
         width = -(-pages // block) * block
         return cls(
             decode_rows=(0,) + _pow2_ladder(1, min(max_num_seqs, token_budget)),
             prefill_tokens=(0,) + _pow2_ladder(min(16, token_budget), token_budget),
             prefill_rows=max_prefill_seqs,
-            page_table_width=width,
+            page_table_width=width * kvp,
+            kvp=kvp,
         )
 
     @staticmethod

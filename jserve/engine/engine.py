@@ -1,4 +1,4 @@
-"""LLMEngine: iteration-level continuous batching on one device.
+"""LLMEngine: iteration-level continuous batching on one device or a tp x kvp mesh.
 
 Each ``step()`` asks the scheduler for a BatchPlan, runs one fused device step for it, and
 turns sampled ids into per-request outputs (detokenize, stop checks, finish). Requests are
@@ -39,7 +39,7 @@ from jserve.scheduler.deadline import DeadlineConfig
 from jserve.tokenizer import Tokenizer
 from sharding import distributed, pipeline
 from sharding.mesh import MeshConfig, make_mesh
-from sharding.specs import allocate_sharded_kv_cache
+from sharding.specs import allocate_sharded_kv_cache, kv_head_map, kv_heads_per_device
 
 log = logging.getLogger(__name__)
 
@@ -95,9 +95,9 @@ class LLMEngine:
             raise ValueError(f"scheduler must be one of {POLICIES}, got {config.scheduler!r}")
         enable_compilation_cache(config.compilation_cache_dir)
         mesh_config = MeshConfig.parse(config.mesh)
-        if max(mesh_config.dp, mesh_config.kvp) > 1:
-            raise ValueError(f"mesh {config.mesh!r}: kvp/dp > 1 not supported yet "
-                             "(tensor and stream pipeline parallelism, tp=N and spp=N, run)")
+        if mesh_config.dp > 1:
+            raise ValueError(f"mesh {config.mesh!r}: dp > 1 not supported yet (tensor, "
+                             "KV-cache and stream pipeline parallelism, tp/kvp/spp=N, run)")
         mesh_config.validate(cfg)
         self._spp = mesh_config.spp
         if self._spp > 1:
@@ -118,17 +118,26 @@ class LLMEngine:
         self.buckets = Buckets.for_limits(
             max_num_seqs=config.max_num_seqs, token_budget=budget,
             max_prefill_seqs=config.max_prefill_seqs, max_model_len=self.max_model_len,
-            page_size=config.page_size)
+            page_size=config.page_size, kvp=mesh_config.kvp)
         if self._spp > 1:  # one tick shape: the pipeline carry's shape is fixed
             self.buckets = dataclasses.replace(
                 self.buckets, decode_rows=self.buckets.decode_rows[-1:],
                 prefill_tokens=self.buckets.prefill_tokens[-1:])
-        pages_per_seq = -(-self.max_model_len // config.page_size)
+        # KV pool: one kvp group's pool per device (sized by the heads a device stores under
+        # tp and the layers of its pipeline stage); a sequence keeps at most pages_per_group pages in one group, and the groups'
+        # pools sit side by side in the cache's page dimension (global id = group * pool +
+        # local id; jserve.cache.allocator).
+        kvp, tp = mesh_config.kvp, mesh_config.tp
+        pages_per_seq = (-(-self.max_model_len // config.page_size) if kvp == 1
+                         else self.buckets.pages_per_group)
         num_pages = num_pages_for_budget(
             cfg, config.page_size, kv_cache_bytes=config.kv_cache_bytes,
             memory_fraction=config.memory_fraction,
-            max_useful_pages=config.max_num_seqs * pages_per_seq)
-        self.allocator = BlockAllocator(num_pages, config.page_size)
+            max_useful_pages=config.max_num_seqs * pages_per_seq,
+            kv_heads=kv_heads_per_device(cfg, tp),
+            num_layers=cfg.num_hidden_layers // self._spp)
+        self.allocator = BlockAllocator(num_pages, config.page_size, groups=kvp,
+                                        pages_per_group=self.buckets.pages_per_group)
         self.predictor = load_predictor(cfg, config) if config.scheduler != "sarathi" else None
         self.scheduler = build_scheduler(
             config.scheduler, self.allocator, max_num_seqs=config.max_num_seqs,
@@ -139,7 +148,8 @@ class LLMEngine:
                                     space_sharing=config.space_sharing))
         # Swap-to-host preemption: host copies by request id and the bytes they reserve.
         self._cost_predictor = self.predictor or estimated_predictor(cfg)
-        self._page_bytes = kv_bytes_per_page(cfg, config.page_size)
+        # A swapped page is a global page: every stored KV head (copies under tp included).
+        self._page_bytes = kv_bytes_per_page(cfg, config.page_size, len(kv_head_map(cfg, tp)))
         self._host_kv: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
         self._host_reserved: dict[str, int] = {}
         # Swapping moves pages through host memory of one process; across processes the
@@ -147,12 +157,14 @@ class LLMEngine:
         if config.preemption != "recompute" and not self._multi_process and self._spp == 1:
             self.scheduler.choose_preemption = self._preemption_mode
         kv_cache = (allocate_kv_cache(cfg, num_pages, config.page_size) if mesh is None else
-                    pipeline.allocate_pipeline_kv_cache(cfg, num_pages, config.page_size, mesh)
+                    pipeline.allocate_pipeline_kv_cache(cfg, kvp * num_pages, config.page_size,
+                                                        mesh)
                     if self._spp > 1 else
-                    allocate_sharded_kv_cache(cfg, num_pages, config.page_size, mesh))
+                    allocate_sharded_kv_cache(cfg, kvp * num_pages, config.page_size, mesh))
         self.runner = ModelRunner(cfg, params, kv_cache, self.buckets, config.max_num_seqs,
                                   config.attention_impl, mesh)
-        self.builder = StepBuilder(self.buckets, config.page_size, self.runner.state_sink)
+        self.builder = StepBuilder(self.buckets, config.page_size, self.runner.state_sink,
+                                   pool_pages=num_pages)
         self._free_state_rows = list(range(self.runner.state_sink - 1, -1, -1))
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -202,8 +214,11 @@ class LLMEngine:
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                              f"context of {self.max_model_len} tokens")
         need = self.allocator.blocks_for(n + params.max_tokens)
-        if need > self.allocator.total:
-            raise ValueError(f"request needs {need} KV blocks; the pool has {self.allocator.total}")
+        if not self.allocator.can_ever_hold(need):
+            raise ValueError(f"request needs {need} KV blocks; the pool has {self.allocator.total}"
+                             + (f" ({self.allocator.groups} groups of "
+                                f"{self.allocator.pool_blocks - 1})"
+                                if self.allocator.groups > 1 else ""))
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,

@@ -147,7 +147,7 @@ def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, f
     if mesh is None:
         logits, kv_cache, _ = forward(params, kv_cache, arrays.batch, cfg=cfg,
                                       attention_impl=attention_impl)
-    else:  # tensor parallel; the rest of the step runs replicated on the logits
+    else:  # tensor / KV-cache parallel; the rest of the step runs replicated on the logits
         logits, kv_cache = tp_forward(params, kv_cache, arrays.batch, mesh=mesh, cfg=cfg,
                                       attention_impl=attention_impl)
     out, state = _sample(logits, state, arrays)
@@ -251,7 +251,8 @@ class ModelRunner:
             banned_ids=_spec((s, MAX_BANNED_IDS), i32))
         return StepArrays(
             batch=StepInput(tokens=_spec((t,), i32), slots=_spec((t,), i32),
-                            logits_rows=_spec((s,), i32), attn=attn),
+                            logits_rows=_spec((s,), i32), attn=attn,
+                            slot_groups=_spec((t,), i32), start_groups=_spec((s,), i32)),
             token_state_rows=_spec((t,), i32), token_is_prompt=_spec((t,), bool),
             state_rows=_spec((s,), i32), reset_rows=_spec((s,), i32), sampling=sampling,
             any_random=_spec((), bool), any_penalty=_spec((), bool),

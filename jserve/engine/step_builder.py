@@ -30,10 +30,31 @@ class BuiltStep:
 
 
 class StepBuilder:
-    def __init__(self, buckets: Buckets, page_size: int, state_sink: int):
+    """With ``buckets.kvp`` > 1 block ids are global (``group * pool_pages + local``, see
+    ``jserve.cache.allocator``): each row's page table gets, in column block g, the local ids
+    of its logical chunk ``(g - start) % kvp``; each token its local slot and owning group;
+    each row its start group. On one group those are the plain ids, slots and zeros."""
+
+    def __init__(self, buckets: Buckets, page_size: int, state_sink: int,
+                 pool_pages: int | None = None):
+        if buckets.kvp > 1 and pool_pages is None:
+            raise ValueError("kvp > 1 needs pool_pages (KV pages per group)")
         self.buckets = buckets
         self.page_size = page_size
         self.state_sink = state_sink
+        self.kvp = buckets.kvp
+        self.pool_pages = pool_pages
+
+    def _kvp_row(self, page_table: np.ndarray, row: int, block_ids) -> int:
+        """Fills ``row`` of the page table from global ``block_ids``; returns the start group."""
+        blocks = np.asarray(block_ids, np.int32)
+        if not len(blocks):
+            return 0
+        ppg, pool = self.buckets.pages_per_group, self.pool_pages
+        start = int(blocks[0]) // pool
+        j = np.arange(len(blocks))
+        page_table[row, ((start + j // ppg) % self.kvp) * ppg + j % ppg] = blocks % pool
+        return start
 
     def build(self, plan: BatchPlan, requests: dict[str, Request],
               sampler_row: "callable[[Request], SamplerRow]", neutral_row: SamplerRow,
@@ -51,6 +72,8 @@ class StepBuilder:
         token_seq = np.full(t, s, np.int32)
         token_state = np.full(t, self.state_sink, np.int32)
         token_is_prompt = np.zeros(t, bool)
+        slot_groups = np.zeros(t, np.int32)
+        start_groups = np.zeros(s, np.int32)
         kv_lens = np.zeros(s, np.int32)
         page_table = np.zeros((s, self.buckets.page_table_width), np.int32)
         logits_rows = np.zeros(s, np.int32)
@@ -68,13 +91,22 @@ class StepBuilder:
             srows = [state_row(r) for r in dec]
             tokens[:nd] = [r.token_ids[p] for r, p in zip(dec, pos_d)]
             positions[:nd] = pos_d
-            slots[:nd] = [r.block_ids[p // ps] * ps + p % ps for r, p in zip(dec, pos_d)]
             token_state[:nd] = srows
             kv_lens[:nd] = [p + 1 for p in pos_d]
             logits_rows[:nd] = np.arange(nd)
             state_rows[:nd] = srows
+            if self.kvp == 1:
+                slots[:nd] = [r.block_ids[p // ps] * ps + p % ps for r, p in zip(dec, pos_d)]
+                for i, r in enumerate(dec):
+                    page_table[i, :len(r.block_ids)] = r.block_ids
+            else:
+                pool = self.pool_pages
+                pages = np.asarray([r.block_ids[p // ps] for r, p in zip(dec, pos_d)], np.int32)
+                slots[:nd] = pages % pool * ps + np.asarray(pos_d, np.int32) % ps
+                slot_groups[:nd] = pages // pool
+                for i, r in enumerate(dec):
+                    start_groups[i] = self._kvp_row(page_table, i, r.block_ids)
             for i, (r, c) in enumerate(zip(dec, plan.decodes)):
-                page_table[i, :len(r.block_ids)] = r.block_ids
                 rows[i] = sampler_row(r)
                 sample_rows.append((i, c))
 
@@ -88,13 +120,19 @@ class StepBuilder:
             blocks = np.asarray(req.block_ids, np.int32)
             tokens[start:end] = req.token_ids[c.start:c.start + n]
             positions[start:end] = pos
-            slots[start:end] = blocks[pos // ps] * ps + pos % ps
+            if self.kvp == 1:
+                slots[start:end] = blocks[pos // ps] * ps + pos % ps
+                page_table[row, :len(blocks)] = blocks
+            else:
+                pages = blocks[pos // ps]
+                slots[start:end] = pages % self.pool_pages * ps + pos % ps
+                slot_groups[start:end] = pages // self.pool_pages
+                start_groups[row] = self._kvp_row(page_table, row, blocks)
             token_seq[start:end] = row
             srow = state_row(req)
             token_state[start:end] = srow
             token_is_prompt[start:end] = pos < req.num_prompt_tokens
             kv_lens[row] = c.start + n
-            page_table[row, :len(blocks)] = blocks
             logits_rows[row] = end - 1
             state_rows[row] = srow
             if c.start == 0:
@@ -109,7 +147,8 @@ class StepBuilder:
                                  num_prefills=np.asarray(len(plan.prefills), np.int32),
                                  num_decodes=bd)
         arrays = StepArrays(
-            batch=StepInput(tokens=tokens, slots=slots, logits_rows=logits_rows, attn=attn),
+            batch=StepInput(tokens=tokens, slots=slots, logits_rows=logits_rows, attn=attn,
+                            slot_groups=slot_groups, start_groups=start_groups),
             token_state_rows=token_state, token_is_prompt=token_is_prompt,
             state_rows=state_rows, reset_rows=reset_rows,
             sampling=make_sampling_batch(rows, pad_to=s),

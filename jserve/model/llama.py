@@ -16,6 +16,7 @@ from jserve.kernels import AttentionMetadata, attention, write_kv
 
 Params = dict[str, Any]
 from jserve.cache.pool import KVCache
+from sharding.kv_parallel import kvp_attention, owned_slots
 
 
 @jax.tree_util.register_dataclass
@@ -26,12 +27,19 @@ class StepInput:
     tokens/slots [T]: input ids and flat KV slot (page * page_size + offset) of every token;
     padding tokens write to the reserved page 0. logits_rows [S]: the token whose hidden state
     gives each sequence row's next-token logits.
+
+    KV-cache parallelism (``sharding.kv_parallel``): slots are then local to the token's
+    owning group, slot_groups [T] names that group and start_groups [S] the group holding each
+    row's first tokens; the engine always fills them (zeros on one group), other callers may
+    leave them None when no ``kvp_axis`` is used.
     """
 
     tokens: jax.Array
     slots: jax.Array
     logits_rows: jax.Array
     attn: AttentionMetadata
+    slot_groups: jax.Array | None = None
+    start_groups: jax.Array | None = None
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -75,13 +83,16 @@ def embed(params: Params, tokens: jax.Array) -> jax.Array:
 
 def decoder_layer(layer: Params, kv: tuple[jax.Array, jax.Array], x: jax.Array, batch: StepInput,
                   cos: jax.Array, sin: jax.Array, *, cfg: LlamaConfig, attention_impl: str,
-                  tp_axis: str | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+                  tp_axis: str | None = None, kvp_axis: str | None = None
+                  ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """One transformer block on the token-flattened batch: writes this step's K/V into the
     layer's pages and returns (residual stream, updated (k_pages, v_pages)).
 
     Head counts come from the weights' shapes, so under ``shard_map`` the same code runs a
     tensor-parallel shard's heads and MLP slice; ``tp_axis`` then names the mesh axis whose
-    partial attention and MLP outputs are summed (Megatron)."""
+    partial attention and MLP outputs are summed (Megatron). ``kvp_axis`` names the mesh axis
+    the KV pages are split over by token range (KV-cache parallelism): each group writes only
+    the tokens it owns and attends to its own keys, and the partials are merged by LSE."""
     t = x.shape[0]
     hd = cfg.head_dim
     hq, hkv = layer["wq"].shape[1] // hd, layer["wk"].shape[1] // hd
@@ -91,9 +102,15 @@ def decoder_layer(layer: Params, kv: tuple[jax.Array, jax.Array], x: jax.Array, 
     q = apply_rope((h @ layer["wq"]).reshape(t, hq, hd), cos, sin)
     k = apply_rope((h @ layer["wk"]).reshape(t, hkv, hd), cos, sin)
     v = (h @ layer["wv"]).reshape(t, hkv, hd)
-    k_pages = write_kv(k_pages, batch.slots, k, impl=attention_impl)
-    v_pages = write_kv(v_pages, batch.slots, v, impl=attention_impl)
-    out, _ = attention(q, k_pages, v_pages, batch.attn, impl=attention_impl)
+    slots = batch.slots if kvp_axis is None else owned_slots(batch.slots, batch.slot_groups,
+                                                             kvp_axis)
+    k_pages = write_kv(k_pages, slots, k, impl=attention_impl)
+    v_pages = write_kv(v_pages, slots, v, impl=attention_impl)
+    if kvp_axis is None:
+        out, _ = attention(q, k_pages, v_pages, batch.attn, impl=attention_impl)
+    else:
+        out, _ = kvp_attention(q, k_pages, v_pages, batch.attn, axis=kvp_axis,
+                               impl=attention_impl, start_groups=batch.start_groups)
     x = x + reduce(out.reshape(t, hq * hd).astype(x.dtype) @ layer["wo"])
     h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
     gate, up = jnp.split(h @ layer["w_gate_up"], 2, axis=-1)
@@ -110,10 +127,11 @@ def final_logits(params: Params, x: jax.Array, rows: jax.Array, cfg: LlamaConfig
 
 def forward(params: Params, kv_cache: KVCache, batch: StepInput, *, cfg: LlamaConfig,
             attention_impl: str = "reference", tp_axis: str | None = None,
-            capture_layer: int | None = None) -> tuple[jax.Array, KVCache, jax.Array | None]:
+            kvp_axis: str | None = None, capture_layer: int | None = None) -> tuple[jax.Array, KVCache, jax.Array | None]:
     """Returns (float32 logits [S, vocab] for ``batch.logits_rows``, updated KV cache, hidden).
 
-    ``params`` must be in the runtime layout of :func:`prepare_params`; ``tp_axis`` as in
+    ``params`` must be in the runtime layout of :func:`prepare_params`; ``tp_axis`` and
+    ``kvp_axis`` as in
     :func:`decoder_layer`. ``hidden`` is the float32 residual stream after layer
     ``capture_layer`` (0-based; ``None``: not captured) at ``batch.logits_rows`` [S, hidden],
     the embedding an output-length probe reads."""
@@ -123,7 +141,8 @@ def forward(params: Params, kv_cache: KVCache, batch: StepInput, *, cfg: LlamaCo
     hidden = None
     for i, (layer, kv) in enumerate(zip(params["layers"], kv_cache)):
         x, kv = decoder_layer(layer, kv, x, batch, cos, sin, cfg=cfg,
-                              attention_impl=attention_impl, tp_axis=tp_axis)
+                              attention_impl=attention_impl, tp_axis=tp_axis,
+                              kvp_axis=kvp_axis)
         new_cache.append(kv)
         if i == capture_layer:
             hidden = x[batch.logits_rows].astype(jnp.float32)

@@ -98,9 +98,9 @@ class SchedulerBase(abc.ABC):
         need = self.allocator.blocks_for(num_tokens) - len(req.block_ids)
         if need <= 0:
             return True
-        if not self.allocator.can_allocate(need):
+        if not self.allocator.can_extend(req.block_ids, need):  # in the groups they go to
             return False
-        req.block_ids.extend(self.allocator.allocate(need))
+        req.block_ids.extend(self.allocator.extend(req.block_ids, need))
         return True
 
     def _preempt(self, req: Request) -> None:
@@ -122,9 +122,21 @@ class SchedulerBase(abc.ABC):
         self.waiting.appendleft(req)
 
     def _fits(self, req: Request, max_chunk: int) -> int:
-        """Largest chunk <= max_chunk whose KV fits in req's blocks plus the free pool."""
-        capacity = (len(req.block_ids) + self.allocator.num_free) * self.allocator.block_size
+        """Largest chunk <= max_chunk whose KV fits in req's blocks plus the free pages of
+        the groups it grows into; with kvp groups it also stops at the next group boundary
+        (a multiple of the tokens per group), so a chunk's new KV goes to one group."""
+        alloc = self.allocator
+        capacity = (len(req.block_ids) + alloc.extendable(req.block_ids)) * alloc.block_size
+        tokens_per_group = alloc.tokens_per_group
+        if tokens_per_group is not None:
+            max_chunk = min(max_chunk, tokens_per_group - req.num_computed % tokens_per_group)
         return max(0, min(max_chunk, capacity - req.num_computed))
+
+    def _spans_groups(self, req: Request) -> bool:
+        """A "long" prefill for KV-cache parallelism: its prompt spans more than one group
+        (at most one such prefill runs per batch)."""
+        tokens_per_group = self.allocator.tokens_per_group
+        return tokens_per_group is not None and req.num_prompt_tokens > tokens_per_group
 
     def _victim(self) -> Request:
         """The running request to preempt under memory pressure (policies override)."""

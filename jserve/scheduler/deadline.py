@@ -178,12 +178,13 @@ class DeadlineScheduler(SchedulerBase):
         # Set once not even a first granule fits beside ``plan``: until the plan changes,
         # only requests that cannot take a whole granule (short remainders, KV-bound) may fit.
         hopeless = False
-        has_long = False
+        has_long = has_spanning = False
         for req in candidates:
             if len(plan.prefills) == self.max_prefill_seqs or tokens_left <= 0:
                 break
             long = self._is_long(req)
-            if long and has_long:
+            spans = self._spans_groups(req)  # kvp: at most one group-spanning prefill too
+            if (long and has_long) or (spans and has_spanning):
                 continue
             cap = self._fits(req, min(req.num_uncomputed, tokens_left))
             if hopeless and cap >= granularity:
@@ -212,6 +213,7 @@ class DeadlineScheduler(SchedulerBase):
             search, used, hopeless = ChunkSearch(self.predictor, plan, granularity), None, False
             tokens_left -= n
             has_long |= long
+            has_spanning |= spans
         return dataclasses.replace(plan, preempted=tuple(preempted))
 
 

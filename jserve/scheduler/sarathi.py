@@ -15,14 +15,19 @@ class SarathiScheduler(SchedulerBase):
 
         candidates = [r for r in self.running
                       if r.request_id not in scheduled and not r.is_decode]
+        spanning = False  # a prefill whose prompt spans kvp groups is in the batch
         for req in candidates:
             if budget == 0 or len(prefills) == self.max_prefill_seqs:
                 break
+            spans = self._spans_groups(req)
+            if spans and spanning:
+                continue
             chunk = self._fits(req, min(req.num_uncomputed, budget))
             if chunk == 0 or not self._grow(req, req.num_computed + chunk):
                 continue
             prefills.append(self._chunk(req, chunk))
             budget -= chunk
+            spanning |= spans
 
         # No admissions in a step that had to preempt: memory is short, and readmitting the
         # victim at once would only thrash.
@@ -30,11 +35,15 @@ class SarathiScheduler(SchedulerBase):
                and len(prefills) < self.max_prefill_seqs
                and len(self.running) < self.max_num_seqs):
             req = self.waiting[0]
+            spans = self._spans_groups(req)
+            if spans and spanning:  # in arrival order: it waits for the next batch
+                break
             chunk = self._fits(req, min(req.num_uncomputed, budget))
             if chunk == 0 or not self._grow(req, req.num_computed + chunk):
                 break
             self._admit(req)
             prefills.append(self._chunk(req, chunk))
             budget -= chunk
+            spanning |= spans
 
         return BatchPlan(tuple(decodes), tuple(prefills), tuple(preempted))

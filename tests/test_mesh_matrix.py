@@ -1,0 +1,81 @@
+"""The 3D-parallel equality matrix: every mesh in {1,2}^3 over (spp, kvp, tp), plus tp=4,
+kvp=4 and spp=4, runs one mixed workload (multi-chunk prefills beside decodes, a prompt
+spanning every KV-cache-parallel group, and preemptions from a small KV pool) and must give
+the 1-device engine's greedy tokens, with top logprobs within float32 reduction-order noise.
+
+One subprocess with 8 forced host devices runs every mesh, so the rest of the suite keeps one
+CPU device."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+
+from sharding.mesh import MeshConfig
+
+MESHES = [f"spp={s},kvp={k},tp={t}" for s in (1, 2) for k in (1, 2) for t in (1, 2)]
+MESHES += ["tp=4", "kvp=4", "spp=4"]
+
+_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    from jserve import LLM, SamplingParams
+    from jserve.bench.evaluate import release_executables
+    from jserve.cache.pool import kv_bytes_per_page
+    from jserve.model.weights import DEFAULT_CONFIG as cfg
+    from sharding.mesh import MeshConfig
+    from sharding.specs import kv_heads_per_device
+    meshes = json.loads(sys.argv[1])
+    settings = json.loads(sys.argv[2])
+    # 150 tokens: three prefill chunks, and with max_model_len 256 it spans every kvp=4
+    # group (64 tokens each) and grows across a boundary while decoding.
+    prompts = [list(range(3, 3 + n)) for n in (150, 9, 40, 3, 70)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    result = {}
+    for mesh in meshes:
+        mc = MeshConfig.parse(mesh)
+        # The same 16 usable pages on every mesh (a kvp group's pool holds 16/kvp of them plus
+        # its sink), sized in the bytes one device stores per page: a small pool, so every
+        # mesh preempts.
+        page = kv_bytes_per_page(cfg, settings["page_size"], kv_heads_per_device(cfg, mc.tp),
+                                 cfg.num_hidden_layers // mc.spp)
+        llm = LLM("default", mesh=mesh, kv_cache_bytes=(16 // mc.kvp + 1) * page, **settings)
+        outs = llm.generate(prompts, params)
+        eng = llm.engine
+        eng.allocator.check()
+        result[mesh] = {
+            "tokens": [o.token_ids for o in outs],
+            "top": [[[lp for _, lp in t.top] for t in o.logprobs] for o in outs],
+            "preemptions": eng.scheduler.num_preemptions,
+            "leaked": eng.allocator.num_allocated,
+            "pages": eng.allocator.total,
+            "devices": len(eng.runner.kv_cache[0][0].sharding.device_set)}
+        del llm, eng, outs
+        release_executables()
+    print(json.dumps(result))
+""")
+
+
+def test_every_mesh_matches_one_device():
+    settings = dict(max_num_seqs=4, max_num_batched_tokens=64, max_prefill_seqs=2,
+                    max_model_len=256, warmup=False, page_size=16)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(["tp=1"] + MESHES),
+                           json.dumps(settings)], capture_output=True, text=True, env=env,
+                          timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    base = result["tp=1"]
+    assert base["devices"] == 1 and base["preemptions"] > 0 and base["pages"] == 16
+    assert all(len(t) == 12 for t in base["tokens"])
+    for mesh in MESHES:
+        got = result[mesh]
+        assert got["devices"] == MeshConfig.parse(mesh).size and got["pages"] == 16, mesh
+        assert got["tokens"] == base["tokens"], mesh
+        assert got["preemptions"] > 0 and got["leaked"] == 0, (mesh, got["preemptions"])
+        np.testing.assert_allclose(np.array(got["top"]), np.array(base["top"]), atol=2e-4,
+                                   rtol=0, err_msg=mesh)
