@@ -17,9 +17,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int,
                    default=EngineConfig.max_num_batched_tokens)
     p.add_argument("--kv-cache-bytes", type=int, default=None)
+    p.add_argument("--num-kv-pages", type=int, default=None,
+                   help="exact KV pool per device in pages (instead of a byte budget)")
     p.add_argument("--memory-fraction", type=float, default=EngineConfig.memory_fraction)
     p.add_argument("--mesh", default=EngineConfig.mesh,
-                   help='device mesh, e.g. "tp=2" (tensor parallel over 2 devices)')
+                   help='device mesh, e.g. "tp=2,kvp=2,spp=2" (tensor, KV-cache and stream '
+                        'pipeline parallel axes; dp is not supported yet)')
     p.add_argument("--warmup", action="store_true",
                    help="compile every bucket at start (what a server wants; a single "
                         "completion compiles only the shapes it uses)")
@@ -28,7 +31,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 def _engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
                 max_num_batched_tokens=a.max_num_batched_tokens, kv_cache_bytes=a.kv_cache_bytes,
-                memory_fraction=a.memory_fraction, warmup=a.warmup, mesh=a.mesh)
+                num_kv_pages=a.num_kv_pages, memory_fraction=a.memory_fraction,
+                warmup=a.warmup, mesh=a.mesh)
 
 
 def _generate(a: argparse.Namespace) -> int:

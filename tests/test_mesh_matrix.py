@@ -25,10 +25,7 @@ _SCRIPT = textwrap.dedent("""
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     from jserve import LLM, SamplingParams
     from jserve.bench.evaluate import release_executables
-    from jserve.cache.pool import kv_bytes_per_page
-    from jserve.model.weights import DEFAULT_CONFIG as cfg
     from sharding.mesh import MeshConfig
-    from sharding.specs import kv_heads_per_device
     meshes = json.loads(sys.argv[1])
     settings = json.loads(sys.argv[2])
     # 150 tokens: three prefill chunks, and with max_model_len 256 it spans every kvp=4
@@ -39,11 +36,8 @@ _SCRIPT = textwrap.dedent("""
     for mesh in meshes:
         mc = MeshConfig.parse(mesh)
         # The same 16 usable pages on every mesh (a kvp group's pool holds 16/kvp of them plus
-        # its sink), sized in the bytes one device stores per page: a small pool, so every
-        # mesh preempts.
-        page = kv_bytes_per_page(cfg, settings["page_size"], kv_heads_per_device(cfg, mc.tp),
-                                 cfg.num_hidden_layers // mc.spp)
-        llm = LLM("default", mesh=mesh, kv_cache_bytes=(16 // mc.kvp + 1) * page, **settings)
+        # its sink): a small pool, so every mesh preempts.
+        llm = LLM("default", mesh=mesh, num_kv_pages=16 // mc.kvp + 1, **settings)
         outs = llm.generate(prompts, params)
         eng = llm.engine
         eng.allocator.check()

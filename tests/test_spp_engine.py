@@ -103,7 +103,7 @@ _SCRIPT = textwrap.dedent("""
 def result():
     # A 10-page pool (9 usable 16-token blocks) forces preemptions on this workload.
     settings = {"max_num_seqs": 4, "max_num_batched_tokens": 32, "max_prefill_seqs": 2,
-                "max_model_len": 512, "warmup": False, "kv_cache_bytes": 10 * 65536}
+                "max_model_len": 512, "warmup": False, "num_kv_pages": 10}
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(settings)],
                           capture_output=True, text=True, env=env, timeout=900)

@@ -21,6 +21,9 @@ class EngineConfig:
     max_model_len: int | None = None   # default: min(model's max positions, 8192)
     page_size: int = 16
     kv_cache_bytes: int | None = None  # explicit KV budget; else memory_fraction of free memory
+    # Exact KV pool size in pages per device (one kvp group's pool; the reserved sink page
+    # included), like vLLM's num_gpu_blocks_override; excludes kv_cache_bytes.
+    num_kv_pages: int | None = None
     memory_fraction: float = 0.5
     # auto | reference | pallas_gpu | pallas_tpu (jserve.kernels): auto is the backend's Pallas
     # kernel on GPU/TPU and the XLA reference on CPU; a Pallas flavour on CPU runs interpreted.
@@ -39,7 +42,7 @@ class EngineConfig:
     preemption: str = "auto"           # auto | swap | recompute
     swap_space_bytes: int = 4 << 30
     seed: int = 0                      # draws seeds for requests that give none
-    # "tp=2" (sharding.MeshConfig: dp, spp, kvp, tp); only tensor parallelism runs so far.
+    # "tp=2,kvp=2,spp=2" (sharding.MeshConfig: dp, spp, kvp, tp); dp is not supported yet.
     mesh: str = "tp=1"
     warmup: bool = True                # compile every bucket at start
     compilation_cache_dir: str | None = dataclasses.field(default_factory=default_compilation_cache_dir)
@@ -59,5 +62,11 @@ class EngineConfig:
         if self.ttft_slo_floor < 0:
             raise ValueError(f"ttft_slo_floor must be >= 0, got {self.ttft_slo_floor}")
         MeshConfig.parse(self.mesh)
+        if self.num_kv_pages is not None:
+            if self.num_kv_pages < 2:
+                raise ValueError(f"num_kv_pages must be >= 2 (one is reserved), "
+                                 f"got {self.num_kv_pages}")
+            if self.kv_cache_bytes is not None:
+                raise ValueError("give kv_cache_bytes or num_kv_pages, not both")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

@@ -130,7 +130,7 @@ class LLMEngine:
         kvp, tp = mesh_config.kvp, mesh_config.tp
         pages_per_seq = (-(-self.max_model_len // config.page_size) if kvp == 1
                          else self.buckets.pages_per_group)
-        num_pages = num_pages_for_budget(
+        num_pages = config.num_kv_pages or num_pages_for_budget(
             cfg, config.page_size, kv_cache_bytes=config.kv_cache_bytes,
             memory_fraction=config.memory_fraction,
             max_useful_pages=config.max_num_seqs * pages_per_seq,
