@@ -91,11 +91,16 @@ class SPRPTScheduler(SchedulerBase):
             prefills.append(self._chunk(req, chunk))
             budget -= chunk
 
-        # As in Sarathi, no admissions in a step that memory pressure forced to preempt.
-        while (admit and not preempted and self.waiting and budget > 0
+        # As in Sarathi, no admissions in a step that memory pressure forced to preempt; and
+        # a request this step preempted by policy waits at least one step.
+        just_out = set(policy_preempted)
+        while (admit and not preempted and budget > 0
                and len(prefills) < self.max_prefill_seqs
                and len(self.running) < self.max_num_seqs):
-            req = min(self.waiting, key=self._key)
+            ready = [r for r in self.waiting if r.request_id not in just_out]
+            if not ready:
+                break
+            req = min(ready, key=self._key)
             chunk = self._fits(req, min(req.num_uncomputed, budget))
             if chunk == 0 or not self._grow(req, req.num_computed + chunk):
                 break
