@@ -1,0 +1,146 @@
+"""The synthetic length task, the dense training forward, and the shipped "tiny-tasks" model."""
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import small_llm
+from jserve import SamplingParams
+from jserve.cache.pool import allocate_kv_cache
+from jserve.kernels import AttentionMetadata
+from jserve.model.llama import StepInput, forward, prepare_params
+from jserve.model.weights import BUILTIN_MODELS, init_params, load_config, load_model
+from jserve.tokenizer import ByteTokenizer
+from jserve.train.length_task import (FRUITS, KINDS, count_down, count_up, format_prompt,
+                                      list_fruits, sample_tasks)
+from jserve.train.trainer import (TINY_TASKS_CONFIG, TrainConfig, batches, dense_forward,
+                                  encode_example, loss_fn, make_optimizer, make_train_step, pack)
+
+
+def test_sample_tasks_is_deterministic_per_seed_and_spans_the_length_range():
+    a, b, c = sample_tasks(1000, 3), sample_tasks(1000, 3), sample_tasks(1000, 4)
+    assert a == b and a != c
+    assert {t.kind for t in a} == set(KINDS)
+    lens = [len(t.answer) for t in a]
+    assert min(lens) < 10 and max(lens) <= 483
+    # Every one of the probe's default bins (10 equal bins over 0-512) is used.
+    assert set((np.asarray(lens) // 51.2).astype(int).tolist()) == set(range(10))
+    with pytest.raises(ValueError, match="n must be"):
+        sample_tasks(-1, 0)
+
+
+def test_answers_follow_the_rule_the_prompt_states():
+    for task in sample_tasks(300, 7):
+        n = int(m.group(1)) if (m := re.search(r"(\d+)", task.prompt)) else None
+        if task.kind == "count_up":
+            assert task.answer.split(" ") == [str(i) for i in range(1, n + 1)]
+        elif task.kind == "count_down":
+            assert task.answer.split(" ") == [str(i) for i in range(n, 0, -1)]
+        elif task.kind == "list_fruits":
+            lines = task.answer.split("\n")
+            assert len(lines) == n
+            assert all(line == f"{i}. {FRUITS[(i - 1) % len(FRUITS)]}"
+                       for i, line in enumerate(lines, 1))
+        else:
+            assert task.prompt == "copy: " + task.answer
+    assert count_up(3).answer == "1 2 3" and count_down(2).answer == "2 1"
+    assert list_fruits(2).answer == "1. apple\n2. banana"
+    assert len(count_up(148).answer) == 483
+
+
+def test_encode_and_pack_put_the_loss_on_answer_and_eos_only():
+    ex1, ex2 = encode_example(count_up(3)), encode_example(count_down(2))
+    batch = pack([[ex1, ex2], []], row_len=48)
+    ids, n_prompt = ex1
+    tok = ByteTokenizer()
+    assert ids == tok.encode(format_prompt("count to 3")) + list(b"1 2 3") + [tok.EOS]
+    w = batch.weights[0]
+    # Row 0: example 1 then example 2, each weighting the targets answer + EOS.
+    targets = batch.targets[0][w > 0]
+    assert targets.tolist() == list(b"1 2 3") + [tok.EOS] + list(b"2 1") + [tok.EOS]
+    assert batch.positions[0, len(ids)] == 0 and batch.segments[0, len(ids)] == 2
+    assert batch.weights[1].sum() == 0 and (batch.segments[1] == 0).all()
+    with pytest.raises(ValueError, match="row_len"):
+        pack([[ex1, ex1, ex1]], row_len=48)
+
+
+def test_batch_stream_is_full_and_deterministic():
+    tc = TrainConfig(batch_rows=4, row_len=512, seed=5)
+    a, b = batches(tc), batches(tc)
+    for _ in range(3):
+        x, y = next(a), next(b)
+        np.testing.assert_array_equal(x.tokens, y.tokens)
+        assert (x.segments > 0).mean() > 0.9   # first-fit-decreasing leaves little padding
+
+
+def _serving_logits(cfg, params, ids, page=16):
+    """All-position logits of one prefill through the serving paged forward."""
+    n = len(ids)
+    pages = -(-n // page)
+    pos = np.arange(n, dtype=np.int32)
+    table = np.arange(1, pages + 1, dtype=np.int32)[None]
+    attn = AttentionMetadata(positions=jnp.asarray(pos), token_seq=jnp.zeros(n, jnp.int32),
+                             kv_lens=jnp.asarray([n], jnp.int32), page_table=jnp.asarray(table),
+                             num_prefills=jnp.asarray(1, jnp.int32), num_decodes=0)
+    batch = StepInput(tokens=jnp.asarray(ids, jnp.int32), slots=jnp.asarray(page + pos),
+                      logits_rows=jnp.asarray(pos), attn=attn)
+    logits, _, _ = forward(prepare_params(params), allocate_kv_cache(cfg, pages + 1, page), batch,
+                           cfg=cfg)
+    return np.asarray(logits)
+
+
+def test_dense_training_forward_matches_the_serving_forward_on_packed_rows():
+    cfg = TINY_TASKS_CONFIG
+    params = init_params(cfg, seed=3)
+    rng = np.random.default_rng(0)
+    # Larger weights than init so attention patterns are far from uniform.
+    params = jax.tree.map(lambda p: p * 8 if p.ndim == 2 else p, params)
+    a, b = rng.integers(0, 256, 37).tolist(), rng.integers(0, 256, 50).tolist()
+    batch = pack([[(a, 1), (b, 1)]], row_len=96)
+    dense = np.asarray(dense_forward(params, jnp.asarray(batch.tokens),
+                                     jnp.asarray(batch.positions), jnp.asarray(batch.segments),
+                                     cfg))[0]
+    # Each packed example sees only itself: equal to serving it alone.
+    np.testing.assert_allclose(dense[:37], _serving_logits(cfg, params, a), atol=2e-4, rtol=1e-4)
+    np.testing.assert_allclose(dense[37:87], _serving_logits(cfg, params, b), atol=2e-4, rtol=1e-4)
+
+
+def test_training_steps_lower_the_loss_on_a_fixed_batch():
+    cfg = TINY_TASKS_CONFIG
+    tc = TrainConfig(steps=20, batch_rows=2, row_len=512, lr=3e-3, warmup_steps=1, seed=1)
+    batch = jax.tree.map(jnp.asarray, next(batches(tc)))
+    params = init_params(cfg, seed=1)
+    opt = make_optimizer(tc)
+    state = opt.init(params)
+    step = make_train_step(cfg, opt)
+    first = float(loss_fn(params, batch, cfg))
+    for _ in range(8):
+        params, state, loss = step(params, state, batch)
+    assert float(loss_fn(params, batch, cfg)) < 0.6 * first
+
+
+def test_tiny_tasks_resolves_to_the_packaged_checkpoint():
+    path = BUILTIN_MODELS["tiny-tasks"]
+    assert (path / "config.json").exists() and (path / "params").is_dir()
+    assert load_config("tiny-tasks") == TINY_TASKS_CONFIG
+    cfg, params, tok = load_model("tiny-tasks")
+    assert isinstance(tok, ByteTokenizer)
+    assert params["layers"][0]["wq"].shape == (128, 128)
+    assert load_config("default").hidden_size == 256   # "default" is still the random model
+
+
+# Held-out prompts the shipped weights answer exactly (pins their behaviour).
+PINNED = [count_up(12), count_down(31), list_fruits(9), count_up(95)]
+
+
+def test_tiny_tasks_model_answers_pinned_prompts_exactly_and_stops_with_eos():
+    llm = small_llm("tiny-tasks", max_model_len=1024)
+    outs = llm.generate([format_prompt(t.prompt) for t in PINNED],
+                        SamplingParams(max_tokens=500, temperature=0.0))
+    for task, out in zip(PINNED, outs):
+        assert out.token_ids[-1] == ByteTokenizer.EOS
+        assert llm.tokenizer.decode(out.token_ids) == task.answer
