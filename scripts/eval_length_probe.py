@@ -3,7 +3,8 @@
 1. the probe's mean absolute error per layer on held-out requests (from the training run's
    sidecar JSON), and the shipped probe on fresh test requests, live in the engine: smoothed
    (refined) predictions against prompt-only ones (first prediction minus tokens generated);
-2. mean latency and mean TTFT of sprpt (c = 0.5, 0.8, 1) against fcfs, on a burst (every
+2. mean latency and mean TTFT of sprpt (c = 0.5, 0.8, 1) against fcfs (and sarathi, the
+   arrival-order policy whose chunking sprpt shares), on a burst (every
    request at t = 0) and on Poisson arrivals at high load (a fraction of the burst's fcfs
    throughput), wall clock on this machine, greedy decoding to EOS.
 
@@ -27,7 +28,8 @@ from jserve import LLM
 from jserve.probe import LengthProbe, RemainingFilter, default_probe_path
 from jserve.sampling.params import SamplingParams
 
-POLICIES = (("fcfs", None), ("sprpt", 0.5), ("sprpt", 0.8), ("sprpt", 1.0))
+POLICIES = (("fcfs", None), ("sarathi", None), ("sprpt", 0.5), ("sprpt", 0.8),
+            ("sprpt", 1.0))
 
 
 def task_prompts(n: int, seed: int) -> list[str]:
@@ -129,6 +131,27 @@ def write_doc(path: Path, args, sidecar, live, lengths, workloads, command) -> N
              f"bins {[round(e, 1) for e in sidecar.get('bins', [])]} + overflow). Machine: "
              f"{platform.machine()} CPU ({platform.processor() or 'unknown'}), shared with "
              "other jobs, so absolute times are noisy; every policy ran the same requests.\n")
+    L.append("## How it works\n")
+    L.append("""- **Capture** (`EngineConfig(length_probe=..., probe_layer=...)`, off by default: the
+  step compiles exactly as without it). The fused step also returns the chosen layer's float32
+  residual stream at each sampled row and, per row, its sum over the step's prompt tokens
+  (`llama.forward(capture_layer=, prompt_mask=)`, a segment sum over `token_seq`); the host
+  (`jserve.probe.tracker.LengthTracker`) adds the sums up across prefill chunks.
+- **Probe** (`jserve.probe.length_probe`): MLP hidden -> 512 -> bins (ReLU) on standardised
+  embeddings, cross-entropy on the bin of the tokens still to generate, AdamW (optax). Bins
+  (`jserve.probe.bins`): 10 equal bins over 0-512 plus an overflow bin by default, or log-spaced.
+- **Filter** (`jserve.probe.smoothing`): prior = previous posterior x T, where a request in bin
+  b stays with probability 1 - 1/w_b and moves one bin down with 1/w_b (bin 0 stays; the
+  overflow bin borrows the last width); posterior = prior x probe softmax, normalised;
+  prediction = expected remaining length over the bin centres. The first prediction is the
+  probe on the mean prompt embedding, made when the prompt's last chunk has run.
+- **sprpt** (`jserve.scheduler.sprpt`): waiting and running requests ordered by predicted
+  remaining tokens; before its prompt is prefilled a request counts as the probe's mean over
+  its training pairs. A running request is preemptable only while generated <= c x its first
+  prediction; when the shortest waiting request finds the batch full (max_num_seqs or KV), the
+  preemptable running request with the largest prediction is preempted if that is longer.
+  Prefill chunks under the token budget as in Sarathi.
+""")
     L.append("## Probe accuracy\n")
     L.append("Mean absolute error (tokens) of the predicted remaining length over every step "
              "of every request. *prompt-only*: the first prediction (probe on the mean prompt "

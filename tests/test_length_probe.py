@@ -204,3 +204,21 @@ def test_engine_with_a_probe_predicts_from_the_prompt_then_refines(tmp_path):
         want = f.update(probe.probs(v[None])[0])
     assert req.predicted_remaining == pytest.approx(want)
     assert all(fp == pytest.approx(first) for fp, _ in seen if fp is not None)
+
+
+def test_offline_pairs_match_what_the_engine_captures():
+    """The training script's one-pass embeddings are the ones the live tracker sees."""
+    from jserve.probe.dataset import sequence_pairs
+
+    llm = small_llm(probe_layer=2)
+    eng = llm.engine
+    eng.length_tracker.log = []
+    outs = llm.generate(PROMPTS[:2], PARAMS)
+    log = {(rid, k): v for rid, k, _, v in eng.length_tracker.log}
+    for o in outs:
+        embs, remaining, k = sequence_pairs(eng.cfg, eng.runner.params, o.prompt_token_ids,
+                                            o.token_ids)
+        assert embs.shape == (eng.cfg.num_hidden_layers, 6, eng.cfg.hidden_size)
+        assert remaining.tolist() == [6, 5, 4, 3, 2, 1] and k.tolist() == list(range(6))
+        live = np.stack([log[(o.request_id, i)] for i in range(6)])
+        np.testing.assert_allclose(embs[2], live, atol=1e-3)
