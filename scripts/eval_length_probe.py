@@ -146,8 +146,8 @@ def write_doc(path: Path, args, sidecar, live, lengths, workloads, command) -> N
   prediction = expected remaining length over the bin centres. The first prediction is the
   probe on the mean prompt embedding, made when the prompt's last chunk has run.
 - **sprpt** (`jserve.scheduler.sprpt`): waiting and running requests ordered by predicted
-  remaining tokens; before its prompt is prefilled a request counts as the probe's mean over
-  its training pairs. A running request is preemptable only while generated <= c x its first
+  remaining tokens; before its prompt is prefilled a request counts as the mean output length
+  of the probe's training requests. A running request is preemptable only while generated <= c x its first
   prediction; when the shortest waiting request finds the batch full (max_num_seqs or KV), the
   preemptable running request with the largest prediction is preempted if that is longer.
   Prefill chunks under the token budget as in Sarathi.

@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     best = None
     for layer in layers:
         x, y = stack(train, layer, args.prompt_repeat)
-        probe, losses = train_probe(x, y, bins, layer, steps=args.steps, seed=args.seed)
+        probe, losses = train_probe(x, y, bins, layer, steps=args.steps, seed=args.seed,
+                                    prior_mean=float(np.mean([len(r) for _, r in train])))
         mae = held_out_mae(probe, val, layer)
         results[layer] = mae
         print(f"layer {layer}: loss {np.mean(losses[:10]):.3f} -> {np.mean(losses[-50:]):.3f}; "

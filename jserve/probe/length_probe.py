@@ -39,7 +39,7 @@ class LengthProbe:
     std: np.ndarray
     bins: LengthBins
     layer: int          # which decoder layer's output (0-based) it reads
-    prior_mean: float   # mean remaining length over the training pairs
+    prior_mean: float   # the remaining length assumed before a first prediction
 
     @property
     def input_dim(self) -> int:
@@ -76,9 +76,12 @@ class LengthProbe:
 def train_probe(x: np.ndarray, remaining: np.ndarray, bins: LengthBins, layer: int, *,
                 hidden: int = 512, steps: int = 2000, batch_size: int = 256,
                 learning_rate: float = 1e-3, weight_decay: float = 1e-4, seed: int = 0,
-                log_every: int = 0) -> tuple[LengthProbe, list[float]]:
+                log_every: int = 0, prior_mean: float | None = None
+                ) -> tuple[LengthProbe, list[float]]:
     """Cross-entropy on the bin of each pair's remaining length, AdamW, minibatches drawn
-    with replacement. Returns the probe and the loss at every step."""
+    with replacement. Returns the probe and the loss at every step. ``prior_mean``: what a
+    request counts as before its first prediction (default: the mean of ``remaining``; the
+    training script gives the mean output length)."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -122,5 +125,5 @@ def train_probe(x: np.ndarray, remaining: np.ndarray, bins: LengthBins, layer: i
     probe = LengthProbe(np.asarray(p["w1"], np.float32), np.asarray(p["b1"], np.float32),
                         np.asarray(p["w2"], np.float32), np.asarray(p["b2"], np.float32),
                         mean.astype(np.float32), std.astype(np.float32), bins, int(layer),
-                        float(remaining.mean()))
+                        float(remaining.mean() if prior_mean is None else prior_mean))
     return probe, losses

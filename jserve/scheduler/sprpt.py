@@ -1,16 +1,16 @@
 """SPRPT with limited preemption (TRAIL): shortest predicted remaining tokens first.
 
-Waiting and running requests are ordered by ``predicted_remaining`` (a request whose prompt
-has not been prefilled yet has no prediction and counts as ``fallback_remaining``: the probe's
-mean over its training data, or its ``max_tokens`` when none is given; ties go by arrival). A
-running request may be preempted by policy only while it has generated at most ``c`` times its
-first prediction (c = 1: plain SPRPT; c = 0: never; one still prefilling counts as generated
-0, so c > 0 allows it): early preemption is cheap, late preemption wastes the memory and work
-a long request already holds. When the shortest waiting request cannot be admitted because the
-batch is full (``max_num_seqs`` or KV), the preemptable running request with the largest
-prediction is preempted if that prediction is larger than the waiting one's. Prefills are
-chunked under the token budget as in Sarathi; memory-pressure preemption also takes the
-largest prediction (preemptable ones first).
+Waiting and running requests are ordered by ``predicted_remaining``. A request whose prompt
+has not been prefilled yet has no prediction and counts as ``fallback_remaining`` (the probe's
+``prior_mean``, the mean output length of its training requests; its ``max_tokens`` when none
+is given); ties go by arrival. A running request may be preempted by policy only while it has
+generated at most ``c`` times its first prediction (c = 1: plain SPRPT; c = 0: never; one
+still prefilling counts as generated 0, so c > 0 allows it): early preemption is cheap, late
+preemption wastes the memory and work a long request already holds. When the shortest
+waiting request cannot be admitted because the batch is full (``max_num_seqs`` or KV), the
+preemptable running request with the largest prediction is preempted if that prediction is
+larger than the waiting one's. Prefills are chunked under the token budget as in Sarathi;
+memory-pressure preemption also takes the largest prediction (preemptable ones first).
 """
 from __future__ import annotations
 
