@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jserve.model.weights import save_orbax  # noqa: E402
+from jserve.model.weights import restore_orbax, save_orbax  # noqa: E402
 from jserve.tokenizer import ByteTokenizer  # noqa: E402
 from jserve.train.length_task import sample_tasks  # noqa: E402
 from jserve.train.trainer import TINY_TASKS_CONFIG, TrainConfig, train  # noqa: E402
@@ -52,12 +52,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--save-every", type=int, default=200)
     ap.add_argument("--eval-n", type=int, default=64, help="held-out tasks to score (0: none)")
+    ap.add_argument("--init", type=Path, default=None,
+                    help="continue from this orbax checkpoint instead of random weights")
     args = ap.parse_args(argv)
     tc = TrainConfig(steps=args.steps, batch_rows=args.batch_rows, row_len=args.row_len,
                      lr=args.lr, seed=args.seed)
     print(f"config {TINY_TASKS_CONFIG.num_params()} params; {tc}", flush=True)
     t0 = time.perf_counter()
-    params, _ = train(tc, log=lambda s: print(s, flush=True),
+    init = restore_orbax(args.init, TINY_TASKS_CONFIG) if args.init else None
+    params, _ = train(tc, params=init, log=lambda s: print(s, flush=True),
                       on_checkpoint=lambda i, p: save(args.out, p), checkpoint_every=args.save_every)
     save(args.out, params)
     print(f"trained {args.steps} steps in {time.perf_counter() - t0:.0f}s; saved {args.out}",

@@ -15,8 +15,8 @@ from jserve.kernels import AttentionMetadata
 from jserve.model.llama import StepInput, forward, prepare_params
 from jserve.model.weights import BUILTIN_MODELS, init_params, load_config, load_model
 from jserve.tokenizer import ByteTokenizer
-from jserve.train.length_task import (FRUITS, KINDS, count_down, count_up, format_prompt,
-                                      list_fruits, sample_tasks)
+from jserve.train.length_task import (FRUITS, KINDS, count_down, format_prompt, list_fruits,
+                                      sample_tasks)
 from jserve.train.trainer import (TINY_TASKS_CONFIG, TrainConfig, batches, dense_forward,
                                   encode_example, loss_fn, make_optimizer, make_train_step, pack)
 
@@ -35,37 +35,32 @@ def test_sample_tasks_is_deterministic_per_seed_and_spans_the_length_range():
 
 def test_answers_follow_the_rule_the_prompt_states():
     for task in sample_tasks(300, 7):
-        n = int(m.group(1)) if (m := re.search(r"(\d+)", task.prompt)) else None
-        if task.kind == "count_up":
-            assert task.answer.split(" ") == [str(i) for i in range(1, n + 1)]
-        elif task.kind == "count_down":
+        n = int(re.fullmatch(r"(?:count down from|list) (\d+)(?: fruits)?", task.prompt).group(1))
+        if task.kind == "count_down":
             assert task.answer.split(" ") == [str(i) for i in range(n, 0, -1)]
-        elif task.kind == "list_fruits":
+        else:
             lines = task.answer.split("\n")
             assert len(lines) == n
-            assert all(line == f"{i}. {FRUITS[(i - 1) % len(FRUITS)]}"
-                       for i, line in enumerate(lines, 1))
-        else:
-            assert task.prompt == "copy: " + task.answer
-    assert count_up(3).answer == "1 2 3" and count_down(2).answer == "2 1"
-    assert list_fruits(2).answer == "1. apple\n2. banana"
-    assert len(count_up(148).answer) == 483
+            assert lines == [f"{n - k}. {FRUITS[k % len(FRUITS)]}" for k in range(n)]
+    assert count_down(3).answer == "3 2 1"
+    assert list_fruits(2).answer == "2. apple\n1. banana"
+    assert len(count_down(148).answer) == 483
 
 
 def test_encode_and_pack_put_the_loss_on_answer_and_eos_only():
-    ex1, ex2 = encode_example(count_up(3)), encode_example(count_down(2))
-    batch = pack([[ex1, ex2], []], row_len=48)
+    ex1, ex2 = encode_example(count_down(3)), encode_example(list_fruits(1))
+    batch = pack([[ex1, ex2], []], row_len=56)
     ids, n_prompt = ex1
     tok = ByteTokenizer()
-    assert ids == tok.encode(format_prompt("count to 3")) + list(b"1 2 3") + [tok.EOS]
+    assert ids == tok.encode(format_prompt("count down from 3")) + list(b"3 2 1") + [tok.EOS]
     w = batch.weights[0]
     # Row 0: example 1 then example 2, each weighting the targets answer + EOS.
     targets = batch.targets[0][w > 0]
-    assert targets.tolist() == list(b"1 2 3") + [tok.EOS] + list(b"2 1") + [tok.EOS]
+    assert targets.tolist() == list(b"3 2 1") + [tok.EOS] + list(b"1. apple") + [tok.EOS]
     assert batch.positions[0, len(ids)] == 0 and batch.segments[0, len(ids)] == 2
     assert batch.weights[1].sum() == 0 and (batch.segments[1] == 0).all()
     with pytest.raises(ValueError, match="row_len"):
-        pack([[ex1, ex1, ex1]], row_len=48)
+        pack([[ex1, ex1, ex1]], row_len=56)
 
 
 def test_batch_stream_is_full_and_deterministic():
@@ -134,7 +129,7 @@ def test_tiny_tasks_resolves_to_the_packaged_checkpoint():
 
 
 # Held-out prompts the shipped weights answer exactly (pins their behaviour).
-PINNED = [count_up(12), count_down(31), list_fruits(9), count_up(95)]
+PINNED = [count_down(12), count_down(97), list_fruits(9), list_fruits(37)]
 
 
 def test_tiny_tasks_model_answers_pinned_prompts_exactly_and_stops_with_eos():

@@ -20,6 +20,7 @@ class LengthTaskScore:
     exact_by_kind: dict[str, float]
     answer_lens: list[int]
     output_lens: list[int]
+    outputs: list[str]    # the decoded completions (EOS dropped)
 
 
 def evaluate(llm, tasks: Sequence[Task], max_tokens: int = 500) -> LengthTaskScore:
@@ -30,12 +31,13 @@ def evaluate(llm, tasks: Sequence[Task], max_tokens: int = 500) -> LengthTaskSco
     outs = llm.generate([format_prompt(t.prompt) for t in tasks], params)
     eos = set(llm.tokenizer.eos_token_ids)
     exact, stopped, by_kind = [], [], {}
-    answer_lens, output_lens = [], []
+    answer_lens, output_lens, texts = [], [], []
     for task, out in zip(tasks, outs):
         ids = list(out.token_ids)
         ended = bool(ids) and ids[-1] in eos
         text = llm.tokenizer.decode(ids[:-1] if ended else ids)
         ok = ended and text == task.answer
+        texts.append(text)
         exact.append(ok)
         stopped.append(ended)
         by_kind.setdefault(task.kind, []).append(ok)
@@ -44,4 +46,4 @@ def evaluate(llm, tasks: Sequence[Task], max_tokens: int = 500) -> LengthTaskSco
     corr = float(np.corrcoef(answer_lens, output_lens)[0, 1]) if len(tasks) > 1 else float("nan")
     return LengthTaskScore(len(tasks), float(np.mean(exact)), float(np.mean(stopped)), corr,
                            {k: float(np.mean(v)) for k, v in sorted(by_kind.items())},
-                           answer_lens, output_lens)
+                           answer_lens, output_lens, texts)

@@ -1,10 +1,14 @@
 """A synthetic instruction task whose answer length the prompt determines.
 
-Every kind has a stopping rule a ~1M-parameter byte-level model can learn from local context
-(the last number written, the item count, the end of the copied text), so the model has to
-learn *when* to emit EOS and its hidden state at the end of the prompt carries the answer
-length: what an output-length probe reads. Answers span 1-483 bytes, so the probe's
-default bins (10 equal bins over 0-512) are all used.
+Both kinds count down to 1, so the stopping rule is local (EOS right after the item numbered
+1) and a ~1M-parameter byte-level model learns it in a few hundred CPU steps; the prompt's N
+fixes the answer length, which the model's hidden state therefore carries: what an
+output-length probe reads. Answers span 1-483 bytes, so each of the probe's default bins
+(10 equal bins over 0-512) is used.
+
+Narrowed from a first mix that also had "count to N" and "copy: TEXT": within the training
+budget the model never learned to stop those (stopping there needs comparing the last number
+written with the prompt's N, or an induction copy), so they ran to max_tokens.
 """
 from __future__ import annotations
 
@@ -13,12 +17,9 @@ import dataclasses
 import numpy as np
 
 FRUITS = ("apple", "banana", "cherry", "grape", "lemon", "mango", "peach", "plum")
-WORDS = ("red", "blue", "cat", "dog", "sun", "moon", "tree", "fish", "star", "rain", "bird",
-         "hill", "lake", "wind", "rock", "leaf")
-KINDS = ("count_up", "count_down", "list_fruits", "copy")
-MAX_COUNT = 148    # "count to 148" is 483 bytes: reaches the probe's last bin (>= 460.8)
-MAX_ITEMS = 40     # "list 40 fruits" is 397 bytes
-MAX_COPY_WORDS = 16
+KINDS = ("count_down", "list_fruits")
+MAX_COUNT = 148    # "count down from 148" is 483 bytes: reaches the probe's last bin (>= 460.8)
+MAX_ITEMS = 48     # "list 48 fruits" is 476 bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,35 +34,21 @@ def format_prompt(prompt: str) -> str:
     return prompt + "\n"
 
 
-def count_up(n: int) -> Task:
-    return Task(f"count to {n}", " ".join(str(i) for i in range(1, n + 1)), "count_up")
-
-
 def count_down(n: int) -> Task:
+    """"N N-1 ... 1"."""
     return Task(f"count down from {n}", " ".join(str(i) for i in range(n, 0, -1)), "count_down")
 
 
 def list_fruits(n: int) -> Task:
-    """Numbered items cycling through FRUITS in a fixed order."""
-    items = [f"{i}. {FRUITS[(i - 1) % len(FRUITS)]}" for i in range(1, n + 1)]
+    """N lines numbered N down to 1; the fruits cycle through FRUITS from the first line."""
+    items = [f"{n - k}. {FRUITS[k % len(FRUITS)]}" for k in range(n)]
     return Task(f"list {n} fruits", "\n".join(items), "list_fruits")
 
 
-def copy_text(words: list[str]) -> Task:
-    text = " ".join(words)
-    return Task(f"copy: {text}", text, "copy")
-
-
 def sample_task(rng: np.random.Generator) -> Task:
-    kind = KINDS[rng.integers(len(KINDS))]
-    if kind == "count_up":
-        return count_up(int(rng.integers(1, MAX_COUNT + 1)))
-    if kind == "count_down":
+    if KINDS[rng.integers(len(KINDS))] == "count_down":
         return count_down(int(rng.integers(1, MAX_COUNT + 1)))
-    if kind == "list_fruits":
-        return list_fruits(int(rng.integers(1, MAX_ITEMS + 1)))
-    n = int(rng.integers(1, MAX_COPY_WORDS + 1))
-    return copy_text([WORDS[i] for i in rng.integers(len(WORDS), size=n)])
+    return list_fruits(int(rng.integers(1, MAX_ITEMS + 1)))
 
 
 def sample_tasks(n: int, seed: int) -> list[Task]:
