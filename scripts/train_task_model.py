@@ -26,7 +26,7 @@ from jserve.tokenizer import ByteTokenizer  # noqa: E402
 from jserve.train.length_task import sample_tasks  # noqa: E402
 from jserve.train.trainer import TINY_TASKS_CONFIG, TrainConfig, train  # noqa: E402
 
-HELD_OUT_SEED = 10_000  # training streams use --seed; evaluation draws from this seed
+HELD_OUT_SEED = 10_000  # evaluation draws with this seed (training streams use --seed)
 
 
 def save(out: Path, params) -> None:
@@ -70,10 +70,11 @@ def main(argv: list[str] | None = None) -> None:
         from jserve.train.evaluate import evaluate
         llm = LLM(str(args.out), max_num_seqs=16, max_num_batched_tokens=256, max_model_len=1024,
                   warmup=False)
-        score = evaluate(llm, sample_tasks(args.eval_n, HELD_OUT_SEED))
-        print(json.dumps({"n": score.n, "exact": score.exact, "stopped_eos": score.stopped_eos,
-                          "length_corr": score.length_corr, "exact_by_kind": score.exact_by_kind}),
-              flush=True)
+        for split in ("test", "all"):  # never-trained lengths; the whole task
+            score = evaluate(llm, sample_tasks(args.eval_n, HELD_OUT_SEED, split))
+            print(json.dumps({"split": split, "n": score.n, "exact": score.exact,
+                              "stopped_eos": score.stopped_eos, "length_corr": score.length_corr,
+                              "exact_by_kind": score.exact_by_kind}), flush=True)
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ from jserve.kernels import AttentionMetadata
 from jserve.model.llama import StepInput, forward, prepare_params
 from jserve.model.weights import BUILTIN_MODELS, init_params, load_config, load_model
 from jserve.tokenizer import ByteTokenizer
-from jserve.train.length_task import (FRUITS, KINDS, count_down, format_prompt, list_fruits,
-                                      sample_tasks)
+from jserve.train.length_task import (FRUITS, KINDS, count_down, format_prompt, is_held_out,
+                                      list_fruits, sample_tasks)
 from jserve.train.trainer import (TINY_TASKS_CONFIG, TrainConfig, batches, dense_forward,
                                   encode_example, loss_fn, make_optimizer, make_train_step, pack)
 
@@ -31,6 +31,19 @@ def test_sample_tasks_is_deterministic_per_seed_and_spans_the_length_range():
     assert set((np.asarray(lens) // 51.2).astype(int).tolist()) == set(range(10))
     with pytest.raises(ValueError, match="n must be"):
         sample_tasks(-1, 0)
+
+
+def _n(task) -> int:
+    return int(re.search(r"\d+", task.prompt).group())
+
+
+def test_train_and_test_splits_hold_disjoint_counts():
+    train, test = sample_tasks(500, 2, "train"), sample_tasks(200, 2, "test")
+    assert not any(is_held_out(_n(t)) for t in train)
+    assert all(is_held_out(_n(t)) for t in test) and {t.kind for t in test} == set(KINDS)
+    assert max(len(t.answer) for t in test) > 460    # held-out lengths reach the last bin too
+    with pytest.raises(ValueError, match="split"):
+        sample_tasks(1, 0, "dev")
 
 
 def test_answers_follow_the_rule_the_prompt_states():

@@ -18,6 +18,7 @@ import numpy as np
 
 FRUITS = ("apple", "banana", "cherry", "grape", "lemon", "mango", "peach", "plum")
 KINDS = ("count_down", "list_fruits")
+SPLITS = ("all", "train", "test")
 MAX_COUNT = 148    # "count down from 148" is 483 bytes: reaches the probe's last bin (>= 460.8)
 MAX_ITEMS = 48     # "list 48 fruits" is 476 bytes
 
@@ -45,15 +46,35 @@ def list_fruits(n: int) -> Task:
     return Task(f"list {n} fruits", "\n".join(items), "list_fruits")
 
 
-def sample_task(rng: np.random.Generator) -> Task:
+def is_held_out(n: int) -> bool:
+    """Every 11th count (5, 16, 27, ...) is never trained on, so the "test" split measures
+    generalisation to unseen lengths rather than recall of seen answers. (Every last digit
+    still occurs in training prompts: holding out all counts ending in 7 left the model
+    unable to copy a final 7 from the prompt.)"""
+    return n % 11 == 5
+
+
+def _draw_n(rng: np.random.Generator, top: int, split: str) -> int:
+    if split == "all":
+        return int(rng.integers(1, top + 1))
+    ns = [n for n in range(1, top + 1) if is_held_out(n) == (split == "test")]
+    return int(ns[rng.integers(len(ns))])
+
+
+def sample_task(rng: np.random.Generator, split: str = "all") -> Task:
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     if KINDS[rng.integers(len(KINDS))] == "count_down":
-        return count_down(int(rng.integers(1, MAX_COUNT + 1)))
-    return list_fruits(int(rng.integers(1, MAX_ITEMS + 1)))
+        return count_down(_draw_n(rng, MAX_COUNT, split))
+    return list_fruits(_draw_n(rng, MAX_ITEMS, split))
 
 
-def sample_tasks(n: int, seed: int) -> list[Task]:
-    """``n`` tasks drawn with ``seed``: the same list for the same arguments everywhere."""
+def sample_tasks(n: int, seed: int, split: str = "all") -> list[Task]:
+    """``n`` tasks drawn with ``seed``: the same list for the same arguments everywhere.
+
+    ``split``: "all" (every N), "train" (N not held out: what the model was trained on) or
+    "test" (held-out N only, see :func:`is_held_out`)."""
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     rng = np.random.default_rng(seed)
-    return [sample_task(rng) for _ in range(n)]
+    return [sample_task(rng, split) for _ in range(n)]

@@ -103,7 +103,7 @@ def pack(rows: Sequence[Sequence[tuple[list[int], int]]], row_len: int) -> Batch
 
 
 def batches(tc: TrainConfig) -> Iterator[Batch]:
-    """An endless seeded stream of packed batches of fresh tasks.
+    """An endless seeded stream of packed batches of fresh "train"-split tasks.
 
     First-fit-decreasing over a pool of pending examples; what does not fit waits for the next
     batch (longest first), so the stream keeps the task distribution and rows stay full."""
@@ -112,7 +112,7 @@ def batches(tc: TrainConfig) -> Iterator[Batch]:
     pool: list[tuple[list[int], int]] = []
     while True:
         while sum(len(ids) for ids, _ in pool) < 1.25 * capacity:
-            ids, n_prompt = encode_example(sample_task(rng))
+            ids, n_prompt = encode_example(sample_task(rng, "train"))
             if len(ids) > tc.row_len:
                 raise ValueError(f"an example of {len(ids)} tokens exceeds row_len={tc.row_len}")
             pool.append((ids, n_prompt))
