@@ -5,7 +5,7 @@
    (refined) predictions against prompt-only ones (first prediction minus tokens generated);
 2. mean latency and mean TTFT of sprpt (c = 0.5, 0.8, 1) against fcfs (and sarathi, the
    arrival-order policy whose chunking sprpt shares), on a burst (every
-   request at t = 0) and on Poisson arrivals at high load (a fraction of the burst's fcfs
+   request at t = 0) and on Poisson arrivals at high load (above sarathi's burst
    throughput), wall clock on this machine, greedy decoding to EOS.
 
     python scripts/train_length_probe.py    # first: trains and ships the probe + sidecar
@@ -207,8 +207,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--test-requests", type=int, default=200)
     ap.add_argument("--test-seed", type=int, default=1)
     ap.add_argument("--requests", type=int, default=64, help="requests per latency workload")
-    ap.add_argument("--load", type=float, default=0.9,
-                    help="Poisson rate as a fraction of fcfs's burst throughput")
+    ap.add_argument("--load", type=float, default=1.2,
+                    help="Poisson rate as a multiple of sarathi's burst throughput (the "
+                         "engine's capacity without reordering)")
+    ap.add_argument("--qps", type=float, default=None, help="Poisson rate (overrides --load)")
     ap.add_argument("--max-tokens", type=int, default=500)
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--max-model-len", type=int, default=1024)
@@ -239,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
                           args.max_tokens, args.engine)
     workloads["Burst"] = (f"{len(prompts)} task requests (seed {args.test_seed + 1}), all at "
                           "t = 0.", burst)
-    rate = args.load * len(prompts) / burst["fcfs"]["makespan_s"]
+    capacity = len(prompts) / burst["sarathi"]["makespan_s"]
+    rate = args.qps or args.load * capacity
     rng = np.random.default_rng(0)
     arrivals = np.cumsum(rng.exponential(1 / rate, len(prompts)))
     arrivals -= arrivals[0]
@@ -247,9 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     poisson = latency_table(args.model, args.probe, prompts, arrivals, args.max_tokens,
                             args.engine)
     workloads["Poisson"] = (f"The same {len(prompts)} requests arriving as a Poisson process "
-                            f"at {rate:.2f} req/s ({args.load:g} x fcfs's burst throughput of "
-                            f"{len(prompts) / burst['fcfs']['makespan_s']:.2f} req/s): high "
-                            "load.", poisson)
+                            f"at {rate:.2f} req/s (sarathi's burst throughput, the capacity "
+                            f"without reordering, was {capacity:.2f} req/s): high load, a "
+                            "queue builds while requests arrive.", poisson)
     write_doc(Path(args.out), args, sidecar, live, lengths, workloads, command)
     print(f"wrote {args.out}")
     return 0
