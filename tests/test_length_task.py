@@ -143,7 +143,7 @@ def test_tiny_tasks_resolves_to_the_packaged_checkpoint():
 
 # Prompts the shipped weights answer exactly (pins their behaviour).
 PINNED = [count_down(12), count_down(97), list_fruits(9), list_fruits(37),
-          count_down(148), list_fruits(38)]  # the last two: held-out counts (never trained)
+          count_down(148), list_fruits(38)]
 
 
 def test_tiny_tasks_model_answers_pinned_prompts_exactly_and_stops_with_eos():
