@@ -251,8 +251,8 @@ def main(argv: list[str] | None = None) -> int:
                             args.engine)
     workloads["Poisson"] = (f"The same {len(prompts)} requests arriving as a Poisson process "
                             f"at {rate:.2f} req/s (sarathi's burst throughput, the capacity "
-                            f"without reordering, was {capacity:.2f} req/s): high load, a "
-                            "queue builds while requests arrive.", poisson)
+                            f"without reordering, was {capacity:.2f} req/s); whether a queue "
+                            "persists shows in fcfs's mean TTFT.", poisson)
     write_doc(Path(args.out), args, sidecar, live, lengths, workloads, command)
     print(f"wrote {args.out}")
     return 0
