@@ -8,6 +8,7 @@ from jserve.engine.config import EngineConfig
 from jserve.engine.engine import LLMEngine
 from jserve.engine.output import RequestOutput
 from jserve.model.weights import load_model
+from jserve.probe.length_probe import default_probe_path
 from jserve.sampling.params import SamplingParams
 
 Prompt = str | Sequence[int]
@@ -25,6 +26,10 @@ class LLM:
         unknown = sorted(set(engine_kwargs) - fields)
         if unknown:
             raise TypeError(f"unknown LLM arguments {unknown}; engine settings are {sorted(fields)}")
+        if engine_kwargs.get("scheduler") == "sprpt" and not engine_kwargs.get("length_probe"):
+            shipped = default_probe_path(model)  # a built-in model's trained length probe
+            if shipped is not None:
+                engine_kwargs["length_probe"] = str(shipped)
         cfg, params, tokenizer = load_model(model, dtype=dtype)
         self.model = model
         self.engine = LLMEngine(cfg, params, tokenizer, EngineConfig(**engine_kwargs))

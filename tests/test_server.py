@@ -9,7 +9,6 @@ import asyncio
 import collections
 import json
 import math
-import os
 import random
 import re
 import signal

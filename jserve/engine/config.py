@@ -29,7 +29,14 @@ class EngineConfig:
     # kernel on GPU/TPU and the XLA reference on CPU; a Pallas flavour on CPU runs interpreted.
     # The default stays the reference until the kernels have been compiled on the hardware.
     attention_impl: str = "reference"
-    scheduler: str = "sarathi"         # sarathi | fcfs | edf | lrs | lars (jserve.scheduler.POLICIES)
+    scheduler: str = "sarathi"         # sarathi | fcfs | edf | lrs | lars | sprpt (jserve.scheduler.POLICIES)
+    # Output-length probe (TRAIL, jserve.probe): a probe .npz turns on capturing its layer's
+    # hidden state and per-request remaining-length predictions; probe_layer alone captures
+    # that layer without predicting (recording training data). sprpt needs a probe and
+    # preempts a request only while generated <= sprpt_c x its first prediction.
+    length_probe: str | None = None
+    probe_layer: int | None = None
+    sprpt_c: float = 0.8
     # Deadline-aware policies: the TPOT SLO is the iteration time budget; a request's TTFT
     # deadline defaults to max(ttft_slo_factor x its isolated prefill time, ttft_slo_floor).
     tpot_slo: float = 0.05
@@ -68,5 +75,9 @@ class EngineConfig:
                                  f"got {self.num_kv_pages}")
             if self.kv_cache_bytes is not None:
                 raise ValueError("give kv_cache_bytes or num_kv_pages, not both")
+        if not self.sprpt_c >= 0:
+            raise ValueError(f"sprpt_c must be >= 0, got {self.sprpt_c}")
+        if self.probe_layer is not None and self.probe_layer < 0:
+            raise ValueError(f"probe_layer must be >= 0, got {self.probe_layer}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

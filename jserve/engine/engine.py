@@ -30,6 +30,8 @@ from jserve.engine.runner import ModelRunner
 from jserve.engine.step_builder import StepBuilder, StepFlags
 from jserve.kernels import ATTENTION_IMPLS
 from jserve.model.llama import Params
+from jserve.probe.length_probe import LengthProbe
+from jserve.probe.tracker import LengthTracker
 from jserve.sampling.params import MAX_BANNED_IDS, SamplingParams
 from jserve.sampling.sampler import SamplerRow
 from jserve.engine.timing import estimated_predictor, host_round_trip_seconds, load_predictor
@@ -138,14 +140,18 @@ class LLMEngine:
             num_layers=cfg.num_hidden_layers // self._spp)
         self.allocator = BlockAllocator(num_pages, config.page_size, groups=kvp,
                                         pages_per_group=self.buckets.pages_per_group)
-        self.predictor = load_predictor(cfg, config) if config.scheduler != "sarathi" else None
+        self.predictor = (load_predictor(cfg, config)
+                          if config.scheduler not in ("sarathi", "sprpt") else None)
+        self.length_tracker = self._length_tracker(cfg, config)
+        probe = self.length_tracker.probe if self.length_tracker else None
         self.scheduler = build_scheduler(
             config.scheduler, self.allocator, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=budget, max_prefill_seqs=config.max_prefill_seqs,
             predictor=self.predictor, max_context=self.max_model_len,
             deadline=DeadlineConfig(t_target=config.tpot_slo, ttft_k=config.ttft_slo_factor,
                                     ttft_floor=config.ttft_slo_floor,
-                                    space_sharing=config.space_sharing))
+                                    space_sharing=config.space_sharing),
+            sprpt_c=config.sprpt_c, fallback_remaining=probe.prior_mean if probe else None)
         # Swap-to-host preemption: host copies by request id and the bytes they reserve.
         self._cost_predictor = self.predictor or estimated_predictor(cfg)
         # A swapped page is a global page: every stored KV head (copies under tp included).
@@ -162,7 +168,9 @@ class LLMEngine:
                     if self._spp > 1 else
                     allocate_sharded_kv_cache(cfg, kvp * num_pages, config.page_size, mesh))
         self.runner = ModelRunner(cfg, params, kv_cache, self.buckets, config.max_num_seqs,
-                                  config.attention_impl, mesh)
+                                  config.attention_impl, mesh,
+                                  capture_layer=self.length_tracker.layer
+                                  if self.length_tracker else None)
         self.builder = StepBuilder(self.buckets, config.page_size, self.runner.state_sink,
                                    pool_pages=num_pages)
         self._free_state_rows = list(range(self.runner.state_sink - 1, -1, -1))
@@ -184,6 +192,27 @@ class LLMEngine:
                                              _NEUTRAL_ROW, lambda r: r.payload.state_row,
                                              StepFlags(False, False, False))
             self.runner.start_pipeline(self._empty.shape, self._empty.arrays)
+
+    @staticmethod
+    def _length_tracker(cfg: LlamaConfig, config: EngineConfig) -> LengthTracker | None:
+        """The probe's tracker when a probe or a capture layer is set (sprpt needs a probe)."""
+        probe = LengthProbe.load(config.length_probe) if config.length_probe else None
+        if probe is not None:
+            if probe.input_dim != cfg.hidden_size:
+                raise ValueError(f"length probe reads {probe.input_dim}-wide embeddings; the "
+                                 f"model's hidden size is {cfg.hidden_size}")
+            if config.probe_layer is not None and config.probe_layer != probe.layer:
+                raise ValueError(f"probe_layer {config.probe_layer} differs from the probe's "
+                                 f"layer {probe.layer}")
+        elif config.scheduler == "sprpt":
+            raise ValueError("scheduler 'sprpt' needs a length probe (length_probe=path)")
+        layer = probe.layer if probe is not None else config.probe_layer
+        if layer is None:
+            return None
+        if layer >= cfg.num_hidden_layers:
+            raise ValueError(f"probe layer {layer} is past the model's {cfg.num_hidden_layers} "
+                             "layers")
+        return LengthTracker(probe, layer)
 
     # -- requests ------------------------------------------------------------------------
     def tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
@@ -324,6 +353,8 @@ class LLMEngine:
                     for c in chunks]
         for c in chunks:
             self.requests[c.request_id].num_computed += c.num_tokens
+        if self.length_tracker is not None:
+            self.length_tracker.observe(plan, built, self.requests, self.runner.last_capture)
         return self._sampled_outputs(built.sample_rows, self.requests, tokens, logprobs)
 
     def _prepare(self, plan: BatchPlan) -> tuple[tuple[ScheduledChunk, ...], StepFlags]:
@@ -504,6 +535,8 @@ class LLMEngine:
         tr: _Tracked = req.payload
         self.scheduler.finish(req, status)
         self._release_state_row(req)
+        if self.length_tracker is not None:
+            self.length_tracker.forget(req.request_id)
         self._host_kv.pop(req.request_id, None)
         self._host_reserved.pop(req.request_id, None)
         tr.finish_reason = status.value

@@ -142,15 +142,21 @@ def _sample(logits: jax.Array, state: SeqState, arrays: StepArrays
 
 def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, fbuf: jax.Array,
           *, layout: PackedLayout, cfg: LlamaConfig, attention_impl: str,
-          mesh: jax.sharding.Mesh | None):
+          mesh: jax.sharding.Mesh | None, capture_layer: int | None = None):
+    """With ``capture_layer`` set, a fourth output: the layer's ``Capture`` (prompt sums over
+    the step's prompt tokens); ``None`` compiles exactly the step without it."""
     arrays = layout.unpack(ibuf, fbuf)
     if mesh is None:
-        logits, kv_cache, _ = forward(params, kv_cache, arrays.batch, cfg=cfg,
-                                      attention_impl=attention_impl)
+        logits, kv_cache, capture = forward(
+            params, kv_cache, arrays.batch, cfg=cfg, attention_impl=attention_impl,
+            capture_layer=capture_layer,
+            prompt_mask=arrays.token_is_prompt if capture_layer is not None else None)
     else:  # tensor / KV-cache parallel; the rest of the step runs replicated on the logits
         logits, kv_cache = tp_forward(params, kv_cache, arrays.batch, mesh=mesh, cfg=cfg,
                                       attention_impl=attention_impl)
     out, state = _sample(logits, state, arrays)
+    if capture_layer is not None:
+        return out, kv_cache, state, capture
     return out, kv_cache, state
 
 
@@ -202,7 +208,17 @@ class ModelRunner:
     (``sharding.pipeline``): params and pages are split by stage, swapping is unsupported."""
 
     def __init__(self, cfg: LlamaConfig, params: Params, kv_cache: KVCache, buckets: Buckets,
-                 max_num_seqs: int, attention_impl: str, mesh: jax.sharding.Mesh | None = None):
+                 max_num_seqs: int, attention_impl: str, mesh: jax.sharding.Mesh | None = None,
+                 capture_layer: int | None = None):
+        if capture_layer is not None:
+            if mesh is not None:
+                raise ValueError("capturing a layer's hidden state (length probe) runs on one "
+                                 "device only, not with a tensor-parallel mesh")
+            if not 0 <= capture_layer < cfg.num_hidden_layers:
+                raise ValueError(f"capture layer must be in [0, {cfg.num_hidden_layers}), "
+                                 f"got {capture_layer}")
+        self.capture_layer = capture_layer
+        self.last_capture = None  # the latest step's Capture (device arrays) when capturing
         self.cfg = cfg
         self.mesh = mesh
         self.params = prepare_params(params)
@@ -228,7 +244,8 @@ class ModelRunner:
         self._jitted = (
             jax.jit(_tick, static_argnames=("layout", "cfg", "attention_impl", "mesh"),
                     donate_argnums=(1, 2, 3)) if self.spp > 1 else
-            jax.jit(_step, static_argnames=("layout", "cfg", "attention_impl", "mesh"),
+            jax.jit(_step, static_argnames=("layout", "cfg", "attention_impl", "mesh",
+                                            "capture_layer"),
                     donate_argnums=(1, 2)))
         self._compiled: dict[tuple[int, int], tuple[jax.stages.Compiled, PackedLayout]] = {}
         self.compile_count = 0
@@ -269,7 +286,9 @@ class ModelRunner:
                 self.mesh, self.cfg, sum(shape), layout.int_size, layout.float_size),)
             exe = self._jitted.lower(self.params, self.kv_cache, self.state, *carry, ibuf, fbuf,
                                      layout=layout, cfg=self.cfg,
-                                     attention_impl=self.attention_impl, mesh=self.mesh).compile()
+                                     attention_impl=self.attention_impl, mesh=self.mesh,
+                                     **({} if self.spp > 1 else
+                                        {"capture_layer": self.capture_layer})).compile()
             self.compile_count += 1
             entry = self._compiled[shape] = (exe, layout)
         return entry
@@ -304,7 +323,10 @@ class ModelRunner:
             out, self.kv_cache, self.state, self.carry = exe(
                 self.params, self.kv_cache, self.state, self.carry, ibuf, fbuf)
             return out
-        out, self.kv_cache, self.state = exe(self.params, self.kv_cache, self.state, ibuf, fbuf)
+        out, self.kv_cache, self.state, *capture = exe(self.params, self.kv_cache, self.state,
+                                                        ibuf, fbuf)
+        if capture:
+            self.last_capture = capture[0]
         return out
 
     def start_pipeline(self, shape: tuple[int, int], empty: StepArrays) -> None:

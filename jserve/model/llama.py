@@ -6,7 +6,7 @@ their KV into the cache pages, and computes logits only for the rows that will b
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -125,16 +125,27 @@ def final_logits(params: Params, x: jax.Array, rows: jax.Array, cfg: LlamaConfig
     return jnp.dot(h, head, preferred_element_type=jnp.float32)
 
 
+class Capture(NamedTuple):
+    """The residual stream after one layer, what an output-length probe reads (float32).
+
+    rows [S, hidden]: at each sequence row's ``logits_rows`` token. prompt_sum [S, hidden]:
+    the sum over each row's tokens that ``prompt_mask`` marks (all of them when no mask), so
+    the host can build a mean prompt embedding across prefill chunks."""
+
+    rows: jax.Array
+    prompt_sum: jax.Array
+
+
 def forward(params: Params, kv_cache: KVCache, batch: StepInput, *, cfg: LlamaConfig,
             attention_impl: str = "reference", tp_axis: str | None = None,
-            kvp_axis: str | None = None, capture_layer: int | None = None) -> tuple[jax.Array, KVCache, jax.Array | None]:
-    """Returns (float32 logits [S, vocab] for ``batch.logits_rows``, updated KV cache, hidden).
+            kvp_axis: str | None = None, capture_layer: int | None = None,
+            prompt_mask: jax.Array | None = None) -> tuple[jax.Array, KVCache, Capture | None]:
+    """Returns (float32 logits [S, vocab] for ``batch.logits_rows``, updated KV cache, capture).
 
     ``params`` must be in the runtime layout of :func:`prepare_params`; ``tp_axis`` and
-    ``kvp_axis`` as in
-    :func:`decoder_layer`. ``hidden`` is the float32 residual stream after layer
-    ``capture_layer`` (0-based; ``None``: not captured) at ``batch.logits_rows`` [S, hidden],
-    the embedding an output-length probe reads."""
+    ``kvp_axis`` as in :func:`decoder_layer`. ``capture`` is the :class:`Capture` after layer
+    ``capture_layer`` (0-based; ``None``: nothing captured and nothing extra computed);
+    ``prompt_mask`` [T] picks the tokens its ``prompt_sum`` adds up."""
     x = embed(params, batch.tokens)
     cos, sin = rope_tables(cfg, batch.attn.positions)
     new_cache: KVCache = []
@@ -145,5 +156,10 @@ def forward(params: Params, kv_cache: KVCache, batch: StepInput, *, cfg: LlamaCo
                               kvp_axis=kvp_axis)
         new_cache.append(kv)
         if i == capture_layer:
-            hidden = x[batch.logits_rows].astype(jnp.float32)
+            xf = x.astype(jnp.float32)
+            if prompt_mask is not None:
+                xf = jnp.where(prompt_mask[:, None], xf, 0.0)
+            s = batch.logits_rows.shape[0]  # padding tokens carry token_seq == s: dropped
+            sums = jax.ops.segment_sum(xf, batch.attn.token_seq, num_segments=s + 1)[:s]
+            hidden = Capture(x[batch.logits_rows].astype(jnp.float32), sums)
     return final_logits(params, x, batch.logits_rows, cfg), new_cache, hidden

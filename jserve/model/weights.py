@@ -185,14 +185,23 @@ def restore_orbax(ckpt_dir: str | Path, cfg: LlamaConfig) -> Params:
         return ckptr.restore(Path(ckpt_dir).absolute() / "params", _abstract_params(cfg))
 
 
+# Built-in checkpoints shipped inside the package, by name (scripts/train_task_model.py).
+BUILTIN_MODELS = {"tiny-tasks": Path(__file__).resolve().parents[1] / "assets" / "tiny_tasks"}
+
+
+def resolve_model_dir(model: str) -> Path:
+    """The directory of a built-in model name, else ``model`` as a path."""
+    return BUILTIN_MODELS.get(model, Path(model))
+
+
 def load_config(model: str, dtype: str | None = None) -> LlamaConfig:
     """The config ``load_model`` would use, without reading any weights."""
     if model == "default":
         return DEFAULT_CONFIG if dtype is None else dataclasses.replace(DEFAULT_CONFIG, dtype=dtype)
-    path = Path(model)
+    path = resolve_model_dir(model)
     if not path.is_dir():
-        raise FileNotFoundError(f"model {model!r} is not a directory (use 'default' for the "
-                                "built-in random model)")
+        raise FileNotFoundError(f"model {model!r} is not a directory (built-in models: 'default', "
+                                f"the random model, and {', '.join(map(repr, BUILTIN_MODELS))})")
     if not (path / "config.json").exists():
         raise ValueError(f"model directory {path} has no config.json")
     return LlamaConfig.from_json_file(path / "config.json", dtype=dtype)
@@ -200,11 +209,12 @@ def load_config(model: str, dtype: str | None = None) -> LlamaConfig:
 
 def load_model(model: str, dtype: str | None = None,
                seed: int = 0) -> tuple[LlamaConfig, Params, Tokenizer | None]:
-    """Resolve ``--model``: "default" (built-in random model), an orbax or a HF directory."""
+    """Resolve ``--model``: "default" (built-in random model), "tiny-tasks" (the packaged
+    trained model), an orbax or a HF directory."""
     cfg = load_config(model, dtype)
     if model == "default":
         return cfg, init_params(cfg, seed), ByteTokenizer()
-    path = Path(model)
+    path = resolve_model_dir(model)
     if (path / "params").is_dir():
         params = restore_orbax(path, cfg)
     elif (path / "model.safetensors").exists() or (path / "model.safetensors.index.json").exists():

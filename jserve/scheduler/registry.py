@@ -11,8 +11,9 @@ from jserve.scheduler.chunking import PrefillTimeCache
 from jserve.scheduler.deadline import DEADLINE_POLICIES, DeadlineConfig, DeadlineScheduler
 from jserve.scheduler.predictor import RuntimePredictor
 from jserve.scheduler.sarathi import SarathiScheduler
+from jserve.scheduler.sprpt import SPRPTScheduler
 
-POLICIES = ("sarathi",) + DEADLINE_POLICIES
+POLICIES = ("sarathi",) + DEADLINE_POLICIES + ("sprpt",)
 
 
 def build_scheduler(policy: str, allocator: BlockAllocator, *, max_num_seqs: int,
@@ -20,13 +21,18 @@ def build_scheduler(policy: str, allocator: BlockAllocator, *, max_num_seqs: int
                     predictor: RuntimePredictor | None = None, max_context: int | None = None,
                     deadline: DeadlineConfig = DeadlineConfig(),
                     clock: Callable[[], float] = time.monotonic,
-                    prefill_cache: PrefillTimeCache | None = None) -> SchedulerBase:
+                    prefill_cache: PrefillTimeCache | None = None, sprpt_c: float = 0.8,
+                    fallback_remaining: float | None = None) -> SchedulerBase:
     """Deadline-aware policies need a predictor and either the longest context (to build the
-    prefill-time cache) or a ready cache; ``sarathi`` needs none of them."""
+    prefill-time cache) or a ready cache; ``sarathi`` needs none of them; ``sprpt`` takes its
+    preemption window ``sprpt_c`` and the remaining length assumed before a prediction."""
     limits = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                   max_prefill_seqs=max_prefill_seqs)
     if policy == "sarathi":
         return SarathiScheduler(allocator, **limits)
+    if policy == "sprpt":
+        return SPRPTScheduler(allocator, c=sprpt_c, fallback_remaining=fallback_remaining,
+                              **limits)
     if policy not in DEADLINE_POLICIES:
         raise ValueError(f"scheduler must be one of {POLICIES}, got {policy!r}")
     if predictor is None or (max_context is None and prefill_cache is None):

@@ -40,6 +40,10 @@ class Request:
     swapped: bool = False  # preempted with its KV (num_computed tokens) kept in host memory
     tpot_slo: float | None = None  # seconds per output token; None: the engine's default
     priority: int = 0              # lower runs first among deadline-aware policies' ties
+    # Output-length probe (TRAIL): tokens still to generate as predicted from the mean prompt
+    # embedding once the prompt is prefilled, and the smoothed prediction after each step.
+    first_prediction: float | None = None
+    predicted_remaining: float | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

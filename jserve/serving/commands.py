@@ -72,6 +72,10 @@ def add_serve_parser(sub, add_engine_args: Callable, engine_kwargs: Callable) ->
                    help="skip compiling every bucket at start (the server warms up by default)")
     s.set_defaults(warmup=True)
     s.add_argument("--scheduler", choices=POLICIES, default="sarathi")
+    s.add_argument("--length-probe", default=None,
+                   help="output-length probe .npz (sprpt; default: the model's shipped one)")
+    s.add_argument("--sprpt-c", type=float, default=0.8,
+                   help="sprpt preempts a request only while generated <= c x first prediction")
     s.add_argument("--host", default="0.0.0.0", help="address for gRPC and metrics")
     s.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
     s.add_argument("--metrics-port", type=int, default=9400,
@@ -104,7 +108,8 @@ def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
         grace_period=a.grace_period, tls_cert=a.tls_cert, tls_key=a.tls_key,
         auth_token=a.auth_token or None, model_name=a.model)
     join_processes(a)
-    llm = LLM(a.model, dtype=a.dtype, scheduler=a.scheduler, **engine_kwargs)
+    llm = LLM(a.model, dtype=a.dtype, scheduler=a.scheduler, length_probe=a.length_probe,
+              sprpt_c=a.sprpt_c, **engine_kwargs)
 
     def ready(server) -> None:
         metrics = (f"http://{a.host}:{server.metrics_port}/metrics"
