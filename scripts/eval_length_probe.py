@@ -28,8 +28,10 @@ from jserve import LLM
 from jserve.probe import RemainingFilter, default_probe_path
 from jserve.sampling.params import SamplingParams
 
-POLICIES = (("fcfs", None), ("sarathi", None), ("sprpt", 0.5), ("sprpt", 0.8),
-            ("sprpt", 1.0))
+# (scheduler, sprpt's c); c "capture" runs the policy with the probe's layer capture and
+# tracker on but unused, so its row isolates what capturing costs from what sprpt's order buys.
+POLICIES = (("fcfs", None), ("fcfs", "capture"), ("sarathi", None), ("sprpt", 0.5),
+            ("sprpt", 0.8), ("sprpt", 1.0))
 
 
 def task_prompts(n: int, seed: int) -> list[str]:
@@ -107,10 +109,13 @@ def _drop_executables() -> None:
 def latency_table(model, probe_path, prompts, arrivals, max_tokens, engine) -> dict:
     res = {}
     for policy, c in POLICIES:
-        name = policy if c is None else f"sprpt c={c}"
+        name = (policy if c is None else f"{policy} + capture" if c == "capture"
+                else f"sprpt c={c}")
         kw = dict(engine, scheduler=policy)
         if c is not None:
-            kw.update(length_probe=probe_path, sprpt_c=c)
+            kw.update(length_probe=probe_path)
+        if policy == "sprpt":
+            kw.update(sprpt_c=c)
         llm = LLM(model, **kw)
         res[name] = run_workload(llm, prompts, arrivals, max_tokens)
         del llm

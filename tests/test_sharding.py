@@ -1,20 +1,13 @@
-"""Mesh configs, the tensor-parallel layout, and TP engines against the unsharded one.
-
-The multi-device checks run in a subprocess that sets ``--xla_force_host_platform_device_count``
-before JAX starts, so the rest of the suite keeps one CPU device."""
+"""Mesh configs and the tensor-parallel layout. Engines on every mesh against the unsharded
+one are in tests/test_mesh_matrix.py."""
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import subprocess
-import sys
-import textwrap
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import SMALL, small_llm
+from conftest import small_llm
 
 from jserve.model.llama import prepare_params
 from jserve.model.weights import DEFAULT_CONFIG, init_params
@@ -75,41 +68,3 @@ def test_tp_layout_gives_each_shard_its_gate_up_and_kv_heads(tp):
         kv = sorted({h // group for h in q_heads})
         np.testing.assert_array_equal(
             wk, jnp.concatenate([layer["wk"][:, h * hd:(h + 1) * hd] for h in kv], axis=1))
-
-
-_TP_SCRIPT = textwrap.dedent("""
-    import json, os, sys
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    from jserve import LLM, SamplingParams
-    settings = json.loads(sys.argv[1])
-    prompts = [list(range(3, 3 + n)) for n in (37, 6, 21, 3)]
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
-    result = {}
-    for mesh in ("tp=1", "tp=2", "tp=4"):
-        llm = LLM("default", mesh=mesh, **settings)
-        outs = llm.generate(prompts, params)
-        result[mesh] = {"tokens": [o.token_ids for o in outs],
-                        "top": [[[lp for _, lp in t.top] for t in o.logprobs] for o in outs],
-                        "devices": len(llm.engine.runner.kv_cache[0][0].sharding.device_set)}
-    print(json.dumps(result))
-""")
-
-
-def test_tensor_parallel_matches_unsharded_engine():
-    """Greedy tokens of a mixed workload (prefill chunks beside decodes) are identical at
-    tp=1, 2 and 4 (4 query heads, 2 KV heads: tp=4 copies KV heads) and the top logprobs
-    agree to float32 rounding of the split matmuls' sums."""
-    settings = {**SMALL, "max_num_seqs": 2, "max_prefill_seqs": 1}
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    proc = subprocess.run([sys.executable, "-c", _TP_SCRIPT, json.dumps(settings)],
-                          capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    base = result["tp=1"]
-    assert base["devices"] == 1
-    assert all(len(t) == 6 for t in base["tokens"])
-    for mesh, tp in (("tp=2", 2), ("tp=4", 4)):
-        assert result[mesh]["devices"] == tp
-        assert result[mesh]["tokens"] == base["tokens"], mesh
-        np.testing.assert_allclose(np.array(result[mesh]["top"]), np.array(base["top"]),
-                                   atol=1e-4, rtol=0)
