@@ -22,6 +22,17 @@ def llm() -> LLM:
     return small_llm()
 
 
+def apply_plan(scheduler, plan, sample_token: int = 5) -> None:
+    """Apply a plan to pure-scheduler requests as the engine would: advance computed counts
+    and append a sampled token for every chunk that samples."""
+    by_id = {r.request_id: r for r in scheduler.running}
+    for c in plan.decodes + plan.prefills:
+        r = by_id[c.request_id]
+        r.num_computed += c.num_tokens
+        if c.samples:
+            r.token_ids.append(sample_token)
+
+
 def run_checked(llm: LLM, prompts, params) -> list[list[int]]:
     """Runs ``prompts`` to completion, checking after every step that blocks are conserved
     (held exactly by running requests), waiting requests hold none, and exactly the swapped

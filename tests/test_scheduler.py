@@ -1,8 +1,16 @@
 """Sarathi policy decisions on constructed cases (pure Python, no device)."""
 from __future__ import annotations
 
-from jserve.cache.allocator import BlockAllocator
+import random
+
+import pytest
+from conftest import apply_plan
+
+from jserve.cache.allocator import BlockAllocator, OutOfBlocks
 from jserve.scheduler import Request, RequestStatus, SarathiScheduler
+from jserve.scheduler.chunking import PrefillTimeCache
+from jserve.scheduler.deadline import DeadlineConfig, DeadlineScheduler
+from jserve.scheduler.predictor import LinearPredictor
 
 
 def _sched(blocks=64, budget=16, seqs=8, prefill_seqs=4, block_size=4):
@@ -14,14 +22,6 @@ def _req(rid, prompt_len, t, max_tokens=8):
     return Request(rid, list(range(1, prompt_len + 1)), max_tokens, float(t))
 
 
-def _run(s, plan, sample_token=5):
-    """Apply a plan as the engine would: advance computed counts, append sampled tokens."""
-    by_id = {r.request_id: r for r in s.running}
-    for c in plan.decodes + plan.prefills:
-        r = by_id[c.request_id]
-        r.num_computed += c.num_tokens
-        if c.samples:
-            r.token_ids.append(sample_token)
 
 
 def test_decodes_first_then_prefill_chunks_in_arrival_order_under_the_budget():
@@ -33,12 +33,12 @@ def test_decodes_first_then_prefill_chunks_in_arrival_order_under_the_budget():
     assert [(x.request_id, x.num_tokens, x.samples) for x in p1.prefills] == [
         ("a", 6, True), ("b", 10, False)]
     assert not p1.decodes
-    _run(s, p1)
+    apply_plan(s, p1)
     p2 = s.schedule()
     assert [x.request_id for x in p2.decodes] == ["a"]
     # b continues before c is admitted; chunk = budget left after the decode
     assert [(x.request_id, x.start, x.num_tokens) for x in p2.prefills] == [("b", 10, 15)]
-    _run(s, p2)
+    apply_plan(s, p2)
     p3 = s.schedule()
     assert [x.request_id for x in p3.decodes] == ["a"]
     assert [(x.request_id, x.num_tokens) for x in p3.prefills] == [("b", 5), ("c", 5)]
@@ -52,7 +52,7 @@ def test_kv_pressure_preempts_the_latest_arrival_and_blocks_are_conserved():
     s.add(b)
     p = s.schedule()
     assert [x.request_id for x in p.prefills] == ["a", "b"]
-    _run(s, p)  # a: 9 tokens (needs 3 blocks next), b: 8 tokens (fits 2 blocks, needs 2)
+    apply_plan(s, p)  # a: 9 tokens (needs 3 blocks next), b: 8 tokens (fits 2 blocks, needs 2)
     p = s.schedule()
     assert p.preempted == ("b",)
     assert b.status is RequestStatus.PREEMPTED and b.num_computed == 0 and not b.block_ids
@@ -67,7 +67,7 @@ def test_finish_and_abort_release_blocks_immediately():
     a, b = _req("a", 9, 0), _req("b", 3, 1)
     s.add(a)
     s.add(b)
-    _run(s, s.schedule())
+    apply_plan(s, s.schedule())
     assert s.allocator.num_allocated == 3 + 1
     s.finish(a, RequestStatus.FINISHED_ABORTED)
     assert s.allocator.num_allocated == 1 and a.block_ids == []
@@ -100,7 +100,7 @@ def test_requests_with_a_token_in_flight_are_neither_scheduled_nor_preempted():
     a, b, c = _req("a", 4, 0), _req("b", 3, 1), _req("c", 4, 2)
     for r in (a, b, c):
         s.add(r)
-    _run(s, s.schedule())  # a and b prefilled (two sequences at most), both sampled
+    apply_plan(s, s.schedule())  # a and b prefilled (two sequences at most), both sampled
     assert [r.request_id for r in s.running] == ["a", "b"]
     s.hold([a])
     plan = s.schedule()
@@ -109,7 +109,7 @@ def test_requests_with_a_token_in_flight_are_neither_scheduled_nor_preempted():
     assert [d.request_id for d in plan.decodes] == ["b"] and not plan.prefills
     assert "a" not in plan.preempted and a.block_ids and a.status is RequestStatus.RUNNING
     assert [r.request_id for r in s.running] == ["a", "b"]
-    _run(s, plan)
+    apply_plan(s, plan)
     s.release(a)
     assert {d.request_id for d in s.schedule().decodes} == {"a", "b"}
     s.hold([b])
@@ -118,14 +118,6 @@ def test_requests_with_a_token_in_flight_are_neither_scheduled_nor_preempted():
 
 
 # -- KV-cache parallel groups (kvp): per-group pools and the group-boundary rules -------------
-import random
-
-import pytest
-
-from jserve.cache.allocator import OutOfBlocks
-from jserve.scheduler.chunking import PrefillTimeCache
-from jserve.scheduler.deadline import DeadlineConfig, DeadlineScheduler
-from jserve.scheduler.predictor import LinearPredictor
 
 
 def test_grouped_allocator_conserves_blocks_per_group_under_random_traffic():
@@ -195,7 +187,7 @@ def test_prefill_chunks_stop_at_group_boundaries():
     while a.num_computed < 20:
         plan = s.schedule()
         sizes.append([(c.start, c.num_tokens) for c in plan.prefills])
-        _run(s, plan)
+        apply_plan(s, plan)
     assert sizes == [[(0, 8)], [(8, 8)], [(16, 4)]]  # never across 8 or 16
     s.allocator.check()
 
@@ -221,10 +213,10 @@ def test_at_most_one_group_spanning_prefill_per_batch():
     p1 = s.schedule()
     # b waits while a (spanning) prefills; Sarathi admits in arrival order, so c waits too.
     assert [(x.request_id, x.num_tokens) for x in p1.prefills] == [("a", 8)]
-    _run(s, p1)
+    apply_plan(s, p1)
     p2 = s.schedule()
     assert [x.request_id for x in p2.prefills] == ["a"]
-    _run(s, p2)
+    apply_plan(s, p2)
     p3 = s.schedule()  # a decodes now; b may start
     assert [x.request_id for x in p3.decodes] == ["a"]
     assert [(x.request_id, x.num_tokens) for x in p3.prefills][:1] == [("b", 8)]

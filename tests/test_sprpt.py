@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import apply_plan, run_checked, small_llm
 
 from jserve.cache.allocator import BlockAllocator
 from jserve.probe import LengthBins, train_probe
 from jserve.sampling.params import SamplingParams
 from jserve.scheduler import Request, RequestStatus, build_scheduler
 from jserve.scheduler.sprpt import SPRPTScheduler
-from tests.conftest import run_checked, small_llm
 
 
 def _sched(c=0.8, seqs=2, blocks=64, budget=64, block_size=4, fallback=None):
@@ -28,13 +28,6 @@ def _req(rid, prompt_len=4, t=0.0, first=None, remaining=None, generated=0):
     return r
 
 
-def _run(s, plan, sample_token=5):
-    by_id = {r.request_id: r for r in s.running}
-    for c in plan.decodes + plan.prefills:
-        r = by_id[c.request_id]
-        r.num_computed += c.num_tokens
-        if c.samples:
-            r.token_ids.append(sample_token)
 
 
 @pytest.mark.parametrize("c, generated, allowed", [
@@ -71,7 +64,7 @@ def test_full_batch_preempts_the_preemptable_request_with_the_largest_prediction
     a, b = _req("a", first=50.0), _req("b", t=1, first=30.0)
     for r in (a, b):
         s.add(r)
-    _run(s, s.schedule())
+    apply_plan(s, s.schedule())
     assert s.running == [b, a]  # admitted shortest first
     short = _req("short", t=2, first=5.0)
     s.add(short)
@@ -88,7 +81,7 @@ def test_a_request_past_its_window_is_not_preempted_the_next_largest_is():
     a, b = _req("a", first=10.0), _req("b", t=1, first=30.0)
     for r in (a, b):
         s.add(r)
-    _run(s, s.schedule())
+    apply_plan(s, s.schedule())
     a.token_ids += [5] * 8  # a has generated 9 > 0.8 x 10: out of its window
     a.num_computed = len(a.token_ids) - 1
     s.allocator.free(a.block_ids)
@@ -105,7 +98,7 @@ def test_no_preemption_when_the_waiting_request_is_not_shorter_or_c_is_zero():
         a, b = _req("a", first=50.0), _req("b", t=1, first=30.0)
         for r in (a, b):
             s.add(r)
-        _run(s, s.schedule())
+        apply_plan(s, s.schedule())
         s.add(_req("w", t=2, first=waiting_pred))
         plan = s.schedule()
         assert plan.preempted == () and not plan.prefills
@@ -116,7 +109,7 @@ def test_kv_full_also_counts_as_a_full_batch():
     s = _sched(seqs=8, blocks=4, block_size=4)  # 16 token slots
     a = _req("a", prompt_len=12, first=50.0)
     s.add(a)
-    _run(s, s.schedule())
+    apply_plan(s, s.schedule())
     s.add(_req("short", prompt_len=8, t=1, first=3.0))
     plan = s.schedule()
     assert plan.preempted == ("a",)

@@ -138,6 +138,36 @@ class SchedulerBase(abc.ABC):
         tokens_per_group = self.allocator.tokens_per_group
         return tokens_per_group is not None and req.num_prompt_tokens > tokens_per_group
 
+    def _continue_prefills(self, candidates, budget: int
+                           ) -> tuple[list[ScheduledChunk], int, bool]:
+        """Chunks for running requests still prefilling, in ``candidates`` order, under the
+        token budget and ``max_prefill_seqs``; at most one group-spanning prefill (kvp).
+        Returns (chunks, budget left, whether a spanning prefill is among them)."""
+        prefills: list[ScheduledChunk] = []
+        spanning = False
+        for req in candidates:
+            if budget == 0 or len(prefills) == self.max_prefill_seqs:
+                break
+            spans = self._spans_groups(req)
+            if spans and spanning:
+                continue
+            chunk = self._fits(req, min(req.num_uncomputed, budget))
+            if chunk == 0 or not self._grow(req, req.num_computed + chunk):
+                continue
+            prefills.append(self._chunk(req, chunk))
+            budget -= chunk
+            spanning |= spans
+        return prefills, budget, spanning
+
+    def _admit_first_chunk(self, req: Request, budget: int) -> ScheduledChunk | None:
+        """Admit waiting ``req`` with the largest first chunk that fits ``budget`` and the
+        pool; None (nothing changed) when none does."""
+        chunk = self._fits(req, min(req.num_uncomputed, budget))
+        if chunk == 0 or not self._grow(req, req.num_computed + chunk):
+            return None
+        self._admit(req)
+        return self._chunk(req, chunk)
+
     def _victim(self) -> Request:
         """The running request to preempt under memory pressure (policies override)."""
         return self.running[-1]

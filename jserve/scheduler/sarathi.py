@@ -3,31 +3,17 @@ under a token budget. It stays as the ``sarathi`` baseline beside deadline-aware
 from __future__ import annotations
 
 from jserve.scheduler.base import SchedulerBase
-from jserve.scheduler.plan import BatchPlan, ScheduledChunk
+from jserve.scheduler.plan import BatchPlan
 
 
 class SarathiScheduler(SchedulerBase):
     def _schedule_once(self, admit: bool) -> BatchPlan:
         decodes, preempted = self._schedule_decodes(self.token_budget)
         budget = self.token_budget - len(decodes)
-        prefills: list[ScheduledChunk] = []
         scheduled = {c.request_id for c in decodes}
-
-        candidates = [r for r in self.running
-                      if r.request_id not in scheduled and not r.is_decode]
-        spanning = False  # a prefill whose prompt spans kvp groups is in the batch
-        for req in candidates:
-            if budget == 0 or len(prefills) == self.max_prefill_seqs:
-                break
-            spans = self._spans_groups(req)
-            if spans and spanning:
-                continue
-            chunk = self._fits(req, min(req.num_uncomputed, budget))
-            if chunk == 0 or not self._grow(req, req.num_computed + chunk):
-                continue
-            prefills.append(self._chunk(req, chunk))
-            budget -= chunk
-            spanning |= spans
+        prefills, budget, spanning = self._continue_prefills(
+            [r for r in self.running if r.request_id not in scheduled and not r.is_decode],
+            budget)
 
         # No admissions in a step that had to preempt: memory is short, and readmitting the
         # victim at once would only thrash.
@@ -38,12 +24,11 @@ class SarathiScheduler(SchedulerBase):
             spans = self._spans_groups(req)
             if spans and spanning:  # in arrival order: it waits for the next batch
                 break
-            chunk = self._fits(req, min(req.num_uncomputed, budget))
-            if chunk == 0 or not self._grow(req, req.num_computed + chunk):
+            chunk = self._admit_first_chunk(req, budget)
+            if chunk is None:
                 break
-            self._admit(req)
-            prefills.append(self._chunk(req, chunk))
-            budget -= chunk
+            prefills.append(chunk)
+            budget -= chunk.num_tokens
             spanning |= spans
 
         return BatchPlan(tuple(decodes), tuple(prefills), tuple(preempted))

@@ -15,7 +15,7 @@ memory-pressure preemption also takes the largest prediction (preemptable ones f
 from __future__ import annotations
 
 from jserve.scheduler.base import SchedulerBase
-from jserve.scheduler.plan import BatchPlan, ScheduledChunk
+from jserve.scheduler.plan import BatchPlan
 from jserve.scheduler.request import Request
 
 
@@ -77,19 +77,10 @@ class SPRPTScheduler(SchedulerBase):
         policy_preempted = self._policy_preemptions() if admit else []
         decodes, preempted = self._schedule_decodes(self.token_budget)
         budget = self.token_budget - len(decodes)
-        prefills: list[ScheduledChunk] = []
         scheduled = {c.request_id for c in decodes}
-
-        candidates = sorted((r for r in self.running
-                             if r.request_id not in scheduled and not r.is_decode), key=self._key)
-        for req in candidates:
-            if budget == 0 or len(prefills) == self.max_prefill_seqs:
-                break
-            chunk = self._fits(req, min(req.num_uncomputed, budget))
-            if chunk == 0 or not self._grow(req, req.num_computed + chunk):
-                continue
-            prefills.append(self._chunk(req, chunk))
-            budget -= chunk
+        prefills, budget, _ = self._continue_prefills(
+            sorted((r for r in self.running if r.request_id not in scheduled
+                    and not r.is_decode), key=self._key), budget)
 
         # As in Sarathi, no admissions in a step that memory pressure forced to preempt; and
         # a request this step preempted by policy waits at least one step.
@@ -101,11 +92,10 @@ class SPRPTScheduler(SchedulerBase):
             if not ready:
                 break
             req = min(ready, key=self._key)
-            chunk = self._fits(req, min(req.num_uncomputed, budget))
-            if chunk == 0 or not self._grow(req, req.num_computed + chunk):
+            chunk = self._admit_first_chunk(req, budget)
+            if chunk is None:
                 break
-            self._admit(req)
-            prefills.append(self._chunk(req, chunk))
-            budget -= chunk
+            prefills.append(chunk)
+            budget -= chunk.num_tokens
 
         return BatchPlan(tuple(decodes), tuple(prefills), tuple(policy_preempted + preempted))
