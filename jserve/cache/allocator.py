@@ -78,19 +78,19 @@ class BlockAllocator:
                              f"({self.groups} groups x {ppg}); asked for {first + n}")
         return [(start + j // ppg) % self.groups for j in range(first, first + n)]
 
-    def needs(self, block_ids: Sequence[int], n: int) -> dict[int, int]:
-        """Pages per group that the sequence's next ``n`` pages take."""
-        out: dict[int, int] = {}
-        for g in self._groups_of(block_ids, n):
-            out[g] = out.get(g, 0) + 1
-        return out
+    def _fit(self, groups: Sequence[int]) -> bool:
+        """Whether every group has free pages for its share of ``groups`` (one per page)."""
+        need: dict[int, int] = {}
+        for g in groups:
+            need[g] = need.get(g, 0) + 1
+        return all(c <= len(self._free[g]) for g, c in need.items())
 
     def can_extend(self, block_ids: Sequence[int], n: int) -> bool:
         if self.groups == 1:
             return n <= len(self._free[0])
         if len(block_ids) + n > self.groups * self.pages_per_group:
             return False
-        return all(c <= len(self._free[g]) for g, c in self.needs(block_ids, n).items())
+        return self._fit(self._groups_of(block_ids, n))
 
     def extendable(self, block_ids: Sequence[int]) -> int:
         """How many more pages the sequence could take now (its groups' free pages, in
@@ -112,8 +112,8 @@ class BlockAllocator:
         """The sequence's next ``n`` pages (global ids, logical order); the caller appends
         them to its block list. All or nothing: ValueError past a sequence's maximum,
         OutOfBlocks when one of its groups is short."""
-        groups = self._groups_of(block_ids, n)
-        if not self.can_extend(block_ids, n):
+        groups = self._groups_of(block_ids, n)  # ValueError past the sequence's maximum
+        if not self._fit(groups):
             raise OutOfBlocks(f"asked for {n} KV blocks for a sequence holding "
                               f"{len(block_ids)}; free per group: {list(map(len, self._free))}")
         out = [self._free[g].pop() for g in groups]

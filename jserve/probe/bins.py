@@ -1,5 +1,6 @@
 """Remaining-length bins: finite edges plus one overflow bin for everything past the last edge.
 
+Widths and centres are computed once per bins object (the filter reads them every step).
 The filter needs every bin's width (a bin of width w is left after about w generated tokens)
 and centre (what the bin stands for in the expected value); the overflow bin has no upper
 end, so it borrows the last finite bin's width and sits half a width past the last edge.
@@ -7,8 +8,14 @@ end, so it borrows the last finite bin's width and sits half a width past the la
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.setflags(write=False)  # cached on the bins object: callers must not change it
+    return a
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,15 +49,15 @@ class LengthBins:
         """Finite bins plus the overflow bin."""
         return len(self.edges)
 
-    @property
+    @functools.cached_property
     def widths(self) -> np.ndarray:
         w = np.diff(np.asarray(self.edges, float))
-        return np.append(w, w[-1])
+        return _frozen(np.append(w, w[-1]))
 
-    @property
+    @functools.cached_property
     def centres(self) -> np.ndarray:
         e = np.asarray(self.edges, float)
-        return np.append((e[:-1] + e[1:]) / 2, e[-1] + self.widths[-1] / 2)
+        return _frozen(np.append((e[:-1] + e[1:]) / 2, e[-1] + self.widths[-1] / 2))
 
     def bin_of(self, lengths) -> np.ndarray:
         """Bin index of each length (>= 0); past the last edge is the overflow bin."""

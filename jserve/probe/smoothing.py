@@ -24,11 +24,14 @@ def transition_matrix(bins: LengthBins) -> np.ndarray:
 
 def posterior(prev: np.ndarray, likelihood: np.ndarray, transition: np.ndarray) -> np.ndarray:
     """One filter step: (prev @ T) * likelihood, normalised. Falls back to the likelihood
-    alone if the product vanishes (the probe contradicts everything the prior allows)."""
-    post = (np.asarray(prev, float) @ transition) * np.asarray(likelihood, float)
-    total = post.sum()
-    if not total > 0:
-        post, total = np.asarray(likelihood, float), float(np.sum(likelihood))
+    alone if the product vanishes (the probe contradicts everything the prior allows).
+    Row-wise on stacked [n, bins] inputs, so the engine filters a whole step at once."""
+    lik = np.asarray(likelihood, float)
+    post = (np.asarray(prev, float) @ transition) * lik
+    total = post.sum(axis=-1, keepdims=True)
+    vanished = ~(total > 0)
+    post = np.where(vanished, lik, post)
+    total = np.where(vanished, lik.sum(axis=-1, keepdims=True), total)
     return post / total
 
 

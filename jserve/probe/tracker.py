@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from jserve.probe.length_probe import LengthProbe
-from jserve.probe.smoothing import RemainingFilter, transition_matrix
+from jserve.probe.smoothing import RemainingFilter, posterior, transition_matrix
 
 
 class LengthTracker:
@@ -31,7 +31,8 @@ class LengthTracker:
 
     def observe(self, plan, built, requests, capture) -> None:
         rows = np.asarray(capture.rows)
-        sums = np.asarray(capture.prompt_sum)
+        # Prompt sums only matter for prefill chunks: decode-only steps skip the transfer.
+        sums = np.asarray(capture.prompt_sum) if plan.prefills else None
         bd = built.shape[0]
         for j, c in enumerate(plan.prefills):
             rid = c.request_id
@@ -68,10 +69,14 @@ class LengthTracker:
                 req = requests[rid]
                 req.first_prediction = req.predicted_remaining = f.start(p)
         updates = [(rid, e) for rid, e in updates if rid in self._filters]
-        if updates:
+        if updates:  # one probe call and one batched filter step for the whole step
             probs = self.probe.probs(np.stack([e for _, e in updates]))
-            for (rid, _), p in zip(updates, probs):
-                requests[rid].predicted_remaining = self._filters[rid].update(p)
+            filters = [self._filters[rid] for rid, _ in updates]
+            post = posterior(np.stack([f.probs for f in filters]), probs, self.transition)
+            expected = self.probe.bins.expected(post)
+            for (rid, _), f, p, e in zip(updates, filters, post, expected):
+                f.probs = p
+                requests[rid].predicted_remaining = float(e)
 
     def forget(self, request_id: str) -> None:
         for d in (self._sum, self._count, self._filters):
