@@ -18,15 +18,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jserve.cache.pool import KVCache
 from jserve.config import LlamaConfig
 from jserve.model.llama import Params
-from sharding.kv_parallel import KV_PAGES_SPEC as KVP_PAGES_SPEC
+# KV pages [stored KV heads, kvp * pages per group, page_size, head_dim]: heads split on tp,
+# pages on kvp (each KV-cache-parallel group holds its own pool; a size-1 axis splits nothing).
+from sharding.kv_parallel import KV_PAGES_SPEC
 
 # Runtime-layout leaves split on "tp" (column-split on the last axis, row-split on the first);
 # everything else (norms, embed, lm_head) is replicated.
 _COLUMN = ("wq", "wk", "wv", "w_gate_up")
 _ROW = ("wo", "w_down")
-# [stored KV heads, kvp * pages per group, page_size, head_dim]: heads split on tp, pages on
-# kvp (each KV-cache-parallel group holds its own pool; a size-1 axis splits nothing).
-KV_PAGES_SPEC = KVP_PAGES_SPEC
 
 
 def kv_head_map(cfg: LlamaConfig, tp: int) -> np.ndarray:

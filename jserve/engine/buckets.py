@@ -37,7 +37,8 @@ class Buckets:
                    pages_per_block: int = PAGES_PER_BLOCK, kvp: int = 1) -> "Buckets":
         # Each group's block of the table is padded like a whole table, so the kernels read
         # it (and L = its width x page_size tokens per group) on every group alike.
-        pages = -(-(-(-max_model_len // page_size)) // kvp)
+        pages_per_seq = -(-max_model_len // page_size)
+        pages = -(-pages_per_seq // kvp)
         block = min(pages_per_block, 1 << (pages - 1).bit_length())
         width = -(-pages // block) * block
         return cls(
