@@ -27,6 +27,9 @@ from jax.sharding import PartitionSpec as P
 from jserve.kernels import AttentionMetadata, attention, blocks
 
 KV_PAGES_SPEC = P("tp", "kvp")       # [KV heads, kvp * local pages, page_size, head_dim]
+# The engine's stacked cache [layers, KV heads, kvp * local pages, page_size, head_dim]:
+# layers split by pipeline stage (a size-1 "spp" axis splits nothing).
+STACKED_KV_SPEC = P("spp", "tp", "kvp")
 PAGE_TABLE_SPEC = P(None, "kvp")     # [seqs, kvp * local pages per sequence]
 
 
@@ -97,24 +100,26 @@ def merge_partials(out, lse, axis: str):
 
 def kvp_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: AttentionMetadata,
                   axis: str = "kvp", impl: str = "reference",
-                  start_groups: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                  start_groups: jax.Array | None = None, layer=None
+                  ) -> tuple[jax.Array, jax.Array]:
     """Ragged paged attention with the KV split by token range over ``axis``; call inside
     ``jax.shard_map`` with q and the metadata replicated over ``axis``, the pages split by
     ``KV_PAGES_SPEC`` and the page table by ``PAGE_TABLE_SPEC``.
 
     ``start_groups`` [S]: the group holding each row's first tokens (the engine starts a
     sequence on the least-loaded group; its table's column block g then holds its logical
-    chunk ``(g - start) % kvp``); None: every row starts in group 0. The tokens per group
+    chunk ``(g - start) % kvp``); None: every row starts in group 0. ``layer``: the pages
+    are a stacked cache read at that layer (``jserve.kernels.attention``). The tokens per group
     are implied by the layout: the local table width times the page size. Returns
     (out [T, Hq, D], lse [T, Hq]), replicated over ``axis``."""
-    tokens_per_group = meta.page_table.shape[1] * k_pages.shape[2]
+    tokens_per_group = meta.page_table.shape[1] * k_pages.shape[-2]
     group = jax.lax.axis_index(axis)
     if start_groups is None:
         offsets = group * tokens_per_group
     else:
         offsets = row_offsets(start_groups, group, jax.lax.axis_size(axis), tokens_per_group)
     out, lse = attention(q, k_pages, v_pages, local_metadata(meta, offsets, tokens_per_group),
-                         impl=impl)
+                         impl=impl, layer=layer)
     return merge_partials(out, lse, axis)
 
 

@@ -1,12 +1,12 @@
 """Stream pipeline parallelism (``spp``): the layers split into ``spp`` contiguous stages, one
 microbatch per stage, every stage busy on every tick.
 
-Layout. Layer ``s * L/spp + j`` is stage ``s``'s ``j``-th layer. Each layer weight is stacked
-to ``[spp, L/spp, ...]`` with the leading dim split on ``"spp"`` (composed with the ``tp``
-split of :mod:`sharding.specs`), so a stage holds only its own layers. The KV cache is a
-list of ``L/spp`` (k, v) pairs ``[spp, KV heads, pages, page_size, head_dim]``, split on
-``("spp", "tp")``: a stage holds only its layers' pages. Page ids are global (one allocator),
-so every stage stores the same pages for different layers.
+Layout. Layer ``s * L/spp + j`` is stage ``s``'s ``j``-th layer. The runtime params are
+already stacked ``[L, ...]`` and the KV cache ``[L, KV heads, pages, page_size, head_dim]``
+(:mod:`jserve.model.llama`); their leading layer dim is split on ``"spp"``
+(``sharding.specs.param_specs``, ``STACKED_KV_SPEC``), so a stage holds only its own layers
+and their pages and runs them as one ``fori_loop``. Page ids are global (one allocator), so
+every stage stores the same pages for different layers.
 
 Tick. One ``jax.shard_map`` over the whole mesh: stage 0 embeds the new batch, every stage
 runs its layers on the microbatch it holds, and the residual stream plus the batch's packed
@@ -19,7 +19,6 @@ largest bucket), so the carry's shape is fixed and one executable serves all tic
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable
 
 import jax
@@ -28,14 +27,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jserve.cache.pool import KVCache
 from jserve.config import LlamaConfig
-from jserve.model.llama import Params, decoder_layer, embed, rope_tables
+from jserve.model.llama import Params, embed, rope_tables, run_layers
 from sharding.kv_parallel import local_page_table
-from sharding.specs import kv_head_map, param_specs, tp_layout
+from sharding.specs import kv_cache_specs, param_specs
 
 STAGE_SPEC = P("spp")                # carry leaves: [spp, ...]
-# [spp, stored KV heads, kvp * pages per group, page_size, head_dim]: stages on spp, heads on
-# tp, each KV-cache-parallel group's pool on kvp (a size-1 axis splits nothing).
-KV_PAGES_SPEC = P("spp", "tp", "kvp")
 
 
 @jax.tree_util.register_dataclass
@@ -60,45 +56,6 @@ def validate(cfg: LlamaConfig, spp: int) -> None:
 def layers_per_stage(cfg: LlamaConfig, spp: int) -> int:
     validate(cfg, spp)
     return cfg.num_hidden_layers // spp
-
-
-def stage_layout(params: Params, cfg: LlamaConfig, spp: int, tp: int) -> Params:
-    """Runtime params (``prepare_params``) in ``tp_layout`` with the layer list replaced by one
-    dict of stacked leaves ``[spp, L/spp, ...]``."""
-    lps = layers_per_stage(cfg, spp)
-    params = tp_layout(params, cfg, tp)
-    layers = params["layers"]
-    stacked = {name: jnp.stack([jnp.stack([layers[s * lps + j][name] for j in range(lps)])
-                                for s in range(spp)]) for name in layers[0]}
-    return {**params, "layers": stacked}
-
-
-def stage_param_specs(params: Params) -> Params:
-    """Specs of ``stage_layout`` params: layer leaves get ``("spp", None)`` in front of
-    their tp spec; the rest is replicated."""
-    tp_specs = param_specs({**params, "layers": [params["layers"]]})  # specs go by name
-    layers = {name: P("spp", None, *spec) for name, spec in tp_specs["layers"][0].items()}
-    return {**{k: P() for k in params if k != "layers"}, "layers": layers}
-
-
-def shard_stage_params(params: Params, cfg: LlamaConfig, mesh: Mesh) -> Params:
-    params = stage_layout(params, cfg, mesh.shape["spp"], mesh.shape["tp"])
-    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), stage_param_specs(params))
-    return jax.device_put(params, shardings)
-
-
-def kv_specs(cfg: LlamaConfig, spp: int) -> list[tuple[P, P]]:
-    return [(KV_PAGES_SPEC, KV_PAGES_SPEC)] * layers_per_stage(cfg, spp)
-
-
-def allocate_pipeline_kv_cache(cfg: LlamaConfig, num_pages: int, page_size: int,
-                               mesh: Mesh) -> KVCache:
-    """Zeroed stage-stacked KV pages created in place on ``mesh``."""
-    spp = mesh.shape["spp"]
-    shape = (spp, len(kv_head_map(cfg, mesh.shape["tp"])), num_pages, page_size, cfg.head_dim)
-    sharding = NamedSharding(mesh, KV_PAGES_SPEC)
-    zeros = jax.jit(functools.partial(jnp.zeros, shape, cfg.np_dtype), out_shardings=sharding)
-    return [(zeros(), zeros()) for _ in range(layers_per_stage(cfg, spp))]
 
 
 def carry_spec(mesh: Mesh, cfg: LlamaConfig, tokens: int, int_size: int,
@@ -149,22 +106,17 @@ def tick(params: Params, kv_cache: KVCache, carry: PipelineCarry, ibuf: jax.Arra
                 batch, attn=dataclasses.replace(batch.attn, page_table=local))
         x = jnp.where(first, embed(params, batch.tokens), carry.x[0])
         cos, sin = rope_tables(cfg, batch.attn.positions)
-        new_cache = []
-        for j in range(lps):
-            layer = {name: leaf[0, j] for name, leaf in params["layers"].items()}
-            k, v = kv_cache[j]
-            x, (k, v) = decoder_layer(layer, (k[0], v[0]), x, batch, cos, sin, cfg=cfg,
-                                      attention_impl=attention_impl, tp_axis="tp",
-                                      kvp_axis=kvp_axis)
-            new_cache.append((k[None], v[None]))
+        x, kv_cache = run_layers(params["layers"], kv_cache, x, batch, cos, sin, 0, lps,
+                                 cfg=cfg, attention_impl=attention_impl, tp_axis="tp",
+                                 kvp_axis=kvp_axis)
         moved = PipelineCarry(*(jax.lax.ppermute(a, "spp", perm)[None] for a in (x, ib, fb)))
-        return new_cache, moved
+        return kv_cache, moved
 
-    specs = kv_specs(cfg, spp)
+    specs = kv_cache_specs()
     carry_specs = PipelineCarry(STAGE_SPEC, STAGE_SPEC, STAGE_SPEC)
     # check_vma off for the same reason as tp_forward (kernel loop carries); replication of
     # the moved carry over tp holds by construction (psum'd residual stream).
     return jax.shard_map(local, mesh=mesh,
-                         in_specs=(stage_param_specs(params), specs, carry_specs, P(), P()),
+                         in_specs=(param_specs(params), specs, carry_specs, P(), P()),
                          out_specs=(specs, carry_specs), check_vma=False)(
         params, kv_cache, carry, ibuf, fbuf)

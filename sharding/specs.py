@@ -15,12 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jserve.cache.pool import KVCache
+from jserve.cache.pool import KVCache, kv_cache_shape
 from jserve.config import LlamaConfig
 from jserve.model.llama import Params
-# KV pages [stored KV heads, kvp * pages per group, page_size, head_dim]: heads split on tp,
-# pages on kvp (each KV-cache-parallel group holds its own pool; a size-1 axis splits nothing).
-from sharding.kv_parallel import KV_PAGES_SPEC
+# KV pages [layers, stored KV heads, kvp * pages per group, page_size, head_dim]: layers split
+# by pipeline stage, heads on tp, pages on kvp (each KV-cache-parallel group holds its own
+# pool; a size-1 axis splits nothing).
+from sharding.kv_parallel import STACKED_KV_SPEC
 
 # Runtime-layout leaves split on "tp" (column-split on the last axis, row-split on the first);
 # everything else (norms, embed, lm_head) is replicated.
@@ -37,38 +38,47 @@ def kv_head_map(cfg: LlamaConfig, tp: int) -> np.ndarray:
     return np.arange(tp) * hkv // tp
 
 
-def tp_layout(params: Params, cfg: LlamaConfig, tp: int) -> Params:
-    """Runtime params (``prepare_params``) reordered so a contiguous ``tp`` split gives each
-    shard its own pieces: wk/wv columns follow ``kv_head_map`` and ``w_gate_up`` is laid out
-    shard-major as [gate_0, up_0, gate_1, up_1, ...], so every shard's half-split still yields
-    its gate slice and the matching up slice. The identity at ``tp=1``."""
-    heads = kv_head_map(cfg, tp)
+def tp_layout_leaf(name: str, w, cfg: LlamaConfig, tp: int):
+    """One stacked runtime leaf ``[layers, ...]`` (numpy or jax) reordered so a contiguous
+    ``tp`` split gives each shard its own pieces: wk/wv columns follow ``kv_head_map`` and
+    ``w_gate_up`` is laid out shard-major as [gate_0, up_0, gate_1, up_1, ...], so every
+    shard's half-split still yields its gate slice and the matching up slice. The identity
+    at ``tp=1`` and for every other leaf."""
     d, hd, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    layers = []
-    for layer in params["layers"]:
-        layer = dict(layer)
-        for name in ("wk", "wv"):
-            layer[name] = layer[name].reshape(d, -1, hd)[:, heads].reshape(d, -1)
-        gate_up = layer["w_gate_up"].reshape(d, 2, tp, i // tp)
-        layer["w_gate_up"] = gate_up.transpose(0, 2, 1, 3).reshape(d, 2 * i)
-        layers.append(layer)
+    n = w.shape[0]
+    if name in ("wk", "wv") and tp > 1:
+        return w.reshape(n, d, -1, hd)[:, :, kv_head_map(cfg, tp)].reshape(n, d, -1)
+    if name == "w_gate_up" and tp > 1:
+        return w.reshape(n, d, 2, tp, i // tp).transpose(0, 1, 3, 2, 4).reshape(n, d, 2 * i)
+    return w
+
+
+def tp_layout(params: Params, cfg: LlamaConfig, tp: int) -> Params:
+    """Runtime params (``prepare_params``) with every layer leaf in ``tp_layout_leaf``."""
+    layers = {name: tp_layout_leaf(name, w, cfg, tp) for name, w in params["layers"].items()}
     return {**params, "layers": layers}
+
+
+def layer_spec(name: str) -> P:
+    """A stacked layer leaf's spec: layers split by pipeline stage (``spp``), then the
+    Megatron split on ``tp``."""
+    return (P("spp", None, "tp") if name in _COLUMN else P("spp", "tp", None) if name in _ROW
+            else P("spp"))
 
 
 def param_specs(params: Params) -> Params:
     """PartitionSpecs with the structure of runtime-layout ``params``."""
-    def spec(name: str) -> P:
-        return P(None, "tp") if name in _COLUMN else P("tp", None) if name in _ROW else P()
     return {**{k: P() for k in params if k != "layers"},
-            "layers": [{name: spec(name) for name in layer} for layer in params["layers"]]}
+            "layers": {name: layer_spec(name) for name in params["layers"]}}
 
 
-def kv_cache_specs(num_layers: int) -> list[tuple[P, P]]:
-    return [(KV_PAGES_SPEC, KV_PAGES_SPEC)] * num_layers
+def kv_cache_specs() -> tuple[P, P]:
+    return STACKED_KV_SPEC, STACKED_KV_SPEC
 
 
 def shard_params(params: Params, cfg: LlamaConfig, mesh: Mesh) -> Params:
-    """Runtime params reordered by ``tp_layout`` and placed on ``mesh``."""
+    """Runtime params reordered by ``tp_layout`` and placed on ``mesh`` (layers by pipeline
+    stage, heads and MLP columns by tp)."""
     params = tp_layout(params, cfg, mesh.shape["tp"])
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(params))
     return jax.device_put(params, shardings)
@@ -81,9 +91,9 @@ def kv_heads_per_device(cfg: LlamaConfig, tp: int) -> int:
 
 def allocate_sharded_kv_cache(cfg: LlamaConfig, num_pages: int, page_size: int,
                               mesh: Mesh) -> KVCache:
-    """Zeroed KV pages created in place on ``mesh`` (no full copy on one device first);
-    ``num_pages`` is the global count, ``kvp`` pools of ``num_pages / kvp``."""
-    shape = (len(kv_head_map(cfg, mesh.shape["tp"])), num_pages, page_size, cfg.head_dim)
-    sharding = NamedSharding(mesh, KV_PAGES_SPEC)
+    """Zeroed stacked KV pages created in place on ``mesh`` (no full copy on one device
+    first); ``num_pages`` is the global count, ``kvp`` pools of ``num_pages / kvp``."""
+    shape = kv_cache_shape(cfg, num_pages, page_size, len(kv_head_map(cfg, mesh.shape["tp"])))
+    sharding = NamedSharding(mesh, STACKED_KV_SPEC)
     zeros = jax.jit(functools.partial(jnp.zeros, shape, cfg.np_dtype), out_shardings=sharding)
-    return [(zeros(), zeros()) for _ in range(cfg.num_hidden_layers)]
+    return zeros(), zeros()

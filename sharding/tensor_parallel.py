@@ -29,7 +29,7 @@ def tp_forward(params: Params, kv_cache: KVCache, batch: StepInput, *, mesh: Mes
     """``forward`` over params from ``shard_params`` and pages from
     ``allocate_sharded_kv_cache``; the batch is replicated but for the page table's
     columns, split over ``kvp``."""
-    kv_specs = kv_cache_specs(len(kv_cache))
+    kv_specs = kv_cache_specs()
     kvp_axis = "kvp" if mesh.shape["kvp"] > 1 else None
     def local(params, kv_cache, batch):
         logits, kv_cache, _ = forward(params, kv_cache, batch, cfg=cfg,

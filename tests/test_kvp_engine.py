@@ -62,8 +62,8 @@ _SCRIPT = textwrap.dedent("""
         result[mesh] = {
             "tokens": [o.token_ids for o in outs],
             "top": [[[lp for _, lp in t.top] for t in o.logprobs] for o in outs],
-            "devices": len(eng.runner.kv_cache[0][0].sharding.device_set),
-            "pages": int(eng.runner.kv_cache[0][0].shape[1]),
+            "devices": len(eng.runner.kv_cache[0].sharding.device_set),
+            "pages": int(eng.runner.kv_cache[0].shape[2]),
             "groups": eng.allocator.groups,
             "preemptions": eng.scheduler.num_preemptions, "swaps": eng.scheduler.num_swaps,
             "chunked": sum(1 for p in plans for c in p.prefills if not c.samples),

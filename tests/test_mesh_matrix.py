@@ -48,7 +48,7 @@ _SCRIPT = textwrap.dedent("""
             "preemptions": eng.scheduler.num_preemptions,
             "leaked": eng.allocator.num_allocated,
             "pages": eng.allocator.total,
-            "devices": len(eng.runner.kv_cache[0][0].sharding.device_set)}
+            "devices": len(eng.runner.kv_cache[0].sharding.device_set)}
         del llm, eng, outs
         release_executables()
     print(json.dumps(result))

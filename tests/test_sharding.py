@@ -53,7 +53,8 @@ def test_engine_rejects_axes_not_implemented():
 def test_tp_layout_gives_each_shard_its_gate_up_and_kv_heads(tp):
     cfg = DEFAULT_CONFIG
     params = prepare_params(init_params(cfg, seed=0))
-    layer, laid = params["layers"][0], tp_layout(params, cfg, tp)["layers"][0]
+    layer = {k: w[0] for k, w in params["layers"].items()}
+    laid = {k: w[0] for k, w in tp_layout(params, cfg, tp)["layers"].items()}
     i, hd = cfg.intermediate_size, cfg.head_dim
     for s, gate_up in enumerate(np.split(np.asarray(laid["w_gate_up"]), tp, axis=1)):
         gate, up = np.split(gate_up, 2, axis=1)

@@ -66,10 +66,10 @@ _SCRIPT = textwrap.dedent("""
                 "log": eng.pipeline_log,
                 "devices": len(eng.runner.params["embed"].sharding.device_set),
                 # what one device holds: stage-local layers and pages
-                "kv_layers": len(eng.runner.kv_cache),
-                "kv_shard": list(eng.runner.kv_cache[0][0].addressable_shards[0].data.shape),
+                # [stage layers, KV heads / tp, pages, page, head_dim]
+                "kv_shard": list(eng.runner.kv_cache[0].addressable_shards[0].data.shape),
                 "wq_shard": list(eng.runner.params["layers"]["wq"].addressable_shards[0]
-                                 .data.shape) if eng.runner.spp > 1 else None}
+                                 .data.shape)}
 
     def run_abort():
         # Abort a long prompt while one of its chunks is in the pipeline; its id is reused
@@ -123,9 +123,9 @@ def test_pipeline_matches_one_device_engine(result, mesh, spp, devices):
     assert base["preemptions"] >= 1 and run["preemptions"] >= 1
     assert run["tokens"] == base["tokens"]
     layers, tp = 4, devices // spp
-    assert run["kv_layers"] == layers // spp  # [spp, KV heads, pages, page, head_dim] pairs
-    assert run["kv_shard"][:2] == [1, base["kv_shard"][0] // tp]
-    assert run["wq_shard"][:2] == [1, layers // spp] and run["wq_shard"][3] == 256 // tp
+    assert base["kv_shard"][0] == layers
+    assert run["kv_shard"][:2] == [layers // spp, base["kv_shard"][1] // tp]
+    assert run["wq_shard"] == [layers // spp, 256, 256 // tp]
     np.testing.assert_allclose(np.array(run["top"]), np.array(base["top"]), atol=1e-4, rtol=0)
 
 

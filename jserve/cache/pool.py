@@ -8,7 +8,9 @@ import jax.numpy as jnp
 
 from jserve.config import LlamaConfig
 
-KVCache = list[tuple[jax.Array, jax.Array]]  # per layer (k_pages, v_pages): [Hkv, P, S, D]
+# (k_pages, v_pages), each [layers, Hkv, P, S, D]: stacked like the runtime params, so the
+# model's layer loop reads and writes layer i in place (jserve.model.llama.run_layers).
+KVCache = tuple[jax.Array, jax.Array]
 
 
 def kv_bytes_per_page(cfg: LlamaConfig, page_size: int, kv_heads: int | None = None,
@@ -53,7 +55,12 @@ def num_pages_for_budget(cfg: LlamaConfig, page_size: int, *, kv_cache_bytes: in
     return int(pages)
 
 
+def kv_cache_shape(cfg: LlamaConfig, num_pages: int, page_size: int,
+                   kv_heads: int | None = None) -> tuple[int, ...]:
+    heads = cfg.num_key_value_heads if kv_heads is None else kv_heads
+    return (cfg.num_hidden_layers, heads, num_pages, page_size, cfg.head_dim)
+
+
 def allocate_kv_cache(cfg: LlamaConfig, num_pages: int, page_size: int) -> KVCache:
-    dtype = cfg.np_dtype
-    shape = (cfg.num_key_value_heads, num_pages, page_size, cfg.head_dim)
-    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_hidden_layers)]
+    shape = kv_cache_shape(cfg, num_pages, page_size)
+    return jnp.zeros(shape, cfg.np_dtype), jnp.zeros(shape, cfg.np_dtype)

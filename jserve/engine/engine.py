@@ -163,9 +163,6 @@ class LLMEngine:
         if config.preemption != "recompute" and not self._multi_process and self._spp == 1:
             self.scheduler.choose_preemption = self._preemption_mode
         kv_cache = (allocate_kv_cache(cfg, num_pages, config.page_size) if mesh is None else
-                    pipeline.allocate_pipeline_kv_cache(cfg, kvp * num_pages, config.page_size,
-                                                        mesh)
-                    if self._spp > 1 else
                     allocate_sharded_kv_cache(cfg, kvp * num_pages, config.page_size, mesh))
         self.runner = ModelRunner(cfg, params, kv_cache, self.buckets, config.max_num_seqs,
                                   config.attention_impl, mesh,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import time
 from typing import Sequence
 
@@ -19,7 +20,7 @@ from jserve.kernels import AttentionMetadata
 from jserve.model.llama import Params, StepInput, final_logits, forward, prepare_params
 from jserve.sampling.params import MAX_BANNED_IDS, MAX_LOGPROBS
 from jserve.sampling.sampler import (SampleResult, SamplingBatch, apply_penalties,
-                                     choose_tokens, token_logprobs)
+                                     choose_tokens, pad_rows, token_logprobs)
 from sharding import pipeline
 from sharding.specs import shard_params
 from sharding.tensor_parallel import tp_forward
@@ -109,42 +110,71 @@ class PackedLayout:
         return jax.tree.unflatten(self.treedef, leaves)
 
 
-def _sample(logits: jax.Array, state: SeqState, arrays: StepArrays
-            ) -> tuple[SampleResult, SeqState]:
-    """The step's tail after the forward: penalty state, sampling and logprobs (shared by the
-    plain step and the pipeline tick)."""
-    sb = arrays.sampling
-    # Runtime choices (no recompile): penalty bookkeeping only when some row uses penalties
-    # (a row is reset at its sequence's first chunk, so skipped steps leave nothing stale
-    # that a penalised request reads), the sort only when some row samples, top-n logprobs
-    # only when asked.
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SampleInputs:
+    """What the step hands the sampling executable, every row padded to the engine's largest
+    row count: one sampling program (the full-vocabulary sort, top-k logprobs) serves every
+    step shape instead of being compiled into each."""
+
+    logits: jax.Array          # [R, vocab] float32
+    state_rows: jax.Array      # [R]
+    sampling: SamplingBatch    # [R] rows
+    any_random: jax.Array
+    any_penalty: jax.Array
+    want_logprobs: jax.Array
+
+
+def _sample_inputs(logits: jax.Array, state: SeqState, arrays: StepArrays, rows: int
+                   ) -> tuple[SampleInputs, SeqState]:
+    """The step's tail after the forward (shared by the plain step and the pipeline tick):
+    the penalty state update, which reads the step's tokens, then the sampling inputs padded
+    to ``rows``. Runtime choice (no recompile): penalty bookkeeping only when some row uses
+    penalties (a row is reset at its sequence's first chunk, so skipped steps leave nothing
+    stale that a penalised request reads)."""
     state = jax.lax.cond(
         arrays.any_penalty,
         lambda: _update_state(state, arrays.batch.tokens, arrays.token_state_rows,
                               arrays.token_is_prompt, arrays.reset_rows),
         lambda: state)
+    pad = rows - logits.shape[0]
+    sink = state.output_counts.shape[0] - 1
+    return SampleInputs(
+        logits=jnp.pad(logits, ((0, pad), (0, 0))),
+        state_rows=jnp.pad(arrays.state_rows, (0, pad), constant_values=sink),
+        sampling=pad_rows(arrays.sampling, rows), any_random=arrays.any_random,
+        any_penalty=arrays.any_penalty, want_logprobs=arrays.want_logprobs), state
+
+
+def _sample(state: SeqState, inp: SampleInputs) -> SampleResult:
+    """Penalties, token choice and logprobs on the padded rows (one executable). Runtime
+    choices: penalties only when some row uses them, the sort only when some row samples,
+    top-n logprobs only when asked."""
+    logits, sb = inp.logits, inp.sampling
     penalised = jax.lax.cond(
-        arrays.any_penalty,
-        lambda: apply_penalties(logits, state.output_counts[arrays.state_rows],
-                                state.prompt_mask[arrays.state_rows], sb),
+        inp.any_penalty,
+        lambda: apply_penalties(logits, state.output_counts[inp.state_rows],
+                                state.prompt_mask[inp.state_rows], sb),
         lambda: logits)
-    tokens = jax.lax.cond(arrays.any_random,
+    tokens = jax.lax.cond(inp.any_random,
                           lambda: choose_tokens(penalised, sb, all_greedy=False),
                           lambda: choose_tokens(penalised, sb, all_greedy=True))
     s = logits.shape[0]
     chosen, top_ids, top_lp = jax.lax.cond(
-        arrays.want_logprobs,
+        inp.want_logprobs,
         lambda: token_logprobs(logits, tokens, MAX_LOGPROBS),
         lambda: (jnp.zeros((s,), jnp.float32), jnp.zeros((s, MAX_LOGPROBS), jnp.int32),
                  jnp.zeros((s, MAX_LOGPROBS), jnp.float32)))
-    return SampleResult(tokens, chosen, top_ids, top_lp), state
+    return SampleResult(tokens, chosen, top_ids, top_lp)
 
 
 def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, fbuf: jax.Array,
           *, layout: PackedLayout, cfg: LlamaConfig, attention_impl: str,
-          mesh: jax.sharding.Mesh | None, capture_layer: int | None = None):
-    """With ``capture_layer`` set, a fourth output: the layer's ``Capture`` (prompt sums over
-    the step's prompt tokens); ``None`` compiles exactly the step without it."""
+          mesh: jax.sharding.Mesh | None, rows: int, capture_layer: int | None = None):
+    """The forward of one bucket and the penalty state update; returns (SampleInputs, KV
+    cache, state). With ``capture_layer`` set, a fourth output: the layer's ``Capture``
+    (prompt sums over the step's prompt tokens); ``None`` compiles exactly the step without
+    it."""
     arrays = layout.unpack(ibuf, fbuf)
     if mesh is None:
         logits, kv_cache, capture = forward(
@@ -154,15 +184,15 @@ def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, f
     else:  # tensor / KV-cache parallel; the rest of the step runs replicated on the logits
         logits, kv_cache = tp_forward(params, kv_cache, arrays.batch, mesh=mesh, cfg=cfg,
                                       attention_impl=attention_impl)
-    out, state = _sample(logits, state, arrays)
+    inputs, state = _sample_inputs(logits, state, arrays, rows)
     if capture_layer is not None:
-        return out, kv_cache, state, capture
-    return out, kv_cache, state
+        return inputs, kv_cache, state, capture
+    return inputs, kv_cache, state
 
 
 def _tick(params: Params, kv_cache: KVCache, state: SeqState, carry: pipeline.PipelineCarry,
           ibuf: jax.Array, fbuf: jax.Array, *, layout: PackedLayout, cfg: LlamaConfig,
-          attention_impl: str, mesh: jax.sharding.Mesh):
+          attention_impl: str, mesh: jax.sharding.Mesh, rows: int):
     """A stream-pipeline tick (``sharding.pipeline.tick``), then the plain step's tail on the
     batch that left the last stage (replicated, outside the shard_map)."""
     kv_cache, carry = pipeline.tick(params, kv_cache, carry, ibuf, fbuf, unpack=layout.unpack,
@@ -170,16 +200,27 @@ def _tick(params: Params, kv_cache: KVCache, state: SeqState, carry: pipeline.Pi
     x, ib, fb = carry.exiting()
     arrays = layout.unpack(ib, fb)
     logits = final_logits(params, x, arrays.batch.logits_rows, cfg)
-    out, state = _sample(logits, state, arrays)
+    inputs, state = _sample_inputs(logits, state, arrays, rows)
     # Replicated like the plain step's outputs (multi-process leaders read their own copy;
     # the donated state keeps its input sharding).
-    out, state = jax.lax.with_sharding_constraint(
-        (out, state), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-    return out, kv_cache, state, carry
+    inputs, state = jax.lax.with_sharding_constraint(
+        (inputs, state), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    return inputs, kv_cache, state, carry
 
 
-def _spec(shape, dtype) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(shape, dtype)
+def _spec(shape, dtype, sharding=None) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+def _sampling_spec(s: int, sharding=None) -> SamplingBatch:
+    f32, i32 = jnp.float32, jnp.int32
+    spec = lambda shape, dtype: _spec(shape, dtype, sharding)
+    return SamplingBatch(
+        temperature=spec((s,), f32), top_k=spec((s,), i32), top_p=spec((s,), f32),
+        min_p=spec((s,), f32), repetition_penalty=spec((s,), f32),
+        presence_penalty=spec((s,), f32), frequency_penalty=spec((s,), f32),
+        seed=spec((s,), jnp.uint32), step=spec((s,), i32),
+        banned_ids=spec((s, MAX_BANNED_IDS), i32))
 
 
 def _padded_page_ids(pages: Sequence[int]) -> np.ndarray:
@@ -192,12 +233,12 @@ def _padded_page_ids(pages: Sequence[int]) -> np.ndarray:
 
 @jax.jit
 def _gather_pages(kv_cache: KVCache, ids: jax.Array) -> KVCache:
-    return [(k[:, ids], v[:, ids]) for k, v in kv_cache]
+    return tuple(pages[:, :, ids] for pages in kv_cache)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _scatter_pages(kv_cache: KVCache, ids: jax.Array, data: KVCache) -> KVCache:
-    return [(k.at[:, ids].set(dk), v.at[:, ids].set(dv)) for (k, v), (dk, dv) in zip(kv_cache, data)]
+    return tuple(pages.at[:, :, ids].set(new) for pages, new in zip(kv_cache, data))
 
 
 class ModelRunner:
@@ -223,15 +264,12 @@ class ModelRunner:
         self.mesh = mesh
         self.params = prepare_params(params)
         self._replicated = None
-        # Stream pipeline: every call of the step is one tick; ``kv_cache`` must come from
-        # ``pipeline.allocate_pipeline_kv_cache`` and ``start_pipeline`` fill the carry.
+        # Stream pipeline: every call of the step is one tick; ``start_pipeline`` fills the
+        # carry. Params and pages are split by stage on the mesh's "spp" axis either way.
         self.spp = mesh.shape["spp"] if mesh is not None else 1
         self.carry: pipeline.PipelineCarry | None = None
-        if self.spp > 1:
-            self.params = pipeline.shard_stage_params(self.params, cfg, mesh)
-        elif mesh is not None:
-            self.params = shard_params(self.params, cfg, mesh)
         if mesh is not None:
+            self.params = shard_params(self.params, cfg, mesh)
             self._replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         self.kv_cache = kv_cache
         self.buckets = buckets
@@ -241,14 +279,17 @@ class ModelRunner:
                                     self._replicated)
         self.state_sink = rows - 1
         self.attention_impl = attention_impl
+        self.sample_rows = buckets.max_rows
         self._jitted = (
-            jax.jit(_tick, static_argnames=("layout", "cfg", "attention_impl", "mesh"),
+            jax.jit(_tick, static_argnames=("layout", "cfg", "attention_impl", "mesh", "rows"),
                     donate_argnums=(1, 2, 3)) if self.spp > 1 else
-            jax.jit(_step, static_argnames=("layout", "cfg", "attention_impl", "mesh",
+            jax.jit(_step, static_argnames=("layout", "cfg", "attention_impl", "mesh", "rows",
                                             "capture_layer"),
                     donate_argnums=(1, 2)))
         self._compiled: dict[tuple[int, int], tuple[jax.stages.Compiled, PackedLayout]] = {}
+        self._sampler: jax.stages.Compiled | None = None
         self.compile_count = 0
+        self.compile_seconds = 0.0  # wall time spent lowering and compiling
 
     def arrays_spec(self, num_decodes: int, num_prefill_tokens: int) -> StepArrays:
         """Abstract shapes of a bucket's inputs (what ``StepBuilder`` fills)."""
@@ -259,13 +300,7 @@ class ModelRunner:
             positions=_spec((t,), i32), token_seq=_spec((t,), i32), kv_lens=_spec((s,), i32),
             page_table=_spec((s, self.buckets.page_table_width), i32),
             num_prefills=_spec((), i32), num_decodes=num_decodes)
-        f32 = jnp.float32
-        sampling = SamplingBatch(
-            temperature=_spec((s,), f32), top_k=_spec((s,), i32), top_p=_spec((s,), f32),
-            min_p=_spec((s,), f32), repetition_penalty=_spec((s,), f32),
-            presence_penalty=_spec((s,), f32), frequency_penalty=_spec((s,), f32),
-            seed=_spec((s,), jnp.uint32), step=_spec((s,), i32),
-            banned_ids=_spec((s, MAX_BANNED_IDS), i32))
+        sampling = _sampling_spec(s)
         return StepArrays(
             batch=StepInput(tokens=_spec((t,), i32), slots=_spec((t,), i32),
                             logits_rows=_spec((s,), i32), attn=attn,
@@ -275,42 +310,92 @@ class ModelRunner:
             any_random=_spec((), bool), any_penalty=_spec((), bool),
             want_logprobs=_spec((), bool))
 
+    def _lower(self, shape: tuple[int, int]) -> tuple[jax.stages.Lowered, PackedLayout]:
+        layout = PackedLayout(self.arrays_spec(*shape))
+        ibuf = jax.ShapeDtypeStruct((layout.int_size,), jnp.int32, sharding=self._replicated)
+        fbuf = jax.ShapeDtypeStruct((layout.float_size,), jnp.float32, sharding=self._replicated)
+        carry = () if self.spp == 1 else (pipeline.carry_spec(
+            self.mesh, self.cfg, sum(shape), layout.int_size, layout.float_size),)
+        lowered = self._jitted.lower(self.params, self.kv_cache, self.state, *carry, ibuf, fbuf,
+                                     layout=layout, cfg=self.cfg,
+                                     attention_impl=self.attention_impl, mesh=self.mesh,
+                                     rows=self.sample_rows,
+                                     **({} if self.spp > 1 else
+                                        {"capture_layer": self.capture_layer}))
+        return lowered, layout
+
+    def _lower_sampler(self) -> jax.stages.Lowered:
+        """The one sampling program, on the padded rows every step hands it."""
+        r, rep = self.sample_rows, self._replicated
+        b = lambda: _spec((), bool, rep)
+        spec = SampleInputs(logits=_spec((r, self.cfg.vocab_size), jnp.float32, rep),
+                            state_rows=_spec((r,), jnp.int32, rep),
+                            sampling=_sampling_spec(r, rep), any_random=b(), any_penalty=b(),
+                            want_logprobs=b())
+        return jax.jit(_sample).lower(self.state, spec)
+
     def compiled(self, shape: tuple[int, int]) -> tuple[jax.stages.Compiled, PackedLayout]:
         entry = self._compiled.get(shape)
         if entry is None:
-            layout = PackedLayout(self.arrays_spec(*shape))
-            ibuf = jax.ShapeDtypeStruct((layout.int_size,), jnp.int32, sharding=self._replicated)
-            fbuf = jax.ShapeDtypeStruct((layout.float_size,), jnp.float32,
-                                        sharding=self._replicated)
-            carry = () if self.spp == 1 else (pipeline.carry_spec(
-                self.mesh, self.cfg, sum(shape), layout.int_size, layout.float_size),)
-            exe = self._jitted.lower(self.params, self.kv_cache, self.state, *carry, ibuf, fbuf,
-                                     layout=layout, cfg=self.cfg,
-                                     attention_impl=self.attention_impl, mesh=self.mesh,
-                                     **({} if self.spp > 1 else
-                                        {"capture_layer": self.capture_layer})).compile()
+            t0 = time.perf_counter()
+            lowered, layout = self._lower(shape)
+            entry = self._compiled[shape] = (lowered.compile(), layout)
             self.compile_count += 1
-            entry = self._compiled[shape] = (exe, layout)
+            self.compile_seconds += time.perf_counter() - t0
         return entry
 
-    def warmup(self) -> None:
+    def sampler(self) -> jax.stages.Compiled:
+        if self._sampler is None:
+            t0 = time.perf_counter()
+            self._sampler = self._lower_sampler().compile()
+            self.compile_count += 1
+            self.compile_seconds += time.perf_counter() - t0
+        return self._sampler
+
+    def warmup(self, threads: int | None = None, progress: bool | None = None) -> None:
+        """Compiles every bucket's step and the sampler. Tracing and lowering run here one
+        after another (the layer loop keeps them cheap at any depth); XLA compiles in
+        ``threads`` worker threads (default: one per two cores, at least 2), which release
+        the GIL. ``progress``: a tqdm bar (None: only on a terminal)."""
+        from concurrent.futures import ThreadPoolExecutor, as_completed
+
+        from tqdm.auto import tqdm
+
         t0 = time.perf_counter()
-        for shape in self.buckets.all_shapes():
-            self.compiled(shape)
-        log.info("warmed up %d step shapes in %.1fs", len(self._compiled), time.perf_counter() - t0)
+        todo = [s for s in self.buckets.all_shapes() if s not in self._compiled]
+        jobs: dict = {}
+        threads = threads or max(2, (os.cpu_count() or 2) // 2)
+        with ThreadPoolExecutor(threads) as pool, \
+                tqdm(total=len(todo) + (self._sampler is None), desc="compiling step shapes",
+                     unit="shape", disable=None if progress is None else not progress) as bar:
+            for shape in todo:
+                lowered, layout = self._lower(shape)
+                jobs[pool.submit(lowered.compile)] = (shape, layout)
+            if self._sampler is None:
+                jobs[pool.submit(self._lower_sampler().compile)] = (None, None)
+            for fut in as_completed(jobs):
+                shape, layout = jobs[fut]
+                if shape is None:
+                    self._sampler = fut.result()
+                else:
+                    self._compiled[shape] = (fut.result(), layout)
+                self.compile_count += 1
+                bar.update()
+        self.compile_seconds += time.perf_counter() - t0
+        log.info("compiled %d step shapes and the sampler in %.1fs (%d threads)", len(todo),
+                 time.perf_counter() - t0, threads)
 
     # -- swapping KV pages to host memory and back ---------------------------------------
-    def read_pages(self, pages: Sequence[int]) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Host copies of ``pages`` of every layer ([Hkv, len(pages), S, D] each)."""
+    def read_pages(self, pages: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Host copies (k, v) of ``pages`` in every layer ([layers, Hkv, len(pages), S, D])."""
         ids = _padded_page_ids(pages)
-        out = jax.device_get(_gather_pages(self.kv_cache, ids))
-        return [(k[:, :len(pages)], v[:, :len(pages)]) for k, v in out]
+        k, v = jax.device_get(_gather_pages(self.kv_cache, ids))
+        return k[:, :, :len(pages)], v[:, :, :len(pages)]
 
-    def write_pages(self, pages: Sequence[int], data: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    def write_pages(self, pages: Sequence[int], data: tuple[np.ndarray, np.ndarray]) -> None:
         ids = _padded_page_ids(pages)
-        pad = len(ids) - len(pages)
-        widths = ((0, 0), (0, pad), (0, 0), (0, 0))
-        data = [(np.pad(k, widths), np.pad(v, widths)) for k, v in data]
+        widths = ((0, 0), (0, 0), (0, len(ids) - len(pages)), (0, 0), (0, 0))
+        data = tuple(np.pad(x, widths) for x in data)
         self.kv_cache = _scatter_pages(self.kv_cache, ids, data)
 
     def execute(self, shape: tuple[int, int], arrays: StepArrays) -> SampleResult:
@@ -320,14 +405,14 @@ class ModelRunner:
         """The step on already packed buffers (what multi-process followers receive)."""
         exe, _ = self.compiled(shape)
         if self.spp > 1:
-            out, self.kv_cache, self.state, self.carry = exe(
+            inputs, self.kv_cache, self.state, self.carry = exe(
                 self.params, self.kv_cache, self.state, self.carry, ibuf, fbuf)
-            return out
-        out, self.kv_cache, self.state, *capture = exe(self.params, self.kv_cache, self.state,
-                                                        ibuf, fbuf)
-        if capture:
-            self.last_capture = capture[0]
-        return out
+        else:
+            inputs, self.kv_cache, self.state, *capture = exe(
+                self.params, self.kv_cache, self.state, ibuf, fbuf)
+            if capture:
+                self.last_capture = capture[0]
+        return self.sampler()(self.state, inputs)
 
     def start_pipeline(self, shape: tuple[int, int], empty: StepArrays) -> None:
         """Fill every pipeline slot with ``empty`` (an all-padding step of the tick shape)."""

@@ -31,24 +31,34 @@ def resolve_impl(impl: str, backend: str | None = None) -> str:
     return next((name for name, (b, *_) in _KERNELS.items() if b == backend), "reference")
 
 
+def _layer(pages: jax.Array, layer) -> jax.Array:
+    return pages if layer is None else jax.lax.dynamic_index_in_dim(pages, layer, keepdims=False)
+
+
 def attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: AttentionMetadata,
-              impl: str = "reference") -> tuple[jax.Array, jax.Array]:
-    """Returns (output [T, Hq, D], log-sum-exp [T, Hq])."""
+              impl: str = "reference", layer=None) -> tuple[jax.Array, jax.Array]:
+    """Returns (output [T, Hq, D], log-sum-exp [T, Hq]). Pages are one layer's
+    [Hkv, P, S, D], or with ``layer`` (may be traced) a stacked cache [layers, Hkv, P, S, D]
+    read at that layer. The reference gathers straight from the stacked cache; the Pallas
+    kernels are handed the layer's slice (a copy unless XLA elides it; docs/startup.md)."""
     impl = resolve_impl(impl)
     if impl == "reference":
-        return ragged_paged_attention(q, k_pages, v_pages, meta)
+        return ragged_paged_attention(q, k_pages, v_pages, meta, layer=layer)
     backend, kernel, _ = _KERNELS[impl]
-    return kernel(q, k_pages, v_pages, meta, interpret=jax.default_backend() != backend)
+    return kernel(q, _layer(k_pages, layer), _layer(v_pages, layer), meta,
+                  interpret=jax.default_backend() != backend)
 
 
 def write_kv(pages: jax.Array, slots: jax.Array, new: jax.Array,
-             impl: str = "reference") -> jax.Array:
-    """Writes new [T, Hkv, D] into pages [Hkv, P, S, D] at flat slots [T]."""
+             impl: str = "reference", layer=None) -> jax.Array:
+    """Writes new [T, Hkv, D] into pages [Hkv, P, S, D] at flat slots [T]; with ``layer``,
+    into layer ``layer`` of a stacked cache [layers, Hkv, P, S, D] (returned whole)."""
     impl = resolve_impl(impl)
     if impl == "reference":
-        return kv_write.write_kv(pages, slots, new)
+        return kv_write.write_kv(pages, slots, new, layer=layer)
     backend, _, kernel = _KERNELS[impl]
-    return kernel(pages, slots, new, interpret=jax.default_backend() != backend)
+    out = kernel(_layer(pages, layer), slots, new, interpret=jax.default_backend() != backend)
+    return out if layer is None else jax.lax.dynamic_update_index_in_dim(pages, out, layer, 0)
 
 
 __all__ = ["AttentionMetadata", "attention", "write_kv", "resolve_impl", "ATTENTION_IMPLS"]

@@ -17,12 +17,20 @@ from jax.experimental.pallas import triton as plgpu
 GPU_BLOCK_TOKENS = 16
 
 
-def write_kv(pages: jax.Array, slots: jax.Array, new: jax.Array) -> jax.Array:
-    """Reference: scatter new [T, Hkv, D] into pages [Hkv, P, S, D] at flat slots [T]."""
-    hkv, p, s, d = pages.shape
-    flat = pages.reshape(hkv, p * s, d)
-    flat = flat.at[:, slots].set(new.transpose(1, 0, 2).astype(pages.dtype))
-    return flat.reshape(hkv, p, s, d)
+def write_kv(pages: jax.Array, slots: jax.Array, new: jax.Array, layer=None) -> jax.Array:
+    """Reference: scatter new [T, Hkv, D] into pages [Hkv, P, S, D] at flat slots [T]; with
+    ``layer``, into that layer of stacked pages [layers, Hkv, P, S, D] (one scatter, in
+    place under a donated or loop-carried buffer)."""
+    if layer is None:
+        hkv, p, s, d = pages.shape
+        flat = pages.reshape(hkv, p * s, d)
+        flat = flat.at[:, slots].set(new.transpose(1, 0, 2).astype(pages.dtype))
+        return flat.reshape(pages.shape)
+    n, hkv, p, s, d = pages.shape
+    flat = pages.reshape(n, hkv, p * s, d)
+    # Mixed scalar/array indices around a slice put the indexed dims first: [T, Hkv, D].
+    flat = flat.at[layer, :, slots].set(new.astype(pages.dtype))
+    return flat.reshape(pages.shape)
 
 
 def _gpu_kernel(slots_ref, new_ref, _, pages_ref):

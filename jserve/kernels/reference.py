@@ -40,13 +40,19 @@ def _finish(m, l, acc):
     return out, lse
 
 
-def _gather_block(pages, page_ids):
-    """pages [Hkv, P, S, D], page_ids [..., n] -> [Hkv, ..., n*S, D]."""
-    g = pages[:, page_ids]
+def _gather_block(pages, page_ids, layer=None):
+    """pages [Hkv, P, S, D], page_ids [..., n] -> [Hkv, ..., n*S, D]. With ``layer``, pages
+    are stacked [layers, Hkv, P, S, D] and read at that layer by the same single gather
+    (no copy of the layer's pages)."""
+    if layer is None:
+        g = pages[:, page_ids]
+    else:  # mixed scalar/array indices around a slice put the indexed dims first
+        g = jnp.moveaxis(pages[layer, :, page_ids], -3, 0)
     return g.reshape(*g.shape[:-3], g.shape[-3] * g.shape[-2], g.shape[-1])
 
 
-def _decode_attention(q, k_pages, v_pages, kv_lens, page_table, pages_per_block, scale):
+def _decode_attention(q, k_pages, v_pages, kv_lens, page_table, pages_per_block, scale,
+                      layer=None):
     """q [Hkv, B, G, D]; one query per sequence at position kv_len - 1.
 
     The live (sequence, KV block) pairs are flattened and visited B at a time, so a step
@@ -54,7 +60,7 @@ def _decode_attention(q, k_pages, v_pages, kv_lens, page_table, pages_per_block,
     every row in the batch pay for its context. Each visit's partial softmax is merged into
     its row by scatter max/add (split-K with a log-sum-exp merge)."""
     hkv, b, g, d = q.shape
-    page_size = k_pages.shape[2]
+    page_size = k_pages.shape[-2]
     block = pages_per_block * page_size
     qf = q.astype(jnp.float32) * scale
     n_blocks = (kv_lens + block - 1) // block               # [B]
@@ -70,8 +76,8 @@ def _decode_attention(q, k_pages, v_pages, kv_lens, page_table, pages_per_block,
         cols = blk[:, None] * pages_per_block + jnp.arange(pages_per_block)[None, :]
         ids = jnp.take_along_axis(page_table[row], jnp.clip(cols, 0, page_table.shape[1] - 1),
                                   axis=1)
-        k = _gather_block(k_pages, ids).astype(jnp.float32)  # [Hkv, b, C, D]
-        v = _gather_block(v_pages, ids).astype(jnp.float32)
+        k = _gather_block(k_pages, ids, layer).astype(jnp.float32)  # [Hkv, b, C, D]
+        v = _gather_block(v_pages, ids, layer).astype(jnp.float32)
         s = jnp.einsum("hbgd,hbcd->hbgc", qf[:, row], k)
         pos = blk[:, None] * block + jnp.arange(block)[None, :]
         valid = ((item < live_pairs)[:, None] & (pos < kv_lens[row][:, None]))[None, :, None, :]
@@ -92,13 +98,13 @@ def _decode_attention(q, k_pages, v_pages, kv_lens, page_table, pages_per_block,
 
 
 def _prefill_attention(q, q_seq, q_pos, k_pages, v_pages, kv_lens, page_table, num_seqs,
-                       pages_per_block, scale, rows_per_tile=_PREFILL_TILE):
+                       pages_per_block, scale, rows_per_tile=_PREFILL_TILE, layer=None):
     """q [Hkv, T, G, D] of several sequences' chunks; q_seq/q_pos give each token's owner and
     absolute position (a sequence's tokens are contiguous). Loops over live sequences, then
     over tiles of their own query rows, then over the KV blocks the tile can see, so a long
     sequence's context is read against its own chunk only, not every prefill row."""
     hkv, t, g, d = q.shape
-    page_size = k_pages.shape[2]
+    page_size = k_pages.shape[-2]
     block = pages_per_block * page_size
     r = min(rows_per_tile, t)
     qf = q.astype(jnp.float32) * scale
@@ -120,8 +126,8 @@ def _prefill_attention(q, q_seq, q_pos, k_pages, v_pages, kv_lens, page_table, n
             def per_block(j, tile_carry):
                 ids = jax.lax.dynamic_slice_in_dim(page_table[i], j * pages_per_block,
                                                    pages_per_block)
-                k = _gather_block(k_pages, ids).astype(jnp.float32)  # [Hkv, C, D]
-                v = _gather_block(v_pages, ids).astype(jnp.float32)
+                k = _gather_block(k_pages, ids, layer).astype(jnp.float32)  # [Hkv, C, D]
+                v = _gather_block(v_pages, ids, layer).astype(jnp.float32)
                 s = jnp.einsum("hqd,hcd->hqc", qt, k).reshape(hkv, r, g, block)
                 pos = j * block + jnp.arange(block)
                 valid = rows[:, None] & (pos[None, :] <= pos_q[:, None]) & (pos[None, :] < seen)
@@ -145,15 +151,16 @@ def _prefill_attention(q, q_seq, q_pos, k_pages, v_pages, kv_lens, page_table, n
 
 def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            meta: AttentionMetadata, *, pages_per_block: int = PAGES_PER_BLOCK,
-                           rows_per_tile: int = _PREFILL_TILE) -> tuple[jax.Array, jax.Array]:
+                           rows_per_tile: int = _PREFILL_TILE, layer=None
+                           ) -> tuple[jax.Array, jax.Array]:
     """Attention of a mixed batch of decodes and prefill chunks over a paged KV cache.
 
     q: [T, Hq, D]; k_pages, v_pages: [Hkv, num_pages, page_size, D] (already holding this
-    step's KV). Returns (out [T, Hq, D] in q's dtype, lse [T, Hq] float32; -inf where a token
+    step's KV), or stacked [layers, Hkv, ...] read at ``layer``. Returns (out [T, Hq, D] in q's dtype, lse [T, Hq] float32; -inf where a token
     has no keys, e.g. padding).
     """
     t, hq, d = q.shape
-    hkv = k_pages.shape[0]
+    hkv = k_pages.shape[-4]
     g = hq // hkv
     nd = meta.num_decodes
     scale = d ** -0.5
@@ -165,13 +172,14 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     outs, lses = [], []
     if nd:
         o, l = _decode_attention(qg[:, :nd], k_pages, v_pages, meta.kv_lens[:nd],
-                                 meta.page_table[:nd], pages_per_block, scale)
+                                 meta.page_table[:nd], pages_per_block, scale, layer)
         outs.append(o)
         lses.append(l)
     if t > nd:
         o, l = _prefill_attention(qg[:, nd:], meta.token_seq[nd:] - nd, meta.positions[nd:],
                                   k_pages, v_pages, meta.kv_lens[nd:], meta.page_table[nd:],
-                                  meta.num_prefills, pages_per_block, scale, rows_per_tile)
+                                  meta.num_prefills, pages_per_block, scale, rows_per_tile,
+                                  layer)
         outs.append(o)
         lses.append(l)
     out = jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]  # [Hkv, T, G, D]

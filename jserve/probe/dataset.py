@@ -19,7 +19,8 @@ from jserve.probe.bins import LengthBins
 from jserve.cache.pool import allocate_kv_cache
 from jserve.config import LlamaConfig
 from jserve.kernels import AttentionMetadata
-from jserve.model.llama import Params, StepInput, decoder_layer, embed, rope_tables
+from jserve.model.llama import (Params, StepInput, decoder_layer, embed, layer_params,
+                                rope_tables)
 
 _PAGE = 16
 
@@ -36,14 +37,18 @@ def _all_layers(params: Params, tokens: jax.Array, n: jax.Array, *, cfg: LlamaCo
                              num_prefills=jnp.asarray(1, jnp.int32), num_decodes=0)
     batch = StepInput(tokens=tokens, slots=jnp.where(real, _PAGE + pos, 0).astype(jnp.int32),
                       logits_rows=(n - 1)[None].astype(jnp.int32), attn=attn)
-    cache = allocate_kv_cache(cfg, pages + 1, _PAGE)
     x = embed(params, tokens)
     cos, sin = rope_tables(cfg, pos)
-    out = []
-    for layer, kv in zip(params["layers"], cache):
-        x, _ = decoder_layer(layer, kv, x, batch, cos, sin, cfg=cfg, attention_impl="reference")
-        out.append(x.astype(jnp.float32))
-    return jnp.stack(out)  # [layers, T, H]
+
+    def body(carry, i):
+        x, k, v = carry
+        x, (k, v) = decoder_layer(layer_params(params["layers"], i), (k, v), x, batch, cos, sin,
+                                  cfg=cfg, attention_impl="reference", layer_index=i)
+        return (x, k, v), x.astype(jnp.float32)
+
+    cache = allocate_kv_cache(cfg, pages + 1, _PAGE)
+    _, out = jax.lax.scan(body, (x, *cache), jnp.arange(cfg.num_hidden_layers))
+    return out  # [layers, T, H]
 
 
 def sequence_pairs(cfg: LlamaConfig, params: Params, prompt_ids: list[int],

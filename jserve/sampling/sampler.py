@@ -37,6 +37,23 @@ class SamplingBatch:
     banned_ids: jax.Array  # i32[B, MAX_BANNED_IDS]; -1 padded
 
 
+# What a padding row holds in each field: greedy, neutral penalties (bit-exact no-ops), no
+# banned ids, so it samples nothing that anyone reads and costs no random draws.
+NEUTRAL_ROW_VALUES = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
+                          presence_penalty=0.0, frequency_penalty=0.0, seed=0, step=0,
+                          banned_ids=-1)
+
+
+def pad_rows(sb: SamplingBatch, rows: int) -> SamplingBatch:
+    """``sb`` (jax arrays, any row count <= ``rows``) padded with neutral rows to ``rows``,
+    so one sampling executable serves every step shape."""
+    def pad(name: str, a: jax.Array) -> jax.Array:
+        widths = [(0, rows - a.shape[0])] + [(0, 0)] * (a.ndim - 1)
+        return jnp.pad(a, widths, constant_values=jnp.asarray(NEUTRAL_ROW_VALUES[name], a.dtype))
+    return SamplingBatch(**{f.name: pad(f.name, getattr(sb, f.name))
+                            for f in dataclasses.fields(SamplingBatch)})
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplerRow:
     """Host-side description of one row; ``seed`` is already resolved by the engine."""
@@ -66,8 +83,8 @@ def make_sampling_batch(rows: Sequence[SamplerRow], pad_to: int) -> SamplingBatc
         raise ValueError(f"pad_to={pad_to} is smaller than the number of rows ({len(rows)})")
     params = [r.params for r in rows]
 
-    def column(values: list, pad: float | int, dtype: type) -> np.ndarray:
-        return np.array(values + [pad] * n_pad, dtype=dtype)
+    def column(name: str, values: list, dtype: type) -> np.ndarray:
+        return np.array(values + [NEUTRAL_ROW_VALUES[name]] * n_pad, dtype=dtype)
 
     banned = []
     for r in rows:
@@ -78,15 +95,18 @@ def make_sampling_batch(rows: Sequence[SamplerRow], pad_to: int) -> SamplingBatc
     banned += [[-1] * MAX_BANNED_IDS] * n_pad
 
     return SamplingBatch(
-        temperature=column([p.temperature for p in params], 0.0, np.float32),
-        top_k=column([max(p.top_k, 0) for p in params], 0, np.int32),
-        top_p=column([p.top_p for p in params], 1.0, np.float32),
-        min_p=column([p.min_p for p in params], 0.0, np.float32),
-        repetition_penalty=column([p.repetition_penalty for p in params], 1.0, np.float32),
-        presence_penalty=column([p.presence_penalty for p in params], 0.0, np.float32),
-        frequency_penalty=column([p.frequency_penalty for p in params], 0.0, np.float32),
-        seed=column([r.seed for r in rows], 0, np.uint32),
-        step=column([r.step for r in rows], 0, np.int32),
+        temperature=column("temperature", [p.temperature for p in params], np.float32),
+        top_k=column("top_k", [max(p.top_k, 0) for p in params], np.int32),
+        top_p=column("top_p", [p.top_p for p in params], np.float32),
+        min_p=column("min_p", [p.min_p for p in params], np.float32),
+        repetition_penalty=column("repetition_penalty",
+                                  [p.repetition_penalty for p in params], np.float32),
+        presence_penalty=column("presence_penalty", [p.presence_penalty for p in params],
+                                np.float32),
+        frequency_penalty=column("frequency_penalty", [p.frequency_penalty for p in params],
+                                 np.float32),
+        seed=column("seed", [r.seed for r in rows], np.uint32),
+        step=column("step", [r.step for r in rows], np.int32),
         banned_ids=np.array(banned, dtype=np.int32).reshape(pad_to, MAX_BANNED_IDS),
     )
 
