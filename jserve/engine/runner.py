@@ -250,7 +250,9 @@ class ModelRunner:
 
     def __init__(self, cfg: LlamaConfig, params: Params, kv_cache: KVCache, buckets: Buckets,
                  max_num_seqs: int, attention_impl: str, mesh: jax.sharding.Mesh | None = None,
-                 capture_layer: int | None = None):
+                 capture_layer: int | None = None, params_placed: bool = False):
+        """``params_placed``: ``params`` are already in the runtime layout, tp-laid-out and
+        placed on ``mesh`` (a loader that streams them there, ``jserve.model.weights``)."""
         if capture_layer is not None:
             if mesh is not None:
                 raise ValueError("capturing a layer's hidden state (length probe) runs on one "
@@ -262,13 +264,13 @@ class ModelRunner:
         self.last_capture = None  # the latest step's Capture (device arrays) when capturing
         self.cfg = cfg
         self.mesh = mesh
-        self.params = prepare_params(params)
+        self.params = params if params_placed else prepare_params(params)
         self._replicated = None
         # Stream pipeline: every call of the step is one tick; ``start_pipeline`` fills the
         # carry. Params and pages are split by stage on the mesh's "spp" axis either way.
         self.spp = mesh.shape["spp"] if mesh is not None else 1
         self.carry: pipeline.PipelineCarry | None = None
-        if mesh is not None:
+        if mesh is not None and not params_placed:
             self.params = shard_params(self.params, cfg, mesh)
             self._replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         self.kv_cache = kv_cache

@@ -88,6 +88,20 @@ def prepare_params(params: Params) -> Params:
     return {**params, "layers": stacked}
 
 
+def runtime_param_shapes(cfg: LlamaConfig) -> dict:
+    """Shape tuples of the runtime layout (what :func:`prepare_params` returns): the
+    checkpoint layout's per-layer shapes stacked, gate and up fused."""
+    from jserve.model.weights import param_shapes  # weights imports this module's config
+
+    shapes = param_shapes(cfg)
+    layer = dict(shapes["layers"][0])
+    d, f = layer.pop("w_gate")
+    layer.pop("w_up")
+    layer["w_gate_up"] = (d, 2 * f)
+    n = cfg.num_hidden_layers
+    return {**shapes, "layers": {name: (n, *shape) for name, shape in layer.items()}}
+
+
 def layer_params(layers: Params, i) -> Params:
     """Layer ``i`` (may be traced) of runtime-layout stacked ``layers``."""
     return jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, i, keepdims=False), layers)
