@@ -1,5 +1,6 @@
 """The ``jserve`` command: ``generate`` streams a completion, ``convert`` writes an orbax
-checkpoint."""
+checkpoint, ``plan`` prints a configuration's per-device memory before anything is
+allocated."""
 from __future__ import annotations
 
 import argparse
@@ -101,6 +102,72 @@ def _profile(a: argparse.Namespace) -> int:
     return 0
 
 
+def _add_plan_parser(sub) -> None:
+    d = EngineConfig()
+    s = sub.add_parser("plan", help="per-device memory of a configuration, compiled with "
+                                    "abstract weights (nothing allocated, no weight read)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    s.add_argument("--model", default="default",
+                   help='"default", a built-in model, an HF directory or a config.json path')
+    s.add_argument("--mesh", default=d.mesh, help='e.g. "tp=8" or "tp=4,kvp=2" or "tp=4,spp=2"')
+    s.add_argument("--device-memory", default=None,
+                   help="memory of one device: 80GB, 80GiB or bytes; None: the first "
+                        "device's, as the engine reads it")
+    s.add_argument("--devices", type=int, default=None,
+                   help="simulate N CPU devices, to plan a mesh of N devices on this machine")
+    s.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="None: the model's")
+    s.add_argument("--max-model-len", type=int, default=None,
+                   help="None: min(the model's max positions, 8192)")
+    s.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="decode rows")
+    s.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="token budget of one step")
+    s.add_argument("--max-prefill-seqs", type=int, default=d.max_prefill_seqs,
+                   help="prefill chunks in one step")
+    s.add_argument("--page-size", type=int, default=d.page_size, help="tokens a KV page")
+    s.add_argument("--memory-fraction", type=float, default=d.memory_fraction,
+                   help="share of device memory for weights, activations and the KV cache")
+    s.add_argument("--kv-cache-bytes", default=None,
+                   help="explicit KV budget per device (e.g. 20GB) instead of what is left")
+    s.add_argument("--num-kv-pages", type=int, default=None,
+                   help="exact KV pool per device in pages")
+    s.add_argument("--attention-impl", default=d.attention_impl, help="the step's kernels")
+    s.set_defaults(func=_plan)
+
+
+def _plan(a: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import jax
+
+    if a.devices:  # before anything asks JAX for its devices
+        try:
+            jax.config.update("jax_platforms", "cpu")
+            jax.config.update("jax_num_cpu_devices", a.devices)
+        except RuntimeError:  # JAX already started in this process
+            if len(jax.devices("cpu")) < a.devices:
+                raise ValueError(f"--devices {a.devices}: JAX already started with "
+                                 f"{len(jax.devices('cpu'))} CPU devices") from None
+    from jserve.config import LlamaConfig
+    from jserve.engine.plan import parse_bytes, plan
+    from jserve.model.weights import load_config
+
+    if Path(a.model).is_file():
+        cfg = LlamaConfig.from_json_file(a.model, dtype=a.dtype)
+    else:
+        cfg = load_config(a.model, dtype=a.dtype)
+    config = EngineConfig(
+        mesh=a.mesh, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens, max_prefill_seqs=a.max_prefill_seqs,
+        page_size=a.page_size, memory_fraction=a.memory_fraction,
+        kv_cache_bytes=None if a.kv_cache_bytes is None else parse_bytes(a.kv_cache_bytes),
+        num_kv_pages=a.num_kv_pages, attention_impl=a.attention_impl, warmup=False)
+    memory = None if a.device_memory is None else parse_bytes(a.device_memory)
+    p = plan(cfg, config, device_memory_bytes=memory, model_name=a.model)
+    print(p.summary())
+    return 0 if p.fits else 1
+
+
 def _add_simulate_parser(sub) -> None:
     from jserve.sim.runner import POLICIES, SimConfig
 
@@ -179,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     pr.set_defaults(func=_profile)
     add_serve_parser(sub, _add_engine_args, _engine_kwargs)
     _add_simulate_parser(sub)
+    _add_plan_parser(sub)
     a = parser.parse_args(argv)
     try:
         return a.func(a)

@@ -223,6 +223,12 @@ def _sampling_spec(s: int, sharding=None) -> SamplingBatch:
         banned_ids=spec((s, MAX_BANNED_IDS), i32))
 
 
+def state_spec(cfg: LlamaConfig, rows: int, sharding=None) -> SeqState:
+    """The abstract penalty state of ``rows`` rows (``ModelRunner(abstract=True)``)."""
+    return SeqState(_spec((rows, cfg.vocab_size), jnp.int32, sharding),
+                    _spec((rows, cfg.vocab_size), jnp.bool_, sharding))
+
+
 def _padded_page_ids(pages: Sequence[int]) -> np.ndarray:
     """Page ids padded to a power of two with the reserved sink page 0, so swapping compiles
     one gather and one scatter per size class."""
@@ -250,9 +256,14 @@ class ModelRunner:
 
     def __init__(self, cfg: LlamaConfig, params: Params, kv_cache: KVCache, buckets: Buckets,
                  max_num_seqs: int, attention_impl: str, mesh: jax.sharding.Mesh | None = None,
-                 capture_layer: int | None = None, params_placed: bool = False):
+                 capture_layer: int | None = None, params_placed: bool = False,
+                 abstract: bool = False):
         """``params_placed``: ``params`` are already in the runtime layout, tp-laid-out and
-        placed on ``mesh`` (a loader that streams them there, ``jserve.model.weights``)."""
+        placed on ``mesh`` (a loader that streams them there, ``jserve.model.weights``).
+        ``abstract``: ``params`` (runtime layout, placed) and ``kv_cache`` are
+        ``jax.ShapeDtypeStruct``s and so is the penalty state: the runner only lowers and
+        compiles (``compiled``, ``sampler``), nothing is allocated (``jserve.engine.plan``)."""
+        params_placed = params_placed or abstract
         if capture_layer is not None:
             if mesh is not None:
                 raise ValueError("capturing a layer's hidden state (length probe) runs on one "
@@ -276,9 +287,14 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.buckets = buckets
         rows = max_num_seqs + buckets.prefill_rows + 1
-        self.state = jax.device_put(SeqState(jnp.zeros((rows, cfg.vocab_size), jnp.int32),
-                                             jnp.zeros((rows, cfg.vocab_size), bool)),
-                                    self._replicated)
+        if abstract:
+            self._replicated = (None if mesh is None else jax.sharding.NamedSharding(
+                mesh, jax.sharding.PartitionSpec()))
+            self.state = state_spec(cfg, rows, self._replicated)
+        else:
+            self.state = jax.device_put(SeqState(jnp.zeros((rows, cfg.vocab_size), jnp.int32),
+                                                 jnp.zeros((rows, cfg.vocab_size), bool)),
+                                        self._replicated)
         self.state_sink = rows - 1
         self.attention_impl = attention_impl
         self.sample_rows = buckets.max_rows

@@ -1,0 +1,459 @@
+"""A memory plan before anything is allocated (``jserve plan``).
+
+``plan(cfg, engine_config, device_memory_bytes)`` builds the engine's mesh and buckets,
+describes the runtime params and the KV pages as ``jax.ShapeDtypeStruct``s placed on the
+mesh (no weights read, nothing allocated), and lowers and compiles the largest bucket's step
+and the sampler through ``ModelRunner(abstract=True)``, the same lowering the engine runs.
+From the shardings it counts each device's weight bytes, from ``memory_analysis()`` the
+compiled step's temporary memory, and from what is left the KV pages, the tokens they
+cache, and whether the configuration fits at all.
+
+The KV budget of a device with ``device_memory_bytes`` is
+``device_memory x memory_fraction - weights - penalty state - activation memory``
+(activation memory: the larger of the step's and the sampler's temporary buffers), capped,
+as in the engine, at every sequence slot at full context; an explicit ``kv_cache_bytes`` or
+``num_kv_pages`` in the engine config replaces it. (The engine itself sizes the pool as
+``memory_fraction`` of the memory still free once the weights are on the device and
+reserves nothing for activations, so the two agree exactly when the budget is explicit.)
+
+``describe_engine(engine)`` gives the same numbers for a running ``LLMEngine``, one log line.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import time
+from typing import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, SingleDeviceSharding
+
+from jserve.cache.allocator import BlockAllocator
+from jserve.cache.pool import available_device_bytes, kv_bytes_per_page, kv_cache_shape
+from jserve.config import LlamaConfig
+from jserve.engine.buckets import Buckets
+from jserve.engine.config import EngineConfig
+from jserve.model.llama import Params, runtime_param_shapes
+from sharding import pipeline
+from sharding.kv_parallel import STACKED_KV_SPEC
+from sharding.mesh import AXES, MeshConfig, make_mesh
+from sharding.specs import kv_head_map, kv_heads_per_device, param_specs
+
+GB = 10 ** 9
+_UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
+          "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40,
+          "k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9, "t": 10 ** 12}
+
+
+def parse_bytes(text: str | int) -> int:
+    """``"80GB"`` (10^9), ``"80GiB"`` (2^30), ``"1.5T"``, ``"123456"`` -> bytes."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read {text!r} as a size: expected e.g. 80GB, 80GiB or bytes")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _gb(n: int | float) -> str:
+    """Bytes in GB (10^9), or MB / kB when smaller."""
+    for unit, scale in (("GB", 10 ** 9), ("MB", 10 ** 6), ("kB", 10 ** 3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 10 ** 9 else f"{n / 1e6:.2f} M"
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """What the engine derives from its config before allocating (``LLMEngine.__init__``)."""
+
+    mesh_config: MeshConfig
+    max_model_len: int
+    buckets: Buckets
+    pages_per_seq: int       # pages of one sequence in one kvp group's pool at most
+    max_useful_pages: int    # every sequence slot at full context (the pool's cap, sink aside)
+
+
+def engine_geometry(cfg: LlamaConfig, config: EngineConfig) -> Geometry:
+    """The mesh, context length, buckets and pool cap ``LLMEngine`` would use."""
+    mc = MeshConfig.parse(config.mesh)
+    if mc.dp > 1:
+        raise ValueError(f"mesh {config.mesh!r}: dp > 1 not supported yet")
+    mc.validate(cfg)
+    if mc.spp > 1:
+        pipeline.validate(cfg, mc.spp)
+    max_model_len = config.max_model_len or min(cfg.max_position_embeddings, 8192)
+    if max_model_len > cfg.max_position_embeddings:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
+                         f"max_position_embeddings {cfg.max_position_embeddings}")
+    budget = min(config.max_num_batched_tokens, max_model_len)
+    buckets = Buckets.for_limits(
+        max_num_seqs=config.max_num_seqs, token_budget=budget,
+        max_prefill_seqs=config.max_prefill_seqs, max_model_len=max_model_len,
+        page_size=config.page_size, kvp=mc.kvp)
+    if mc.spp > 1:
+        buckets = dataclasses.replace(buckets, decode_rows=buckets.decode_rows[-1:],
+                                      prefill_tokens=buckets.prefill_tokens[-1:])
+    pages_per_seq = (-(-max_model_len // config.page_size) if mc.kvp == 1
+                     else buckets.pages_per_group)
+    return Geometry(mc, max_model_len, buckets, pages_per_seq,
+                    config.max_num_seqs * pages_per_seq)
+
+
+def abstract_params(cfg: LlamaConfig, mesh: jax.sharding.Mesh | None,
+                    device: jax.Device | None = None) -> Params:
+    """Runtime-layout params as ``ShapeDtypeStruct``s: split by ``param_specs`` on ``mesh``
+    (``tp_layout`` reorders, it never reshapes), or on ``device`` without a mesh."""
+    shapes = runtime_param_shapes(cfg)
+    is_shape = lambda x: isinstance(x, tuple)
+    if mesh is None:  # one device: a 1-device mesh's specs, so the tp-split leaves are known
+        mesh = jax.sharding.Mesh(np.array([device or jax.devices()[0]]).reshape(1, 1, 1, 1),
+                                 AXES)
+    specs = param_specs(shapes)
+    return jax.tree.map(lambda s, p: jax.ShapeDtypeStruct(s, cfg.np_dtype,
+                                                          sharding=NamedSharding(mesh, p)),
+                        shapes, specs, is_leaf=is_shape)
+
+
+def abstract_kv_cache(cfg: LlamaConfig, num_pages: int, page_size: int,
+                      mesh: jax.sharding.Mesh | None, device: jax.Device | None = None):
+    """(k, v) pages as ``ShapeDtypeStruct``s, laid out as the engine allocates them:
+    ``num_pages`` per kvp group, stored heads split on tp (``allocate_sharded_kv_cache``)."""
+    if mesh is None:
+        shape = kv_cache_shape(cfg, num_pages, page_size)
+        sharding = SingleDeviceSharding(device or jax.devices()[0])
+    else:
+        shape = kv_cache_shape(cfg, mesh.shape["kvp"] * num_pages, page_size,
+                               len(kv_head_map(cfg, mesh.shape["tp"])))
+        sharding = NamedSharding(mesh, STACKED_KV_SPEC)
+    spec = jax.ShapeDtypeStruct(shape, cfg.np_dtype, sharding=sharding)
+    return spec, spec
+
+
+def per_device_bytes(tree) -> int:
+    """Bytes of the largest shard any one device holds, summed over ``tree``'s leaves (arrays
+    or ``ShapeDtypeStruct``s with a sharding; even splits, so every device holds as much)."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+        total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+def _split_bytes(tree) -> tuple[int, int]:
+    """(bytes per device of the leaves split on the mesh's tp axis (what more tp divides),
+    of the rest)."""
+    split = rest = 0
+    for leaf in jax.tree.leaves(tree):
+        shard = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+        n = math.prod(shard) * np.dtype(leaf.dtype).itemsize
+        spec = getattr(leaf.sharding, "spec", None)
+        if spec is not None and "tp" in tuple(spec):
+            split += n
+        else:
+            rest += n
+    return split, rest
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledMemory:
+    """One executable's ``memory_analysis()`` (per device under SPMD)."""
+
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    generated_code_bytes: int
+
+    @classmethod
+    def of(cls, compiled: jax.stages.Compiled) -> "CompiledMemory | None":
+        m = compiled.memory_analysis()
+        if m is None:  # a backend without the analysis
+            return None
+        return cls(int(m.argument_size_in_bytes), int(m.output_size_in_bytes),
+                   int(m.alias_size_in_bytes), int(m.temp_size_in_bytes),
+                   int(m.generated_code_size_in_bytes))
+
+
+@dataclasses.dataclass
+class MemoryPlan:
+    """Per-device memory of an engine configuration (every byte count is per device)."""
+
+    model: str
+    mesh: str
+    num_devices: int
+    platform: str
+    dtype: str
+    num_params: int
+    weight_bytes: int            # per device, from the shardings
+    split_weight_bytes: int      # of which split on tp (more tp divides it further)
+    kv_bytes_per_page: int       # one page on one device (its KV heads and layers)
+    num_kv_pages: int            # per device (one kvp group's pool; the sink page included)
+    kvp: int
+    page_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_useful_pages: int        # the pool's cap: every sequence slot at full context
+    pages_per_group: int | None  # with kvp > 1: a sequence's pages in one group at most
+    state_bytes: int             # the penalty state (replicated)
+    step_shape: tuple[int, int] | None   # the compiled bucket: (decode rows, prefill tokens)
+    step: CompiledMemory | None
+    sampler: CompiledMemory | None
+    device_memory_bytes: int | None
+    memory_fraction: float
+    kv_budget_source: str        # "device memory" | "kv_cache_bytes" | "num_kv_pages" | "engine"
+    compile_seconds: float = 0.0
+    problems: list[str] = dataclasses.field(default_factory=list)
+    suggested_tp: int | None = None
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.num_kv_pages * self.kv_bytes_per_page
+
+    @property
+    def max_cached_tokens(self) -> int:
+        """Tokens the pool caches at once: every group's pages but its sink."""
+        return self.kvp * max(self.num_kv_pages - 1, 0) * self.page_size
+
+    @property
+    def activation_bytes(self) -> int:
+        """Temporary buffers of the step or the sampler, whichever is larger (one runs at a
+        time); 0 when not compiled."""
+        return max(self.step.temp_bytes if self.step else 0,
+                   self.sampler.temp_bytes if self.sampler else 0)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.kv_cache_bytes + self.state_bytes + self.activation_bytes
+
+    def summary(self) -> str:
+        lines = [f"memory plan: {self.model}, {self.dtype}, mesh {self.mesh} "
+                 f"({self.num_devices} {self.platform} device"
+                 f"{'s' if self.num_devices > 1 else ''}), per device:"]
+        row = lambda k, v: lines.append(f"  {k:<26}{v}")
+        row("weights", f"{_gb(self.weight_bytes)}  ({_count(self.num_params)} params, "
+                       f"{_gb(self.split_weight_bytes)} of it split on tp)")
+        row("KV bytes per page", f"{self.kv_bytes_per_page:,} ({self.page_size} tokens)")
+        row("KV pages", f"{self.num_kv_pages:,}" + (f" per kvp group x {self.kvp}" if self.kvp > 1
+                                                    else "")
+            + f" = {_gb(self.kv_cache_bytes)}  (budget: {self.kv_budget_source}; "
+              f"cap {self.max_useful_pages + 1:,}: {self.max_num_seqs} seqs at full context)")
+        seqs = self.max_cached_tokens / self.max_model_len
+        row("max cached tokens", f"{self.max_cached_tokens:,}  ({seqs:.1f} sequences of "
+                                 f"max_model_len {self.max_model_len:,})")
+        row("penalty state", _gb(self.state_bytes))
+        if self.step is not None:
+            d, p = self.step_shape
+            row("step temp memory", f"{_gb(self.step.temp_bytes)}  (largest step: {d} decode "
+                                    f"rows + {p} prefill tokens; compiled for {self.platform}"
+                                    f" in {self.compile_seconds:.1f}s)")
+        if self.sampler is not None:
+            row("sampler temp memory", _gb(self.sampler.temp_bytes))
+        if (self.step is not None and self.platform == "cpu" and self.dtype == "bfloat16"
+                and self.kv_budget_source != "engine"):
+            lines.append("  (temporaries as XLA:CPU compiles the step, with bf16 math in f32; "
+                         "an accelerator's differ)")
+        total = f"{_gb(self.total_bytes)}"
+        if self.device_memory_bytes:
+            total += (f" of {_gb(self.device_memory_bytes)} device memory (budget at "
+                      f"memory_fraction {self.memory_fraction}: "
+                      f"{_gb(self.device_memory_bytes * self.memory_fraction)})")
+        row("total", total)
+        if self.fits:
+            lines.append("FITS")
+        else:
+            lines.extend(f"DOES NOT FIT: {p}" for p in self.problems)
+        return "\n".join(lines)
+
+    def log_line(self) -> str:
+        """The plan in one line (what the engine logs at start)."""
+        temp = (f", step temp {_gb(self.step.temp_bytes)}" if self.step is not None else "")
+        mem = (f" of {_gb(self.device_memory_bytes)}" if self.device_memory_bytes else "")
+        return (f"memory per device (mesh {self.mesh}): weights {_gb(self.weight_bytes)}, "
+                f"KV {self.num_kv_pages:,} pages x {self.kv_bytes_per_page:,} B = "
+                f"{_gb(self.kv_cache_bytes)}, max cached tokens {self.max_cached_tokens:,} "
+                f"(max_model_len {self.max_model_len:,}){temp}; total {_gb(self.total_bytes)}"
+                f"{mem}" + ("" if self.fits else "; DOES NOT FIT: " + " ".join(self.problems)))
+
+
+# XLA:CPU has no bf16 matmul: it computes in f32, and loop-invariant code motion would hoist
+# an f32 copy of every stacked bf16 weight out of the layer loop (34 GB of "temporaries" per
+# device for Llama-3.1-70B at tp=8) where an accelerator reads the weights as they are.
+# With the pass off the copies are one layer's, a small overestimate.
+_CPU_COMPILE_OPTIONS = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
+
+
+def kv_budget_bytes(device_memory_bytes: int, memory_fraction: float, reserved_bytes: int) -> int:
+    """The plan's KV budget: the device's share minus what must sit beside the pages."""
+    return int(device_memory_bytes * memory_fraction) - reserved_bytes
+
+
+def _num_pages(config: EngineConfig, geo: Geometry, per_page: int,
+               budget: int | None) -> int:
+    """Pages per device as ``num_pages_for_budget`` counts them (0 when under 2)."""
+    if config.num_kv_pages is not None:
+        return config.num_kv_pages
+    if budget is None:
+        budget = config.kv_cache_bytes
+    pages = min(max(budget, 0) // per_page, geo.max_useful_pages + 1)
+    return int(pages) if pages >= 2 else 0
+
+
+def _suggest_tp(cfg: LlamaConfig, mc: MeshConfig, split: int, repl: int, other: int,
+                budget: int) -> int | None:
+    """The smallest larger tp the model can be split by whose weights (split part scaled)
+    plus ``other`` fit ``budget``: a first guess (activations shrink too)."""
+    for tp in (2 ** k for k in range(1, 11)):
+        if tp <= mc.tp:
+            continue
+        try:
+            dataclasses.replace(mc, tp=tp).validate(cfg)
+        except ValueError:
+            continue
+        if split * mc.tp / tp + repl + other <= budget:
+            return tp
+    return None
+
+
+def plan(cfg: LlamaConfig, engine_config: EngineConfig = EngineConfig(),
+         device_memory_bytes: int | None = None, devices: Sequence[jax.Device] | None = None,
+         model_name: str | None = None, compile: bool = True) -> MemoryPlan:
+    """The memory plan of serving ``cfg`` with ``engine_config`` on ``devices`` (default
+    ``jax.devices()``; the mesh takes the first ones), each with ``device_memory_bytes``
+    (default: the first device's memory as the engine reads it). Nothing is allocated and
+    no weight is read; ``compile=False`` skips lowering (no activation memory then)."""
+    from jserve.engine.runner import ModelRunner, state_spec
+
+    geo = engine_geometry(cfg, engine_config)
+    mc = geo.mesh_config
+    devices = list(jax.devices() if devices is None else devices)
+    if mc.size > len(devices):
+        raise ValueError(f"mesh {engine_config.mesh!r} needs {mc.size} devices, have "
+                         f"{len(devices)} (jserve plan --devices {mc.size} simulates them "
+                         "on the CPU)")
+    mesh = make_mesh(mc, devices) if mc.size > 1 else None
+    if device_memory_bytes is None:
+        device_memory_bytes = available_device_bytes(devices[0])
+    params = abstract_params(cfg, mesh, devices[0])
+    weights = per_device_bytes(params)
+    split, repl = _split_bytes(params)
+    per_page = kv_bytes_per_page(cfg, engine_config.page_size, kv_heads_per_device(cfg, mc.tp),
+                                 cfg.num_hidden_layers // mc.spp)
+    rows = engine_config.max_num_seqs + geo.buckets.prefill_rows + 1
+    state = per_device_bytes(state_spec(cfg, rows))
+    source = ("num_kv_pages" if engine_config.num_kv_pages is not None else
+              "kv_cache_bytes" if engine_config.kv_cache_bytes is not None else "device memory")
+
+    # The step's temporaries do not grow with the pool (the pages are donated and updated in
+    # place; attention gathers by the page table, whose width is max_model_len's), so one
+    # compile at the smallest pool, 2 pages a group, gives them before the pool is sized.
+    # (XLA:CPU scatters a bf16 pool through an f32 copy of all of it, a temporary an
+    # accelerator does not make, which the small pool keeps out; see _CPU_COMPILE_OPTIONS.)
+    shape = step = sampler = None
+    t0 = time.perf_counter()
+    if compile:
+        kv = abstract_kv_cache(cfg, 2, engine_config.page_size, mesh, devices[0])
+        runner = ModelRunner(cfg, params, kv, geo.buckets, engine_config.max_num_seqs,
+                             engine_config.attention_impl, mesh, abstract=True)
+        shape = (geo.buckets.decode_rows[-1], geo.buckets.prefill_tokens[-1])
+        options = _CPU_COMPILE_OPTIONS if devices[0].platform == "cpu" else None
+        step = CompiledMemory.of(runner._lower(shape)[0].compile(options))
+        sampler = CompiledMemory.of(runner._lower_sampler().compile(options))
+    seconds = time.perf_counter() - t0
+    act = max(step.temp_bytes if step else 0, sampler.temp_bytes if sampler else 0)
+    budget = (kv_budget_bytes(device_memory_bytes, engine_config.memory_fraction,
+                              weights + state + act) if source == "device memory" else None)
+    pages = _num_pages(engine_config, geo, per_page, budget)
+    p = MemoryPlan(
+        model=model_name or (f"Llama {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}"),
+        mesh=engine_config.mesh, num_devices=mc.size, platform=devices[0].platform,
+        dtype=cfg.dtype, num_params=cfg.num_params(), weight_bytes=weights,
+        split_weight_bytes=split, kv_bytes_per_page=per_page, num_kv_pages=pages, kvp=mc.kvp,
+        page_size=engine_config.page_size, max_model_len=geo.max_model_len,
+        max_num_seqs=engine_config.max_num_seqs, max_useful_pages=geo.max_useful_pages,
+        pages_per_group=geo.buckets.pages_per_group if mc.kvp > 1 else None,
+        state_bytes=state, step_shape=shape, step=step, sampler=sampler,
+        device_memory_bytes=device_memory_bytes, memory_fraction=engine_config.memory_fraction,
+        kv_budget_source=source, compile_seconds=seconds)
+    _check(p, cfg, mc, split, repl)
+    return p
+
+
+def _check(p: MemoryPlan, cfg: LlamaConfig, mc: MeshConfig, split: int, repl: int) -> None:
+    """Fills ``p.problems`` with what does not fit and what to change."""
+    fixed = p.weight_bytes + p.state_bytes + p.activation_bytes
+    share = int(p.device_memory_bytes * p.memory_fraction) if p.device_memory_bytes else None
+    if share is not None and fixed > share:
+        p.suggested_tp = _suggest_tp(cfg, mc, split, repl, p.state_bytes + p.activation_bytes,
+                                     share)
+        more_tp = (f"tp={p.suggested_tp} (about {_gb(split * mc.tp / p.suggested_tp + repl)} "
+                   "of weights per device)" if p.suggested_tp else "more tensor parallelism")
+        p.problems.append(
+            f"weights ({_gb(p.weight_bytes)}) + penalty state and activations "
+            f"({_gb(p.state_bytes + p.activation_bytes)}) exceed the "
+            f"{_gb(share)} per device that memory_fraction {p.memory_fraction} of "
+            f"{_gb(p.device_memory_bytes)} allows: use {more_tp}, a larger memory_fraction, "
+            "or smaller max_num_seqs / max_num_batched_tokens (activations)")
+        return
+    if p.num_kv_pages < 2:
+        p.problems.append(
+            f"the KV budget left per device holds fewer than 2 pages of {p.kv_bytes_per_page:,} "
+            "bytes: use more tp, a larger memory_fraction, or smaller max_num_seqs / "
+            "max_num_batched_tokens")
+        return
+    need = -(-p.max_model_len // p.page_size)
+    alloc = BlockAllocator(p.num_kv_pages, p.page_size, groups=p.kvp,
+                           pages_per_group=p.pages_per_group)
+    if not alloc.can_ever_hold(need):
+        p.problems.append(
+            f"the KV pool caches {p.max_cached_tokens:,} tokens, fewer than one sequence of "
+            f"max_model_len {p.max_model_len:,}: lower max_model_len, use more tp (or kvp), or "
+            "give the KV cache more memory")
+    if (p.kv_budget_source != "device memory" and p.device_memory_bytes
+            and p.total_bytes > p.device_memory_bytes):
+        p.problems.append(
+            f"weights, KV cache ({p.kv_budget_source}) and activations need "
+            f"{_gb(p.total_bytes)} of {_gb(p.device_memory_bytes)} per device: lower "
+            f"{p.kv_budget_source} or use more tp")
+
+
+def describe_engine(engine) -> str:
+    """One log line with the plan's numbers for a built ``LLMEngine`` (its real arrays, pool
+    and, when compiled, its largest step's ``memory_analysis()``): call it at the end of
+    ``LLMEngine.__init__``, e.g. ``log.info("%s", describe_engine(self))``."""
+    runner, alloc, config = engine.runner, engine.allocator, engine.config
+    mc = MeshConfig.parse(config.mesh)
+    cfg = engine.cfg
+    step = None
+    shape = None
+    if runner._compiled:
+        shape = max(runner._compiled, key=sum)
+        step = CompiledMemory.of(runner._compiled[shape][0])
+    sampler = CompiledMemory.of(runner._sampler) if runner._sampler is not None else None
+    split, _ = _split_bytes(runner.params)
+    p = MemoryPlan(
+        model=f"Llama {cfg.num_hidden_layers} layers", mesh=config.mesh, num_devices=mc.size,
+        platform=jax.devices()[0].platform, dtype=cfg.dtype, num_params=cfg.num_params(),
+        weight_bytes=per_device_bytes(runner.params), split_weight_bytes=split,
+        kv_bytes_per_page=kv_bytes_per_page(cfg, config.page_size,
+                                            kv_heads_per_device(cfg, mc.tp),
+                                            cfg.num_hidden_layers // mc.spp),
+        num_kv_pages=alloc.pool_blocks, kvp=alloc.groups, page_size=config.page_size,
+        max_model_len=engine.max_model_len, max_num_seqs=config.max_num_seqs,
+        max_useful_pages=config.max_num_seqs * (alloc.pages_per_group or
+                                                -(-engine.max_model_len // config.page_size)),
+        pages_per_group=alloc.pages_per_group,
+        state_bytes=per_device_bytes(runner.state), step_shape=shape, step=step,
+        sampler=sampler, device_memory_bytes=None, memory_fraction=config.memory_fraction,
+        kv_budget_source="engine")
+    return p.log_line()
