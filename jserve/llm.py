@@ -30,7 +30,7 @@ class LLM:
             shipped = default_probe_path(model)  # a built-in model's trained length probe
             if shipped is not None:
                 engine_kwargs["length_probe"] = str(shipped)
-        cfg, params, tokenizer = load_model(model, dtype=dtype)
+        cfg, params, tokenizer = load_model(model, dtype=dtype, lazy=True)
         self.model = model
         self.engine = LLMEngine(cfg, params, tokenizer, EngineConfig(**engine_kwargs))
 

@@ -164,10 +164,14 @@ class LLMEngine:
             self.scheduler.choose_preemption = self._preemption_mode
         kv_cache = (allocate_kv_cache(cfg, num_pages, config.page_size) if mesh is None else
                     allocate_sharded_kv_cache(cfg, kvp * num_pages, config.page_size, mesh))
+        # A lazy checkpoint (jserve.model.weights.LazyCheckpoint) streams onto the mesh.
+        placed = hasattr(params, "place")
+        if placed:
+            params = params.place(cfg, mesh)
         self.runner = ModelRunner(cfg, params, kv_cache, self.buckets, config.max_num_seqs,
                                   config.attention_impl, mesh,
                                   capture_layer=self.length_tracker.layer
-                                  if self.length_tracker else None)
+                                  if self.length_tracker else None, params_placed=placed)
         self.builder = StepBuilder(self.buckets, config.page_size, self.runner.state_sink,
                                    pool_pages=num_pages)
         self._free_state_rows = list(range(self.runner.state_sink - 1, -1, -1))

@@ -5,6 +5,7 @@ All loaders return the pytree described in :mod:`jserve.model` with leaves of ``
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import shutil
 from collections import defaultdict
@@ -153,6 +154,234 @@ def load_hf_safetensors(model_dir: str | Path, cfg: LlamaConfig) -> Params:
     return params
 
 
+# ---------------------------------------------------------------------------------------
+# Streaming: HF safetensors straight into the runtime layout and its target sharding.
+
+def _read_slice(f, name: str, index: tuple[slice, ...]) -> np.ndarray:
+    """``f[name][index]`` read from the file without reading the rest of the tensor (one
+    contiguous-range slice per axis; numpy framework, which keeps bf16 as
+    ``ml_dtypes.bfloat16``). The one place the streaming loader reads tensor data."""
+    return f.get_slice(name)[index]
+
+
+def _runs(src: np.ndarray, rows: np.ndarray) -> list[tuple[int, int, int]]:
+    """Group (source id, source row) pairs into maximal runs ``(src, start, stop)`` of
+    consecutive rows in one source, in order."""
+    out: list[tuple[int, int, int]] = []
+    for s, r in zip(src.tolist(), rows.tolist()):
+        if out and out[-1][0] == s and out[-1][2] == r:
+            out[-1] = (s, out[-1][1], r + 1)
+        else:
+            out.append((s, r, r + 1))
+    return out
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _LeafSource:
+    """How one runtime leaf (one layer's, for layer leaves) is read from HF tensors.
+
+    ``names``: the source tensors (stacked along their first axis for ``w_gate_up``).
+    ``transpose``: our ``[in, out]`` is torch's ``[out, in]``; then our column ``c`` is row
+    ``col_src[c]``, ``col_row[c]`` of the sources (the tp reordering in index space).
+    """
+    names: tuple[str, ...]
+    transpose: bool
+    col_src: np.ndarray | None = None
+    col_row: np.ndarray | None = None
+
+    def read(self, files: dict[str, Any], index: tuple[slice, ...], shape: tuple[int, ...],
+             dtype: np.dtype) -> np.ndarray:
+        index = tuple(slice(*s.indices(n)) for s, n in zip(index, shape))
+        if not self.transpose:
+            out = _read_slice(files[self.names[0]], self.names[0], index)
+        else:
+            rows, cols = index
+            if cols.step != 1:
+                raise ValueError(f"strided column read {cols} of {self.names}")
+            pieces = []
+            for s, a, b in _runs(self.col_src[cols], self.col_row[cols]):
+                name = self.names[s]
+                # Our columns [a, b) are their rows; our rows are their columns.
+                pieces.append(_read_slice(files[name], name, (slice(a, b), rows)))
+            out = (pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=0)).T
+        return np.ascontiguousarray(out.astype(dtype, copy=False))
+
+
+def _leaf_sources(cfg: LlamaConfig, tp: int) -> dict[str, Any]:
+    """Runtime leaf name -> ``_LeafSource`` (layer leaves: a function of the layer index),
+    with wk/wv and w_gate_up columns reordered as ``sharding.specs.tp_layout_leaf`` does."""
+    from sharding.specs import kv_head_map
+
+    hd, f = cfg.head_dim, cfg.intermediate_size
+
+    def plain(n_cols: int) -> tuple[np.ndarray, np.ndarray]:
+        return np.zeros(n_cols, np.int64), np.arange(n_cols)
+
+    # wk/wv: stored slot j holds global KV head kv_head_map[j] (copies when tp > kv heads).
+    heads = kv_head_map(cfg, tp) if tp > 1 else np.arange(cfg.num_key_value_heads)
+    kv_cols = np.arange(len(heads) * hd)
+    kv = (np.zeros_like(kv_cols), heads[kv_cols // hd] * hd + kv_cols % hd)
+    # w_gate_up shard-major: column (shard s, half g, k) is gate/up row s * f/tp + k.
+    c = np.arange(2 * f)
+    width = f // tp
+    shard, g, k = c // (2 * width), (c // width) % 2, c % width
+    gate_up = (g, shard * width + k)
+    q, o = cfg.num_attention_heads * hd, cfg.hidden_size
+
+    def layer(i: int) -> dict[str, _LeafSource]:
+        pre = f"model.layers.{i}."
+        return {
+            "attn_norm": _LeafSource((pre + "input_layernorm.weight",), False),
+            "mlp_norm": _LeafSource((pre + "post_attention_layernorm.weight",), False),
+            "wq": _LeafSource((pre + "self_attn.q_proj.weight",), True, *plain(q)),
+            "wk": _LeafSource((pre + "self_attn.k_proj.weight",), True, *kv),
+            "wv": _LeafSource((pre + "self_attn.v_proj.weight",), True, *kv),
+            "wo": _LeafSource((pre + "self_attn.o_proj.weight",), True, *plain(o)),
+            "w_gate_up": _LeafSource((pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight"),
+                                     True, *gate_up),
+            "w_down": _LeafSource((pre + "mlp.down_proj.weight",), True, *plain(o)),
+        }
+
+    sources: dict[str, Any] = {
+        "embed": _LeafSource(("model.embed_tokens.weight",), False),
+        "final_norm": _LeafSource(("model.norm.weight",), False),
+        "layers": layer,
+    }
+    if not cfg.tie_word_embeddings:
+        sources["lm_head"] = _LeafSource(("lm_head.weight",), True, *plain(cfg.vocab_size))
+    return sources
+
+
+def _check_checkpoint(model_dir: Path, cfg: LlamaConfig) -> dict[Path, list[str]]:
+    """The file layout, after checking the tensor names and shapes match ``cfg`` (headers
+    only; no tensor data is read)."""
+    layout = _safetensors_layout(model_dir)
+    name_map = _hf_name_map(cfg)
+    present = {name for names in layout.values() for name in names}
+    missing = sorted(name_map.keys() - present)
+    unexpected = sorted(n for n in present - name_map.keys() if not _ignorable(n, cfg))
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {model_dir} does not match its config.json: "
+                         f"missing tensors {missing}, unexpected tensors {unexpected}")
+    shapes = param_shapes(cfg)
+    for file, names in layout.items():
+        with safe_open(file, framework="numpy") as f:
+            for name in names:
+                if name not in name_map:
+                    continue
+                path, transpose = name_map[name]
+                want = shapes
+                for key in path:
+                    want = want[key]
+                got = tuple(f.get_slice(name).get_shape())
+                got = got[::-1] if transpose else got
+                if got != want:
+                    raise ValueError(f"tensor {name} has shape {got} (after transpose), "
+                                     f"config.json implies {want}")
+    return layout
+
+
+def load_hf_runtime(model_dir: str | Path, cfg: LlamaConfig,
+                    mesh: jax.sharding.Mesh | None = None) -> Params:
+    """A HF Llama safetensors checkpoint streamed straight into the runtime layout
+    (``prepare_params``), tp-laid-out and placed on ``mesh`` (``sharding.specs.shard_params``'s
+    placement; one device when ``mesh`` is None): equal to
+    ``shard_params(prepare_params(load_hf_safetensors(...)), cfg, mesh)``, for
+    ``ModelRunner(params_placed=True)``.
+
+    Every device shard is read from the file on its own (``jax.make_array_from_callback``
+    with a callback that reads only the requested slice, the tp reordering of wk/wv and
+    w_gate_up mapped back to source rows), and layer leaves are built one layer at a time
+    and written in place into their preallocated stacked array, so the host holds about one
+    tensor (one layer's) at a time instead of one copy of the model per device. Tensors are
+    cast to ``cfg.dtype`` slice by slice: a bf16 checkpoint stays bf16.
+    """
+    from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+    from sharding.specs import layer_spec
+
+    from jserve.model.llama import runtime_param_shapes
+
+    model_dir = Path(model_dir)
+    layout = _check_checkpoint(model_dir, cfg)
+    tp = mesh.shape["tp"] if mesh is not None else 1
+    if tp > 1:
+        from sharding.mesh import MeshConfig
+        MeshConfig(tp=tp).validate(cfg)  # the index maps below assume tp splits evenly
+    dtype = cfg.np_dtype
+    sources = _leaf_sources(cfg, tp)
+    shapes = runtime_param_shapes(cfg)
+    if tp > 1:  # stored KV heads: copies when tp exceeds the KV heads
+        from sharding.specs import kv_head_map
+        stored = len(kv_head_map(cfg, tp)) * cfg.head_dim
+        for name in ("wk", "wv"):
+            n, d, _ = shapes["layers"][name]
+            shapes["layers"][name] = (n, d, stored)
+
+    def sharding_of(spec: P):
+        if mesh is None:
+            return SingleDeviceSharding(jax.local_devices()[0])
+        return NamedSharding(mesh, spec)
+
+    def build(source: _LeafSource, files: dict[str, Any], shape: tuple[int, ...],
+              sharding) -> jax.Array:
+        cache: dict[tuple, np.ndarray] = {}  # shards replicated on several devices: read once
+
+        def callback(index: tuple[slice, ...]) -> np.ndarray:
+            key = tuple((s.start, s.stop, s.step) for s in index)
+            if key not in cache:
+                cache[key] = source.read(files, index, shape, dtype)
+            return cache[key]
+
+        return jax.make_array_from_callback(shape, sharding, callback, dtype=dtype)
+
+    handles = {}
+    try:
+        files: dict[str, Any] = {}
+        for file, names in layout.items():
+            handles[file] = safe_open(file, framework="numpy")
+            files.update(dict.fromkeys(names, handles[file]))
+        params: Params = {name: build(src, files, shapes[name], sharding_of(P()))
+                          for name, src in sources.items() if name != "layers"}
+        layers: Params = {}
+        n = cfg.num_hidden_layers
+        for name, shape in shapes["layers"].items():
+            spec = layer_spec(name)
+            stacked = sharding_of(spec)
+            per_layer = sharding_of(P(*spec[1:]))
+            buf = jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=stacked)()
+            write = jax.jit(lambda b, x, i: jax.lax.dynamic_update_index_in_dim(b, x, i, 0),
+                            donate_argnums=0, out_shardings=stacked)
+            for i in range(n):
+                x = build(sources["layers"](i)[name], files, shape[1:], per_layer)
+                buf = write(buf, x, np.int32(i))
+                del x
+            layers[name] = buf
+        params["layers"] = layers
+    finally:
+        for h in handles.values():
+            h.__exit__(None, None, None)
+    return params
+
+
+@dataclasses.dataclass(frozen=True)
+class LazyCheckpoint:
+    """A HF safetensors checkpoint not read yet (``load_model(..., lazy=True)``): the engine
+    calls ``place(cfg, mesh)`` once it has built its mesh and gets the runtime params streamed
+    onto it (:func:`load_hf_runtime`). Names and shapes are checked when it is made."""
+    model_dir: Path
+    cfg: LlamaConfig
+
+    def __post_init__(self) -> None:
+        _check_checkpoint(self.model_dir, self.cfg)
+
+    def place(self, cfg: LlamaConfig, mesh: jax.sharding.Mesh | None = None) -> Params:
+        return load_hf_runtime(self.model_dir, cfg, mesh)
+
+    def load(self) -> Params:
+        """The eager checkpoint-layout params (:func:`load_hf_safetensors`)."""
+        return load_hf_safetensors(self.model_dir, self.cfg)
+
+
 def _abstract_params(cfg: LlamaConfig) -> Params:
     """Restore targets; the sharding makes orbax return jax arrays on the default device."""
     sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
@@ -207,10 +436,11 @@ def load_config(model: str, dtype: str | None = None) -> LlamaConfig:
     return LlamaConfig.from_json_file(path / "config.json", dtype=dtype)
 
 
-def load_model(model: str, dtype: str | None = None,
-               seed: int = 0) -> tuple[LlamaConfig, Params, Tokenizer | None]:
+def load_model(model: str, dtype: str | None = None, seed: int = 0, *,
+               lazy: bool = False) -> tuple[LlamaConfig, Params | LazyCheckpoint, Tokenizer | None]:
     """Resolve ``--model``: "default" (built-in random model), "tiny-tasks" (the packaged
-    trained model), an orbax or a HF directory."""
+    trained model), an orbax or a HF directory. ``lazy``: a HF safetensors directory gives a
+    :class:`LazyCheckpoint` (nothing read yet) that ``LLMEngine`` streams onto its mesh."""
     cfg = load_config(model, dtype)
     if model == "default":
         return cfg, init_params(cfg, seed), ByteTokenizer()
@@ -218,7 +448,7 @@ def load_model(model: str, dtype: str | None = None,
     if (path / "params").is_dir():
         params = restore_orbax(path, cfg)
     elif (path / "model.safetensors").exists() or (path / "model.safetensors.index.json").exists():
-        params = load_hf_safetensors(path, cfg)
+        params = LazyCheckpoint(path, cfg) if lazy else load_hf_safetensors(path, cfg)
     else:
         raise ValueError(f"model directory {path} has config.json but neither an orbax params/ "
                          "directory nor model.safetensors[.index.json]")
