@@ -4,6 +4,7 @@ allocated."""
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from jserve.engine.config import EngineConfig
@@ -247,7 +248,11 @@ def main(argv: list[str] | None = None) -> int:
     add_serve_parser(sub, _add_engine_args, _engine_kwargs)
     _add_simulate_parser(sub)
     _add_plan_parser(sub)
+    for p in sub.choices.values():  # every subcommand's --help shows its defaults
+        p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     a = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return a.func(a)
     except ValueError as e:

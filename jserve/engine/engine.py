@@ -26,7 +26,8 @@ from jserve.engine.buckets import Buckets
 from jserve.engine.config import EngineConfig
 from jserve.engine.output import (IncrementalDetokenizer, RequestMetrics, RequestOutput,
                                   TokenLogprob, find_stop)
-from jserve.engine.runner import ModelRunner
+from jserve.engine.plan import describe_engine
+from jserve.engine.runner import CACHE_EVENTS, ModelRunner
 from jserve.engine.step_builder import StepBuilder, StepFlags
 from jserve.kernels import ATTENTION_IMPLS
 from jserve.model.llama import Params
@@ -90,6 +91,7 @@ def enable_compilation_cache(path: str | None) -> None:
 class LLMEngine:
     def __init__(self, cfg: LlamaConfig, params: Params, tokenizer: Tokenizer | None,
                  config: EngineConfig = EngineConfig()):
+        started = time.perf_counter()
         if config.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, "
                              f"got {config.attention_impl!r}")
@@ -183,7 +185,11 @@ class LLMEngine:
             cfg.eos_token_ids + (tokenizer.eos_token_ids if tokenizer else ())))
         self.step_log: list[tuple[BatchPlan, float]] | None = None  # (plan, seconds) when on
         if config.warmup:
+            hits = CACHE_EVENTS["cache_hits"]
             self.runner.warmup()
+            hits = CACHE_EVENTS["cache_hits"] - hits
+        else:
+            hits = None
         # Stream pipeline: the batches in the stages (newest first; None: an empty slot) and,
         # when on, one record per tick for tests (see ``_tick``).
         self._pipeline: collections.deque[_Launch | None] = collections.deque()
@@ -193,6 +199,13 @@ class LLMEngine:
                                              _NEUTRAL_ROW, lambda r: r.payload.state_row,
                                              StepFlags(False, False, False))
             self.runner.start_pipeline(self._empty.shape, self._empty.arrays)
+        self.startup_summary = (
+            f"engine ready in {time.perf_counter() - started:.1f}s: {describe_engine(self)}; "
+            f"compiled {self.runner.compile_count} programs in "
+            f"{self.runner.compile_seconds:.1f}s"
+            + (f" ({hits} from the persistent cache)" if hits is not None else
+               " (warmup off: step shapes compile on first use)"))
+        log.info("%s", self.startup_summary)
 
     @staticmethod
     def _length_tracker(cfg: LlamaConfig, config: EngineConfig) -> LengthTracker | None:

@@ -2,6 +2,7 @@
 compiled ahead of time per bucket, with a compile counter tests read."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import logging
@@ -26,6 +27,18 @@ from sharding.specs import shard_params
 from sharding.tensor_parallel import tp_forward
 
 log = logging.getLogger(__name__)
+
+# Persistent compilation cache lookups in this process ("cache_hits" / "cache_misses"), so
+# the engine can say at start how much of its compile came from the cache.
+CACHE_EVENTS: collections.Counter = collections.Counter()
+
+
+def _count_cache_event(event: str, **_) -> None:
+    if event.startswith("/jax/compilation_cache/cache_"):
+        CACHE_EVENTS[event.rsplit("/", 1)[1]] += 1
+
+
+jax.monitoring.register_event_listener(_count_cache_event)
 
 
 @jax.tree_util.register_dataclass
@@ -208,6 +221,14 @@ def _tick(params: Params, kv_cache: KVCache, state: SeqState, carry: pipeline.Pi
     return inputs, kv_cache, state, carry
 
 
+def _fresh(fn):
+    """A new function object running ``fn`` (see ``ModelRunner.__init__``)."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        return fn(*args, **kwargs)
+    return run
+
+
 def _spec(shape, dtype, sharding=None) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
@@ -276,20 +297,18 @@ class ModelRunner:
         self.cfg = cfg
         self.mesh = mesh
         self.params = params if params_placed else prepare_params(params)
-        self._replicated = None
+        self._replicated = (None if mesh is None else
+                            jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
         # Stream pipeline: every call of the step is one tick; ``start_pipeline`` fills the
         # carry. Params and pages are split by stage on the mesh's "spp" axis either way.
         self.spp = mesh.shape["spp"] if mesh is not None else 1
         self.carry: pipeline.PipelineCarry | None = None
         if mesh is not None and not params_placed:
             self.params = shard_params(self.params, cfg, mesh)
-            self._replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         self.kv_cache = kv_cache
         self.buckets = buckets
         rows = max_num_seqs + buckets.prefill_rows + 1
         if abstract:
-            self._replicated = (None if mesh is None else jax.sharding.NamedSharding(
-                mesh, jax.sharding.PartitionSpec()))
             self.state = state_spec(cfg, rows, self._replicated)
         else:
             self.state = jax.device_put(SeqState(jnp.zeros((rows, cfg.vocab_size), jnp.int32),
@@ -298,12 +317,17 @@ class ModelRunner:
         self.state_sink = rows - 1
         self.attention_impl = attention_impl
         self.sample_rows = buckets.max_rows
+        # Fresh function objects per runner: JAX's trace and compile caches are keyed weakly
+        # on the function, so a dropped engine's executables (hundreds of memory maps each
+        # on CPU) are freed with it instead of accumulating for the life of the process.
         self._jitted = (
-            jax.jit(_tick, static_argnames=("layout", "cfg", "attention_impl", "mesh", "rows"),
+            jax.jit(_fresh(_tick), static_argnames=("layout", "cfg", "attention_impl", "mesh",
+                                                    "rows"),
                     donate_argnums=(1, 2, 3)) if self.spp > 1 else
-            jax.jit(_step, static_argnames=("layout", "cfg", "attention_impl", "mesh", "rows",
-                                            "capture_layer"),
+            jax.jit(_fresh(_step), static_argnames=("layout", "cfg", "attention_impl", "mesh",
+                                                    "rows", "capture_layer"),
                     donate_argnums=(1, 2)))
+        self._sample_jit = jax.jit(_fresh(_sample))
         self._compiled: dict[tuple[int, int], tuple[jax.stages.Compiled, PackedLayout]] = {}
         self._sampler: jax.stages.Compiled | None = None
         self.compile_count = 0
@@ -350,7 +374,7 @@ class ModelRunner:
                             state_rows=_spec((r,), jnp.int32, rep),
                             sampling=_sampling_spec(r, rep), any_random=b(), any_penalty=b(),
                             want_logprobs=b())
-        return jax.jit(_sample).lower(self.state, spec)
+        return self._sample_jit.lower(self.state, spec)
 
     def compiled(self, shape: tuple[int, int]) -> tuple[jax.stages.Compiled, PackedLayout]:
         entry = self._compiled.get(shape)

@@ -334,16 +334,23 @@ def load_hf_runtime(model_dir: str | Path, cfg: LlamaConfig,
 
         return jax.make_array_from_callback(shape, sharding, callback, dtype=dtype)
 
+    from tqdm.auto import tqdm
+
     handles = {}
+    n = cfg.num_hidden_layers
+    bar = tqdm(total=len(shapes) - 1 + n * len(shapes["layers"]), desc="loading weights",
+               unit="tensor", disable=None)
     try:
         files: dict[str, Any] = {}
         for file, names in layout.items():
             handles[file] = safe_open(file, framework="numpy")
             files.update(dict.fromkeys(names, handles[file]))
-        params: Params = {name: build(src, files, shapes[name], sharding_of(P()))
-                          for name, src in sources.items() if name != "layers"}
+        params: Params = {}
+        for name, src in sources.items():
+            if name != "layers":
+                params[name] = build(src, files, shapes[name], sharding_of(P()))
+                bar.update()
         layers: Params = {}
-        n = cfg.num_hidden_layers
         for name, shape in shapes["layers"].items():
             spec = layer_spec(name)
             stacked = sharding_of(spec)
@@ -355,9 +362,11 @@ def load_hf_runtime(model_dir: str | Path, cfg: LlamaConfig,
                 x = build(sources["layers"](i)[name], files, shape[1:], per_layer)
                 buf = write(buf, x, np.int32(i))
                 del x
+                bar.update()
             layers[name] = buf
         params["layers"] = layers
     finally:
+        bar.close()
         for h in handles.values():
             h.__exit__(None, None, None)
     return params
