@@ -181,15 +181,7 @@ def child_lower_all(args) -> dict:
     compile (``Lowered.compile`` raises): the tracing and lowering a warm start still does,
     without needing a filled cache."""
     import jax
-    jax.config.update("jax_enable_compilation_cache", False)
-    rec = EventRecorder()
-    from jserve.engine.config import EngineConfig
-    from jserve.engine.engine import LLMEngine
-    from jserve.model.weights import init_params
-    cfg = make_cfg(args.depth, args.hidden, args.vocab)
-    extra = {} if args.num_kv_pages is None else {"num_kv_pages": args.num_kv_pages}
-    engine = LLMEngine(cfg, init_params(cfg), None,
-                       EngineConfig(compilation_cache_dir=None, warmup=False, **extra))
+    rec, cfg, engine = _uncached_engine(args)
     shapes = engine.buckets.all_shapes()
 
     def refuse(self, *a, **k):
@@ -238,9 +230,9 @@ def parse_shape(s: str) -> tuple[int, int]:
     return int(d), int(p)
 
 
-def child_components(args) -> dict:
+def _uncached_engine(args):
+    """(event recorder, config, engine built without warm-up or persistent cache)."""
     import jax
-    import jax.numpy as jnp
     jax.config.update("jax_enable_compilation_cache", False)
     rec = EventRecorder()
     from jserve.engine.config import EngineConfig
@@ -250,6 +242,12 @@ def child_components(args) -> dict:
     extra = {} if args.num_kv_pages is None else {"num_kv_pages": args.num_kv_pages}
     engine = LLMEngine(cfg, init_params(cfg), None,
                        EngineConfig(compilation_cache_dir=None, warmup=False, **extra))
+    return rec, cfg, engine
+
+
+def child_components(args) -> dict:
+    import jax.numpy as jnp
+    rec, cfg, engine = _uncached_engine(args)
     runner = engine.runner
     shapes = [parse_shape(s) for s in args.shapes.split(",")]
     results: dict[str, dict] = {}

@@ -124,14 +124,8 @@ def load_hf_safetensors(model_dir: str | Path, cfg: LlamaConfig) -> Params:
     the converted params.
     """
     model_dir = Path(model_dir)
-    layout = _safetensors_layout(model_dir)
+    layout = _checked_layout(model_dir, cfg)
     name_map = _hf_name_map(cfg)
-    present = {name for names in layout.values() for name in names}
-    missing = sorted(name_map.keys() - present)
-    unexpected = sorted(n for n in present - name_map.keys() if not _ignorable(n, cfg))
-    if missing or unexpected:
-        raise ValueError(f"checkpoint {model_dir} does not match its config.json: "
-                         f"missing tensors {missing}, unexpected tensors {unexpected}")
 
     dtype = cfg.np_dtype
     # Fresh containers holding expected shapes; every leaf is replaced by its tensor below.
@@ -252,17 +246,24 @@ def _leaf_sources(cfg: LlamaConfig, tp: int) -> dict[str, Any]:
     return sources
 
 
-def _check_checkpoint(model_dir: Path, cfg: LlamaConfig) -> dict[Path, list[str]]:
-    """The file layout, after checking the tensor names and shapes match ``cfg`` (headers
-    only; no tensor data is read)."""
+def _checked_layout(model_dir: Path, cfg: LlamaConfig) -> dict[Path, list[str]]:
+    """The file layout, after checking the checkpoint has exactly the tensors ``cfg`` needs."""
     layout = _safetensors_layout(model_dir)
-    name_map = _hf_name_map(cfg)
     present = {name for names in layout.values() for name in names}
+    name_map = _hf_name_map(cfg)
     missing = sorted(name_map.keys() - present)
     unexpected = sorted(n for n in present - name_map.keys() if not _ignorable(n, cfg))
     if missing or unexpected:
         raise ValueError(f"checkpoint {model_dir} does not match its config.json: "
                          f"missing tensors {missing}, unexpected tensors {unexpected}")
+    return layout
+
+
+def _check_checkpoint(model_dir: Path, cfg: LlamaConfig) -> dict[Path, list[str]]:
+    """The file layout, after checking the tensor names and shapes match ``cfg`` (headers
+    only; no tensor data is read)."""
+    layout = _checked_layout(model_dir, cfg)
+    name_map = _hf_name_map(cfg)
     shapes = param_shapes(cfg)
     for file, names in layout.items():
         with safe_open(file, framework="numpy") as f:
