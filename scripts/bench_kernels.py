@@ -92,6 +92,7 @@ def work(n_seqs, kv_len, chunk, heads: Heads):
 
 
 def timed(fn, args, reps):
+    """Median seconds of ``reps`` calls after one untimed call (compile, warm caches)."""
     jax.block_until_ready(fn(*args))
     times = []
     for _ in range(reps):

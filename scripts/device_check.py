@@ -79,6 +79,8 @@ from jserve.kernels import AttentionMetadata, attention, resolve_impl, write_kv 
 from jserve.model.weights import init_params, param_shapes  # noqa: E402
 from jserve.sampling.params import SamplingParams  # noqa: E402
 
+from bench_kernels import timed  # noqa: E402  (scripts/ is on sys.path when run as a script)
+
 # (substring of device_kind, dense bf16 FLOP/s, memory bytes/s), first match wins. Vendor
 # datasheet figures (SXM parts unless named); an H100 NVL is left unknown (n/a), not guessed.
 PEAKS = (
@@ -191,17 +193,6 @@ def peak_figures(device_kind: str, tflops: float | None, tbps: float | None):
 def say(msg: str) -> None:
     tqdm.write(msg)
     sys.stdout.flush()
-
-
-def timed(fn, args, reps: int) -> float:
-    """Median seconds of ``reps`` calls after one untimed call (compile, warm caches)."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def error_text(e: BaseException) -> str:

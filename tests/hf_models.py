@@ -44,6 +44,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
                     tie_word_embeddings=True),
 }
 
+# Depth is where a per-layer indexing mistake in the stacked weights / KV cache shows: one
+# 16-layer model checked against transformers like the families above (not in the matrix).
+DEEP_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama3-16layers": dict(CONFIGS["llama3"], num_hidden_layers=16),
+}
+
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|eot_id|>"]  # ids 0..3, matching the configs above
 
 CHAT_TEMPLATE = (
@@ -69,9 +75,10 @@ _TRAINING_TEXT = [
 
 
 def tiny_hf_config(name: str) -> transformers.LlamaConfig:
-    if name not in CONFIGS:
-        raise KeyError(f"unknown tiny config {name!r}; choose from {sorted(CONFIGS)}")
-    return transformers.LlamaConfig(**CONFIGS[name])
+    known = CONFIGS | DEEP_CONFIGS
+    if name not in known:
+        raise KeyError(f"unknown tiny config {name!r}; choose from {sorted(known)}")
+    return transformers.LlamaConfig(**known[name])
 
 
 @functools.cache

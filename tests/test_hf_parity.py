@@ -1,4 +1,5 @@
-"""Parity with Hugging Face transformers on random tiny Llama checkpoints of four families."""
+"""Parity with Hugging Face transformers on random tiny Llama checkpoints of four families
+and one 16-layer model."""
 from __future__ import annotations
 
 import functools
@@ -9,14 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from hf_models import CONFIGS, tiny_llama_dir, tiny_llama_model
+from hf_models import CONFIGS, DEEP_CONFIGS, tiny_llama_dir, tiny_llama_model
 from jserve import LLM, SamplingParams
 from jserve.cache.pool import allocate_kv_cache
 from jserve.kernels import AttentionMetadata
 from jserve.model.llama import StepInput, forward, prepare_params
 from jserve.model.weights import load_model
 
-FAMILIES = sorted(CONFIGS)
+FAMILIES = sorted(CONFIGS) + sorted(DEEP_CONFIGS)
 PROMPTS = [[1, 5, 9, 200, 33, 7, 81, 64, 12, 400, 3 + 30, 77, 5, 9],
            [1, 300, 301, 302],
            list(range(1, 50, 2)) * 2]
