@@ -306,7 +306,8 @@ class GlobalManager:
         return out[::-1]
 
     def _spread(self, r: EspRequest, instances: Sequence[int]) -> None:
-        """Reserve r's KV over its prefill group, evenly where slots allow (striping)."""
+        """Reserve r's KV over ``instances``, evenly where slots allow (water-filling, the
+        fullest instance first)."""
         left = r.kv_tokens
         for pos, i in enumerate(sorted(instances, key=lambda i: self.free(i))):
             n = min(self.free(i), -(-left // (len(instances) - pos)))
@@ -334,13 +335,7 @@ class GlobalManager:
                     break
             for i, tokens in where.items():
                 self._take(r.request_id, i, tokens)
-            left = r.kv_tokens
-            for pos, i in enumerate(keep):
-                n = min(self.free(i), -(-left // (len(keep) - pos)))
-                self._put(r.request_id, i, n)
-                left -= n
-            if left:
-                raise RuntimeError(f"{r.request_id}: scale-down found no slot for {left}")
+            self._spread(r, keep)
             # Each instance computed 1 / d of the prompt's KV; what the kept ones did not
             # compute travels to them, in parallel into each kept instance.
             seconds = 0.0
