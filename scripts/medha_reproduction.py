@@ -45,6 +45,74 @@ SLO = Slo(ttft_s=2.0, ttft_per_token_s=2e-4, tpot_s=0.1)  # 2 s, or 200 s for 1M
 PAPER = {50: "30x", 90: "174x (§6.4)", 99: "174x (abstract)"}
 
 
+BASELINES = """## The baselines
+
+**LoongServe** (`jserve/scheduler/loongserve.py`, run by `jserve/sim/loongserve.py`, costs in
+`jserve/sim/esp.py`): eight TP-2 elastic instances on the same 16 GPUs, one unified KV pool at
+token granularity. Every rule, with the LoongServe paper's section:
+
+| rule | section | simplified here |
+|---|---|---|
+| pending queue scanned FCFS; a request joins only if the unused KV slots of the instances hold its prompt + maximum output (no future eviction) | §5.1 | - |
+| stop adding prefills once the batch's predicted time passes the memory-to-compute tipping point | §5.1 | tipping point from the time model (the 512-token-prompt batch within 10% of compute-bound per-token time), not profiled |
+| a later request may take a decode instance when eq. (2) gain > eq. (1) cost | §5.1 | one instance per decision |
+| the head request takes decode instances with the most unused slots when idle ones lack memory; their KV is migrated to other instances | §5.2 | migration at the `send_recv` profile's time; KV that cannot move stays and its decodes stall |
+| scale-up: add the instance with the fewest used slots while eq. (3) latency gain > eq. (4) migration cost | §5.2 | - |
+| batching: DP of eq. (5) over length-sorted requests and (node, unused slots)-sorted instances | §5.3 | O(n^2 m^2) DP without the quadrangle-inequality speed-up |
+| scale-down after prefill to the fewest instances that hold the KV; proactive migration overlaps the KV transfer with the prefill | §4.1, §5.4 | transfer timed by `send_recv`; only the part longer than the prefill delays the first decode |
+| multi-master decoding: a request's decode attention runs where its KV lies | §4.2 | decode instances step in lock-step rounds (LoongServe's batches are asynchronous); the batch-size scale-up of §5.4 is not modelled |
+| prefill time on d instances: striped attention splits tokens and causal attention evenly | §2.3 | ring KV passes taken as hidden under attention (favours LoongServe) |
+
+**vLLM-like** (`sarathi`): vLLM's scheduler for long contexts is Sarathi-Serve (Medha §6.1):
+decodes first, then FCFS prefill chunks of 512 tokens, on the same TP8 x SPP2 mesh as lars.
+"""
+
+WHY = """## Where the paper's numbers are not reached, and why
+
+- **lars vs LoongServe, short-request TTFT P50.** The paper reports 30x; here the faithful
+  LoongServe has the *lower* median. Its rules leave most instances idle most of the time: a
+  long prefill takes only the instances that are idle when it is dispatched (or, at most, all
+  of them when the cluster is quiet), and a short prompt arriving next finds an idle TP-2
+  instance and prefills at once in ~20-40 ms, below lars's typical TTFT (lars runs every
+  prefill in chunks through a 50 ms-budget pipeline iteration shared with the long prefill's
+  chunk). LoongServe convoys only when a long prefill holds every instance, which hits a
+  minority of short requests: it shows in the P90/P99, not the median. The paper's 30x median
+  needs LoongServe to convoy most short requests, which happens in this model only far above
+  saturation, or with a LoongServe that gives every long prefill all instances (the previous
+  baseline of this repository did, and was 428x worse than lars).
+- **P90/P99.** lars's advantage there is real (a short request behind an all-instance 1M
+  prefill waits minutes under LoongServe) but smaller than 100x / 174x at 80% of saturation.
+- **TPOT.** lars fills every iteration to its 50 ms budget (t_target = the TPOT SLO), so its
+  median TPOT is ~50 ms; LoongServe's decode instances usually run small batches of a TP-2
+  model with no prefill beside them (~25 ms), so "TPOT P50 no worse" is missed by the factor
+  in the table. At P90 the order flips: a LoongServe decode whose instance is taken by a
+  prefill stalls for all of it, and lars's P90 is the lower (met). The paper measured 5x
+  higher LoongServe TPOT, from fragmentation this model does not have (token-granular KV
+  pool, perfectly balanced multi-master decoding).
+- **At the paper's 0.75 QPS** (above saturation in this time model) LoongServe does convoy:
+  lars's advantage is then of the paper's order or beyond at P50 and P90 (table above), but
+  it grows with run length there, so it is not a steady-state figure.
+- **Ratio stability.** Between the two run lengths at 80% of saturation the P90/P99 ratios
+  move by up to ~25% and lars's own P50 rises (its shorts are served just before their
+  0.5 s deadline, see below), so the P50 ratios are the least stable figures.
+- **lars's TTFT-deadline attainment** (short requests within 0.5 s): 56% at 0.529 QPS and
+  43% at 0.75 QPS (1000 requests). Counting the last chunk's drain through the second SPP
+  stage in the isolated prefill times (tried: +~25 ms on every T(n > 0)) left it at 43%, so
+  that is not the cause. LARS ranks by slack over remaining work; a long request's ratio is
+  at most 0.5 at arrival (deadline 1.5 x its isolated prefill) and negative once overdue,
+  while a waiting short's ratio is (0.5 s - wait) / ~25 ms, so a short is picked only when
+  its slack has shrunk to about one prefill: it finishes at its deadline and any jitter makes
+  it miss. Fixing that needs a policy change (e.g. a floor on the short's priority, or
+  ranking overdue requests by lateness), not in this branch.
+- **vs vLLM-like (sarathi).** Past the first few seconds every short request that arrives
+  behind a long prompt's 512-token chunks waits for the whole long prefill (FCFS), so the
+  convoy shows at P50 as well as the tail: those targets are met at 80% of saturation.
+- **Workload caveat.** Medha-SWE is not public: the long requests are a log-normal fitted to
+  its published P50/P90. The saturation QPS depends on the sample (5% of 1000 requests is 50
+  long prompts; their mean prefill dominates the work).
+"""
+
+
 def workload(n: int, qps: float, seed: int):
     return build_workload(WorkloadSpec(num_requests=n, long_fraction=0.05, qps=qps, seed=seed))
 
@@ -205,7 +273,7 @@ def main() -> None:
     lines += [f"| {p} | {sat[p]:.3f} |" for p in SYSTEMS]
     lines += ["", f"Headline load: 80% of the lowest, **{qps} QPS**. The paper's 0.75 QPS is "
               f"{'above' if PAPER_QPS > min(sat.values()) else 'below'} saturation here.", "",
-              "## Short-request TTFT and TPOT (Medha Figs. 1a, 9b, 10)", "",
+              BASELINES, "## Short-request TTFT and TPOT (Medha Figs. 1a, 9b, 10)", "",
               f"![headline](reproduction/headline.png) ![paper load](reproduction/paper_load.png)",
               ""]
     lines += comparison_table(rows)
@@ -220,12 +288,13 @@ def main() -> None:
                                   for c in cells) + " |")
     lines.append("| every long request completed (lars) | - | "
                  f"{lars['long_completed']}/{lars['long']} | same run |")
-    lines.append("| short TPOT P50 no worse (lars / baseline) | - | "
-                 + " | ".join(f"{lars['short_tpot_p50'] * 1e3:.1f} / "
-                              f"{by[b]['short_tpot_p50'] * 1e3:.1f} ms "
-                              f"({'met' if lars['short_tpot_p50'] <= by[b]['short_tpot_p50'] else 'MISSED'})"
-                              for b in ("loongserve", "sarathi")) + " |")
-    lines += ["", "## 1M-token prefill time against SPP degree (Medha Fig. 11 / §4)", "",
+    for q in (50, 90):
+        key = f"short_tpot_p{q}"
+        lines.append(f"| short TPOT P{q} no worse (lars / baseline) | - | " + " | ".join(
+            f"{lars[key] * 1e3:.1f} / {by[b][key] * 1e3:.1f} ms "
+            f"({'met' if lars[key] <= by[b][key] else 'MISSED'})"
+            for b in ("loongserve", "sarathi")) + " |")
+    lines += ["", WHY, "## 1M-token prefill time against SPP degree (Medha Fig. 11 / §4)", "",
               "Llama-3 70B, H100, TP8 per stage, isolated prefill with 32K-token chunks.", "",
               "![spp](reproduction/spp_scaling.png)", ""] + spp_scaling(figs)
     lines += ["", "## Decode TPOT at long context against KVP degree (Medha Fig. 12)", "",
