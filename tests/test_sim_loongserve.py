@@ -1,86 +1,101 @@
-"""The LoongServe-like baseline: non-preemptive FCFS prefills, an ESP degree from the prompt
-length, and that degree shortening predicted prefill time."""
+"""The LoongServe baseline (``GlobalManager`` + ``simulate_loongserve``) on constructed cases:
+ESP spreads a prefill set over every idle instance, scale-down moves KV at the network
+model's cost, and a long prefill starts at once beside a decoding short request."""
 from __future__ import annotations
+
+import functools
 
 import pytest
 
-from jserve.cache.allocator import BlockAllocator
-from jserve.scheduler.loongserve import LoongServeScheduler, esp_degree
-from jserve.scheduler.plan import BatchPlan, ScheduledChunk
-from jserve.scheduler.predictor import LinearPredictor
-from jserve.scheduler.request import Request
-from jserve.sim import GpuTimeModel, TraceRequest, VirtualClock, simulate
-from jserve.sim.esp import EspTimeModel
-
-MS_PER_TOKEN = LinearPredictor((0.0, 1e-3, 0.0, 0.0, 0.0, 0.0))
+from jserve.scheduler.loongserve import EspRequest, GlobalManager
+from jserve.sim.esp import EspCosts
+from jserve.sim.loongserve import simulate_loongserve, tipping_point_s
+from jserve.sim.trace import TraceRequest
 
 
-def loongserve(num_instances=2, tokens_per_instance=4096, token_cap=1000, efficiency=0.9,
-               instance=MS_PER_TOKEN):
-    sched = LoongServeScheduler(BlockAllocator(4097, 16), num_instances=num_instances,
-                                tokens_per_instance=tokens_per_instance, max_num_seqs=16,
-                                max_num_batched_tokens=token_cap, max_prefill_seqs=4)
-    return sched, EspTimeModel(instance, num_instances, sched.degree_of, efficiency)
+@functools.lru_cache(maxsize=1)
+def costs() -> EspCosts:
+    return EspCosts("llama3-8b", "a100", instance_tp=2)
 
 
-def test_esp_degree_grows_with_length_up_to_the_instances():
-    assert [esp_degree(n, 8, 65_536) for n in (1, 65_536, 65_537, 200_000, 300_000,
-                                               10_000_000)] == [1, 1, 2, 4, 8, 8]
-    assert esp_degree(1_000_000, 2, 65_536) == 2
-    assert esp_degree(1_000_000, 1, 65_536) == 1
+def manager(n=4, capacity=None, proactive=True) -> GlobalManager:
+    c = costs()
+    return GlobalManager(n, capacity or c.capacity_tokens(), c, tipping_s=tipping_point_s(c),
+                         proactive=proactive)
 
 
-def test_a_short_arriving_during_a_long_prefill_waits_for_all_of_it():
-    sched, model = loongserve()
-    trace = [TraceRequest("long", 0.0, 10_000, 2), TraceRequest("short", 1.0, 500, 2)]
-    recs = {r["request_id"]: r for r in simulate(sched, model, VirtualClock(), trace,
-                                                 "loongserve")}
-    # The long prefill (ESP 2 of 2 instances at 90%): ten 1000-token iterations of 1 / 1.8 s.
-    long_prefill = 10 * 1.0 / (2 * 0.9)
-    assert recs["long"]["first_token_s"] == pytest.approx(long_prefill)
-    # The short started only after it, on one instance beside the long request's decode.
-    assert recs["short"]["first_token_s"] == pytest.approx(long_prefill + 0.5)
-    assert sched.allocator.num_allocated == 0
+def test_two_short_prefills_and_a_long_one_use_all_four_instances():
+    gm = manager()
+    pending = [EspRequest("s1", 600, 8, 0.0), EspRequest("s2", 400, 8, 0.0),
+               EspRequest("long", 300_000, 8, 0.0)]
+    batches = gm.step(0.0, pending, [])
+    assert pending == []
+    used = [i for b in batches for i in b.instances]
+    assert sorted(used) == [0, 1, 2, 3]  # every instance, none twice
+    by_request = {r.request_id: b for b in batches for r in b.requests}
+    assert len(by_request["long"].instances) >= 2  # the long one is scaled up
+    assert "s1" not in {r.request_id for r in by_request["long"].requests}
+    # The long batch is timed on its degree: faster than on one instance, per EspCosts.
+    long_batch = by_request["long"]
+    assert long_batch.end_s - long_batch.start_s == pytest.approx(
+        costs().prefill((300_000,), len(long_batch.instances)))
+    assert long_batch.end_s - long_batch.start_s < costs().prefill((300_000,), 1) / 2
+    gm.check()
 
 
-def test_no_prefill_overtakes_and_finished_heads_let_the_next_join_an_iteration():
-    sched = LoongServeScheduler(BlockAllocator(4097, 16), num_instances=2, max_num_seqs=16,
-                                max_num_batched_tokens=1000, max_prefill_seqs=4)
-    reqs = [Request(name, [0] * n, 1, 0.0) for name, n in
-            (("a", 1500), ("b", 300), ("c", 100), ("d", 2000))]
-    for r in reqs:
-        sched.add(r)
-    plan = sched.schedule()
-    assert [(c.request_id, c.num_tokens) for c in plan.prefills] == [("a", 1000)]
-    reqs[0].num_computed = 1000
-    plan = sched.schedule()
-    # a finishes with 500, then b (300) and c (100) fit whole; d starts with what is left.
-    assert [(c.request_id, c.num_tokens) for c in plan.prefills] == [
-        ("a", 500), ("b", 300), ("c", 100), ("d", 100)]
-    for c in plan.prefills:
-        next(r for r in reqs if r.request_id == c.request_id).num_computed += c.num_tokens
-    plan = sched.schedule()
-    assert [(c.request_id, c.num_tokens) for c in plan.prefills] == [("d", 1000)]
+@pytest.mark.parametrize("proactive", [False, True])
+def test_scale_down_after_prefill_moves_kv_at_the_modelled_cost(proactive):
+    c = costs()
+    gm = manager(proactive=proactive)
+    trace = [TraceRequest("long", 0.0, 200_000, 3)]
+    recs = simulate_loongserve(trace, c, 4, manager=gm, check=True)
+    (move,) = [m for m in gm.migrations if m.reason == "scale-down"]
+    # Prefilled on 4 instances, kept on 1 (its KV fits one): 3/4 of the prompt travels.
+    assert move.tokens == 200_000 * 3 // 4
+    assert move.seconds == pytest.approx(c.migrate(move.tokens, move.src, move.dst))
+    assert move.seconds > 0.01  # ~10 GB a GPU over NVLink: not free
+    first, second = recs[0]["token_times_s"][:2]
+    prefill = c.prefill((200_000,), 4)
+    assert first == pytest.approx(prefill)
+    exposed = move.seconds if not proactive else max(0.0, move.seconds - prefill)
+    decode = c.decode((200_001,))
+    assert second == pytest.approx(first + exposed + decode)
+    assert sum(gm.used) == 0 and gm.placement == {}
 
 
-def test_esp_shortens_a_long_prefill_and_decodes_use_free_instances():
-    instance = GpuTimeModel("llama3-8b", "a100", tp=8)
-    sched, model = loongserve(num_instances=4, tokens_per_instance=65_536, instance=instance)
-    long, short = Request("long", [0] * 300_000, 1, 0.0), Request("short", [0] * 2000, 1, 0.0)
-    sched.add(long)
-    sched.add(short)
-    assert sched.degree_of("long") == 4 and sched.degree_of("short") == 1
-    chunk = BatchPlan((), (ScheduledChunk("long", 200_000, 8192, False),))
-    alone = instance.predict(chunk)
-    assert model.predict(chunk) == pytest.approx(alone / (4 * 0.9))
-    short_chunk = BatchPlan((), (ScheduledChunk("short", 0, 2000, True),))
-    assert model.predict(short_chunk) == pytest.approx(instance.predict(short_chunk))
-    # Decodes beside a 1-instance prefill run on the 3 free instances, in parallel with it.
-    decodes = tuple(ScheduledChunk(f"d{i}", 4000, 1, True) for i in range(30))
-    mixed = BatchPlan(decodes, short_chunk.prefills)
-    assert model.predict(mixed) == pytest.approx(max(
-        instance.predict(short_chunk), instance.predict(BatchPlan(decodes[::3], ()))))
-    # Beside an all-instance prefill they queue behind it: the times add.
-    mixed = BatchPlan(decodes, chunk.prefills)
-    assert model.predict(mixed) == pytest.approx(
-        alone / 3.6 + instance.predict(BatchPlan(decodes[::4], ())))
+def test_a_long_prefill_never_waits_for_a_short_one_to_finish_decoding():
+    c = costs()
+    # 100K KV slots per instance: the long request needs every instance's memory.
+    gm = manager(capacity=100_000)
+    trace = [TraceRequest("short", 0.0, 500, 3000), TraceRequest("long", 1.0, 350_000, 4)]
+    recs = {r["request_id"]: r for r in simulate_loongserve(trace, c, 4, manager=gm,
+                                                            check=True)}
+    long, short = recs["long"], recs["short"]
+    prefill = c.prefill((350_000,), 4)
+    start = long["first_token_s"] - prefill
+    assert start < 1.1  # it started within a decode round of its arrival
+    assert short["finish_s"] > long["first_token_s"]  # the short was still decoding
+    # The short's decodes stalled while every instance prefilled (no preemption of a prefill).
+    gaps = [b - a for a, b in zip(short["token_times_s"], short["token_times_s"][1:])]
+    assert max(gaps) == pytest.approx(prefill, rel=0.05)
+    assert sum(gm.used) == 0
+
+
+def test_a_short_arriving_during_an_all_instance_prefill_waits_for_it():
+    c = costs()
+    gm = manager()
+    trace = [TraceRequest("long", 0.0, 400_000, 2), TraceRequest("short", 1.0, 500, 2)]
+    recs = {r["request_id"]: r for r in simulate_loongserve(trace, c, 4, manager=gm)}
+    # All four instances were idle, so the long prefill took them all (non-preemptive).
+    assert recs["long"]["first_token_s"] == pytest.approx(c.prefill((400_000,), 4))
+    assert recs["short"]["first_token_s"] > recs["long"]["first_token_s"]
+
+
+def test_dispatch_is_fcfs_and_stops_at_the_first_request_that_does_not_fit():
+    gm = manager(n=2, capacity=10_000)
+    pending = [EspRequest("a", 15_000, 10, 0.0), EspRequest("b", 9_000, 10, 0.0),
+               EspRequest("c", 100, 10, 0.0)]
+    (batch,) = gm.step(0.0, pending, [])
+    assert [r.request_id for r in batch.requests] == ["a"]  # b would fit nowhere after a
+    assert [r.request_id for r in pending] == ["b", "c"]  # c does not overtake b
+    assert gm.step(0.0, pending, []) == []  # every instance is prefilling

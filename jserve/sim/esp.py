@@ -1,48 +1,77 @@
-"""Time model of the LoongServe-like baseline: ``n`` identical model instances (the mesh's
-TP groups) with elastic sequence parallelism (ESP).
+"""Costs of elastic sequence parallelism (ESP) for the LoongServe baseline: prefill time of a
+batch on d instances, one decode iteration on one instance, and KV migration between
+instances. ``jserve.scheduler.loongserve.GlobalManager`` decides with them and
+``jserve.sim.loongserve`` charges them, so decisions and simulated time use one model.
 
-Deliberately simple:
-- a prefill chunk whose request has ESP degree d runs on d instances in 1 / (d x e) of its
-  single-instance time (e = ``efficiency`` for d > 1, an assumed scaling efficiency, 0.9 by
-  default; attention and matmuls both split over the instances). Chunks of different degrees
-  in one iteration run one after another; chunks of one degree are batched together;
-- the decodes are spread evenly over the instances no prefill occupies and run beside the
-  prefill (iteration = the longer of the two); when every instance prefills, each also runs
-  its 1 / n share of the decodes after its prefill work (iteration = the sum). One instance's
-  share is timed as every m-th decode of the batch (m instances sharing).
-KV capacity is the instances' sum; KV migration between instances is free.
+- An *instance* is one TP group running the whole (non-pipelined) model (LoongServe §4,
+  "elastic instances"); its step times are ``GpuTimeModel(tp=instance_tp)``.
+- Prefill on d instances (striped attention, LoongServe §2.3): every instance holds 1 / d of
+  every prompt's tokens, so its linear ops see 1 / d of the tokens and its attention 1 / d of
+  the queries against the causal context (striping balances the triangle over instances).
+  Timed as ``CAUSAL_SLICES`` chunks of n / (d x slices) queries at contexts n / slices apart,
+  so the causal triangle counts half the square (as a chunked prefill's chunks do on the
+  mesh). The ring's KV passes are taken as hidden under attention (the paper's premise; it
+  favours the baseline).
+- Decode on one instance: its rows (masters and KV pieces it holds, §4.2 multi-master
+  decoding) as one decode batch of the instance's model; query/output exchange is taken as
+  overlapped (§4.2).
+- Migration: the KV bytes of ``tokens`` tokens (all layers) over one GPU pair per TP rank in
+  parallel, timed by the Vidur ``send_recv`` profile, NVLink inside a DGX node and
+  InfiniBand across nodes.
 """
 from __future__ import annotations
 
-from collections import defaultdict
-from typing import Callable
+import functools
+from pathlib import Path
 
-from jserve.scheduler.plan import BatchPlan
-from jserve.scheduler.predictor import RuntimePredictor
+from jserve.scheduler.plan import BatchPlan, ScheduledChunk
+from jserve.sim.hardware import (BF16, GPUS_PER_NODE, GpuTimeModel, _load_network,
+                                 _nearest_config, default_data_dir)
 
 
-class EspTimeModel:
-    def __init__(self, instance: RuntimePredictor, num_instances: int,
-                 degree_of: Callable[[str], int], efficiency: float = 0.9):
-        if num_instances < 1:
-            raise ValueError(f"num_instances must be >= 1, got {num_instances}")
-        if not 0 < efficiency <= 1:
-            raise ValueError(f"efficiency must be in (0, 1], got {efficiency}")
-        self.instance = instance
-        self.num_instances = num_instances
-        self.degree_of = degree_of
-        self.efficiency = efficiency
+CAUSAL_SLICES = 16
 
-    def predict(self, plan: BatchPlan) -> float:
-        if plan.is_empty:
+
+class EspCosts:
+    def __init__(self, model: str, hardware: str, instance_tp: int, *,
+                 data_dir: Path | None = None):
+        self.instance = GpuTimeModel(model, hardware, tp=instance_tp, data_dir=data_dir)
+        self.tp = instance_tp
+        s = self.instance.shape
+        self.kv_bytes_per_token = 2 * s.num_layers * s.num_kv_heads * s.head_dim * BF16
+        data = Path(data_dir) if data_dir is not None else default_data_dir()
+        curves = _load_network(data / "profiles" / "network" / f"{hardware}_dgx"
+                               / "send_recv.csv")
+        self._nvlink = _nearest_config(curves, 2, 2)
+        self._infiniband = _nearest_config(curves, 2, 1)
+
+    def capacity_tokens(self, memory_fraction: float = 0.9) -> int:
+        return self.instance.kv_cache_tokens(memory_fraction)
+
+    def node_of(self, instance: int) -> int:
+        return instance * self.tp // GPUS_PER_NODE
+
+    @functools.lru_cache(maxsize=1 << 16)
+    def prefill(self, lengths: tuple[int, ...], degree: int) -> float:
+        """Seconds to prefill prompts of ``lengths`` as one batch on ``degree`` instances."""
+        chunks = []
+        for i, n in enumerate(lengths):
+            k = min(CAUSAL_SLICES, n)
+            for j in range(k):
+                end, q = n * (j + 1) // k, -(-(n * (j + 1) // k - n * j // k) // degree)
+                chunks.append(ScheduledChunk(f"{i}.{j}", end - q, q, j == k - 1))
+        return self.instance.predict(BatchPlan((), tuple(chunks)))
+
+    def decode(self, contexts: tuple[int, ...]) -> float:
+        """Seconds of one decode iteration of an instance holding rows of these contexts."""
+        if not contexts:
             return 0.0
-        by_degree: dict[int, list] = defaultdict(list)
-        for c in plan.prefills:
-            by_degree[min(self.degree_of(c.request_id), self.num_instances)].append(c)
-        prefill = sum(self.instance.predict(BatchPlan((), tuple(chunks)))
-                      / (d * (self.efficiency if d > 1 else 1.0))
-                      for d, chunks in by_degree.items())
-        free = self.num_instances - max(by_degree, default=0)
-        share = plan.decodes[::free or self.num_instances]
-        decode = self.instance.predict(BatchPlan(share, ())) if share else 0.0
-        return max(prefill, decode) if free else prefill + decode
+        return self.instance.predict(BatchPlan(
+            tuple(ScheduledChunk(str(i), c, 1, True) for i, c in enumerate(contexts)), ()))
+
+    def migrate(self, tokens: int, src: int, dst: int) -> float:
+        """Seconds to move ``tokens`` tokens of KV from instance ``src`` to ``dst``."""
+        if tokens <= 0 or src == dst:
+            return 0.0
+        curve = self._nvlink if self.node_of(src) == self.node_of(dst) else self._infiniband
+        return curve(tokens * self.kv_bytes_per_token / self.tp)

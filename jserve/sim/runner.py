@@ -4,7 +4,8 @@ reproduction script build schedulers, time models and KV pools, so a name means 
 Policies: ``fcfs`` (non-preemptive, whole prompts up to the token budget), ``sarathi``
 (FCFS chunks of a fixed ``sarathi_chunk`` tokens), ``edf``, ``lrs``, ``lars`` (adaptive
 chunks, space sharing off), ``lars-ss`` (LARS with space sharing on: the full Medha policy),
-``loongserve`` (``jserve.scheduler.loongserve`` on ``spp x kvp`` TP groups with ESP).
+``loongserve`` (LoongServe's global manager, ``jserve.scheduler.loongserve``, on the same GPUs
+cut into TP-``esp_instance_tp`` elastic instances, run by ``jserve.sim.loongserve``).
 Deadline policies get TTFT deadlines from ``DeadlineConfig`` (max(1.5 x isolated prefill,
 0.5 s)) and the iteration budget t_target = the TPOT SLO.
 """
@@ -18,11 +19,12 @@ from jserve.cache.allocator import BlockAllocator
 from jserve.scheduler.base import SchedulerBase
 from jserve.scheduler.chunking import PrefillTimeCache
 from jserve.scheduler.deadline import DeadlineConfig
-from jserve.scheduler.loongserve import LoongServeScheduler
 from jserve.scheduler.predictor import RuntimePredictor
 from jserve.scheduler.registry import build_scheduler
-from jserve.sim.esp import EspTimeModel
+from jserve.sim.capacity import esp_work_s, mesh_work_s, saturation_qps
+from jserve.sim.esp import EspCosts
 from jserve.sim.hardware import GpuTimeModel, StageTimes
+from jserve.sim.loongserve import simulate_loongserve
 from jserve.sim.simulator import VirtualClock, simulate
 from jserve.sim.trace import TraceRequest
 
@@ -39,13 +41,12 @@ class SimConfig:
     kvp: int = 1
     tpot_slo: float = 0.05              # seconds; the deadline policies' iteration budget
     max_num_seqs: int = 128
-    max_num_batched_tokens: int = 32_768  # the token cap of fcfs / loongserve iterations
+    max_num_batched_tokens: int = 32_768  # the token cap of fcfs iterations
     max_prefill_seqs: int = 8
     sarathi_chunk: int = 512
     block_size: int = 16
     memory_fraction: float = 0.9
-    esp_tokens_per_instance: int = 65_536
-    esp_efficiency: float = 0.9
+    esp_instance_tp: int = 2            # Medha §6.2 runs LoongServe as TP-2 instances
     horizon_s: float | None = None      # stop the clock here; None: run until all finish
 
     def __post_init__(self) -> None:
@@ -76,24 +77,35 @@ def _cached_prefill_cache(model: str, hardware: str, tp: int, spp: int, kvp: int
                             max_chunk=max_chunk)
 
 
+@functools.lru_cache(maxsize=4)
+def _esp_costs(model: str, hardware: str, instance_tp: int) -> EspCosts:
+    return EspCosts(model, hardware, instance_tp)
+
+
+def esp_costs(cfg: SimConfig) -> EspCosts:
+    return _esp_costs(cfg.model, cfg.hardware, cfg.esp_instance_tp)
+
+
+def esp_instances(cfg: SimConfig) -> int:
+    """LoongServe's elastic instances on the mesh's GPUs."""
+    gpus = cfg.tp * cfg.spp * cfg.kvp
+    if gpus % cfg.esp_instance_tp:
+        raise ValueError(f"{gpus} GPUs do not split into TP-{cfg.esp_instance_tp} instances")
+    return gpus // cfg.esp_instance_tp
+
+
 def build(policy: str, cfg: SimConfig, clock: VirtualClock, max_context: int
           ) -> tuple[SchedulerBase, RuntimePredictor]:
     """A fresh scheduler (with its KV pool) and the time model that executes its plans."""
-    if policy not in POLICIES:
-        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    if policy not in POLICIES or policy == "loongserve":
+        raise ValueError(f"policy must be one of {POLICIES[:-1]} (loongserve runs through "
+                         f"run()), got {policy!r}")
     limits = dict(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                   max_prefill_seqs=cfg.max_prefill_seqs)
 
     def pool(kv_tokens: int) -> BlockAllocator:
         return BlockAllocator(kv_tokens // cfg.block_size + 1, cfg.block_size)
 
-    if policy == "loongserve":
-        instance = _time_model(cfg.model, cfg.hardware, cfg.tp, 1, 1)
-        n = cfg.spp * cfg.kvp  # the mesh's TP groups
-        sched = LoongServeScheduler(pool(n * instance.kv_cache_tokens(cfg.memory_fraction)),
-                                    num_instances=n,
-                                    tokens_per_instance=cfg.esp_tokens_per_instance, **limits)
-        return sched, EspTimeModel(instance, n, sched.degree_of, cfg.esp_efficiency)
     model = _time_model(cfg.model, cfg.hardware, cfg.tp, cfg.spp, cfg.kvp)
     name = policy.removesuffix("-ss")
     if name == "sarathi":
@@ -105,11 +117,33 @@ def build(policy: str, cfg: SimConfig, clock: VirtualClock, max_context: int
     return sched, model
 
 
+def saturation(trace: Sequence[TraceRequest], policy: str, cfg: SimConfig = SimConfig()
+               ) -> float:
+    """The time model's saturation QPS of ``policy`` on ``cfg`` for ``trace``'s lengths
+    (``jserve.sim.capacity``)."""
+    if policy == "loongserve":
+        return saturation_qps(esp_work_s(trace, esp_costs(cfg), esp_instances(cfg)))
+    model = _time_model(cfg.model, cfg.hardware, cfg.tp, cfg.spp, cfg.kvp)
+    max_context = _max_context(trace)
+    if policy == "sarathi":  # fixed chunks, no time budget
+        cache = _cached_prefill_cache(cfg.model, cfg.hardware, cfg.tp, cfg.spp, cfg.kvp,
+                                      1e9, cfg.sarathi_chunk, max_context)
+    else:
+        cache = _prefill_cache(cfg, max_context)
+    return saturation_qps(mesh_work_s(trace, cache.time, model.stage_time))
+
+
+def _max_context(trace: Sequence[TraceRequest]) -> int:
+    """The longest sequence rounded up, so runs can share a prefill-time cache."""
+    longest = max(t.prompt_tokens + t.output_tokens for t in trace)
+    return -(-longest // _CONTEXT_STEP) * _CONTEXT_STEP
+
+
 def run(trace: Sequence[TraceRequest], policy: str, cfg: SimConfig = SimConfig()) -> list[dict]:
     """Simulates ``trace`` under ``policy``; one record per request in arrival order."""
-    # The prefill-time cache covers the longest sequence, rounded up so runs can share it.
-    longest = max(t.prompt_tokens + t.output_tokens for t in trace)
-    max_context = -(-longest // _CONTEXT_STEP) * _CONTEXT_STEP
+    if policy == "loongserve":
+        return simulate_loongserve(trace, esp_costs(cfg), esp_instances(cfg),
+                                   memory_fraction=cfg.memory_fraction, horizon_s=cfg.horizon_s)
     clock = VirtualClock()
-    sched, predictor = build(policy, cfg, clock, max_context)
+    sched, predictor = build(policy, cfg, clock, _max_context(trace))
     return simulate(sched, predictor, clock, trace, policy, horizon_s=cfg.horizon_s)

@@ -1,0 +1,311 @@
+"""Medha's figures on the simulator, against the LoongServe baseline (jserve.sim.loongserve) and
+the vLLM-like baseline (``sarathi``: FCFS chunked prefill, 512-token chunks) on the same 16
+A100s: writes docs/reproduction.md (tables beside the paper's numbers) and its PNGs.
+
+    python scripts/medha_reproduction.py                 # ~10 min on 2 cores
+    python scripts/medha_reproduction.py --quick         # 300 requests, for a look
+
+1. Saturation QPS of each system in the time model (jserve.sim.capacity); the headline runs
+   at 80% of the lowest, with two run lengths, plus the paper's 0.75 QPS (labelled when it is
+   above saturation).
+2. 1M-token prefill time against SPP degree; 3. decode TPOT at long context against KVP
+   degree (Llama-3 70B, H100, TP8, from the time model); 4. goodput at fixed SLOs;
+5. the time model's error against held-out rows of the Vidur per-op profiles.
+Long requests are synthetic (Medha-SWE is not public): log-normal on its published P50/P90.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import multiprocessing
+import statistics
+import time
+from pathlib import Path
+
+import matplotlib
+import numpy as np
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from jserve.bench.metrics import Slo, summarize  # noqa: E402
+from jserve.bench.workload import WorkloadSpec, build_workload  # noqa: E402
+from jserve.scheduler.chunking import PrefillTimeCache  # noqa: E402
+from jserve.scheduler.plan import BatchPlan, ScheduledChunk  # noqa: E402
+from jserve.sim.hardware import (LAYER_OPS, GpuTimeModel, StageTimes, _Curve,  # noqa: E402
+                                 _load_compute, default_data_dir)
+from jserve.sim.runner import SimConfig, run, saturation  # noqa: E402
+
+MESH = SimConfig(model="llama3-8b", hardware="a100", tp=8, spp=2)
+SYSTEMS = ("lars", "loongserve", "sarathi")
+PAPER_QPS = 0.75
+SLO = Slo(ttft_s=2.0, ttft_per_token_s=2e-4, tpot_s=0.1)  # 2 s, or 200 s for 1M tokens
+# Medha vs LoongServe at 0.75 QPS: 30x P50; 174x "P99" (abstract) or "P90" (§6.4).
+PAPER = {50: "30x", 90: "174x (§6.4)", 99: "174x (abstract)"}
+
+
+BASELINES = """## The baselines
+
+**LoongServe** (`jserve/scheduler/loongserve.py`, run by `jserve/sim/loongserve.py`, costs in
+`jserve/sim/esp.py`): eight TP-2 elastic instances on the same 16 GPUs, one unified KV pool at
+token granularity. Every rule, with the LoongServe paper's section:
+
+| rule | section | simplified here |
+|---|---|---|
+| pending queue scanned FCFS; a request joins only if the unused KV slots of the instances hold its prompt + maximum output (no future eviction) | §5.1 | - |
+| stop adding prefills once the batch's predicted time passes the memory-to-compute tipping point | §5.1 | tipping point from the time model (the 512-token-prompt batch within 10% of compute-bound per-token time), not profiled |
+| a later request may take a decode instance when eq. (2) gain > eq. (1) cost | §5.1 | one instance per decision |
+| the head request takes decode instances with the most unused slots when idle ones lack memory; their KV is migrated to other instances | §5.2 | migration at the `send_recv` profile's time; KV that cannot move stays and its decodes stall |
+| scale-up: add the instance with the fewest used slots while eq. (3) latency gain > eq. (4) migration cost | §5.2 | - |
+| batching: DP of eq. (5) over length-sorted requests and (node, unused slots)-sorted instances | §5.3 | O(n^2 m^2) DP without the quadrangle-inequality speed-up |
+| scale-down after prefill to the fewest instances that hold the KV; proactive migration overlaps the KV transfer with the prefill | §4.1, §5.4 | transfer timed by `send_recv`; only the part longer than the prefill delays the first decode |
+| multi-master decoding: a request's decode attention runs where its KV lies | §4.2 | decode instances step in lock-step rounds (LoongServe's batches are asynchronous); the batch-size scale-up of §5.4 is not modelled |
+| prefill time on d instances: striped attention splits tokens and causal attention evenly | §2.3 | ring KV passes taken as hidden under attention (favours LoongServe) |
+
+**vLLM-like** (`sarathi`): vLLM's scheduler for long contexts is Sarathi-Serve (Medha §6.1):
+decodes first, then FCFS prefill chunks of 512 tokens, on the same TP8 x SPP2 mesh as lars.
+"""
+
+WHY = """## Where the paper's numbers are not reached, and why
+
+- **lars vs LoongServe, short-request TTFT P50.** The paper reports 30x; here the faithful
+  LoongServe has the *lower* median. Its rules leave most instances idle most of the time: a
+  long prefill takes only the instances that are idle when it is dispatched (or, at most, all
+  of them when the cluster is quiet), and a short prompt arriving next finds an idle TP-2
+  instance and prefills at once in ~20-40 ms, below lars's typical TTFT (lars runs every
+  prefill in chunks through a 50 ms-budget pipeline iteration shared with the long prefill's
+  chunk). LoongServe convoys only when a long prefill holds every instance, which hits a
+  minority of short requests: it shows in the P90/P99, not the median. The paper's 30x median
+  needs LoongServe to convoy most short requests, which happens in this model only far above
+  saturation, or with a LoongServe that gives every long prefill all instances (the previous
+  baseline of this repository did, and was 428x worse than lars).
+- **P90/P99.** lars's advantage there is real (a short request behind an all-instance 1M
+  prefill waits minutes under LoongServe) but smaller than 100x / 174x at 80% of saturation.
+- **TPOT.** lars fills every iteration to its 50 ms budget (t_target = the TPOT SLO), so its
+  median TPOT is ~50 ms; LoongServe's decode instances usually run small batches of a TP-2
+  model with no prefill beside them (~25 ms), so "TPOT P50 no worse" is missed by the factor
+  in the table. At P90 the order flips: a LoongServe decode whose instance is taken by a
+  prefill stalls for all of it, and lars's P90 is the lower (met). The paper measured 5x
+  higher LoongServe TPOT, from fragmentation this model does not have (token-granular KV
+  pool, perfectly balanced multi-master decoding).
+- **At the paper's 0.75 QPS** (above saturation in this time model) LoongServe does convoy:
+  lars's advantage is then of the paper's order or beyond at P50 and P90 (table above), but
+  it grows with run length there, so it is not a steady-state figure.
+- **Ratio stability.** Between the two run lengths at 80% of saturation the P90/P99 ratios
+  move by up to ~25% and lars's own P50 rises (its shorts are served just before their
+  0.5 s deadline, see below), so the P50 ratios are the least stable figures.
+- **lars's TTFT-deadline attainment** (short requests within 0.5 s): 56% at 0.529 QPS and
+  43% at 0.75 QPS (1000 requests). Counting the last chunk's drain through the second SPP
+  stage in the isolated prefill times (tried: +~25 ms on every T(n > 0)) left it at 43%, so
+  that is not the cause. LARS ranks by slack over remaining work; a long request's ratio is
+  at most 0.5 at arrival (deadline 1.5 x its isolated prefill) and negative once overdue,
+  while a waiting short's ratio is (0.5 s - wait) / ~25 ms, so a short is picked only when
+  its slack has shrunk to about one prefill: it finishes at its deadline and any jitter makes
+  it miss. Fixing that needs a policy change (e.g. a floor on the short's priority, or
+  ranking overdue requests by lateness), not in this branch.
+- **vs vLLM-like (sarathi).** Past the first few seconds every short request that arrives
+  behind a long prompt's 512-token chunks waits for the whole long prefill (FCFS), so the
+  convoy shows at P50 as well as the tail: those targets are met at 80% of saturation.
+- **Workload caveat.** Medha-SWE is not public: the long requests are a log-normal fitted to
+  its published P50/P90. The saturation QPS depends on the sample (5% of 1000 requests is 50
+  long prompts; their mean prefill dominates the work).
+"""
+
+
+def workload(n: int, qps: float, seed: int):
+    return build_workload(WorkloadSpec(num_requests=n, long_fraction=0.05, qps=qps, seed=seed))
+
+
+def run_one(args: tuple[str, int, float, int]) -> dict:
+    policy, n, qps, seed = args
+    trace = workload(n, qps, seed)
+    t0 = time.perf_counter()
+    s = summarize(run(trace, policy, MESH), slo=SLO)
+    return {"policy": policy, "n": n, "qps": qps, "wall_s": time.perf_counter() - t0, **s}
+
+
+def fmt(x: float, digits: int = 2) -> str:
+    return "never" if math.isinf(x) else ("-" if math.isnan(x) else f"{x:.{digits}f}")
+
+
+def ratio(base: float, lars: float) -> str:
+    if math.isinf(base):
+        return "inf"
+    return f"{base / lars:.1f}x" if lars > 0 else "-"
+
+
+def comparison_table(rows: list[dict]) -> list[str]:
+    out = ["| load | requests | system | short TTFT P50 (s) | P90 | P99 | short TPOT P50 (s) "
+           "| P90 | long TTFT P50 (s) | long completed | goodput (req/s) "
+           "| lars's P50 / P90 / P99 advantage |", "|---|---:|---|---:|---:|---:|---:|---:|"
+           "---:|---:|---:|---|"]
+    for r in rows:
+        lars = next(x for x in rows if x["policy"] == "lars" and x["n"] == r["n"]
+                    and x["qps"] == r["qps"])
+        adv = " / ".join(ratio(r[f"short_ttft_p{q}"], lars[f"short_ttft_p{q}"])
+                         for q in (50, 90, 99)) if r["policy"] != "lars" else ""
+        out.append(f"| {r['label']} | {r['n']} | {r['policy']} | " + " | ".join(
+            fmt(r[k]) for k in ("short_ttft_p50", "short_ttft_p90", "short_ttft_p99")) + " | "
+            + " | ".join(fmt(r[k], 3) for k in ("short_tpot_p50", "short_tpot_p90"))
+            + f" | {fmt(r['long_ttft_p50'], 1)} | {r['long_completed']}/{r['long']} "
+            f"| {r['goodput_rps']:.3f} | {adv} |")
+    return out
+
+
+def spp_scaling(out_dir: Path) -> list[str]:
+    """1M-token isolated prefill (Llama-3 70B, H100, TP8) against SPP degree."""
+    rows, base = [], None
+    for spp in (1, 2, 4, 8):
+        model = GpuTimeModel("llama3-70b", "h100", tp=8, spp=spp)
+        # Chunks sized to a 4 s stage budget (long chunks: SPP's prefill-throughput regime).
+        t = PrefillTimeCache(StageTimes(model), 1 << 20, 4.0, max_chunk=32_768).time(1 << 20)
+        base = base or t
+        rows.append((spp, 8 * spp, t, base / t, base / t / spp))
+    plt.figure(figsize=(4.5, 3.2))
+    plt.plot([r[0] for r in rows], [r[3] for r in rows], "o-", label="simulated")
+    plt.plot([1, 8], [1, 8], "k--", lw=0.8, label="linear")
+    plt.xlabel("SPP degree (TP8 each)")
+    plt.ylabel("1M-token prefill speed-up")
+    plt.legend()
+    plt.tight_layout()
+    plt.savefig(out_dir / "spp_scaling.png", dpi=120)
+    plt.close()
+    return ["| SPP | GPUs | 1M prefill (s) | speed-up | efficiency |", "|---:|---:|---:|---:|---:|"
+            ] + [f"| {a} | {b} | {c:.1f} | {d:.2f}x | {e:.0%} |" for a, b, c, d, e in rows]
+
+
+def kvp_tpot(out_dir: Path) -> list[str]:
+    """Decode iteration (TPOT) of one 2M-token request beside 32 short decodes, against KVP."""
+    rows = []
+    for kvp in (1, 2, 4):
+        model = GpuTimeModel("llama3-70b", "h100", tp=8, spp=1, kvp=kvp)
+        for ctx in (1 << 20, 2 << 20):
+            plan = BatchPlan((ScheduledChunk("long", ctx, 1, True),) + tuple(
+                ScheduledChunk(f"s{i}", 2000, 1, True) for i in range(32)), ())
+            rows.append((kvp, ctx, model.predict(plan)))
+    plt.figure(figsize=(4.5, 3.2))
+    for ctx in (1 << 20, 2 << 20):
+        pts = [(k, t) for k, c, t in rows if c == ctx]
+        plt.plot(*zip(*pts), "o-", label=f"{ctx >> 20}M context")
+    plt.xlabel("KVP degree (TP8 each)")
+    plt.ylabel("TPOT (s)")
+    plt.legend()
+    plt.tight_layout()
+    plt.savefig(out_dir / "kvp_tpot.png", dpi=120)
+    plt.close()
+    one = {c: t for k, c, t in rows if k == 1}
+    return ["| KVP | GPUs | context | TPOT (ms) | vs KVP 1 |", "|---:|---:|---:|---:|---:|"] + [
+        f"| {k} | {8 * k} | {c >> 20}M | {t * 1e3:.1f} | {one[c] / t:.2f}x |" for k, c, t in rows]
+
+
+def profile_error() -> list[str]:
+    """The time model's per-layer curve fitted on alternate token counts of each Vidur
+    ``mlp.csv``, its relative error on the held-out ones (the model's own interpolation)."""
+    out = ["| profile | TP | held-out rows | median error | P90 error |",
+           "|---|---:|---:|---:|---:|"]
+    for path in sorted((default_data_dir() / "profiles" / "compute").glob("*/*/mlp.csv")):
+        prof = _load_compute(path)
+        for tp, ops in sorted(prof.medians_ms.items()):
+            sizes = sorted(ops["add"])
+            total = {n: sum(statistics.mean(ops[op][n]) for op in LAYER_OPS) for n in sizes}
+            fit, held = sizes[::2], sizes[1::2]
+            curve = _Curve.from_points({n: [total[n]] for n in fit})
+            err = [abs(curve(n) - total[n]) / total[n] for n in held if n < fit[-1]]
+            out.append(f"| {path.parent.parent.name}/{path.parent.name} | {tp} | {len(err)} | "
+                       f"{np.median(err):.1%} | {np.percentile(err, 90):.1%} |")
+    return out
+
+
+def bars(rows: list[dict], path: Path, title: str) -> None:
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.2))
+    for ax, (key, label) in zip(axes, (("short_ttft_p50", "short TTFT P50 (s)"),
+                                       ("short_ttft_p99", "short TTFT P99 (s)"),
+                                       ("short_tpot_p50", "short TPOT P50 (s)"))):
+        vals = [r[key] if math.isfinite(r[key]) else np.nan for r in rows]
+        ax.bar([r["policy"] for r in rows], vals, color=["C0", "C1", "C2"][:len(rows)])
+        ax.set_yscale("log")
+        ax.set_title(label)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--out-dir", type=Path, default=Path("docs"))
+    a = ap.parse_args()
+    figs = a.out_dir / "reproduction"
+    figs.mkdir(parents=True, exist_ok=True)
+    long_n = 300 if a.quick else 1000
+    lengths = workload(long_n, 1.0, a.seed)
+    sat = {p: saturation(lengths, p, MESH) for p in SYSTEMS}
+    qps = round(0.8 * min(sat.values()), 3)
+    tasks = [(p, n, qps, a.seed) for n in (long_n // 2, long_n) for p in SYSTEMS]
+    tasks += [(p, long_n, PAPER_QPS, a.seed) for p in SYSTEMS]
+    t0 = time.perf_counter()
+    with multiprocessing.Pool(a.jobs) as pool:
+        rows = pool.map(run_one, tasks)
+    for r in rows:
+        r["label"] = (f"{r['qps']} QPS (80% of saturation)" if r["qps"] == qps else
+                      f"{r['qps']} QPS ({'ABOVE' if r['qps'] > min(sat.values()) else 'below'}"
+                      f" saturation; the paper's load)")
+    head = [r for r in rows if r["qps"] == qps and r["n"] == long_n]
+    bars(head, figs / "headline.png", f"{long_n} requests at {qps} QPS (80% of saturation)")
+    bars([r for r in rows if r["qps"] == PAPER_QPS], figs / "paper_load.png",
+         f"{long_n} requests at {PAPER_QPS} QPS")
+    by = {r["policy"]: r for r in head}
+    lars = by["lars"]
+    lines = ["# Medha's figures on the simulator", "",
+             f"Generated by `python scripts/medha_reproduction.py{' --quick' if a.quick else ''}`"
+             f" ({time.perf_counter() - t0:.0f} s of runs). Llama-3 8B, 16 A100s: lars and the "
+             "vLLM-like `sarathi` on TP8 x SPP2, LoongServe on eight TP-2 elastic instances "
+             "(Medha §6.2). Workload: ShareGPT4 shorts + 5% synthetic Medha-SWE long requests "
+             f"(128K-1M tokens), Poisson arrivals, seed {a.seed}. Goodput: requests per second "
+             f"meeting TTFT <= max({SLO.ttft_s} s, {SLO.ttft_per_token_s * 1e3:.1f} ms x prompt "
+             f"tokens) and TPOT <= {SLO.tpot_s} s. Every run goes on until every request "
+             "finishes.", "", "## Saturation QPS (time model)", "",
+             "| system | saturation QPS |", "|---|---:|"]
+    lines += [f"| {p} | {sat[p]:.3f} |" for p in SYSTEMS]
+    lines += ["", f"Headline load: 80% of the lowest, **{qps} QPS**. The paper's 0.75 QPS is "
+              f"{'above' if PAPER_QPS > min(sat.values()) else 'below'} saturation here.", "",
+              BASELINES, "## Short-request TTFT and TPOT (Medha Figs. 1a, 9b, 10)", "",
+              f"![headline](reproduction/headline.png) ![paper load](reproduction/paper_load.png)",
+              ""]
+    lines += comparison_table(rows)
+    lines += ["", "### Targets (80% of saturation, the longer run)", "",
+              "| target | paper | lars vs loongserve | lars vs sarathi (vLLM-like) |",
+              "|---|---:|---:|---:|"]
+    for q, goal in ((50, 30), (90, 100), (99, 174)):
+        cells = [by[b][f"short_ttft_p{q}"] / lars[f"short_ttft_p{q}"] for b in
+                 ("loongserve", "sarathi")]
+        lines.append(f"| short TTFT P{q} >= {goal}x | {PAPER[q]} | "
+                     + " | ".join(f"{c:.1f}x ({'met' if c >= goal else 'MISSED'})"
+                                  for c in cells) + " |")
+    lines.append("| every long request completed (lars) | - | "
+                 f"{lars['long_completed']}/{lars['long']} | same run |")
+    for q in (50, 90):
+        key = f"short_tpot_p{q}"
+        lines.append(f"| short TPOT P{q} no worse (lars / baseline) | - | " + " | ".join(
+            f"{lars[key] * 1e3:.1f} / {by[b][key] * 1e3:.1f} ms "
+            f"({'met' if lars[key] <= by[b][key] else 'MISSED'})"
+            for b in ("loongserve", "sarathi")) + " |")
+    lines += ["", WHY, "## 1M-token prefill time against SPP degree (Medha Fig. 11 / §4)", "",
+              "Llama-3 70B, H100, TP8 per stage, isolated prefill with 32K-token chunks.", "",
+              "![spp](reproduction/spp_scaling.png)", ""] + spp_scaling(figs)
+    lines += ["", "## Decode TPOT at long context against KVP degree (Medha Fig. 12)", "",
+              "Llama-3 70B, H100, TP8 per KV group; one long decode beside 32 short ones.", "",
+              "![kvp](reproduction/kvp_tpot.png)", ""] + kvp_tpot(figs)
+    lines += ["", "## The time model against the Vidur profiles (held-out rows)", "",
+              "Per-layer non-attention time (the ops of `mlp.csv`), curve built from every "
+              "other profiled token count, error on the others:", ""] + profile_error()
+    (a.out_dir / "reproduction.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
