@@ -7,11 +7,19 @@ sequence's logical page ``j`` lives in group ``(start + j // pages_per_group) % 
 ``start`` is the group of its first page, chosen as the least-loaded group when the first page
 is allocated; so blocks are allocated per sequence through ``extend`` (the next pages of a
 sequence), and every capacity check asks about the groups those pages go to. ``groups == 1``
-is one pool with block 0 as the sink, exactly as before.
+is one pool with block 0 as the sink.
+
+Prefix caching (``prefix_caching=True``): a full page whose KV has been computed is
+registered under its content key (``jserve.cache.prefix``); pages are reference-counted, so a
+new sequence can take the longest cached run of its leading pages (``lookup`` + ``acquire``)
+instead of recomputing them. A cached page whose count drops to zero stays cached ("idle") and
+is evicted, least recently used first, only when a page is needed and none is free; idle pages
+count as available everywhere capacity is asked. Invariant: free + idle + in use == total.
 """
 from __future__ import annotations
 
-from typing import Sequence
+import collections
+from typing import Hashable, Sequence
 
 
 class OutOfBlocks(RuntimeError):
@@ -20,7 +28,7 @@ class OutOfBlocks(RuntimeError):
 
 class BlockAllocator:
     def __init__(self, num_blocks: int, block_size: int, *, groups: int = 1,
-                 pages_per_group: int | None = None):
+                 pages_per_group: int | None = None, prefix_caching: bool = False):
         """``num_blocks`` pages per group (sink included); ``pages_per_group`` logical pages of
         a sequence per group (needed when ``groups > 1``)."""
         if num_blocks < 2:
@@ -36,15 +44,34 @@ class BlockAllocator:
         self.total = groups * (num_blocks - 1)
         self._free: list[list[int]] = [
             list(range(g * num_blocks + num_blocks - 1, g * num_blocks, -1)) for g in range(groups)]
-        self._allocated: set[int] = set()
+        self.prefix_caching = prefix_caching
+        self._refs: dict[int, int] = {}  # in-use block -> number of sequences holding it
+        # Cached pages: key <-> block, and per group the idle ones (count 0), LRU first.
+        self._block_of: dict[Hashable, int] = {}
+        self._key_of: dict[int, Hashable] = {}
+        self._idle: list[collections.OrderedDict[int, None]] = [
+            collections.OrderedDict() for _ in range(groups)]
+        self.num_evictions = 0
 
     @property
     def num_free(self) -> int:
-        return sum(map(len, self._free))
+        """Pages a sequence could take now: free ones and idle cached ones (evictable)."""
+        return sum(map(len, self._free)) + self.num_idle
 
     @property
     def num_allocated(self) -> int:
-        return len(self._allocated)
+        """Pages in use (held by at least one sequence)."""
+        return len(self._refs)
+
+    @property
+    def num_idle(self) -> int:
+        """Cached pages no sequence holds."""
+        return sum(map(len, self._idle))
+
+    @property
+    def num_cached(self) -> int:
+        """Pages registered in the prefix cache, in use or idle."""
+        return len(self._key_of)
 
     @property
     def tokens_per_group(self) -> int | None:
@@ -52,7 +79,7 @@ class BlockAllocator:
         return None if self.pages_per_group is None else self.pages_per_group * self.block_size
 
     def num_free_in(self, group: int) -> int:
-        return len(self._free[group])
+        return len(self._free[group]) + len(self._idle[group])
 
     def group_of(self, block: int) -> int:
         return block // self.pool_blocks
@@ -66,7 +93,7 @@ class BlockAllocator:
         would start in: the one with the most free pages (least loaded; ties: lowest)."""
         if block_ids:
             return self.group_of(block_ids[0])
-        return max(range(self.groups), key=lambda g: (len(self._free[g]), -g))
+        return max(range(self.groups), key=lambda g: (self.num_free_in(g), -g))
 
     def _groups_of(self, block_ids: Sequence[int], n: int) -> list[int]:
         """Groups of the sequence's next ``n`` logical pages."""
@@ -83,11 +110,11 @@ class BlockAllocator:
         need: dict[int, int] = {}
         for g in groups:
             need[g] = need.get(g, 0) + 1
-        return all(c <= len(self._free[g]) for g, c in need.items())
+        return all(c <= self.num_free_in(g) for g, c in need.items())
 
     def can_extend(self, block_ids: Sequence[int], n: int) -> bool:
         if self.groups == 1:
-            return n <= len(self._free[0])
+            return n <= self.num_free_in(0)
         if len(block_ids) + n > self.groups * self.pages_per_group:
             return False
         return self._fit(self._groups_of(block_ids, n))
@@ -96,11 +123,11 @@ class BlockAllocator:
         """How many more pages the sequence could take now (its groups' free pages, in
         logical order, up to the sequence's maximum)."""
         if self.groups == 1:
-            return len(self._free[0])
+            return self.num_free_in(0)
         start, ppg = self.start_group(block_ids), self.pages_per_group
         j, total = len(block_ids), 0
         while j < self.groups * ppg:
-            free = len(self._free[(start + j // ppg) % self.groups])
+            free = self.num_free_in((start + j // ppg) % self.groups)
             room = ppg - j % ppg  # pages left in this group's chunk of the sequence
             total += min(free, room)
             if free < room:
@@ -115,10 +142,22 @@ class BlockAllocator:
         groups = self._groups_of(block_ids, n)  # ValueError past the sequence's maximum
         if not self._fit(groups):
             raise OutOfBlocks(f"asked for {n} KV blocks for a sequence holding "
-                              f"{len(block_ids)}; free per group: {list(map(len, self._free))}")
-        out = [self._free[g].pop() for g in groups]
-        self._allocated.update(out)
+                              f"{len(block_ids)}; free per group: "
+                              f"{[self.num_free_in(g) for g in range(self.groups)]}")
+        out = [self._take(g) for g in groups]
+        for b in out:
+            self._refs[b] = 1
         return out
+
+    def _take(self, group: int) -> int:
+        """A free page of ``group``, else its least recently used idle cached page (evicted:
+        its key is forgotten, so nothing can find the page before it is rewritten)."""
+        if self._free[group]:
+            return self._free[group].pop()
+        block, _ = self._idle[group].popitem(last=False)
+        del self._block_of[self._key_of.pop(block)]
+        self.num_evictions += 1
+        return block
 
     # -- plain allocation (one group) -------------------------------------------------
     def can_allocate(self, n: int) -> bool:
@@ -137,21 +176,75 @@ class BlockAllocator:
         return min(num_pages, self.pages_per_group) <= self.pool_blocks - 1
 
     def free(self, blocks: list[int]) -> None:
+        """Drop one hold on each block: a block no sequence holds goes back to the free pool,
+        or, if it is cached, becomes idle (most recently used end of the LRU)."""
         for b in blocks:
-            if b not in self._allocated:
+            refs = self._refs.get(b)
+            if refs is None:
                 raise ValueError(f"block {b} is not allocated (double free?)")
-            self._allocated.remove(b)
-            self._free[self.group_of(b)].append(b)
+            if refs > 1:
+                self._refs[b] = refs - 1
+                continue
+            del self._refs[b]
+            if b in self._key_of:
+                self._idle[self.group_of(b)][b] = None
+            else:
+                self._free[self.group_of(b)].append(b)
+
+    # -- prefix cache ------------------------------------------------------------------
+    def lookup(self, keys: Sequence[Hashable]) -> list[int]:
+        """The cached blocks of the longest run of leading pages whose ``keys`` are cached
+        (with kvp groups, only as far as each page sits in the group its logical position
+        needs, counted from the first page's group). Changes nothing."""
+        blocks: list[int] = []
+        if not self.prefix_caching:
+            return blocks
+        for j, key in enumerate(keys):
+            b = self._block_of.get(key)
+            if b is None:
+                break
+            if self.groups > 1 and blocks and self.group_of(b) != (
+                    self.group_of(blocks[0]) + j // self.pages_per_group) % self.groups:
+                break
+            blocks.append(b)
+        return blocks
+
+    def acquire(self, blocks: Sequence[int]) -> None:
+        """One more hold on each of ``blocks`` (cached pages from ``lookup``)."""
+        for b in blocks:
+            if b in self._refs:
+                self._refs[b] += 1
+            else:
+                del self._idle[self.group_of(b)][b]  # KeyError: not a cached page
+                self._refs[b] = 1
+
+    def register(self, block: int, key: Hashable) -> None:
+        """``block`` (in use) now holds the computed KV of the full page ``key``. A key
+        already cached keeps its block (this one stays uncached, freed normally)."""
+        if not self.prefix_caching or key in self._block_of or block in self._key_of:
+            return
+        if block not in self._refs:
+            raise ValueError(f"block {block} is not allocated; only a held page is registered")
+        self._block_of[key] = block
+        self._key_of[block] = key
 
     def check(self) -> None:
-        """The conservation invariant, per group and overall: allocated + free == total, no
-        block in both, every free block in its own group's pool and never a sink."""
+        """The conservation invariant, per group and overall: free + idle cached + in use ==
+        total, no block in two of them, every free or idle block in its own group's pool and
+        never a sink; every idle block cached; the key maps each other's inverse."""
         assert self.num_allocated + self.num_free == self.total, (
             self.num_allocated, self.num_free, self.total)
-        for g, free in enumerate(self._free):
-            held = sum(1 for b in self._allocated if self.group_of(b) == g)
-            assert held + len(free) == self.pool_blocks - 1, (g, held, len(free))
-            assert all(self.group_of(b) == g and b % self.pool_blocks for b in free), g
+        for g, (free, idle) in enumerate(zip(self._free, self._idle)):
+            held = sum(1 for b in self._refs if self.group_of(b) == g)
+            assert held + len(free) + len(idle) == self.pool_blocks - 1, (
+                g, held, len(free), len(idle))
+            assert all(self.group_of(b) == g and b % self.pool_blocks
+                       for b in (*free, *idle)), g
             assert len(set(free)) == len(free), g
-        assert not any(b % self.pool_blocks == 0 for b in self._allocated)
-        assert not self._allocated.intersection(b for free in self._free for b in free)
+            assert all(b in self._key_of for b in idle), g
+        assert not any(b % self.pool_blocks == 0 for b in self._refs)
+        assert all(r >= 1 for r in self._refs.values())
+        unheld = [b for free in self._free for b in free] + [b for i in self._idle for b in i]
+        assert len(set(unheld)) == len(unheld) and not set(self._refs).intersection(unheld)
+        assert all(self._block_of[k] == b for b, k in self._key_of.items())
+        assert len(self._block_of) == len(self._key_of)

@@ -48,6 +48,10 @@ class EngineConfig:
     # is predicted cheaper than recomputing it, within swap_space_bytes of host memory.
     preemption: str = "auto"           # auto | swap | recompute
     swap_space_bytes: int = 4 << 30
+    # Automatic prefix caching (docs/prefix_cache.md): full KV pages are shared between
+    # requests with the same leading tokens. Off under spp, for requests with penalties and
+    # with a length probe (they need every prompt token to go through the model).
+    enable_prefix_caching: bool = True
     seed: int = 0                      # draws seeds for requests that give none
     # "tp=2,kvp=2,spp=2" (sharding.MeshConfig: dp, spp, kvp, tp); dp is not supported yet.
     mesh: str = "tp=1"

@@ -140,11 +140,17 @@ class LLMEngine:
             max_useful_pages=config.max_num_seqs * pages_per_seq,
             kv_heads=kv_heads_per_device(cfg, tp),
             num_layers=cfg.num_hidden_layers // self._spp)
-        self.allocator = BlockAllocator(num_pages, config.page_size, groups=kvp,
-                                        pages_per_group=self.buckets.pages_per_group)
         self.predictor = (load_predictor(cfg, config)
                           if config.scheduler not in ("sarathi", "sprpt") else None)
         self.length_tracker = self._length_tracker(cfg, config)
+        prefix_caching = config.enable_prefix_caching and self._spp == 1 \
+            and self.length_tracker is None
+        if config.enable_prefix_caching and not prefix_caching:
+            log.info("prefix caching is off: not supported with %s",
+                     "spp > 1" if self._spp > 1 else "a length probe")
+        self.allocator = BlockAllocator(num_pages, config.page_size, groups=kvp,
+                                        pages_per_group=self.buckets.pages_per_group,
+                                        prefix_caching=prefix_caching)
         probe = self.length_tracker.probe if self.length_tracker else None
         self.scheduler = build_scheduler(
             config.scheduler, self.allocator, max_num_seqs=config.max_num_seqs,
@@ -204,7 +210,8 @@ class LLMEngine:
             f"compiled {self.runner.compile_count} programs in "
             f"{self.runner.compile_seconds:.1f}s"
             + (f" ({hits} from the persistent cache)" if hits is not None else
-               " (warmup off: step shapes compile on first use)"))
+               " (warmup off: step shapes compile on first use)")
+            + f"; prefix caching {'on' if self.allocator.prefix_caching else 'off'}")
         log.info("%s", self.startup_summary)
 
     @staticmethod
@@ -310,7 +317,8 @@ class LLMEngine:
             prompt_ids=list(ids),
             logprobs=[] if params.logprobs is not None else None)
         req = Request(rid, ids, params.max_tokens, tracked.metrics.arrival_time, payload=tracked,
-                      tpot_slo=tpot_slo, priority=priority)
+                      tpot_slo=tpot_slo, priority=priority,
+                      cacheable=not params.uses_penalties)  # penalties count every token
         if ttft_slo is not None:
             req.ttft_deadline = req.arrival_time + ttft_slo
         self.requests[rid] = req
@@ -366,7 +374,7 @@ class LLMEngine:
                                  error=f"engine step failed: {e}")
                     for c in chunks]
         for c in chunks:
-            self.requests[c.request_id].num_computed += c.num_tokens
+            self.scheduler.advance(self.requests[c.request_id], c.num_tokens)
         if self.length_tracker is not None:
             self.length_tracker.observe(plan, built, self.requests, self.runner.last_capture)
         return self._sampled_outputs(built.sample_rows, self.requests, tokens, logprobs)
@@ -448,7 +456,7 @@ class LLMEngine:
             return self._fail_pipeline(launch, e)
         if launch is not None:
             for req, c in launch.chunks:
-                req.num_computed += c.num_tokens
+                sched.advance(req, c.num_tokens)
             sched.pin([req for req, _ in launch.chunks])
             sched.hold([req for req, c in launch.chunks if c.samples])
         self._pipeline.appendleft(launch)

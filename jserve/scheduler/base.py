@@ -13,6 +13,7 @@ import dataclasses
 from typing import Callable, Literal
 
 from jserve.cache.allocator import BlockAllocator
+from jserve.cache.prefix import extend_page_keys
 from jserve.scheduler.plan import BatchPlan, PageMove, ScheduledChunk
 from jserve.scheduler.request import Request, RequestStatus
 
@@ -39,11 +40,31 @@ class SchedulerBase(abc.ABC):
         # freeing its blocks (``_deferred``) until the last chunk is out (``unpin``).
         self.pinned: dict[Request, int] = {}
         self._deferred: dict[Request, list[int]] = {}
+        # Prefix cache counters: prompt tokens looked up at admission, and found cached.
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
 
     # -- queue management --------------------------------------------------------------
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
+        self._peek_prefix(req)
         self.waiting.append(req)
+
+    def advance(self, req: Request, num_tokens: int) -> None:
+        """``num_tokens`` more of ``req``'s tokens have their KV written (the engine calls
+        it once a step has run, the simulator once a step is timed): its newly full pages
+        become findable in the prefix cache."""
+        req.num_computed += num_tokens
+        alloc = self.allocator
+        if not (alloc.prefix_caching and req.cacheable):
+            return
+        full = min(req.num_computed // alloc.block_size, len(req.block_ids))
+        if full <= req.num_registered_pages:
+            return
+        keys = extend_page_keys(req.page_keys, req.token_ids, alloc.block_size, full)
+        for j in range(req.num_registered_pages, full):
+            alloc.register(req.block_ids[j], keys[j])
+        req.num_registered_pages = full
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Retire a request (done, failed or aborted) and free its blocks at once."""
@@ -92,6 +113,48 @@ class SchedulerBase(abc.ABC):
     def _release(self, req: Request) -> None:
         self.allocator.free(req.block_ids)
         req.block_ids = []
+        req.num_registered_pages = 0
+
+    def _cached_prefix(self, req: Request) -> list[int]:
+        """Cached blocks of ``req``'s leading full pages, leaving at least its last token to
+        compute (its logits are needed)."""
+        alloc = self.allocator
+        if not (alloc.prefix_caching and req.cacheable):
+            return []
+        pages = (len(req.token_ids) - 1) // alloc.block_size
+        return alloc.lookup(extend_page_keys(req.page_keys, req.token_ids, alloc.block_size,
+                                             pages))
+
+    def _peek_prefix(self, req: Request) -> None:
+        """Record how much of a newly queued request the cache holds (no pages taken): the
+        deadline-aware policies rank and time a waiting request by its uncached work."""
+        if req.num_computed == 0 and not req.swapped:
+            req.cached_hint = len(self._cached_prefix(req)) * self.allocator.block_size
+
+    def _claim_prefix(self, req: Request) -> None:
+        """Before admitting waiting ``req``: take its cached leading pages, so it starts
+        prefilling after them. ``_unclaim_prefix`` undoes it if the admission fails."""
+        if req.num_computed or req.block_ids or req.swapped:
+            return
+        blocks = self._cached_prefix(req)
+        req.cached_hint = 0
+        if blocks:
+            self.allocator.acquire(blocks)
+            req.block_ids = blocks
+            req.num_computed = req.num_cached_tokens = len(blocks) * self.allocator.block_size
+            req.num_registered_pages = len(blocks)
+
+    def _unclaim_prefix(self, req: Request) -> None:
+        if req.status is not RequestStatus.RUNNING and req.num_cached_tokens:
+            req.cached_hint = req.num_cached_tokens
+            req.num_computed = req.num_cached_tokens = 0
+            self._release(req)
+
+    def _count_prefix(self, req: Request) -> None:
+        """Counts an admission's lookup (prompt tokens asked for, found cached)."""
+        if self.allocator.prefix_caching and req.cacheable:
+            self.prefix_queried_tokens += req.num_prompt_tokens
+            self.prefix_hit_tokens += req.num_cached_tokens
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
         """Make ``req`` own enough blocks for ``num_tokens`` KV entries."""
@@ -116,6 +179,8 @@ class SchedulerBase(abc.ABC):
         else:
             req.num_computed = 0
         self._release(req)
+        req.num_cached_tokens = 0
+        self._peek_prefix(req)
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -160,10 +225,12 @@ class SchedulerBase(abc.ABC):
         return prefills, budget, spanning
 
     def _admit_first_chunk(self, req: Request, budget: int) -> ScheduledChunk | None:
-        """Admit waiting ``req`` with the largest first chunk that fits ``budget`` and the
-        pool; None (nothing changed) when none does."""
+        """Admit waiting ``req`` (after its cached prefix) with the largest first chunk that
+        fits ``budget`` and the pool; None (nothing changed) when none does."""
+        self._claim_prefix(req)
         chunk = self._fits(req, min(req.num_uncomputed, budget))
         if chunk == 0 or not self._grow(req, req.num_computed + chunk):
+            self._unclaim_prefix(req)
             return None
         self._admit(req)
         return self._chunk(req, chunk)
@@ -223,6 +290,7 @@ class SchedulerBase(abc.ABC):
             self._swap_in.append((req.request_id, tuple(req.block_ids[:used])))
             req.swapped = False
         req.status = RequestStatus.RUNNING
+        self._count_prefix(req)
         self.running.append(req)
 
     @staticmethod

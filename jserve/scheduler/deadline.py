@@ -82,7 +82,8 @@ class DeadlineScheduler(SchedulerBase):
         self._priorities |= req.priority != 0
         self._tpot_slos |= req.tpot_slo is not None
         if req.ttft_deadline is None:
-            isolated = self.cache.time(req.num_prompt_tokens)
+            self._peek_prefix(req)  # a cached prefix shortens the isolated prefill
+            isolated = self.cache.time(req.num_prompt_tokens) - self.cache.time(req.cached_hint)
             req.ttft_deadline = req.arrival_time + max(self.config.ttft_k * isolated,
                                                        self.config.ttft_floor)
         super().add(req)
@@ -104,7 +105,7 @@ class DeadlineScheduler(SchedulerBase):
         return _column(map(self.cache.lookup, map(len, map(_TOKENS, reqs))), len(reqs))
 
     def _remaining_works(self, reqs: Sequence[Request]) -> np.ndarray:
-        return self._total_works(reqs) - _column(map(self.cache.lookup, map(_COMPUTED, reqs)),
+        return self._total_works(reqs) - _column(map(self.cache.lookup, map(_DONE, reqs)),
                                                  len(reqs))
 
     def _slacks(self, reqs: Sequence[Request], now: float,
@@ -186,8 +187,12 @@ class DeadlineScheduler(SchedulerBase):
             spans = self._spans_groups(req)  # kvp: at most one group-spanning prefill too
             if (long and has_long) or (spans and has_spanning):
                 continue
+            if req in waiting:
+                self._claim_prefix(req)
+                long = self._is_long(req)
             cap = self._fits(req, min(req.num_uncomputed, tokens_left))
             if hopeless and cap >= granularity:
+                self._unclaim_prefix(req)
                 continue
             if self.policy == "fcfs":
                 n = cap
@@ -205,6 +210,7 @@ class DeadlineScheduler(SchedulerBase):
                 elif n == 0 and not hopeless:
                     hopeless = search.missed(0, granularity, False, t_target)
             if n <= 0 or not self._grow(req, req.num_computed + n):
+                self._unclaim_prefix(req)
                 continue
             if req in waiting:
                 self._admit(req)
@@ -221,7 +227,7 @@ _ARRIVAL = operator.attrgetter("arrival_time")
 _DEADLINE = operator.attrgetter("ttft_deadline")
 _PRIORITY = operator.attrgetter("priority")
 _TOKENS = operator.attrgetter("token_ids")
-_COMPUTED = operator.attrgetter("num_computed")
+_DONE = operator.attrgetter("num_done")  # computed, or found cached for a waiting request
 
 
 def _column(values: Iterable[float], n: int) -> np.ndarray:

@@ -44,6 +44,16 @@ class Request:
     # embedding once the prompt is prefilled, and the smoothed prediction after each step.
     first_prediction: float | None = None
     predicted_remaining: float | None = None
+    # Prefix caching: whether this request may take cached pages (False when something
+    # must see every prompt token go through the model: penalties, a length probe); the
+    # content keys of its full pages so far; how many of its pages are registered; the
+    # cached prompt tokens a lookup found when it was queued (what the policies rank a
+    # waiting request by); and the tokens it took from the cache at its last admission.
+    cacheable: bool = True
+    page_keys: list = dataclasses.field(default_factory=list, repr=False)
+    num_registered_pages: int = 0
+    cached_hint: int = 0
+    num_cached_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -64,6 +74,11 @@ class Request:
     @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed
+
+    @property
+    def num_done(self) -> int:
+        """Tokens whose KV exists or is expected to be found cached (waiting requests)."""
+        return self.num_computed or self.cached_hint
 
     @property
     def is_decode(self) -> bool:
