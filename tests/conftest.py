@@ -28,14 +28,14 @@ def apply_plan(scheduler, plan, sample_token: int = 5) -> None:
     by_id = {r.request_id: r for r in scheduler.running}
     for c in plan.decodes + plan.prefills:
         r = by_id[c.request_id]
-        r.num_computed += c.num_tokens
+        scheduler.advance(r, c.num_tokens)
         if c.samples:
             r.token_ids.append(sample_token)
 
 
 def run_checked(llm: LLM, prompts, params) -> list[list[int]]:
     """Runs ``prompts`` to completion, checking after every step that blocks are conserved
-    (held exactly by running requests), waiting requests hold none, and exactly the swapped
+    (held exactly by running requests, shared cached pages once per holder), waiting requests hold none, and exactly the swapped
     ones have a host copy; returns the output ids in prompt order. Plans land in
     ``llm.engine.step_log``."""
     eng = llm.engine
@@ -47,7 +47,7 @@ def run_checked(llm: LLM, prompts, params) -> list[list[int]]:
             if out.finished:
                 done[out.request_id] = out.token_ids
         eng.allocator.check()
-        assert eng.allocator.num_allocated == sum(len(r.block_ids) for r in eng.scheduler.running)
+        eng.allocator.check_holders([r.block_ids for r in eng.scheduler.running])
         assert all(not r.block_ids for r in eng.scheduler.waiting)
         assert set(eng._host_kv) == {r.request_id for r in eng.scheduler.waiting if r.swapped}
     assert eng.allocator.num_allocated == 0

@@ -228,6 +228,15 @@ class BlockAllocator:
         self._block_of[key] = block
         self._key_of[block] = key
 
+    def check_holders(self, block_lists: Sequence[Sequence[int]]) -> None:
+        """Every in-use block is held exactly as many times as ``block_lists`` (the block
+        tables of every sequence holding blocks) list it, and no other block is in use."""
+        counts: dict[int, int] = {}
+        for blocks in block_lists:
+            for b in blocks:
+                counts[b] = counts.get(b, 0) + 1
+        assert counts == self._refs, "block reference counts differ from the holders"
+
     def check(self) -> None:
         """The conservation invariant, per group and overall: free + idle cached + in use ==
         total, no block in two of them, every free or idle block in its own group's pool and

@@ -101,7 +101,7 @@ def simulate(scheduler: SchedulerBase, predictor: RuntimePredictor, clock: Virtu
         sampled = []
         for c in plan.decodes + plan.prefills:
             req = requests[c.request_id]
-            req.num_computed += c.num_tokens
+            scheduler.advance(req, c.num_tokens)
             if c.samples:
                 sampled.append(req)
         if sampled:
