@@ -28,13 +28,17 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", action="store_true",
                    help="compile every bucket at start (what a server wants; a single "
                         "completion compiles only the shapes it uses)")
+    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=EngineConfig.enable_prefix_caching,
+                   help="share the KV pages of identical leading tokens between requests "
+                        "(docs/prefix_cache.md)")
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
                 max_num_batched_tokens=a.max_num_batched_tokens, kv_cache_bytes=a.kv_cache_bytes,
                 num_kv_pages=a.num_kv_pages, memory_fraction=a.memory_fraction,
-                warmup=a.warmup, mesh=a.mesh)
+                warmup=a.warmup, mesh=a.mesh, enable_prefix_caching=a.prefix_caching)
 
 
 def _generate(a: argparse.Namespace) -> int:

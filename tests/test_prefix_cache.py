@@ -232,3 +232,17 @@ def test_conservation_and_exact_sharing_under_random_shared_traffic(seed, page, 
         sched.finish(r, RequestStatus.FINISHED_ABORTED)
     alloc.check()
     assert alloc.num_allocated == 0 and alloc.num_free == alloc.total
+
+
+def test_prometheus_prefix_cache_counters_follow_the_engine_totals():
+    from jserve.serving.metrics import ServerMetrics
+
+    m = ServerMetrics()
+    state = dict(waiting=0, running=1, blocks_used=3, blocks_free=5, preemptions=0,
+                 new_tokens=0)
+    m.engine_state(**state, prefix_queried=100, prefix_hits=64, cached_blocks=4)
+    m.engine_state(**state, prefix_queried=150, prefix_hits=64, cached_blocks=6)
+    get = m.registry.get_sample_value
+    assert get("jserve_prefix_cache_queried_tokens_total") == 150
+    assert get("jserve_prefix_cache_hit_tokens_total") == 64
+    assert get("jserve_prefix_cache_blocks") == 6

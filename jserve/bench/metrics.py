@@ -98,6 +98,10 @@ def summarize(records: Iterable[dict], *, long_prompt_tokens: int = LONG_PROMPT_
                  "window_s": window_s,
                  "goodput_rps": (sum(meets_slo(r, slo) for r in recs) / window_s
                                  if window_s > 0 else math.nan)}
+    if any("cached_tokens" in r for r in recs):  # the live engine's prefix cache
+        prompt = sum(r["prompt_tokens"] for r in recs)
+        out["prefix_hit_rate"] = (sum(r.get("cached_tokens", 0) for r in recs) / prompt
+                                  if prompt else math.nan)
     for name, group in groups.items():
         out[name] = len(group)
         out[f"{name}_completed"] = sum(r["finish_s"] is not None for r in group)
@@ -132,7 +136,9 @@ def format_summary(s: dict) -> str:
                         f" P99 {_s(s[f'{g}_{m}_p99'])}" for m in ("ttft", "tpot", "tbt", "e2e"))
             + f"  deadline misses {s[f'{g}_deadline_miss_rate']:.0%}")
     lines.append(f"goodput {s['goodput_rps']:.3f} req/s over {s['window_s']:.1f}s; normalized "
-                 f"latency {s['all_normalized_latency']:.4f} s/token")
+                 f"latency {s['all_normalized_latency']:.4f} s/token"
+                 + (f"; prefix cache hit rate {s['prefix_hit_rate']:.1%}"
+                    if "prefix_hit_rate" in s else ""))
     return "\n".join(lines)
 
 

@@ -50,13 +50,17 @@ def _sorted(trace: Sequence[TraceRequest]) -> list[TraceRequest]:
 
 
 def run_local(engine, trace: Sequence[TraceRequest], *, window_s: float | None = None,
-              seed: int = 0, progress: bool = True) -> list[dict]:
+              seed: int = 0, progress: bool = True,
+              prompts: dict[str, list[int]] | None = None) -> list[dict]:
     """Drives ``engine`` (an ``LLMEngine``) from this thread: arrivals are admitted between
     steps, as a serving loop would. Every request is validated before the clock starts, so
-    a trace the engine cannot hold fails at once instead of part way through."""
+    a trace the engine cannot hold fails at once instead of part way through. ``prompts``
+    (token ids by request id, e.g. sharing a document): default random ones of the trace's
+    lengths."""
     trace = _sorted(trace)
     policy = engine.config.scheduler
-    prompts = prompt_token_ids(trace, engine.cfg.vocab_size, seed)
+    prompts = (prompt_token_ids(trace, engine.cfg.vocab_size, seed) if prompts is None
+               else [prompts[t.request_id] for t in trace])
     for t, ids in zip(trace, prompts):
         try:
             engine.validate(ids, request_params(t))
@@ -69,6 +73,7 @@ def run_local(engine, trace: Sequence[TraceRequest], *, window_s: float | None =
     def done(out, cut: bool = False) -> None:
         _fill(records[out.request_id], [x - t0 for x in out.metrics.token_times],
               None if cut else out.finish_reason)
+        records[out.request_id]["cached_tokens"] = out.metrics.cached_tokens
         bar.update()
 
     i = 0

@@ -564,6 +564,7 @@ class LLMEngine:
         tr.finish_reason = status.value
         tr.error = error
         tr.metrics.finished_time = time.monotonic()
+        tr.metrics.cached_tokens = req.num_cached_tokens
         del self.requests[req.request_id]
         return self._output(req)
 

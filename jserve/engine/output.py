@@ -22,6 +22,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     token_times: list[float] = dataclasses.field(default_factory=list)
     finished_time: float | None = None
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache (last admission)
 
 
 @dataclasses.dataclass

@@ -298,7 +298,9 @@ class EngineLoop:
         self.metrics.engine_state(
             waiting=len(eng.scheduler.waiting), running=len(eng.scheduler.running),
             blocks_used=eng.allocator.num_allocated, blocks_free=eng.allocator.num_free,
-            preemptions=eng.scheduler.num_preemptions, new_tokens=new_tokens)
+            preemptions=eng.scheduler.num_preemptions, new_tokens=new_tokens,
+            prefix_queried=eng.scheduler.prefix_queried_tokens,
+            prefix_hits=eng.scheduler.prefix_hit_tokens, cached_blocks=eng.allocator.num_cached)
 
 
 def _deliver(items: list[tuple[asyncio.Queue, Delta]]) -> None:

@@ -49,6 +49,16 @@ class ServerMetrics:
             f"Tokens generated per second over the last {rate_window_s:g} s", registry=r)
         self.requests = Counter("jserve_requests", "Requests by outcome", ["outcome"],
                                 registry=r)
+        self.prefix_queried = Counter("jserve_prefix_cache_queried_tokens",
+                                      "Prompt tokens looked up in the prefix cache at admission",
+                                      registry=r)
+        self.prefix_hits = Counter("jserve_prefix_cache_hit_tokens",
+                                   "Prompt tokens found in the prefix cache (not prefilled)",
+                                   registry=r)
+        self.cached_blocks = Gauge("jserve_prefix_cache_blocks",
+                                   "KV blocks registered in the prefix cache (in use or idle)",
+                                   registry=r)
+        self._prefix_seen = (0, 0)
         for o in OUTCOMES:
             self.requests.labels(o)
         self._window = rate_window_s
@@ -60,8 +70,14 @@ class ServerMetrics:
         self.requests.labels(name).inc()
 
     def engine_state(self, *, waiting: int, running: int, blocks_used: int, blocks_free: int,
-                     preemptions: int, new_tokens: int) -> None:
-        """After each engine iteration (engine thread)."""
+                     preemptions: int, new_tokens: int, prefix_queried: int = 0,
+                     prefix_hits: int = 0, cached_blocks: int = 0) -> None:
+        """After each engine iteration (engine thread); counts are the engine's totals."""
+        queried, hits = self._prefix_seen
+        self.prefix_queried.inc(max(prefix_queried - queried, 0))
+        self.prefix_hits.inc(max(prefix_hits - hits, 0))
+        self._prefix_seen = (prefix_queried, prefix_hits)
+        self.cached_blocks.set(cached_blocks)
         self.waiting.set(waiting)
         self.running.set(running)
         self.blocks_used.set(blocks_used)
