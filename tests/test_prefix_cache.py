@@ -246,3 +246,26 @@ def test_prometheus_prefix_cache_counters_follow_the_engine_totals():
     assert get("jserve_prefix_cache_queried_tokens_total") == 150
     assert get("jserve_prefix_cache_hit_tokens_total") == 64
     assert get("jserve_prefix_cache_blocks") == 6
+
+
+def test_simulator_models_the_cache_from_prefix_identities():
+    """Length-only prompts with a shared document: the second ask reuses the first's pages
+    (only under caching), and a request of another document shares nothing."""
+    import dataclasses
+
+    from jserve.sim.runner import SimConfig, run
+    from jserve.sim.trace import TraceRequest
+
+    doc = dict(prefix_id="doc", prefix_tokens=20_000)
+    trace = [TraceRequest("ask0", 0.0, 20_100, 8, **doc),
+             TraceRequest("ask1", 30.0, 20_050, 8, **doc),
+             TraceRequest("other", 60.0, 20_050, 8, prefix_id="other", prefix_tokens=20_000)]
+
+    def ttfts(caching):
+        recs = run(trace, "lars", dataclasses.replace(SimConfig(), prefix_caching=caching))
+        return {r["request_id"]: r["first_token_s"] - r["arrival_s"] for r in recs}
+
+    off, on = ttfts(False), ttfts(True)
+    assert on["ask0"] == pytest.approx(off["ask0"])
+    assert on["other"] == pytest.approx(off["other"])
+    assert on["ask1"] < off["ask1"] / 10   # 50 uncached tokens against 20,050

@@ -48,6 +48,8 @@ class SimConfig:
     memory_fraction: float = 0.9
     esp_instance_tp: int = 2            # Medha §6.2 runs LoongServe as TP-2 instances
     horizon_s: float | None = None      # stop the clock here; None: run until all finish
+    prefix_caching: bool = False        # the engine's automatic prefix caching (TraceRequest
+                                        # prefix ids say which prompts share what)
 
     def __post_init__(self) -> None:
         if self.tpot_slo <= 0:
@@ -104,7 +106,8 @@ def build(policy: str, cfg: SimConfig, clock: VirtualClock, max_context: int
                   max_prefill_seqs=cfg.max_prefill_seqs)
 
     def pool(kv_tokens: int) -> BlockAllocator:
-        return BlockAllocator(kv_tokens // cfg.block_size + 1, cfg.block_size)
+        return BlockAllocator(kv_tokens // cfg.block_size + 1, cfg.block_size,
+                              prefix_caching=cfg.prefix_caching)
 
     model = _time_model(cfg.model, cfg.hardware, cfg.tp, cfg.spp, cfg.kvp)
     name = policy.removesuffix("-ss")

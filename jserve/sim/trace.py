@@ -39,6 +39,10 @@ class TraceRequest:
     prompt_tokens: int
     output_tokens: int
     ttft_deadline_s: float | None = None  # relative to arrival; None: the policy's default
+    # Prefix caching studies: the prompt starts with ``prefix_tokens`` of shared document
+    # ``prefix_id`` (requests with the same id share them).
+    prefix_id: str | None = None
+    prefix_tokens: int = 0
 
 
 def _rows(path: Path) -> list[dict]:
