@@ -183,13 +183,13 @@ class DeadlineScheduler(SchedulerBase):
         for req in candidates:
             if len(plan.prefills) == self.max_prefill_seqs or tokens_left <= 0:
                 break
+            if req in waiting:
+                self._claim_prefix(req)  # a cached prefix counts as processed KV
             long = self._is_long(req)
             spans = self._spans_groups(req)  # kvp: at most one group-spanning prefill too
             if (long and has_long) or (spans and has_spanning):
+                self._unclaim_prefix(req)
                 continue
-            if req in waiting:
-                self._claim_prefix(req)
-                long = self._is_long(req)
             cap = self._fits(req, min(req.num_uncomputed, tokens_left))
             if hopeless and cap >= granularity:
                 self._unclaim_prefix(req)
