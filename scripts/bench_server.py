@@ -45,7 +45,7 @@ def main() -> None:
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in engine.items()]
     server = subprocess.Popen([sys.executable, "-m", "jserve.cli", "serve", "--no-warmup",
                                *flags, "--host", "127.0.0.1", "--port", "0",
-                               "--metrics-port", "-1", "--log-level", "WARNING"],
+                               "--metrics-port", "-1", "--http-port", "-1", "--log-level", "WARNING"],
                               stdout=subprocess.PIPE, text=True)
     target = "127.0.0.1:" + re.search(r":(\d+) ", server.stdout.readline()).group(1)
 

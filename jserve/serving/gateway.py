@@ -58,7 +58,11 @@ def field_message(message: str, name: Callable[[str], str]) -> str:
     """``SamplingParams`` messages start with the field's name: rename it as the wire does
     (``top_k must ...`` -> ``sampling_params.top_k must ...``)."""
     head, sep, rest = message.partition(" ")
-    return f"{name(head)}{sep}{rest}" if head in _PARAM_FIELDS else message
+    if head in _PARAM_FIELDS:
+        return f"{name(head)}{sep}{rest}"
+    if " + max_tokens (" in message:  # the engine's context check: too many tokens asked for
+        return f"{name('max_tokens')}: {message}"
+    return message
 
 
 class Gateway:

@@ -479,7 +479,7 @@ class OpenAIServer:
                 prompt, params, ttft_slo=parsed.ttft_slo, tpot_slo=parsed.tpot_slo,
                 name=lambda f: parsed.max_tokens_field if f == "max_tokens" else f)
         except Rejected as e:
-            field = e.message.split(" ", 1)[0]
+            field = e.message.split(" ", 1)[0].rstrip(":")
             if field not in PARAMS[endpoint]:
                 field = "messages" if endpoint == "chat" else "prompt"
             raise BadField(field, e.message) from None
