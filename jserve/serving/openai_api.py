@@ -421,7 +421,8 @@ class OpenAIServer:
         eng = self.gateway.engine
         return JSONResponse({"object": "list", "data": [{
             "id": self.model, "object": "model", "created": 0, "owned_by": "jserve",
-            "max_model_len": eng.max_model_len}]})
+            "max_model_len": eng.max_model_len, "vocab_size": eng.cfg.vocab_size,
+            "scheduler": eng.config.scheduler}]})
 
     async def _completions(self, request: Request) -> Response:
         return await self._generate(request, "completions")

@@ -374,6 +374,7 @@ class BackgroundServer:
         if self._loop.is_closed():
             return
         self.run(self.server.stop(grace))
+        self.server.engine_loop.shutdown()  # the engine is the caller's again once stopped
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
