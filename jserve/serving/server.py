@@ -33,8 +33,8 @@ from jserve.proto import generate_pb2 as pb
 from jserve.sampling.params import (MAX_LOGPROBS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
                                     MAX_STOP_TOKEN_IDS)
 from jserve.serving import engine_loop as el
-from jserve.serving.gateway import (ALREADY_EXISTS, UNAUTHENTICATED, Gateway, Rejected, Stream,
-                                    bearer_matches)
+from jserve.serving.gateway import (ALREADY_EXISTS, DEADLINE_SLACK_S, UNAUTHENTICATED, Gateway,
+                                    Rejected, Stream, bearer_matches)
 from jserve.serving.metrics import ServerMetrics
 from jserve.serving.protocol import parse_request
 
@@ -182,7 +182,9 @@ class GenerationServer:
             ("grpc.max_receive_message_length", transport_limit),
             ("grpc.so_reuseport", 0)])
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
-            "Generate": grpc.unary_stream_rpc_method_handler(
+            # Unary-stream on the wire; registered as stream-stream so that the handler runs
+            # (and counts the call) even when it ends before its one message is read.
+            "Generate": grpc.stream_stream_rpc_method_handler(
                 self._generate, request_deserializer=self._deserialize,
                 response_serializer=pb.GenerateResponse.SerializeToString),
             "GetModelInfo": grpc.unary_unary_rpc_method_handler(
@@ -277,12 +279,11 @@ class GenerationServer:
     async def _model_info(self, request, context) -> pb.ModelInfo:
         return self._info
 
-    def _accept(self, request, context) -> Stream:
+    def _accept(self, request, context, arrival: float, deadline: float | None) -> Stream:
         """Validates and queues the request; ``Rejected`` if it is refused."""
-        arrival = time.monotonic()
-        remaining = context.time_remaining()
-        deadline = arrival + remaining if remaining is not None else None
         gw = self.gateway
+        if request is grpc.aio.EOF:
+            raise Rejected(el.INVALID, "no GenerateRequest was sent")
         if isinstance(request, _BadMessage):
             raise Rejected(el.INVALID, request.reason)
         gw.check_open()
@@ -298,9 +299,18 @@ class GenerationServer:
                        ttft_slo=parsed.ttft_slo, tpot_slo=parsed.tpot_slo,
                        priority=parsed.priority)
 
-    async def _generate(self, request, context) -> None:
+    async def _generate(self, requests, context) -> None:
+        arrival = time.monotonic()
+        remaining = context.time_remaining()
+        deadline = arrival + remaining if remaining is not None else None
         try:
-            stream = self._accept(request, context)
+            request = await context.read()
+        except BaseException:  # the call ended (its deadline, a cancel) before its message came
+            expired = deadline is not None and time.monotonic() >= deadline - DEADLINE_SLACK_S
+            self.gateway.refused(el.DEADLINE if expired else "cancelled")
+            raise
+        try:
+            stream = self._accept(request, context, arrival, deadline)
         except Rejected as e:
             self.gateway.refused(e.kind)
             await context.abort(_CODES[e.kind], e.message)
