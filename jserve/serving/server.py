@@ -241,6 +241,8 @@ class GenerationServer:
                 w.cancel()
         # The engine thread may be inside a long step (or a compile): end the streams from
         # here, ask it to stop, and wait for it only briefly (it is a daemon thread).
+        t0 = time.monotonic()
+        log.info("grace over: ending %d requests", self.gateway.in_flight)
         self.gateway.end_all(el.UNAVAILABLE, "the server is shutting down")
         loop = asyncio.get_running_loop()
         stopping = loop.run_in_executor(None, self.engine_loop.shutdown, 0.2)
@@ -254,6 +256,7 @@ class GenerationServer:
             threading.Thread(target=self._http[0].shutdown, daemon=True).start()
             self._http = None
         await stopping
+        log.info("stopped %.2f s after the grace period", time.monotonic() - t0)
 
     def _engine_died(self, error: BaseException) -> None:
         """The engine thread is gone (not a failed step: those are handled): report it."""
