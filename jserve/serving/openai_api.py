@@ -235,6 +235,7 @@ class Formatter:
         self.rid, self.model, self.tok, self.parsed = rid, model, tokenizer, parsed
         self.created = int(time.time())
         self.object = "chat.completion" if self.chat else "text_completion"
+        self._frame: list[str] | None = None
 
     def _token(self, tid: int) -> str:
         return self.tok.decode([tid]) if self.tok is not None else str(tid)
@@ -290,6 +291,25 @@ class Formatter:
         else:
             item["text"] = text
         return self._wrap([item])
+
+    def chunk_event(self, c: Choice, deltas: list[el.Delta], first: bool) -> bytes:
+        """``chunk`` as an SSE event; the common chunk (not the first, no logprobs) is
+        spliced into a pre-serialized frame, which keeps the event loop's share of the GIL
+        (and so the engine thread's slowdown) small."""
+        if first or self.parsed.logprobs is not None:
+            return _sse(self.chunk(c, deltas, first))
+        if self._frame is None:
+            self._frame = json.dumps(self._wrap(["\0"])).split('"\\u0000"')
+        text = json.dumps("".join(d.text for d in deltas))
+        finish = json.dumps(deltas[-1].finish_reason)
+        if self.chat:
+            delta = f'{{"content": {text}}}' if text != '""' or finish == "null" else "{}"
+            item = f'{{"index": {c.index}, "finish_reason": {finish}, "logprobs": null, ' \
+                   f'"delta": {delta}}}'
+        else:
+            item = f'{{"index": {c.index}, "finish_reason": {finish}, "logprobs": null, ' \
+                   f'"text": {text}}}'
+        return f"data: {self._frame[0]}{item}{self._frame[1]}\n\n".encode()
 
     def usage_chunk(self, choices: list[Choice]) -> dict:
         return {**self._wrap([]), "usage": self.usage(choices)}
@@ -528,7 +548,7 @@ class OpenAIServer:
 
         async def emit(c: Choice, deltas: list[el.Delta], first: bool = False) -> None:
             _apply(c, deltas)
-            await send({"type": "http.response.body", "body": _sse(fmt.chunk(c, deltas, first)),
+            await send({"type": "http.response.body", "body": fmt.chunk_event(c, deltas, first),
                         "more_body": True})
         for c, f in zip(choices, firsts):
             await emit(c, f, first=True)
@@ -546,6 +566,13 @@ class OpenAIServer:
 async def _pump(choices: list[Choice], on_deltas) -> None:
     """Reads every unfinished choice's stream until all are done, calling ``on_deltas(choice,
     deltas)`` (sync or async) in arrival order; the first ``Rejected`` ends it."""
+    if len(choices) == 1:  # the common case: no reader task, no queue in between
+        c = choices[0]
+        while not c.stream.done:
+            r = on_deltas(c, await c.stream.next())
+            if asyncio.iscoroutine(r):
+                await r
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def read(c: Choice) -> None:
