@@ -2,7 +2,9 @@
 ends, one engine loop), and the same request workload through each, with the evaluation
 harness's own clients (``jserve.bench.runner.run_remote`` for gRPC, ``run_http`` for the
 OpenAI API: streaming, token-id prompts, greedy, ``ignore_eos``). TTFT and TPOT are taken on
-the client as tokens arrive. The two front ends alternate for ``--repeats`` rounds after a
+the client as tokens arrive; the engine's own TPOT (``jserve_time_per_output_token_seconds``,
+observed on the engine thread) and the client's CPU seconds are shown beside them, since the
+client shares the machine with the server. The two front ends alternate for ``--repeats`` rounds after a
 warm-up of each; the table shows the median of the rounds' percentiles. The machine may be
 shared: alternating rounds is what keeps the comparison fair.
 
@@ -20,6 +22,9 @@ import sys
 import time
 from pathlib import Path
 
+import httpx2 as httpx
+from prometheus_client.parser import text_string_to_metric_families
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # conftest.Served: how the tests start a server
 
@@ -30,13 +35,22 @@ from jserve.bench.runner import run_http, run_remote  # noqa: E402
 from jserve.sim.trace import TraceRequest  # noqa: E402
 
 
-def figures(records: list[dict], wall: float) -> dict[str, float]:
+def engine_tpot(url: str) -> tuple[float, float]:
+    """(sum, count) of the server's TPOT histogram."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    got = {s.name: s.value for fam in text_string_to_metric_families(text)
+           for s in fam.samples if s.name.startswith("jserve_time_per_output_token_seconds_")}
+    return (got["jserve_time_per_output_token_seconds_sum"],
+            got["jserve_time_per_output_token_seconds_count"])
+
+
+def figures(records: list[dict], wall: float, engine: float, cpu: float) -> dict[str, float]:
     ttfts = [ttft(r) for r in records]
     tpots = [t for t in map(tpot, records) if t is not None]
     tokens = sum(r["output_tokens"] for r in records)
     return {"ttft_p50": percentile(ttfts, 50), "ttft_p90": percentile(ttfts, 90),
             "tpot_p50": percentile(tpots, 50), "tpot_p90": percentile(tpots, 90),
-            "tok_s": tokens / wall}
+            "tok_s": tokens / wall, "engine_tpot": engine, "client_cpu": cpu}
 
 
 def main() -> None:
@@ -60,13 +74,15 @@ def main() -> None:
     try:
         for rnd in range(a.repeats + 1):  # round 0 warms up (compiles) and is dropped
             for name, run in runs.items():
-                t = time.perf_counter()
+                before, t, cpu = engine_tpot(served.url), time.perf_counter(), time.process_time()
                 records = asyncio.run(run())
-                wall = time.perf_counter() - t
+                wall, cpu = time.perf_counter() - t, time.process_time() - cpu
+                after = engine_tpot(served.url)
+                engine = (after[0] - before[0]) / max(1.0, after[1] - before[1])
                 assert all(r["finish_reason"] == "length" and r["output_tokens"] ==
                            a.max_tokens for r in records), name
                 if rnd:
-                    results[name].append(figures(records, wall))
+                    results[name].append(figures(records, wall, engine, cpu))
     finally:
         served.proc.terminate()
         served.proc.wait(30)
@@ -78,16 +94,22 @@ def main() -> None:
     print(f"{a.requests} requests x {a.prompt_len} prompt + {a.max_tokens} generated tokens, "
           f"greedy, {'all at once' if not gap else f'{a.qps:g} req/s'}, max_num_seqs="
           f"{a.batch}; median of {a.repeats} alternating rounds; {cpu}")
-    print("| front end | TTFT P50 | TTFT P90 | TPOT P50 | TPOT P90 | throughput |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| front end | TTFT P50 | TTFT P90 | TPOT P50 | TPOT P90 | throughput "
+          "| engine TPOT (mean) | client CPU |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, m in med.items():
         print(f"| {name} | {m['ttft_p50'] * 1e3:.0f} ms | {m['ttft_p90'] * 1e3:.0f} ms | "
               f"{m['tpot_p50'] * 1e3:.1f} ms | {m['tpot_p90'] * 1e3:.1f} ms | "
-              f"{m['tok_s']:.0f} tok/s |")
+              f"{m['tok_s']:.0f} tok/s | {m['engine_tpot'] * 1e3:.1f} ms | "
+              f"{m['client_cpu']:.2f} s |")
     g, h = med["gRPC"], med["HTTP"]
-    print(f"HTTP overhead vs gRPC: TPOT P50 {100 * (h['tpot_p50'] / g['tpot_p50'] - 1):+.1f}%, "
-          f"TPOT P90 {100 * (h['tpot_p90'] / g['tpot_p90'] - 1):+.1f}%, throughput "
-          f"{100 * (h['tok_s'] / g['tok_s'] - 1):+.1f}%")
+
+    def pct(k: str) -> str:
+        return f"{100 * (h[k] / g[k] - 1):+.1f}%"
+    print(f"HTTP vs gRPC: TPOT P50 {pct('tpot_p50')}, TPOT P90 {pct('tpot_p90')}, engine TPOT "
+          f"{pct('engine_tpot')}, throughput {pct('tok_s')}; every round (HTTP/gRPC TPOT "
+          f"P50): " + " ".join(f"{b['tpot_p50'] / a['tpot_p50']:.2f}"
+                               for a, b in zip(results["gRPC"], results["HTTP"])))
 
 
 if __name__ == "__main__":

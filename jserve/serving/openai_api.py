@@ -381,6 +381,17 @@ class OpenAIServer:
         ])
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task | None = None
+        self._generation = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+
+    async def asgi(self, scope, receive, send) -> None:
+        """The app uvicorn runs: the two generation endpoints skip Starlette's middleware, whose
+        wrappers would sit on every streamed chunk's ``send``; the rest is the Starlette app
+        (which also answers wrong methods and unknown paths)."""
+        endpoint = self._generation.get(scope.get("path")) if scope["type"] == "http" else None
+        if endpoint is None or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        response = await self._generate(Request(scope, receive), endpoint)
+        await response(scope, receive, send)
 
     async def start(self, host: str, port: int) -> int:
         """Binds and serves on the running loop; returns the port."""
@@ -391,7 +402,8 @@ class OpenAIServer:
         sock.bind((host, port))
         sock.listen(2048)
         sock.setblocking(False)
-        config = uvicorn.Config(self.app, log_level="warning", access_log=False,
+        config = uvicorn.Config(self.asgi, interface="asgi3", log_level="warning",
+                                access_log=False, proxy_headers=False,
                                 lifespan="off", timeout_graceful_shutdown=0.2,
                                 timeout_keep_alive=30, ssl_certfile=self.config.tls_cert,
                                 ssl_keyfile=self.config.tls_key)
