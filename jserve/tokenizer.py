@@ -77,8 +77,15 @@ class ByteTokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True) -> str:
-        text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
-        return text + "<|assistant|>\n" if add_generation_prompt else text
+        return simple_chat_prompt(messages, add_generation_prompt)
+
+
+def simple_chat_prompt(messages: list[dict[str, Any]], add_generation_prompt: bool = True
+                       ) -> str:
+    """The chat format of tokenizers that bring none: ``<|role|>\\ncontent\\n`` per message,
+    then ``<|assistant|>\\n``."""
+    text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
+    return text + "<|assistant|>\n" if add_generation_prompt else text
 
 
 def _token_content(token: str | dict[str, Any] | None) -> str | None:
@@ -162,6 +169,10 @@ class HFTokenizer:
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         return self._eos_ids
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True) -> str:

@@ -5,7 +5,8 @@ TTFT CDF / TPOT / QPS-sweep plots and ratios against a baseline, all under --out
 
     python scripts/offline_eval.py --policies fcfs lars --qps 0.5 1 2 --requests 100
     python scripts/offline_eval.py --arrivals azure --time-scale 5 --policies lars
-    python scripts/offline_eval.py --server localhost:50051 --policies lars   # the server's policy
+    python scripts/offline_eval.py --target localhost:50051 --policies lars   # a server, gRPC
+    python scripts/offline_eval.py --target http://localhost:8000 --policies lars  # OpenAI HTTP
 
 The lengths are scaled for the machine (--short-scale, --long-scale, --output-scale), and the
 workload line printed with every result says how.
@@ -62,7 +63,10 @@ def main() -> None:
                     choices=POLICIES)
     ap.add_argument("--baseline", default="fcfs")
     ap.add_argument("--model", default="default")
-    ap.add_argument("--server", default=None, help="host:port of a running jserve serve")
+    ap.add_argument("--target", "--server", dest="server", default=None,
+                    help="a running server: host:port (jserve gRPC) or http://host:port (any "
+                         "OpenAI-compatible server, jserve's included); --policies are labels")
+    ap.add_argument("--auth-token", default=None, help="bearer token for --target")
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=256)
     ap.add_argument("--kv-cache-bytes", type=int, default=2 << 30)
@@ -74,7 +78,8 @@ def main() -> None:
     a = ap.parse_args()
     spec = workload_from_args(a)
     if a.server:
-        run = remote_runner(a.server, window_s=a.window, seed=a.seed, progress=not a.no_progress)
+        run = remote_runner(a.server, window_s=a.window, seed=a.seed, progress=not a.no_progress,
+                            auth_token=a.auth_token)
     else:
         run = local_runner(a.model, window_s=a.window, seed=a.seed, progress=not a.no_progress,
                            max_num_seqs=a.max_num_seqs,

@@ -62,3 +62,38 @@ def _free_executables():
     yield
     gc.collect()
     jax.clear_caches()
+
+
+SERVE_FLAGS = ["--no-warmup", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
+               "--max-model-len", "512", "--host", "127.0.0.1", "--port", "0",
+               "--http-port", "0", "--metrics-port", "-1"]
+
+
+class Served:
+    """A ``jserve serve`` subprocess (small engine, free loopback ports) and its addresses."""
+
+    def __init__(self, *flags: str):
+        import re
+        import subprocess
+        import sys
+        from pathlib import Path
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "jserve.cli", "serve", *SERVE_FLAGS, *flags],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            cwd=Path(__file__).resolve().parent.parent)
+        self.line = self.proc.stdout.readline()
+        m = re.search(r"on ([\d.]+):(\d+) .*OpenAI API http://[\d.]+:(\d+)/v1", self.line)
+        if m is None:
+            self.proc.kill()
+            raise RuntimeError(f"jserve serve did not start: {self.line!r} "
+                               f"{self.proc.stderr.read()[-3000:]}")
+        host = "127.0.0.1" if m.group(1) == "0.0.0.0" else m.group(1)
+        self.target = f"{host}:{m.group(2)}"
+        self.url = f"http://{host}:{m.group(3)}"
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for f in (self.proc.stdout, self.proc.stderr):
+            f.close()

@@ -8,6 +8,7 @@ import csv
 import importlib.util
 import json
 import math
+import time
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,7 @@ import pytest
 
 from conftest import SMALL, small_llm
 from jserve.bench.metrics import Slo, format_summary, ratio, summarize
-from jserve.bench.runner import run_local, run_remote
+from jserve.bench.runner import run_http, run_local, run_remote
 from jserve.bench.workload import WorkloadSpec, azure_path, build_workload
 from jserve.serving.server import BackgroundServer, ServerConfig
 from jserve.sim.trace import (MEDHA_SWE_PROMPT_RANGE, TraceRequest, read_records, read_trace,
@@ -183,6 +184,28 @@ def test_remote_run_streams_the_same_shape_of_records():
         server.stop(grace=0)
     check_records(records, TINY)
     assert {r["policy"] for r in records} == {"lars"}
+
+
+def test_http_target_records_what_the_grpc_target_records():
+    """The OpenAI-HTTP target against jserve's own HTTP API (same process and engine as the
+    gRPC one): same records, and the window aborts what it cuts."""
+    server = BackgroundServer(small_llm(scheduler="lars").engine,
+                              ServerConfig(port=0, metrics_port=None, http_port=0))
+    try:
+        records = asyncio.run(run_http(server.http_url, TINY, progress=False))
+        check_records(records, TINY)
+        assert {r["policy"] for r in records} == {"lars"}
+        cut = asyncio.run(run_http(server.http_url, [TraceRequest("a", 0.0, 200, 300)],
+                                   window_s=0.3, progress=False))[0]
+        assert cut["finish_s"] is None and 0 <= cut["output_tokens"] < 300
+        for _ in range(100):
+            st = server.stats()
+            if st["in_flight"] == 0 and st["blocks_used"] == 0:
+                break
+            time.sleep(0.02)
+        assert st["in_flight"] == 0 and st["blocks_used"] == 0, st
+    finally:
+        server.stop(grace=0)
 
 
 def test_convoy_benchmark_script_end_to_end(tmp_path, capsys):

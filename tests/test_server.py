@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import logging
 import math
 import random
 import re
@@ -30,7 +31,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase)
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import small_llm
+from conftest import Served, small_llm
 from jserve import SamplingParams
 from jserve.cli import main
 from jserve.client import AsyncClient, Client
@@ -72,7 +73,9 @@ def wait_idle(bg: BackgroundServer, timeout: float = 30.0) -> dict:
     end = time.monotonic() + timeout
     while True:
         st = bg.stats()  # allocator.check() runs on the engine thread
-        if st["in_flight"] == 0 and st["engine_requests"] == 0:
+        # ... and every handler has ended (and counted its outcome) on the event loop.
+        if st["in_flight"] == 0 and st["engine_requests"] == 0 \
+                and bg.server.gateway.in_flight == 0:
             break
         assert time.monotonic() < end, f"requests still in flight: {st}"
         time.sleep(0.02)
@@ -613,6 +616,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(llm):
     proc = subprocess.Popen(
         [sys.executable, "-m", "jserve.cli", "serve", "--no-warmup", *SMALL_FLAGS,
          "--scheduler", "lars", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1",
+         "--http-port", "-1",
          "--grace-period", "60"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
@@ -797,3 +801,138 @@ def test_server_is_whole_after_fuzzing(bg, client, llm):
     wait_idle(bg)
     assert client.generate("Hello, jserve", GREEDY).token_ids == \
         llm.generate("Hello, jserve", GREEDY)[0].token_ids
+
+
+# -- defects found by the load and fault pass ----------------------------------------------
+def test_server_ids_never_collide_with_ids_clients_chose(spare_engine):
+    """Clients holding ``grpc-0`` .. ``grpc-3`` in flight used to make the next request without
+    an id fail with ALREADY_EXISTS (the server's own ids were ``grpc-N``)."""
+    server = BackgroundServer(spare_engine, ServerConfig(port=0, metrics_port=None))
+    try:
+        with Client(server.target) as c:
+            held = [c.stream([i + 1] * 3, SamplingParams(temperature=0.0, max_tokens=400,
+                                                         ignore_eos=True),
+                             request_id=f"grpc-{i}") for i in range(4)]
+            for call in held:
+                next(call)
+            got = [c.generate("hi", SamplingParams(max_tokens=2, ignore_eos=True))
+                   for _ in range(4)]
+            for call in held:
+                call.cancel()
+        ids = [g.request_id for g in got]
+        assert all(g.finish_reason == "length" for g in got)
+        assert len(set(ids)) == 4 and not set(ids) & {f"grpc-{i}" for i in range(4)}
+        wait_idle(server)
+    finally:
+        server.stop(grace=0)
+
+
+def test_every_expired_deadline_is_counted_exactly_once(bg):
+    """100 expired deadlines, 48 at a time: the old handler counted 78-92 of them as
+    deadline_exceeded, some as cancelled (the client's deadline cancels a moment before the
+    server's) and some not at all (a write cut by the deadline skipped the count)."""
+    before = metrics(bg)
+    n = 100
+
+    async def run():
+        async with AsyncClient(bg.target) as c:
+            sem = asyncio.Semaphore(48)
+
+            async def one(i):
+                async with sem:
+                    try:
+                        await c.generate([i % 250 + 1] * 20, SamplingParams(
+                            temperature=0.0, max_tokens=450, ignore_eos=True),
+                            timeout=random.Random(i).uniform(0.05, 0.6))
+                    except grpc.aio.AioRpcError as e:
+                        return e.code()
+                    return "finished"
+            return await asyncio.gather(*(one(i) for i in range(n)))
+    codes = asyncio.run(run())
+    assert codes == [grpc.StatusCode.DEADLINE_EXCEEDED] * n
+    wait_idle(bg)
+    after = metrics(bg)
+    ended = {o: after[outcome(o)] - before[outcome(o)] for o in OUTCOMES}
+    assert ended["deadline_exceeded"] == n and sum(ended.values()) == n, ended
+
+
+def test_cancel_heavy_load_ends_streams_quietly(bg, caplog):
+    """Clients that vanish mid-stream (closed channels) while the server writes used to get
+    ``ExecuteBatchError raised in core by servicer method`` logged with a traceback."""
+    async def run():
+        async def one(i):
+            r = random.Random(i)
+            c = AsyncClient(bg.target)
+            try:
+                n = 0
+                async for _ in c.stream([r.randrange(256) for _ in range(r.randint(1, 30))],
+                                        SamplingParams(temperature=0.0, max_tokens=300,
+                                                       ignore_eos=True)):
+                    n += 1
+                    if n > r.randint(0, 2):
+                        break
+            finally:
+                await c.close()
+        await asyncio.gather(*(one(i) for i in range(150)))
+    with caplog.at_level(logging.DEBUG):
+        asyncio.run(run())
+        wait_idle(bg)
+    loud = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not loud, [r.getMessage() for r in loud][:5]
+
+
+def test_validation_names_sampling_fields_the_same_way_everywhere(bg):
+    """``top_k=-2`` said ``sampling_params.top_k``, ``top_k=1000`` only ``top_k``."""
+    fields = set(SCALAR_FIELDS) | set(LIST_FIELDS)
+    cases = [(r, next(w for w in words if w in fields)) for r, words in BAD
+             if any(w in fields for w in words)]
+    assert {f for _, f in cases} >= {"top_k", "stop_token_ids", "max_tokens", "seed"}
+    with Client(bg.target) as c:
+        for r, field in cases:
+            with pytest.raises(grpc.RpcError) as e:
+                c.generate(r, timeout=30)
+            assert e.value.details().startswith(f"sampling_params.{field}"), e.value.details()
+
+
+def test_default_bind_is_loopback_and_an_open_server_says_so():
+    assert ServerConfig().host == "127.0.0.1"
+    assert not ServerConfig().open_to_the_network
+    assert ServerConfig(host="0.0.0.0").open_to_the_network
+    assert not ServerConfig(host="0.0.0.0", auth_token="t").open_to_the_network
+
+
+def test_sigterm_exits_within_the_grace_period_plus_a_second(llm):
+    """40 streams in flight on an engine that still compiles new shapes: the process used to
+    exit about 3-6 s after the grace period ended."""
+    served = Served("--host", "0.0.0.0", "--grace-period", "1", "--max-num-seqs", "8",
+                    "--max-num-batched-tokens", "64")
+    try:
+        outcomes = []
+
+        def consume(i):
+            with Client(served.target) as c:
+                try:
+                    for _ in c.stream([i + 1] * (5 * i + 1), SamplingParams(
+                            temperature=0.0, max_tokens=300, ignore_eos=True)):
+                        started.set()
+                    outcomes.append("finished")
+                except grpc.RpcError as e:
+                    outcomes.append(e.code())
+        started = threading.Event()
+        threads = [threading.Thread(target=consume, args=(i,), daemon=True) for i in range(40)]
+        for t in threads:
+            t.start()
+        assert started.wait(120)
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        served.proc.send_signal(signal.SIGTERM)
+        assert served.proc.wait(30) == 0
+        took = time.monotonic() - t0
+        for t in threads:
+            t.join(30)
+        err = served.proc.stderr.read()
+        assert took <= 1.0 + 1.0, (took, err[-1500:])
+        assert grpc.StatusCode.UNAVAILABLE in outcomes and len(outcomes) == 40, outcomes
+        assert "WARNING" in err  # open: 0.0.0.0 and no --auth-token
+    finally:
+        served.close()

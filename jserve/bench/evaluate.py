@@ -54,14 +54,18 @@ def release_executables() -> None:
 
 def remote_runner(target: str, *, window_s: float | None = None, seed: int = 0,
                   progress: bool = True, auth_token: str | None = None) -> Runner:
-    """The server runs whichever policy it was started with; ``policy`` is only a label."""
+    """``target`` is a running ``jserve serve``'s gRPC ``host:port``, or ``http://host:port``
+    of any OpenAI-compatible server (jserve's HTTP API or another). The server runs
+    whichever policy it was started with; ``policy`` is only a label."""
     import asyncio
 
-    from jserve.bench.runner import run_remote
+    from jserve.bench.runner import run_http, run_remote
+
+    over = run_http if target.startswith(("http://", "https://")) else run_remote
 
     def run(policy: str, trace: Sequence[TraceRequest]) -> list[dict]:
-        records = asyncio.run(run_remote(target, trace, window_s=window_s, seed=seed,
-                                         progress=progress, auth_token=auth_token))
+        records = asyncio.run(over(target, trace, window_s=window_s, seed=seed,
+                                   progress=progress, auth_token=auth_token))
         return [{**r, "policy": policy} for r in records]
     return run
 

@@ -1,5 +1,6 @@
-"""Replay a trace against the live engine, in process (``run_local``) or through the gRPC
-service (``run_remote``), with real wall-clock arrivals: a request is submitted when its
+"""Replay a trace against the live engine, in process (``run_local``), through the gRPC
+service (``run_remote``) or through any OpenAI-compatible HTTP server (``run_http``: jserve's
+own or another one a user runs), with real wall-clock arrivals: a request is submitted when its
 arrival time comes, and its latency counts from then, queueing included.
 
 Every request asks for exactly its trace's output length (greedy, EOS ignored), with random
@@ -148,3 +149,94 @@ async def run_remote(target: str, trace: Sequence[TraceRequest], *,
         finally:
             bar.close()
     return [records[t.request_id] for t in trace]
+
+
+HTTP_FALLBACK_VOCAB = 256  # ids every tokenizer has, for servers that do not say their vocab
+
+
+async def run_http(url: str, trace: Sequence[TraceRequest], *, window_s: float | None = None,
+                   seed: int = 0, progress: bool = True, auth_token: str | None = None,
+                   model: str | None = None) -> list[dict]:
+    """The same through ``POST {url}/v1/completions`` with ``stream: true`` (token-id prompts,
+    greedy, ``ignore_eos``, ``max_tokens`` = the trace's output length). A chunk counts as one
+    token, or as its ``logprobs.tokens`` when the server sends them; tokens the final ``usage``
+    reports beyond the chunks (a server that coalesced) count at the last chunk's time. The
+    window becomes each request's client timeout (the connection is dropped, which aborts the
+    request on jserve). The model is ``model`` or the first of ``/v1/models``; prompts use the
+    model's ``vocab_size`` when /v1/models gives it (jserve does), so they equal the gRPC
+    run's, else ids below 256."""
+    import json
+
+    import httpx2 as httpx
+
+    trace = _sorted(trace)
+    headers = {"Authorization": f"Bearer {auth_token}"} if auth_token else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, limits=limits,
+                                 timeout=httpx.Timeout(None, connect=30)) as client:
+        r = await client.get("/v1/models")
+        r.raise_for_status()
+        info = r.json()["data"][0]
+        model = model or info["id"]
+        prompts = prompt_token_ids(trace, info.get("vocab_size", HTTP_FALLBACK_VOCAB), seed)
+        label = info.get("scheduler", model)
+        records = {t.request_id: empty_record(t, label) for t in trace}
+        bar = tqdm(total=len(trace), desc=label, unit="req", disable=not progress, leave=False)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+
+        async def stream(t: TraceRequest, ids: list[int], times: list[float]) -> str | None:
+            body = {"model": model, "prompt": ids, "max_tokens": t.output_tokens,
+                    "temperature": 0, "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            reason, usage = None, None
+            async with client.stream("POST", "/v1/completions", json=body) as resp:
+                if resp.status_code != 200:
+                    log.warning("request %s failed: HTTP %d %s", t.request_id,
+                                resp.status_code, (await resp.aread())[:200])
+                    return "abort"
+                async for line in _sse_data(resp):
+                    chunk = json.loads(line)
+                    if "error" in chunk:
+                        log.warning("request %s failed: %s", t.request_id, chunk["error"])
+                        return "abort"
+                    now = loop.time() - t0
+                    for c in chunk.get("choices") or ():
+                        lp = c.get("logprobs")
+                        times.extend([now] * (len(lp["tokens"]) if lp else 1))
+                        reason = c.get("finish_reason") or reason
+                    usage = chunk.get("usage") or usage
+            if usage and times and usage["completion_tokens"] > len(times):
+                times.extend([times[-1]] * (usage["completion_tokens"] - len(times)))
+            return reason
+
+        async def one(t: TraceRequest, ids: list[int]) -> None:
+            await asyncio.sleep(max(0.0, t0 + t.arrival_s - loop.time()))
+            timeout = None if window_s is None else t0 + window_s - loop.time()
+            times: list[float] = []
+            reason = None
+            if timeout is None or timeout > 0:
+                try:
+                    reason = await asyncio.wait_for(stream(t, ids, times), timeout)
+                except asyncio.TimeoutError:
+                    pass
+            _fill(records[t.request_id], times, reason)
+            bar.update()
+
+        try:
+            await asyncio.gather(*(one(t, ids) for t, ids in zip(trace, prompts)))
+        finally:
+            bar.close()
+    return [records[t.request_id] for t in trace]
+
+
+async def _sse_data(resp):
+    """The ``data:`` payloads of a server-sent event stream, ``[DONE]`` left out (split from the
+    raw bytes: the client's line decoder would cost the machine the server runs on more)."""
+    buf = b""
+    async for part in resp.aiter_raw():
+        buf += part
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            if line.startswith(b"data: ") and line.rstrip() != b"data: [DONE]":
+                yield line[6:]

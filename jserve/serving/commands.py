@@ -65,7 +65,8 @@ def leading(a: argparse.Namespace, llm):
 
 
 def add_serve_parser(sub, add_engine_args: Callable, engine_kwargs: Callable) -> None:
-    s = sub.add_parser("serve", help="serve the jserve.v1.Generation gRPC service")
+    s = sub.add_parser("serve", help="serve the jserve.v1.Generation gRPC service and the "
+                                     "OpenAI-compatible HTTP API from one engine")
     add_engine_args(s)
     add_multihost_args(s)
     s.add_argument("--no-warmup", dest="warmup", action="store_false",
@@ -76,8 +77,14 @@ def add_serve_parser(sub, add_engine_args: Callable, engine_kwargs: Callable) ->
                    help="output-length probe .npz (sprpt; default: the model's shipped one)")
     s.add_argument("--sprpt-c", type=float, default=0.8,
                    help="sprpt preempts a request only while generated <= c x first prediction")
-    s.add_argument("--host", default="0.0.0.0", help="address for gRPC and metrics")
-    s.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address of every endpoint (0.0.0.0: all interfaces; without "
+                        "--auth-token the server then says loudly that it is open)")
+    s.add_argument("--grpc-port", "--port", dest="port", type=int, default=50051,
+                   help="gRPC port (0: any free port)")
+    s.add_argument("--http-port", type=int, default=8000,
+                   help="OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                        "/v1/models, /health, /metrics; 0: any free port; -1: off)")
     s.add_argument("--metrics-port", type=int, default=9400,
                    help="Prometheus /metrics port (0: any free port; -1: off)")
     s.add_argument("--max-waiting", type=int, default=1024,
@@ -104,6 +111,7 @@ def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = ServerConfig(
         host=a.host, port=a.port, metrics_port=None if a.metrics_port < 0 else a.metrics_port,
+        http_port=None if a.http_port < 0 else a.http_port,
         max_waiting=a.max_waiting, max_request_bytes=a.max_request_bytes,
         grace_period=a.grace_period, tls_cert=a.tls_cert, tls_key=a.tls_key,
         auth_token=a.auth_token or None, model_name=a.model)
@@ -114,16 +122,27 @@ def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
     def ready(server) -> None:
         metrics = (f"http://{a.host}:{server.metrics_port}/metrics"
                    if server.metrics_port is not None else "off")
+        http = (f"; OpenAI API http://{a.host}:{server.http_port}/v1"
+                if server.http_port is not None else "")
         print(f"jserve: serving {a.model} on {a.host}:{server.port} "
-              f"({'TLS' if a.tls_cert else 'plaintext'}; metrics {metrics})", flush=True)
+              f"({'TLS' if a.tls_cert else 'plaintext'}; metrics {metrics}{http})", flush=True)
+        if config.open_to_the_network:
+            print(f"jserve: WARNING: listening on {a.host} with no --auth-token: anyone who "
+                  f"can reach this host can use the server", file=sys.stderr, flush=True)
     with leading(a, llm) as leader:
         if not leader:
             return 0
         try:
-            return asyncio.run(serve(llm.engine, config, ready=ready))
+            rc = asyncio.run(serve(llm.engine, config, ready=ready))
         except (OSError, RuntimeError) as e:  # a port in use, an unreadable certificate
             print(f"jserve: error: {e}", file=sys.stderr)
             return 1
+    # The engine thread may still be finishing a step (or a compile) it cannot be stopped in,
+    # and tearing JAX down takes a while: the drain is over, so leave now.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 def generate_remote(a: argparse.Namespace, params) -> int:

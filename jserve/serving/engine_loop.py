@@ -92,6 +92,7 @@ class EngineLoop:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.crashed: BaseException | None = None
+        self._stop_sent = False
         self._on_crash = on_crash  # called on the event loop if the engine thread dies
 
     # -- asyncio side ------------------------------------------------------------------
@@ -151,7 +152,9 @@ class EngineLoop:
         """Ends every request still in flight with UNAVAILABLE and stops the thread."""
         if self._thread is None:
             return
-        self._cmds.put(_STOP)
+        if not self._stop_sent:
+            self._stop_sent = True
+            self._cmds.put(_STOP)
         self._thread.join(timeout)
 
     # -- engine thread -----------------------------------------------------------------

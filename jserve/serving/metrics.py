@@ -17,7 +17,7 @@ _TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.
 # Request outcomes (label values of jserve_requests_total).
 OUTCOMES = ("stop", "length", "cancelled", "deadline_exceeded", "invalid_argument",
             "resource_exhausted", "unavailable", "internal", "already_exists",
-            "unauthenticated")
+            "unauthenticated", "not_found")
 
 
 class ServerMetrics:

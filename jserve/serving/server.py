@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
-import itertools
 import logging
 import os
 import signal
@@ -26,6 +24,7 @@ import time
 
 import grpc
 from google.protobuf.message import DecodeError
+from grpc._cython.cygrpc import ExecuteBatchError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -34,6 +33,8 @@ from jserve.proto import generate_pb2 as pb
 from jserve.sampling.params import (MAX_LOGPROBS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
                                     MAX_STOP_TOKEN_IDS)
 from jserve.serving import engine_loop as el
+from jserve.serving.gateway import (ALREADY_EXISTS, DEADLINE_SLACK_S, UNAUTHENTICATED, Gateway,
+                                    Rejected, Stream, bearer_matches)
 from jserve.serving.metrics import ServerMetrics
 from jserve.serving.protocol import parse_request
 
@@ -46,15 +47,17 @@ _CODES = {el.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
           el.DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED,
           el.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
           el.INTERNAL: grpc.StatusCode.INTERNAL,
-          "already_exists": grpc.StatusCode.ALREADY_EXISTS}
+          ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS}
+LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
 
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
-    host: str = "0.0.0.0"
-    port: int = 50051                  # 0: pick a free port (see GenerationServer.port)
-    metrics_port: int | None = 9400    # None: no HTTP endpoint; 0: pick a free port
+    host: str = "127.0.0.1"            # loopback; "0.0.0.0" opens every endpoint to the network
+    port: int = 50051                  # gRPC; 0: pick a free port (see GenerationServer.port)
+    metrics_port: int | None = 9400    # None: no separate /metrics endpoint; 0: a free port
+    http_port: int | None = None       # OpenAI-compatible HTTP API; None: off; 0: a free port
     max_waiting: int = 1024            # admission queue; one more gets RESOURCE_EXHAUSTED
     max_request_bytes: int = 4 << 20   # bigger messages get INVALID_ARGUMENT
     grace_period: float = 30.0         # seconds in-flight requests get to finish on SIGTERM
@@ -62,6 +65,11 @@ class ServerConfig:
     tls_key: str | None = None
     auth_token: str | None = None      # clients send "authorization: Bearer <token>"
     model_name: str = "default"
+
+    @property
+    def open_to_the_network(self) -> bool:
+        """Bound beyond loopback with no bearer token: anyone who can reach it may use it."""
+        return self.auth_token is None and self.host not in LOOPBACK
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -90,15 +98,15 @@ class _BearerAuth(grpc.aio.ServerInterceptor):
     """Every method but health checks needs ``authorization: Bearer <token>``."""
 
     def __init__(self, token: str, on_denied):
-        self._expected = f"Bearer {token}".encode()
+        self._token = token
         self._on_denied = on_denied
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         if handler is None or details.method.startswith(_HEALTH_PREFIX):
             return handler
-        got = dict(details.invocation_metadata or ()).get("authorization", "")
-        if hmac.compare_digest(got.encode() if isinstance(got, str) else got, self._expected):
+        if bearer_matches(dict(details.invocation_metadata or ()).get("authorization"),
+                          self._token):
             return handler
         self._on_denied()
         return _denying(handler)
@@ -129,7 +137,9 @@ def _denying(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 class GenerationServer:
     """``await start()``, then ``await stop()`` (drain) or ``wait_for_termination()``.
 
-    The server owns ``engine`` from ``start()`` on: touch it only through
+    One process, one engine loop, two front ends: the gRPC service and (with
+    ``config.http_port``) the OpenAI-compatible HTTP API, both through one ``Gateway``. The
+    server owns ``engine`` from ``start()`` on: touch it only through
     ``self.engine_loop.call(fn)``.
     """
 
@@ -139,15 +149,14 @@ class GenerationServer:
         self.metrics = ServerMetrics()
         self.engine_loop = el.EngineLoop(engine, self.metrics, max_waiting=config.max_waiting,
                                          on_crash=self._engine_died)
+        self.gateway = Gateway(engine, self.engine_loop, self.metrics)
         self.health = health.aio.HealthServicer()
         self.port: int | None = None
         self.metrics_port: int | None = None
-        self.draining = False
+        self.http_port: int | None = None
         self._server: grpc.aio.Server | None = None
         self._http = None
-        self._streams: set[str] = set()
-        self._drained = asyncio.Event()
-        self._ids = itertools.count()
+        self._openai = None
         self._info = pb.ModelInfo(
             model=config.model_name, vocab_size=engine.cfg.vocab_size,
             max_model_len=engine.max_model_len, eos_token_ids=list(engine.eos_ids),
@@ -157,19 +166,25 @@ class GenerationServer:
             max_stop_strings=MAX_STOP_STRINGS, max_stop_string_chars=MAX_STOP_STRING_CHARS,
             max_stop_token_ids=MAX_STOP_TOKEN_IDS, max_request_bytes=config.max_request_bytes)
 
+    @property
+    def draining(self) -> bool:
+        return self.gateway.draining
+
     # -- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
         cfg = self.config
         # The transport refuses (RESOURCE_EXHAUSTED) only far past the application limit, so
         # an oversized request normally gets INVALID_ARGUMENT from the handler.
         transport_limit = max(4 * cfg.max_request_bytes, 16 << 20)
-        interceptors = [_BearerAuth(cfg.auth_token, lambda: self.metrics.outcome(
-            "unauthenticated"))] if cfg.auth_token else []
+        interceptors = [_BearerAuth(cfg.auth_token, lambda: self.gateway.refused(
+            UNAUTHENTICATED))] if cfg.auth_token else []
         server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", transport_limit),
             ("grpc.so_reuseport", 0)])
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
-            "Generate": grpc.unary_stream_rpc_method_handler(
+            # Unary-stream on the wire; registered as stream-stream so that the handler runs
+            # (and counts the call) even when it ends before its one message is read.
+            "Generate": grpc.stream_stream_rpc_method_handler(
                 self._generate, request_deserializer=self._deserialize,
                 response_serializer=pb.GenerateResponse.SerializeToString),
             "GetModelInfo": grpc.unary_unary_rpc_method_handler(
@@ -190,6 +205,10 @@ class GenerationServer:
             raise OSError(f"could not bind {address}")
         self.port = port
         self._server = server
+        if cfg.http_port is not None:
+            from jserve.serving.openai_api import OpenAIServer
+            self._openai = OpenAIServer(self.gateway, cfg)
+            self.http_port = await self._openai.start(cfg.host, cfg.http_port)
         self.engine_loop.start(asyncio.get_running_loop())
         await server.start()
         if cfg.metrics_port is not None:
@@ -197,32 +216,47 @@ class GenerationServer:
             self.metrics_port = self._http[0].server_port
         for name in ("", SERVICE):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("serving %s on %s:%d", SERVICE, cfg.host, port)
+        log.info("serving %s on %s:%d%s", SERVICE, cfg.host, port,
+                 f" and the OpenAI API on http://{cfg.host}:{self.http_port}/v1"
+                 if self.http_port is not None else "")
+        if cfg.open_to_the_network:
+            log.warning("OPEN SERVER: bound to %s with no --auth-token: anyone who can reach "
+                        "this host can generate and read /metrics", cfg.host)
 
     async def stop(self, grace: float | None = None, *, hurry: asyncio.Event | None = None
                    ) -> None:
-        """Drain: refuse new requests (UNAVAILABLE), report NOT_SERVING, give in-flight
+        """Drain: refuse new requests (UNAVAILABLE / 503), report NOT_SERVING, give in-flight
         requests ``grace`` seconds (the config's by default; ``hurry`` set cuts it short) to
-        finish, then end the rest with UNAVAILABLE and stop."""
+        finish, then end the rest with UNAVAILABLE and stop, within about half a second of
+        the grace period's end however busy the engine thread is."""
         grace = self.config.grace_period if grace is None else grace
-        self.draining = True
+        self.gateway.draining = True
         await self.health.enter_graceful_shutdown()
-        if self._streams:
-            self._drained.clear()
-            waits = [asyncio.ensure_future(self._drained.wait())]
+        if self.gateway.in_flight:
+            waits = [asyncio.ensure_future(self.gateway.wait_drained())]
             if hurry is not None:
                 waits.append(asyncio.ensure_future(hurry.wait()))
             await asyncio.wait(waits, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
             for w in waits:
                 w.cancel()
+        # The engine thread may be inside a long step (or a compile): end the streams from
+        # here, ask it to stop, and wait for it only briefly (it is a daemon thread).
+        t0 = time.monotonic()
+        log.info("grace over: ending %d requests", self.gateway.in_flight)
+        self.gateway.end_all(el.UNAVAILABLE, "the server is shutting down")
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, self.engine_loop.shutdown)
+        stopping = loop.run_in_executor(None, self.engine_loop.shutdown, 0.2)
+        await asyncio.sleep(0.05)  # lets the handlers send their statuses
+        if self._openai is not None:
+            await self._openai.stop(0.2)
         if self._server is not None:
-            await self._server.stop(1.0)  # lets the UNAVAILABLE statuses go out
-        if self._http is not None:
-            self._http[0].shutdown()
+            await self._server.stop(0.2)
+        if self._http is not None:  # its shutdown() polls every 0.5 s: not worth waiting for
             self._http[0].server_close()
+            threading.Thread(target=self._http[0].shutdown, daemon=True).start()
             self._http = None
+        await stopping
+        log.info("stopped %.2f s after the grace period", time.monotonic() - t0)
 
     def _engine_died(self, error: BaseException) -> None:
         """The engine thread is gone (not a failed step: those are handled): report it."""
@@ -248,56 +282,61 @@ class GenerationServer:
     async def _model_info(self, request, context) -> pb.ModelInfo:
         return self._info
 
-    async def _fail(self, context, kind: str, message: str) -> None:
-        self.metrics.outcome(kind)
-        await context.abort(_CODES[kind], message)
-
-    async def _generate(self, request, context) -> None:
-        arrival = time.monotonic()
+    def _accept(self, request, context, arrival: float, deadline: float | None) -> Stream:
+        """Validates and queues the request; ``Rejected`` if it is refused."""
+        gw = self.gateway
+        if request is grpc.aio.EOF:
+            raise Rejected(el.INVALID, "no GenerateRequest was sent")
         if isinstance(request, _BadMessage):
-            await self._fail(context, el.INVALID, request.reason)
-        if self.draining:
-            await self._fail(context, el.UNAVAILABLE, "the server is shutting down")
-        if not self.engine_loop.alive:
-            await self._fail(context, el.UNAVAILABLE, "the engine is not running")
+            raise Rejected(el.INVALID, request.reason)
+        gw.check_open()
         try:
             parsed = parse_request(request)
-            _, ids = self.engine.tokenize(parsed.prompt)
-            self.engine.validate(ids, parsed.params)
         except ValueError as e:
-            await self._fail(context, el.INVALID, str(e))
-        rid = parsed.request_id or f"grpc-{next(self._ids)}"
-        if rid in self._streams:
-            await self._fail(context, "already_exists",
-                             f"request_id {rid!r} is already in flight")
+            raise Rejected(el.INVALID, str(e)) from None
+        ids = gw.prepare(parsed.prompt, parsed.params, ttft_slo=parsed.ttft_slo,
+                         tpot_slo=parsed.tpot_slo, name=lambda f: f"sampling_params.{f}",
+                         slo_names=("ttft_slo_seconds", "tpot_slo_seconds"))
+        rid = parsed.request_id or gw.new_id("grpc")
+        return gw.open(rid, ids, parsed.params, arrival=arrival, deadline=deadline,
+                       ttft_slo=parsed.ttft_slo, tpot_slo=parsed.tpot_slo,
+                       priority=parsed.priority)
+
+    async def _generate(self, requests, context) -> None:
+        arrival = time.monotonic()
         remaining = context.time_remaining()
         deadline = arrival + remaining if remaining is not None else None
-        self._streams.add(rid)
-        done = False
         try:
-            sink = self.engine_loop.submit(
-                rid, ids, parsed.params, arrival_time=arrival, deadline=deadline,
-                ttft_slo=parsed.ttft_slo, tpot_slo=parsed.tpot_slo, priority=parsed.priority)
-            while not done:
-                deltas = [await sink.get()]
-                while not sink.empty():
-                    deltas.append(sink.get_nowait())
-                last = deltas[-1]
-                done = last.last
-                if last.error is not None:
-                    if len(deltas) > 1:
-                        await context.write(_response(rid, deltas[:-1]))
-                    await self._fail(context, *last.error)
-                await context.write(_response(rid, deltas))
-            self.metrics.outcome(last.finish_reason)
-        finally:
-            if not done:  # cancelled, disconnected, or gRPC ended it at its deadline
-                self.engine_loop.abort(rid)
-                expired = deadline is not None and time.monotonic() >= deadline
-                self.metrics.outcome(el.DEADLINE if expired else "cancelled")
-            self._streams.discard(rid)
-            if not self._streams:
-                self._drained.set()
+            request = await context.read()
+        except BaseException:  # the call ended (its deadline, a cancel) before its message came
+            expired = deadline is not None and time.monotonic() >= deadline - DEADLINE_SLACK_S
+            self.gateway.refused(el.DEADLINE if expired else "cancelled")
+            raise
+        try:
+            stream = self._accept(request, context, arrival, deadline)
+        except Rejected as e:
+            self.gateway.refused(e.kind)
+            await context.abort(_CODES[e.kind], e.message)
+        async with stream:
+            try:
+                while not stream.done:
+                    deltas = await stream.next()
+                    await context.write(_response(stream.request_id, deltas))
+            except Rejected as e:
+                await _quietly(context.abort(_CODES[e.kind], e.message))
+            except ExecuteBatchError:
+                # The client went away while a message was on its way: the request is
+                # cancelled (the block's exit aborts it), and the stream ends quietly.
+                raise asyncio.CancelledError from None
+
+
+async def _quietly(abort) -> None:
+    """``context.abort`` raises to end the handler; on a call the client already left it
+    fails instead (ExecuteBatchError), which grpc would log with a traceback."""
+    try:
+        await abort
+    except ExecuteBatchError:
+        raise asyncio.CancelledError from None
 
 
 def _response(rid: str, deltas: list[el.Delta]) -> pb.GenerateResponse:
@@ -334,6 +373,8 @@ class BackgroundServer:
         self.server = self.run(create())
         host = "127.0.0.1" if config.host in ("0.0.0.0", "[::]", "") else config.host
         self.target = f"{host}:{self.server.port}"
+        self.http_url = (f"http://{host}:{self.server.http_port}"
+                         if self.server.http_port is not None else None)
 
     def run(self, coro, timeout: float | None = None):
         """Runs a coroutine on the server's loop and returns its result."""
@@ -346,6 +387,7 @@ class BackgroundServer:
         if self._loop.is_closed():
             return
         self.run(self.server.stop(grace))
+        self.server.engine_loop.shutdown()  # the engine is the caller's again once stopped
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
@@ -366,7 +408,7 @@ async def serve(engine: LLMEngine, config: ServerConfig, *, ready=None) -> int:
     if ready is not None:
         ready(server)
     await stop.wait()
-    log.info("draining: %d requests in flight, grace %.1f s", len(server._streams),
+    log.info("draining: %d requests in flight, grace %.1f s", server.gateway.in_flight,
              config.grace_period)
     await server.stop(hurry=hurry)
     return 0

@@ -1,0 +1,213 @@
+"""The path of one request through any front end (gRPC, OpenAI HTTP), in one place.
+
+Both front ends run on the same event loop and share one ``Gateway``: it refuses new work
+while draining or when the engine thread is gone, validates with the offline API's own checks
+(``SamplingParams`` and ``LLMEngine.tokenize/validate``) naming fields the way the caller's
+wire format does, hands out request ids that never collide with anyone's (a server id skips
+every id in flight, whoever chose it), keeps the set of requests in flight (for the drain),
+and turns the engine loop's deltas into a ``Stream`` that counts its request's outcome in
+``jserve_requests_total`` exactly once, whatever ends it: a finish, an error from the engine
+thread, a cancelled or vanished client, or a passed deadline.
+
+Refusals before a request is accepted raise ``Rejected``; the front end maps the kind to its
+status code and counts it with ``Gateway.refused``.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import itertools
+import secrets
+import time
+from typing import Callable
+
+from jserve.engine.engine import LLMEngine
+from jserve.sampling.params import SamplingParams
+from jserve.serving import engine_loop as el
+from jserve.serving.metrics import ServerMetrics
+
+ALREADY_EXISTS = "already_exists"
+UNAUTHENTICATED = "unauthenticated"
+NOT_FOUND = "not_found"
+# A client whose own deadline fired cancels its call a moment before the server's timer
+# would: a cancel this close to the deadline counts as deadline_exceeded.
+DEADLINE_SLACK_S = 0.25
+_PARAM_FIELDS = frozenset(SamplingParams.__dataclass_fields__)
+
+
+class Rejected(Exception):
+    """A request refused before it reached the engine (``kind``: an engine_loop error kind or
+    one of this module's)."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+
+def bearer_matches(header: str | bytes | None, token: str) -> bool:
+    """``Bearer <token>`` (the scheme in any case), compared in constant time."""
+    if isinstance(header, bytes):
+        header = header.decode("latin-1")
+    scheme, _, value = (header or "").strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(),
+                                                              token.encode())
+
+
+def field_message(message: str, name: Callable[[str], str]) -> str:
+    """``SamplingParams`` messages start with the field's name: rename it as the wire does
+    (``top_k must ...`` -> ``sampling_params.top_k must ...``)."""
+    head, sep, rest = message.partition(" ")
+    if head in _PARAM_FIELDS:
+        return f"{name(head)}{sep}{rest}"
+    if " + max_tokens (" in message:  # the engine's context check: too many tokens asked for
+        return f"{name('max_tokens')}: {message}"
+    return message
+
+
+class Gateway:
+    def __init__(self, engine: LLMEngine, engine_loop: el.EngineLoop, metrics: ServerMetrics):
+        self.engine = engine
+        self.engine_loop = engine_loop
+        self.metrics = metrics
+        self.draining = False
+        self._in_flight: dict[str, Stream] = {}
+        self._drained = asyncio.Event()
+        self._drained.set()
+        self._nonce = secrets.token_hex(3)
+        self._ids = itertools.count()
+
+    # -- before acceptance -------------------------------------------------------------
+    def refused(self, kind: str) -> None:
+        self.metrics.outcome(kind)
+
+    def check_open(self) -> None:
+        if self.draining:
+            raise Rejected(el.UNAVAILABLE, "the server is shutting down")
+        if not self.engine_loop.alive:
+            raise Rejected(el.UNAVAILABLE, "the engine is not running")
+
+    @property
+    def healthy(self) -> bool:
+        return not self.draining and self.engine_loop.alive
+
+    def prepare(self, prompt: str | list[int], params: SamplingParams, *,
+                ttft_slo: float | None = None, tpot_slo: float | None = None,
+                name: Callable[[str], str] = lambda f: f,
+                slo_names: tuple[str, str] = ("ttft_slo", "tpot_slo")) -> list[int]:
+        """Prompt token ids, or ``Rejected`` (INVALID) naming the field as ``name`` does."""
+        try:
+            _, ids = self.engine.tokenize(prompt)
+            params.validate(vocab_size=self.engine.cfg.vocab_size)
+            self.engine.validate(ids, params)
+        except ValueError as e:
+            raise Rejected(el.INVALID, field_message(str(e), name)) from None
+        for field, slo in zip(slo_names, (ttft_slo, tpot_slo)):
+            if slo is not None and not slo > 0:
+                raise Rejected(el.INVALID, f"{field} must be > 0 seconds, got {slo}")
+        return ids
+
+    def new_id(self, prefix: str) -> str:
+        """An id no request in flight has, whoever chose it."""
+        while True:
+            rid = f"{prefix}-{self._nonce}-{next(self._ids)}"
+            if rid not in self._in_flight:
+                return rid
+
+    def open(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *,
+             arrival: float, deadline: float | None = None, ttft_slo: float | None = None,
+             tpot_slo: float | None = None, priority: int = 0) -> Stream:
+        """Accepts the request (``Rejected`` ALREADY_EXISTS if its id is in flight) and queues
+        it on the engine loop. Use as ``async with``: leaving the block ends the request."""
+        if request_id in self._in_flight:
+            raise Rejected(ALREADY_EXISTS, f"request_id {request_id!r} is already in flight")
+        sink = self.engine_loop.submit(request_id, prompt_ids, params, arrival_time=arrival,
+                                       deadline=deadline, ttft_slo=ttft_slo,
+                                       tpot_slo=tpot_slo, priority=priority)
+        stream = Stream(self, request_id, sink, deadline)
+        self._in_flight[request_id] = stream
+        self._drained.clear()
+        return stream
+
+    # -- drain -------------------------------------------------------------------------
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    async def wait_drained(self) -> None:
+        await self._drained.wait()
+
+    def end_all(self, kind: str, message: str) -> None:
+        """Ends every stream now from the event loop (the engine thread may be stuck in a
+        long step): each reader gets ``Rejected(kind)`` at its next read."""
+        for s in list(self._in_flight.values()):
+            s._sink.put_nowait(el.Delta([], "", [], error=(kind, message)))
+
+    def _closed(self, stream: Stream) -> None:
+        if self._in_flight.get(stream.request_id) is stream:
+            del self._in_flight[stream.request_id]
+        if not self._in_flight:
+            self._drained.set()
+
+
+class Stream:
+    """One accepted request's deltas. ``await next()`` returns the deltas that piled up
+    (coalesced; the last list ends with the finish delta, then ``done``); an error from the
+    engine raises ``Rejected`` after the deltas before it were returned."""
+
+    def __init__(self, gateway: Gateway, request_id: str, sink: asyncio.Queue,
+                 deadline: float | None):
+        self.gateway = gateway
+        self.request_id = request_id
+        self._sink = sink
+        self._deadline = deadline
+        self._error: el.Delta | None = None
+        self.outcome: str | None = None  # set once, when counted
+
+    @property
+    def done(self) -> bool:
+        return self.outcome is not None
+
+    async def next(self) -> list[el.Delta]:
+        if self._error is not None:
+            self._raise(self._error)
+        deltas = [await self._sink.get()]
+        while not self._sink.empty() and not deltas[-1].last:
+            deltas.append(self._sink.get_nowait())
+        last = deltas[-1]
+        if last.error is not None:
+            if len(deltas) == 1:
+                self._raise(last)
+            self._error = last
+            return deltas[:-1]
+        if last.finish_reason is not None:
+            self._count(last.finish_reason)
+        return deltas
+
+    def _raise(self, d: el.Delta) -> None:
+        kind, message = d.error
+        self._count(kind)
+        raise Rejected(kind, message)
+
+    def _count(self, outcome: str) -> None:
+        if self.outcome is None:
+            self.outcome = outcome
+            self.gateway.metrics.outcome(outcome)
+            self.gateway._closed(self)
+
+    def close(self) -> None:
+        """Ends the request if it has not ended: aborts it on the engine thread (its blocks
+        are free before the next schedule) and counts it cancelled, or deadline_exceeded when
+        its deadline has (about) passed. Idempotent."""
+        if self.outcome is not None:
+            return
+        self.gateway.engine_loop.abort(self.request_id)
+        expired = (self._deadline is not None
+                   and time.monotonic() >= self._deadline - DEADLINE_SLACK_S)
+        self._count(el.DEADLINE if expired else "cancelled")
+
+    async def __aenter__(self) -> Stream:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()

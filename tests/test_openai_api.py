@@ -1,0 +1,484 @@
+"""The OpenAI-compatible HTTP API: the official ``openai`` client against a real ``jserve serve``
+subprocess (gRPC and HTTP from one engine loop): greedy text equal to ``LLM.generate`` and to
+the gRPC stream, streaming and not, n=3, logprobs, stop strings, reproducible seeds, exact
+usage; every body field honoured or refused with a 400 naming it; 400/401/404/429/503 in
+OpenAI's error shape; concurrent streams with random client disconnects leave zero KV blocks;
+/health fails within a second of the engine loop dying."""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import threading
+import time
+
+import httpx2 as httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import Served, small_llm
+from jserve import SamplingParams
+from jserve.client import Client
+from jserve.serving.server import BackgroundServer, ServerConfig
+
+TOKEN = "s3cret"
+
+
+@pytest.fixture(scope="module")
+def served():
+    s = Served("--auth-token", TOKEN)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def oai(served):
+    with openai.OpenAI(base_url=served.url + "/v1", api_key=TOKEN, max_retries=0,
+                       timeout=120) as c:
+        yield c
+
+
+def greedy(n=12, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
+
+
+def gauges(url: str) -> dict[str, float]:
+    body = httpx.get(url + "/metrics", timeout=10).text
+    out = {}
+    for fam in text_string_to_metric_families(body):
+        for s in fam.samples:
+            out[s.name + (json.dumps(s.labels, sort_keys=True) if s.labels else "")] = s.value
+    return out
+
+
+def wait_blocks_free(url: str, timeout: float = 30.0) -> dict:
+    end = time.monotonic() + timeout
+    while True:
+        g = gauges(url)
+        if g["jserve_kv_blocks_used"] == 0 and g["jserve_num_requests_running"] == 0 \
+                and g["jserve_num_requests_waiting"] == 0:
+            return g
+        assert time.monotonic() < end, {k: v for k, v in g.items() if "blocks" in k}
+        time.sleep(0.05)
+
+
+def sse_events(resp: httpx.Response) -> list[str]:
+    return [line[len("data: "):] for line in resp.iter_lines() if line.startswith("data: ")]
+
+
+# -- results ---------------------------------------------------------------------------------
+def test_greedy_completion_equals_offline_and_grpc_streaming_or_not(served, oai, llm):
+    want = llm.generate("Hello, jserve", greedy(20))[0]
+    with Client(served.target, auth_token=TOKEN) as c:
+        grpc_text = "".join(r.text for r in c.stream("Hello, jserve", greedy(20)))
+    got = oai.completions.create(model="default", prompt="Hello, jserve", max_tokens=20,
+                                 temperature=0, extra_body={"ignore_eos": True})
+    chunks = list(oai.completions.create(model="default", prompt="Hello, jserve",
+                                         max_tokens=20, temperature=0, stream=True,
+                                         extra_body={"ignore_eos": True}))
+    assert got.choices[0].text == want.text == grpc_text
+    assert "".join(ch.choices[0].text for ch in chunks) == want.text
+    assert len(chunks) > 1 and chunks[-1].choices[0].finish_reason == "length"
+    assert got.choices[0].finish_reason == "length"
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens, got.usage.total_tokens) == (
+        len(want.prompt_token_ids), 20, len(want.prompt_token_ids) + 20)
+    # Token-id prompts too.
+    ids = oai.completions.create(model="default", prompt=[256, 72, 105], max_tokens=8,
+                                 temperature=0, extra_body={"ignore_eos": True})
+    assert ids.choices[0].text == llm.generate([256, 72, 105], greedy(8))[0].text
+
+
+def test_chat_uses_the_template_and_equals_offline(oai, llm):
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    want = llm.generate(llm.chat_prompt(msgs), greedy(16))[0]
+    got = oai.chat.completions.create(model="default", messages=msgs, max_tokens=16,
+                                      temperature=0, extra_body={"ignore_eos": True})
+    assert got.choices[0].message.content == want.text
+    assert got.choices[0].message.role == "assistant"
+    assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert got.usage.completion_tokens == 16
+    parts = list(oai.chat.completions.create(
+        model="default", messages=msgs, max_tokens=16, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert parts[0].choices[0].delta.role == "assistant"
+    assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == want.text
+    assert parts[-1].choices == [] and parts[-1].usage.completion_tokens == 16
+    assert all(p.usage is None for p in parts[:-1])
+    # Content parts are text.
+    parts_msg = [{"role": "user", "content": [{"type": "text", "text": "h"},
+                                              {"type": "text", "text": "i"}]}]
+    assert oai.chat.completions.create(
+        model="default", messages=parts_msg, max_tokens=16, temperature=0,
+        extra_body={"ignore_eos": True}).choices[0].message.content == \
+        llm.generate(llm.chat_prompt([{"role": "user", "content": "hi"}]), greedy(16))[0].text
+
+
+def test_n3_seeds_are_reproducible_and_choice_i_is_seed_plus_i(oai, llm):
+    kw = dict(model="default", prompt="Once upon a time", max_tokens=12, temperature=0.9,
+              seed=11, n=3, extra_body={"ignore_eos": True})
+    a, b = oai.completions.create(**kw), oai.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert len({c.text for c in a.choices}) > 1
+    for i, c in enumerate(a.choices):
+        p = SamplingParams(temperature=0.9, seed=11 + i, max_tokens=12, ignore_eos=True)
+        assert c.text == llm.generate("Once upon a time", p)[0].text
+    assert a.usage.completion_tokens == 36
+    streamed = list(oai.completions.create(**kw, stream=True))
+    texts = ["", "", ""]
+    for ch in streamed:
+        for c in ch.choices:
+            texts[c.index] += c.text
+    assert texts == [c.text for c in a.choices]
+
+
+def test_logprobs_equal_the_offline_ones(oai, llm):
+    want = llm.generate("Hello", greedy(8, logprobs=3))[0]
+    got = oai.completions.create(model="default", prompt="Hello", max_tokens=8,
+                                 temperature=0, logprobs=3, extra_body={"ignore_eos": True})
+    lp = got.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx([w.logprob for w in want.logprobs], abs=1e-4)
+    assert [len(t) for t in lp.top_logprobs] == [len({i for i, _ in w.top})
+                                                 for w in want.logprobs]
+    chat_want = llm.generate(llm.chat_prompt([{"role": "user", "content": "x"}]),
+                             greedy(6, logprobs=2))[0]
+    chat = oai.chat.completions.create(model="default",
+                                       messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=6, temperature=0, logprobs=True,
+                                       top_logprobs=2, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx(
+        [w.logprob for w in chat_want.logprobs], abs=1e-4)
+    assert all(len(c.top_logprobs) == 2 for c in content)
+
+
+def test_stop_strings_cut_the_text_and_finish_with_stop(oai, llm):
+    base = llm.generate("Hello, jserve", greedy(30))[0]
+    stop = base.text[19:21]
+    for stops in (stop, [stop, "zzz"]):
+        want = llm.generate("Hello, jserve", greedy(30, stop=stops))[0]
+        got = oai.completions.create(model="default", prompt="Hello, jserve", max_tokens=30,
+                                     temperature=0, stop=stops, extra_body={"ignore_eos": True})
+        assert want.finish_reason == got.choices[0].finish_reason == "stop"
+        assert got.choices[0].text == want.text and stop not in want.text
+        assert got.usage.completion_tokens == len(want.token_ids)
+        streamed = list(oai.completions.create(
+            model="default", prompt="Hello, jserve", max_tokens=30, temperature=0, stop=stops,
+            stream=True, extra_body={"ignore_eos": True}))
+        assert "".join(c.choices[0].text for c in streamed) == want.text
+
+
+def test_sse_ends_with_done_and_usage_only_when_asked(served):
+    h = {"Authorization": f"Bearer {TOKEN}"}
+    body = {"model": "default", "prompt": "Hi", "max_tokens": 5, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    for include in (False, True):
+        b = {**body, "stream_options": {"include_usage": include}}
+        with httpx.stream("POST", served.url + "/v1/completions", json=b, headers=h,
+                          timeout=60) as r:
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            events = sse_events(r)
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        if include:
+            assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+            assert all(c["usage"] is None for c in chunks[:-1])
+        else:
+            assert all("usage" not in c for c in chunks)
+
+
+# -- every field -----------------------------------------------------------------------------
+def test_every_sampling_field_is_honoured(oai, llm):
+    """One request with every supported field set gives exactly the offline result."""
+    params = SamplingParams(max_tokens=10, temperature=0.7, top_p=0.9, seed=5, top_k=40,
+                            min_p=0.02, repetition_penalty=1.1, presence_penalty=0.3,
+                            frequency_penalty=0.2, min_tokens=4, ignore_eos=False,
+                            stop=["zz"], stop_token_ids=[257, 10], logprobs=1)
+    want = llm.generate("The sea", params)[0]
+    got = oai.completions.create(
+        model="default", prompt="The sea", max_tokens=10, temperature=0.7, top_p=0.9, seed=5,
+        presence_penalty=0.3, frequency_penalty=0.2, stop=["zz"], logprobs=1, user="u-1",
+        extra_body=dict(top_k=40, min_p=0.02, repetition_penalty=1.1, min_tokens=4,
+                        ignore_eos=False, stop_token_ids=[257, 10], ttft_slo=5.0,
+                        tpot_slo=1.0, priority=2))
+    c = got.choices[0]
+    assert c.text == want.text and c.finish_reason == want.finish_reason
+    assert got.usage.completion_tokens == len(want.token_ids)
+    assert c.logprobs.token_logprobs == pytest.approx([w.logprob for w in want.logprobs],
+                                                      abs=1e-4)
+    chat = oai.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "The sea"}],
+        max_completion_tokens=10, temperature=0.7, top_p=0.9, seed=5, stop="zz",
+        extra_body=dict(top_k=40, min_tokens=4))
+    cw = llm.generate(llm.chat_prompt([{"role": "user", "content": "The sea"}]),
+                      SamplingParams(max_tokens=10, temperature=0.7, top_p=0.9, seed=5,
+                                     stop="zz", top_k=40, min_tokens=4))[0]
+    assert chat.choices[0].message.content == cw.text
+
+
+BAD_FIELDS = [  # (endpoint, extra body fields, the field the 400 must name)
+    ("completions", {"temperature": -1}, "temperature"),
+    ("completions", {"top_p": 0}, "top_p"),
+    ("completions", {"seed": -1}, "seed"),
+    ("completions", {"stop": 5}, "stop"),
+    ("completions", {"stop": [""]}, "stop"),
+    ("completions", {"presence_penalty": 3}, "presence_penalty"),
+    ("completions", {"frequency_penalty": -3}, "frequency_penalty"),
+    ("completions", {"logprobs": 21}, "logprobs"),
+    ("completions", {"max_tokens": 0}, "max_tokens"),
+    ("completions", {"max_tokens": 600}, "max_tokens"),
+    ("completions", {"n": 0}, "n"),
+    ("completions", {"n": "2"}, "n"),
+    ("completions", {"user": 3}, "user"),
+    ("completions", {"top_k": 1000}, "top_k"),
+    ("completions", {"min_p": 2}, "min_p"),
+    ("completions", {"repetition_penalty": 0}, "repetition_penalty"),
+    ("completions", {"min_tokens": 9}, "min_tokens"),
+    ("completions", {"ignore_eos": "yes"}, "ignore_eos"),
+    ("completions", {"stop_token_ids": [999]}, "stop_token_ids"),
+    ("completions", {"ttft_slo": 0}, "ttft_slo"),
+    ("completions", {"tpot_slo": "x"}, "tpot_slo"),
+    ("completions", {"priority": 1.5}, "priority"),
+    ("completions", {"prompt": ""}, "prompt"),
+    ("completions", {"prompt": [1, 999]}, "prompt"),
+    ("completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+    ("completions", {"echo": True}, "echo"),
+    ("completions", {"suffix": "x"}, "suffix"),
+    ("completions", {"best_of": 2}, "best_of"),
+    ("completions", {"logit_bias": {"5": 1}}, "logit_bias"),
+    ("completions", {"frobnicate": 1}, "frobnicate"),
+    ("chat", {"max_completion_tokens": 0}, "max_completion_tokens"),
+    ("chat", {"max_tokens": 5, "max_completion_tokens": 5}, "max_tokens"),
+    ("chat", {"top_logprobs": 2}, "top_logprobs"),
+    ("chat", {"logprobs": True, "top_logprobs": 30}, "top_logprobs"),
+    ("chat", {"logprobs": 3}, "logprobs"),
+    ("chat", {"tools": [{"type": "function"}]}, "tools"),
+    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"messages": []}, "messages"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages[0].content"),
+    ("chat", {"messages": [{"role": "user", "content": "x", "tool_calls": []}]},
+     "messages[0].tool_calls"),
+]
+
+
+def test_bad_or_unsupported_fields_get_400_naming_them(served):
+    h = {"Authorization": f"Bearer {TOKEN}"}
+    before = gauges(served.url)['jserve_requests_total{"outcome": "invalid_argument"}']
+    for endpoint, extra, field in BAD_FIELDS:
+        body = ({"model": "default", "messages": [{"role": "user", "content": "hi"}]}
+                if endpoint == "chat" else {"model": "default", "prompt": "hi"})
+        body = {**body, "max_tokens": 4, **extra} if "max_completion_tokens" not in extra \
+            else {**body, **extra}
+        path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+        r = httpx.post(served.url + path, json=body, headers=h, timeout=30)
+        assert r.status_code == 400, (extra, r.text)
+        err = r.json()["error"]
+        assert err["param"] == field and field in err["message"], (extra, err)
+        assert err["type"] == "invalid_request_error"
+    after = gauges(served.url)['jserve_requests_total{"outcome": "invalid_argument"}']
+    assert after == before + len(BAD_FIELDS)
+    r = httpx.post(served.url + "/v1/completions", content=b"{not json", headers=h, timeout=30)
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+
+
+def test_auth_model_and_shape_of_errors(served):
+    url = served.url + "/v1/completions"
+    body = {"model": "default", "prompt": "hi", "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
+        r = httpx.post(url, json=body, headers=headers, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    for scheme in ("bearer", "BEARER", "Bearer"):  # the scheme is case-insensitive
+        r = httpx.post(url, json=body, headers={"Authorization": f"{scheme} {TOKEN}"},
+                       timeout=30)
+        assert r.status_code == 200, r.text
+    with openai.OpenAI(base_url=served.url + "/v1", api_key="nope", max_retries=0) as c:
+        with pytest.raises(openai.AuthenticationError):
+            c.models.list()
+    r = httpx.post(url, json={**body, "model": "llama"},
+                   headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["param"] is None
+    assert "llama" in r.json()["error"]["message"]
+    models = httpx.get(served.url + "/v1/models",
+                       headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30).json()
+    assert [m["id"] for m in models["data"]] == ["default"]
+    assert httpx.get(served.url + "/health", timeout=30).json() == {"status": "ok"}
+
+
+# -- load and disconnects --------------------------------------------------------------------
+STREAMS, DISCONNECTS, CONCURRENT = 500, 300, 200
+
+
+def test_concurrent_streams_and_random_disconnects_leave_no_blocks(served, llm):
+    """500 streams, 200 at a time, 300 of them dropped by the client mid-stream."""
+    rng = random.Random(3)
+    cut = set(rng.sample(range(STREAMS), DISCONNECTS))
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(1, 40))] for _ in range(STREAMS)]
+    lengths = [rng.randint(2, 8) if i not in cut else rng.randint(30, 200)
+               for i in range(STREAMS)]
+    before = gauges(served.url)
+
+    async def run():
+        limits = httpx.Limits(max_connections=CONCURRENT + 10)
+        sem = asyncio.Semaphore(CONCURRENT)
+        async with httpx.AsyncClient(base_url=served.url, limits=limits, timeout=240,
+                                     headers={"Authorization": f"Bearer {TOKEN}"}) as c:
+            async def one(i):
+                async with sem:
+                    return await stream(i)
+
+            async def stream(i):
+                body = {"model": "default", "prompt": prompts[i], "max_tokens": lengths[i],
+                        "temperature": 0, "ignore_eos": True, "stream": True}
+                text, after = "", random.Random(i).randint(0, 3)
+                async with c.stream("POST", "/v1/completions", json=body) as r:
+                    assert r.status_code == 200
+                    n = 0
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data: "):
+                            continue
+                        if line == "data: [DONE]":
+                            return text
+                        text += json.loads(line[6:])["choices"][0]["text"]
+                        n += 1
+                        if i in cut and n > after:
+                            return None  # leaving the block drops the connection mid-stream
+            return await asyncio.gather(*(one(i) for i in range(STREAMS)))
+
+    got = asyncio.run(run())
+    want = llm.generate([prompts[i] for i in range(STREAMS) if i not in cut],
+                        [greedy(lengths[i]) for i in range(STREAMS) if i not in cut])
+    assert [g for i, g in enumerate(got) if i not in cut] == [w.text for w in want]
+    g = wait_blocks_free(served.url)
+    ended = {o: g[f'jserve_requests_total{{"outcome": "{o}"}}']
+             - before[f'jserve_requests_total{{"outcome": "{o}"}}']
+             for o in ("length", "cancelled")}
+    assert ended == {"length": STREAMS - DISCONNECTS, "cancelled": DISCONNECTS}, ended
+    assert httpx.get(served.url + "/health", timeout=10).status_code == 200
+
+
+def test_a_disconnect_frees_the_blocks_at_once(served):
+    body = {"model": "default", "prompt": [5] * 40, "max_tokens": 450, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+        lines = r.iter_lines()
+        while not next(lines).startswith("data: "):
+            pass
+        assert gauges(served.url)["jserve_kv_blocks_used"] > 0
+    t = time.monotonic()
+    wait_blocks_free(served.url, timeout=1.0)  # 450 tokens would take far longer
+    assert time.monotonic() - t < 1.0
+    # A non-streaming request whose client goes away is aborted too.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(served.url + "/v1/completions", json={**body, "stream": False},
+                   headers={"Authorization": f"Bearer {TOKEN}"}, timeout=0.5)
+    wait_blocks_free(served.url, timeout=1.5)
+
+
+# -- statuses that need a server in a given state ---------------------------------------------
+@pytest.fixture(scope="module")
+def spare_engine():
+    return small_llm().engine
+
+
+def _post(url: str, body: dict, **kw) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", json={"model": "default", **body}, timeout=60,
+                      **kw)
+
+
+def test_full_admission_queue_gets_429(spare_engine):
+    server = BackgroundServer(spare_engine, ServerConfig(port=0, metrics_port=None,
+                                                         http_port=0))
+    server.server.engine_loop.max_waiting = 1
+    try:
+        async def run():
+            async with httpx.AsyncClient(base_url=server.http_url, timeout=120) as c:
+                async def one(i):
+                    r = await c.post("/v1/completions", json={
+                        "model": "default", "prompt": [i + 1] * 5, "max_tokens": 60,
+                        "temperature": 0, "ignore_eos": True, "stream": i % 2 == 0})
+                    return r.status_code, (r.json() if r.status_code != 200 else None)
+                return await asyncio.gather(*(one(i) for i in range(12)))
+        results = asyncio.run(run())
+        codes = [c for c, _ in results]
+        assert codes.count(429) >= 1 and codes.count(200) >= 1, codes
+        assert set(codes) == {200, 429}, codes
+        assert all(e["error"]["type"] == "rate_limit_error" and "admission queue" in
+                   e["error"]["message"] for c, e in results if c == 429)
+        server.server.engine_loop.max_waiting = 1024
+        st = server.stats()
+        assert st["blocks_used"] == 0 and st["in_flight"] == 0
+    finally:
+        server.stop(grace=0)
+
+
+def test_draining_gets_503_and_health_fails(spare_engine):
+    server = BackgroundServer(spare_engine, ServerConfig(port=0, metrics_port=None,
+                                                         http_port=0))
+    url = server.http_url
+    try:
+        streaming = threading.Event()
+        result = {}
+
+        def long():
+            with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
+                    "model": "default", "prompt": [3, 4], "max_tokens": 450, "temperature": 0,
+                    "ignore_eos": True, "stream": True}) as r:
+                events = []
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        streaming.set()
+                result["events"] = events
+        t = threading.Thread(target=long)
+        t.start()
+        assert streaming.wait(60)
+        stopping = threading.Thread(target=server.stop, args=(1.0,))
+        stopping.start()
+        while not server.server.draining:
+            time.sleep(0.005)
+        r = _post(url, {"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
+        h = httpx.get(url + "/health", timeout=10)
+        assert h.status_code == 503 and h.json()["status"] == "draining"
+        stopping.join(10)
+        t.join(10)
+        # The stream still running at the end of the grace period ends with an error event.
+        assert result["events"][-1] == "[DONE]"
+        assert json.loads(result["events"][-2])["error"]["code"] == "unavailable"
+    finally:
+        server.stop(grace=0)
+
+
+class _EngineDeath(BaseException):
+    pass
+
+
+def test_health_fails_within_a_second_when_the_engine_loop_dies(spare_engine):
+    server = BackgroundServer(spare_engine, ServerConfig(port=0, metrics_port=None,
+                                                         http_port=0))
+    step = spare_engine.step
+    url = server.http_url
+    try:
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        assert _post(url, {"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+        def broken_step():
+            spare_engine.step = step
+            raise _EngineDeath("killed")
+        spare_engine.step = broken_step
+        r = _post(url, {"prompt": [3, 4], "max_tokens": 50})
+        killed = time.monotonic()
+        assert r.status_code == 500 and "killed" in r.json()["error"]["message"]
+        while httpx.get(url + "/health", timeout=10).status_code == 200:
+            assert time.monotonic() - killed < 1.0
+            time.sleep(0.01)
+        h = httpx.get(url + "/health", timeout=10)
+        assert h.status_code == 503 and h.json()["status"] == "engine stopped"
+        assert _post(url, {"prompt": "hi", "max_tokens": 2}).status_code == 503
+    finally:
+        spare_engine.step = step
+        server.stop(grace=0)
