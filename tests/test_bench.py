@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import SMALL, small_llm
+from llm_helpers import SMALL, small_llm
 from jserve.bench.metrics import Slo, format_summary, ratio, summarize
 from jserve.bench.runner import run_local, run_remote
 from jserve.bench.workload import WorkloadSpec, azure_path, build_workload

@@ -2,7 +2,7 @@
 ``convert`` writes a checkpoint that loads with the same outputs."""
 from __future__ import annotations
 
-from conftest import small_llm
+from llm_helpers import small_llm
 from jserve import SamplingParams
 from jserve.cli import main
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 
 from jserve import SamplingParams
-from tests.conftest import small_llm
+from llm_helpers import small_llm
 
 
 def _memory_maps() -> int:

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import run_checked, small_llm
+from llm_helpers import run_checked, small_llm
 from jserve import SamplingParams
 from jserve.engine.timing import estimated_predictor
 from jserve.scheduler.predictor import LinearPredictor

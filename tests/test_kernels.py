@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import small_llm
+from llm_helpers import small_llm
 from jserve import SamplingParams
 from jserve.kernels import kv_write, pallas_gpu, pallas_tpu, resolve_impl
 from jserve.kernels.blocks import merge_partials

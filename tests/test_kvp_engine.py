@@ -20,7 +20,7 @@ _SCRIPT = textwrap.dedent("""
     import numpy as np
     from jserve import LLM, SamplingParams
     sys.path.insert(0, "tests")
-    from conftest import run_checked
+    from llm_helpers import run_checked
 
     # max_model_len 256, pages of 16: L = 128 tokens per group at kvp=2, 64 at kvp=4.
     settings = dict(max_num_seqs=4, max_num_batched_tokens=32, max_prefill_seqs=2,

@@ -14,7 +14,7 @@ from jserve.model.llama import StepInput, forward
 from jserve.probe import LengthBins, LengthProbe, RemainingFilter, posterior, train_probe
 from jserve.probe import transition_matrix
 from jserve.sampling.params import SamplingParams
-from tests.conftest import small_llm
+from llm_helpers import small_llm
 
 
 # -- bins --------------------------------------------------------------------------------

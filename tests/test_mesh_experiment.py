@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import small_llm
+from llm_helpers import small_llm
 
 from jserve.bench.mesh_sweep import (SweepSettings, compare_outputs, digest, make_prompt,
                                      parse_list)

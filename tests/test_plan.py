@@ -14,7 +14,7 @@ import textwrap
 import jax
 import pytest
 
-from conftest import SMALL
+from llm_helpers import SMALL
 from jserve import LLM
 from jserve.engine.config import EngineConfig
 from jserve.engine.plan import describe_engine, parse_bytes, plan

@@ -2,7 +2,7 @@
 the fitted predictor is saved where the engine will look for it."""
 from __future__ import annotations
 
-from conftest import small_llm
+from llm_helpers import small_llm
 from jserve.engine.profiler import fit_predictor, profile_samples
 from jserve.engine.timing import default_predictor_path
 from jserve.scheduler.predictor import LinearPredictor

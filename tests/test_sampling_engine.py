@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import small_llm
+from llm_helpers import small_llm
 from jserve import SamplingParams
 from jserve.engine.config import EngineConfig
 from jserve.engine.engine import LLMEngine

@@ -30,7 +30,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase)
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import small_llm
+from llm_helpers import small_llm
 from jserve import SamplingParams
 from jserve.cli import main
 from jserve.client import AsyncClient, Client

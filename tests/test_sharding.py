@@ -7,7 +7,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import small_llm
+from llm_helpers import small_llm
 
 from jserve.model.llama import prepare_params
 from jserve.model.weights import DEFAULT_CONFIG, init_params

@@ -14,7 +14,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from conftest import small_llm
+from llm_helpers import small_llm
 
 from jserve.cache.allocator import BlockAllocator
 from jserve.scheduler import Request, RequestStatus, SarathiScheduler

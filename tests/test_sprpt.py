@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import apply_plan, run_checked, small_llm
+from conftest import apply_plan
+from llm_helpers import run_checked, small_llm
 
 from jserve.cache.allocator import BlockAllocator
 from jserve.probe import LengthBins, train_probe

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import run_checked, small_llm
+from llm_helpers import run_checked, small_llm
 from jserve import SamplingParams
 from jserve.scheduler.predictor import LinearPredictor
 
