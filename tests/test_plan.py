@@ -6,14 +6,12 @@ subprocess)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
 import pytest
 
+from devices import run_on_devices
 from llm_helpers import SMALL
 from jserve import LLM
 from jserve.engine.config import EngineConfig
@@ -47,8 +45,7 @@ def analytic_weight_bytes_per_device(c: dict, tp: int) -> int:
 
 
 _SCRIPT = textwrap.dedent("""
-    import json, os, sys, time
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import json, sys, time
     import jax
     from jserve.cli import main
     from jserve.config import LlamaConfig
@@ -94,14 +91,8 @@ _SCRIPT = textwrap.dedent("""
 def seventy_b(tmp_path_factory) -> dict:
     path = tmp_path_factory.mktemp("llama70b") / "config.json"
     path.write_text(json.dumps(LLAMA_31_70B))
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(path), json.dumps(PLAN_FLAGS)],
-                          capture_output=True, text=True, env=env, timeout=600, cwd=root)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    result["stdout"] = proc.stdout
-    return result
+    proc = run_on_devices(_SCRIPT, str(path), json.dumps(PLAN_FLAGS), timeout=600)
+    return {**proc.result, "stdout": proc.stdout}
 
 
 def test_llama_70b_tp8_plans_and_fits_80gb(seventy_b):

@@ -7,21 +7,18 @@ in-flight chunks), and reports tokens, logprobs and what the pipeline held per t
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
+from devices import run_on_devices
 from llm_helpers import small_llm
 
 from jserve.cache.allocator import BlockAllocator
 from jserve.scheduler import Request, RequestStatus, SarathiScheduler
 
 _SCRIPT = textwrap.dedent("""
-    import json, os, sys
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import json, sys
     from jserve import LLM, SamplingParams
     settings = json.loads(sys.argv[1])
     LENGTHS = (70, 6, 45, 3, 33, 12)  # 70 and 45 take several 32-token chunks
@@ -104,11 +101,7 @@ def result():
     # A 10-page pool (9 usable 16-token blocks) forces preemptions on this workload.
     settings = {"max_num_seqs": 4, "max_num_batched_tokens": 32, "max_prefill_seqs": 2,
                 "max_model_len": 512, "warmup": False, "num_kv_pages": 10}
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(settings)],
-                          capture_output=True, text=True, env=env, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_on_devices(_SCRIPT, json.dumps(settings), timeout=900).result
 
 
 @pytest.mark.parametrize("mesh, spp, devices", [("spp=2", 2, 2), ("spp=4", 4, 4),

@@ -10,14 +10,12 @@ does), so the rest of the suite keeps one CPU device."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
+from devices import run_on_devices
 from safetensors.numpy import save_file
 
 from jserve.config import LlamaConfig
@@ -69,8 +67,7 @@ def write_checkpoint(model_dir: Path, dtype: str, tie: bool = False, files: int 
 
 
 _SCRIPT = textwrap.dedent("""
-    import json, os, sys
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import json, sys
     from pathlib import Path
     import jax, numpy as np
     import jserve.model.weights as weights
@@ -159,12 +156,9 @@ def streamed(tmp_path_factory) -> dict:
     write_checkpoint(ckpts[0], "float32")
     write_checkpoint(ckpts[1], "bfloat16", seed=1)
     write_checkpoint(ckpts[2], "bfloat16", tie=True, seed=2)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps([str(c) for c in ckpts]),
-                           json.dumps(MESHES), "tp=4"],
-                          capture_output=True, text=True, env=env, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return {"dirs": ckpts, **json.loads(proc.stdout.strip().splitlines()[-1])}
+    proc = run_on_devices(_SCRIPT, json.dumps([str(c) for c in ckpts]), json.dumps(MESHES),
+                          "tp=4", timeout=900)
+    return {"dirs": ckpts, **proc.result}
 
 
 def tensor_bytes(model_dir: Path) -> dict[str, int]:
