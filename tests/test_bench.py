@@ -147,6 +147,7 @@ def check_records(records, trace):
         assert r["finish_s"] == times[-1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["fcfs", "lars"])
 def test_local_run_replays_arrivals_and_records_every_token(policy):
     eng = small_llm(scheduler=policy).engine
@@ -185,6 +186,7 @@ def test_remote_run_streams_the_same_shape_of_records():
     assert {r["policy"] for r in records} == {"lars"}
 
 
+@pytest.mark.slow
 def test_convoy_benchmark_script_end_to_end(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("convoy", ROOT / "scripts" /
                                                   "convoy_benchmark.py")

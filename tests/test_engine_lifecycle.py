@@ -2,10 +2,13 @@
 executables: each holds hundreds of memory maps on CPU, and vm.max_map_count is finite."""
 from __future__ import annotations
 
+import pytest
 import gc
 
 from jserve import SamplingParams
 from llm_helpers import small_llm
+
+pytestmark = pytest.mark.slow
 
 
 def _memory_maps() -> int:

@@ -23,6 +23,7 @@ def reference():
     return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["fcfs", "edf", "lrs", "lars"])
 def test_every_policy_gives_the_reference_greedy_outputs(policy, reference, tmp_path):
     # 1 ms a token plus 1 us per (query, key) pair, a 70 ms budget and a 128-token cap.

@@ -2,6 +2,7 @@
 subprocess with 8 forced host devices) sharded attention against the unsharded reference."""
 from __future__ import annotations
 
+import pytest
 import textwrap
 
 import jax
@@ -134,6 +135,7 @@ _KVP_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_kvp_attention_matches_unsharded_reference():
     """Decodes whose context spans every group, prefill chunks short, long and crossing group
     boundaries, padding rows and tokens: kvp=2, kvp=4 and kvp=2 x tp=2 (and the Pallas

@@ -6,10 +6,13 @@ boundary, sequences start on several groups. kvp=2, kvp x tp and kvp x spp with 
 preemption are in the mesh matrix (tests/test_mesh_matrix.py)."""
 from __future__ import annotations
 
+import pytest
 import textwrap
 
 import numpy as np
 from devices import run_on_devices
+
+pytestmark = pytest.mark.slow
 
 _SCRIPT = textwrap.dedent("""
     import json, sys

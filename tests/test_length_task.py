@@ -101,6 +101,7 @@ def _serving_logits(cfg, params, ids, page=16):
     return np.asarray(logits)
 
 
+@pytest.mark.slow
 def test_dense_training_forward_matches_the_serving_forward_on_packed_rows():
     cfg = TINY_TASKS_CONFIG
     params = init_params(cfg, seed=3)
@@ -117,6 +118,7 @@ def test_dense_training_forward_matches_the_serving_forward_on_packed_rows():
     np.testing.assert_allclose(dense[37:87], _serving_logits(cfg, params, b), atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_training_steps_lower_the_loss_on_a_fixed_batch():
     cfg = TINY_TASKS_CONFIG
     tc = TrainConfig(steps=20, batch_rows=2, row_len=512, lr=3e-3, warmup_steps=1, seed=1)
@@ -146,6 +148,7 @@ PINNED = [count_down(12), count_down(97), list_fruits(9), list_fruits(37),
           count_down(148), list_fruits(38)]
 
 
+@pytest.mark.slow
 def test_tiny_tasks_model_answers_pinned_prompts_exactly_and_stops_with_eos():
     llm = small_llm("tiny-tasks", max_model_len=1024)
     outs = llm.generate([format_prompt(t.prompt) for t in PINNED],

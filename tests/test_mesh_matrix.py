@@ -8,6 +8,7 @@ compiles on one core, and compiling dominates), so the rest of the suite keeps o
 device."""
 from __future__ import annotations
 
+import pytest
 import json
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +17,8 @@ import numpy as np
 from devices import run_on_devices
 
 from sharding.mesh import MeshConfig
+
+pytestmark = pytest.mark.slow
 
 MESHES = [f"spp={s},kvp={k},tp={t}" for s in (1, 2) for k in (1, 2) for t in (1, 2)]
 MESHES += ["tp=4", "kvp=4", "spp=4"]

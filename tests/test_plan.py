@@ -95,6 +95,7 @@ def seventy_b(tmp_path_factory) -> dict:
     return {**proc.result, "stdout": proc.stdout}
 
 
+@pytest.mark.slow
 def test_llama_70b_tp8_plans_and_fits_80gb(seventy_b):
     r = seventy_b["tp8"]
     assert seventy_b["devices"] == 8
@@ -110,6 +111,7 @@ def test_llama_70b_tp8_plans_and_fits_80gb(seventy_b):
     assert seventy_b["cli_tp8"] == 0
 
 
+@pytest.mark.slow
 def test_llama_70b_on_one_80gb_device_does_not_fit(seventy_b):
     r = seventy_b["tp1"]
     assert not r["fits"]
@@ -119,6 +121,7 @@ def test_llama_70b_on_one_80gb_device_does_not_fit(seventy_b):
     assert "DOES NOT FIT" in seventy_b["stdout"]
 
 
+@pytest.mark.slow
 def test_kvp_plan_matches_the_engine(seventy_b):
     r = seventy_b["kvp"]
     assert r["plan"] == r["engine"]

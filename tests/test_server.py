@@ -311,6 +311,7 @@ def test_full_admission_queue_gets_resource_exhausted(bg):
 
 
 # -- load, cancellation, deadlines -----------------------------------------------------
+@pytest.mark.slow
 def test_200_concurrent_streaming_clients_all_complete(bg, llm):
     rng = random.Random(1)
     prompts = [[rng.randrange(256) for _ in range(rng.randint(1, 40))] for _ in range(200)]
@@ -342,6 +343,7 @@ def test_200_concurrent_streaming_clients_all_complete(bg, llm):
     wait_idle(bg)
 
 
+@pytest.mark.slow
 def test_500_random_cancels_disconnects_and_deadlines_leak_nothing(bg, client, llm):
     before = metrics(bg)
     rng = random.Random(2)
@@ -608,6 +610,7 @@ def test_stop_after_grace_ends_stragglers_with_unavailable(spare_engine):
     assert not spare_engine.has_unfinished() and spare_engine.allocator.num_allocated == 0
 
 
+@pytest.mark.slow
 def test_sigterm_drains_in_flight_requests_and_exits_0(llm):
     """`jserve serve` as a subprocess, on the LARS policy: same greedy tokens as offline."""
     proc = subprocess.Popen(
@@ -759,6 +762,7 @@ def _offline_verdict(llm, f: dict) -> SamplingParams | None:
     return params
 
 
+@pytest.mark.slow
 @settings(max_examples=80, deadline=None, print_blob=True)
 @given(f=fuzzed_requests())
 def test_fuzzed_requests_end_in_a_result_or_invalid_argument(bg, client, llm, f):
@@ -793,6 +797,7 @@ def test_fuzzed_bytes_never_crash_the_server(bg, data):
             assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, (e.code(), e.details())
 
 
+@pytest.mark.slow
 def test_server_is_whole_after_fuzzing(bg, client, llm):
     wait_idle(bg)
     assert client.generate("Hello, jserve", GREEDY).token_ids == \

@@ -104,6 +104,7 @@ def result():
     return run_on_devices(_SCRIPT, json.dumps(settings), timeout=900).result
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh, spp, devices", [("spp=2", 2, 2), ("spp=4", 4, 4),
                                                  ("spp=2,tp=2", 2, 4)])
 def test_pipeline_matches_one_device_engine(result, mesh, spp, devices):
@@ -122,6 +123,7 @@ def test_pipeline_matches_one_device_engine(result, mesh, spp, devices):
     np.testing.assert_allclose(np.array(run["top"]), np.array(base["top"]), atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh, spp", [("spp=2", 2), ("spp=4", 4), ("spp=2,tp=2", 2)])
 def test_pipeline_keeps_spp_batches_in_flight(result, mesh, spp):
     log = result[mesh]["log"]
@@ -144,6 +146,7 @@ def test_pipeline_keeps_spp_batches_in_flight(result, mesh, spp):
                     assert rid not in others, (tick, rid)
 
 
+@pytest.mark.slow
 def test_abort_in_flight_defers_block_release(result):
     """Aborting a request whose chunk is in the pipeline keeps its blocks until the chunk
     is out, then frees them (no leak: checked in the script); the id reused at once gets

@@ -118,6 +118,7 @@ def test_kv_full_also_counts_as_a_full_batch():
 
 
 # -- an engine run ---------------------------------------------------------------------------
+@pytest.mark.slow
 def test_engine_sprpt_run_frees_every_block_and_matches_greedy_reference(tmp_path):
     ref_llm = small_llm()
     h = ref_llm.engine.cfg.hidden_size
@@ -145,6 +146,7 @@ def test_sprpt_without_a_probe_is_refused():
         small_llm(scheduler="sprpt")
 
 
+@pytest.mark.slow
 def test_tiny_tasks_sprpt_works_out_of_the_box_with_the_shipped_probe():
     from jserve.train.length_task import format_prompt, sample_tasks
 

@@ -175,6 +175,7 @@ def tensor_bytes(model_dir: Path) -> dict[str, int]:
     return sizes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ckpt", ["f32", "bf16", "tied"])
 @pytest.mark.parametrize("mesh", MESHES)
 def test_streamed_params_equal_eager_sharded(streamed, ckpt: str, mesh: str) -> None:
@@ -191,6 +192,7 @@ def test_streamed_params_equal_eager_sharded(streamed, ckpt: str, mesh: str) -> 
                                                       for a in mesh.split(",") if a])))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ckpt", ["f32", "bf16"])
 def test_reads_are_device_shards(streamed, ckpt: str) -> None:
     sizes = tensor_bytes(next(d for d in streamed["dirs"] if d.name == ckpt))
@@ -229,6 +231,7 @@ def test_reads_are_device_shards(streamed, ckpt: str) -> None:
         [sizes["model.embed_tokens.weight"]]
 
 
+@pytest.mark.slow
 def test_engine_from_streamed_checkpoint_matches_eager(streamed) -> None:
     engine = streamed["engine"]
     assert engine["streamed_reads"] > 0  # LLM(path) went through the streaming loader
