@@ -41,7 +41,7 @@ def main() -> None:
 
     offline()
     t_offline = min(offline() for _ in range(a.repeats))
-    del llm
+    llm = None  # free the offline engine before the server builds its own
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in engine.items()]
     server = subprocess.Popen([sys.executable, "-m", "jserve.cli", "serve", "--no-warmup",
                                *flags, "--host", "127.0.0.1", "--port", "0",

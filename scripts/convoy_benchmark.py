@@ -17,8 +17,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from jserve.bench.evaluate import (ensure_predictor, evaluate, local_runner, ratio_table,
-                                   write_plots)
+from jserve.bench.evaluate import ensure_predictor, evaluate, local_runner, ratio_table, write_plots
 from jserve.bench.metrics import Slo, ratio
 from jserve.bench.workload import WorkloadSpec, build_workload, model_len_for
 

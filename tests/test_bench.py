@@ -13,13 +13,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llm_helpers import SMALL, small_llm
 from jserve.bench.metrics import Slo, format_summary, ratio, summarize
 from jserve.bench.runner import run_local, run_remote
 from jserve.bench.workload import WorkloadSpec, azure_path, build_workload
 from jserve.serving.server import BackgroundServer, ServerConfig
-from jserve.sim.trace import (MEDHA_SWE_PROMPT_RANGE, TraceRequest, read_records, read_trace,
-                              write_records, write_trace)
+from jserve.sim.trace import (
+    MEDHA_SWE_PROMPT_RANGE,
+    TraceRequest,
+    read_records,
+    read_trace,
+    write_records,
+    write_trace,
+)
+from llm_helpers import SMALL, small_llm
 
 ROOT = Path(__file__).resolve().parent.parent
 

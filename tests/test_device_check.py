@@ -5,12 +5,13 @@ and the timing code paths. Every check must pass and the report must land where 
 (never docs/device.md)."""
 from __future__ import annotations
 
-import pytest
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 pytestmark = pytest.mark.slow
 

@@ -2,8 +2,9 @@
 executables: each holds hundreds of memory maps on CPU, and vm.max_map_count is finite."""
 from __future__ import annotations
 
-import pytest
 import gc
+
+import pytest
 
 from jserve import SamplingParams
 from llm_helpers import small_llm

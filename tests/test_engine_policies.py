@@ -7,10 +7,10 @@ import time
 import numpy as np
 import pytest
 
-from llm_helpers import run_checked, small_llm
 from jserve import SamplingParams
 from jserve.engine.timing import estimated_predictor
 from jserve.scheduler.predictor import LinearPredictor
+from llm_helpers import run_checked, small_llm
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 rng = np.random.default_rng(11)

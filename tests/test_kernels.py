@@ -11,13 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from llm_helpers import small_llm
 from jserve import SamplingParams
 from jserve.kernels import kv_write, pallas_gpu, pallas_tpu, resolve_impl
 from jserve.kernels.blocks import merge_partials
 from jserve.kernels.reference import ragged_paged_attention as reference
 from jserve.model.weights import DEFAULT_CONFIG, init_params, save_orbax
 from jserve.tokenizer import ByteTokenizer
+from llm_helpers import small_llm
 from ragged import ragged_case
 
 FLAVOURS = {

@@ -2,16 +2,21 @@
 subprocess with 8 forced host devices) sharded attention against the unsharded reference."""
 from __future__ import annotations
 
-import pytest
 import textwrap
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from devices import run_on_devices
-from sharding.kv_parallel import (group_write_slots, local_kv_len, local_page_table,
-                                  merge_partials, owner_group)
+from sharding.kv_parallel import (
+    group_write_slots,
+    local_kv_len,
+    local_page_table,
+    merge_partials,
+    owner_group,
+)
 
 
 def test_owner_group_and_local_kv_len_split_a_sequence_by_token_range():

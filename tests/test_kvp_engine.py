@@ -6,10 +6,11 @@ boundary, sequences start on several groups. kvp=2, kvp x tp and kvp x spp with 
 preemption are in the mesh matrix (tests/test_mesh_matrix.py)."""
 from __future__ import annotations
 
-import pytest
 import textwrap
 
 import numpy as np
+import pytest
+
 from devices import run_on_devices
 
 pytestmark = pytest.mark.slow
@@ -46,7 +47,8 @@ _SCRIPT = textwrap.dedent("""
                 if o.finished:
                     outs[o.request_id] = o
             eng.allocator.check()
-            assert eng.allocator.num_allocated == sum(len(r.block_ids) for r in eng.scheduler.running)
+            assert eng.allocator.num_allocated == sum(len(r.block_ids)
+                                                      for r in eng.scheduler.running)
             for r in eng.scheduler.running:
                 if r.block_ids:
                     starts.add(eng.allocator.start_group(r.block_ids))

@@ -11,8 +11,14 @@ import pytest
 from jserve.cache.pool import allocate_kv_cache
 from jserve.kernels import AttentionMetadata
 from jserve.model.llama import StepInput, forward
-from jserve.probe import LengthBins, LengthProbe, RemainingFilter, posterior, train_probe
-from jserve.probe import transition_matrix
+from jserve.probe import (
+    LengthBins,
+    LengthProbe,
+    RemainingFilter,
+    posterior,
+    train_probe,
+    transition_matrix,
+)
 from jserve.sampling.params import SamplingParams
 from llm_helpers import small_llm
 

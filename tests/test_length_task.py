@@ -8,17 +8,33 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from llm_helpers import small_llm
 from jserve import SamplingParams
 from jserve.cache.pool import allocate_kv_cache
 from jserve.kernels import AttentionMetadata
 from jserve.model.llama import StepInput, forward, prepare_params
 from jserve.model.weights import BUILTIN_MODELS, init_params, load_config, load_model
 from jserve.tokenizer import ByteTokenizer
-from jserve.train.length_task import (FRUITS, KINDS, count_down, format_prompt, is_held_out,
-                                      list_fruits, sample_tasks)
-from jserve.train.trainer import (TINY_TASKS_CONFIG, TrainConfig, batches, dense_forward,
-                                  encode_example, loss_fn, make_optimizer, make_train_step, pack)
+from jserve.train.length_task import (
+    FRUITS,
+    KINDS,
+    count_down,
+    format_prompt,
+    is_held_out,
+    list_fruits,
+    sample_tasks,
+)
+from jserve.train.trainer import (
+    TINY_TASKS_CONFIG,
+    TrainConfig,
+    batches,
+    dense_forward,
+    encode_example,
+    loss_fn,
+    make_optimizer,
+    make_train_step,
+    pack,
+)
+from llm_helpers import small_llm
 
 
 def test_sample_tasks_is_deterministic_per_seed_and_spans_the_length_range():

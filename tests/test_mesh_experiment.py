@@ -13,12 +13,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from llm_helpers import small_llm
 
-from jserve.bench.mesh_sweep import (SweepSettings, compare_outputs, digest, make_prompt,
-                                     parse_list)
+from jserve.bench.mesh_sweep import SweepSettings, compare_outputs, digest, make_prompt, parse_list
 from jserve.model.weights import DEFAULT_CONFIG
 from jserve.sampling.params import SamplingParams
+from llm_helpers import small_llm
 
 ROOT = Path(__file__).resolve().parent.parent
 MESHES = ["1", "tp=2", "tp=3"]

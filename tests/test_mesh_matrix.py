@@ -8,14 +8,14 @@ compiles on one core, and compiling dominates), so the rest of the suite keeps o
 device."""
 from __future__ import annotations
 
-import pytest
 import json
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from devices import run_on_devices
+import pytest
 
+from devices import run_on_devices
 from sharding.mesh import MeshConfig
 
 pytestmark = pytest.mark.slow

@@ -12,11 +12,11 @@ import jax
 import pytest
 
 from devices import run_on_devices
-from llm_helpers import SMALL
 from jserve import LLM
 from jserve.engine.config import EngineConfig
 from jserve.engine.plan import describe_engine, parse_bytes, plan
 from jserve.model.weights import DEFAULT_CONFIG
+from llm_helpers import SMALL
 
 LLAMA_31_70B = {
     "architectures": ["LlamaForCausalLM"], "hidden_size": 8192, "intermediate_size": 28672,

@@ -3,10 +3,11 @@ the fitted predictor is saved where the engine will look for it."""
 from __future__ import annotations
 
 import pytest
-from llm_helpers import small_llm
+
 from jserve.engine.profiler import fit_predictor, profile_samples
 from jserve.engine.timing import default_predictor_path
 from jserve.scheduler.predictor import LinearPredictor
+from llm_helpers import small_llm
 
 pytestmark = pytest.mark.slow
 

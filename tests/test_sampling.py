@@ -9,13 +9,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import assume, given, settings
-from hypothesis import strategies as st
+from hypothesis import assume, given, settings, strategies as st
 
-from jserve.sampling.params import (MAX_BANNED_IDS, MAX_LOGPROBS, MAX_STOP_STRING_CHARS,
-                                    MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams)
-from jserve.sampling.sampler import (SamplerRow, SampleResult, SamplingBatch, allowed_mask,
-                                     apply_penalties, make_sampling_batch, sample)
+from jserve.sampling.params import (
+    MAX_BANNED_IDS,
+    MAX_LOGPROBS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+)
+from jserve.sampling.sampler import (
+    SampleResult,
+    SamplerRow,
+    SamplingBatch,
+    allowed_mask,
+    apply_penalties,
+    make_sampling_batch,
+    sample,
+)
 
 sample_jit = jax.jit(sample, static_argnames=("all_greedy", "num_logprobs"))
 allowed_mask_jit = jax.jit(allowed_mask)

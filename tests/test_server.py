@@ -23,22 +23,22 @@ import grpc
 import pytest
 from google.protobuf import json_format, message_factory
 from google.protobuf.descriptor_pool import DescriptorPool
-from hypothesis import event, given, settings
-from hypothesis import strategies as st
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
-    ProtoReflectionDescriptorDatabase)
+    ProtoReflectionDescriptorDatabase,
+)
+from hypothesis import event, given, settings, strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from llm_helpers import small_llm
 from jserve import SamplingParams
 from jserve.cli import main
 from jserve.client import AsyncClient, Client
 from jserve.proto import generate_pb2 as pb
 from jserve.serving.engine_loop import DEADLINE, EngineLoop
-from jserve.serving.protocol import LIST_FIELDS, SCALAR_FIELDS
 from jserve.serving.metrics import OUTCOMES
+from jserve.serving.protocol import LIST_FIELDS, SCALAR_FIELDS
 from jserve.serving.server import BackgroundServer, ServerConfig
+from llm_helpers import small_llm
 
 ROOT = Path(__file__).resolve().parent.parent
 TLS = Path(__file__).resolve().parent / "data" / "tls"

@@ -11,11 +11,11 @@ import textwrap
 
 import numpy as np
 import pytest
-from devices import run_on_devices
-from llm_helpers import small_llm
 
+from devices import run_on_devices
 from jserve.cache.allocator import BlockAllocator
 from jserve.scheduler import Request, RequestStatus, SarathiScheduler
+from llm_helpers import small_llm
 
 _SCRIPT = textwrap.dedent("""
     import json, sys

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import apply_plan
-from llm_helpers import run_checked, small_llm
 
+from conftest import apply_plan
 from jserve.cache.allocator import BlockAllocator
 from jserve.probe import LengthBins, train_probe
 from jserve.sampling.params import SamplingParams
 from jserve.scheduler import Request, RequestStatus, build_scheduler
 from jserve.scheduler.sprpt import SPRPTScheduler
+from llm_helpers import run_checked, small_llm
 
 
 def _sched(c=0.8, seqs=2, blocks=64, budget=64, block_size=4, fallback=None):

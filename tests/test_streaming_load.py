@@ -15,12 +15,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from devices import run_on_devices
 from safetensors.numpy import save_file
 
+from devices import run_on_devices
 from jserve.config import LlamaConfig
-from jserve.model.weights import (LazyCheckpoint, load_hf_runtime, load_hf_safetensors,
-                                  load_model)
+from jserve.model.weights import LazyCheckpoint, load_hf_runtime, load_hf_safetensors, load_model
 
 # 4 query / 2 KV heads, so tp=4 stores a copy of each KV head on two shards; 4 layers, so
 # spp=2 puts two on each stage.
