@@ -21,8 +21,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 import grpc
 
 from jserve.engine.output import TokenLogprob
-from jserve.proto import generate_pb2 as pb
-from jserve.proto import generate_pb2_grpc as pb_grpc
+from jserve.proto import generate_pb2 as pb, generate_pb2_grpc as pb_grpc
 from jserve.sampling.params import SamplingParams
 from jserve.serving.protocol import build_request
 

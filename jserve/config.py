@@ -65,7 +65,8 @@ class LlamaConfig:
     def from_hf_dict(cls, cfg: dict[str, Any], dtype: str | None = None) -> "LlamaConfig":
         archs = cfg.get("architectures") or ["LlamaForCausalLM"]
         if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-            raise ValueError(f"unsupported architecture {archs}; jserve serves {SUPPORTED_ARCHITECTURES}")
+            raise ValueError(f"unsupported architecture {archs}; "
+                             f"jserve serves {SUPPORTED_ARCHITECTURES}")
         for flag in ("attention_bias", "mlp_bias"):
             if cfg.get(flag):
                 raise ValueError(f"config.json sets {flag}=true, which jserve does not support")
@@ -149,7 +150,8 @@ class LlamaConfig:
         q = self.num_attention_heads * self.head_dim
         kv = self.num_key_value_heads * self.head_dim
         per_layer = d * (q + 2 * kv) + q * d + 3 * d * f + 2 * d
-        return v * d * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * per_layer + d
+        embeddings = v * d * (1 if self.tie_word_embeddings else 2)
+        return embeddings + self.num_hidden_layers * per_layer + d
 
 
 def inv_frequencies(cfg: LlamaConfig) -> np.ndarray:

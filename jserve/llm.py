@@ -25,7 +25,8 @@ class LLM:
         fields = {f.name for f in dataclasses.fields(EngineConfig)}
         unknown = sorted(set(engine_kwargs) - fields)
         if unknown:
-            raise TypeError(f"unknown LLM arguments {unknown}; engine settings are {sorted(fields)}")
+            raise TypeError(f"unknown LLM arguments {unknown}; "
+                            f"engine settings are {sorted(fields)}")
         if engine_kwargs.get("scheduler") == "sprpt" and not engine_kwargs.get("length_probe"):
             shipped = default_probe_path(model)  # a built-in model's trained length probe
             if shipped is not None:

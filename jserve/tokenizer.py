@@ -41,7 +41,8 @@ class Tokenizer(Protocol):
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as ids 0..255 plus <bos>/<eos>/<pad>: needs no files, so the default model runs anywhere."""
+    """UTF-8 bytes as ids 0..255 plus <bos>/<eos>/<pad>: needs no files, so the default model runs
+    anywhere."""
 
     BOS, EOS, PAD = 256, 257, 258
     MARKER_FILE = "jserve_byte_tokenizer.json"  # how a checkpoint says "use the byte tokenizer"
@@ -138,7 +139,8 @@ class HFTokenizer:
         gen_path = model_dir / "generation_config.json"
         if gen_path.exists():
             gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
-            for i in gen_eos if isinstance(gen_eos, list) else ([] if gen_eos is None else [gen_eos]):
+            listed = gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos]
+            for i in listed:
                 if int(i) not in eos:
                     eos.append(int(i))
         self._eos_ids = tuple(eos)

@@ -108,8 +108,8 @@ def run_cell(kind, n_seqs, kv_len, chunk, impl, reps, peaks, heads=LLAMA3_8B):
     ref = jax.jit(lambda q, k, v, m: attention(q, k, v, m, impl="reference"))
     tk, tr = timed(kernel, args, reps), timed(ref, args, reps)
     flops, bytes_ = work(n_seqs, kv_len, chunk, heads)
-    row = dict(impl=impl, kind=kind, batch=n_seqs, kv=kv_len, chunk=chunk, kernel_s=tk, reference_s=tr,
-               speedup=tr / tk, tflops=flops / tk / 1e12, tbps=bytes_ / tk / 1e12)
+    row = dict(impl=impl, kind=kind, batch=n_seqs, kv=kv_len, chunk=chunk, kernel_s=tk,
+               reference_s=tr, speedup=tr / tk, tflops=flops / tk / 1e12, tbps=bytes_ / tk / 1e12)
     if peaks:
         row.update(flops_of_peak=flops / tk / peaks[0], bytes_of_peak=bytes_ / tk / peaks[1])
     print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"

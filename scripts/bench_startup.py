@@ -268,7 +268,8 @@ def child_components(args) -> dict:
         jobs.append(("decoder_layers", shape,
                      lambda shape=shape: decoder_layers(runner, cfg, shape)))
         if args.shared:
-            jobs.append(("attention", shape, lambda shape=shape: attention_only(runner, cfg, shape)))
+            jobs.append(("attention", shape,
+                         lambda shape=shape: attention_only(runner, cfg, shape)))
             jobs.append(("sampling_sort", shape, lambda shape=shape: sampling(runner, cfg, shape)))
             jobs.append(("penalties", shape, lambda shape=shape: penalties(runner, cfg, shape)))
             jobs.append(("logprobs", shape, lambda shape=shape: logprobs(runner, cfg, shape)))
@@ -327,6 +328,7 @@ def _one_layer_pages(runner):
 
 def attention_only(runner, cfg, shape) -> dict:
     import jax
+
     from jserve.kernels import attention
     spec = runner.arrays_spec(*shape)
     t = spec.batch.tokens.shape[0]
@@ -359,6 +361,7 @@ def penalties(runner, cfg, shape) -> dict:
     """``apply_penalties`` on the rows' state plus the state update (``runner._update_state``)."""
     import jax
     import jax.numpy as jnp
+
     from jserve.engine import runner as runner_mod
     from jserve.sampling.sampler import apply_penalties
     spec = runner.arrays_spec(*shape)
@@ -378,6 +381,7 @@ def penalties(runner, cfg, shape) -> dict:
 def logprobs(runner, cfg, shape) -> dict:
     import jax
     import jax.numpy as jnp
+
     from jserve.sampling.params import MAX_LOGPROBS
     from jserve.sampling.sampler import token_logprobs
     spec = runner.arrays_spec(*shape)
@@ -460,7 +464,8 @@ def component_table(comp: dict[int, dict], shapes: list[str]) -> str:
                     continue
                 dcol = str(d) if per_depth else "-"
                 if "error" in r:
-                    lines.append(f"| {name} | {dcol} | {s} | n/a | n/a | n/a | n/a ({r['error']}) |")
+                    lines.append(f"| {name} | {dcol} | {s} | n/a | n/a | n/a "
+                                 f"| n/a ({r['error']}) |")
                 else:
                     lines.append(f"| {name} | {dcol} | {s} | {fmt(r['trace_s'], 2)} | "
                                  f"{fmt(r['lower_s'], 2)} | {fmt(r['compile_s'], 2)} | "

@@ -72,14 +72,13 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from bench_kernels import timed  # noqa: E402  (scripts/ is on sys.path when run as a script)
 from jserve.config import LlamaConfig  # noqa: E402
 from jserve.engine.config import EngineConfig  # noqa: E402
 from jserve.engine.engine import LLMEngine  # noqa: E402
 from jserve.kernels import AttentionMetadata, attention, resolve_impl, write_kv  # noqa: E402
 from jserve.model.weights import init_params, param_shapes  # noqa: E402
 from jserve.sampling.params import SamplingParams  # noqa: E402
-
-from bench_kernels import timed  # noqa: E402  (scripts/ is on sys.path when run as a script)
 
 # (substring of device_kind, dense bf16 FLOP/s, memory bytes/s), first match wins. Vendor
 # datasheet figures (SXM parts unless named); an H100 NVL is left unknown (n/a), not guessed.
@@ -594,7 +593,7 @@ def model_timings(p: Profile, name: str, impl: str, peaks, seed: int, out: dict)
     if engine is not None:
         for b in p.decode_batches:
             row = attempt(f"decode b={b}",
-                          lambda: decode_timing(p, name, cfg, engine, impl, peaks, b, rng))
+                          lambda b=b: decode_timing(p, name, cfg, engine, impl, peaks, b, rng))
             if row:
                 out["decode"].append(row)
         row = attempt(f"prefill {p.prefill_len}", lambda: prefill_timing(
@@ -605,7 +604,8 @@ def model_timings(p: Profile, name: str, impl: str, peaks, seed: int, out: dict)
     # The chunk the decode engine can serve first, then drop that engine.
     for chunk in sorted(p.chunk_sizes, key=lambda c: not (reuse and c == p.prefill_len)):
         def run(chunk=chunk):
-            eng = (engine if reuse and engine is not None and chunk == p.prefill_len else
+            # Reads `engine` when it runs, after it may have been dropped (so its pool is freed).
+            eng = (engine if reuse and engine is not None and chunk == p.prefill_len else  # noqa: B023
                    make_engine(cfg, params, impl, max_num_seqs=1, max_num_batched_tokens=chunk,
                                max_prefill_seqs=1, max_model_len=long_len, page_size=p.page,
                                num_kv_pages=pages(long_len) + 3))

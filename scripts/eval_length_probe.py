@@ -156,7 +156,7 @@ def write_doc(path: Path, args, sidecar, live, lengths, workloads, command) -> N
   prediction; when the shortest waiting request finds the batch full (max_num_seqs or KV), the
   preemptable running request with the largest prediction is preempted if that is longer.
   Prefill chunks under the token budget as in Sarathi.
-""")
+""")  # noqa: E501  (markdown written as it reads)
     L.append("## Probe accuracy\n")
     L.append("Mean absolute error (tokens) of the predicted remaining length over every step "
              "of every request. *prompt-only*: the first prediction (probe on the mean prompt "

@@ -16,7 +16,6 @@ Long requests are synthetic (Medha-SWE is not public): log-normal on its publish
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import multiprocessing
 import statistics
@@ -33,8 +32,14 @@ from jserve.bench.metrics import Slo, summarize  # noqa: E402
 from jserve.bench.workload import WorkloadSpec, build_workload  # noqa: E402
 from jserve.scheduler.chunking import PrefillTimeCache  # noqa: E402
 from jserve.scheduler.plan import BatchPlan, ScheduledChunk  # noqa: E402
-from jserve.sim.hardware import (LAYER_OPS, GpuTimeModel, StageTimes, _Curve,  # noqa: E402
-                                 _load_compute, default_data_dir)
+from jserve.sim.hardware import (  # noqa: E402
+    LAYER_OPS,
+    GpuTimeModel,
+    StageTimes,
+    _Curve,
+    _load_compute,
+    default_data_dir,
+)
 from jserve.sim.runner import SimConfig, run, saturation  # noqa: E402
 
 MESH = SimConfig(model="llama3-8b", hardware="a100", tp=8, spp=2)
@@ -65,7 +70,7 @@ token granularity. Every rule, with the LoongServe paper's section:
 
 **vLLM-like** (`sarathi`): vLLM's scheduler for long contexts is Sarathi-Serve (Medha §6.1):
 decodes first, then FCFS prefill chunks of 512 tokens, on the same TP8 x SPP2 mesh as lars.
-"""
+"""  # noqa: E501  (a markdown table: one row a line)
 
 WHY = """## Where the paper's numbers are not reached, and why
 
@@ -274,7 +279,7 @@ def main() -> None:
     lines += ["", f"Headline load: 80% of the lowest, **{qps} QPS**. The paper's 0.75 QPS is "
               f"{'above' if PAPER_QPS > min(sat.values()) else 'below'} saturation here.", "",
               BASELINES, "## Short-request TTFT and TPOT (Medha Figs. 1a, 9b, 10)", "",
-              f"![headline](reproduction/headline.png) ![paper load](reproduction/paper_load.png)",
+              "![headline](reproduction/headline.png) ![paper load](reproduction/paper_load.png)",
               ""]
     lines += comparison_table(rows)
     lines += ["", "### Targets (80% of saturation, the longer run)", "",

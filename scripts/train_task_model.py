@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     init = restore_orbax(args.init, TINY_TASKS_CONFIG) if args.init else None
     params, _ = train(tc, params=init, log=lambda s: print(s, flush=True),
-                      on_checkpoint=lambda i, p: save(args.out, p), checkpoint_every=args.save_every)
+                      on_checkpoint=lambda i, p: save(args.out, p),
+                      checkpoint_every=args.save_every)
     save(args.out, params)
     print(f"trained {args.steps} steps in {time.perf_counter() - t0:.0f}s; saved {args.out}",
           flush=True)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 from jax.experimental.multihost_utils import broadcast_one_to_all
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jserve.engine.runner import ModelRunner
 from jserve.sampling.sampler import SampleResult

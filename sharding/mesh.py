@@ -43,7 +43,8 @@ class MeshConfig:
             try:
                 sizes[name] = int(value)
             except ValueError:
-                raise ValueError(f"mesh axis {name} needs an integer, got {value.strip()!r}") from None
+                raise ValueError(
+                    f"mesh axis {name} needs an integer, got {value.strip()!r}") from None
         return cls(**sizes)
 
     @property

@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jserve.cache.pool import KVCache, kv_cache_shape
 from jserve.config import LlamaConfig
 from jserve.model.llama import Params
+
 # KV pages [layers, stored KV heads, kvp * pages per group, page_size, head_dim]: layers split
 # by pipeline stage, heads on tp, pages on kvp (each KV-cache-parallel group holds its own
 # pool; a size-1 axis splits nothing).

@@ -1,24 +1,17 @@
-"""Shared engine settings: small buckets so tests compile little, and the same settings
-everywhere so the persistent compilation cache is shared between tests."""
+"""Shared fixtures. This module imports no JAX, so the scheduler and simulator tests run
+without it (tests/test_jax_free.py holds this); engine helpers live in tests/llm_helpers.py
+and load only where a test uses them."""
 from __future__ import annotations
 
 import gc
+import sys
 
-import jax
 import pytest
-
-from jserve import LLM
-
-SMALL = dict(max_num_seqs=4, max_num_batched_tokens=32, max_prefill_seqs=2, max_model_len=512,
-             warmup=False)
-
-
-def small_llm(model: str = "default", **overrides) -> LLM:
-    return LLM(model, **{**SMALL, **overrides})
 
 
 @pytest.fixture(scope="module")
-def llm() -> LLM:
+def llm():
+    from llm_helpers import small_llm
     return small_llm()
 
 
@@ -33,35 +26,16 @@ def apply_plan(scheduler, plan, sample_token: int = 5) -> None:
             r.token_ids.append(sample_token)
 
 
-def run_checked(llm: LLM, prompts, params) -> list[list[int]]:
-    """Runs ``prompts`` to completion, checking after every step that blocks are conserved
-    (held exactly by running requests, shared cached pages once per holder), waiting requests hold none, and exactly the swapped
-    ones have a host copy; returns the output ids in prompt order. Plans land in
-    ``llm.engine.step_log``."""
-    eng = llm.engine
-    ids = [eng.add_request(p, params) for p in prompts]
-    eng.step_log = []
-    done = {}
-    while eng.has_unfinished():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out.token_ids
-        eng.allocator.check()
-        eng.allocator.check_holders([r.block_ids for r in eng.scheduler.running])
-        assert all(not r.block_ids for r in eng.scheduler.waiting)
-        assert set(eng._host_kv) == {r.request_id for r in eng.scheduler.waiting if r.swapped}
-    assert eng.allocator.num_allocated == 0
-    return [done[i] for i in ids]
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _free_executables():
     """JAX's caches keep every compiled step executable (about 400 memory maps each on CPU)
     after its LLM is gone; a whole-suite process would otherwise pass vm.max_map_count (65530)
-    and segfault mid-run. Dropping them after each module keeps the count bounded."""
+    and segfault mid-run. Dropping them after each module keeps the count bounded (there is
+    nothing to drop in a process that never imported JAX)."""
     yield
-    gc.collect()
-    jax.clear_caches()
+    if "jax" in sys.modules:
+        gc.collect()
+        sys.modules["jax"].clear_caches()
 
 
 SERVE_FLAGS = ["--no-warmup", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",

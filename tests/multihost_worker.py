@@ -17,7 +17,7 @@ def main(coordinator: str, num_processes: int, process_id: int, devices: int, me
     else:
         jax.config.update("jax_num_cpu_devices", devices)
     from jserve import LLM, SamplingParams
-    from tests.conftest import SMALL
+    from tests.llm_helpers import SMALL
 
     llm = LLM("default", mesh=mesh, **SMALL)
     if not distributed.is_leader():

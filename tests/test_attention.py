@@ -10,6 +10,7 @@ from jserve.kernels.reference import dense_reference, ragged_paged_attention
 from ragged import ragged_case
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hq, hkv, d", [(4, 4, 16), (8, 2, 32), (8, 1, 16)])
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 2e-5), (jnp.bfloat16, 3e-2)])
 def test_mixed_ragged_batch_matches_dense_causal_attention(hq, hkv, d, dtype, tol):
@@ -30,6 +31,7 @@ def test_mixed_ragged_batch_matches_dense_causal_attention(hq, hkv, d, dtype, to
     assert np.all(out[row:] == 0) and np.all(np.isneginf(lse[row:]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("decode_ctx, prefill, rows_per_tile", [
     ([700, 3], [(500, 37)], 64),
     # One long decode among short ones (live blocks visited, not B x the longest), and

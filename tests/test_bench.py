@@ -14,13 +14,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import SMALL, small_llm
 from jserve.bench.metrics import Slo, format_summary, ratio, summarize
 from jserve.bench.runner import run_http, run_local, run_remote
 from jserve.bench.workload import WorkloadSpec, azure_path, build_workload
 from jserve.serving.server import BackgroundServer, ServerConfig
-from jserve.sim.trace import (MEDHA_SWE_PROMPT_RANGE, TraceRequest, read_records, read_trace,
-                              write_records, write_trace)
+from jserve.sim.trace import (
+    MEDHA_SWE_PROMPT_RANGE,
+    TraceRequest,
+    read_records,
+    read_trace,
+    write_records,
+    write_trace,
+)
+from llm_helpers import SMALL, small_llm
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -148,6 +154,7 @@ def check_records(records, trace):
         assert r["finish_s"] == times[-1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["fcfs", "lars"])
 def test_local_run_replays_arrivals_and_records_every_token(policy):
     eng = small_llm(scheduler=policy).engine
@@ -208,6 +215,7 @@ def test_http_target_records_what_the_grpc_target_records():
         server.stop(grace=0)
 
 
+@pytest.mark.slow
 def test_convoy_benchmark_script_end_to_end(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("convoy", ROOT / "scripts" /
                                                   "convoy_benchmark.py")

@@ -2,9 +2,9 @@
 ``convert`` writes a checkpoint that loads with the same outputs."""
 from __future__ import annotations
 
-from conftest import small_llm
 from jserve import SamplingParams
 from jserve.cli import main
+from llm_helpers import small_llm
 
 SMALL_FLAGS = ["--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--max-model-len", "512"]
 

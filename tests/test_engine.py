@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import small_llm
 from jserve import SamplingParams
 from jserve.model.weights import DEFAULT_CONFIG, init_params, save_orbax
 from jserve.tokenizer import ByteTokenizer
+from llm_helpers import small_llm
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 rng = np.random.default_rng(7)

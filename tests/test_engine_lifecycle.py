@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import gc
 
+import pytest
+
 from jserve import SamplingParams
-from tests.conftest import small_llm
+from llm_helpers import small_llm
+
+pytestmark = pytest.mark.slow
 
 
 def _memory_maps() -> int:

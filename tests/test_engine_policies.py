@@ -7,10 +7,10 @@ import time
 import numpy as np
 import pytest
 
-from conftest import run_checked, small_llm
 from jserve import SamplingParams
 from jserve.engine.timing import estimated_predictor
 from jserve.scheduler.predictor import LinearPredictor
+from llm_helpers import run_checked, small_llm
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 rng = np.random.default_rng(11)
@@ -23,6 +23,7 @@ def reference():
     return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["fcfs", "edf", "lrs", "lars"])
 def test_every_policy_gives_the_reference_greedy_outputs(policy, reference, tmp_path):
     # 1 ms a token plus 1 us per (query, key) pair, a 70 ms budget and a 128-token cap.

@@ -17,6 +17,8 @@ from jserve.kernels import AttentionMetadata
 from jserve.model.llama import StepInput, forward, prepare_params
 from jserve.model.weights import load_model
 
+pytestmark = pytest.mark.slow
+
 FAMILIES = sorted(CONFIGS) + sorted(DEEP_CONFIGS)
 PROMPTS = [[1, 5, 9, 200, 33, 7, 81, 64, 12, 400, 3 + 30, 77, 5, 9],
            [1, 300, 301, 302],

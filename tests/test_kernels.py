@@ -11,13 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import small_llm
 from jserve import SamplingParams
 from jserve.kernels import kv_write, pallas_gpu, pallas_tpu, resolve_impl
 from jserve.kernels.blocks import merge_partials
 from jserve.kernels.reference import ragged_paged_attention as reference
 from jserve.model.weights import DEFAULT_CONFIG, init_params, save_orbax
 from jserve.tokenizer import ByteTokenizer
+from llm_helpers import small_llm
 from ragged import ragged_case
 
 FLAVOURS = {
@@ -64,6 +64,7 @@ def check_against_reference(kernel, rng, *, hq, hkv, d, dtype, max_ctx=60, page_
 CASES = [(4, 4, 64, jnp.float32), (8, 2, 128, jnp.bfloat16), (8, 1, 64, jnp.bfloat16)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flavour", FLAVOURS)
 @pytest.mark.parametrize("hq, hkv, d, dtype", CASES)
 def test_kernel_matches_reference_on_random_ragged_batches(flavour, hq, hkv, d, dtype):
@@ -71,6 +72,7 @@ def test_kernel_matches_reference_on_random_ragged_batches(flavour, hq, hkv, d, 
     check_against_reference(FLAVOURS[flavour], rng, hq=hq, hkv=hkv, d=d, dtype=dtype)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flavour", FLAVOURS)
 def test_kernel_matches_reference_at_a_few_thousand_tokens_of_context(flavour):
     rng = np.random.default_rng(3)
@@ -78,6 +80,7 @@ def test_kernel_matches_reference_at_a_few_thousand_tokens_of_context(flavour):
                             max_ctx=3500, page_size=16, width=256)
 
 
+@pytest.mark.slow
 def test_gpu_without_split_k_matches_reference():
     """The random-batch cases split every launch (small grids); this one splits none."""
     rng = np.random.default_rng(4)
@@ -168,6 +171,7 @@ def greedy_reference(one_layer_model):
     return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
 def test_engine_greedy_tokens_match_the_reference(impl, greedy_reference, one_layer_model):
     llm = small_llm(one_layer_model, max_num_seqs=2, attention_impl=impl)

@@ -6,21 +6,21 @@ boundary, sequences start on several groups. kvp=2, kvp x tp and kvp x spp with 
 preemption are in the mesh matrix (tests/test_mesh_matrix.py)."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
+import pytest
+
+from devices import run_on_devices
+
+pytestmark = pytest.mark.slow
 
 _SCRIPT = textwrap.dedent("""
-    import json, os, sys
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import json, sys
     import numpy as np
     from jserve import LLM, SamplingParams
     sys.path.insert(0, "tests")
-    from conftest import run_checked
+    from llm_helpers import run_checked
 
     # max_model_len 256, pages of 16: L = 128 tokens per group at kvp=2, 64 at kvp=4.
     settings = dict(max_num_seqs=4, max_num_batched_tokens=32, max_prefill_seqs=2,
@@ -76,12 +76,7 @@ _SCRIPT = textwrap.dedent("""
 
 
 def test_kvp_engine_matches_the_unsharded_engine():
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True,
-                          env=env, timeout=900, cwd=root)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_on_devices(_SCRIPT, timeout=900).result
     base = result["tp=1"]
     assert base["devices"] == 1 and base["groups"] == 1
     assert all(len(t) == 12 for t in base["tokens"])

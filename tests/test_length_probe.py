@@ -11,10 +11,16 @@ import pytest
 from jserve.cache.pool import allocate_kv_cache
 from jserve.kernels import AttentionMetadata
 from jserve.model.llama import StepInput, forward
-from jserve.probe import LengthBins, LengthProbe, RemainingFilter, posterior, train_probe
-from jserve.probe import transition_matrix
+from jserve.probe import (
+    LengthBins,
+    LengthProbe,
+    RemainingFilter,
+    posterior,
+    train_probe,
+    transition_matrix,
+)
 from jserve.sampling.params import SamplingParams
-from tests.conftest import small_llm
+from llm_helpers import small_llm
 
 
 # -- bins --------------------------------------------------------------------------------
@@ -119,6 +125,7 @@ PROMPTS = [list(range(3, 48)), [7, 8, 9, 10], list(range(100, 130))]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
+@pytest.mark.slow
 def test_capture_off_and_on_give_the_same_tokens():
     off = small_llm()
     assert off.engine.runner.capture_layer is None and off.engine.length_tracker is None
@@ -128,6 +135,7 @@ def test_capture_off_and_on_give_the_same_tokens():
     assert [o.token_ids for o in on.generate(PROMPTS, PARAMS)] == ref
 
 
+@pytest.mark.slow
 def test_capture_matches_a_direct_forward_call_and_prompt_means_span_chunks():
     llm = small_llm(probe_layer=2)
     eng = llm.engine
@@ -173,6 +181,7 @@ def test_capture_matches_a_direct_forward_call_and_prompt_means_span_chunks():
                                atol=1e-4)
 
 
+@pytest.mark.slow
 def test_engine_with_a_probe_predicts_from_the_prompt_then_refines(tmp_path):
     rng = np.random.default_rng(1)
     llm = small_llm()
@@ -206,6 +215,7 @@ def test_engine_with_a_probe_predicts_from_the_prompt_then_refines(tmp_path):
     assert all(fp == pytest.approx(first) for fp, _ in seen if fp is not None)
 
 
+@pytest.mark.slow
 def test_offline_pairs_match_what_the_engine_captures():
     """The training script's one-pass embeddings are the ones the live tracker sees."""
     from jserve.probe.dataset import sequence_pairs

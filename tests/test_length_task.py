@@ -8,17 +8,33 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import small_llm
 from jserve import SamplingParams
 from jserve.cache.pool import allocate_kv_cache
 from jserve.kernels import AttentionMetadata
 from jserve.model.llama import StepInput, forward, prepare_params
 from jserve.model.weights import BUILTIN_MODELS, init_params, load_config, load_model
 from jserve.tokenizer import ByteTokenizer
-from jserve.train.length_task import (FRUITS, KINDS, count_down, format_prompt, is_held_out,
-                                      list_fruits, sample_tasks)
-from jserve.train.trainer import (TINY_TASKS_CONFIG, TrainConfig, batches, dense_forward,
-                                  encode_example, loss_fn, make_optimizer, make_train_step, pack)
+from jserve.train.length_task import (
+    FRUITS,
+    KINDS,
+    count_down,
+    format_prompt,
+    is_held_out,
+    list_fruits,
+    sample_tasks,
+)
+from jserve.train.trainer import (
+    TINY_TASKS_CONFIG,
+    TrainConfig,
+    batches,
+    dense_forward,
+    encode_example,
+    loss_fn,
+    make_optimizer,
+    make_train_step,
+    pack,
+)
+from llm_helpers import small_llm
 
 
 def test_sample_tasks_is_deterministic_per_seed_and_spans_the_length_range():
@@ -101,6 +117,7 @@ def _serving_logits(cfg, params, ids, page=16):
     return np.asarray(logits)
 
 
+@pytest.mark.slow
 def test_dense_training_forward_matches_the_serving_forward_on_packed_rows():
     cfg = TINY_TASKS_CONFIG
     params = init_params(cfg, seed=3)
@@ -117,6 +134,7 @@ def test_dense_training_forward_matches_the_serving_forward_on_packed_rows():
     np.testing.assert_allclose(dense[37:87], _serving_logits(cfg, params, b), atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_training_steps_lower_the_loss_on_a_fixed_batch():
     cfg = TINY_TASKS_CONFIG
     tc = TrainConfig(steps=20, batch_rows=2, row_len=512, lr=3e-3, warmup_steps=1, seed=1)
@@ -146,6 +164,7 @@ PINNED = [count_down(12), count_down(97), list_fruits(9), list_fruits(37),
           count_down(148), list_fruits(38)]
 
 
+@pytest.mark.slow
 def test_tiny_tasks_model_answers_pinned_prompts_exactly_and_stops_with_eos():
     llm = small_llm("tiny-tasks", max_model_len=1024)
     outs = llm.generate([format_prompt(t.prompt) for t in PINNED],

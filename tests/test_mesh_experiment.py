@@ -13,12 +13,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import small_llm
 
-from jserve.bench.mesh_sweep import (SweepSettings, compare_outputs, digest, make_prompt,
-                                     parse_list)
+from jserve.bench.mesh_sweep import SweepSettings, compare_outputs, digest, make_prompt, parse_list
 from jserve.model.weights import DEFAULT_CONFIG
 from jserve.sampling.params import SamplingParams
+from llm_helpers import small_llm
 
 ROOT = Path(__file__).resolve().parent.parent
 MESHES = ["1", "tp=2", "tp=3"]
@@ -42,12 +41,14 @@ def result(tmp_path_factory):
     return out, rows, proc.stdout
 
 
+@pytest.mark.slow
 def test_one_row_per_mesh_chunk_context(result):
     _, rows, _ = result
     keys = [(r["mesh"], int(r["chunk"]), int(r["context"])) for r in rows]
     assert sorted(keys) == sorted((m, c, x) for m in MESHES for c in CHUNKS for x in CONTEXTS)
 
 
+@pytest.mark.slow
 def test_valid_meshes_have_positive_finite_times(result):
     _, rows, _ = result
     for r in rows:
@@ -58,6 +59,7 @@ def test_valid_meshes_have_positive_finite_times(result):
                 assert 0 < float(r[key]) < math.inf, r
 
 
+@pytest.mark.slow
 def test_tp_gives_the_one_device_tokens(result):
     _, rows, stdout = result
     by = {(r["mesh"], r["chunk"], r["context"]): r["tokens_digest"] for r in rows}
@@ -67,6 +69,7 @@ def test_tp_gives_the_one_device_tokens(result):
     assert "every mesh that ran produced the same tokens as the one-device run" in stdout
 
 
+@pytest.mark.slow
 def test_digest_is_the_greedy_output_of_the_seeded_prompt(result):
     """The CSV's digest is what a plain one-device engine generates for the same prompt."""
     _, rows, _ = result
@@ -79,6 +82,7 @@ def test_digest_is_the_greedy_output_of_the_seeded_prompt(result):
         assert want == {digest(out.token_ids)}
 
 
+@pytest.mark.slow
 def test_rejected_mesh_is_an_error_row_with_the_reason(result):
     out, rows, _ = result
     bad = [r for r in rows if r["mesh"] == "tp=3"]
@@ -92,6 +96,7 @@ def test_rejected_mesh_is_an_error_row_with_the_reason(result):
     assert summary["same_as_reference"] == {"1": True, "tp=2": True, "tp=3": None}
 
 
+@pytest.mark.slow
 def test_plot_is_written(result):
     out, _, _ = result
     png = out / "mesh_experiment.png"

@@ -9,21 +9,22 @@ device."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import pytest
 
+from devices import run_on_devices
 from sharding.mesh import MeshConfig
+
+pytestmark = pytest.mark.slow
 
 MESHES = [f"spp={s},kvp={k},tp={t}" for s in (1, 2) for k in (1, 2) for t in (1, 2)]
 MESHES += ["tp=4", "kvp=4", "spp=4"]
 
 _SCRIPT = textwrap.dedent("""
-    import json, os, sys
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import json, sys
     from jserve import LLM, SamplingParams
     from jserve.bench.evaluate import release_executables
     from sharding.mesh import MeshConfig
@@ -55,25 +56,14 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_every_mesh_matches_one_device(tmp_path):
+def test_every_mesh_matches_one_device():
     settings = dict(max_num_seqs=4, max_num_batched_tokens=64, max_prefill_seqs=2,
                     max_model_len=256, warmup=False, page_size=16)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     halves = [["tp=1"] + MESHES[0::2], MESHES[1::2]]
-    logs = [(tmp_path / f"out{i}", tmp_path / f"err{i}") for i in range(len(halves))]
-    procs = [subprocess.Popen([sys.executable, "-c", _SCRIPT, json.dumps(meshes),
-                               json.dumps(settings)], stdout=out.open("w"), stderr=err.open("w"),
-                              env=env) for meshes, (out, err) in zip(halves, logs)]
-    result = {}
-    try:
-        for proc, (out, err) in zip(procs, logs):
-            proc.wait(timeout=1200)
-            assert proc.returncode == 0, err.read_text()[-4000:]
-            result.update(json.loads(out.read_text().strip().splitlines()[-1]))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
+    with ThreadPoolExecutor(len(halves)) as pool:
+        runs = pool.map(lambda meshes: run_on_devices(_SCRIPT, json.dumps(meshes),
+                                                      json.dumps(settings), timeout=1200), halves)
+        result = {mesh: r for run in runs for mesh, r in run.result.items()}
     base = result["tp=1"]
     assert base["devices"] == 1 and base["preemptions"] > 0 and base["pages"] == 16
     assert all(len(t) == 12 for t in base["tokens"])

@@ -6,19 +6,17 @@ subprocess)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
 import pytest
 
-from conftest import SMALL
+from devices import run_on_devices
 from jserve import LLM
 from jserve.engine.config import EngineConfig
 from jserve.engine.plan import describe_engine, parse_bytes, plan
 from jserve.model.weights import DEFAULT_CONFIG
+from llm_helpers import SMALL
 
 LLAMA_31_70B = {
     "architectures": ["LlamaForCausalLM"], "hidden_size": 8192, "intermediate_size": 28672,
@@ -47,8 +45,7 @@ def analytic_weight_bytes_per_device(c: dict, tp: int) -> int:
 
 
 _SCRIPT = textwrap.dedent("""
-    import json, os, sys, time
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import json, sys, time
     import jax
     from jserve.cli import main
     from jserve.config import LlamaConfig
@@ -94,16 +91,11 @@ _SCRIPT = textwrap.dedent("""
 def seventy_b(tmp_path_factory) -> dict:
     path = tmp_path_factory.mktemp("llama70b") / "config.json"
     path.write_text(json.dumps(LLAMA_31_70B))
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(path), json.dumps(PLAN_FLAGS)],
-                          capture_output=True, text=True, env=env, timeout=600, cwd=root)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    result["stdout"] = proc.stdout
-    return result
+    proc = run_on_devices(_SCRIPT, str(path), json.dumps(PLAN_FLAGS), timeout=600)
+    return {**proc.result, "stdout": proc.stdout}
 
 
+@pytest.mark.slow
 def test_llama_70b_tp8_plans_and_fits_80gb(seventy_b):
     r = seventy_b["tp8"]
     assert seventy_b["devices"] == 8
@@ -119,6 +111,7 @@ def test_llama_70b_tp8_plans_and_fits_80gb(seventy_b):
     assert seventy_b["cli_tp8"] == 0
 
 
+@pytest.mark.slow
 def test_llama_70b_on_one_80gb_device_does_not_fit(seventy_b):
     r = seventy_b["tp1"]
     assert not r["fits"]
@@ -128,6 +121,7 @@ def test_llama_70b_on_one_80gb_device_does_not_fit(seventy_b):
     assert "DOES NOT FIT" in seventy_b["stdout"]
 
 
+@pytest.mark.slow
 def test_kvp_plan_matches_the_engine(seventy_b):
     r = seventy_b["kvp"]
     assert r["plan"] == r["engine"]

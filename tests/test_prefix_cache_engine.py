@@ -5,17 +5,14 @@ abort of the first owner while others read its pages, penalties, and kvp=2; bloc
 conserved after every step."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
 
-from conftest import small_llm
+from devices import run_on_devices
 from jserve import SamplingParams
+from llm_helpers import small_llm
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
 rng = np.random.default_rng(11)
@@ -125,11 +122,10 @@ def test_kvp2_with_shared_prefixes_matches_one_device():
     """kvp=2 (pages of 16, 80 tokens per group at max_model_len 160): the shared document
     crosses a group boundary, and a request reusing it starts where its pages are."""
     script = textwrap.dedent("""
-        import json, os, sys
-        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+        import json, sys
         sys.path.insert(0, "tests")
         import test_prefix_cache_engine as t
-        from conftest import small_llm
+        from llm_helpers import small_llm
         res = {}
         for mesh, cache in (("tp=1", False), ("kvp=2", True)):
             eng = small_llm(mesh=mesh, enable_prefix_caching=cache, max_model_len=160).engine
@@ -141,10 +137,6 @@ def test_kvp2_with_shared_prefixes_matches_one_device():
                          "hits": eng.scheduler.prefix_hit_tokens}
         print(json.dumps(res))
     """)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), "tests"]))
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          env=env, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res = run_on_devices(script, devices=2).result
     assert res["kvp=2"]["out"] == res["tp=1"]["out"]
     assert res["kvp=2"]["hits"] == 96 + 32  # 6 pages (across both groups) and 2 pages

@@ -2,10 +2,14 @@
 the fitted predictor is saved where the engine will look for it."""
 from __future__ import annotations
 
-from conftest import small_llm
+import pytest
+
 from jserve.engine.profiler import fit_predictor, profile_samples
 from jserve.engine.timing import default_predictor_path
 from jserve.scheduler.predictor import LinearPredictor
+from llm_helpers import small_llm
+
+pytestmark = pytest.mark.slow
 
 
 def test_profile_grid_and_fit(tmp_path):

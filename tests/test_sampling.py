@@ -9,13 +9,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import assume, given, settings
-from hypothesis import strategies as st
+from hypothesis import assume, given, settings, strategies as st
 
-from jserve.sampling.params import (MAX_BANNED_IDS, MAX_LOGPROBS, MAX_STOP_STRING_CHARS,
-                                    MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams)
-from jserve.sampling.sampler import (SamplerRow, SampleResult, SamplingBatch, allowed_mask,
-                                     apply_penalties, make_sampling_batch, sample)
+from jserve.sampling.params import (
+    MAX_BANNED_IDS,
+    MAX_LOGPROBS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+)
+from jserve.sampling.sampler import (
+    SampleResult,
+    SamplerRow,
+    SamplingBatch,
+    allowed_mask,
+    apply_penalties,
+    make_sampling_batch,
+    sample,
+)
 
 sample_jit = jax.jit(sample, static_argnames=("all_greedy", "num_logprobs"))
 allowed_mask_jit = jax.jit(allowed_mask)
@@ -251,6 +263,7 @@ def test_allowed_mask_matches_reference(logits: list[float], top_k: int, top_p: 
 # Sampling
 
 
+@pytest.mark.slow
 def test_sampling_many_seeds_covers_exactly_the_allowed_support() -> None:
     n = 2000
     probs = np.array([0.2, 0.01, 0.15, 0.12, 0.1, 0.02, 0.25, 0.05, 0.04, 0.03, 0.02, 0.01])
@@ -267,6 +280,7 @@ def test_sampling_many_seeds_covers_exactly_the_allowed_support() -> None:
     np.testing.assert_allclose(observed, expected, atol=0.04)
 
 
+@pytest.mark.slow
 def test_temperature_scales_before_filtering() -> None:
     n = 300
     logits = np.tile(np.asarray(P4, np.float32), (n, 1))
@@ -277,6 +291,7 @@ def test_temperature_scales_before_filtering() -> None:
     assert set(cold.tolist()) == {0}
 
 
+@pytest.mark.slow
 @settings(max_examples=10, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1))
 def test_greedy_is_argmax(seed: int) -> None:
@@ -291,6 +306,7 @@ def test_greedy_is_argmax(seed: int) -> None:
                                       expected)
 
 
+@pytest.mark.slow
 def test_all_greedy_fast_path_equals_general_path() -> None:
     rng = np.random.default_rng(0)
     batch, vocab = 6, 64
@@ -329,6 +345,7 @@ def flat_logits(batch: int, vocab: int = 500) -> np.ndarray:
     return np.zeros((batch, vocab), np.float32)
 
 
+@pytest.mark.slow
 def test_seeded_row_is_independent_of_batch_composition() -> None:
     target = SamplingParams(temperature=0.9, top_p=0.95, seed=1234)
     other = SamplingParams(temperature=1.3, top_k=50)
@@ -399,6 +416,7 @@ def test_default_penalties_are_bit_identical() -> None:
     np.testing.assert_array_equal(out.view(np.uint32), logits.view(np.uint32))
 
 
+@pytest.mark.slow
 def test_banned_ids_are_never_sampled() -> None:
     n, vocab = 300, 20
     logits = np.zeros((n, vocab), np.float32)
@@ -422,6 +440,7 @@ def test_banned_padding_does_not_ban_last_token() -> None:
 # Logprobs
 
 
+@pytest.mark.slow
 @settings(max_examples=8, deadline=None)
 @given(seed=st.integers(0, 2**16), num_logprobs=st.sampled_from([0, 1, 5]))
 def test_logprobs_are_raw_log_softmax(seed: int, num_logprobs: int) -> None:

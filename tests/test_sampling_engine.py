@@ -8,11 +8,11 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import small_llm
 from jserve import SamplingParams
 from jserve.engine.config import EngineConfig
 from jserve.engine.engine import LLMEngine
 from jserve.model.weights import load_model
+from llm_helpers import small_llm
 from test_hf_parity import _all_position_logits
 
 PROMPT = "The quick brown fox"

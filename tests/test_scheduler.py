@@ -4,8 +4,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import apply_plan
 
+from conftest import apply_plan
 from jserve.cache.allocator import BlockAllocator, OutOfBlocks
 from jserve.scheduler import Request, RequestStatus, SarathiScheduler
 from jserve.scheduler.chunking import PrefillTimeCache

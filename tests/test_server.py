@@ -24,22 +24,24 @@ import grpc
 import pytest
 from google.protobuf import json_format, message_factory
 from google.protobuf.descriptor_pool import DescriptorPool
-from hypothesis import event, given, settings
-from hypothesis import strategies as st
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
-    ProtoReflectionDescriptorDatabase)
+    ProtoReflectionDescriptorDatabase,
+)
+from hypothesis import event, given, settings, strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import Served, small_llm
+from conftest import Served
+from llm_helpers import small_llm
 from jserve import SamplingParams
 from jserve.cli import main
 from jserve.client import AsyncClient, Client
 from jserve.proto import generate_pb2 as pb
 from jserve.serving.engine_loop import DEADLINE, EngineLoop
-from jserve.serving.protocol import LIST_FIELDS, SCALAR_FIELDS
 from jserve.serving.metrics import OUTCOMES
+from jserve.serving.protocol import LIST_FIELDS, SCALAR_FIELDS
 from jserve.serving.server import BackgroundServer, ServerConfig
+from llm_helpers import small_llm
 
 ROOT = Path(__file__).resolve().parent.parent
 TLS = Path(__file__).resolve().parent / "data" / "tls"
@@ -314,6 +316,7 @@ def test_full_admission_queue_gets_resource_exhausted(bg):
 
 
 # -- load, cancellation, deadlines -----------------------------------------------------
+@pytest.mark.slow
 def test_200_concurrent_streaming_clients_all_complete(bg, llm):
     rng = random.Random(1)
     prompts = [[rng.randrange(256) for _ in range(rng.randint(1, 40))] for _ in range(200)]
@@ -345,6 +348,7 @@ def test_200_concurrent_streaming_clients_all_complete(bg, llm):
     wait_idle(bg)
 
 
+@pytest.mark.slow
 def test_500_random_cancels_disconnects_and_deadlines_leak_nothing(bg, client, llm):
     before = metrics(bg)
     rng = random.Random(2)
@@ -611,6 +615,7 @@ def test_stop_after_grace_ends_stragglers_with_unavailable(spare_engine):
     assert not spare_engine.has_unfinished() and spare_engine.allocator.num_allocated == 0
 
 
+@pytest.mark.slow
 def test_sigterm_drains_in_flight_requests_and_exits_0(llm):
     """`jserve serve` as a subprocess, on the LARS policy: same greedy tokens as offline."""
     proc = subprocess.Popen(
@@ -763,6 +768,7 @@ def _offline_verdict(llm, f: dict) -> SamplingParams | None:
     return params
 
 
+@pytest.mark.slow
 @settings(max_examples=80, deadline=None, print_blob=True)
 @given(f=fuzzed_requests())
 def test_fuzzed_requests_end_in_a_result_or_invalid_argument(bg, client, llm, f):
@@ -797,6 +803,7 @@ def test_fuzzed_bytes_never_crash_the_server(bg, data):
             assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, (e.code(), e.details())
 
 
+@pytest.mark.slow
 def test_server_is_whole_after_fuzzing(bg, client, llm):
     wait_idle(bg)
     assert client.generate("Hello, jserve", GREEDY).token_ids == \

@@ -23,7 +23,8 @@ def test_simulate_writes_every_record_field_and_a_summary(tmp_path, capsys, poli
     for r in records:
         assert list(r) == list(RECORD_FIELDS) + ["token_times_s"]
         assert len(r["token_times_s"]) == r["output_tokens"]
-        assert r["token_times_s"][0] == r["first_token_s"] and r["token_times_s"][-1] == r["finish_s"]
+        assert (r["token_times_s"][0] == r["first_token_s"]
+                and r["token_times_s"][-1] == r["finish_s"])
         assert r["policy"] == policy and r["finish_reason"] == "length"
         assert r["arrival_s"] <= r["first_token_s"] <= r["finish_s"]
     long, short = records[0], records[1]

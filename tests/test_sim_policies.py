@@ -10,8 +10,15 @@ import pytest
 from jserve.bench.workload import WorkloadSpec, build_workload
 from jserve.scheduler.loongserve import GlobalManager
 from jserve.sim.loongserve import simulate_loongserve, tipping_point_s
-from jserve.sim.runner import (POLICIES, SimConfig, _max_context, build, esp_costs,
-                               esp_instances, saturation)
+from jserve.sim.runner import (
+    POLICIES,
+    SimConfig,
+    _max_context,
+    build,
+    esp_costs,
+    esp_instances,
+    saturation,
+)
 from jserve.sim.simulator import VirtualClock, simulate
 
 CFG = SimConfig(model="llama3-8b", hardware="a100", tp=8, spp=2)

@@ -8,6 +8,7 @@ import tracemalloc
 
 import pytest
 
+from jserve.bench.metrics import percentile, summarize
 from jserve.cache.allocator import BlockAllocator
 from jserve.scheduler.chunking import PrefillTimeCache
 from jserve.scheduler.deadline import DeadlineScheduler
@@ -17,7 +18,6 @@ from jserve.scheduler.request import Request
 from jserve.scheduler.sarathi import SarathiScheduler
 from jserve.sim import GpuTimeModel, LengthOnlyTokens, TraceRequest, VirtualClock, simulate
 from jserve.sim.hardware import StageTimes
-from jserve.bench.metrics import percentile, summarize
 
 MS_PER_TOKEN = LinearPredictor((0.0, 1e-3, 0.0, 0.0, 0.0, 0.0))
 

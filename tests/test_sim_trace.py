@@ -7,9 +7,18 @@ import math
 import numpy as np
 import pytest
 
-from jserve.sim.trace import (MEDHA_SWE_PROMPT_RANGE, RECORD_FIELDS, TraceRequest,
-                              lognormal_lengths, mix_long_requests, poisson_arrivals,
-                              read_records, read_trace, write_records, write_trace)
+from jserve.sim.trace import (
+    MEDHA_SWE_PROMPT_RANGE,
+    RECORD_FIELDS,
+    TraceRequest,
+    lognormal_lengths,
+    mix_long_requests,
+    poisson_arrivals,
+    read_records,
+    read_trace,
+    write_records,
+    write_trace,
+)
 
 ROWS = [(0.0, 374, 44), (4.3, 396, 109), (19.5, 1200, 1)]
 

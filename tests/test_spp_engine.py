@@ -7,21 +7,18 @@ in-flight chunks), and reports tokens, logprobs and what the pipeline held per t
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
-from conftest import small_llm
 
+from devices import run_on_devices
 from jserve.cache.allocator import BlockAllocator
 from jserve.scheduler import Request, RequestStatus, SarathiScheduler
+from llm_helpers import small_llm
 
 _SCRIPT = textwrap.dedent("""
-    import json, os, sys
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import json, sys
     from jserve import LLM, SamplingParams
     settings = json.loads(sys.argv[1])
     LENGTHS = (70, 6, 45, 3, 33, 12)  # 70 and 45 take several 32-token chunks
@@ -104,13 +101,10 @@ def result():
     # A 10-page pool (9 usable 16-token blocks) forces preemptions on this workload.
     settings = {"max_num_seqs": 4, "max_num_batched_tokens": 32, "max_prefill_seqs": 2,
                 "max_model_len": 512, "warmup": False, "num_kv_pages": 10}
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(settings)],
-                          capture_output=True, text=True, env=env, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_on_devices(_SCRIPT, json.dumps(settings), timeout=900).result
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh, spp, devices", [("spp=2", 2, 2), ("spp=4", 4, 4),
                                                  ("spp=2,tp=2", 2, 4)])
 def test_pipeline_matches_one_device_engine(result, mesh, spp, devices):
@@ -129,6 +123,7 @@ def test_pipeline_matches_one_device_engine(result, mesh, spp, devices):
     np.testing.assert_allclose(np.array(run["top"]), np.array(base["top"]), atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh, spp", [("spp=2", 2), ("spp=4", 4), ("spp=2,tp=2", 2)])
 def test_pipeline_keeps_spp_batches_in_flight(result, mesh, spp):
     log = result[mesh]["log"]
@@ -151,6 +146,7 @@ def test_pipeline_keeps_spp_batches_in_flight(result, mesh, spp):
                     assert rid not in others, (tick, rid)
 
 
+@pytest.mark.slow
 def test_abort_in_flight_defers_block_release(result):
     """Aborting a request whose chunk is in the pipeline keeps its blocks until the chunk
     is out, then frees them (no leak: checked in the script); the id reused at once gets

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import apply_plan, run_checked, small_llm
 
+from conftest import apply_plan
 from jserve.cache.allocator import BlockAllocator
 from jserve.probe import LengthBins, train_probe
 from jserve.sampling.params import SamplingParams
 from jserve.scheduler import Request, RequestStatus, build_scheduler
 from jserve.scheduler.sprpt import SPRPTScheduler
+from llm_helpers import run_checked, small_llm
 
 
 def _sched(c=0.8, seqs=2, blocks=64, budget=64, block_size=4, fallback=None):
@@ -117,6 +118,7 @@ def test_kv_full_also_counts_as_a_full_batch():
 
 
 # -- an engine run ---------------------------------------------------------------------------
+@pytest.mark.slow
 def test_engine_sprpt_run_frees_every_block_and_matches_greedy_reference(tmp_path):
     ref_llm = small_llm()
     h = ref_llm.engine.cfg.hidden_size
@@ -144,6 +146,7 @@ def test_sprpt_without_a_probe_is_refused():
         small_llm(scheduler="sprpt")
 
 
+@pytest.mark.slow
 def test_tiny_tasks_sprpt_works_out_of_the_box_with_the_shipped_probe():
     from jserve.train.length_task import format_prompt, sample_tasks
 

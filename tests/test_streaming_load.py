@@ -10,9 +10,6 @@ does), so the rest of the suite keeps one CPU device."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -20,9 +17,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from devices import run_on_devices
 from jserve.config import LlamaConfig
-from jserve.model.weights import (LazyCheckpoint, load_hf_runtime, load_hf_safetensors,
-                                  load_model)
+from jserve.model.weights import LazyCheckpoint, load_hf_runtime, load_hf_safetensors, load_model
 
 # 4 query / 2 KV heads, so tp=4 stores a copy of each KV head on two shards; 4 layers, so
 # spp=2 puts two on each stage.
@@ -69,8 +66,7 @@ def write_checkpoint(model_dir: Path, dtype: str, tie: bool = False, files: int 
 
 
 _SCRIPT = textwrap.dedent("""
-    import json, os, sys
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import json, sys
     from pathlib import Path
     import jax, numpy as np
     import jserve.model.weights as weights
@@ -159,12 +155,9 @@ def streamed(tmp_path_factory) -> dict:
     write_checkpoint(ckpts[0], "float32")
     write_checkpoint(ckpts[1], "bfloat16", seed=1)
     write_checkpoint(ckpts[2], "bfloat16", tie=True, seed=2)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps([str(c) for c in ckpts]),
-                           json.dumps(MESHES), "tp=4"],
-                          capture_output=True, text=True, env=env, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return {"dirs": ckpts, **json.loads(proc.stdout.strip().splitlines()[-1])}
+    proc = run_on_devices(_SCRIPT, json.dumps([str(c) for c in ckpts]), json.dumps(MESHES),
+                          "tp=4", timeout=900)
+    return {"dirs": ckpts, **proc.result}
 
 
 def tensor_bytes(model_dir: Path) -> dict[str, int]:
@@ -181,6 +174,7 @@ def tensor_bytes(model_dir: Path) -> dict[str, int]:
     return sizes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ckpt", ["f32", "bf16", "tied"])
 @pytest.mark.parametrize("mesh", MESHES)
 def test_streamed_params_equal_eager_sharded(streamed, ckpt: str, mesh: str) -> None:
@@ -197,6 +191,7 @@ def test_streamed_params_equal_eager_sharded(streamed, ckpt: str, mesh: str) -> 
                                                       for a in mesh.split(",") if a])))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ckpt", ["f32", "bf16"])
 def test_reads_are_device_shards(streamed, ckpt: str) -> None:
     sizes = tensor_bytes(next(d for d in streamed["dirs"] if d.name == ckpt))
@@ -235,6 +230,7 @@ def test_reads_are_device_shards(streamed, ckpt: str) -> None:
         [sizes["model.embed_tokens.weight"]]
 
 
+@pytest.mark.slow
 def test_engine_from_streamed_checkpoint_matches_eager(streamed) -> None:
     engine = streamed["engine"]
     assert engine["streamed_reads"] > 0  # LLM(path) went through the streaming loader

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import run_checked, small_llm
 from jserve import SamplingParams
 from jserve.scheduler.predictor import LinearPredictor
+from llm_helpers import run_checked, small_llm
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 rng = np.random.default_rng(7)

@@ -8,8 +8,8 @@ from pathlib import Path
 import jinja2
 import pytest
 import transformers
-from hf_models import CHAT_TEMPLATE, tiny_llama_dir, tiny_tokenizer_dir
 
+from hf_models import CHAT_TEMPLATE, tiny_llama_dir, tiny_tokenizer_dir
 from jserve.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 TEXTS = ["Hello, world!", "Grüße aus Köln — naïve café", "日本語 🙂 emoji", "  spaced\n\tout  ", ""]
@@ -40,7 +40,8 @@ def test_byte_tokenizer_chat_template() -> None:
     tok = ByteTokenizer()
     msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}]
     assert tok.apply_chat_template(msgs) == "<|system|>\nS\n<|user|>\nhi\n<|assistant|>\n"
-    assert tok.apply_chat_template(msgs, add_generation_prompt=False) == "<|system|>\nS\n<|user|>\nhi\n"
+    assert (tok.apply_chat_template(msgs, add_generation_prompt=False)
+            == "<|system|>\nS\n<|user|>\nhi\n")
 
 
 @pytest.fixture(scope="module")

@@ -10,12 +10,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from hf_models import CONFIGS, tiny_llama_dir, tiny_llama_model
 from safetensors.torch import load_file, save_file
 
+from hf_models import CONFIGS, tiny_llama_dir, tiny_llama_model
 from jserve.config import LlamaConfig, RopeScaling
-from jserve.model.weights import (DEFAULT_CONFIG, init_params, load_hf_safetensors, load_model,
-                                  restore_orbax, save_orbax)
+from jserve.model.weights import (
+    DEFAULT_CONFIG,
+    init_params,
+    load_hf_safetensors,
+    load_model,
+    restore_orbax,
+    save_orbax,
+)
 from jserve.tokenizer import ByteTokenizer, HFTokenizer
 
 EXPECTED_CONFIG = {
@@ -95,7 +101,8 @@ def test_bf16_checkpoint_loads_as_bf16() -> None:
     assert cfg.dtype == "bfloat16"
     params = load_hf_safetensors(model_dir, cfg)
     assert dtypes(params) == {jnp.dtype(jnp.bfloat16)}
-    bf16_state = {k: v.to(torch.bfloat16) for k, v in tiny_llama_model("llama31").state_dict().items()}
+    state = tiny_llama_model("llama31").state_dict()
+    bf16_state = {k: v.to(torch.bfloat16) for k, v in state.items()}
     assert_trees_equal(params, expected_params(bf16_state, cfg))
 
 
@@ -141,7 +148,8 @@ def test_load_model_default() -> None:
     cfg, params, tokenizer = load_model("default", seed=3)
     assert cfg == DEFAULT_CONFIG and isinstance(tokenizer, ByteTokenizer)
     assert cfg.vocab_size >= tokenizer.vocab_size
-    assert (cfg.bos_token_id, cfg.eos_token_ids) == (tokenizer.bos_token_id, tokenizer.eos_token_ids)
+    assert (cfg.bos_token_id, cfg.eos_token_ids) == (tokenizer.bos_token_id,
+                                                     tokenizer.eos_token_ids)
     assert_trees_equal(params, init_params(DEFAULT_CONFIG, seed=3))
     cfg16, params16, _ = load_model("default", dtype="bfloat16")
     assert cfg16.dtype == "bfloat16" and dtypes(params16) == {jnp.dtype(jnp.bfloat16)}
@@ -182,8 +190,9 @@ def test_missing_and_unexpected_tensors_named(tmp_path: Path) -> None:
         t["model.layers.1.mlp.extra.weight"] = torch.zeros(2)
 
     model_dir = _rewrite_checkpoint(tmp_path, edit)
-    with pytest.raises(ValueError, match=r"missing tensors \['model.layers.1.mlp.up_proj.weight'\], "
-                                         r"unexpected tensors \['model.layers.1.mlp.extra.weight'\]"):
+    with pytest.raises(ValueError,
+                       match=r"missing tensors \['model.layers.1.mlp.up_proj.weight'\], "
+                             r"unexpected tensors \['model.layers.1.mlp.extra.weight'\]"):
         load_model(str(model_dir))
 
 

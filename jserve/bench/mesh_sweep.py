@@ -3,7 +3,8 @@ context length, plus a digest of the greedy output so layouts can be checked for
 
 Meshes are taken as strings and handed to the engine as they are (``"1"`` is the one-device
 label, sent as ``""``); a mesh the engine rejects with ValueError (or a device failure) becomes
-an error row, so axes the engine gains later need no change here. ``scripts/mesh_experiment.py`` is the CLI."""
+an error row, so axes the engine gains later need no change here. ``scripts/mesh_experiment.py``
+is the CLI."""
 from __future__ import annotations
 
 import csv

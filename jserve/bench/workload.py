@@ -16,8 +16,13 @@ from pathlib import Path
 import numpy as np
 
 from jserve.sim.hardware import default_data_dir
-from jserve.sim.trace import (MEDHA_SWE_PROMPT_RANGE, TraceRequest, mix_long_requests,
-                              poisson_arrivals, read_trace)
+from jserve.sim.trace import (
+    MEDHA_SWE_PROMPT_RANGE,
+    TraceRequest,
+    mix_long_requests,
+    poisson_arrivals,
+    read_trace,
+)
 
 
 def sharegpt4_path() -> Path:

@@ -15,7 +15,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-
 MASKED = -1e30
 MIN_ROWS = 16
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import triton as plgpu
+from jax.experimental.pallas import tpu as pltpu, triton as plgpu
 
 GPU_BLOCK_TOKENS = 16
 

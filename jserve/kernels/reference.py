@@ -156,8 +156,8 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     """Attention of a mixed batch of decodes and prefill chunks over a paged KV cache.
 
     q: [T, Hq, D]; k_pages, v_pages: [Hkv, num_pages, page_size, D] (already holding this
-    step's KV), or stacked [layers, Hkv, ...] read at ``layer``. Returns (out [T, Hq, D] in q's dtype, lse [T, Hq] float32; -inf where a token
-    has no keys, e.g. padding).
+    step's KV), or stacked [layers, Hkv, ...] read at ``layer``. Returns (out [T, Hq, D] in q's
+    dtype, lse [T, Hq] float32; -inf where a token has no keys, e.g. padding).
     """
     t, hq, d = q.shape
     hkv = k_pages.shape[-4]

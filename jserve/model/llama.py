@@ -12,10 +12,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jserve.cache.pool import KVCache
 from jserve.config import LlamaConfig, inv_frequencies
 from jserve.kernels import AttentionMetadata, attention, write_kv
-
-from jserve.cache.pool import KVCache
 from sharding.kv_parallel import kvp_attention, owned_slots
 
 Params = dict[str, Any]

@@ -48,7 +48,8 @@ def param_shapes(cfg: LlamaConfig) -> Params:
     kv = cfg.num_key_value_heads * cfg.head_dim
     layer = {"attn_norm": (d,), "wq": (d, q), "wk": (d, kv), "wv": (d, kv), "wo": (q, d),
              "mlp_norm": (d,), "w_gate": (d, f), "w_up": (d, f), "w_down": (f, d)}
-    shapes: Params = {"embed": (v, d), "layers": [dict(layer) for _ in range(cfg.num_hidden_layers)],
+    shapes: Params = {"embed": (v, d),
+                      "layers": [dict(layer) for _ in range(cfg.num_hidden_layers)],
                       "final_norm": (d,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (d, v)
@@ -298,9 +299,9 @@ def load_hf_runtime(model_dir: str | Path, cfg: LlamaConfig,
     cast to ``cfg.dtype`` slice by slice: a bf16 checkpoint stays bf16.
     """
     from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
-    from sharding.specs import layer_spec
 
     from jserve.model.llama import runtime_param_shapes
+    from sharding.specs import layer_spec
 
     model_dir = Path(model_dir)
     layout = _check_checkpoint(model_dir, cfg)

@@ -14,13 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jserve.probe.bins import LengthBins
-
 from jserve.cache.pool import allocate_kv_cache
 from jserve.config import LlamaConfig
 from jserve.kernels import AttentionMetadata
-from jserve.model.llama import (Params, StepInput, decoder_layer, embed, layer_params,
-                                rope_tables)
+from jserve.model.llama import Params, StepInput, decoder_layer, embed, layer_params, rope_tables
+from jserve.probe.bins import LengthBins
 
 _PAGE = 16
 

@@ -1,0 +1,34 @@
+"""Engine helpers for the tests that run the model (they import JAX; the scheduler and
+simulator tests never import this module): small buckets so tests compile little, and the
+same settings everywhere so the persistent compilation cache is shared between tests."""
+from __future__ import annotations
+
+from jserve import LLM
+
+SMALL = dict(max_num_seqs=4, max_num_batched_tokens=32, max_prefill_seqs=2, max_model_len=512,
+             warmup=False)
+
+
+def small_llm(model: str = "default", **overrides) -> LLM:
+    return LLM(model, **{**SMALL, **overrides})
+
+
+def run_checked(llm: LLM, prompts, params) -> list[list[int]]:
+    """Runs ``prompts`` to completion, checking after every step that blocks are conserved
+    (held exactly by running requests, a shared cached page once per holder), waiting requests hold none, and exactly the swapped
+    ones have a host copy; returns the output ids in prompt order. Plans land in
+    ``llm.engine.step_log``."""
+    eng = llm.engine
+    ids = [eng.add_request(p, params) for p in prompts]
+    eng.step_log = []
+    done = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+        eng.allocator.check()
+        eng.allocator.check_holders([r.block_ids for r in eng.scheduler.running])
+        assert all(not r.block_ids for r in eng.scheduler.waiting)
+        assert set(eng._host_kv) == {r.request_id for r in eng.scheduler.waiting if r.swapped}
+    assert eng.allocator.num_allocated == 0
+    return [done[i] for i in ids]
