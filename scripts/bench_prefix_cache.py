@@ -82,7 +82,7 @@ def _drop_cache(llm: LLM) -> None:
 def multi_turn(a, rng) -> dict:
     pairs = _read_pairs(sharegpt4_path())
     convs = []
-    for c in range(a.conversations):
+    for _ in range(a.conversations):
         turns = [pairs[int(rng.integers(len(pairs)))] for _ in range(a.turns)]
         convs.append([(max(1, p // a.length_scale), max(1, min(o // a.length_scale, 64)))
                       for p, o in turns])

@@ -4,8 +4,8 @@ harness's own clients (``jserve.bench.runner.run_remote`` for gRPC, ``run_http``
 OpenAI API: streaming, token-id prompts, greedy, ``ignore_eos``). TTFT and TPOT are taken on
 the client as tokens arrive; the engine's own TPOT (``jserve_time_per_output_token_seconds``,
 observed on the engine thread) and the client's CPU seconds are shown beside them, since the
-client shares the machine with the server. The two front ends alternate for ``--repeats`` rounds after a
-warm-up of each; the table shows the median of the rounds' percentiles. The machine may be
+client shares the machine with the server. The two front ends alternate for ``--repeats``
+rounds after a warm-up of each; the table shows the median of the rounds' percentiles. The machine may be
 shared: alternating rounds is what keeps the comparison fair.
 
     python scripts/bench_server.py [--requests 200] [--batch 32] [--prompt-len 64] \\
@@ -29,7 +29,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # conftest.Served: how the tests start a server
 
 from conftest import Served  # noqa: E402
-
 from jserve.bench.metrics import percentile, tpot, ttft  # noqa: E402
 from jserve.bench.runner import run_http, run_remote  # noqa: E402
 from jserve.sim.trace import TraceRequest  # noqa: E402

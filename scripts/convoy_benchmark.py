@@ -18,8 +18,14 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from jserve.bench.evaluate import (ensure_predictor, evaluate, local_runner, ratio_table,
-                                   remote_runner, write_plots)
+from jserve.bench.evaluate import (
+    ensure_predictor,
+    evaluate,
+    local_runner,
+    ratio_table,
+    remote_runner,
+    write_plots,
+)
 from jserve.bench.metrics import Slo, ratio
 from jserve.bench.workload import WorkloadSpec, build_workload, model_len_for
 

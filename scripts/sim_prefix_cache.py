@@ -53,7 +53,8 @@ def _stats(trace: list[TraceRequest], records: list[dict]) -> dict:
     ttft = [r["first_token_s"] - r["arrival_s"] for r in short if r["first_token_s"] is not None]
     done = [r["finish_s"] - r["arrival_s"] for r in long if r["finish_s"] is not None]
     return {"short_ttft_p50": percentile(ttft, 50), "short_ttft_p90": percentile(ttft, 90),
-            "long_completion_p50": percentile(done, 50), "long_completion_p90": percentile(done, 90),
+            "long_completion_p50": percentile(done, 50),
+            "long_completion_p90": percentile(done, 90),
             "long_completed": f"{len(done)}/{len(long)}"}
 
 

@@ -18,10 +18,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import Served
-from llm_helpers import small_llm
 from jserve import SamplingParams
 from jserve.client import Client
 from jserve.serving.server import BackgroundServer, ServerConfig
+from llm_helpers import small_llm
 
 TOKEN = "s3cret"
 

@@ -80,6 +80,7 @@ def test_same_tokens_and_logprobs_with_caching_on(reference, scheduler, staggere
     assert sched.prefix_hit_tokens - before == expect
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
 def test_preempting_requests_that_share_pages(reference, preemption):
     llm = small_llm(preemption=preemption, **TINY_POOL)
@@ -87,6 +88,7 @@ def test_preempting_requests_that_share_pages(reference, preemption):
     assert llm.engine.scheduler.num_preemptions > 0
 
 
+@pytest.mark.slow
 def test_abort_of_the_first_owner_while_others_use_its_pages(reference):
     eng = small_llm().engine
     state = {}
@@ -107,6 +109,7 @@ def test_abort_of_the_first_owner_while_others_use_its_pages(reference):
     _assert_same(got, {i: reference[i] for i in (1, 2, 3)})
 
 
+@pytest.mark.slow
 def test_penalised_requests_see_every_prompt_token():
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,
                             repetition_penalty=1.3, presence_penalty=0.5)
@@ -118,6 +121,7 @@ def test_penalised_requests_see_every_prompt_token():
     assert eng.scheduler.prefix_hit_tokens == hits  # took nothing from the cache
 
 
+@pytest.mark.slow
 def test_kvp2_with_shared_prefixes_matches_one_device():
     """kvp=2 (pages of 16, 80 tokens per group at max_model_len 160): the shared document
     crosses a group boundary, and a request reusing it starts where its pages are."""

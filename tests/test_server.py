@@ -32,7 +32,6 @@ from hypothesis import event, given, settings, strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import Served
-from llm_helpers import small_llm
 from jserve import SamplingParams
 from jserve.cli import main
 from jserve.client import AsyncClient, Client

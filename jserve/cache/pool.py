@@ -51,7 +51,8 @@ def num_pages_for_budget(cfg: LlamaConfig, page_size: int, *, kv_cache_bytes: in
                 max_useful_pages + 1)
     if pages < 2:
         raise ValueError(
-            f"KV cache budget of {budget} bytes holds {pages} pages of {page_size} tokens; need >= 2")
+            f"KV cache budget of {budget} bytes holds {pages} pages of {page_size} tokens; "
+            "need >= 2")
     return int(pages)
 
 

@@ -11,7 +11,6 @@ import dataclasses
 
 from jserve.kernels.reference import PAGES_PER_BLOCK
 
-
 LADDER_FACTOR = 4
 
 

@@ -29,7 +29,8 @@ class EngineConfig:
     # kernel on GPU/TPU and the XLA reference on CPU; a Pallas flavour on CPU runs interpreted.
     # The default stays the reference until the kernels have been compiled on the hardware.
     attention_impl: str = "reference"
-    scheduler: str = "sarathi"         # sarathi | fcfs | edf | lrs | lars | sprpt (jserve.scheduler.POLICIES)
+    # sarathi | fcfs | edf | lrs | lars | sprpt (jserve.scheduler.POLICIES)
+    scheduler: str = "sarathi"
     # Output-length probe (TRAIL, jserve.probe): a probe .npz turns on capturing its layer's
     # hidden state and per-request remaining-length predictions; probe_layer alone captures
     # that layer without predicting (recording training data). sprpt needs a probe and
@@ -56,7 +57,8 @@ class EngineConfig:
     # "tp=2,kvp=2,spp=2" (sharding.MeshConfig: dp, spp, kvp, tp); dp is not supported yet.
     mesh: str = "tp=1"
     warmup: bool = True                # compile every bucket at start
-    compilation_cache_dir: str | None = dataclasses.field(default_factory=default_compilation_cache_dir)
+    compilation_cache_dir: str | None = dataclasses.field(
+        default_factory=default_compilation_cache_dir)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_seqs", "page_size"):

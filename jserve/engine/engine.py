@@ -24,20 +24,31 @@ from jserve.cache.pool import allocate_kv_cache, kv_bytes_per_page, num_pages_fo
 from jserve.config import LlamaConfig
 from jserve.engine.buckets import Buckets
 from jserve.engine.config import EngineConfig
-from jserve.engine.output import (IncrementalDetokenizer, RequestMetrics, RequestOutput,
-                                  TokenLogprob, find_stop)
+from jserve.engine.output import (
+    IncrementalDetokenizer,
+    RequestMetrics,
+    RequestOutput,
+    TokenLogprob,
+    find_stop,
+)
 from jserve.engine.plan import describe_engine
 from jserve.engine.runner import CACHE_EVENTS, ModelRunner
 from jserve.engine.step_builder import StepBuilder, StepFlags
+from jserve.engine.timing import estimated_predictor, host_round_trip_seconds, load_predictor
 from jserve.kernels import ATTENTION_IMPLS
 from jserve.model.llama import Params
 from jserve.probe.length_probe import LengthProbe
 from jserve.probe.tracker import LengthTracker
 from jserve.sampling.params import MAX_BANNED_IDS, SamplingParams
 from jserve.sampling.sampler import SamplerRow
-from jserve.engine.timing import estimated_predictor, host_round_trip_seconds, load_predictor
-from jserve.scheduler import (POLICIES, BatchPlan, Request, RequestStatus, ScheduledChunk,
-                              build_scheduler)
+from jserve.scheduler import (
+    POLICIES,
+    BatchPlan,
+    Request,
+    RequestStatus,
+    ScheduledChunk,
+    build_scheduler,
+)
 from jserve.scheduler.deadline import DeadlineConfig
 from jserve.tokenizer import Tokenizer
 from sharding import distributed, pipeline
@@ -128,8 +139,8 @@ class LLMEngine:
                 self.buckets, decode_rows=self.buckets.decode_rows[-1:],
                 prefill_tokens=self.buckets.prefill_tokens[-1:])
         # KV pool: one kvp group's pool per device (sized by the heads a device stores under
-        # tp and the layers of its pipeline stage); a sequence keeps at most pages_per_group pages in one group, and the groups'
-        # pools sit side by side in the cache's page dimension (global id = group * pool +
+        # tp and the layers of its pipeline stage); a sequence keeps at most pages_per_group
+        # pages in one group, and the groups' pools sit side by side in the cache's page dimension (global id = group * pool +
         # local id; jserve.cache.allocator).
         kvp, tp = mesh_config.kvp, mesh_config.tp
         pages_per_seq = (-(-self.max_model_len // config.page_size) if kvp == 1
@@ -553,7 +564,8 @@ class LLMEngine:
             return self._finish(req, status)
         return self._output(req)
 
-    def _finish(self, req: Request, status: RequestStatus, error: str | None = None) -> RequestOutput:
+    def _finish(self, req: Request, status: RequestStatus, error: str | None = None
+                ) -> RequestOutput:
         tr: _Tracked = req.payload
         self.scheduler.finish(req, status)
         self._release_state_row(req)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from jserve.engine.engine import LLMEngine
-from jserve.sampling.params import SamplingParams
 from jserve.engine.timing import predictor_key
+from jserve.sampling.params import SamplingParams
 from jserve.scheduler.predictor import LinearPredictor
 from sharding.mesh import MeshConfig
 
@@ -57,7 +57,8 @@ def profile_samples(engine: LLMEngine, *, seed: int = 0, repeats: int = 2
 def fit_predictor(engine: LLMEngine, samples) -> tuple[LinearPredictor, dict]:
     held = samples[::5]
     train = [s for i, s in enumerate(samples) if i % 5]
-    predictor = LinearPredictor.fit(train, meta={"key": predictor_key(engine.cfg, MeshConfig.parse(engine.config.mesh).key()),
+    key = predictor_key(engine.cfg, MeshConfig.parse(engine.config.mesh).key())
+    predictor = LinearPredictor.fit(train, meta={"key": key,
                                                  "samples": len(train),
                                                  "max_context": profiled_context(samples)})
     err = predictor.relative_errors(held)

@@ -20,8 +20,14 @@ from jserve.engine.buckets import Buckets
 from jserve.kernels import AttentionMetadata
 from jserve.model.llama import Params, StepInput, final_logits, forward, prepare_params
 from jserve.sampling.params import MAX_BANNED_IDS, MAX_LOGPROBS
-from jserve.sampling.sampler import (SampleResult, SamplingBatch, apply_penalties,
-                                     choose_tokens, pad_rows, token_logprobs)
+from jserve.sampling.sampler import (
+    SampleResult,
+    SamplingBatch,
+    apply_penalties,
+    choose_tokens,
+    pad_rows,
+    token_logprobs,
+)
 from sharding import pipeline
 from sharding.specs import shard_params
 from sharding.tensor_parallel import tp_forward

@@ -6,9 +6,9 @@ import dataclasses
 import numpy as np
 
 from jserve.engine.buckets import Buckets
+from jserve.engine.runner import StepArrays
 from jserve.kernels import AttentionMetadata
 from jserve.model.llama import StepInput
-from jserve.engine.runner import StepArrays
 from jserve.sampling.sampler import SamplerRow, make_sampling_batch
 from jserve.scheduler import BatchPlan, Request, ScheduledChunk
 

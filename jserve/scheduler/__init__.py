@@ -1,8 +1,8 @@
 """Scheduling: request state, batch plans and policies. No JAX import, so the simulator and the
 live engine run the same code."""
 from jserve.scheduler.plan import BatchPlan, ScheduledChunk
-from jserve.scheduler.request import Request, RequestStatus
 from jserve.scheduler.registry import POLICIES, build_scheduler
+from jserve.scheduler.request import Request, RequestStatus
 from jserve.scheduler.sarathi import SarathiScheduler
 
 __all__ = ["BatchPlan", "ScheduledChunk", "Request", "RequestStatus", "SarathiScheduler",

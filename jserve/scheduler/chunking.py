@@ -4,9 +4,9 @@ prefill-time cache built from that chunk sequence (Medha Algorithms 2 and 3).
 The search assumes a predictor's time never falls when a chunk gets longer, starts later
 (more context to attend to) or samples, and does not depend on whose chunk it is; the
 predictors the deadline policies use (``LinearPredictor``, ``jserve.sim.GpuTimeModel``) are
-built of terms that never decrease in chunk sizes and positions. That is what lets it bisect, and lets one
-``ChunkSearch`` skip, unprobed, a request whose smallest chunk costs no less than one that
-already missed the same or a larger budget.
+built of terms that never decrease in chunk sizes and positions. That is what lets it bisect,
+and lets one ``ChunkSearch`` skip, unprobed, a request whose smallest chunk costs no less than
+one that already missed the same or a larger budget.
 """
 from __future__ import annotations
 

@@ -31,8 +31,15 @@ from starlette.routing import Route
 from jserve.engine.output import TokenLogprob
 from jserve.sampling.params import SamplingParams
 from jserve.serving import engine_loop as el
-from jserve.serving.gateway import (NOT_FOUND, UNAUTHENTICATED, Gateway, Rejected, Stream,
-                                    bearer_matches, field_message)
+from jserve.serving.gateway import (
+    NOT_FOUND,
+    UNAUTHENTICATED,
+    Gateway,
+    Rejected,
+    Stream,
+    bearer_matches,
+    field_message,
+)
 from jserve.tokenizer import simple_chat_prompt
 
 log = logging.getLogger(__name__)

@@ -30,11 +30,22 @@ from grpc_reflection.v1alpha import reflection
 
 from jserve.engine.engine import LLMEngine
 from jserve.proto import generate_pb2 as pb
-from jserve.sampling.params import (MAX_LOGPROBS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
-                                    MAX_STOP_TOKEN_IDS)
+from jserve.sampling.params import (
+    MAX_LOGPROBS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
 from jserve.serving import engine_loop as el
-from jserve.serving.gateway import (ALREADY_EXISTS, DEADLINE_SLACK_S, UNAUTHENTICATED, Gateway,
-                                    Rejected, Stream, bearer_matches)
+from jserve.serving.gateway import (
+    ALREADY_EXISTS,
+    DEADLINE_SLACK_S,
+    UNAUTHENTICATED,
+    Gateway,
+    Rejected,
+    Stream,
+    bearer_matches,
+)
 from jserve.serving.metrics import ServerMetrics
 from jserve.serving.protocol import parse_request
 

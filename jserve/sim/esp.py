@@ -25,9 +25,14 @@ import functools
 from pathlib import Path
 
 from jserve.scheduler.plan import BatchPlan, ScheduledChunk
-from jserve.sim.hardware import (BF16, GPUS_PER_NODE, GpuTimeModel, _load_network,
-                                 _nearest_config, default_data_dir)
-
+from jserve.sim.hardware import (
+    BF16,
+    GPUS_PER_NODE,
+    GpuTimeModel,
+    _load_network,
+    _nearest_config,
+    default_data_dir,
+)
 
 CAUSAL_SLICES = 16
 
@@ -51,7 +56,9 @@ class EspCosts:
     def node_of(self, instance: int) -> int:
         return instance * self.tp // GPUS_PER_NODE
 
-    @functools.lru_cache(maxsize=1 << 16)
+    # One EspCosts per configuration lives for the process (runner caches it), so the cache
+    # holding ``self`` is intended.
+    @functools.lru_cache(maxsize=1 << 16)  # noqa: B019
     def prefill(self, lengths: tuple[int, ...], degree: int) -> float:
         """Seconds to prefill prompts of ``lengths`` as one batch on ``degree`` instances."""
         chunks = []
