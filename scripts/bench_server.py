@@ -5,8 +5,8 @@ OpenAI API: streaming, token-id prompts, greedy, ``ignore_eos``). TTFT and TPOT 
 the client as tokens arrive; the engine's own TPOT (``jserve_time_per_output_token_seconds``,
 observed on the engine thread) and the client's CPU seconds are shown beside them, since the
 client shares the machine with the server. The two front ends alternate for ``--repeats``
-rounds after a warm-up of each; the table shows the median of the rounds' percentiles. The machine may be
-shared: alternating rounds is what keeps the comparison fair.
+rounds after a warm-up of each; the table shows the median of the rounds' percentiles. The
+machine may be shared: alternating rounds is what keeps the comparison fair.
 
     python scripts/bench_server.py [--requests 200] [--batch 32] [--prompt-len 64] \\
         [--max-tokens 64] [--qps 0 (all at once)] [--repeats 3]

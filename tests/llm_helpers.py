@@ -16,8 +16,8 @@ def small_llm(model: str = "default", **overrides) -> LLM:
 def run_checked(llm: LLM, prompts, params) -> list[list[int]]:
     """Runs ``prompts`` to completion, checking after every step that blocks are conserved
     (held exactly by running requests, a shared cached page once per holder), waiting
-    requests hold none, and exactly the swapped ones have a host copy; returns the output ids in prompt order. Plans land in
-    ``llm.engine.step_log``."""
+    requests hold none, and exactly the swapped ones have a host copy; returns the output ids
+    in prompt order. Plans land in ``llm.engine.step_log``."""
     eng = llm.engine
     ids = [eng.add_request(p, params) for p in prompts]
     eng.step_log = []

@@ -140,8 +140,8 @@ class LLMEngine:
                 prefill_tokens=self.buckets.prefill_tokens[-1:])
         # KV pool: one kvp group's pool per device (sized by the heads a device stores under
         # tp and the layers of its pipeline stage); a sequence keeps at most pages_per_group
-        # pages in one group, and the groups' pools sit side by side in the cache's page dimension (global id = group * pool +
-        # local id; jserve.cache.allocator).
+        # pages in one group, and the groups' pools sit side by side in the cache's page
+        # dimension (global id = group * pool + local id; jserve.cache.allocator).
         kvp, tp = mesh_config.kvp, mesh_config.tp
         pages_per_seq = (-(-self.max_model_len // config.page_size) if kvp == 1
                          else self.buckets.pages_per_group)
