@@ -164,11 +164,13 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 
 class Jserve:
-    """One LLM for the whole run (warm-up compiles every bucket once); counts recompiles."""
+    """One LLM for the whole run (warm-up compiles every bucket once); counts recompiles.
+    Prefix caching is off: the repetitions re-send the same prompts, and HF has no cache."""
 
     def __init__(self, model_dir: Path, engine_kwargs: dict):
         t0 = time.perf_counter()
-        self.llm = LLM(str(model_dir), warmup=True, **engine_kwargs)
+        self.llm = LLM(str(model_dir), warmup=True, enable_prefix_caching=False,
+                       **engine_kwargs)
         self.start_seconds = time.perf_counter() - t0
         self.compiles_after_warmup = self.llm.engine.compile_count
 
