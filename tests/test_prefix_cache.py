@@ -8,6 +8,7 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from conftest import apply_plan
 from jserve.cache.allocator import BlockAllocator
 from jserve.cache.prefix import extend_page_keys
 from jserve.scheduler.chunking import PrefillTimeCache
@@ -105,21 +106,12 @@ def _sarathi(blocks=64, page=4, budget=16, seqs=4):
                             max_num_seqs=seqs, max_num_batched_tokens=budget, max_prefill_seqs=2)
 
 
-def _apply(sched, plan, token=7):
-    by_id = {r.request_id: r for r in sched.running}
-    for c in plan.decodes + plan.prefills:
-        r = by_id[c.request_id]
-        sched.advance(r, c.num_tokens)
-        if c.samples:
-            r.token_ids.append(token)
-
-
 def test_a_request_starts_after_its_cached_prefix_and_only_after_computed_pages():
     sched = _sarathi(budget=8)
     doc = list(range(100, 124))        # 6 full pages
     a = Request("a", doc + [1, 2], 4, 0.0)
     sched.add(a)
-    _apply(sched, sched.schedule())    # a: 8 of 26 tokens computed (2 pages)
+    apply_plan(sched, sched.schedule())    # a: 8 of 26 tokens computed (2 pages)
     b = Request("b", doc + [3], 4, 0.1)  # arrives while a's prefix is being prefilled
     sched.add(b)
     sched.token_budget = 40            # room for a's remaining 18 tokens and b's chunk
@@ -138,7 +130,7 @@ def test_a_fully_cached_prompt_still_computes_its_last_token():
     sched.add(first)
     while first.status is not RequestStatus.FINISHED_LENGTH:
         plan = sched.schedule()
-        _apply(sched, plan)
+        apply_plan(sched, plan)
         if first.num_output_tokens:
             sched.finish(first, RequestStatus.FINISHED_LENGTH)
     again = Request("again", prompt, 1, 1.0)
@@ -215,7 +207,7 @@ def test_conservation_and_exact_sharing_under_random_shared_traffic(seed, page, 
             sched.finish(rng.choice(sched.running), RequestStatus.FINISHED_ABORTED)
         if sched.has_schedulable():
             plan = sched.schedule()
-            _apply(sched, plan, token=rng.randrange(50))
+            apply_plan(sched, plan, sample_token=rng.randrange(50))
         for r in list(sched.running):
             if r.num_output_tokens >= r.max_tokens and not r.num_uncomputed:
                 sched.finish(r, RequestStatus.FINISHED_LENGTH)

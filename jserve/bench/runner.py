@@ -144,10 +144,15 @@ async def run_remote(target: str, trace: Sequence[TraceRequest], *,
             _fill(records[t.request_id], times, reason)
             bar.update()
 
-        try:
-            await asyncio.gather(*(one(t, ids) for t, ids in zip(trace, prompts)))
-        finally:
-            bar.close()
+        return await _all(one, trace, prompts, records, bar)
+
+
+async def _all(one, trace, prompts, records, bar) -> list[dict]:
+    """Runs ``one(request, prompt ids)`` for every request at once; records in trace order."""
+    try:
+        await asyncio.gather(*(one(t, ids) for t, ids in zip(trace, prompts)))
+    finally:
+        bar.close()
     return [records[t.request_id] for t in trace]
 
 
@@ -223,11 +228,7 @@ async def run_http(url: str, trace: Sequence[TraceRequest], *, window_s: float |
             _fill(records[t.request_id], times, reason)
             bar.update()
 
-        try:
-            await asyncio.gather(*(one(t, ids) for t, ids in zip(trace, prompts)))
-        finally:
-            bar.close()
-    return [records[t.request_id] for t in trace]
+        return await _all(one, trace, prompts, records, bar)
 
 
 async def _sse_data(resp):
