@@ -32,7 +32,9 @@ _SCRIPT = textwrap.dedent("""
     settings = json.loads(sys.argv[2])
     # 150 tokens: three prefill chunks, and with max_model_len 256 it spans every kvp=4
     # group (64 tokens each) and grows across a boundary while decoding.
-    prompts = [list(range(3, 3 + n)) for n in (150, 9, 40, 3, 70)]
+    # Prompts share no leading page (prefix caching stays on but cannot relieve the pool).
+    prompts = [[3 + (7 * i + j) % 300 for j in range(n)]
+               for i, n in enumerate((150, 9, 40, 3, 70))]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
     result = {}
     for mesh in meshes:
