@@ -68,9 +68,15 @@ def layer_spec(name: str) -> P:
 
 
 def param_specs(params: Params) -> Params:
-    """PartitionSpecs with the structure of runtime-layout ``params``."""
-    return {**{k: P() for k in params if k != "layers"},
-            "layers": {name: layer_spec(name) for name in params["layers"]}}
+    """PartitionSpecs with the structure of runtime-layout ``params`` (stacked layers, or
+    the unrolled list of per-layer dicts, whose leaves drop the stacked axis)."""
+    layers = params["layers"]
+    if isinstance(layers, list):
+        per_layer = {name: P(*layer_spec(name)[1:]) for name in layers[0]}
+        specs = [per_layer] * len(layers)
+    else:
+        specs = {name: layer_spec(name) for name in layers}
+    return {**{k: P() for k in params if k != "layers"}, "layers": specs}
 
 
 def kv_cache_specs() -> tuple[P, P]:

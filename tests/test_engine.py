@@ -153,3 +153,14 @@ def test_a_failing_step_ends_its_requests_with_an_error_and_frees_blocks(monkeyp
     assert all(o.finished and o.finish_reason == "abort" and "device lost" in o.error
                for o in outs)
     assert not eng.has_unfinished() and eng.allocator.num_allocated == 0
+
+
+@pytest.mark.parametrize("layer_loop, max_num_seqs", [("loop", 4), ("loop", 1), ("unrolled", 1)])
+def test_looped_and_unrolled_layers_give_the_same_tokens(reference, layer_loop, max_num_seqs):
+    """The default engine here unrolls its 4 layers over per-layer weights; the loop over
+    stacked weights must agree, also with one sequence at a time (one-token steps, whose KV
+    write takes the padded-scatter path)."""
+    llm = small_llm(layer_loop=layer_loop, max_num_seqs=max_num_seqs)
+    layers = llm.engine.runner.params["layers"]
+    assert isinstance(layers, dict if layer_loop == "loop" else list)
+    assert [llm.generate([p], GREEDY)[0].token_ids for p in PROMPTS] == reference

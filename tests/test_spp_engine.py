@@ -65,8 +65,10 @@ _SCRIPT = textwrap.dedent("""
                 # what one device holds: stage-local layers and pages
                 # [stage layers, KV heads / tp, pages, page, head_dim]
                 "kv_shard": list(eng.runner.kv_cache[0].addressable_shards[0].data.shape),
-                "wq_shard": list(eng.runner.params["layers"]["wq"].addressable_shards[0]
-                                 .data.shape)}
+                # stacked under spp (one device may run the unrolled per-layer form)
+                "wq_shard": (list(eng.runner.params["layers"]["wq"].addressable_shards[0]
+                                  .data.shape)
+                             if isinstance(eng.runner.params["layers"], dict) else None)}
 
     def run_abort():
         # Abort a long prompt while one of its chunks is in the pipeline; its id is reused

@@ -190,7 +190,10 @@ class LLMEngine:
         self.runner = ModelRunner(cfg, params, kv_cache, self.buckets, config.max_num_seqs,
                                   config.attention_impl, mesh,
                                   capture_layer=self.length_tracker.layer
-                                  if self.length_tracker else None, params_placed=placed)
+                                  if self.length_tracker else None, params_placed=placed,
+                                  unroll_layers=config.layer_loop == "unrolled" or (
+                                      config.layer_loop == "auto" and self._spp == 1
+                                      and cfg.num_hidden_layers <= 8))
         self.builder = StepBuilder(self.buckets, config.page_size, self.runner.state_sink,
                                    pool_pages=num_pages)
         self._free_state_rows = list(range(self.runner.state_sink - 1, -1, -1))

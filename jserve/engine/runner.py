@@ -18,7 +18,14 @@ from jserve.cache.pool import KVCache
 from jserve.config import LlamaConfig
 from jserve.engine.buckets import Buckets
 from jserve.kernels import AttentionMetadata
-from jserve.model.llama import Params, StepInput, final_logits, forward, prepare_params
+from jserve.model.llama import (
+    Params,
+    StepInput,
+    final_logits,
+    forward,
+    prepare_params,
+    unstack_layers,
+)
 from jserve.sampling.params import MAX_BANNED_IDS, MAX_LOGPROBS
 from jserve.sampling.sampler import (
     SampleResult,
@@ -29,7 +36,7 @@ from jserve.sampling.sampler import (
     token_logprobs,
 )
 from sharding import pipeline
-from sharding.specs import shard_params
+from sharding.specs import param_specs, shard_params
 from sharding.tensor_parallel import tp_forward
 
 log = logging.getLogger(__name__)
@@ -227,6 +234,15 @@ def _tick(params: Params, kv_cache: KVCache, state: SeqState, carry: pipeline.Pi
     return inputs, kv_cache, state, carry
 
 
+def _unstacked(params: Params, mesh: jax.sharding.Mesh | None) -> Params:
+    """``unstack_layers`` on placed params, each layer's arrays keeping their tp split."""
+    target = jax.eval_shape(unstack_layers, params)  # structure only
+    shardings = (None if mesh is None else jax.tree.map(
+        lambda spec: jax.sharding.NamedSharding(mesh, spec), param_specs(target),
+        is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))
+    return jax.jit(unstack_layers, out_shardings=shardings)(params)
+
+
 def _fresh(fn):
     """A new function object running ``fn`` (see ``ModelRunner.__init__``)."""
     @functools.wraps(fn)
@@ -284,12 +300,15 @@ class ModelRunner:
     def __init__(self, cfg: LlamaConfig, params: Params, kv_cache: KVCache, buckets: Buckets,
                  max_num_seqs: int, attention_impl: str, mesh: jax.sharding.Mesh | None = None,
                  capture_layer: int | None = None, params_placed: bool = False,
-                 abstract: bool = False):
+                 abstract: bool = False, unroll_layers: bool = False):
         """``params_placed``: ``params`` are already in the runtime layout, tp-laid-out and
         placed on ``mesh`` (a loader that streams them there, ``jserve.model.weights``).
         ``abstract``: ``params`` (runtime layout, placed) and ``kv_cache`` are
         ``jax.ShapeDtypeStruct``s and so is the penalty state: the runner only lowers and
-        compiles (``compiled``, ``sampler``), nothing is allocated (``jserve.engine.plan``)."""
+        compiles (``compiled``, ``sampler``), nothing is allocated (``jserve.engine.plan``).
+        ``unroll_layers``: run the layers unrolled over separate per-layer weight arrays
+        instead of one loop over stacked ones (``jserve.model.llama.unstack_layers``; not
+        with spp, whose stages split the stacked axis)."""
         params_placed = params_placed or abstract
         if capture_layer is not None:
             if mesh is not None:
@@ -311,6 +330,8 @@ class ModelRunner:
         self.carry: pipeline.PipelineCarry | None = None
         if mesh is not None and not params_placed:
             self.params = shard_params(self.params, cfg, mesh)
+        if unroll_layers and self.spp == 1 and not abstract:
+            self.params = _unstacked(self.params, mesh)
         self.kv_cache = kv_cache
         self.buckets = buckets
         rows = max_num_seqs + buckets.prefill_rows + 1

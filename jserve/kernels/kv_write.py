@@ -26,6 +26,11 @@ def write_kv(pages: jax.Array, slots: jax.Array, new: jax.Array, layer=None) -> 
         flat = flat.at[:, slots].set(new.transpose(1, 0, 2).astype(pages.dtype))
         return flat.reshape(pages.shape)
     n, hkv, p, s, d = pages.shape
+    if slots.shape[0] == 1:
+        # XLA turns a one-row scatter into a dynamic-update-slice that copies the whole
+        # stacked cache; a second row into the sink page (slot 0) keeps it a scatter.
+        slots = jnp.concatenate([slots, jnp.zeros_like(slots)])
+        new = jnp.concatenate([new, jnp.zeros_like(new)])
     flat = pages.reshape(n, hkv, p * s, d)
     # Mixed scalar/array indices around a slice put the indexed dims first: [T, Hkv, D].
     flat = flat.at[layer, :, slots].set(new.astype(pages.dtype))

@@ -67,7 +67,10 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def is_runtime_layout(params: Params) -> bool:
-    return isinstance(params["layers"], dict)
+    """Stacked layers (a dict of ``[layers, ...]`` leaves), or the unrolled form of them
+    (:func:`unstack_layers`: a list of per-layer dicts with the fused ``w_gate_up``)."""
+    layers = params["layers"]
+    return isinstance(layers, dict) or bool(layers) and "w_gate_up" in layers[0]
 
 
 def prepare_params(params: Params) -> Params:
@@ -101,8 +104,31 @@ def runtime_param_shapes(cfg: LlamaConfig) -> dict:
     return {**shapes, "layers": {name: (n, *shape) for name, shape in layer.items()}}
 
 
+def unstack_layers(params: Params) -> Params:
+    """Runtime-layout ``params`` with the layers as a list of separate per-layer arrays: the
+    forward then unrolls the layers instead of looping. Compile time grows with depth again,
+    but no layer's weights are sliced out of a stacked array at run time, which XLA:CPU
+    does by copying them every step (docs/startup.md: 2x slower decode at small batches)."""
+    layers = params["layers"]
+    if isinstance(layers, list):
+        return params
+    n = jax.tree.leaves(layers)[0].shape[0]
+    return {**params, "layers": [jax.tree.map(lambda w, i=i: w[i], layers) for i in range(n)]}
+
+
+def stack_layers(params: Params) -> Params:
+    """The inverse of :func:`unstack_layers` (code that loops over traced layer indices)."""
+    layers = params["layers"]
+    if isinstance(layers, dict):
+        return params
+    return {**params, "layers": jax.tree.map(lambda *ws: jnp.stack(ws), *layers)}
+
+
 def layer_params(layers: Params, i) -> Params:
-    """Layer ``i`` (may be traced) of runtime-layout stacked ``layers``."""
+    """Layer ``i`` (may be traced) of runtime-layout stacked ``layers``; of the unrolled
+    list, ``i`` must be an int."""
+    if isinstance(layers, list):
+        return layers[i]
     return jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, i, keepdims=False), layers)
 
 
@@ -157,7 +183,14 @@ def run_layers(layers: Params, kv_cache: KVCache, x: jax.Array, batch: StepInput
                ) -> tuple[jax.Array, KVCache]:
     """Layers ``[start, stop)`` of stacked ``layers`` over the stacked ``kv_cache`` as one
     ``fori_loop``: one traced and compiled body at any depth (``layer_kw``: as
-    :func:`decoder_layer`)."""
+    :func:`decoder_layer`). ``layers`` as a list (:func:`unstack_layers`): unrolled."""
+    if isinstance(layers, list):
+        k, v = kv_cache
+        for i in range(start, stop):
+            x, (k, v) = decoder_layer(layers[i], (k, v), x, batch, cos, sin, layer_index=i,
+                                      **layer_kw)
+        return x, (k, v)
+
     def body(i, carry):
         x, k, v = carry
         x, (k, v) = decoder_layer(layer_params(layers, i), (k, v), x, batch, cos, sin,
@@ -203,7 +236,8 @@ def forward(params: Params, kv_cache: KVCache, batch: StepInput, *, cfg: LlamaCo
     run = functools.partial(run_layers, params["layers"], batch=batch, cos=cos, sin=sin,
                             cfg=cfg, attention_impl=attention_impl, tp_axis=tp_axis,
                             kvp_axis=kvp_axis)
-    num_layers = jax.tree.leaves(params["layers"])[0].shape[0]
+    layers = params["layers"]
+    num_layers = len(layers) if isinstance(layers, list) else jax.tree.leaves(layers)[0].shape[0]
     hidden = None
     if capture_layer is None:
         x, kv_cache = run(kv_cache, x, start=0, stop=num_layers)

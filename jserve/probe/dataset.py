@@ -17,7 +17,15 @@ import numpy as np
 from jserve.cache.pool import allocate_kv_cache
 from jserve.config import LlamaConfig
 from jserve.kernels import AttentionMetadata
-from jserve.model.llama import Params, StepInput, decoder_layer, embed, layer_params, rope_tables
+from jserve.model.llama import (
+    Params,
+    StepInput,
+    decoder_layer,
+    embed,
+    layer_params,
+    rope_tables,
+    stack_layers,
+)
 from jserve.probe.bins import LengthBins
 
 _PAGE = 16
@@ -25,6 +33,7 @@ _PAGE = 16
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _all_layers(params: Params, tokens: jax.Array, n: jax.Array, *, cfg: LlamaConfig):
+    params = stack_layers(params)  # the scan below indexes layers with a traced index
     t = tokens.shape[0]
     pos = jnp.arange(t, dtype=jnp.int32)
     real = pos < n
