@@ -136,7 +136,7 @@ class LLMEngine:
             page_size=config.page_size, kvp=mesh_config.kvp)
         if self._spp > 1:  # one tick shape: the pipeline carry's shape is fixed
             self.buckets = dataclasses.replace(
-                self.buckets, decode_rows=self.buckets.decode_rows[-1:],
+                self.buckets, decode_rows=self.buckets.decode_rows[-1:], decode_only_rows=(),
                 prefill_tokens=self.buckets.prefill_tokens[-1:])
         # KV pool: one kvp group's pool per device (sized by the heads a device stores under
         # tp and the layers of its pipeline stage); a sequence keeps at most pages_per_group

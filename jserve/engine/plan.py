@@ -99,6 +99,7 @@ def engine_geometry(cfg: LlamaConfig, config: EngineConfig) -> Geometry:
         page_size=config.page_size, kvp=mc.kvp)
     if mc.spp > 1:
         buckets = dataclasses.replace(buckets, decode_rows=buckets.decode_rows[-1:],
+                                      decode_only_rows=(),
                                       prefill_tokens=buckets.prefill_tokens[-1:])
     pages_per_seq = (-(-max_model_len // config.page_size) if mc.kvp == 1
                      else buckets.pages_per_group)
