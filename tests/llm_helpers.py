@@ -13,6 +13,15 @@ def small_llm(model: str = "default", **overrides) -> LLM:
     return LLM(model, **{**SMALL, **overrides})
 
 
+def check_blocks(eng) -> None:
+    """Blocks conserved and held exactly by running requests (a shared cached page once per
+    holder), waiting requests hold none, exactly the swapped ones have a host copy."""
+    eng.allocator.check()
+    eng.allocator.check_holders([r.block_ids for r in eng.scheduler.running])
+    assert all(not r.block_ids for r in eng.scheduler.waiting)
+    assert set(eng._host_kv) == {r.request_id for r in eng.scheduler.waiting if r.swapped}
+
+
 def run_checked(llm: LLM, prompts, params) -> list[list[int]]:
     """Runs ``prompts`` to completion, checking after every step that blocks are conserved
     (held exactly by running requests, a shared cached page once per holder), waiting
@@ -26,9 +35,6 @@ def run_checked(llm: LLM, prompts, params) -> list[list[int]]:
         for out in eng.step():
             if out.finished:
                 done[out.request_id] = out.token_ids
-        eng.allocator.check()
-        eng.allocator.check_holders([r.block_ids for r in eng.scheduler.running])
-        assert all(not r.block_ids for r in eng.scheduler.waiting)
-        assert set(eng._host_kv) == {r.request_id for r in eng.scheduler.waiting if r.swapped}
+        check_blocks(eng)
     assert eng.allocator.num_allocated == 0
     return [done[i] for i in ids]

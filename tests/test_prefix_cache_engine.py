@@ -12,7 +12,7 @@ import pytest
 
 from devices import run_on_devices
 from jserve import SamplingParams
-from llm_helpers import small_llm
+from llm_helpers import check_blocks, small_llm
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
 rng = np.random.default_rng(11)
@@ -42,9 +42,7 @@ def _drive(eng, prompts, params, staggered=False, on_step=None):
                 outs[ids[o.request_id]] = (o.token_ids, lps)
         if on_step is not None:
             on_step(eng, ids)
-        eng.allocator.check()
-        eng.allocator.check_holders([r.block_ids for r in eng.scheduler.running])
-        assert all(not r.block_ids for r in eng.scheduler.waiting)
+        check_blocks(eng)
     assert eng.allocator.num_allocated == 0
     return outs
 

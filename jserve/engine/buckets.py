@@ -66,6 +66,11 @@ class Buckets:
                                           | set(_ladder(min(4, decodes), decodes)))),
         )
 
+    def single_shape(self) -> "Buckets":
+        """Only the largest step shape (stream pipelining: the carry's shape is fixed)."""
+        return dataclasses.replace(self, decode_rows=self.decode_rows[-1:], decode_only_rows=(),
+                                   prefill_tokens=self.prefill_tokens[-1:])
+
     @property
     def max_rows(self) -> int:
         """Sequence rows of the largest step: what the one sampling program is padded to."""

@@ -65,6 +65,12 @@ class EngineConfig:
     compilation_cache_dir: str | None = dataclasses.field(
         default_factory=default_compilation_cache_dir)
 
+    def unrolls_layers(self, num_layers: int, spp: int) -> bool:
+        """Whether ``layer_loop`` picks unrolled layers for this depth and pipeline."""
+        if self.layer_loop == "auto":
+            return spp == 1 and num_layers <= 8
+        return self.layer_loop == "unrolled"
+
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_seqs", "page_size"):
             if getattr(self, name) < 1:

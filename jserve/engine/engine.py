@@ -134,10 +134,8 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs, token_budget=budget,
             max_prefill_seqs=config.max_prefill_seqs, max_model_len=self.max_model_len,
             page_size=config.page_size, kvp=mesh_config.kvp)
-        if self._spp > 1:  # one tick shape: the pipeline carry's shape is fixed
-            self.buckets = dataclasses.replace(
-                self.buckets, decode_rows=self.buckets.decode_rows[-1:], decode_only_rows=(),
-                prefill_tokens=self.buckets.prefill_tokens[-1:])
+        if self._spp > 1:
+            self.buckets = self.buckets.single_shape()
         # KV pool: one kvp group's pool per device (sized by the heads a device stores under
         # tp and the layers of its pipeline stage); a sequence keeps at most pages_per_group
         # pages in one group, and the groups' pools sit side by side in the cache's page
@@ -191,9 +189,8 @@ class LLMEngine:
                                   config.attention_impl, mesh,
                                   capture_layer=self.length_tracker.layer
                                   if self.length_tracker else None, params_placed=placed,
-                                  unroll_layers=config.layer_loop == "unrolled" or (
-                                      config.layer_loop == "auto" and self._spp == 1
-                                      and cfg.num_hidden_layers <= 8))
+                                  unroll_layers=config.unrolls_layers(
+                                      cfg.num_hidden_layers, self._spp))
         self.builder = StepBuilder(self.buckets, config.page_size, self.runner.state_sink,
                                    pool_pages=num_pages)
         self._free_state_rows = list(range(self.runner.state_sink - 1, -1, -1))

@@ -98,9 +98,7 @@ def engine_geometry(cfg: LlamaConfig, config: EngineConfig) -> Geometry:
         max_prefill_seqs=config.max_prefill_seqs, max_model_len=max_model_len,
         page_size=config.page_size, kvp=mc.kvp)
     if mc.spp > 1:
-        buckets = dataclasses.replace(buckets, decode_rows=buckets.decode_rows[-1:],
-                                      decode_only_rows=(),
-                                      prefill_tokens=buckets.prefill_tokens[-1:])
+        buckets = buckets.single_shape()
     pages_per_seq = (-(-max_model_len // config.page_size) if mc.kvp == 1
                      else buckets.pages_per_group)
     return Geometry(mc, max_model_len, buckets, pages_per_seq,

@@ -124,28 +124,18 @@ def load_hf_safetensors(model_dir: str | Path, cfg: LlamaConfig) -> Params:
     numpy cannot) and transposed/cast immediately, so at most one raw tensor is alive beside
     the converted params.
     """
-    model_dir = Path(model_dir)
-    layout = _checked_layout(model_dir, cfg)
-    name_map = _hf_name_map(cfg)
-
     dtype = cfg.np_dtype
     # Fresh containers holding expected shapes; every leaf is replaced by its tensor below.
     params = jax.tree.map(lambda s: s, param_shapes(cfg), is_leaf=_is_shape)
-    for file, names in layout.items():
-        with safe_open(file, framework="flax") as f:
-            for name in names:
-                if name not in name_map:
-                    continue
-                path, transpose = name_map[name]
-                tensor = f.get_tensor(name)
-                tensor = (tensor.T if transpose else tensor).astype(dtype)
-                node = params
-                for key in path[:-1]:
-                    node = node[key]
-                if tensor.shape != node[path[-1]]:
-                    raise ValueError(f"tensor {name} has shape {tensor.shape} (after transpose), "
-                                     f"config.json implies {node[path[-1]]}")
-                node[path[-1]] = tensor
+    layout = _checked_layout(Path(model_dir), cfg)
+    for f, name, path, transpose in _mapped_tensors(layout, cfg, "flax"):
+        tensor = f.get_tensor(name)
+        tensor = (tensor.T if transpose else tensor).astype(dtype)
+        node = params
+        for key in path[:-1]:
+            node = node[key]
+        _check_shape(name, tensor.shape, node[path[-1]])
+        node[path[-1]] = tensor
     return params
 
 
@@ -260,26 +250,34 @@ def _checked_layout(model_dir: Path, cfg: LlamaConfig) -> dict[Path, list[str]]:
     return layout
 
 
+def _mapped_tensors(layout: dict[Path, list[str]], cfg: LlamaConfig, framework: str):
+    """(open file, tensor name, param path, transposed) of every tensor of ``layout`` (from
+    ``_checked_layout``) that jserve maps, file by file."""
+    name_map = _hf_name_map(cfg)
+    for file, names in layout.items():
+        with safe_open(file, framework=framework) as f:
+            for name in names:
+                if name in name_map:
+                    yield (f, name, *name_map[name])
+
+
+def _check_shape(name: str, got: tuple, want: tuple) -> None:
+    if tuple(got) != tuple(want):
+        raise ValueError(f"tensor {name} has shape {tuple(got)} (after transpose), "
+                         f"config.json implies {tuple(want)}")
+
+
 def _check_checkpoint(model_dir: Path, cfg: LlamaConfig) -> dict[Path, list[str]]:
     """The file layout, after checking the tensor names and shapes match ``cfg`` (headers
     only; no tensor data is read)."""
     layout = _checked_layout(model_dir, cfg)
-    name_map = _hf_name_map(cfg)
     shapes = param_shapes(cfg)
-    for file, names in layout.items():
-        with safe_open(file, framework="numpy") as f:
-            for name in names:
-                if name not in name_map:
-                    continue
-                path, transpose = name_map[name]
-                want = shapes
-                for key in path:
-                    want = want[key]
-                got = tuple(f.get_slice(name).get_shape())
-                got = got[::-1] if transpose else got
-                if got != want:
-                    raise ValueError(f"tensor {name} has shape {got} (after transpose), "
-                                     f"config.json implies {want}")
+    for f, name, path, transpose in _mapped_tensors(layout, cfg, "numpy"):
+        want = shapes
+        for key in path:
+            want = want[key]
+        got = tuple(f.get_slice(name).get_shape())
+        _check_shape(name, got[::-1] if transpose else got, want)
     return layout
 
 

@@ -81,12 +81,11 @@ class DeadlineScheduler(SchedulerBase):
         # some request has brought one.
         self._priorities |= req.priority != 0
         self._tpot_slos |= req.tpot_slo is not None
+        super().add(req)  # records the cached prefix, which shortens the isolated prefill
         if req.ttft_deadline is None:
-            self._peek_prefix(req)  # a cached prefix shortens the isolated prefill
             isolated = self.cache.time(req.num_prompt_tokens) - self.cache.time(req.cached_hint)
             req.ttft_deadline = req.arrival_time + max(self.config.ttft_k * isolated,
                                                        self.config.ttft_floor)
-        super().add(req)
 
     def remaining_work(self, req: Request) -> float:
         return float(self._remaining_works([req])[0])
