@@ -16,14 +16,11 @@ def llm():
 
 
 def apply_plan(scheduler, plan, sample_token: int = 5) -> None:
-    """Apply a plan to pure-scheduler requests as the engine would: advance computed counts
-    and append a sampled token for every chunk that samples."""
-    by_id = {r.request_id: r for r in scheduler.running}
-    for c in plan.decodes + plan.prefills:
-        r = by_id[c.request_id]
-        scheduler.advance(r, c.num_tokens)
-        if c.samples:
-            r.token_ids.append(sample_token)
+    """Hand a scheduled plan back as the engine does after its step, with ``sample_token``
+    for every chunk that samples."""
+    if not plan.is_empty:
+        n = sum(c.samples for c in plan.decodes + plan.prefills)
+        scheduler.update(plan, [sample_token] * n)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -152,10 +152,7 @@ def test_priority_ranks_before_the_policy_key_and_tpot_slo_caps_the_budget():
         sched.add(r)
     plan = sched.schedule()
     assert [(c.request_id, c.num_tokens) for c in plan.prefills] == [("tight", 8), ("second", 42)]
-    for c in plan.prefills:
-        sched.running[[r.request_id for r in sched.running].index(c.request_id)
-                      ].num_computed += c.num_tokens
-    tight.token_ids.append(0)  # its first token: it decodes from now on
+    sched.update(plan, [0])  # tight's first token: it decodes from now on
     plan = sched.schedule()
     # 20 ms, not 50: one decode and 19 tokens of "second".
     assert [c.request_id for c in plan.decodes] == ["tight"]

@@ -132,11 +132,13 @@ def check_batch(sched: DeadlineScheduler, reqs: dict[str, Request], plan: BatchP
         req = reqs[c.request_id]
         assert req.status is RequestStatus.RUNNING and req in sched.running
         computed, length = before[c.request_id]
-        assert c.start == req.num_computed == computed
-        assert 1 <= c.num_tokens <= length - req.num_computed
+        # A scheduled chunk counts as computed at once (it is in flight until update()).
+        assert c.start == computed and req.num_computed == computed + c.num_tokens
+        assert 1 <= c.num_tokens <= length - computed
         assert c.samples == (c.start + c.num_tokens == length)
         assert len(req.block_ids) >= sched.allocator.blocks_for(c.start + c.num_tokens)
-    assert all(c.num_tokens == 1 and reqs[c.request_id].is_decode for c in plan.decodes)
+    assert all(c.num_tokens == 1 and c.samples and reqs[c.request_id].num_output_tokens > 0
+               for c in plan.decodes)  # decodes: one token left, after the prompt
 
     # Blocks: conserved, held only by running requests, never shared.
     sched.allocator.check()
@@ -166,13 +168,9 @@ def check_batch(sched: DeadlineScheduler, reqs: dict[str, Request], plan: BatchP
 
 def apply(plan: BatchPlan, reqs: dict[str, Request], sched: DeadlineScheduler,
           clock: VirtualClock) -> None:
-    """As the engine would: computed tokens advance, a sampling chunk appends a token."""
+    """As the engine does: the plan comes back with a token for each sampling chunk."""
     clock.now += sched.predictor.predict(plan)
-    for c in plan.decodes + plan.prefills:
-        req = reqs[c.request_id]
-        req.num_computed += c.num_tokens
-        if c.samples:
-            req.token_ids.append(0)
+    sched.update(plan, [0] * sum(c.samples for c in plan.decodes + plan.prefills))
 
 
 @settings(max_examples=300, deadline=None)

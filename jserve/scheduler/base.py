@@ -2,20 +2,28 @@
 recompute preemption), retiring requests, and a guard against running prefills deadlocked on
 memory. Pure Python, so the simulator drives the same objects as the live engine.
 
+One iteration is ``plan = schedule()``, the step runs, ``update(plan, sampled)``. Between the
+two the plan is in flight: its chunks count as computed (so a stream pipeline can take a
+prefill's next chunk before this one's results are back), its requests are pinned (never
+preempted; a finish defers freeing their blocks) and those awaiting a sampled token are held
+out of scheduling. With one plan in flight at a time this is the plain engine step; a
+pipeline keeps up to ``spp`` in flight and updates them in launch order.
+
 Preemption frees a victim's blocks either by recompute (its KV is dropped and rebuilt by
 prefilling again) or by swap (the engine copies its KV to host memory and back when it is
-readmitted); ``choose_preemption`` picks per victim, recompute when unset."""
+readmitted); ``swap_policy`` (jserve.scheduler.swap) picks per victim, recompute when None."""
 from __future__ import annotations
 
 import abc
 import collections
 import dataclasses
-from typing import Callable, Literal
+from typing import Sequence
 
 from jserve.cache.allocator import BlockAllocator
 from jserve.cache.prefix import extend_page_keys
 from jserve.scheduler.plan import BatchPlan, PageMove, ScheduledChunk
 from jserve.scheduler.request import Request, RequestStatus
+from jserve.scheduler.swap import SwapPolicy
 
 
 class SchedulerBase(abc.ABC):
@@ -29,15 +37,18 @@ class SchedulerBase(abc.ABC):
         self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
         self.num_swaps = 0
-        self.choose_preemption: Callable[[Request], Literal["swap", "recompute"]] | None = None
+        self.swap_policy: SwapPolicy | None = None
         self._swap_out: list[PageMove] = []
         self._swap_in: list[PageMove] = []
-        # Running requests whose sampled token is still in the pipeline (stream pipeline
-        # parallelism): they may not decode or be preempted until it leaves the last stage.
+        # Plans scheduled and not yet updated, oldest first, with their chunks' requests.
+        self._launched: collections.deque[tuple[BatchPlan, list[Request]]] = \
+            collections.deque()
+        # Requests whose sampled token is in flight: they may not decode or be preempted until
+        # ``update`` brings it.
         self.in_flight: set[Request] = set()
-        # Requests with chunks still in the pipeline (count of them): those chunks may still
-        # write KV into the request's blocks, so it is never preempted and a finish defers
-        # freeing its blocks (``_deferred``) until the last chunk is out (``unpin``).
+        # Requests with chunks in flight (count of them): those chunks may still write KV
+        # into the request's blocks, so it is never preempted and a finish defers freeing its
+        # blocks (``_deferred``) until its last chunk is updated.
         self.pinned: dict[Request, int] = {}
         self._deferred: dict[Request, list[int]] = {}
         # Prefix cache counters: prompt tokens looked up at admission, and found cached.
@@ -50,15 +61,46 @@ class SchedulerBase(abc.ABC):
         self._peek_prefix(req)
         self.waiting.append(req)
 
+    def update(self, plan: BatchPlan, sampled: Sequence[int] | None
+               ) -> list[tuple[int, Request]]:
+        """Takes back the oldest plan in flight once its step has run: the KV of its chunks
+        exists (full pages become findable in the prefix cache), pins and holds are lifted,
+        and the token ``sampled[i]`` of its i-th sampling chunk (decodes, then prefills) is
+        appended to that request if it is still live. ``sampled=None``: the step failed, so
+        nothing is registered or appended (the caller finishes the requests). Returns
+        (i, request) for each token appended; deciding whether a request stops is the
+        caller's (stop tokens and strings are output processing)."""
+        launched, reqs = self._launched.popleft()
+        if launched is not plan:
+            raise RuntimeError("update() takes plans back in the order schedule() gave them")
+        appended = []
+        i = 0
+        for req, c in zip(reqs, plan.decodes + plan.prefills):
+            self._unpin(req)
+            live = sampled is not None and not req.status.finished
+            if live:
+                self._register_pages(req, c.start + c.num_tokens)
+            if c.samples:
+                self.in_flight.discard(req)
+                if live:
+                    req.token_ids.append(sampled[i])
+                    appended.append((i, req))
+                i += 1
+        return appended
+
     def advance(self, req: Request, num_tokens: int) -> None:
-        """``num_tokens`` more of ``req``'s tokens have their KV written (the engine calls
-        it once a step has run, the simulator once a step is timed): its newly full pages
-        become findable in the prefix cache."""
+        """Marks ``num_tokens`` more of ``req``'s tokens computed outside a plan (a test's
+        set-up), registering its full pages as ``update`` would."""
         req.num_computed += num_tokens
+        self._register_pages(req, req.num_computed)
+
+    def _register_pages(self, req: Request, num_computed: int) -> None:
+        """``req``'s first ``num_computed`` tokens have their KV written: its full pages
+        among them become findable in the prefix cache."""
         alloc = self.allocator
         if not (alloc.prefix_caching and req.cacheable):
             return
-        full = min(req.num_computed // alloc.block_size, len(req.block_ids))
+        full = min(num_computed // alloc.block_size, len(req.block_ids))
         if full <= req.num_registered_pages:
             return
         keys = extend_page_keys(req.page_keys, req.token_ids, alloc.block_size, full)
@@ -67,7 +109,10 @@ class SchedulerBase(abc.ABC):
         req.num_registered_pages = full
 
     def finish(self, req: Request, status: RequestStatus) -> None:
-        """Retire a request (done, failed or aborted) and free its blocks at once."""
+        """Retire a request (done, failed or aborted) and free its blocks at once (once its
+        last chunk in flight is updated, if it has one)."""
+        if self.swap_policy is not None:
+            self.swap_policy.release(req.request_id)
         self.in_flight.discard(req)
         if req in self.running:
             self.running.remove(req)
@@ -83,22 +128,26 @@ class SchedulerBase(abc.ABC):
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def hold(self, reqs) -> None:
-        """``reqs`` have a token in flight: no policy schedules or preempts them until
-        ``release``; they still count against ``max_num_seqs``."""
-        self.in_flight.update(reqs)
+    @property
+    def num_in_flight(self) -> int:
+        """Plans scheduled and not yet updated."""
+        return len(self._launched)
 
-    def release(self, req: Request) -> None:
-        """``req``'s token has come out of the last stage."""
-        self.in_flight.discard(req)
+    def _launch(self, plan: BatchPlan) -> None:
+        """``plan`` leaves for the device: its chunks count as computed, its requests are
+        pinned, and those that sample are held until ``update``."""
+        by_id = {r.request_id: r for r in self.running}  # every chunk's request runs
+        reqs = [by_id[c.request_id] for c in plan.decodes + plan.prefills]
+        pinned = self.pinned
+        for req, c in zip(reqs, plan.decodes + plan.prefills):
+            req.num_computed += c.num_tokens
+            pinned[req] = pinned.get(req, 0) + 1
+            if c.samples:
+                self.in_flight.add(req)
+        self._launched.append((plan, reqs))
 
-    def pin(self, reqs) -> None:
-        """One more chunk of each of ``reqs`` entered the pipeline."""
-        for req in reqs:
-            self.pinned[req] = self.pinned.get(req, 0) + 1
-
-    def unpin(self, req: Request) -> None:
-        """One chunk of ``req`` left the pipeline; the last one frees deferred blocks."""
+    def _unpin(self, req: Request) -> None:
+        """One chunk of ``req`` is back; the last one frees deferred blocks."""
         left = self.pinned.pop(req) - 1
         if left:
             self.pinned[req] = left
@@ -170,8 +219,8 @@ class SchedulerBase(abc.ABC):
         """Free the victim's blocks (swapping its KV out or dropping it for recompute) and
         requeue it at the head of the waiting queue."""
         self.running.remove(req)
-        if req.num_computed and self.choose_preemption is not None \
-                and self.choose_preemption(req) == "swap":
+        if req.num_computed and self.swap_policy is not None \
+                and self.swap_policy.swaps(req, self.allocator.blocks_for(req.num_computed)):
             used = self.allocator.blocks_for(req.num_computed)
             self._swap_out.append((req.request_id, tuple(req.block_ids[:used])))
             req.swapped = True
@@ -288,6 +337,7 @@ class SchedulerBase(abc.ABC):
         if req.swapped:
             used = self.allocator.blocks_for(req.num_computed)
             self._swap_in.append((req.request_id, tuple(req.block_ids[:used])))
+            self.swap_policy.release(req.request_id)
             req.swapped = False
         req.status = RequestStatus.RUNNING
         self._count_prefix(req)
@@ -304,9 +354,16 @@ class SchedulerBase(abc.ABC):
         """One batch under the policy; ``admit`` False forbids taking waiting requests."""
 
     def schedule(self) -> BatchPlan:
-        """The next batch. Requests in flight are out of the running queue while the policy
-        plans (so none schedules or preempts them) and go back at their places in admission
-        order after it, with new admissions after them."""
+        """The next batch, now in flight until ``update`` takes it back. Requests holding a
+        sampled token in flight are out of the running queue while the policy plans (so none
+        schedules or preempts them) and go back at their places in admission order after it,
+        with new admissions after them."""
+        plan = self._schedule_around_in_flight()
+        if not plan.is_empty:
+            self._launch(plan)
+        return plan
+
+    def _schedule_around_in_flight(self) -> BatchPlan:
         if not self.in_flight:
             return self._schedule()
         before = self.running

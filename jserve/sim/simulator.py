@@ -1,7 +1,8 @@
 """A virtual-clock driver for the live scheduler objects: the predictor is the executor.
 
-Each iteration asks the scheduler for a plan and applies it as the engine would: computed
-tokens advance, and a sampling chunk appends one token when the batch comes out of the model.
+Each iteration asks the scheduler for a plan and, when the batch comes out of the model,
+hands it back with a token for every sampling chunk (``SchedulerBase.update``), as the engine
+does.
 Requests carry ``LengthOnlyTokens``, so a 1M-token prompt costs O(1) memory. Records use the
 same JSON shape as the live runner's (``jserve.sim.trace.RECORD_FIELDS``).
 
@@ -9,14 +10,12 @@ Pipelines (stream pipeline parallelism): the next batch is issued one *stage tim
 previous one (``stage_time(plan)``, the slowest stage), while the batch's sampled tokens
 arrive one *latency* (``predictor.predict(plan)``, every stage) after its issue. Prefill chunks
 of one request may therefore follow each other every stage time, as SPP allows; a request
-waiting for its sampled token is held out of scheduling (``SchedulerBase.hold``) until the
-token arrives (it cannot decode before). Without a ``stage_time`` the two coincide and
-batches run one at a time.
+waiting for its sampled token is held out of scheduling until the token arrives (it cannot
+decode before). Without a ``stage_time`` the two coincide and batches run one at a time.
 """
 from __future__ import annotations
 
-import heapq
-import itertools
+import collections
 from typing import Callable, Iterable
 
 from jserve.scheduler.base import SchedulerBase
@@ -48,29 +47,28 @@ def simulate(scheduler: SchedulerBase, predictor: RuntimePredictor, clock: Virtu
     stage = stage_time or getattr(predictor, "stage_time", predictor.predict)
     pending = sorted(trace, key=lambda t: t.arrival_s)
     records = {t.request_id: empty_record(t, policy) for t in pending}
-    in_flight: list[tuple[float, int, list[Request]]] = []  # heap of (arrives, seq, requests)
-    requests: dict[str, Request] = {}
-    seq = itertools.count()
+    # Plans in flight, oldest first, with the time their tokens arrive: a pipeline's stages
+    # are first in, first out, so a plan never comes out before one issued earlier.
+    in_flight: collections.deque[tuple[float, BatchPlan]] = collections.deque()
     i = 0
 
-    def deliver(req: Request, at: float) -> None:
-        scheduler.release(req)
-        req.token_ids.append(0)
-        rec = records[req.request_id]
-        rec["output_tokens"] += 1
-        rec["token_times_s"].append(at)
-        if rec["first_token_s"] is None:
-            rec["first_token_s"] = at
-        if req.num_output_tokens >= req.max_tokens:
-            scheduler.finish(req, RequestStatus.FINISHED_LENGTH)
-            rec["finish_s"] = at
-            rec["finish_reason"] = RequestStatus.FINISHED_LENGTH.value
+    def deliver(plan: BatchPlan, at: float) -> None:
+        sampled = [0] * sum(c.samples for c in plan.decodes + plan.prefills)
+        for _, req in scheduler.update(plan, sampled):
+            rec = records[req.request_id]
+            rec["output_tokens"] += 1
+            rec["token_times_s"].append(at)
+            if rec["first_token_s"] is None:
+                rec["first_token_s"] = at
+            if req.num_output_tokens >= req.max_tokens:
+                scheduler.finish(req, RequestStatus.FINISHED_LENGTH)
+                rec["finish_s"] = at
+                rec["finish_reason"] = RequestStatus.FINISHED_LENGTH.value
 
     while True:
         while in_flight and in_flight[0][0] <= clock.now + _EPS:
-            at, _, reqs = heapq.heappop(in_flight)
-            for req in reqs:
-                deliver(req, at)
+            at, done = in_flight.popleft()
+            deliver(done, at)
         while i < len(pending) and pending[i].arrival_s <= clock.now + _EPS:
             t = pending[i]
             prefix = (t.prefix_id, t.prefix_tokens) if t.prefix_id is not None else None
@@ -79,7 +77,6 @@ def simulate(scheduler: SchedulerBase, predictor: RuntimePredictor, clock: Virtu
                               t.prompt_tokens, prefix=prefix, owner=t.request_id))
             if t.ttft_deadline_s is not None:
                 req.ttft_deadline = t.arrival_s + t.ttft_deadline_s
-            requests[t.request_id] = req
             i += 1
             if scheduler.allocator.blocks_for(t.prompt_tokens + t.output_tokens) \
                     > scheduler.allocator.total:
@@ -100,14 +97,6 @@ def simulate(scheduler: SchedulerBase, predictor: RuntimePredictor, clock: Virtu
                 raise RuntimeError(f"{policy}: no progress possible at t={clock.now:.3f}s")
             break
         arrives = clock.now + predictor.predict(plan)
-        sampled = []
-        for c in plan.decodes + plan.prefills:
-            req = requests[c.request_id]
-            scheduler.advance(req, c.num_tokens)
-            if c.samples:
-                sampled.append(req)
-        if sampled:
-            scheduler.hold(sampled)
-            heapq.heappush(in_flight, (arrives, next(seq), sampled))
+        in_flight.append((max(arrives, in_flight[-1][0]) if in_flight else arrives, plan))
         clock.now += stage(plan)
     return [records[t.request_id] for t in pending]
