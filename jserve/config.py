@@ -57,10 +57,6 @@ class LlamaConfig:
         """The params' and KV cache's element type (jnp accepts numpy dtypes)."""
         return np.dtype(ml_dtypes.bfloat16 if self.dtype == "bfloat16" else np.float32)
 
-    @property
-    def q_per_kv(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
-
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], dtype: str | None = None) -> "LlamaConfig":
         archs = cfg.get("architectures") or ["LlamaForCausalLM"]
