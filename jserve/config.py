@@ -1,6 +1,8 @@
 """Model configuration read from a Hugging Face ``config.json``.
 
 One frozen dataclass holds everything the forward pass needs; nothing is read from globals.
+The name stays ``config.py`` after the HF file it mirrors (``config.json``), and every layer
+imports it as ``jserve.config``; the engine's settings are ``jserve/engine/config.py``.
 """
 from __future__ import annotations
 
