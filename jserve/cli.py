@@ -174,7 +174,7 @@ def _plan(a: argparse.Namespace) -> int:
 
 
 def _add_simulate_parser(sub) -> None:
-    from jserve.sim.runner import POLICIES, SimConfig
+    from jserve.sim.policies import POLICIES, SimConfig
 
     d = SimConfig()
     s = sub.add_parser("simulate", help="replay a trace through a scheduling policy on the "
@@ -203,7 +203,7 @@ def _add_simulate_parser(sub) -> None:
 
 def _simulate(a: argparse.Namespace) -> int:
     from jserve.bench.metrics import format_summary, summarize
-    from jserve.sim.runner import SimConfig, run
+    from jserve.sim.policies import SimConfig, run
     from jserve.sim.trace import read_trace, write_records
 
     trace = read_trace(a.trace, qps=a.qps, seed=a.seed, max_requests=a.max_requests)

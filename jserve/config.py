@@ -1,6 +1,8 @@
 """Model configuration read from a Hugging Face ``config.json``.
 
 One frozen dataclass holds everything the forward pass needs; nothing is read from globals.
+The name stays ``config.py`` after the HF file it mirrors (``config.json``), and every layer
+imports it as ``jserve.config``; the engine's settings are ``jserve/engine/config.py``.
 """
 from __future__ import annotations
 
@@ -56,10 +58,6 @@ class LlamaConfig:
     def np_dtype(self) -> np.dtype:
         """The params' and KV cache's element type (jnp accepts numpy dtypes)."""
         return np.dtype(ml_dtypes.bfloat16 if self.dtype == "bfloat16" else np.float32)
-
-    @property
-    def q_per_kv(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], dtype: str | None = None) -> "LlamaConfig":

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jserve import LLM, SamplingParams  # noqa: E402
 from jserve.bench.metrics import percentile, summarize  # noqa: E402
-from jserve.bench.runner import run_local  # noqa: E402
+from jserve.bench.replay import run_local  # noqa: E402
 from jserve.bench.workload import _read_pairs, sharegpt4_path  # noqa: E402
 from jserve.sim.trace import TraceRequest, poisson_arrivals  # noqa: E402
 

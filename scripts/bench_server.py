@@ -1,6 +1,6 @@
 """What the HTTP front end costs next to gRPC: one ``jserve serve`` subprocess (both front
 ends, one engine loop), and the same request workload through each, with the evaluation
-harness's own clients (``jserve.bench.runner.run_remote`` for gRPC, ``run_http`` for the
+harness's own clients (``jserve.bench.replay.run_remote`` for gRPC, ``run_http`` for the
 OpenAI API: streaming, token-id prompts, greedy, ``ignore_eos``). TTFT and TPOT are taken on
 the client as tokens arrive; the engine's own TPOT (``jserve_time_per_output_token_seconds``,
 observed on the engine thread) and the client's CPU seconds are shown beside them, since the
@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # conftest.Served: how the tests start 
 
 from conftest import Served  # noqa: E402
 from jserve.bench.metrics import percentile, tpot, ttft  # noqa: E402
-from jserve.bench.runner import run_http, run_remote  # noqa: E402
+from jserve.bench.replay import run_http, run_remote  # noqa: E402
 from jserve.sim.trace import TraceRequest  # noqa: E402
 
 

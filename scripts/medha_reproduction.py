@@ -40,7 +40,7 @@ from jserve.sim.hardware import (  # noqa: E402
     _load_compute,
     default_data_dir,
 )
-from jserve.sim.runner import SimConfig, run, saturation  # noqa: E402
+from jserve.sim.policies import SimConfig, run, saturation  # noqa: E402
 
 MESH = SimConfig(model="llama3-8b", hardware="a100", tp=8, spp=2)
 SYSTEMS = ("lars", "loongserve", "sarathi")

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jserve.bench.metrics import LONG_PROMPT_TOKENS, percentile  # noqa: E402
 from jserve.bench.workload import WorkloadSpec, build_workload  # noqa: E402
-from jserve.sim.runner import SimConfig, run, saturation  # noqa: E402
+from jserve.sim.policies import SimConfig, run, saturation  # noqa: E402
 from jserve.sim.trace import TraceRequest  # noqa: E402
 
 MESH = SimConfig(model="llama3-8b", hardware="a100", tp=8, spp=2)

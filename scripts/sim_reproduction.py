@@ -24,7 +24,7 @@ from pathlib import Path
 from jserve.bench.metrics import summarize
 from jserve.bench.plots import qps_sweep
 from jserve.bench.workload import WorkloadSpec, build_workload
-from jserve.sim.runner import POLICIES, SimConfig, run
+from jserve.sim.policies import POLICIES, SimConfig, run
 from jserve.sim.trace import TraceRequest, read_trace, write_trace
 
 QPS = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75)

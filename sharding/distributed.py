@@ -6,18 +6,41 @@ So the leader plans each step as usual and broadcasts what the device step needs
 header (the bucket shape) and the step's two packed buffers (``PackedLayout``). Followers
 (``follow``) sit in a loop receiving those and launching the same compiled step, until the
 leader broadcasts a stop. Step outputs are replicated; only the leader reads them.
+
+The step itself is the caller's: any ``StepRunner`` (the engine's ``ModelRunner``).
 """
 from __future__ import annotations
+
+from typing import Any, Protocol
 
 import jax
 import numpy as np
 from jax.experimental.multihost_utils import broadcast_one_to_all
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jserve.engine.runner import ModelRunner
 from jserve.sampling.sampler import SampleResult
 
 _STEP, _STOP = 1, 0
+
+
+class PackedLayout(Protocol):
+    """How a step's arrays pack into one int32 and one float32 buffer."""
+    int_size: int
+    float_size: int
+
+    def pack(self, arrays: Any) -> tuple[np.ndarray, np.ndarray]: ...
+
+
+class StepRunner(Protocol):
+    """What multi-process serving needs of the compiled model step."""
+    mesh: Mesh
+
+    def compiled(self, shape: tuple[int, int]) -> tuple[Any, PackedLayout]:
+        """The step's executable for ``shape`` and the layout of its packed buffers."""
+
+    def execute_packed(self, shape: tuple[int, int], ibuf: jax.Array,
+                       fbuf: jax.Array) -> SampleResult:
+        """Runs the step for ``shape`` on packed buffers."""
 
 
 def initialize(coordinator: str, num_processes: int, process_id: int,
@@ -39,7 +62,7 @@ def _header(kind: int, shape: tuple[int, int] = (0, 0)) -> np.ndarray:
     return np.array([kind, *shape], np.int32)
 
 
-def _run(runner: ModelRunner, shape: tuple[int, int], ibuf: np.ndarray,
+def _run(runner: StepRunner, shape: tuple[int, int], ibuf: np.ndarray,
          fbuf: np.ndarray) -> SampleResult:
     """Every process calls this with the same buffers; the result is this process's copy of
     the replicated outputs."""
@@ -49,7 +72,7 @@ def _run(runner: ModelRunner, shape: tuple[int, int], ibuf: np.ndarray,
     return jax.tree.map(lambda x: x.addressable_data(0), out)
 
 
-def leader_execute(runner: ModelRunner, shape: tuple[int, int], arrays) -> SampleResult:
+def leader_execute(runner: StepRunner, shape: tuple[int, int], arrays) -> SampleResult:
     """The leader's ``runner.execute``: broadcast the step, then run it like the followers."""
     _, layout = runner.compiled(shape)
     broadcast_one_to_all(_header(_STEP, shape))
@@ -62,7 +85,7 @@ def stop_followers() -> None:
     broadcast_one_to_all(_header(_STOP))
 
 
-def follow(runner: ModelRunner) -> int:
+def follow(runner: StepRunner) -> int:
     """A follower's main loop: run each step the leader broadcasts until it says stop.
     Returns the number of steps run."""
     steps = 0

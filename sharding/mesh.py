@@ -1,16 +1,19 @@
 """The mesh config ``dp x spp x kvp x tp`` and the ``jax.sharding.Mesh`` built from it.
 
 One string (``"tp=2,kvp=2"``) names the whole layout so ``LLM(mesh=...)``, the CLI and the
-predictor key all agree on it."""
+predictor key all agree on it. ``MeshConfig`` is plain Python (the CLI parses and checks a
+mesh without loading JAX); only ``make_mesh`` imports JAX."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
-
-import jax
-import numpy as np
+import math
+from typing import TYPE_CHECKING, Sequence
 
 from jserve.config import LlamaConfig
+from jserve.model.tp_layout import check_tp
+
+if TYPE_CHECKING:
+    import jax
 
 AXES = ("dp", "spp", "kvp", "tp")  # data, stream-pipeline, KV-cache and tensor parallel
 
@@ -53,7 +56,7 @@ class MeshConfig:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape))
+        return math.prod(self.shape)
 
     def key(self) -> str:
         """Short name for file keys (runtime predictors): ``"1"`` for one device."""
@@ -62,21 +65,14 @@ class MeshConfig:
 
     def validate(self, cfg: LlamaConfig) -> None:
         """Raises ValueError when the model cannot be split this way."""
-        tp = self.tp
-        hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-        if hq % tp:
-            raise ValueError(f"tp={tp} does not divide num_attention_heads={hq}")
-        if cfg.intermediate_size % tp:
-            raise ValueError(f"tp={tp} does not divide intermediate_size={cfg.intermediate_size}")
-        # Each shard's query heads must share whole KV heads: split them (hkv % tp == 0) or
-        # give every shard one copy of the head its group reads (tp % hkv == 0).
-        if hkv % tp and tp % hkv:
-            raise ValueError(f"tp={tp} and num_key_value_heads={hkv}: one must divide the other")
+        check_tp(cfg, self.tp)
 
 
 def make_mesh(mc: MeshConfig, devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh:
     """A mesh with axes ``AXES`` over the first ``mc.size`` of ``devices`` (default: all of
     ``jax.devices()``, every process's, so the same call is right on each host)."""
+    import jax
+
     devices = list(jax.devices() if devices is None else devices)
     if mc.size > len(devices):
         raise ValueError(f"mesh {mc.key()} needs {mc.size} devices, have {len(devices)}")

@@ -5,8 +5,8 @@ Layout. Layer ``s * L/spp + j`` is stage ``s``'s ``j``-th layer. The runtime par
 already stacked ``[L, ...]`` and the KV cache ``[L, KV heads, pages, page_size, head_dim]``
 (:mod:`jserve.model.llama`); their leading layer dim is split on ``"spp"``
 (``sharding.specs.param_specs``, ``STACKED_KV_SPEC``), so a stage holds only its own layers
-and their pages and runs them as one ``fori_loop``. Page ids are global (one allocator), so
-every stage stores the same pages for different layers.
+and their pages and runs them through the model's layer loop (``layer_loop``). Page ids are
+global (one allocator), so every stage stores the same pages for different layers.
 
 Tick. One ``jax.shard_map`` over the whole mesh: stage 0 embeds the new batch, every stage
 runs its layers on the microbatch it holds, and the residual stream plus the batch's packed
@@ -27,8 +27,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jserve.cache.pool import KVCache
 from jserve.config import LlamaConfig
-from jserve.model.llama import Params, embed, rope_tables, run_layers
-from sharding.kv_parallel import local_page_table
+from jserve.kernels.kv_parallel import local_page_table
+from jserve.model.llama import Params, embed, layer_loop, rope_tables, step_layer
 from sharding.specs import kv_cache_specs, param_specs
 
 STAGE_SPEC = P("spp")                # carry leaves: [spp, ...]
@@ -106,9 +106,9 @@ def tick(params: Params, kv_cache: KVCache, carry: PipelineCarry, ibuf: jax.Arra
                 batch, attn=dataclasses.replace(batch.attn, page_table=local))
         x = jnp.where(first, embed(params, batch.tokens), carry.x[0])
         cos, sin = rope_tables(cfg, batch.attn.positions)
-        x, kv_cache = run_layers(params["layers"], kv_cache, x, batch, cos, sin, 0, lps,
-                                 cfg=cfg, attention_impl=attention_impl, tp_axis="tp",
-                                 kvp_axis=kvp_axis)
+        layer_fn = step_layer(batch, cos, sin, cfg=cfg, attention_impl=attention_impl,
+                              tp_axis="tp", kvp_axis=kvp_axis)
+        x, kv_cache, _ = layer_loop(params["layers"], x, kv_cache, layer_fn, 0, lps)
         moved = PipelineCarry(*(jax.lax.ppermute(a, "spp", perm)[None] for a in (x, ib, fb)))
         return kv_cache, moved
 

@@ -1,10 +1,7 @@
-"""Tensor-parallel layout: how the runtime params and KV pages are reordered and split over
-the mesh's ``tp`` axis (Megatron: column-split QKV and gate/up, row-split wo and w_down).
-
-Every shard must see whole attention groups locally, so shard-local code is the unsharded
-model on fewer heads. KV heads are split when ``tp`` divides them; when ``tp`` is larger, each
-shard stores a copy of the one KV head its query heads read (vLLM's rule), so the KV pages
-are always split on ``tp`` and no shard ever gathers another's heads.
+"""Where the runtime params and KV pages live on the mesh: their ``PartitionSpec``s and the
+placement of both (layers split by pipeline stage on ``spp``, heads and MLP columns on
+``tp``, KV pages on ``tp`` and ``kvp``). The tensor-parallel reordering the split relies on
+is the model's (``jserve/model/tp_layout.py``).
 """
 from __future__ import annotations
 
@@ -12,59 +9,23 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jserve.cache.pool import KVCache, kv_cache_shape
 from jserve.config import LlamaConfig
 from jserve.model.llama import Params
+from jserve.model.tp_layout import kv_head_map, layer_axes, tp_layout
 
 # KV pages [layers, stored KV heads, kvp * pages per group, page_size, head_dim]: layers split
 # by pipeline stage, heads on tp, pages on kvp (each KV-cache-parallel group holds its own
 # pool; a size-1 axis splits nothing).
 from sharding.kv_parallel import STACKED_KV_SPEC
 
-# Runtime-layout leaves split on "tp" (column-split on the last axis, row-split on the first);
-# everything else (norms, embed, lm_head) is replicated.
-_COLUMN = ("wq", "wk", "wv", "w_gate_up")
-_ROW = ("wo", "w_down")
-
-
-def kv_head_map(cfg: LlamaConfig, tp: int) -> np.ndarray:
-    """The global KV head held in each stored KV head slot, shard-major: ``arange(hkv)`` when
-    ``tp`` divides the KV heads, else one slot per shard with the head of its query group."""
-    hkv = cfg.num_key_value_heads
-    if hkv % tp == 0:
-        return np.arange(hkv)
-    return np.arange(tp) * hkv // tp
-
-
-def tp_layout_leaf(name: str, w, cfg: LlamaConfig, tp: int):
-    """One stacked runtime leaf ``[layers, ...]`` (numpy or jax) reordered so a contiguous
-    ``tp`` split gives each shard its own pieces: wk/wv columns follow ``kv_head_map`` and
-    ``w_gate_up`` is laid out shard-major as [gate_0, up_0, gate_1, up_1, ...], so every
-    shard's half-split still yields its gate slice and the matching up slice. The identity
-    at ``tp=1`` and for every other leaf."""
-    d, hd, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    n = w.shape[0]
-    if name in ("wk", "wv") and tp > 1:
-        return w.reshape(n, d, -1, hd)[:, :, kv_head_map(cfg, tp)].reshape(n, d, -1)
-    if name == "w_gate_up" and tp > 1:
-        return w.reshape(n, d, 2, tp, i // tp).transpose(0, 1, 3, 2, 4).reshape(n, d, 2 * i)
-    return w
-
-
-def tp_layout(params: Params, cfg: LlamaConfig, tp: int) -> Params:
-    """Runtime params (``prepare_params``) with every layer leaf in ``tp_layout_leaf``."""
-    layers = {name: tp_layout_leaf(name, w, cfg, tp) for name, w in params["layers"].items()}
-    return {**params, "layers": layers}
-
 
 def layer_spec(name: str) -> P:
     """A stacked layer leaf's spec: layers split by pipeline stage (``spp``), then the
-    Megatron split on ``tp``."""
-    return (P("spp", None, "tp") if name in _COLUMN else P("spp", "tp", None) if name in _ROW
-            else P("spp"))
+    Megatron split on ``tp`` (``jserve.model.tp_layout.layer_axes``)."""
+    return P(*layer_axes(name))
 
 
 def param_specs(params: Params) -> Params:

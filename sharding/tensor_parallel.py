@@ -2,7 +2,7 @@
 on its heads and MLP slice (shapes say how many) and psums the partial outputs of wo and
 w_down over ``tp`` (Megatron); with ``kvp`` > 1 each KV-cache-parallel group holds its pool
 and its columns of the page table and attention merges over ``kvp``
-(``sharding.kv_parallel``). Logits come out replicated, KV pages stay split."""
+(``jserve.kernels.kv_parallel``). Logits come out replicated, KV pages stay split."""
 from __future__ import annotations
 
 import dataclasses

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from jserve.bench.metrics import Slo, format_summary, ratio, summarize
-from jserve.bench.runner import run_http, run_local, run_remote
+from jserve.bench.replay import run_http, run_local, run_remote
 from jserve.bench.workload import WorkloadSpec, azure_path, build_workload
 from jserve.serving.server import BackgroundServer, ServerConfig
 from jserve.sim.trace import (

@@ -27,5 +27,5 @@ def test_ten_engines_built_and_dropped_do_not_accumulate_memory_maps():
         del llm, out
         gc.collect()
         counts.append(_memory_maps())
-    # Before the fix each engine left ~1,500 maps behind; allow noise, not growth.
+    # An engine whose resources outlive it leaves ~1,500 maps behind; allow noise, not growth.
     assert counts[-1] - counts[1] < 300, counts

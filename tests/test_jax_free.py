@@ -47,3 +47,14 @@ def test_scheduler_and_simulator_tests_pass_without_jax(extra, outcome):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "JAX modules loaded: []" in proc.stdout
     assert outcome in proc.stdout
+
+
+def test_the_cli_imports_no_jax():
+    """``jserve simulate`` (and ``--help``) start without loading JAX: the CLI module reads
+    ``EngineConfig`` and ``MeshConfig``, both plain Python."""
+    code = ("import sys, jserve.cli; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'jax'))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]"

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from devices import run_on_devices
-from sharding.kv_parallel import (
+from jserve.kernels.kv_parallel import (
     group_write_slots,
     local_kv_len,
     local_page_table,
@@ -78,7 +78,8 @@ _KVP_SCRIPT = textwrap.dedent("""
     from ragged import ragged_case
     from jserve.kernels.kv_write import write_kv
     from jserve.kernels.reference import ragged_paged_attention
-    from sharding.kv_parallel import KV_PAGES_SPEC, group_write_slots, kvp_attention, metadata_specs
+    from jserve.kernels.kv_parallel import group_write_slots, kvp_attention
+    from sharding.kv_parallel import KV_PAGES_SPEC, metadata_specs
     from sharding.mesh import MeshConfig, make_mesh
 
     S, WIDTH, HQ, HKV, D = 4, 8, 4, 2, 16          # every case fits 32 tokens per sequence
@@ -160,7 +161,7 @@ def test_row_offsets_place_each_rows_range_from_its_start_group():
     """A sequence starting in group s keeps logical chunk (g - s) % kvp in group g: with
     kvp=3, L=8 a row starting in group 2 has tokens 0..7 in group 2, 8..15 in group 0; the
     write slots and local kv_lens follow the per-row offsets."""
-    from sharding.kv_parallel import row_offsets
+    from jserve.kernels.kv_parallel import row_offsets
     L, S = 8, 4
     start = np.array([0, 2], np.int32)
     assert [row_offsets(start, g, 3, L).tolist() for g in range(3)] == [[0, 8], [8, 16],

@@ -245,7 +245,7 @@ def test_simulator_models_the_cache_from_prefix_identities():
     (only under caching), and a request of another document shares nothing."""
     import dataclasses
 
-    from jserve.sim.runner import SimConfig, run
+    from jserve.sim.policies import SimConfig, run
     from jserve.sim.trace import TraceRequest
 
     doc = dict(prefix_id="doc", prefix_tokens=20_000)

@@ -811,8 +811,8 @@ def test_server_is_whole_after_fuzzing(bg, client, llm):
 
 # -- defects found by the load and fault pass ----------------------------------------------
 def test_server_ids_never_collide_with_ids_clients_chose(spare_engine):
-    """Clients holding ``grpc-0`` .. ``grpc-3`` in flight used to make the next request without
-    an id fail with ALREADY_EXISTS (the server's own ids were ``grpc-N``)."""
+    """Clients holding ``grpc-0`` .. ``grpc-3`` in flight: requests without an id get server
+    ids that collide with none of them (no ALREADY_EXISTS)."""
     server = BackgroundServer(spare_engine, ServerConfig(port=0, metrics_port=None))
     try:
         with Client(server.target) as c:
@@ -834,9 +834,9 @@ def test_server_ids_never_collide_with_ids_clients_chose(spare_engine):
 
 
 def test_every_expired_deadline_is_counted_exactly_once(bg):
-    """100 expired deadlines, 48 at a time: the old handler counted 78-92 of them as
-    deadline_exceeded, some as cancelled (the client's deadline cancels a moment before the
-    server's) and some not at all (a write cut by the deadline skipped the count)."""
+    """100 expired deadlines, 48 at a time: each is counted as deadline_exceeded, none as
+    cancelled (the client's deadline cancels a moment before the server's) and none skipped
+    (a write cut by the deadline)."""
     before = metrics(bg)
     n = 100
 
@@ -863,8 +863,8 @@ def test_every_expired_deadline_is_counted_exactly_once(bg):
 
 
 def test_cancel_heavy_load_ends_streams_quietly(bg, caplog):
-    """Clients that vanish mid-stream (closed channels) while the server writes used to get
-    ``ExecuteBatchError raised in core by servicer method`` logged with a traceback."""
+    """Clients that vanish mid-stream (closed channels) while the server writes: no
+    ``ExecuteBatchError raised in core by servicer method`` is logged with a traceback."""
     async def run():
         async def one(i):
             r = random.Random(i)
@@ -908,8 +908,8 @@ def test_default_bind_is_loopback_and_an_open_server_says_so():
 
 
 def test_sigterm_exits_within_the_grace_period_plus_a_second(llm):
-    """40 streams in flight on an engine that still compiles new shapes: the process used to
-    exit about 3-6 s after the grace period ended."""
+    """40 streams in flight on an engine that still compiles new shapes: the process exits
+    within a second of the grace period's end."""
     served = Served("--host", "0.0.0.0", "--grace-period", "1", "--max-num-seqs", "8",
                     "--max-num-batched-tokens", "64")
     try:

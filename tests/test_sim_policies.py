@@ -10,7 +10,7 @@ import pytest
 from jserve.bench.workload import WorkloadSpec, build_workload
 from jserve.scheduler.loongserve import GlobalManager
 from jserve.sim.loongserve import simulate_loongserve, tipping_point_s
-from jserve.sim.runner import (
+from jserve.sim.policies import (
     POLICIES,
     SimConfig,
     _max_context,

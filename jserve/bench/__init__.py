@@ -1,2 +1,2 @@
-"""Offline evaluation: workloads (``workload``), live runs in process or over gRPC (``runner``),
+"""Offline evaluation: workloads (``workload``), live runs in process or over gRPC (``replay``),
 latency metrics for live and simulated records alike (``metrics``) and plots (``plots``)."""

@@ -26,7 +26,7 @@ def local_runner(model: str = "default", *, window_s: float | None = None, seed:
     ``max_model_len`` defaults to ``model_len_for(trace)``, so every policy compiles the same
     shapes (the persistent XLA cache then serves the later ones)."""
     from jserve import LLM
-    from jserve.bench.runner import run_local
+    from jserve.bench.replay import run_local
 
     def run(policy: str, trace: Sequence[TraceRequest]) -> list[dict]:
         kwargs = {"max_model_len": model_len_for(trace), **engine_kwargs}
@@ -59,7 +59,7 @@ def remote_runner(target: str, *, window_s: float | None = None, seed: int = 0,
     whichever policy it was started with; ``policy`` is only a label."""
     import asyncio
 
-    from jserve.bench.runner import run_http, run_remote
+    from jserve.bench.replay import run_http, run_remote
 
     over = run_http if target.startswith(("http://", "https://")) else run_remote
 

@@ -210,11 +210,6 @@ def write_csv(rows: Sequence[dict], path: Path) -> None:
         w.writerows(rows)
 
 
-def read_csv(path: Path) -> list[dict]:
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
-
-
 def plot(rows: Sequence[dict], path: Path, *, title: str) -> None:
     """Rows: TTFT and TBT against context; one column per chunk size, one line per mesh."""
     from jserve.bench.plots import _pyplot

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jserve.config import LlamaConfig
 
 # (k_pages, v_pages), each [layers, Hkv, P, S, D]: stacked like the runtime params, so the
-# model's layer loop reads and writes layer i in place (jserve.model.llama.run_layers).
+# model's layer loop reads and writes layer i in place (jserve.model.llama.layer_loop).
 KVCache = tuple[jax.Array, jax.Array]
 
 

@@ -61,9 +61,9 @@ class StepBuilder:
               state_row: "callable[[Request], int]", flags: StepFlags) -> BuiltStep:
         nd = len(plan.decodes)
         n_pre_tokens = sum(c.num_tokens for c in plan.prefills)
-        bd, tp = self.buckets.shape_for(nd, n_pre_tokens)
-        t = bd + tp
-        s = bd + (self.buckets.prefill_rows if tp else 0)
+        bd, padded_prefill_tokens = self.buckets.shape_for(nd, n_pre_tokens)
+        t = bd + padded_prefill_tokens
+        s = bd + (self.buckets.prefill_rows if padded_prefill_tokens else 0)
         ps = self.page_size
 
         tokens = np.zeros(t, np.int32)
@@ -154,4 +154,4 @@ class StepBuilder:
             sampling=make_sampling_batch(rows, pad_to=s),
             any_random=np.asarray(flags.any_random), any_penalty=np.asarray(flags.any_penalty),
             want_logprobs=np.asarray(flags.want_logprobs))
-        return BuiltStep((bd, tp), arrays, sample_rows)
+        return BuiltStep((bd, padded_prefill_tokens), arrays, sample_rows)

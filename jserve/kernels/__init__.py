@@ -6,6 +6,8 @@
 cache write before attention, follows the same choice. A Pallas flavour
 asked for on another backend (CPU in tests) runs in Pallas interpret mode: same kernel code,
 executed by XLA, slow but exact, which is how the engine is tested with the kernels.
+``kv_parallel`` runs ``attention`` on one KV-cache-parallel group's pages and merges the
+groups' partial results.
 """
 from __future__ import annotations
 

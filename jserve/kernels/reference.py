@@ -56,8 +56,8 @@ def _decode_attention(q, k_pages, v_pages, kv_lens, page_table, pages_per_block,
     """q [Hkv, B, G, D]; one query per sequence at position kv_len - 1.
 
     The live (sequence, KV block) pairs are flattened and visited B at a time, so a step
-    costs the batch's total context, not B x its longest: one long decode no longer makes
-    every row in the batch pay for its context. Each visit's partial softmax is merged into
+    costs the batch's total context, not B x its longest: one long decode does not make every
+    row in the batch pay for its context. Each visit's partial softmax is merged into
     its row by scatter max/add (split-K with a log-sum-exp merge)."""
     hkv, b, g, d = q.shape
     page_size = k_pages.shape[-2]

@@ -6,8 +6,7 @@ their KV into the cache pages, and computes logits only for the rows that will b
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +14,7 @@ import jax.numpy as jnp
 from jserve.cache.pool import KVCache
 from jserve.config import LlamaConfig, inv_frequencies
 from jserve.kernels import AttentionMetadata, attention, write_kv
-from sharding.kv_parallel import kvp_attention, owned_slots
+from jserve.kernels.kv_parallel import kvp_attention, owned_slots
 
 Params = dict[str, Any]
 
@@ -29,7 +28,7 @@ class StepInput:
     padding tokens write to the reserved page 0. logits_rows [S]: the token whose hidden state
     gives each sequence row's next-token logits.
 
-    KV-cache parallelism (``sharding.kv_parallel``): slots are then local to the token's
+    KV-cache parallelism (``jserve.kernels.kv_parallel``): slots are then local to the token's
     owning group, slot_groups [T] names that group and start_groups [S] the group holding each
     row's first tokens; the engine always fills them (zeros on one group), other callers may
     leave them None when no ``kvp_axis`` is used.
@@ -51,18 +50,19 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
 
 
 def rope_tables(cfg: LlamaConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos and sin [..., D] of RoPE at ``positions`` [...]."""
     inv = jnp.asarray(inv_frequencies(cfg))
-    freqs = positions.astype(jnp.float32)[:, None] * inv[None, :]
+    freqs = positions.astype(jnp.float32)[..., None] * inv
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate-half RoPE (HF layout). x [T, H, D]; cos/sin [T, D]."""
+    """Rotate-half RoPE (HF layout). x [..., T, H, D]; cos/sin [..., T, D]."""
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    cos = cos[:, None, :].astype(x.dtype)
-    sin = sin[:, None, :].astype(x.dtype)
+    cos = cos[..., None, :].astype(x.dtype)
+    sin = sin[..., None, :].astype(x.dtype)
     return x * cos + rotated * sin
 
 
@@ -136,78 +136,118 @@ def embed(params: Params, tokens: jax.Array) -> jax.Array:
     return params["embed"][tokens]
 
 
-def decoder_layer(layer: Params, kv: tuple[jax.Array, jax.Array], x: jax.Array, batch: StepInput,
-                  cos: jax.Array, sin: jax.Array, *, cfg: LlamaConfig, attention_impl: str,
-                  tp_axis: str | None = None, kvp_axis: str | None = None,
-                  layer_index=None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """One transformer block on the token-flattened batch: writes this step's K/V into the
-    layer's pages and returns (residual stream, updated (k_pages, v_pages)).
+def decoder_layer(layer: Params, x: jax.Array, cos: jax.Array, sin: jax.Array,
+                  attend: Callable, *, cfg: LlamaConfig, tp_axis: str | None = None
+                  ) -> tuple[jax.Array, Any]:
+    """One transformer block on the residual stream ``x`` [..., hidden] (token-flattened
+    [T, hidden] when serving, [B, T, hidden] in training): pre-norm attention, then the MLP.
 
-    ``kv`` is one layer's pages [Hkv, P, S, D], or with ``layer_index`` (may be traced) the
-    whole stacked cache [layers, Hkv, P, S, D], written and read at that layer in place.
+    ``attend(q, k, v)`` is the attention core, q [..., Hq, D] and k, v [..., Hkv, D] with RoPE
+    applied -> (out [..., Hq, D], aux): the serving step's paged attention
+    (:func:`step_layer`, aux the updated KV pages) or the trainer's dense masked attention.
+    Returns (residual stream, aux). ``layer`` is one layer of either layout: the runtime one
+    (fused ``w_gate_up``) or the checkpoint's (``w_gate`` and ``w_up``).
 
     Head counts come from the weights' shapes, so under ``shard_map`` the same code runs a
     tensor-parallel shard's heads and MLP slice; ``tp_axis`` then names the mesh axis whose
-    partial attention and MLP outputs are summed (Megatron). ``kvp_axis`` names the mesh axis
-    the KV pages are split over by token range (KV-cache parallelism): each group writes only
-    the tokens it owns and attends to its own keys, and the partials are merged by LSE."""
-    t = x.shape[0]
+    partial attention and MLP outputs are summed (Megatron)."""
+    lead = x.shape[:-1]
     hd = cfg.head_dim
     hq, hkv = layer["wq"].shape[1] // hd, layer["wk"].shape[1] // hd
     reduce = (lambda y: jax.lax.psum(y, tp_axis)) if tp_axis else (lambda y: y)
-    k_pages, v_pages = kv
     h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
-    q = apply_rope((h @ layer["wq"]).reshape(t, hq, hd), cos, sin)
-    k = apply_rope((h @ layer["wk"]).reshape(t, hkv, hd), cos, sin)
-    v = (h @ layer["wv"]).reshape(t, hkv, hd)
+    q = apply_rope((h @ layer["wq"]).reshape(*lead, hq, hd), cos, sin)
+    k = apply_rope((h @ layer["wk"]).reshape(*lead, hkv, hd), cos, sin)
+    v = (h @ layer["wv"]).reshape(*lead, hkv, hd)
+    out, aux = attend(q, k, v)
+    x = x + reduce(out.reshape(*lead, hq * hd).astype(x.dtype) @ layer["wo"])
+    h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
+    if "w_gate_up" in layer:
+        gate, up = jnp.split(h @ layer["w_gate_up"], 2, axis=-1)
+    else:
+        gate, up = h @ layer["w_gate"], h @ layer["w_up"]
+    x = x + reduce((jax.nn.silu(gate) * up) @ layer["w_down"])
+    return x, aux
+
+
+def step_layer(batch: StepInput, cos: jax.Array, sin: jax.Array, *, cfg: LlamaConfig,
+               attention_impl: str, tp_axis: str | None = None,
+               kvp_axis: str | None = None) -> Callable:
+    """The serving step's ``layer_fn`` for :func:`layer_loop`, whose carry is the stacked KV
+    cache (k_pages, v_pages) [layers, Hkv, P, S, D]: layer ``i`` writes this step's K/V into
+    its pages in place and attends over them (``jserve.kernels.attention``).
+
+    ``tp_axis`` as in :func:`decoder_layer`. ``kvp_axis`` names the mesh axis the KV pages are
+    split over by token range (KV-cache parallelism, ``jserve.kernels.kv_parallel``): each
+    group writes only the tokens it owns and attends to its own keys, and the partials are
+    merged by LSE."""
     slots = batch.slots if kvp_axis is None else owned_slots(batch.slots, batch.slot_groups,
                                                              kvp_axis)
-    k_pages = write_kv(k_pages, slots, k, impl=attention_impl, layer=layer_index)
-    v_pages = write_kv(v_pages, slots, v, impl=attention_impl, layer=layer_index)
-    if kvp_axis is None:
-        out, _ = attention(q, k_pages, v_pages, batch.attn, impl=attention_impl,
-                           layer=layer_index)
-    else:
-        out, _ = kvp_attention(q, k_pages, v_pages, batch.attn, axis=kvp_axis,
-                               impl=attention_impl, start_groups=batch.start_groups,
-                               layer=layer_index)
-    x = x + reduce(out.reshape(t, hq * hd).astype(x.dtype) @ layer["wo"])
-    h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
-    gate, up = jnp.split(h @ layer["w_gate_up"], 2, axis=-1)
-    x = x + reduce((jax.nn.silu(gate) * up) @ layer["w_down"])
-    return x, (k_pages, v_pages)
+
+    def layer_fn(layer: Params, i, x: jax.Array, kv: KVCache) -> tuple[jax.Array, KVCache]:
+        def attend(q, k, v):
+            k_pages = write_kv(kv[0], slots, k, impl=attention_impl, layer=i)
+            v_pages = write_kv(kv[1], slots, v, impl=attention_impl, layer=i)
+            if kvp_axis is None:
+                out, _ = attention(q, k_pages, v_pages, batch.attn, impl=attention_impl,
+                                   layer=i)
+            else:
+                out, _ = kvp_attention(q, k_pages, v_pages, batch.attn, axis=kvp_axis,
+                                       impl=attention_impl, start_groups=batch.start_groups,
+                                       layer=i)
+            return out, (k_pages, v_pages)
+
+        return decoder_layer(layer, x, cos, sin, attend, cfg=cfg, tp_axis=tp_axis)
+
+    return layer_fn
 
 
-def run_layers(layers: Params, kv_cache: KVCache, x: jax.Array, batch: StepInput,
-               cos: jax.Array, sin: jax.Array, start: int, stop: int, **layer_kw
-               ) -> tuple[jax.Array, KVCache]:
-    """Layers ``[start, stop)`` of stacked ``layers`` over the stacked ``kv_cache`` as one
-    ``fori_loop``: one traced and compiled body at any depth (``layer_kw``: as
-    :func:`decoder_layer`). ``layers`` as a list (:func:`unstack_layers`): unrolled."""
+def layer_loop(layers: Params, x: jax.Array, carry: Any, layer_fn: Callable, start: int,
+               stop: int, *, collect: Callable | None = None) -> tuple[jax.Array, Any, Any]:
+    """The decoder-layer loop, the one every caller runs (the serving step, each pipeline
+    stage, the probe's dataset, the trainer): ``x, carry = layer_fn(layer, i, x, carry)`` for
+    layers ``[start, stop)`` of ``layers``.
+
+    Stacked ``layers`` (one ``[layers, ...]`` leaf per weight) run as one loop whose body is
+    traced and compiled once at any depth (``i`` traced); a list of per-layer dicts
+    (:func:`unstack_layers`, or the checkpoint layout) is unrolled (``i`` an int). Returns
+    (x, carry, collected): ``collect(x)`` after every layer, stacked [stop - start, ...]
+    (None without ``collect``)."""
     if isinstance(layers, list):
-        k, v = kv_cache
+        seen = []
         for i in range(start, stop):
-            x, (k, v) = decoder_layer(layers[i], (k, v), x, batch, cos, sin, layer_index=i,
-                                      **layer_kw)
-        return x, (k, v)
+            x, carry = layer_fn(layers[i], i, x, carry)
+            if collect is not None:
+                seen.append(collect(x))
+        return x, carry, jnp.stack(seen) if collect is not None else None
+    if collect is not None:
+        def scan_body(xc, i):
+            x, carry = layer_fn(layer_params(layers, i), i, *xc)
+            return (x, carry), collect(x)
 
-    def body(i, carry):
-        x, k, v = carry
-        x, (k, v) = decoder_layer(layer_params(layers, i), (k, v), x, batch, cos, sin,
-                                  layer_index=i, **layer_kw)
-        return x, k, v
-
+        (x, carry), seen = jax.lax.scan(scan_body, (x, carry), jnp.arange(start, stop))
+        return x, carry, seen
     if stop <= start:
-        return x, kv_cache
-    x, k, v = jax.lax.fori_loop(start, stop, body, (x, *kv_cache))
-    return x, (k, v)
+        return x, carry, None
+
+    def body(i, xc):
+        return layer_fn(layer_params(layers, i), i, *xc)
+
+    x, carry = jax.lax.fori_loop(start, stop, body, (x, carry))
+    return x, carry, None
+
+
+def head_logits(params: Params, x: jax.Array, cfg: LlamaConfig) -> jax.Array:
+    """float32 logits [..., vocab] of the residual stream ``x`` [..., hidden]: final norm,
+    then the LM head (the embedding's transpose when tied)."""
+    h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    return jnp.dot(h, head, preferred_element_type=jnp.float32)
 
 
 def final_logits(params: Params, x: jax.Array, rows: jax.Array, cfg: LlamaConfig) -> jax.Array:
     """float32 logits [S, vocab] of the residual stream's ``rows``."""
-    h = rms_norm(x[rows], params["final_norm"], cfg.rms_norm_eps)
-    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    return jnp.dot(h, head, preferred_element_type=jnp.float32)
+    return head_logits(params, x[rows], cfg)
 
 
 class Capture(NamedTuple):
@@ -228,26 +268,26 @@ def forward(params: Params, kv_cache: KVCache, batch: StepInput, *, cfg: LlamaCo
     """Returns (float32 logits [S, vocab] for ``batch.logits_rows``, updated KV cache, capture).
 
     ``params`` must be in the runtime layout of :func:`prepare_params`; ``tp_axis`` and
-    ``kvp_axis`` as in :func:`decoder_layer`. ``capture`` is the :class:`Capture` after layer
+    ``kvp_axis`` as in :func:`step_layer`. ``capture`` is the :class:`Capture` after layer
     ``capture_layer`` (0-based; ``None``: nothing captured and nothing extra computed);
     ``prompt_mask`` [T] picks the tokens its ``prompt_sum`` adds up."""
     x = embed(params, batch.tokens)
     cos, sin = rope_tables(cfg, batch.attn.positions)
-    run = functools.partial(run_layers, params["layers"], batch=batch, cos=cos, sin=sin,
-                            cfg=cfg, attention_impl=attention_impl, tp_axis=tp_axis,
-                            kvp_axis=kvp_axis)
     layers = params["layers"]
+    layer_fn = step_layer(batch, cos, sin, cfg=cfg, attention_impl=attention_impl,
+                          tp_axis=tp_axis, kvp_axis=kvp_axis)
     num_layers = len(layers) if isinstance(layers, list) else jax.tree.leaves(layers)[0].shape[0]
     hidden = None
     if capture_layer is None:
-        x, kv_cache = run(kv_cache, x, start=0, stop=num_layers)
+        x, kv_cache, _ = layer_loop(layers, x, kv_cache, layer_fn, 0, num_layers)
     else:  # two loops around the captured layer's output
-        x, kv_cache = run(kv_cache, x, start=0, stop=capture_layer + 1)
+        x, kv_cache, _ = layer_loop(layers, x, kv_cache, layer_fn, 0, capture_layer + 1)
         xf = x.astype(jnp.float32)
         if prompt_mask is not None:
             xf = jnp.where(prompt_mask[:, None], xf, 0.0)
         s = batch.logits_rows.shape[0]  # padding tokens carry token_seq == s: dropped
         sums = jax.ops.segment_sum(xf, batch.attn.token_seq, num_segments=s + 1)[:s]
         hidden = Capture(x[batch.logits_rows].astype(jnp.float32), sums)
-        x, kv_cache = run(kv_cache, x, start=capture_layer + 1, stop=num_layers)
+        x, kv_cache, _ = layer_loop(layers, x, kv_cache, layer_fn, capture_layer + 1,
+                                    num_layers)
     return final_logits(params, x, batch.logits_rows, cfg), kv_cache, hidden

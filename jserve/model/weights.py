@@ -19,6 +19,7 @@ import orbax.checkpoint as ocp
 from safetensors import safe_open
 
 from jserve.config import LlamaConfig
+from jserve.model import tp_layout
 from jserve.tokenizer import TOKENIZER_FILES, ByteTokenizer, Tokenizer, load_tokenizer
 
 Params = dict[str, Any]
@@ -194,16 +195,14 @@ class _LeafSource:
 
 def _leaf_sources(cfg: LlamaConfig, tp: int) -> dict[str, Any]:
     """Runtime leaf name -> ``_LeafSource`` (layer leaves: a function of the layer index),
-    with wk/wv and w_gate_up columns reordered as ``sharding.specs.tp_layout_leaf`` does."""
-    from sharding.specs import kv_head_map
-
+    with wk/wv and w_gate_up columns reordered as ``tp_layout.tp_layout_leaf`` does."""
     hd, f = cfg.head_dim, cfg.intermediate_size
 
     def plain(n_cols: int) -> tuple[np.ndarray, np.ndarray]:
         return np.zeros(n_cols, np.int64), np.arange(n_cols)
 
     # wk/wv: stored slot j holds global KV head kv_head_map[j] (copies when tp > kv heads).
-    heads = kv_head_map(cfg, tp) if tp > 1 else np.arange(cfg.num_key_value_heads)
+    heads = tp_layout.kv_head_map(cfg, tp) if tp > 1 else np.arange(cfg.num_key_value_heads)
     kv_cols = np.arange(len(heads) * hd)
     kv = (np.zeros_like(kv_cols), heads[kv_cols // hd] * hd + kv_cols % hd)
     # w_gate_up shard-major: column (shard s, half g, k) is gate/up row s * f/tp + k.
@@ -284,9 +283,9 @@ def _check_checkpoint(model_dir: Path, cfg: LlamaConfig) -> dict[Path, list[str]
 def load_hf_runtime(model_dir: str | Path, cfg: LlamaConfig,
                     mesh: jax.sharding.Mesh | None = None) -> Params:
     """A HF Llama safetensors checkpoint streamed straight into the runtime layout
-    (``prepare_params``), tp-laid-out and placed on ``mesh`` (``sharding.specs.shard_params``'s
-    placement; one device when ``mesh`` is None): equal to
-    ``shard_params(prepare_params(load_hf_safetensors(...)), cfg, mesh)``, for
+    (``prepare_params``), tp-laid-out and placed on ``mesh`` by :mod:`jserve.model.tp_layout`
+    (the placement ``sharding.specs.shard_params`` gives; one device when ``mesh`` is None):
+    equal to ``shard_params(prepare_params(load_hf_safetensors(...)), cfg, mesh)``, for
     ``ModelRunner(params_placed=True)``.
 
     Every device shard is read from the file on its own (``jax.make_array_from_callback``
@@ -299,20 +298,17 @@ def load_hf_runtime(model_dir: str | Path, cfg: LlamaConfig,
     from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
     from jserve.model.llama import runtime_param_shapes
-    from sharding.specs import layer_spec
 
     model_dir = Path(model_dir)
     layout = _check_checkpoint(model_dir, cfg)
     tp = mesh.shape["tp"] if mesh is not None else 1
     if tp > 1:
-        from sharding.mesh import MeshConfig
-        MeshConfig(tp=tp).validate(cfg)  # the index maps below assume tp splits evenly
+        tp_layout.check_tp(cfg, tp)  # the index maps below assume tp splits evenly
     dtype = cfg.np_dtype
     sources = _leaf_sources(cfg, tp)
     shapes = runtime_param_shapes(cfg)
     if tp > 1:  # stored KV heads: copies when tp exceeds the KV heads
-        from sharding.specs import kv_head_map
-        stored = len(kv_head_map(cfg, tp)) * cfg.head_dim
+        stored = len(tp_layout.kv_head_map(cfg, tp)) * cfg.head_dim
         for name in ("wk", "wv"):
             n, d, _ = shapes["layers"][name]
             shapes["layers"][name] = (n, d, stored)
@@ -352,7 +348,7 @@ def load_hf_runtime(model_dir: str | Path, cfg: LlamaConfig,
                 bar.update()
         layers: Params = {}
         for name, shape in shapes["layers"].items():
-            spec = layer_spec(name)
+            spec = P(*tp_layout.layer_axes(name))
             stacked = sharding_of(spec)
             per_layer = sharding_of(P(*spec[1:]))
             buf = jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=stacked)()

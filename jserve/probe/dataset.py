@@ -20,11 +20,11 @@ from jserve.kernels import AttentionMetadata
 from jserve.model.llama import (
     Params,
     StepInput,
-    decoder_layer,
     embed,
-    layer_params,
+    layer_loop,
     rope_tables,
     stack_layers,
+    step_layer,
 )
 from jserve.probe.bins import LengthBins
 
@@ -33,7 +33,7 @@ _PAGE = 16
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _all_layers(params: Params, tokens: jax.Array, n: jax.Array, *, cfg: LlamaConfig):
-    params = stack_layers(params)  # the scan below indexes layers with a traced index
+    params = stack_layers(params)  # one scan over the layers instead of unrolling them
     t = tokens.shape[0]
     pos = jnp.arange(t, dtype=jnp.int32)
     real = pos < n
@@ -44,17 +44,11 @@ def _all_layers(params: Params, tokens: jax.Array, n: jax.Array, *, cfg: LlamaCo
                              num_prefills=jnp.asarray(1, jnp.int32), num_decodes=0)
     batch = StepInput(tokens=tokens, slots=jnp.where(real, _PAGE + pos, 0).astype(jnp.int32),
                       logits_rows=(n - 1)[None].astype(jnp.int32), attn=attn)
-    x = embed(params, tokens)
     cos, sin = rope_tables(cfg, pos)
-
-    def body(carry, i):
-        x, k, v = carry
-        x, (k, v) = decoder_layer(layer_params(params["layers"], i), (k, v), x, batch, cos, sin,
-                                  cfg=cfg, attention_impl="reference", layer_index=i)
-        return (x, k, v), x.astype(jnp.float32)
-
-    cache = allocate_kv_cache(cfg, pages + 1, _PAGE)
-    _, out = jax.lax.scan(body, (x, *cache), jnp.arange(cfg.num_hidden_layers))
+    layer_fn = step_layer(batch, cos, sin, cfg=cfg, attention_impl="reference")
+    _, _, out = layer_loop(params["layers"], embed(params, tokens),
+                           allocate_kv_cache(cfg, pages + 1, _PAGE), layer_fn, 0,
+                           cfg.num_hidden_layers, collect=lambda x: x.astype(jnp.float32))
     return out  # [layers, T, H]
 
 

@@ -57,9 +57,8 @@ class DeadlineScheduler(SchedulerBase):
                  prefill_cache: PrefillTimeCache, max_num_seqs: int,
                  max_num_batched_tokens: int, max_prefill_seqs: int,
                  config: DeadlineConfig = DeadlineConfig(),
-                 clock: Callable[[], float] = time.monotonic,
-                 priority: Callable[[Request, float], float] | None = None):
-        if policy not in DEADLINE_POLICIES and priority is None:
+                 clock: Callable[[], float] = time.monotonic):
+        if policy not in DEADLINE_POLICIES:
             raise ValueError(f"policy must be one of {DEADLINE_POLICIES}, got {policy!r}")
         super().__init__(allocator, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_num_batched_tokens,
@@ -69,7 +68,6 @@ class DeadlineScheduler(SchedulerBase):
         self.cache = prefill_cache
         self.config = config
         self.clock = clock
-        self._priority = priority  # the hook an SPRPT-style policy plugs into
         self._priorities = self._tpot_slos = False
 
     # -- deadlines and slack -----------------------------------------------------------
@@ -114,8 +112,6 @@ class DeadlineScheduler(SchedulerBase):
 
     def _keys(self, reqs: Sequence[Request], now: float) -> np.ndarray:
         """The policy's order (lower first) of each request at ``now``."""
-        if self._priority is not None:
-            return _column((self._priority(r, now) for r in reqs), len(reqs))
         if self.policy == "fcfs":
             return _column(map(_ARRIVAL, reqs), len(reqs))
         if self.policy == "edf":

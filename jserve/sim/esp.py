@@ -56,8 +56,8 @@ class EspCosts:
     def node_of(self, instance: int) -> int:
         return instance * self.tp // GPUS_PER_NODE
 
-    # One EspCosts per configuration lives for the process (runner caches it), so the cache
-    # holding ``self`` is intended.
+    # One EspCosts per configuration lives for the process (``jserve.sim.policies`` caches
+    # it), so the cache holding ``self`` is intended.
     @functools.lru_cache(maxsize=1 << 16)  # noqa: B019
     def prefill(self, lengths: tuple[int, ...], degree: int) -> float:
         """Seconds to prefill prompts of ``lengths`` as one batch on ``degree`` instances."""

@@ -1,5 +1,6 @@
 """Trace files in, record files out: the workload format shared by the simulator, the live
-runner and the benchmark harness. Pure Python + numpy (no JAX), so any tool can import it.
+replay (``jserve.bench.replay``) and the benchmark harness. Pure Python + numpy (no JAX), so
+any tool can import it.
 
 A trace is CSV or JSONL with ``num_prefill_tokens`` and ``num_decode_tokens`` per request and
 ``arrived_at`` (seconds) unless arrivals are drawn from a Poisson process at a given QPS.

@@ -19,7 +19,7 @@ import numpy as np
 import optax
 
 from jserve.config import LlamaConfig
-from jserve.model.llama import apply_rope, rms_norm, rope_tables
+from jserve.model.llama import decoder_layer, embed, head_logits, layer_loop, rope_tables
 from jserve.model.weights import Params, init_params
 from jserve.tokenizer import ByteTokenizer
 from jserve.train.length_task import Task, format_prompt, sample_task
@@ -134,31 +134,29 @@ def batches(tc: TrainConfig) -> Iterator[Batch]:
 def dense_forward(params: Params, tokens: jax.Array, positions: jax.Array, segments: jax.Array,
                   cfg: LlamaConfig) -> jax.Array:
     """float32 logits [B, L, vocab] of a causal forward where a token attends only to earlier
-    tokens of its own segment. ``params`` in the HF-shaped checkpoint layout."""
-    b, t = tokens.shape
-    hd, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-    x = params["embed"][tokens]
-    cos, sin = jax.vmap(lambda p: rope_tables(cfg, p))(positions)        # [B, L, D]
-    rope = jax.vmap(apply_rope)
+    tokens of its own segment: the model's layer loop and blocks (``jserve.model.llama``) on
+    [B, L] rows with dense masked attention in place of the paged cache. ``params`` in the
+    HF-shaped checkpoint layout."""
+    t, hd = tokens.shape[1], cfg.head_dim
     causal = jnp.tril(jnp.ones((t, t), bool))
     mask = causal[None] & (segments[:, :, None] == segments[:, None, :])  # [B, Lq, Lk]
-    for layer in params["layers"]:
-        h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
-        q = rope((h @ layer["wq"]).reshape(b, t, hq, hd), cos, sin)
-        k = rope((h @ layer["wk"]).reshape(b, t, hkv, hd), cos, sin)
-        v = (h @ layer["wv"]).reshape(b, t, hkv, hd)
+
+    def attend(q, k, v):  # q [B, L, Hq, D], k/v [B, L, Hkv, D]
+        b, _, hq, _ = q.shape
+        hkv = k.shape[2]
         q = q.reshape(b, t, hkv, hq // hkv, hd)
         s = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
         s = s / np.sqrt(hd)
         s = jnp.where(mask[:, None, None], s, -1e30)
         p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-        o = jnp.einsum("bkgqs,bskd->bqkgd", p, v).reshape(b, t, hq * hd)
-        x = x + o @ layer["wo"]
-        h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
-        x = x + (jax.nn.silu(h @ layer["w_gate"]) * (h @ layer["w_up"])) @ layer["w_down"]
-    h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    return jnp.dot(h, head, preferred_element_type=jnp.float32)
+        return jnp.einsum("bkgqs,bskd->bqkgd", p, v).reshape(b, t, hq, hd), None
+
+    cos, sin = rope_tables(cfg, positions)                                # [B, L, D]
+    layers = params["layers"]
+    x, _, _ = layer_loop(layers, embed(params, tokens), None,
+                         lambda layer, i, x, _: decoder_layer(layer, x, cos, sin, attend, cfg=cfg),
+                         0, len(layers))
+    return head_logits(params, x, cfg)
 
 
 def loss_fn(params: Params, batch: Batch, cfg: LlamaConfig) -> jax.Array:

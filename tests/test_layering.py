@@ -1,0 +1,48 @@
+"""The import layers, read from the source with ``ast`` (no JAX, nothing imported): the mesh
+layer ``sharding/`` sits under the engine and never imports ``jserve.engine``; the model and
+the kernels sit under the mesh layer and never import ``sharding``."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, at any depth (top level, functions, TYPE_CHECKING)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def _violations(package: str, forbidden: str, root: Path = ROOT) -> list[str]:
+    files = sorted((root / package).rglob("*.py"))
+    assert files, f"no modules under {package}"
+    return [f"{path.relative_to(root)} imports {name}"
+            for path in files for name in sorted(_imports(path))
+            if name == forbidden or name.startswith(forbidden + ".")]
+
+
+@pytest.mark.parametrize("package, forbidden", [
+    ("sharding", "jserve.engine"),
+    ("jserve/model", "sharding"),
+    ("jserve/kernels", "sharding"),
+])
+def test_lower_layers_do_not_import_higher_ones(package, forbidden):
+    assert _violations(package, forbidden) == []
+
+
+def test_the_check_sees_imports_inside_functions(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "m.py").write_text("def f():\n    from sharding.specs import layer_spec\n")
+    assert _violations("pkg", "sharding", tmp_path) == [
+        "pkg/m.py imports sharding.specs", "pkg/m.py imports sharding.specs.layer_spec"]
