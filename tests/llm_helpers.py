@@ -19,7 +19,7 @@ def check_blocks(eng) -> None:
     eng.allocator.check()
     eng.allocator.check_holders([r.block_ids for r in eng.scheduler.running])
     assert all(not r.block_ids for r in eng.scheduler.waiting)
-    assert set(eng._host_kv) == {r.request_id for r in eng.scheduler.waiting if r.swapped}
+    assert set(eng.host_kv.copies) == {r.request_id for r in eng.scheduler.waiting if r.swapped}
 
 
 def run_checked(llm: LLM, prompts, params) -> list[list[int]]:

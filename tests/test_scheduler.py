@@ -102,7 +102,7 @@ def test_requests_with_a_token_in_flight_are_neither_scheduled_nor_preempted():
         s.add(r)
     apply_plan(s, s.schedule())  # a and b prefilled (two sequences at most), both sampled
     assert [r.request_id for r in s.running] == ["a", "b"]
-    s.hold([a])
+    s.in_flight.add(a)  # as if a's next token were still in a pipeline stage
     plan = s.schedule()
     # Only b decodes; c is not admitted (a still counts against max_num_seqs); a keeps its
     # blocks and its place in the running queue.
@@ -110,11 +110,14 @@ def test_requests_with_a_token_in_flight_are_neither_scheduled_nor_preempted():
     assert "a" not in plan.preempted and a.block_ids and a.status is RequestStatus.RUNNING
     assert [r.request_id for r in s.running] == ["a", "b"]
     apply_plan(s, plan)
-    s.release(a)
-    assert {d.request_id for d in s.schedule().decodes} == {"a", "b"}
-    s.hold([b])
-    s.finish(b, RequestStatus.FINISHED_ABORTED)
+    s.in_flight.discard(a)
+    plan = s.schedule()
+    assert {d.request_id for d in plan.decodes} == {"a", "b"}
+    s.finish(b, RequestStatus.FINISHED_ABORTED)  # while its token is in flight
+    tokens = list(b.token_ids)
+    apply_plan(s, plan)
     assert not s.in_flight and s.has_schedulable()
+    assert b.token_ids == tokens  # its late token was dropped
 
 
 # -- KV-cache parallel groups (kvp): per-group pools and the group-boundary rules -------------

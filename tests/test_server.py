@@ -429,8 +429,8 @@ def test_engine_thread_enforces_the_deadline_itself(spare_engine):
         loop = EngineLoop(spare_engine)
         loop.start()
         try:
-            sink = loop.submit("d", [5] * 30, SamplingParams(temperature=0.0, max_tokens=450,
-                                                             ignore_eos=True),
+            sink = loop.submit("d", spare_engine.prepare(
+                [5] * 30, SamplingParams(temperature=0.0, max_tokens=450, ignore_eos=True)),
                                arrival_time=time.monotonic(), deadline=time.monotonic() + 0.2)
             n = 0
             while True:

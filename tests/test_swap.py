@@ -29,7 +29,7 @@ def test_swapped_requests_resume_with_identical_greedy_outputs(policy, reference
     sched = llm.engine.scheduler
     assert sched.num_swaps > 0 and sched.num_swaps == sched.num_preemptions
     assert llm.engine.allocator.num_allocated == 0
-    assert not llm.engine._host_kv and not llm.engine._host_reserved
+    assert not llm.engine.host_kv.copies and not llm.engine.scheduler.swap_policy.reserved
 
 
 def test_penalised_requests_recompute_instead_of_swapping():
@@ -44,18 +44,18 @@ def test_penalised_requests_recompute_instead_of_swapping():
 def test_aborting_a_swapped_request_drops_its_host_copy(reference):
     eng = small_llm(preemption="swap", **TINY_POOL).engine
     ids = [eng.add_request(p, GREEDY) for p in PROMPTS]
-    while not eng._host_kv:
+    while not eng.host_kv.copies:
         eng.step()
-    victim = next(iter(eng._host_kv))
+    victim = next(iter(eng.host_kv.copies))
     assert eng.abort(victim).finish_reason == "abort"
-    assert victim not in eng._host_kv and victim not in eng._host_reserved
+    assert victim not in eng.host_kv.copies and victim not in eng.scheduler.swap_policy.reserved
     outs = {}
     while eng.has_unfinished():
         outs.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
     for rid, ref in zip(ids, reference):
         if rid != victim:
             assert outs[rid] == ref
-    assert eng.allocator.num_allocated == 0 and not eng._host_kv and not eng._host_reserved
+    assert eng.allocator.num_allocated == 0 and not eng.host_kv.copies and not eng.scheduler.swap_policy.reserved
 
 
 def _mode(tmp_path, per_token_s, **kw):
@@ -65,7 +65,9 @@ def _mode(tmp_path, per_token_s, **kw):
     eng.add_request(PROMPTS[2], GREEDY)
     req = next(iter(eng.requests.values()))
     req.num_computed = 100
-    return eng._preemption_mode(req), eng
+    policy = eng.scheduler.swap_policy
+    swaps = policy.swaps(req, eng.allocator.blocks_for(req.num_computed))
+    return ("swap" if swaps else "recompute"), eng
 
 
 def test_auto_mode_swaps_only_when_the_copy_is_cheaper(tmp_path):
@@ -73,5 +75,5 @@ def test_auto_mode_swaps_only_when_the_copy_is_cheaper(tmp_path):
     assert _mode(tmp_path, 1e-3)[0] == "swap"          # recompute 100 ms
     assert _mode(tmp_path, 1e-6)[0] == "recompute"     # recompute 0.1 ms
     mode, eng = _mode(tmp_path, 1e-3, swap_space_bytes=6 * 65536)
-    assert mode == "recompute" and not eng._host_reserved  # 7 pages do not fit
+    assert mode == "recompute" and not eng.scheduler.swap_policy.reserved  # 7 pages do not fit
     assert _mode(tmp_path, 1e-6, preemption="swap")[0] == "swap"

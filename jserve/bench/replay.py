@@ -62,9 +62,10 @@ def run_local(engine, trace: Sequence[TraceRequest], *, window_s: float | None =
     policy = engine.config.scheduler
     prompts = (prompt_token_ids(trace, engine.cfg.vocab_size, seed) if prompts is None
                else [prompts[t.request_id] for t in trace])
+    prepared = []
     for t, ids in zip(trace, prompts):
         try:
-            engine.validate(ids, request_params(t))
+            prepared.append(engine.prepare(ids, request_params(t)))
         except ValueError as e:
             raise ValueError(f"trace request {t.request_id}: {e}") from None
     records = {t.request_id: empty_record(t, policy) for t in trace}
@@ -83,8 +84,8 @@ def run_local(engine, trace: Sequence[TraceRequest], *, window_s: float | None =
             now = time.monotonic()
             while i < len(trace) and t0 + trace[i].arrival_s <= now:
                 t = trace[i]
-                engine.add_request(prompts[i], request_params(t), request_id=t.request_id,
-                                   arrival_time=t0 + t.arrival_s)
+                engine.enqueue(prepared[i], request_id=t.request_id,
+                               arrival_time=t0 + t.arrival_s)
                 i += 1
             if window_s is not None and now - t0 >= window_s:
                 break

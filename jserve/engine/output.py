@@ -80,3 +80,62 @@ def find_stop(text: str, new_from: int, stops: tuple[str, ...]) -> int | None:
     lo = max(0, new_from - max(len(s) for s in stops) + 1)
     hits = [i for i in (text.find(s, lo) for s in stops) if i != -1]
     return min(hits) if hits else None
+
+
+class OutputProcessor:
+    """Turns each new token of a request into its output: logprobs, text (incremental
+    detokenization), and the stop decision (stop and EOS ids, stop strings, ``max_tokens``,
+    the context length). The request's ``payload`` is its ``RequestState``."""
+
+    def __init__(self, eos_ids: tuple[int, ...], max_model_len: int):
+        self.eos_ids = eos_ids
+        self.max_model_len = max_model_len
+
+    def add_token(self, req, now: float, logprob: TokenLogprob | None = None) -> str | None:
+        """Processes ``req``'s newest token (already in ``req.token_ids``); returns the
+        finish reason ('stop' or 'length', the text then final) or None."""
+        st = req.payload
+        p = st.params
+        tok = req.token_ids[-1]
+        if logprob is not None:
+            st.logprobs.append(logprob)
+        m = st.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        m.token_times.append(now)
+        n_out = req.num_output_tokens
+        reason = None
+        if tok in p.stop_token_ids or (tok in self.eos_ids and not p.ignore_eos):
+            reason = "stop"
+            st.text += st.detok.flush()
+        else:
+            before = len(st.text)
+            st.text += st.detok.add(tok)
+            cut = find_stop(st.text, before, p.stop) if n_out >= p.min_tokens else None
+            if cut is not None:
+                st.text = st.text[:cut]
+                reason = "stop"
+        if reason is None and (n_out >= p.max_tokens
+                               or len(req.token_ids) >= self.max_model_len):
+            reason = "length"
+            st.text += st.detok.flush()
+        return reason
+
+    @staticmethod
+    def finished(req, reason: str, error: str | None, now: float) -> None:
+        """Marks ``req`` done (reason 'stop', 'length' or 'abort')."""
+        st = req.payload
+        st.finish_reason = reason
+        st.error = error
+        st.metrics.finished_time = now
+        st.metrics.cached_tokens = req.num_cached_tokens
+
+    @staticmethod
+    def output(req) -> RequestOutput:
+        st = req.payload
+        return RequestOutput(
+            request_id=req.request_id, prompt=st.prompt,
+            prompt_token_ids=st.prompt_ids, token_ids=req.output_token_ids,
+            text=st.text, finished=st.finish_reason is not None,
+            finish_reason=st.finish_reason, metrics=st.metrics,
+            logprobs=list(st.logprobs) if st.logprobs is not None else None, error=st.error)

@@ -337,7 +337,8 @@ class SchedulerBase(abc.ABC):
         if req.swapped:
             used = self.allocator.blocks_for(req.num_computed)
             self._swap_in.append((req.request_id, tuple(req.block_ids[:used])))
-            self.swap_policy.release(req.request_id)
+            if self.swap_policy is not None:
+                self.swap_policy.release(req.request_id)
             req.swapped = False
         req.status = RequestStatus.RUNNING
         self._count_prefix(req)

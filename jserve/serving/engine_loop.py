@@ -22,8 +22,8 @@ import time
 from typing import Any, Callable
 
 from jserve.engine.engine import LLMEngine
+from jserve.engine.intake import PreparedRequest
 from jserve.engine.output import RequestOutput, TokenLogprob
-from jserve.sampling.params import SamplingParams
 from jserve.serving.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -105,17 +105,16 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
-               arrival_time: float, deadline: float | None = None,
-               ttft_slo: float | None = None, tpot_slo: float | None = None,
-               priority: int = 0) -> asyncio.Queue:
-        """Queues an add; returns the request's queue of ``Delta``s. ``deadline`` is a
-        ``time.monotonic()`` instant. Errors (bad input the engine refuses, a full admission
-        queue, a passed deadline) arrive as the stream's last Delta."""
+    def submit(self, request_id: str, prepared: PreparedRequest, *, arrival_time: float,
+               deadline: float | None = None, ttft_slo: float | None = None,
+               tpot_slo: float | None = None, priority: int = 0) -> asyncio.Queue:
+        """Queues an add of a request prepared (tokenized, validated) by the caller; returns
+        its queue of ``Delta``s. ``deadline`` is a ``time.monotonic()`` instant. Errors (an id
+        in use, a full admission queue, a passed deadline) arrive as the stream's last
+        Delta."""
         sink: asyncio.Queue = asyncio.Queue()
-        self._cmds.put(lambda out: self._add(out, sink, request_id, prompt, params,
-                                             arrival_time, deadline, ttft_slo, tpot_slo,
-                                             priority))
+        self._cmds.put(lambda out: self._add(out, sink, request_id, prepared, arrival_time,
+                                             deadline, ttft_slo, tpot_slo, priority))
         return sink
 
     def abort(self, request_id: str) -> None:
@@ -211,7 +210,7 @@ class EngineLoop:
             except queue.Empty:
                 return cmds
 
-    def _add(self, out, sink, request_id, prompt, params, arrival_time, deadline, ttft_slo,
+    def _add(self, out, sink, request_id, prepared, arrival_time, deadline, ttft_slo,
              tpot_slo, priority) -> None:
         eng = self.engine
         if len(eng.scheduler.waiting) >= self.max_waiting:
@@ -222,13 +221,13 @@ class EngineLoop:
             out.append((sink, _error(DEADLINE, "deadline passed before admission")))
             return
         try:
-            eng.add_request(prompt, params, request_id=request_id, arrival_time=arrival_time,
-                            ttft_slo=ttft_slo, tpot_slo=tpot_slo, priority=priority)
+            eng.enqueue(prepared, request_id=request_id, arrival_time=arrival_time,
+                        ttft_slo=ttft_slo, tpot_slo=tpot_slo, priority=priority)
         except ValueError as e:
             out.append((sink, _error(INVALID, str(e))))
             return
         req = eng.requests[request_id]
-        holdback = max((len(s) for s in params.stop), default=1) - 1
+        holdback = max((len(s) for s in prepared.params.stop), default=1) - 1
         self._live[request_id] = _Live(sink, deadline, holdback, req.num_prompt_tokens)
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(req.num_prompt_tokens)

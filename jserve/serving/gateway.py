@@ -2,7 +2,7 @@
 
 Both front ends run on the same event loop and share one ``Gateway``: it refuses new work
 while draining or when the engine thread is gone, validates with the offline API's own checks
-(``SamplingParams`` and ``LLMEngine.tokenize/validate``) naming fields the way the caller's
+(``LLMEngine.prepare``, once per request) naming fields the way the caller's
 wire format does, hands out request ids that never collide with anyone's (a server id skips
 every id in flight, whoever chose it), keeps the set of requests in flight (for the drain),
 and turns the engine loop's deltas into a ``Stream`` that counts its request's outcome in
@@ -22,6 +22,7 @@ import time
 from typing import Callable
 
 from jserve.engine.engine import LLMEngine
+from jserve.engine.intake import PreparedRequest, check_slos
 from jserve.sampling.params import SamplingParams
 from jserve.serving import engine_loop as el
 from jserve.serving.metrics import ServerMetrics
@@ -94,18 +95,18 @@ class Gateway:
     def prepare(self, prompt: str | list[int], params: SamplingParams, *,
                 ttft_slo: float | None = None, tpot_slo: float | None = None,
                 name: Callable[[str], str] = lambda f: f,
-                slo_names: tuple[str, str] = ("ttft_slo", "tpot_slo")) -> list[int]:
-        """Prompt token ids, or ``Rejected`` (INVALID) naming the field as ``name`` does."""
+                slo_names: tuple[str, str] = ("ttft_slo", "tpot_slo")) -> PreparedRequest:
+        """The request tokenized and validated (the only time it is), or ``Rejected``
+        (INVALID) naming the field as ``name`` does."""
         try:
-            _, ids = self.engine.tokenize(prompt)
-            params.validate(vocab_size=self.engine.cfg.vocab_size)
-            self.engine.validate(ids, params)
+            prepared = self.engine.prepare(prompt, params)
         except ValueError as e:
             raise Rejected(el.INVALID, field_message(str(e), name)) from None
-        for field, slo in zip(slo_names, (ttft_slo, tpot_slo)):
-            if slo is not None and not slo > 0:
-                raise Rejected(el.INVALID, f"{field} must be > 0 seconds, got {slo}")
-        return ids
+        try:
+            check_slos(ttft_slo, tpot_slo, slo_names)
+        except ValueError as e:
+            raise Rejected(el.INVALID, str(e)) from None
+        return prepared
 
     def new_id(self, prefix: str) -> str:
         """An id no request in flight has, whoever chose it."""
@@ -114,14 +115,14 @@ class Gateway:
             if rid not in self._in_flight:
                 return rid
 
-    def open(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *,
+    def open(self, request_id: str, prepared: PreparedRequest, *,
              arrival: float, deadline: float | None = None, ttft_slo: float | None = None,
              tpot_slo: float | None = None, priority: int = 0) -> Stream:
         """Accepts the request (``Rejected`` ALREADY_EXISTS if its id is in flight) and queues
         it on the engine loop. Use as ``async with``: leaving the block ends the request."""
         if request_id in self._in_flight:
             raise Rejected(ALREADY_EXISTS, f"request_id {request_id!r} is already in flight")
-        sink = self.engine_loop.submit(request_id, prompt_ids, params, arrival_time=arrival,
+        sink = self.engine_loop.submit(request_id, prepared, arrival_time=arrival,
                                        deadline=deadline, ttft_slo=ttft_slo,
                                        tpot_slo=tpot_slo, priority=priority)
         stream = Stream(self, request_id, sink, deadline)

@@ -28,6 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from jserve.engine.intake import PreparedRequest
 from jserve.engine.output import TokenLogprob
 from jserve.sampling.params import SamplingParams
 from jserve.serving import engine_loop as el
@@ -488,13 +489,13 @@ class OpenAIServer:
                 text, params = self._prompt(p), parsed.params
                 if endpoint == "chat" and not parsed.max_tokens_given:  # up to the context
                     try:
-                        n = len(gw.engine.tokenize(text)[1])
-                        params = dataclasses.replace(
-                            params, max_tokens=max(1, gw.engine.max_model_len - n,
-                                                   params.min_tokens))
+                        text = gw.engine.intake.tokenize(text)[1]  # tokenized once
                     except ValueError as e:
                         raise BadField("messages", str(e)) from None
-                prepared.append((self._ids(text, params, parsed, endpoint), params))
+                    params = dataclasses.replace(
+                        params, max_tokens=max(1, gw.engine.max_model_len - len(text),
+                                               params.min_tokens))
+                prepared.append(self._prepare(text, params, parsed, endpoint))
         except Rejected as e:
             gw.refused(e.kind)
             return _error(e)
@@ -512,8 +513,8 @@ class OpenAIServer:
             return simple_chat_prompt(p)
         return p
 
-    def _ids(self, prompt, params: SamplingParams, parsed: Parsed, endpoint: str
-             ) -> list[int]:
+    def _prepare(self, prompt, params: SamplingParams, parsed: Parsed, endpoint: str
+                 ) -> PreparedRequest:
         try:
             return self.gateway.prepare(
                 prompt, params, ttft_slo=parsed.ttft_slo, tpot_slo=parsed.tpot_slo,
@@ -529,11 +530,13 @@ class OpenAIServer:
         gw = self.gateway
         choices: list[Choice] = []
         try:
-            for ids, params in prepared:
+            for request in prepared:
+                params = request.params
                 for i in range(parsed.n):
-                    p = params if params.seed is None or i == 0 else dataclasses.replace(
-                        params, seed=(params.seed + i) % 2**32)
-                    s = gw.open(gw.new_id(fmt.rid), ids, p, arrival=arrival,
+                    p = request if params.seed is None or i == 0 else dataclasses.replace(
+                        request, params=dataclasses.replace(
+                            params, seed=(params.seed + i) % 2**32))
+                    s = gw.open(gw.new_id(fmt.rid), p, arrival=arrival,
                                 ttft_slo=parsed.ttft_slo, tpot_slo=parsed.tpot_slo,
                                 priority=parsed.priority)
                     choices.append(Choice(len(choices), s))

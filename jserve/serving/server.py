@@ -305,11 +305,11 @@ class GenerationServer:
             parsed = parse_request(request)
         except ValueError as e:
             raise Rejected(el.INVALID, str(e)) from None
-        ids = gw.prepare(parsed.prompt, parsed.params, ttft_slo=parsed.ttft_slo,
+        prepared = gw.prepare(parsed.prompt, parsed.params, ttft_slo=parsed.ttft_slo,
                          tpot_slo=parsed.tpot_slo, name=lambda f: f"sampling_params.{f}",
                          slo_names=("ttft_slo_seconds", "tpot_slo_seconds"))
         rid = parsed.request_id or gw.new_id("grpc")
-        return gw.open(rid, ids, parsed.params, arrival=arrival, deadline=deadline,
+        return gw.open(rid, prepared, arrival=arrival, deadline=deadline,
                        ttft_slo=parsed.ttft_slo, tpot_slo=parsed.tpot_slo,
                        priority=parsed.priority)
 

@@ -1,0 +1,197 @@
+"""Building an engine's parts from the model and ``EngineConfig``: checks the config against
+the model and the devices, then makes the mesh, the step buckets, the KV pool and its
+allocator, the scheduler (with its swap policy), the model runner and the step builder."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+
+from jserve.cache.allocator import BlockAllocator
+from jserve.cache.pool import allocate_kv_cache, kv_bytes_per_page, num_pages_for_budget
+from jserve.config import LlamaConfig
+from jserve.engine.buckets import Buckets
+from jserve.engine.config import EngineConfig
+from jserve.engine.runner import CACHE_EVENTS, ModelRunner
+from jserve.engine.step_builder import StepBuilder
+from jserve.engine.timing import estimated_predictor, host_round_trip_seconds, load_predictor
+from jserve.kernels import ATTENTION_IMPLS
+from jserve.model.llama import Params
+from jserve.probe.length_probe import LengthProbe
+from jserve.probe.tracker import LengthTracker
+from jserve.scheduler import POLICIES, BatchPlan, ScheduledChunk, build_scheduler
+from jserve.scheduler.base import SchedulerBase
+from jserve.scheduler.deadline import DeadlineConfig
+from jserve.scheduler.predictor import LinearPredictor
+from jserve.scheduler.swap import SwapPolicy
+from sharding import pipeline
+from sharding.mesh import MeshConfig, make_mesh
+from sharding.specs import allocate_sharded_kv_cache, kv_head_map, kv_heads_per_device
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class EngineParts:
+    mesh_config: MeshConfig
+    multi_process: bool
+    max_model_len: int
+    buckets: Buckets
+    allocator: BlockAllocator
+    scheduler: SchedulerBase
+    runner: ModelRunner
+    builder: StepBuilder
+    predictor: LinearPredictor | None       # the deadline policies' step-time model
+    length_tracker: LengthTracker | None
+    persistent_cache_hits: int | None       # compiled programs found on disk (warm-up on)
+
+
+def check_config(cfg: LlamaConfig, config: EngineConfig) -> MeshConfig:
+    """Every refusal that needs no device memory: names, mesh shape against the model and
+    the processes."""
+    if config.attention_impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, "
+                         f"got {config.attention_impl!r}")
+    if config.scheduler not in POLICIES:
+        raise ValueError(f"scheduler must be one of {POLICIES}, got {config.scheduler!r}")
+    mesh_config = MeshConfig.parse(config.mesh)
+    if mesh_config.dp > 1:
+        raise ValueError(f"mesh {config.mesh!r}: dp > 1 not supported yet (tensor, "
+                         "KV-cache and stream pipeline parallelism, tp/kvp/spp=N, run)")
+    mesh_config.validate(cfg)
+    if mesh_config.spp > 1:
+        pipeline.validate(cfg, mesh_config.spp)
+    if jax.process_count() > 1 and mesh_config.size != jax.device_count():
+        raise ValueError(f"mesh {config.mesh!r}: with {jax.process_count()} processes it "
+                         f"must cover all {jax.device_count()} devices")
+    return mesh_config
+
+
+def max_model_len(cfg: LlamaConfig, config: EngineConfig) -> int:
+    """The context the engine serves: the config's, else the model's up to 8192."""
+    length = config.max_model_len or min(cfg.max_position_embeddings, 8192)
+    if length > cfg.max_position_embeddings:
+        raise ValueError(f"max_model_len {length} exceeds the model's "
+                         f"max_position_embeddings {cfg.max_position_embeddings}")
+    return length
+
+
+def length_tracker(cfg: LlamaConfig, config: EngineConfig) -> LengthTracker | None:
+    """The probe's tracker when a probe or a capture layer is set (sprpt needs a probe)."""
+    probe = LengthProbe.load(config.length_probe) if config.length_probe else None
+    if probe is not None:
+        if probe.input_dim != cfg.hidden_size:
+            raise ValueError(f"length probe reads {probe.input_dim}-wide embeddings; the "
+                             f"model's hidden size is {cfg.hidden_size}")
+        if config.probe_layer is not None and config.probe_layer != probe.layer:
+            raise ValueError(f"probe_layer {config.probe_layer} differs from the probe's "
+                             f"layer {probe.layer}")
+    elif config.scheduler == "sprpt":
+        raise ValueError("scheduler 'sprpt' needs a length probe (length_probe=path)")
+    layer = probe.layer if probe is not None else config.probe_layer
+    if layer is None:
+        return None
+    if layer >= cfg.num_hidden_layers:
+        raise ValueError(f"probe layer {layer} is past the model's {cfg.num_hidden_layers} "
+                         "layers")
+    return LengthTracker(probe, layer)
+
+
+def _num_kv_pages(cfg: LlamaConfig, config: EngineConfig, buckets: Buckets,
+                  mesh_config: MeshConfig, context: int) -> int:
+    """One kvp group's pool per device, sized by the heads a device stores under tp and the
+    layers of its pipeline stage; a sequence keeps at most ``pages_per_group`` pages in one
+    group, and the groups' pools sit side by side in the cache's page dimension (global id
+    = group * pool + local id; jserve.cache.allocator)."""
+    pages_per_seq = (-(-context // config.page_size) if mesh_config.kvp == 1
+                     else buckets.pages_per_group)
+    return config.num_kv_pages or num_pages_for_budget(
+        cfg, config.page_size, kv_cache_bytes=config.kv_cache_bytes,
+        memory_fraction=config.memory_fraction,
+        max_useful_pages=config.max_num_seqs * pages_per_seq,
+        kv_heads=kv_heads_per_device(cfg, mesh_config.tp),
+        num_layers=cfg.num_hidden_layers // mesh_config.spp)
+
+
+def _swap_policy(cfg: LlamaConfig, config: EngineConfig, mesh_config: MeshConfig,
+                 predictor: LinearPredictor | None) -> SwapPolicy | None:
+    """Swapping moves pages through the host memory of one process and not under a
+    pipeline; elsewhere, and with ``preemption="recompute"``, victims recompute."""
+    if config.preemption == "recompute" or jax.process_count() > 1 or mesh_config.spp > 1:
+        return None
+    cost = predictor or estimated_predictor(cfg)
+    return SwapPolicy(
+        config.preemption, capacity_bytes=config.swap_space_bytes,
+        # A swapped page is a global page: every stored KV head (copies under tp included).
+        page_bytes=kv_bytes_per_page(cfg, config.page_size,
+                                     len(kv_head_map(cfg, mesh_config.tp))),
+        round_trip_seconds=host_round_trip_seconds,
+        recompute_seconds=lambda tokens: cost.predict(BatchPlan((), (ScheduledChunk(
+            "", 0, tokens, False),))))
+
+
+def _scheduler(config: EngineConfig, allocator: BlockAllocator, budget: int,
+               context: int, predictor: LinearPredictor | None,
+               tracker: LengthTracker | None) -> SchedulerBase:
+    probe = tracker.probe if tracker else None
+    return build_scheduler(
+        config.scheduler, allocator, max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=budget, max_prefill_seqs=config.max_prefill_seqs,
+        predictor=predictor, max_context=context,
+        deadline=DeadlineConfig(t_target=config.tpot_slo, ttft_k=config.ttft_slo_factor,
+                                ttft_floor=config.ttft_slo_floor,
+                                space_sharing=config.space_sharing),
+        sprpt_c=config.sprpt_c, fallback_remaining=probe.prior_mean if probe else None)
+
+
+def build_engine_parts(cfg: LlamaConfig, params: Params, config: EngineConfig) -> EngineParts:
+    mesh_config = check_config(cfg, config)
+    spp = mesh_config.spp
+    context = max_model_len(cfg, config)
+    budget = min(config.max_num_batched_tokens, context)
+    buckets = Buckets.for_limits(
+        max_num_seqs=config.max_num_seqs, token_budget=budget,
+        max_prefill_seqs=config.max_prefill_seqs, max_model_len=context,
+        page_size=config.page_size, kvp=mesh_config.kvp)
+    if spp > 1:
+        buckets = buckets.single_shape()
+    num_pages = _num_kv_pages(cfg, config, buckets, mesh_config, context)
+    predictor = (load_predictor(cfg, config)
+                 if config.scheduler not in ("sarathi", "sprpt") else None)
+    tracker = length_tracker(cfg, config)
+    prefix_caching = config.enable_prefix_caching and spp == 1 and tracker is None
+    if config.enable_prefix_caching and not prefix_caching:
+        log.info("prefix caching is off: not supported with %s",
+                 "spp > 1" if spp > 1 else "a length probe")
+    allocator = BlockAllocator(num_pages, config.page_size, groups=mesh_config.kvp,
+                               pages_per_group=buckets.pages_per_group,
+                               prefix_caching=prefix_caching)
+    scheduler = _scheduler(config, allocator, budget, context, predictor, tracker)
+    scheduler.swap_policy = _swap_policy(cfg, config, mesh_config, predictor)
+    runner = _runner(cfg, params, config, mesh_config, buckets, num_pages, tracker)
+    hits = None
+    if config.warmup:
+        hits = CACHE_EVENTS["cache_hits"]
+        runner.warmup()
+        hits = CACHE_EVENTS["cache_hits"] - hits
+    return EngineParts(
+        mesh_config, jax.process_count() > 1, context, buckets, allocator, scheduler,
+        runner, StepBuilder(buckets, config.page_size, runner.state_sink, pool_pages=num_pages),
+        predictor, tracker, hits)
+
+
+def _runner(cfg: LlamaConfig, params: Params, config: EngineConfig, mesh_config: MeshConfig,
+            buckets: Buckets, num_pages: int, tracker: LengthTracker | None) -> ModelRunner:
+    mesh = make_mesh(mesh_config) if mesh_config.size > 1 else None
+    kv_cache = (allocate_kv_cache(cfg, num_pages, config.page_size) if mesh is None else
+                allocate_sharded_kv_cache(cfg, mesh_config.kvp * num_pages, config.page_size,
+                                          mesh))
+    placed = hasattr(params, "place")  # a lazy checkpoint streams onto the mesh
+    if placed:
+        params = params.place(cfg, mesh)
+    return ModelRunner(cfg, params, kv_cache, buckets, config.max_num_seqs,
+                       config.attention_impl, mesh,
+                       capture_layer=tracker.layer if tracker else None, params_placed=placed,
+                       unroll_layers=config.unrolls_layers(cfg.num_hidden_layers,
+                                                           mesh_config.spp))

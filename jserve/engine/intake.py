@@ -1,0 +1,77 @@
+"""The edge of the engine: a prompt (text or ids) and sampling parameters become a
+``PreparedRequest`` after every check that could refuse it, before any state changes. The
+serving front ends prepare on their side and hand the result over, so nothing is tokenized
+or validated twice."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from jserve.cache.allocator import BlockAllocator
+from jserve.sampling.params import SamplingParams
+from jserve.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedRequest:
+    prompt: str | None  # the text when the prompt came as text
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+class RequestIntake:
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int,
+                 allocator: BlockAllocator):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.allocator = allocator
+
+    def prepare(self, prompt: str | Sequence[int], params: SamplingParams | None = None
+                ) -> PreparedRequest:
+        """Tokenized and validated; ValueError says what is wrong."""
+        params = params if params is not None else SamplingParams()
+        text, ids = self.tokenize(prompt)
+        self.validate(ids, params)
+        return PreparedRequest(text, ids, params)
+
+    def tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass the prompt as token ids")
+            return prompt, self.tokenizer.encode(prompt)
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids outside the vocabulary [0, {self.vocab_size}): "
+                             f"{bad[:5]}")
+        return None, ids
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        params.validate(vocab_size=self.vocab_size)
+        n = len(prompt_ids)
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt has {n} tokens; the context holds {self.max_model_len}")
+        if n + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                             f"context of {self.max_model_len} tokens")
+        alloc = self.allocator
+        need = alloc.blocks_for(n + params.max_tokens)
+        if not alloc.can_ever_hold(need):
+            raise ValueError(f"request needs {need} KV blocks; the pool has {alloc.total}"
+                             + (f" ({alloc.groups} groups of {alloc.pool_blocks - 1})"
+                                if alloc.groups > 1 else ""))
+
+
+def check_slos(ttft_slo: float | None, tpot_slo: float | None,
+               names: tuple[str, str] = ("ttft_slo", "tpot_slo")) -> None:
+    """Per-request SLOs are seconds > 0 when given."""
+    for name, slo in zip(names, (ttft_slo, tpot_slo)):
+        if slo is not None and not slo > 0:
+            raise ValueError(f"{name} must be > 0 seconds, got {slo}")

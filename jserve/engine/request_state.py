@@ -1,0 +1,63 @@
+"""What the engine keeps per request beside the scheduler's ``Request`` (its ``payload``):
+sampling parameters and seed, text and logprobs so far, metrics, and the device row that
+holds its penalty state."""
+from __future__ import annotations
+
+import dataclasses
+
+from jserve.engine.output import IncrementalDetokenizer, RequestMetrics, TokenLogprob
+from jserve.sampling.params import MAX_BANNED_IDS, SamplingParams
+from jserve.sampling.sampler import SamplerRow
+from jserve.scheduler import Request
+
+NEUTRAL_ROW = SamplerRow(SamplingParams(temperature=0.0), seed=0, step=0)  # padding rows
+
+
+@dataclasses.dataclass(eq=False)
+class RequestState:
+    params: SamplingParams
+    seed: int
+    prompt: str | None
+    metrics: RequestMetrics
+    detok: IncrementalDetokenizer
+    prompt_ids: list[int]  # what outputs show: one copy per request, not one per step
+    text: str = ""
+    logprobs: list[TokenLogprob] | None = None
+    state_row: int | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+def state_of(req: Request) -> RequestState:
+    return req.payload
+
+
+def sampler_row(req: Request, eos_ids: tuple[int, ...]) -> SamplerRow:
+    """The sampler's view of ``req`` for its next token: stop and EOS ids are banned until
+    ``min_tokens`` are out."""
+    st: RequestState = req.payload
+    p = st.params
+    banned: tuple[int, ...] = ()
+    if req.num_output_tokens < p.min_tokens:
+        banned = (p.stop_token_ids + (() if p.ignore_eos else eos_ids))[:MAX_BANNED_IDS]
+    return SamplerRow(p, st.seed, req.num_output_tokens, banned)
+
+
+class StateRows:
+    """Device rows of per-request sampling state (penalty counts): a running request keeps
+    its row from its first chunk until it is preempted or finishes."""
+
+    def __init__(self, num_rows: int):
+        self._free = list(range(num_rows - 1, -1, -1))
+
+    def assign(self, req: Request) -> int:
+        st: RequestState = req.payload
+        if st.state_row is None:
+            st.state_row = self._free.pop()
+        return st.state_row
+
+    def release(self, req: Request) -> None:
+        st: RequestState = req.payload
+        if st.state_row is not None:
+            self._free.append(st.state_row)
+            st.state_row = None
