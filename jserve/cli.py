@@ -154,7 +154,7 @@ def _plan(a: argparse.Namespace) -> int:
                 raise ValueError(f"--devices {a.devices}: JAX already started with "
                                  f"{len(jax.devices('cpu'))} CPU devices") from None
     from jserve.config import LlamaConfig
-    from jserve.engine.plan import parse_bytes, plan
+    from jserve.engine.memory_plan import parse_bytes, plan
     from jserve.model.weights import load_config
 
     if Path(a.model).is_file():

@@ -14,7 +14,7 @@ import pytest
 from devices import run_on_devices
 from jserve import LLM
 from jserve.engine.config import EngineConfig
-from jserve.engine.plan import describe_engine, parse_bytes, plan
+from jserve.engine.memory_plan import describe_engine, parse_bytes, plan
 from jserve.model.weights import DEFAULT_CONFIG
 from llm_helpers import SMALL
 
@@ -50,7 +50,7 @@ _SCRIPT = textwrap.dedent("""
     from jserve.cli import main
     from jserve.config import LlamaConfig
     from jserve.engine.config import EngineConfig
-    from jserve.engine.plan import describe_engine, plan
+    from jserve.engine.memory_plan import describe_engine, plan
 
     config_path, flags = sys.argv[1], json.loads(sys.argv[2])
     cfg = LlamaConfig.from_json_file(config_path)

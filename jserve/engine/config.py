@@ -1,4 +1,5 @@
-"""Engine settings (frozen; built from ``LLM(...)`` keywords or CLI flags)."""
+"""Engine settings (frozen; built from ``LLM(...)`` keywords or CLI flags). The model's
+architecture is ``jserve.config.LlamaConfig``; this module is the serving side's."""
 from __future__ import annotations
 
 import dataclasses

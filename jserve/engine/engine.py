@@ -25,6 +25,7 @@ from jserve.config import LlamaConfig
 from jserve.engine.config import EngineConfig
 from jserve.engine.factory import build_engine_parts
 from jserve.engine.intake import PreparedRequest, RequestIntake, check_slos
+from jserve.engine.memory_plan import describe_engine
 from jserve.engine.output import (
     IncrementalDetokenizer,
     OutputProcessor,
@@ -32,7 +33,6 @@ from jserve.engine.output import (
     RequestOutput,
     TokenLogprob,
 )
-from jserve.engine.plan import describe_engine
 from jserve.engine.request_state import NEUTRAL_ROW, RequestState, StateRows, sampler_row
 from jserve.engine.step_builder import BuiltStep, StepFlags
 from jserve.engine.swap import HostKVStore

@@ -47,34 +47,56 @@ class EngineParts:
     persistent_cache_hits: int | None       # compiled programs found on disk (warm-up on)
 
 
-def check_config(cfg: LlamaConfig, config: EngineConfig) -> MeshConfig:
-    """Every refusal that needs no device memory: names, mesh shape against the model and
-    the processes."""
+def check_config(cfg: LlamaConfig, config: EngineConfig) -> Geometry:
+    """Every refusal that needs no device memory: names, the mesh against the model and the
+    processes, the context length."""
     if config.attention_impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, "
                          f"got {config.attention_impl!r}")
     if config.scheduler not in POLICIES:
         raise ValueError(f"scheduler must be one of {POLICIES}, got {config.scheduler!r}")
-    mesh_config = MeshConfig.parse(config.mesh)
-    if mesh_config.dp > 1:
-        raise ValueError(f"mesh {config.mesh!r}: dp > 1 not supported yet (tensor, "
-                         "KV-cache and stream pipeline parallelism, tp/kvp/spp=N, run)")
-    mesh_config.validate(cfg)
-    if mesh_config.spp > 1:
-        pipeline.validate(cfg, mesh_config.spp)
-    if jax.process_count() > 1 and mesh_config.size != jax.device_count():
+    geo = engine_geometry(cfg, config)
+    if jax.process_count() > 1 and geo.mesh_config.size != jax.device_count():
         raise ValueError(f"mesh {config.mesh!r}: with {jax.process_count()} processes it "
                          f"must cover all {jax.device_count()} devices")
-    return mesh_config
+    return geo
 
 
-def max_model_len(cfg: LlamaConfig, config: EngineConfig) -> int:
-    """The context the engine serves: the config's, else the model's up to 8192."""
-    length = config.max_model_len or min(cfg.max_position_embeddings, 8192)
-    if length > cfg.max_position_embeddings:
-        raise ValueError(f"max_model_len {length} exceeds the model's "
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """What the engine derives from its config before allocating (``LLMEngine.__init__``)."""
+
+    mesh_config: MeshConfig
+    max_model_len: int
+    buckets: Buckets
+    pages_per_seq: int       # pages of one sequence in one kvp group's pool at most
+    max_useful_pages: int    # every sequence slot at full context (the pool's cap, sink aside)
+
+
+def engine_geometry(cfg: LlamaConfig, config: EngineConfig) -> Geometry:
+    """The mesh, context length, buckets and pool cap ``LLMEngine`` would use."""
+    mc = MeshConfig.parse(config.mesh)
+    if mc.dp > 1:
+        raise ValueError(f"mesh {config.mesh!r}: dp > 1 not supported yet (tensor, "
+                         "KV-cache and stream pipeline parallelism, tp/kvp/spp=N, run)")
+    mc.validate(cfg)
+    if mc.spp > 1:
+        pipeline.validate(cfg, mc.spp)
+    max_model_len = config.max_model_len or min(cfg.max_position_embeddings, 8192)
+    if max_model_len > cfg.max_position_embeddings:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
                          f"max_position_embeddings {cfg.max_position_embeddings}")
-    return length
+    budget = min(config.max_num_batched_tokens, max_model_len)
+    buckets = Buckets.for_limits(
+        max_num_seqs=config.max_num_seqs, token_budget=budget,
+        max_prefill_seqs=config.max_prefill_seqs, max_model_len=max_model_len,
+        page_size=config.page_size, kvp=mc.kvp)
+    if mc.spp > 1:
+        buckets = buckets.single_shape()
+    pages_per_seq = (-(-max_model_len // config.page_size) if mc.kvp == 1
+                     else buckets.pages_per_group)
+    return Geometry(mc, max_model_len, buckets, pages_per_seq,
+                    config.max_num_seqs * pages_per_seq)
 
 
 def length_tracker(cfg: LlamaConfig, config: EngineConfig) -> LengthTracker | None:
@@ -98,20 +120,16 @@ def length_tracker(cfg: LlamaConfig, config: EngineConfig) -> LengthTracker | No
     return LengthTracker(probe, layer)
 
 
-def _num_kv_pages(cfg: LlamaConfig, config: EngineConfig, buckets: Buckets,
-                  mesh_config: MeshConfig, context: int) -> int:
+def _num_kv_pages(cfg: LlamaConfig, config: EngineConfig, geo: Geometry) -> int:
     """One kvp group's pool per device, sized by the heads a device stores under tp and the
     layers of its pipeline stage; a sequence keeps at most ``pages_per_group`` pages in one
     group, and the groups' pools sit side by side in the cache's page dimension (global id
     = group * pool + local id; jserve.cache.allocator)."""
-    pages_per_seq = (-(-context // config.page_size) if mesh_config.kvp == 1
-                     else buckets.pages_per_group)
+    mc = geo.mesh_config
     return config.num_kv_pages or num_pages_for_budget(
         cfg, config.page_size, kv_cache_bytes=config.kv_cache_bytes,
-        memory_fraction=config.memory_fraction,
-        max_useful_pages=config.max_num_seqs * pages_per_seq,
-        kv_heads=kv_heads_per_device(cfg, mesh_config.tp),
-        num_layers=cfg.num_hidden_layers // mesh_config.spp)
+        memory_fraction=config.memory_fraction, max_useful_pages=geo.max_useful_pages,
+        kv_heads=kv_heads_per_device(cfg, mc.tp), num_layers=cfg.num_hidden_layers // mc.spp)
 
 
 def _swap_policy(cfg: LlamaConfig, config: EngineConfig, mesh_config: MeshConfig,
@@ -146,17 +164,11 @@ def _scheduler(config: EngineConfig, allocator: BlockAllocator, budget: int,
 
 
 def build_engine_parts(cfg: LlamaConfig, params: Params, config: EngineConfig) -> EngineParts:
-    mesh_config = check_config(cfg, config)
+    geo = check_config(cfg, config)
+    mesh_config, buckets, context = geo.mesh_config, geo.buckets, geo.max_model_len
     spp = mesh_config.spp
-    context = max_model_len(cfg, config)
     budget = min(config.max_num_batched_tokens, context)
-    buckets = Buckets.for_limits(
-        max_num_seqs=config.max_num_seqs, token_budget=budget,
-        max_prefill_seqs=config.max_prefill_seqs, max_model_len=context,
-        page_size=config.page_size, kvp=mesh_config.kvp)
-    if spp > 1:
-        buckets = buckets.single_shape()
-    num_pages = _num_kv_pages(cfg, config, buckets, mesh_config, context)
+    num_pages = _num_kv_pages(cfg, config, geo)
     predictor = (load_predictor(cfg, config)
                  if config.scheduler not in ("sarathi", "sprpt") else None)
     tracker = length_tracker(cfg, config)

@@ -1,5 +1,6 @@
 """The device side of the engine: one fused jitted step (forward, penalty state, sampling)
-compiled ahead of time per bucket, with a compile counter tests read."""
+compiled ahead of time per bucket, with a compile counter tests read. (The name follows
+vLLM's ``ModelRunner``; it is the only ``runner`` module in the package.)"""
 from __future__ import annotations
 
 import collections
@@ -290,6 +291,17 @@ def _scatter_pages(kv_cache: KVCache, ids: jax.Array, data: KVCache) -> KVCache:
     return tuple(pages.at[:, :, ids].set(new) for pages, new in zip(kv_cache, data))
 
 
+def _check_capture_layer(cfg: LlamaConfig, layer: int | None, mesh) -> None:
+    if layer is None:
+        return
+    if mesh is not None:
+        raise ValueError("capturing a layer's hidden state (length probe) runs on one "
+                         "device only, not with a tensor-parallel mesh")
+    if not 0 <= layer < cfg.num_hidden_layers:
+        raise ValueError(f"capture layer must be in [0, {cfg.num_hidden_layers}), "
+                         f"got {layer}")
+
+
 class ModelRunner:
     """Holds the device state and runs steps. With a ``mesh`` the params are split for tensor
     parallelism (``sharding.specs``) and ``kv_cache`` must come from
@@ -305,18 +317,12 @@ class ModelRunner:
         placed on ``mesh`` (a loader that streams them there, ``jserve.model.weights``).
         ``abstract``: ``params`` (runtime layout, placed) and ``kv_cache`` are
         ``jax.ShapeDtypeStruct``s and so is the penalty state: the runner only lowers and
-        compiles (``compiled``, ``sampler``), nothing is allocated (``jserve.engine.plan``).
+        compiles (``compiled``, ``sampler``), nothing is allocated (``jserve.engine.memory_plan``).
         ``unroll_layers``: run the layers unrolled over separate per-layer weight arrays
         instead of one loop over stacked ones (``jserve.model.llama.unstack_layers``; not
         with spp, whose stages split the stacked axis)."""
         params_placed = params_placed or abstract
-        if capture_layer is not None:
-            if mesh is not None:
-                raise ValueError("capturing a layer's hidden state (length probe) runs on one "
-                                 "device only, not with a tensor-parallel mesh")
-            if not 0 <= capture_layer < cfg.num_hidden_layers:
-                raise ValueError(f"capture layer must be in [0, {cfg.num_hidden_layers}), "
-                                 f"got {capture_layer}")
+        _check_capture_layer(cfg, capture_layer, mesh)
         self.capture_layer = capture_layer
         self.last_capture = None  # the latest step's Capture (device arrays) when capturing
         self.cfg = cfg

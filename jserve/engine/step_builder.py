@@ -59,99 +59,127 @@ class StepBuilder:
     def build(self, plan: BatchPlan, requests: dict[str, Request],
               sampler_row: "callable[[Request], SamplerRow]", neutral_row: SamplerRow,
               state_row: "callable[[Request], int]", flags: StepFlags) -> BuiltStep:
-        nd = len(plan.decodes)
-        n_pre_tokens = sum(c.num_tokens for c in plan.prefills)
-        bd, padded_prefill_tokens = self.buckets.shape_for(nd, n_pre_tokens)
-        t = bd + padded_prefill_tokens
+        bd, padded_prefill_tokens = self.buckets.shape_for(
+            len(plan.decodes), sum(c.num_tokens for c in plan.prefills))
         s = bd + (self.buckets.prefill_rows if padded_prefill_tokens else 0)
+        h = _HostArrays.empty(bd + padded_prefill_tokens, s, self.buckets.page_table_width,
+                              self.state_sink, neutral_row)
+        h.token_seq[:bd] = np.arange(bd)
+        if plan.decodes:
+            self._fill_decodes(h, plan, requests, sampler_row, state_row)
+        self._fill_prefills(h, plan, requests, sampler_row, state_row, first_row=bd)
+        attn = AttentionMetadata(positions=h.positions, token_seq=h.token_seq,
+                                 kv_lens=h.kv_lens, page_table=h.page_table,
+                                 num_prefills=np.asarray(len(plan.prefills), np.int32),
+                                 num_decodes=bd)
+        arrays = StepArrays(
+            batch=StepInput(tokens=h.tokens, slots=h.slots, logits_rows=h.logits_rows,
+                            attn=attn, slot_groups=h.slot_groups, start_groups=h.start_groups),
+            token_state_rows=h.token_state, token_is_prompt=h.token_is_prompt,
+            state_rows=h.state_rows, reset_rows=h.reset_rows,
+            sampling=make_sampling_batch(h.rows, pad_to=s),
+            any_random=np.asarray(flags.any_random), any_penalty=np.asarray(flags.any_penalty),
+            want_logprobs=np.asarray(flags.want_logprobs))
+        return BuiltStep((bd, padded_prefill_tokens), arrays, h.sample_rows)
+
+    def _fill_decodes(self, h: "_HostArrays", plan: BatchPlan, requests, sampler_row,
+                      state_row) -> None:
+        """Decodes (the bulk of rows): scalars gathered in Python, one numpy store per
+        field."""
         ps = self.page_size
-
-        tokens = np.zeros(t, np.int32)
-        positions = np.zeros(t, np.int32)
-        slots = np.zeros(t, np.int32)
-        token_seq = np.full(t, s, np.int32)
-        token_state = np.full(t, self.state_sink, np.int32)
-        token_is_prompt = np.zeros(t, bool)
-        slot_groups = np.zeros(t, np.int32)
-        start_groups = np.zeros(s, np.int32)
-        kv_lens = np.zeros(s, np.int32)
-        page_table = np.zeros((s, self.buckets.page_table_width), np.int32)
-        logits_rows = np.zeros(s, np.int32)
-        state_rows = np.full(s, self.state_sink, np.int32)
-        reset_rows = np.full(s, self.state_sink, np.int32)
-        rows: list[SamplerRow] = [neutral_row] * s
-        sample_rows: list[tuple[int, ScheduledChunk]] = []
-
-        token_seq[:bd] = np.arange(bd)
-        # Decodes (the bulk of rows): scalars gathered in Python, one numpy store per field.
         nd = len(plan.decodes)
-        if nd:
-            dec = [requests[c.request_id] for c in plan.decodes]
-            pos_d = [c.start for c in plan.decodes]
-            srows = [state_row(r) for r in dec]
-            tokens[:nd] = [r.token_ids[p] for r, p in zip(dec, pos_d)]
-            positions[:nd] = pos_d
-            token_state[:nd] = srows
-            kv_lens[:nd] = [p + 1 for p in pos_d]
-            logits_rows[:nd] = np.arange(nd)
-            state_rows[:nd] = srows
-            if self.kvp == 1:
-                slots[:nd] = [r.block_ids[p // ps] * ps + p % ps for r, p in zip(dec, pos_d)]
-                for i, r in enumerate(dec):
-                    page_table[i, :len(r.block_ids)] = r.block_ids
-            else:
-                pool = self.pool_pages
-                pages = np.asarray([r.block_ids[p // ps] for r, p in zip(dec, pos_d)], np.int32)
-                slots[:nd] = pages % pool * ps + np.asarray(pos_d, np.int32) % ps
-                slot_groups[:nd] = pages // pool
-                for i, r in enumerate(dec):
-                    start_groups[i] = self._kvp_row(page_table, i, r.block_ids)
-            for i, (r, c) in enumerate(zip(dec, plan.decodes)):
-                rows[i] = sampler_row(r)
-                sample_rows.append((i, c))
+        dec = [requests[c.request_id] for c in plan.decodes]
+        pos_d = [c.start for c in plan.decodes]
+        srows = [state_row(r) for r in dec]
+        h.tokens[:nd] = [r.token_ids[p] for r, p in zip(dec, pos_d)]
+        h.positions[:nd] = pos_d
+        h.token_state[:nd] = srows
+        h.kv_lens[:nd] = [p + 1 for p in pos_d]
+        h.logits_rows[:nd] = np.arange(nd)
+        h.state_rows[:nd] = srows
+        if self.kvp == 1:
+            h.slots[:nd] = [r.block_ids[p // ps] * ps + p % ps for r, p in zip(dec, pos_d)]
+            for i, r in enumerate(dec):
+                h.page_table[i, :len(r.block_ids)] = r.block_ids
+        else:
+            pool = self.pool_pages
+            pages = np.asarray([r.block_ids[p // ps] for r, p in zip(dec, pos_d)], np.int32)
+            h.slots[:nd] = pages % pool * ps + np.asarray(pos_d, np.int32) % ps
+            h.slot_groups[:nd] = pages // pool
+            for i, r in enumerate(dec):
+                h.start_groups[i] = self._kvp_row(h.page_table, i, r.block_ids)
+        for i, (r, c) in enumerate(zip(dec, plan.decodes)):
+            h.rows[i] = sampler_row(r)
+            h.sample_rows.append((i, c))
 
-        start = bd
+    def _fill_prefills(self, h: "_HostArrays", plan: BatchPlan, requests, sampler_row,
+                       state_row, first_row: int) -> None:
+        """One row per prefill chunk; its tokens follow the decode rows' tokens."""
+        ps = self.page_size
+        start = first_row
         for j, c in enumerate(plan.prefills):
-            row = bd + j
+            row = first_row + j
             req = requests[c.request_id]
             n = c.num_tokens
             end = start + n
             pos = np.arange(c.start, c.start + n, dtype=np.int32)
             blocks = np.asarray(req.block_ids, np.int32)
-            tokens[start:end] = req.token_ids[c.start:c.start + n]
-            positions[start:end] = pos
+            h.tokens[start:end] = req.token_ids[c.start:c.start + n]
+            h.positions[start:end] = pos
             if self.kvp == 1:
-                slots[start:end] = blocks[pos // ps] * ps + pos % ps
-                page_table[row, :len(blocks)] = blocks
+                h.slots[start:end] = blocks[pos // ps] * ps + pos % ps
+                h.page_table[row, :len(blocks)] = blocks
             else:
                 pages = blocks[pos // ps]
-                slots[start:end] = pages % self.pool_pages * ps + pos % ps
-                slot_groups[start:end] = pages // self.pool_pages
-                start_groups[row] = self._kvp_row(page_table, row, blocks)
-            token_seq[start:end] = row
+                h.slots[start:end] = pages % self.pool_pages * ps + pos % ps
+                h.slot_groups[start:end] = pages // self.pool_pages
+                h.start_groups[row] = self._kvp_row(h.page_table, row, blocks)
+            h.token_seq[start:end] = row
             srow = state_row(req)
-            token_state[start:end] = srow
-            token_is_prompt[start:end] = pos < req.num_prompt_tokens
-            kv_lens[row] = c.start + n
-            logits_rows[row] = end - 1
-            state_rows[row] = srow
+            h.token_state[start:end] = srow
+            h.token_is_prompt[start:end] = pos < req.num_prompt_tokens
+            h.kv_lens[row] = c.start + n
+            h.logits_rows[row] = end - 1
+            h.state_rows[row] = srow
             if c.start == 0:
-                reset_rows[row] = srow
+                h.reset_rows[row] = srow
             if c.samples:
-                rows[row] = sampler_row(req)
-                sample_rows.append((row, c))
+                h.rows[row] = sampler_row(req)
+                h.sample_rows.append((row, c))
             start = end
 
-        attn = AttentionMetadata(positions=positions, token_seq=token_seq, kv_lens=kv_lens,
-                                 page_table=page_table,
-                                 num_prefills=np.asarray(len(plan.prefills), np.int32),
-                                 num_decodes=bd)
-        arrays = StepArrays(
-            batch=StepInput(tokens=tokens, slots=slots, logits_rows=logits_rows, attn=attn,
-                            slot_groups=slot_groups, start_groups=start_groups),
-            token_state_rows=token_state, token_is_prompt=token_is_prompt,
-            state_rows=state_rows, reset_rows=reset_rows,
-            sampling=make_sampling_batch(rows, pad_to=s),
-            any_random=np.asarray(flags.any_random), any_penalty=np.asarray(flags.any_penalty),
-            want_logprobs=np.asarray(flags.want_logprobs))
-        return BuiltStep((bd, padded_prefill_tokens), arrays, sample_rows)
+
+@dataclasses.dataclass
+class _HostArrays:
+    """One step's host arrays while they are filled: per token (t), per row (s)."""
+
+    tokens: np.ndarray
+    positions: np.ndarray
+    slots: np.ndarray
+    token_seq: np.ndarray
+    token_state: np.ndarray
+    token_is_prompt: np.ndarray
+    slot_groups: np.ndarray
+    start_groups: np.ndarray
+    kv_lens: np.ndarray
+    page_table: np.ndarray
+    logits_rows: np.ndarray
+    state_rows: np.ndarray
+    reset_rows: np.ndarray
+    rows: list[SamplerRow]
+    sample_rows: list[tuple[int, ScheduledChunk]]
+
+    @classmethod
+    def empty(cls, t: int, s: int, page_table_width: int, state_sink: int,
+              neutral_row: SamplerRow) -> "_HostArrays":
+        """Padding everywhere: tokens of row ``s`` (none), state sink rows, neutral sampling."""
+        return cls(
+            tokens=np.zeros(t, np.int32), positions=np.zeros(t, np.int32),
+            slots=np.zeros(t, np.int32), token_seq=np.full(t, s, np.int32),
+            token_state=np.full(t, state_sink, np.int32),
+            token_is_prompt=np.zeros(t, bool), slot_groups=np.zeros(t, np.int32),
+            start_groups=np.zeros(s, np.int32), kv_lens=np.zeros(s, np.int32),
+            page_table=np.zeros((s, page_table_width), np.int32),
+            logits_rows=np.zeros(s, np.int32), state_rows=np.full(s, state_sink, np.int32),
+            reset_rows=np.full(s, state_sink, np.int32), rows=[neutral_row] * s,
+            sample_rows=[])

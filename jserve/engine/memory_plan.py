@@ -33,10 +33,9 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jserve.cache.allocator import BlockAllocator
 from jserve.cache.pool import available_device_bytes, kv_bytes_per_page, kv_cache_shape
 from jserve.config import LlamaConfig
-from jserve.engine.buckets import Buckets
 from jserve.engine.config import EngineConfig
+from jserve.engine.factory import Geometry, engine_geometry
 from jserve.model.llama import Params, runtime_param_shapes
-from sharding import pipeline
 from sharding.kv_parallel import STACKED_KV_SPEC
 from sharding.mesh import AXES, MeshConfig, make_mesh
 from sharding.specs import kv_head_map, kv_heads_per_device, param_specs
@@ -67,42 +66,6 @@ def _gb(n: int | float) -> str:
 
 def _count(n: int) -> str:
     return f"{n / 1e9:.2f} B" if n >= 10 ** 9 else f"{n / 1e6:.2f} M"
-
-
-@dataclasses.dataclass(frozen=True)
-class Geometry:
-    """What the engine derives from its config before allocating (``LLMEngine.__init__``)."""
-
-    mesh_config: MeshConfig
-    max_model_len: int
-    buckets: Buckets
-    pages_per_seq: int       # pages of one sequence in one kvp group's pool at most
-    max_useful_pages: int    # every sequence slot at full context (the pool's cap, sink aside)
-
-
-def engine_geometry(cfg: LlamaConfig, config: EngineConfig) -> Geometry:
-    """The mesh, context length, buckets and pool cap ``LLMEngine`` would use."""
-    mc = MeshConfig.parse(config.mesh)
-    if mc.dp > 1:
-        raise ValueError(f"mesh {config.mesh!r}: dp > 1 not supported yet")
-    mc.validate(cfg)
-    if mc.spp > 1:
-        pipeline.validate(cfg, mc.spp)
-    max_model_len = config.max_model_len or min(cfg.max_position_embeddings, 8192)
-    if max_model_len > cfg.max_position_embeddings:
-        raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
-                         f"max_position_embeddings {cfg.max_position_embeddings}")
-    budget = min(config.max_num_batched_tokens, max_model_len)
-    buckets = Buckets.for_limits(
-        max_num_seqs=config.max_num_seqs, token_budget=budget,
-        max_prefill_seqs=config.max_prefill_seqs, max_model_len=max_model_len,
-        page_size=config.page_size, kvp=mc.kvp)
-    if mc.spp > 1:
-        buckets = buckets.single_shape()
-    pages_per_seq = (-(-max_model_len // config.page_size) if mc.kvp == 1
-                     else buckets.pages_per_group)
-    return Geometry(mc, max_model_len, buckets, pages_per_seq,
-                    config.max_num_seqs * pages_per_seq)
 
 
 def abstract_params(cfg: LlamaConfig, mesh: jax.sharding.Mesh | None,
@@ -331,7 +294,7 @@ def plan(cfg: LlamaConfig, engine_config: EngineConfig = EngineConfig(),
     ``jax.devices()``; the mesh takes the first ones), each with ``device_memory_bytes``
     (default: the first device's memory as the engine reads it). Nothing is allocated and
     no weight is read; ``compile=False`` skips lowering (no activation memory then)."""
-    from jserve.engine.runner import ModelRunner, state_spec
+    from jserve.engine.runner import state_spec
 
     geo = engine_geometry(cfg, engine_config)
     mc = geo.mesh_config
@@ -358,16 +321,10 @@ def plan(cfg: LlamaConfig, engine_config: EngineConfig = EngineConfig(),
     # compile at the smallest pool, 2 pages a group, gives them before the pool is sized.
     # (XLA:CPU scatters a bf16 pool through an f32 copy of all of it, a temporary an
     # accelerator does not make, which the small pool keeps out; see _CPU_COMPILE_OPTIONS.)
-    shape = step = sampler = None
     t0 = time.perf_counter()
-    if compile:
-        kv = abstract_kv_cache(cfg, 2, engine_config.page_size, mesh, devices[0])
-        runner = ModelRunner(cfg, params, kv, geo.buckets, engine_config.max_num_seqs,
-                             engine_config.attention_impl, mesh, abstract=True)
-        shape = (geo.buckets.decode_rows[-1], geo.buckets.prefill_tokens[-1])
-        options = _CPU_COMPILE_OPTIONS if devices[0].platform == "cpu" else None
-        step = CompiledMemory.of(runner._lower(shape)[0].compile(options))
-        sampler = CompiledMemory.of(runner._lower_sampler().compile(options))
+    shape, step, sampler = (_compile_largest_step(cfg, engine_config, geo, params, mesh,
+                                                  devices[0])
+                            if compile else (None, None, None))
     seconds = time.perf_counter() - t0
     act = max(step.temp_bytes if step else 0, sampler.temp_bytes if sampler else 0)
     budget = (kv_budget_bytes(device_memory_bytes, engine_config.memory_fraction,
@@ -386,6 +343,20 @@ def plan(cfg: LlamaConfig, engine_config: EngineConfig = EngineConfig(),
         kv_budget_source=source, compile_seconds=seconds)
     _check(p, cfg, mc, split, repl)
     return p
+
+
+def _compile_largest_step(cfg: LlamaConfig, engine_config: EngineConfig, geo: Geometry,
+                          params, mesh, device) -> tuple:
+    """(shape, step memory, sampler memory) of the largest bucket, compiled abstractly."""
+    from jserve.engine.runner import ModelRunner
+
+    kv = abstract_kv_cache(cfg, 2, engine_config.page_size, mesh, device)
+    runner = ModelRunner(cfg, params, kv, geo.buckets, engine_config.max_num_seqs,
+                         engine_config.attention_impl, mesh, abstract=True)
+    shape = (geo.buckets.decode_rows[-1], geo.buckets.prefill_tokens[-1])
+    options = _CPU_COMPILE_OPTIONS if device.platform == "cpu" else None
+    return (shape, CompiledMemory.of(runner._lower(shape)[0].compile(options)),
+            CompiledMemory.of(runner._lower_sampler().compile(options)))
 
 
 def _check(p: MemoryPlan, cfg: LlamaConfig, mc: MeshConfig, split: int, repl: int) -> None:
