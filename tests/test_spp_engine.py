@@ -167,8 +167,8 @@ def test_spp_must_divide_the_layers():
 # -- scheduler pinning (pure Python, constructed cases) -----------------------------------
 def _pinning_case():
     """a (8 tokens) and b (20) under a 4-block pool of 4-token blocks: plan 1 prefills a
-    (sampling) and the first 8 tokens of b; applied the SPP way, b's chunk is still in the
-    pipeline (pinned) and a's sampled token has come out (a needs a third block)."""
+    (sampling) and the first 8 tokens of b and comes back; b is pinned as if its next chunk
+    were in the pipeline, and a needs a third block for its next token."""
     s = SarathiScheduler(BlockAllocator(5, 4), max_num_seqs=8, max_num_batched_tokens=64,
                          max_prefill_seqs=4)
     a = Request("a", list(range(1, 9)), 8, 0.0)
@@ -178,10 +178,8 @@ def _pinning_case():
     plan = s.schedule()
     assert [(c.request_id, c.num_tokens, c.samples) for c in plan.prefills] == [
         ("a", 8, True), ("b", 8, False)]
-    for req, c in zip((a, b), plan.prefills):
-        req.num_computed += c.num_tokens
-    a.token_ids.append(5)
-    s.pin([b])
+    s.update(plan, [5])  # a's token is out ...
+    s.pinned[b] = 1      # ... and b's next chunk as if still in a pipeline stage
     return s, a, b
 
 
@@ -199,7 +197,7 @@ def test_pinned_request_is_never_the_preemption_victim():
 
 def test_all_pinned_means_an_empty_plan_not_a_preemption():
     s, a, b = _pinning_case()
-    s.pin([a])
+    s.pinned[a] = 1
     plan = s.schedule()
     assert plan.is_empty and plan.preempted == ()
     assert a.status is RequestStatus.RUNNING and b.status is RequestStatus.RUNNING
@@ -207,12 +205,12 @@ def test_all_pinned_means_an_empty_plan_not_a_preemption():
 
 def test_finish_while_pinned_defers_the_block_release():
     s, a, b = _pinning_case()
-    s.pin([b])  # two chunks of b in flight
+    s.pinned[b] += 1  # two chunks of b in flight
     held = s.allocator.num_allocated
     s.finish(b, RequestStatus.FINISHED_ABORTED)
     assert s.allocator.num_allocated == held and not b.block_ids and b not in s.running
-    s.unpin(b)
+    s._unpin(b)
     assert s.allocator.num_allocated == held  # one chunk still in flight
-    s.unpin(b)
+    s._unpin(b)
     assert s.allocator.num_allocated == held - 2 and b not in s.pinned
     s.allocator.check()
