@@ -17,8 +17,8 @@ run to completion at the token cap before the next starts.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
-import operator
 import time
 from typing import Callable, Iterable, Sequence
 
@@ -71,11 +71,16 @@ class DeadlineScheduler(SchedulerBase):
         self.clock = clock
         self._priority = priority  # the hook an SPRPT-style policy plugs into
         self._priorities = self._tpot_slos = False
+        self._queued = _QueuedParts()  # key parts of waiting requests (``_parts``)
 
     # -- deadlines and slack -----------------------------------------------------------
-    # Each quantity is computed for a list of requests at once, as a float64 array (the whole
-    # waiting queue is keyed every step; prefill times come from memoized lookups); the
-    # one-request methods wrap the arrays. numpy's elementwise arithmetic is Python's.
+    # Each quantity is computed for a list of requests at once, as float64 arrays (the whole
+    # waiting queue is keyed every step); the one-request methods wrap the arrays. A
+    # request's key parts (deadline, arrival, remaining and total isolated prefill time,
+    # priority: ``_parts``) stay fixed while it waits, so ``_queued`` keeps them from when it
+    # entered the queue, and a step reads them for 1,000 waiting requests as numpy gathers
+    # rather than as attribute reads of every request. numpy's elementwise arithmetic is
+    # Python's, so cached and fresh keys are the same floats.
     def add(self, req: Request) -> None:
         # Per-request priorities and TPOT SLOs are rare: their columns are read only once
         # some request has brought one.
@@ -86,50 +91,68 @@ class DeadlineScheduler(SchedulerBase):
             isolated = self.cache.time(req.num_prompt_tokens) - self.cache.time(req.cached_hint)
             req.ttft_deadline = req.arrival_time + max(self.config.ttft_k * isolated,
                                                        self.config.ttft_floor)
+        self._queued.put(req, self._parts(req))
+
+    def _preempt(self, req: Request) -> None:
+        super()._preempt(req)  # back at the queue's head, with less done, maybe more tokens
+        self._queued.put(req, self._parts(req), at_head=True)
+
+    def _admit(self, req: Request) -> None:
+        super()._admit(req)
+        self._queued.drop(req)
+
+    def finish(self, req: Request, status) -> None:
+        super().finish(req, status)
+        self._queued.drop(req)
 
     def remaining_work(self, req: Request) -> float:
-        return float(self._remaining_works([req])[0])
+        return float(self._columns([req])[_WORK, 0])
 
     def slack(self, req: Request, now: float) -> float:
-        return float(self._slacks([req], now)[0])
+        return float(_slacks(self._columns([req]), now)[0])
 
     def relative_slack(self, req: Request, now: float) -> float:
         """Slack over the request's total isolated prefill time."""
-        return float(_ratios(self._slacks([req], now), self._total_works([req]))[0])
+        cols = self._columns([req])
+        return float(_ratios(_slacks(cols, now), cols[_TOTAL])[0])
 
     def key(self, req: Request, now: float) -> float:
         return float(self._keys([req], now)[0])
 
-    def _total_works(self, reqs: Sequence[Request]) -> np.ndarray:
-        return _column(map(self.cache.lookup, map(len, map(_TOKENS, reqs))), len(reqs))
+    def _parts(self, req: Request) -> tuple[float, float, float, float, float]:
+        """(deadline, arrival, remaining isolated prefill time, total isolated prefill time,
+        priority): all a policy's key reads of a request, from its state now."""
+        total = self.cache.lookup(len(req.token_ids))
+        return (req.ttft_deadline, req.arrival_time, total - self.cache.lookup(req.num_done),
+                total, req.priority)
 
-    def _remaining_works(self, reqs: Sequence[Request]) -> np.ndarray:
-        return self._total_works(reqs) - _column(map(self.cache.lookup, map(_DONE, reqs)),
-                                                 len(reqs))
-
-    def _slacks(self, reqs: Sequence[Request], now: float,
-                work: np.ndarray | None = None) -> np.ndarray:
-        work = self._remaining_works(reqs) if work is None else work
-        return _column(map(_DEADLINE, reqs), len(reqs)) - now - work
+    def _columns(self, reqs: Sequence[Request]) -> np.ndarray:
+        """``_parts`` of ``reqs`` as rows of columns (shape (5, len(reqs))), computed now."""
+        return np.array([self._parts(r) for r in reqs], np.float64).reshape(-1, 5).T
 
     def _keys(self, reqs: Sequence[Request], now: float) -> np.ndarray:
         """The policy's order (lower first) of each request at ``now``."""
+        return self._keys_of(reqs, self._columns(reqs), now)
+
+    def _keys_of(self, reqs: Sequence[Request], cols: np.ndarray, now: float) -> np.ndarray:
         if self._priority is not None:
             return _column((self._priority(r, now) for r in reqs), len(reqs))
+        return self._policy_keys(cols, now)
+
+    def _policy_keys(self, cols: np.ndarray, now: float) -> np.ndarray:
+        """The policy's keys from ``_parts`` columns."""
         if self.policy == "fcfs":
-            return _column(map(_ARRIVAL, reqs), len(reqs))
+            return cols[_ARRIVAL]
         if self.policy == "edf":
-            return _column(map(_DEADLINE, reqs), len(reqs))
-        work = self._remaining_works(reqs)
-        slack = self._slacks(reqs, now, work)
+            return cols[_DEADLINE]
+        slack = _slacks(cols, now)
         if self.policy == "lrs":
             return slack
         if self.config.lars_variant == "relative_deadline":
-            return _ratios(slack, _column(map(_DEADLINE, reqs), len(reqs))
-                           - _column(map(_ARRIVAL, reqs), len(reqs)))
+            return _ratios(slack, cols[_DEADLINE] - cols[_ARRIVAL])
         if self.config.lars_variant == "remaining_work":
-            return _ratios(slack, work)
-        return _ratios(slack, self._total_works(reqs))
+            return _ratios(slack, cols[_WORK])
+        return _ratios(slack, cols[_TOTAL])
 
     def _victim(self) -> Request:
         keys = self._keys(self.running, self.clock()).tolist()
@@ -144,22 +167,64 @@ class DeadlineScheduler(SchedulerBase):
                     ) -> tuple[list[Request], set[Request]]:
         """Running prefills and the ``room`` most urgent waiting requests, in policy order
         (ties: earlier arrival, then running before waiting, then queue order); and which of
-        them are waiting. All keys are computed in one pass."""
+        them are waiting. The waiting requests are keyed from the parts cached when they
+        were queued, and only the ``room`` most urgent of them are read."""
         reqs = [r for r in self.running if r.request_id not in scheduled and not r.is_decode]
         num_running, room = len(reqs), self.max_num_seqs - len(self.running)
-        if admit and room > 0:
-            reqs += self.waiting
-        keys = self._keys(reqs, now)
-        if self._priorities:  # a lower priority value first, then the policy's key
-            keys = np.lexsort((keys, _column(map(_PRIORITY, reqs), len(reqs)))).argsort()
-        if room < len(reqs) - num_running:  # keep only the room most urgent waiting ones
-            urgent = np.argsort(keys[num_running:], kind="stable")[:max(room, 0)]
-            keep = np.concatenate([np.arange(num_running), num_running + urgent])
-            reqs, keys = [reqs[i] for i in keep.tolist()], keys[keep]
-        order = np.lexsort((_column(map(_ARRIVAL, reqs), len(reqs)), keys))  # stable
+        cols = self._columns(reqs)
+        if admit and room > 0 and self.waiting:
+            queued = self._queued
+            if not queued.in_sync(self.waiting):
+                queued.rebuild(self.waiting, self._parts)
+            n = queued.n
+            wait = queued.table[:, :n]
+            if self._priority is not None:
+                wait_keys = _column((self._priority(r, now) for r in queued.reqs[:n]), n)
+            else:
+                wait_keys = self._policy_keys(wait, now)
+            # The room most urgent: by key (lower priority value first), then queue order.
+            sort_by = (wait[5], wait_keys) + ((wait[_PRIORITY],) if self._priorities else ())
+            urgent = np.lexsort(sort_by)[:room].tolist()
+            reqs += [queued.reqs[i] for i in urgent]
+            cols = np.concatenate([cols, wait[:5, urgent]], 1)
+            keys = np.concatenate([self._keys_of(reqs[:num_running], cols[:, :num_running],
+                                                 now), wait_keys[urgent]])
+        else:
+            keys = self._keys_of(reqs, cols, now)
+        # Ties: earlier arrival (unless priorities are in play), then their order here
+        # (running first, then waiting by urgency: by queue order among equal keys).
+        order = np.lexsort((keys, cols[_PRIORITY]) if self._priorities
+                           else (cols[_ARRIVAL], keys))
         return [reqs[i] for i in order.tolist()], set(reqs[num_running:])
 
     # -- the batch ---------------------------------------------------------------------
+    def _passes_over(self, req: Request, queued: bool, free: int) -> bool:
+        """Whether a candidate is sure to be skipped once not even a first granule fits
+        (``hopeless``) and with nothing changed, so the loop need not claim, fit and unclaim
+        it: its chunk cap (the loop's ``_fits``, with one KV group of ``free`` free pages) is
+        at least a granule, and a claim would change nothing (no cached pages to look up and
+        none held). Most of a step's candidates end here."""
+        g, computed = self.config.chunk_granularity, req.num_computed
+        if len(req.token_ids) - computed < g \
+                or (len(req.block_ids) + free) * self.allocator.block_size - computed < g:
+            return False
+        if not queued:  # running: no claim, and ``_unclaim_prefix`` passes it over
+            return True
+        if req.num_cached_tokens:
+            return False
+        if computed or req.block_ids or req.swapped:  # ``_claim_prefix`` returns at once
+            return True
+        # Otherwise a claim looks the prefix up and resets the hint.
+        return not (self.allocator.prefix_caching and req.cacheable) and req.cached_hint == 0
+
+    def _unclaim(self, req: Request, queued: bool, hint: int) -> None:
+        """A waiting request that was not admitted gives its claimed prefix back; its
+        cached-prefix hint then reflects the cache now, and its cached parts follow."""
+        if queued:
+            self._unclaim_prefix(req)
+            if req.cached_hint != hint:
+                self._queued.update(req, self._parts(req))
+
     def _schedule_once(self, admit: bool) -> BatchPlan:
         now = self.clock()
         decodes, preempted = self._schedule_decodes(self.max_num_seqs)
@@ -178,20 +243,26 @@ class DeadlineScheduler(SchedulerBase):
         # Set once not even a first granule fits beside ``plan``: until the plan changes,
         # only requests that cannot take a whole granule (short remainders, KV-bound) may fit.
         hopeless = False
+        free = 0  # while hopeless, with one KV group: its free pages
         has_long = has_spanning = False
         for req in candidates:
             if len(plan.prefills) == self.max_prefill_seqs or tokens_left <= 0:
                 break
-            if req in waiting:
+            queued = req in waiting
+            if hopeless and free and tokens_left >= granularity \
+                    and self._passes_over(req, queued, free):
+                continue
+            hint = req.cached_hint if queued else 0
+            if queued:
                 self._claim_prefix(req)  # a cached prefix counts as processed KV
             long = self._is_long(req)
             spans = self._spans_groups(req)  # kvp: at most one group-spanning prefill too
             if (long and has_long) or (spans and has_spanning):
-                self._unclaim_prefix(req)
+                self._unclaim(req, queued, hint)
                 continue
             cap = self._fits(req, min(req.num_uncomputed, tokens_left))
             if hopeless and cap >= granularity:
-                self._unclaim_prefix(req)
+                self._unclaim(req, queued, hint)
                 continue
             if self.policy == "fcfs":
                 n = cap
@@ -208,10 +279,12 @@ class DeadlineScheduler(SchedulerBase):
                     n = min(cap, granularity)  # always make progress
                 elif n == 0 and not hopeless:
                     hopeless = search.missed(0, granularity, False, t_target)
+                    if hopeless and self.allocator.groups == 1:
+                        free = self.allocator.extendable(())
             if n <= 0 or not self._grow(req, req.num_computed + n):
-                self._unclaim_prefix(req)
+                self._unclaim(req, queued, hint)
                 continue
-            if req in waiting:
+            if queued:
                 self._admit(req)
             plan = with_chunk(plan, req.request_id, req.num_computed, n,
                               req.num_computed + n == len(req.token_ids))
@@ -222,16 +295,83 @@ class DeadlineScheduler(SchedulerBase):
         return dataclasses.replace(plan, preempted=tuple(preempted))
 
 
-_ARRIVAL = operator.attrgetter("arrival_time")
-_DEADLINE = operator.attrgetter("ttft_deadline")
-_PRIORITY = operator.attrgetter("priority")
-_TOKENS = operator.attrgetter("token_ids")
-_DONE = operator.attrgetter("num_done")  # computed, or found cached for a waiting request
+_DEADLINE, _ARRIVAL, _WORK, _TOTAL, _PRIORITY = range(5)  # rows of ``_parts`` columns
+
+
+class _QueuedParts:
+    """The waiting queue's ``_parts`` in numpy columns, one slot per request (slots
+    ``[0, n)`` are in use, in no particular order), with each request's place in the queue as
+    a sequence number (``add`` appends, preemption puts it at the head): a step keys and
+    orders the whole queue without reading any request. It follows the queue through the
+    scheduler's own methods; ``in_sync`` notices a queue changed behind its back."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.reqs: list[Request] = []             # by slot
+        self.slot: dict[Request, int] = {}
+        self.table = np.zeros((6, 64))            # ``_parts`` rows, then the sequence number
+        self._head = self._tail = 0.0             # sequence numbers of appendleft / append
+
+    def put(self, req: Request, parts: tuple[float, ...], at_head: bool = False) -> None:
+        """``req`` entered the queue (at its tail, or its head) with ``parts``."""
+        self.drop(req)
+        if self.n == self.table.shape[1]:
+            self.table = np.concatenate([self.table, np.zeros_like(self.table)], 1)
+        if at_head:
+            self._head -= 1
+        else:
+            self._tail += 1
+        self.table[:, self.n] = (*parts, self._head if at_head else self._tail)
+        self.slot[req] = self.n
+        if self.n < len(self.reqs):
+            self.reqs[self.n] = req
+        else:
+            self.reqs.append(req)
+        self.n += 1
+
+    def update(self, req: Request, parts: tuple[float, ...]) -> None:
+        """``req``'s parts changed while it waits; its place did not."""
+        slot = self.slot.get(req)
+        if slot is not None:
+            self.table[:5, slot] = parts
+
+    def drop(self, req: Request) -> None:
+        slot = self.slot.pop(req, None)
+        if slot is None:
+            return
+        self.n -= 1
+        last = self.n
+        if slot != last:  # the last slot moves into the hole
+            moved = self.reqs[slot] = self.reqs[last]
+            self.table[:, slot] = self.table[:, last]
+            self.slot[moved] = slot
+        self.reqs[last] = None
+
+    def in_sync(self, queue: collections.deque) -> bool:
+        """The same length and the same head and tail as ``queue``: a cheap check that the
+        queue was not changed other than through the scheduler."""
+        n = self.n
+        if n != len(queue):
+            return False
+        if n == 0:
+            return True
+        seq = self.table[5, :n]
+        return self.reqs[int(seq.argmin())] is queue[0] \
+            and self.reqs[int(seq.argmax())] is queue[-1]
+
+    def rebuild(self, queue: collections.deque, parts: Callable[[Request], tuple]) -> None:
+        self.__init__()
+        for req in queue:
+            self.put(req, parts(req))
 
 
 def _column(values: Iterable[float], n: int) -> np.ndarray:
     """n values as a float64 array; ``map``s of attribute getters run at C speed."""
     return np.fromiter(values, np.float64, n)
+
+
+def _slacks(cols: np.ndarray, now: float) -> np.ndarray:
+    return cols[_DEADLINE] - now - cols[_WORK]
 
 
 def _ratios(values: np.ndarray, scales: np.ndarray) -> np.ndarray:
