@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import time
 from typing import Callable, Iterable, Sequence
 
@@ -128,13 +129,15 @@ class DeadlineScheduler(SchedulerBase):
 
     def _columns(self, reqs: Sequence[Request]) -> np.ndarray:
         """``_parts`` of ``reqs`` as rows of columns (shape (5, len(reqs))), computed now."""
-        return np.array([self._parts(r) for r in reqs], np.float64).reshape(-1, 5).T
+        return np.fromiter(itertools.chain.from_iterable(map(self._parts, reqs)), np.float64,
+                           5 * len(reqs)).reshape(-1, 5).T
 
     def _keys(self, reqs: Sequence[Request], now: float) -> np.ndarray:
         """The policy's order (lower first) of each request at ``now``."""
         return self._keys_of(reqs, self._columns(reqs), now)
 
     def _keys_of(self, reqs: Sequence[Request], cols: np.ndarray, now: float) -> np.ndarray:
+        """The keys of ``reqs`` whose ``_parts`` columns are ``cols``."""
         if self._priority is not None:
             return _column((self._priority(r, now) for r in reqs), len(reqs))
         return self._policy_keys(cols, now)
@@ -172,25 +175,19 @@ class DeadlineScheduler(SchedulerBase):
         reqs = [r for r in self.running if r.request_id not in scheduled and not r.is_decode]
         num_running, room = len(reqs), self.max_num_seqs - len(self.running)
         cols = self._columns(reqs)
+        keys = self._keys_of(reqs, cols, now)
         if admit and room > 0 and self.waiting:
             queued = self._queued
             if not queued.in_sync(self.waiting):
                 queued.rebuild(self.waiting, self._parts)
             n = queued.n
             wait = queued.table[:, :n]
-            if self._priority is not None:
-                wait_keys = _column((self._priority(r, now) for r in queued.reqs[:n]), n)
-            else:
-                wait_keys = self._policy_keys(wait, now)
-            # The room most urgent: by key (lower priority value first), then queue order.
-            sort_by = (wait[5], wait_keys) + ((wait[_PRIORITY],) if self._priorities else ())
-            urgent = np.lexsort(sort_by)[:room].tolist()
-            reqs += [queued.reqs[i] for i in urgent]
-            cols = np.concatenate([cols, wait[:5, urgent]], 1)
-            keys = np.concatenate([self._keys_of(reqs[:num_running], cols[:, :num_running],
-                                                 now), wait_keys[urgent]])
-        else:
-            keys = self._keys_of(reqs, cols, now)
+            wait_keys = self._keys_of(queued.reqs[:n] if self._priority else (), wait, now)
+            urgent = _most_urgent(room, wait_keys, wait[_SEQ],
+                                  wait[_PRIORITY] if self._priorities else None)
+            reqs += map(queued.reqs.__getitem__, urgent.tolist())
+            cols = np.concatenate([cols, wait[:_SEQ, urgent]], 1)
+            keys = np.concatenate([keys, wait_keys[urgent]])
         # Ties: earlier arrival (unless priorities are in play), then their order here
         # (running first, then waiting by urgency: by queue order among equal keys).
         order = np.lexsort((keys, cols[_PRIORITY]) if self._priorities
@@ -296,6 +293,7 @@ class DeadlineScheduler(SchedulerBase):
 
 
 _DEADLINE, _ARRIVAL, _WORK, _TOTAL, _PRIORITY = range(5)  # rows of ``_parts`` columns
+_SEQ = 5  # and of ``_QueuedParts.table``: the place in the queue
 
 
 class _QueuedParts:
@@ -355,7 +353,7 @@ class _QueuedParts:
             return False
         if n == 0:
             return True
-        seq = self.table[5, :n]
+        seq = self.table[_SEQ, :n]
         return self.reqs[int(seq.argmin())] is queue[0] \
             and self.reqs[int(seq.argmax())] is queue[-1]
 
@@ -363,6 +361,19 @@ class _QueuedParts:
         self.__init__()
         for req in queue:
             self.put(req, parts(req))
+
+
+def _most_urgent(k: int, keys: np.ndarray, seq: np.ndarray,
+                 priority: np.ndarray | None = None) -> np.ndarray:
+    """Indices of the ``k`` lowest (priority, key, seq), in that order. Without priorities,
+    only the keys up to the k-th lowest are sorted."""
+    if priority is not None or k >= len(keys):
+        return np.lexsort((seq, keys) if priority is None else (seq, keys, priority))[:k]
+    kth = keys[np.argpartition(keys, k - 1)[:k]].max()
+    if kth != kth:  # NaN keys (sorted last): sort them all
+        return np.lexsort((seq, keys))[:k]
+    pool = np.flatnonzero(keys <= kth)  # the k lowest and every key tied with the k-th
+    return pool[np.lexsort((seq[pool], keys[pool]))[:k]]
 
 
 def _column(values: Iterable[float], n: int) -> np.ndarray:

@@ -1,0 +1,198 @@
+"""The deadline-aware policies' caches change nothing: waiting requests keyed from the parts
+cached when they were queued (``_QueuedParts``), the partial sort of the queue and the
+cheap pass over hopeless candidates give the same plans, step by step, as a reference that
+keys every request afresh from its fields and orders them with Python's ``sorted``.
+
+Each run drives both schedulers through the same randomized traffic: arrivals over time
+(half sharing document prefixes, so the prefix cache hits and claims), swapped and
+recomputed preemptions under a small KV pool, aborts of waiting requests, a waiting queue
+edited behind the scheduler's back, priorities and a custom priority hook.
+"""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from jserve.cache.allocator import BlockAllocator
+from jserve.scheduler.chunking import PrefillTimeCache
+from jserve.scheduler.deadline import (
+    DEADLINE_POLICIES,
+    LARS_VARIANTS,
+    DeadlineConfig,
+    DeadlineScheduler,
+    _most_urgent,
+    _QueuedParts,
+)
+from jserve.scheduler.plan import BatchPlan
+from jserve.scheduler.predictor import LinearPredictor
+from jserve.scheduler.request import Request, RequestStatus
+from jserve.sim import VirtualClock
+
+
+class Reference(DeadlineScheduler):
+    """Every key computed afresh from the request's fields; the order by ``sorted``."""
+
+    def _candidates(self, now, admit, scheduled):
+        running = [r for r in self.running if r.request_id not in scheduled and not r.is_decode]
+        room = self.max_num_seqs - len(self.running)
+        waiting = list(self.waiting) if admit and room > 0 else []
+        place = {r: i for i, r in enumerate(running + waiting)}
+        key = {r: self.key(r, now) for r in place}  # one request at a time, from its fields
+        if self._priorities:
+            def urgency(r):
+                return r.priority, key[r], place[r]
+        else:
+            def urgency(r):
+                return key[r], place[r]
+        if room < len(waiting):
+            waiting = sorted(waiting, key=urgency)[:room]
+        kept = running + waiting
+        if self._priorities:
+            order = sorted(kept, key=urgency)
+        else:  # stable: ties keep the kept list's order
+            order = sorted(kept, key=lambda r: (key[r], r.arrival_time))
+        return order, set(waiting)
+
+    def _passes_over(self, req, queued, free):
+        return False  # every candidate goes through claim, fit and unclaim
+
+
+def drive(cls, seed: int, policy: str, steps: int = 60) -> list[tuple]:
+    """The plans (and the waiting queue after each) of ``steps`` steps of seeded traffic."""
+    rng = random.Random(seed)
+    page = rng.choice([1, 4, 16])
+    granularity = rng.choice([8, 16, 32])
+    coef = tuple(rng.choice([0.0, rng.uniform(0, s)])
+                 for s in (5e-3, 2e-4, 5e-5, 5e-8, 1e-7, 2e-3))
+    coef = (coef[0] + 1e-3,) + coef[1:]
+    t_target = rng.choice([0.002, 0.005, 0.02, 0.05])
+    predictor = LinearPredictor(coef)
+    config = DeadlineConfig(t_target=t_target, chunk_granularity=granularity,
+                            space_sharing=rng.random() < 0.7,
+                            long_threshold=rng.choice([64, 512, 4096]),
+                            lars_variant=rng.choice(LARS_VARIANTS))
+    budget = rng.choice([64, 512, 2048])
+    cache = PrefillTimeCache(predictor, 8192, t_target, chunk_granularity=granularity,
+                             max_chunk=budget)
+    hook = None
+    if rng.random() < 0.15:
+        def hook(r, now):
+            return (r.arrival_time - now) * (1 + len(r.prompt_token_ids) % 3)
+    groups = 2 if rng.random() < 0.15 else 1
+    blocks = rng.choice([24, 64, 256]) * (16 // page) // groups
+    alloc = BlockAllocator(blocks, page, groups=groups,
+                           pages_per_group=(8192 // page) if groups > 1 else None,
+                           prefix_caching=rng.random() < 0.5)
+    clock = VirtualClock(0.0)
+    sched = cls(alloc, policy=policy, predictor=predictor, prefill_cache=cache,
+                max_num_seqs=rng.choice([4, 8, 32]), max_num_batched_tokens=budget,
+                max_prefill_seqs=rng.choice([1, 2, 4]), config=config, clock=clock,
+                priority=hook)
+    if rng.random() < 0.5:
+        sched.choose_preemption = lambda r: "swap" if int(r.request_id[1:]) % 2 else "recompute"
+    docs = [[rng.randrange(1000) for _ in range(rng.randrange(page, 400))] for _ in range(3)]
+    priorities = rng.random() < 0.3
+    reqs: dict[str, Request] = {}
+    out = []
+    for _ in range(steps):
+        for _arrival in range(rng.choice([0, 0, 1, 1, 2, 5])):
+            prompt = rng.choice(docs) if rng.random() < 0.5 else []
+            size = rng.randrange(1, rng.choice([40, 600]))
+            prompt = prompt + [rng.randrange(1000) for _ in range(size)]
+            req = Request(f"r{len(reqs)}", prompt, rng.randrange(1, 12), clock.now,
+                          priority=rng.choice([0, 0, 1, -1]) if priorities else 0)
+            req.cacheable = rng.random() < 0.8  # False: penalties, a length probe
+            if rng.random() < 0.4:  # on a coarse grid, so deadlines tie across arrivals
+                req.ttft_deadline = round(clock.now + rng.uniform(0.01, 1.0), 1)
+            reqs[req.request_id] = req
+            sched.add(req)
+        if sched.waiting and rng.random() < 0.05:
+            sched.finish(rng.choice(list(sched.waiting)), RequestStatus.FINISHED_ABORTED)
+        edited = len(sched.waiting) > 1 and rng.random() < 0.03
+        if edited:  # behind the scheduler's back
+            req = rng.choice(list(sched.waiting))
+            sched.waiting.remove(req)
+            sched.waiting.append(req)
+        plan = sched.schedule()
+        out.append((plan, [r.request_id for r in sched.waiting],
+                    [(r.request_id, r.cached_hint) for r in sched.waiting], edited))
+        apply(plan, reqs, sched)
+        clock.now += rng.uniform(0.0, 0.05)
+    return out
+
+
+def apply(plan: BatchPlan, reqs: dict[str, Request], sched: DeadlineScheduler) -> None:
+    """As the engine would: KV written, a sampled token appended, finished requests retired."""
+    for c in plan.decodes + plan.prefills:
+        req = reqs[c.request_id]
+        sched.advance(req, c.num_tokens)
+        if c.samples:
+            req.token_ids.append(len(req.token_ids) % 997)
+            if req.num_output_tokens >= req.max_tokens:
+                sched.finish(req, RequestStatus.FINISHED_LENGTH)
+
+
+@pytest.mark.parametrize("policy", DEADLINE_POLICIES)
+@pytest.mark.parametrize("seed", range(12))
+def test_cached_keys_give_the_reference_plans_step_by_step(policy, seed):
+    got, want = drive(DeadlineScheduler, seed, policy), drive(Reference, seed, policy)
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert g == w, f"step {step}"
+    assert any(p.prefills for p, *_ in got)
+
+
+def test_the_traffic_preempts_hits_the_cache_and_rebuilds_only_after_outside_edits(
+        monkeypatch):
+    """The runs above are worth something (some preempt, some hit the prefix cache), and the
+    cached parts follow the queue through the scheduler's own changes: they are rebuilt only
+    after the queue was edited behind its back."""
+    rebuilds = []
+    rebuild = _QueuedParts.rebuild
+    monkeypatch.setattr(_QueuedParts, "rebuild",
+                        lambda self, *a: rebuilds.append(1) or rebuild(self, *a))
+    preempted = hits = edits = 0
+    for seed in range(12):
+        for plan, _, hints, edited in drive(DeadlineScheduler, seed, "lars"):
+            preempted += len(plan.preempted)
+            hits += any(h for _, h in hints)
+            edits += edited
+    assert preempted and hits and edits
+    assert len(rebuilds) <= edits
+
+
+class Checked(DeadlineScheduler):
+    """Checks after every step that the cached parts are those the requests' fields give."""
+    checked = 0
+
+    def schedule(self):
+        plan = super().schedule()
+        queued = self._queued
+        if queued.in_sync(self.waiting):
+            for req in self.waiting:
+                assert tuple(queued.table[:5, queued.slot[req]]) == self._parts(req), req
+            seqs = [queued.table[5, queued.slot[r]] for r in self.waiting]
+            assert seqs == sorted(seqs)  # the queue's order
+            Checked.checked += 1
+        return plan
+
+
+def test_queued_parts_are_those_of_the_requests_now_and_in_queue_order():
+    for seed in range(8):
+        drive(Checked, seed, DEADLINE_POLICIES[seed % len(DEADLINE_POLICIES)])
+    assert Checked.checked > 100
+
+
+def test_most_urgent_is_the_lowest_keys_then_queue_order():
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randrange(1, 60)
+        keys = np.array([rng.choice([0.5, 1.0, rng.random(), float("inf")]) for _ in range(n)])
+        seq = np.array(rng.sample(range(-n, n), n), np.float64)
+        prio = np.array([rng.choice([0, 1]) for _ in range(n)], np.float64)
+        k = rng.randrange(1, n + 2)
+        want = sorted(range(n), key=lambda i: (keys[i], seq[i]))[:k]
+        assert _most_urgent(k, keys, seq).tolist() == want
+        want = sorted(range(n), key=lambda i: (prio[i], keys[i], seq[i]))[:k]
+        assert _most_urgent(k, keys, seq, prio).tolist() == want
