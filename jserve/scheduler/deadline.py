@@ -175,19 +175,29 @@ class DeadlineScheduler(SchedulerBase):
         reqs = [r for r in self.running if r.request_id not in scheduled and not r.is_decode]
         num_running, room = len(reqs), self.max_num_seqs - len(self.running)
         cols = self._columns(reqs)
-        keys = self._keys_of(reqs, cols, now)
+        queued = self._queued
         if admit and room > 0 and self.waiting:
-            queued = self._queued
             if not queued.in_sync(self.waiting):
                 queued.rebuild(self.waiting, self._parts)
             n = queued.n
-            wait = queued.table[:, :n]
-            wait_keys = self._keys_of(queued.reqs[:n] if self._priority else (), wait, now)
-            urgent = _most_urgent(room, wait_keys, wait[_SEQ],
-                                  wait[_PRIORITY] if self._priorities else None)
-            reqs += map(queued.reqs.__getitem__, urgent.tolist())
-            cols = np.concatenate([cols, wait[:_SEQ, urgent]], 1)
-            keys = np.concatenate([keys, wait_keys[urgent]])
+            if room < n:  # the room most urgent (ties: queue order) are all that is read
+                cols = np.concatenate([cols, queued.table[:_SEQ, :n]], 1)
+                keys = self._keys_of(reqs + queued.reqs[:n] if self._priority else (), cols,
+                                     now)
+                ranks = (queued.table[_SEQ, :n], keys[num_running:])
+                if self._priorities:
+                    ranks += (cols[_PRIORITY, num_running:],)
+                urgent = np.lexsort(ranks)[:room]
+                reqs += map(queued.reqs.__getitem__, urgent.tolist())
+                keep = np.concatenate([np.arange(num_running), urgent + num_running])
+                cols, keys = cols[:, keep], keys[keep]
+            else:  # all of them, in queue order
+                order = np.argsort(queued.table[_SEQ, :n])
+                reqs += map(queued.reqs.__getitem__, order.tolist())
+                cols = np.concatenate([cols, queued.table[:_SEQ, order]], 1)
+                keys = self._keys_of(reqs, cols, now)
+        else:
+            keys = self._keys_of(reqs, cols, now)
         # Ties: earlier arrival (unless priorities are in play), then their order here
         # (running first, then waiting by urgency: by queue order among equal keys).
         order = np.lexsort((keys, cols[_PRIORITY]) if self._priorities
@@ -201,18 +211,18 @@ class DeadlineScheduler(SchedulerBase):
         it: its chunk cap (the loop's ``_fits``, with one KV group of ``free`` free pages) is
         at least a granule, and a claim would change nothing (no cached pages to look up and
         none held). Most of a step's candidates end here."""
-        g, computed = self.config.chunk_granularity, req.num_computed
+        g, computed, blocks = self.config.chunk_granularity, req.num_computed, req.block_ids
         if len(req.token_ids) - computed < g \
-                or (len(req.block_ids) + free) * self.allocator.block_size - computed < g:
+                or (len(blocks) + free) * self.allocator.block_size - computed < g:
             return False
         if not queued:  # running: no claim, and ``_unclaim_prefix`` passes it over
             return True
         if req.num_cached_tokens:
             return False
-        if computed or req.block_ids or req.swapped:  # ``_claim_prefix`` returns at once
+        if computed or blocks or req.swapped:  # ``_claim_prefix`` returns at once
             return True
         # Otherwise a claim looks the prefix up and resets the hint.
-        return not (self.allocator.prefix_caching and req.cacheable) and req.cached_hint == 0
+        return req.cached_hint == 0 and not (self.allocator.prefix_caching and req.cacheable)
 
     def _unclaim(self, req: Request, queued: bool, hint: int) -> None:
         """A waiting request that was not admitted gives its claimed prefix back; its
@@ -305,27 +315,29 @@ class _QueuedParts:
 
     def __init__(self) -> None:
         self.n = 0
-        self.reqs: list[Request] = []             # by slot
+        self.reqs: list[Request | None] = []      # by slot
         self.slot: dict[Request, int] = {}
         self.table = np.zeros((6, 64))            # ``_parts`` rows, then the sequence number
-        self._head = self._tail = 0.0             # sequence numbers of appendleft / append
+        self._seq = [0.0, 0.0]                    # the last given at the head, at the tail
+        self._ends: list[Request | None] = [None, None]  # head and tail (None: look it up)
 
     def put(self, req: Request, parts: tuple[float, ...], at_head: bool = False) -> None:
         """``req`` entered the queue (at its tail, or its head) with ``parts``."""
         self.drop(req)
         if self.n == self.table.shape[1]:
             self.table = np.concatenate([self.table, np.zeros_like(self.table)], 1)
-        if at_head:
-            self._head -= 1
-        else:
-            self._tail += 1
-        self.table[:, self.n] = (*parts, self._head if at_head else self._tail)
+        end = 0 if at_head else 1
+        self._seq[end] += -1.0 if at_head else 1.0
+        self.table[:, self.n] = (*parts, self._seq[end])
         self.slot[req] = self.n
         if self.n < len(self.reqs):
             self.reqs[self.n] = req
         else:
             self.reqs.append(req)
         self.n += 1
+        self._ends[end] = req
+        if self.n == 1:
+            self._ends[1 - end] = req
 
     def update(self, req: Request, parts: tuple[float, ...]) -> None:
         """``req``'s parts changed while it waits; its place did not."""
@@ -344,36 +356,25 @@ class _QueuedParts:
             self.table[:, slot] = self.table[:, last]
             self.slot[moved] = slot
         self.reqs[last] = None
+        self._ends = [None if r is req else r for r in self._ends]
 
     def in_sync(self, queue: collections.deque) -> bool:
         """The same length and the same head and tail as ``queue``: a cheap check that the
         queue was not changed other than through the scheduler."""
         n = self.n
-        if n != len(queue):
-            return False
-        if n == 0:
-            return True
-        seq = self.table[_SEQ, :n]
-        return self.reqs[int(seq.argmin())] is queue[0] \
-            and self.reqs[int(seq.argmax())] is queue[-1]
+        return n == len(queue) and (n == 0 or self._end(0) is queue[0]
+                                    and self._end(1) is queue[-1])
+
+    def _end(self, end: int) -> Request:
+        if self._ends[end] is None:
+            seq = self.table[_SEQ, :self.n]
+            self._ends[end] = self.reqs[int(seq.argmax() if end else seq.argmin())]
+        return self._ends[end]
 
     def rebuild(self, queue: collections.deque, parts: Callable[[Request], tuple]) -> None:
         self.__init__()
         for req in queue:
             self.put(req, parts(req))
-
-
-def _most_urgent(k: int, keys: np.ndarray, seq: np.ndarray,
-                 priority: np.ndarray | None = None) -> np.ndarray:
-    """Indices of the ``k`` lowest (priority, key, seq), in that order. Without priorities,
-    only the keys up to the k-th lowest are sorted."""
-    if priority is not None or k >= len(keys):
-        return np.lexsort((seq, keys) if priority is None else (seq, keys, priority))[:k]
-    kth = keys[np.argpartition(keys, k - 1)[:k]].max()
-    if kth != kth:  # NaN keys (sorted last): sort them all
-        return np.lexsort((seq, keys))[:k]
-    pool = np.flatnonzero(keys <= kth)  # the k lowest and every key tied with the k-th
-    return pool[np.lexsort((seq[pool], keys[pool]))[:k]]
 
 
 def _column(values: Iterable[float], n: int) -> np.ndarray:

@@ -274,6 +274,8 @@ class GpuTimeModel:
         self._last_parts = (0.0, 0.0, 0.0)
         self._last_decodes: tuple | None = None
         self._decode_sums = (0.0, 0)
+        self._token_terms: dict[int, tuple] = {}  # _terms_of, from these curves:
+        self._terms_curves: tuple = (None,) * 5
 
     def _nearest_profile(self, compute_dir: Path) -> _ComputeProfile:
         paths = sorted(compute_dir.glob("*/mlp.csv"))
@@ -311,6 +313,7 @@ class GpuTimeModel:
     def _chunk_timer(self, plan: BatchPlan, total: Callable[[float, float, float], float]
                      ) -> ChunkTimer:
         tokens, attention, sampled = self._sums(plan)
+        self._check_terms()
         combine, chunk_attention = self._combine, self._attention_at
 
         def time(request_id: str, start: int, n: int, samples: bool) -> float:
@@ -322,8 +325,18 @@ class GpuTimeModel:
         """(one layer's time, once-per-step time, one inter-stage send) of a non-empty plan;
         the last plan's answer is kept (the simulator asks for latency and stage time)."""
         if plan is not self._last_plan:
+            self._check_terms()
             self._last_plan, self._last_parts = plan, self._combine(*self._sums(plan))
         return self._last_parts
+
+    def _check_terms(self) -> None:
+        """Forget the ``_terms_of`` memo if one of its curves was replaced since (a test
+        may drop the all-reduce, say)."""
+        curves = (self._layer, self._tp_all_reduce, self._kvp_all_reduce, self._emb,
+                  self._send_recv)
+        if any(a is not b for a, b in zip(curves, self._terms_curves)):
+            self._token_terms.clear()
+            self._terms_curves = curves
 
     def _sums(self, plan: BatchPlan) -> tuple[int, float, int]:
         """(tokens, one layer's attention time, sampled rows). The decodes' share is kept for
@@ -344,19 +357,35 @@ class GpuTimeModel:
 
     def _combine(self, tokens: int, attention: float, sampled: int
                  ) -> tuple[float, float, float]:
-        s = self.shape
-        act_bytes = tokens * s.hidden * BF16
-        layer = self._layer(tokens) + attention
-        if self._tp_all_reduce is not None:
-            layer += 2 * self._tp_all_reduce(act_bytes)
-        if self._kvp_all_reduce is not None:  # partial outputs (bf16) + LSEs (fp32)
-            heads = s.num_heads / self.tp
-            layer += self._kvp_all_reduce(tokens * heads * (s.head_dim * BF16 + 4))
-        once = self._emb(tokens)
+        terms = self._token_terms.get(tokens)
+        if terms is None:
+            terms = self._terms_of(tokens)
+        matmuls, tp_all_reduce, kvp_all_reduce, once, send = terms
+        layer = matmuls + attention
+        if tp_all_reduce is not None:
+            layer += tp_all_reduce
+        if kvp_all_reduce is not None:
+            layer += kvp_all_reduce
         if sampled:
             once += self._lm_head(sampled)
-        send = self._send_recv(act_bytes) if self._send_recv is not None else 0.0
         return layer, once, send
+
+    def _terms_of(self, tokens: int) -> tuple[float, float | None, float | None, float, float]:
+        """What a step's time takes from its token count alone (memoized: the chunk search
+        prices a few dozen sizes per step): one layer's non-attention ops, its TP and KVP
+        all-reduces (None without), the embedding, and one inter-stage send."""
+        s = self.shape
+        act_bytes = tokens * s.hidden * BF16
+        tp = 2 * self._tp_all_reduce(act_bytes) if self._tp_all_reduce is not None else None
+        kvp = None
+        if self._kvp_all_reduce is not None:  # partial outputs (bf16) + LSEs (fp32)
+            heads = s.num_heads / self.tp
+            kvp = self._kvp_all_reduce(tokens * heads * (s.head_dim * BF16 + 4))
+        send = self._send_recv(act_bytes) if self._send_recv is not None else 0.0
+        terms = (self._layer(tokens), tp, kvp, self._emb(tokens), send)
+        if len(self._token_terms) < _MEMO_LIMIT:
+            self._token_terms[tokens] = terms
+        return terms
 
     def kv_cache_tokens(self, memory_fraction: float = 0.9) -> int:
         """KV entries the replica holds: per GPU, ``memory_fraction`` of memory less its share
