@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import math
 import time
 from typing import Callable, Iterable, Sequence
 
@@ -30,7 +31,7 @@ from jserve.scheduler.base import SchedulerBase
 from jserve.scheduler.chunking import ChunkSearch, PrefillTimeCache, with_chunk
 from jserve.scheduler.plan import BatchPlan
 from jserve.scheduler.predictor import RuntimePredictor
-from jserve.scheduler.request import Request
+from jserve.scheduler.request import Request, RequestStatus
 
 DEADLINE_POLICIES = ("fcfs", "edf", "lrs", "lars")
 LARS_VARIANTS = ("total_work", "relative_deadline", "remaining_work")
@@ -102,7 +103,7 @@ class DeadlineScheduler(SchedulerBase):
         super()._admit(req)
         self._queued.drop(req)
 
-    def finish(self, req: Request, status) -> None:
+    def finish(self, req: Request, status: RequestStatus) -> None:
         super().finish(req, status)
         self._queued.drop(req)
 
@@ -122,10 +123,11 @@ class DeadlineScheduler(SchedulerBase):
 
     def _parts(self, req: Request) -> tuple[float, float, float, float, float]:
         """(deadline, arrival, remaining isolated prefill time, total isolated prefill time,
-        priority): all a policy's key reads of a request, from its state now."""
-        total = self.cache.lookup(len(req.token_ids))
-        return (req.ttft_deadline, req.arrival_time, total - self.cache.lookup(req.num_done),
-                total, req.priority)
+        priority): all a policy's key reads of a request, from its state now (no deadline
+        yet: NaN, which only fcfs, keyed by arrival, may meet)."""
+        total, deadline = self.cache.lookup(len(req.token_ids)), req.ttft_deadline
+        return (math.nan if deadline is None else deadline, req.arrival_time,
+                total - self.cache.lookup(req.num_done), total, req.priority)
 
     def _columns(self, reqs: Sequence[Request]) -> np.ndarray:
         """``_parts`` of ``reqs`` as rows of columns (shape (5, len(reqs))), computed now."""
