@@ -93,11 +93,11 @@ class DeadlineScheduler(SchedulerBase):
             isolated = self.cache.time(req.num_prompt_tokens) - self.cache.time(req.cached_hint)
             req.ttft_deadline = req.arrival_time + max(self.config.ttft_k * isolated,
                                                        self.config.ttft_floor)
-        self._queued.put(req, self._parts(req))
+        self._queued.put(req, self._queued_parts(req), self.waiting)
 
     def _preempt(self, req: Request) -> None:
         super()._preempt(req)  # back at the queue's head, with less done, maybe more tokens
-        self._queued.put(req, self._parts(req), at_head=True)
+        self._queued.put(req, self._queued_parts(req), self.waiting, at_head=True)
 
     def _admit(self, req: Request) -> None:
         super()._admit(req)
@@ -134,6 +134,19 @@ class DeadlineScheduler(SchedulerBase):
         return np.fromiter(itertools.chain.from_iterable(map(self._parts, reqs)), np.float64,
                            5 * len(reqs)).reshape(-1, 5).T
 
+    def _queued_parts(self, req: Request) -> tuple[float, ...]:
+        """What ``_queued`` keeps of a waiting request: its ``_parts``, then what decides
+        whether the loop may pass it over once hopeless (``_schedule_once``): its uncomputed
+        tokens, its KV past its pages (to hold a chunk the free pages must hold this plus
+        the chunk), and whether claiming and unclaiming its prefix would change nothing (no
+        cached pages held, none to look up)."""
+        computed, blocks = req.num_computed, req.block_ids
+        plain = not req.num_cached_tokens and bool(
+            computed or blocks or req.swapped  # ``_claim_prefix`` returns at once
+            or req.cached_hint == 0 and not (self.allocator.prefix_caching and req.cacheable))
+        return self._parts(req) + (len(req.token_ids) - computed,
+                                   computed - len(blocks) * self.allocator.block_size, plain)
+
     def _keys(self, reqs: Sequence[Request], now: float) -> np.ndarray:
         """The policy's order (lower first) of each request at ``now``."""
         return self._keys_of(reqs, self._columns(reqs), now)
@@ -169,10 +182,11 @@ class DeadlineScheduler(SchedulerBase):
         return req.num_computed >= self.config.long_threshold
 
     def _candidates(self, now: float, admit: bool, scheduled: set[str]
-                    ) -> tuple[list[Request], set[Request]]:
+                    ) -> tuple[list[Request], set[Request], np.ndarray]:
         """Running prefills and the ``room`` most urgent waiting requests, in policy order
-        (ties: earlier arrival, then running before waiting, then queue order); and which of
-        them are waiting. The waiting requests are keyed from the parts cached when they
+        (ties: earlier arrival, then running before waiting, then queue order); which of
+        them are waiting; and for each, what ``_queued_parts`` adds to the key parts (zeros
+        for a running one). The waiting requests are keyed from the parts cached when they
         were queued, and only the ``room`` most urgent of them are read."""
         reqs = [r for r in self.running if r.request_id not in scheduled and not r.is_decode]
         num_running, room = len(reqs), self.max_num_seqs - len(self.running)
@@ -180,51 +194,43 @@ class DeadlineScheduler(SchedulerBase):
         queued = self._queued
         if admit and room > 0 and self.waiting:
             if not queued.in_sync(self.waiting):
-                queued.rebuild(self.waiting, self._parts)
-            n = queued.n
+                queued.rebuild(self.waiting, self._queued_parts)
+            n, table = queued.n, queued.table
             if room < n:  # the room most urgent (ties: queue order) are all that is read
-                cols = np.concatenate([cols, queued.table[:_SEQ, :n]], 1)
+                cols = np.concatenate([cols, table[:_SEQ, :n]], 1)
                 keys = self._keys_of(reqs + queued.reqs[:n] if self._priority else (), cols,
                                      now)
-                ranks = (queued.table[_SEQ, :n], keys[num_running:])
+                ranks = (table[_SEQ, :n], keys[num_running:])
                 if self._priorities:
                     ranks += (cols[_PRIORITY, num_running:],)
-                urgent = np.lexsort(ranks)[:room]
-                reqs += map(queued.reqs.__getitem__, urgent.tolist())
-                keep = np.concatenate([np.arange(num_running), urgent + num_running])
+                chosen = np.lexsort(ranks)[:room]
+                keep = np.concatenate([np.arange(num_running), chosen + num_running])
                 cols, keys = cols[:, keep], keys[keep]
             else:  # all of them, in queue order
-                order = np.argsort(queued.table[_SEQ, :n])
-                reqs += map(queued.reqs.__getitem__, order.tolist())
-                cols = np.concatenate([cols, queued.table[:_SEQ, order]], 1)
-                keys = self._keys_of(reqs, cols, now)
+                chosen = np.argsort(table[_SEQ, :n])
+                cols = np.concatenate([cols, table[:_SEQ, chosen]], 1)
+                keys = self._keys_of(reqs + [queued.reqs[i] for i in chosen.tolist()]
+                                     if self._priority else (), cols, now)
+            reqs += map(queued.reqs.__getitem__, chosen.tolist())
+            extra = np.concatenate([np.zeros((3, num_running)), table[_SEQ + 1:, chosen]], 1)
         else:
             keys = self._keys_of(reqs, cols, now)
+            extra = np.zeros((3, num_running))
         # Ties: earlier arrival (unless priorities are in play), then their order here
         # (running first, then waiting by urgency: by queue order among equal keys).
         order = np.lexsort((keys, cols[_PRIORITY]) if self._priorities
                            else (cols[_ARRIVAL], keys))
-        return [reqs[i] for i in order.tolist()], set(reqs[num_running:])
+        return [reqs[i] for i in order.tolist()], set(reqs[num_running:]), extra[:, order]
 
     # -- the batch ---------------------------------------------------------------------
-    def _passes_over(self, req: Request, queued: bool, free: int) -> bool:
-        """Whether a candidate is sure to be skipped once not even a first granule fits
-        (``hopeless``) and with nothing changed, so the loop need not claim, fit and unclaim
-        it: its chunk cap (the loop's ``_fits``, with one KV group of ``free`` free pages) is
-        at least a granule, and a claim would change nothing (no cached pages to look up and
-        none held). Most of a step's candidates end here."""
-        g, computed, blocks = self.config.chunk_granularity, req.num_computed, req.block_ids
-        if len(req.token_ids) - computed < g \
-                or (len(blocks) + free) * self.allocator.block_size - computed < g:
-            return False
-        if not queued:  # running: no claim, and ``_unclaim_prefix`` passes it over
-            return True
-        if req.num_cached_tokens:
-            return False
-        if computed or blocks or req.swapped:  # ``_claim_prefix`` returns at once
-            return True
-        # Otherwise a claim looks the prefix up and resets the hint.
-        return req.cached_hint == 0 and not (self.allocator.prefix_caching and req.cacheable)
+    def _passes_over(self, req: Request, free: int) -> bool:
+        """Whether a running candidate is sure to be skipped once not even a first granule
+        fits (``hopeless``): its chunk cap (the loop's ``_fits``, with one KV group of
+        ``free`` free pages) is at least a granule. (``_unclaim_prefix`` passes a running
+        request over.) Waiting candidates are decided from ``_queued_parts``."""
+        g, computed = self.config.chunk_granularity, req.num_computed
+        return len(req.token_ids) - computed >= g \
+            and (len(req.block_ids) + free) * self.allocator.block_size - computed >= g
 
     def _unclaim(self, req: Request, queued: bool, hint: int) -> None:
         """A waiting request that was not admitted gives its claimed prefix back; its
@@ -232,14 +238,14 @@ class DeadlineScheduler(SchedulerBase):
         if queued:
             self._unclaim_prefix(req)
             if req.cached_hint != hint:
-                self._queued.update(req, self._parts(req))
+                self._queued.update(req, self._queued_parts(req))
 
     def _schedule_once(self, admit: bool) -> BatchPlan:
         now = self.clock()
         decodes, preempted = self._schedule_decodes(self.max_num_seqs)
         plan = BatchPlan(tuple(decodes), ())
-        candidates, waiting = self._candidates(now, admit and not preempted,
-                                               {c.request_id for c in decodes})
+        candidates, waiting, extra = self._candidates(now, admit and not preempted,
+                                                      {c.request_id for c in decodes})
         if self.policy == "fcfs":
             candidates = candidates[:1]  # non-preemptive: the oldest prefill runs alone
 
@@ -252,15 +258,23 @@ class DeadlineScheduler(SchedulerBase):
         # Set once not even a first granule fits beside ``plan``: until the plan changes,
         # only requests that cannot take a whole granule (short remainders, KV-bound) may fit.
         hopeless = False
-        free = 0  # while hopeless, with one KV group: its free pages
+        # While hopeless, with one KV group: its free pages, and which waiting candidates
+        # are sure to be skipped (cap of a granule or more, a claim would change nothing), so
+        # most of the candidates are passed over without claiming, fitting and unclaiming.
+        free, passable = 0, None
         has_long = has_spanning = False
-        for req in candidates:
+        for i, req in enumerate(candidates):
             if len(plan.prefills) == self.max_prefill_seqs or tokens_left <= 0:
                 break
             queued = req in waiting
-            if hopeless and free and tokens_left >= granularity \
-                    and self._passes_over(req, queued, free):
-                continue
+            if hopeless and free and tokens_left >= granularity:
+                if passable is None:
+                    uncomputed, kv_need, plain = extra
+                    passable = ((plain == 1) & (uncomputed >= granularity)
+                                & (free * self.allocator.block_size >= kv_need + granularity)
+                                ).tolist()
+                if passable[i] if queued else self._passes_over(req, free):
+                    continue
             hint = req.cached_hint if queued else 0
             if queued:
                 self._claim_prefix(req)  # a cached prefix counts as processed KV
@@ -289,7 +303,7 @@ class DeadlineScheduler(SchedulerBase):
                 elif n == 0 and not hopeless:
                     hopeless = search.missed(0, granularity, False, t_target)
                     if hopeless and self.allocator.groups == 1:
-                        free = self.allocator.extendable(())
+                        free, passable = self.allocator.extendable(()), None
             if n <= 0 or not self._grow(req, req.num_computed + n):
                 self._unclaim(req, queued, hint)
                 continue
@@ -313,24 +327,31 @@ class _QueuedParts:
     ``[0, n)`` are in use, in no particular order), with each request's place in the queue as
     a sequence number (``add`` appends, preemption puts it at the head): a step keys and
     orders the whole queue without reading any request. It follows the queue through the
-    scheduler's own methods; ``in_sync`` notices a queue changed behind its back."""
+    scheduler's own methods; a queue changed behind its back is noticed (by its length, its
+    ends, and a new request's neighbour) and the table rebuilt from it."""
 
     def __init__(self) -> None:
         self.n = 0
         self.reqs: list[Request | None] = []      # by slot
         self.slot: dict[Request, int] = {}
-        self.table = np.zeros((6, 64))            # ``_parts`` rows, then the sequence number
+        self.table = np.zeros((9, 64))  # ``_parts``, the sequence number, the rest of
+        # ``_queued_parts``
         self._seq = [0.0, 0.0]                    # the last given at the head, at the tail
         self._ends: list[Request | None] = [None, None]  # head and tail (None: look it up)
+        self._stale = False  # the queue was seen changed behind the table's back
 
-    def put(self, req: Request, parts: tuple[float, ...], at_head: bool = False) -> None:
-        """``req`` entered the queue (at its tail, or its head) with ``parts``."""
+    def put(self, req: Request, parts: tuple[float, ...], queue: collections.deque | None,
+            at_head: bool = False) -> None:
+        """``req`` entered ``queue`` (at its tail, or its head) with ``parts``."""
         self.drop(req)
+        if self.n and queue is not None:  # its neighbour must be the table's end it joins
+            self._stale |= len(queue) < 2 or queue[1 if at_head else -2] is not self._end(
+                0 if at_head else 1)
         if self.n == self.table.shape[1]:
             self.table = np.concatenate([self.table, np.zeros_like(self.table)], 1)
         end = 0 if at_head else 1
         self._seq[end] += -1.0 if at_head else 1.0
-        self.table[:, self.n] = (*parts, self._seq[end])
+        self.table[:, self.n] = (*parts[:_SEQ], self._seq[end], *parts[_SEQ:])
         self.slot[req] = self.n
         if self.n < len(self.reqs):
             self.reqs[self.n] = req
@@ -345,7 +366,7 @@ class _QueuedParts:
         """``req``'s parts changed while it waits; its place did not."""
         slot = self.slot.get(req)
         if slot is not None:
-            self.table[:5, slot] = parts
+            self.table[:, slot] = (*parts[:_SEQ], self.table[_SEQ, slot], *parts[_SEQ:])
 
     def drop(self, req: Request) -> None:
         slot = self.slot.pop(req, None)
@@ -364,8 +385,8 @@ class _QueuedParts:
         """The same length and the same head and tail as ``queue``: a cheap check that the
         queue was not changed other than through the scheduler."""
         n = self.n
-        return n == len(queue) and (n == 0 or self._end(0) is queue[0]
-                                    and self._end(1) is queue[-1])
+        return not self._stale and n == len(queue) and (
+            n == 0 or self._end(0) is queue[0] and self._end(1) is queue[-1])
 
     def _end(self, end: int) -> Request:
         if self._ends[end] is None:
@@ -376,7 +397,7 @@ class _QueuedParts:
     def rebuild(self, queue: collections.deque, parts: Callable[[Request], tuple]) -> None:
         self.__init__()
         for req in queue:
-            self.put(req, parts(req))
+            self.put(req, parts(req), None)
 
 
 def _column(values: Iterable[float], n: int) -> np.ndarray:
