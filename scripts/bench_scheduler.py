@@ -1,9 +1,10 @@
-"""DeadlineScheduler.schedule() ("FormNextBatch") time with 1,000 waiting and 128 running requests.
+"""The scheduler's schedule() ("FormNextBatch") time with 1,000 waiting and 128 running requests.
 
     python scripts/bench_scheduler.py                      # table: every policy x predictor
     python scripts/bench_scheduler.py --reps 100 --json out.json
     python scripts/bench_scheduler.py --warm               # state read once before timing
     python scripts/bench_scheduler.py --profile lars --predictor gpu   # cProfile one case
+    python scripts/bench_scheduler.py --against ../old     # A/B: this tree and a checkout
 
 The state (seeded, rebuilt identically for every policy and predictor):
 - running: 120 decodes (ShareGPT4 prompt + part of its output, so KV lengths vary) and 8
@@ -14,11 +15,19 @@ The state (seeded, rebuilt identically for every policy and predictor):
 - limits: max_num_seqs 256 (room for 128 admissions), 8192 tokens, 8 prefills per batch,
   a 50 ms iteration budget, space sharing on; KV memory is not the constraint.
 
-Predictors: ``gpu`` is the simulator's ``GpuTimeModel("llama3-8b", "a100", tp=8, spp=2)``;
-``linear`` a ``LinearPredictor`` fitted to it on random plans. Each repetition restores the
-state (a deep copy; predictor and prefill-time cache shared) and times ``schedule()`` alone.
-A fresh copy is cold in the CPU caches; ``--warm`` reads every request once before timing,
-as the previous step would have left them.
+Policies: the deadline-aware ones (``DeadlineScheduler``: lars, edf, lrs, fcfs) under each
+predictor; ``sarathi`` and ``sprpt`` (which use none; sprpt's running decodes carry predicted
+remaining lengths, as the length probe leaves them) once. Predictors: ``gpu`` is the
+simulator's ``GpuTimeModel("llama3-8b", "a100", tp=8, spp=2)``; ``linear`` a
+``LinearPredictor`` fitted to it on random plans. Each repetition restores the state (a deep
+copy; predictor and prefill-time cache shared) and times ``schedule()`` alone. A fresh copy
+is cold in the CPU caches; ``--warm`` reads every request once before timing, as the previous
+step would have left them.
+
+``--against DIR`` times the ``jserve`` package of another checkout (say a ``git worktree`` of
+an older commit) with this script's state, alternating with this tree's over ``--rounds``
+runs, and prints both with their ratio: on a shared, noisy machine the ratio within one run
+is the figure to trust.
 """
 from __future__ import annotations
 
@@ -27,21 +36,29 @@ import copy
 import cProfile
 import csv
 import json
+import os
 import pstats
 import random
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 from jserve.cache.allocator import BlockAllocator
+from jserve.scheduler.base import SchedulerBase
 from jserve.scheduler.chunking import PrefillTimeCache
-from jserve.scheduler.deadline import DeadlineConfig, DeadlineScheduler
+from jserve.scheduler.deadline import DeadlineConfig
 from jserve.scheduler.plan import BatchPlan, ScheduledChunk
 from jserve.scheduler.predictor import LinearPredictor
-from jserve.scheduler.request import Request, RequestStatus
+from jserve.scheduler.registry import build_scheduler
+from jserve.scheduler.request import Request
 from jserve.sim import GpuTimeModel, VirtualClock
 from jserve.sim.hardware import default_data_dir
 
-POLICIES = ("lars", "edf", "lrs", "fcfs")
+DEADLINE_POLICIES = ("lars", "edf", "lrs", "fcfs")
+POLICIES = DEADLINE_POLICIES + ("sarathi", "sprpt")  # the last two use no predictor
 NOW = 100.0
 MAX_CONTEXT = 131_072
 LIMITS = dict(max_num_seqs=256, max_num_batched_tokens=8192, max_prefill_seqs=8)
@@ -69,27 +86,28 @@ def fit_linear(gpu: GpuTimeModel, rng: random.Random) -> LinearPredictor:
     return LinearPredictor.fit(samples, meta={"fitted_to": gpu.describe()})
 
 
-def build(policy: str, predictor, cache: PrefillTimeCache, seed: int = 0) -> DeadlineScheduler:
+def build(policy: str, predictor, cache: PrefillTimeCache, seed: int = 0) -> SchedulerBase:
     rng = random.Random(seed)
     lengths = sharegpt_lengths()
     clock = VirtualClock(NOW)
-    sched = DeadlineScheduler(BlockAllocator(65_536, 16), policy=policy, predictor=predictor,
-                              prefill_cache=cache, config=CONFIG, clock=clock, **LIMITS)
+    sched = build_scheduler(policy, BlockAllocator(65_536, 16), predictor=predictor,
+                            prefill_cache=cache, deadline=CONFIG, clock=clock, **LIMITS)
     alloc = sched.allocator
 
     def run(req: Request, computed: int) -> None:
         """Put ``req`` in the running queue as if it had already computed ``computed`` tokens."""
         sched.add(req)
-        sched.waiting.remove(req)
         req.num_computed = computed
         req.block_ids = alloc.allocate(alloc.blocks_for(computed))
-        req.status = RequestStatus.RUNNING
-        sched.running.append(req)
+        sched._admit(req)  # out of the waiting queue (and its cached key parts), running
 
+    probe = random.Random(seed + 1)  # sprpt's predicted lengths: the state stays the same
     for i in range(120):  # decodes: prompt + some output already generated
         prompt, out = rng.choice(lengths)
         req = Request(f"dec{i}", [0] * prompt, out + 1, NOW - rng.uniform(1, 60))
         req.token_ids += [0] * rng.randint(1, out)
+        req.first_prediction = probe.uniform(1, 2 * out)
+        req.predicted_remaining = probe.uniform(1, 2 * out)
         run(req, len(req.token_ids) - 1)
     for i, prompt in enumerate([65_536, 131_072] + [rng.choice(lengths)[0] + 64
                                                     for _ in range(6)]):
@@ -102,22 +120,23 @@ def build(policy: str, predictor, cache: PrefillTimeCache, seed: int = 0) -> Dea
     return sched
 
 
-def restore(sched: DeadlineScheduler) -> DeadlineScheduler:
+def restore(sched: SchedulerBase) -> SchedulerBase:
     """A deep copy of ``sched`` sharing what ``schedule()`` never mutates: the predictor, the
     prefill-time cache and the token lists (copying 2M token ids would dominate the bench)."""
-    shared = {id(sched.predictor): sched.predictor, id(sched.cache): sched.cache}
+    shared = {id(x): x for x in (getattr(sched, "predictor", None), getattr(sched, "cache", None))
+              if x is not None}
     for r in (*sched.waiting, *sched.running):
         shared[id(r.token_ids)] = r.token_ids
         shared[id(r.prompt_token_ids)] = r.prompt_token_ids
     return copy.deepcopy(sched, shared)
 
 
-def touch(sched: DeadlineScheduler) -> None:
+def touch(sched: SchedulerBase) -> None:
     for r in (*sched.waiting, *sched.running):
         tuple(vars(r).values())
 
 
-def measure(sched: DeadlineScheduler, reps: int, warm: bool) -> tuple[list[float], BatchPlan]:
+def measure(sched: SchedulerBase, reps: int, warm: bool) -> tuple[list[float], BatchPlan]:
     """Times of ``schedule()`` on ``reps`` fresh copies of ``sched`` (seconds), and one plan."""
     times, plan = [], None
     for _ in range(reps + 1):  # the first is a warm-up
@@ -135,6 +154,52 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
+def cases(policies: list[str], predictors: list[str]) -> list[tuple[str, str]]:
+    """(policy, predictor) pairs: deadline-aware policies under each predictor, the others
+    once (labelled with the first predictor, whose cache they do not use)."""
+    out = [(p, name) for name in predictors for p in policies if p in DEADLINE_POLICIES]
+    return out + [(p, predictors[0]) for p in policies if p not in DEADLINE_POLICIES]
+
+
+def compare(args: argparse.Namespace) -> None:
+    """This tree against the checkout ``args.against``: the same script, alternating which
+    goes first, ``args.rounds`` times; the medians of the runs' medians and of their ratios."""
+    trees = {"before": Path(args.against).resolve(), "after": Path(__file__).resolve().parents[1]}
+    flags = ["--reps", str(args.reps), "--policy", *args.policy, "--predictor", *args.predictor]
+    flags += ["--warm"] if args.warm else []
+    runs: dict[str, list[dict]] = {"before": [], "after": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            for label in (("before", "after") if r % 2 == 0 else ("after", "before")):
+                out = os.path.join(tmp, f"{label}{r}.json")
+                env = dict(os.environ, PYTHONPATH=str(trees[label]))
+                subprocess.run([sys.executable, __file__, *flags, "--json", out], env=env,
+                               cwd=trees[label], check=True, stdout=subprocess.DEVNULL)
+                with open(out) as f:
+                    runs[label].append({(row["policy"], row["predictor"]): row
+                                        for row in json.load(f)})
+    print(f"schedule() median ms, {'warm' if args.warm else 'cold'}; median of {args.rounds} "
+          f"alternating runs of {args.reps} reps; before: {trees['before']}, after: "
+          f"{trees['after']}")
+    print(f"{'policy':<8} {'predictor':<9} {'before':>8} {'after':>8} {'after/before':>13}  "
+          f"{'same plan':>9}")
+    rows = []
+    for key in runs["after"][0]:
+        before = [run[key]["median_ms"] for run in runs["before"]]
+        after = [run[key]["median_ms"] for run in runs["after"]]
+        same = all(run[key]["plan"] == runs["after"][0][key]["plan"]
+                   for run in runs["before"] + runs["after"])
+        row = dict(policy=key[0], predictor=key[1], before_ms=statistics.median(before),
+                   after_ms=statistics.median(after), same_plan=same,
+                   ratio=statistics.median(a / b for a, b in zip(after, before)))
+        rows.append(row)
+        print(f"{key[0]:<8} {key[1]:<9} {row['before_ms']:>8.3f} {row['after_ms']:>8.3f} "
+              f"{row['ratio']:>13.2f}  {'yes' if same else 'NO':>9}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=50)
@@ -143,8 +208,14 @@ def main() -> None:
                     default=["gpu", "linear"])
     ap.add_argument("--warm", action="store_true", help="read the state once before timing")
     ap.add_argument("--profile", choices=POLICIES, help="cProfile this policy instead")
+    ap.add_argument("--against", metavar="DIR",
+                    help="also time the checkout at DIR, alternating with this tree")
+    ap.add_argument("--rounds", type=int, default=6, help="alternating runs for --against")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
+    if args.against:
+        compare(args)
+        return
 
     gpu = GpuTimeModel("llama3-8b", "a100", tp=8, spp=2)
     predictors = {"gpu": gpu, "linear": fit_linear(gpu, random.Random(1))}
@@ -167,22 +238,22 @@ def main() -> None:
 
     print(f"schedule() with 1,000+5 waiting and 128 running; {args.reps} reps each; "
           f"t_target {CONFIG.t_target * 1e3:.0f} ms; {'warm' if args.warm else 'cold'} state")
-    print(f"{'policy':<6} {'predictor':<9} {'median ms':>10} {'p90 ms':>8}  "
+    print(f"{'policy':<8} {'predictor':<9} {'median ms':>10} {'p90 ms':>8}  "
           f"{'decodes':>7} {'prefills':>8} {'tokens':>6} {'predicted ms':>12}")
     rows = []
-    for name in args.predictor:
-        for policy in args.policy:
-            sched = build(policy, predictors[name], caches[name])
-            times, plan = measure(sched, args.reps, args.warm)
-            row = dict(policy=policy, predictor=name,
-                       median_ms=statistics.median(times) * 1e3,
-                       p90_ms=percentile(times, 0.9) * 1e3, decodes=len(plan.decodes),
-                       prefills=len(plan.prefills), tokens=plan.num_tokens,
-                       predicted_ms=predictors[name].predict(plan) * 1e3)
-            rows.append(row)
-            print(f"{policy:<6} {name:<9} {row['median_ms']:>10.3f} {row['p90_ms']:>8.3f}  "
-                  f"{row['decodes']:>7} {row['prefills']:>8} {row['tokens']:>6} "
-                  f"{row['predicted_ms']:>12.1f}")
+    for policy, name in cases(args.policy, args.predictor):
+        sched = build(policy, predictors[name], caches[name])
+        times, plan = measure(sched, args.reps, args.warm)
+        row = dict(policy=policy, predictor=name if policy in DEADLINE_POLICIES else "-",
+                   median_ms=statistics.median(times) * 1e3,
+                   p90_ms=percentile(times, 0.9) * 1e3, decodes=len(plan.decodes),
+                   prefills=len(plan.prefills), tokens=plan.num_tokens,
+                   predicted_ms=predictors[name].predict(plan) * 1e3,
+                   plan=repr((plan.decodes, plan.prefills, plan.preempted)))
+        rows.append(row)
+        print(f"{policy:<8} {row['predictor']:<9} {row['median_ms']:>10.3f} "
+              f"{row['p90_ms']:>8.3f}  {row['decodes']:>7} {row['prefills']:>8} "
+              f"{row['tokens']:>6} {row['predicted_ms']:>12.1f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

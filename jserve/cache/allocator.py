@@ -139,15 +139,26 @@ class BlockAllocator:
         """The sequence's next ``n`` pages (global ids, logical order); the caller appends
         them to its block list. All or nothing: ValueError past a sequence's maximum,
         OutOfBlocks when one of its groups is short."""
-        groups = self._groups_of(block_ids, n)  # ValueError past the sequence's maximum
-        if not self._fit(groups):
-            raise OutOfBlocks(f"asked for {n} KV blocks for a sequence holding "
-                              f"{len(block_ids)}; free per group: "
-                              f"{[self.num_free_in(g) for g in range(self.groups)]}")
-        out = [self._take(g) for g in groups]
-        for b in out:
-            self._refs[b] = 1
+        if self.groups == 1:  # the common case, a page at a time only past the free list
+            if n > self.num_free_in(0):
+                raise self._out_of_blocks(block_ids, n)
+            free = self._free[0]
+            cut = len(free) - min(n, len(free))
+            out = free[cut:][::-1]  # as popped one by one from the end
+            del free[cut:]
+            out += [self._take(0) for _ in range(n - len(out))]
+        else:
+            groups = self._groups_of(block_ids, n)  # ValueError past the sequence's maximum
+            if not self._fit(groups):
+                raise self._out_of_blocks(block_ids, n)
+            out = [self._take(g) for g in groups]
+        self._refs.update(dict.fromkeys(out, 1))
         return out
+
+    def _out_of_blocks(self, block_ids: Sequence[int], n: int) -> OutOfBlocks:
+        return OutOfBlocks(f"asked for {n} KV blocks for a sequence holding "
+                           f"{len(block_ids)}; free per group: "
+                           f"{[self.num_free_in(g) for g in range(self.groups)]}")
 
     def _take(self, group: int) -> int:
         """A free page of ``group``, else its least recently used idle cached page (evicted:

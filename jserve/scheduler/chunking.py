@@ -11,7 +11,6 @@ one that already missed the same or a larger budget.
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import functools
 
 from jserve.scheduler.plan import BatchPlan, ScheduledChunk
@@ -19,8 +18,11 @@ from jserve.scheduler.predictor import ChunkTimer, RuntimePredictor
 
 
 def with_chunk(plan: BatchPlan, request_id: str, start: int, n: int, samples: bool) -> BatchPlan:
-    return dataclasses.replace(
-        plan, prefills=plan.prefills + (ScheduledChunk(request_id, start, n, samples),))
+    # BatchPlan(...) rather than dataclasses.replace: the scheduler extends a plan for every
+    # chunk it packs, and replace() costs several times more.
+    chunk = ScheduledChunk(request_id, start, n, samples)
+    return BatchPlan(plan.decodes, plan.prefills + (chunk,), plan.preempted, plan.swap_out,
+                     plan.swap_in)
 
 
 def chunk_timer(predictor: RuntimePredictor, plan: BatchPlan) -> ChunkTimer:

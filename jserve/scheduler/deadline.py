@@ -17,8 +17,10 @@ run to completion at the token cap before the next starts.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
-import operator
+import itertools
+import math
 import time
 from typing import Callable, Iterable, Sequence
 
@@ -29,7 +31,7 @@ from jserve.scheduler.base import SchedulerBase
 from jserve.scheduler.chunking import ChunkSearch, PrefillTimeCache, with_chunk
 from jserve.scheduler.plan import BatchPlan
 from jserve.scheduler.predictor import RuntimePredictor
-from jserve.scheduler.request import Request
+from jserve.scheduler.request import Request, RequestStatus
 
 DEADLINE_POLICIES = ("fcfs", "edf", "lrs", "lars")
 LARS_VARIANTS = ("total_work", "relative_deadline", "remaining_work")
@@ -69,11 +71,16 @@ class DeadlineScheduler(SchedulerBase):
         self.config = config
         self.clock = clock
         self._priorities = self._tpot_slos = False
+        self._queued = _QueuedParts()  # key parts of waiting requests (``_parts``)
 
     # -- deadlines and slack -----------------------------------------------------------
-    # Each quantity is computed for a list of requests at once, as a float64 array (the whole
-    # waiting queue is keyed every step; prefill times come from memoized lookups); the
-    # one-request methods wrap the arrays. numpy's elementwise arithmetic is Python's.
+    # Each quantity is computed for a list of requests at once, as float64 arrays (the whole
+    # waiting queue is keyed every step); the one-request methods wrap the arrays. A
+    # request's key parts (deadline, arrival, remaining and total isolated prefill time,
+    # priority: ``_parts``) stay fixed while it waits, so ``_queued`` keeps them from when it
+    # entered the queue, and a step reads them for 1,000 waiting requests as numpy gathers
+    # rather than as attribute reads of every request. numpy's elementwise arithmetic is
+    # Python's, so cached and fresh keys are the same floats.
     def add(self, req: Request) -> None:
         # Per-request priorities and TPOT SLOs are rare: their columns are read only once
         # some request has brought one.
@@ -84,48 +91,78 @@ class DeadlineScheduler(SchedulerBase):
             isolated = self.cache.time(req.num_prompt_tokens) - self.cache.time(req.cached_hint)
             req.ttft_deadline = req.arrival_time + max(self.config.ttft_k * isolated,
                                                        self.config.ttft_floor)
+        self._queued.put(req, self._queued_parts(req), self.waiting)
+
+    def _preempt(self, req: Request) -> None:
+        super()._preempt(req)  # back at the queue's head, with less done, maybe more tokens
+        self._queued.put(req, self._queued_parts(req), self.waiting, at_head=True)
+
+    def _admit(self, req: Request) -> None:
+        super()._admit(req)
+        self._queued.drop(req)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        super().finish(req, status)
+        self._queued.drop(req)
 
     def remaining_work(self, req: Request) -> float:
-        return float(self._remaining_works([req])[0])
+        return float(self._columns([req])[_WORK, 0])
 
     def slack(self, req: Request, now: float) -> float:
-        return float(self._slacks([req], now)[0])
+        return float(_slacks(self._columns([req]), now)[0])
 
     def relative_slack(self, req: Request, now: float) -> float:
         """Slack over the request's total isolated prefill time."""
-        return float(_ratios(self._slacks([req], now), self._total_works([req]))[0])
+        cols = self._columns([req])
+        return float(_ratios(_slacks(cols, now), cols[_TOTAL])[0])
 
     def key(self, req: Request, now: float) -> float:
         return float(self._keys([req], now)[0])
 
-    def _total_works(self, reqs: Sequence[Request]) -> np.ndarray:
-        return _column(map(self.cache.lookup, map(len, map(_TOKENS, reqs))), len(reqs))
+    def _parts(self, req: Request) -> tuple[float, float, float, float, float]:
+        """(deadline, arrival, remaining isolated prefill time, total isolated prefill time,
+        priority): all a policy's key reads of a request, from its state now (no deadline
+        yet: NaN, which only fcfs, keyed by arrival, may meet)."""
+        total, deadline = self.cache.lookup(len(req.token_ids)), req.ttft_deadline
+        return (math.nan if deadline is None else deadline, req.arrival_time,
+                total - self.cache.lookup(req.num_done), total, req.priority)
 
-    def _remaining_works(self, reqs: Sequence[Request]) -> np.ndarray:
-        return self._total_works(reqs) - _column(map(self.cache.lookup, map(_DONE, reqs)),
-                                                 len(reqs))
+    def _columns(self, reqs: Sequence[Request]) -> np.ndarray:
+        """``_parts`` of ``reqs`` as rows of columns (shape (5, len(reqs))), computed now."""
+        return np.fromiter(itertools.chain.from_iterable(map(self._parts, reqs)), np.float64,
+                           5 * len(reqs)).reshape(-1, 5).T
 
-    def _slacks(self, reqs: Sequence[Request], now: float,
-                work: np.ndarray | None = None) -> np.ndarray:
-        work = self._remaining_works(reqs) if work is None else work
-        return _column(map(_DEADLINE, reqs), len(reqs)) - now - work
+    def _queued_parts(self, req: Request) -> tuple[float, ...]:
+        """What ``_queued`` keeps of a waiting request: its ``_parts``, then what decides
+        whether the loop may pass it over once hopeless (``_schedule_once``): its uncomputed
+        tokens, its KV past its pages (to hold a chunk the free pages must hold this plus
+        the chunk), and whether claiming and unclaiming its prefix would change nothing (no
+        cached pages held, none to look up)."""
+        computed, blocks = req.num_computed, req.block_ids
+        plain = not req.num_cached_tokens and bool(
+            computed or blocks or req.swapped  # ``_claim_prefix`` returns at once
+            or req.cached_hint == 0 and not (self.allocator.prefix_caching and req.cacheable))
+        return self._parts(req) + (len(req.token_ids) - computed,
+                                   computed - len(blocks) * self.allocator.block_size, plain)
 
     def _keys(self, reqs: Sequence[Request], now: float) -> np.ndarray:
         """The policy's order (lower first) of each request at ``now``."""
+        return self._keys_of(self._columns(reqs), now)
+
+    def _keys_of(self, cols: np.ndarray, now: float) -> np.ndarray:
+        """The policy's keys from ``_parts`` columns."""
         if self.policy == "fcfs":
-            return _column(map(_ARRIVAL, reqs), len(reqs))
+            return cols[_ARRIVAL]
         if self.policy == "edf":
-            return _column(map(_DEADLINE, reqs), len(reqs))
-        work = self._remaining_works(reqs)
-        slack = self._slacks(reqs, now, work)
+            return cols[_DEADLINE]
+        slack = _slacks(cols, now)
         if self.policy == "lrs":
             return slack
         if self.config.lars_variant == "relative_deadline":
-            return _ratios(slack, _column(map(_DEADLINE, reqs), len(reqs))
-                           - _column(map(_ARRIVAL, reqs), len(reqs)))
+            return _ratios(slack, cols[_DEADLINE] - cols[_ARRIVAL])
         if self.config.lars_variant == "remaining_work":
-            return _ratios(slack, work)
-        return _ratios(slack, self._total_works(reqs))
+            return _ratios(slack, cols[_WORK])
+        return _ratios(slack, cols[_TOTAL])
 
     def _victim(self) -> Request:
         keys = self._keys(self.running, self.clock()).tolist()
@@ -137,31 +174,68 @@ class DeadlineScheduler(SchedulerBase):
         return req.num_computed >= self.config.long_threshold
 
     def _candidates(self, now: float, admit: bool, scheduled: set[str]
-                    ) -> tuple[list[Request], set[Request]]:
+                    ) -> tuple[list[Request], set[Request], np.ndarray]:
         """Running prefills and the ``room`` most urgent waiting requests, in policy order
-        (ties: earlier arrival, then running before waiting, then queue order); and which of
-        them are waiting. All keys are computed in one pass."""
+        (ties: earlier arrival, then running before waiting, then queue order); which of
+        them are waiting; and for each, what ``_queued_parts`` adds to the key parts (zeros
+        for a running one). The waiting requests are keyed from the parts cached when they
+        were queued, and only the ``room`` most urgent of them are read."""
         reqs = [r for r in self.running if r.request_id not in scheduled and not r.is_decode]
         num_running, room = len(reqs), self.max_num_seqs - len(self.running)
-        if admit and room > 0:
-            reqs += self.waiting
-        keys = self._keys(reqs, now)
-        if self._priorities:  # a lower priority value first, then the policy's key
-            keys = np.lexsort((keys, _column(map(_PRIORITY, reqs), len(reqs)))).argsort()
-        if room < len(reqs) - num_running:  # keep only the room most urgent waiting ones
-            urgent = np.argsort(keys[num_running:], kind="stable")[:max(room, 0)]
-            keep = np.concatenate([np.arange(num_running), num_running + urgent])
-            reqs, keys = [reqs[i] for i in keep.tolist()], keys[keep]
-        order = np.lexsort((_column(map(_ARRIVAL, reqs), len(reqs)), keys))  # stable
-        return [reqs[i] for i in order.tolist()], set(reqs[num_running:])
+        cols = self._columns(reqs)
+        queued = self._queued
+        if admit and room > 0 and self.waiting:
+            if not queued.in_sync(self.waiting):
+                queued.rebuild(self.waiting, self._queued_parts)
+            n, table = queued.n, queued.table
+            if room < n:  # the room most urgent (ties: queue order) are all that is read
+                cols = np.concatenate([cols, table[:_SEQ, :n]], 1)
+                keys = self._keys_of(cols, now)
+                ranks = (table[_SEQ, :n], keys[num_running:])
+                if self._priorities:
+                    ranks += (cols[_PRIORITY, num_running:],)
+                chosen = np.lexsort(ranks)[:room]
+                keep = np.concatenate([np.arange(num_running), chosen + num_running])
+                cols, keys = cols[:, keep], keys[keep]
+            else:  # all of them, in queue order
+                chosen = np.argsort(table[_SEQ, :n])
+                cols = np.concatenate([cols, table[:_SEQ, chosen]], 1)
+                keys = self._keys_of(cols, now)
+            reqs += map(queued.reqs.__getitem__, chosen.tolist())
+            extra = np.concatenate([np.zeros((3, num_running)), table[_SEQ + 1:, chosen]], 1)
+        else:
+            keys = self._keys_of(cols, now)
+            extra = np.zeros((3, num_running))
+        # Ties: earlier arrival (unless priorities are in play), then their order here
+        # (running first, then waiting by urgency: by queue order among equal keys).
+        order = np.lexsort((keys, cols[_PRIORITY]) if self._priorities
+                           else (cols[_ARRIVAL], keys))
+        return [reqs[i] for i in order.tolist()], set(reqs[num_running:]), extra[:, order]
 
     # -- the batch ---------------------------------------------------------------------
+    def _passes_over(self, req: Request, free: int) -> bool:
+        """Whether a running candidate is sure to be skipped once not even a first granule
+        fits (``hopeless``): its chunk cap (the loop's ``_fits``, with one KV group of
+        ``free`` free pages) is at least a granule. (``_unclaim_prefix`` passes a running
+        request over.) Waiting candidates are decided from ``_queued_parts``."""
+        g, computed = self.config.chunk_granularity, req.num_computed
+        return len(req.token_ids) - computed >= g \
+            and (len(req.block_ids) + free) * self.allocator.block_size - computed >= g
+
+    def _unclaim(self, req: Request, queued: bool, hint: int) -> None:
+        """A waiting request that was not admitted gives its claimed prefix back; its
+        cached-prefix hint then reflects the cache now, and its cached parts follow."""
+        if queued:
+            self._unclaim_prefix(req)
+            if req.cached_hint != hint:
+                self._queued.update(req, self._queued_parts(req))
+
     def _schedule_once(self, admit: bool) -> BatchPlan:
         now = self.clock()
         decodes, preempted = self._schedule_decodes(self.max_num_seqs)
         plan = BatchPlan(tuple(decodes), ())
-        candidates, waiting = self._candidates(now, admit and not preempted,
-                                               {c.request_id for c in decodes})
+        candidates, waiting, extra = self._candidates(now, admit and not preempted,
+                                                      {c.request_id for c in decodes})
         if self.policy == "fcfs":
             candidates = candidates[:1]  # non-preemptive: the oldest prefill runs alone
 
@@ -174,20 +248,34 @@ class DeadlineScheduler(SchedulerBase):
         # Set once not even a first granule fits beside ``plan``: until the plan changes,
         # only requests that cannot take a whole granule (short remainders, KV-bound) may fit.
         hopeless = False
+        # While hopeless, with one KV group: its free pages, and which waiting candidates
+        # are sure to be skipped (cap of a granule or more, a claim would change nothing), so
+        # most of the candidates are passed over without claiming, fitting and unclaiming.
+        free, passable = 0, None
         has_long = has_spanning = False
-        for req in candidates:
+        for i, req in enumerate(candidates):
             if len(plan.prefills) == self.max_prefill_seqs or tokens_left <= 0:
                 break
-            if req in waiting:
+            queued = req in waiting
+            if hopeless and free and tokens_left >= granularity:
+                if passable is None:
+                    uncomputed, kv_need, plain = extra
+                    passable = ((plain == 1) & (uncomputed >= granularity)
+                                & (free * self.allocator.block_size >= kv_need + granularity)
+                                ).tolist()
+                if passable[i] if queued else self._passes_over(req, free):
+                    continue
+            hint = req.cached_hint if queued else 0
+            if queued:
                 self._claim_prefix(req)  # a cached prefix counts as processed KV
             long = self._is_long(req)
             spans = self._spans_groups(req)  # kvp: at most one group-spanning prefill too
             if (long and has_long) or (spans and has_spanning):
-                self._unclaim_prefix(req)
+                self._unclaim(req, queued, hint)
                 continue
             cap = self._fits(req, min(req.num_uncomputed, tokens_left))
             if hopeless and cap >= granularity:
-                self._unclaim_prefix(req)
+                self._unclaim(req, queued, hint)
                 continue
             if self.policy == "fcfs":
                 n = cap
@@ -204,10 +292,12 @@ class DeadlineScheduler(SchedulerBase):
                     n = min(cap, granularity)  # always make progress
                 elif n == 0 and not hopeless:
                     hopeless = search.missed(0, granularity, False, t_target)
+                    if hopeless and self.allocator.groups == 1:
+                        free, passable = self.allocator.extendable(()), None
             if n <= 0 or not self._grow(req, req.num_computed + n):
-                self._unclaim_prefix(req)
+                self._unclaim(req, queued, hint)
                 continue
-            if req in waiting:
+            if queued:
                 self._admit(req)
             plan = with_chunk(plan, req.request_id, req.num_computed, n,
                               req.num_computed + n == len(req.token_ids))
@@ -218,16 +308,95 @@ class DeadlineScheduler(SchedulerBase):
         return dataclasses.replace(plan, preempted=tuple(preempted))
 
 
-_ARRIVAL = operator.attrgetter("arrival_time")
-_DEADLINE = operator.attrgetter("ttft_deadline")
-_PRIORITY = operator.attrgetter("priority")
-_TOKENS = operator.attrgetter("token_ids")
-_DONE = operator.attrgetter("num_done")  # computed, or found cached for a waiting request
+_DEADLINE, _ARRIVAL, _WORK, _TOTAL, _PRIORITY = range(5)  # rows of ``_parts`` columns
+_SEQ = 5  # and of ``_QueuedParts.table``: the place in the queue
+
+
+class _QueuedParts:
+    """The waiting queue's ``_parts`` in numpy columns, one slot per request (slots
+    ``[0, n)`` are in use, in no particular order), with each request's place in the queue as
+    a sequence number (``add`` appends, preemption puts it at the head): a step keys and
+    orders the whole queue without reading any request. It follows the queue through the
+    scheduler's own methods; a queue changed behind its back is noticed (by its length, its
+    ends, and a new request's neighbour) and the table rebuilt from it."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.reqs: list[Request | None] = []      # by slot
+        self.slot: dict[Request, int] = {}
+        self.table = np.zeros((9, 64))  # ``_parts``, the sequence number, the rest of
+        # ``_queued_parts``
+        self._seq = [0.0, 0.0]                    # the last given at the head, at the tail
+        self._ends: list[Request | None] = [None, None]  # head and tail (None: look it up)
+        self._stale = False  # the queue was seen changed behind the table's back
+
+    def put(self, req: Request, parts: tuple[float, ...], queue: collections.deque | None,
+            at_head: bool = False) -> None:
+        """``req`` entered ``queue`` (at its tail, or its head) with ``parts``."""
+        self.drop(req)
+        if self.n and queue is not None:  # its neighbour must be the table's end it joins
+            self._stale |= len(queue) < 2 or queue[1 if at_head else -2] is not self._end(
+                0 if at_head else 1)
+        if self.n == self.table.shape[1]:
+            self.table = np.concatenate([self.table, np.zeros_like(self.table)], 1)
+        end = 0 if at_head else 1
+        self._seq[end] += -1.0 if at_head else 1.0
+        self.table[:, self.n] = (*parts[:_SEQ], self._seq[end], *parts[_SEQ:])
+        self.slot[req] = self.n
+        if self.n < len(self.reqs):
+            self.reqs[self.n] = req
+        else:
+            self.reqs.append(req)
+        self.n += 1
+        self._ends[end] = req
+        if self.n == 1:
+            self._ends[1 - end] = req
+
+    def update(self, req: Request, parts: tuple[float, ...]) -> None:
+        """``req``'s parts changed while it waits; its place did not."""
+        slot = self.slot.get(req)
+        if slot is not None:
+            self.table[:, slot] = (*parts[:_SEQ], self.table[_SEQ, slot], *parts[_SEQ:])
+
+    def drop(self, req: Request) -> None:
+        slot = self.slot.pop(req, None)
+        if slot is None:
+            return
+        self.n -= 1
+        last = self.n
+        if slot != last:  # the last slot moves into the hole
+            moved = self.reqs[slot] = self.reqs[last]
+            self.table[:, slot] = self.table[:, last]
+            self.slot[moved] = slot
+        self.reqs[last] = None
+        self._ends = [None if r is req else r for r in self._ends]
+
+    def in_sync(self, queue: collections.deque) -> bool:
+        """The same length and the same head and tail as ``queue``: a cheap check that the
+        queue was not changed other than through the scheduler."""
+        n = self.n
+        return not self._stale and n == len(queue) and (
+            n == 0 or self._end(0) is queue[0] and self._end(1) is queue[-1])
+
+    def _end(self, end: int) -> Request:
+        if self._ends[end] is None:
+            seq = self.table[_SEQ, :self.n]
+            self._ends[end] = self.reqs[int(seq.argmax() if end else seq.argmin())]
+        return self._ends[end]
+
+    def rebuild(self, queue: collections.deque, parts: Callable[[Request], tuple]) -> None:
+        self.__init__()
+        for req in queue:
+            self.put(req, parts(req), None)
 
 
 def _column(values: Iterable[float], n: int) -> np.ndarray:
     """n values as a float64 array; ``map``s of attribute getters run at C speed."""
     return np.fromiter(values, np.float64, n)
+
+
+def _slacks(cols: np.ndarray, now: float) -> np.ndarray:
+    return cols[_DEADLINE] - now - cols[_WORK]
 
 
 def _ratios(values: np.ndarray, scales: np.ndarray) -> np.ndarray:

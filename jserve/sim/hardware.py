@@ -12,6 +12,7 @@ import csv
 import dataclasses
 import functools
 import math
+import operator
 import os
 from collections import defaultdict
 from pathlib import Path
@@ -21,6 +22,7 @@ from jserve.scheduler.plan import BatchPlan, ScheduledChunk
 from jserve.scheduler.predictor import ChunkTimer
 
 BF16 = 2  # bytes
+_START, _NUM_TOKENS, _SAMPLES = (operator.itemgetter(i) for i in (1, 2, 3))  # ScheduledChunk
 _MEMO_LIMIT = 1 << 17  # entries per memo table (a few MB)
 GPUS_PER_NODE = 8  # DGX A100 / H100: collectives among up to 8 GPUs stay on NVLink
 
@@ -260,11 +262,20 @@ class GpuTimeModel:
                             2 if tp * kvp * spp <= GPUS_PER_NODE else 1)
             if spp > 1 else None)
         self._stage_layers = math.ceil(self.shape.num_layers / spp)
+        # Attention's constants (``_attention_at`` runs for every decode of every step):
+        # heads and KV heads per GPU (KV heads replicate when tp > KV heads), the head size,
+        # and the attainable FLOP/s and bytes/s.
+        s = self.shape
+        self._roofline = (s.num_heads / tp, max(s.num_kv_heads / tp, 1.0), s.head_dim,
+                          self.hw.peak_flops * attention_efficiency,
+                          self.hw.hbm_bandwidth * attention_efficiency)
         # Memos of the hot path (see _parts and _sums).
         self._last_plan: BatchPlan | None = None
         self._last_parts = (0.0, 0.0, 0.0)
         self._last_decodes: tuple | None = None
         self._decode_sums = (0.0, 0)
+        self._token_terms: dict[int, tuple] = {}  # _terms_of, from these curves:
+        self._terms_curves: tuple = (None,) * 5
 
     def _nearest_profile(self, compute_dir: Path) -> _ComputeProfile:
         paths = sorted(compute_dir.glob("*/mlp.csv"))
@@ -302,27 +313,40 @@ class GpuTimeModel:
     def _chunk_timer(self, plan: BatchPlan, total: Callable[[float, float, float], float]
                      ) -> ChunkTimer:
         tokens, attention, sampled = self._sums(plan)
-        combine, chunk_attention = self._combine, self._attention
+        self._check_terms()
+        combine, chunk_attention = self._combine, self._attention_at
 
         def time(request_id: str, start: int, n: int, samples: bool) -> float:
-            c = ScheduledChunk(request_id, start, n, samples)
-            return total(*combine(tokens + n, attention + chunk_attention(c), sampled + samples))
+            return total(*combine(tokens + n, attention + chunk_attention(start, n),
+                                  sampled + samples))
         return time
 
     def _parts(self, plan: BatchPlan) -> tuple[float, float, float]:
         """(one layer's time, once-per-step time, one inter-stage send) of a non-empty plan;
         the last plan's answer is kept (the simulator asks for latency and stage time)."""
         if plan is not self._last_plan:
+            self._check_terms()
             self._last_plan, self._last_parts = plan, self._combine(*self._sums(plan))
         return self._last_parts
+
+    def _check_terms(self) -> None:
+        """Forget the ``_terms_of`` memo if one of its curves was replaced since (a test
+        may drop the all-reduce, say)."""
+        curves = (self._layer, self._tp_all_reduce, self._kvp_all_reduce, self._emb,
+                  self._send_recv)
+        if any(a is not b for a, b in zip(curves, self._terms_curves)):
+            self._token_terms.clear()
+            self._terms_curves = curves
 
     def _sums(self, plan: BatchPlan) -> tuple[int, float, int]:
         """(tokens, one layer's attention time, sampled rows). The decodes' share is kept for
         the last decode tuple seen: the scheduler tries many prefill chunks beside one."""
         if plan.decodes is not self._last_decodes:
             self._last_decodes = plan.decodes
-            self._decode_sums = (sum(self._attention(c) for c in plan.decodes),
-                                 sum(c.samples for c in plan.decodes))
+            decodes = plan.decodes
+            self._decode_sums = (sum(map(self._attention_at, map(_START, decodes),
+                                         map(_NUM_TOKENS, decodes))),
+                                 sum(map(_SAMPLES, decodes)))
         attention, sampled = self._decode_sums
         tokens = len(plan.decodes)
         for c in plan.prefills:
@@ -333,19 +357,35 @@ class GpuTimeModel:
 
     def _combine(self, tokens: int, attention: float, sampled: int
                  ) -> tuple[float, float, float]:
-        s = self.shape
-        act_bytes = tokens * s.hidden * BF16
-        layer = self._layer(tokens) + attention
-        if self._tp_all_reduce is not None:
-            layer += 2 * self._tp_all_reduce(act_bytes)
-        if self._kvp_all_reduce is not None:  # partial outputs (bf16) + LSEs (fp32)
-            heads = s.num_heads / self.tp
-            layer += self._kvp_all_reduce(tokens * heads * (s.head_dim * BF16 + 4))
-        once = self._emb(tokens)
+        terms = self._token_terms.get(tokens)
+        if terms is None:
+            terms = self._terms_of(tokens)
+        matmuls, tp_all_reduce, kvp_all_reduce, once, send = terms
+        layer = matmuls + attention
+        if tp_all_reduce is not None:
+            layer += tp_all_reduce
+        if kvp_all_reduce is not None:
+            layer += kvp_all_reduce
         if sampled:
             once += self._lm_head(sampled)
-        send = self._send_recv(act_bytes) if self._send_recv is not None else 0.0
         return layer, once, send
+
+    def _terms_of(self, tokens: int) -> tuple[float, float | None, float | None, float, float]:
+        """What a step's time takes from its token count alone (memoized: the chunk search
+        prices a few dozen sizes per step): one layer's non-attention ops, its TP and KVP
+        all-reduces (None without), the embedding, and one inter-stage send."""
+        s = self.shape
+        act_bytes = tokens * s.hidden * BF16
+        tp = 2 * self._tp_all_reduce(act_bytes) if self._tp_all_reduce is not None else None
+        kvp = None
+        if self._kvp_all_reduce is not None:  # partial outputs (bf16) + LSEs (fp32)
+            heads = s.num_heads / self.tp
+            kvp = self._kvp_all_reduce(tokens * heads * (s.head_dim * BF16 + 4))
+        send = self._send_recv(act_bytes) if self._send_recv is not None else 0.0
+        terms = (self._layer(tokens), tp, kvp, self._emb(tokens), send)
+        if len(self._token_terms) < _MEMO_LIMIT:
+            self._token_terms[tokens] = terms
+        return terms
 
     def kv_cache_tokens(self, memory_fraction: float = 0.9) -> int:
         """KV entries the replica holds: per GPU, ``memory_fraction`` of memory less its share
@@ -365,17 +405,18 @@ class GpuTimeModel:
         return int(free / per_token)
 
     def _attention(self, c: ScheduledChunk) -> float:
-        """One layer's attention for one chunk on one GPU: roofline over heads / tp and the
-        1 / kvp share of the context; the chunk's causal triangle is counted as full."""
-        s, q = self.shape, c.num_tokens
-        heads = s.num_heads / self.tp
-        kv_heads = max(s.num_kv_heads / self.tp, 1.0)  # KV heads replicate when tp > kv heads
-        ctx = (c.start + q) / self.kvp
-        flops = 4 * q * ctx * heads * s.head_dim
-        kv_read = ctx * 2 * kv_heads * s.head_dim * BF16
-        q_side = q * (2 * heads + 2 * kv_heads) * s.head_dim * BF16  # Q in, O out, new K/V
-        return max(flops / (self.hw.peak_flops * self.eff),
-                   (kv_read + q_side) / (self.hw.hbm_bandwidth * self.eff))
+        return self._attention_at(c.start, c.num_tokens)
+
+    def _attention_at(self, start: int, q: int) -> float:
+        """One layer's attention for a chunk of ``q`` tokens from ``start`` on one GPU:
+        roofline over heads / tp and the 1 / kvp share of the context; the chunk's causal
+        triangle is counted as full."""
+        heads, kv_heads, head_dim, flop_rate, byte_rate = self._roofline
+        ctx = (start + q) / self.kvp
+        flops = 4 * q * ctx * heads * head_dim
+        kv_read = ctx * 2 * kv_heads * head_dim * BF16
+        q_side = q * (2 * heads + 2 * kv_heads) * head_dim * BF16  # Q in, O out, new K/V
+        return max(flops / flop_rate, (kv_read + q_side) / byte_rate)
 
     def describe(self) -> str:
         return (f"{self.shape.name} on {self.hw.name} tp={self.tp} spp={self.spp} "
