@@ -45,6 +45,11 @@ class DeadlineConfig:
     rho_max: float = 0.5             # the paper's text says 0.4
     long_threshold: int = 32768      # KV already processed that makes a prefill "long"
     lars_variant: str = "remaining_work"  # see LARS_VARIANTS and docs/scheduler.md
+    # lars: a request that can still meet its deadline but has less than one iteration budget
+    # (t_target) of slack left is due: due requests rank before all others, least remaining
+    # work first (docs/scheduler.md, "Due requests"). False: the paper's order, where a late
+    # request's negative key ranks it before them and makes them late too.
+    due_first: bool = True
 
     def __post_init__(self) -> None:
         if self.lars_variant not in LARS_VARIANTS:
@@ -83,7 +88,7 @@ class DeadlineScheduler(SchedulerBase):
         self._tpot_slos |= req.tpot_slo is not None
         super().add(req)  # records the cached prefix, which shortens the isolated prefill
         if req.ttft_deadline is None:
-            isolated = self.cache.time(req.num_prompt_tokens) - self.cache.time(req.cached_hint)
+            isolated = self.cache.remaining(req.num_prompt_tokens, req.cached_hint)
             req.ttft_deadline = req.arrival_time + max(self.config.ttft_k * isolated,
                                                        self.config.ttft_floor)
 
@@ -104,8 +109,10 @@ class DeadlineScheduler(SchedulerBase):
         return _column(map(self.cache.lookup, map(len, map(_TOKENS, reqs))), len(reqs))
 
     def _remaining_works(self, reqs: Sequence[Request]) -> np.ndarray:
-        return self._total_works(reqs) - _column(map(self.cache.lookup, map(_DONE, reqs)),
+        work = self._total_works(reqs) - _column(map(self.cache.lookup, map(_DONE, reqs)),
                                                  len(reqs))
+        drain = self.cache.drain_s  # a pipeline's last pass, owed while any prompt is left
+        return work + drain * (work > 0) if drain else work
 
     def _slacks(self, reqs: Sequence[Request], now: float,
                 work: np.ndarray | None = None) -> np.ndarray:
@@ -125,11 +132,15 @@ class DeadlineScheduler(SchedulerBase):
         if self.policy == "lrs":
             return slack
         if self.config.lars_variant == "relative_deadline":
-            return _ratios(slack, _column(map(_DEADLINE, reqs), len(reqs))
+            keys = _ratios(slack, _column(map(_DEADLINE, reqs), len(reqs))
                            - _column(map(_ARRIVAL, reqs), len(reqs)))
-        if self.config.lars_variant == "remaining_work":
-            return _ratios(slack, work)
-        return _ratios(slack, self._total_works(reqs))
+        elif self.config.lars_variant == "remaining_work":
+            keys = _ratios(slack, work)
+        else:
+            keys = _ratios(slack, self._total_works(reqs))
+        if self.config.due_first:
+            keys = _due_first(keys, slack, work, self.config.t_target)
+        return keys
 
     def _victim(self) -> Request:
         keys = self._keys(self.running, self.clock()).tolist()
@@ -232,6 +243,16 @@ _DONE = operator.attrgetter("num_done")  # computed, or found cached for a waiti
 def _column(values: Iterable[float], n: int) -> np.ndarray:
     """n values as a float64 array; ``map``s of attribute getters run at C speed."""
     return np.fromiter(values, np.float64, n)
+
+
+def _due_first(keys: np.ndarray, slack: np.ndarray, work: np.ndarray, margin: float
+               ) -> np.ndarray:
+    """LARS keys with requests due (0 <= slack < ``margin``) first, least remaining work
+    first (keys below -1); then late ones (slack < 0) in the paper's order, their negative
+    keys mapped monotonically into (-1, 0); then the rest, unchanged (keys >= 0)."""
+    late = keys / (1.0 - np.minimum(keys, 0.0))
+    keys = np.where(slack < 0, late, keys)
+    return np.where((slack >= 0) & (slack < margin), -1.0 - 1.0 / np.maximum(work, 1e-9), keys)
 
 
 def _ratios(values: np.ndarray, scales: np.ndarray) -> np.ndarray:
