@@ -12,6 +12,10 @@ to the request's length: by default over its remaining isolated prefill time; th
 ``total_work`` (over the total isolated prefill time, the paper's wording) and
 ``relative_deadline`` (over deadline - arrival, as Medha's public code does) are switches.
 Only the default meets the paper's constructed case (docs/scheduler.md has the arithmetic).
+``lars`` also ranks *due* requests (slack in [0, t_target)) first, least remaining work first,
+before late ones (negative slack, the paper's order among them) and the rest
+(``DeadlineConfig.due_first``; docs/scheduler.md, "Due requests"). Remaining work includes the
+prefill-time cache's ``drain_s`` (a pipeline's last pass).
 ``fcfs`` is the non-preemptive convoy baseline: prefills in arrival order, one at a time, each
 run to completion at the token cap before the next starts.
 """

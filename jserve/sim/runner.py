@@ -157,6 +157,17 @@ def saturation(trace: Sequence[TraceRequest], policy: str, cfg: SimConfig = SimC
     return saturation_qps(mesh_work_s(trace, cache.time, model.stage_time))
 
 
+def default_ttft_deadlines(trace: Sequence[TraceRequest], cfg: SimConfig = SimConfig()
+                           ) -> list[float]:
+    """The TTFT deadline (seconds after arrival) the deadline policies give each request of
+    ``trace`` on ``cfg`` by default: max(k x isolated prefill, floor), the isolated prefill
+    from the same table their slack uses (pipeline drain included)."""
+    cache = _prefill_cache(cfg, _max_context(trace))
+    k, floor = DeadlineConfig.ttft_k, DeadlineConfig.ttft_floor
+    return [t.ttft_deadline_s if t.ttft_deadline_s is not None
+            else max(k * cache.remaining(t.prompt_tokens, 0), floor) for t in trace]
+
+
 def _max_context(trace: Sequence[TraceRequest]) -> int:
     """The longest sequence rounded up, so runs can share a prefill-time cache."""
     longest = max(t.prompt_tokens + t.output_tokens for t in trace)
