@@ -6,8 +6,8 @@ the claims in docs/convoy.md.
     python scripts/convoy_benchmark.py                  # the CPU configuration (~20 min)
     python scripts/convoy_benchmark.py --smoke          # seconds; what CI runs
     python scripts/convoy_benchmark.py --target http://localhost:8000   # through a server
-    python scripts/convoy_benchmark.py --seeds 0 1 2 --loads 1.5 2 --requests 60 \
-        --policies fcfs sarathi lars      # the sweep: median ratios and spread (docs/convoy.md)
+    python scripts/convoy_benchmark.py --seeds 0 1 2 --loads 1 2 --requests 30 \
+        --long-scale 1/48 --policies fcfs sarathi lars   # the sweep (docs/convoy.md, ~10 min)
 
 CPU scale: ShareGPT4 short prompts x1/4 (64-2K tokens), synthetic Medha-SWE long prompts
 x1/32 (4K-32K tokens), outputs x1/4, 5% long, Poisson arrivals. The workload line printed
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import fractions
 import json
 import math
 import statistics
@@ -177,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--qps", type=float, default=None)
     ap.add_argument("--requests", type=int, default=None)
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--long-scale", type=fractions.Fraction, default=None,
+                    help="scale of the long prompts, e.g. 1/48 (default 1/32)")
     ap.add_argument("--out-dir", type=Path, default=Path("bench-out/convoy"))
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--target", default=None,
@@ -193,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     spec, engine = (SMOKE, SMOKE_ENGINE) if a.smoke else (CPU, CPU_ENGINE)
     spec = dataclasses.replace(spec, **{k: v for k, v in (
-        ("qps", a.qps), ("num_requests", a.requests), ("seed", a.seed)) if v is not None})
+        ("qps", a.qps), ("num_requests", a.requests), ("seed", a.seed),
+        ("long_scale", None if a.long_scale is None else float(a.long_scale)))
+        if v is not None})
     policies = list(a.policies or POLICIES)
     if a.seeds or a.loads:
         if a.target:
