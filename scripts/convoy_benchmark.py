@@ -6,6 +6,8 @@ the claims in docs/convoy.md.
     python scripts/convoy_benchmark.py                  # the CPU configuration (~20 min)
     python scripts/convoy_benchmark.py --smoke          # seconds; what CI runs
     python scripts/convoy_benchmark.py --target http://localhost:8000   # through a server
+    python scripts/convoy_benchmark.py --seeds 0 1 2 --loads 1 2 --requests 30 \
+        --long-scale 1/48 --policies fcfs sarathi lars   # the sweep (docs/convoy.md, ~10 min)
 
 CPU scale: ShareGPT4 short prompts x1/4 (64-2K tokens), synthetic Medha-SWE long prompts
 x1/32 (4K-32K tokens), outputs x1/4, 5% long, Poisson arrivals. The workload line printed
@@ -15,7 +17,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import fractions
+import json
+import math
+import statistics
 import sys
+import time
 from pathlib import Path
 
 from jserve.bench.evaluate import (
@@ -23,11 +30,13 @@ from jserve.bench.evaluate import (
     evaluate,
     local_runner,
     ratio_table,
+    release_executables,
     remote_runner,
     write_plots,
 )
-from jserve.bench.metrics import Slo, ratio
+from jserve.bench.metrics import Slo, ratio, summarize
 from jserve.bench.workload import WorkloadSpec, build_workload, model_len_for
+from jserve.sim.trace import write_records
 
 POLICIES = ("fcfs", "sarathi", "edf", "lars")
 CPU = WorkloadSpec(num_requests=200, long_fraction=0.05, qps=2.0, short_scale=1 / 4,
@@ -59,6 +68,109 @@ def checks(results) -> list[tuple[str, bool]]:
     ]
 
 
+SLO = Slo(ttft_s=0.5, ttft_per_token_s=2e-3, tpot_s=0.2)  # the CPU figures (see main)
+
+
+def deadline_attainment(scheduler, records: list[dict], long_prompt_tokens: int) -> dict:
+    """Share of short / long / all requests whose first token came within the TTFT deadline
+    the deadline-aware ``scheduler`` gave them (its ``DeadlineConfig``: k x the isolated
+    prefill of its prefill-time cache, at least the floor); empty for other policies."""
+    cache, config = getattr(scheduler, "cache", None), getattr(scheduler, "config", None)
+    if cache is None or not hasattr(config, "ttft_floor"):
+        return {}
+    met = {"short": [], "long": []}
+    for r in records:
+        due = max(config.ttft_k * cache.remaining(r["prompt_tokens"], 0), config.ttft_floor)
+        ok = r["first_token_s"] is not None and r["first_token_s"] - r["arrival_s"] <= due
+        met["long" if r["prompt_tokens"] >= long_prompt_tokens else "short"].append(ok)
+    met["all"] = met["short"] + met["long"]
+    return {f"{g}_attainment": sum(v) / len(v) if v else math.nan for g, v in met.items()}
+
+
+def sweep(spec: WorkloadSpec, engine: dict, seeds: list[int], loads: list[float],
+          policies: list[str], out_dir: Path, progress: bool, profile: bool = True
+          ) -> list[dict]:
+    """Every policy on every (load, seed) trace. One engine per policy serves all its traces
+    (so each policy compiles once), with prefix caching off: a seed's prompts are the same
+    token ids at every load and must not be found cached the second time."""
+    from jserve import LLM
+    from jserve.bench.replay import run_local
+
+    traces = {(q, s): build_workload(dataclasses.replace(spec, qps=q, seed=s))
+              for q in loads for s in seeds}
+    engine = dict(engine, enable_prefix_caching=False)
+    engine.setdefault("max_model_len", max(model_len_for(t) for t in traces.values()))
+    if profile:
+        ensure_predictor("default", max_context=engine["max_model_len"],
+                         **{k: v for k, v in engine.items()
+                            if k not in ("tpot_slo", "max_model_len")})
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for policy in policies:
+        t0 = time.perf_counter()
+        llm = LLM("default", scheduler=policy, **engine)
+        print(f"== {policy}: engine ready in {time.perf_counter() - t0:.0f}s", flush=True)
+        for (qps, seed), trace in traces.items():
+            t0 = time.perf_counter()
+            records = run_local(llm.engine, trace, seed=seed, progress=progress)
+            write_records(out_dir / f"records-{policy}-qps{qps:g}-seed{seed}.jsonl", records)
+            row = {"policy": policy, "qps": qps, "seed": seed,
+                   "wall_s": time.perf_counter() - t0,
+                   **summarize(records, long_prompt_tokens=spec.long_prompt_tokens, slo=SLO),
+                   **deadline_attainment(llm.engine.scheduler, records,
+                                         spec.long_prompt_tokens)}
+            rows.append(row)
+            print(f"   {qps:g} QPS seed {seed} ({row['wall_s']:.0f}s): short TTFT P50 "
+                  f"{row['short_ttft_p50']:.3f}s P90 {row['short_ttft_p90']:.3f}s, long "
+                  f"completed {row['long_completed']}/{row['long']}"
+                  + (f", short attainment {row['short_attainment']:.0%}"
+                     if "short_attainment" in row else ""), flush=True)
+        del llm
+        release_executables()
+    (out_dir / "sweep.json").write_text(json.dumps(
+        {"workload": spec.describe(), "engine": engine, "seeds": seeds, "loads": loads,
+         "runs": rows}, indent=1, default=str))
+    return rows
+
+
+def _spread(values: list[float], fmt: str) -> str:
+    """median [min-max] of finite values (inf counts as a value: 'inf')."""
+    def f(v):
+        return "inf" if math.isinf(v) else format(v, fmt)
+    return f"{f(statistics.median(values))} [{f(min(values))}-{f(max(values))}]"
+
+
+def sweep_table(rows: list[dict], policies: list[str], subject: str = "lars") -> str:
+    """Per load: the subject's short-TTFT ratio against each other policy at P50 and P90
+    (median over seeds [min-max]), its own short TTFT, TPOT P50 and deadline attainment."""
+    others = [p for p in policies if p != subject]
+    head = (["load (QPS)", "seeds"] + [f"vs {p} P50 / P90" for p in others]
+            + [f"{subject} short TTFT P50 / P90 (s)", f"{subject} short TPOT P50 (ms)"]
+            + [f"{p} short TPOT P50 (ms)" for p in others]
+            + [f"{subject} short attainment", f"{subject} all attainment", "long completed"])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+    for qps in sorted({r["qps"] for r in rows}):
+        at = {(r["policy"], r["seed"]): r for r in rows if r["qps"] == qps}
+        seeds = sorted({s for _, s in at})
+        me = [at[subject, s] for s in seeds]
+        cells = [f"{qps:g}", str(len(seeds))]
+        for p in others:
+            cells.append(" / ".join(_spread([ratio(at[p, s][f"short_ttft_p{q}"],
+                                                   at[subject, s][f"short_ttft_p{q}"])
+                                             for s in seeds], ".1f") + "x" for q in (50, 90)))
+        cells.append(" / ".join(_spread([m[f"short_ttft_p{q}"] for m in me], ".3f")
+                                for q in (50, 90)))
+        for p in [subject] + others:
+            cells.append(_spread([at[p, s]["short_tpot_p50"] * 1e3 for s in seeds], ".0f"))
+        for g in ("short", "all"):
+            vals = [m.get(f"{g}_attainment", math.nan) for m in me]
+            cells.append(_spread([v * 100 for v in vals], ".0f") + "%")
+        cells.append(", ".join(f"{p} {sum(at[p, s]['long_completed'] for s in seeds)}/"
+                               f"{sum(at[p, s]['long'] for s in seeds)}" for p in policies))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -66,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--qps", type=float, default=None)
     ap.add_argument("--requests", type=int, default=None)
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--long-scale", type=fractions.Fraction, default=None,
+                    help="scale of the long prompts, e.g. 1/48 (default 1/32)")
     ap.add_argument("--out-dir", type=Path, default=Path("bench-out/convoy"))
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--target", default=None,
@@ -73,15 +187,38 @@ def main(argv: list[str] | None = None) -> int:
                          "for the OpenAI API, or a jserve gRPC host:port); it runs its own "
                          "policy, so the cross-policy checks are skipped")
     ap.add_argument("--auth-token", default=None, help="bearer token for --target")
+    ap.add_argument("--seeds", type=int, nargs="+", default=None,
+                    help="sweep: these workload seeds (with --loads; one engine per policy)")
+    ap.add_argument("--loads", type=float, nargs="+", default=None,
+                    help="sweep: these arrival rates (QPS)")
+    ap.add_argument("--policies", nargs="+", default=None, choices=POLICIES,
+                    help=f"policies to run (default {' '.join(POLICIES)})")
     a = ap.parse_args(argv)
     spec, engine = (SMOKE, SMOKE_ENGINE) if a.smoke else (CPU, CPU_ENGINE)
     spec = dataclasses.replace(spec, **{k: v for k, v in (
-        ("qps", a.qps), ("num_requests", a.requests), ("seed", a.seed)) if v is not None})
+        ("qps", a.qps), ("num_requests", a.requests), ("seed", a.seed),
+        ("long_scale", None if a.long_scale is None else float(a.long_scale)))
+        if v is not None})
+    policies = list(a.policies or POLICIES)
+    if a.seeds or a.loads:
+        if a.target:
+            ap.error("--seeds/--loads run the engine in process; not with --target")
+        if "lars" not in policies or len(policies) < 2:
+            ap.error("the sweep compares lars with at least one other policy")
+        t0 = time.perf_counter()
+        rows = sweep(spec, engine, a.seeds or [spec.seed], a.loads or [spec.qps], policies,
+                     a.out_dir, progress=not a.no_progress, profile=not a.smoke)
+        table = sweep_table(rows, policies)
+        print(spec.describe())
+        print(table)
+        (a.out_dir / "sweep.md").write_text(spec.describe() + "\n\n" + table + "\n")
+        print(f"{time.perf_counter() - t0:.0f}s; wrote {a.out_dir}/ (records-*.jsonl, "
+              "sweep.json, sweep.md)")
+        return 0
     if a.target:
         run = remote_runner(a.target, seed=spec.seed, progress=not a.no_progress,
                             auth_token=a.auth_token)
-        results = evaluate(spec, ["server"], run, out_dir=a.out_dir,
-                           slo=Slo(ttft_s=0.5, ttft_per_token_s=2e-3, tpot_s=0.2))
+        results = evaluate(spec, ["server"], run, out_dir=a.out_dir, slo=SLO)
         print(ratio_table(results, "server"))
         print(f"wrote {a.out_dir}/ (one policy: the server's; the checks need all four)")
         return 0
@@ -91,13 +228,13 @@ def main(argv: list[str] | None = None) -> int:
                          **{k: v for k, v in engine.items() if k != "tpot_slo"})
     run = local_runner("default", seed=spec.seed, progress=not a.no_progress, **engine)
     # TTFT SLO: 0.5 s, or 2 ms a prompt token for long prompts; TPOT SLO 0.2 s (CPU figures).
-    results = evaluate(spec, POLICIES, run, out_dir=a.out_dir,
-                       slo=Slo(ttft_s=0.5, ttft_per_token_s=2e-3, tpot_s=0.2))
+    results = evaluate(spec, policies, run, out_dir=a.out_dir, slo=SLO)
     write_plots(results, a.out_dir, title=spec.describe(),
                 long_prompt_tokens=spec.long_prompt_tokens)
     print(ratio_table(results, "fcfs"))
     ok = True
-    for line, passed in checks(results):
+    for line, passed in (checks(results) if {"fcfs", "sarathi", "lars"} <= set(policies)
+                         else []):
         print(("PASS " if passed else "FAIL ") + line)
         ok &= passed
     print(f"wrote {a.out_dir}/ (records-*.jsonl, summary.json, ttft_cdf.png, tpot.png)")

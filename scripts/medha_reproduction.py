@@ -16,9 +16,12 @@ Long requests are synthetic (Medha-SWE is not public): log-normal on its publish
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import multiprocessing
+import re
 import statistics
+import textwrap
 import time
 from pathlib import Path
 
@@ -28,7 +31,12 @@ import numpy as np
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from jserve.bench.metrics import Slo, summarize  # noqa: E402
+from jserve.bench.metrics import (  # noqa: E402
+    LONG_PROMPT_TOKENS as LONG,  # noqa: E402
+    Slo,
+    summarize,
+    ttft,
+)
 from jserve.bench.workload import WorkloadSpec, build_workload  # noqa: E402
 from jserve.scheduler.chunking import PrefillTimeCache  # noqa: E402
 from jserve.scheduler.plan import BatchPlan, ScheduledChunk  # noqa: E402
@@ -40,7 +48,12 @@ from jserve.sim.hardware import (  # noqa: E402
     _load_compute,
     default_data_dir,
 )
-from jserve.sim.policies import SimConfig, run, saturation  # noqa: E402
+from jserve.sim.policies import (  # noqa: E402
+    SimConfig,
+    default_ttft_deadlines,
+    run,
+    saturation,
+)
 
 MESH = SimConfig(model="llama3-8b", hardware="a100", tp=8, spp=2)
 SYSTEMS = ("lars", "loongserve", "sarathi")
@@ -72,62 +85,167 @@ token granularity. Every rule, with the LoongServe paper's section:
 decodes first, then FCFS prefill chunks of 512 tokens, on the same TP8 x SPP2 mesh as lars.
 """  # noqa: E501  (a markdown table: one row a line)
 
-WHY = """## Where the paper's numbers are not reached, and why
+def reflow(text: str, width: int = 96) -> str:
+    """Markdown paragraphs and "- " bullets refilled (f-string values break the wrapping)."""
+    out = []
+    for block in text.strip().split("\n\n"):
+        items = re.split(r"\n(?=- )", block)
+        for item in items:
+            words = " ".join(item.split())
+            bullet = words.startswith("- ")
+            out.append(textwrap.fill(words, width, subsequent_indent="  " if bullet else "",
+                                     break_on_hyphens=False))
+        out.append("")
+    return "\n".join(out)
 
-- **lars vs LoongServe, short-request TTFT P50.** The paper reports 30x; here the faithful
-  LoongServe has the *lower* median. Its rules leave most instances idle most of the time: a
-  long prefill takes only the instances that are idle when it is dispatched (or, at most, all
-  of them when the cluster is quiet), and a short prompt arriving next finds an idle TP-2
-  instance and prefills at once in ~20-40 ms, below lars's typical TTFT (lars runs every
-  prefill in chunks through a 50 ms-budget pipeline iteration shared with the long prefill's
-  chunk). LoongServe convoys only when a long prefill holds every instance, which hits a
-  minority of short requests: it shows in the P90/P99, not the median. The paper's 30x median
-  needs LoongServe to convoy most short requests, which happens in this model only far above
-  saturation, or with a LoongServe that gives every long prefill all instances (the previous
-  baseline of this repository did, and was 428x worse than lars).
-- **P90/P99.** lars's advantage there is real (a short request behind an all-instance 1M
-  prefill waits minutes under LoongServe) but smaller than 100x / 174x at 80% of saturation.
-- **TPOT.** lars fills every iteration to its 50 ms budget (t_target = the TPOT SLO), so its
-  median TPOT is ~50 ms; LoongServe's decode instances usually run small batches of a TP-2
-  model with no prefill beside them (~25 ms), so "TPOT P50 no worse" is missed by the factor
-  in the table. At P90 the order flips: a LoongServe decode whose instance is taken by a
-  prefill stalls for all of it, and lars's P90 is the lower (met). The paper measured 5x
-  higher LoongServe TPOT, from fragmentation this model does not have (token-granular KV
-  pool, perfectly balanced multi-master decoding).
-- **At the paper's 0.75 QPS** (above saturation in this time model) LoongServe does convoy:
-  lars's advantage is then of the paper's order or beyond at P50 and P90 (table above), but
-  it grows with run length there, so it is not a steady-state figure.
-- **Ratio stability.** Between the two run lengths at 80% of saturation the P90/P99 ratios
-  move by up to ~25% and lars's own P50 rises (its shorts are served just before their
-  0.5 s deadline, see below), so the P50 ratios are the least stable figures.
-- **lars's TTFT-deadline attainment** (short requests within 0.5 s): 56% at 0.529 QPS and
-  43% at 0.75 QPS (1000 requests). Counting the last chunk's drain through the second SPP
-  stage in the isolated prefill times (tried: +~25 ms on every T(n > 0)) left it at 43%, so
-  that is not the cause. LARS ranks by slack over remaining work; a long request's ratio is
-  at most 0.5 at arrival (deadline 1.5 x its isolated prefill) and negative once overdue,
-  while a waiting short's ratio is (0.5 s - wait) / ~25 ms, so a short is picked only when
-  its slack has shrunk to about one prefill: it finishes at its deadline and any jitter makes
-  it miss. Fixing that needs a policy change (e.g. a floor on the short's priority, or
-  ranking overdue requests by lateness), not in this branch.
-- **vs vLLM-like (sarathi).** Past the first few seconds every short request that arrives
-  behind a long prompt's 512-token chunks waits for the whole long prefill (FCFS), so the
-  convoy shows at P50 as well as the tail: those targets are met at 80% of saturation.
+
+def summary(lars: dict, fast: dict, by: dict) -> str:
+    """The targets in one sentence each: which are met, which missed and by how much."""
+    met, missed = [], []
+    for q, goal in ((50, 30), (90, 100), (99, 174)):
+        for b in ("loongserve", "sarathi"):
+            x = by[b][f"short_ttft_p{q}"] / lars[f"short_ttft_p{q}"]
+            (met if x >= goal else missed).append(
+                f"P{q} short TTFT vs {b} {x:.1f}x" + ("" if x >= goal else
+                                                       f" (target {goal}x, {goal / x:.0f}x short)"))
+    for b in ("loongserve", "sarathi"):
+        for q in (50, 90):
+            key = f"short_tpot_p{q}"
+            item = f"TPOT P{q} vs {b} ({lars[key] * 1e3:.1f} / {by[b][key] * 1e3:.1f} ms"
+            if lars[key] <= by[b][key]:
+                met.append(item + ")")
+            else:
+                ok = fast[key] <= by[b][key]
+                missed.append(item + f", {lars[key] / by[b][key]:.1f}x; at t_target 25 ms "
+                              f"{fast[key] * 1e3:.1f} ms, {'met' if ok else 'still missed'})")
+    (met if lars["long_completed"] == lars["long"] else missed).append(
+        f"every long request completed ({lars['long_completed']}/{lars['long']})")
+    return f"met: {'; '.join(met)}. Missed: {'; '.join(missed) or 'none'}."
+
+
+def why(by: dict, sat: dict, qps: float, paper: dict, half: dict) -> str:
+    """Where the paper's numbers are not reached, with this run's figures (``by``: the
+    headline run's systems and lars variants; ``half``: the shorter run's systems)."""
+    lars, loong, fast = by["lars"], by["loongserve"], by["lars, t_target 25 ms"]
+    before = by[BEFORE]
+    tail = [loong[f"short_ttft_p{q}"] / lars[f"short_ttft_p{q}"] >= goal
+            for q, goal in ((90, 100), (99, 174))]
+    met_tail = ("met" if all(tail) else "missed" if not any(tail) else
+                "P90 " + ("met" if tail[0] else "missed") + ", P99 "
+                + ("met" if tail[1] else "missed"))
+
+    def vs(a: dict, b: dict, q: int) -> str:
+        return ratio(a[f"short_ttft_p{q}"], b[f"short_ttft_p{q}"])
+    return "## Where the paper's numbers are not reached, and why\n\n" + reflow(f"""
+
+- **lars vs LoongServe, short-request TTFT P50** (paper 30x; here
+  {ratio(loong["short_ttft_p50"], lars["short_ttft_p50"])}). The faithful LoongServe has
+  the *lower* median ({loong["short_ttft_p50"]:.2f} s against lars's
+  {lars["short_ttft_p50"]:.2f} s). Its rules leave most instances idle most of the time: a
+  long prefill takes only the instances that are idle when it is dispatched (or all of them
+  when the cluster is quiet), and a short prompt arriving next finds an idle TP-2 instance
+  and prefills at once in ~20-40 ms. LoongServe convoys only when a long prefill holds every
+  instance, which hits a minority of short requests: it shows in the P90/P99, not the
+  median. lars, by design (Medha §4.1), lets a short request wait while its relative slack
+  exceeds the running long prefill's, so with a long prefill running (most of the time at
+  this load) shorts finish late in their 0.5 s deadline: lars's median is set by the
+  deadline, not by the work. The paper's 30x median needs LoongServe to convoy most short
+  requests, which happens here only above saturation (0.75 QPS rows: LoongServe's median
+  {paper["loongserve"]["short_ttft_p50"]:.1f} s) or with a LoongServe that gives every long
+  prefill all instances (the previous baseline of this repository did, and was 428x worse
+  than lars). Not tuned away: a baseline that loses on purpose is not the point.
+- **P90/P99 vs LoongServe** are {met_tail} in the {lars["n"]}-request run
+  ({vs(loong, lars, 90)} / {vs(loong, lars, 99)}; lars keeps its shorts within their deadline,
+  {lars["short_attainment"]:.1%} within 0.5 s; before the attainment fix below its P90 was
+  {before["short_ttft_p90"]:.2f} s and these ratios {vs(loong, before, 90)} /
+  {vs(loong, before, 99)}). They depend on the run: in the {half["lars"]["n"]}-request run
+  they are {vs(half["loongserve"], half["lars"], 90)} /
+  {vs(half["loongserve"], half["lars"], 99)}. LoongServe's tail is short requests behind an
+  all-instance 1M prefill, which wait minutes; how many there are is a property of the
+  sample, not of lars.
+- **TPOT P50** at lars's default budget is missed by the factor in the targets table, by
+  design (next section): the t_target = 25 ms row {"meets" if fast["short_tpot_p50"] <= min(
+  loong["short_tpot_p50"], by["sarathi"]["short_tpot_p50"]) else "does not meet"} it
+  against both baselines ({fast["short_tpot_p50"] * 1e3:.1f} ms P50 against
+  {loong["short_tpot_p50"] * 1e3:.1f} / {by["sarathi"]["short_tpot_p50"] * 1e3:.1f} ms;
+  its TTFT ratios are in the targets table), at the price of prefill capacity (saturation
+  {sat["lars, t_target 25 ms"]:.3f} QPS against {sat["lars"]:.3f}; the headline load is then
+  {qps / sat["lars, t_target 25 ms"]:.0%} of its saturation). The paper measured 5x higher
+  LoongServe TPOT, from fragmentation this model does not have (token-granular KV pool,
+  perfectly balanced multi-master decoding).
+- **At the paper's 0.75 QPS** (above saturation in this time model) LoongServe convoys at the
+  median too: lars's advantage is of the paper's order or beyond at P50 and P90, but it grows
+  with run length there, so it is not a steady-state figure.
+- **vs vLLM-like (sarathi).** Every short request that arrives behind a long prompt's 512-token
+  chunks waits for the whole long prefill (FCFS), so the convoy shows at P50 as well as the
+  tail: those targets are met.
+- **Long requests' own deadlines** (1.5 x isolated prefill): lars meets
+  {lars["long_attainment"]:.0%} of them at 80% of saturation. A long prefill's mean isolated
+  time is ~30 s and one arrives every ~40 s, so long prefills queue behind each other and
+  1.5x is rarely reachable under any order; every long request completes.
+- **The live engine** (CPU, tiny model): the convoy benchmark over 3 seeds and 2 loads, with
+  lars's deadline attainment there and why it is lower than here, is in docs/convoy.md ("Over
+  seeds and loads").
 - **Workload caveat.** Medha-SWE is not public: the long requests are a log-normal fitted to
   its published P50/P90. The saturation QPS depends on the sample (5% of 1000 requests is 50
   long prompts; their mean prefill dominates the work).
-"""
+""")
+
+
+ATTAINMENT = """Before this change lars met the short requests' 0.5 s TTFT deadline only about
+half the time. Two causes, each fixed (`docs/scheduler.md`, "Due requests and the pipeline's last
+pass"): (1) a late long prefill's key (negative slack over its remaining work) ranked it
+before every short request with slack left, so they had to become late before they ran: now a
+request with less than one iteration (t_target) of slack left is *due* and due requests go
+first, least remaining work first, while late ones keep the paper's order after them;
+(2) the slack left out the pipeline's last pass (the first token leaves one pipeline latency
+after the last chunk's issue, ~23 ms more than the stage times the isolated prefill sums), and
+LARS leaves a short request only a few ms of slack when it starts it. Each alone is not
+enough; together they take attainment to ~99% at both loads without moving TPOT or the long
+requests' TTFT."""
+
+TPOT = """lars fills every iteration to its budget t_target, which the deadline policies take from
+the TPOT SLO (50 ms; Medha §4.3: the budget is "derived from decode requests' TPOT SLOs").
+At this load a long prefill is pending almost all the time, so each iteration is the decodes
+plus that prefill's adaptive chunk up to ~50 ms of pipeline latency, and a decode's next
+token comes one latency later: lars's short TPOT P50 is its budget. That is the policy
+spending the SLO on prefill, not a defect (the decodes meet the SLO; P90 stays near it, where
+both baselines' P90 is higher). sarathi's fixed 512-token chunks and LoongServe's decode-only
+TP-2 instances run shorter iterations at short context, hence their lower medians. The budget
+is a knob; halving it trades prefill capacity for TPOT:"""
 
 
 def workload(n: int, qps: float, seed: int):
     return build_workload(WorkloadSpec(num_requests=n, long_fraction=0.05, qps=qps, seed=seed))
 
 
+# lars variants (label -> SimConfig fields): the TTFT-deadline attainment before and after
+# the pipeline drain in the slack and the due-first order (jserve.scheduler.deadline), and a
+# smaller iteration budget (TPOT).
+BEFORE = "lars (paper order, no drain)"
+VARIANTS = {BEFORE: dict(due_first=False, pipeline_drain=False),
+            "lars (+ drain only)": dict(due_first=False),
+            "lars (+ due first only)": dict(pipeline_drain=False),
+            "lars, t_target 25 ms": dict(tpot_slo=0.025)}
+
+
 def run_one(args: tuple[str, int, float, int]) -> dict:
-    policy, n, qps, seed = args
+    label, n, qps, seed = args
+    policy = "lars" if label in VARIANTS else label
     trace = workload(n, qps, seed)
     t0 = time.perf_counter()
-    s = summarize(run(trace, policy, MESH), slo=SLO)
-    return {"policy": policy, "n": n, "qps": qps, "wall_s": time.perf_counter() - t0, **s}
+    records = run(trace, policy, dataclasses.replace(MESH, **VARIANTS.get(label, {})))
+    s = summarize(records, slo=SLO)
+    # Deadlines: the deadline policies' defaults on MESH, the same for every system.
+    met = {"short": [], "long": []}
+    for r, due in zip(records, default_ttft_deadlines(trace, MESH)):
+        met["long" if r["prompt_tokens"] >= LONG else "short"].append(
+            r["first_token_s"] is not None and r["first_token_s"] - r["arrival_s"] <= due)
+    long_ttft = [ttft(r) for r in records if r["prompt_tokens"] >= LONG]
+    return {"policy": label, "n": n, "qps": qps, "wall_s": time.perf_counter() - t0, **s,
+            "short_attainment": sum(met["short"]) / len(met["short"]),
+            "long_attainment": sum(met["long"]) / len(met["long"]),
+            "long_ttft_max": max(long_ttft)}
 
 
 def fmt(x: float, digits: int = 2) -> str:
@@ -142,9 +260,9 @@ def ratio(base: float, lars: float) -> str:
 
 def comparison_table(rows: list[dict]) -> list[str]:
     out = ["| load | requests | system | short TTFT P50 (s) | P90 | P99 | short TPOT P50 (s) "
-           "| P90 | long TTFT P50 (s) | long completed | goodput (req/s) "
-           "| lars's P50 / P90 / P99 advantage |", "|---|---:|---|---:|---:|---:|---:|---:|"
-           "---:|---:|---:|---|"]
+           "| P90 | short within deadline | long TTFT P50 (s) | long completed "
+           "| goodput (req/s) | lars's P50 / P90 / P99 advantage |",
+           "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         lars = next(x for x in rows if x["policy"] == "lars" and x["n"] == r["n"]
                     and x["qps"] == r["qps"])
@@ -153,8 +271,47 @@ def comparison_table(rows: list[dict]) -> list[str]:
         out.append(f"| {r['label']} | {r['n']} | {r['policy']} | " + " | ".join(
             fmt(r[k]) for k in ("short_ttft_p50", "short_ttft_p90", "short_ttft_p99")) + " | "
             + " | ".join(fmt(r[k], 3) for k in ("short_tpot_p50", "short_tpot_p90"))
+            + f" | {r['short_attainment']:.1%}"
             + f" | {fmt(r['long_ttft_p50'], 1)} | {r['long_completed']}/{r['long']} "
             f"| {r['goodput_rps']:.3f} | {adv} |")
+    return out
+
+
+def attainment_table(rows: list[dict]) -> list[str]:
+    """lars before / after the two changes: TTFT-deadline attainment, TTFT, TPOT, longs."""
+    out = ["| load | lars | short within deadline (0.5 s) | long within deadline | short TTFT "
+           "P50 / P90 / P99 (s) | short TPOT P50 / P90 (ms) | long TTFT P50 / P90 / max (s) "
+           "| long completed |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        name = "now (drain + due first)" if r["policy"] == "lars" else r["policy"]
+        out.append(
+            f"| {r['qps']} QPS | {name} | {r['short_attainment']:.1%} | "
+            f"{r['long_attainment']:.0%} | "
+            + " / ".join(fmt(r[f"short_ttft_p{q}"], 3) for q in (50, 90, 99)) + " | "
+            + " / ".join(f"{r[f'short_tpot_p{q}'] * 1e3:.1f}" for q in (50, 90)) + " | "
+            + " / ".join(fmt(r[k], 0) for k in ("long_ttft_p50", "long_ttft_p90",
+                                                 "long_ttft_max"))
+            + f" | {r['long_completed']}/{r['long']} |")
+    return out
+
+
+def tpot_table(rows: list[dict]) -> list[str]:
+    """lars at its default 50 ms budget and at 25 ms against the baselines, same load."""
+    by = {r["policy"]: r for r in rows}
+    out = ["| system | short TPOT P50 / P90 (ms) | short TTFT P50 / P90 / P99 (s) "
+           "| short within deadline | long TTFT P50 (s) | long completed "
+           "| vs loongserve P50 / P90 / P99 | vs sarathi P50 / P90 / P99 |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name in ("lars", "lars, t_target 25 ms", "loongserve", "sarathi"):
+        r = by[name]
+        vs = [" / ".join(ratio(by[b][f"short_ttft_p{q}"], r[f"short_ttft_p{q}"])
+                         for q in (50, 90, 99)) if name.startswith("lars") else ""
+              for b in ("loongserve", "sarathi")]
+        out.append(f"| {'lars, t_target 50 ms' if name == 'lars' else name} | "
+                   + " / ".join(f"{r[f'short_tpot_p{q}'] * 1e3:.1f}" for q in (50, 90)) + " | "
+                   + " / ".join(fmt(r[f"short_ttft_p{q}"], 3) for q in (50, 90, 99))
+                   + f" | {r['short_attainment']:.1%} | {fmt(r['long_ttft_p50'], 1)} | "
+                   f"{r['long_completed']}/{r['long']} | {vs[0]} | {vs[1]} |")
     return out
 
 
@@ -237,27 +394,51 @@ def bars(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def _ablation_order(r: dict) -> tuple:
+    names = [BEFORE, "lars (+ drain only)", "lars (+ due first only)", "lars"]
+    return r["qps"], names.index(r["policy"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out-dir", type=Path, default=Path("docs"))
+    ap.add_argument("--attainment-only", action="store_true",
+                    help="only lars's TTFT-deadline attainment before / after (~1 min); "
+                         "prints its table, writes nothing")
     a = ap.parse_args()
     figs = a.out_dir / "reproduction"
-    figs.mkdir(parents=True, exist_ok=True)
     long_n = 300 if a.quick else 1000
     lengths = workload(long_n, 1.0, a.seed)
     sat = {p: saturation(lengths, p, MESH) for p in SYSTEMS}
-    qps = round(0.8 * min(sat.values()), 3)
-    tasks = [(p, n, qps, a.seed) for n in (long_n // 2, long_n) for p in SYSTEMS]
+    lowest = min(sat.values())
+    qps = round(0.8 * lowest, 3)
+    sat["lars, t_target 25 ms"] = saturation(lengths, "lars", dataclasses.replace(
+        MESH, **VARIANTS["lars, t_target 25 ms"]))
+    ablation = [(v, long_n, qps, a.seed) for v in VARIANTS if v != "lars, t_target 25 ms"]
+    ablation += [(BEFORE, long_n, PAPER_QPS, a.seed)]
+    if a.attainment_only:
+        tasks = ablation + [("lars", long_n, q, a.seed) for q in (qps, PAPER_QPS)]
+        with multiprocessing.Pool(a.jobs) as pool:
+            rows = pool.map(run_one, tasks, chunksize=1)
+        print(f"{long_n} requests, seed {a.seed}; {qps} QPS is 80% of saturation")
+        print("\n".join(attainment_table(sorted(rows, key=_ablation_order))))
+        return
+    figs.mkdir(parents=True, exist_ok=True)
+    tasks = [(p, n, qps, a.seed) for n in (long_n, long_n // 2) for p in SYSTEMS]
     tasks += [(p, long_n, PAPER_QPS, a.seed) for p in SYSTEMS]
+    tasks += ablation + [("lars, t_target 25 ms", long_n, qps, a.seed)]
     t0 = time.perf_counter()
     with multiprocessing.Pool(a.jobs) as pool:
-        rows = pool.map(run_one, tasks)
+        every = pool.map(run_one, tasks, chunksize=1)
+    rows = sorted((r for r in every if r["policy"] in SYSTEMS), key=lambda r: (
+        r["qps"] != qps, r["n"], SYSTEMS.index(r["policy"])))
+    variants = [r for r in every if r["policy"] not in SYSTEMS]
     for r in rows:
         r["label"] = (f"{r['qps']} QPS (80% of saturation)" if r["qps"] == qps else
-                      f"{r['qps']} QPS ({'ABOVE' if r['qps'] > min(sat.values()) else 'below'}"
+                      f"{r['qps']} QPS ({'ABOVE' if r['qps'] > lowest else 'below'}"
                       f" saturation; the paper's load)")
     head = [r for r in rows if r["qps"] == qps and r["n"] == long_n]
     bars(head, figs / "headline.png", f"{long_n} requests at {qps} QPS (80% of saturation)")
@@ -275,9 +456,10 @@ def main() -> None:
              f"tokens) and TPOT <= {SLO.tpot_s} s. Every run goes on until every request "
              "finishes.", "", "## Saturation QPS (time model)", "",
              "| system | saturation QPS |", "|---|---:|"]
-    lines += [f"| {p} | {sat[p]:.3f} |" for p in SYSTEMS]
-    lines += ["", f"Headline load: 80% of the lowest, **{qps} QPS**. The paper's 0.75 QPS is "
-              f"{'above' if PAPER_QPS > min(sat.values()) else 'below'} saturation here.", "",
+    lines += [f"| {p} | {v:.3f} |" for p, v in sat.items()]
+    lines += ["", f"Headline load: 80% of the lowest of the three systems, **{qps} QPS**. The "
+              f"paper's 0.75 QPS is {'above' if PAPER_QPS > lowest else 'below'} saturation "
+              "here.", "",
               BASELINES, "## Short-request TTFT and TPOT (Medha Figs. 1a, 9b, 10)", "",
               "![headline](reproduction/headline.png) ![paper load](reproduction/paper_load.png)",
               ""]
@@ -293,13 +475,39 @@ def main() -> None:
                                   for c in cells) + " |")
     lines.append("| every long request completed (lars) | - | "
                  f"{lars['long_completed']}/{lars['long']} | same run |")
-    for q in (50, 90):
-        key = f"short_tpot_p{q}"
-        lines.append(f"| short TPOT P{q} no worse (lars / baseline) | - | " + " | ".join(
-            f"{lars[key] * 1e3:.1f} / {by[b][key] * 1e3:.1f} ms "
-            f"({'met' if lars[key] <= by[b][key] else 'MISSED'})"
-            for b in ("loongserve", "sarathi")) + " |")
-    lines += ["", WHY, "## 1M-token prefill time against SPP degree (Medha Fig. 11 / §4)", "",
+    fast = next(r for r in variants if r["policy"] == "lars, t_target 25 ms")
+    for who, me in (("lars", lars), ("lars at t_target 25 ms", fast)):
+        for q in (50, 90):
+            key = f"short_tpot_p{q}"
+            lines.append(f"| short TPOT P{q} no worse ({who} / baseline) | - | " + " | ".join(
+                f"{me[key] * 1e3:.1f} / {by[b][key] * 1e3:.1f} ms "
+                f"({'met' if me[key] <= by[b][key] else 'MISSED'})"
+                for b in ("loongserve", "sarathi")) + " |")
+    for q, goal in ((50, 30), (90, 100), (99, 174)):
+        cells = [by[b][f"short_ttft_p{q}"] / fast[f"short_ttft_p{q}"] for b in
+                 ("loongserve", "sarathi")]
+        lines.append(f"| short TTFT P{q} >= {goal}x, lars at t_target 25 ms | {PAPER[q]} | "
+                     + " | ".join(f"{c:.1f}x ({'met' if c >= goal else 'MISSED'})"
+                                  for c in cells) + " |")
+    lines.append(f"| TTFT-deadline attainment, short requests (lars) | - | "
+                 f"{lars['short_attainment']:.1%} | same run |")
+    lines += ["", "**In short**, " + summary(lars, fast, by)]
+    lines += ["", "### lars's TTFT-deadline attainment, before and after", "",
+              reflow(ATTAINMENT),
+              f"`python scripts/medha_reproduction.py --attainment-only` prints this table "
+              f"alone ({long_n} requests, seed {a.seed}; deadlines: the deadline policies' "
+              "default, max(1.5 x isolated prefill, 0.5 s), the same for every row):", ""]
+    lines += attainment_table(sorted(
+        [r for r in variants if r["policy"] != "lars, t_target 25 ms"]
+        + [r for r in rows if r["policy"] == "lars" and r["n"] == long_n],
+        key=_ablation_order))
+    lines += ["", "### TPOT: lars's iteration budget", "", reflow(TPOT),
+              f"{long_n} requests at {qps} QPS:", ""]
+    lines += tpot_table(head + [r for r in variants if r["policy"] == "lars, t_target 25 ms"])
+    lines += ["", why({**by, **{r["policy"]: r for r in variants if r["qps"] == qps}}, sat, qps,
+                      {r["policy"]: r for r in rows if r["qps"] == PAPER_QPS},
+                      {r["policy"]: r for r in rows if r["qps"] == qps and r["n"] != long_n}),
+              "## 1M-token prefill time against SPP degree (Medha Fig. 11 / §4)", "",
               "Llama-3 70B, H100, TP8 per stage, isolated prefill with 32K-token chunks.", "",
               "![spp](reproduction/spp_scaling.png)", ""] + spp_scaling(figs)
     lines += ["", "## Decode TPOT at long context against KVP degree (Medha Fig. 12)", "",

@@ -66,10 +66,63 @@ def test_lars_variants_that_rank_the_long_request_first_miss_the_paper_case(
         variant, short_a, short_b):
     """Dividing by the total work (0.6 against the shorts' 1.0 at t=5) or by the relative
     deadline (0.375 against 0.5) puts the long request first, so the shorts start only when
-    their own key falls below it and miss 6.0: kept as switches, not as the default."""
-    recs = _run("lars", PAPER, config=dataclasses.replace(CONFIG, lars_variant=variant))
+    their own key falls below it and miss 6.0: kept as switches, not as the default. With
+    due requests first (the default) short A, due at 5.55, goes first and makes it; B
+    still misses (the ranking started them too late for both)."""
+    config = dataclasses.replace(CONFIG, lars_variant=variant)
+    recs = _run("lars", PAPER, config=dataclasses.replace(config, due_first=False))
     assert recs["short-a"]["first_token_s"] == pytest.approx(short_a)
     assert recs["short-b"]["first_token_s"] == pytest.approx(short_b)
+    recs = _run("lars", PAPER, config=config)
+    assert recs["short-a"]["first_token_s"] == pytest.approx(6.0)
+    assert recs["short-b"]["first_token_s"] == pytest.approx(short_b)
+
+
+# A long prefill already late (10 s of work due at 5 s) and a 0.5 s short due 1.02 s after
+# it arrives at t=2.
+LATE_LONG = [TraceRequest("long", 0.0, 10_000, 1, ttft_deadline_s=5.0),
+             TraceRequest("short", 2.0, 500, 1, ttft_deadline_s=1.02)]
+
+
+def test_lars_serves_a_due_short_before_a_late_long_prefill():
+    """The paper's LARS ranks the late long request by its negative slack over its remaining
+    work (-5 s / 7.5 s at t=2.5): a short with any slack left ranks after it and waits until
+    its own key is as negative, so it misses (first token ~3.4 s against 3.02 s). With due
+    requests first it waits only while it has more than one iteration (50 ms) of slack, then
+    runs at once and meets its deadline; the late request loses 0.5 s and is late anyway."""
+    paper = _run("lars", LATE_LONG, config=dataclasses.replace(CONFIG, due_first=False))
+    assert paper["short"]["first_token_s"] > 3.02 + 0.3
+    recs = _run("lars", LATE_LONG)
+    assert 3.0 - 1e-6 <= recs["short"]["first_token_s"] <= 3.02
+    assert recs["long"]["first_token_s"] == pytest.approx(10.5)
+
+
+def test_lars_order_of_due_late_and_other_requests():
+    """One step's ranking, with keys: a due request (slack in [0, t_target)) before a late
+    one, and a late one before one with slack to spare; due ones by least remaining work,
+    late ones in the paper's order (the most negative slack over remaining work first)."""
+    clock = VirtualClock(2.5)
+    cache = PrefillTimeCache(MS_PER_TOKEN, 20_000, 0.05)
+    kw = dict(predictor=MS_PER_TOKEN, prefill_cache=cache, max_num_seqs=8,
+              max_num_batched_tokens=4096, max_prefill_seqs=4, clock=clock, config=CONFIG)
+    reqs = [Request("late-long", [0] * 10_000, 1, 0.0, num_computed=2_500, ttft_deadline=5.0),
+            Request("late-mid", [0] * 2_000, 1, 1.0, ttft_deadline=4.0),   # -0.5 s / 2 s
+            Request("due-big", [0] * 400, 1, 2.0, ttft_deadline=2.93),     # slack 0.03 s
+            Request("due-small", [0] * 100, 1, 2.4, ttft_deadline=2.64),   # slack 0.04 s
+            Request("spare", [0] * 500, 1, 2.5, ttft_deadline=3.5)]        # slack 0.5 s
+    lars = DeadlineScheduler(BlockAllocator(2048, 16), policy="lars", **kw)
+    paper = DeadlineScheduler(BlockAllocator(2048, 16), policy="lars", **{
+        **kw, "config": dataclasses.replace(CONFIG, due_first=False)})
+    for sched in (lars, paper):
+        for r in reqs:
+            sched.add(r)
+    order = [r.request_id for r in lars._candidates(2.5, True, set())[0]]
+    assert order == ["due-small", "due-big", "late-long", "late-mid", "spare"]
+    assert [r.request_id for r in paper._candidates(2.5, True, set())[0]] == [
+        "late-long", "late-mid", "due-big", "due-small", "spare"]
+    assert lars.key(reqs[0], 2.5) == pytest.approx(-0.4)  # -5/7.5 mapped to rho / (1 - rho)
+    assert paper.key(reqs[0], 2.5) == pytest.approx(-5 / 7.5)
+    assert lars.key(reqs[4], 2.5) == paper.key(reqs[4], 2.5) == pytest.approx(1.0)
 
 
 def test_edf_starves_a_long_prefill_under_a_steady_stream_then_convoys():

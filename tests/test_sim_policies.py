@@ -63,7 +63,7 @@ def test_below_saturation_every_request_completes_and_kv_is_conserved(policy):
         assert r["arrival_s"] <= r["first_token_s"] <= r["finish_s"]
 
 
-@pytest.mark.parametrize("policy", ["loongserve", "lars", "sarathi"])
+@pytest.mark.parametrize("policy", POLICIES)
 def test_outcomes_are_deterministic_for_a_seed(policy):
     a, b = run_checked(policy, seed=1), run_checked(policy, seed=1)
     assert a == b

@@ -11,13 +11,14 @@ import pytest
 from jserve.bench.metrics import percentile, summarize
 from jserve.cache.allocator import BlockAllocator
 from jserve.scheduler.chunking import PrefillTimeCache
-from jserve.scheduler.deadline import DeadlineScheduler
+from jserve.scheduler.deadline import DeadlineConfig, DeadlineScheduler
 from jserve.scheduler.plan import BatchPlan, ScheduledChunk
 from jserve.scheduler.predictor import LinearPredictor
 from jserve.scheduler.request import Request
 from jserve.scheduler.sarathi import SarathiScheduler
 from jserve.sim import GpuTimeModel, LengthOnlyTokens, TraceRequest, VirtualClock, simulate
 from jserve.sim.hardware import StageTimes
+from jserve.sim.policies import SimConfig, _prefill_cache, pipeline_drain
 
 MS_PER_TOKEN = LinearPredictor((0.0, 1e-3, 0.0, 0.0, 0.0, 0.0))
 
@@ -85,6 +86,31 @@ def test_pipelined_prefill_chunks_issue_one_stage_apart_and_tokens_arrive_after_
     assert rec["first_token_s"] == pytest.approx(2.0)
 
 
+def test_remaining_work_counts_the_pipelines_last_pass():
+    """On a two-stage pipeline a prompt's chunks issue one stage time apart but its first
+    token leaves one latency after the last issue: the scheduler's remaining work (stage
+    times summed, plus the drain) is the simulated isolated TTFT."""
+    pipe = TwoStagePipeline()
+
+    class Stages:  # the pipeline's issue intervals, as jserve.sim.hardware.StageTimes
+        predict = staticmethod(pipe.stage_time)
+
+    drain = 0.05 / 2  # a batch filling the 50 ms latency budget: 25 tokens, 25 ms a stage
+    cache = PrefillTimeCache(Stages(), 4096, 0.05 / 2, chunk_granularity=1, drain_s=drain)
+    clock = VirtualClock()
+    sched = DeadlineScheduler(
+        BlockAllocator(257, 16), policy="lars", predictor=pipe, prefill_cache=cache,
+        max_num_seqs=8, max_num_batched_tokens=1000, max_prefill_seqs=4, clock=clock,
+        config=DeadlineConfig(chunk_granularity=1))
+    req = Request("r", [0] * 100, 1, 0.0)
+    assert sched.remaining_work(req) == pytest.approx(0.1 + drain)
+    assert cache.remaining(100, 100) == 0.0 and cache.remaining(100, 75) == pytest.approx(
+        0.025 + drain)
+    rec = simulate(sched, pipe, clock, [TraceRequest("r", 0.0, 100, 1)], "lars")[0]
+    # Four 25-token chunks issued 25 ms apart; the last one's token 50 ms after 0.075.
+    assert rec["first_token_s"] == pytest.approx(0.125) == pytest.approx(0.1 + drain)
+
+
 def test_a_decode_in_flight_is_not_rescheduled_while_another_prefill_streams():
     trace = [TraceRequest("a", 0.0, 100, 3), TraceRequest("b", 0.05, 1000, 1)]
     sched, clock = fcfs(TwoStagePipeline())
@@ -145,6 +171,17 @@ def test_gpu_model_fast_paths_match_predict(spp):
             assert model.stage_time(extended) == model.predict(extended)
         else:  # a stage holds half the layers: about half the latency
             assert 0.45 < model.stage_time(extended) / model.predict(extended) < 0.6
+
+
+def test_pipeline_drain_of_the_gpu_model():
+    """The simulator's deadline policies owe a pipeline's last pass: for TP8 x SPP2 about
+    half of a 50 ms iteration (the other stage), nothing without a pipeline."""
+    assert pipeline_drain(GpuTimeModel("llama3-8b", "a100", tp=8, spp=1), 0.05) == 0.0
+    drain = pipeline_drain(GpuTimeModel("llama3-8b", "a100", tp=8, spp=2), 0.05)
+    assert 0.018 < drain < 0.027
+    cfg = SimConfig(tp=8, spp=2)
+    assert _prefill_cache(cfg, 65_536).drain_s == drain
+    assert _prefill_cache(SimConfig(tp=8, spp=2, pipeline_drain=False), 65_536).drain_s == 0.0
 
 
 def test_kv_capacity_of_tp8_spp2_on_a100():

@@ -109,11 +109,20 @@ class _Memo(dict):
 class PrefillTimeCache:
     """Isolated prefill time T(n) of an n-token prompt run alone with adaptive chunks, at
     ``granularity``-token resolution up to ``max_context`` (Medha Algorithm 3). Built once;
-    remaining work of a partly prefilled request = T(total) - T(processed)."""
+    remaining work of a partly prefilled request = T(total) - T(processed) + ``drain_s``.
+
+    ``drain_s``: on a pipelined (SPP) mesh T sums the chunks' issue intervals (stage times),
+    but the first token comes out only when the last chunk has passed every stage, one
+    pipeline latency after its issue: ``drain_s`` is that latency less one issue interval.
+    It is owed by every request with prompt left, however much is done, so it is not part of
+    T (a difference of two T values would cancel it). 0 without a pipeline."""
 
     def __init__(self, predictor: RuntimePredictor, max_context: int, budget_s: float, *,
                  granularity: int = 256, chunk_granularity: int = 32,
-                 max_chunk: int | None = None):
+                 max_chunk: int | None = None, drain_s: float = 0.0):
+        if drain_s < 0:
+            raise ValueError(f"drain_s must be >= 0, got {drain_s}")
+        self.drain_s = drain_s
         self.granularity = granularity
         self.lengths = [0]
         self.times = [0.0]
@@ -142,7 +151,11 @@ class PrefillTimeCache:
         return self.lookup(n)
 
     def remaining(self, total: int, processed: int) -> float:
-        return self.lookup(total) - self.lookup(processed)
+        """Time from now to the first token of a prompt of ``total`` tokens with ``processed``
+        done, run alone."""
+        if total <= processed:
+            return 0.0
+        return self.lookup(total) - self.lookup(processed) + self.drain_s
 
     def _interpolate(self, n: int) -> float:
         if n <= 0:

@@ -12,6 +12,10 @@ to the request's length: by default over its remaining isolated prefill time; th
 ``total_work`` (over the total isolated prefill time, the paper's wording) and
 ``relative_deadline`` (over deadline - arrival, as Medha's public code does) are switches.
 Only the default meets the paper's constructed case (docs/scheduler.md has the arithmetic).
+``lars`` also ranks *due* requests (slack in [0, t_target)) first, least remaining work first,
+before late ones (negative slack, the paper's order among them) and the rest
+(``DeadlineConfig.due_first``; docs/scheduler.md, "Due requests"). Remaining work includes the
+prefill-time cache's ``drain_s`` (a pipeline's last pass).
 ``fcfs`` is the non-preemptive convoy baseline: prefills in arrival order, one at a time, each
 run to completion at the token cap before the next starts.
 """
@@ -47,6 +51,11 @@ class DeadlineConfig:
     rho_max: float = 0.5             # the paper's text says 0.4
     long_threshold: int = 32768      # KV already processed that makes a prefill "long"
     lars_variant: str = "remaining_work"  # see LARS_VARIANTS and docs/scheduler.md
+    # lars: a request that can still meet its deadline but has less than one iteration budget
+    # (t_target) of slack left is due: due requests rank before all others, least remaining
+    # work first (docs/scheduler.md, "Due requests"). False: the paper's order, where a late
+    # request's negative key ranks it before them and makes them late too.
+    due_first: bool = True
 
     def __post_init__(self) -> None:
         if self.lars_variant not in LARS_VARIANTS:
@@ -88,7 +97,7 @@ class DeadlineScheduler(SchedulerBase):
         self._tpot_slos |= req.tpot_slo is not None
         super().add(req)  # records the cached prefix, which shortens the isolated prefill
         if req.ttft_deadline is None:
-            isolated = self.cache.time(req.num_prompt_tokens) - self.cache.time(req.cached_hint)
+            isolated = self.cache.remaining(req.num_prompt_tokens, req.cached_hint)
             req.ttft_deadline = req.arrival_time + max(self.config.ttft_k * isolated,
                                                        self.config.ttft_floor)
         self._queued.put(req, self._queued_parts(req), self.waiting)
@@ -124,8 +133,11 @@ class DeadlineScheduler(SchedulerBase):
         priority): all a policy's key reads of a request, from its state now (no deadline
         yet: NaN, which only fcfs, keyed by arrival, may meet)."""
         total, deadline = self.cache.lookup(len(req.token_ids)), req.ttft_deadline
-        return (math.nan if deadline is None else deadline, req.arrival_time,
-                total - self.cache.lookup(req.num_done), total, req.priority)
+        work = total - self.cache.lookup(req.num_done)
+        if work > 0:  # a pipeline's last pass (``drain_s``), owed while any prompt is left
+            work += self.cache.drain_s
+        return (math.nan if deadline is None else deadline, req.arrival_time, work, total,
+                req.priority)
 
     def _columns(self, reqs: Sequence[Request]) -> np.ndarray:
         """``_parts`` of ``reqs`` as rows of columns (shape (5, len(reqs))), computed now."""
@@ -159,10 +171,14 @@ class DeadlineScheduler(SchedulerBase):
         if self.policy == "lrs":
             return slack
         if self.config.lars_variant == "relative_deadline":
-            return _ratios(slack, cols[_DEADLINE] - cols[_ARRIVAL])
-        if self.config.lars_variant == "remaining_work":
-            return _ratios(slack, cols[_WORK])
-        return _ratios(slack, cols[_TOTAL])
+            keys = _ratios(slack, cols[_DEADLINE] - cols[_ARRIVAL])
+        elif self.config.lars_variant == "remaining_work":
+            keys = _ratios(slack, cols[_WORK])
+        else:
+            keys = _ratios(slack, cols[_TOTAL])
+        if self.config.due_first:
+            keys = _due_first(keys, slack, cols[_WORK], self.config.t_target)
+        return keys
 
     def _victim(self) -> Request:
         keys = self._keys(self.running, self.clock()).tolist()
@@ -397,6 +413,16 @@ def _column(values: Iterable[float], n: int) -> np.ndarray:
 
 def _slacks(cols: np.ndarray, now: float) -> np.ndarray:
     return cols[_DEADLINE] - now - cols[_WORK]
+
+
+def _due_first(keys: np.ndarray, slack: np.ndarray, work: np.ndarray, margin: float
+               ) -> np.ndarray:
+    """LARS keys with requests due (0 <= slack < ``margin``) first, least remaining work
+    first (keys below -1); then late ones (slack < 0) in the paper's order, their negative
+    keys mapped monotonically into (-1, 0); then the rest, unchanged (keys >= 0)."""
+    late = keys / (1.0 - np.minimum(keys, 0.0))
+    keys = np.where(slack < 0, late, keys)
+    return np.where((slack >= 0) & (slack < margin), -1.0 - 1.0 / np.maximum(work, 1e-9), keys)
 
 
 def _ratios(values: np.ndarray, scales: np.ndarray) -> np.ndarray:

@@ -17,8 +17,9 @@ from typing import Sequence
 
 from jserve.cache.allocator import BlockAllocator
 from jserve.scheduler.base import SchedulerBase
-from jserve.scheduler.chunking import PrefillTimeCache
+from jserve.scheduler.chunking import PrefillTimeCache, largest_chunk
 from jserve.scheduler.deadline import DeadlineConfig
+from jserve.scheduler.plan import BatchPlan, ScheduledChunk
 from jserve.scheduler.predictor import RuntimePredictor
 from jserve.scheduler.registry import build_scheduler
 from jserve.sim.capacity import esp_work_s, mesh_work_s, saturation_qps
@@ -50,6 +51,11 @@ class SimConfig:
     horizon_s: float | None = None      # stop the clock here; None: run until all finish
     prefix_caching: bool = False        # the engine's automatic prefix caching (TraceRequest
                                         # prefix ids say which prompts share what)
+    # Deadline policies' slack counts the pipeline's last pass (PrefillTimeCache.drain_s), and
+    # lars ranks due and late requests first (DeadlineConfig.due_first); False: the behaviour
+    # before either (scripts/lars_attainment.py compares them).
+    pipeline_drain: bool = True
+    due_first: bool = True
 
     def __post_init__(self) -> None:
         if self.tpot_slo <= 0:
@@ -66,17 +72,31 @@ def _prefill_cache(cfg: SimConfig, max_context: int) -> PrefillTimeCache:
     the times sum stage times, for chunks sized to a stage-time budget of t_target / spp
     (within the embedding and one send of the scheduler's latency-budget chunks)."""
     return _cached_prefill_cache(cfg.model, cfg.hardware, cfg.tp, cfg.spp, cfg.kvp,
-                                 cfg.tpot_slo, cfg.max_num_batched_tokens, max_context)
+                                 cfg.tpot_slo, cfg.max_num_batched_tokens, max_context,
+                                 cfg.pipeline_drain)
 
 
 @functools.lru_cache(maxsize=8)
 def _cached_prefill_cache(model: str, hardware: str, tp: int, spp: int, kvp: int,
-                          tpot_slo: float, max_chunk: int, max_context: int
-                          ) -> PrefillTimeCache:
+                          tpot_slo: float, max_chunk: int, max_context: int,
+                          drain: bool = True) -> PrefillTimeCache:
     """Keyed on what the table depends on, so runs differing in anything else share it."""
-    return PrefillTimeCache(StageTimes(_time_model(model, hardware, tp, spp, kvp)), max_context,
-                            tpot_slo / spp, chunk_granularity=DeadlineConfig.chunk_granularity,
-                            max_chunk=max_chunk)
+    time_model = _time_model(model, hardware, tp, spp, kvp)
+    return PrefillTimeCache(StageTimes(time_model), max_context, tpot_slo / spp,
+                            chunk_granularity=DeadlineConfig.chunk_granularity,
+                            max_chunk=max_chunk,
+                            drain_s=pipeline_drain(time_model, tpot_slo) if drain else 0.0)
+
+
+def pipeline_drain(model: GpuTimeModel, t_target: float) -> float:
+    """How much later than its issue interval a batch's sampled token comes out of the
+    pipeline: latency less stage time of a batch that fills the latency budget ``t_target``
+    (the scheduler fills iterations to it; a first token rides the last chunk's batch)."""
+    if model.spp == 1:
+        return 0.0
+    n = largest_chunk(model, BatchPlan((), ()), "_", 0, 1 << 20, t_target) or 1
+    plan = BatchPlan((), (ScheduledChunk("_", 0, n, True),))
+    return max(model.predict(plan) - model.stage_time(plan), 0.0)
 
 
 @functools.lru_cache(maxsize=4)
@@ -115,7 +135,8 @@ def build(policy: str, cfg: SimConfig, clock: VirtualClock, max_context: int
         limits["max_num_batched_tokens"] = cfg.sarathi_chunk
     sched = build_scheduler(
         name, pool(model.kv_cache_tokens(cfg.memory_fraction)), **limits, predictor=model,
-        deadline=DeadlineConfig(t_target=cfg.tpot_slo, space_sharing=policy == "lars-ss"),
+        deadline=DeadlineConfig(t_target=cfg.tpot_slo, space_sharing=policy == "lars-ss",
+                                due_first=cfg.due_first),
         clock=clock, prefill_cache=None if name == "sarathi" else _prefill_cache(cfg, max_context))
     return sched, model
 
@@ -134,6 +155,17 @@ def saturation(trace: Sequence[TraceRequest], policy: str, cfg: SimConfig = SimC
     else:
         cache = _prefill_cache(cfg, max_context)
     return saturation_qps(mesh_work_s(trace, cache.time, model.stage_time))
+
+
+def default_ttft_deadlines(trace: Sequence[TraceRequest], cfg: SimConfig = SimConfig()
+                           ) -> list[float]:
+    """The TTFT deadline (seconds after arrival) the deadline policies give each request of
+    ``trace`` on ``cfg`` by default: max(k x isolated prefill, floor), the isolated prefill
+    from the same table their slack uses (pipeline drain included)."""
+    cache = _prefill_cache(cfg, _max_context(trace))
+    k, floor = DeadlineConfig.ttft_k, DeadlineConfig.ttft_floor
+    return [t.ttft_deadline_s if t.ttft_deadline_s is not None
+            else max(k * cache.remaining(t.prompt_tokens, 0), floor) for t in trace]
 
 
 def _max_context(trace: Sequence[TraceRequest]) -> int:
