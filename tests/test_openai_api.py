@@ -416,7 +416,14 @@ def test_full_admission_queue_gets_429(spare_engine):
         server.stop(grace=0)
 
 
-def test_draining_gets_503_and_health_fails(spare_engine):
+def test_draining_gets_503_and_health_fails(spare_engine, monkeypatch):
+    step = spare_engine.step
+
+    def slow_step():  # 450 tokens take over 4 s, however fast the machine: past the grace
+        time.sleep(0.01)
+        return step()
+
+    monkeypatch.setattr(spare_engine, "step", slow_step)
     server = BackgroundServer(spare_engine, ServerConfig(port=0, metrics_port=None,
                                                          http_port=0))
     url = server.http_url
