@@ -46,3 +46,17 @@ def test_the_check_sees_imports_inside_functions(tmp_path):
     (pkg / "m.py").write_text("def f():\n    from sharding.specs import layer_spec\n")
     assert _violations("pkg", "sharding", tmp_path) == [
         "pkg/m.py imports sharding.specs", "pkg/m.py imports sharding.specs.layer_spec"]
+
+
+def test_the_engine_stays_carved():
+    """Issue 19's shape of the engine package: ``engine.py`` under 300 lines and no function
+    in ``jserve/engine/`` over 60 (construction, intake, output processing and the host KV
+    store live in their own modules)."""
+    engine = ROOT / "jserve" / "engine"
+    assert len((engine / "engine.py").read_text().splitlines()) < 300
+    long = [f"{path.name}:{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for path in sorted(engine.glob("*.py"))
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > 60]
+    assert not long, long
