@@ -154,7 +154,7 @@ class LLMEngine:
             metrics=RequestMetrics(time.monotonic() if arrival_time is None else arrival_time),
             detok=IncrementalDetokenizer(self.tokenizer), prompt_ids=list(prepared.prompt_ids),
             logprobs=[] if p.logprobs is not None else None)
-        req = Request(rid, list(prepared.prompt_ids), p.max_tokens, state.metrics.arrival_time,
+        req = Request(rid, prepared.prompt_ids, p.max_tokens, state.metrics.arrival_time,
                       payload=state, tpot_slo=tpot_slo, priority=priority,
                       cacheable=not p.uses_penalties)  # penalties count every token
         if ttft_slo is not None:
@@ -208,12 +208,12 @@ class LLMEngine:
         """Hands state rows to the plan's requests, stamps first-scheduled times, and builds
         its step with the run-time switches it needs."""
         now = time.monotonic()
-        reqs = [self.requests[c.request_id] for c in plan.decodes + plan.prefills]
+        chunks = plan.decodes + plan.prefills
+        reqs = [self.requests[c.request_id] for c in chunks]
         for req in reqs:
             self.state_rows.assign(req)
             if req.payload.metrics.first_scheduled_time is None:
                 req.payload.metrics.first_scheduled_time = now
-        chunks = plan.decodes + plan.prefills
         sampled = [r.payload.params for r, c in zip(reqs, chunks) if c.samples]
         flags = StepFlags(any_random=any(p.temperature > 0 for p in sampled),
                           # Every chunk of a penalised request counts: its prompt tokens

@@ -28,10 +28,6 @@ class RequestState:
     error: str | None = None
 
 
-def state_of(req: Request) -> RequestState:
-    return req.payload
-
-
 def sampler_row(req: Request, eos_ids: tuple[int, ...]) -> SamplerRow:
     """The sampler's view of ``req`` for its next token: stop and EOS ids are banned until
     ``min_tokens`` are out."""

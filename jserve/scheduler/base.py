@@ -128,11 +128,6 @@ class SchedulerBase(abc.ABC):
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    @property
-    def num_in_flight(self) -> int:
-        """Plans scheduled and not yet updated."""
-        return len(self._launched)
-
     def _launch(self, plan: BatchPlan) -> None:
         """``plan`` leaves for the device: its chunks count as computed, its requests are
         pinned, and those that sample are held until ``update``."""
