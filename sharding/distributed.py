@@ -3,7 +3,8 @@
 A jitted computation on a multi-process mesh runs only when every process launches it with
 the same inputs, but only process 0 (the leader) has requests, a scheduler and a tokenizer.
 So the leader plans each step as usual and broadcasts what the device step needs: a small
-header (the bucket shape) and the step's two packed buffers (``PackedLayout``). Followers
+header (the bucket shape) and the step's two packed buffers (one row per pipeline slot
+under spp; ``StepRunner.buffer_shapes``). Followers
 (``follow``) sit in a loop receiving those and launching the same compiled step, until the
 leader broadcasts a stop. Step outputs are replicated; only the leader reads them.
 
@@ -11,7 +12,7 @@ The step itself is the caller's: any ``StepRunner`` (the engine's ``ModelRunner`
 """
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 import jax
 import numpy as np
@@ -23,20 +24,12 @@ from jserve.sampling.sampler import SampleResult
 _STEP, _STOP = 1, 0
 
 
-class PackedLayout(Protocol):
-    """How a step's arrays pack into one int32 and one float32 buffer."""
-    int_size: int
-    float_size: int
-
-    def pack(self, arrays: Any) -> tuple[np.ndarray, np.ndarray]: ...
-
-
 class StepRunner(Protocol):
     """What multi-process serving needs of the compiled model step."""
     mesh: Mesh
 
-    def compiled(self, shape: tuple[int, int]) -> tuple[Any, PackedLayout]:
-        """The step's executable for ``shape`` and the layout of its packed buffers."""
+    def buffer_shapes(self, shape: tuple[int, int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The shapes of the int32 and float32 buffers a step of ``shape`` takes."""
 
     def execute_packed(self, shape: tuple[int, int], ibuf: jax.Array,
                        fbuf: jax.Array) -> SampleResult:
@@ -72,11 +65,12 @@ def _run(runner: StepRunner, shape: tuple[int, int], ibuf: np.ndarray,
     return jax.tree.map(lambda x: x.addressable_data(0), out)
 
 
-def leader_execute(runner: StepRunner, shape: tuple[int, int], arrays) -> SampleResult:
-    """The leader's ``runner.execute``: broadcast the step, then run it like the followers."""
-    _, layout = runner.compiled(shape)
+def leader_execute(runner: StepRunner, shape: tuple[int, int], ibuf: np.ndarray,
+                   fbuf: np.ndarray) -> SampleResult:
+    """The leader's ``runner.execute_packed``: broadcast the step, then run it like the
+    followers."""
     broadcast_one_to_all(_header(_STEP, shape))
-    ibuf, fbuf = broadcast_one_to_all(layout.pack(arrays))
+    ibuf, fbuf = broadcast_one_to_all((ibuf, fbuf))
     return _run(runner, shape, ibuf, fbuf)
 
 
@@ -94,8 +88,8 @@ def follow(runner: StepRunner) -> int:
         if kind == _STOP:
             return steps
         shape = tuple(shape)
-        _, layout = runner.compiled(shape)
-        ibuf, fbuf = broadcast_one_to_all((np.zeros(layout.int_size, np.int32),
-                                           np.zeros(layout.float_size, np.float32)))
+        ishape, fshape = runner.buffer_shapes(shape)
+        ibuf, fbuf = broadcast_one_to_all((np.zeros(ishape, np.int32),
+                                           np.zeros(fshape, np.float32)))
         _run(runner, shape, ibuf, fbuf)
         steps += 1

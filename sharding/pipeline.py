@@ -9,12 +9,20 @@ and their pages and runs them through the model's layer loop (``layer_loop``). P
 global (one allocator), so every stage stores the same pages for different layers.
 
 Tick. One ``jax.shard_map`` over the whole mesh: stage 0 embeds the new batch, every stage
-runs its layers on the microbatch it holds, and the residual stream plus the batch's packed
-step buffers move one stage on with a cyclic ``ppermute``. The wrap-around puts the batch
-that left the last stage in slot 0 of the carry (stage 0 overwrites slot 0 with the next new
-batch), where the caller takes it through ``final_logits`` and sampling. The carry
-(``PipelineCarry``) stays on device between ticks; every tick has one shape (the engine's
-largest bucket), so the carry's shape is fixed and one executable serves all ticks.
+runs its layers on the microbatch it holds, and the residual stream moves one stage on with
+a cyclic ``ppermute``. The wrap-around puts the stream of the batch that left the last stage
+in slot 0 of the carry (stage 0 overwrites slot 0 with the next new batch), where the caller
+takes it through ``final_logits`` and sampling.
+
+Shapes. A tick has the shape ``(decodes, prefill tokens)`` of the smallest bucket covering
+every batch in the pipeline, so a lone decode runs a decode-sized tick. The host sends every
+slot's packed step buffers at that shape each tick (``[spp, size]``; slot ``s``: the batch
+stage ``s`` runs, slot 0 the new one), so only the residual stream stays on device
+(``PipelineCarry``), at one fixed canonical size whatever the tick: ``decode_rows`` rows for
+decode tokens (token ``i`` at row ``i``) then the largest prefill chunk (prefill token ``j``
+at row ``decode_rows + j``). A tick reads and writes its tokens' rows of it (``stream_rows``)
+and moves only those rows, so a batch finds its stream where it left it under any later
+tick shape that covers it.
 """
 from __future__ import annotations
 
@@ -37,15 +45,11 @@ STAGE_SPEC = P("spp")                # carry leaves: [spp, ...]
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PipelineCarry:
-    """What each stage holds between ticks: slot ``s`` is the microbatch entering stage ``s``
-    on the next tick (slot 0: the batch that just left the last stage)."""
+    """What each stage holds between ticks: slot ``s`` is the residual stream of the
+    microbatch entering stage ``s`` on the next tick (slot 0: the batch that just left the
+    last stage), in the canonical layout (module docstring)."""
 
-    x: jax.Array     # [spp, T, hidden] residual stream
-    ibuf: jax.Array  # [spp, int_size] the batch's packed int32 step buffer
-    fbuf: jax.Array  # [spp, float_size] its packed float32 buffer
-
-    def exiting(self) -> tuple[jax.Array, jax.Array, jax.Array]:
-        return self.x[0], self.ibuf[0], self.fbuf[0]
+    x: jax.Array     # [spp, decode_rows + prefill_tokens, hidden]
 
 
 def validate(cfg: LlamaConfig, spp: int) -> None:
@@ -58,33 +62,51 @@ def layers_per_stage(cfg: LlamaConfig, spp: int) -> int:
     return cfg.num_hidden_layers // spp
 
 
-def carry_spec(mesh: Mesh, cfg: LlamaConfig, tokens: int, int_size: int,
-               float_size: int) -> PipelineCarry:
-    """Abstract carry (shapes and shardings) for lowering the tick."""
+def carry_spec(mesh: Mesh, cfg: LlamaConfig, tokens: int) -> PipelineCarry:
+    """Abstract carry (shape and sharding) for lowering the tick; ``tokens``: the canonical
+    rows (largest decode rows plus largest prefill chunk)."""
     spp = mesh.shape["spp"]
-    sharding = NamedSharding(mesh, STAGE_SPEC)
-    return PipelineCarry(
-        x=jax.ShapeDtypeStruct((spp, tokens, cfg.hidden_size), cfg.np_dtype, sharding=sharding),
-        ibuf=jax.ShapeDtypeStruct((spp, int_size), jnp.int32, sharding=sharding),
-        fbuf=jax.ShapeDtypeStruct((spp, float_size), jnp.float32, sharding=sharding))
+    return PipelineCarry(jax.ShapeDtypeStruct((spp, tokens, cfg.hidden_size), cfg.np_dtype,
+                                              sharding=NamedSharding(mesh, STAGE_SPEC)))
 
 
-def empty_carry(mesh: Mesh, cfg: LlamaConfig, tokens: int, ibuf, fbuf) -> PipelineCarry:
-    """Every slot an empty batch (``ibuf``/``fbuf``: a packed all-padding step, whose writes
-    go to the sink page 0 and which samples no row) with a zero residual stream."""
+def empty_carry(mesh: Mesh, cfg: LlamaConfig, tokens: int) -> PipelineCarry:
+    """A zero residual stream in every slot (empty slots: all-padding steps, whose writes go
+    to the sink page 0 and which sample no row)."""
     spp = mesh.shape["spp"]
-    sharding = NamedSharding(mesh, STAGE_SPEC)
-    tile = lambda b: jnp.tile(jnp.asarray(b)[None], (spp, 1))
-    return jax.device_put(PipelineCarry(jnp.zeros((spp, tokens, cfg.hidden_size), cfg.np_dtype),
-                                        tile(ibuf), tile(fbuf)), sharding)
+    return jax.device_put(PipelineCarry(jnp.zeros((spp, tokens, cfg.hidden_size),
+                                                  cfg.np_dtype)),
+                          NamedSharding(mesh, STAGE_SPEC))
 
 
-def tick(params: Params, kv_cache: KVCache, carry: PipelineCarry, ibuf: jax.Array,
-         fbuf: jax.Array, *, unpack: Callable, mesh: Mesh, cfg: LlamaConfig,
-         attention_impl: str) -> tuple[KVCache, PipelineCarry]:
-    """One pipeline tick with the new batch (``ibuf``, ``fbuf``; replicated) entering stage 0.
-    ``unpack(ibuf, fbuf)`` turns packed buffers into ``StepArrays``. Returns the updated KV
-    cache and carry; ``carry.exiting()`` is the batch that left the last stage.
+def stream_rows(x: jax.Array, decodes: int, tokens: int, decode_rows: int) -> jax.Array:
+    """The ``tokens`` rows of a tick with ``decodes`` decode rows out of one canonical stream
+    ``x`` [rows, hidden]: rows ``[0, decodes)`` then ``[decode_rows, decode_rows + tokens -
+    decodes)``."""
+    return jnp.concatenate([x[:decodes], x[decode_rows:decode_rows + tokens - decodes]])
+
+
+def put_stream_rows(x: jax.Array, rows: jax.Array, decodes: int, decode_rows: int
+                    ) -> jax.Array:
+    """``x`` with the tick's ``rows`` written back where ``stream_rows`` read them."""
+    x = jax.lax.dynamic_update_slice_in_dim(x, rows[:decodes], 0, 0)
+    return jax.lax.dynamic_update_slice_in_dim(x, rows[decodes:], decode_rows, 0)
+
+
+def exiting(carry: PipelineCarry, decodes: int, tokens: int, decode_rows: int) -> jax.Array:
+    """The residual stream of the batch that left the last stage, at the tick's shape."""
+    return stream_rows(carry.x[0], decodes, tokens, decode_rows)
+
+
+def tick(params: Params, kv_cache: KVCache, carry: PipelineCarry, ibufs: jax.Array,
+         fbufs: jax.Array, *, unpack: Callable, decode_rows: int, mesh: Mesh,
+         cfg: LlamaConfig, attention_impl: str) -> tuple[KVCache, PipelineCarry]:
+    """One pipeline tick. ``ibufs``/``fbufs`` [spp, size] (replicated): row ``s`` is the
+    packed step of the batch stage ``s`` runs (row 0 the new batch, entering stage 0), all
+    at the tick's shape; ``unpack(ibuf, fbuf)`` turns one row into ``StepArrays``.
+    ``decode_rows``: the carry's canonical decode rows. Returns the updated KV cache and
+    carry; ``exiting`` gives the stream of the batch that left the last stage (the one in
+    row ``spp - 1``).
 
     With ``kvp`` > 1 every stage runs KV-cache-parallel attention: the batch travels whole,
     so each group takes its own columns of the page table here (what ``PAGE_TABLE_SPEC``
@@ -94,29 +116,34 @@ def tick(params: Params, kv_cache: KVCache, carry: PipelineCarry, ibuf: jax.Arra
     kvp_axis = "kvp" if kvp > 1 else None
     perm = [(s, (s + 1) % spp) for s in range(spp)]
 
-    def local(params, kv_cache, carry, ibuf, fbuf):
-        first = jax.lax.axis_index("spp") == 0
-        ib = jnp.where(first, ibuf, carry.ibuf[0])
-        fb = jnp.where(first, fbuf, carry.fbuf[0])
-        batch = unpack(ib, fb).batch
+    def local(params, kv_cache, carry, ibufs, fbufs):
+        stage = jax.lax.axis_index("spp")
+        first = stage == 0
+        batch = unpack(jax.lax.dynamic_index_in_dim(ibufs, stage, keepdims=False),
+                       jax.lax.dynamic_index_in_dim(fbufs, stage, keepdims=False)).batch
+        decodes, tokens = batch.attn.num_decodes, batch.tokens.shape[0]
         if kvp_axis is not None:
             table = batch.attn.page_table
             local = local_page_table(table, jax.lax.axis_index("kvp"), table.shape[1] // kvp)
             batch = dataclasses.replace(
                 batch, attn=dataclasses.replace(batch.attn, page_table=local))
-        x = jnp.where(first, embed(params, batch.tokens), carry.x[0])
+        held = carry.x[0]
+        x = jnp.where(first, embed(params, batch.tokens),
+                      stream_rows(held, decodes, tokens, decode_rows))
         cos, sin = rope_tables(cfg, batch.attn.positions)
         layer_fn = step_layer(batch, cos, sin, cfg=cfg, attention_impl=attention_impl,
                               tp_axis="tp", kvp_axis=kvp_axis)
         x, kv_cache, _ = layer_loop(params["layers"], x, kv_cache, layer_fn, 0, lps)
-        moved = PipelineCarry(*(jax.lax.ppermute(a, "spp", perm)[None] for a in (x, ib, fb)))
-        return kv_cache, moved
+        # Only the tick's rows travel; the slot's other rows keep stale values that no
+        # batch covered by a later tick reads as its own (they are its padding).
+        moved = jax.lax.ppermute(x, "spp", perm)
+        return kv_cache, PipelineCarry(put_stream_rows(held, moved, decodes, decode_rows)[None])
 
     specs = kv_cache_specs()
-    carry_specs = PipelineCarry(STAGE_SPEC, STAGE_SPEC, STAGE_SPEC)
+    carry_specs = PipelineCarry(STAGE_SPEC)
     # check_vma off for the same reason as tp_forward (kernel loop carries); replication of
     # the moved carry over tp holds by construction (psum'd residual stream).
     return jax.shard_map(local, mesh=mesh,
                          in_specs=(param_specs(params), specs, carry_specs, P(), P()),
                          out_specs=(specs, carry_specs), check_vma=False)(
-        params, kv_cache, carry, ibuf, fbuf)
+        params, kv_cache, carry, ibufs, fbufs)

@@ -66,11 +66,6 @@ class Buckets:
                                           | set(_ladder(min(4, decodes), decodes)))),
         )
 
-    def single_shape(self) -> "Buckets":
-        """Only the largest step shape (stream pipelining: the carry's shape is fixed)."""
-        return dataclasses.replace(self, decode_rows=self.decode_rows[-1:], decode_only_rows=(),
-                                   prefill_tokens=self.prefill_tokens[-1:])
-
     @property
     def max_rows(self) -> int:
         """Sequence rows of the largest step: what the one sampling program is padded to."""
@@ -88,6 +83,13 @@ class Buckets:
             return self.fit(self.decode_only_rows, num_decodes), 0
         return (self.fit(self.decode_rows, num_decodes),
                 self.fit(self.prefill_tokens, num_prefill_tokens))
+
+    def covering(self, shapes) -> tuple[int, int]:
+        """The smallest step shape at least each of ``shapes`` (bucket shapes) in both
+        dimensions: a pipeline tick's, which runs every batch in the pipeline."""
+        shapes = list(shapes)
+        return self.shape_for(max((d for d, _ in shapes), default=0),
+                              max((p for _, p in shapes), default=0))
 
     def all_shapes(self) -> list[tuple[int, int]]:
         shapes = [(d, p) for d in self.decode_rows for p in self.prefill_tokens if d or p]

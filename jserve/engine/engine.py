@@ -36,6 +36,7 @@ from jserve.engine.output import (
 from jserve.engine.request_state import NEUTRAL_ROW, RequestState, StateRows, sampler_row
 from jserve.engine.step_builder import BuiltStep, StepFlags
 from jserve.engine.swap import HostKVStore
+from jserve.engine.tick_slots import TickSlots
 from jserve.model.llama import Params
 from jserve.sampling.params import SamplingParams
 from jserve.scheduler import BatchPlan, Request, RequestStatus
@@ -98,7 +99,8 @@ class LLMEngine:
         self._empty: BuiltStep | None = None
         if self._depth > 1:
             self._empty = self._build(_EMPTY_PLAN, StepFlags(False, False, False))
-            self.runner.start_pipeline(self._empty.shape, self._empty.arrays)
+            self._slots = TickSlots(self.runner, self.builder, NEUTRAL_ROW, self._depth)
+            self.runner.start_pipeline()
         hits = parts.persistent_cache_hits
         self.startup_summary = (
             f"engine ready in {time.perf_counter() - started:.1f}s: {describe_engine(self)}; "
@@ -227,11 +229,14 @@ class LLMEngine:
                                   NEUTRAL_ROW, lambda r: r.payload.state_row, flags)
 
     def _execute(self, built: BuiltStep):
-        """Multi-process: the leader broadcasts every step (empty pipeline ticks included)
-        so the followers launch it too."""
+        """Multi-process: the leader broadcasts every step (empty ticks too) to the followers.
+        spp > 1: a tick of the new batch (``_empty``: none) and the queue's (``TickSlots``)."""
+        shape, bufs = (self._slots.buffers([None if built is self._empty else built] + [
+            b.built if b else None for b in self._queue]) if self._depth > 1 else
+            (built.shape, self.runner.compiled(built.shape)[1].pack(built.arrays)))
         if self._multi_process:
-            return distributed.leader_execute(self.runner, built.shape, built.arrays)
-        return self.runner.execute(built.shape, built.arrays)
+            return distributed.leader_execute(self.runner, shape, *bufs)
+        return self.runner.execute_packed(shape, *bufs)
 
     def _complete(self, done: _Launched, out, tokens: np.ndarray) -> list[RequestOutput]:
         """The plan ``done`` is back with its sampled tokens: the scheduler updates request
@@ -272,7 +277,7 @@ class LLMEngine:
         for p in plans:
             self.scheduler.update(p, None)
         if self._empty is not None:
-            self.runner.start_pipeline(self._empty.shape, self._empty.arrays)
+            self.runner.start_pipeline()
         return outputs
 
     def _log_pipeline(self) -> None:

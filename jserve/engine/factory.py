@@ -91,8 +91,6 @@ def engine_geometry(cfg: LlamaConfig, config: EngineConfig) -> Geometry:
         max_num_seqs=config.max_num_seqs, token_budget=budget,
         max_prefill_seqs=config.max_prefill_seqs, max_model_len=max_model_len,
         page_size=config.page_size, kvp=mc.kvp)
-    if mc.spp > 1:
-        buckets = buckets.single_shape()
     pages_per_seq = (-(-max_model_len // config.page_size) if mc.kvp == 1
                      else buckets.pages_per_group)
     return Geometry(mc, max_model_len, buckets, pages_per_seq,

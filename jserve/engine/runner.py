@@ -218,14 +218,17 @@ def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, f
 
 
 def _tick(params: Params, kv_cache: KVCache, state: SeqState, carry: pipeline.PipelineCarry,
-          ibuf: jax.Array, fbuf: jax.Array, *, layout: PackedLayout, cfg: LlamaConfig,
-          attention_impl: str, mesh: jax.sharding.Mesh, rows: int):
-    """A stream-pipeline tick (``sharding.pipeline.tick``), then the plain step's tail on the
-    batch that left the last stage (replicated, outside the shard_map)."""
-    kv_cache, carry = pipeline.tick(params, kv_cache, carry, ibuf, fbuf, unpack=layout.unpack,
-                                    mesh=mesh, cfg=cfg, attention_impl=attention_impl)
-    x, ib, fb = carry.exiting()
-    arrays = layout.unpack(ib, fb)
+          ibufs: jax.Array, fbufs: jax.Array, *, layout: PackedLayout, cfg: LlamaConfig,
+          attention_impl: str, mesh: jax.sharding.Mesh, rows: int, decode_rows: int):
+    """A stream-pipeline tick (``sharding.pipeline.tick``; ``ibufs``/``fbufs`` [spp, size]:
+    every stage's batch at the tick's shape), then the plain step's tail on the batch that
+    left the last stage (the last row; replicated, outside the shard_map)."""
+    kv_cache, carry = pipeline.tick(params, kv_cache, carry, ibufs, fbufs, unpack=layout.unpack,
+                                    decode_rows=decode_rows, mesh=mesh, cfg=cfg,
+                                    attention_impl=attention_impl)
+    arrays = layout.unpack(ibufs[-1], fbufs[-1])
+    x = pipeline.exiting(carry, arrays.batch.attn.num_decodes, arrays.batch.tokens.shape[0],
+                         decode_rows)
     logits = final_logits(params, x, arrays.batch.logits_rows, cfg)
     inputs, state = _sample_inputs(logits, state, arrays, rows)
     # Replicated like the plain step's outputs (multi-process leaders read their own copy;
@@ -355,7 +358,7 @@ class ModelRunner:
         # on CPU) are freed with it instead of accumulating for the life of the process.
         self._jitted = (
             jax.jit(_fresh(_tick), static_argnames=("layout", "cfg", "attention_impl", "mesh",
-                                                    "rows"),
+                                                    "rows", "decode_rows"),
                     donate_argnums=(1, 2, 3)) if self.spp > 1 else
             jax.jit(_fresh(_step), static_argnames=("layout", "cfg", "attention_impl", "mesh",
                                                     "rows", "capture_layer"),
@@ -364,7 +367,15 @@ class ModelRunner:
         self._compiled: dict[tuple[int, int], tuple[jax.stages.Compiled, PackedLayout]] = {}
         self._sampler: jax.stages.Compiled | None = None
         self.compile_count = 0
+        self.executed: collections.Counter = collections.Counter()  # steps run per shape
         self.compile_seconds = 0.0  # wall time spent lowering and compiling
+
+    @property
+    def stream_shape(self) -> tuple[int, int]:
+        """The pipeline carry's canonical rows (``sharding.pipeline``): the most decode rows
+        of any bucket, then the largest prefill chunk."""
+        b = self.buckets
+        return max(b.decode_rows + b.decode_only_rows), b.prefill_tokens[-1]
 
     def arrays_spec(self, num_decodes: int, num_prefill_tokens: int) -> StepArrays:
         """Abstract shapes of a bucket's inputs (what ``StepBuilder`` fills)."""
@@ -387,17 +398,27 @@ class ModelRunner:
 
     def _lower(self, shape: tuple[int, int]) -> tuple[jax.stages.Lowered, PackedLayout]:
         layout = PackedLayout(self.arrays_spec(*shape))
-        ibuf = jax.ShapeDtypeStruct((layout.int_size,), jnp.int32, sharding=self._replicated)
-        fbuf = jax.ShapeDtypeStruct((layout.float_size,), jnp.float32, sharding=self._replicated)
+        ishape, fshape = self._buffer_shapes(layout)
+        ibuf = jax.ShapeDtypeStruct(ishape, jnp.int32, sharding=self._replicated)
+        fbuf = jax.ShapeDtypeStruct(fshape, jnp.float32, sharding=self._replicated)
         carry = () if self.spp == 1 else (pipeline.carry_spec(
-            self.mesh, self.cfg, sum(shape), layout.int_size, layout.float_size),)
+            self.mesh, self.cfg, sum(self.stream_shape)),)
         lowered = self._jitted.lower(self.params, self.kv_cache, self.state, *carry, ibuf, fbuf,
                                      layout=layout, cfg=self.cfg,
                                      attention_impl=self.attention_impl, mesh=self.mesh,
                                      rows=self.sample_rows,
-                                     **({} if self.spp > 1 else
-                                        {"capture_layer": self.capture_layer}))
+                                     **({"decode_rows": self.stream_shape[0]} if self.spp > 1
+                                        else {"capture_layer": self.capture_layer}))
         return lowered, layout
+
+    def _buffer_shapes(self, layout: PackedLayout) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        lead = (self.spp,) if self.spp > 1 else ()
+        return lead + (layout.int_size,), lead + (layout.float_size,)
+
+    def buffer_shapes(self, shape: tuple[int, int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The packed int32 and float32 buffers a step of ``shape`` takes: one step's, or with
+        spp > 1 one per pipeline slot ([spp, size])."""
+        return self._buffer_shapes(self.compiled(shape)[1])
 
     def _lower_sampler(self) -> jax.stages.Lowered:
         """The one sampling program, on the padded rows every step hands it."""
@@ -474,11 +495,15 @@ class ModelRunner:
         self.kv_cache = _scatter_pages(self.kv_cache, ids, data)
 
     def execute(self, shape: tuple[int, int], arrays: StepArrays) -> SampleResult:
+        """One unpipelined step (spp == 1) of ``arrays``."""
         return self.execute_packed(shape, *self.compiled(shape)[1].pack(arrays))
 
     def execute_packed(self, shape: tuple[int, int], ibuf, fbuf) -> SampleResult:
-        """The step on already packed buffers (what multi-process followers receive)."""
+        """The step on already packed buffers (what multi-process followers receive); with
+        spp > 1 one pipeline tick, ``ibuf``/``fbuf`` [spp, size] (``buffer_shapes``): row
+        ``s`` the batch stage ``s`` runs, the result the last row's samples."""
         exe, _ = self.compiled(shape)
+        self.executed[shape] += 1
         if self.spp > 1:
             inputs, self.kv_cache, self.state, self.carry = exe(
                 self.params, self.kv_cache, self.state, self.carry, ibuf, fbuf)
@@ -489,7 +514,7 @@ class ModelRunner:
                 self.last_capture = capture[0]
         return self.sampler()(self.state, inputs)
 
-    def start_pipeline(self, shape: tuple[int, int], empty: StepArrays) -> None:
-        """Fill every pipeline slot with ``empty`` (an all-padding step of the tick shape)."""
-        layout = self.compiled(shape)[1]
-        self.carry = pipeline.empty_carry(self.mesh, self.cfg, sum(shape), *layout.pack(empty))
+    def start_pipeline(self) -> None:
+        """A zero residual stream in every pipeline slot (the slots' steps come with each
+        tick)."""
+        self.carry = pipeline.empty_carry(self.mesh, self.cfg, sum(self.stream_shape))

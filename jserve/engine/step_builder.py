@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 
 from jserve.engine.buckets import Buckets
@@ -27,6 +28,51 @@ class BuiltStep:
     shape: tuple[int, int]
     arrays: StepArrays
     sample_rows: list[tuple[int, ScheduledChunk]]  # (row in the step, chunk) for sampled rows
+
+    def resized(self, empty: "BuiltStep") -> "BuiltStep":
+        """This step padded to the shape of ``empty`` (the all-padding step of a shape at
+        least this one's in both dimensions): what building the plan at that shape gives,
+        from the host arrays alone (the requests may have moved on while it is in flight).
+
+        Every leaf with a leading token (T) or row (S) dimension keeps its decode part at the
+        front and moves its prefill part from offset ``bd`` to the new ``bd``; the rest is
+        ``empty``'s padding. The two dimensions need no telling apart: both put decodes
+        first and the prefill part after them. Leaves whose shape does not change (scalars,
+        rows when only the prefill tokens grow) are kept. Values that number rows or tokens
+        of the step are remapped: ``token_seq``, ``logits_rows`` and ``sample_rows``."""
+        (bd, tp), (new_bd, new_tp) = self.shape, empty.shape
+        if (bd, tp) == (new_bd, new_tp):
+            return self
+        if new_bd < bd or new_tp < tp:
+            raise ValueError(f"cannot resize a step of shape {self.shape} to {empty.shape}")
+        shift = new_bd - bd
+
+        def move(leaf, pad):
+            leaf = np.asarray(leaf)
+            if leaf.shape == np.shape(pad):
+                return leaf
+            out = np.array(pad, copy=True)
+            out[:bd] = leaf[:bd]
+            out[new_bd:new_bd + len(leaf) - bd] = leaf[bd:]
+            return out
+
+        leaves = [move(a, b) for a, b in zip(jax.tree.leaves(self.arrays),
+                                             jax.tree.leaves(empty.arrays), strict=True)]
+        arrays = jax.tree.unflatten(jax.tree.structure(empty.arrays), leaves)
+        attn, old = arrays.batch.attn, self.arrays.batch
+        # Prefill tokens name their rows (bd + j); padding tokens the row past the last.
+        rows, new_rows = len(old.logits_rows), len(arrays.batch.logits_rows)
+        seq = attn.token_seq.copy()
+        part = seq[new_bd:new_bd + tp]
+        part[:] = np.where(part < rows, part + shift, new_rows)
+        # Live prefill rows take their logits from their last token; padding rows keep 0.
+        logits_rows = arrays.batch.logits_rows.copy()
+        logits_rows[new_bd:new_bd + int(old.attn.num_prefills)] += shift
+        arrays = dataclasses.replace(arrays, batch=dataclasses.replace(
+            arrays.batch, logits_rows=logits_rows,
+            attn=dataclasses.replace(attn, token_seq=seq)))
+        return BuiltStep(empty.shape, arrays,
+                         [(r if r < bd else r + shift, c) for r, c in self.sample_rows])
 
 
 class StepBuilder:
@@ -58,8 +104,10 @@ class StepBuilder:
 
     def build(self, plan: BatchPlan, requests: dict[str, Request],
               sampler_row: "callable[[Request], SamplerRow]", neutral_row: SamplerRow,
-              state_row: "callable[[Request], int]", flags: StepFlags) -> BuiltStep:
-        bd, padded_prefill_tokens = self.buckets.shape_for(
+              state_row: "callable[[Request], int]", flags: StepFlags,
+              shape: tuple[int, int] | None = None) -> BuiltStep:
+        """``shape``: build at this bucket shape instead of the smallest one that fits."""
+        bd, padded_prefill_tokens = shape or self.buckets.shape_for(
             len(plan.decodes), sum(c.num_tokens for c in plan.prefills))
         s = bd + (self.buckets.prefill_rows if padded_prefill_tokens else 0)
         h = _HostArrays.empty(bd + padded_prefill_tokens, s, self.buckets.page_table_width,
@@ -81,6 +129,12 @@ class StepBuilder:
             any_random=np.asarray(flags.any_random), any_penalty=np.asarray(flags.any_penalty),
             want_logprobs=np.asarray(flags.want_logprobs))
         return BuiltStep((bd, padded_prefill_tokens), arrays, h.sample_rows)
+
+    def empty(self, shape: tuple[int, int], neutral_row: SamplerRow) -> BuiltStep:
+        """The all-padding step of ``shape``: writes go to the sink page 0, no row samples
+        (an empty pipeline slot, and ``BuiltStep.resized``'s padding)."""
+        return self.build(BatchPlan((), ()), {}, None, neutral_row, None,
+                          StepFlags(False, False, False), shape=shape)
 
     def _fill_decodes(self, h: "_HostArrays", plan: BatchPlan, requests, sampler_row,
                       state_row) -> None:
