@@ -230,10 +230,10 @@ class LLMEngine:
 
     def _execute(self, built: BuiltStep):
         """Multi-process: the leader broadcasts every step (empty ticks too) to the followers.
-        spp > 1: a tick of the new batch (``_empty``: none) and the queue's (``TickSlots``)."""
-        shape, bufs = (self._slots.buffers([None if built is self._empty else built] + [
-            b.built if b else None for b in self._queue]) if self._depth > 1 else
-            (built.shape, self.runner.compiled(built.shape)[1].pack(built.arrays)))
+        spp > 1: a tick (``TickSlots``) of the new batch (``_empty``: none) and the queue's."""
+        shape, bufs = (self._slots.buffers(None if built is self._empty else built, self._queue)
+                       if self._depth > 1 else
+                       (built.shape, self.runner.compiled(built.shape)[1].pack(built.arrays)))
         if self._multi_process:
             return distributed.leader_execute(self.runner, shape, *bufs)
         return self.runner.execute_packed(shape, *bufs)

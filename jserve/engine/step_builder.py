@@ -28,11 +28,13 @@ class BuiltStep:
     shape: tuple[int, int]
     arrays: StepArrays
     sample_rows: list[tuple[int, ScheduledChunk]]  # (row in the step, chunk) for sampled rows
+    original: "BuiltStep | None" = None  # what ``resized`` padded (None: as built)
 
     def resized(self, empty: "BuiltStep") -> "BuiltStep":
-        """This step padded to the shape of ``empty`` (the all-padding step of a shape at
-        least this one's in both dimensions): what building the plan at that shape gives,
-        from the host arrays alone (the requests may have moved on while it is in flight).
+        """The step as built, padded to the shape of ``empty`` (the all-padding step of a
+        shape at least the built one's in both dimensions): what building the plan at that
+        shape gives, from the host arrays alone (the requests may have moved on while it is
+        in flight). A resized step resizes from its original, to a smaller shape too.
 
         Every leaf with a leading token (T) or row (S) dimension keeps its decode part at the
         front and moves its prefill part from offset ``bd`` to the new ``bd``; the rest is
@@ -40,6 +42,8 @@ class BuiltStep:
         first and the prefill part after them. Leaves whose shape does not change (scalars,
         rows when only the prefill tokens grow) are kept. Values that number rows or tokens
         of the step are remapped: ``token_seq``, ``logits_rows`` and ``sample_rows``."""
+        if self.original is not None:
+            return self.original.resized(empty)
         (bd, tp), (new_bd, new_tp) = self.shape, empty.shape
         if (bd, tp) == (new_bd, new_tp):
             return self
@@ -72,7 +76,7 @@ class BuiltStep:
             arrays.batch, logits_rows=logits_rows,
             attn=dataclasses.replace(attn, token_seq=seq)))
         return BuiltStep(empty.shape, arrays,
-                         [(r if r < bd else r + shift, c) for r, c in self.sample_rows])
+                         [(r if r < bd else r + shift, c) for r, c in self.sample_rows], self)
 
 
 class StepBuilder:

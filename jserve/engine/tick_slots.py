@@ -1,7 +1,9 @@
 """Host side of a stream-pipeline tick (spp > 1): the tick's shape, the smallest bucket
 covering every batch in the pipeline, and every slot's packed step at that shape
 (``sharding.pipeline``). Each batch in flight keeps the ``BuiltStep`` it was launched with;
-a tick re-pads it (``BuiltStep.resized``) rather than rebuilding it from request state."""
+a tick re-pads it (``BuiltStep.resized``) rather than rebuilding it from request state, and
+the batch's record takes the re-padded step, so the exiting batch's sample rows name rows of
+the tick's samples."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -29,28 +31,36 @@ class TickSlots:
         return self._empty[shape]
 
     def shape(self, steps: Sequence[BuiltStep | None]) -> tuple[int, int]:
-        """The tick's shape: the smallest bucket at least every live slot's own shape."""
-        return self.builder.buckets.covering(s.shape for s in steps if s is not None)
+        """The tick's shape: the smallest bucket at least every live slot's built shape."""
+        return self.builder.buckets.covering((s.original or s).shape for s in steps
+                                             if s is not None)
 
-    def buffers(self, steps: Sequence[BuiltStep | None]
+    def buffers(self, new: BuiltStep | None, in_flight: Sequence
                 ) -> tuple[tuple[int, int], tuple[np.ndarray, np.ndarray]]:
-        """``steps``: slot ``s`` is the batch stage ``s`` runs this tick (slot 0 the new one,
-        None or a missing slot: empty). Returns the tick's shape and its [spp, size] int32
-        and float32 buffers."""
+        """``new``: the batch entering stage 0 (None: an empty slot); ``in_flight``: the
+        records of the batches entering stages 1, 2, ... (None or missing: empty), each
+        with a ``built`` step, which becomes the re-padded one. Returns the tick's shape and
+        its [spp, size] int32 and float32 buffers."""
+        records = [None] + list(in_flight)
+        records += [None] * (self.spp - len(records))
+        steps = [new] + [r.built if r is not None else None for r in records[1:]]
         shape = self.shape(steps)
         layout = self.runner.compiled(shape)[1]
-        packed = {}
-        rows = []
-        for step in list(steps) + [None] * (self.spp - len(steps)):
+        packed, rows = {}, []
+        for record, step in zip(records, steps):
             if step is None:
                 if shape not in self._empty_packed:
                     self._empty_packed[shape] = layout.pack(self.empty(shape).arrays)
                 rows.append(self._empty_packed[shape])
                 continue
-            key = (id(step), shape)
+            key = (id(step.original or step), shape)  # the held step keeps the id unique
             held = self._packed.get(key) or packed.get(key)
-            bufs = held[1] if held else layout.pack(step.resized(self.empty(shape)).arrays)
-            packed[key] = (step, bufs)
-            rows.append(bufs)
+            if held is None:
+                resized = step.resized(self.empty(shape))
+                held = (resized, layout.pack(resized.arrays))
+            packed[key] = held
+            rows.append(held[1])
+            if record is not None:
+                record.built = held[0]
         self._packed = packed
         return shape, (np.stack([i for i, _ in rows]), np.stack([f for _, f in rows]))
