@@ -31,9 +31,10 @@ class StepRunner(Protocol):
     def buffer_shapes(self, shape: tuple[int, int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The shapes of the int32 and float32 buffers a step of ``shape`` takes."""
 
-    def execute_packed(self, shape: tuple[int, int], ibuf: jax.Array,
-                       fbuf: jax.Array) -> SampleResult:
-        """Runs the step for ``shape`` on packed buffers."""
+    def execute_packed(self, shape: tuple[int, int], ibuf: jax.Array, fbuf: jax.Array,
+                       sample: bool = True) -> SampleResult:
+        """Runs the step for ``shape`` on packed buffers (``sample`` False: no sampling,
+        host zeros back)."""
 
 
 def initialize(coordinator: str, num_processes: int, process_id: int,
@@ -51,27 +52,28 @@ def is_leader() -> bool:
     return jax.process_index() == 0
 
 
-def _header(kind: int, shape: tuple[int, int] = (0, 0)) -> np.ndarray:
-    return np.array([kind, *shape], np.int32)
+def _header(kind: int, shape: tuple[int, int] = (0, 0), sample: bool = True) -> np.ndarray:
+    return np.array([kind, *shape, sample], np.int32)
 
 
-def _run(runner: StepRunner, shape: tuple[int, int], ibuf: np.ndarray,
-         fbuf: np.ndarray) -> SampleResult:
+def _run(runner: StepRunner, shape: tuple[int, int], ibuf: np.ndarray, fbuf: np.ndarray,
+         sample: bool) -> SampleResult:
     """Every process calls this with the same buffers; the result is this process's copy of
     the replicated outputs."""
     replicated = NamedSharding(runner.mesh, P())
     ibuf, fbuf = (jax.make_array_from_process_local_data(replicated, b) for b in (ibuf, fbuf))
-    out = runner.execute_packed(shape, ibuf, fbuf)
-    return jax.tree.map(lambda x: x.addressable_data(0), out)
+    out = runner.execute_packed(shape, ibuf, fbuf, sample)
+    return jax.tree.map(lambda x: x.addressable_data(0) if isinstance(x, jax.Array) else x,
+                        out)
 
 
 def leader_execute(runner: StepRunner, shape: tuple[int, int], ibuf: np.ndarray,
-                   fbuf: np.ndarray) -> SampleResult:
+                   fbuf: np.ndarray, sample: bool = True) -> SampleResult:
     """The leader's ``runner.execute_packed``: broadcast the step, then run it like the
     followers."""
-    broadcast_one_to_all(_header(_STEP, shape))
+    broadcast_one_to_all(_header(_STEP, shape, sample))
     ibuf, fbuf = broadcast_one_to_all((ibuf, fbuf))
-    return _run(runner, shape, ibuf, fbuf)
+    return _run(runner, shape, ibuf, fbuf, sample)
 
 
 def stop_followers() -> None:
@@ -84,12 +86,12 @@ def follow(runner: StepRunner) -> int:
     Returns the number of steps run."""
     steps = 0
     while True:
-        kind, *shape = broadcast_one_to_all(_header(_STOP)).tolist()
+        kind, bd, tp, sample = broadcast_one_to_all(_header(_STOP)).tolist()
         if kind == _STOP:
             return steps
-        shape = tuple(shape)
+        shape = (bd, tp)
         ishape, fshape = runner.buffer_shapes(shape)
         ibuf, fbuf = broadcast_one_to_all((np.zeros(ishape, np.int32),
                                            np.zeros(fshape, np.float32)))
-        _run(runner, shape, ibuf, fbuf)
+        _run(runner, shape, ibuf, fbuf, bool(sample))
         steps += 1

@@ -63,9 +63,11 @@ _SCRIPT = textwrap.dedent("""
             def record(new, in_flight):
                 live = [new] + [b.built for b in in_flight if b is not None]
                 own = [list((s.original or s).shape) for s in live if s is not None]
+                exits = len(in_flight) == 1 and in_flight[0] is not None
                 out = buffers(new, in_flight)
-                ticks.append({"tick": list(out[0]), "own": own,
-                              "buffers": [list(b.shape) for b in out[1]]})
+                ticks.append({"tick": list(out[0]), "own": own, "exits": exits,
+                              "buffers": [list(b.shape) for b in out[1][:2]],
+                              "samples": out[1][2]})
                 return out
 
             eng._slots.buffers = record
@@ -110,10 +112,13 @@ def test_mixed_traffic_matches_one_device(result):
     assert spp["mixed"] == one["mixed"]
     assert all(len(t) == 8 for t in spp["mixed"])
     ticks = spp["ticks"]
-    # Every tick covers every batch it runs, sends one buffer row per stage ...
+    # Every tick covers every batch it runs, sends one buffer row per stage, and samples
+    # exactly when a batch leaves the last stage ...
     for t in ticks:
         assert all(t["tick"][0] >= d and t["tick"][1] >= p for d, p in t["own"]), t
         assert [b[0] for b in t["buffers"]] == [2, 2], t
+        assert t["samples"] == t["exits"], t
+    assert any(t["samples"] for t in ticks) and not all(t["samples"] for t in ticks)
     # ... and decode batches were re-padded to a prefill batch's tick.
     assert any(p == 0 and t["tick"][1] > 0 for t in ticks for _, p in t["own"]), ticks
     # Small ticks as well as the largest ones.

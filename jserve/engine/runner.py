@@ -498,10 +498,13 @@ class ModelRunner:
         """One unpipelined step (spp == 1) of ``arrays``."""
         return self.execute_packed(shape, *self.compiled(shape)[1].pack(arrays))
 
-    def execute_packed(self, shape: tuple[int, int], ibuf, fbuf) -> SampleResult:
+    def execute_packed(self, shape: tuple[int, int], ibuf, fbuf,
+                       sample: bool = True) -> SampleResult:
         """The step on already packed buffers (what multi-process followers receive); with
         spp > 1 one pipeline tick, ``ibuf``/``fbuf`` [spp, size] (``buffer_shapes``): row
-        ``s`` the batch stage ``s`` runs, the result the last row's samples."""
+        ``s`` the batch stage ``s`` runs, the result the last row's samples. ``sample``
+        False (an empty slot leaves the pipeline): no sampling, and the result is host
+        zeros, so the caller does not wait for the tick."""
         exe, _ = self.compiled(shape)
         self.executed[shape] += 1
         if self.spp > 1:
@@ -512,7 +515,14 @@ class ModelRunner:
                 self.params, self.kv_cache, self.state, ibuf, fbuf)
             if capture:
                 self.last_capture = capture[0]
+        if not sample:
+            return self._nothing_sampled()
         return self.sampler()(self.state, inputs)
+
+    def _nothing_sampled(self) -> SampleResult:
+        r, n = self.sample_rows, MAX_LOGPROBS
+        return SampleResult(np.zeros(r, np.int32), np.zeros(r, np.float32),
+                            np.zeros((r, n), np.int32), np.zeros((r, n), np.float32))
 
     def start_pipeline(self) -> None:
         """A zero residual stream in every pipeline slot (the slots' steps come with each

@@ -40,7 +40,8 @@ class TickSlots:
         """``new``: the batch entering stage 0 (None: an empty slot); ``in_flight``: the
         records of the batches entering stages 1, 2, ... (None or missing: empty), each
         with a ``built`` step, which becomes the re-padded one. Returns the tick's shape and
-        its [spp, size] int32 and float32 buffers."""
+        its [spp, size] int32 and float32 buffers, and whether the tick samples (a batch
+        leaves the last stage): ``ModelRunner.execute_packed``'s arguments."""
         records = [None] + list(in_flight)
         records += [None] * (self.spp - len(records))
         steps = [new] + [r.built if r is not None else None for r in records[1:]]
@@ -63,4 +64,5 @@ class TickSlots:
             if record is not None:
                 record.built = held[0]
         self._packed = packed
-        return shape, (np.stack([i for i, _ in rows]), np.stack([f for _, f in rows]))
+        return shape, (np.stack([i for i, _ in rows]), np.stack([f for _, f in rows]),
+                       steps[-1] is not None)
