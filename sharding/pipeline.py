@@ -114,6 +114,7 @@ def tick(params: Params, kv_cache: KVCache, carry: PipelineCarry, ibufs: jax.Arr
     spp, kvp = mesh.shape["spp"], mesh.shape["kvp"]
     lps = layers_per_stage(cfg, spp)
     kvp_axis = "kvp" if kvp > 1 else None
+    tp_axis = "tp" if mesh.shape["tp"] > 1 else None  # no psum over one device per layer
     perm = [(s, (s + 1) % spp) for s in range(spp)]
 
     def local(params, kv_cache, carry, ibufs, fbufs):
@@ -132,7 +133,7 @@ def tick(params: Params, kv_cache: KVCache, carry: PipelineCarry, ibufs: jax.Arr
                       stream_rows(held, decodes, tokens, decode_rows))
         cos, sin = rope_tables(cfg, batch.attn.positions)
         layer_fn = step_layer(batch, cos, sin, cfg=cfg, attention_impl=attention_impl,
-                              tp_axis="tp", kvp_axis=kvp_axis)
+                              tp_axis=tp_axis, kvp_axis=kvp_axis)
         x, kv_cache, _ = layer_loop(params["layers"], x, kv_cache, layer_fn, 0, lps)
         # Only the tick's rows travel; the slot's other rows keep stale values that no
         # batch covered by a later tick reads as its own (they are its padding).
