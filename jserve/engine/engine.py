@@ -24,7 +24,7 @@ from jserve.engine.config import EngineConfig
 from jserve.engine.factory import build_engine_parts, enable_compilation_cache
 from jserve.engine.in_flight import InFlight, Launched
 from jserve.engine.intake import PreparedRequest, RequestIntake, check_slos, new_request
-from jserve.engine.memory_plan import describe_engine
+from jserve.engine.memory_plan import startup_summary
 from jserve.engine.output import (
     OutputProcessor,
     RequestOutput,
@@ -68,7 +68,6 @@ class LLMEngine:
         self._ids = itertools.count()
         self._rng = random.Random(config.seed)
         self.step_log: list[tuple[BatchPlan, float]] | None = None  # (plan, seconds) when on
-        self.pipeline_log: list[dict] | None = None  # one record per tick when on (spp > 1)
         self._in_flight = InFlight(parts.mesh_config.spp)  # one plan per pipeline stage
         # Settable between steps. Off with a length probe, which reads each step's captured
         # state before its tokens are appended.
@@ -77,14 +76,8 @@ class LLMEngine:
         if self._in_flight.depth > 1:
             self._empty = self._build(_EMPTY_PLAN, StepFlags(False, False, False))
             self.runner.start_pipeline(self._empty.shape, self._empty.arrays)
-        hits = parts.persistent_cache_hits
-        self.startup_summary = (
-            f"engine ready in {time.perf_counter() - started:.1f}s: {describe_engine(self)}; "
-            f"compiled {self.runner.compile_count} programs in "
-            f"{self.runner.compile_seconds:.1f}s"
-            + (f" ({hits} from the persistent cache)" if hits is not None else
-               " (warmup off: step shapes compile on first use)")
-            + f"; prefix caching {'on' if self.allocator.prefix_caching else 'off'}")
+        self.startup_summary = startup_summary(self, time.perf_counter() - started,
+                                               parts.persistent_cache_hits)
         log.info("%s", self.startup_summary)
 
     # -- requests ------------------------------------------------------------------------
@@ -145,6 +138,15 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or self._in_flight.pending
 
     @property
+    def pipeline_log(self) -> list[dict] | None:
+        """One record per tick when set to a list: plans in flight and their chunks."""
+        return self._in_flight.log
+
+    @pipeline_log.setter
+    def pipeline_log(self, log: list[dict] | None) -> None:
+        self._in_flight.log = log
+
+    @property
     def compile_count(self) -> int:
         return self.runner.compile_count
 
@@ -171,9 +173,6 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001 - a failed step must not strand its requests
             return self._fail_in_flight(e, new_plan=plan)
         done = self._in_flight.push(launched, out)
-        if self.pipeline_log is not None:
-            self.pipeline_log.append({"in_flight": sum(map(bool, self._in_flight.stages())),
-                                      "stages": self._in_flight.stages()})
         if not self.async_scheduling:
             outputs = self._read_unread() + (self._read(done) if done is not None else [])
             if self.step_log is not None and launched is not None:  # this step's time

@@ -34,11 +34,15 @@ class InFlight:
         self.depth = depth
         self.slots: collections.deque[Launched | None] = collections.deque()
         self.unread: Launched | None = None
+        self.log: list[dict] | None = None  # one record per push when on (spp > 1 tests)
 
     def push(self, launched: Launched | None, out) -> Launched | None:
         """Enters ``launched`` (``out``: the outputs of the step it was launched in) and
         returns the plan leaving the device in that step, if any."""
         self.slots.appendleft(launched)
+        if self.log is not None:
+            stages = self.stages()
+            self.log.append({"in_flight": sum(map(bool, stages)), "stages": stages})
         done = self.slots.pop() if len(self.slots) == self.depth else None
         if done is not None:
             done.out = out
