@@ -47,7 +47,7 @@ _SCRIPT = textwrap.dedent("""
                 if o.finished:
                     outs[o.request_id] = o
             eng.allocator.check()
-            eng.allocator.check_holders([r.block_ids for r in eng.scheduler.running])
+            eng.allocator.check_holders(eng.scheduler.block_holders())
             for r in eng.scheduler.running:
                 if r.block_ids:
                     starts.add(eng.allocator.start_group(r.block_ids))

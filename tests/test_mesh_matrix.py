@@ -2,6 +2,8 @@
 kvp=4 and spp=4, runs one mixed workload (multi-chunk prefills beside decodes, a prompt
 spanning every KV-cache-parallel group, and preemptions from a small KV pool) and must give
 the 1-device engine's greedy tokens, with top logprobs within float32 reduction-order noise.
+Every mesh runs with async scheduling (the default); the reference and a few meshes (one per
+axis, and all three) run synchronously too ("<mesh>|sync").
 
 Two subprocesses with 8 forced host devices each run half of the meshes side by side (XLA
 compiles on one core, and compiling dominates), so the rest of the suite keeps one CPU
@@ -22,6 +24,8 @@ pytestmark = pytest.mark.slow
 
 MESHES = [f"spp={s},kvp={k},tp={t}" for s in (1, 2) for k in (1, 2) for t in (1, 2)]
 MESHES += ["tp=4", "kvp=4", "spp=4"]
+MESHES += [f"{m}|sync" for m in ("tp=1", "spp=2,kvp=1,tp=1", "spp=1,kvp=2,tp=1",
+                                 "spp=1,kvp=1,tp=2", "spp=2,kvp=2,tp=2")]
 
 _SCRIPT = textwrap.dedent("""
     import json, sys
@@ -37,15 +41,17 @@ _SCRIPT = textwrap.dedent("""
                for i, n in enumerate((150, 9, 40, 3, 70))]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
     result = {}
-    for mesh in meshes:
+    for run in meshes:
+        mesh, _, mode = run.partition("|")
         mc = MeshConfig.parse(mesh)
         # The same 16 usable pages on every mesh (a kvp group's pool holds 16/kvp of them plus
         # its sink): a small pool, so every mesh preempts.
-        llm = LLM("default", mesh=mesh, num_kv_pages=16 // mc.kvp + 1, **settings)
+        llm = LLM("default", mesh=mesh, num_kv_pages=16 // mc.kvp + 1,
+                  async_scheduling=mode != "sync", **settings)
         outs = llm.generate(prompts, params)
         eng = llm.engine
         eng.allocator.check()
-        result[mesh] = {
+        result[run] = {
             "tokens": [o.token_ids for o in outs],
             "top": [[[lp for _, lp in t.top] for t in o.logprobs] for o in outs],
             "preemptions": eng.scheduler.num_preemptions,
@@ -61,17 +67,18 @@ _SCRIPT = textwrap.dedent("""
 def test_every_mesh_matches_one_device():
     settings = dict(max_num_seqs=4, max_num_batched_tokens=64, max_prefill_seqs=2,
                     max_model_len=256, warmup=False, page_size=16)
-    halves = [["tp=1"] + MESHES[0::2], MESHES[1::2]]
+    halves = [["tp=1|sync"] + MESHES[0::2], MESHES[1::2]]
     with ThreadPoolExecutor(len(halves)) as pool:
         runs = pool.map(lambda meshes: run_on_devices(_SCRIPT, json.dumps(meshes),
                                                       json.dumps(settings), timeout=1200), halves)
         result = {mesh: r for run in runs for mesh, r in run.result.items()}
-    base = result["tp=1"]
+    base = result["tp=1|sync"]
     assert base["devices"] == 1 and base["preemptions"] > 0 and base["pages"] == 16
     assert all(len(t) == 12 for t in base["tokens"])
     for mesh in MESHES:
         got = result[mesh]
-        assert got["devices"] == MeshConfig.parse(mesh).size and got["pages"] == 16, mesh
+        size = MeshConfig.parse(mesh.partition("|")[0]).size
+        assert got["devices"] == size and got["pages"] == 16, mesh
         assert got["tokens"] == base["tokens"], mesh
         assert got["preemptions"] > 0 and got["leaked"] == 0, (mesh, got["preemptions"])
         np.testing.assert_allclose(np.array(got["top"]), np.array(base["top"]), atol=2e-4,

@@ -3,7 +3,10 @@ does to the batches in flight, ``jserve.engine.tick_slots``) is exactly the step
 shape, and runs to the same tokens as the step at its own shape."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -54,8 +57,12 @@ def recorded():
         if bd and tp and both and not samples and len(built.sample_rows) > 1:
             big = max(both, key=sum)
             resized = built.resized(eng.builder.empty(big, NEUTRAL_ROW))
-            samples["own"] = built, runner.execute(built.shape, built.arrays)
-            samples["big"] = resized, runner.execute(big, resized.arrays)
+            # Each run samples into last_tokens, which feeds this step's decode tokens
+            # (async scheduling): every run, the engine's own included, starts from the same.
+            last = np.asarray(runner.state.last_tokens)
+            for key, step in (("own", built), ("big", resized)):
+                samples[key] = step, runner.execute(step.shape, step.arrays)
+                runner.state = dataclasses.replace(runner.state, last_tokens=jnp.asarray(last))
         return built
 
     eng.builder.build = keep
@@ -85,6 +92,7 @@ def test_resized_step_samples_the_same_tokens(recorded):
     _, _, samples = recorded
     (own, out_own), (big, out_big) = samples["own"], samples["big"]
     assert own.shape < big.shape and own.arrays.batch.attn.num_prefills > 0
+    assert own.arrays.token_fed.any()  # tokens the host has not read, fed on device
     rows_own = [r for r, _ in own.sample_rows]
     rows_big = [r for r, _ in big.sample_rows]
     assert len(rows_own) > 1 and rows_big != rows_own  # the prefill rows moved

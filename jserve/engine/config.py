@@ -63,6 +63,10 @@ class EngineConfig:
     # "tp=2,kvp=2,spp=2" (sharding.MeshConfig: dp, spp, kvp, tp); dp is not supported yet.
     mesh: str = "tp=1"
     warmup: bool = True                # compile every bucket at start
+    # Plan and build step N+1 on the host while step N runs on the device; sampled tokens
+    # stay there and feed the next step, the host reads them one step later. False: every
+    # step waits for its tokens (debugging, exact step timing).
+    async_scheduling: bool = True
     compilation_cache_dir: str | None = dataclasses.field(
         default_factory=default_compilation_cache_dir)
 

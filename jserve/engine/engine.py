@@ -10,8 +10,6 @@ added and aborted between steps; every accepted request ends with a finish reaso
 """
 from __future__ import annotations
 
-import collections
-import dataclasses
 import itertools
 import logging
 import random
@@ -23,17 +21,16 @@ import numpy as np
 
 from jserve.config import LlamaConfig
 from jserve.engine.config import EngineConfig
-from jserve.engine.factory import build_engine_parts
-from jserve.engine.intake import PreparedRequest, RequestIntake, check_slos
-from jserve.engine.memory_plan import describe_engine
+from jserve.engine.factory import build_engine_parts, enable_compilation_cache
+from jserve.engine.in_flight import InFlight, Launched
+from jserve.engine.intake import PreparedRequest, RequestIntake, check_slos, new_request
+from jserve.engine.memory_plan import startup_summary
 from jserve.engine.output import (
-    IncrementalDetokenizer,
     OutputProcessor,
-    RequestMetrics,
     RequestOutput,
     TokenLogprob,
 )
-from jserve.engine.request_state import NEUTRAL_ROW, RequestState, StateRows, sampler_row
+from jserve.engine.request_state import NEUTRAL_ROW, StateRows, sampler_row
 from jserve.engine.step_builder import BuiltStep, StepFlags
 from jserve.engine.swap import HostKVStore
 from jserve.engine.tick_slots import TickSlots
@@ -48,26 +45,6 @@ log = logging.getLogger(__name__)
 _EMPTY_PLAN = BatchPlan((), ())
 
 
-@dataclasses.dataclass(eq=False)
-class _Launched:
-    """A plan on the device: its chunks' requests as launched (an id may be reused once a
-    request is aborted) and its built step (rows that sample, run-time switches)."""
-
-    plan: BatchPlan
-    requests: list[Request]
-    built: BuiltStep
-    want_logprobs: bool
-
-
-def enable_compilation_cache(path: str | None) -> None:
-    """Persistent XLA cache: restarts and repeated test processes skip recompiling."""
-    if path is None:
-        return
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
 class LLMEngine:
     def __init__(self, cfg: LlamaConfig, params: Params, tokenizer: Tokenizer | None,
                  config: EngineConfig = EngineConfig()):
@@ -79,7 +56,6 @@ class LLMEngine:
         self.buckets, self.allocator = parts.buckets, parts.allocator
         self.scheduler, self.runner, self.builder = parts.scheduler, parts.runner, parts.builder
         self.predictor, self.length_tracker = parts.predictor, parts.length_tracker
-        self._depth = parts.mesh_config.spp  # plans in flight: one per pipeline stage
         self._multi_process = parts.multi_process
         self.intake = RequestIntake(tokenizer, cfg.vocab_size, self.max_model_len,
                                     self.allocator)
@@ -93,22 +69,15 @@ class LLMEngine:
         self._ids = itertools.count()
         self._rng = random.Random(config.seed)
         self.step_log: list[tuple[BatchPlan, float]] | None = None  # (plan, seconds) when on
-        self.pipeline_log: list[dict] | None = None  # one record per tick when on (spp > 1)
-        # The batch queue, newest first; None is an empty pipeline slot.
-        self._queue: collections.deque[_Launched | None] = collections.deque()
-        self._empty: BuiltStep | None = None
-        if self._depth > 1:
-            self._empty = self._build(_EMPTY_PLAN, StepFlags(False, False, False))
-            self._slots = TickSlots(self.runner, self.builder, NEUTRAL_ROW, self._depth)
+        self._in_flight = InFlight(parts.mesh_config.spp)  # one plan per pipeline stage
+        # Settable between steps. Off with a length probe, which reads each step's captured
+        # state before its tokens are appended.
+        self.async_scheduling = config.async_scheduling and self.length_tracker is None
+        self._slots = TickSlots(self.runner, self.builder, NEUTRAL_ROW, self._in_flight.depth)
+        if self._in_flight.depth > 1:
             self.runner.start_pipeline()
-        hits = parts.persistent_cache_hits
-        self.startup_summary = (
-            f"engine ready in {time.perf_counter() - started:.1f}s: {describe_engine(self)}; "
-            f"compiled {self.runner.compile_count} programs in "
-            f"{self.runner.compile_seconds:.1f}s"
-            + (f" ({hits} from the persistent cache)" if hits is not None else
-               " (warmup off: step shapes compile on first use)")
-            + f"; prefix caching {'on' if self.allocator.prefix_caching else 'off'}")
+        self.startup_summary = startup_summary(self, time.perf_counter() - started,
+                                               parts.persistent_cache_hits)
         log.info("%s", self.startup_summary)
 
     # -- requests ------------------------------------------------------------------------
@@ -149,18 +118,10 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise ValueError(f"request_id {rid!r} is already in use")
-        p = prepared.params
-        state = RequestState(
-            params=p, seed=p.seed if p.seed is not None else self._rng.getrandbits(32),
-            prompt=prepared.prompt,
-            metrics=RequestMetrics(time.monotonic() if arrival_time is None else arrival_time),
-            detok=IncrementalDetokenizer(self.tokenizer), prompt_ids=list(prepared.prompt_ids),
-            logprobs=[] if p.logprobs is not None else None)
-        req = Request(rid, prepared.prompt_ids, p.max_tokens, state.metrics.arrival_time,
-                      payload=state, tpot_slo=tpot_slo, priority=priority,
-                      cacheable=not p.uses_penalties)  # penalties count every token
-        if ttft_slo is not None:
-            req.ttft_deadline = req.arrival_time + ttft_slo
+        seed = prepared.params.seed
+        req = new_request(prepared, rid, seed if seed is not None else self._rng.getrandbits(32),
+                          time.monotonic() if arrival_time is None else arrival_time,
+                          self.tokenizer, ttft_slo, tpot_slo, priority)
         self.requests[rid] = req
         self.scheduler.add(req)
         return rid
@@ -174,7 +135,16 @@ class LLMEngine:
         return self._finish(req, "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or any(b is not None for b in self._queue)
+        return self.scheduler.has_unfinished() or self._in_flight.pending
+
+    @property
+    def pipeline_log(self) -> list[dict] | None:
+        """One record per tick when set to a list: plans in flight and their chunks."""
+        return self._in_flight.log
+
+    @pipeline_log.setter
+    def pipeline_log(self, log: list[dict] | None) -> None:
+        self._in_flight.log = log
 
     @property
     def compile_count(self) -> int:
@@ -182,31 +152,64 @@ class LLMEngine:
 
     # -- one iteration -----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One plan goes to the device. Synchronous: the plan leaving it (this one, or under
+        spp the one leaving the pipeline) is read back now. Async: its tokens stay on the
+        device, its requests may decode again at once (the next step feeds their tokens
+        there), and the host reads it during the next step, while that one runs."""
         sched = self.scheduler
         plan = sched.schedule() if sched.has_schedulable() else _EMPTY_PLAN
         self.host_kv.apply(plan)  # before anything can overwrite the pages it frees
         for rid in plan.preempted:
             self.state_rows.release(self.requests[rid])
-        if plan.is_empty and not any(b is not None for b in self._queue):
-            return []
+        if plan.is_empty and not self._in_flight.busy:
+            return self._read_unread()
         try:
             launched = None if plan.is_empty else self._launch(plan)
             t0 = time.perf_counter()
-            out = self._execute(launched.built if launched else self._empty)
-            tokens = np.asarray(out.tokens)
-            if self.step_log is not None and launched is not None:
-                self.step_log.append((plan, time.perf_counter() - t0))
+            if launched is not None:
+                launched.launched_at = t0
+            out = self._execute(launched.built if launched else None)
+            self._capture(launched)
         except Exception as e:  # noqa: BLE001 - a failed step must not strand its requests
-            log.exception("engine step failed; failing every request in flight")
-            return self._fail_in_flight(plan, e)
-        self._queue.appendleft(launched)
-        self._log_pipeline()
-        if len(self._queue) < self._depth:
-            return []
-        done = self._queue.pop()
-        return [] if done is None else self._complete(done, out, tokens)
+            return self._fail_in_flight(e, new_plan=plan)
+        done = self._in_flight.push(launched, out)
+        if not self.async_scheduling:
+            outputs = self._read_unread() + (self._read(done) if done is not None else [])
+            if self.step_log is not None and launched is not None:  # this step's time
+                jax.block_until_ready(out.tokens)
+                self.step_log.append((plan, time.perf_counter() - t0))
+            return outputs
+        if done is not None:
+            sched.sampled_on_device(done.plan, self._may_continue)
+        outputs = self._read_unread()
+        self._in_flight.unread = done
+        return outputs
 
-    def _launch(self, plan: BatchPlan) -> _Launched:
+    def _may_continue(self, req: Request) -> bool:
+        """Whether ``req`` may decode again before its newest token is read: not if that
+        token ends it by length (a stop token or string still can; its extra token is then
+        dropped)."""
+        n_out = req.num_output_tokens + 1
+        return (n_out < req.payload.params.max_tokens
+                and req.num_prompt_tokens + n_out < self.max_model_len)
+
+    def _read_unread(self) -> list[RequestOutput]:
+        done = self._in_flight.take_unread()
+        return [] if done is None else self._read(done)
+
+    def _read(self, done: Launched) -> list[RequestOutput]:
+        """Waits for ``done``'s sampled tokens and completes it."""
+        try:
+            tokens = np.asarray(done.out.tokens)
+        except Exception as e:  # noqa: BLE001 - a device error surfaces here under async
+            return self._fail_in_flight(e, reading=done)
+        if self.step_log is not None and self.async_scheduling:
+            # From launch to read: an upper bound (the host reads one step late); the
+            # profiler times steps synchronously.
+            self.step_log.append((done.plan, time.perf_counter() - done.launched_at))
+        return self._complete(done, tokens)
+
+    def _launch(self, plan: BatchPlan) -> Launched:
         """Hands state rows to the plan's requests, stamps first-scheduled times, and builds
         its step with the run-time switches it needs."""
         now = time.monotonic()
@@ -222,30 +225,32 @@ class LLMEngine:
                           # fill the penalty state.
                           any_penalty=any(r.payload.params.uses_penalties for r in reqs),
                           want_logprobs=any(p.logprobs is not None for p in sampled))
-        return _Launched(plan, reqs, self._build(plan, flags), flags.want_logprobs)
+        return Launched(plan, reqs, self._build(plan, flags), flags.want_logprobs)
+
+    def _capture(self, launched: Launched | None) -> None:
+        if launched is not None and self.length_tracker is not None:
+            launched.capture = self.runner.last_capture
 
     def _build(self, plan: BatchPlan, flags: StepFlags) -> BuiltStep:
         return self.builder.build(plan, self.requests, lambda r: sampler_row(r, self.eos_ids),
                                   NEUTRAL_ROW, lambda r: r.payload.state_row, flags)
 
-    def _execute(self, built: BuiltStep):
-        """Multi-process: the leader broadcasts every step (empty ticks too) to the followers.
-        spp > 1: a tick (``TickSlots``) of the new batch (``_empty``: none) and the queue's."""
-        shape, bufs = (self._slots.buffers(None if built is self._empty else built, self._queue)
-                       if self._depth > 1 else
-                       (built.shape, self.runner.compiled(built.shape)[1].pack(built.arrays)))
+    def _execute(self, built: BuiltStep | None):
+        """Multi-process: the leader broadcasts every step (empty ticks too) to the followers."""
+        shape, bufs = self._slots.buffers(built, self._in_flight.slots)
         if self._multi_process:
             return distributed.leader_execute(self.runner, shape, *bufs)
         return self.runner.execute_packed(shape, *bufs)
 
-    def _complete(self, done: _Launched, out, tokens: np.ndarray) -> list[RequestOutput]:
+    def _complete(self, done: Launched, tokens: np.ndarray) -> list[RequestOutput]:
         """The plan ``done`` is back with its sampled tokens: the scheduler updates request
         state, output processing makes the outputs."""
-        if self.length_tracker is not None and self._depth == 1:
-            self.length_tracker.observe(done.plan, done.built, self.requests,
-                                        self.runner.last_capture)
+        if self.length_tracker is not None and self._in_flight.depth == 1:
+            self.length_tracker.observe(done.plan, done.built, self.requests, done.capture)
         rows = [row for row, _ in done.built.sample_rows]
-        appended = self.scheduler.update(done.plan, [int(tokens[r]) for r in rows])
+        sampled = tokens[rows].tolist()
+        appended = self.scheduler.update(done.plan, sampled)
+        out = done.out
         logprobs = (tuple(map(np.asarray, (out.logprobs, out.top_ids, out.top_logprobs)))
                     if done.want_logprobs else None)
         now = time.monotonic()
@@ -255,38 +260,33 @@ class LLMEngine:
             if req.payload.logprobs is not None:
                 chosen, top_ids, top_lp = logprobs
                 row, n = rows[i], req.payload.params.logprobs
-                lp = TokenLogprob(req.token_ids[-1], float(chosen[row]), tuple(
+                lp = TokenLogprob(sampled[i], float(chosen[row]), tuple(
                     zip(top_ids[row, :n].tolist(), top_lp[row, :n].tolist())))
-            reason = self.outputs.add_token(req, now, lp)
+            reason = self.outputs.add_token(req, sampled[i], now, lp)
             outputs.append(self._finish(req, reason) if reason else self.outputs.output(req))
         return outputs
 
-    def _fail_in_flight(self, plan: BatchPlan, error: Exception) -> list[RequestOutput]:
-        """Fails every request with a chunk in flight (the new plan's among them), hands
-        every plan back to the scheduler, and empties the pipeline."""
-        plans = [b.plan for b in reversed(self._queue) if b is not None]
-        reqs = [r for b in self._queue if b is not None for r in b.requests]
-        self._queue.clear()
-        if not plan.is_empty:
-            plans.append(plan)
-            reqs += [self.requests[c.request_id] for c in plan.decodes + plan.prefills]
+    def _fail_in_flight(self, error: Exception, reading: Launched | None = None,
+                        new_plan: BatchPlan = _EMPTY_PLAN) -> list[RequestOutput]:
+        """Fails every request with a chunk in flight (the plan being read and a new plan
+        that did not launch among them), hands every plan back to the scheduler oldest
+        first, and empties the pipeline."""
+        log.error("engine step failed; failing every request in flight", exc_info=error)
+        entries = self._in_flight.drain(reading)
+        plans = [b.plan for b in entries]
+        reqs = [r for b in entries for r in b.requests]
+        if not new_plan.is_empty:
+            plans.append(new_plan)
+            reqs += [self.requests[c.request_id] for c in new_plan.decodes + new_plan.prefills]
         outputs = []
         for req in dict.fromkeys(reqs):
             if self.requests.get(req.request_id) is req:
                 outputs.append(self._finish(req, "abort", f"engine step failed: {error}"))
         for p in plans:
             self.scheduler.update(p, None)
-        if self._empty is not None:
+        if self._in_flight.depth > 1:
             self.runner.start_pipeline()
         return outputs
-
-    def _log_pipeline(self) -> None:
-        if self.pipeline_log is not None:
-            self.pipeline_log.append({
-                "in_flight": sum(b is not None for b in self._queue),
-                "stages": [[(c.request_id, c.start, c.num_tokens, c.samples)
-                            for c in b.plan.decodes + b.plan.prefills]
-                           if b is not None else [] for b in self._queue]})
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> RequestOutput:
         self.scheduler.finish(req, RequestStatus(reason))

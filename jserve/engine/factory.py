@@ -32,6 +32,16 @@ from sharding.specs import allocate_sharded_kv_cache, kv_head_map, kv_heads_per_
 log = logging.getLogger(__name__)
 
 
+
+def enable_compilation_cache(path: str | None) -> None:
+    """Persistent XLA cache: restarts and repeated test processes skip recompiling."""
+    if path is None:
+        return
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
 @dataclasses.dataclass
 class EngineParts:
     mesh_config: MeshConfig

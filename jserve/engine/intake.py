@@ -8,7 +8,10 @@ import dataclasses
 from typing import Sequence
 
 from jserve.cache.allocator import BlockAllocator
+from jserve.engine.output import IncrementalDetokenizer, RequestMetrics
+from jserve.engine.request_state import RequestState
 from jserve.sampling.params import SamplingParams
+from jserve.scheduler import Request
 from jserve.tokenizer import Tokenizer
 
 
@@ -75,3 +78,21 @@ def check_slos(ttft_slo: float | None, tpot_slo: float | None,
     for name, slo in zip(names, (ttft_slo, tpot_slo)):
         if slo is not None and not slo > 0:
             raise ValueError(f"{name} must be > 0 seconds, got {slo}")
+
+
+def new_request(prepared: PreparedRequest, request_id: str, seed: int, arrival_time: float,
+                tokenizer: Tokenizer | None, ttft_slo: float | None = None,
+                tpot_slo: float | None = None, priority: int = 0) -> Request:
+    """The scheduler's ``Request`` for a prepared prompt, with the engine's ``RequestState``
+    as its payload (``ttft_slo``: seconds after arrival)."""
+    p = prepared.params
+    state = RequestState(
+        params=p, seed=seed, prompt=prepared.prompt, metrics=RequestMetrics(arrival_time),
+        detok=IncrementalDetokenizer(tokenizer), prompt_ids=list(prepared.prompt_ids),
+        logprobs=[] if p.logprobs is not None else None)
+    req = Request(request_id, prepared.prompt_ids, p.max_tokens, arrival_time, payload=state,
+                  tpot_slo=tpot_slo, priority=priority,
+                  cacheable=not p.uses_penalties)  # penalties count every token
+    if ttft_slo is not None:
+        req.ttft_deadline = arrival_time + ttft_slo
+    return req

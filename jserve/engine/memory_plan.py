@@ -427,3 +427,14 @@ def describe_engine(engine) -> str:
         sampler=sampler, device_memory_bytes=None, memory_fraction=config.memory_fraction,
         kv_budget_source="engine")
     return p.log_line()
+
+
+def startup_summary(engine, seconds: float, cache_hits: int | None) -> str:
+    """What a server says when its engine is up: the plan's numbers (``describe_engine``),
+    what compiled and how much came from the persistent cache, prefix caching."""
+    runner = engine.runner
+    return (f"engine ready in {seconds:.1f}s: {describe_engine(engine)}; "
+            f"compiled {runner.compile_count} programs in {runner.compile_seconds:.1f}s"
+            + (f" ({cache_hits} from the persistent cache)" if cache_hits is not None else
+               " (warmup off: step shapes compile on first use)")
+            + f"; prefix caching {'on' if engine.allocator.prefix_caching else 'off'}")

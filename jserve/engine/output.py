@@ -27,16 +27,36 @@ class RequestMetrics:
 
 @dataclasses.dataclass
 class RequestOutput:
+    """A request's state after a step. The generated ids and logprobs are views of the
+    request's growing lists cut at this output's length (``token_ids`` copies on access):
+    making an output every step costs O(1), not O(tokens so far)."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    token_ids: list[int]
     text: str
     finished: bool
     finish_reason: str | None  # 'stop' | 'length' | 'abort'
     metrics: RequestMetrics
-    logprobs: list[TokenLogprob] | None = None
+    num_tokens: int            # generated tokens so far
     error: str | None = None   # set when the engine failed the request
+    _ids: list[int] = dataclasses.field(default_factory=list, repr=False)
+    _logprobs: list[TokenLogprob] | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self._ids[:self.num_tokens]
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        return None if self._logprobs is None else self._logprobs[:self.num_tokens]
+
+    def new_token_ids(self, start: int) -> list[int]:
+        """Generated ids from ``start`` on (what a stream has not sent yet)."""
+        return self._ids[start:self.num_tokens]
+
+    def new_logprobs(self, start: int) -> list[TokenLogprob]:
+        return [] if self._logprobs is None else self._logprobs[start:self.num_tokens]
 
 
 class IncrementalDetokenizer:
@@ -91,19 +111,21 @@ class OutputProcessor:
         self.eos_ids = eos_ids
         self.max_model_len = max_model_len
 
-    def add_token(self, req, now: float, logprob: TokenLogprob | None = None) -> str | None:
-        """Processes ``req``'s newest token (already in ``req.token_ids``); returns the
-        finish reason ('stop' or 'length', the text then final) or None."""
+    def add_token(self, req, tok: int, now: float, logprob: TokenLogprob | None = None
+                  ) -> str | None:
+        """Processes ``req``'s next generated token ``tok``; returns the finish reason ('stop'
+        or 'length', the text then final) or None. (Its own list, not ``req.token_ids``,
+        which may already hold placeholders for tokens still on the device.)"""
         st = req.payload
         p = st.params
-        tok = req.token_ids[-1]
+        st.output_ids.append(tok)
         if logprob is not None:
             st.logprobs.append(logprob)
         m = st.metrics
         if m.first_token_time is None:
             m.first_token_time = now
         m.token_times.append(now)
-        n_out = req.num_output_tokens
+        n_out = len(st.output_ids)
         reason = None
         if tok in p.stop_token_ids or (tok in self.eos_ids and not p.ignore_eos):
             reason = "stop"
@@ -116,7 +138,7 @@ class OutputProcessor:
                 st.text = st.text[:cut]
                 reason = "stop"
         if reason is None and (n_out >= p.max_tokens
-                               or len(req.token_ids) >= self.max_model_len):
+                               or len(st.prompt_ids) + n_out >= self.max_model_len):
             reason = "length"
             st.text += st.detok.flush()
         return reason
@@ -134,8 +156,8 @@ class OutputProcessor:
     def output(req) -> RequestOutput:
         st = req.payload
         return RequestOutput(
-            request_id=req.request_id, prompt=st.prompt,
-            prompt_token_ids=st.prompt_ids, token_ids=req.output_token_ids,
+            request_id=req.request_id, prompt=st.prompt, prompt_token_ids=st.prompt_ids,
             text=st.text, finished=st.finish_reason is not None,
             finish_reason=st.finish_reason, metrics=st.metrics,
-            logprobs=list(st.logprobs) if st.logprobs is not None else None, error=st.error)
+            num_tokens=len(st.output_ids), error=st.error, _ids=st.output_ids,
+            _logprobs=st.logprobs)

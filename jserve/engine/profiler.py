@@ -21,7 +21,16 @@ DECODE_GRID_TOKENS = 65_536   # the most context one decode grid point holds
 
 def profile_samples(engine: LLMEngine, *, seed: int = 0, repeats: int = 2
                     ) -> list[tuple[object, float]]:
-    """Runs the grid and returns (plan, seconds) for every step after the first (warm) pass."""
+    """Runs the grid and returns (plan, seconds) for every step after the first (warm) pass.
+    Steps run synchronously here, so each one's time is its own."""
+    was_async, engine.async_scheduling = engine.async_scheduling, False
+    try:
+        return _profile_grid(engine, seed, repeats)
+    finally:
+        engine.async_scheduling = was_async
+
+
+def _profile_grid(engine: LLMEngine, seed: int, repeats: int) -> list[tuple[object, float]]:
     rng = np.random.default_rng(seed)
     vocab = min(engine.cfg.vocab_size, 256)
     max_len = engine.max_model_len

@@ -21,6 +21,7 @@ class RequestState:
     metrics: RequestMetrics
     detok: IncrementalDetokenizer
     prompt_ids: list[int]  # what outputs show: one copy per request, not one per step
+    output_ids: list[int] = dataclasses.field(default_factory=list)  # tokens the host has read
     text: str = ""
     logprobs: list[TokenLogprob] | None = None
     state_row: int | None = None

@@ -58,15 +58,19 @@ jax.monitoring.register_event_listener(_count_cache_event)
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SeqState:
-    """Per-sequence device state for penalties: generated-token counts and prompt membership.
+    """Per-sequence device state: for penalties, generated-token counts and prompt membership;
+    for async scheduling, the sequence's last sampled token.
 
     Rows are handed to running sequences; a row is reset when its sequence's first chunk
     (position 0) runs, and filled from the tokens the forward pass consumes, so recompute after
-    preemption rebuilds it exactly. The last row is a sink for padding.
+    preemption rebuilds it exactly. ``last_tokens`` is written by the sampler and read by the
+    next step for tokens the host has not seen yet (``StepArrays.token_fed``). The last row
+    is a sink for padding.
     """
 
     output_counts: jax.Array  # [R, V] int32
     prompt_mask: jax.Array    # [R, V] bool
+    last_tokens: jax.Array    # [R] int32
 
 
 @jax.tree_util.register_dataclass
@@ -77,8 +81,10 @@ class StepArrays:
     batch: StepInput
     token_state_rows: jax.Array  # [T]
     token_is_prompt: jax.Array   # [T]
+    token_fed: jax.Array         # [T] bool: the token is its sequence's ``last_tokens`` entry
     state_rows: jax.Array        # [S]
     reset_rows: jax.Array        # [S]
+    sampled_state_rows: jax.Array  # [S] where the row's sampled token is kept (sink: nowhere)
     sampling: SamplingBatch
     any_random: jax.Array        # scalar bool: some row samples (else argmax only)
     any_penalty: jax.Array       # scalar bool: some row uses penalties (else skip their work)
@@ -91,7 +97,7 @@ def _update_state(state: SeqState, tokens, rows, is_prompt, reset_rows) -> SeqSt
     mask = state.prompt_mask.at[reset_rows].set(False)
     counts = counts.at[rows, tokens].add(jnp.where(is_prompt, 0, 1).astype(counts.dtype))
     mask = mask.at[jnp.where(is_prompt, rows, sink), tokens].set(True)
-    return SeqState(counts, mask)
+    return dataclasses.replace(state, output_counts=counts, prompt_mask=mask)
 
 
 class PackedLayout:
@@ -103,16 +109,31 @@ class PackedLayout:
     """
 
     def __init__(self, spec: StepArrays):
-        leaves, self.treedef = jax.tree.flatten(spec)
+        leaves, self.treedef = jax.tree_util.tree_flatten_with_path(spec)
         self.fields: list[tuple[np.dtype, tuple[int, ...], bool, int]] = []
+        self._int_at: dict[str, tuple[int, int]] = {}  # leaf path -> (offset, size) in ints
         sizes = [0, 0]
-        for leaf in leaves:
+        for path, leaf in leaves:
             dtype = np.dtype(leaf.dtype)
             is_float = dtype == np.float32
             n = int(np.prod(leaf.shape))
             self.fields.append((dtype, tuple(leaf.shape), is_float, sizes[is_float]))
+            if not is_float:
+                self._int_at[jax.tree_util.keystr(path)] = (sizes[0], n)
             sizes[is_float] += n
         self.int_size, self.float_size = sizes
+
+    def feed(self, ibuf: jax.Array, last_tokens: jax.Array) -> jax.Array:
+        """``ibuf`` with every token marked ``token_fed`` replaced by its sequence's last
+        sampled token (on device: the host has not read it yet). Works on the packed buffer,
+        so the plain step and the pipeline tick feed the same way."""
+        def leaf(name):
+            offset, n = self._int_at[name]
+            return jax.lax.slice_in_dim(ibuf, offset, offset + n)
+        offset, _ = self._int_at[".batch.tokens"]
+        tokens = jnp.where(leaf(".token_fed") != 0, last_tokens[leaf(".token_state_rows")],
+                           leaf(".batch.tokens"))
+        return jax.lax.dynamic_update_slice_in_dim(ibuf, tokens, offset, 0)
 
     def pack(self, arrays: StepArrays) -> tuple[np.ndarray, np.ndarray]:
         ints, floats = [], []
@@ -146,6 +167,7 @@ class SampleInputs:
 
     logits: jax.Array          # [R, vocab] float32
     state_rows: jax.Array      # [R]
+    sampled_state_rows: jax.Array  # [R]
     sampling: SamplingBatch    # [R] rows
     any_random: jax.Array
     any_penalty: jax.Array
@@ -169,14 +191,16 @@ def _sample_inputs(logits: jax.Array, state: SeqState, arrays: StepArrays, rows:
     return SampleInputs(
         logits=jnp.pad(logits, ((0, pad), (0, 0))),
         state_rows=jnp.pad(arrays.state_rows, (0, pad), constant_values=sink),
+        sampled_state_rows=jnp.pad(arrays.sampled_state_rows, (0, pad), constant_values=sink),
         sampling=pad_rows(arrays.sampling, rows), any_random=arrays.any_random,
         any_penalty=arrays.any_penalty, want_logprobs=arrays.want_logprobs), state
 
 
-def _sample(state: SeqState, inp: SampleInputs) -> SampleResult:
-    """Penalties, token choice and logprobs on the padded rows (one executable). Runtime
-    choices: penalties only when some row uses them, the sort only when some row samples,
-    top-n logprobs only when asked."""
+def _sample(state: SeqState, inp: SampleInputs) -> tuple[SampleResult, SeqState]:
+    """Penalties, token choice and logprobs on the padded rows (one executable); the chosen
+    tokens are kept in ``state.last_tokens`` for the next step. Runtime choices: penalties
+    only when some row uses them, the sort only when some row samples, top-n logprobs only
+    when asked."""
     logits, sb = inp.logits, inp.sampling
     penalised = jax.lax.cond(
         inp.any_penalty,
@@ -192,7 +216,9 @@ def _sample(state: SeqState, inp: SampleInputs) -> SampleResult:
         lambda: token_logprobs(logits, tokens, MAX_LOGPROBS),
         lambda: (jnp.zeros((s,), jnp.float32), jnp.zeros((s, MAX_LOGPROBS), jnp.int32),
                  jnp.zeros((s, MAX_LOGPROBS), jnp.float32)))
-    return SampleResult(tokens, chosen, top_ids, top_lp)
+    last = state.last_tokens.at[inp.sampled_state_rows].set(tokens)
+    return (SampleResult(tokens, chosen, top_ids, top_lp),
+            dataclasses.replace(state, last_tokens=last))
 
 
 def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, fbuf: jax.Array,
@@ -202,7 +228,7 @@ def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, f
     cache, state). With ``capture_layer`` set, a fourth output: the layer's ``Capture``
     (prompt sums over the step's prompt tokens); ``None`` compiles exactly the step without
     it."""
-    arrays = layout.unpack(ibuf, fbuf)
+    arrays = layout.unpack(layout.feed(ibuf, state.last_tokens), fbuf)
     if mesh is None:
         logits, kv_cache, capture = forward(
             params, kv_cache, arrays.batch, cfg=cfg, attention_impl=attention_impl,
@@ -212,6 +238,9 @@ def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, f
         logits, kv_cache = tp_forward(params, kv_cache, arrays.batch, mesh=mesh, cfg=cfg,
                                       attention_impl=attention_impl)
     inputs, state = _sample_inputs(logits, state, arrays, rows)
+    if mesh is not None:  # replicated, as the sampling executable takes them
+        inputs, state = jax.lax.with_sharding_constraint(
+            (inputs, state), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     if capture_layer is not None:
         return inputs, kv_cache, state, capture
     return inputs, kv_cache, state
@@ -222,7 +251,11 @@ def _tick(params: Params, kv_cache: KVCache, state: SeqState, carry: pipeline.Pi
           attention_impl: str, mesh: jax.sharding.Mesh, rows: int, decode_rows: int):
     """A stream-pipeline tick (``sharding.pipeline.tick``; ``ibufs``/``fbufs`` [spp, size]:
     every stage's batch at the tick's shape), then the plain step's tail on the batch that
-    left the last stage (the last row; replicated, outside the shard_map)."""
+    left the last stage (the last row; replicated, outside the shard_map). Every slot's fed
+    tokens are filled in: the host resends a batch's buffers each tick, and a sequence's
+    ``last_tokens`` entry does not change while its batch is in flight (its sampled chunk is
+    its only one in the pipeline)."""
+    ibufs = jax.vmap(layout.feed, in_axes=(0, None))(ibufs, state.last_tokens)
     kv_cache, carry = pipeline.tick(params, kv_cache, carry, ibufs, fbufs, unpack=layout.unpack,
                                     decode_rows=decode_rows, mesh=mesh, cfg=cfg,
                                     attention_impl=attention_impl)
@@ -273,7 +306,8 @@ def _sampling_spec(s: int, sharding=None) -> SamplingBatch:
 def state_spec(cfg: LlamaConfig, rows: int, sharding=None) -> SeqState:
     """The abstract penalty state of ``rows`` rows (``ModelRunner(abstract=True)``)."""
     return SeqState(_spec((rows, cfg.vocab_size), jnp.int32, sharding),
-                    _spec((rows, cfg.vocab_size), jnp.bool_, sharding))
+                    _spec((rows, cfg.vocab_size), jnp.bool_, sharding),
+                    _spec((rows,), jnp.int32, sharding))
 
 
 def _padded_page_ids(pages: Sequence[int]) -> np.ndarray:
@@ -348,7 +382,8 @@ class ModelRunner:
             self.state = state_spec(cfg, rows, self._replicated)
         else:
             self.state = jax.device_put(SeqState(jnp.zeros((rows, cfg.vocab_size), jnp.int32),
-                                                 jnp.zeros((rows, cfg.vocab_size), bool)),
+                                                 jnp.zeros((rows, cfg.vocab_size), bool),
+                                                 jnp.zeros((rows,), jnp.int32)),
                                         self._replicated)
         self.state_sink = rows - 1
         self.attention_impl = attention_impl
@@ -363,7 +398,7 @@ class ModelRunner:
             jax.jit(_fresh(_step), static_argnames=("layout", "cfg", "attention_impl", "mesh",
                                                     "rows", "capture_layer"),
                     donate_argnums=(1, 2)))
-        self._sample_jit = jax.jit(_fresh(_sample))
+        self._sample_jit = jax.jit(_fresh(_sample), donate_argnums=(0,))
         self._compiled: dict[tuple[int, int], tuple[jax.stages.Compiled, PackedLayout]] = {}
         self._sampler: jax.stages.Compiled | None = None
         self.compile_count = 0
@@ -392,7 +427,9 @@ class ModelRunner:
                             logits_rows=_spec((s,), i32), attn=attn,
                             slot_groups=_spec((t,), i32), start_groups=_spec((s,), i32)),
             token_state_rows=_spec((t,), i32), token_is_prompt=_spec((t,), bool),
-            state_rows=_spec((s,), i32), reset_rows=_spec((s,), i32), sampling=sampling,
+            token_fed=_spec((t,), bool), state_rows=_spec((s,), i32),
+            reset_rows=_spec((s,), i32), sampled_state_rows=_spec((s,), i32),
+            sampling=sampling,
             any_random=_spec((), bool), any_penalty=_spec((), bool),
             want_logprobs=_spec((), bool))
 
@@ -426,6 +463,7 @@ class ModelRunner:
         b = lambda: _spec((), bool, rep)
         spec = SampleInputs(logits=_spec((r, self.cfg.vocab_size), jnp.float32, rep),
                             state_rows=_spec((r,), jnp.int32, rep),
+                            sampled_state_rows=_spec((r,), jnp.int32, rep),
                             sampling=_sampling_spec(r, rep), any_random=b(), any_penalty=b(),
                             want_logprobs=b())
         return self._sample_jit.lower(self.state, spec)
@@ -517,7 +555,8 @@ class ModelRunner:
                 self.last_capture = capture[0]
         if not sample:
             return self._nothing_sampled()
-        return self.sampler()(self.state, inputs)
+        out, self.state = self.sampler()(self.state, inputs)
+        return out
 
     def _nothing_sampled(self) -> SampleResult:
         r, n = self.sample_rows, MAX_LOGPROBS

@@ -11,7 +11,7 @@ from jserve.engine.runner import StepArrays
 from jserve.kernels import AttentionMetadata
 from jserve.model.llama import StepInput
 from jserve.sampling.sampler import SamplerRow, make_sampling_batch
-from jserve.scheduler import BatchPlan, Request, ScheduledChunk
+from jserve.scheduler import PLACEHOLDER, BatchPlan, Request, ScheduledChunk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +120,8 @@ class StepBuilder:
         if plan.decodes:
             self._fill_decodes(h, plan, requests, sampler_row, state_row)
         self._fill_prefills(h, plan, requests, sampler_row, state_row, first_row=bd)
+        h.token_fed = h.tokens == PLACEHOLDER  # sampled by a step still on the device
+        h.tokens[h.token_fed] = 0
         attn = AttentionMetadata(positions=h.positions, token_seq=h.token_seq,
                                  kv_lens=h.kv_lens, page_table=h.page_table,
                                  num_prefills=np.asarray(len(plan.prefills), np.int32),
@@ -128,7 +130,8 @@ class StepBuilder:
             batch=StepInput(tokens=h.tokens, slots=h.slots, logits_rows=h.logits_rows,
                             attn=attn, slot_groups=h.slot_groups, start_groups=h.start_groups),
             token_state_rows=h.token_state, token_is_prompt=h.token_is_prompt,
-            state_rows=h.state_rows, reset_rows=h.reset_rows,
+            token_fed=h.token_fed, state_rows=h.state_rows, reset_rows=h.reset_rows,
+            sampled_state_rows=h.sampled_state_rows,
             sampling=make_sampling_batch(h.rows, pad_to=s),
             any_random=np.asarray(flags.any_random), any_penalty=np.asarray(flags.any_penalty),
             want_logprobs=np.asarray(flags.want_logprobs))
@@ -166,6 +169,7 @@ class StepBuilder:
             h.slot_groups[:nd] = pages // pool
             for i, r in enumerate(dec):
                 h.start_groups[i] = self._kvp_row(h.page_table, i, r.block_ids)
+        h.sampled_state_rows[:nd] = srows
         for i, (r, c) in enumerate(zip(dec, plan.decodes)):
             h.rows[i] = sampler_row(r)
             h.sample_rows.append((i, c))
@@ -204,6 +208,7 @@ class StepBuilder:
             if c.samples:
                 h.rows[row] = sampler_row(req)
                 h.sample_rows.append((row, c))
+                h.sampled_state_rows[row] = srow
             start = end
 
 
@@ -217,6 +222,7 @@ class _HostArrays:
     token_seq: np.ndarray
     token_state: np.ndarray
     token_is_prompt: np.ndarray
+    token_fed: np.ndarray
     slot_groups: np.ndarray
     start_groups: np.ndarray
     kv_lens: np.ndarray
@@ -224,6 +230,7 @@ class _HostArrays:
     logits_rows: np.ndarray
     state_rows: np.ndarray
     reset_rows: np.ndarray
+    sampled_state_rows: np.ndarray
     rows: list[SamplerRow]
     sample_rows: list[tuple[int, ScheduledChunk]]
 
@@ -235,9 +242,11 @@ class _HostArrays:
             tokens=np.zeros(t, np.int32), positions=np.zeros(t, np.int32),
             slots=np.zeros(t, np.int32), token_seq=np.full(t, s, np.int32),
             token_state=np.full(t, state_sink, np.int32),
-            token_is_prompt=np.zeros(t, bool), slot_groups=np.zeros(t, np.int32),
+            token_is_prompt=np.zeros(t, bool), token_fed=np.zeros(t, bool),
+            slot_groups=np.zeros(t, np.int32),
             start_groups=np.zeros(s, np.int32), kv_lens=np.zeros(s, np.int32),
             page_table=np.zeros((s, page_table_width), np.int32),
             logits_rows=np.zeros(s, np.int32), state_rows=np.full(s, state_sink, np.int32),
-            reset_rows=np.full(s, state_sink, np.int32), rows=[neutral_row] * s,
+            reset_rows=np.full(s, state_sink, np.int32),
+            sampled_state_rows=np.full(s, state_sink, np.int32), rows=[neutral_row] * s,
             sample_rows=[])

@@ -1,9 +1,9 @@
-"""Host side of a stream-pipeline tick (spp > 1): the tick's shape, the smallest bucket
-covering every batch in the pipeline, and every slot's packed step at that shape
-(``sharding.pipeline``). Each batch in flight keeps the ``BuiltStep`` it was launched with;
-a tick re-pads it (``BuiltStep.resized``) rather than rebuilding it from request state, and
-the batch's record takes the re-padded step, so the exiting batch's sample rows name rows of
-the tick's samples."""
+"""The packed buffers of an engine step: the built step's own (one device, tp, kvp) or, for
+a stream-pipeline tick (spp > 1), every slot's packed step at the tick's shape, the smallest
+bucket covering every batch in the pipeline (``sharding.pipeline``). Each batch in flight
+keeps the ``BuiltStep`` it was launched with; a tick re-pads it (``BuiltStep.resized``)
+rather than rebuilding it from request state, and the batch's record takes the re-padded
+step, so the exiting batch's sample rows name rows of the tick's samples."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -35,13 +35,16 @@ class TickSlots:
         return self.builder.buckets.covering((s.original or s).shape for s in steps
                                              if s is not None)
 
-    def buffers(self, new: BuiltStep | None, in_flight: Sequence
-                ) -> tuple[tuple[int, int], tuple[np.ndarray, np.ndarray]]:
-        """``new``: the batch entering stage 0 (None: an empty slot); ``in_flight``: the
-        records of the batches entering stages 1, 2, ... (None or missing: empty), each
-        with a ``built`` step, which becomes the re-padded one. Returns the tick's shape and
-        its [spp, size] int32 and float32 buffers, and whether the tick samples (a batch
-        leaves the last stage): ``ModelRunner.execute_packed``'s arguments."""
+    def buffers(self, new: BuiltStep | None, in_flight: Sequence) -> tuple[tuple[int, int],
+                                                                          tuple]:
+        """The step's shape and ``ModelRunner.execute_packed``'s buffer arguments. With
+        spp == 1: ``new``'s shape and packed buffers. A tick: ``new`` is the batch entering
+        stage 0 (None: an empty slot), ``in_flight`` the records of the batches entering
+        stages 1, 2, ... (None or missing: empty), each with a ``built`` step, which becomes
+        the re-padded one; returns the tick's shape, its [spp, size] int32 and float32
+        buffers, and whether the tick samples (a batch leaves the last stage)."""
+        if self.spp == 1:
+            return new.shape, self.runner.compiled(new.shape)[1].pack(new.arrays)
         records = [None] + list(in_flight)
         records += [None] * (self.spp - len(records))
         steps = [new] + [r.built if r is not None else None for r in records[1:]]

@@ -2,8 +2,8 @@
 live engine run the same code."""
 from jserve.scheduler.plan import BatchPlan, ScheduledChunk
 from jserve.scheduler.registry import POLICIES, build_scheduler
-from jserve.scheduler.request import Request, RequestStatus
+from jserve.scheduler.request import PLACEHOLDER, Request, RequestStatus
 from jserve.scheduler.sarathi import SarathiScheduler
 
-__all__ = ["BatchPlan", "ScheduledChunk", "Request", "RequestStatus", "SarathiScheduler",
-           "POLICIES", "build_scheduler"]
+__all__ = ["PLACEHOLDER", "BatchPlan", "ScheduledChunk", "Request", "RequestStatus",
+           "SarathiScheduler", "POLICIES", "build_scheduler"]

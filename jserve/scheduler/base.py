@@ -7,7 +7,9 @@ two the plan is in flight: its chunks count as computed (so a stream pipeline ca
 prefill's next chunk before this one's results are back), its requests are pinned (never
 preempted; a finish defers freeing their blocks) and those awaiting a sampled token are held
 out of scheduling. With one plan in flight at a time this is the plain engine step; a
-pipeline keeps up to ``spp`` in flight and updates them in launch order.
+pipeline keeps up to ``spp`` in flight and updates them in launch order. Async scheduling
+lifts a hold early (``sampled_on_device``): the request gets a ``PLACEHOLDER`` token and may
+decode again before the host has read its token.
 
 Preemption frees a victim's blocks either by recompute (its KV is dropped and rebuilt by
 prefilling again) or by swap (the engine copies its KV to host memory and back when it is
@@ -22,8 +24,18 @@ from typing import Sequence
 from jserve.cache.allocator import BlockAllocator
 from jserve.cache.prefix import extend_page_keys
 from jserve.scheduler.plan import BatchPlan, PageMove, ScheduledChunk
-from jserve.scheduler.request import Request, RequestStatus
+from jserve.scheduler.request import PLACEHOLDER, Request, RequestStatus
 from jserve.scheduler.swap import SwapPolicy
+
+
+@dataclasses.dataclass(eq=False)
+class _InFlight:
+    """A plan between ``schedule`` and ``update``: its chunks' requests, and those whose
+    sampled token is still held (not yet handed on by ``sampled_on_device``)."""
+
+    plan: BatchPlan
+    requests: list[Request]
+    held: set[Request]
 
 
 class SchedulerBase(abc.ABC):
@@ -40,9 +52,8 @@ class SchedulerBase(abc.ABC):
         self.swap_policy: SwapPolicy | None = None
         self._swap_out: list[PageMove] = []
         self._swap_in: list[PageMove] = []
-        # Plans scheduled and not yet updated, oldest first, with their chunks' requests.
-        self._launched: collections.deque[tuple[BatchPlan, list[Request]]] = \
-            collections.deque()
+        # Plans scheduled and not yet updated, oldest first.
+        self._launched: collections.deque[_InFlight] = collections.deque()
         # Requests whose sampled token is in flight: they may not decode or be preempted until
         # ``update`` brings it.
         self.in_flight: set[Request] = set()
@@ -70,23 +81,41 @@ class SchedulerBase(abc.ABC):
         nothing is registered or appended (the caller finishes the requests). Returns
         (i, request) for each token appended; deciding whether a request stops is the
         caller's (stop tokens and strings are output processing)."""
-        launched, reqs = self._launched.popleft()
-        if launched is not plan:
+        entry = self._launched.popleft()
+        if entry.plan is not plan:
             raise RuntimeError("update() takes plans back in the order schedule() gave them")
         appended = []
         i = 0
-        for req, c in zip(reqs, plan.decodes + plan.prefills):
+        for req, c in zip(entry.requests, plan.decodes + plan.prefills):
             self._unpin(req)
             live = sampled is not None and not req.status.finished
+            end = c.start + c.num_tokens
             if live:
-                self._register_pages(req, c.start + c.num_tokens)
+                self._register_pages(req, end)
             if c.samples:
-                self.in_flight.discard(req)
+                if req in entry.held:
+                    self.in_flight.discard(req)
                 if live:
-                    req.token_ids.append(sampled[i])
+                    if end < len(req.token_ids):  # its placeholder (async scheduling)
+                        req.token_ids[end] = sampled[i]
+                    else:
+                        req.token_ids.append(sampled[i])
                     appended.append((i, req))
                 i += 1
         return appended
+
+    def sampled_on_device(self, plan: BatchPlan, may_continue) -> None:
+        """Async scheduling: ``plan``'s step has sampled its tokens on the device, and the
+        host reads them later. Each sampling request for which ``may_continue(req)`` holds
+        (its new token cannot end it by length) gets a ``PLACEHOLDER`` token and may be
+        scheduled again at once; the others stay held until ``update``. ``plan`` must be
+        in flight."""
+        entry = next(e for e in self._launched if e.plan is plan)
+        for req in list(entry.held):
+            if not req.status.finished and may_continue(req):
+                req.token_ids.append(PLACEHOLDER)
+                entry.held.discard(req)
+                self.in_flight.discard(req)
 
     def advance(self, req: Request, num_tokens: int) -> None:
         """Marks ``num_tokens`` more of ``req``'s tokens computed outside a plan (a test's
@@ -128,18 +157,25 @@ class SchedulerBase(abc.ABC):
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def block_holders(self) -> list[list[int]]:
+        """Every list of blocks in use: the running requests' block tables, and those of
+        finished requests whose chunks are still in flight (freed when they are back)."""
+        return [r.block_ids for r in self.running] + list(self._deferred.values())
+
     def _launch(self, plan: BatchPlan) -> None:
         """``plan`` leaves for the device: its chunks count as computed, its requests are
         pinned, and those that sample are held until ``update``."""
         by_id = {r.request_id: r for r in self.running}  # every chunk's request runs
         reqs = [by_id[c.request_id] for c in plan.decodes + plan.prefills]
         pinned = self.pinned
+        held = set()
         for req, c in zip(reqs, plan.decodes + plan.prefills):
             req.num_computed += c.num_tokens
             pinned[req] = pinned.get(req, 0) + 1
             if c.samples:
-                self.in_flight.add(req)
-        self._launched.append((plan, reqs))
+                held.add(req)
+        self.in_flight |= held
+        self._launched.append(_InFlight(plan, reqs, held))
 
     def _unpin(self, req: Request) -> None:
         """One chunk of ``req`` is back; the last one frees deferred blocks."""

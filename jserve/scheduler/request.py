@@ -5,6 +5,11 @@ import dataclasses
 import enum
 from typing import Any
 
+# A token sampled by a step that is still on the device (async scheduling): it stands in
+# ``token_ids`` until ``SchedulerBase.update`` writes the real id; the step builder marks it
+# to be fed from the device.
+PLACEHOLDER = -1
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"

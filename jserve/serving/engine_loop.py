@@ -256,9 +256,9 @@ class EngineLoop:
         lv = self._live.get(o.request_id)
         if lv is None:
             return 0
-        ids = o.token_ids[lv.sent_tokens:]
+        ids = o.new_token_ids(lv.sent_tokens)
         lv.sent_tokens += len(ids)
-        lps = o.logprobs[lv.sent_logprobs:] if o.logprobs else []
+        lps = o.new_logprobs(lv.sent_logprobs)
         lv.sent_logprobs += len(lps)
         end = len(o.text) if o.finished else len(o.text) - lv.holdback
         text = o.text[lv.sent_text:end] if end > lv.sent_text else ""
