@@ -52,6 +52,21 @@ class PipelineCarry:
     x: jax.Array     # [spp, decode_rows + prefill_tokens, hidden]
 
 
+def unstack_stages(params: Params, spp: int) -> Params:
+    """Runtime params with each stage's layers as separate arrays: a tuple of L/spp layer
+    dicts whose leaves are ``[spp, ...]`` (row ``s``: stage ``s``'s ``j``-th layer), split on
+    ``spp`` like the stack, so a stage unrolls its layers instead of slicing each out of the
+    stack, which XLA:CPU does by copying the weights every tick (``unstack_layers`` for
+    one device)."""
+    layers = params["layers"]
+    if not isinstance(layers, dict):
+        return params
+    lps = jax.tree.leaves(layers)[0].shape[0] // spp
+    stage = lambda w, j: w.reshape(spp, lps, *w.shape[1:])[:, j]
+    return {**params, "layers": tuple(jax.tree.map(lambda w, j=j: stage(w, j), layers)
+                                      for j in range(lps))}
+
+
 def validate(cfg: LlamaConfig, spp: int) -> None:
     if cfg.num_hidden_layers % spp:
         raise ValueError(f"spp={spp} does not divide num_hidden_layers={cfg.num_hidden_layers}")
@@ -134,7 +149,10 @@ def tick(params: Params, kv_cache: KVCache, carry: PipelineCarry, ibufs: jax.Arr
         cos, sin = rope_tables(cfg, batch.attn.positions)
         layer_fn = step_layer(batch, cos, sin, cfg=cfg, attention_impl=attention_impl,
                               tp_axis=tp_axis, kvp_axis=kvp_axis)
-        x, kv_cache, _ = layer_loop(params["layers"], x, kv_cache, layer_fn, 0, lps)
+        layers = params["layers"]
+        if isinstance(layers, tuple):  # unstack_stages: this stage's [1, ...] per layer
+            layers = [jax.tree.map(lambda w: w.reshape(w.shape[1:]), layer) for layer in layers]
+        x, kv_cache, _ = layer_loop(layers, x, kv_cache, layer_fn, 0, lps)
         # Only the tick's rows travel; the slot's other rows keep stale values that no
         # batch covered by a later tick reads as its own (they are its padding).
         moved = jax.lax.ppermute(x, "spp", perm)

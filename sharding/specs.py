@@ -29,10 +29,13 @@ def layer_spec(name: str) -> P:
 
 
 def param_specs(params: Params) -> Params:
-    """PartitionSpecs with the structure of runtime-layout ``params`` (stacked layers, or
-    the unrolled list of per-layer dicts, whose leaves drop the stacked axis)."""
+    """PartitionSpecs with the structure of runtime-layout ``params`` (stacked layers, the
+    unrolled list of per-layer dicts, whose leaves drop the stacked axis, or the tuple of a
+    pipeline stage's layers, ``pipeline.unstack_stages``, whose leaves keep a stage axis)."""
     layers = params["layers"]
-    if isinstance(layers, list):
+    if isinstance(layers, tuple):
+        specs = tuple({name: layer_spec(name) for name in layer} for layer in layers)
+    elif isinstance(layers, list):
         per_layer = {name: P(*layer_spec(name)[1:]) for name in layers[0]}
         specs = [per_layer] * len(layers)
     else:

@@ -65,10 +65,19 @@ _SCRIPT = textwrap.dedent("""
                 # what one device holds: stage-local layers and pages
                 # [stage layers, KV heads / tp, pages, page, head_dim]
                 "kv_shard": list(eng.runner.kv_cache[0].addressable_shards[0].data.shape),
-                # stacked under spp (one device may run the unrolled per-layer form)
-                "wq_shard": (list(eng.runner.params["layers"]["wq"].addressable_shards[0]
-                                  .data.shape)
-                             if isinstance(eng.runner.params["layers"], dict) else None)}
+                # [stage layers, hidden, heads / tp]: under spp each stage's layers as
+                # separate [1, ...] shards (unstack_stages), stacked with layer_loop="loop"
+                # (one device may run the unrolled per-layer form)
+                "wq_shard": wq_shard(eng.runner.params["layers"])}
+
+    def wq_shard(layers):
+        if isinstance(layers, tuple):
+            shards = [list(layer["wq"].addressable_shards[0].data.shape) for layer in layers]
+            assert all(s[0] == 1 for s in shards), shards
+            return [len(shards)] + shards[0][1:]
+        if isinstance(layers, dict):
+            return list(layers["wq"].addressable_shards[0].data.shape)
+        return None
 
     def run_abort():
         # Abort a long prompt while one of its chunks is in the pipeline; its id is reused

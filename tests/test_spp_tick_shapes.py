@@ -76,7 +76,13 @@ _SCRIPT = textwrap.dedent("""
         result["compiles"] = eng.compile_count
         return result
 
-    print(json.dumps({"one": run("tp=1", False), "spp": run("spp=2", True)}))
+    def looped():
+        # Deeper stages keep the loop over stacked weights: same tokens.
+        eng = LLM("default", mesh="spp=2", warmup=False, layer_loop="loop", **settings).engine
+        return {"stacked": isinstance(eng.runner.params["layers"], dict), "mixed": mixed(eng)}
+
+    print(json.dumps({"one": run("tp=1", False), "spp": run("spp=2", True),
+                      "spp_loop": looped()}))
 """)
 
 
@@ -123,3 +129,10 @@ def test_mixed_traffic_matches_one_device(result):
     assert any(p == 0 and t["tick"][1] > 0 for t in ticks for _, p in t["own"]), ticks
     # Small ticks as well as the largest ones.
     assert len({tuple(t["tick"]) for t in ticks}) >= 3
+
+
+def test_stages_unroll_their_layers_or_loop_alike(result):
+    """The default engine here unrolls each stage's 2 layers (``unstack_stages``);
+    ``layer_loop="loop"`` keeps them stacked and must give the same tokens."""
+    assert result["spp_loop"]["stacked"]
+    assert result["spp_loop"]["mixed"] == result["one"]["mixed"]

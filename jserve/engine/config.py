@@ -57,7 +57,8 @@ class EngineConfig:
     # Decoder layers as one loop over stacked weights ("loop": compile time independent of
     # depth) or unrolled over per-layer weights ("unrolled": XLA:CPU does not copy each
     # layer's weights every step, ~2x faster decode at small batches, compile time grows
-    # with depth); "auto": unrolled up to 8 layers without spp, else the loop.
+    # with depth); "auto": unrolled up to 8 layers per pipeline stage (the whole model
+    # without spp), else the loop.
     layer_loop: str = "auto"
     seed: int = 0                      # draws seeds for requests that give none
     # "tp=2,kvp=2,spp=2" (sharding.MeshConfig: dp, spp, kvp, tp); dp is not supported yet.
@@ -73,7 +74,7 @@ class EngineConfig:
     def unrolls_layers(self, num_layers: int, spp: int) -> bool:
         """Whether ``layer_loop`` picks unrolled layers for this depth and pipeline."""
         if self.layer_loop == "auto":
-            return spp == 1 and num_layers <= 8
+            return num_layers // spp <= 8
         return self.layer_loop == "unrolled"
 
     def __post_init__(self) -> None:

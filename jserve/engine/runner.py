@@ -272,12 +272,15 @@ def _tick(params: Params, kv_cache: KVCache, state: SeqState, carry: pipeline.Pi
 
 
 def _unstacked(params: Params, mesh: jax.sharding.Mesh | None) -> Params:
-    """``unstack_layers`` on placed params, each layer's arrays keeping their tp split."""
-    target = jax.eval_shape(unstack_layers, params)  # structure only
+    """``unstack_layers`` on placed params, each layer's arrays keeping their tp split; with
+    spp > 1 ``pipeline.unstack_stages`` (each stage's layers, still split by stage)."""
+    split = (unstack_layers if mesh is None or mesh.shape["spp"] == 1 else
+             functools.partial(pipeline.unstack_stages, spp=mesh.shape["spp"]))
+    target = jax.eval_shape(split, params)  # structure only
     shardings = (None if mesh is None else jax.tree.map(
         lambda spec: jax.sharding.NamedSharding(mesh, spec), param_specs(target),
         is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))
-    return jax.jit(unstack_layers, out_shardings=shardings)(params)
+    return jax.jit(split, out_shardings=shardings)(params)
 
 
 def _fresh(fn):
@@ -356,8 +359,8 @@ class ModelRunner:
         ``jax.ShapeDtypeStruct``s and so is the penalty state: the runner only lowers and
         compiles (``compiled``, ``sampler``), nothing is allocated (``jserve.engine.memory_plan``).
         ``unroll_layers``: run the layers unrolled over separate per-layer weight arrays
-        instead of one loop over stacked ones (``jserve.model.llama.unstack_layers``; not
-        with spp, whose stages split the stacked axis)."""
+        instead of one loop over stacked ones (``jserve.model.llama.unstack_layers``; with
+        spp each stage's own layers, ``sharding.pipeline.unstack_stages``)."""
         params_placed = params_placed or abstract
         _check_capture_layer(cfg, capture_layer, mesh)
         self.capture_layer = capture_layer
@@ -373,7 +376,7 @@ class ModelRunner:
         self.carry: pipeline.PipelineCarry | None = None
         if mesh is not None and not params_placed:
             self.params = shard_params(self.params, cfg, mesh)
-        if unroll_layers and self.spp == 1 and not abstract:
+        if unroll_layers and not abstract:
             self.params = _unstacked(self.params, mesh)
         self.kv_cache = kv_cache
         self.buckets = buckets
