@@ -5,8 +5,10 @@ Layout. Layer ``s * L/spp + j`` is stage ``s``'s ``j``-th layer. The runtime par
 already stacked ``[L, ...]`` and the KV cache ``[L, KV heads, pages, page_size, head_dim]``
 (:mod:`jserve.model.llama`); their leading layer dim is split on ``"spp"``
 (``sharding.specs.param_specs``, ``STACKED_KV_SPEC``), so a stage holds only its own layers
-and their pages and runs them through the model's layer loop (``layer_loop``). Page ids are
-global (one allocator), so every stage stores the same pages for different layers.
+and their pages and runs them through the model's layer loop (``layer_loop``), unrolled over
+per-layer arrays when the runner splits the stack by stage (``unstack_stages``: a tuple of
+layers whose leaves keep the ``"spp"`` axis). Page ids are global (one allocator), so every
+stage stores the same pages for different layers.
 
 Tick. One ``jax.shard_map`` over the whole mesh: stage 0 embeds the new batch, every stage
 runs its layers on the microbatch it holds, and the residual stream moves one stage on with

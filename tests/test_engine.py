@@ -155,10 +155,10 @@ def test_a_failing_step_ends_its_requests_with_an_error_and_frees_blocks(monkeyp
     eng = llm.engine
     ids = [eng.add_request(p, GREEDY) for p in PROMPTS[:2]]
 
-    def broken(shape, arrays):
+    def broken(*args, **kwargs):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(eng.runner, "execute", broken)
+    monkeypatch.setattr(eng.runner, "execute_packed", broken)
     outs = eng.step()
     assert sorted(o.request_id for o in outs) == sorted(ids)
     assert all(o.finished and o.finish_reason == "abort" and "device lost" in o.error
