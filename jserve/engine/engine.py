@@ -16,7 +16,6 @@ import random
 import time
 from typing import Sequence
 
-import jax
 import numpy as np
 
 from jserve.config import LlamaConfig
@@ -25,17 +24,15 @@ from jserve.engine.factory import build_engine_parts, enable_compilation_cache
 from jserve.engine.in_flight import InFlight, Launched
 from jserve.engine.intake import PreparedRequest, RequestIntake, check_slos, new_request
 from jserve.engine.memory_plan import startup_summary
-from jserve.engine.output import (
-    OutputProcessor,
-    RequestOutput,
-    TokenLogprob,
-)
+from jserve.engine.output import OutputProcessor, RequestOutput, TokenLogprob
 from jserve.engine.request_state import NEUTRAL_ROW, StateRows, sampler_row
 from jserve.engine.step_builder import BuiltStep, StepFlags
 from jserve.engine.swap import HostKVStore
+from jserve.engine.timing import StepClock
 from jserve.model.llama import Params
 from jserve.sampling.params import SamplingParams
 from jserve.scheduler import BatchPlan, Request, RequestStatus
+from jserve.scheduler.predictor import CorrectedPredictor
 from jserve.tokenizer import Tokenizer
 from sharding import distributed
 
@@ -72,6 +69,11 @@ class LLMEngine:
         # Settable between steps. Off with a length probe, which reads each step's captured
         # state before its tokens are appended.
         self.async_scheduling = config.async_scheduling and self.length_tracker is None
+        self._clock = StepClock()
+        # The deadline policies' predictor, corrected online from step times (one device:
+        # a pipeline tick's time is not one plan's).
+        self._corrected = (parts.predictor if isinstance(parts.predictor, CorrectedPredictor)
+                           and self._in_flight.depth == 1 else None)
         self._empty: BuiltStep | None = None
         if self._in_flight.depth > 1:
             self._empty = self._build(_EMPTY_PLAN, StepFlags(False, False, False))
@@ -176,11 +178,7 @@ class LLMEngine:
             return self._fail_in_flight(f"engine step failed: {e}", new_plan=plan)
         done = self._in_flight.push(launched, out)
         if not self.async_scheduling:
-            outputs = self._read_unread() + (self._read(done) if done is not None else [])
-            if self.step_log is not None and launched is not None:  # this step's time
-                jax.block_until_ready(out.tokens)
-                self.step_log.append((plan, time.perf_counter() - t0))
-            return outputs
+            return self._read_unread() + (self._read(done) if done is not None else [])
         if done is not None:
             sched.sampled_on_device(done.plan, self.outputs.may_continue)
         outputs = self._read_unread()
@@ -198,10 +196,11 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001 - a device error surfaces here under async
             log.exception("engine step failed; failing every request in flight")
             return self._fail_in_flight(f"engine step failed: {e}", reading=done)
-        if self.step_log is not None and self.async_scheduling:
-            # From launch to read: an upper bound (the host reads one step late); the
-            # profiler times steps synchronously.
-            self.step_log.append((done.plan, time.perf_counter() - done.launched_at))
+        seconds = self._clock.read(done.launched_at)
+        if self.step_log is not None:
+            self.step_log.append((done.plan, seconds))
+        if self._corrected is not None:
+            self._corrected.observe(done.plan, seconds)
         return self._complete(done, tokens)
 
     def _launch(self, plan: BatchPlan) -> Launched:
