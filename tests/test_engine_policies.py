@@ -9,7 +9,7 @@ import pytest
 
 from jserve import SamplingParams
 from jserve.engine.timing import estimated_predictor
-from jserve.scheduler.predictor import LinearPredictor
+from jserve.scheduler.predictor import CorrectedPredictor, LinearPredictor
 from llm_helpers import run_checked, small_llm
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -31,7 +31,7 @@ def test_every_policy_gives_the_reference_greedy_outputs(policy, reference, tmp_
     predictor = LinearPredictor((0.0, 1e-3, 0.0, 0.0, 1e-6, 0.0))
     predictor.save(path)
     llm = small_llm(scheduler=policy, tpot_slo=0.07, max_num_batched_tokens=128,
-                    predictor_path=str(path))
+                    predictor_path=str(path), predictor_correction=False)
     assert llm.engine.predictor == predictor
     assert run_checked(llm, PROMPTS, GREEDY) == reference
     plans = [plan for plan, _ in llm.engine.step_log]
@@ -78,7 +78,28 @@ def test_predictor_loading_and_bad_names(tmp_path):
     with pytest.raises(ValueError, match="tpot_slo must be > 0"):
         small_llm(scheduler="lars", tpot_slo=0)
     eng = small_llm(scheduler="lars", compilation_cache_dir=str(tmp_path / "xla")).engine
-    assert eng.predictor == estimated_predictor(eng.cfg)  # nothing profiled: the estimate
+    # Nothing profiled: the estimate, corrected online from step times.
+    assert eng.predictor.base == estimated_predictor(eng.cfg)
     with pytest.raises(ValueError, match="ttft_slo must be > 0"):
         eng.add_request([1, 2, 3], GREEDY, ttft_slo=-1.0)
     assert not eng.has_unfinished()
+
+
+def test_the_engine_feeds_every_step_time_to_the_corrected_predictor():
+    eng = small_llm(scheduler="lars").engine
+    pred = eng.scheduler.predictor
+    assert isinstance(pred, CorrectedPredictor) and pred is eng.predictor
+    eng.step_log = []
+    for n in (40, 3, 90):
+        eng.add_request(list(range(1, n + 1)), SamplingParams(temperature=0.0, max_tokens=6,
+                                                              ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+    scale = 1.0
+    for plan, seconds in eng.step_log:  # the same exponential average, step by step
+        ratio = seconds / pred.base.predict(plan)
+        scale = min(pred.hi, max(pred.lo, (1 - pred.alpha) * scale + pred.alpha * ratio))
+    assert len(eng.step_log) >= 6 and pred.scale == pytest.approx(scale, rel=1e-12)
+    assert pred.scale != 1.0
+    off = small_llm(scheduler="lars", predictor_correction=False).engine
+    assert not isinstance(off.scheduler.predictor, CorrectedPredictor)

@@ -317,7 +317,7 @@ def test_concurrent_streams_and_random_disconnects_leave_no_blocks(served, llm):
     rng = random.Random(3)
     cut = set(rng.sample(range(STREAMS), DISCONNECTS))
     prompts = [[rng.randrange(256) for _ in range(rng.randint(1, 40))] for _ in range(STREAMS)]
-    lengths = [rng.randint(2, 8) if i not in cut else rng.randint(30, 200)
+    lengths = [rng.randint(2, 8) if i not in cut else rng.randint(100, 200)
                for i in range(STREAMS)]
     before = gauges(served.url)
 

@@ -7,7 +7,12 @@ from hypothesis import given, settings, strategies as st
 
 from jserve.scheduler.chunking import PrefillTimeCache, largest_chunk, with_chunk
 from jserve.scheduler.plan import BatchPlan, ScheduledChunk
-from jserve.scheduler.predictor import FEATURES, LinearPredictor, plan_features
+from jserve.scheduler.predictor import (
+    FEATURES,
+    CorrectedPredictor,
+    LinearPredictor,
+    plan_features,
+)
 
 # constant, per token, per decode, per decode-context token, per chunk x context, per prefill
 TRUE = LinearPredictor((2e-3, 2e-5, 1e-5, 1e-8, 4e-9, 1e-4))
@@ -86,3 +91,23 @@ def test_prefill_time_cache_sums_the_adaptive_chunk_sequence():
         cache.time(100_000) - cache.time(40_000))
     # Isolated prefill is superlinear in length (attention grows with context).
     assert cache.time(100_000) > 2.5 * cache.time(40_000)
+
+
+def test_the_corrected_predictor_follows_measured_step_times():
+    plan = BatchPlan((ScheduledChunk("a", 900, 1, True),), (ScheduledChunk("b", 0, 256, False),))
+    fixed = CorrectedPredictor(TRUE, alpha=0.5)
+    assert fixed.predict(plan) == TRUE.predict(plan)
+    for _ in range(30):  # steps take twice the prediction on this machine
+        fixed.observe(plan, 2 * TRUE.predict(plan))
+    assert fixed.scale == pytest.approx(2.0, rel=1e-6)
+    assert fixed.predict(plan) == pytest.approx(2 * TRUE.predict(plan), rel=1e-6)
+    # The chunk search packs to the budget under the corrected times: the chunk it finds
+    # for a 50 ms budget is what the uncorrected model finds for 25 ms.
+    base = BatchPlan((), ())
+    assert largest_chunk(fixed, base, "r", 4096, 10**6, 0.05) == \
+        largest_chunk(TRUE, base, "r", 4096, 10**6, 0.025)
+    fixed.observe(plan, 1e3)  # an outlier moves it at most to the clamp
+    assert fixed.scale == fixed.hi
+    fixed.observe(plan, 0.0)  # nothing measured: ignored
+    assert fixed.scale == fixed.hi
+

@@ -75,7 +75,7 @@ def wait_idle(bg: BackgroundServer, timeout: float = 30.0) -> dict:
     while True:
         st = bg.stats()  # allocator.check() runs on the engine thread
         # ... and every handler has ended (and counted its outcome) on the event loop.
-        if st["in_flight"] == 0 and st["engine_requests"] == 0 \
+        if st["in_flight"] == 0 and st["engine_requests"] == 0 and not st["engine_busy"] \
                 and bg.server.gateway.in_flight == 0:
             break
         assert time.monotonic() < end, f"requests still in flight: {st}"

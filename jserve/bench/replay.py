@@ -100,6 +100,8 @@ def run_local(engine, trace: Sequence[TraceRequest], *, window_s: float | None =
     finally:
         for rid in [t.request_id for t in trace[:i] if t.request_id in engine.requests]:
             done(engine.abort(rid), cut=True)
+        while engine.has_unfinished():  # steps still on the device hold the aborted blocks
+            engine.step()
         bar.close()
     return [records[t.request_id] for t in trace]
 

@@ -46,6 +46,9 @@ class EngineConfig:
     ttft_slo_floor: float = 0.5
     space_sharing: bool = True
     predictor_path: str | None = None  # default: the one `jserve profile` saved for this model
+    # Scale the predictor online by measured / predicted step time (one device), so a
+    # profile from a quieter machine or the fallback estimate still packs to the budget.
+    predictor_correction: bool = True
     # Preemption under KV pressure: "auto" swaps a victim's KV to host memory when the copy
     # is predicted cheaper than recomputing it, within swap_space_bytes of host memory.
     preemption: str = "auto"           # auto | swap | recompute

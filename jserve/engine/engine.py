@@ -16,7 +16,6 @@ import random
 import time
 from typing import Sequence
 
-import jax
 import numpy as np
 
 from jserve.config import LlamaConfig
@@ -25,18 +24,16 @@ from jserve.engine.factory import build_engine_parts, enable_compilation_cache
 from jserve.engine.in_flight import InFlight, Launched
 from jserve.engine.intake import PreparedRequest, RequestIntake, check_slos, new_request
 from jserve.engine.memory_plan import startup_summary
-from jserve.engine.output import (
-    OutputProcessor,
-    RequestOutput,
-    TokenLogprob,
-)
+from jserve.engine.output import OutputProcessor, RequestOutput, TokenLogprob
 from jserve.engine.request_state import NEUTRAL_ROW, StateRows, sampler_row
 from jserve.engine.step_builder import BuiltStep, StepFlags
 from jserve.engine.swap import HostKVStore
 from jserve.engine.tick_slots import TickSlots
+from jserve.engine.timing import StepClock
 from jserve.model.llama import Params
 from jserve.sampling.params import SamplingParams
 from jserve.scheduler import BatchPlan, Request, RequestStatus
+from jserve.scheduler.predictor import CorrectedPredictor
 from jserve.tokenizer import Tokenizer
 from sharding import distributed
 
@@ -74,6 +71,11 @@ class LLMEngine:
         # state before its tokens are appended.
         self.async_scheduling = config.async_scheduling and self.length_tracker is None
         self._slots = TickSlots(self.runner, self.builder, NEUTRAL_ROW, self._in_flight.depth)
+        self._clock = StepClock()
+        # The deadline policies' predictor, corrected online from step times (one device:
+        # a pipeline tick's time is not one plan's).
+        self._corrected = (parts.predictor if isinstance(parts.predictor, CorrectedPredictor)
+                           and self._in_flight.depth == 1 else None)
         if self._in_flight.depth > 1:
             self.runner.start_pipeline()
         self.startup_summary = startup_summary(self, time.perf_counter() - started,
@@ -169,29 +171,19 @@ class LLMEngine:
             if launched is not None:
                 launched.launched_at = t0
             out = self._execute(launched.built if launched else None)
-            self._capture(launched)
+            if launched is not None and self.length_tracker is not None:
+                launched.capture = self.runner.last_capture
         except Exception as e:  # noqa: BLE001 - a failed step must not strand its requests
-            return self._fail_in_flight(e, new_plan=plan)
+            log.exception("engine step failed; failing every request in flight")
+            return self._fail_in_flight(f"engine step failed: {e}", new_plan=plan)
         done = self._in_flight.push(launched, out)
         if not self.async_scheduling:
-            outputs = self._read_unread() + (self._read(done) if done is not None else [])
-            if self.step_log is not None and launched is not None:  # this step's time
-                jax.block_until_ready(out.tokens)
-                self.step_log.append((plan, time.perf_counter() - t0))
-            return outputs
+            return self._read_unread() + (self._read(done) if done is not None else [])
         if done is not None:
-            sched.sampled_on_device(done.plan, self._may_continue)
+            sched.sampled_on_device(done.plan, self.outputs.may_continue)
         outputs = self._read_unread()
         self._in_flight.unread = done
         return outputs
-
-    def _may_continue(self, req: Request) -> bool:
-        """Whether ``req`` may decode again before its newest token is read: not if that
-        token ends it by length (a stop token or string still can; its extra token is then
-        dropped)."""
-        n_out = req.num_output_tokens + 1
-        return (n_out < req.payload.params.max_tokens
-                and req.num_prompt_tokens + n_out < self.max_model_len)
 
     def _read_unread(self) -> list[RequestOutput]:
         done = self._in_flight.take_unread()
@@ -202,11 +194,13 @@ class LLMEngine:
         try:
             tokens = np.asarray(done.out.tokens)
         except Exception as e:  # noqa: BLE001 - a device error surfaces here under async
-            return self._fail_in_flight(e, reading=done)
-        if self.step_log is not None and self.async_scheduling:
-            # From launch to read: an upper bound (the host reads one step late); the
-            # profiler times steps synchronously.
-            self.step_log.append((done.plan, time.perf_counter() - done.launched_at))
+            log.exception("engine step failed; failing every request in flight")
+            return self._fail_in_flight(f"engine step failed: {e}", reading=done)
+        seconds = self._clock.read(done.launched_at)
+        if self.step_log is not None:
+            self.step_log.append((done.plan, seconds))
+        if self._corrected is not None:
+            self._corrected.observe(done.plan, seconds)
         return self._complete(done, tokens)
 
     def _launch(self, plan: BatchPlan) -> Launched:
@@ -226,10 +220,6 @@ class LLMEngine:
                           any_penalty=any(r.payload.params.uses_penalties for r in reqs),
                           want_logprobs=any(p.logprobs is not None for p in sampled))
         return Launched(plan, reqs, self._build(plan, flags), flags.want_logprobs)
-
-    def _capture(self, launched: Launched | None) -> None:
-        if launched is not None and self.length_tracker is not None:
-            launched.capture = self.runner.last_capture
 
     def _build(self, plan: BatchPlan, flags: StepFlags) -> BuiltStep:
         return self.builder.build(plan, self.requests, lambda r: sampler_row(r, self.eos_ids),
@@ -266,12 +256,16 @@ class LLMEngine:
             outputs.append(self._finish(req, reason) if reason else self.outputs.output(req))
         return outputs
 
-    def _fail_in_flight(self, error: Exception, reading: Launched | None = None,
+    def cancel_in_flight(self, reason: str) -> list[RequestOutput]:
+        """Drops every plan on the device unread (a stopping server, a crashed loop): the
+        requests they hold end with ``abort`` and ``reason``; their blocks are freed."""
+        return self._fail_in_flight(reason)
+
+    def _fail_in_flight(self, error: str, reading: Launched | None = None,
                         new_plan: BatchPlan = _EMPTY_PLAN) -> list[RequestOutput]:
         """Fails every request with a chunk in flight (the plan being read and a new plan
         that did not launch among them), hands every plan back to the scheduler oldest
         first, and empties the pipeline."""
-        log.error("engine step failed; failing every request in flight", exc_info=error)
         entries = self._in_flight.drain(reading)
         plans = [b.plan for b in entries]
         reqs = [r for b in entries for r in b.requests]
@@ -281,7 +275,7 @@ class LLMEngine:
         outputs = []
         for req in dict.fromkeys(reqs):
             if self.requests.get(req.request_id) is req:
-                outputs.append(self._finish(req, "abort", f"engine step failed: {error}"))
+                outputs.append(self._finish(req, "abort", error))
         for p in plans:
             self.scheduler.update(p, None)
         if self._in_flight.depth > 1:

@@ -23,7 +23,7 @@ from jserve.probe.tracker import LengthTracker
 from jserve.scheduler import POLICIES, BatchPlan, ScheduledChunk, build_scheduler
 from jserve.scheduler.base import SchedulerBase
 from jserve.scheduler.deadline import DeadlineConfig
-from jserve.scheduler.predictor import LinearPredictor
+from jserve.scheduler.predictor import CorrectedPredictor, RuntimePredictor
 from jserve.scheduler.swap import SwapPolicy
 from sharding import pipeline
 from sharding.mesh import MeshConfig, make_mesh
@@ -52,7 +52,7 @@ class EngineParts:
     scheduler: SchedulerBase
     runner: ModelRunner
     builder: StepBuilder
-    predictor: LinearPredictor | None       # the deadline policies' step-time model
+    predictor: RuntimePredictor | None      # the deadline policies' step-time model
     length_tracker: LengthTracker | None
     persistent_cache_hits: int | None       # compiled programs found on disk (warm-up on)
 
@@ -141,7 +141,7 @@ def _num_kv_pages(cfg: LlamaConfig, config: EngineConfig, geo: Geometry) -> int:
 
 
 def _swap_policy(cfg: LlamaConfig, config: EngineConfig, mesh_config: MeshConfig,
-                 predictor: LinearPredictor | None) -> SwapPolicy | None:
+                 predictor: RuntimePredictor | None) -> SwapPolicy | None:
     """Swapping moves pages through the host memory of one process and not under a
     pipeline; elsewhere, and with ``preemption="recompute"``, victims recompute."""
     if config.preemption == "recompute" or jax.process_count() > 1 or mesh_config.spp > 1:
@@ -158,7 +158,7 @@ def _swap_policy(cfg: LlamaConfig, config: EngineConfig, mesh_config: MeshConfig
 
 
 def _scheduler(config: EngineConfig, allocator: BlockAllocator, budget: int,
-               context: int, predictor: LinearPredictor | None,
+               context: int, predictor: RuntimePredictor | None,
                tracker: LengthTracker | None) -> SchedulerBase:
     probe = tracker.probe if tracker else None
     return build_scheduler(
@@ -179,6 +179,8 @@ def build_engine_parts(cfg: LlamaConfig, params: Params, config: EngineConfig) -
     num_pages = _num_kv_pages(cfg, config, geo)
     predictor = (load_predictor(cfg, config)
                  if config.scheduler not in ("sarathi", "sprpt") else None)
+    if predictor is not None and config.predictor_correction:
+        predictor = CorrectedPredictor(predictor)
     tracker = length_tracker(cfg, config)
     prefix_caching = config.enable_prefix_caching and spp == 1 and tracker is None
     if config.enable_prefix_caching and not prefix_caching:

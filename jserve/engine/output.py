@@ -111,6 +111,14 @@ class OutputProcessor:
         self.eos_ids = eos_ids
         self.max_model_len = max_model_len
 
+    def may_continue(self, req) -> bool:
+        """Whether ``req`` may decode again before its newest token (still on the device)
+        is read: not if that token ends it by length (``max_tokens``, the context). A stop
+        token or string still can; the extra token is then dropped."""
+        n_out = req.num_output_tokens + 1
+        return (n_out < req.payload.params.max_tokens
+                and req.num_prompt_tokens + n_out < self.max_model_len)
+
     def add_token(self, req, tok: int, now: float, logprob: TokenLogprob | None = None
                   ) -> str | None:
         """Processes ``req``'s next generated token ``tok``; returns the finish reason ('stop'

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from pathlib import Path
 
 import jax
@@ -72,3 +73,20 @@ def load_predictor(cfg: LlamaConfig, config: EngineConfig) -> LinearPredictor:
     log.warning("no profiled runtime predictor at %s; using a FLOP estimate "
                 "(run `jserve profile` for deadlines the scheduler can keep)", path)
     return estimated_predictor(cfg)
+
+
+class StepClock:
+    """Each plan's step time as the host sees it when it reads the plan's tokens: from the
+    later of its launch and the previous read. Synchronous, that is launch to tokens. Async,
+    the device runs steps back to back, so it is the step's own time while the host keeps up
+    and the iteration's wall time when the host falls behind (what a request's TPOT feels).
+    It feeds ``step_log`` and the predictor's online correction."""
+
+    def __init__(self):
+        self._last_read = 0.0
+
+    def read(self, launched_at: float) -> float:
+        now = time.perf_counter()
+        seconds = now - max(launched_at, self._last_read)
+        self._last_read = now
+        return seconds

@@ -120,3 +120,34 @@ class LinearPredictor:
         if tuple(d["features"]) != FEATURES:
             raise ValueError(f"{path} was fitted on features {d['features']}, expected {FEATURES}")
         return cls(tuple(d["coef"]), d.get("meta", {}))
+
+
+class CorrectedPredictor:
+    """A predictor scaled online by what steps really take: ``observe(plan, seconds)`` moves
+    ``scale`` toward measured / predicted (an exponential average with weight ``alpha``,
+    clamped to [``lo``, ``hi``]). A profile taken on a quiet device, a machine under other
+    load or a fallback estimate then still packs iterations that fit the budget. Scaling by
+    one positive number keeps the chunk search's monotonicity."""
+
+    def __init__(self, base: RuntimePredictor, alpha: float = 0.1, lo: float = 0.25,
+                 hi: float = 8.0):
+        self.base, self.alpha, self.lo, self.hi = base, alpha, lo, hi
+        self.scale = 1.0
+        self.meta = getattr(base, "meta", {})
+
+    def predict(self, plan: BatchPlan) -> float:
+        return self.base.predict(plan) * self.scale
+
+    def chunk_timer(self, plan: BatchPlan) -> ChunkTimer:
+        from jserve.scheduler.chunking import chunk_timer  # chunking imports this module
+
+        timer, scale = chunk_timer(self.base, plan), self.scale
+        return lambda request_id, start, n, samples: timer(request_id, start, n,
+                                                           samples) * scale
+
+    def observe(self, plan: BatchPlan, seconds: float) -> None:
+        predicted = self.base.predict(plan)
+        if predicted > 0 and seconds > 0:
+            ratio = seconds / predicted
+            scale = (1 - self.alpha) * self.scale + self.alpha * ratio
+            self.scale = min(self.hi, max(self.lo, scale))

@@ -141,6 +141,7 @@ class EngineLoop:
         def read(eng: LLMEngine) -> dict[str, int]:
             eng.allocator.check()
             return dict(in_flight=len(self._live), engine_requests=len(eng.requests),
+                        engine_busy=int(eng.has_unfinished()),
                         waiting=len(eng.scheduler.waiting), running=len(eng.scheduler.running),
                         blocks_used=eng.allocator.num_allocated,
                         blocks_free=eng.allocator.num_free, blocks_total=eng.allocator.total,
@@ -171,6 +172,7 @@ class EngineLoop:
                         cmd(out)
                 if stop:
                     self._fail_all(out, UNAVAILABLE, "the server is shutting down")
+                    eng.cancel_in_flight("the server is shutting down")
                     self._publish(out)
                     self._update_metrics(0)
                     return
@@ -193,6 +195,10 @@ class EngineLoop:
             self.crashed = e
             out = []
             self._fail_all(out, INTERNAL, f"engine loop crashed: {e}")
+            try:
+                eng.cancel_in_flight(f"engine loop crashed: {e}")
+            except Exception:  # noqa: BLE001 - the engine may be what broke
+                log.exception("could not release the steps in flight")
             self._publish(out)
             if self._on_crash is not None:
                 self._loop.call_soon_threadsafe(self._on_crash, e)
