@@ -119,3 +119,15 @@ def test_a_resized_step_resizes_from_its_original(recorded):
     assert grown.original is built
     _assert_same_step(grown.resized(eng.builder.empty(mid, NEUTRAL_ROW)), larger[mid])
     assert grown.resized(eng.builder.empty(built.shape, NEUTRAL_ROW)) is built
+
+
+def test_a_tick_covers_every_batch_with_the_smallest_bucket():
+    from jserve.engine.buckets import Buckets
+
+    b = Buckets.for_limits(max_num_seqs=8, token_budget=32, max_prefill_seqs=2,
+                           max_model_len=512, page_size=16)
+    assert b.decode_only_rows == (1, 2, 4, 8) and b.decode_rows == (0, 4, 8)
+    assert b.covering([(1, 0), (2, 0)]) == (2, 0)      # decodes only: the fine ladder
+    assert b.covering([(2, 0), (0, 16)]) == (4, 16)    # beside a prefill: the mixed ladder
+    assert b.covering([(8, 0), (4, 16), (0, 32)]) == (8, 32)
+    assert b.covering([(0, 16)]) == (0, 16)
