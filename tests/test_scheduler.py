@@ -7,7 +7,7 @@ import pytest
 
 from conftest import apply_plan
 from jserve.cache.allocator import BlockAllocator, OutOfBlocks
-from jserve.scheduler import Request, RequestStatus, SarathiScheduler
+from jserve.scheduler import PLACEHOLDER, Request, RequestStatus, SarathiScheduler
 from jserve.scheduler.chunking import PrefillTimeCache
 from jserve.scheduler.deadline import DeadlineConfig, DeadlineScheduler
 from jserve.scheduler.predictor import LinearPredictor
@@ -118,6 +118,33 @@ def test_requests_with_a_token_in_flight_are_neither_scheduled_nor_preempted():
     apply_plan(s, plan)
     assert not s.in_flight and s.has_schedulable()
     assert b.token_ids == tokens  # its late token was dropped
+
+
+def test_async_scheduling_decodes_again_on_a_placeholder_and_drops_a_late_token():
+    """A plan's tokens on the device (``sampled_on_device``): the requests get a placeholder
+    and decode again before the host reads them; ``update`` writes each token at its
+    position; a request that stops on the first token has its second dropped and its blocks
+    freed when that plan is back; one whose token ends it by length stays held."""
+    s = _sched(blocks=8, budget=16, seqs=4, block_size=4)
+    a, b, c = _req("a", 4, 0), _req("b", 3, 1), _req("c", 2, 2, max_tokens=1)
+    for r in (a, b, c):
+        s.add(r)
+    p1 = s.schedule()
+    s.sampled_on_device(p1, lambda r: r is not c)
+    assert a.token_ids[-1] == b.token_ids[-1] == PLACEHOLDER and c.token_ids == [1, 2]
+    p2 = s.schedule()  # a and b decode on their placeholders; c waits for its token
+    assert [(d.request_id, d.start) for d in p2.decodes] == [("a", 4), ("b", 3)]
+    s.sampled_on_device(p2, lambda r: True)
+    assert a.token_ids == [1, 2, 3, 4, PLACEHOLDER, PLACEHOLDER]
+    assert [r.request_id for _, r in s.update(p1, [7, 8, 9])] == ["a", "b", "c"]
+    assert a.token_ids == [1, 2, 3, 4, 7, PLACEHOLDER] and c.token_ids == [1, 2, 9]
+    s.finish(b, RequestStatus.FINISHED_STOPPED)  # b's 8 was a stop token
+    s.finish(c, RequestStatus.FINISHED_LENGTH)
+    assert b.block_ids == [] and len(s.block_holders()) == 2  # a's, and b's until p2 is back
+    assert [r.request_id for _, r in s.update(p2, [10, 11])] == ["a"]
+    assert a.token_ids == [1, 2, 3, 4, 7, 10] and b.token_ids == [1, 2, 3, 8, PLACEHOLDER]
+    assert s.block_holders() == [a.block_ids]
+    s.allocator.check_holders(s.block_holders())
 
 
 # -- KV-cache parallel groups (kvp): per-group pools and the group-boundary rules -------------

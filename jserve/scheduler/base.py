@@ -29,7 +29,7 @@ from jserve.scheduler.swap import SwapPolicy
 
 
 @dataclasses.dataclass(eq=False)
-class _InFlight:
+class _Outstanding:
     """A plan between ``schedule`` and ``update``: its chunks' requests, and those whose
     sampled token is still held (not yet handed on by ``sampled_on_device``)."""
 
@@ -53,7 +53,7 @@ class SchedulerBase(abc.ABC):
         self._swap_out: list[PageMove] = []
         self._swap_in: list[PageMove] = []
         # Plans scheduled and not yet updated, oldest first.
-        self._launched: collections.deque[_InFlight] = collections.deque()
+        self._launched: collections.deque[_Outstanding] = collections.deque()
         # Requests whose sampled token is in flight: they may not decode or be preempted until
         # ``update`` brings it.
         self.in_flight: set[Request] = set()
@@ -175,7 +175,7 @@ class SchedulerBase(abc.ABC):
             if c.samples:
                 held.add(req)
         self.in_flight |= held
-        self._launched.append(_InFlight(plan, reqs, held))
+        self._launched.append(_Outstanding(plan, reqs, held))
 
     def _unpin(self, req: Request) -> None:
         """One chunk of ``req`` is back; the last one frees deferred blocks."""
