@@ -32,13 +32,18 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    default=EngineConfig.enable_prefix_caching,
                    help="share the KV pages of identical leading tokens between requests "
                         "(docs/prefix_cache.md)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                   default=EngineConfig.async_scheduling,
+                   help="plan and launch step N+1 while step N runs on the device (tokens "
+                        "read one step late); off: every step waits for its tokens")
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
                 max_num_batched_tokens=a.max_num_batched_tokens, kv_cache_bytes=a.kv_cache_bytes,
                 num_kv_pages=a.num_kv_pages, memory_fraction=a.memory_fraction,
-                warmup=a.warmup, mesh=a.mesh, enable_prefix_caching=a.prefix_caching)
+                warmup=a.warmup, mesh=a.mesh, enable_prefix_caching=a.prefix_caching,
+                async_scheduling=a.async_scheduling)
 
 
 def _generate(a: argparse.Namespace) -> int:
