@@ -300,6 +300,24 @@ def _unstacked(params: Params, mesh: jax.sharding.Mesh | None) -> Params:
     return jax.jit(split, out_shardings=shardings)(params)
 
 
+def _programs(spp: int):
+    """The runner's jitted step (spp > 1: tick), pass (spp > 1: a batch alone in an empty
+    pipeline through every stage; else None) and sampler. Fresh function objects per runner:
+    JAX's trace and compile caches are keyed weakly on the function, so a dropped engine's
+    executables (hundreds of memory maps each on CPU) are freed with it instead of
+    accumulating for the life of the process."""
+    static = ("layout", "cfg", "attention_impl", "mesh", "rows")
+    if spp > 1:
+        step = jax.jit(_fresh(_tick), static_argnames=static + ("decode_rows",),
+                       donate_argnums=(1, 2, 3))
+        lone = jax.jit(_fresh(_lone_pass), static_argnames=static, donate_argnums=(1, 2))
+    else:
+        step = jax.jit(_fresh(_step), static_argnames=static + ("capture_layer",),
+                       donate_argnums=(1, 2))
+        lone = None
+    return step, lone, jax.jit(_fresh(_sample), donate_argnums=(0,))
+
+
 def _fresh(fn):
     """A new function object running ``fn`` (see ``ModelRunner.__init__``)."""
     @functools.wraps(fn)
@@ -408,21 +426,7 @@ class ModelRunner:
         self.state_sink = rows - 1
         self.attention_impl = attention_impl
         self.sample_rows = buckets.max_rows
-        # Fresh function objects per runner: JAX's trace and compile caches are keyed weakly
-        # on the function, so a dropped engine's executables (hundreds of memory maps each
-        # on CPU) are freed with it instead of accumulating for the life of the process.
-        self._jitted = (
-            jax.jit(_fresh(_tick), static_argnames=("layout", "cfg", "attention_impl", "mesh",
-                                                    "rows", "decode_rows"),
-                    donate_argnums=(1, 2, 3)) if self.spp > 1 else
-            jax.jit(_fresh(_step), static_argnames=("layout", "cfg", "attention_impl", "mesh",
-                                                    "rows", "capture_layer"),
-                    donate_argnums=(1, 2)))
-        # spp: a batch alone in an empty pipeline runs as one pass through every stage.
-        self._pass_jit = (jax.jit(_fresh(_lone_pass), static_argnames=(
-            "layout", "cfg", "attention_impl", "mesh", "rows"), donate_argnums=(1, 2))
-            if self.spp > 1 else None)
-        self._sample_jit = jax.jit(_fresh(_sample), donate_argnums=(0,))
+        self._jitted, self._pass_jit, self._sample_jit = _programs(self.spp)
         self._compiled: dict[tuple[int, int], tuple[jax.stages.Compiled, PackedLayout]] = {}
         self._passes: dict[tuple[int, int], tuple[jax.stages.Compiled, PackedLayout]] = {}
         self._sampler: jax.stages.Compiled | None = None
