@@ -5,7 +5,8 @@ the device, and ``scheduler.update(plan, sampled)`` takes it back with the sampl
 which output processing turns into per-request outputs (text, stops, finish). Plans in
 flight wait in a batch queue of depth ``spp``: depth 1 is the plain step, where a plan comes
 back in the step that launched it; under stream pipeline parallelism each step is one
-pipeline tick, and the plan leaving the last stage comes back (docs/engine.md). Requests are
+pipeline tick, and the plan leaving the last stage comes back, or a pass through every stage
+when the plan is alone (empty pipeline, nothing else ready; docs/engine.md). Requests are
 added and aborted between steps; every accepted request ends with a finish reason.
 """
 from __future__ import annotations
