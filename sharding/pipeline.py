@@ -25,6 +25,14 @@ decode tokens (token ``i`` at row ``i``) then the largest prefill chunk (prefill
 at row ``decode_rows + j``). A tick reads and writes its tokens' rows of it (``stream_rows``)
 and moves only those rows, so a batch finds its stream where it left it under any later
 tick shape that covers it.
+
+Pass. A batch alone in an empty pipeline (nothing else to run) does not need ``spp`` ticks
+(``spp`` host steps) to come out: ``lone_pass`` runs it through every stage in one
+executable, ``spp`` rounds of "every stage runs its layers, the stream moves one stage on",
+and returns the stream that left the last stage. Only the stage holding the batch in a
+round writes its KV (the others write to the sink slot 0, and their stream is discarded),
+so the cache ends as ``spp`` ticks would leave it. The carry is neither read nor written:
+the pipeline is empty before and after.
 """
 from __future__ import annotations
 
@@ -115,6 +123,26 @@ def exiting(carry: PipelineCarry, decodes: int, tokens: int, decode_rows: int) -
     return stream_rows(carry.x[0], decodes, tokens, decode_rows)
 
 
+def _stage_batch(batch, kvp: int):
+    """With ``kvp`` > 1 every stage runs KV-cache-parallel attention: the batch travels whole,
+    so each group takes its own columns of the page table here (what ``PAGE_TABLE_SPEC``
+    does for the unpipelined step)."""
+    if kvp == 1:
+        return batch
+    table = batch.attn.page_table
+    local = local_page_table(table, jax.lax.axis_index("kvp"), table.shape[1] // kvp)
+    return dataclasses.replace(batch, attn=dataclasses.replace(batch.attn, page_table=local))
+
+
+def _stage_layers(params: Params):
+    """This stage's layers inside the shard_map: the stack's local slice, or with
+    ``unstack_stages`` its [1, ...] arrays per layer as a list of layers."""
+    layers = params["layers"]
+    if isinstance(layers, tuple):
+        layers = [jax.tree.map(lambda w: w.reshape(w.shape[1:]), layer) for layer in layers]
+    return layers
+
+
 def tick(params: Params, kv_cache: KVCache, carry: PipelineCarry, ibufs: jax.Array,
          fbufs: jax.Array, *, unpack: Callable, decode_rows: int, mesh: Mesh,
          cfg: LlamaConfig, attention_impl: str) -> tuple[KVCache, PipelineCarry]:
@@ -123,11 +151,7 @@ def tick(params: Params, kv_cache: KVCache, carry: PipelineCarry, ibufs: jax.Arr
     at the tick's shape; ``unpack(ibuf, fbuf)`` turns one row into ``StepArrays``.
     ``decode_rows``: the carry's canonical decode rows. Returns the updated KV cache and
     carry; ``exiting`` gives the stream of the batch that left the last stage (the one in
-    row ``spp - 1``).
-
-    With ``kvp`` > 1 every stage runs KV-cache-parallel attention: the batch travels whole,
-    so each group takes its own columns of the page table here (what ``PAGE_TABLE_SPEC``
-    does for the unpipelined step)."""
+    row ``spp - 1``); ``_stage_batch`` for ``kvp`` > 1."""
     spp, kvp = mesh.shape["spp"], mesh.shape["kvp"]
     lps = layers_per_stage(cfg, spp)
     kvp_axis = "kvp" if kvp > 1 else None
@@ -137,24 +161,17 @@ def tick(params: Params, kv_cache: KVCache, carry: PipelineCarry, ibufs: jax.Arr
     def local(params, kv_cache, carry, ibufs, fbufs):
         stage = jax.lax.axis_index("spp")
         first = stage == 0
-        batch = unpack(jax.lax.dynamic_index_in_dim(ibufs, stage, keepdims=False),
-                       jax.lax.dynamic_index_in_dim(fbufs, stage, keepdims=False)).batch
+        batch = _stage_batch(unpack(jax.lax.dynamic_index_in_dim(ibufs, stage, keepdims=False),
+                                    jax.lax.dynamic_index_in_dim(fbufs, stage,
+                                                                 keepdims=False)).batch, kvp)
         decodes, tokens = batch.attn.num_decodes, batch.tokens.shape[0]
-        if kvp_axis is not None:
-            table = batch.attn.page_table
-            local = local_page_table(table, jax.lax.axis_index("kvp"), table.shape[1] // kvp)
-            batch = dataclasses.replace(
-                batch, attn=dataclasses.replace(batch.attn, page_table=local))
         held = carry.x[0]
         x = jnp.where(first, embed(params, batch.tokens),
                       stream_rows(held, decodes, tokens, decode_rows))
         cos, sin = rope_tables(cfg, batch.attn.positions)
         layer_fn = step_layer(batch, cos, sin, cfg=cfg, attention_impl=attention_impl,
                               tp_axis=tp_axis, kvp_axis=kvp_axis)
-        layers = params["layers"]
-        if isinstance(layers, tuple):  # unstack_stages: this stage's [1, ...] per layer
-            layers = [jax.tree.map(lambda w: w.reshape(w.shape[1:]), layer) for layer in layers]
-        x, kv_cache, _ = layer_loop(layers, x, kv_cache, layer_fn, 0, lps)
+        x, kv_cache, _ = layer_loop(_stage_layers(params), x, kv_cache, layer_fn, 0, lps)
         # Only the tick's rows travel; the slot's other rows keep stale values that no
         # batch covered by a later tick reads as its own (they are its padding).
         moved = jax.lax.ppermute(x, "spp", perm)
@@ -168,3 +185,40 @@ def tick(params: Params, kv_cache: KVCache, carry: PipelineCarry, ibufs: jax.Arr
                          in_specs=(param_specs(params), specs, carry_specs, P(), P()),
                          out_specs=(specs, carry_specs), check_vma=False)(
         params, kv_cache, carry, ibufs, fbufs)
+
+
+def lone_pass(params: Params, kv_cache: KVCache, ibuf: jax.Array, fbuf: jax.Array, *,
+              unpack: Callable, mesh: Mesh, cfg: LlamaConfig, attention_impl: str
+              ) -> tuple[KVCache, jax.Array]:
+    """One batch through every stage in one executable (module docstring, Pass): ``ibuf`` /
+    ``fbuf`` [size] (replicated) its packed step at its own shape. Returns the updated KV
+    cache and the stream that left the last stage, [tokens, hidden]."""
+    spp, kvp = mesh.shape["spp"], mesh.shape["kvp"]
+    lps = layers_per_stage(cfg, spp)
+    kvp_axis = "kvp" if kvp > 1 else None
+    tp_axis = "tp" if mesh.shape["tp"] > 1 else None
+    perm = [(s, (s + 1) % spp) for s in range(spp)]
+
+    def local(params, kv_cache, ibuf, fbuf):
+        stage = jax.lax.axis_index("spp")
+        batch = _stage_batch(unpack(ibuf, fbuf).batch, kvp)
+        cos, sin = rope_tables(cfg, batch.attn.positions)
+        layers = _stage_layers(params)
+        x = embed(params, batch.tokens)
+        for i in range(spp):
+            # Stage i holds the batch this round; every other stage's work is discarded and
+            # writes its KV to the sink slot.
+            slots = jnp.where(stage == i, batch.slots, 0)
+            layer_fn = step_layer(dataclasses.replace(batch, slots=slots), cos, sin, cfg=cfg,
+                                  attention_impl=attention_impl, tp_axis=tp_axis,
+                                  kvp_axis=kvp_axis)
+            x, kv_cache, _ = layer_loop(layers, x, kv_cache, layer_fn, 0, lps)
+            x = jax.lax.ppermute(x, "spp", perm)
+        return kv_cache, x[None]  # stage 0 now holds what left the last stage
+
+    specs = kv_cache_specs()
+    kv_cache, x = jax.shard_map(local, mesh=mesh,
+                                in_specs=(param_specs(params), specs, P(), P()),
+                                out_specs=(specs, STAGE_SPEC), check_vma=False)(
+        params, kv_cache, ibuf, fbuf)
+    return kv_cache, x[0]

@@ -25,14 +25,18 @@ def main(coordinator: str, num_processes: int, process_id: int, devices: int, me
         return
     prompts = [[1, 2, 3, 4, 5], list(range(10, 50)), [7] * 3, list(range(100, 119))]
     try:
-        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12,
-                                                    ignore_eos=True))
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        outs = llm.generate(prompts, params)
+        # Then one request alone: under spp its batches are lone passes.
+        outs += llm.generate([[11, 12, 13]], params)
     finally:
         if num_processes > 1:
             distributed.stop_followers()
     with open(out, "w") as f:
         json.dump({"tokens": [o.token_ids for o in outs], "processes": jax.process_count(),
-                   "devices": jax.device_count()}, f)
+                   "devices": jax.device_count(),
+                   # spp: batches that ran alone as one pass (the followers ran them too)
+                   "passes": sum(llm.engine.runner.passed.values())}, f)
 
 
 if __name__ == "__main__":

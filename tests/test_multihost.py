@@ -3,9 +3,9 @@ mesh give the greedy tokens of one process on one device.
 
 Two layouts: 2 x 4 devices as spp=2 x kvp=2 x tp=2 (pipeline stages on different processes,
 so activations and step buffers cross processes by ppermute; the leader broadcasts every
-tick, empty drain ticks included), and 2 x 2 devices as tp=4 (the tensor-parallel psums
-cross processes). Each process runs ``tests/multihost_worker.py`` under a hard timeout, so a
-hang fails the test instead of stalling the suite."""
+tick, empty drain ticks included, and every lone pass), and 2 x 2 devices as tp=4 (the
+tensor-parallel psums cross processes). Each process runs ``tests/multihost_worker.py``
+under a hard timeout, so a hang fails the test instead of stalling the suite."""
 from __future__ import annotations
 
 import json
@@ -63,3 +63,6 @@ def test_two_processes_match_one_device(tmp_path, devices, mesh):
     assert (m["processes"], m["devices"], s["processes"], s["devices"]) == (2, 2 * devices, 1, 1)
     assert m["tokens"] == s["tokens"]
     assert all(len(t) == 12 for t in m["tokens"])
+    # Under spp the decodes that end the run are batches alone in the pipeline: passes,
+    # whose header and one-step buffers the followers must replay.
+    assert (m["passes"] > 0) == ("spp" in mesh), m["passes"]

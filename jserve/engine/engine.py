@@ -5,7 +5,8 @@ the device, and ``scheduler.update(plan, sampled)`` takes it back with the sampl
 which output processing turns into per-request outputs (text, stops, finish). Plans in
 flight wait in a batch queue of depth ``spp``: depth 1 is the plain step, where a plan comes
 back in the step that launched it; under stream pipeline parallelism each step is one
-pipeline tick, and the plan leaving the last stage comes back (docs/engine.md). Requests are
+pipeline tick, and the plan leaving the last stage comes back, or a pass through every stage
+when the plan is alone (empty pipeline, nothing else ready; docs/engine.md). Requests are
 added and aborted between steps; every accepted request ends with a finish reason.
 """
 from __future__ import annotations
@@ -167,16 +168,16 @@ class LLMEngine:
             return self._read_unread()
         try:
             launched = None if plan.is_empty else self._launch(plan)
-            t0 = time.perf_counter()
+            lone = self._in_flight.lone(launched, sched.has_schedulable())
             if launched is not None:
-                launched.launched_at = t0
-            out = self._execute(launched.built if launched else None)
+                launched.launched_at = time.perf_counter()
+            out = self._execute(launched.built if launched else None, lone)
             if launched is not None and self.length_tracker is not None:
                 launched.capture = self.runner.last_capture
         except Exception as e:  # noqa: BLE001 - a failed step must not strand its requests
             log.exception("engine step failed; failing every request in flight")
             return self._fail_in_flight(f"engine step failed: {e}", new_plan=plan)
-        done = self._in_flight.push(launched, out)
+        done = self._in_flight.push(launched, out, lone)
         if not self.async_scheduling:
             return self._read_unread() + (self._read(done) if done is not None else [])
         if done is not None:
@@ -225,9 +226,9 @@ class LLMEngine:
         return self.builder.build(plan, self.requests, lambda r: sampler_row(r, self.eos_ids),
                                   NEUTRAL_ROW, lambda r: r.payload.state_row, flags)
 
-    def _execute(self, built: BuiltStep | None):
+    def _execute(self, built: BuiltStep | None, lone: bool):
         """Multi-process: the leader broadcasts every step (empty ticks too) to the followers."""
-        shape, bufs = self._slots.buffers(built, self._in_flight.slots)
+        shape, bufs = self._slots.buffers(built, self._in_flight.slots, lone)
         if self._multi_process:
             return distributed.leader_execute(self.runner, shape, *bufs)
         return self.runner.execute_packed(shape, *bufs)

@@ -32,13 +32,31 @@ class InFlight:
 
     def __init__(self, depth: int):
         self.depth = depth
+        # Whether a lone batch passes every stage in one step (``lone``); settable.
+        self.lone_passes = True
         self.slots: collections.deque[Launched | None] = collections.deque()
         self.unread: Launched | None = None
         self.log: list[dict] | None = None  # one record per push when on (spp > 1 tests)
 
-    def push(self, launched: Launched | None, out) -> Launched | None:
+    def lone(self, launched: Launched | None, more: bool) -> bool:
+        """Whether ``launched`` runs as a pass through every pipeline stage rather than a
+        tick: spp > 1, the pipeline holds no batch and the scheduler has nothing ``more``
+        that could join it there (a waiting request, a running one not in flight, the next
+        chunk of a prefill). A pipeline left empty by a pass stays empty, so while more
+        work is ready the batches tick and fill the stages instead."""
+        return (self.lone_passes and self.depth > 1 and launched is not None and not more
+                and not self.busy)
+
+    def push(self, launched: Launched | None, out, lone: bool = False) -> Launched | None:
         """Enters ``launched`` (``out``: the outputs of the step it was launched in) and
-        returns the plan leaving the device in that step, if any."""
+        returns the plan leaving the device in that step, if any: ``launched`` itself after
+        a pass (``lone``), which never takes a slot."""
+        if lone:
+            launched.out = out
+            if self.log is not None:
+                self.log.append({"in_flight": 1, "stages": self.stages([launched]),
+                                 "lone": True})
+            return launched
         self.slots.appendleft(launched)
         if self.log is not None:
             stages = self.stages()
@@ -70,8 +88,8 @@ class InFlight:
         self.slots.clear()
         return entries
 
-    def stages(self) -> list[list[tuple]]:
+    def stages(self, slots=None) -> list[list[tuple]]:
         """Per slot, newest first: (request id, start, tokens, samples) of its chunks."""
         return [[(c.request_id, c.start, c.num_tokens, c.samples)
                  for c in b.plan.decodes + b.plan.prefills] if b is not None else []
-                for b in self.slots]
+                for b in (self.slots if slots is None else slots)]

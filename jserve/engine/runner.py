@@ -271,6 +271,23 @@ def _tick(params: Params, kv_cache: KVCache, state: SeqState, carry: pipeline.Pi
     return inputs, kv_cache, state, carry
 
 
+def _lone_pass(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array,
+               fbuf: jax.Array, *, layout: PackedLayout, cfg: LlamaConfig, attention_impl: str,
+               mesh: jax.sharding.Mesh, rows: int):
+    """A batch alone in an empty pipeline through every stage at once
+    (``sharding.pipeline.lone_pass``; ``ibuf``/``fbuf``: its own packed step, fed like the
+    plain step's), then ``_tick``'s tail on the stream that left the last stage."""
+    ibuf = layout.feed(ibuf, state.last_tokens)
+    arrays = layout.unpack(ibuf, fbuf)
+    kv_cache, x = pipeline.lone_pass(params, kv_cache, ibuf, fbuf, unpack=layout.unpack,
+                                     mesh=mesh, cfg=cfg, attention_impl=attention_impl)
+    logits = final_logits(params, x, arrays.batch.logits_rows, cfg)
+    inputs, state = _sample_inputs(logits, state, arrays, rows)
+    inputs, state = jax.lax.with_sharding_constraint(
+        (inputs, state), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    return inputs, kv_cache, state
+
+
 def _unstacked(params: Params, mesh: jax.sharding.Mesh | None) -> Params:
     """``unstack_layers`` on placed params, each layer's arrays keeping their tp split; with
     spp > 1 ``pipeline.unstack_stages`` (each stage's layers, still split by stage)."""
@@ -281,6 +298,24 @@ def _unstacked(params: Params, mesh: jax.sharding.Mesh | None) -> Params:
         lambda spec: jax.sharding.NamedSharding(mesh, spec), param_specs(target),
         is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))
     return jax.jit(split, out_shardings=shardings)(params)
+
+
+def _programs(spp: int):
+    """The runner's jitted step (spp > 1: tick), pass (spp > 1: a batch alone in an empty
+    pipeline through every stage; else None) and sampler. Fresh function objects per runner:
+    JAX's trace and compile caches are keyed weakly on the function, so a dropped engine's
+    executables (hundreds of memory maps each on CPU) are freed with it instead of
+    accumulating for the life of the process."""
+    static = ("layout", "cfg", "attention_impl", "mesh", "rows")
+    if spp > 1:
+        step = jax.jit(_fresh(_tick), static_argnames=static + ("decode_rows",),
+                       donate_argnums=(1, 2, 3))
+        lone = jax.jit(_fresh(_lone_pass), static_argnames=static, donate_argnums=(1, 2))
+    else:
+        step = jax.jit(_fresh(_step), static_argnames=static + ("capture_layer",),
+                       donate_argnums=(1, 2))
+        lone = None
+    return step, lone, jax.jit(_fresh(_sample), donate_argnums=(0,))
 
 
 def _fresh(fn):
@@ -391,21 +426,13 @@ class ModelRunner:
         self.state_sink = rows - 1
         self.attention_impl = attention_impl
         self.sample_rows = buckets.max_rows
-        # Fresh function objects per runner: JAX's trace and compile caches are keyed weakly
-        # on the function, so a dropped engine's executables (hundreds of memory maps each
-        # on CPU) are freed with it instead of accumulating for the life of the process.
-        self._jitted = (
-            jax.jit(_fresh(_tick), static_argnames=("layout", "cfg", "attention_impl", "mesh",
-                                                    "rows", "decode_rows"),
-                    donate_argnums=(1, 2, 3)) if self.spp > 1 else
-            jax.jit(_fresh(_step), static_argnames=("layout", "cfg", "attention_impl", "mesh",
-                                                    "rows", "capture_layer"),
-                    donate_argnums=(1, 2)))
-        self._sample_jit = jax.jit(_fresh(_sample), donate_argnums=(0,))
+        self._jitted, self._pass_jit, self._sample_jit = _programs(self.spp)
         self._compiled: dict[tuple[int, int], tuple[jax.stages.Compiled, PackedLayout]] = {}
+        self._passes: dict[tuple[int, int], tuple[jax.stages.Compiled, PackedLayout]] = {}
         self._sampler: jax.stages.Compiled | None = None
         self.compile_count = 0
         self.executed: collections.Counter = collections.Counter()  # steps run per shape
+        self.passed: collections.Counter = collections.Counter()  # lone passes per shape
         self.compile_seconds = 0.0  # wall time spent lowering and compiling
 
     @property
@@ -436,11 +463,17 @@ class ModelRunner:
             any_random=_spec((), bool), any_penalty=_spec((), bool),
             want_logprobs=_spec((), bool))
 
-    def _lower(self, shape: tuple[int, int]) -> tuple[jax.stages.Lowered, PackedLayout]:
+    def _lower(self, shape: tuple[int, int], lone: bool = False
+               ) -> tuple[jax.stages.Lowered, PackedLayout]:
         layout = PackedLayout(self.arrays_spec(*shape))
-        ishape, fshape = self._buffer_shapes(layout)
+        ishape, fshape = self._buffer_shapes(layout, lone)
         ibuf = jax.ShapeDtypeStruct(ishape, jnp.int32, sharding=self._replicated)
         fbuf = jax.ShapeDtypeStruct(fshape, jnp.float32, sharding=self._replicated)
+        if lone:
+            return self._pass_jit.lower(
+                self.params, self.kv_cache, self.state, ibuf, fbuf, layout=layout,
+                cfg=self.cfg, attention_impl=self.attention_impl, mesh=self.mesh,
+                rows=self.sample_rows), layout
         carry = () if self.spp == 1 else (pipeline.carry_spec(
             self.mesh, self.cfg, sum(self.stream_shape)),)
         lowered = self._jitted.lower(self.params, self.kv_cache, self.state, *carry, ibuf, fbuf,
@@ -451,14 +484,16 @@ class ModelRunner:
                                         else {"capture_layer": self.capture_layer}))
         return lowered, layout
 
-    def _buffer_shapes(self, layout: PackedLayout) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        lead = (self.spp,) if self.spp > 1 else ()
+    def _buffer_shapes(self, layout: PackedLayout, lone: bool = False
+                       ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        lead = (self.spp,) if self.spp > 1 and not lone else ()
         return lead + (layout.int_size,), lead + (layout.float_size,)
 
-    def buffer_shapes(self, shape: tuple[int, int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    def buffer_shapes(self, shape: tuple[int, int], lone: bool = False
+                      ) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The packed int32 and float32 buffers a step of ``shape`` takes: one step's, or with
-        spp > 1 one per pipeline slot ([spp, size])."""
-        return self._buffer_shapes(self.compiled(shape)[1])
+        spp > 1 one per pipeline slot ([spp, size]) unless ``lone`` (a pass: one step's)."""
+        return self._buffer_shapes(self.compiled(shape, lone)[1], lone)
 
     def _lower_sampler(self) -> jax.stages.Lowered:
         """The one sampling program, on the padded rows every step hands it."""
@@ -471,12 +506,22 @@ class ModelRunner:
                             want_logprobs=b())
         return self._sample_jit.lower(self.state, spec)
 
-    def compiled(self, shape: tuple[int, int]) -> tuple[jax.stages.Compiled, PackedLayout]:
-        entry = self._compiled.get(shape)
+    def pass_warmup_shapes(self) -> list[tuple[int, int]]:
+        """The shapes whose pass ``warmup`` compiles (spp > 1): the decode-only ones, where a
+        lone batch's pass sets the time between tokens. Other shapes' passes (a lone
+        prefill) compile on first use, at most one per bucket shape."""
+        return [] if self.spp == 1 else [s for s in self.buckets.all_shapes() if s[1] == 0]
+
+    def compiled(self, shape: tuple[int, int], lone: bool = False
+                 ) -> tuple[jax.stages.Compiled, PackedLayout]:
+        """The step (spp: tick) executable of ``shape`` and its layout, compiled on first use;
+        ``lone``: the pass executable instead (spp > 1)."""
+        cache = self._passes if lone else self._compiled
+        entry = cache.get(shape)
         if entry is None:
             t0 = time.perf_counter()
-            lowered, layout = self._lower(shape)
-            entry = self._compiled[shape] = (lowered.compile(), layout)
+            lowered, layout = self._lower(shape, lone)
+            entry = cache[shape] = (lowered.compile(), layout)
             self.compile_count += 1
             self.compile_seconds += time.perf_counter() - t0
         return entry
@@ -490,7 +535,8 @@ class ModelRunner:
         return self._sampler
 
     def warmup(self, threads: int | None = None, progress: bool | None = None) -> None:
-        """Compiles every bucket's step and the sampler. Tracing and lowering run here one
+        """Compiles every bucket's step (spp: tick), the sampler and, under spp, the
+        decode-only shapes' passes (``pass_warmup_shapes``). Tracing and lowering run here one
         after another (the layer loop keeps them cheap at any depth); XLA compiles in
         ``threads`` worker threads (default: one per two cores, at least 2), which release
         the GIL. ``progress``: a tqdm bar (None: only on a terminal)."""
@@ -499,23 +545,24 @@ class ModelRunner:
         from tqdm.auto import tqdm
 
         t0 = time.perf_counter()
-        todo = [s for s in self.buckets.all_shapes() if s not in self._compiled]
+        todo = [(s, False) for s in self.buckets.all_shapes() if s not in self._compiled]
+        todo += [(s, True) for s in self.pass_warmup_shapes() if s not in self._passes]
         jobs: dict = {}
         threads = threads or max(2, (os.cpu_count() or 2) // 2)
         with ThreadPoolExecutor(threads) as pool, \
                 tqdm(total=len(todo) + (self._sampler is None), desc="compiling step shapes",
                      unit="shape", disable=None if progress is None else not progress) as bar:
-            for shape in todo:
-                lowered, layout = self._lower(shape)
-                jobs[pool.submit(lowered.compile)] = (shape, layout)
+            for shape, lone in todo:
+                lowered, layout = self._lower(shape, lone)
+                jobs[pool.submit(lowered.compile)] = (shape, layout, lone)
             if self._sampler is None:
-                jobs[pool.submit(self._lower_sampler().compile)] = (None, None)
+                jobs[pool.submit(self._lower_sampler().compile)] = (None, None, False)
             for fut in as_completed(jobs):
-                shape, layout = jobs[fut]
+                shape, layout, lone = jobs[fut]
                 if shape is None:
                     self._sampler = fut.result()
                 else:
-                    self._compiled[shape] = (fut.result(), layout)
+                    (self._passes if lone else self._compiled)[shape] = (fut.result(), layout)
                 self.compile_count += 1
                 bar.update()
         self.compile_seconds += time.perf_counter() - t0
@@ -539,16 +586,21 @@ class ModelRunner:
         """One unpipelined step (spp == 1) of ``arrays``."""
         return self.execute_packed(shape, *self.compiled(shape)[1].pack(arrays))
 
-    def execute_packed(self, shape: tuple[int, int], ibuf, fbuf,
-                       sample: bool = True) -> SampleResult:
+    def execute_packed(self, shape: tuple[int, int], ibuf, fbuf, sample: bool = True,
+                       lone: bool = False) -> SampleResult:
         """The step on already packed buffers (what multi-process followers receive); with
         spp > 1 one pipeline tick, ``ibuf``/``fbuf`` [spp, size] (``buffer_shapes``): row
         ``s`` the batch stage ``s`` runs, the result the last row's samples. ``sample``
         False (an empty slot leaves the pipeline): no sampling, and the result is host
-        zeros, so the caller does not wait for the tick."""
-        exe, _ = self.compiled(shape)
-        self.executed[shape] += 1
-        if self.spp > 1:
+        zeros, so the caller does not wait for the tick. ``lone`` (spp > 1, the pipeline
+        empty): one batch's buffers [size] through every stage in one pass; the carry is
+        left as it is."""
+        exe, _ = self.compiled(shape, lone)
+        (self.passed if lone else self.executed)[shape] += 1
+        if lone:
+            inputs, self.kv_cache, self.state = exe(self.params, self.kv_cache, self.state,
+                                                    ibuf, fbuf)
+        elif self.spp > 1:
             inputs, self.kv_cache, self.state, self.carry = exe(
                 self.params, self.kv_cache, self.state, self.carry, ibuf, fbuf)
         else:

@@ -3,7 +3,11 @@ a stream-pipeline tick (spp > 1), every slot's packed step at the tick's shape, 
 bucket covering every batch in the pipeline (``sharding.pipeline``). Each batch in flight
 keeps the ``BuiltStep`` it was launched with; a tick re-pads it (``BuiltStep.resized``)
 rather than rebuilding it from request state, and the batch's record takes the re-padded
-step, so the exiting batch's sample rows name rows of the tick's samples."""
+step, so the exiting batch's sample rows name rows of the tick's samples.
+
+A lone batch (``InFlight.lone``: the pipeline empty and nothing else to schedule) is not a
+tick but a pass through every stage in one executable: its own buffers at its own shape,
+like the plain step's, and it leaves the device in the step that launched it."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -35,16 +39,18 @@ class TickSlots:
         return self.builder.buckets.covering((s.original or s).shape for s in steps
                                              if s is not None)
 
-    def buffers(self, new: BuiltStep | None, in_flight: Sequence) -> tuple[tuple[int, int],
-                                                                          tuple]:
+    def buffers(self, new: BuiltStep | None, in_flight: Sequence, lone: bool = False
+                ) -> tuple[tuple[int, int], tuple]:
         """The step's shape and ``ModelRunner.execute_packed``'s buffer arguments. With
-        spp == 1: ``new``'s shape and packed buffers. A tick: ``new`` is the batch entering
+        spp == 1: ``new``'s shape and packed buffers. ``lone`` (spp > 1): ``new``'s shape,
+        its packed buffers, and that it samples and is a pass. A tick: ``new`` is the batch entering
         stage 0 (None: an empty slot), ``in_flight`` the records of the batches entering
         stages 1, 2, ... (None or missing: empty), each with a ``built`` step, which becomes
         the re-padded one; returns the tick's shape, its [spp, size] int32 and float32
         buffers, and whether the tick samples (a batch leaves the last stage)."""
-        if self.spp == 1:
-            return new.shape, self.runner.compiled(new.shape)[1].pack(new.arrays)
+        if self.spp == 1 or lone:
+            packed = self.runner.compiled(new.shape, lone)[1].pack(new.arrays)
+            return new.shape, (packed + (True, True) if lone else packed)
         records = [None] + list(in_flight)
         records += [None] * (self.spp - len(records))
         steps = [new] + [r.built if r is not None else None for r in records[1:]]
