@@ -157,15 +157,21 @@ def saturation(trace: Sequence[TraceRequest], policy: str, cfg: SimConfig = SimC
     return saturation_qps(mesh_work_s(trace, cache.time, model.stage_time))
 
 
+def isolated_ttfts(trace: Sequence[TraceRequest], cfg: SimConfig = SimConfig()) -> list[float]:
+    """Each request's time to first token alone on ``cfg``'s mesh: its prefill in the
+    deadline policies' adaptive chunks plus the pipeline's last pass (the table their slack
+    uses). A deadline policy cannot serve a request faster than this."""
+    cache = _prefill_cache(cfg, _max_context(trace))
+    return [cache.remaining(t.prompt_tokens, 0) for t in trace]
+
+
 def default_ttft_deadlines(trace: Sequence[TraceRequest], cfg: SimConfig = SimConfig()
                            ) -> list[float]:
     """The TTFT deadline (seconds after arrival) the deadline policies give each request of
-    ``trace`` on ``cfg`` by default: max(k x isolated prefill, floor), the isolated prefill
-    from the same table their slack uses (pipeline drain included)."""
-    cache = _prefill_cache(cfg, _max_context(trace))
+    ``trace`` on ``cfg`` by default: max(k x isolated prefill, floor)."""
     k, floor = DeadlineConfig.ttft_k, DeadlineConfig.ttft_floor
-    return [t.ttft_deadline_s if t.ttft_deadline_s is not None
-            else max(k * cache.remaining(t.prompt_tokens, 0), floor) for t in trace]
+    return [t.ttft_deadline_s if t.ttft_deadline_s is not None else max(k * alone, floor)
+            for t, alone in zip(trace, isolated_ttfts(trace, cfg))]
 
 
 def _max_context(trace: Sequence[TraceRequest]) -> int:
