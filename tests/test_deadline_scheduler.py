@@ -13,7 +13,9 @@ from jserve.scheduler.request import Request
 from jserve.sim import TraceRequest, VirtualClock, simulate
 
 MS_PER_TOKEN = LinearPredictor((0.0, 1e-3, 0.0, 0.0, 0.0, 0.0))  # 1 ms a token, nothing else
-CONFIG = DeadlineConfig(t_target=0.05, long_threshold=1000, chunk_granularity=50)  # 50-token steps
+# 50-token steps; the paper's rules (quick_first, jserve's own addition, has its own test).
+CONFIG = DeadlineConfig(t_target=0.05, long_threshold=1000, chunk_granularity=50,
+                        quick_first=0.0)
 
 
 def _run(policy, trace, predictor=MS_PER_TOKEN, config=CONFIG, blocks=4096):
@@ -95,6 +97,25 @@ def test_lars_serves_a_due_short_before_a_late_long_prefill():
     recs = _run("lars", LATE_LONG)
     assert 3.0 - 1e-6 <= recs["short"]["first_token_s"] <= 3.02
     assert recs["long"]["first_token_s"] == pytest.approx(10.5)
+
+
+QUICK_SHORT = [TraceRequest("long", 0.0, 10_000, 1, ttft_deadline_s=5.0),
+               TraceRequest("short", 2.0, 100, 1, ttft_deadline_s=1.0)]
+
+
+def test_lars_serves_a_quick_short_at_once():
+    """A short whose whole prefill (0.1 s) fits in quick_first x t_target (4 x 50 ms) ranks
+    with the due requests as soon as it arrives, though it has 0.9 s of slack: its first
+    token comes two 50 ms iterations after arrival. Without the rule it waits until it is
+    due (slack under one iteration), near its deadline. The long request, late either way,
+    finishes at the same time: the same work, in another order."""
+    assert DeadlineConfig().quick_first == 4.0  # the default
+    quick = _run("lars", QUICK_SHORT, config=dataclasses.replace(CONFIG, quick_first=4.0))
+    slow = _run("lars", QUICK_SHORT)
+    assert quick["short"]["first_token_s"] <= 2.0 + 0.1 + 0.05 + 1e-9
+    assert slow["short"]["first_token_s"] >= 2.0 + 0.85
+    assert slow["short"]["first_token_s"] <= 3.0 + 1e-9  # still within its deadline
+    assert quick["long"]["first_token_s"] == pytest.approx(slow["long"]["first_token_s"])
 
 
 def test_lars_order_of_due_late_and_other_requests():

@@ -210,7 +210,8 @@ def hopeless_case(cls, pages: int, last: str) -> BatchPlan:
     can take only less than a granule: a running prefill's last 5 tokens, a swapped request
     whose KV leaves room for 20 more in the free pages, or a 20-token prompt."""
     predictor = LinearPredictor((0.0, 1e-4, 0.0, 0.0, 0.0, 0.0))
-    config = DeadlineConfig(t_target=0.009, chunk_granularity=32)
+    # The paper's order (the quick requests of quick_first would jump the queue here).
+    config = DeadlineConfig(t_target=0.009, chunk_granularity=32, quick_first=0.0)
     cache = PrefillTimeCache(predictor, 4096, 0.009, chunk_granularity=32, max_chunk=4096)
     sched = cls(BlockAllocator(pages + 1, 16), policy="lars", predictor=predictor,
                 prefill_cache=cache, max_num_seqs=8, max_num_batched_tokens=4096,

@@ -56,6 +56,7 @@ class SimConfig:
     # before either (scripts/lars_attainment.py compares them).
     pipeline_drain: bool = True
     due_first: bool = True
+    quick_first: float = 4.0  # DeadlineConfig.quick_first
 
     def __post_init__(self) -> None:
         if self.tpot_slo <= 0:
@@ -136,7 +137,7 @@ def build(policy: str, cfg: SimConfig, clock: VirtualClock, max_context: int
     sched = build_scheduler(
         name, pool(model.kv_cache_tokens(cfg.memory_fraction)), **limits, predictor=model,
         deadline=DeadlineConfig(t_target=cfg.tpot_slo, space_sharing=policy == "lars-ss",
-                                due_first=cfg.due_first),
+                                due_first=cfg.due_first, quick_first=cfg.quick_first),
         clock=clock, prefill_cache=None if name == "sarathi" else _prefill_cache(cfg, max_context))
     return sched, model
 
