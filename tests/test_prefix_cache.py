@@ -3,6 +3,7 @@ the scheduler's use of the cache (and LARS ranking by uncached work), conservati
 random shared traffic, and greedy tokens / logprobs identical with caching on and off."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -142,7 +143,8 @@ def test_a_fully_cached_prompt_still_computes_its_last_token():
 
 def test_lars_ranks_a_request_with_a_long_cached_prefix_by_its_uncached_work():
     predictor = LinearPredictor((0.0, 1e-3, 0.0, 0.0, 0.0, 0.0))  # 1 ms a token
-    config = DeadlineConfig(t_target=0.05, chunk_granularity=16, long_threshold=10**6)
+    config = DeadlineConfig(t_target=0.05, chunk_granularity=16, long_threshold=10**6,
+                            quick_first=0.0)  # LARS's own key (quick first: below)
     clock = VirtualClock(0.0)
     alloc = BlockAllocator(2001, 16, prefix_caching=True)
     sched = DeadlineScheduler(alloc, policy="lars", predictor=predictor,
@@ -166,6 +168,11 @@ def test_lars_ranks_a_request_with_a_long_cached_prefix_by_its_uncached_work():
     assert cached.cached_hint == 8000
     assert sched.remaining_work(cached) == pytest.approx(0.016)
     assert sched.key(cached, 0.0) > sched.key(plain, 0.0)
+    # With quick first (the default) its 16 ms of uncached work make it quick: it goes first,
+    # ahead of the 2 s prompt (counted in full, 8 s, it would not be quick).
+    sched.config = dataclasses.replace(config, quick_first=4.0)
+    assert sched.key(cached, 0.0) < -1.0 < sched.key(plain, 0.0)
+    sched.config = config
     plan = sched.schedule()
     assert [c.request_id for c in plan.prefills] == ["plain"]
     cached.cached_hint = 0              # what a cache-blind ranking would see
