@@ -175,8 +175,7 @@ class LLMEngine:
             if launched is not None and self.length_tracker is not None:
                 launched.capture = self.runner.last_capture
         except Exception as e:  # noqa: BLE001 - a failed step must not strand its requests
-            log.exception("engine step failed; failing every request in flight")
-            return self._fail_in_flight(f"engine step failed: {e}", new_plan=plan)
+            return self._step_failed(e, new_plan=plan)
         done = self._in_flight.push(launched, out, lone)
         if not self.async_scheduling:
             return self._read_unread() + (self._read(done) if done is not None else [])
@@ -195,8 +194,7 @@ class LLMEngine:
         try:
             tokens = np.asarray(done.out.tokens)
         except Exception as e:  # noqa: BLE001 - a device error surfaces here under async
-            log.exception("engine step failed; failing every request in flight")
-            return self._fail_in_flight(f"engine step failed: {e}", reading=done)
+            return self._step_failed(e, reading=done)
         seconds = self._clock.read(done.launched_at)
         if self.step_log is not None:
             self.step_log.append((done.plan, seconds))
@@ -209,7 +207,7 @@ class LLMEngine:
         its step with the run-time switches it needs."""
         now = time.monotonic()
         chunks = plan.decodes + plan.prefills
-        reqs = [self.requests[c.request_id] for c in chunks]
+        reqs = self.scheduler.requests_of(plan)
         for req in reqs:
             self.state_rows.assign(req)
             if req.payload.metrics.first_scheduled_time is None:
@@ -257,6 +255,10 @@ class LLMEngine:
             outputs.append(self._finish(req, reason) if reason else self.outputs.output(req))
         return outputs
 
+    def _step_failed(self, error: Exception, **where) -> list[RequestOutput]:
+        log.exception("engine step failed; failing every request in flight")
+        return self._fail_in_flight(f"engine step failed: {error}", **where)
+
     def cancel_in_flight(self, reason: str) -> list[RequestOutput]:
         """Drops every plan on the device unread (a stopping server, a crashed loop): the
         requests they hold end with ``abort`` and ``reason``; their blocks are freed."""
@@ -272,7 +274,7 @@ class LLMEngine:
         reqs = [r for b in entries for r in b.requests]
         if not new_plan.is_empty:
             plans.append(new_plan)
-            reqs += [self.requests[c.request_id] for c in new_plan.decodes + new_plan.prefills]
+            reqs += self.scheduler.requests_of(new_plan)
         outputs = []
         for req in dict.fromkeys(reqs):
             if self.requests.get(req.request_id) is req:

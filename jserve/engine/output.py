@@ -115,9 +115,12 @@ class OutputProcessor:
         """Whether ``req`` may decode again before its newest token (still on the device)
         is read: not if that token ends it by length (``max_tokens``, the context). A stop
         token or string still can; the extra token is then dropped."""
-        n_out = req.num_output_tokens + 1
-        return (n_out < req.payload.params.max_tokens
-                and req.num_prompt_tokens + n_out < self.max_model_len)
+        return not self._by_length(req, req.num_output_tokens + 1)
+
+    def _by_length(self, req, n_out: int) -> bool:
+        """Whether ``n_out`` generated tokens end ``req`` by length."""
+        return (n_out >= req.payload.params.max_tokens
+                or req.num_prompt_tokens + n_out >= self.max_model_len)
 
     def add_token(self, req, tok: int, now: float, logprob: TokenLogprob | None = None
                   ) -> str | None:
@@ -145,8 +148,7 @@ class OutputProcessor:
             if cut is not None:
                 st.text = st.text[:cut]
                 reason = "stop"
-        if reason is None and (n_out >= p.max_tokens
-                               or len(st.prompt_ids) + n_out >= self.max_model_len):
+        if reason is None and self._by_length(req, n_out):
             reason = "length"
             st.text += st.detok.flush()
         return reason

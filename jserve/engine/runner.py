@@ -174,13 +174,15 @@ class SampleInputs:
     want_logprobs: jax.Array
 
 
-def _sample_inputs(logits: jax.Array, state: SeqState, arrays: StepArrays, rows: int
-                   ) -> tuple[SampleInputs, SeqState]:
-    """The step's tail after the forward (shared by the plain step and the pipeline tick):
-    the penalty state update, which reads the step's tokens, then the sampling inputs padded
-    to ``rows``. Runtime choice (no recompile): penalty bookkeeping only when some row uses
-    penalties (a row is reset at its sequence's first chunk, so skipped steps leave nothing
-    stale that a penalised request reads)."""
+def _sample_inputs(logits: jax.Array, state: SeqState, arrays: StepArrays, rows: int,
+                   mesh: jax.sharding.Mesh | None) -> tuple[SampleInputs, SeqState]:
+    """The step's tail after the forward (shared by the plain step, the pipeline tick and
+    the lone pass): the penalty state update, which reads the step's tokens, then the
+    sampling inputs padded to ``rows``, replicated over ``mesh`` as the sampling executable
+    takes them (multi-process leaders read their own copy; the donated state keeps its
+    input sharding). Runtime choice (no recompile): penalty bookkeeping only when some row
+    uses penalties (a row is reset at its sequence's first chunk, so skipped steps leave
+    nothing stale that a penalised request reads)."""
     state = jax.lax.cond(
         arrays.any_penalty,
         lambda: _update_state(state, arrays.batch.tokens, arrays.token_state_rows,
@@ -188,12 +190,16 @@ def _sample_inputs(logits: jax.Array, state: SeqState, arrays: StepArrays, rows:
         lambda: state)
     pad = rows - logits.shape[0]
     sink = state.output_counts.shape[0] - 1
-    return SampleInputs(
+    inputs = SampleInputs(
         logits=jnp.pad(logits, ((0, pad), (0, 0))),
         state_rows=jnp.pad(arrays.state_rows, (0, pad), constant_values=sink),
         sampled_state_rows=jnp.pad(arrays.sampled_state_rows, (0, pad), constant_values=sink),
         sampling=pad_rows(arrays.sampling, rows), any_random=arrays.any_random,
-        any_penalty=arrays.any_penalty, want_logprobs=arrays.want_logprobs), state
+        any_penalty=arrays.any_penalty, want_logprobs=arrays.want_logprobs)
+    if mesh is None:
+        return inputs, state
+    return jax.lax.with_sharding_constraint(
+        (inputs, state), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 
 
 def _sample(state: SeqState, inp: SampleInputs) -> tuple[SampleResult, SeqState]:
@@ -237,10 +243,7 @@ def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, f
     else:  # tensor / KV-cache parallel; the rest of the step runs replicated on the logits
         logits, kv_cache = tp_forward(params, kv_cache, arrays.batch, mesh=mesh, cfg=cfg,
                                       attention_impl=attention_impl)
-    inputs, state = _sample_inputs(logits, state, arrays, rows)
-    if mesh is not None:  # replicated, as the sampling executable takes them
-        inputs, state = jax.lax.with_sharding_constraint(
-            (inputs, state), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    inputs, state = _sample_inputs(logits, state, arrays, rows, mesh)
     if capture_layer is not None:
         return inputs, kv_cache, state, capture
     return inputs, kv_cache, state
@@ -263,11 +266,7 @@ def _tick(params: Params, kv_cache: KVCache, state: SeqState, carry: pipeline.Pi
     x = pipeline.exiting(carry, arrays.batch.attn.num_decodes, arrays.batch.tokens.shape[0],
                          decode_rows)
     logits = final_logits(params, x, arrays.batch.logits_rows, cfg)
-    inputs, state = _sample_inputs(logits, state, arrays, rows)
-    # Replicated like the plain step's outputs (multi-process leaders read their own copy;
-    # the donated state keeps its input sharding).
-    inputs, state = jax.lax.with_sharding_constraint(
-        (inputs, state), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    inputs, state = _sample_inputs(logits, state, arrays, rows, mesh)
     return inputs, kv_cache, state, carry
 
 
@@ -282,9 +281,7 @@ def _lone_pass(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Arr
     kv_cache, x = pipeline.lone_pass(params, kv_cache, ibuf, fbuf, unpack=layout.unpack,
                                      mesh=mesh, cfg=cfg, attention_impl=attention_impl)
     logits = final_logits(params, x, arrays.batch.logits_rows, cfg)
-    inputs, state = _sample_inputs(logits, state, arrays, rows)
-    inputs, state = jax.lax.with_sharding_constraint(
-        (inputs, state), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    inputs, state = _sample_inputs(logits, state, arrays, rows, mesh)
     return inputs, kv_cache, state
 
 

@@ -104,6 +104,10 @@ class SchedulerBase(abc.ABC):
                 i += 1
         return appended
 
+    def requests_of(self, plan: BatchPlan) -> list[Request]:
+        """The requests of in-flight ``plan``'s chunks (decodes, then prefills), as launched."""
+        return next(e.requests for e in reversed(self._launched) if e.plan is plan)
+
     def sampled_on_device(self, plan: BatchPlan, may_continue) -> None:
         """Async scheduling: ``plan``'s step has sampled its tokens on the device, and the
         host reads them later. Each sampling request for which ``may_continue(req)`` holds
