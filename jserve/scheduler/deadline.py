@@ -56,9 +56,10 @@ class DeadlineConfig:
     # work first (docs/scheduler.md, "Due requests"). False: the paper's order, where a late
     # request's negative key ranks it before them and makes them late too.
     due_first: bool = True
-    # lars with due_first: a request whose remaining work fits in this fraction of t_target
-    # also ranks with the due ones (least work first), however much slack it has: a short
-    # prompt is served at once instead of when its slack runs out. 0: off.
+    # lars with due_first: a request whose remaining work fits in this multiple of t_target
+    # also ranks with the due ones (least work first), however much slack it has (or however
+    # late it is): a short prompt is served at once instead of when its slack runs out, and a
+    # cheap late one does not wait behind a costly due one. 0: off.
     quick_first: float = 4.0
 
     def __post_init__(self) -> None:
@@ -422,13 +423,13 @@ def _slacks(cols: np.ndarray, now: float) -> np.ndarray:
 
 def _due_first(keys: np.ndarray, slack: np.ndarray, work: np.ndarray, margin: float,
                quick: float = 0.0) -> np.ndarray:
-    """LARS keys with requests due (0 <= slack < ``margin``, or remaining work at most
-    ``quick`` x ``margin``) first, least remaining work first (keys below -1); then late ones
-    (slack < 0) in the paper's order, their negative keys mapped monotonically into (-1, 0);
-    then the rest, unchanged (keys >= 0)."""
+    """LARS keys with requests due (0 <= slack < ``margin``) or quick (remaining work at most
+    ``quick`` x ``margin``, late or not) first, least remaining work first (keys below -1);
+    then late ones (slack < 0) in the paper's order, their negative keys mapped monotonically
+    into (-1, 0); then the rest, unchanged (keys >= 0)."""
     late = keys / (1.0 - np.minimum(keys, 0.0))
     keys = np.where(slack < 0, late, keys)
-    due = (slack >= 0) & ((slack < margin) | (work <= quick * margin))
+    due = ((slack >= 0) & (slack < margin)) | (work <= quick * margin)
     return np.where(due, -1.0 - 1.0 / np.maximum(work, 1e-9), keys)
 
 
