@@ -317,12 +317,21 @@ class GenerationServer:
         arrival = time.monotonic()
         remaining = context.time_remaining()
         deadline = arrival + remaining if remaining is not None else None
+
+        def expired() -> bool:
+            return deadline is not None and time.monotonic() >= deadline - DEADLINE_SLACK_S
+
         try:
             request = await context.read()
         except BaseException:  # the call ended (its deadline, a cancel) before its message came
-            expired = deadline is not None and time.monotonic() >= deadline - DEADLINE_SLACK_S
-            self.gateway.refused(el.DEADLINE if expired else "cancelled")
+            self.gateway.refused(el.DEADLINE if expired() else "cancelled")
             raise
+        if request is grpc.aio.EOF and expired():
+            # Under load the handler can start after the deadline: the read then ends with
+            # EOF rather than an error. That is the deadline, not a message never sent.
+            self.gateway.refused(el.DEADLINE)
+            await context.abort(_CODES[el.DEADLINE], "the deadline passed before the request "
+                                                     "was read")
         try:
             stream = self._accept(request, context, arrival, deadline)
         except Rejected as e:
