@@ -326,9 +326,13 @@ class GenerationServer:
         except BaseException:  # the call ended (its deadline, a cancel) before its message came
             self.gateway.refused(el.DEADLINE if expired() else "cancelled")
             raise
-        if request is grpc.aio.EOF and expired():
-            # Under load the handler can start after the deadline: the read then ends with
-            # EOF rather than an error. That is the deadline, not a message never sent.
+        if request is grpc.aio.EOF and (expired() or context.cancelled()):
+            # Under load the handler can start after the call's deadline or the client's
+            # cancel: the read then ends with EOF rather than an error. That is the deadline
+            # or the cancel, not a message never sent.
+            if not expired():
+                self.gateway.refused("cancelled")
+                return
             self.gateway.refused(el.DEADLINE)
             await context.abort(_CODES[el.DEADLINE], "the deadline passed before the request "
                                                      "was read")
