@@ -279,6 +279,25 @@ def test_undecodable_bytes_get_invalid_argument(bg):
     assert "GenerateRequest" in e.value.details()
 
 
+def test_a_call_that_sends_no_request_gets_invalid_argument_counted_once(bg):
+    """A client that half-closes without its message is told so (and counted invalid, not
+    cancelled: the EOF comes from the client, the call itself is alive)."""
+    before = metrics(bg)
+    with grpc.insecure_channel(bg.target) as ch:
+        call = ch.stream_stream("/jserve.v1.Generation/Generate",
+                                request_serializer=pb.GenerateRequest.SerializeToString,
+                                response_deserializer=pb.GenerateResponse.FromString)
+        for _ in range(3):
+            with pytest.raises(grpc.RpcError) as e:
+                list(call(iter(())))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "no GenerateRequest was sent" in e.value.details()
+    wait_idle(bg)
+    after = metrics(bg)
+    ended = {o: after[outcome(o)] - before[outcome(o)] for o in OUTCOMES}
+    assert ended == {o: 3 if o == "invalid_argument" else 0 for o in OUTCOMES}, ended
+
+
 def test_duplicate_request_id_in_flight_gets_already_exists(client, bg):
     first = client.stream([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=400,
                                                     ignore_eos=True), request_id="dup")

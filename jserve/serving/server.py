@@ -59,6 +59,9 @@ _CODES = {el.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
           el.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
           el.INTERNAL: grpc.StatusCode.INTERNAL,
           ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS}
+# How long a call whose read ended with EOF waits to be cancelled before it is answered
+# "no GenerateRequest was sent" (only a client that half-closes without a message pays it).
+EOF_GRACE_S = 0.5
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
 
@@ -296,8 +299,6 @@ class GenerationServer:
     def _accept(self, request, context, arrival: float, deadline: float | None) -> Stream:
         """Validates and queues the request; ``Rejected`` if it is refused."""
         gw = self.gateway
-        if request is grpc.aio.EOF:
-            raise Rejected(el.INVALID, "no GenerateRequest was sent")
         if isinstance(request, _BadMessage):
             raise Rejected(el.INVALID, request.reason)
         gw.check_open()
@@ -323,19 +324,20 @@ class GenerationServer:
 
         try:
             request = await context.read()
+            if request is grpc.aio.EOF and not expired():
+                # EOF: the client closed its side without a message, or the call ended (a
+                # cancel, a dropped connection) and the read saw EOF before the handler was
+                # told. grpc tells it by cancelling this task, which under load comes a
+                # little after the read, so wait for it before calling the request missing.
+                await asyncio.sleep(EOF_GRACE_S)
         except BaseException:  # the call ended (its deadline, a cancel) before its message came
             self.gateway.refused(el.DEADLINE if expired() else "cancelled")
             raise
-        if request is grpc.aio.EOF and (expired() or context.cancelled()):
-            # Under load the handler can start after the call's deadline or the client's
-            # cancel: the read then ends with EOF rather than an error. That is the deadline
-            # or the cancel, not a message never sent.
-            if not expired():
-                self.gateway.refused("cancelled")
-                return
-            self.gateway.refused(el.DEADLINE)
-            await context.abort(_CODES[el.DEADLINE], "the deadline passed before the request "
-                                                     "was read")
+        if request is grpc.aio.EOF:
+            kind = el.DEADLINE if expired() else el.INVALID
+            self.gateway.refused(kind)
+            await context.abort(_CODES[kind], "no GenerateRequest was sent" if kind == el.INVALID
+                                else "the deadline passed before the request was read")
         try:
             stream = self._accept(request, context, arrival, deadline)
         except Rejected as e:
