@@ -75,6 +75,21 @@ def test_idle_pages_are_evicted_least_recently_used_first_and_never_block_admiss
     alloc.check()
 
 
+def test_eviction_takes_a_sequences_tail_before_its_head():
+    """A finished sequence's pages go idle last page first: evicting two pages drops its last
+    two, and the head still hits (head-first eviction would leave no page reachable)."""
+    alloc = _cached_allocator(blocks=4, page=4)
+    keys = _keys(list(range(16)))
+    mine = alloc.allocate(4)
+    for b, k in zip(mine, keys):
+        alloc.register(b, k)
+    alloc.free(mine)
+    new = alloc.allocate(2)
+    assert sorted(new) == sorted(mine[2:]) and alloc.num_evictions == 2
+    assert alloc.lookup(keys) == mine[:2]
+    alloc.check()
+
+
 def test_a_recycled_page_is_never_found_before_it_is_written_again():
     alloc = _cached_allocator(blocks=1, page=4)
     key = _keys([1, 2, 3, 4])[0]

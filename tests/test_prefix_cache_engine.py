@@ -1,7 +1,7 @@
 """Prefix caching in the live engine: greedy tokens and logprobs the same with caching on
 and off, for shared, unshared and partial-page prefixes, requests arriving while the prefix
 is still being prefilled, preemption (recompute and swap) of requests sharing pages, an
-abort of the first owner while others read its pages, penalties, and kvp=2; blocks
+abort of the first owner while others read its pages, penalties, kvp=2 and spp=2; blocks
 conserved after every step."""
 from __future__ import annotations
 
@@ -142,3 +142,41 @@ def test_kvp2_with_shared_prefixes_matches_one_device():
     res = run_on_devices(script, devices=2).result
     assert res["kvp=2"]["out"] == res["tp=1"]["out"]
     assert res["kvp=2"]["hits"] == 96 + 32  # 6 pages (across both groups) and 2 pages
+
+
+@pytest.mark.slow
+def test_spp2_with_shared_prefixes_matches_one_device():
+    """spp=2: requests arriving one per step share the document's pages while other batches
+    are still in the pipeline; a second pass takes every full page but the last token's;
+    with an 8-block pool, recompute preemption of requests sharing pages. Tokens as on one
+    device without caching, blocks conserved after every step."""
+    script = textwrap.dedent("""
+        import json, sys
+        sys.path.insert(0, "tests")
+        import test_prefix_cache_engine as t
+        from llm_helpers import small_llm
+        res = {}
+        for mesh, cache in (("tp=1", False), ("spp=2", True)):
+            eng = small_llm(mesh=mesh, enable_prefix_caching=cache).engine
+            first = t._drive(eng, t.PROMPTS, t.PARAMS, staggered=True)
+            hits = eng.scheduler.prefix_hit_tokens
+            again = t._drive(eng, t.PROMPTS, t.PARAMS)
+            res[mesh] = {"out": [{str(k): v[0] for k, v in o.items()} for o in (first, again)],
+                         "hits": [hits, eng.scheduler.prefix_hit_tokens - hits]}
+        # Each device holds half the layers: half the bytes give the same 8 blocks.
+        eng = small_llm(mesh="spp=2", **dict(t.TINY_POOL,
+                                             kv_cache_bytes=t.TINY_POOL["kv_cache_bytes"] // 2)
+                        ).engine
+        out = t._drive(eng, t.PROMPTS, t.PARAMS)
+        res["tiny"] = {"out": {str(k): v[0] for k, v in out.items()}, "blocks":
+                       eng.allocator.total, "preemptions": eng.scheduler.num_preemptions}
+        print(json.dumps(res))
+    """)
+    res = run_on_devices(script, devices=2).result
+    assert res["spp=2"]["out"] == res["tp=1"]["out"]
+    assert res["spp=2"]["out"][0] == res["spp=2"]["out"][1]
+    assert res["spp=2"]["hits"][0] >= 32
+    assert res["spp=2"]["hits"][1] == sum((len(p) - 1) // 16 * 16 for p in PROMPTS)
+    tiny = res["tiny"]
+    assert tiny["blocks"] == 8 and tiny["preemptions"] > 0
+    assert tiny["out"] == res["tp=1"]["out"][0]

@@ -188,8 +188,11 @@ class BlockAllocator:
 
     def free(self, blocks: list[int]) -> None:
         """Drop one hold on each block: a block no sequence holds goes back to the free pool,
-        or, if it is cached, becomes idle (most recently used end of the LRU)."""
-        for b in blocks:
+        or, if it is cached, becomes idle (most recently used end of the LRU). ``blocks`` is a
+        sequence's pages in order; they go idle last page first, so eviction takes a
+        sequence's tail before its head (a head evicted first would leave its cached tail
+        unreachable, as a lookup stops at the first missing page)."""
+        for b in reversed(blocks):
             refs = self._refs.get(b)
             if refs is None:
                 raise ValueError(f"block {b} is not allocated (double free?)")

@@ -174,7 +174,6 @@ def _scheduler(config: EngineConfig, allocator: BlockAllocator, budget: int,
 def build_engine_parts(cfg: LlamaConfig, params: Params, config: EngineConfig) -> EngineParts:
     geo = check_config(cfg, config)
     mesh_config, buckets, context = geo.mesh_config, geo.buckets, geo.max_model_len
-    spp = mesh_config.spp
     budget = min(config.max_num_batched_tokens, context)
     num_pages = _num_kv_pages(cfg, config, geo)
     predictor = (load_predictor(cfg, config)
@@ -182,10 +181,9 @@ def build_engine_parts(cfg: LlamaConfig, params: Params, config: EngineConfig) -
     if predictor is not None and config.predictor_correction:
         predictor = CorrectedPredictor(predictor)
     tracker = length_tracker(cfg, config)
-    prefix_caching = config.enable_prefix_caching and spp == 1 and tracker is None
+    prefix_caching = config.enable_prefix_caching and tracker is None
     if config.enable_prefix_caching and not prefix_caching:
-        log.info("prefix caching is off: not supported with %s",
-                 "spp > 1" if spp > 1 else "a length probe")
+        log.info("prefix caching is off: not supported with a length probe")
     allocator = BlockAllocator(num_pages, config.page_size, groups=mesh_config.kvp,
                                pages_per_group=buckets.pages_per_group,
                                prefix_caching=prefix_caching)
