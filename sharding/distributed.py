@@ -66,8 +66,7 @@ def _run(runner: StepRunner, shape: tuple[int, int], ibuf: np.ndarray, fbuf: np.
     the replicated outputs."""
     replicated = NamedSharding(runner.mesh, P())
     ibuf, fbuf = (jax.make_array_from_process_local_data(replicated, b) for b in (ibuf, fbuf))
-    out = (runner.execute_packed(shape, ibuf, fbuf, sample, lone) if lone else
-           runner.execute_packed(shape, ibuf, fbuf, sample))
+    out = runner.execute_packed(shape, ibuf, fbuf, sample, lone)
     return jax.tree.map(lambda x: x.addressable_data(0) if isinstance(x, jax.Array) else x,
                         out)
 
@@ -95,8 +94,7 @@ def follow(runner: StepRunner) -> int:
         if kind == _STOP:
             return steps
         shape = (bd, tp)
-        ishape, fshape = (runner.buffer_shapes(shape, True) if lone else
-                          runner.buffer_shapes(shape))
+        ishape, fshape = runner.buffer_shapes(shape, bool(lone))
         ibuf, fbuf = broadcast_one_to_all((np.zeros(ishape, np.int32),
                                            np.zeros(fshape, np.float32)))
         _run(runner, shape, ibuf, fbuf, bool(sample), bool(lone))

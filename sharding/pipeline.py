@@ -143,6 +143,26 @@ def _stage_layers(params: Params):
     return layers
 
 
+def _stage_runner(mesh: Mesh, cfg: LlamaConfig, attention_impl: str):
+    """What ``tick`` and ``lone_pass`` share inside the shard_map: the ring permutation that
+    moves a stream one stage on, and ``run(params, x, kv_cache, batch)``, this stage's layers
+    on ``batch`` (tp psums and kvp attention only where those axes have more than one
+    device)."""
+    spp = mesh.shape["spp"]
+    lps = layers_per_stage(cfg, spp)
+    kvp_axis = "kvp" if mesh.shape["kvp"] > 1 else None
+    tp_axis = "tp" if mesh.shape["tp"] > 1 else None  # no psum over one device per layer
+
+    def run(params, x, kv_cache, batch):
+        cos, sin = rope_tables(cfg, batch.attn.positions)
+        layer_fn = step_layer(batch, cos, sin, cfg=cfg, attention_impl=attention_impl,
+                              tp_axis=tp_axis, kvp_axis=kvp_axis)
+        x, kv_cache, _ = layer_loop(_stage_layers(params), x, kv_cache, layer_fn, 0, lps)
+        return x, kv_cache
+
+    return [(s, (s + 1) % spp) for s in range(spp)], run
+
+
 def tick(params: Params, kv_cache: KVCache, carry: PipelineCarry, ibufs: jax.Array,
          fbufs: jax.Array, *, unpack: Callable, decode_rows: int, mesh: Mesh,
          cfg: LlamaConfig, attention_impl: str) -> tuple[KVCache, PipelineCarry]:
@@ -152,11 +172,8 @@ def tick(params: Params, kv_cache: KVCache, carry: PipelineCarry, ibufs: jax.Arr
     ``decode_rows``: the carry's canonical decode rows. Returns the updated KV cache and
     carry; ``exiting`` gives the stream of the batch that left the last stage (the one in
     row ``spp - 1``); ``_stage_batch`` for ``kvp`` > 1."""
-    spp, kvp = mesh.shape["spp"], mesh.shape["kvp"]
-    lps = layers_per_stage(cfg, spp)
-    kvp_axis = "kvp" if kvp > 1 else None
-    tp_axis = "tp" if mesh.shape["tp"] > 1 else None  # no psum over one device per layer
-    perm = [(s, (s + 1) % spp) for s in range(spp)]
+    kvp = mesh.shape["kvp"]
+    perm, run = _stage_runner(mesh, cfg, attention_impl)
 
     def local(params, kv_cache, carry, ibufs, fbufs):
         stage = jax.lax.axis_index("spp")
@@ -168,10 +185,7 @@ def tick(params: Params, kv_cache: KVCache, carry: PipelineCarry, ibufs: jax.Arr
         held = carry.x[0]
         x = jnp.where(first, embed(params, batch.tokens),
                       stream_rows(held, decodes, tokens, decode_rows))
-        cos, sin = rope_tables(cfg, batch.attn.positions)
-        layer_fn = step_layer(batch, cos, sin, cfg=cfg, attention_impl=attention_impl,
-                              tp_axis=tp_axis, kvp_axis=kvp_axis)
-        x, kv_cache, _ = layer_loop(_stage_layers(params), x, kv_cache, layer_fn, 0, lps)
+        x, kv_cache = run(params, x, kv_cache, batch)
         # Only the tick's rows travel; the slot's other rows keep stale values that no
         # batch covered by a later tick reads as its own (they are its padding).
         moved = jax.lax.ppermute(x, "spp", perm)
@@ -194,25 +208,17 @@ def lone_pass(params: Params, kv_cache: KVCache, ibuf: jax.Array, fbuf: jax.Arra
     ``fbuf`` [size] (replicated) its packed step at its own shape. Returns the updated KV
     cache and the stream that left the last stage, [tokens, hidden]."""
     spp, kvp = mesh.shape["spp"], mesh.shape["kvp"]
-    lps = layers_per_stage(cfg, spp)
-    kvp_axis = "kvp" if kvp > 1 else None
-    tp_axis = "tp" if mesh.shape["tp"] > 1 else None
-    perm = [(s, (s + 1) % spp) for s in range(spp)]
+    perm, run = _stage_runner(mesh, cfg, attention_impl)
 
     def local(params, kv_cache, ibuf, fbuf):
         stage = jax.lax.axis_index("spp")
         batch = _stage_batch(unpack(ibuf, fbuf).batch, kvp)
-        cos, sin = rope_tables(cfg, batch.attn.positions)
-        layers = _stage_layers(params)
         x = embed(params, batch.tokens)
         for i in range(spp):
             # Stage i holds the batch this round; every other stage's work is discarded and
             # writes its KV to the sink slot.
             slots = jnp.where(stage == i, batch.slots, 0)
-            layer_fn = step_layer(dataclasses.replace(batch, slots=slots), cos, sin, cfg=cfg,
-                                  attention_impl=attention_impl, tp_axis=tp_axis,
-                                  kvp_axis=kvp_axis)
-            x, kv_cache, _ = layer_loop(layers, x, kv_cache, layer_fn, 0, lps)
+            x, kv_cache = run(params, x, kv_cache, dataclasses.replace(batch, slots=slots))
             x = jax.lax.ppermute(x, "spp", perm)
         return kv_cache, x[None]  # stage 0 now holds what left the last stage
 

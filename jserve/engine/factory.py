@@ -32,7 +32,6 @@ from sharding.specs import allocate_sharded_kv_cache, kv_head_map, kv_heads_per_
 log = logging.getLogger(__name__)
 
 
-
 def enable_compilation_cache(path: str | None) -> None:
     """Persistent XLA cache: restarts and repeated test processes skip recompiling."""
     if path is None:

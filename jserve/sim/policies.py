@@ -55,8 +55,8 @@ class SimConfig:
     # lars ranks due and late requests first (DeadlineConfig.due_first); False: the behaviour
     # before either (scripts/lars_attainment.py compares them).
     pipeline_drain: bool = True
-    due_first: bool = True
-    quick_first: float = 4.0  # DeadlineConfig.quick_first
+    due_first: bool = DeadlineConfig.due_first
+    quick_first: float = DeadlineConfig.quick_first
 
     def __post_init__(self) -> None:
         if self.tpot_slo <= 0:
