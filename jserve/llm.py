@@ -10,6 +10,7 @@ from jserve.engine.output import RequestOutput
 from jserve.model.weights import load_model
 from jserve.probe.length_probe import default_probe_path
 from jserve.sampling.params import SamplingParams
+from jserve.tokenizer import chat_prompt_ids
 
 Prompt = str | Sequence[int]
 
@@ -39,11 +40,12 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def chat_prompt(self, messages: list[dict]) -> str:
-        """Renders chat messages with the tokenizer's chat template."""
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """The prompt ids of chat messages under the tokenizer's chat template (one BOS, as
+        transformers' ``apply_chat_template(tokenize=True)``; ``chat_prompt_ids``)."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template")
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return chat_prompt_ids(self.tokenizer, messages)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None

@@ -89,6 +89,17 @@ def simple_chat_prompt(messages: list[dict[str, Any]], add_generation_prompt: bo
     return text + "<|assistant|>\n" if add_generation_prompt else text
 
 
+def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict[str, Any]]) -> list[int]:
+    """A chat's prompt ids as transformers' ``apply_chat_template(tokenize=True)`` gives them:
+    a checkpoint's template writes its own special tokens (BOS included), so its text is
+    encoded without adding any (else Llama prompts start with two BOS); a tokenizer with no
+    template gets ``simple_chat_prompt`` with the tokenizer's usual specials."""
+    if getattr(tokenizer, "has_chat_template", False):
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(simple_chat_prompt(messages))
+
+
 def _token_content(token: str | dict[str, Any] | None) -> str | None:
     """tokenizer_config.json writes special tokens as plain strings or AddedToken dicts."""
     return token.get("content") if isinstance(token, dict) else token

@@ -219,7 +219,7 @@ def test_priority_ranks_before_the_policy_key_and_tpot_slo_caps_the_budget():
         prefill_cache=PrefillTimeCache(MS_PER_TOKEN, 20_000, 0.05), max_num_seqs=64,
         max_num_batched_tokens=4096, max_prefill_seqs=8,
         config=dataclasses.replace(CONFIG, chunk_granularity=1), clock=clock)
-    tight = Request("tight", [0] * 8, 4, 0.0, tpot_slo=0.02, priority=-2)
+    tight = Request("tight", [0] * 8, 4, 0.0, tpot_slo=0.04, priority=-2)
     first = Request("first", [0] * 400, 1, 0.0)
     second = Request("second", [0] * 400, 1, 0.0, priority=-1)  # same deadline, later in line
     for r in (first, second, tight):
@@ -228,10 +228,37 @@ def test_priority_ranks_before_the_policy_key_and_tpot_slo_caps_the_budget():
     assert [(c.request_id, c.num_tokens) for c in plan.prefills] == [("tight", 8), ("second", 42)]
     sched.update(plan, [0])  # tight's first token: it decodes from now on
     plan = sched.schedule()
-    # 20 ms, not 50: one decode and 19 tokens of "second".
+    # 40 ms, not 50: one decode and 39 tokens of "second".
     assert [c.request_id for c in plan.decodes] == ["tight"]
-    assert [(c.request_id, c.num_tokens) for c in plan.prefills] == [("second", 19)]
+    assert [(c.request_id, c.num_tokens) for c in plan.prefills] == [("second", 39)]
     # Under memory pressure the worst priority goes first, whatever its key.
     assert sched._victim() is second  # priority -1 against tight's -2
     tight.priority = 5
     assert sched._victim() is tight
+
+
+@pytest.mark.parametrize("policy", ["edf", "lrs", "lars"])
+@pytest.mark.parametrize("share, chunk", [(0.5, 25), (0.2, 10), (0.0, 0)])
+def test_a_tiny_tpot_slo_cannot_stop_other_prefills(policy, share, chunk):
+    """The progress rule: a decode asking for 1 us per token shortens the iteration only to
+    its own decode (1 ms) plus prefill_share x t_target (50 ms), so a waiting prefill still
+    gets share x 50 tokens a step; with share 0 it would get none while the decode runs."""
+    clock = VirtualClock()
+    config = dataclasses.replace(CONFIG, chunk_granularity=1, prefill_share=share)
+    sched = DeadlineScheduler(
+        BlockAllocator(4097, 16), policy=policy, predictor=MS_PER_TOKEN,
+        prefill_cache=PrefillTimeCache(MS_PER_TOKEN, 20_000, 0.05), max_num_seqs=64,
+        max_num_batched_tokens=4096, max_prefill_seqs=8, config=config, clock=clock)
+    hostile = Request("hostile", [0] * 8, 1000, 0.0, tpot_slo=1e-6)
+    sched.add(hostile)
+    sched.update(sched.schedule(), [0])  # its prefill, then it decodes
+    victim = Request("victim", [0] * 600, 1, 0.0)
+    sched.add(victim)
+    plan = sched.schedule()
+    assert sched.iteration_budget(plan.__class__(plan.decodes, ())) == pytest.approx(
+        0.001 + share * 0.05)
+    assert [c.request_id for c in plan.decodes] == ["hostile"]
+    assert [(c.request_id, c.num_tokens) for c in plan.prefills] == (
+        [("victim", chunk)] if chunk else [])
+    with pytest.raises(ValueError, match="prefill_share"):
+        DeadlineConfig(prefill_share=1.5)

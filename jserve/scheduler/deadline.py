@@ -61,8 +61,16 @@ class DeadlineConfig:
     # late it is): a short prompt is served at once instead of when its slack runs out, and a
     # cheap late one does not wait behind a costly due one. 0: off.
     quick_first: float = 4.0
+    # The progress rule (docs/server.md): a running request's ``tpot_slo`` may shorten the
+    # iteration below ``t_target``, but never below the predicted time of the iteration's
+    # decodes plus this share of ``t_target``, so prefills keep at least
+    # min(prefill_share x t_target, what they get with no tpot_slo at all) of every
+    # iteration, whatever SLO a client asks for.
+    prefill_share: float = 0.5
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.prefill_share <= 1.0:
+            raise ValueError(f"prefill_share must be in [0, 1], got {self.prefill_share}")
         if self.lars_variant not in LARS_VARIANTS:
             raise ValueError(f"lars_variant must be one of {LARS_VARIANTS}, "
                              f"got {self.lars_variant!r}")
@@ -235,6 +243,20 @@ class DeadlineScheduler(SchedulerBase):
         return [reqs[i] for i in order.tolist()], set(reqs[num_running:]), extra[:, order]
 
     # -- the batch ---------------------------------------------------------------------
+    def iteration_budget(self, decodes: BatchPlan) -> float:
+        """The time budget of an iteration running ``decodes``: ``t_target``, lowered to the
+        tightest ``tpot_slo`` among running requests, but never below the decodes' predicted
+        time plus ``prefill_share`` of ``t_target`` (the progress rule: one client's SLO
+        cannot stop every other request's prefill)."""
+        base = self.config.t_target
+        if not self._tpot_slos:
+            return base
+        tightest = min([base] + [r.tpot_slo for r in self.running if r.tpot_slo])
+        if tightest >= base:
+            return base
+        floor = self.predictor.predict(decodes) + self.config.prefill_share * base
+        return min(base, max(tightest, floor))
+
     def _passes_over(self, req: Request, free: int) -> bool:
         """Whether a running candidate is sure to be skipped once not even a first granule
         fits (``hopeless``): its chunk cap (the loop's ``_fits``, with one KV group of
@@ -261,9 +283,7 @@ class DeadlineScheduler(SchedulerBase):
         if self.policy == "fcfs":
             candidates = candidates[:1]  # non-preemptive: the oldest prefill runs alone
 
-        granularity, t_target = self.config.chunk_granularity, self.config.t_target
-        if self._tpot_slos:  # the tightest TPOT SLO among running requests caps the budget
-            t_target = min([t_target] + [r.tpot_slo for r in self.running if r.tpot_slo])
+        granularity, t_target = self.config.chunk_granularity, self.iteration_budget(plan)
         search = ChunkSearch(self.predictor, plan, granularity)
         used = None  # predicted time of ``plan``, when space sharing needs it
         tokens_left = self.token_budget - plan.num_tokens

@@ -3,8 +3,11 @@
 ``protocol`` converts between the gRPC wire messages and the offline API's types,
 ``engine_loop`` runs the (not thread-safe) engine in a thread of its own and streams outputs
 back to asyncio, ``gateway`` is the path of one request shared by both front ends (admission,
-validation, ids, the in-flight set, outcome accounting), ``metrics`` exports Prometheus
+validation off the event loop, ids, the in-flight set, outcome accounting), ``limits`` what
+one client may ask for (SLO floors, priority range and trust), ``metrics`` exports Prometheus
 metrics, ``server`` is the ``grpc.aio`` service and process lifecycle (health, reflection,
-TLS, bearer auth, SIGTERM drain), ``openai_api`` the HTTP front end (Starlette on uvicorn).
+TLS, bearer auth, SIGTERM drain). The HTTP front end mirrors the gRPC side:
+``http_protocol`` reads OpenAI request bodies, ``http_responses`` writes responses and
+server-sent events, ``http_server`` is the Starlette/uvicorn app with its bounded edge.
 Guide: ``docs/server.md``.
 """

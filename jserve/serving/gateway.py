@@ -10,21 +10,25 @@ and turns the engine loop's deltas into a ``Stream`` that counts its request's o
 thread, a cancelled or vanished client, or a passed deadline.
 
 Refusals before a request is accepted raise ``Rejected``; the front end maps the kind to its
-status code and counts it with ``Gateway.refused``.
+status code and counts it with ``Gateway.refused``. Tokenization, chat templates and body
+parsing run on the gateway's intake threads (``off_loop``), never on the event loop, so one
+client's 5 MB prompt does not stall every other client's stream.
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hmac
 import itertools
 import secrets
 import time
-from typing import Callable
+from typing import Callable, TypeVar
 
 from jserve.engine.engine import LLMEngine
-from jserve.engine.intake import PreparedRequest, check_slos
+from jserve.engine.intake import PreparedRequest
 from jserve.sampling.params import SamplingParams
 from jserve.serving import engine_loop as el
+from jserve.serving.limits import ClientLimits, RequestLimits
 from jserve.serving.metrics import ServerMetrics
 
 ALREADY_EXISTS = "already_exists"
@@ -34,6 +38,8 @@ NOT_FOUND = "not_found"
 # would: a cancel this close to the deadline counts as deadline_exceeded.
 DEADLINE_SLACK_S = 0.25
 _PARAM_FIELDS = frozenset(SamplingParams.__dataclass_fields__)
+INTAKE_THREADS = 2  # tokenizing requests beside the engine thread and the event loop
+T = TypeVar("T")
 
 
 class Rejected(Exception):
@@ -67,10 +73,14 @@ def field_message(message: str, name: Callable[[str], str]) -> str:
 
 
 class Gateway:
-    def __init__(self, engine: LLMEngine, engine_loop: el.EngineLoop, metrics: ServerMetrics):
+    def __init__(self, engine: LLMEngine, engine_loop: el.EngineLoop, metrics: ServerMetrics,
+                 limits: ClientLimits = ClientLimits()):
         self.engine = engine
         self.engine_loop = engine_loop
         self.metrics = metrics
+        self.limits = RequestLimits(limits, engine)
+        self._intake = concurrent.futures.ThreadPoolExecutor(INTAKE_THREADS,
+                                                             thread_name_prefix="jserve-intake")
         self.draining = False
         self._in_flight: dict[str, Stream] = {}
         self._drained = asyncio.Event()
@@ -92,18 +102,31 @@ class Gateway:
     def healthy(self) -> bool:
         return not self.draining and self.engine_loop.alive
 
+    def trusted(self, authorization: str | bytes | None) -> bool:
+        """Whether a client's bearer header carries the priority token."""
+        token = self.limits.limits.priority_token
+        return token is not None and bearer_matches(authorization, token)
+
+    async def off_loop(self, fn: Callable[..., T], *args) -> T:
+        """``fn(*args)`` on an intake thread: what may take long per byte of a request."""
+        return await asyncio.get_running_loop().run_in_executor(self._intake, fn, *args)
+
     def prepare(self, prompt: str | list[int], params: SamplingParams, *,
                 ttft_slo: float | None = None, tpot_slo: float | None = None,
+                priority: int = 0, trusted: bool = False,
                 name: Callable[[str], str] = lambda f: f,
-                slo_names: tuple[str, str] = ("ttft_slo", "tpot_slo")) -> PreparedRequest:
-        """The request tokenized and validated (the only time it is), or ``Rejected``
-        (INVALID) naming the field as ``name`` does."""
+                slo_names: tuple[str, str, str] = ("ttft_slo", "tpot_slo", "priority")
+                ) -> PreparedRequest:
+        """The request tokenized and validated (the only time it is) and its SLO fields and
+        priority within the server's limits, or ``Rejected`` (INVALID) naming the field as
+        ``name`` (``slo_names``) does. Any thread; tokenizes, so not on the event loop."""
         try:
             prepared = self.engine.prepare(prompt, params)
         except ValueError as e:
             raise Rejected(el.INVALID, field_message(str(e), name)) from None
         try:
-            check_slos(ttft_slo, tpot_slo, slo_names)
+            self.limits.check(len(prepared.prompt_ids), ttft_slo, tpot_slo, priority, trusted,
+                              slo_names)
         except ValueError as e:
             raise Rejected(el.INVALID, str(e)) from None
         return prepared
@@ -137,6 +160,9 @@ class Gateway:
 
     async def wait_drained(self) -> None:
         await self._drained.wait()
+
+    def close(self) -> None:
+        self._intake.shutdown(wait=False, cancel_futures=True)
 
     def end_all(self, kind: str, message: str) -> None:
         """Ends every stream now from the event loop (the engine thread may be stuck in a

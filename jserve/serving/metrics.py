@@ -6,9 +6,20 @@ every engine iteration. prometheus-client is thread-safe.
 from __future__ import annotations
 
 import collections
+import socket
+import threading
 import time
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    make_wsgi_app,
+    start_http_server,
+)
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 30.0, 60.0, 120.0)
@@ -94,6 +105,31 @@ class ServerMetrics:
             self._recent_sum -= self._recent.popleft()[1]
         self.tokens_per_second.set(self._recent_sum / self._window)
 
-    def serve_http(self, port: int, host: str = "0.0.0.0"):
-        """Starts the /metrics endpoint in a daemon thread; returns (http server, thread)."""
-        return start_http_server(port, addr=host, registry=self.registry)
+    def serve_http(self, port: int, host: str = "0.0.0.0", token: str | None = None):
+        """Starts the /metrics endpoint in a daemon thread; returns (http server, thread).
+        With ``token``, a scrape without ``Authorization: Bearer <token>`` gets 401."""
+        if token is None:
+            return start_http_server(port, addr=host, registry=self.registry)
+        from jserve.serving.gateway import bearer_matches  # the gateway imports this module
+        metrics = make_wsgi_app(self.registry)
+
+        def app(environ, start_response):
+            if bearer_matches(environ.get("HTTP_AUTHORIZATION"), token):
+                return metrics(environ, start_response)
+            start_response("401 Unauthorized", [("Content-Type", "text/plain"),
+                                                ("WWW-Authenticate", "Bearer")])
+            return [b"missing or wrong bearer token\n"]
+
+        class Server(ThreadingMixIn, WSGIServer):
+            daemon_threads = True
+            address_family = socket.getaddrinfo(host.strip("[]"), port)[0][0]
+
+        httpd = make_server(host.strip("[]"), port, app, Server, handler_class=_Quiet)
+        thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+        thread.start()
+        return httpd, thread
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format, *args):  # noqa: A002 - the base class's signature
+        pass

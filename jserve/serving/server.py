@@ -9,13 +9,15 @@ client was slow. A cancelled or disconnected client, or a passed gRPC deadline, 
 request on the engine thread at the next iteration.
 
 Status codes: INVALID_ARGUMENT (the message names the field), ALREADY_EXISTS (request_id in
-flight), RESOURCE_EXHAUSTED (admission queue full), DEADLINE_EXCEEDED, UNAVAILABLE (draining
-or stopped), UNAUTHENTICATED (bearer token), INTERNAL (engine failure).
+flight), RESOURCE_EXHAUSTED (admission queue full, or a message over ``max_request_bytes``),
+DEADLINE_EXCEEDED, UNAVAILABLE (draining or stopped), UNAUTHENTICATED (bearer token), INTERNAL
+(engine failure).
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import os
 import signal
@@ -46,6 +48,7 @@ from jserve.serving.gateway import (
     Stream,
     bearer_matches,
 )
+from jserve.serving.limits import ClientLimits
 from jserve.serving.metrics import ServerMetrics
 from jserve.serving.protocol import parse_request
 
@@ -73,17 +76,29 @@ class ServerConfig:
     metrics_port: int | None = 9400    # None: no separate /metrics endpoint; 0: a free port
     http_port: int | None = None       # OpenAI-compatible HTTP API; None: off; 0: a free port
     max_waiting: int = 1024            # admission queue; one more gets RESOURCE_EXHAUSTED
-    max_request_bytes: int = 4 << 20   # bigger messages get INVALID_ARGUMENT
+    max_request_bytes: int = 4 << 20   # bigger messages: RESOURCE_EXHAUSTED / HTTP 413
     grace_period: float = 30.0         # seconds in-flight requests get to finish on SIGTERM
     tls_cert: str | None = None        # PEM files; both or neither
     tls_key: str | None = None
     auth_token: str | None = None      # clients send "authorization: Bearer <token>"
+    metrics_open: bool = False         # /metrics without the token even with auth_token
     model_name: str = "default"
+    limits: ClientLimits = ClientLimits()  # SLO floors, priorities, choices per request
 
     @property
     def open_to_the_network(self) -> bool:
         """Bound beyond loopback with no bearer token: anyone who can reach it may use it."""
         return self.auth_token is None and self.host not in LOOPBACK
+
+    @property
+    def tokens(self) -> tuple[str, ...]:
+        """Bearer tokens that may use the server (the priority token is one too)."""
+        return tuple(t for t in (self.auth_token, self.limits.priority_token) if t)
+
+    @property
+    def metrics_token(self) -> str | None:
+        """The token /metrics asks for: the auth token unless ``metrics_open``."""
+        return None if self.metrics_open else self.auth_token
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -103,24 +118,26 @@ class ServerConfig:
 @dataclasses.dataclass(frozen=True)
 class _BadMessage:
     """What the deserializer hands the handler instead of raising (so the client gets
-    INVALID_ARGUMENT, not a bare INTERNAL)."""
+    INVALID_ARGUMENT or RESOURCE_EXHAUSTED, not a bare INTERNAL)."""
 
     reason: str
+    kind: str = el.INVALID
 
 
 class _BearerAuth(grpc.aio.ServerInterceptor):
-    """Every method but health checks needs ``authorization: Bearer <token>``."""
+    """Every method but health checks needs ``authorization: Bearer <token>``, with one
+    of ``tokens``."""
 
-    def __init__(self, token: str, on_denied):
-        self._token = token
+    def __init__(self, tokens: tuple[str, ...], on_denied):
+        self._tokens = tokens
         self._on_denied = on_denied
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         if handler is None or details.method.startswith(_HEALTH_PREFIX):
             return handler
-        if bearer_matches(dict(details.invocation_metadata or ()).get("authorization"),
-                          self._token):
+        header = dict(details.invocation_metadata or ()).get("authorization")
+        if any(bearer_matches(header, t) for t in self._tokens):
             return handler
         self._on_denied()
         return _denying(handler)
@@ -163,7 +180,7 @@ class GenerationServer:
         self.metrics = ServerMetrics()
         self.engine_loop = el.EngineLoop(engine, self.metrics, max_waiting=config.max_waiting,
                                          on_crash=self._engine_died)
-        self.gateway = Gateway(engine, self.engine_loop, self.metrics)
+        self.gateway = Gateway(engine, self.engine_loop, self.metrics, config.limits)
         self.health = health.aio.HealthServicer()
         self.port: int | None = None
         self.metrics_port: int | None = None
@@ -187,10 +204,10 @@ class GenerationServer:
     # -- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
         cfg = self.config
-        # The transport refuses (RESOURCE_EXHAUSTED) only far past the application limit, so
-        # an oversized request normally gets INVALID_ARGUMENT from the handler.
+        # The transport refuses (RESOURCE_EXHAUSTED, uncounted) only far past the limit: a
+        # message up to it reaches the handler, which counts and refuses it.
         transport_limit = max(4 * cfg.max_request_bytes, 16 << 20)
-        interceptors = [_BearerAuth(cfg.auth_token, lambda: self.gateway.refused(
+        interceptors = [_BearerAuth(cfg.tokens, lambda: self.gateway.refused(
             UNAUTHENTICATED))] if cfg.auth_token else []
         server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", transport_limit),
@@ -220,13 +237,14 @@ class GenerationServer:
         self.port = port
         self._server = server
         if cfg.http_port is not None:
-            from jserve.serving.openai_api import OpenAIServer
+            from jserve.serving.http_server import OpenAIServer
             self._openai = OpenAIServer(self.gateway, cfg)
             self.http_port = await self._openai.start(cfg.host, cfg.http_port)
         self.engine_loop.start(asyncio.get_running_loop())
         await server.start()
         if cfg.metrics_port is not None:
-            self._http = self.metrics.serve_http(cfg.metrics_port, cfg.host)
+            self._http = self.metrics.serve_http(cfg.metrics_port, cfg.host,
+                                                 cfg.metrics_token)
             self.metrics_port = self._http[0].server_port
         for name in ("", SERVICE):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -270,6 +288,7 @@ class GenerationServer:
             threading.Thread(target=self._http[0].shutdown, daemon=True).start()
             self._http = None
         await stopping
+        self.gateway.close()
         log.info("stopped %.2f s after the grace period", time.monotonic() - t0)
 
     def _engine_died(self, error: BaseException) -> None:
@@ -287,7 +306,7 @@ class GenerationServer:
         limit = self.config.max_request_bytes
         if len(data) > limit:
             return _BadMessage(f"request is {len(data)} bytes; the limit is {limit} bytes "
-                               f"(prompt and stop strings count)")
+                               f"(prompt and stop strings count)", el.EXHAUSTED)
         try:
             return pb.GenerateRequest.FromString(data)
         except DecodeError as e:
@@ -296,19 +315,25 @@ class GenerationServer:
     async def _model_info(self, request, context) -> pb.ModelInfo:
         return self._info
 
-    def _accept(self, request, context, arrival: float, deadline: float | None) -> Stream:
-        """Validates and queues the request; ``Rejected`` if it is refused."""
+    async def _accept(self, request, context, arrival: float, deadline: float | None
+                      ) -> Stream:
+        """Validates (tokenizing off the event loop) and queues the request; ``Rejected`` if
+        it is refused."""
         gw = self.gateway
         if isinstance(request, _BadMessage):
-            raise Rejected(el.INVALID, request.reason)
+            raise Rejected(request.kind, request.reason)
         gw.check_open()
         try:
             parsed = parse_request(request)
         except ValueError as e:
             raise Rejected(el.INVALID, str(e)) from None
-        prepared = gw.prepare(parsed.prompt, parsed.params, ttft_slo=parsed.ttft_slo,
-                         tpot_slo=parsed.tpot_slo, name=lambda f: f"sampling_params.{f}",
-                         slo_names=("ttft_slo_seconds", "tpot_slo_seconds"))
+        trusted = gw.trusted(dict(context.invocation_metadata() or ()).get("authorization"))
+        prepared = await gw.off_loop(functools.partial(
+            gw.prepare, parsed.prompt, parsed.params, ttft_slo=parsed.ttft_slo,
+            tpot_slo=parsed.tpot_slo, priority=parsed.priority, trusted=trusted,
+            name=lambda f: f"sampling_params.{f}",
+            slo_names=("ttft_slo_seconds", "tpot_slo_seconds", "priority")))
+        gw.check_open()  # it may have started draining meanwhile
         rid = parsed.request_id or gw.new_id("grpc")
         return gw.open(rid, prepared, arrival=arrival, deadline=deadline,
                        ttft_slo=parsed.ttft_slo, tpot_slo=parsed.tpot_slo,
@@ -339,10 +364,13 @@ class GenerationServer:
             await context.abort(_CODES[kind], "no GenerateRequest was sent" if kind == el.INVALID
                                 else "the deadline passed before the request was read")
         try:
-            stream = self._accept(request, context, arrival, deadline)
+            stream = await self._accept(request, context, arrival, deadline)
         except Rejected as e:
             self.gateway.refused(e.kind)
             await context.abort(_CODES[e.kind], e.message)
+        except asyncio.CancelledError:  # the call ended while its prompt was tokenized
+            self.gateway.refused(el.DEADLINE if expired() else "cancelled")
+            raise
         async with stream:
             try:
                 while not stream.done:

@@ -1,0 +1,208 @@
+"""The OpenAI HTTP API's wire format: request bodies in, error bodies out (the HTTP side's
+``protocol``; no engine state, no event loop).
+
+Every body field is honoured or refused with a 400 naming it (``PARAMS``); none is dropped.
+A request carries at most ``max_choices`` prompts x ``n`` (``parse``): each choice is one
+engine request, so the cap bounds what one body can put in the queue.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jserve.sampling.params import SamplingParams
+from jserve.serving import engine_loop as el
+from jserve.serving.gateway import NOT_FOUND, UNAUTHENTICATED, Rejected, field_message
+
+MAX_N = 16
+# Body fields per endpoint. Sampling fields map to SamplingParams of the same name unless
+# noted; the neutral-only ones are accepted only at the value that changes nothing.
+_SAMPLING = ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
+             "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
+             "stop_token_ids")
+_COMMON = {"model", "n", "stream", "stream_options", "max_tokens", "user", "ttft_slo",
+           "tpot_slo", "priority", *_SAMPLING}
+PARAMS = {
+    "completions": _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix", "logit_bias"},
+    "chat": _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
+                       "logit_bias"},
+}
+_NEUTRAL = {"echo": (False,), "suffix": (None, ""), "logit_bias": (None, {})}
+_STATUS = {el.INVALID: 400, UNAUTHENTICATED: 401, NOT_FOUND: 404, el.EXHAUSTED: 429,
+           el.UNAVAILABLE: 503, el.DEADLINE: 504, el.INTERNAL: 500}
+_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+         413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable",
+         504: "timeout", 500: "server_error"}
+
+
+class BadField(Rejected):
+    def __init__(self, field: str | None, message: str):
+        super().__init__(el.INVALID, message)
+        self.field = field
+
+
+class BodyTooLarge(Rejected):
+    """A body over ``--max-request-bytes``: 413 (counted resource_exhausted, as gRPC's)."""
+
+    def __init__(self, limit: int):
+        super().__init__(el.EXHAUSTED, f"the request body is over this server's limit of "
+                                       f"{limit} bytes (--max-request-bytes)")
+
+
+def error_body(kind: str, message: str, field: str | None = None, status: int | None = None
+               ) -> tuple[int, dict]:
+    status = status or _STATUS[kind]
+    return status, {"error": {"message": message, "type": _TYPE[status], "param": field,
+                              "code": kind}}
+
+
+def rejection(e: Rejected) -> tuple[int, dict]:
+    """A refusal's status code and body."""
+    return error_body(e.kind, e.message, getattr(e, "field", None),
+                      413 if isinstance(e, BodyTooLarge) else None)
+
+
+# -- request parsing ---------------------------------------------------------------------
+@dataclasses.dataclass
+class Parsed:
+    prompts: list[str | list[int]]
+    params: SamplingParams          # for every choice (seed + i for choice i)
+    max_tokens_given: bool          # chat: unset max_tokens means "up to the context"
+    n: int
+    stream: bool
+    include_usage: bool
+    logprobs: int | None
+    ttft_slo: float | None
+    tpot_slo: float | None
+    priority: int
+    max_tokens_field: str
+
+
+def _kind_check(body: dict, field: str, ok: bool, want: str) -> None:
+    if not ok:
+        raise BadField(field, f"{field} must be {want}, got {body[field]!r}")
+
+
+def parse(body: Any, endpoint: str, max_choices: int = 256) -> Parsed:
+    """A request body -> what to run; ``BadField`` naming the field otherwise."""
+    if not isinstance(body, dict):
+        raise BadField(None, "the request body must be a JSON object")
+    unknown = sorted(set(body) - PARAMS[endpoint])
+    if unknown:
+        raise BadField(unknown[0], f"{unknown[0]} is not supported by jserve")
+    body = {k: v for k, v in body.items() if v is not None}
+    for field, neutral in _NEUTRAL.items():
+        if field in body and body[field] not in neutral:
+            raise BadField(field, f"{field}={body[field]!r} is not supported by jserve "
+                                  f"(only {neutral[-1]!r})")
+    if "model" not in body:
+        raise BadField("model", "model is required")
+    n = body.get("n", 1)
+    _kind_check(body, "n", isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_N,
+                f"an int in [1, {MAX_N}]") if "n" in body else None
+    if "best_of" in body and body["best_of"] != n:
+        raise BadField("best_of", f"best_of={body['best_of']!r} is not supported by jserve "
+                                  f"(only equal to n)")
+    stream = body.get("stream", False)
+    if "stream" in body:
+        _kind_check(body, "stream", isinstance(stream, bool), "a bool")
+    include_usage = False
+    if "stream_options" in body:
+        so = body["stream_options"]
+        if not stream:
+            raise BadField("stream_options", "stream_options needs stream: true")
+        if not isinstance(so, dict) or set(so) - {"include_usage"}:
+            raise BadField("stream_options", f"stream_options supports only include_usage, "
+                                             f"got {so!r}")
+        include_usage = so.get("include_usage", False)
+        if not isinstance(include_usage, bool):
+            raise BadField("stream_options", "stream_options.include_usage must be a bool")
+    if endpoint == "chat":
+        prompts = [_chat_messages(body)]
+        logprobs = _chat_logprobs(body)
+        max_field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        if "max_completion_tokens" in body and "max_tokens" in body:
+            raise BadField("max_tokens", "give max_tokens or max_completion_tokens, not both")
+    else:
+        prompts = _prompts(body)
+        logprobs = body.get("logprobs")
+        max_field = "max_tokens"
+    if len(prompts) * n > max_choices:
+        field = "prompt" if len(prompts) > max_choices else "n"
+        raise BadField(field, f"{len(prompts)} prompts x n={n} is over this server's limit of "
+                              f"{max_choices} choices per request")
+    kw = {k: body[k] for k in _SAMPLING if k in body}
+    if "stop" in kw and not isinstance(kw["stop"], (str, list)):
+        raise BadField("stop", f"stop must be a string or a list of strings, got {kw['stop']!r}")
+    if max_field in body:
+        kw["max_tokens"] = body[max_field]
+    for field in ("ttft_slo", "tpot_slo"):
+        if field in body:
+            v = body[field]
+            _kind_check(body, field, isinstance(v, (int, float)) and not isinstance(v, bool),
+                        "a number of seconds")
+    priority = body.get("priority", 0)
+    _kind_check(body, "priority", isinstance(priority, int) and not isinstance(priority, bool),
+                "an int") if "priority" in body else None
+    if "user" in body:
+        _kind_check(body, "user", isinstance(body["user"], str), "a string")
+    try:
+        params = SamplingParams(logprobs=logprobs, **kw)
+    except ValueError as e:
+        message = str(e)
+        field = message.split(" ", 1)[0]
+        field = max_field if field == "max_tokens" else field
+        if endpoint == "chat" and field == "logprobs":
+            field = "top_logprobs"
+        raise BadField(field, field_message(message, lambda f: field)) from None
+    return Parsed(prompts, params, max_field in body, n, stream, include_usage, logprobs,
+                  body.get("ttft_slo"), body.get("tpot_slo"), priority, max_field)
+
+
+def _prompts(body: dict) -> list[str | list[int]]:
+    p = body.get("prompt")
+    if isinstance(p, str) or (isinstance(p, list) and p and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in p)):
+        return [p]
+    if isinstance(p, list) and p and all(
+            isinstance(x, str) or (isinstance(x, list) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in x)) for x in p):
+        return list(p)
+    raise BadField("prompt", "prompt must be a non-empty string, list of token ids, or a "
+                             "list of those")
+
+
+def _chat_messages(body: dict) -> list[dict]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise BadField("messages", "messages must be a non-empty list")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise BadField(f"messages[{i}]", f"messages[{i}] must be an object with a role")
+        extra = sorted(set(m) - {"role", "content", "name"})
+        if extra:
+            raise BadField(f"messages[{i}].{extra[0]}",
+                           f"messages[{i}].{extra[0]} is not supported by jserve")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(c, dict) and c.get("type") == "text"
+                       and isinstance(c.get("text"), str) for c in content):
+                raise BadField(f"messages[{i}].content",
+                               f"messages[{i}].content: only text parts are supported")
+            content = "".join(c["text"] for c in content)
+        if not isinstance(content, str):
+            raise BadField(f"messages[{i}].content",
+                           f"messages[{i}].content must be a string or text parts")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def _chat_logprobs(body: dict) -> int | None:
+    want = body.get("logprobs", False)
+    if not isinstance(want, bool):
+        raise BadField("logprobs", f"logprobs must be a bool, got {want!r}")
+    if "top_logprobs" in body and not want:
+        raise BadField("top_logprobs", "top_logprobs needs logprobs: true")
+    return body.get("top_logprobs", 0) if want else None
+

@@ -1,0 +1,357 @@
+"""The OpenAI-compatible HTTP API of ``jserve serve`` (Starlette on uvicorn, on the gRPC
+server's event loop, through the same ``Gateway`` and engine loop): the HTTP side's
+``server``; request bodies are read by ``http_protocol``, responses written by
+``http_responses``.
+
+``POST /v1/completions`` and ``/v1/chat/completions`` (``stream: true``: server-sent events
+ending in ``data: [DONE]``), ``GET /v1/models``, ``GET /health`` (503 while draining or once the
+engine thread is gone), ``GET /metrics`` (the server's Prometheus registry; behind the bearer
+token when there is one, unless ``metrics_open``).
+
+The edge is bounded: a body over ``max_request_bytes`` gets 413 as soon as that is known
+(from Content-Length before any of it is read, else while reading) and the connection is
+closed, so the rest is never read; parsing, chat templating and tokenization run on the
+gateway's intake threads. Each of a request's ``n`` choices (and each prompt of a batch) is one
+engine request; the response starts once every one of them produced its first token (or was
+refused: 429 when the admission queue is full), so a refusal still gets its status code. A
+client that disconnects cancels the work at once: every engine request is aborted and its KV
+blocks freed.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import socket
+import time
+
+import jinja2
+import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from jserve.engine.intake import PreparedRequest
+from jserve.sampling.params import SamplingParams
+from jserve.serving import engine_loop as el
+from jserve.serving.gateway import NOT_FOUND, UNAUTHENTICATED, Gateway, Rejected, bearer_matches
+from jserve.serving.http_protocol import (
+    PARAMS,
+    BadField,
+    BodyTooLarge,
+    Parsed,
+    error_body,
+    parse,
+    rejection,
+)
+from jserve.serving.http_responses import Choice, Formatter, apply_deltas, pump, sse
+from jserve.tokenizer import chat_prompt_ids
+
+log = logging.getLogger(__name__)
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request was read."""
+
+
+async def read_body(scope, receive, limit: int) -> bytes:
+    """The request body, or ``BodyTooLarge`` as soon as it is known to be over ``limit``
+    bytes: from Content-Length before any of it is read, else once the bytes read pass it.
+    Either way at most ``limit`` bytes (plus one chunk) are ever held."""
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            if not value.isdigit():
+                raise BadField(None, f"Content-Length {value.decode('latin-1')!r} is not a size")
+            if int(value) > limit:
+                raise BodyTooLarge(limit)
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(limit)
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _error(e: Rejected) -> JSONResponse:
+    status, body = rejection(e)
+    # A body over the limit was not read: close the connection rather than read the rest.
+    return JSONResponse(body, status_code=status,
+                        headers={"connection": "close"} if status == 413 else None)
+
+
+class _Work:
+    """An ASGI response that runs ``work(send)`` until it returns or the client disconnects;
+    a disconnect cancels it, and leaving its streams aborts their engine requests."""
+
+    def __init__(self, work):
+        self.work = work
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def disconnected():
+            while (await receive())["type"] != "http.disconnect":
+                pass
+        task = asyncio.ensure_future(self.work(send))
+        watch = asyncio.ensure_future(disconnected())
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        for t in (task, watch):
+            t.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            if not watch.done():
+                raise
+
+
+async def _send_json(send, status: int, body: dict) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": json.dumps(body).encode()})
+
+
+# -- the app ---------------------------------------------------------------------------------
+class OpenAIServer:
+    def __init__(self, gateway: Gateway, config):
+        self.gateway = gateway
+        self.config = config
+        self.model = config.model_name
+        self.app = Starlette(routes=[
+            Route("/v1/models", self._models, methods=["GET"]),
+            Route("/health", self._health, methods=["GET"]),
+            Route("/metrics", self._metrics, methods=["GET"]),
+        ])
+        self._server: uvicorn.Server | None = None
+        self._task: asyncio.Task | None = None
+        self._generation = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+
+    async def asgi(self, scope, receive, send) -> None:
+        """The app uvicorn runs: the two generation endpoints skip Starlette (its request
+        object and middleware wrappers, which would sit on every streamed chunk's ``send``);
+        the rest is the Starlette app (which also answers wrong methods and unknown paths)."""
+        endpoint = self._generation.get(scope.get("path")) if scope["type"] == "http" else None
+        if endpoint is None:
+            return await self.app(scope, receive, send)
+        if scope["method"] != "POST":
+            response = JSONResponse(error_body(el.INVALID, "use POST")[1], status_code=405,
+                                    headers={"allow": "POST"})
+        else:
+            response = await self._generate(scope, receive, endpoint)
+        if response is not None:
+            await response(scope, receive, send)
+
+    async def start(self, host: str, port: int) -> int:
+        """Binds and serves on the running loop; returns the port."""
+        host = host.strip("[]")
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+        sock.setblocking(False)
+        config = uvicorn.Config(self.asgi, interface="asgi3", log_level="warning",
+                                access_log=False, proxy_headers=False,
+                                lifespan="off", timeout_graceful_shutdown=0.2,
+                                timeout_keep_alive=30, ssl_certfile=self.config.tls_cert,
+                                ssl_keyfile=self.config.tls_key)
+        self._server = _Uvicorn(config)
+        self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()
+                raise OSError(f"HTTP server on {host}:{port} did not start")
+            await asyncio.sleep(0.01)
+        return sock.getsockname()[1]
+
+    async def stop(self, timeout: float) -> None:
+        if self._server is None:
+            return
+        self._server.should_exit = self._server.force_exit = True
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), timeout + 0.2)
+        except asyncio.TimeoutError:
+            self._task.cancel()
+
+    # -- endpoints -------------------------------------------------------------------------
+    def _authorized(self, authorization: str | bytes | None,
+                    tokens: tuple[str, ...] | None = None) -> None:
+        tokens = self.config.tokens if tokens is None else tokens
+        if self.config.auth_token is not None and not any(
+                bearer_matches(authorization, t) for t in tokens):
+            raise Rejected(UNAUTHENTICATED, "missing or wrong bearer token "
+                                            "(header 'Authorization: Bearer <token>')")
+
+    async def _health(self, request: Request) -> Response:
+        gw = self.gateway
+        if gw.healthy:
+            return JSONResponse({"status": "ok"})
+        state = "draining" if gw.draining else "engine stopped"
+        return JSONResponse({"status": state}, status_code=503)
+
+    async def _metrics(self, request: Request) -> Response:
+        token = self.config.metrics_token
+        if token is not None and not bearer_matches(request.headers.get("authorization"),
+                                                    token):
+            return JSONResponse(error_body(UNAUTHENTICATED, "/metrics needs the bearer token "
+                                           "(or the server's --metrics-open)")[1],
+                                status_code=401)
+        return Response(generate_latest(self.gateway.metrics.registry),
+                        media_type=CONTENT_TYPE_LATEST)
+
+    async def _models(self, request: Request) -> Response:
+        try:
+            self._authorized(request.headers.get("authorization"))
+        except Rejected as e:
+            self.gateway.refused(e.kind)
+            return _error(e)
+        eng = self.gateway.engine
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.model, "object": "model", "created": 0, "owned_by": "jserve",
+            "max_model_len": eng.max_model_len, "vocab_size": eng.cfg.vocab_size,
+            "scheduler": eng.config.scheduler}]})
+
+    async def _generate(self, scope, receive, endpoint: str):
+        """The ASGI response to a generation request (None: the client left before it was
+        read, counted cancelled)."""
+        arrival = time.monotonic()
+        gw = self.gateway
+        authorization = dict(scope["headers"]).get(b"authorization")
+        try:
+            self._authorized(authorization)
+            raw = await read_body(scope, receive, self.config.max_request_bytes)
+            gw.check_open()
+            parsed, prepared = await gw.off_loop(self._admit, raw, endpoint,
+                                                 gw.trusted(authorization))
+            gw.check_open()  # it may have started draining meanwhile
+        except Rejected as e:
+            gw.refused(e.kind)
+            return _error(e)
+        except ClientGone:
+            gw.refused("cancelled")
+            return None
+        rid = gw.new_id("chatcmpl" if endpoint == "chat" else "cmpl")
+        fmt = Formatter(endpoint, rid, self.model, gw.engine.tokenizer, parsed)
+        return _Work(lambda send: self._run(send, prepared, parsed, fmt, arrival))
+
+    def _admit(self, raw: bytes, endpoint: str, trusted: bool
+               ) -> tuple[Parsed, list[PreparedRequest]]:
+        """Parses, templates and tokenizes a body (on an intake thread); ``Rejected``
+        naming the field."""
+        try:
+            body = json.loads(raw)
+        except ValueError as e:
+            raise BadField(None, f"the request body is not JSON: {e}") from None
+        parsed = parse(body, endpoint, self.config.limits.max_choices)
+        if body["model"] != self.model:
+            raise Rejected(NOT_FOUND, f"model {body['model']!r} does not exist; this "
+                                      f"server serves {self.model!r}")
+        prepared = []
+        for p in parsed.prompts:
+            prompt, params = self._prompt(p), parsed.params
+            if endpoint == "chat" and not parsed.max_tokens_given:  # up to the context
+                params = dataclasses.replace(
+                    params, max_tokens=max(1, self.gateway.engine.max_model_len - len(prompt),
+                                           params.min_tokens))
+            prepared.append(self._prepare(prompt, params, parsed, endpoint, trusted))
+        return parsed, prepared
+
+    def _prompt(self, p):
+        """A completion prompt as it came; chat messages as their prompt ids."""
+        if isinstance(p, list) and p and isinstance(p[0], dict):
+            tok = self.gateway.engine.tokenizer
+            if tok is None:
+                raise BadField("messages", "this model has no tokenizer, so no chat")
+            try:
+                return chat_prompt_ids(tok, p)
+            except (jinja2.TemplateError, ValueError) as e:
+                raise BadField("messages", f"messages: the chat template failed: {e}") from None
+        return p
+
+    def _prepare(self, prompt, params: SamplingParams, parsed: Parsed, endpoint: str,
+                 trusted: bool) -> PreparedRequest:
+        try:
+            return self.gateway.prepare(
+                prompt, params, ttft_slo=parsed.ttft_slo, tpot_slo=parsed.tpot_slo,
+                priority=parsed.priority, trusted=trusted,
+                name=lambda f: parsed.max_tokens_field if f == "max_tokens" else f)
+        except Rejected as e:
+            field = e.message.split(" ", 1)[0].rstrip(":").split("=", 1)[0]
+            if field not in PARAMS[endpoint]:
+                field = "messages" if endpoint == "chat" else "prompt"
+            raise BadField(field, e.message) from None
+
+    async def _run(self, send, prepared, parsed: Parsed, fmt: Formatter, arrival: float
+                   ) -> None:
+        gw = self.gateway
+        choices: list[Choice] = []
+        try:
+            for request in prepared:
+                params = request.params
+                for i in range(parsed.n):
+                    p = request if params.seed is None or i == 0 else dataclasses.replace(
+                        request, params=dataclasses.replace(
+                            params, seed=(params.seed + i) % 2**32))
+                    s = gw.open(gw.new_id(fmt.rid), p, arrival=arrival,
+                                ttft_slo=parsed.ttft_slo, tpot_slo=parsed.tpot_slo,
+                                priority=parsed.priority)
+                    choices.append(Choice(len(choices), s))
+            # The first deltas of every choice decide the status code.
+            firsts = await asyncio.gather(*(c.stream.next() for c in choices),
+                                          return_exceptions=True)
+            for f in firsts:
+                if isinstance(f, BaseException):
+                    if not isinstance(f, Rejected):
+                        raise f
+                    status, body = error_body(f.kind, f.message)
+                    return await _send_json(send, status, body)
+            if parsed.stream:
+                await self._stream(send, choices, firsts, fmt)
+            else:
+                for c, f in zip(choices, firsts):
+                    apply_deltas(c, f)
+                try:
+                    await pump(choices, lambda c, deltas: apply_deltas(c, deltas))
+                except Rejected as e:
+                    status, body = error_body(e.kind, e.message)
+                    return await _send_json(send, status, body)
+                await _send_json(send, 200, fmt.full(choices))
+        finally:
+            for c in choices:
+                c.stream.close()
+
+    async def _stream(self, send, choices: list[Choice], firsts, fmt: Formatter) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+
+        async def emit(c: Choice, deltas: list[el.Delta], first: bool = False) -> None:
+            apply_deltas(c, deltas)
+            await send({"type": "http.response.body", "body": fmt.chunk_event(c, deltas, first),
+                        "more_body": True})
+        for c, f in zip(choices, firsts):
+            await emit(c, f, first=True)
+        try:
+            await pump(choices, emit)
+            if fmt.parsed.include_usage:
+                await send({"type": "http.response.body", "more_body": True,
+                            "body": sse(fmt.usage_chunk(choices))})
+        except Rejected as e:
+            await send({"type": "http.response.body", "more_body": True,
+                        "body": sse(error_body(e.kind, e.message)[1])})
+        await send({"type": "http.response.body", "body": sse("[DONE]"), "more_body": False})
+
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling: the process's SIGTERM drain owns that."""
+
+    def capture_signals(self):
+        import contextlib
+        return contextlib.nullcontext()
+
