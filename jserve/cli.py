@@ -38,6 +38,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "read one step late); off: every step waits for its tokens")
 
 
+class _HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` with every default but the tokens' (read from the environment, not shown)."""
+
+    def _get_help_string(self, action):
+        if action.dest.endswith("_token"):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
                 max_num_batched_tokens=a.max_num_batched_tokens, kv_cache_bytes=a.kv_cache_bytes,
@@ -258,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_simulate_parser(sub)
     _add_plan_parser(sub)
     for p in sub.choices.values():  # every subcommand's --help shows its defaults
-        p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+        p.formatter_class = _HelpWithDefaults
     a = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -45,6 +45,9 @@ class EngineConfig:
     ttft_slo_factor: float = 1.5
     ttft_slo_floor: float = 0.5
     space_sharing: bool = True
+    # The progress rule: a request's own tpot_slo shortens iterations only down to their
+    # decodes' time plus this share of tpot_slo (jserve.scheduler.deadline.DeadlineConfig).
+    prefill_share: float = 0.5
     predictor_path: str | None = None  # default: the one `jserve profile` saved for this model
     # Scale the predictor online by measured / predicted step time (one device), so a
     # profile from a quieter machine or the fallback estimate still packs to the budget.
@@ -95,6 +98,8 @@ class EngineConfig:
         for name in ("tpot_slo", "ttft_slo_factor"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0.0 <= self.prefill_share <= 1.0:
+            raise ValueError(f"prefill_share must be in [0, 1], got {self.prefill_share}")
         if self.ttft_slo_floor < 0:
             raise ValueError(f"ttft_slo_floor must be >= 0, got {self.ttft_slo_floor}")
         MeshConfig.parse(self.mesh)

@@ -9,9 +9,12 @@ import os
 import sys
 from typing import Callable
 
+from jserve.engine.config import EngineConfig
 from jserve.scheduler import POLICIES
+from jserve.serving.limits import ClientLimits
 
 TOKEN_ENV = "JSERVE_AUTH_TOKEN"
+PRIORITY_TOKEN_ENV = "JSERVE_PRIORITY_TOKEN"
 
 
 def add_remote_args(g: argparse.ArgumentParser) -> None:
@@ -90,15 +93,57 @@ def add_serve_parser(sub, add_engine_args: Callable, engine_kwargs: Callable) ->
     s.add_argument("--max-waiting", type=int, default=1024,
                    help="admission queue size; further requests get RESOURCE_EXHAUSTED")
     s.add_argument("--max-request-bytes", type=int, default=4 << 20,
-                   help="larger request messages get INVALID_ARGUMENT")
+                   help="larger requests get HTTP 413 / RESOURCE_EXHAUSTED, refused while "
+                        "reading")
+    add_limit_args(s)
     s.add_argument("--grace-period", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
     s.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key)")
     s.add_argument("--tls-key", default=None, help="PEM private key (with --tls-cert)")
-    s.add_argument("--auth-token", default=os.environ.get(TOKEN_ENV),
+    s.add_argument("--auth-token", default=None,
                    help=f"require 'authorization: Bearer TOKEN' (default: ${TOKEN_ENV})")
+    s.add_argument("--metrics-open", action="store_true",
+                   help="serve /metrics without the bearer token even with --auth-token")
     s.add_argument("--log-level", default="INFO")
     s.set_defaults(func=lambda a: serve_command(a, engine_kwargs(a)))
+
+
+def add_limit_args(s: argparse.ArgumentParser) -> None:
+    """What one client may ask for (jserve.serving.limits, docs/server.md "Limits")."""
+    d = ClientLimits()
+    g = s.add_argument_group("client limits (per-request fields are requests, not orders)")
+    g.add_argument("--tpot-slo", type=float, default=EngineConfig.tpot_slo,
+                   help="the deadline policies' iteration time budget (seconds)")
+    g.add_argument("--prefill-share", type=float, default=EngineConfig.prefill_share,
+                   help="share of --tpot-slo that prefills keep in every iteration however "
+                        "tight a request's own tpot_slo")
+    g.add_argument("--min-tpot-slo", type=float, default=d.min_tpot_slo,
+                   help="smallest tpot_slo a request may ask (seconds; raised to the "
+                        "predicted time of a lone decode step)")
+    g.add_argument("--min-ttft-slo", type=float, default=d.min_ttft_slo,
+                   help="smallest ttft_slo a request may ask (seconds; raised to the "
+                        "request's isolated prefill time)")
+    g.add_argument("--priority-range", default="%d,%d" % d.priority_range, metavar="LO,HI",
+                   help="priorities a request may carry (lower runs first; 0 is the default)")
+    g.add_argument("--priority-token", default=None,
+                   help="bearer token of clients that may set a priority below 0 (ahead of "
+                        f"the default); also admits them (default: ${PRIORITY_TOKEN_ENV})")
+    g.add_argument("--trust-client-priority", action="store_true",
+                   help="every client may set a priority below 0")
+    g.add_argument("--max-choices", type=int, default=d.max_choices,
+                   help="prompts x n of one HTTP request at most")
+
+
+def client_limits(a: argparse.Namespace) -> ClientLimits:
+    try:
+        lo, hi = (int(x) for x in a.priority_range.split(","))
+    except ValueError:
+        raise SystemExit(f"jserve: error: --priority-range must be LO,HI, "
+                         f"got {a.priority_range!r}") from None
+    return ClientLimits(min_tpot_slo=a.min_tpot_slo, min_ttft_slo=a.min_ttft_slo,
+                        priority_range=(lo, hi), trust_priority=a.trust_client_priority,
+                        priority_token=a.priority_token or os.environ.get(PRIORITY_TOKEN_ENV)
+                        or None, max_choices=a.max_choices)
 
 
 def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
@@ -114,10 +159,12 @@ def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
         http_port=None if a.http_port < 0 else a.http_port,
         max_waiting=a.max_waiting, max_request_bytes=a.max_request_bytes,
         grace_period=a.grace_period, tls_cert=a.tls_cert, tls_key=a.tls_key,
-        auth_token=a.auth_token or None, model_name=a.model)
+        auth_token=a.auth_token or os.environ.get(TOKEN_ENV) or None,
+        metrics_open=a.metrics_open, model_name=a.model, limits=client_limits(a))
     join_processes(a)
     llm = LLM(a.model, dtype=a.dtype, scheduler=a.scheduler, length_probe=a.length_probe,
-              sprpt_c=a.sprpt_c, **engine_kwargs)
+              sprpt_c=a.sprpt_c, tpot_slo=a.tpot_slo, prefill_share=a.prefill_share,
+              **engine_kwargs)
 
     def ready(server) -> None:
         metrics = (f"http://{a.host}:{server.metrics_port}/metrics"
@@ -126,6 +173,8 @@ def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
                 if server.http_port is not None else "")
         print(f"jserve: serving {a.model} on {a.host}:{server.port} "
               f"({'TLS' if a.tls_cert else 'plaintext'}; metrics {metrics}{http})", flush=True)
+        print(f"jserve: client limits: {server.gateway.limits.describe()}, requests <= "
+              f"{config.max_request_bytes} bytes", flush=True)
         if config.open_to_the_network:
             print(f"jserve: WARNING: listening on {a.host} with no --auth-token: anyone who "
                   f"can reach this host can use the server", file=sys.stderr, flush=True)

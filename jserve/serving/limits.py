@@ -14,9 +14,12 @@ Both front ends check through ``Gateway.prepare``; nothing here imports gRPC or 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
-from jserve.engine.engine import LLMEngine
 from jserve.scheduler.plan import BatchPlan, ScheduledChunk
+
+if TYPE_CHECKING:
+    from jserve.engine.engine import LLMEngine
 
 
 @dataclasses.dataclass(frozen=True)
