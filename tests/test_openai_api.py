@@ -45,7 +45,8 @@ def greedy(n=12, **kw) -> SamplingParams:
 
 
 def gauges(url: str) -> dict[str, float]:
-    body = httpx.get(url + "/metrics", timeout=10).text
+    body = httpx.get(url + "/metrics", timeout=10,
+                     headers={"authorization": f"Bearer {TOKEN}"}).text
     out = {}
     for fam in text_string_to_metric_families(body):
         for s in fam.samples:

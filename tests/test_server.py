@@ -37,6 +37,7 @@ from jserve.cli import main
 from jserve.client import AsyncClient, Client
 from jserve.proto import generate_pb2 as pb
 from jserve.serving.engine_loop import DEADLINE, EngineLoop
+from jserve.serving.limits import ClientLimits
 from jserve.serving.metrics import OUTCOMES
 from jserve.serving.protocol import LIST_FIELDS, SCALAR_FIELDS
 from jserve.serving.server import BackgroundServer, ServerConfig
@@ -46,13 +47,18 @@ ROOT = Path(__file__).resolve().parent.parent
 TLS = Path(__file__).resolve().parent / "data" / "tls"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 MAX_REQUEST_BYTES = 1 << 16
+# The fuzzer compares the server with the offline API, whose caller is trusted: no floors,
+# every priority (tests/test_client_limits.py has the server's own limits).
+TRUSTING = ClientLimits(min_tpot_slo=0.0, min_ttft_slo=0.0, priority_range=(-2**31, 2**31 - 1),
+                        trust_priority=True)
 SMALL_FLAGS = ["--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--max-model-len", "512"]
 
 
 @pytest.fixture(scope="module")
 def bg():
     server = BackgroundServer(small_llm().engine, ServerConfig(
-        host="127.0.0.1", port=0, metrics_port=0, max_request_bytes=MAX_REQUEST_BYTES))
+        host="127.0.0.1", port=0, metrics_port=0, max_request_bytes=MAX_REQUEST_BYTES,
+        limits=TRUSTING))
     yield server
     server.stop(grace=0)
 
@@ -235,8 +241,16 @@ BAD = [  # (request, words the status message must contain)
     (_with(_req(), ttft_slo_seconds=0.0), ["ttft_slo"]),
     (_with(_req(), tpot_slo_seconds=-1.0), ["tpot_slo"]),
     (_with(_req(), request_id="r" * 300), ["request_id"]),
-    (_req("x" * (MAX_REQUEST_BYTES + 1)), ["request is", "bytes", "limit"]),
 ]
+
+
+def test_an_oversized_message_gets_resource_exhausted_and_is_counted(bg, client):
+    before = metrics(bg)[outcome("resource_exhausted")]
+    with pytest.raises(grpc.RpcError) as e:
+        client.generate("x" * (MAX_REQUEST_BYTES + 1), GREEDY)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert all(w in e.value.details() for w in ("request is", "bytes", "limit")), e.value
+    assert metrics(bg)[outcome("resource_exhausted")] == before + 1
 
 
 def test_bad_input_gets_invalid_argument_naming_the_field_and_disturbs_nobody(bg, llm):

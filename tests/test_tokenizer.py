@@ -10,7 +10,14 @@ import pytest
 import transformers
 
 from hf_models import CHAT_TEMPLATE, tiny_llama_dir, tiny_tokenizer_dir
-from jserve.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from jserve.tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    Tokenizer,
+    chat_prompt_ids,
+    load_tokenizer,
+    simple_chat_prompt,
+)
 
 TEXTS = ["Hello, world!", "Grüße aus Köln — naïve café", "日本語 🙂 emoji", "  spaced\n\tout  ", ""]
 MESSAGES = [
@@ -110,3 +117,14 @@ def test_load_tokenizer_from_checkpoint_dirs() -> None:
     # Config EOS plus generation_config.json's extra stop id, as Llama 3 instruct models have.
     llama3 = load_tokenizer(tiny_llama_dir("llama3", with_tokenizer=True))
     assert llama3 is not None and llama3.eos_token_ids == (2, 3)
+
+
+def test_chat_prompt_ids_equal_transformers_with_one_bos(hf_pair) -> None:
+    """The template writes BOS itself: encoding its text with specials gave two."""
+    ours, ref = hf_pair
+    want = ref.apply_chat_template(MESSAGES, tokenize=True, add_generation_prompt=True)
+    want = list(want["input_ids"] if hasattr(want, "keys") else want)
+    assert chat_prompt_ids(ours, MESSAGES) == want
+    assert want.count(ours.bos_token_id) == 1 == want[:1].count(ours.bos_token_id)
+    byte = ByteTokenizer()  # no template of its own: the simple format, after its BOS
+    assert chat_prompt_ids(byte, MESSAGES) == byte.encode(simple_chat_prompt(MESSAGES))

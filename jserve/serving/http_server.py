@@ -211,11 +211,13 @@ class OpenAIServer:
         except Rejected as e:
             self.gateway.refused(e.kind)
             return _error(e)
-        eng = self.gateway.engine
+        eng, limits = self.gateway.engine, self.gateway.limits
         return JSONResponse({"object": "list", "data": [{
             "id": self.model, "object": "model", "created": 0, "owned_by": "jserve",
             "max_model_len": eng.max_model_len, "vocab_size": eng.cfg.vocab_size,
-            "scheduler": eng.config.scheduler}]})
+            "scheduler": eng.config.scheduler, "min_tpot_slo": limits.tpot_floor,
+            "priority_range": list(limits.limits.priority_range),
+            "max_choices": limits.limits.max_choices}]})
 
     async def _generate(self, scope, receive, endpoint: str):
         """The ASGI response to a generation request (None: the client left before it was
