@@ -255,7 +255,7 @@ def hf_served():
 
 def test_a_5_mb_prompt_is_tokenized_off_the_event_loop(hf_served):
     """While a 5 MB prompt (over max_model_len, so refused) is tokenized, another client's
-    stream keeps flowing: no gap between its chunks over half the tokenization time."""
+    streams keep flowing: no gap between their chunks over half the tokenization time."""
     from jserve.tokenizer import HFTokenizer
     big = ("the " * (5_000_000 // 4))
     url = hf_served.url
@@ -272,21 +272,22 @@ def test_a_5_mb_prompt_is_tokenized_off_the_event_loop(hf_served):
     body = {"model": hf_served.model, "prompt": "The quick brown fox", "max_tokens": 2000,
             "ignore_eos": True, "stream": True, "temperature": 0.0}
     sender = threading.Thread(target=send_big)
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
-        for line in r.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            chunks.append(time.monotonic())
-            if len(chunks) == 5:
-                sender.start()
-            if "answered" in window and chunks[-1] > window["answered"] + 0.2:
-                break
+    # Streams one after another (one lasts ~3 s here) until the big prompt is answered.
+    while not (chunks and "answered" in window and chunks[-1] > window["answered"] + 0.2):
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                chunks.append(time.monotonic())
+                if len(chunks) == 5:
+                    sender.start()
+                if "answered" in window and chunks[-1] > window["answered"] + 0.2:
+                    break
     sender.join()
     t0 = time.perf_counter()
     HFTokenizer(hf_served.model).encode(big)
     tokenize_s = time.perf_counter() - t0
     assert window["status"] == 400 and window["error"]["param"] == "prompt", window
-    assert chunks[-1] > window["answered"], "the stream ended before the big prompt's answer"
     during = [b - a for a, b in zip(chunks, chunks[1:]) if b > window["sent"]
               and a < window["answered"]]
     print(f"tokenizing 5 MB: {tokenize_s:.2f} s here, answered after "
