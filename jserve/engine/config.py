@@ -47,7 +47,7 @@ class EngineConfig:
     space_sharing: bool = True
     # The progress rule: a request's own tpot_slo shortens iterations only down to their
     # decodes' time plus this share of tpot_slo (jserve.scheduler.deadline.DeadlineConfig).
-    prefill_share: float = 0.5
+    prefill_share: float = 0.75
     predictor_path: str | None = None  # default: the one `jserve profile` saved for this model
     # Scale the predictor online by measured / predicted step time (one device), so a
     # profile from a quieter machine or the fallback estimate still packs to the budget.

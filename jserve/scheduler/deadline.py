@@ -66,7 +66,7 @@ class DeadlineConfig:
     # decodes plus this share of ``t_target``, so prefills keep at least
     # min(prefill_share x t_target, what they get with no tpot_slo at all) of every
     # iteration, whatever SLO a client asks for.
-    prefill_share: float = 0.5
+    prefill_share: float = 0.75
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.prefill_share <= 1.0:
