@@ -55,11 +55,11 @@ class LLMEngine:
         self.scheduler, self.runner, self.builder = parts.scheduler, parts.runner, parts.builder
         self.predictor, self.length_tracker = parts.predictor, parts.length_tracker
         self._multi_process = parts.multi_process
-        self.intake = RequestIntake(tokenizer, cfg.vocab_size, self.max_model_len,
-                                    self.allocator)
         # The model's own EOS ids plus the tokenizer's (generation_config may add end-of-turn).
         self.eos_ids = tuple(dict.fromkeys(
             cfg.eos_token_ids + (tokenizer.eos_token_ids if tokenizer else ())))
+        self.intake = RequestIntake(tokenizer, cfg.vocab_size, self.max_model_len,
+                                    self.allocator, self.eos_ids)
         self.outputs = OutputProcessor(self.eos_ids, self.max_model_len)
         self.host_kv = HostKVStore(self.runner)
         self.state_rows = StateRows(self.runner.state_sink)
@@ -124,7 +124,7 @@ class LLMEngine:
         seed = prepared.params.seed
         req = new_request(prepared, rid, seed if seed is not None else self._rng.getrandbits(32),
                           time.monotonic() if arrival_time is None else arrival_time,
-                          self.tokenizer, ttft_slo, tpot_slo, priority)
+                          self.tokenizer, ttft_slo, tpot_slo, priority, self.intake.grammars)
         self.requests[rid] = req
         self.scheduler.add(req)
         return rid

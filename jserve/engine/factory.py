@@ -197,7 +197,8 @@ def build_engine_parts(cfg: LlamaConfig, params: Params, config: EngineConfig) -
         hits = CACHE_EVENTS["cache_hits"] - hits
     return EngineParts(
         mesh_config, jax.process_count() > 1, context, buckets, allocator, scheduler,
-        runner, StepBuilder(buckets, config.page_size, runner.state_sink, pool_pages=num_pages),
+        runner, StepBuilder(buckets, config.page_size, runner.state_sink, pool_pages=num_pages,
+                    vocab_size=cfg.vocab_size),
         predictor, tracker, hits)
 
 

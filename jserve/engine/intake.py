@@ -11,6 +11,7 @@ from jserve.cache.allocator import BlockAllocator
 from jserve.engine.output import IncrementalDetokenizer, RequestMetrics
 from jserve.engine.request_state import RequestState
 from jserve.sampling.params import SamplingParams
+from jserve.sampling.structured import GrammarCompiler
 from jserve.scheduler import Request
 from jserve.tokenizer import Tokenizer
 
@@ -24,11 +25,14 @@ class PreparedRequest:
 
 class RequestIntake:
     def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int,
-                 allocator: BlockAllocator):
+                 allocator: BlockAllocator, eos_ids: tuple[int, ...] = ()):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.allocator = allocator
+        # Structured output: grammars compile here, in ``prepare`` (the caller's thread, a
+        # server's intake threads), so the engine thread only copies a cached one.
+        self.grammars = GrammarCompiler(tokenizer, vocab_size, eos_ids)
 
     def prepare(self, prompt: str | Sequence[int], params: SamplingParams | None = None
                 ) -> PreparedRequest:
@@ -58,6 +62,10 @@ class RequestIntake:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         params.validate(vocab_size=self.vocab_size)
+        if params.structured_output is not None:
+            if self.tokenizer is None:
+                raise ValueError("structured_output needs a model with a tokenizer")
+            self.grammars.compile(params.structured_output)  # ValueError if invalid
         n = len(prompt_ids)
         if n >= self.max_model_len:
             raise ValueError(f"prompt has {n} tokens; the context holds {self.max_model_len}")
@@ -82,14 +90,17 @@ def check_slos(ttft_slo: float | None, tpot_slo: float | None,
 
 def new_request(prepared: PreparedRequest, request_id: str, seed: int, arrival_time: float,
                 tokenizer: Tokenizer | None, ttft_slo: float | None = None,
-                tpot_slo: float | None = None, priority: int = 0) -> Request:
+                tpot_slo: float | None = None, priority: int = 0,
+                grammars: GrammarCompiler | None = None) -> Request:
     """The scheduler's ``Request`` for a prepared prompt, with the engine's ``RequestState``
     as its payload (``ttft_slo``: seconds after arrival)."""
     p = prepared.params
     state = RequestState(
         params=p, seed=seed, prompt=prepared.prompt, metrics=RequestMetrics(arrival_time),
         detok=IncrementalDetokenizer(tokenizer), prompt_ids=list(prepared.prompt_ids),
-        logprobs=[] if p.logprobs is not None else None)
+        logprobs=[] if p.logprobs is not None else None,
+        constraint=(grammars.compile(p.structured_output)  # a cache hit since ``prepare``
+                    if p.structured_output is not None else None))
     req = Request(request_id, prepared.prompt_ids, p.max_tokens, arrival_time, payload=state,
                   tpot_slo=tpot_slo, priority=priority,
                   cacheable=not p.uses_penalties)  # penalties count every token

@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from jserve.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,9 +116,11 @@ class OutputProcessor:
 
     def may_continue(self, req) -> bool:
         """Whether ``req`` may decode again before its newest token (still on the device)
-        is read: not if that token ends it by length (``max_tokens``, the context). A stop
-        token or string still can; the extra token is then dropped."""
-        return not self._by_length(req, req.num_output_tokens + 1)
+        is read: not if that token ends it by length (``max_tokens``, the context), nor
+        under a structured output (the next mask needs that token). A stop token or string
+        still can; the extra token is then dropped."""
+        return req.payload.constraint is None and not self._by_length(
+            req, req.num_output_tokens + 1)
 
     def _by_length(self, req, n_out: int) -> bool:
         """Whether ``n_out`` generated tokens end ``req`` by length."""
@@ -148,6 +153,9 @@ class OutputProcessor:
             if cut is not None:
                 st.text = st.text[:cut]
                 reason = "stop"
+            elif st.constraint is not None and _completes(st.constraint, tok):
+                reason = "stop"
+                st.text += st.detok.flush()
         if reason is None and self._by_length(req, n_out):
             reason = "length"
             st.text += st.detok.flush()
@@ -171,3 +179,13 @@ class OutputProcessor:
             finish_reason=st.finish_reason, metrics=st.metrics,
             num_tokens=len(st.output_ids), error=st.error, _ids=st.output_ids,
             _logprobs=st.logprobs)
+
+
+def _completes(constraint, tok: int) -> bool:
+    """Feeds ``tok`` to a structured output: True once the output is complete (the grammar
+    allows nothing more), or if the grammar refused the token (only possible when a ban,
+    e.g. ``min_tokens``'s, left no allowed token: the output then ends where it is)."""
+    if not constraint.advance(tok):
+        log.warning("structured output: the grammar refused token %d; ending the request", tok)
+        return True
+    return constraint.done

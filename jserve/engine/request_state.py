@@ -8,6 +8,7 @@ import dataclasses
 from jserve.engine.output import IncrementalDetokenizer, RequestMetrics, TokenLogprob
 from jserve.sampling.params import MAX_BANNED_IDS, SamplingParams
 from jserve.sampling.sampler import SamplerRow
+from jserve.sampling.structured import Constraint
 from jserve.scheduler import Request
 
 NEUTRAL_ROW = SamplerRow(SamplingParams(temperature=0.0), seed=0, step=0)  # padding rows
@@ -27,17 +28,20 @@ class RequestState:
     state_row: int | None = None
     finish_reason: str | None = None
     error: str | None = None
+    constraint: Constraint | None = None  # structured output: where it is in its grammar
 
 
 def sampler_row(req: Request, eos_ids: tuple[int, ...]) -> SamplerRow:
     """The sampler's view of ``req`` for its next token: stop and EOS ids are banned until
-    ``min_tokens`` are out."""
+    ``min_tokens`` are out; a structured output allows only what its grammar does (the host
+    has read every token of such a request before it is scheduled again: ``may_continue``)."""
     st: RequestState = req.payload
     p = st.params
     banned: tuple[int, ...] = ()
     if req.num_output_tokens < p.min_tokens:
         banned = (p.stop_token_ids + (() if p.ignore_eos else eos_ids))[:MAX_BANNED_IDS]
-    return SamplerRow(p, st.seed, req.num_output_tokens, banned)
+    allowed = st.constraint.mask() if st.constraint is not None else None
+    return SamplerRow(p, st.seed, req.num_output_tokens, banned, allowed)
 
 
 class StateRows:

@@ -33,6 +33,7 @@ from jserve.sampling.sampler import (
     SamplingBatch,
     apply_penalties,
     choose_tokens,
+    mask_words,
     pad_rows,
     token_logprobs,
 )
@@ -327,7 +328,7 @@ def _spec(shape, dtype, sharding=None) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
 
-def _sampling_spec(s: int, sharding=None) -> SamplingBatch:
+def _sampling_spec(s: int, vocab_size: int, sharding=None) -> SamplingBatch:
     f32, i32 = jnp.float32, jnp.int32
     spec = lambda shape, dtype: _spec(shape, dtype, sharding)
     return SamplingBatch(
@@ -335,7 +336,8 @@ def _sampling_spec(s: int, sharding=None) -> SamplingBatch:
         min_p=spec((s,), f32), repetition_penalty=spec((s,), f32),
         presence_penalty=spec((s,), f32), frequency_penalty=spec((s,), f32),
         seed=spec((s,), jnp.uint32), step=spec((s,), i32),
-        banned_ids=spec((s, MAX_BANNED_IDS), i32))
+        banned_ids=spec((s, MAX_BANNED_IDS), i32),
+        allowed=spec((s, mask_words(vocab_size)), i32))
 
 
 def state_spec(cfg: LlamaConfig, rows: int, sharding=None) -> SeqState:
@@ -448,7 +450,7 @@ class ModelRunner:
             positions=_spec((t,), i32), token_seq=_spec((t,), i32), kv_lens=_spec((s,), i32),
             page_table=_spec((s, self.buckets.page_table_width), i32),
             num_prefills=_spec((), i32), num_decodes=num_decodes)
-        sampling = _sampling_spec(s)
+        sampling = _sampling_spec(s, self.cfg.vocab_size)
         return StepArrays(
             batch=StepInput(tokens=_spec((t,), i32), slots=_spec((t,), i32),
                             logits_rows=_spec((s,), i32), attn=attn,
@@ -499,7 +501,8 @@ class ModelRunner:
         spec = SampleInputs(logits=_spec((r, self.cfg.vocab_size), jnp.float32, rep),
                             state_rows=_spec((r,), jnp.int32, rep),
                             sampled_state_rows=_spec((r,), jnp.int32, rep),
-                            sampling=_sampling_spec(r, rep), any_random=b(), any_penalty=b(),
+                            sampling=_sampling_spec(r, self.cfg.vocab_size, rep),
+                            any_random=b(), any_penalty=b(),
                             want_logprobs=b())
         return self._sample_jit.lower(self.state, spec)
 

@@ -10,7 +10,7 @@ from jserve.engine.buckets import Buckets
 from jserve.engine.runner import StepArrays
 from jserve.kernels import AttentionMetadata
 from jserve.model.llama import StepInput
-from jserve.sampling.sampler import SamplerRow, make_sampling_batch
+from jserve.sampling.sampler import SamplerRow, make_sampling_batch, mask_words
 from jserve.scheduler import PLACEHOLDER, BatchPlan, Request, ScheduledChunk
 
 
@@ -86,7 +86,7 @@ class StepBuilder:
     each row its start group. On one group those are the plain ids, slots and zeros."""
 
     def __init__(self, buckets: Buckets, page_size: int, state_sink: int,
-                 pool_pages: int | None = None):
+                 pool_pages: int | None = None, vocab_size: int = 32):
         if buckets.kvp > 1 and pool_pages is None:
             raise ValueError("kvp > 1 needs pool_pages (KV pages per group)")
         self.buckets = buckets
@@ -94,6 +94,7 @@ class StepBuilder:
         self.state_sink = state_sink
         self.kvp = buckets.kvp
         self.pool_pages = pool_pages
+        self.mask_words = mask_words(vocab_size)  # structured-output bitmask width
 
     def _kvp_row(self, page_table: np.ndarray, row: int, block_ids) -> int:
         """Fills ``row`` of the page table from global ``block_ids``; returns the start group."""
@@ -132,7 +133,7 @@ class StepBuilder:
             token_state_rows=h.token_state, token_is_prompt=h.token_is_prompt,
             token_fed=h.token_fed, state_rows=h.state_rows, reset_rows=h.reset_rows,
             sampled_state_rows=h.sampled_state_rows,
-            sampling=make_sampling_batch(h.rows, pad_to=s),
+            sampling=make_sampling_batch(h.rows, pad_to=s, words=self.mask_words),
             any_random=np.asarray(flags.any_random), any_penalty=np.asarray(flags.any_penalty),
             want_logprobs=np.asarray(flags.want_logprobs))
         return BuiltStep((bd, padded_prefill_tokens), arrays, h.sample_rows)

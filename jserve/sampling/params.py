@@ -10,6 +10,8 @@ import math
 import numbers
 from collections.abc import Iterable, Sequence
 
+from jserve.sampling.structured import StructuredOutput
+
 # Size limits keep the device-side arrays fixed-shape (no recompiles per request).
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -70,6 +72,8 @@ class SamplingParams:
     stop_token_ids: Sequence[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: chosen token only; n: chosen + top-n
+    # A JSON schema, regex, choice or grammar the output must follow (None: free text).
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         self.stop = _as_tuple("stop", (self.stop,) if isinstance(self.stop, str) else self.stop)
@@ -139,6 +143,10 @@ class SamplingParams:
             _require_int("logprobs", self.logprobs)
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.structured_output is not None and not isinstance(self.structured_output,
+                                                                 StructuredOutput):
+            raise ValueError(f"structured_output must be a StructuredOutput, "
+                             f"got {self.structured_output!r}")
 
     def _validate_stop(self) -> None:
         if len(self.stop) > MAX_STOP_STRINGS:

@@ -1,8 +1,9 @@
 """Batched token sampling on device (pure, jittable JAX; vLLM semantics).
 
-Pipeline per row: penalties -> banned ids -> (greedy: argmax) | (temperature -> top-k ->
-top-p -> min-p -> Gumbel-max). Randomness comes only from ``fold_in(key(seed), step)`` of the
-row itself, so a seeded request draws the same tokens whatever else is in the batch.
+Pipeline per row: penalties -> banned ids -> structured-output mask -> (greedy: argmax) |
+(temperature -> top-k -> top-p -> min-p -> Gumbel-max). Randomness comes only from
+``fold_in(key(seed), step)`` of the row itself, so a seeded request draws the same tokens
+whatever else is in the batch.
 """
 from __future__ import annotations
 
@@ -35,13 +36,16 @@ class SamplingBatch:
     seed: jax.Array  # u32[B]
     step: jax.Array  # i32[B]; index of the token being generated
     banned_ids: jax.Array  # i32[B, MAX_BANNED_IDS]; -1 padded
+    # i32[B, W]: bit j of word i allows token 32 i + j (structured output); words past W
+    # allow everything, so all-ones rows (-1) and a 1-word batch change nothing.
+    allowed: jax.Array
 
 
 # What a padding row holds in each field: greedy, neutral penalties (bit-exact no-ops), no
 # banned ids, so it samples nothing that anyone reads and costs no random draws.
 NEUTRAL_ROW_VALUES = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
                           presence_penalty=0.0, frequency_penalty=0.0, seed=0, step=0,
-                          banned_ids=-1)
+                          banned_ids=-1, allowed=-1)
 
 
 def pad_rows(sb: SamplingBatch, rows: int) -> SamplingBatch:
@@ -62,6 +66,7 @@ class SamplerRow:
     seed: int
     step: int
     banned_ids: tuple[int, ...] = ()
+    allowed: np.ndarray | None = None  # int32 bitmask of the tokens allowed next (None: all)
 
 
 @jax.tree_util.register_dataclass
@@ -73,8 +78,15 @@ class SampleResult:
     top_logprobs: jax.Array  # f32[B, n]
 
 
-def make_sampling_batch(rows: Sequence[SamplerRow], pad_to: int) -> SamplingBatch:
+def mask_words(vocab_size: int) -> int:
+    """Words of a structured-output bitmask row for ``vocab_size`` tokens."""
+    return (vocab_size + 31) // 32
+
+
+def make_sampling_batch(rows: Sequence[SamplerRow], pad_to: int, words: int = 1
+                        ) -> SamplingBatch:
     """Pack rows into fixed-size numpy arrays; padding rows are greedy with neutral penalties.
+    ``words``: the width of the ``allowed`` bitmask (``mask_words(vocab)`` in the engine).
 
     Runs every engine step, so it builds plain lists and calls ``np.array`` once per field.
     """
@@ -93,6 +105,10 @@ def make_sampling_batch(rows: Sequence[SamplerRow], pad_to: int) -> SamplingBatc
                              f"got {len(r.banned_ids)}")
         banned.append(list(r.banned_ids) + [-1] * (MAX_BANNED_IDS - len(r.banned_ids)))
     banned += [[-1] * MAX_BANNED_IDS] * n_pad
+    allowed = np.full((pad_to, words), -1, np.int32)
+    for i, r in enumerate(rows):
+        if r.allowed is not None:
+            allowed[i] = r.allowed
 
     return SamplingBatch(
         temperature=column("temperature", [p.temperature for p in params], np.float32),
@@ -108,6 +124,7 @@ def make_sampling_batch(rows: Sequence[SamplerRow], pad_to: int) -> SamplingBatc
         seed=column("seed", [r.seed for r in rows], np.uint32),
         step=column("step", [r.step for r in rows], np.int32),
         banned_ids=np.array(banned, dtype=np.int32).reshape(pad_to, MAX_BANNED_IDS),
+        allowed=allowed,
     )
 
 
@@ -171,10 +188,20 @@ def _row_gumbel(seed: jax.Array, step: jax.Array, vocab: int) -> jax.Array:
     return jax.random.gumbel(key, (vocab,), dtype=jnp.float32)
 
 
+def unpack_allowed(allowed: jax.Array, vocab: int) -> jax.Array:
+    """bool[B, vocab] from the ``allowed`` bitmask (tokens past its words: allowed)."""
+    bits = (allowed[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    flat = bits.reshape(allowed.shape[0], -1).astype(bool)
+    if flat.shape[1] >= vocab:
+        return flat[:, :vocab]
+    return jnp.pad(flat, ((0, 0), (0, vocab - flat.shape[1])), constant_values=True)
+
+
 def choose_tokens(penalised: jax.Array, sb: SamplingBatch, *, all_greedy: bool) -> jax.Array:
     """Pick one token per row from penalised logits; ``all_greedy`` (static) skips the sort
     and the random draws when every row has temperature 0."""
     penalised = _ban(penalised.astype(jnp.float32), sb.banned_ids)
+    penalised = jnp.where(unpack_allowed(sb.allowed, penalised.shape[1]), penalised, -jnp.inf)
     vocab = penalised.shape[1]
     tokens = jnp.argmax(penalised, axis=-1).astype(jnp.int32)
     if all_greedy:

@@ -1,0 +1,178 @@
+"""Structured output: a request's text held to a JSON schema, a regex, a choice of strings or
+a Lark grammar, by masking the tokens that cannot continue it (docs/structured_output.md).
+
+The grammar engine is llguidance (imported on first use): this module only says what the
+constraint is (``StructuredOutput``, part of ``SamplingParams``), compiles it once per distinct
+grammar for a tokenizer (``GrammarCompiler``, a cache) and follows one request through it
+(``Constraint``: the allowed-token bitmask for its next token, then the token it got). The
+mask is applied on the device by the sampler (``SamplingBatch.allowed``). No JAX here.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import re
+import threading
+from typing import Any
+
+import numpy as np
+
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StructuredOutput:
+    """Exactly one of: ``json`` (a JSON schema as a dict, or True for any JSON object),
+    ``regex`` (the whole output matches it), ``choice`` (the output is one of the strings),
+    ``grammar`` (a Lark grammar, llguidance's dialect; its ``start`` rule is the output)."""
+
+    json: dict | bool | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"structured_output must set exactly one of {STRUCTURED_KINDS}, "
+                             f"got {given or 'none'}")
+        kind = given[0]
+        value = getattr(self, kind)
+        if kind == "json" and not (isinstance(value, dict) or value is True):
+            raise ValueError(f"structured_output.json must be a JSON schema object or true, "
+                             f"got {value!r}")
+        if kind in ("regex", "grammar") and not (isinstance(value, str) and value):
+            raise ValueError(f"structured_output.{kind} must be a non-empty string")
+        if kind == "choice":
+            if isinstance(value, str) or not isinstance(value, (list, tuple)) or not value \
+                    or not all(isinstance(c, str) and c for c in value):
+                raise ValueError("structured_output.choice must be a non-empty list of "
+                                 "non-empty strings")
+            object.__setattr__(self, "choice", tuple(value))
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) is not None)
+
+    def grammar_text(self) -> str:
+        """The llguidance grammar (a JSON document naming one grammar): also the cache key."""
+        from llguidance import LLMatcher
+        if self.json is not None:
+            schema = {"type": "object"} if self.json is True else self.json
+            # Compact JSON (no free whitespace between tokens, as xgrammar's default): a
+            # model cannot pad its output with whitespace until max_tokens.
+            return LLMatcher.grammar_from_json_schema(json.dumps(schema, sort_keys=True),
+                                                      defaults={"whitespace_flexible": False})
+        if self.regex is not None:
+            return LLMatcher.grammar_from_regex(self.regex)
+        if self.choice is not None:
+            return LLMatcher.grammar_from_regex("|".join(f"({re.escape(c)})"
+                                                         for c in self.choice))
+        return LLMatcher.grammar_from_lark(self.grammar)
+
+
+class GrammarCompiler:
+    """Compiled grammars for one tokenizer, by grammar text (LRU, ``capacity`` entries):
+    ``compile`` returns a fresh matcher per request, copied from the cached one, so each
+    distinct constraint compiles once. Thread-safe (requests are prepared on intake threads).
+    ``compiles`` counts real compilations, ``hits`` cache hits."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_ids: tuple[int, ...],
+                 capacity: int = 256):
+        self.vocab_size = vocab_size  # the model's: mask rows are this wide
+        self.capacity = capacity
+        self.compiles = self.hits = 0
+        self._tokenizer = tokenizer
+        self._eos = eos_ids
+        self._ll = None
+        self._cache: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def _lltokenizer(self):
+        if self._ll is None:
+            self._ll = llguidance_tokenizer(self._tokenizer, self._eos)
+        return self._ll
+
+    def compile(self, so: StructuredOutput) -> Constraint:
+        """A new ``Constraint`` at the start of ``so``; ValueError (naming
+        ``structured_output``) if the grammar is invalid."""
+        from llguidance import LLMatcher
+        text = so.grammar_text()
+        with self._lock:
+            template = self._cache.get(text)
+            if template is not None:
+                self._cache.move_to_end(text)
+                self.hits += 1
+                return Constraint(template.deep_copy(), self.vocab_size, self._ll.vocab_size)
+            ll = self._lltokenizer()
+            error = LLMatcher.validate_grammar(text, ll)
+            if error:
+                raise ValueError(f"structured_output.{so.kind} is not a valid constraint: "
+                                 + " ".join(line.strip() for line in error.splitlines()[:3]))
+            template = LLMatcher(ll, text)
+            if template.is_error():
+                raise ValueError(f"structured_output.{so.kind} is not a valid constraint: "
+                                 f"{template.get_error()}")
+            self.compiles += 1
+            self._cache[text] = template
+            if len(self._cache) > self.capacity:
+                self._cache.popitem(last=False)
+            return Constraint(template.deep_copy(), self.vocab_size, ll.vocab_size)
+
+
+class Constraint:
+    """One request's place in its grammar."""
+
+    def __init__(self, matcher, vocab_size: int, tokenizer_vocab: int):
+        self._matcher = matcher
+        self._words = (vocab_size + 31) // 32  # the model's mask width
+        self._buf = np.zeros((1, (tokenizer_vocab + 31) // 32), np.int32)  # llguidance's
+
+    def mask(self) -> np.ndarray:
+        """int32[words]: bit j of word i allows token 32 i + j next (tokens the tokenizer
+        does not have, past its vocabulary, never are)."""
+        from llguidance.numpy import fill_next_token_bitmask
+        fill_next_token_bitmask(self._matcher, self._buf, 0)
+        row = np.zeros(self._words, np.int32)
+        n = min(self._words, self._buf.shape[1])
+        row[:n] = self._buf[0, :n]
+        return row
+
+    def advance(self, token: int) -> bool:
+        """Consumes the sampled token; False if the grammar rejects it."""
+        return bool(self._matcher.consume_token(token)) and not self._matcher.is_error()
+
+    @property
+    def done(self) -> bool:
+        """The output is complete: the grammar allows nothing more (only end-of-sequence)."""
+        return self._matcher.is_stopped()
+
+
+def llguidance_tokenizer(tokenizer, eos_ids: tuple[int, ...]):
+    """llguidance's view of a jserve tokenizer: an HF one from its tokenizer.json, the byte
+    tokenizer from its 259 tokens."""
+    import llguidance
+    eos = eos_ids[0] if eos_ids else None
+    text = getattr(tokenizer, "tokenizer_json", None)
+    if text is not None:
+        return llguidance.LLTokenizer(text, eos_token=eos)
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteTokens(tokenizer, eos)))
+
+
+class _ByteTokens:
+    """The byte tokenizer as llguidance's ``TokenizerWrapper`` reads one."""
+
+    def __init__(self, tokenizer, eos: int | None):
+        self._tok = tokenizer
+        self.eos_token_id = eos if eos is not None else tokenizer.eos_token_ids[0]
+        self.bos_token_id = tokenizer.bos_token_id
+        n = tokenizer.vocab_size
+        specials = [i for i in range(256, n)]
+        self.special_token_ids = specials
+        self.tokens = [bytes([i]) for i in range(256)] + [
+            tokenizer.decode([i], skip_special_tokens=False).encode() for i in specials]
+
+    def __call__(self, s) -> list[int]:
+        text = s.decode("utf-8", errors="replace") if isinstance(s, bytes) else s
+        return self._tok.encode(text, add_special_tokens=False)
