@@ -1,0 +1,150 @@
+"""Structured output (issue 27): on the random-weight default model every structure comes
+from the constraint, so each sampled output is checked with an independent validator:
+``jsonschema`` for JSON, ``re.fullmatch`` for regexes, Python's own parser for the
+arithmetic grammar."""
+from __future__ import annotations
+
+import ast
+import json
+import re
+
+import jsonschema
+import pytest
+
+from jserve.sampling.params import SamplingParams
+from jserve.sampling.structured import GrammarCompiler, StructuredOutput
+from jserve.tokenizer import ByteTokenizer
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
+          "properties": {"name": {"type": "string", "maxLength": 6},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "tags": {"type": "array", "maxItems": 2,
+                                  "items": {"enum": ["a", "b", "c"]}}}}
+REGEX = r"[0-9]{3}-[a-z]{2,4}(\.[A-Z])?"
+CHOICES = ("red", "green", "blue", "dark blue")
+# Sums and products of small numbers with parentheses, nested at most 2 deep.
+GRAMMAR = r"""
+start: expr
+expr: term (("+" | "-") term){0,3}
+term: atom ("*" atom){0,2}
+atom: NUMBER | "(" inner ")"
+inner: NUMBER (("+" | "*") NUMBER){0,2}
+NUMBER: /[1-9][0-9]?/
+"""
+
+
+def _arithmetic(text: str) -> bool:
+    """Python's parser accepts it as an expression of numbers, + - * and parentheses."""
+    try:
+        tree = ast.parse(text, mode="eval")
+    except SyntaxError:
+        return False
+    ok = (ast.Expression, ast.BinOp, ast.Constant, ast.Add, ast.Sub, ast.Mult)
+    return all(isinstance(n, ok) for n in ast.walk(tree)) and " " not in text
+
+
+def test_a_constraint_names_exactly_one_kind():
+    with pytest.raises(ValueError, match="exactly one of"):
+        StructuredOutput()
+    with pytest.raises(ValueError, match="exactly one of"):
+        StructuredOutput(regex="a", choice=["a"])
+    with pytest.raises(ValueError, match="structured_output.choice must be a non-empty list"):
+        StructuredOutput(choice=[])
+    with pytest.raises(ValueError, match="structured_output.json must be"):
+        StructuredOutput(json="{}")
+    with pytest.raises(ValueError, match="structured_output must be a StructuredOutput"):
+        SamplingParams(structured_output={"regex": "a"})
+    assert StructuredOutput(choice=["x", "y"]).choice == ("x", "y")
+
+
+def test_bad_grammars_are_refused_naming_the_field_and_a_cache_hit_compiles_nothing():
+    compiler = GrammarCompiler(ByteTokenizer(), 320, (257,))
+    for so, field in ((StructuredOutput(regex="a[bc"), "regex"),
+                      (StructuredOutput(grammar="start: undefined_rule"), "grammar"),
+                      (StructuredOutput(json={"type": "frobnicate"}), "json")):
+        with pytest.raises(ValueError, match=rf"structured_output.{field} is not a valid"):
+            compiler.compile(so)
+    assert compiler.compiles == 0
+    a = compiler.compile(StructuredOutput(json=SCHEMA))
+    b = compiler.compile(StructuredOutput(json=dict(SCHEMA)))  # equal schema: the same key
+    assert (compiler.compiles, compiler.hits) == (1, 1)
+    for t in b'{"':  # the copies move on their own
+        assert a.advance(t)
+    assert not a.done and b.mask().tolist() != a.mask().tolist()
+
+
+def test_the_mask_allows_exactly_what_the_grammar_does():
+    compiler = GrammarCompiler(ByteTokenizer(), 320, (257,))
+    c = compiler.compile(StructuredOutput(choice=["no", "nay", "yes"]))
+
+    def allowed():
+        m = c.mask()
+        return [t for t in range(320) if (int(m[t // 32]) >> (t % 32)) & 1]
+    assert allowed() == [ord("n"), ord("y")]
+    assert c.advance(ord("n")) and allowed() == [ord("a"), ord("o")]
+    assert c.advance(ord("o")) and c.done and allowed() == [257]  # only EOS: complete
+
+
+# -- on the engine ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def llm():
+    from llm_helpers import small_llm
+    return small_llm(max_num_seqs=32, max_num_batched_tokens=256)
+
+
+def _sample(llm, so: StructuredOutput, n: int = 100, max_tokens: int = 120):
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens,
+                             structured_output=so) for i in range(n)]
+    return llm.generate([f"Case {i}:" for i in range(n)], params)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["json", "regex", "choice", "grammar"])
+def test_100_sampled_outputs_all_follow_their_constraint(llm, kind):
+    so, valid = {
+        "json": (StructuredOutput(json=SCHEMA),
+                 lambda t: jsonschema.validate(json.loads(t), SCHEMA) is None),
+        "regex": (StructuredOutput(regex=REGEX), lambda t: re.fullmatch(REGEX, t) is not None),
+        "choice": (StructuredOutput(choice=CHOICES), lambda t: t in CHOICES),
+        "grammar": (StructuredOutput(grammar=GRAMMAR), _arithmetic),
+    }[kind]
+    outs = _sample(llm, so)
+    assert all(o.finish_reason == "stop" for o in outs), [
+        (o.text, o.finish_reason) for o in outs if o.finish_reason != "stop"][:3]
+    bad = [o.text for o in outs if not valid(o.text)]
+    assert not bad, bad[:5]
+    assert len({o.text for o in outs}) > (2 if kind == "choice" else 20)  # sampled, not fixed
+
+
+@pytest.mark.slow
+def test_any_json_object(llm):
+    """Free-form strings of a random model rarely end: what ends parses as an object, what
+    runs out of tokens is the start of one."""
+    outs = _sample(llm, StructuredOutput(json=True), n=20, max_tokens=60)
+    for o in outs:
+        if o.finish_reason == "stop":
+            assert isinstance(json.loads(o.text), dict), o.text
+        else:
+            assert o.finish_reason == "length" and o.text.startswith("{"), o.text
+
+
+@pytest.mark.slow
+def test_free_requests_beside_constrained_ones_get_the_same_tokens(llm):
+    free = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * 3
+    prompts = ["alpha", "beta", "gamma"]
+    alone = [o.token_ids for o in llm.generate(prompts, free)]
+    constrained = [SamplingParams(temperature=0.0, max_tokens=40,
+                                  structured_output=StructuredOutput(regex=REGEX))] * 3
+    mixed = llm.generate(["x", *prompts, "y", "z"], [constrained[0], *free, *constrained[1:]])
+    assert [o.token_ids for o in mixed[1:4]] == alone
+    assert all(re.fullmatch(REGEX, o.text) for o in (mixed[0], mixed[4], mixed[5]))
+
+
+@pytest.mark.slow
+def test_max_tokens_cuts_a_constrained_output_with_length(llm):
+    out = llm.generate("doc", SamplingParams(temperature=0.0, max_tokens=5,
+                                             structured_output=StructuredOutput(json=SCHEMA)))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 5
+    assert out.text.startswith('{"')  # the start of a document, incomplete
+    with pytest.raises(ValueError, match="structured_output.regex is not a valid"):
+        llm.generate("x", SamplingParams(structured_output=StructuredOutput(regex="(")))
