@@ -39,7 +39,7 @@ from jserve.proto import generate_pb2 as pb
 from jserve.serving.engine_loop import DEADLINE, EngineLoop
 from jserve.serving.limits import ClientLimits
 from jserve.serving.metrics import OUTCOMES
-from jserve.serving.protocol import LIST_FIELDS, SCALAR_FIELDS
+from jserve.serving.protocol import LIST_FIELDS, MESSAGE_FIELDS, SCALAR_FIELDS
 from jserve.serving.server import BackgroundServer, ServerConfig
 from llm_helpers import small_llm
 
@@ -178,7 +178,7 @@ def test_proto_sampling_params_carry_every_offline_field():
     import dataclasses
     offline = {f.name for f in dataclasses.fields(SamplingParams)}
     wire = set(pb.SamplingParams.DESCRIPTOR.fields_by_name)
-    assert offline == wire == set(SCALAR_FIELDS) | set(LIST_FIELDS)
+    assert offline == wire == set(SCALAR_FIELDS) | set(LIST_FIELDS) | set(MESSAGE_FIELDS)
 
 
 def test_generated_modules_are_current():

@@ -148,3 +148,86 @@ def test_max_tokens_cuts_a_constrained_output_with_length(llm):
     assert out.text.startswith('{"')  # the start of a document, incomplete
     with pytest.raises(ValueError, match="structured_output.regex is not a valid"):
         llm.generate("x", SamplingParams(structured_output=StructuredOutput(regex="(")))
+
+
+# -- over HTTP ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def served():
+    from conftest import Served
+    s = Served()
+    yield s
+    s.close()
+
+
+def _grammar_counts(url: str) -> tuple[float, float]:
+    import httpx2 as httpx
+    text = httpx.get(url + "/metrics", timeout=30).text
+    values = dict(line.rsplit(" ", 1) for line in text.splitlines()
+                  if line.startswith("jserve_grammar_"))
+    return (float(values["jserve_grammar_compiles_total"]),
+            float(values["jserve_grammar_cache_hits_total"]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True])
+def test_openai_response_format_json_schema(served, stream):
+    import openai
+    with openai.OpenAI(base_url=served.url + "/v1", api_key="x", max_retries=0,
+                       timeout=120) as client:
+        rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA,
+                                                      "strict": True}}
+        kw = dict(model="default", messages=[{"role": "user", "content": "Who?"}],
+                  response_format=rf, max_tokens=200, temperature=1.0, seed=7)
+        if stream:
+            chunks = list(client.chat.completions.create(stream=True, **kw))
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        else:
+            r = client.chat.completions.create(**kw)
+            text, finish = r.choices[0].message.content, r.choices[0].finish_reason
+        assert finish == "stop"
+        jsonschema.validate(json.loads(text), SCHEMA)
+        r = client.completions.create(model="default", prompt="Pick:", max_tokens=20, n=3,
+                                      seed=1, extra_body={"structured_outputs": {
+                                          "choice": list(CHOICES)}})
+        assert all(c.text in CHOICES for c in r.choices)
+
+
+def test_bad_constraints_get_400_naming_the_field_and_hits_compile_nothing(served):
+    import httpx2 as httpx
+
+    def post(extra):
+        return httpx.post(served.url + "/v1/completions", timeout=60, json={
+            "model": "default", "prompt": "x", "max_tokens": 8, **extra})
+    for extra, field in (({"structured_outputs": {"regex": "a[bc"}}, "structured_outputs"),
+                         ({"structured_outputs": {"choice": []}}, "structured_outputs"),
+                         ({"structured_outputs": {"grammar": "start: nope"}},
+                          "structured_outputs"),
+                         ({"response_format": {"type": "json_schema", "json_schema": {
+                             "name": "x", "schema": {"type": "frobnicate"}}}},
+                          "response_format"),
+                         ({"response_format": {"type": "yaml"}}, "response_format")):
+        r = post(extra)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (extra, r.text)
+    regex = {"structured_outputs": {"regex": "[a-f]{4}"}}
+    assert post(regex).status_code == 200
+    compiles, hits = _grammar_counts(served.url)
+    for _ in range(3):
+        r = post(regex)
+        assert re.fullmatch("[a-f]{4}", r.json()["choices"][0]["text"])
+    assert _grammar_counts(served.url) == (compiles, hits + 3)
+
+
+def test_grpc_carries_the_constraint_and_names_a_bad_one(served):
+    import grpc
+
+    from jserve.client import Client
+    with Client(served.target) as c:
+        out = c.generate("id:", SamplingParams(temperature=1.0, seed=3, max_tokens=30,
+                                               structured_output=StructuredOutput(regex=REGEX)))
+        assert re.fullmatch(REGEX, out.text) and out.finish_reason
+        with pytest.raises(grpc.RpcError) as e:
+            c.generate("x", SamplingParams(structured_output=StructuredOutput(regex="(")))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.details().startswith("sampling_params.structured_output.regex is not a "
+                                            "valid constraint"), e.value.details()

@@ -99,7 +99,7 @@ def new_request(prepared: PreparedRequest, request_id: str, seed: int, arrival_t
         params=p, seed=seed, prompt=prepared.prompt, metrics=RequestMetrics(arrival_time),
         detok=IncrementalDetokenizer(tokenizer), prompt_ids=list(prepared.prompt_ids),
         logprobs=[] if p.logprobs is not None else None,
-        constraint=(grammars.compile(p.structured_output)  # a cache hit since ``prepare``
+        constraint=(grammars.compile(p.structured_output, count=False)  # cached by prepare
                     if p.structured_output is not None else None))
     req = Request(request_id, prepared.prompt_ids, p.max_tokens, arrival_time, payload=state,
                   tpot_slo=tpot_slo, priority=priority,

@@ -94,16 +94,17 @@ class GrammarCompiler:
             self._ll = llguidance_tokenizer(self._tokenizer, self._eos)
         return self._ll
 
-    def compile(self, so: StructuredOutput) -> Constraint:
+    def compile(self, so: StructuredOutput, count: bool = True) -> Constraint:
         """A new ``Constraint`` at the start of ``so``; ValueError (naming
-        ``structured_output``) if the grammar is invalid."""
+        ``structured_output``) if the grammar is invalid. ``count=False``: a second look-up
+        for the same request (not a hit of its own)."""
         from llguidance import LLMatcher
         text = so.grammar_text()
         with self._lock:
             template = self._cache.get(text)
             if template is not None:
                 self._cache.move_to_end(text)
-                self.hits += 1
+                self.hits += count
                 return Constraint(template.deep_copy(), self.vocab_size, self._ll.vocab_size)
             ll = self._lltokenizer()
             error = LLMatcher.validate_grammar(text, ll)

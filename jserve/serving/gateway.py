@@ -65,8 +65,9 @@ def field_message(message: str, name: Callable[[str], str]) -> str:
     """``SamplingParams`` messages start with the field's name: rename it as the wire does
     (``top_k must ...`` -> ``sampling_params.top_k must ...``)."""
     head, sep, rest = message.partition(" ")
-    if head in _PARAM_FIELDS:
-        return f"{name(head)}{sep}{rest}"
+    field, dot, sub = head.partition(".")  # structured_output.regex ...
+    if field in _PARAM_FIELDS:
+        return f"{name(field)}{dot}{sub}{sep}{rest}"
     if " + max_tokens (" in message:  # the engine's context check: too many tokens asked for
         return f"{name('max_tokens')}: {message}"
     return message

@@ -8,9 +8,11 @@ engine request, so the cap bounds what one body can put in the queue.
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 from jserve.sampling.params import SamplingParams
+from jserve.sampling.structured import STRUCTURED_KINDS, StructuredOutput
 from jserve.serving import engine_loop as el
 from jserve.serving.gateway import NOT_FOUND, UNAUTHENTICATED, Rejected, field_message
 
@@ -21,6 +23,7 @@ _SAMPLING = ("temperature", "top_p", "seed", "stop", "presence_penalty", "freque
              "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
              "stop_token_ids")
 _COMMON = {"model", "n", "stream", "stream_options", "max_tokens", "user", "ttft_slo",
+           "response_format", "structured_outputs",
            "tpot_slo", "priority", *_SAMPLING}
 PARAMS = {
     "completions": _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix", "logit_bias"},
@@ -76,6 +79,7 @@ class Parsed:
     tpot_slo: float | None
     priority: int
     max_tokens_field: str
+    constraint_field: str | None = None  # where the structured output came from
 
 
 def _kind_check(body: dict, field: str, ok: bool, want: str) -> None:
@@ -132,6 +136,7 @@ def parse(body: Any, endpoint: str, max_choices: int = 256) -> Parsed:
         raise BadField(field, f"{len(prompts)} prompts x n={n} is over this server's limit of "
                               f"{max_choices} choices per request")
     kw = {k: body[k] for k in _SAMPLING if k in body}
+    constraint_field, kw["structured_output"] = _structured_output(body)
     if "stop" in kw and not isinstance(kw["stop"], (str, list)):
         raise BadField("stop", f"stop must be a string or a list of strings, got {kw['stop']!r}")
     if max_field in body:
@@ -156,7 +161,50 @@ def parse(body: Any, endpoint: str, max_choices: int = 256) -> Parsed:
             field = "top_logprobs"
         raise BadField(field, field_message(message, lambda f: field)) from None
     return Parsed(prompts, params, max_field in body, n, stream, include_usage, logprobs,
-                  body.get("ttft_slo"), body.get("tpot_slo"), priority, max_field)
+                  body.get("ttft_slo"), body.get("tpot_slo"), priority, max_field,
+                  constraint_field)
+
+
+def _structured_output(body: dict) -> tuple[str | None, StructuredOutput | None]:
+    """OpenAI's ``response_format`` or vLLM's ``structured_outputs`` extra (not both) as a
+    ``StructuredOutput``, with the field it came from."""
+    if "response_format" in body and "structured_outputs" in body:
+        raise BadField("structured_outputs", "give response_format or structured_outputs, "
+                                             "not both")
+    if "response_format" in body:
+        rf = body["response_format"]
+        kind = rf.get("type") if isinstance(rf, dict) else None
+        if kind == "text" and set(rf) == {"type"}:
+            return None, None
+        if kind == "json_object" and set(rf) == {"type"}:
+            return "response_format", StructuredOutput(json=True)
+        spec = rf.get("json_schema") if kind == "json_schema" and set(rf) == {
+            "type", "json_schema"} else None
+        if not (isinstance(spec, dict) and isinstance(spec.get("schema", {}), dict)
+                and set(spec) <= {"name", "description", "schema", "strict"}):
+            raise BadField("response_format", f"response_format must be {{\"type\": \"text\"}}, "
+                           f"{{\"type\": \"json_object\"}} or {{\"type\": \"json_schema\", "
+                           f"\"json_schema\": {{\"name\", \"schema\", \"strict\"}}}}, got {rf!r}")
+        # strict or not, the schema is enforced: the output always validates.
+        return "response_format", StructuredOutput(json=spec.get("schema") or True)
+    if "structured_outputs" in body:
+        so = body["structured_outputs"]
+        if not isinstance(so, dict) or set(so) - set(STRUCTURED_KINDS):
+            raise BadField("structured_outputs", f"structured_outputs takes one of "
+                                                 f"{list(STRUCTURED_KINDS)}, got {so!r}")
+        so = dict(so)
+        if isinstance(so.get("json"), str):  # vLLM also takes the schema as a JSON string
+            try:
+                so["json"] = json.loads(so["json"])
+            except ValueError as e:
+                raise BadField("structured_outputs", f"structured_outputs.json is not JSON: "
+                                                     f"{e}") from None
+        try:
+            return "structured_outputs", StructuredOutput(**so)
+        except ValueError as e:
+            raise BadField("structured_outputs",
+                           str(e).replace("structured_output", "structured_outputs")) from None
+    return None, None
 
 
 def _prompts(body: dict) -> list[str | list[int]]:

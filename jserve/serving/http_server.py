@@ -285,7 +285,9 @@ class OpenAIServer:
                 name=lambda f: parsed.max_tokens_field if f == "max_tokens" else f)
         except Rejected as e:
             field = e.message.split(" ", 1)[0].rstrip(":").split("=", 1)[0]
-            if field not in PARAMS[endpoint]:
+            if field.startswith("structured_output") and parsed.constraint_field:
+                field = parsed.constraint_field
+            elif field not in PARAMS[endpoint]:
                 field = "messages" if endpoint == "chat" else "prompt"
             raise BadField(field, e.message) from None
 

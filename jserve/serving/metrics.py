@@ -20,6 +20,7 @@ from prometheus_client import (
     make_wsgi_app,
     start_http_server,
 )
+from prometheus_client.core import CounterMetricFamily
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 30.0, 60.0, 120.0)
@@ -105,6 +106,10 @@ class ServerMetrics:
             self._recent_sum -= self._recent.popleft()[1]
         self.tokens_per_second.set(self._recent_sum / self._window)
 
+    def watch_grammars(self, compiler) -> None:
+        """Structured output's grammar cache, read at each scrape: compilations and hits."""
+        self.registry.register(_GrammarCollector(compiler))
+
     def serve_http(self, port: int, host: str = "0.0.0.0", token: str | None = None):
         """Starts the /metrics endpoint in a daemon thread; returns (http server, thread).
         With ``token``, a scrape without ``Authorization: Bearer <token>`` gets 401."""
@@ -128,6 +133,18 @@ class ServerMetrics:
         thread = threading.Thread(target=httpd.serve_forever, daemon=True)
         thread.start()
         return httpd, thread
+
+
+class _GrammarCollector:
+    def __init__(self, compiler):
+        self._compiler = compiler
+
+    def collect(self):
+        c = self._compiler
+        yield CounterMetricFamily("jserve_grammar_compiles", "Structured-output grammars "
+                                  "compiled (a distinct constraint compiles once)", c.compiles)
+        yield CounterMetricFamily("jserve_grammar_cache_hits", "Structured-output requests "
+                                  "whose grammar was already compiled", c.hits)
 
 
 class _Quiet(WSGIRequestHandler):

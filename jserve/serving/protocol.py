@@ -4,16 +4,19 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Sequence
 
 from jserve.proto import generate_pb2 as pb
 from jserve.sampling.params import SamplingParams
+from jserve.sampling.structured import StructuredOutput
 
 # Scalar SamplingParams fields carried as proto3 ``optional`` (unset: the offline default).
 SCALAR_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p",
                  "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
                  "ignore_eos", "logprobs")
 LIST_FIELDS = ("stop", "stop_token_ids")
+MESSAGE_FIELDS = ("structured_output",)
 MAX_REQUEST_ID_CHARS = 256
 
 
@@ -23,12 +26,43 @@ def params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     for name in LIST_FIELDS:
         if len(getattr(msg, name)):
             kw[name] = list(getattr(msg, name))
+    if msg.HasField("structured_output"):
+        kw["structured_output"] = structured_from_proto(msg.structured_output)
     return SamplingParams(**kw)
+
+
+def structured_from_proto(msg: pb.StructuredOutput) -> StructuredOutput:
+    kind = msg.WhichOneof("kind")
+    if kind == "json_schema":
+        try:
+            return StructuredOutput(json=json.loads(msg.json_schema))
+        except ValueError as e:
+            raise ValueError(f"structured_output.json_schema is not a JSON schema: {e}"
+                             ) from None
+    if kind == "json_object":
+        return StructuredOutput(json=True)
+    if kind == "choice":
+        return StructuredOutput(choice=list(msg.choice.choices))
+    if kind is None:
+        raise ValueError("structured_output is empty: set one of its fields")
+    return StructuredOutput(**{kind: getattr(msg, kind)})
+
+
+def structured_to_proto(so: StructuredOutput) -> pb.StructuredOutput:
+    if so.json is True:
+        return pb.StructuredOutput(json_object=True)
+    if so.json is not None:
+        return pb.StructuredOutput(json_schema=json.dumps(so.json))
+    if so.choice is not None:
+        return pb.StructuredOutput(choice=pb.Choices(choices=list(so.choice)))
+    return pb.StructuredOutput(**{so.kind: getattr(so, so.kind)})
 
 
 def params_to_proto(p: SamplingParams) -> pb.SamplingParams:
     """Every field, so the server samples exactly as the offline API would."""
     msg = pb.SamplingParams(stop=list(p.stop), stop_token_ids=list(p.stop_token_ids))
+    if p.structured_output is not None:
+        msg.structured_output.CopyFrom(structured_to_proto(p.structured_output))
     for name in SCALAR_FIELDS:
         value = getattr(p, name)
         if value is not None:
