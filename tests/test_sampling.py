@@ -429,6 +429,36 @@ def test_banned_ids_are_never_sampled() -> None:
     assert set(tokens.tolist()) == set(range(vocab)) - {0, 3, 11}
 
 
+def test_the_allowed_bitmask_is_obeyed_and_all_ones_rows_change_nothing() -> None:
+    """Structured output's mask: bit t of a row allows token t; words past the mask's width
+    allow everything, so all-ones (-1) rows sample exactly as without a mask."""
+    n, vocab = 200, 40
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(n, vocab)).astype(np.float32)
+    allowed_ids = [1, 5, 33, 38]
+    row = np.zeros(2, np.int32)
+    for t in allowed_ids:
+        row[t // 32] |= np.int32(1 << (t % 32)) if t % 32 < 31 else np.int32(-2**31)
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(temperature=temperature)
+        masked = make_sampling_batch([SamplerRow(params, seed=i, step=0, allowed=row)
+                                      for i in range(n)], n, words=2)
+        free = make_sampling_batch([SamplerRow(params, seed=i, step=0) for i in range(n)], n,
+                                   words=2)
+        tokens = np.asarray(run_sample(logits, masked, all_greedy=temperature == 0).tokens)
+        assert set(tokens.tolist()) <= set(allowed_ids)
+        if temperature:
+            assert set(tokens.tolist()) == set(allowed_ids)  # every allowed one is drawn
+        else:  # greedy: the best allowed token
+            np.testing.assert_array_equal(tokens, np.asarray(allowed_ids)[
+                np.argmax(logits[:, allowed_ids], axis=1)])
+        unmasked = run_sample(logits, free, all_greedy=temperature == 0).tokens
+        narrow = make_sampling_batch([SamplerRow(params, seed=i, step=0) for i in range(n)],
+                                     n)  # one word: the rest allowed
+        np.testing.assert_array_equal(unmasked, run_sample(logits, narrow,
+                                                           all_greedy=temperature == 0).tokens)
+
+
 def test_banned_padding_does_not_ban_last_token() -> None:
     logits = np.zeros((2, 10), np.float32)
     logits[:, 9] = 5.0
@@ -486,8 +516,10 @@ def test_make_sampling_batch_layout_and_padding() -> None:
     np.testing.assert_array_equal(sb.step, [5, 0, 0, 0])
     assert sb.banned_ids.shape == (4, MAX_BANNED_IDS)
     assert sb.banned_ids[0, :3].tolist() == [7, 8, -1] and np.all(sb.banned_ids[1:] == -1)
-    expected_dtypes = [np.float32, np.int32] + [np.float32] * 5 + [np.uint32, np.int32, np.int32]
+    expected_dtypes = ([np.float32, np.int32] + [np.float32] * 5
+                       + [np.uint32, np.int32, np.int32, np.int32])
     assert [leaf.dtype for leaf in jax.tree.leaves(sb)] == expected_dtypes
+    assert sb.allowed.shape == (4, 1) and np.all(sb.allowed == -1)  # no constraint: all ones
 
 
 def test_make_sampling_batch_rejects_bad_sizes() -> None:
