@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import itertools
+import logging
 import secrets
 import time
 from typing import Callable
@@ -26,6 +27,8 @@ from jserve.engine.intake import PreparedRequest, check_slos
 from jserve.sampling.params import SamplingParams
 from jserve.serving import engine_loop as el
 from jserve.serving.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
 
 ALREADY_EXISTS = "already_exists"
 UNAUTHENTICATED = "unauthenticated"
@@ -80,6 +83,7 @@ class Gateway:
 
     # -- before acceptance -------------------------------------------------------------
     def refused(self, kind: str) -> None:
+        log.debug("refused before acceptance: %s", kind)
         self.metrics.outcome(kind)
 
     def check_open(self) -> None:
@@ -193,6 +197,7 @@ class Stream:
     def _count(self, outcome: str) -> None:
         if self.outcome is None:
             self.outcome = outcome
+            log.debug("request %r ended: %s", self.request_id, outcome)
             self.gateway.metrics.outcome(outcome)
             self.gateway._closed(self)
 
