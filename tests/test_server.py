@@ -376,13 +376,16 @@ def test_500_random_cancels_disconnects_and_deadlines_leak_nothing(bg, client, l
     was handed ends in exactly one outcome: the one its client saw wherever the client can
     know it. Two things no client can know come from the server's own records (request ids
     in the gateway's debug log, ``jserve_grpc_requests_received_total``):
-    - whether a call that ended before any reply reached a handler at all. grpc drops a call
-      whose cancel or deadline beats the server's taking it (under load, a few percent of
-      cancel_now and deadline calls), and one taken but ended before its message was read has
+    - whether a call that ended before any reply reached a handler at all. That is settled
+      inside grpc: a call whose cancel or deadline lands before grpc hands it to the server's
+      handler is never handed over (under load, up to a few percent of the cancel_now and
+      deadline calls). One that a handler took but that ended before its message was read has
       no request id on the server (it counts as refused, cancelled or deadline_exceeded).
-    - whether the server finished a call before the client's cut reached it: the finish was on
-      the wire when the client cut (a cancel and a last message cross; the server rightly
-      counts `length`)."""
+    - whether the server finished a call before the client's cut reached it: its last message
+      was on the wire when the client cut (the two cross; the server rightly counts `length`,
+      the client never sees the finish)."""
+    caplog.set_level(logging.DEBUG, logger="jserve.serving.gateway")
+    wait_idle(bg)  # nothing of an earlier test counts during this one
     before = metrics(bg)
     rng = random.Random(2)
     kinds = [rng.choice(["cancel_now", "cancel_mid", "disconnect", "deadline"])
@@ -432,7 +435,6 @@ def test_500_random_cancels_disconnects_and_deadlines_leak_nothing(bg, client, l
             await shared.close()
         return fates
 
-    caplog.set_level(logging.DEBUG, logger="jserve.serving.gateway")
     fates = asyncio.run(run())
     wait_idle(bg)  # every handler has returned, so every outcome is counted
     after = metrics(bg)
@@ -595,6 +597,12 @@ def test_tls_and_bearer_token(spare_engine, llm):
                      "--auth-token", "s3cret", "--max-tokens", "3", "hi"]) == 0
         assert main(["generate", "--server", target, "--tls-ca", str(TLS / "server.crt"),
                      "--max-tokens", "3", "hi"]) == 1
+        # A denied call of either method is received and counted once, unauthenticated.
+        reg = server.server.metrics.registry
+        assert {o: reg.get_sample_value("jserve_requests_total", {"outcome": o})
+                for o in OUTCOMES} == {o: {"length": 2, "unauthenticated": 5}.get(o, 0)
+                                       for o in OUTCOMES}
+        assert reg.get_sample_value(RECEIVED) == 7
         # Health checks need no token; plaintext to a TLS port gets nowhere.
         creds = grpc.ssl_channel_credentials(root_certificates=ca)
         with grpc.secure_channel(target, creds) as ch:

@@ -302,9 +302,8 @@ class GenerationServer:
 
     async def _generate_call(self, requests, context) -> None:
         """Every Generate call grpc hands over, counted as received and in
-        ``calls_in_flight`` until its handler returns (its outcome counted). A call whose
-        cancel or deadline beats that hand-over never gets here (grpc drops it) and counts
-        nowhere."""
+        ``calls_in_flight`` until its handler returns, its outcome counted. A call cancelled or
+        expired before grpc hands it over never gets here and counts nowhere."""
         self.metrics.grpc_received.inc()
         self.calls_in_flight += 1
         try:
