@@ -20,6 +20,7 @@ import asyncio
 import concurrent.futures
 import hmac
 import itertools
+import logging
 import secrets
 import time
 from typing import Callable, TypeVar
@@ -30,6 +31,8 @@ from jserve.sampling.params import SamplingParams
 from jserve.serving import engine_loop as el
 from jserve.serving.limits import ClientLimits, RequestLimits
 from jserve.serving.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
 
 ALREADY_EXISTS = "already_exists"
 UNAUTHENTICATED = "unauthenticated"
@@ -91,6 +94,7 @@ class Gateway:
 
     # -- before acceptance -------------------------------------------------------------
     def refused(self, kind: str) -> None:
+        log.debug("refused before acceptance: %s", kind)
         self.metrics.outcome(kind)
 
     def check_open(self) -> None:
@@ -220,6 +224,7 @@ class Stream:
     def _count(self, outcome: str) -> None:
         if self.outcome is None:
             self.outcome = outcome
+            log.debug("request %r ended: %s", self.request_id, outcome)
             self.gateway.metrics.outcome(outcome)
             self.gateway._closed(self)
 

@@ -61,6 +61,11 @@ class ServerMetrics:
             f"Tokens generated per second over the last {rate_window_s:g} s", registry=r)
         self.requests = Counter("jserve_requests", "Requests by outcome", ["outcome"],
                                 registry=r)
+        self.grpc_received = Counter(
+            "jserve_grpc_requests_received",
+            "gRPC calls handed to a handler (every Generate call, and a call of any method "
+            "refused for its bearer token); each ends in one jserve_requests_total outcome",
+            registry=r)
         self.prefix_queried = Counter("jserve_prefix_cache_queried_tokens",
                                       "Prompt tokens looked up in the prefix cache at admission",
                                       registry=r)

@@ -182,6 +182,7 @@ class GenerationServer:
         self.engine_loop = el.EngineLoop(engine, self.metrics, max_waiting=config.max_waiting,
                                          on_crash=self._engine_died)
         self.gateway = Gateway(engine, self.engine_loop, self.metrics, config.limits)
+        self.calls_in_flight = 0  # Generate handlers running (accepted or not)
         self.health = health.aio.HealthServicer()
         self.port: int | None = None
         self.metrics_port: int | None = None
@@ -208,8 +209,7 @@ class GenerationServer:
         # The transport refuses (RESOURCE_EXHAUSTED, uncounted) only far past the limit: a
         # message up to it reaches the handler, which counts and refuses it.
         transport_limit = max(4 * cfg.max_request_bytes, 16 << 20)
-        interceptors = [_BearerAuth(cfg.tokens, lambda: self.gateway.refused(
-            UNAUTHENTICATED))] if cfg.auth_token else []
+        interceptors = [_BearerAuth(cfg.tokens, self._denied)] if cfg.auth_token else []
         server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", transport_limit),
             ("grpc.so_reuseport", 0)])
@@ -217,7 +217,7 @@ class GenerationServer:
             # Unary-stream on the wire; registered as stream-stream so that the handler runs
             # (and counts the call) even when it ends before its one message is read.
             "Generate": grpc.stream_stream_rpc_method_handler(
-                self._generate, request_deserializer=self._deserialize,
+                self._generate_call, request_deserializer=self._deserialize,
                 response_serializer=pb.GenerateResponse.SerializeToString),
             "GetModelInfo": grpc.unary_unary_rpc_method_handler(
                 self._model_info, request_deserializer=pb.GetModelInfoRequest.FromString,
@@ -316,6 +316,21 @@ class GenerationServer:
     async def _model_info(self, request, context) -> pb.ModelInfo:
         return self._info
 
+    def _denied(self) -> None:
+        self.metrics.grpc_received.inc()
+        self.gateway.refused(UNAUTHENTICATED)
+
+    async def _generate_call(self, requests, context) -> None:
+        """Every Generate call grpc hands over, counted as received and in
+        ``calls_in_flight`` until its handler returns, its outcome counted. A call cancelled or
+        expired before grpc hands it over never gets here and counts nowhere."""
+        self.metrics.grpc_received.inc()
+        self.calls_in_flight += 1
+        try:
+            await self._generate(requests, context)
+        finally:
+            self.calls_in_flight -= 1
+
     async def _accept(self, request, context, arrival: float, deadline: float | None
                       ) -> Stream:
         """Validates (tokenizing off the event loop) and queues the request; ``Rejected`` if
@@ -372,6 +387,10 @@ class GenerationServer:
         except asyncio.CancelledError:  # the call ended while its prompt was tokenized
             self.gateway.refused(el.DEADLINE if expired() else "cancelled")
             raise
+        except Exception as e:  # noqa: BLE001 - a bug in intake still ends the call, counted
+            log.exception("request intake failed")
+            self.gateway.refused(el.INTERNAL)
+            await context.abort(_CODES[el.INTERNAL], f"request intake failed: {e}")
         async with stream:
             try:
                 while not stream.done:
