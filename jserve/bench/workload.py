@@ -68,7 +68,8 @@ class WorkloadSpec:
                 f"seed {self.seed}; lengths scaled: short prompts x{self.short_scale:g}, long "
                 f"prompts x{self.long_scale:g} (synthetic Medha-SWE: log-normal on its "
                 f"published P50/P90, 128K-1M before scaling), outputs x{self.output_scale:g}, "
-                f"min {self.min_tokens} tokens; long = prompt >= {self.long_prompt_tokens}")
+                f"min {self.min_tokens} tokens; long = prompt >= {self.long_prompt_tokens}; short "
+                f"lengths from {Path(self.short_trace).name}")
 
 
 def _scaled(n: int, scale: float, floor: int) -> int:
