@@ -193,7 +193,9 @@ def _add_simulate_parser(sub) -> None:
     d = SimConfig()
     s = sub.add_parser("simulate", help="replay a trace through a scheduling policy on the "
                                         "GPU time model (no GPU, no JAX)")
-    s.add_argument("--trace", required=True, help="CSV or JSONL: num_prefill_tokens, "
+    s.add_argument("--trace", required=True,
+                   help="a packaged trace (sharegpt4: lengths only, so with --qps; azure-conv: "
+                   "with arrivals) or a CSV or JSONL file: num_prefill_tokens, "
                    "num_decode_tokens, arrived_at (unless --qps)")
     s.add_argument("--policy", required=True, choices=POLICIES,
                    help="lars: LARS alone; lars-ss: LARS with space sharing")
@@ -273,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return a.func(a)
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
         print(f"jserve: error: {e}", file=sys.stderr)
         return 2
 

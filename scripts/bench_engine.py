@@ -19,10 +19,11 @@ runs jserve and then HF back to back in the same process):
    last request got its first token, over the time from then to the last token.
    The batch-8 case also checks that jserve's greedy tokens equal HF's.
 3. Prefill tokens/s: 8 prompts x 512 tokens, one new token, wall time on both sides.
-4. Offline: 256 ShareGPT4 requests (lengths divided by ``--length-scale``, clipped), all
-   submitted at once to jserve's continuous batching; HF serves them in arrival order in
-   static batches of 32, left-padded, each batch running to its longest output. Only each
-   request's own output tokens count as useful.
+4. Offline: 256 requests with ShareGPT4 lengths (``--trace``: another packaged trace or a
+   file; lengths divided by ``--length-scale``, clipped), all submitted at once to jserve's
+   continuous batching; HF serves them in arrival order in static batches of 32,
+   left-padded, each batch running to its longest output. Only each request's own output
+   tokens count as useful.
 5. Batch-32 decode against a compute ceiling: jserve's steady-state step time (all 32
    sequences decoding) against FLOPs per step / 110 GFLOP/s (the f32 matmul rate assumed for
    this CPU).
@@ -35,7 +36,6 @@ torch (see below); ``OMP_WAIT_POLICY=ACTIVE python scripts/bench_engine.py`` to 
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import json
 import os
@@ -57,9 +57,8 @@ import transformers  # noqa: E402
 
 from jserve.llm import LLM  # noqa: E402
 from jserve.sampling.params import SamplingParams  # noqa: E402
+from jserve.sim.trace import read_lengths  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-TRACE = ROOT.parent / "shared" / "data" / "traces" / "sharegpt4_8k_lengths.csv"
 CPU_F32_MATMUL_GFLOPS = 110.0  # the ceiling's compute rate for this CPU
 PAD_ID = 0
 
@@ -85,6 +84,7 @@ class Settings:
     output_clip: tuple[int, int]
     hf_batch: int
     engine: dict
+    trace: str = "sharegpt4"  # the offline requests' lengths: a packaged trace or a file
     seed: int = 0
 
 
@@ -97,13 +97,13 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             length_scale=args.length_scale if args.length_scale_given else 32.0,
             prompt_clip=(4, 128), output_clip=(1, 16), hf_batch=8,
             engine=dict(max_num_seqs=8, max_num_batched_tokens=64, max_prefill_seqs=4,
-                        max_model_len=256))
+                        max_model_len=256), trace=args.trace)
     return Settings(
         reps=args.reps, decode_batches=(1, 8, 32), decode_prompt_len=128, decode_new_tokens=64,
         correctness_batch=8, prefill_batch=8, prefill_len=512, offline_requests=256,
         length_scale=args.length_scale, prompt_clip=(4, 1024), output_clip=(1, 256), hf_batch=32,
         engine=dict(max_num_seqs=32, max_num_batched_tokens=512, max_prefill_seqs=4,
-                    max_model_len=2048))
+                    max_model_len=2048), trace=args.trace)
 
 
 # -- model ----------------------------------------------------------------------------------
@@ -290,16 +290,14 @@ def measure_prefill(js: Jserve, model, s: Settings, rng: np.random.Generator) ->
             "jserve_tok_s_reps": js_rates, "hf_tok_s_reps": hf_rates}
 
 
-def sharegpt_requests(s: Settings, rng: np.random.Generator) -> tuple[list, list[int]]:
-    with open(TRACE) as f:
-        rows = [(int(r["num_prefill_tokens"]), int(r["num_decode_tokens"]))
-                for r in csv.DictReader(f)]
+def trace_requests(s: Settings, rng: np.random.Generator) -> tuple[list, list[int]]:
+    rows = read_lengths(s.trace)
     pick = rng.choice(len(rows), size=s.offline_requests, replace=False)
     lens = np.array([rows[i] for i in pick], dtype=np.float64)
     p_len = np.clip(np.round(lens[:, 0] / s.length_scale), *s.prompt_clip).astype(int)
     o_len = np.clip(np.round(lens[:, 1] / s.length_scale), *s.output_clip).astype(int)
     prompts = [random_prompts(rng, 1, int(n))[0] for n in p_len]
-    print(f"offline workload: {s.offline_requests} ShareGPT4 requests from {TRACE.name}, "
+    print(f"offline workload: {s.offline_requests} requests with the lengths of {s.trace}, "
           f"lengths / {s.length_scale:g}, prompt clipped to {list(s.prompt_clip)}, "
           f"output to {list(s.output_clip)}")
     for name, x in (("prompt", p_len), ("output", o_len)):
@@ -323,7 +321,7 @@ def run_hf_static_batches(model, prompts, out_lens, batch: int) -> tuple[list[li
 
 def measure_offline(js: Jserve, model, s: Settings, rng: np.random.Generator) -> dict:
     """No extra untimed run here: jserve's buckets are compiled and both sides are warm."""
-    prompts, out_lens = sharegpt_requests(s, rng)
+    prompts, out_lens = trace_requests(s, rng)
     params = [greedy(n) for n in out_lens]
     useful = sum(out_lens)
     n = len(prompts)
@@ -391,7 +389,9 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=None, help="repetitions per metric (default 3; "
                     "1 with --quick)")
     ap.add_argument("--length-scale", type=float, default=None,
-                    help="ShareGPT4 lengths are divided by this (default 8; 32 with --quick)")
+                    help="trace lengths are divided by this (default 8; 32 with --quick)")
+    ap.add_argument("--trace", default="sharegpt4", help="the offline requests' lengths: "
+                    "sharegpt4, azure-conv or a CSV/JSONL trace")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (default: every core this process may run on)")
     ap.add_argument("--out", type=Path, default=None, help="write results as JSON here")

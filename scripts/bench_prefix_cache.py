@@ -7,9 +7,10 @@
    document (prompt = document + question), Poisson arrivals at ``--qps``, 16 output tokens
    each. TTFT P50/P90 and TPOT P50 with caching off and on, and their ratio.
 2. Multi-turn: ``--conversations`` conversations of ``--turns`` turns whose user and answer
-   lengths come from the ShareGPT4 trace (divided by ``--length-scale``); each turn re-sends
-   the conversation so far (previous prompt + the engine's own answer + the new user turn)
-   once the previous turn has finished. Prefix hit rate and TTFT with caching off and on.
+   lengths come from the ShareGPT4 trace (``--trace``; divided by ``--length-scale``); each
+   turn re-sends the conversation so far (previous prompt + the engine's own answer + the
+   new user turn) once the previous turn has finished. Prefix hit rate and TTFT with
+   caching off and on.
 
 Both engines use the built-in default model with the same settings, warmed up first (the
 compile cache is shared, so neither pays for compiling in its timings). Prints a table and
@@ -32,8 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jserve import LLM, SamplingParams  # noqa: E402
 from jserve.bench.metrics import percentile, summarize  # noqa: E402
 from jserve.bench.replay import run_local  # noqa: E402
-from jserve.bench.workload import _read_pairs, sharegpt4_path  # noqa: E402
-from jserve.sim.trace import TraceRequest, poisson_arrivals  # noqa: E402
+from jserve.sim.trace import TraceRequest, poisson_arrivals, read_lengths  # noqa: E402
 
 OUTPUT_TOKENS = 16
 
@@ -80,7 +80,7 @@ def _drop_cache(llm: LLM) -> None:
 
 
 def multi_turn(a, rng) -> dict:
-    pairs = _read_pairs(sharegpt4_path())
+    pairs = read_lengths(a.trace)
     convs = []
     for _ in range(a.conversations):
         turns = [pairs[int(rng.integers(len(pairs)))] for _ in range(a.turns)]
@@ -140,8 +140,10 @@ def main() -> int:
     ap.add_argument("--budget", type=int, default=512, help="max_num_batched_tokens")
     ap.add_argument("--conversations", type=int, default=12)
     ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--trace", default="sharegpt4",
+                    help="multi-turn lengths: sharegpt4, azure-conv or a CSV/JSONL trace")
     ap.add_argument("--length-scale", type=int, default=4,
-                    help="ShareGPT4 lengths are divided by this")
+                    help="the trace's lengths are divided by this")
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-multi-turn", action="store_true")

@@ -9,9 +9,9 @@
 The state (seeded, rebuilt identically for every policy and predictor):
 - running: 120 decodes (ShareGPT4 prompt + part of its output, so KV lengths vary) and 8
   partial prefills, two of them long (64k and 128k prompts past the 32k long threshold);
-- waiting: 1,000 requests with ShareGPT4 prompt lengths (``sharegpt4_8k_lengths.csv`` in the
-  shared data) plus 5 long ones (32k-128k tokens), arrived over the last 3 s, with the
-  default TTFT deadlines, so some slacks are already negative;
+- waiting: 1,000 requests with ShareGPT4 prompt lengths (the packaged ``sharegpt4`` trace)
+  plus 5 long ones (32k-128k tokens), arrived over the last 3 s, with the default TTFT
+  deadlines, so some slacks are already negative;
 - limits: max_num_seqs 256 (room for 128 admissions), 8192 tokens, 8 prefills per batch,
   a 50 ms iteration budget, space sharing on; KV memory is not the constraint.
 
@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import copy
 import cProfile
-import csv
 import json
 import os
 import pstats
@@ -55,7 +54,7 @@ from jserve.scheduler.predictor import LinearPredictor
 from jserve.scheduler.registry import build_scheduler
 from jserve.scheduler.request import Request
 from jserve.sim import GpuTimeModel, VirtualClock
-from jserve.sim.hardware import default_data_dir
+from jserve.sim.trace import read_lengths
 
 DEADLINE_POLICIES = ("lars", "edf", "lrs", "fcfs")
 POLICIES = DEADLINE_POLICIES + ("sarathi", "sprpt")  # the last two use no predictor
@@ -63,13 +62,6 @@ NOW = 100.0
 MAX_CONTEXT = 131_072
 LIMITS = dict(max_num_seqs=256, max_num_batched_tokens=8192, max_prefill_seqs=8)
 CONFIG = DeadlineConfig(t_target=0.05, space_sharing=True)
-
-
-def sharegpt_lengths() -> list[tuple[int, int]]:
-    path = default_data_dir() / "traces" / "sharegpt4_8k_lengths.csv"
-    with open(path, newline="") as f:
-        return [(int(r["num_prefill_tokens"]), int(r["num_decode_tokens"]))
-                for r in csv.DictReader(f)]
 
 
 def fit_linear(gpu: GpuTimeModel, rng: random.Random) -> LinearPredictor:
@@ -88,7 +80,7 @@ def fit_linear(gpu: GpuTimeModel, rng: random.Random) -> LinearPredictor:
 
 def build(policy: str, predictor, cache: PrefillTimeCache, seed: int = 0) -> SchedulerBase:
     rng = random.Random(seed)
-    lengths = sharegpt_lengths()
+    lengths = read_lengths("sharegpt4")
     clock = VirtualClock(NOW)
     sched = build_scheduler(policy, BlockAllocator(65_536, 16), predictor=predictor,
                             prefill_cache=cache, deadline=CONFIG, clock=clock, **LIMITS)

@@ -38,6 +38,7 @@ from jserve.bench.metrics import (  # noqa: E402
     ttft,
 )
 from jserve.bench.workload import WorkloadSpec, build_workload  # noqa: E402
+from jserve.data import profiles_root  # noqa: E402
 from jserve.scheduler.chunking import PrefillTimeCache  # noqa: E402
 from jserve.scheduler.plan import BatchPlan, ScheduledChunk  # noqa: E402
 from jserve.sim.hardware import (  # noqa: E402
@@ -46,7 +47,6 @@ from jserve.sim.hardware import (  # noqa: E402
     StageTimes,
     _Curve,
     _load_compute,
-    default_data_dir,
 )
 from jserve.sim.policies import (  # noqa: E402
     SimConfig,
@@ -397,7 +397,7 @@ def profile_error() -> list[str]:
     ``mlp.csv``, its relative error on the held-out ones (the model's own interpolation)."""
     out = ["| profile | TP | held-out rows | median error | P90 error |",
            "|---|---:|---:|---:|---:|"]
-    for path in sorted((default_data_dir() / "profiles" / "compute").glob("*/*/mlp.csv")):
+    for path in sorted((profiles_root() / "profiles" / "compute").glob("*/*/mlp.csv")):
         prof = _load_compute(path)
         for tp, ops in sorted(prof.medians_ms.items()):
             sizes = sorted(ops["add"])

@@ -4,7 +4,7 @@ policy, in process or against a running ``jserve serve``; per-request records, s
 TTFT CDF / TPOT / QPS-sweep plots and ratios against a baseline, all under --out-dir.
 
     python scripts/offline_eval.py --policies fcfs lars --qps 0.5 1 2 --requests 100
-    python scripts/offline_eval.py --arrivals azure --time-scale 5 --policies lars
+    python scripts/offline_eval.py --arrivals azure-conv --time-scale 5 --policies lars
     python scripts/offline_eval.py --target localhost:50051 --policies lars   # a server, gRPC
     python scripts/offline_eval.py --target http://localhost:8000 --policies lars  # OpenAI HTTP
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from jserve.bench.evaluate import evaluate, local_runner, ratio_table, remote_runner, write_plots
 from jserve.bench.metrics import Slo
-from jserve.bench.workload import WorkloadSpec, azure_path
+from jserve.bench.workload import WorkloadSpec
 from jserve.scheduler import POLICIES
 
 
@@ -28,7 +28,9 @@ def add_workload_args(ap: argparse.ArgumentParser, d: WorkloadSpec) -> None:
     ap.add_argument("--qps", type=float, nargs="+", default=[d.qps],
                     help="Poisson arrival rate; several values sweep the load")
     ap.add_argument("--arrivals", default=None,
-                    help="replay arrival times instead: 'azure' or a CSV with arrived_at")
+                    help="replay arrival times instead: azure-conv or a trace with arrived_at")
+    ap.add_argument("--lengths", default=d.short_trace,
+                    help="short requests' lengths: sharegpt4, azure-conv or a CSV/JSONL trace")
     ap.add_argument("--time-scale", type=float, default=d.time_scale,
                     help="replayed arrival times are multiplied by this")
     ap.add_argument("--short-scale", type=float, default=d.short_scale)
@@ -50,8 +52,7 @@ def workload_from_args(a: argparse.Namespace) -> WorkloadSpec:
     return WorkloadSpec(
         num_requests=a.requests, long_fraction=a.long_fraction,
         qps=None if replay else a.qps[0],
-        arrival_trace=(str(azure_path()) if a.arrivals == "azure" else a.arrivals) if replay
-        else None,
+        arrival_trace=a.arrivals, short_trace=a.lengths,
         time_scale=a.time_scale, short_scale=a.short_scale, long_scale=a.long_scale,
         output_scale=a.output_scale, min_tokens=a.min_tokens, seed=a.seed)
 

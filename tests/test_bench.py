@@ -16,7 +16,8 @@ import pytest
 
 from jserve.bench.metrics import Slo, format_summary, ratio, summarize
 from jserve.bench.replay import run_http, run_local, run_remote
-from jserve.bench.workload import WorkloadSpec, azure_path, build_workload
+from jserve.bench.workload import WorkloadSpec, build_workload
+from jserve.data import trace_path
 from jserve.serving.server import BackgroundServer, ServerConfig
 from jserve.sim.trace import (
     MEDHA_SWE_PROMPT_RANGE,
@@ -119,9 +120,8 @@ def test_workload_scales_each_group_and_keeps_them_apart(tmp_path):
 
 
 def test_replayed_arrivals_are_the_trace_times_stretched():
-    spec = WorkloadSpec(num_requests=30, qps=None, arrival_trace=str(azure_path()),
-                        time_scale=5.0)
-    with open(azure_path(), newline="") as f:
+    spec = WorkloadSpec(num_requests=30, qps=None, arrival_trace="azure-conv", time_scale=5.0)
+    with open(trace_path("azure-conv"), newline="") as f:
         times = [float(r["arrived_at"]) for _, r in zip(range(30), csv.DictReader(f))]
     assert [t.arrival_s for t in build_workload(spec)] == pytest.approx(
         [(x - times[0]) * 5 for x in times])

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from jserve.cli import main
-from jserve.sim.trace import RECORD_FIELDS, read_records
+from jserve.sim.trace import RECORD_FIELDS, read_lengths, read_records
 
 TRACE = ("arrived_at,num_prefill_tokens,num_decode_tokens\n"
          "0.0,200000,4\n0.5,300,5\n0.6,1200,3\n2.0,50,2\n")
@@ -56,3 +56,19 @@ def test_simulate_rejects_a_trace_without_arrivals_or_qps(tmp_path, capsys):
     assert main(["simulate", "--trace", str(trace), "--policy", "lars",
                  "--out", str(tmp_path / "r.jsonl")]) == 2
     assert "arrived_at" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("trace, flags", [("azure-conv", []), ("sharegpt4", ["--qps", "2"])])
+def test_simulate_reads_a_packaged_trace_by_name(tmp_path, capsys, trace, flags):
+    out = tmp_path / "records.jsonl"
+    assert main(["simulate", "--trace", trace, *flags, "--policy", "sarathi",
+                 "--max-requests", "20", "--out", str(out)]) == 0
+    assert [(r["prompt_tokens"], r["output_tokens"]) for r in read_records(out)] == (
+        read_lengths(trace)[:20])
+
+
+def test_simulate_names_the_packaged_traces_for_a_missing_one(tmp_path, capsys):
+    assert main(["simulate", "--trace", "sharegpt", "--qps", "1", "--policy", "lars",
+                 "--out", str(tmp_path / "r.jsonl")]) == 2
+    assert "no trace file 'sharegpt'; packaged traces: sharegpt4, azure-conv" in (
+        capsys.readouterr().err)

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from jserve.data import profiles_root
 from jserve.scheduler.plan import BatchPlan, ScheduledChunk
-from jserve.sim.hardware import LAYER_OPS, MODEL_SHAPES, GpuTimeModel, default_data_dir
+from jserve.sim.hardware import LAYER_OPS, MODEL_SHAPES, GpuTimeModel
 
-DATA = default_data_dir()
+DATA = profiles_root()
 PROFILE = DATA / "profiles" / "compute" / "a100" / "Meta-Llama-3-8B" / "mlp.csv"
 
 LAYERS = MODEL_SHAPES["llama3-8b"].num_layers

@@ -53,6 +53,7 @@ def test_missing_arrivals_need_qps_and_bad_rows_are_rejected(tmp_path):
     bad.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0,0,5\n")
     with pytest.raises(ValueError, match=">= 1"):
         read_trace(bad)
+    (tmp_path / "trace.txt").write_text(path.read_text())
     with pytest.raises(ValueError, match="csv or .jsonl"):
         read_trace(tmp_path / "trace.txt")
 

@@ -8,37 +8,28 @@ with every result.
 """
 from __future__ import annotations
 
-import csv
 import dataclasses
 import math
 from pathlib import Path
 
 import numpy as np
 
-from jserve.sim.hardware import default_data_dir
 from jserve.sim.trace import (
     MEDHA_SWE_PROMPT_RANGE,
     TraceRequest,
     mix_long_requests,
     poisson_arrivals,
+    read_lengths,
     read_trace,
 )
-
-
-def sharegpt4_path() -> Path:
-    return default_data_dir() / "traces" / "sharegpt4_8k_lengths.csv"
-
-
-def azure_path() -> Path:
-    return default_data_dir() / "traces" / "azure_conv_2023.csv"
 
 
 @dataclasses.dataclass(frozen=True)
 class WorkloadSpec:
     """Short prompts are scaled by ``short_scale``, long ones by ``long_scale`` and every output
     by ``output_scale`` (each rounded, at least ``min_tokens``). Arrivals: Poisson at ``qps``,
-    or, with ``arrival_trace``, that file's ``arrived_at`` (from its first row on) times
-    ``time_scale``."""
+    or, with ``arrival_trace``, that trace's ``arrived_at`` (from its first row on) times
+    ``time_scale``. Traces are paths or packaged names (``jserve.data.TRACES``)."""
 
     num_requests: int = 100
     long_fraction: float = 0.05
@@ -50,7 +41,7 @@ class WorkloadSpec:
     output_scale: float = 1.0
     min_tokens: int = 1
     seed: int = 0
-    short_trace: str | None = None  # default: ShareGPT4 lengths from the shared data
+    short_trace: str = "sharegpt4"  # where short requests' lengths are drawn from
 
     def __post_init__(self) -> None:
         if self.num_requests < 1:
@@ -77,31 +68,26 @@ class WorkloadSpec:
                 f"seed {self.seed}; lengths scaled: short prompts x{self.short_scale:g}, long "
                 f"prompts x{self.long_scale:g} (synthetic Medha-SWE: log-normal on its "
                 f"published P50/P90, 128K-1M before scaling), outputs x{self.output_scale:g}, "
-                f"min {self.min_tokens} tokens; long = prompt >= {self.long_prompt_tokens}")
+                f"min {self.min_tokens} tokens; long = prompt >= {self.long_prompt_tokens}; short "
+                f"lengths from {Path(self.short_trace).name}")
 
 
 def _scaled(n: int, scale: float, floor: int) -> int:
     return max(floor, round(n * scale))
 
 
-def _read_pairs(path: Path) -> list[tuple[int, int]]:
-    with open(path, newline="") as f:
-        return [(int(r["num_prefill_tokens"]), int(r["num_decode_tokens"]))
-                for r in csv.DictReader(f)]
-
-
-def replayed_arrivals(path: str | Path, n: int, time_scale: float) -> np.ndarray:
+def replayed_arrivals(trace: str | Path, n: int, time_scale: float) -> np.ndarray:
     """The first ``n`` arrival times of a trace, from 0, stretched by ``time_scale``."""
-    times = [t.arrival_s for t in read_trace(path, max_requests=n)]
+    times = [t.arrival_s for t in read_trace(trace, max_requests=n)]
     if len(times) < n:
-        raise ValueError(f"{path} has {len(times)} arrivals; the workload needs {n}")
+        raise ValueError(f"{trace} has {len(times)} arrivals; the workload needs {n}")
     return (np.asarray(times) - times[0]) * time_scale
 
 
 def build_workload(spec: WorkloadSpec) -> list[TraceRequest]:
     """Requests in arrival order. Raises if scaling would let a short prompt reach the long
     split (the two groups must stay apart for the metrics)."""
-    pairs = mix_long_requests(_read_pairs(Path(spec.short_trace or sharegpt4_path())),
+    pairs = mix_long_requests(read_lengths(spec.short_trace),
                               spec.num_requests, spec.long_fraction, spec.seed)
     arrivals = (poisson_arrivals(spec.num_requests, spec.qps, spec.seed) if spec.qps is not None
                 else replayed_arrivals(spec.arrival_trace, spec.num_requests, spec.time_scale))

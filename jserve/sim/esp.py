@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+from jserve.data import profiles_root
 from jserve.scheduler.plan import BatchPlan, ScheduledChunk
 from jserve.sim.hardware import (
     BF16,
@@ -31,7 +32,6 @@ from jserve.sim.hardware import (
     GpuTimeModel,
     _load_network,
     _nearest_config,
-    default_data_dir,
 )
 
 CAUSAL_SLICES = 16
@@ -44,7 +44,7 @@ class EspCosts:
         self.tp = instance_tp
         s = self.instance.shape
         self.kv_bytes_per_token = 2 * s.num_layers * s.num_kv_heads * s.head_dim * BF16
-        data = Path(data_dir) if data_dir is not None else default_data_dir()
+        data = Path(data_dir) if data_dir is not None else profiles_root()
         curves = _load_network(data / "profiles" / "network" / f"{hardware}_dgx"
                                / "send_recv.csv")
         self._nvlink = _nearest_config(curves, 2, 2)

@@ -2,8 +2,9 @@
 
 Non-attention ops come from Vidur per-op profiles (``profiles/compute``), collectives from
 Vidur network profiles (``profiles/network``), and attention, which was not profiled, from a
-roofline. The simulator and the prefill-time cache use it as their ``RuntimePredictor``.
-No JAX here: the simulator runs without it.
+roofline. The profiles ship in ``jserve.data`` (``$JSERVE_SHARED_DATA`` or ``data_dir`` points
+elsewhere). The simulator and the prefill-time cache use it as their ``RuntimePredictor``. No
+JAX here: the simulator runs without it.
 """
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ import dataclasses
 import functools
 import math
 import operator
-import os
 from collections import defaultdict
 from pathlib import Path
 from typing import Callable
 
+from jserve.data import profiles_root
 from jserve.scheduler.plan import BatchPlan, ScheduledChunk
 from jserve.scheduler.predictor import ChunkTimer
 
@@ -85,12 +86,6 @@ def _op_work(s: ModelShape) -> dict[str, float]:
         "mlp_down_proj": s.intermediate * s.hidden,
         "add": s.hidden,
     }
-
-
-def default_data_dir() -> Path:
-    """``$JSERVE_SHARED_DATA``, else ``../shared/data`` beside the repository root."""
-    env = os.environ.get("JSERVE_SHARED_DATA")
-    return Path(env) if env else Path(__file__).resolve().parents[2].parent / "shared" / "data"
 
 
 def _isotonic(ys: list[float]) -> list[float]:
@@ -224,7 +219,7 @@ class GpuTimeModel:
         if not 0 < attention_efficiency <= 1:
             raise ValueError(f"attention_efficiency={attention_efficiency} must be in (0, 1]")
         self.tp, self.spp, self.kvp, self.eff = tp, spp, kvp, attention_efficiency
-        data = Path(data_dir) if data_dir is not None else default_data_dir()
+        data = Path(data_dir) if data_dir is not None else profiles_root()
 
         profile = self._nearest_profile(data / "profiles" / "compute" / hardware)
         if tp not in profile.medians_ms:

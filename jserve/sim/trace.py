@@ -3,7 +3,9 @@ replay (``jserve.bench.replay``) and the benchmark harness. Pure Python + numpy 
 any tool can import it.
 
 A trace is CSV or JSONL with ``num_prefill_tokens`` and ``num_decode_tokens`` per request and
-``arrived_at`` (seconds) unless arrivals are drawn from a Poisson process at a given QPS.
+``arrived_at`` (seconds) unless arrivals are drawn from a Poisson process at a given QPS. The
+readers take a path or the name of a packaged trace (``jserve.data.TRACES``: ``sharegpt4``,
+``azure-conv``).
 A record is one JSON object per request with every one of ``RECORD_FIELDS`` and optionally
 ``token_times_s`` (the time of every output token, which TBT needs); ``first_token_s`` and
 ``finish_s`` are null when the run ended before the request got there. All times are seconds
@@ -19,6 +21,8 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
+
+from jserve.data import trace_path
 
 RECORD_FIELDS = ("request_id", "prompt_tokens", "output_tokens", "arrival_s", "first_token_s",
                  "finish_s", "finish_reason", "policy")
@@ -56,11 +60,11 @@ def _rows(path: Path) -> list[dict]:
     raise ValueError(f"{path}: trace must be .csv or .jsonl")
 
 
-def read_trace(path: str | Path, *, qps: float | None = None, seed: int = 0,
+def read_trace(trace: str | Path, *, qps: float | None = None, seed: int = 0,
                max_requests: int | None = None) -> list[TraceRequest]:
-    """The first ``max_requests`` requests of a trace file; with ``qps`` their arrivals are
+    """The first ``max_requests`` requests of a trace; with ``qps`` their arrivals are
     drawn by ``poisson_arrivals`` (the file's ``arrived_at`` is then ignored)."""
-    path = Path(path)
+    path = trace_path(trace)
     rows = _rows(path)[:max_requests]
     if not rows:
         raise ValueError(f"{path}: no requests")
@@ -78,6 +82,13 @@ def read_trace(path: str | Path, *, qps: float | None = None, seed: int = 0,
             raise ValueError(f"{where}: token counts must be >= 1, got {prompt}, {output}")
         out.append(TraceRequest(str(r.get("request_id", i)), arrival, prompt, output))
     return out
+
+
+def read_lengths(trace: str | Path) -> list[tuple[int, int]]:
+    """(prompt, output) tokens of every request of a trace, arrivals ignored: the pool that
+    benchmark workloads draw their requests' lengths from."""
+    return [(int(r["num_prefill_tokens"]), int(r["num_decode_tokens"]))
+            for r in _rows(trace_path(trace))]
 
 
 def poisson_arrivals(n: int, qps: float, seed: int) -> np.ndarray:
