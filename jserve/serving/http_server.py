@@ -122,7 +122,8 @@ class OpenAIServer:
     def __init__(self, gateway: Gateway, config):
         self.gateway = gateway
         self.config = config
-        self.model = config.model_name
+        self.model = config.model_name  # what /v1/models and every response say
+        self._names = frozenset(config.served_model_names)  # what `model` may say
         self.app = Starlette(routes=[
             Route("/v1/models", self._models, methods=["GET"]),
             Route("/health", self._health, methods=["GET"]),
@@ -251,9 +252,10 @@ class OpenAIServer:
         except ValueError as e:
             raise BadField(None, f"the request body is not JSON: {e}") from None
         parsed = parse(body, endpoint, self.config.limits.max_choices)
-        if body["model"] != self.model:
+        if body["model"] not in self._names:
+            names = ", ".join(map(repr, self.config.served_model_names))
             raise Rejected(NOT_FOUND, f"model {body['model']!r} does not exist; this "
-                                      f"server serves {self.model!r}")
+                                      f"server serves {names}")
         prepared = []
         for p in parsed.prompts:
             prompt, params = self._prompt(p), parsed.params
@@ -303,7 +305,8 @@ class OpenAIServer:
                     s = gw.open(gw.new_id(fmt.rid), p, arrival=arrival,
                                 ttft_slo=parsed.ttft_slo, tpot_slo=parsed.tpot_slo,
                                 priority=parsed.priority)
-                    choices.append(Choice(len(choices), s))
+                    choices.append(Choice(len(choices), s,
+                                          prompt_tokens=len(request.prompt_ids)))
             # The first deltas of every choice decide the status code.
             firsts = await asyncio.gather(*(c.stream.next() for c in choices),
                                           return_exceptions=True)
@@ -333,8 +336,7 @@ class OpenAIServer:
             (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
 
         async def emit(c: Choice, deltas: list[el.Delta], first: bool = False) -> None:
-            apply_deltas(c, deltas)
-            await send({"type": "http.response.body", "body": fmt.chunk_event(c, deltas, first),
+            await send({"type": "http.response.body", "body": fmt.events(c, deltas, first),
                         "more_body": True})
         for c, f in zip(choices, firsts):
             await emit(c, f, first=True)
