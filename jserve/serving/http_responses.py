@@ -2,12 +2,14 @@
 or chat), the choices it formats and ``pump``, which reads a request's streams.
 
 A stream carries one SSE chunk per engine step per choice (the tokens that step produced),
-however late the event loop reads them: what piled up meanwhile goes out as one event per step
-in one ``send``. A choice more than ``MAX_STEP_EVENTS`` steps behind (the client reads slower
-than the engine generates, so ``send`` waited for it, or the event loop fell that far behind)
-gets its whole backlog as one chunk instead: a reader that keeps up sees the engine's rhythm,
-one that does not gets fewer, larger chunks (fewer bytes per token) until it catches up, and
-the engine never waits for anyone."""
+however late the event loop gets to them: steps that arrived while the handler waited for the
+engine go out as one event each, in one ``send``. Back-pressure: ``send`` waits only when the
+client is not reading fast enough (the transport's buffer is over its high-water mark); the
+steps that arrived meanwhile were held up by the client, and go out as one chunk per choice
+(``pump``'s ``held``). So a client that keeps up sees the engine's rhythm, one that does not
+gets fewer, larger chunks (fewer bytes per token) until it catches up, and the engine never
+waits for anyone: what a slow client has not taken yet waits in its request's queue on the
+event loop (at most the request's tokens)."""
 from __future__ import annotations
 
 import asyncio
@@ -21,8 +23,6 @@ from jserve.serving import engine_loop as el
 from jserve.serving.gateway import Rejected, Stream
 from jserve.serving.http_protocol import Parsed
 
-# Steps of one choice that may pile up and still go out one chunk each (see the module's doc).
-MAX_STEP_EVENTS = 8
 _SLOT = re.compile(r'"\\u000[01]"')  # the placeholders of a pre-serialized chunk frame
 
 
@@ -104,11 +104,12 @@ class Formatter:
             out["usage"] = _usage(c.prompt_tokens, len(c.token_ids))
         return out
 
-    def events(self, c: Choice, deltas: list[el.Delta], first: bool = False) -> bytes:
+    def events(self, c: Choice, deltas: list[el.Delta], held: bool = False,
+               first: bool = False) -> bytes:
         """The SSE events of ``deltas`` read at once for choice ``c`` (applied to it here):
-        one chunk per engine step, or one for all of them when more than
-        ``MAX_STEP_EVENTS`` steps piled up (see the module's doc)."""
-        if len(deltas) > MAX_STEP_EVENTS:
+        one chunk per engine step, or one for all of them when the client ``held`` them up
+        (see the module's doc)."""
+        if held:
             apply_deltas(c, deltas)
             return self.chunk_event(c, deltas, first)
         out = []
@@ -179,12 +180,15 @@ def apply_deltas(c: Choice, deltas: list[el.Delta]) -> None:
 
 async def pump(choices: list[Choice], on_deltas) -> None:
     """Reads every unfinished choice's stream until all are done, calling ``on_deltas(choice,
-    deltas)`` (sync or async) with what each choice got since its last call, in arrival
-    order; the first ``Rejected`` ends it (after the deltas that came before it)."""
+    deltas, held)`` (sync or async) with what each choice got since its last call, in arrival
+    order; the first ``Rejected`` ends it (after the deltas that came before it). ``held``:
+    the deltas were already waiting when the last ``on_deltas`` returned, so it (a ``send``
+    to a slow client) held them up; otherwise they came while this waited for the engine."""
     if len(choices) == 1:  # the common case: no reader task, no queue in between
         c = choices[0]
         while not c.stream.done:
-            r = on_deltas(c, await c.stream.next())
+            held = c.stream.waiting
+            r = on_deltas(c, await c.stream.next(), held)
             if asyncio.iscoroutine(r):
                 await r
         return
@@ -201,11 +205,11 @@ async def pump(choices: list[Choice], on_deltas) -> None:
     try:
         left = len(readers)
         while left:
-            # Everything that came while the last on_deltas ran (a slow client), per choice.
+            held = not queue.empty()
             items = [await queue.get()]
             while not queue.empty():
                 items.append(queue.get_nowait())
-            got: dict[int, tuple[Choice, list[el.Delta]]] = {}
+            got: dict[int, tuple[Choice, list[el.Delta]]] = {}  # per choice, in order
             error = None
             for c, item in items:
                 if item is None:
@@ -216,7 +220,7 @@ async def pump(choices: list[Choice], on_deltas) -> None:
                 else:
                     got.setdefault(c.index, (c, []))[1].extend(item)
             for c, deltas in got.values():
-                r = on_deltas(c, deltas)
+                r = on_deltas(c, deltas, held)
                 if asyncio.iscoroutine(r):
                     await r
             if error is not None:

@@ -322,7 +322,7 @@ class OpenAIServer:
                 for c, f in zip(choices, firsts):
                     apply_deltas(c, f)
                 try:
-                    await pump(choices, lambda c, deltas: apply_deltas(c, deltas))
+                    await pump(choices, lambda c, deltas, held: apply_deltas(c, deltas))
                 except Rejected as e:
                     status, body = error_body(e.kind, e.message)
                     return await _send_json(send, status, body)
@@ -335,11 +335,12 @@ class OpenAIServer:
         await send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
 
-        async def emit(c: Choice, deltas: list[el.Delta], first: bool = False) -> None:
-            await send({"type": "http.response.body", "body": fmt.events(c, deltas, first),
-                        "more_body": True})
+        async def emit(c: Choice, deltas: list[el.Delta], held: bool,
+                       first: bool = False) -> None:
+            await send({"type": "http.response.body", "more_body": True,
+                        "body": fmt.events(c, deltas, held, first)})
         for c, f in zip(choices, firsts):
-            await emit(c, f, first=True)
+            await emit(c, f, False, first=True)
         try:
             await pump(choices, emit)
             if fmt.parsed.include_usage:
