@@ -9,9 +9,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import subprocess
-import sys
 import time
 
 import httpx2 as httpx
@@ -20,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import Served
 from hf_models import tiny_llama_dir
+from jserve.bench import guidellm
 from jserve.client import Client
 from jserve.serving.commands import served_model_names
 
@@ -229,27 +227,14 @@ def test_a_client_that_does_not_read_gets_its_backlog_merged_and_holds_nothing_u
 PROMPT, OUTPUT = 32, 16
 
 
-def guidellm(url: str, out, profile: str, requests: int) -> dict:
-    """One ``guidellm run`` against ``url`` on synthetic data; its JSON report's benchmark."""
-    model_dir = str(tiny_llama_dir("llama2", with_tokenizer=True))
-    report = out / f"{profile.split(',')[0].split('=')[1]}.json"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "GUIDELLM__MAX_WORKER_PROCESSES": "2"}
-    run = subprocess.run(
-        [sys.executable, "-m", "guidellm", "run",
-         "--backend", f"kind=openai_http,target={url},request_format=/v1/completions",
-         "--profile", profile, "--constraint", f"kind=max_requests,count={requests}",
-         "--data", f"kind=synthetic_text,prompt_tokens={PROMPT},output_tokens={OUTPUT}",
-         "--tokenizer", f"kind=huggingface_auto,model={model_dir}",
-         "--output", f"kind=json,path={report}", "--disable-console-interactive"],
-        capture_output=True, text=True, env=env, cwd=out, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    return json.loads(report.read_text())["benchmarks"][0]
-
-
 def test_guidellm_synchronous_and_concurrent_profiles(served, tmp_path):
     before = counters(served.url)
-    sync = guidellm(served.url, tmp_path, "kind=synchronous", 6)
-    conc = guidellm(served.url, tmp_path, "kind=concurrent,streams=8", 32)
+    model_dir = tiny_llama_dir("llama2", with_tokenizer=True)
+
+    def run(profile: str, n: int) -> dict:
+        return guidellm.run(served.url, model_dir, profile, n, PROMPT, OUTPUT,
+                            tmp_path / f"{n}.json", workers=2, timeout=600)
+    sync, conc = run("synchronous", 6), run("concurrent,streams=8", 32)
     after = counters(served.url)
     for bench, n in ((sync, 6), (conc, 32)):
         made = bench["scheduler_metrics"]["requests_made"]
@@ -259,6 +244,10 @@ def test_guidellm_synchronous_and_concurrent_profiles(served, tmp_path):
         assert [r["output_metrics"]["text_tokens"] for r in done] == [OUTPUT] * n
         assert bench["metrics"]["output_token_count"]["successful"]["total_sum"] == OUTPUT * n
         assert all(r["input_metrics"]["text_tokens"] >= PROMPT for r in done)
+        figures = guidellm.summary(bench)
+        assert (figures["ok"], figures["errored"]) == (n, 0) and figures["tok_s"] > 0
+        recs = guidellm.records(bench)
+        assert all(0 <= r["arrival_s"] < r["first_token_s"] <= r["finish_s"] for r in recs)
     assert conc["config"]["strategy"]["streams"] == 8
     # guidellm's counts are the server's: 38 requests, every one finished at its length.
     assert after["jserve_generation_tokens_total"] - before["jserve_generation_tokens_total"] \
