@@ -9,7 +9,7 @@ per request) and the SSE stream's tokens per chunk.
 
     python scripts/bench_guidellm.py [--model HF_DIR] [--prompt-tokens 64] \\
         [--output-tokens 64] [--sync-requests 12] [--streams 8] [--requests 64] \\
-        [--out out/guidellm]
+        [--guidellm-workers N] [--out out/guidellm]
 
 Without ``--model`` it serves the tests' tiny random Llama with its tokenizer
 (``tests/hf_models.py``; needs the ``test`` extra). Writes guidellm's JSON reports, the
@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import json
 import platform
+import resource
 import subprocess
 import sys
 import time
@@ -49,6 +50,12 @@ def engine(url: str) -> dict[str, float]:
             "jserve_generation_tokens_total")
     return {s.name: s.value for fam in text_string_to_metric_families(text)
             for s in fam.samples if s.name.startswith(want)}
+
+
+def children_cpu() -> float:
+    """CPU seconds of this process's finished children (guidellm and its workers)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 def engine_figures(before: dict, after: dict) -> dict[str, float]:
@@ -112,6 +119,9 @@ def main() -> None:
     ap.add_argument("--sync-requests", type=int, default=12)
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--requests", type=int, default=64, help="of the concurrent profile")
+    ap.add_argument("--guidellm-workers", type=int, default=None,
+                    help="guidellm's worker processes at most (default: its own, up to 10; "
+                         "they share the machine with the server)")
     ap.add_argument("--out", type=Path, default=ROOT / "out" / "guidellm")
     a = ap.parse_args()
     t_start = time.monotonic()
@@ -140,17 +150,19 @@ def main() -> None:
         for label, profile, n, c in profiles:
             name = profile.split(",")[0]
             step(f"{label}: guidellm, {n} requests (its own progress below)")
-            before = engine(served.url)
+            before, cpu = engine(served.url), children_cpu()
             bench = guidellm.run(served.url, model_dir, profile, n, a.prompt_tokens,
                                  a.output_tokens, a.out / f"guidellm-{name}.json",
-                                 quiet=False)
+                                 workers=a.guidellm_workers, quiet=False)
             g_engine = engine_figures(before, engine(served.url))
+            g_engine["client_cpu"] = children_cpu() - cpu
             step(f"{label}: jserve's harness (run_http), {n} requests")
             trace = [TraceRequest(str(i), 0.0, a.prompt_tokens, a.output_tokens)
                      for i in range(n)]
-            before = engine(served.url)
+            before, cpu = engine(served.url), time.process_time()
             records = asyncio.run(run_http(served.url, trace, concurrency=c))
             h_engine = engine_figures(before, engine(served.url))
+            h_engine["client_cpu"] = time.process_time() - cpu
             write_records(a.out / f"harness-{name}.jsonl", records)
             step(f"{label}: tokens per SSE chunk")
             sizes = asyncio.run(chunk_sizes(served.url, model, a.prompt_tokens,
@@ -177,10 +189,13 @@ def main() -> None:
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         lines += [f"| {src} | {fmt(row)} |" for src, row in rows]
         per_iter = bench["metrics"]["output_tokens_per_iteration"]["successful"]["mean"]
-        lines += ["", f"engine during guidellm: TTFT mean {g_engine['ttft_mean'] * 1e3:.1f} "
-                      f"ms, TPOT mean {g_engine['tpot_mean'] * 1e3:.1f} ms; during the "
-                      f"harness: TTFT mean {h_engine['ttft_mean'] * 1e3:.1f} ms, TPOT mean "
-                      f"{h_engine['tpot_mean'] * 1e3:.1f} ms. Tokens per engine step per "
+        lines += ["", f"Engine during guidellm: TTFT mean {g_engine['ttft_mean'] * 1e3:.1f} "
+                      f"ms, TPOT mean {g_engine['tpot_mean'] * 1e3:.1f} ms (guidellm's CPU, "
+                      f"its start-up included, {g_engine['client_cpu']:.1f} s); during the "
+                      f"harness: TTFT mean "
+                      f"{h_engine['ttft_mean'] * 1e3:.1f} ms, TPOT mean "
+                      f"{h_engine['tpot_mean'] * 1e3:.1f} ms (the harness's CPU "
+                      f"{h_engine['client_cpu']:.1f} s). Tokens per engine step per "
                       f"request {g_engine['tokens_per_step']:.2f}; per SSE chunk "
                       f"{per_chunk:.2f} (every chunk); guidellm's output tokens per "
                       f"iteration {per_iter:.2f} (chunks with text only).", ""]
