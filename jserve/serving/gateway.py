@@ -198,7 +198,8 @@ class Stream:
 
     @property
     def waiting(self) -> bool:
-        """Deltas are queued unread: they came while the reader was busy elsewhere."""
+        """Deltas are queued unread (``next()`` takes them all: any there after it came
+        since)."""
         return not self._sink.empty()
 
     async def next(self) -> list[el.Delta]:

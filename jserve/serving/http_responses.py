@@ -182,15 +182,17 @@ async def pump(choices: list[Choice], on_deltas) -> None:
     """Reads every unfinished choice's stream until all are done, calling ``on_deltas(choice,
     deltas, held)`` (sync or async) with what each choice got since its last call, in arrival
     order; the first ``Rejected`` ends it (after the deltas that came before it). ``held``:
-    the deltas were already waiting when the last ``on_deltas`` returned, so it (a ``send``
-    to a slow client) held them up; otherwise they came while this waited for the engine."""
+    some of the deltas came while the last ``on_deltas`` was waiting (a ``send`` to a slow
+    client: nothing else in it yields to the event loop), so the client held them up;
+    otherwise they came while this waited for the engine (or for the event loop)."""
+    held = False
     if len(choices) == 1:  # the common case: no reader task, no queue in between
         c = choices[0]
         while not c.stream.done:
-            held = c.stream.waiting
-            r = on_deltas(c, await c.stream.next(), held)
+            r = on_deltas(c, await c.stream.next(), held)  # next() takes all that is there
             if asyncio.iscoroutine(r):
                 await r
+            held = c.stream.waiting
         return
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -205,7 +207,6 @@ async def pump(choices: list[Choice], on_deltas) -> None:
     try:
         left = len(readers)
         while left:
-            held = not queue.empty()
             items = [await queue.get()]
             while not queue.empty():
                 items.append(queue.get_nowait())
@@ -223,6 +224,7 @@ async def pump(choices: list[Choice], on_deltas) -> None:
                 r = on_deltas(c, deltas, held)
                 if asyncio.iscoroutine(r):
                     await r
+            held = not queue.empty()
             if error is not None:
                 raise error
     finally:
