@@ -41,15 +41,17 @@ SERVE_FLAGS = ["--no-warmup", "--max-num-seqs", "4", "--max-num-batched-tokens",
 
 
 class Served:
-    """A ``jserve serve`` subprocess (small engine, free loopback ports) and its addresses."""
+    """A ``jserve serve`` subprocess (small engine, free loopback ports) and its addresses;
+    ``warmup``: compile every step shape before serving (off: on first use)."""
 
-    def __init__(self, *flags: str):
+    def __init__(self, *flags: str, warmup: bool = False):
         import re
         import subprocess
         import sys
         from pathlib import Path
+        base = SERVE_FLAGS if not warmup else [f for f in SERVE_FLAGS if f != "--no-warmup"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "jserve.cli", "serve", *SERVE_FLAGS, *flags],
+            [sys.executable, "-m", "jserve.cli", "serve", *base, *flags],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             cwd=Path(__file__).resolve().parent.parent)
         self.line = self.proc.stdout.readline()

@@ -202,6 +202,13 @@ def test_http_target_records_what_the_grpc_target_records():
         records = asyncio.run(run_http(server.http_url, TINY, progress=False))
         check_records(records, TINY)
         assert {r["policy"] for r in records} == {"lars"}
+        # A closed loop of one: each request is sent once the one before has finished, and
+        # its latency counts from then.
+        one = asyncio.run(run_http(server.http_url, TINY, progress=False, concurrency=1))
+        assert [r["output_tokens"] for r in one] == [t.output_tokens for t in TINY]
+        for before, r, t in zip(one, one[1:], TINY[1:]):
+            assert r["arrival_s"] >= max(before["finish_s"], t.arrival_s)
+            assert r["arrival_s"] <= r["first_token_s"]
         cut = asyncio.run(run_http(server.http_url, [TraceRequest("a", 0.0, 200, 300)],
                                    window_s=0.3, progress=False))[0]
         assert cut["finish_s"] is None and 0 <= cut["output_tokens"] < 300

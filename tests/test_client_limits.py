@@ -252,6 +252,7 @@ def hf_served():
     s = Served("--model", str(model), "--max-request-bytes", str(6 << 20), "--max-model-len",
                "2048")
     s.model = str(model)
+    s.name = model.name  # what it is served as: the directory's name
     yield s
     s.close()
 
@@ -268,16 +269,17 @@ def test_a_5_mb_prompt_is_tokenized_off_the_event_loop(hf_served):
     def send_big():
         window["sent"] = time.monotonic()
         r = httpx.post(url + "/v1/completions", timeout=120, json={
-            "model": hf_served.model, "prompt": big, "max_tokens": 1})
+            "model": hf_served.name, "prompt": big, "max_tokens": 1})
         window["answered"] = time.monotonic()
         window["status"], window["error"] = r.status_code, r.json()["error"]
 
-    body = {"model": hf_served.model, "prompt": "The quick brown fox", "max_tokens": 2000,
+    body = {"model": hf_served.name, "prompt": "The quick brown fox", "max_tokens": 2000,
             "ignore_eos": True, "stream": True, "temperature": 0.0}
     sender = threading.Thread(target=send_big)
     # Streams one after another (one lasts ~3 s here) until the big prompt is answered.
     while not (chunks and "answered" in window and chunks[-1] > window["answered"] + 0.2):
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+            assert r.status_code == 200, r.read()
             for line in r.iter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -308,6 +310,6 @@ def test_a_chat_prompt_has_exactly_one_bos(hf_served):
     want = list(want["input_ids"] if hasattr(want, "keys") else want)
     assert want.count(ref.bos_token_id) == 1 and want[0] == ref.bos_token_id
     r = httpx.post(hf_served.url + "/v1/chat/completions", timeout=60, json={
-        "model": hf_served.model, "messages": msgs, "max_tokens": 1})
+        "model": hf_served.name, "messages": msgs, "max_tokens": 1})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == len(want)

@@ -108,10 +108,13 @@ def run_local(engine, trace: Sequence[TraceRequest], *, window_s: float | None =
 
 async def run_remote(target: str, trace: Sequence[TraceRequest], *,
                      window_s: float | None = None, seed: int = 0, progress: bool = True,
-                     auth_token: str | None = None) -> list[dict]:
+                     auth_token: str | None = None, concurrency: int | None = None
+                     ) -> list[dict]:
     """The same against ``jserve serve`` at ``target``: one streaming Generate per request,
     token times taken as each streamed token arrives at the client. The window becomes each
-    call's gRPC deadline, which the server turns into the request's deadline."""
+    call's gRPC deadline, which the server turns into the request's deadline.
+    ``concurrency``: at most that many requests in flight (a closed loop, as a benchmark
+    client's N streams); a request's latency then counts from when it is sent."""
     import grpc
 
     from jserve.client import FINISH_REASONS, AsyncClient
@@ -147,11 +150,25 @@ async def run_remote(target: str, trace: Sequence[TraceRequest], *,
             _fill(records[t.request_id], times, reason)
             bar.update()
 
-        return await _all(one, trace, prompts, records, bar)
+        return await _all(one, trace, prompts, records, bar, concurrency,
+                          lambda: loop.time() - t0)
 
 
-async def _all(one, trace, prompts, records, bar) -> list[dict]:
-    """Runs ``one(request, prompt ids)`` for every request at once; records in trace order."""
+async def _all(one, trace, prompts, records, bar, concurrency: int | None = None,
+               clock=None) -> list[dict]:
+    """Runs ``one(request, prompt ids)`` for every request at once, or with ``concurrency``
+    at most that many at a time (in trace order; a request's ``arrival_s`` becomes when it
+    got its turn, ``clock()``); records in trace order."""
+    if concurrency is not None:
+        if concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+        gate, run = asyncio.Semaphore(concurrency), one
+
+        async def one(t: TraceRequest, ids: list[int]) -> None:
+            async with gate:
+                rec = records[t.request_id]
+                rec["arrival_s"] = max(rec["arrival_s"], clock())
+                await run(t, ids)
     try:
         await asyncio.gather(*(one(t, ids) for t, ids in zip(trace, prompts)))
     finally:
@@ -164,7 +181,7 @@ HTTP_FALLBACK_VOCAB = 256  # ids every tokenizer has, for servers that do not sa
 
 async def run_http(url: str, trace: Sequence[TraceRequest], *, window_s: float | None = None,
                    seed: int = 0, progress: bool = True, auth_token: str | None = None,
-                   model: str | None = None) -> list[dict]:
+                   model: str | None = None, concurrency: int | None = None) -> list[dict]:
     """The same through ``POST {url}/v1/completions`` with ``stream: true`` (token-id prompts,
     greedy, ``ignore_eos``, ``max_tokens`` = the trace's output length). A chunk counts as one
     token, or as its ``logprobs.tokens`` when the server sends them; tokens the final ``usage``
@@ -172,7 +189,7 @@ async def run_http(url: str, trace: Sequence[TraceRequest], *, window_s: float |
     window becomes each request's client timeout (the connection is dropped, which aborts the
     request on jserve). The model is ``model`` or the first of ``/v1/models``; prompts use the
     model's ``vocab_size`` when /v1/models gives it (jserve does), so they equal the gRPC
-    run's, else ids below 256."""
+    run's, else ids below 256. ``concurrency`` as ``run_remote``'s."""
     import json
 
     import httpx2 as httpx
@@ -231,7 +248,8 @@ async def run_http(url: str, trace: Sequence[TraceRequest], *, window_s: float |
             _fill(records[t.request_id], times, reason)
             bar.update()
 
-        return await _all(one, trace, prompts, records, bar)
+        return await _all(one, trace, prompts, records, bar, concurrency,
+                          lambda: loop.time() - t0)
 
 
 async def _sse_data(resp):

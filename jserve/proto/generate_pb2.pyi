@@ -149,7 +149,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_model_len", "eos_token_ids", "has_tokenizer", "scheduler", "page_size", "num_kv_blocks", "max_num_seqs", "max_logprobs", "max_stop_strings", "max_stop_string_chars", "max_stop_token_ids", "max_request_bytes")
+    __slots__ = ("model", "vocab_size", "max_model_len", "eos_token_ids", "has_tokenizer", "scheduler", "page_size", "num_kv_blocks", "max_num_seqs", "max_logprobs", "max_stop_strings", "max_stop_string_chars", "max_stop_token_ids", "max_request_bytes", "served_model_names")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +164,7 @@ class ModelInfo(_message.Message):
     MAX_STOP_STRING_CHARS_FIELD_NUMBER: _ClassVar[int]
     MAX_STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SERVED_MODEL_NAMES_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_model_len: int
@@ -178,4 +179,5 @@ class ModelInfo(_message.Message):
     max_stop_string_chars: int
     max_stop_token_ids: int
     max_request_bytes: int
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_tokenizer: _Optional[bool] = ..., scheduler: _Optional[str] = ..., page_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_stop_string_chars: _Optional[int] = ..., max_stop_token_ids: _Optional[int] = ..., max_request_bytes: _Optional[int] = ...) -> None: ...
+    served_model_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_tokenizer: _Optional[bool] = ..., scheduler: _Optional[str] = ..., page_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_stop_string_chars: _Optional[int] = ..., max_stop_token_ids: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., served_model_names: _Optional[_Iterable[str]] = ...) -> None: ...

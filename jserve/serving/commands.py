@@ -72,6 +72,10 @@ def add_serve_parser(sub, add_engine_args: Callable, engine_kwargs: Callable) ->
                                      "OpenAI-compatible HTTP API from one engine")
     add_engine_args(s)
     add_multihost_args(s)
+    s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="names requests may give as `model` (the first is the one /v1/models "
+                        "and GetModelInfo report); default: --model's value for the built-in "
+                        "models, the directory's name for a checkpoint directory")
     s.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip compiling every bucket at start (the server warms up by default)")
     s.set_defaults(warmup=True)
@@ -134,6 +138,20 @@ def add_limit_args(s: argparse.ArgumentParser) -> None:
                    help="prompts x n of one HTTP request at most")
 
 
+def served_model_names(a: argparse.Namespace) -> tuple[str, ...]:
+    """``--served-model-name``, or the default: a built-in model's name as given, a
+    checkpoint directory's own name (not its path on the server's disk)."""
+    from jserve.model.weights import BUILTIN_MODELS
+
+    if a.served_model_name:
+        if not all(a.served_model_name):
+            raise SystemExit("jserve: error: --served-model-name: a name may not be empty")
+        return tuple(dict.fromkeys(a.served_model_name))
+    if a.model == "default" or a.model in BUILTIN_MODELS:
+        return (a.model,)
+    return (os.path.basename(os.path.abspath(a.model)) or a.model,)
+
+
 def client_limits(a: argparse.Namespace) -> ClientLimits:
     try:
         lo, hi = (int(x) for x in a.priority_range.split(","))
@@ -160,7 +178,8 @@ def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
         max_waiting=a.max_waiting, max_request_bytes=a.max_request_bytes,
         grace_period=a.grace_period, tls_cert=a.tls_cert, tls_key=a.tls_key,
         auth_token=a.auth_token or os.environ.get(TOKEN_ENV) or None,
-        metrics_open=a.metrics_open, model_name=a.model, limits=client_limits(a))
+        metrics_open=a.metrics_open, served_model_names=served_model_names(a),
+        limits=client_limits(a))
     join_processes(a)
     llm = LLM(a.model, dtype=a.dtype, scheduler=a.scheduler, length_probe=a.length_probe,
               sprpt_c=a.sprpt_c, tpot_slo=a.tpot_slo, prefill_share=a.prefill_share,
@@ -171,7 +190,9 @@ def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
                    if server.metrics_port is not None else "off")
         http = (f"; OpenAI API http://{a.host}:{server.http_port}/v1"
                 if server.http_port is not None else "")
-        print(f"jserve: serving {a.model} on {a.host}:{server.port} "
+        name = config.model_name if config.model_name == a.model else \
+            f"{config.model_name} (--model {a.model})"
+        print(f"jserve: serving {name} on {a.host}:{server.port} "
               f"({'TLS' if a.tls_cert else 'plaintext'}; metrics {metrics}{http})", flush=True)
         print(f"jserve: client limits: {server.gateway.limits.describe()}, requests <= "
               f"{config.max_request_bytes} bytes", flush=True)

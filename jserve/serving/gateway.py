@@ -183,9 +183,10 @@ class Gateway:
 
 
 class Stream:
-    """One accepted request's deltas. ``await next()`` returns the deltas that piled up
-    (coalesced; the last list ends with the finish delta, then ``done``); an error from the
-    engine raises ``Rejected`` after the deltas before it were returned."""
+    """One accepted request's deltas, one per engine step that produced tokens for it.
+    ``await next()`` returns those that piled up (the last list ends with the finish delta,
+    then ``done``); an error from the engine raises ``Rejected`` after the deltas before it
+    were returned."""
 
     def __init__(self, gateway: Gateway, request_id: str, sink: asyncio.Queue,
                  deadline: float | None):
@@ -199,6 +200,12 @@ class Stream:
     @property
     def done(self) -> bool:
         return self.outcome is not None
+
+    @property
+    def waiting(self) -> bool:
+        """Deltas are queued unread (``next()`` takes them all: any there after it came
+        since)."""
+        return not self._sink.empty()
 
     async def next(self) -> list[el.Delta]:
         if self._error is not None:

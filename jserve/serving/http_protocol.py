@@ -30,6 +30,7 @@ PARAMS = {
     "chat": _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
                        "logit_bias"},
 }
+STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
 _NEUTRAL = {"echo": (False,), "suffix": (None, ""), "logit_bias": (None, {})}
 _STATUS = {el.INVALID: 400, UNAUTHENTICATED: 401, NOT_FOUND: 404, el.EXHAUSTED: 429,
            el.UNAVAILABLE: 503, el.DEADLINE: 504, el.INTERNAL: 500}
@@ -73,7 +74,8 @@ class Parsed:
     max_tokens_given: bool          # chat: unset max_tokens means "up to the context"
     n: int
     stream: bool
-    include_usage: bool
+    include_usage: bool             # a last chunk with the request's usage
+    continuous_usage: bool          # usage on every chunk too (vLLM's continuous_usage_stats)
     logprobs: int | None
     ttft_slo: float | None
     tpot_slo: float | None
@@ -101,6 +103,7 @@ def parse(body: Any, endpoint: str, max_choices: int = 256) -> Parsed:
                                   f"(only {neutral[-1]!r})")
     if "model" not in body:
         raise BadField("model", "model is required")
+    _kind_check(body, "model", isinstance(body["model"], str), "a string")
     n = body.get("n", 1)
     _kind_check(body, "n", isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_N,
                 f"an int in [1, {MAX_N}]") if "n" in body else None
@@ -110,17 +113,7 @@ def parse(body: Any, endpoint: str, max_choices: int = 256) -> Parsed:
     stream = body.get("stream", False)
     if "stream" in body:
         _kind_check(body, "stream", isinstance(stream, bool), "a bool")
-    include_usage = False
-    if "stream_options" in body:
-        so = body["stream_options"]
-        if not stream:
-            raise BadField("stream_options", "stream_options needs stream: true")
-        if not isinstance(so, dict) or set(so) - {"include_usage"}:
-            raise BadField("stream_options", f"stream_options supports only include_usage, "
-                                             f"got {so!r}")
-        include_usage = so.get("include_usage", False)
-        if not isinstance(include_usage, bool):
-            raise BadField("stream_options", "stream_options.include_usage must be a bool")
+    include_usage, continuous_usage = _stream_options(body, stream)
     if endpoint == "chat":
         prompts = [_chat_messages(body)]
         logprobs = _chat_logprobs(body)
@@ -160,9 +153,31 @@ def parse(body: Any, endpoint: str, max_choices: int = 256) -> Parsed:
         if endpoint == "chat" and field == "logprobs":
             field = "top_logprobs"
         raise BadField(field, field_message(message, lambda f: field)) from None
-    return Parsed(prompts, params, max_field in body, n, stream, include_usage, logprobs,
-                  body.get("ttft_slo"), body.get("tpot_slo"), priority, max_field,
-                  constraint_field)
+    return Parsed(prompts, params, max_field in body, n, stream, include_usage,
+                  continuous_usage, logprobs, body.get("ttft_slo"), body.get("tpot_slo"),
+                  priority, max_field, constraint_field)
+
+
+def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
+    """``stream_options``: (include_usage, continuous_usage_stats). vLLM's
+    ``continuous_usage_stats`` puts ``usage`` on every chunk; as in vLLM it goes with
+    ``include_usage`` (alone it would change nothing there, so it is refused here)."""
+    if "stream_options" not in body:
+        return False, False
+    so = body["stream_options"]
+    if not stream:
+        raise BadField("stream_options", "stream_options needs stream: true")
+    if not isinstance(so, dict) or set(so) - STREAM_OPTIONS:
+        raise BadField("stream_options", f"stream_options supports only "
+                                         f"{' and '.join(sorted(STREAM_OPTIONS))}, got {so!r}")
+    for key in STREAM_OPTIONS:
+        if not isinstance(so.get(key, False), bool):
+            raise BadField("stream_options", f"stream_options.{key} must be a bool")
+    include, continuous = so.get("include_usage", False), so.get("continuous_usage_stats", False)
+    if continuous and not include:
+        raise BadField("stream_options", "stream_options.continuous_usage_stats needs "
+                                         "include_usage: true")
+    return include, continuous
 
 
 def _structured_output(body: dict) -> tuple[str | None, StructuredOutput | None]:

@@ -1,16 +1,29 @@
 """OpenAI response objects and server-sent events: one endpoint's ``Formatter`` (completions
-or chat), the choices it formats and ``pump``, which reads a request's streams."""
+or chat), the choices it formats and ``pump``, which reads a request's streams.
+
+A stream carries one SSE chunk per engine step per choice (the tokens that step produced),
+however late the event loop gets to them: steps that arrived while the handler waited for the
+engine go out as one event each, in one ``send``. Back-pressure: ``send`` waits only when the
+client is not reading fast enough (the transport's buffer is over its high-water mark); the
+steps that arrived meanwhile were held up by the client, and go out as one chunk per choice
+(``pump``'s ``held``). So a client that keeps up sees the engine's rhythm, one that does not
+gets fewer, larger chunks (fewer bytes per token) until it catches up, and the engine never
+waits for anyone: what a slow client has not taken yet waits in its request's queue on the
+event loop (at most the request's tokens)."""
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import json
+import re
 import time
 
 from jserve.engine.output import TokenLogprob
 from jserve.serving import engine_loop as el
 from jserve.serving.gateway import Rejected, Stream
 from jserve.serving.http_protocol import Parsed
+
+_SLOT = re.compile(r'"\\u000[01]"')  # the placeholders of a pre-serialized chunk frame
 
 
 @dataclasses.dataclass
@@ -57,10 +70,9 @@ class Formatter:
                 "text_offset": offsets}
 
     def usage(self, choices: list[Choice]) -> dict:
-        prompt = sum(c.prompt_tokens for c in choices[::self.parsed.n])
-        completion = sum(len(c.token_ids) for c in choices)
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion}
+        """The request's usage: every prompt once, every choice's tokens."""
+        return _usage(sum(c.prompt_tokens for c in choices[::self.parsed.n]),
+                      sum(len(c.token_ids) for c in choices))
 
     def full(self, choices: list[Choice]) -> dict:
         out = []
@@ -87,16 +99,37 @@ class Formatter:
                              {"content": text} if text or not finish else {})
         else:
             item["text"] = text
-        return self._wrap([item])
+        out = self._wrap([item])
+        if self.parsed.continuous_usage:
+            out["usage"] = _usage(c.prompt_tokens, len(c.token_ids))
+        return out
 
-    def chunk_event(self, c: Choice, deltas: list[el.Delta], first: bool) -> bytes:
-        """``chunk`` as an SSE event; the common chunk (not the first, no logprobs) is
-        spliced into a pre-serialized frame, which keeps the event loop's share of the GIL
-        (and so the engine thread's slowdown) small."""
+    def events(self, c: Choice, deltas: list[el.Delta], held: bool = False,
+               first: bool = False) -> bytes:
+        """The SSE events of ``deltas`` read at once for choice ``c`` (applied to it here):
+        one chunk per engine step, or one for all of them when the client ``held`` them up
+        (see the module's doc)."""
+        if held:
+            apply_deltas(c, deltas)
+            return self.chunk_event(c, deltas, first)
+        out = []
+        for d in deltas:
+            apply_deltas(c, (d,))
+            out.append(self.chunk_event(c, (d,), first))
+            first = False
+        return b"".join(out)
+
+    def chunk_event(self, c: Choice, deltas, first: bool) -> bytes:
+        """``chunk`` (``c`` already has ``deltas`` applied) as an SSE event; the common chunk
+        (not the first, no logprobs) is spliced into a pre-serialized frame, which keeps the
+        event loop's share of the GIL (and so the engine thread's slowdown) small."""
         if first or self.parsed.logprobs is not None:
             return sse(self.chunk(c, deltas, first))
         if self._frame is None:
-            self._frame = json.dumps(self._wrap(["\0"])).split('"\\u0000"')
+            shape = self._wrap(["\0"])
+            if self.parsed.continuous_usage:
+                shape["usage"] = "\1"
+            self._frame = _SLOT.split(json.dumps(shape))
         text = json.dumps("".join(d.text for d in deltas))
         finish = json.dumps(deltas[-1].finish_reason)
         if self.chat:
@@ -106,18 +139,28 @@ class Formatter:
         else:
             item = f'{{"index": {c.index}, "finish_reason": {finish}, "logprobs": null, ' \
                    f'"text": {text}}}'
-        return f"data: {self._frame[0]}{item}{self._frame[1]}\n\n".encode()
+        f = self._frame
+        if len(f) == 2:
+            return f"data: {f[0]}{item}{f[1]}\n\n".encode()
+        p, n = c.prompt_tokens, len(c.token_ids)
+        usage = f'{{"prompt_tokens": {p}, "completion_tokens": {n}, "total_tokens": {p + n}}}'
+        return f"data: {f[0]}{item}{f[1]}{usage}{f[2]}\n\n".encode()
 
     def usage_chunk(self, choices: list[Choice]) -> dict:
         return {**self._wrap([]), "usage": self.usage(choices)}
 
-    def _wrap(self, items: list[dict]) -> dict:
+    def _wrap(self, items: list) -> dict:
         out = {"id": self.rid, "object": self.object + ("." if self.chat else "") +
                ("chunk" if self.chat else ""), "created": self.created, "model": self.model,
                "choices": items}
         if self.parsed.include_usage:
             out["usage"] = None
         return out
+
+
+def _usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
 
 
 def sse(obj: dict | str) -> bytes:
@@ -137,37 +180,53 @@ def apply_deltas(c: Choice, deltas: list[el.Delta]) -> None:
 
 async def pump(choices: list[Choice], on_deltas) -> None:
     """Reads every unfinished choice's stream until all are done, calling ``on_deltas(choice,
-    deltas)`` (sync or async) in arrival order; the first ``Rejected`` ends it."""
+    deltas, held)`` (sync or async) with what each choice got since its last call, in arrival
+    order; the first ``Rejected`` ends it (after the deltas that came before it). ``held``:
+    some of the deltas came while the last ``on_deltas`` was waiting (a ``send`` to a slow
+    client: nothing else in it yields to the event loop), so the client held them up;
+    otherwise they came while this waited for the engine (or for the event loop)."""
+    held = False
     if len(choices) == 1:  # the common case: no reader task, no queue in between
         c = choices[0]
         while not c.stream.done:
-            r = on_deltas(c, await c.stream.next())
+            r = on_deltas(c, await c.stream.next(), held)  # next() takes all that is there
             if asyncio.iscoroutine(r):
                 await r
+            held = c.stream.waiting
         return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def read(c: Choice) -> None:
         try:
             while not c.stream.done:
-                await queue.put((c, await c.stream.next()))
+                queue.put_nowait((c, await c.stream.next()))
         except Rejected as e:
-            await queue.put((c, e))
-        await queue.put((c, None))
+            queue.put_nowait((c, e))
+        queue.put_nowait((c, None))
     readers = [asyncio.ensure_future(read(c)) for c in choices if not c.stream.done]
     try:
         left = len(readers)
         while left:
-            c, item = await queue.get()
-            if item is None:
-                left -= 1
-            elif isinstance(item, Rejected):
-                raise item
-            else:
-                r = on_deltas(c, item)
+            items = [await queue.get()]
+            while not queue.empty():
+                items.append(queue.get_nowait())
+            got: dict[int, tuple[Choice, list[el.Delta]]] = {}  # per choice, in order
+            error = None
+            for c, item in items:
+                if item is None:
+                    left -= 1
+                elif isinstance(item, Rejected):
+                    error = item
+                    break
+                else:
+                    got.setdefault(c.index, (c, []))[1].extend(item)
+            for c, deltas in got.values():
+                r = on_deltas(c, deltas, held)
                 if asyncio.iscoroutine(r):
                     await r
+            held = not queue.empty()
+            if error is not None:
+                raise error
     finally:
         for r in readers:
             r.cancel()
-

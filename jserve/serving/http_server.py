@@ -122,7 +122,8 @@ class OpenAIServer:
     def __init__(self, gateway: Gateway, config):
         self.gateway = gateway
         self.config = config
-        self.model = config.model_name
+        self.model = config.model_name  # what /v1/models and every response say
+        self._names = frozenset(config.served_model_names)  # what `model` may say
         self.app = Starlette(routes=[
             Route("/v1/models", self._models, methods=["GET"]),
             Route("/health", self._health, methods=["GET"]),
@@ -151,7 +152,10 @@ class OpenAIServer:
         """Binds and serves on the running loop; returns the port."""
         host = host.strip("[]")
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # proto TCP: asyncio turns Nagle off (TCP_NODELAY) only on sockets that say so; with
+        # it on, every write after the first unacknowledged one waited for the client's
+        # delayed ACK (about 40 ms on Linux): SSE events came in 40 ms bursts.
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         sock.listen(2048)
@@ -251,9 +255,10 @@ class OpenAIServer:
         except ValueError as e:
             raise BadField(None, f"the request body is not JSON: {e}") from None
         parsed = parse(body, endpoint, self.config.limits.max_choices)
-        if body["model"] != self.model:
+        if body["model"] not in self._names:
+            names = ", ".join(map(repr, self.config.served_model_names))
             raise Rejected(NOT_FOUND, f"model {body['model']!r} does not exist; this "
-                                      f"server serves {self.model!r}")
+                                      f"server serves {names}")
         prepared = []
         for p in parsed.prompts:
             prompt, params = self._prompt(p), parsed.params
@@ -305,7 +310,8 @@ class OpenAIServer:
                     s = gw.open(gw.new_id(fmt.rid), p, arrival=arrival,
                                 ttft_slo=parsed.ttft_slo, tpot_slo=parsed.tpot_slo,
                                 priority=parsed.priority)
-                    choices.append(Choice(len(choices), s))
+                    choices.append(Choice(len(choices), s,
+                                          prompt_tokens=len(request.prompt_ids)))
             # The first deltas of every choice decide the status code.
             firsts = await asyncio.gather(*(c.stream.next() for c in choices),
                                           return_exceptions=True)
@@ -321,7 +327,7 @@ class OpenAIServer:
                 for c, f in zip(choices, firsts):
                     apply_deltas(c, f)
                 try:
-                    await pump(choices, lambda c, deltas: apply_deltas(c, deltas))
+                    await pump(choices, lambda c, deltas, held: apply_deltas(c, deltas))
                 except Rejected as e:
                     status, body = error_body(e.kind, e.message)
                     return await _send_json(send, status, body)
@@ -334,12 +340,12 @@ class OpenAIServer:
         await send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
 
-        async def emit(c: Choice, deltas: list[el.Delta], first: bool = False) -> None:
-            apply_deltas(c, deltas)
-            await send({"type": "http.response.body", "body": fmt.chunk_event(c, deltas, first),
-                        "more_body": True})
+        async def emit(c: Choice, deltas: list[el.Delta], held: bool,
+                       first: bool = False) -> None:
+            await send({"type": "http.response.body", "more_body": True,
+                        "body": fmt.events(c, deltas, held, first)})
         for c, f in zip(choices, firsts):
-            await emit(c, f, first=True)
+            await emit(c, f, False, first=True)
         try:
             await pump(choices, emit)
             if fmt.parsed.include_usage:

@@ -82,13 +82,19 @@ class ServerConfig:
     tls_key: str | None = None
     auth_token: str | None = None      # clients send "authorization: Bearer <token>"
     metrics_open: bool = False         # /metrics without the token even with auth_token
-    model_name: str = "default"
+    # The names requests may give in ``model``; the first is the one reported (/v1/models,
+    # responses, GetModelInfo.model).
+    served_model_names: tuple[str, ...] = ("default",)
     limits: ClientLimits = ClientLimits()  # SLO floors, priorities, choices per request
 
     @property
     def open_to_the_network(self) -> bool:
         """Bound beyond loopback with no bearer token: anyone who can reach it may use it."""
         return self.auth_token is None and self.host not in LOOPBACK
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
 
     @property
     def tokens(self) -> tuple[str, ...]:
@@ -107,6 +113,10 @@ class ServerConfig:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
         if self.grace_period < 0:
             raise ValueError(f"grace_period must be >= 0, got {self.grace_period}")
+        names = self.served_model_names
+        if isinstance(names, str) or not names or not all(isinstance(n, str) and n
+                                                          for n in names):
+            raise ValueError(f"served_model_names must be a tuple of names, got {names!r}")
         if self.auth_token is not None and not self.auth_token:
             raise ValueError("auth_token is empty")
         for name in ("tls_cert", "tls_key"):
@@ -191,7 +201,8 @@ class GenerationServer:
         self._http = None
         self._openai = None
         self._info = pb.ModelInfo(
-            model=config.model_name, vocab_size=engine.cfg.vocab_size,
+            model=config.model_name, served_model_names=config.served_model_names,
+            vocab_size=engine.cfg.vocab_size,
             max_model_len=engine.max_model_len, eos_token_ids=list(engine.eos_ids),
             has_tokenizer=engine.tokenizer is not None, scheduler=engine.config.scheduler,
             page_size=engine.config.page_size, num_kv_blocks=engine.allocator.total,
