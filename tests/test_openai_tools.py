@@ -20,6 +20,7 @@ from hf_models import tiny_llama_dir
 from jserve.bench import guidellm
 from jserve.client import Client
 from jserve.serving.commands import served_model_names
+from jserve.serving.server import ServerConfig
 
 pytestmark = pytest.mark.slow  # a server of its own, and guidellm's own start-up
 
@@ -102,6 +103,10 @@ def test_default_served_name_is_the_builtin_name_or_the_directory_name(tmp_path,
     assert names("default", ["x", "y", "x"]) == ("x", "y")
     with pytest.raises(SystemExit):
         names("default", [""])
+    assert ServerConfig(served_model_names=("x", "y")).model_name == "x"
+    for bad in ("x", (), ("x", "")):
+        with pytest.raises(ValueError, match="served_model_names"):
+            ServerConfig(served_model_names=bad)
 
 
 # -- continuous usage ------------------------------------------------------------------------
