@@ -238,6 +238,7 @@ def test_a_client_that_does_not_read_gets_its_backlog_merged_and_holds_nothing_u
         assert ch["usage"]["completion_tokens"] == counts[i]
     assert counts == [tokens] * n and texts == [want] * n
     assert got[-1]["usage"]["completion_tokens"] == n * tokens
+    print(f"{len(sizes)} chunks for {n * tokens} tokens, the largest {max(sizes)}")
     # What the buffers took went one chunk a step; the rest waited for the client, merged.
     assert len(sizes) < 0.8 * n * tokens and max(sizes) >= 100, (len(sizes), max(sizes))
 
