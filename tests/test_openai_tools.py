@@ -20,6 +20,7 @@ from hf_models import tiny_llama_dir
 from jserve.bench import guidellm
 from jserve.client import Client
 from jserve.serving.commands import served_model_names
+from jserve.serving.server import ServerConfig
 
 pytestmark = pytest.mark.slow  # a server of its own, and guidellm's own start-up
 
@@ -102,6 +103,10 @@ def test_default_served_name_is_the_builtin_name_or_the_directory_name(tmp_path,
     assert names("default", ["x", "y", "x"]) == ("x", "y")
     with pytest.raises(SystemExit):
         names("default", [""])
+    assert ServerConfig(served_model_names=("x", "y")).model_name == "x"
+    for bad in ("x", (), ("x", "")):
+        with pytest.raises(ValueError, match="served_model_names"):
+            ServerConfig(served_model_names=bad)
 
 
 # -- continuous usage ------------------------------------------------------------------------
@@ -233,6 +238,7 @@ def test_a_client_that_does_not_read_gets_its_backlog_merged_and_holds_nothing_u
         assert ch["usage"]["completion_tokens"] == counts[i]
     assert counts == [tokens] * n and texts == [want] * n
     assert got[-1]["usage"]["completion_tokens"] == n * tokens
+    print(f"{len(sizes)} chunks for {n * tokens} tokens, the largest {max(sizes)}")
     # What the buffers took went one chunk a step; the rest waited for the client, merged.
     assert len(sizes) < 0.8 * n * tokens and max(sizes) >= 100, (len(sizes), max(sizes))
 
