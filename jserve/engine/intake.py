@@ -65,7 +65,7 @@ class RequestIntake:
         if params.structured_output is not None:
             if self.tokenizer is None:
                 raise ValueError("structured_output needs a model with a tokenizer")
-            self.grammars.compile(params.structured_output)  # ValueError if invalid
+            self.grammars.check(params.structured_output)  # ValueError if invalid
         n = len(prompt_ids)
         if n >= self.max_model_len:
             raise ValueError(f"prompt has {n} tokens; the context holds {self.max_model_len}")
@@ -99,7 +99,7 @@ def new_request(prepared: PreparedRequest, request_id: str, seed: int, arrival_t
         params=p, seed=seed, prompt=prepared.prompt, metrics=RequestMetrics(arrival_time),
         detok=IncrementalDetokenizer(tokenizer), prompt_ids=list(prepared.prompt_ids),
         logprobs=[] if p.logprobs is not None else None,
-        constraint=(grammars.compile(p.structured_output, count=False)  # cached by prepare
+        constraint=(grammars.start(p.structured_output)  # cached by prepare
                     if p.structured_output is not None else None))
     req = Request(request_id, prepared.prompt_ids, p.max_tokens, arrival_time, payload=state,
                   tpot_slo=tpot_slo, priority=priority,

@@ -74,7 +74,7 @@ class StructuredOutput:
 
 class GrammarCompiler:
     """Compiled grammars for one tokenizer, by grammar text (LRU, ``capacity`` entries):
-    ``compile`` returns a fresh matcher per request, copied from the cached one, so each
+    ``start`` returns a fresh matcher per request, copied from the cached one, so each
     distinct constraint compiles once. Thread-safe (requests are prepared on intake threads).
     ``compiles`` counts real compilations, ``hits`` cache hits."""
 
@@ -94,10 +94,24 @@ class GrammarCompiler:
             self._ll = llguidance_tokenizer(self._tokenizer, self._eos)
         return self._ll
 
-    def compile(self, so: StructuredOutput, count: bool = True) -> Constraint:
-        """A new ``Constraint`` at the start of ``so``; ValueError (naming
-        ``structured_output``) if the grammar is invalid. ``count=False``: a second look-up
-        for the same request (not a hit of its own)."""
+    def check(self, so: StructuredOutput) -> None:
+        """Compiles ``so`` into the cache (or finds it there: a hit); ValueError (naming
+        ``structured_output``) if the grammar is invalid. What ``prepare`` calls."""
+        self._template(so, count=True)
+
+    def start(self, so: StructuredOutput) -> Constraint:
+        """A new ``Constraint`` at the start of ``so``, copied from the cache (not counted: the
+        request was ``check``ed; compiled again only if evicted since)."""
+        return self._constraint(self._template(so, count=False))
+
+    def compile(self, so: StructuredOutput) -> Constraint:
+        """``check`` and ``start`` in one look-up."""
+        return self._constraint(self._template(so, count=True))
+
+    def _constraint(self, template) -> Constraint:
+        return Constraint(template.deep_copy(), self.vocab_size, self._ll.vocab_size)
+
+    def _template(self, so: StructuredOutput, count: bool):
         from llguidance import LLMatcher
         text = so.grammar_text()
         with self._lock:
@@ -105,7 +119,7 @@ class GrammarCompiler:
             if template is not None:
                 self._cache.move_to_end(text)
                 self.hits += count
-                return Constraint(template.deep_copy(), self.vocab_size, self._ll.vocab_size)
+                return template
             ll = self._lltokenizer()
             error = LLMatcher.validate_grammar(text, ll)
             if error:
@@ -119,7 +133,7 @@ class GrammarCompiler:
             self._cache[text] = template
             if len(self._cache) > self.capacity:
                 self._cache.popitem(last=False)
-            return Constraint(template.deep_copy(), self.vocab_size, ll.vocab_size)
+            return template
 
 
 class Constraint:

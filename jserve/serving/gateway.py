@@ -55,13 +55,15 @@ class Rejected(Exception):
         self.message = message
 
 
-def bearer_matches(header: str | bytes | None, token: str) -> bool:
-    """``Bearer <token>`` (the scheme in any case), compared in constant time."""
+def bearer_matches(header: str | bytes | None, *tokens: str) -> bool:
+    """``Bearer <token>`` with one of ``tokens`` (the scheme in any case), compared in
+    constant time."""
     if isinstance(header, bytes):
         header = header.decode("latin-1")
     scheme, _, value = (header or "").strip().partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(),
-                                                              token.encode())
+    given = value.strip().encode()
+    return scheme.lower() == "bearer" and any(hmac.compare_digest(given, t.encode())
+                                              for t in tokens)
 
 
 def field_message(message: str, name: Callable[[str], str]) -> str:

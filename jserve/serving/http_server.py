@@ -184,11 +184,9 @@ class OpenAIServer:
             self._task.cancel()
 
     # -- endpoints -------------------------------------------------------------------------
-    def _authorized(self, authorization: str | bytes | None,
-                    tokens: tuple[str, ...] | None = None) -> None:
-        tokens = self.config.tokens if tokens is None else tokens
-        if self.config.auth_token is not None and not any(
-                bearer_matches(authorization, t) for t in tokens):
+    def _authorized(self, authorization: str | bytes | None) -> None:
+        if self.config.auth_token is not None and not bearer_matches(authorization,
+                                                                     *self.config.tokens):
             raise Rejected(UNAUTHENTICATED, "missing or wrong bearer token "
                                             "(header 'Authorization: Bearer <token>')")
 

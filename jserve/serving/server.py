@@ -147,7 +147,7 @@ class _BearerAuth(grpc.aio.ServerInterceptor):
         if handler is None or details.method.startswith(_HEALTH_PREFIX):
             return handler
         header = dict(details.invocation_metadata or ()).get("authorization")
-        if any(bearer_matches(header, t) for t in self._tokens):
+        if bearer_matches(header, *self._tokens):
             return handler
         self._on_denied()
         return _denying(handler)
