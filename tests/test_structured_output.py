@@ -306,3 +306,34 @@ def test_a_conversation_with_tool_results_goes_through_the_template(served):
         m = r.choices[0].message
         assert m.tool_calls is None and isinstance(m.content, str)
         assert r.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.slow
+def test_async_steps_send_masks_late_and_give_the_synchronous_tokens(llm, monkeypatch):
+    """Under async scheduling a structured output decodes every step: its row runs in the
+    next forward before its token is read, and its mask goes to the sampler after the read
+    (``LLMEngine._sample_late``). Sampled with seeds, constrained and free requests get the
+    tokens of synchronous steps, every output valid, and the late path is what ran."""
+    eng = llm.engine
+    late = []
+    real = eng._sample_late
+    monkeypatch.setattr(eng, "_sample_late", lambda done: late.append(len(done.late))
+                        or real(done))
+    prompts = [f"Row {i}:" for i in range(10)]
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=120,
+                             structured_output=StructuredOutput(json=SCHEMA) if i % 3 else None)
+              for i in range(10)]
+    runs = {}
+    for mode in (True, False):
+        before = len(late)
+        eng.async_scheduling = mode
+        try:
+            runs[mode] = [o.token_ids for o in llm.generate(prompts, params)]
+        finally:
+            eng.async_scheduling = True
+        assert (len(late) > before) == mode
+    assert runs[True] == runs[False]
+    outs = [eng.tokenizer.decode(t) for t, p in zip(runs[True], params) if p.structured_output]
+    for text in outs:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    assert max(late) >= 5  # several constrained rows of one step sampled late together
