@@ -5,6 +5,7 @@ arithmetic grammar."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import re
 
@@ -337,3 +338,31 @@ def test_async_steps_send_masks_late_and_give_the_synchronous_tokens(llm, monkey
     for text in outs:
         jsonschema.validate(json.loads(text), SCHEMA)
     assert max(late) >= 5  # several constrained rows of one step sampled late together
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_constrained_requests_survive_preemption_prefix_hits_and_stop_strings(preemption):
+    """Under KV pressure (preempted and resumed mid-output), with prefix-cache hits on a
+    second pass, and cut by a stop string, constrained requests give the tokens of a roomy
+    run; blocks are conserved every step."""
+    from llm_helpers import run_checked, small_llm
+    from test_swap import TINY_POOL
+    prompts = [f"Case {i}: " + "abcdefgh" * 4 for i in range(4)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=60,
+                            structured_output=StructuredOutput(regex="[a-z]{40}"))
+    roomy = small_llm()
+    want = [o.token_ids for o in roomy.generate(prompts, greedy)]
+    assert all(len(t) == 40 for t in want)
+    tight = small_llm(preemption=preemption, **TINY_POOL)
+    assert run_checked(tight, prompts, greedy) == want
+    sched = tight.engine.scheduler
+    assert sched.num_preemptions > 0
+    assert (sched.num_swaps > 0) == (preemption == "swap")
+    hits = sched.prefix_hit_tokens
+    assert run_checked(tight, prompts, greedy) == want  # again, from the prefix cache
+    assert sched.prefix_hit_tokens > hits
+    text = roomy.tokenizer.decode(want[0])
+    stop = text[10:12]
+    cut = roomy.generate(prompts[0], dataclasses.replace(greedy, stop=[stop]))[0]
+    assert cut.finish_reason == "stop" and cut.text == text[:text.index(stop)]
