@@ -4,10 +4,10 @@ allocated."""
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from jserve.engine.config import EngineConfig
+from jserve.log_setup import configure_logging
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -271,8 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     for p in sub.choices.values():  # every subcommand's --help shows its defaults
         p.formatter_class = _HelpWithDefaults
     a = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging("INFO")
     try:
         return a.func(a)
     except (ValueError, FileNotFoundError) as e:

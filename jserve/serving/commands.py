@@ -10,6 +10,7 @@ import sys
 from typing import Callable
 
 from jserve.engine.config import EngineConfig
+from jserve.log_setup import configure_logging
 from jserve.scheduler import POLICIES
 from jserve.serving.limits import ClientLimits
 
@@ -108,7 +109,8 @@ def add_serve_parser(sub, add_engine_args: Callable, engine_kwargs: Callable) ->
                    help=f"require 'authorization: Bearer TOKEN' (default: ${TOKEN_ENV})")
     s.add_argument("--metrics-open", action="store_true",
                    help="serve /metrics without the bearer token even with --auth-token")
-    s.add_argument("--log-level", default="INFO")
+    s.add_argument("--log-level", default="INFO",
+                   help="jserve's log level (other libraries log from WARNING up; DEBUG: all)")
     s.set_defaults(func=lambda a: serve_command(a, engine_kwargs(a)))
 
 
@@ -170,8 +172,7 @@ def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
     from jserve import LLM
     from jserve.serving.server import ServerConfig, serve
 
-    logging.basicConfig(level=a.log_level.upper(), force=True,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(a.log_level)
     config = ServerConfig(
         host=a.host, port=a.port, metrics_port=None if a.metrics_port < 0 else a.metrics_port,
         http_port=None if a.http_port < 0 else a.http_port,
