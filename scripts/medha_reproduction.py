@@ -420,7 +420,7 @@ def main() -> None:
     tasks += [("run", p, n, round(0.8 * sat[p], 3), a.seed) for p in POLICIES]
     tasks += [("run", p, n, q, a.seed) for q in (qps, PAPER_QPS) for p in SYSTEMS]
     tasks += ablation
-    done = pool_map(tasks, a.jobs, "runs")
+    done = pool_map(list(dict.fromkeys(tasks)), a.jobs, "runs")  # each (policy, load) once
     good = {r["policy"]: r for kind, r in done if kind == "goodput"}
     runs = [r for kind, r in done if kind == "run"]
     own = [r for r in runs if r["policy"] in POLICIES and r["qps"] == round(
