@@ -266,10 +266,10 @@ def test_a_tiny_tpot_slo_cannot_stop_other_prefills(policy, share, chunk):
 
 @pytest.mark.parametrize("policy", ["lars", "edf", "lrs"])
 def test_a_prefill_alone_runs_a_whole_chunk_and_shares_the_budget_otherwise(policy):
-    """full_chunk_alone: with no decode and no other prefill there is nothing for t_target to
-    protect, so the prefill takes the whole token budget (256) rather than the 49 tokens
-    (7-token granules) that fit the 50 ms budget at 1 ms a token; beside a waiting request
-    or a decode it is cut to the budget again."""
+    """full_chunk_alone: with no decode in the batch there is nothing for t_target to protect,
+    so the first prefill takes the whole token budget (256) rather than the 49 tokens
+    (7-token granules) that fit the 50 ms budget at 1 ms a token; beside a decode it is cut
+    to the budget again."""
     def scheduler(full: bool) -> DeadlineScheduler:
         config = dataclasses.replace(CONFIG, full_chunk_alone=full, chunk_granularity=7)
         return DeadlineScheduler(
@@ -285,11 +285,14 @@ def test_a_prefill_alone_runs_a_whole_chunk_and_shares_the_budget_otherwise(poli
         sched = scheduler(full)
         sched.add(Request("long", list(range(1000)), 4, 0.0))
         assert chunks(sched.schedule()) == {"long": alone}
-    # Beside a second prefill: one 50 ms budget for both, whatever the order.
-    sched = scheduler(True)
-    sched.add(Request("long", list(range(1000)), 4, 0.0))
-    sched.add(Request("other", list(range(2000, 2600)), 4, 0.0))
-    assert sum(chunks(sched.schedule()).values()) == 49
+    # Two prefills and no decode: the first in policy order runs a whole chunk, the other
+    # waits; off, they share one 50 ms budget.
+    for full, sizes in ((True, [256]), (False, [49])):
+        sched = scheduler(full)
+        sched.add(Request("long", list(range(1000)), 4, 0.0))
+        sched.add(Request("other", list(range(2000, 2600)), 4, 0.0))
+        sizes_now = sorted(chunks(sched.schedule()).values())
+        assert sizes_now == sizes if full else sum(sizes_now) == sizes[0]
     # Beside a decode: the budget protects it (1 ms for the decode row, 49 for the chunk).
     sched = scheduler(True)
     sched.add(Request("short", list(range(10)), 4, 0.0))
