@@ -378,9 +378,9 @@ COMMENTARY = """## Commentary (hand-written, not computed from this run)
 - Goodput counts a rate only when the long requests meet their own deadline too, so a
   policy cannot buy short-request latency by starving long prompts; the tables above say
   which attainment binds at each policy's goodput.
-- LoongServe here convoys short requests only when a long prefill holds every idle
-  instance; its tail, not its median, carries the convoy, which is why its P50 stays near
-  the isolated prefill time of a short prompt on one TP-2 instance below saturation.
+- In the LoongServe model a short request waits behind a long prefill only when no instance
+  is idle at its arrival (each one prefilling or holding decode KV); how often that happens
+  shows in the gap between its TTFT median and its tail in the tables above.
 - The saturation QPS is the time model's estimate of work per request and ignores queueing,
   so a goodput above it is possible only where the SLOs tolerate a growing queue over the
   run's length.
