@@ -262,3 +262,45 @@ def test_a_tiny_tpot_slo_cannot_stop_other_prefills(policy, share, chunk):
         [("victim", chunk)] if chunk else [])
     with pytest.raises(ValueError, match="prefill_share"):
         DeadlineConfig(prefill_share=1.5)
+
+
+@pytest.mark.parametrize("policy", ["lars", "edf", "lrs"])
+def test_a_prefill_alone_runs_a_whole_chunk_and_shares_the_budget_otherwise(policy):
+    """full_chunk_alone: with no decode in the batch there is nothing for t_target to protect,
+    so the first prefill takes the whole token budget (256) rather than the 49 tokens
+    (7-token granules) that fit the 50 ms budget at 1 ms a token; beside a decode it is cut
+    to the budget again."""
+    def scheduler(full: bool) -> DeadlineScheduler:
+        config = dataclasses.replace(CONFIG, full_chunk_alone=full, chunk_granularity=7)
+        return DeadlineScheduler(
+            BlockAllocator(4097, 16), policy=policy, predictor=MS_PER_TOKEN,
+            prefill_cache=PrefillTimeCache(MS_PER_TOKEN, 20_000, config.t_target),
+            max_num_seqs=64, max_num_batched_tokens=256, max_prefill_seqs=8, config=config,
+            clock=VirtualClock())
+
+    def chunks(plan):
+        return {c.request_id: c.num_tokens for c in plan.prefills}
+
+    for full, alone in ((True, 256), (False, 49)):
+        sched = scheduler(full)
+        sched.add(Request("long", list(range(1000)), 4, 0.0))
+        assert chunks(sched.schedule()) == {"long": alone}
+    # Two prefills and no decode: the first in policy order runs a whole chunk, the other
+    # waits; off, they share one 50 ms budget.
+    for full, sizes in ((True, [256]), (False, [49])):
+        sched = scheduler(full)
+        sched.add(Request("long", list(range(1000)), 4, 0.0))
+        sched.add(Request("other", list(range(2000, 2600)), 4, 0.0))
+        sizes_now = sorted(chunks(sched.schedule()).values())
+        assert sizes_now == sizes if full else sum(sizes_now) == sizes[0]
+    # Beside a decode: the budget protects it (1 ms for the decode row, 49 for the chunk).
+    sched = scheduler(True)
+    sched.add(Request("short", list(range(10)), 4, 0.0))
+    plan = sched.schedule()
+    assert chunks(plan) == {"short": 10}
+    sched.update(plan, [7])
+    sched.add(Request("long", list(range(1000)), 4, 0.0))
+    plan = sched.schedule()
+    assert [c.request_id for c in plan.decodes] == ["short"]
+    assert chunks(plan) == {"long": 49}
+    sched.allocator.check()

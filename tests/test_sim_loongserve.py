@@ -7,9 +7,9 @@ import functools
 
 import pytest
 
-from jserve.scheduler.loongserve import EspRequest, GlobalManager
 from jserve.sim.esp import EspCosts
 from jserve.sim.loongserve import simulate_loongserve, tipping_point_s
+from jserve.sim.loongserve_manager import EspRequest, GlobalManager
 from jserve.sim.trace import TraceRequest
 
 

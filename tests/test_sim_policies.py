@@ -8,8 +8,8 @@ import functools
 import pytest
 
 from jserve.bench.workload import WorkloadSpec, build_workload
-from jserve.scheduler.loongserve import GlobalManager
 from jserve.sim.loongserve import simulate_loongserve, tipping_point_s
+from jserve.sim.loongserve_manager import GlobalManager
 from jserve.sim.policies import (
     POLICIES,
     SimConfig,

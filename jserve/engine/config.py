@@ -48,6 +48,10 @@ class EngineConfig:
     # The progress rule: a request's own tpot_slo shortens iterations only down to their
     # decodes' time plus this share of tpot_slo (jserve.scheduler.deadline.DeadlineConfig).
     prefill_share: float = 0.75
+    # A deadline policy's prefill alone in an iteration (no decode, no other prefill) runs
+    # a whole max_num_batched_tokens chunk, not one cut to tpot_slo
+    # (jserve.scheduler.deadline.DeadlineConfig.full_chunk_alone).
+    full_chunk_alone: bool = True
     predictor_path: str | None = None  # default: the one `jserve profile` saved for this model
     # Scale the predictor online by measured / predicted step time (one device), so a
     # profile from a quieter machine or the fallback estimate still packs to the budget.

@@ -167,7 +167,8 @@ def _scheduler(config: EngineConfig, allocator: BlockAllocator, budget: int,
         deadline=DeadlineConfig(t_target=config.tpot_slo, ttft_k=config.ttft_slo_factor,
                                 ttft_floor=config.ttft_slo_floor,
                                 space_sharing=config.space_sharing,
-                                prefill_share=config.prefill_share),
+                                prefill_share=config.prefill_share,
+                                full_chunk_alone=config.full_chunk_alone),
         sprpt_c=config.sprpt_c, fallback_remaining=probe.prior_mean if probe else None)
 
 

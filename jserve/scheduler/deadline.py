@@ -67,6 +67,13 @@ class DeadlineConfig:
     # min(prefill_share x t_target, what they get with no tpot_slo at all) of every
     # iteration, whatever SLO a client asks for.
     prefill_share: float = 0.75
+    # With no decode in the batch there is no one for t_target to protect: the first prefill
+    # in policy order runs a whole chunk (the token budget) instead of one cut to t_target,
+    # which at long context pays a step's fixed costs for a few tokens at a time. Others
+    # wait for the next iteration (they rank after it; a quick-first short ranks before).
+    # The live engine turns it on (EngineConfig.full_chunk_alone); off, the paper's adaptive
+    # chunks always (the simulator's large token budget would hold arrivals for seconds).
+    full_chunk_alone: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.prefill_share <= 1.0:
@@ -321,6 +328,8 @@ class DeadlineScheduler(SchedulerBase):
                 continue
             if self.policy == "fcfs":
                 n = cap
+            elif self.config.full_chunk_alone and plan.is_empty:
+                n = cap  # no decode to protect: the first in policy order, a whole chunk
             else:
                 budget = t_target
                 if long and self.config.space_sharing:

@@ -1,6 +1,6 @@
 """Costs of elastic sequence parallelism (ESP) for the LoongServe baseline: prefill time of a
 batch on d instances, one decode iteration on one instance, and KV migration between
-instances. ``jserve.scheduler.loongserve.GlobalManager`` decides with them and
+instances. ``jserve.sim.loongserve_manager.GlobalManager`` decides with them and
 ``jserve.sim.loongserve`` charges them, so decisions and simulated time use one model.
 
 - An *instance* is one TP group running the whole (non-pipelined) model (LoongServe §4,
@@ -12,9 +12,10 @@ instances. ``jserve.scheduler.loongserve.GlobalManager`` decides with them and
   so the causal triangle counts half the square (as a chunked prefill's chunks do on the
   mesh). The ring's KV passes are taken as hidden under attention (the paper's premise; it
   favours the baseline).
-- Decode on one instance: its rows (masters and KV pieces it holds, §4.2 multi-master
-  decoding) as one decode batch of the instance's model; query/output exchange is taken as
-  overlapped (§4.2).
+- Decode on one instance (§4.2 multi-master decoding): the linear layers, embedding and
+  sampling of the requests it masters, as one decode batch of the instance's model, plus
+  one query's attention over every KV piece it holds (its masters' and other masters'
+  requests'); query/output exchange is taken as overlapped (§4.2).
 - Migration: the KV bytes of ``tokens`` tokens (all layers) over one GPU pair per TP rank in
   parallel, timed by the Vidur ``send_recv`` profile, NVLink inside a DGX node and
   InfiniBand across nodes.
@@ -70,11 +71,31 @@ class EspCosts:
         return self.instance.predict(BatchPlan((), tuple(chunks)))
 
     def decode(self, contexts: tuple[int, ...]) -> float:
-        """Seconds of one decode iteration of an instance holding rows of these contexts."""
-        if not contexts:
+        """Seconds of one decode iteration of an instance mastering rows of these contexts
+        with all their KV local."""
+        return self.decode_instance(len(contexts), contexts)
+
+    def decode_instance(self, masters: int, pieces: tuple[int, ...]) -> float:
+        """Seconds of one multi-master decode iteration on one instance: the linear layers
+        of ``masters`` rows (run on the master only, §4.2) and one query's attention over
+        each KV piece of ``pieces`` tokens it holds."""
+        if not masters and not pieces:
             return 0.0
-        return self.instance.predict(BatchPlan(
-            tuple(ScheduledChunk(str(i), c, 1, True) for i, c in enumerate(contexts)), ()))
+        m = self.instance
+        linear = m.predict(BatchPlan(tuple(ScheduledChunk(str(i), 0, 1, True)
+                                           for i in range(masters)), ())) if masters else 0.0
+        attention = sum(m._attention_at(max(c - 1, 0), 1) for c in pieces)
+        return linear + attention * m.shape.num_layers
+
+    def decode_batch_threshold(self, ratio: float = 2.0, largest: int = 4096) -> int:
+        """§5.4's profiled batch size past which a decode batch turns compute-bound (the
+        linear layers stop being a read of the weights): the smallest power of two whose
+        linear-layer time is ``ratio`` times a one-row batch's."""
+        one = self.decode_instance(1, ())
+        b = 1
+        while b < largest and self.decode_instance(b, ()) < ratio * one:
+            b *= 2
+        return b
 
     def migrate(self, tokens: int, src: int, dst: int) -> float:
         """Seconds to move ``tokens`` tokens of KV from instance ``src`` to ``dst``."""

@@ -4,7 +4,7 @@ reproduction script build schedulers, time models and KV pools, so a name means 
 Policies: ``fcfs`` (non-preemptive, whole prompts up to the token budget), ``sarathi``
 (FCFS chunks of a fixed ``sarathi_chunk`` tokens), ``edf``, ``lrs``, ``lars`` (adaptive
 chunks, space sharing off), ``lars-ss`` (LARS with space sharing on: the full Medha policy),
-``loongserve`` (LoongServe's global manager, ``jserve.scheduler.loongserve``, on the same GPUs
+``loongserve`` (LoongServe's global manager, ``jserve.sim.loongserve_manager``, on the same GPUs
 cut into TP-``esp_instance_tp`` elastic instances, run by ``jserve.sim.loongserve``).
 Deadline policies get TTFT deadlines from ``DeadlineConfig`` (max(1.5 x isolated prefill,
 0.5 s)) and the iteration budget t_target = the TPOT SLO.

@@ -1,7 +1,8 @@
 """LoongServe's global manager (Wu et al., SOSP 2024): the baseline Medha compares against,
 rule by rule from the paper, over a unified token-granular KV pool spread on n elastic
-instances. Pure Python; the costs come from an ``EspCosts``-like object
-(``jserve.sim.esp``) and the simulator (``jserve.sim.loongserve``) runs the decisions.
+instances. Pure Python; the costs come from an ``EspCosts``-like object (``jserve.sim.esp``)
+and the event-driven simulator (``jserve.sim.loongserve``) runs the decisions. It lives in
+``jserve.sim`` because only the simulator uses it (the live engine has no elastic instances).
 
 Each call of ``step`` is one iteration of the manager (§5, four steps):
 
@@ -18,7 +19,8 @@ Each call of ``step`` is one iteration of the manager (§5, four steps):
    e_min joins E_p while eq. (3)'s prefill-latency gain beats eq. (4)'s migration cost and
    its KV fits on the other decode instances. KV on instances taken for prefill is migrated
    (at ``costs.migrate``) to the decode instances with the most unused slots; the prefill
-   starts when the last byte has left. What cannot move stays and its decodes stall.
+   starts when the taken instances have finished their running decode iteration and the
+   last byte has left. What cannot move stays and its decodes stall.
 3. Batching (§5.3). The dynamic programme of eq. (5): requests by length descending,
    instances by (node, unused slots), f[i][k] = min f[j][l] + T(R[j:i], E[l:k]) with the
    batch's tokens within the instances' unused slots; T sums the batch's requests' latency.
@@ -27,8 +29,12 @@ Each call of ``step`` is one iteration of the manager (§5, four steps):
    group that hold its KV (most unused slots first). The KV that ends away from where it
    was computed costs ``costs.migrate``; proactive migration (§4.1) overlaps it with the
    prefill, so only what exceeds the prefill's duration delays the first decode.
-   Decodes use multi-master decoding (§4.2); the batch-size scale-up rule of §5.4 is not
-   modelled (decodes stay where scale-down left them).
+   Decodes use multi-master decoding (§4.2): each request has one *master* instance that
+   runs its linear layers and stores its new KV; the other instances holding its KV run
+   attention on their piece only. Decode scale-up (§4.2, §5.4): when an instance masters more
+   decodes than the batch-size threshold where decoding turns compute-bound, an idle
+   instance joins as a new master for half of them; their not-yet-written KV reservation
+   moves there (nothing written moves: zero-overhead scale-up).
 """
 from __future__ import annotations
 
@@ -78,13 +84,22 @@ class Costs(Protocol):
 
 class GlobalManager:
     def __init__(self, num_instances: int, capacity_tokens: int, costs: Costs, *,
-                 tipping_s: float, proactive: bool = True):
+                 tipping_s: float, proactive: bool = True,
+                 decode_batch_threshold: int | None = None):
         if num_instances < 1 or capacity_tokens < 1:
             raise ValueError("num_instances and capacity_tokens must be >= 1")
+        if decode_batch_threshold is not None and decode_batch_threshold < 1:
+            raise ValueError("decode_batch_threshold must be >= 1 (None: no decode scale-up)")
         self.n, self.capacity, self.costs = num_instances, capacity_tokens, costs
         self.tipping_s, self.proactive = tipping_s, proactive
+        self.decode_batch_threshold = decode_batch_threshold
         self.used = [0] * num_instances
         self.busy_until = [-math.inf] * num_instances  # end of the prefill batch it runs
+        # End of the decode iteration it runs (the simulator sets it): a prefill that takes
+        # a decode instance starts after that iteration, at its boundary.
+        self.decode_until = [-math.inf] * num_instances
+        self.master: dict[str, int] = {}  # decoding request -> its master instance (§4.2)
+        self.hold_until: dict[str, float] = {}  # a decode's KV is in flight until then
         self.placement: dict[str, dict[int, int]] = {}  # request -> instance -> KV tokens
         self.migrations: list[Migration] = []
         self._decode_times: list[float] = []  # decode phases of finished requests (AvgLat_d)
@@ -112,10 +127,15 @@ class GlobalManager:
         if not where[i]:
             del where[i]
 
+    def masters_on(self, i: int) -> list[str]:
+        return [rid for rid, m in self.master.items() if m == i]
+
     def release(self, req: EspRequest, now: float) -> None:
         """``req`` finished: free its KV; its decode phase joins AvgLat_d."""
         for i, tokens in self.placement.pop(req.request_id, {}).items():
             self.used[i] -= tokens
+        self.master.pop(req.request_id, None)
+        self.hold_until.pop(req.request_id, None)
         if req.decode_start_s is not None:
             self._decode_times.append(now - req.decode_start_s)
 
@@ -127,6 +147,9 @@ class GlobalManager:
                 held[i] += tokens
         if held != self.used or any(u > self.capacity or u < 0 for u in self.used):
             raise AssertionError(f"KV pool out of balance: used {self.used}, held {held}")
+        for rid, m in self.master.items():
+            if m not in self.placement.get(rid, {}):
+                raise AssertionError(f"{rid}: master {m} holds none of its KV")
 
     # -- the four steps ---------------------------------------------------------------------
     def step(self, now: float, pending: list[EspRequest],
@@ -140,7 +163,9 @@ class GlobalManager:
             return []
         reqs, instances = taken
         instances = self._scale_up(now, reqs, instances)
-        start = now + self._evacuate(now, instances)
+        # Taken decode instances join at the end of the decode iteration they are running.
+        start = max([now] + [self.decode_until[i] for i in instances])
+        start += self._evacuate(now, instances, start)
         batches = []
         for group, insts in self._batch(reqs, instances):
             end = start + self.costs.prefill(tuple(r.prompt_tokens for r in group), len(insts))
@@ -230,10 +255,13 @@ class GlobalManager:
                 return instances
             instances.append(e)
 
-    def _evacuate(self, now: float, instances: list[int]) -> float:
-        """Migrate decode KV off ``instances`` to other decode (or idle) instances with the
-        most unused slots; returns the seconds until the last piece has left."""
+    def _evacuate(self, now: float, instances: list[int], start: float = 0.0) -> float:
+        """Migrate decode KV off ``instances`` (from ``start``, when their decode iteration
+        has ended) to other decode (or idle) instances with the most unused slots; returns
+        the seconds until the last piece has left. A moved decode steps again only then,
+        and a master whose KV left follows its largest piece."""
         longest = 0.0
+        moved_requests: set[str] = set()
         for e in instances:
             if not self.used[e]:
                 continue
@@ -253,10 +281,16 @@ class GlobalManager:
                     self._put(rid, dst, n)
                     moved[dst] = moved.get(dst, 0) + n
                     tokens -= n
+                    moved_requests.add(rid)
                     self.migrations.append(Migration(rid, e, dst, n,
                                                      self.costs.migrate(n, e, dst), "preempt"))
             # One source sends to its destinations one after another.
             longest = max(longest, sum(self.costs.migrate(n, e, d) for d, n in moved.items()))
+        for rid in moved_requests:
+            self.hold_until[rid] = max(self.hold_until.get(rid, -math.inf), start + longest)
+            where = self.placement[rid]
+            if rid in self.master and self.master[rid] not in where:
+                self.master[rid] = max(where, key=lambda i: (where[i], -i))
         return longest
 
     def _latency(self, reqs: Sequence[EspRequest], instances: Sequence[int]) -> list[float]:
@@ -347,4 +381,35 @@ class GlobalManager:
                 self.migrations.append(Migration(r.request_id, src, keep[0], moved, seconds,
                                                  "scale-down"))
             waits[r.request_id] = max(0.0, seconds - prefill_s) if self.proactive else seconds
+            # Multi-master: new KV is spread as evenly as possible over the masters (§5.4).
+            self.master[r.request_id] = min(keep, key=lambda i: (len(self.masters_on(i)),
+                                                                 -self.free(i), i))
+            self.hold_until[r.request_id] = batch.end_s + waits[r.request_id]
         return waits
+
+    def scale_up_decodes(self, now: float, decoding: Sequence[EspRequest]) -> list[int]:
+        """§4.2 / §5.4 decode scale-up: while an instance (not prefilling) masters more
+        decodes than ``decode_batch_threshold`` and an idle instance exists, the idle one
+        becomes master of half of them (those with the most output left). Only their
+        unwritten KV reservation moves, so no KV is migrated. Returns the instances added."""
+        if self.decode_batch_threshold is None:
+            return []
+        left = {r.request_id: r.max_tokens - r.output_tokens for r in decoding}
+        added = []
+        for i in range(self.n):
+            mine = [rid for rid in self.masters_on(i) if rid in left]
+            if self.prefilling(i, now) or len(mine) <= self.decode_batch_threshold:
+                continue
+            idle = [e for e in range(self.n) if not self.used[e] and not self.prefilling(e, now)]
+            if not idle:
+                break
+            e = idle[0]
+            mine.sort(key=lambda rid: (-left[rid], rid))
+            for rid in mine[:len(mine) // 2]:
+                n = min(left[rid], self.placement[rid].get(i, 0), self.free(e))
+                self._take(rid, i, n)
+                self._put(rid, e, n)
+                if n or e in self.placement[rid]:
+                    self.master[rid] = e
+            added.append(e)
+        return added
