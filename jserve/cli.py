@@ -7,6 +7,7 @@ import argparse
 import logging
 import sys
 
+from jserve.config import KV_CACHE_DTYPES, QUANTIZATIONS
 from jserve.engine.config import EngineConfig
 
 
@@ -22,6 +23,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-pages", type=int, default=None,
                    help="exact KV pool per device in pages (instead of a byte budget)")
     p.add_argument("--memory-fraction", type=float, default=EngineConfig.memory_fraction)
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+                   default=EngineConfig.kv_cache_dtype,
+                   help="how KV pages are stored: auto (the model's dtype), int8 (per token "
+                        "and KV head scales) or fp8 (docs/quantization.md)")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
+                   help="weight-only quantization on load (docs/quantization.md)")
     p.add_argument("--mesh", default=EngineConfig.mesh,
                    help='device mesh, e.g. "tp=2,kvp=2,spp=2" (tensor, KV-cache and stream '
                         'pipeline parallel axes; dp is not supported yet)')
@@ -52,7 +59,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
                 max_num_batched_tokens=a.max_num_batched_tokens, kv_cache_bytes=a.kv_cache_bytes,
                 num_kv_pages=a.num_kv_pages, memory_fraction=a.memory_fraction,
                 warmup=a.warmup, mesh=a.mesh, enable_prefix_caching=a.prefix_caching,
-                async_scheduling=a.async_scheduling)
+                async_scheduling=a.async_scheduling, kv_cache_dtype=a.kv_cache_dtype)
 
 
 def _generate(a: argparse.Namespace) -> int:
@@ -66,7 +73,7 @@ def _generate(a: argparse.Namespace) -> int:
         return generate_remote(a, params)
     from jserve.serving.commands import join_processes, leading
     join_processes(a)
-    llm = LLM(a.model, dtype=a.dtype, **_engine_kwargs(a))
+    llm = LLM(a.model, dtype=a.dtype, quantization=a.quantization, **_engine_kwargs(a))
     with leading(a, llm) as leader:
         return _stream(a, llm, params) if leader else 0
 
@@ -108,7 +115,7 @@ def _profile(a: argparse.Namespace) -> int:
     from jserve.engine.timing import default_predictor_path
     from jserve.scheduler.predictor import FEATURES
 
-    llm = LLM(a.model, dtype=a.dtype, **_engine_kwargs(a))
+    llm = LLM(a.model, dtype=a.dtype, quantization=a.quantization, **_engine_kwargs(a))
     samples = profile_samples(llm.engine, repeats=a.repeats)
     predictor, report = fit_predictor(llm.engine, samples)
     out = a.out or default_predictor_path(llm.engine.cfg, llm.engine.config)
@@ -151,6 +158,10 @@ def _add_plan_parser(sub) -> None:
     s.add_argument("--num-kv-pages", type=int, default=None,
                    help="exact KV pool per device in pages")
     s.add_argument("--attention-impl", default=d.attention_impl, help="the step's kernels")
+    s.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
+                   help="how KV pages are stored (the plan also lists the other choices)")
+    s.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
+                   help="weight-only quantization (the plan also lists the other choices)")
     s.set_defaults(func=_plan)
 
 
@@ -180,9 +191,11 @@ def _plan(a: argparse.Namespace) -> int:
         max_num_batched_tokens=a.max_num_batched_tokens, max_prefill_seqs=a.max_prefill_seqs,
         page_size=a.page_size, memory_fraction=a.memory_fraction,
         kv_cache_bytes=None if a.kv_cache_bytes is None else parse_bytes(a.kv_cache_bytes),
-        num_kv_pages=a.num_kv_pages, attention_impl=a.attention_impl, warmup=False)
+        num_kv_pages=a.num_kv_pages, attention_impl=a.attention_impl, warmup=False,
+        kv_cache_dtype=a.kv_cache_dtype)
     memory = None if a.device_memory is None else parse_bytes(a.device_memory)
-    p = plan(cfg, config, device_memory_bytes=memory, model_name=a.model)
+    p = plan(cfg, config, device_memory_bytes=memory, model_name=a.model,
+             quantization=a.quantization)
     print(p.summary())
     return 0 if p.fits else 1
 

@@ -16,6 +16,10 @@ import ml_dtypes
 import numpy as np
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+# How KV pages may be stored (jserve.kernels.kv_quant) and weights quantized
+# (jserve.model.quant); here, without JAX, so configs and the CLI can validate them.
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
+QUANTIZATIONS = ("none", "int8", "fp8")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,11 +8,11 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jserve.cache.pool import KVCache, kv_cache_shape
 from jserve.config import LlamaConfig
+from jserve.kernels import kv_quant
 from jserve.model.llama import Params
 from jserve.model.tp_layout import kv_head_map, layer_axes, tp_layout
 
@@ -61,10 +61,12 @@ def kv_heads_per_device(cfg: LlamaConfig, tp: int) -> int:
 
 
 def allocate_sharded_kv_cache(cfg: LlamaConfig, num_pages: int, page_size: int,
-                              mesh: Mesh) -> KVCache:
+                              mesh: Mesh, kv_cache_dtype: str = "auto") -> KVCache:
     """Zeroed stacked KV pages created in place on ``mesh`` (no full copy on one device
-    first); ``num_pages`` is the global count, ``kvp`` pools of ``num_pages / kvp``."""
+    first); ``num_pages`` is the global count, ``kvp`` pools of ``num_pages / kvp``. Quantized
+    pages' scales ([..., S, 1]) split like their values (the spec covers both leaves)."""
     shape = kv_cache_shape(cfg, num_pages, page_size, len(kv_head_map(cfg, mesh.shape["tp"])))
     sharding = NamedSharding(mesh, STACKED_KV_SPEC)
-    zeros = jax.jit(functools.partial(jnp.zeros, shape, cfg.np_dtype), out_shardings=sharding)
+    zeros = jax.jit(functools.partial(kv_quant.zeros, shape, kv_cache_dtype, cfg.np_dtype),
+                    out_shardings=sharding)
     return zeros(), zeros()

@@ -35,6 +35,7 @@ from jserve.cache.pool import available_device_bytes, kv_bytes_per_page, kv_cach
 from jserve.config import LlamaConfig
 from jserve.engine.config import EngineConfig
 from jserve.engine.factory import Geometry, engine_geometry
+from jserve.kernels import kv_quant
 from jserve.model.llama import Params, runtime_param_shapes
 from sharding.kv_parallel import STACKED_KV_SPEC
 from sharding.mesh import AXES, MeshConfig, make_mesh
@@ -84,9 +85,11 @@ def abstract_params(cfg: LlamaConfig, mesh: jax.sharding.Mesh | None,
 
 
 def abstract_kv_cache(cfg: LlamaConfig, num_pages: int, page_size: int,
-                      mesh: jax.sharding.Mesh | None, device: jax.Device | None = None):
+                      mesh: jax.sharding.Mesh | None, device: jax.Device | None = None,
+                      kv_cache_dtype: str = "auto"):
     """(k, v) pages as ``ShapeDtypeStruct``s, laid out as the engine allocates them:
-    ``num_pages`` per kvp group, stored heads split on tp (``allocate_sharded_kv_cache``)."""
+    ``num_pages`` per kvp group, stored heads split on tp (``allocate_sharded_kv_cache``),
+    stored as ``kv_cache_dtype`` (int8: values and scales)."""
     if mesh is None:
         shape = kv_cache_shape(cfg, num_pages, page_size)
         sharding = SingleDeviceSharding(device or jax.devices()[0])
@@ -94,7 +97,7 @@ def abstract_kv_cache(cfg: LlamaConfig, num_pages: int, page_size: int,
         shape = kv_cache_shape(cfg, mesh.shape["kvp"] * num_pages, page_size,
                                len(kv_head_map(cfg, mesh.shape["tp"])))
         sharding = NamedSharding(mesh, STACKED_KV_SPEC)
-    spec = jax.ShapeDtypeStruct(shape, cfg.np_dtype, sharding=sharding)
+    spec = kv_quant.abstract(shape, kv_cache_dtype, cfg.np_dtype, sharding)
     return spec, spec
 
 
@@ -173,6 +176,7 @@ class MemoryPlan:
     compile_seconds: float = 0.0
     problems: list[str] = dataclasses.field(default_factory=list)
     suggested_tp: int | None = None
+    kv_cache_dtype: str = "auto"  # how pages are stored (jserve.kernels.kv_quant)
 
     @property
     def fits(self) -> bool:
@@ -205,7 +209,8 @@ class MemoryPlan:
         row = lambda k, v: lines.append(f"  {k:<26}{v}")
         row("weights", f"{_gb(self.weight_bytes)}  ({_count(self.num_params)} params, "
                        f"{_gb(self.split_weight_bytes)} of it split on tp)")
-        row("KV bytes per page", f"{self.kv_bytes_per_page:,} ({self.page_size} tokens)")
+        row("KV bytes per page", f"{self.kv_bytes_per_page:,} ({self.page_size} tokens, "
+                                 f"kv_cache_dtype {self.kv_cache_dtype})")
         row("KV pages", f"{self.num_kv_pages:,}" + (f" per kvp group x {self.kvp}" if self.kvp > 1
                                                     else "")
             + f" = {_gb(self.kv_cache_bytes)}  (budget: {self.kv_budget_source}; "
@@ -242,7 +247,8 @@ class MemoryPlan:
         temp = (f", step temp {_gb(self.step.temp_bytes)}" if self.step is not None else "")
         mem = (f" of {_gb(self.device_memory_bytes)}" if self.device_memory_bytes else "")
         return (f"memory per device (mesh {self.mesh}): weights {_gb(self.weight_bytes)}, "
-                f"KV {self.num_kv_pages:,} pages x {self.kv_bytes_per_page:,} B = "
+                f"KV ({self.kv_cache_dtype}) {self.num_kv_pages:,} pages x "
+                f"{self.kv_bytes_per_page:,} B = "
                 f"{_gb(self.kv_cache_bytes)}, max cached tokens {self.max_cached_tokens:,} "
                 f"(max_model_len {self.max_model_len:,}){temp}; total {_gb(self.total_bytes)}"
                 f"{mem}" + ("" if self.fits else "; DOES NOT FIT: " + " ".join(self.problems)))
@@ -310,7 +316,7 @@ def plan(cfg: LlamaConfig, engine_config: EngineConfig = EngineConfig(),
     weights = per_device_bytes(params)
     split, repl = _split_bytes(params)
     per_page = kv_bytes_per_page(cfg, engine_config.page_size, kv_heads_per_device(cfg, mc.tp),
-                                 cfg.num_hidden_layers // mc.spp)
+                                 cfg.num_hidden_layers // mc.spp, engine_config.kv_cache_dtype)
     rows = engine_config.max_num_seqs + geo.buckets.prefill_rows + 1
     state = per_device_bytes(state_spec(cfg, rows))
     source = ("num_kv_pages" if engine_config.num_kv_pages is not None else
@@ -340,7 +346,8 @@ def plan(cfg: LlamaConfig, engine_config: EngineConfig = EngineConfig(),
         pages_per_group=geo.buckets.pages_per_group if mc.kvp > 1 else None,
         state_bytes=state, step_shape=shape, step=step, sampler=sampler,
         device_memory_bytes=device_memory_bytes, memory_fraction=engine_config.memory_fraction,
-        kv_budget_source=source, compile_seconds=seconds)
+        kv_budget_source=source, compile_seconds=seconds,
+        kv_cache_dtype=engine_config.kv_cache_dtype)
     _check(p, cfg, mc, split, repl)
     return p
 
@@ -350,7 +357,8 @@ def _compile_largest_step(cfg: LlamaConfig, engine_config: EngineConfig, geo: Ge
     """(shape, step memory, sampler memory) of the largest bucket, compiled abstractly."""
     from jserve.engine.runner import ModelRunner
 
-    kv = abstract_kv_cache(cfg, 2, engine_config.page_size, mesh, device)
+    kv = abstract_kv_cache(cfg, 2, engine_config.page_size, mesh, device,
+                           engine_config.kv_cache_dtype)
     runner = ModelRunner(cfg, params, kv, geo.buckets, engine_config.max_num_seqs,
                          engine_config.attention_impl, mesh, abstract=True)
     shape = (geo.buckets.decode_rows[-1], geo.buckets.prefill_tokens[-1])
@@ -417,7 +425,8 @@ def describe_engine(engine) -> str:
         weight_bytes=per_device_bytes(runner.params), split_weight_bytes=split,
         kv_bytes_per_page=kv_bytes_per_page(cfg, config.page_size,
                                             kv_heads_per_device(cfg, mc.tp),
-                                            cfg.num_hidden_layers // mc.spp),
+                                            cfg.num_hidden_layers // mc.spp,
+                                            config.kv_cache_dtype),
         num_kv_pages=alloc.pool_blocks, kvp=alloc.groups, page_size=config.page_size,
         max_model_len=engine.max_model_len, max_num_seqs=config.max_num_seqs,
         max_useful_pages=config.max_num_seqs * (alloc.pages_per_group or
@@ -425,7 +434,7 @@ def describe_engine(engine) -> str:
         pages_per_group=alloc.pages_per_group,
         state_bytes=per_device_bytes(runner.state), step_shape=shape, step=step,
         sampler=sampler, device_memory_bytes=None, memory_fraction=config.memory_fraction,
-        kv_budget_source="engine")
+        kv_budget_source="engine", kv_cache_dtype=config.kv_cache_dtype)
     return p.log_line()
 
 
