@@ -81,6 +81,10 @@ class QuantizedPages:
     def ndim(self) -> int:
         return self.values.ndim
 
+    @property
+    def sharding(self):
+        return self.values.sharding
+
 
 def _make(shape, kv_cache_dtype: str, model_dtype, leaf):
     dtype = storage_dtype(kv_cache_dtype, model_dtype)
