@@ -31,7 +31,7 @@ def test_same_budget_admits_twice_the_tokens():
     # fp8: exactly half the bytes a token; int8: 64 values + a 4-byte scale per token and head.
     assert pools["fp8_e4m3"].total == 2 * 41 - 1
     assert pools["int8"].total == (BUDGET // (BF16_PAGE // 2 * 68 // 64)) - 1
-    for kind, alloc in pools.items():  # admission: every usable page can be taken at once
+    for alloc in pools.values():  # admission: every usable page can be taken at once
         taken = [alloc.allocate(1) for _ in range(alloc.total)]
         assert not alloc.can_allocate(1)
         for blocks in taken:

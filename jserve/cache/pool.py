@@ -5,8 +5,8 @@ import os
 
 import jax
 
-from jserve.kernels import kv_quant
 from jserve.config import LlamaConfig
+from jserve.kernels import kv_quant
 
 # (k_pages, v_pages), each [layers, Hkv, P, S, D]: stacked like the runtime params, so the
 # model's layer loop reads and writes layer i in place (jserve.model.llama.layer_loop). With
