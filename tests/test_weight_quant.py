@@ -92,7 +92,7 @@ def test_quantized_weights_are_smaller_and_change_little():
 _MESH_SCRIPT = textwrap.dedent("""
     import json, sys
     import jax
-        from jserve import LLM, SamplingParams
+    from jserve import LLM, SamplingParams
     from jserve.bench.evaluate import release_executables
     ckpt, prompts = sys.argv[1], json.loads(sys.argv[2])
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
