@@ -102,7 +102,7 @@ def _stream(a: argparse.Namespace, llm, params) -> int:
 def _convert(a: argparse.Namespace) -> int:
     from jserve.model.weights import load_model, save_orbax
 
-    cfg, params, tokenizer = load_model(a.model, dtype=a.dtype)
+    cfg, params, tokenizer = load_model(a.model, dtype=a.dtype, quantization=a.quantization)
     src = a.model if a.model != "default" else None
     save_orbax(a.out, cfg, params, tokenizer_dir=src, tokenizer=tokenizer)
     print(f"wrote orbax checkpoint to {a.out}")
@@ -271,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--model", default="default")
     c.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     c.add_argument("--out", required=True)
+    c.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                   help="save the layer weights quantized (None: as the model is stored)")
     c.set_defaults(func=_convert)
     pr = sub.add_parser("profile", help="time the engine over a grid and fit the runtime "
                                         "predictor the deadline-aware scheduler uses")

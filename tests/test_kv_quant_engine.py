@@ -113,3 +113,11 @@ def test_cache_paths_and_meshes_match_one_device_with_quantized_pages():
     assert all(result[f"{k}|kvp=2"]["preemptions"] > 0 for k in ("int8", "fp8_e4m3"))
     assert result["int8|prefix"]["hits"] >= 96 + 150 // 16 * 16
     assert result["int8|base"]["preemptions"] == 0
+
+
+def test_an_unknown_kv_cache_dtype_is_refused_up_front():
+    from jserve.engine.config import EngineConfig
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        EngineConfig(kv_cache_dtype="int4")
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        small_llm(kv_cache_dtype="fp16")
