@@ -161,7 +161,8 @@ def _add_plan_parser(sub) -> None:
     s.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
                    help="how KV pages are stored (the plan also lists the other choices)")
     s.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
-                   help="weight-only quantization (the plan also lists the other choices)")
+                   help="weight-only quantization, none: as the checkpoint stores them (the "
+                        "plan also lists the other choices)")
     s.set_defaults(func=_plan)
 
 
@@ -182,10 +183,11 @@ def _plan(a: argparse.Namespace) -> int:
     from jserve.engine.memory_plan import parse_bytes, plan
     from jserve.model.weights import load_config
 
+    q = None if a.quantization == "none" else a.quantization  # none: as stored
     if Path(a.model).is_file():
-        cfg = LlamaConfig.from_json_file(a.model, dtype=a.dtype)
+        cfg = LlamaConfig.from_json_file(a.model, dtype=a.dtype, quantization=q)
     else:
-        cfg = load_config(a.model, dtype=a.dtype)
+        cfg = load_config(a.model, dtype=a.dtype, quantization=q)
     config = EngineConfig(
         mesh=a.mesh, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens, max_prefill_seqs=a.max_prefill_seqs,
@@ -194,8 +196,7 @@ def _plan(a: argparse.Namespace) -> int:
         num_kv_pages=a.num_kv_pages, attention_impl=a.attention_impl, warmup=False,
         kv_cache_dtype=a.kv_cache_dtype)
     memory = None if a.device_memory is None else parse_bytes(a.device_memory)
-    p = plan(cfg, config, device_memory_bytes=memory, model_name=a.model,
-             quantization=a.quantization)
+    p = plan(cfg, config, device_memory_bytes=memory, model_name=a.model)
     print(p.summary())
     return 0 if p.fits else 1
 

@@ -5,6 +5,7 @@ with what an engine allocates under the same KV settings (tp=1 here, tp=2 x kvp=
 subprocess)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import textwrap
 
@@ -150,7 +151,7 @@ def test_llama_70b_tp8_plan_lists_what_quantized_weights_and_kv_buy(seventy_b):
 def test_quantized_default_plan_matches_the_engine():
     kw = dict(SMALL, kv_cache_bytes=1_000_000, kv_cache_dtype="int8")
     eng = LLM("default", quantization="int8", **kw).engine
-    p = plan(DEFAULT_CONFIG, EngineConfig(**kw), quantization="int8")
+    p = plan(dataclasses.replace(DEFAULT_CONFIG, quantization="int8"), EngineConfig(**kw))
     assert p.num_kv_pages == eng.allocator.pool_blocks
     assert p.weight_bytes == sum(x.nbytes for x in jax.tree.leaves(eng.runner.params))
     full = plan(DEFAULT_CONFIG, EngineConfig(**{**kw, "kv_cache_dtype": "auto"}),

@@ -342,18 +342,14 @@ CHOICES = tuple((q, kv) for q in ("none", "int8", "fp8") for kv in ("auto", "int
 
 def plan(cfg: LlamaConfig, engine_config: EngineConfig = EngineConfig(),
          device_memory_bytes: int | None = None, devices: Sequence[jax.Device] | None = None,
-         model_name: str | None = None, compile: bool = True,
-         quantization: str | None = None) -> MemoryPlan:
-    """The memory plan of serving ``cfg`` with ``engine_config`` on ``devices`` (default
-    ``jax.devices()``; the mesh takes the first ones), each with ``device_memory_bytes``
-    (default: the first device's memory as the engine reads it). Nothing is allocated and
-    no weight is read; ``compile=False`` skips lowering (no activation memory then).
-    ``quantization``: the weights' (default ``cfg.quantization``). The plan also lists what
-    each weight and KV storage choice (``CHOICES``) would cache in the same budget."""
+         model_name: str | None = None, compile: bool = True) -> MemoryPlan:
+    """The memory plan of serving ``cfg`` (weights stored as its ``quantization``) with
+    ``engine_config`` on ``devices`` (default ``jax.devices()``; the mesh takes the first
+    ones), each with ``device_memory_bytes`` (default: the first device's, as the engine reads
+    it), and what each storage choice (``CHOICES``) caches in the same budget. Nothing is
+    allocated, no weight read; ``compile=False`` skips lowering (no activation memory)."""
     from jserve.engine.runner import state_spec
 
-    if quantization is not None:
-        cfg = dataclasses.replace(cfg, quantization=quantization)
     geo = engine_geometry(cfg, engine_config)
     mc = geo.mesh_config
     devices = list(jax.devices() if devices is None else devices)
