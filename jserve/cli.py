@@ -27,8 +27,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    default=EngineConfig.kv_cache_dtype,
                    help="how KV pages are stored: auto (the model's dtype), int8 (per token "
                         "and KV head scales) or fp8 (docs/quantization.md)")
-    p.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
-                   help="weight-only quantization on load (docs/quantization.md)")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                   help="weight-only quantization on load (docs/quantization.md); None: as "
+                        "the checkpoint stores the weights")
     p.add_argument("--mesh", default=EngineConfig.mesh,
                    help='device mesh, e.g. "tp=2,kvp=2,spp=2" (tensor, KV-cache and stream '
                         'pipeline parallel axes; dp is not supported yet)')
