@@ -125,3 +125,13 @@ def test_quantized_weights_streamed_onto_meshes_match_one_device(tmp_path: Path)
         values, scales = res[mesh]["specs"]
         assert "tp" in values and "tp" not in scales, (mesh, values, scales)
     assert res["spp=2"]["specs"][0][0] == res["spp=2"]["specs"][1][0] == "spp"
+
+
+def test_convert_writes_a_quantized_checkpoint_that_loads_as_stored(tmp_path: Path):
+    from jserve.cli import main
+    from jserve.model.weights import load_config
+    assert main(["convert", "--model", "default", "--quantization", "int8",
+                 "--out", str(tmp_path / "q")]) == 0
+    assert load_config(str(tmp_path / "q")).quantization == "int8"
+    assert main(["generate", "--model", str(tmp_path / "q"), "--max-tokens", "2",
+                 "--quantization", "fp8", "hi"]) == 2  # refused: stored as int8
