@@ -11,7 +11,9 @@ KV int8):
    ``--kv-budget`` bytes (default model), and what 16 GB of KV holds for Llama-3.1-8B.
 3. Decode tok/s at batch 1, 8 and 32 (prompts of 64 tokens, ``--new-tokens`` greedy tokens):
    tokens after the last first token over the time to the last token, median of ``--reps``
-   after an untimed run that compiles, and the ratio to full precision.
+   after an untimed run that compiles, and the ratio to full precision. Every mode's engine
+   is built first and the repetitions rotate over the modes, so a change in the machine's
+   load during the run falls on every mode alike.
 4. The tiny-tasks model's exact-answer rate on every held-out task (docs/tiny_tasks.md).
 
 Prints a table, the command and the machine load (``os.getloadavg``) at start and end, and
@@ -68,7 +70,7 @@ def held_out_tasks():
             for n in range(1, top + 1) if is_held_out(n)]
 
 
-def run_mode(name: str, kw: dict, a) -> dict:
+def sizes(kw: dict, a) -> dict:
     kv = kw.get("kv_cache_dtype", "auto")
     from jserve.model.weights import DEFAULT_CONFIG
     out = {"kv_bytes_per_token": kv_bytes_per_page(DEFAULT_CONFIG, PAGE, kv_cache_dtype=kv)
@@ -76,28 +78,37 @@ def run_mode(name: str, kw: dict, a) -> dict:
            "kv_bytes_per_token_llama8b": kv_bytes_per_page(LLAMA_31_8B, PAGE,
                                                            kv_cache_dtype=kv) // PAGE}
     out["llama8b_tokens_in_16GB"] = 16 * 10 ** 9 // out["kv_bytes_per_token_llama8b"]
-    llm = LLM("default", max_num_seqs=32, max_num_batched_tokens=256, max_model_len=4096,
-              kv_cache_bytes=a.kv_budget, warmup=False, **kw)
-    alloc = llm.engine.allocator
-    out["tokens_in_budget"] = alloc.total * alloc.block_size
+    return out
+
+
+def decode_timings(modes: dict, a) -> dict:
+    """Decode tok/s per mode and batch, the repetitions rotating over the modes."""
+    llms = {name: LLM("default", max_num_seqs=32, max_num_batched_tokens=256,
+                      max_model_len=4096, kv_cache_bytes=a.kv_budget, warmup=False, **kw)
+            for name, kw in modes.items()}
+    out = {name: {"tokens_in_budget": llm.engine.allocator.total * PAGE}
+           for name, llm in llms.items()}
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0.0, max_tokens=a.new_tokens, ignore_eos=True)
-    for batch in (1, 8, 32):
+    for batch in tqdm((1, 8, 32), desc="decode batch sizes"):
         prompts = [rng.integers(3, 300, 64).tolist() for _ in range(batch)]
-        rates = []
+        rates: dict = {name: [] for name in llms}
         for rep in range(a.reps + 1):  # rep 0 compiles
-            outs = llm.generate(prompts, params)
-            if rep:
-                rates.append(decode_rate(outs))
-        out[f"decode_tok_s_b{batch}"] = statistics.median(rates)
-        out[f"decode_tok_s_b{batch}_reps"] = rates
-    del llm
+            for name, llm in llms.items():
+                outs = llm.generate(prompts, params)
+                if rep:
+                    rates[name].append(decode_rate(outs))
+        for name in llms:
+            out[name][f"decode_tok_s_b{batch}"] = statistics.median(rates[name])
+            out[name][f"decode_tok_s_b{batch}_reps"] = rates[name]
+    return out
+
+
+def tiny_tasks(kw: dict) -> dict:
     tiny = LLM("tiny-tasks", max_num_seqs=32, max_num_batched_tokens=256, max_model_len=1024,
                warmup=False, **kw)
     score = evaluate(tiny, held_out_tasks(), max_tokens=500)
-    out["tiny_tasks_exact"] = score.exact
-    out["tiny_tasks_n"] = score.n
-    return out
+    return {"tiny_tasks_exact": score.exact, "tiny_tasks_n": score.n}
 
 
 def main() -> int:
@@ -108,12 +119,17 @@ def main() -> int:
     p.add_argument("--kv-budget", type=int, default=8 << 20,
                    help="KV cache bytes of the default-model engine (longest context)")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset")
+    p.add_argument("--skip-tiny-tasks", action="store_true",
+                   help="timings and sizes only (the evaluation is most of the run)")
     p.add_argument("--out", default=None, help="JSON results")
     a = p.parse_args()
     results = {"command": " ".join(sys.argv), "load_start": load(), "modes": {}}
     t0 = time.time()
-    for name in tqdm(a.modes.split(","), desc="modes"):
-        results["modes"][name] = run_mode(name, MODES[name], a)
+    modes = {name: MODES[name] for name in a.modes.split(",")}
+    timings = decode_timings(modes, a)
+    for name, kw in tqdm(modes.items(), desc="tiny-tasks per mode"):
+        results["modes"][name] = {**sizes(kw, a), **timings[name],
+                                  **({} if a.skip_tiny_tasks else tiny_tasks(kw))}
     results["load_end"] = load()
     results["seconds"] = time.time() - t0
     base = results["modes"].get("full precision")
@@ -126,8 +142,9 @@ def main() -> int:
             f" ({r[f'decode_tok_s_b{b}'] / base[f'decode_tok_s_b{b}']:.2f}x)" if base else ""))
         print(f"{name:<18}{r['kv_bytes_per_token']:>9,}{r['kv_bytes_per_token_llama8b']:>12,}"
               f"{r['tokens_in_budget']:>14,}{r['llama8b_tokens_in_16GB']:>12,}{rate(1):>14}"
-              f"{rate(8):>14}{rate(32):>14}"
-              f"{r['tiny_tasks_exact'] * r['tiny_tasks_n']:>7.0f}/{r['tiny_tasks_n']}")
+              f"{rate(8):>14}{rate(32):>14}" + (
+                  f"{r['tiny_tasks_exact'] * r['tiny_tasks_n']:>7.0f}/{r['tiny_tasks_n']}"
+                  if "tiny_tasks_n" in r else "      -"))
     if a.out:
         with open(a.out, "w") as f:
             json.dump(results, f, indent=2)
