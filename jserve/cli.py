@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jserve.config import KV_CACHE_DTYPES, QUANTIZATIONS
 from jserve.engine.config import EngineConfig
 from jserve.log_setup import configure_logging
 
@@ -32,6 +33,12 @@ def _add_engine_args(p: argparse.ArgumentParser, warmup: bool = False) -> None:
     p.add_argument("--memory-fraction", type=float, default=d.memory_fraction,
                    help="share of the device's free memory (after the weights) the KV cache "
                         "takes when --kv-cache-bytes is not given")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
+                   help="how KV pages are stored: auto (the model's dtype), int8 (per token "
+                        "and KV head scales) or fp8 (docs/quantization.md)")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                   help="weight-only quantization on load (docs/quantization.md); None: as "
+                        "the checkpoint stores the weights")
     p.add_argument("--mesh", default=d.mesh,
                    help='device mesh, e.g. "tp=2,kvp=2,spp=2" (tensor, KV-cache and stream '
                         'pipeline parallel axes; dp is not supported yet)')
@@ -62,7 +69,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
                 max_num_batched_tokens=a.max_num_batched_tokens, kv_cache_bytes=a.kv_cache_bytes,
                 num_kv_pages=a.num_kv_pages, memory_fraction=a.memory_fraction,
                 warmup=a.warmup, mesh=a.mesh, enable_prefix_caching=a.prefix_caching,
-                async_scheduling=a.async_scheduling)
+                async_scheduling=a.async_scheduling, kv_cache_dtype=a.kv_cache_dtype)
 
 
 def _generate(a: argparse.Namespace) -> int:
@@ -76,7 +83,7 @@ def _generate(a: argparse.Namespace) -> int:
         return generate_remote(a, params)
     from jserve.serving.commands import join_processes, leading
     join_processes(a)
-    llm = LLM(a.model, dtype=a.dtype, **_engine_kwargs(a))
+    llm = LLM(a.model, dtype=a.dtype, quantization=a.quantization, **_engine_kwargs(a))
     with leading(a, llm) as leader:
         return _stream(a, llm, params) if leader else 0
 
@@ -105,7 +112,7 @@ def _stream(a: argparse.Namespace, llm, params) -> int:
 def _convert(a: argparse.Namespace) -> int:
     from jserve.model.weights import load_model, save_orbax
 
-    cfg, params, tokenizer = load_model(a.model, dtype=a.dtype)
+    cfg, params, tokenizer = load_model(a.model, dtype=a.dtype, quantization=a.quantization)
     src = a.model if a.model != "default" else None
     save_orbax(a.out, cfg, params, tokenizer_dir=src, tokenizer=tokenizer)
     print(f"wrote orbax checkpoint to {a.out}")
@@ -118,7 +125,7 @@ def _profile(a: argparse.Namespace) -> int:
     from jserve.engine.timing import default_predictor_path
     from jserve.scheduler.predictor import FEATURES
 
-    llm = LLM(a.model, dtype=a.dtype, **_engine_kwargs(a))
+    llm = LLM(a.model, dtype=a.dtype, quantization=a.quantization, **_engine_kwargs(a))
     samples = profile_samples(llm.engine, repeats=a.repeats)
     predictor, report = fit_predictor(llm.engine, samples)
     out = a.out or default_predictor_path(llm.engine.cfg, llm.engine.config)
@@ -161,6 +168,11 @@ def _add_plan_parser(sub) -> None:
     s.add_argument("--num-kv-pages", type=int, default=None,
                    help="exact KV pool per device in pages")
     s.add_argument("--attention-impl", default=d.attention_impl, help="the step's kernels")
+    s.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
+                   help="how KV pages are stored (the plan also lists the other choices)")
+    s.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
+                   help="weight-only quantization, none: as the checkpoint stores them (the "
+                        "plan also lists the other choices)")
     s.set_defaults(func=_plan)
 
 
@@ -181,16 +193,18 @@ def _plan(a: argparse.Namespace) -> int:
     from jserve.engine.memory_plan import parse_bytes, plan
     from jserve.model.weights import load_config
 
+    q = None if a.quantization == "none" else a.quantization  # none: as stored
     if Path(a.model).is_file():
-        cfg = LlamaConfig.from_json_file(a.model, dtype=a.dtype)
+        cfg = LlamaConfig.from_json_file(a.model, dtype=a.dtype, quantization=q)
     else:
-        cfg = load_config(a.model, dtype=a.dtype)
+        cfg = load_config(a.model, dtype=a.dtype, quantization=q)
     config = EngineConfig(
         mesh=a.mesh, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens, max_prefill_seqs=a.max_prefill_seqs,
         page_size=a.page_size, memory_fraction=a.memory_fraction,
         kv_cache_bytes=None if a.kv_cache_bytes is None else parse_bytes(a.kv_cache_bytes),
-        num_kv_pages=a.num_kv_pages, attention_impl=a.attention_impl, warmup=False)
+        num_kv_pages=a.num_kv_pages, attention_impl=a.attention_impl, warmup=False,
+        kv_cache_dtype=a.kv_cache_dtype)
     memory = None if a.device_memory is None else parse_bytes(a.device_memory)
     p = plan(cfg, config, device_memory_bytes=memory, model_name=a.model)
     print(p.summary())
@@ -276,6 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="dtype to store (None: the model's own)")
     c.add_argument("--out", required=True, help="the checkpoint directory to write")
+    c.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                   help="save the layer weights quantized (None: as the model is stored)")
     c.set_defaults(func=_convert)
     pr = sub.add_parser("profile", help="time the engine over a grid and fit the runtime "
                                         "predictor the deadline-aware scheduler uses")

@@ -16,6 +16,10 @@ import ml_dtypes
 import numpy as np
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+# How KV pages may be stored (jserve.kernels.kv_quant) and weights quantized
+# (jserve.model.quant); here, without JAX, so configs and the CLI can validate them.
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
+QUANTIZATIONS = ("none", "int8", "fp8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +49,9 @@ class LlamaConfig:
     bos_token_id: int | None = 1
     eos_token_ids: tuple[int, ...] = (2,)
     dtype: str = "float32"  # "float32" | "bfloat16"
+    # Weight-only quantization of the layer matrices (jserve.model.quant): none | int8 | fp8.
+    # An orbax checkpoint saved quantized records it in its config.json.
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -53,6 +60,9 @@ class LlamaConfig:
                 f"num_key_value_heads ({self.num_key_value_heads})")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, "
+                             f"got {self.quantization!r}")
 
     @property
     def np_dtype(self) -> np.dtype:
@@ -60,7 +70,10 @@ class LlamaConfig:
         return np.dtype(ml_dtypes.bfloat16 if self.dtype == "bfloat16" else np.float32)
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any], dtype: str | None = None) -> "LlamaConfig":
+    def from_hf_dict(cls, cfg: dict[str, Any], dtype: str | None = None,
+                     quantization: str | None = None) -> "LlamaConfig":
+        """``quantization`` None: what the checkpoint was saved with (``jserve_quantization``,
+        none for HF checkpoints); a quantized checkpoint cannot be loaded as another kind."""
         archs = cfg.get("architectures") or ["LlamaForCausalLM"]
         if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
             raise ValueError(f"unsupported architecture {archs}; "
@@ -96,6 +109,12 @@ class LlamaConfig:
         if dtype is None:
             torch_dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
             dtype = "bfloat16" if torch_dtype in ("bfloat16", "float16") else "float32"
+        stored = cfg.get("jserve_quantization", "none")
+        if quantization is None:
+            quantization = stored
+        elif stored != "none" and quantization != stored:
+            raise ValueError(f"the checkpoint's weights are stored quantized as {stored!r}; "
+                             f"it cannot be loaded with quantization={quantization!r}")
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -112,11 +131,14 @@ class LlamaConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             dtype=dtype,
+            quantization=quantization,
         )
 
     @classmethod
-    def from_json_file(cls, path: str | Path, dtype: str | None = None) -> "LlamaConfig":
-        return cls.from_hf_dict(json.loads(Path(path).read_text()), dtype=dtype)
+    def from_json_file(cls, path: str | Path, dtype: str | None = None,
+                       quantization: str | None = None) -> "LlamaConfig":
+        return cls.from_hf_dict(json.loads(Path(path).read_text()), dtype=dtype,
+                                quantization=quantization)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The HF ``config.json`` form, so an orbax checkpoint directory is self-describing."""
@@ -139,6 +161,8 @@ class LlamaConfig:
             "hidden_act": "silu",
             "torch_dtype": self.dtype,
         }
+        if self.quantization != "none":  # an orbax checkpoint of quantized weights
+            d["jserve_quantization"] = self.quantization
         if self.rope_scaling is not None:
             d["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
         return d

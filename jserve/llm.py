@@ -20,9 +20,12 @@ class LLM:
 
     Engine settings are keyword arguments named as in ``EngineConfig`` (``seed`` seeds the
     draws for requests that bring no seed of their own; the default model's weights are fixed).
+    ``quantization`` (none | int8 | fp8) quantizes the layer weights on load
+    (docs/quantization.md); the KV cache's storage is the engine setting ``kv_cache_dtype``.
     """
 
-    def __init__(self, model: str = "default", *, dtype: str | None = None, **engine_kwargs):
+    def __init__(self, model: str = "default", *, dtype: str | None = None,
+                 quantization: str | None = None, **engine_kwargs):
         fields = {f.name for f in dataclasses.fields(EngineConfig)}
         unknown = sorted(set(engine_kwargs) - fields)
         if unknown:
@@ -32,7 +35,8 @@ class LLM:
             shipped = default_probe_path(model)  # a built-in model's trained length probe
             if shipped is not None:
                 engine_kwargs["length_probe"] = str(shipped)
-        cfg, params, tokenizer = load_model(model, dtype=dtype, lazy=True)
+        cfg, params, tokenizer = load_model(model, dtype=dtype, lazy=True,
+                                            quantization=quantization)
         self.model = model
         self.engine = LLMEngine(cfg, params, tokenizer, EngineConfig(**engine_kwargs))
 

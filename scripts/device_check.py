@@ -76,7 +76,7 @@ from bench_kernels import timed  # noqa: E402  (scripts/ is on sys.path when run
 from jserve.config import LlamaConfig  # noqa: E402
 from jserve.engine.config import EngineConfig  # noqa: E402
 from jserve.engine.engine import LLMEngine  # noqa: E402
-from jserve.kernels import AttentionMetadata, attention, resolve_impl, write_kv  # noqa: E402
+from jserve.kernels import AttentionMetadata, attention, kv_quant, resolve_impl, write_kv  # noqa: E402
 from jserve.model.weights import init_params, param_shapes  # noqa: E402
 from jserve.sampling.params import SamplingParams  # noqa: E402
 
@@ -346,6 +346,30 @@ def kernel_check(p: Profile, impl: str, kind: str, ctx: int, seed: int, peaks) -
     row.update(kernel_ms=tk * 1e3, reference_ms=tr * 1e3, speedup=tr / tk,
                tflops=flops / tk / 1e12, tbps=bytes_ / tk / 1e12,
                flops_of_peak=ratio(flops / tk, peaks[0]), bw_of_peak=ratio(bytes_ / tk, peaks[1]))
+    return row
+
+
+def quantized_kernel_check(p: Profile, impl: str, kv_cache_dtype: str, ctx: int,
+                           seed: int) -> dict:
+    """The mixed batch over pages stored as ``kv_cache_dtype`` (jserve.kernels.kv_quant):
+    the kernel against the reference on the same stored pages (within ``tol``), and its time
+    against the same kernel over the full-precision pages."""
+    case = build_case(p, "mixed", ctx, seed)
+    stored = kv_quant.storage_dtype(kv_cache_dtype, case.k_pages.dtype)
+
+    def pages(x):
+        values, scales = kv_quant.quantize(x, stored)
+        return values if scales is None else kv_quant.QuantizedPages(values, scales)
+
+    args = (case.q, pages(case.k_pages), pages(case.v_pages), case.meta)
+    kernel, ref = jitted("attention", impl), jitted("attention", "reference")
+    out, lse = jax.block_until_ready(kernel(*args))
+    row = dict(impl=impl, kv_cache_dtype=kv_cache_dtype, context=ctx, tol=p.tol,
+               **compare(out, lse, *ref(*args), p.tol))
+    del out, lse
+    tq = timed(kernel, args, p.reps)
+    tf = timed(kernel, (case.q, case.k_pages, case.v_pages, case.meta), p.reps)
+    row.update(kernel_ms=tq * 1e3, full_precision_ms=tf * 1e3, speedup=tf / tq)
     return row
 
 
@@ -702,6 +726,17 @@ def render_markdown(res: dict) -> str:
                             [[r["impl"], r["context"], r.get("tokens"), r["status"],
                               r.get("kernel_ms"), r.get("reference_ms")]
                              for r in res["kv_write"]]))
+    if res.get("kernels_quantized"):
+        out += ["", "### Quantized KV pages (docs/quantization.md)", "",
+                "The mixed batch over pages stored int8 (per token and head scales) or "
+                "fp8_e4m3: the kernel against the reference on the same stored pages, and its "
+                "time against the same kernel over the full-precision pages.", ""]
+        out.append(md_table(["impl", "kv cache", "context", "max abs err out", "tol",
+                             "status", "kernel ms", "full-precision ms", "speedup"],
+                            [[r["impl"], r.get("kv_cache_dtype"), r["context"],
+                              r.get("max_abs_err_out"), r.get("tol"), r["status"],
+                              r.get("kernel_ms"), r.get("full_precision_ms"),
+                              r.get("speedup")] for r in res["kernels_quantized"]]))
     e = res.get("engine")
     if e:
         m = e.get("model", {})
@@ -844,7 +879,7 @@ def main(argv=None) -> int:
                           *(sys.argv[1:] if argv is None else argv)]),
         peaks=dict(tflops=ratio(flops_peak, 1e12), tbps=ratio(bw_peak, 1e12)),
         shapes=dict(hq=p.hq, hkv=p.hkv, d=p.d, dtype=p.dtype, page=p.page), reps=p.reps,
-        checks=[], kernels=[], kv_write=[])
+        checks=[], kernels=[], kv_write=[], kernels_quantized=[])
     checks = res["checks"]
 
     def record(name: str, ok: bool, detail: str | None = None, **extra) -> None:
@@ -856,11 +891,20 @@ def main(argv=None) -> int:
         cases = [(impl, kind, ctx) for impl in kernel_impls for ctx in p.contexts
                  for kind in ("decode", "prefill", "mixed")]
         cases += [(impl, "write_kv", ctx) for impl in kernel_impls for ctx in p.contexts]
+        # Quantized KV pages (docs/quantization.md): the mixed batch at the longest context.
+        cases += [(impl, f"mixed {kv}", max(p.contexts)) for impl in kernel_impls
+                  for kv in ("int8", "fp8_e4m3")]
         for n, (impl, kind, ctx) in enumerate(tqdm(cases, desc="kernels", disable=None)):
             name = f"kernel {impl} {kind} context {ctx}"
             seed = args.seed * 1000 + ctx + n
             try:
-                if kind == "write_kv":
+                if kind.startswith("mixed "):
+                    row = quantized_kernel_check(p, impl, kind.split()[1], ctx, seed)
+                    detail = (f"max abs err out {row['max_abs_err_out']:.2e} (tol {p.tol:g}); "
+                              f"{row['kernel_ms']:.3g} ms vs {row['full_precision_ms']:.3g} ms "
+                              f"over full-precision pages")
+                    res["kernels_quantized"].append(row)
+                elif kind == "write_kv":
                     row = kv_write_check(p, impl, ctx, seed)
                     detail = (f"{row['mismatched_rows']} rows differ" if not row["ok"] else
                               f"{row['kernel_ms']:.3g} ms vs {row['reference_ms']:.3g} ms")
@@ -878,7 +922,8 @@ def main(argv=None) -> int:
                 record(name, row["ok"], detail)
             except Exception as e:  # noqa: BLE001 - one failure must not hide the others
                 traceback.print_exc()
-                (res["kv_write"] if kind == "write_kv" else res["kernels"]).append(
+                (res["kv_write"] if kind == "write_kv" else res["kernels_quantized"]
+                 if kind.startswith("mixed ") else res["kernels"]).append(
                     dict(impl=impl, kind=kind, context=ctx, status="fail",
                          error=error_text(e)))
                 record(name, False, error_text(e))

@@ -8,12 +8,13 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jserve.cache.pool import KVCache, kv_cache_shape
 from jserve.config import LlamaConfig
+from jserve.kernels import kv_quant
 from jserve.model.llama import Params
+from jserve.model.quant import leaf_spec
 from jserve.model.tp_layout import kv_head_map, layer_axes, tp_layout
 
 # KV pages [layers, stored KV heads, kvp * pages per group, page_size, head_dim]: layers split
@@ -33,13 +34,16 @@ def param_specs(params: Params) -> Params:
     unrolled list of per-layer dicts, whose leaves drop the stacked axis, or the tuple of a
     pipeline stage's layers, ``pipeline.unstack_stages``, whose leaves keep a stage axis)."""
     layers = params["layers"]
+    # A quantized leaf gets a spec per leaf (values, scales: jserve.model.quant.leaf_spec).
     if isinstance(layers, tuple):
-        specs = tuple({name: layer_spec(name) for name in layer} for layer in layers)
+        specs = tuple({name: leaf_spec(w, layer_spec(name)) for name, w in layer.items()}
+                      for layer in layers)
     elif isinstance(layers, list):
-        per_layer = {name: P(*layer_spec(name)[1:]) for name in layers[0]}
+        per_layer = {name: leaf_spec(w, P(*layer_spec(name)[1:]))
+                     for name, w in layers[0].items()}
         specs = [per_layer] * len(layers)
     else:
-        specs = {name: layer_spec(name) for name in layers}
+        specs = {name: leaf_spec(w, layer_spec(name)) for name, w in layers.items()}
     return {**{k: P() for k in params if k != "layers"}, "layers": specs}
 
 
@@ -61,10 +65,12 @@ def kv_heads_per_device(cfg: LlamaConfig, tp: int) -> int:
 
 
 def allocate_sharded_kv_cache(cfg: LlamaConfig, num_pages: int, page_size: int,
-                              mesh: Mesh) -> KVCache:
+                              mesh: Mesh, kv_cache_dtype: str = "auto") -> KVCache:
     """Zeroed stacked KV pages created in place on ``mesh`` (no full copy on one device
-    first); ``num_pages`` is the global count, ``kvp`` pools of ``num_pages / kvp``."""
+    first); ``num_pages`` is the global count, ``kvp`` pools of ``num_pages / kvp``. Quantized
+    pages' scales ([..., S, 1]) split like their values (the spec covers both leaves)."""
     shape = kv_cache_shape(cfg, num_pages, page_size, len(kv_head_map(cfg, mesh.shape["tp"])))
     sharding = NamedSharding(mesh, STACKED_KV_SPEC)
-    zeros = jax.jit(functools.partial(jnp.zeros, shape, cfg.np_dtype), out_shardings=sharding)
+    zeros = jax.jit(functools.partial(kv_quant.zeros, shape, kv_cache_dtype, cfg.np_dtype),
+                    out_shardings=sharding)
     return zeros(), zeros()

@@ -39,6 +39,11 @@ def test_device_check_smoke_mode_passes(tmp_path):
     for r in res["kernels"]:
         assert r["max_abs_err_out"] < 1e-4 and r["max_abs_err_lse"] < 1e-4, r
         assert r["empty_rows"] > 0 and not r["nan"], r  # padding rows: 0 / -inf, no NaN
+    # Quantized KV pages: each flavour over int8 and fp8 pages matches the reference on them.
+    assert {(r["impl"], r["kv_cache_dtype"]) for r in res["kernels_quantized"]} == {
+        (impl, kv) for impl in ("pallas_gpu", "pallas_tpu") for kv in ("int8", "fp8_e4m3")}
+    assert all(r["status"] == "pass" and r["max_abs_err_out"] < 1e-4
+               for r in res["kernels_quantized"]), res["kernels_quantized"]
     assert {(r["impl"], r["context"]) for r in res["kv_write"]} == {
         (impl, ctx) for impl in ("pallas_gpu", "pallas_tpu") for ctx in (64, 256)}
 

@@ -5,6 +5,7 @@ with what an engine allocates under the same KV settings (tp=1 here, tp=2 x kvp=
 subprocess)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import textwrap
 
@@ -62,7 +63,7 @@ _SCRIPT = textwrap.dedent("""
     out["tp8"] = dict(seconds=time.perf_counter() - t0, weights=p.weight_bytes,
                       pages=p.num_kv_pages, fits=p.fits, tokens=p.max_cached_tokens,
                       temp=p.step.temp_bytes, per_page=p.kv_bytes_per_page,
-                      summary=p.summary())
+                      summary=p.summary(), choices=[c.__dict__ for c in p.choices])
     p1 = plan(cfg, EngineConfig(mesh="tp=1", **settings), device_memory_bytes=80 * 10**9)
     out["tp1"] = dict(fits=p1.fits, summary=p1.summary(), suggested_tp=p1.suggested_tp)
     # The CLI on the same plans: exit 0 when it fits, 1 when it does not.
@@ -126,6 +127,40 @@ def test_kvp_plan_matches_the_engine(seventy_b):
     r = seventy_b["kvp"]
     assert r["plan"] == r["engine"]
     assert f"KV {r['plan'][0]:,} pages" in r["line"] and "mesh tp=2,kvp=2" in r["line"]
+
+
+@pytest.mark.slow
+def test_llama_70b_tp8_plan_lists_what_quantized_weights_and_kv_buy(seventy_b):
+    """Weights int8/fp8 halve the split matrices (not the embedding and head); KV int8 and
+    fp8 store 132 and 128 of bf16's 256 bytes a head; the freed memory buys tokens."""
+    r = seventy_b["tp8"]
+    by = {(c["quantization"], c["kv_cache_dtype"]): c for c in r["choices"]}
+    full, q8 = by["none", "auto"], by["int8", "int8"]
+    assert full["weight_bytes"] == r["weights"] and full["max_cached_tokens"] >= r["tokens"]
+    assert [by["none", kv]["kv_bytes_per_token"] for kv in ("auto", "int8", "fp8_e4m3")] == [
+        2 * 80 * 256, 2 * 80 * 132, 2 * 80 * 128]
+    split = 80 * (8192 * 8192 * 2 + 2 * 8192 * 1024 + 3 * 8192 * 28672) // 8
+    saved = full["weight_bytes"] - by["int8", "auto"]["weight_bytes"]
+    assert 0.99 * split < saved < split  # a byte less per split weight, plus the scales
+    assert by["fp8", "auto"]["weight_bytes"] == by["int8", "auto"]["weight_bytes"]
+    assert by["none", "fp8_e4m3"]["max_cached_tokens"] >= 2 * full["max_cached_tokens"] - 16
+    assert q8["max_cached_tokens"] > 2.2 * full["max_cached_tokens"]
+    assert "weight and KV cache storage choices" in r["summary"]
+
+
+def test_quantized_default_plan_matches_the_engine():
+    kw = dict(SMALL, kv_cache_bytes=1_000_000, kv_cache_dtype="int8")
+    eng = LLM("default", quantization="int8", **kw).engine
+    p = plan(dataclasses.replace(DEFAULT_CONFIG, quantization="int8"), EngineConfig(**kw))
+    assert p.num_kv_pages == eng.allocator.pool_blocks
+    assert p.weight_bytes == sum(x.nbytes for x in jax.tree.leaves(eng.runner.params))
+    full = plan(DEFAULT_CONFIG, EngineConfig(**{**kw, "kv_cache_dtype": "auto"}),
+                compile=False)
+    # f32 model, head_dim 64: 256 bytes a head and token against int8's 64 + 4.
+    assert p.kv_bytes_per_page * 256 == full.kv_bytes_per_page * 68
+    assert p.weight_bytes < full.weight_bytes
+    mine = [c for c in p.choices if (c.quantization, c.kv_cache_dtype) == ("int8", "int8")]
+    assert mine[0].weight_bytes == p.weight_bytes and mine[0].num_kv_pages == p.num_kv_pages
 
 
 @pytest.mark.parametrize("kv", [dict(kv_cache_bytes=2_700_000), dict(num_kv_pages=40)])

@@ -4,23 +4,26 @@ from __future__ import annotations
 import os
 
 import jax
-import jax.numpy as jnp
 
 from jserve.config import LlamaConfig
+from jserve.kernels import kv_quant
 
 # (k_pages, v_pages), each [layers, Hkv, P, S, D]: stacked like the runtime params, so the
-# model's layer loop reads and writes layer i in place (jserve.model.llama.layer_loop).
-KVCache = tuple[jax.Array, jax.Array]
+# model's layer loop reads and writes layer i in place (jserve.model.llama.layer_loop). With
+# kv_cache_dtype="int8" each is a kv_quant.QuantizedPages (values and per-row scales).
+KVCache = tuple[jax.Array | kv_quant.QuantizedPages, jax.Array | kv_quant.QuantizedPages]
 
 
 def kv_bytes_per_page(cfg: LlamaConfig, page_size: int, kv_heads: int | None = None,
-                      num_layers: int | None = None) -> int:
-    """Bytes of one page over ``num_layers`` layers (K and V) holding ``kv_heads`` heads
-    (defaults: the model's; a tensor-parallel device stores its share of the heads, a
-    pipeline stage its layers, see ``sharding.specs`` and ``sharding.pipeline``)."""
+                      num_layers: int | None = None, kv_cache_dtype: str = "auto") -> int:
+    """Stored bytes of one page over ``num_layers`` layers (K and V) holding ``kv_heads``
+    heads (defaults: the model's; a tensor-parallel device stores its share of the heads, a
+    pipeline stage its layers, see ``sharding.specs`` and ``sharding.pipeline``), values and
+    scales at the ``kv_cache_dtype`` they are stored in (``jserve.kernels.kv_quant``)."""
     heads = cfg.num_key_value_heads if kv_heads is None else kv_heads
     layers = cfg.num_hidden_layers if num_layers is None else num_layers
-    return 2 * layers * heads * page_size * cfg.head_dim * cfg.np_dtype.itemsize
+    return 2 * layers * heads * page_size * kv_quant.bytes_per_token_head(
+        kv_cache_dtype, cfg.head_dim, cfg.np_dtype)
 
 
 def available_device_bytes(device: jax.Device) -> int:
@@ -33,7 +36,8 @@ def available_device_bytes(device: jax.Device) -> int:
 
 def num_pages_for_budget(cfg: LlamaConfig, page_size: int, *, kv_cache_bytes: int | None,
                          memory_fraction: float, max_useful_pages: int,
-                         kv_heads: int | None = None, num_layers: int | None = None) -> int:
+                         kv_heads: int | None = None, num_layers: int | None = None,
+                         kv_cache_dtype: str = "auto") -> int:
     """Pages that fit one device's budget: an explicit byte count, else a fraction of its free
     memory; ``kv_heads`` and ``num_layers`` are what a device stores per page
     (``kv_bytes_per_page``).
@@ -47,7 +51,8 @@ def num_pages_for_budget(cfg: LlamaConfig, page_size: int, *, kv_cache_bytes: in
     budget = kv_cache_bytes
     if budget is None:
         budget = int(available_device_bytes(jax.local_devices()[0]) * memory_fraction)
-    pages = min(budget // kv_bytes_per_page(cfg, page_size, kv_heads, num_layers),
+    pages = min(budget // kv_bytes_per_page(cfg, page_size, kv_heads, num_layers,
+                                            kv_cache_dtype),
                 max_useful_pages + 1)
     if pages < 2:
         raise ValueError(
@@ -62,6 +67,8 @@ def kv_cache_shape(cfg: LlamaConfig, num_pages: int, page_size: int,
     return (cfg.num_hidden_layers, heads, num_pages, page_size, cfg.head_dim)
 
 
-def allocate_kv_cache(cfg: LlamaConfig, num_pages: int, page_size: int) -> KVCache:
+def allocate_kv_cache(cfg: LlamaConfig, num_pages: int, page_size: int,
+                      kv_cache_dtype: str = "auto") -> KVCache:
     shape = kv_cache_shape(cfg, num_pages, page_size)
-    return jnp.zeros(shape, cfg.np_dtype), jnp.zeros(shape, cfg.np_dtype)
+    return (kv_quant.zeros(shape, kv_cache_dtype, cfg.np_dtype),
+            kv_quant.zeros(shape, kv_cache_dtype, cfg.np_dtype))

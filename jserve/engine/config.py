@@ -6,6 +6,7 @@ import dataclasses
 import os
 from pathlib import Path
 
+from jserve.config import KV_CACHE_DTYPES
 from sharding.mesh import MeshConfig
 
 
@@ -26,6 +27,10 @@ class EngineConfig:
     # included), like vLLM's num_gpu_blocks_override; excludes kv_cache_bytes.
     num_kv_pages: int | None = None
     memory_fraction: float = 0.5
+    # How KV pages are stored (jserve.kernels.kv_quant): auto (the model's dtype) | int8 (per
+    # token and KV head scales) | fp8_e4m3 | fp8_e5m2 (one fixed scale). The budget above
+    # counts pages at their stored size, so int8/fp8 hold about 2x the tokens of bf16.
+    kv_cache_dtype: str = "auto"
     # auto | reference | pallas_gpu | pallas_tpu (jserve.kernels): auto is the backend's Pallas
     # kernel on GPU/TPU and the XLA reference on CPU; a Pallas flavour on CPU runs interpreted.
     # The default stays the reference until the kernels have been compiled on the hardware.
@@ -107,6 +112,9 @@ class EngineConfig:
         if self.ttft_slo_floor < 0:
             raise ValueError(f"ttft_slo_floor must be >= 0, got {self.ttft_slo_floor}")
         MeshConfig.parse(self.mesh)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.num_kv_pages is not None:
             if self.num_kv_pages < 2:
                 raise ValueError(f"num_kv_pages must be >= 2 (one is reserved), "

@@ -136,7 +136,8 @@ def _num_kv_pages(cfg: LlamaConfig, config: EngineConfig, geo: Geometry) -> int:
     return config.num_kv_pages or num_pages_for_budget(
         cfg, config.page_size, kv_cache_bytes=config.kv_cache_bytes,
         memory_fraction=config.memory_fraction, max_useful_pages=geo.max_useful_pages,
-        kv_heads=kv_heads_per_device(cfg, mc.tp), num_layers=cfg.num_hidden_layers // mc.spp)
+        kv_heads=kv_heads_per_device(cfg, mc.tp), num_layers=cfg.num_hidden_layers // mc.spp,
+        kv_cache_dtype=config.kv_cache_dtype)
 
 
 def _swap_policy(cfg: LlamaConfig, config: EngineConfig, mesh_config: MeshConfig,
@@ -150,7 +151,8 @@ def _swap_policy(cfg: LlamaConfig, config: EngineConfig, mesh_config: MeshConfig
         config.preemption, capacity_bytes=config.swap_space_bytes,
         # A swapped page is a global page: every stored KV head (copies under tp included).
         page_bytes=kv_bytes_per_page(cfg, config.page_size,
-                                     len(kv_head_map(cfg, mesh_config.tp))),
+                                     len(kv_head_map(cfg, mesh_config.tp)),
+                                     kv_cache_dtype=config.kv_cache_dtype),
         round_trip_seconds=host_round_trip_seconds,
         recompute_seconds=lambda tokens: cost.predict(BatchPlan((), (ScheduledChunk(
             "", 0, tokens, False),))))
@@ -206,9 +208,10 @@ def build_engine_parts(cfg: LlamaConfig, params: Params, config: EngineConfig) -
 def _runner(cfg: LlamaConfig, params: Params, config: EngineConfig, mesh_config: MeshConfig,
             buckets: Buckets, num_pages: int, tracker: LengthTracker | None) -> ModelRunner:
     mesh = make_mesh(mesh_config) if mesh_config.size > 1 else None
-    kv_cache = (allocate_kv_cache(cfg, num_pages, config.page_size) if mesh is None else
+    kv_cache = (allocate_kv_cache(cfg, num_pages, config.page_size, config.kv_cache_dtype)
+                if mesh is None else
                 allocate_sharded_kv_cache(cfg, mesh_config.kvp * num_pages, config.page_size,
-                                          mesh))
+                                          mesh, config.kv_cache_dtype))
     placed = hasattr(params, "place")  # a lazy checkpoint streams onto the mesh
     if placed:
         params = params.place(cfg, mesh)

@@ -35,6 +35,8 @@ from jserve.cache.pool import available_device_bytes, kv_bytes_per_page, kv_cach
 from jserve.config import LlamaConfig
 from jserve.engine.config import EngineConfig
 from jserve.engine.factory import Geometry, engine_geometry
+from jserve.kernels import kv_quant
+from jserve.model import quant
 from jserve.model.llama import Params, runtime_param_shapes
 from sharding.kv_parallel import STACKED_KV_SPEC
 from sharding.mesh import AXES, MeshConfig, make_mesh
@@ -78,15 +80,24 @@ def abstract_params(cfg: LlamaConfig, mesh: jax.sharding.Mesh | None,
         mesh = jax.sharding.Mesh(np.array([device or jax.devices()[0]]).reshape(1, 1, 1, 1),
                                  AXES)
     specs = param_specs(shapes)
-    return jax.tree.map(lambda s, p: jax.ShapeDtypeStruct(s, cfg.np_dtype,
-                                                          sharding=NamedSharding(mesh, p)),
-                        shapes, specs, is_leaf=is_shape)
+    params = jax.tree.map(lambda s, p: jax.ShapeDtypeStruct(s, cfg.np_dtype,
+                                                            sharding=NamedSharding(mesh, p)),
+                          shapes, specs, is_leaf=is_shape)
+    if cfg.quantization != "none":  # int8/fp8 values and per-output-channel scales
+        for name, spec in specs["layers"].items():
+            if name in quant.QUANTIZED_LEAVES:
+                params["layers"][name] = quant.abstract_weight(
+                    shapes["layers"][name], cfg.quantization, NamedSharding(mesh, spec),
+                    NamedSharding(mesh, quant.scale_spec(spec)))
+    return params
 
 
 def abstract_kv_cache(cfg: LlamaConfig, num_pages: int, page_size: int,
-                      mesh: jax.sharding.Mesh | None, device: jax.Device | None = None):
+                      mesh: jax.sharding.Mesh | None, device: jax.Device | None = None,
+                      kv_cache_dtype: str = "auto"):
     """(k, v) pages as ``ShapeDtypeStruct``s, laid out as the engine allocates them:
-    ``num_pages`` per kvp group, stored heads split on tp (``allocate_sharded_kv_cache``)."""
+    ``num_pages`` per kvp group, stored heads split on tp (``allocate_sharded_kv_cache``),
+    stored as ``kv_cache_dtype`` (int8: values and scales)."""
     if mesh is None:
         shape = kv_cache_shape(cfg, num_pages, page_size)
         sharding = SingleDeviceSharding(device or jax.devices()[0])
@@ -94,7 +105,7 @@ def abstract_kv_cache(cfg: LlamaConfig, num_pages: int, page_size: int,
         shape = kv_cache_shape(cfg, mesh.shape["kvp"] * num_pages, page_size,
                                len(kv_head_map(cfg, mesh.shape["tp"])))
         sharding = NamedSharding(mesh, STACKED_KV_SPEC)
-    spec = jax.ShapeDtypeStruct(shape, cfg.np_dtype, sharding=sharding)
+    spec = kv_quant.abstract(shape, kv_cache_dtype, cfg.np_dtype, sharding)
     return spec, spec
 
 
@@ -143,6 +154,18 @@ class CompiledMemory:
                    int(m.generated_code_size_in_bytes))
 
 
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """One weight quantization x KV cache dtype under the plan's budget (per device)."""
+
+    quantization: str
+    kv_cache_dtype: str
+    weight_bytes: int
+    kv_bytes_per_token: int      # one token's K and V over the device's heads and layers
+    num_kv_pages: int            # what the budget holds (the engine caps its pool lower)
+    max_cached_tokens: int
+
+
 @dataclasses.dataclass
 class MemoryPlan:
     """Per-device memory of an engine configuration (every byte count is per device)."""
@@ -173,6 +196,9 @@ class MemoryPlan:
     compile_seconds: float = 0.0
     problems: list[str] = dataclasses.field(default_factory=list)
     suggested_tp: int | None = None
+    kv_cache_dtype: str = "auto"  # how pages are stored (jserve.kernels.kv_quant)
+    quantization: str = "none"    # weight-only quantization (jserve.model.quant)
+    choices: list["Choice"] = dataclasses.field(default_factory=list)
 
     @property
     def fits(self) -> bool:
@@ -204,8 +230,10 @@ class MemoryPlan:
                  f"{'s' if self.num_devices > 1 else ''}), per device:"]
         row = lambda k, v: lines.append(f"  {k:<26}{v}")
         row("weights", f"{_gb(self.weight_bytes)}  ({_count(self.num_params)} params, "
-                       f"{_gb(self.split_weight_bytes)} of it split on tp)")
-        row("KV bytes per page", f"{self.kv_bytes_per_page:,} ({self.page_size} tokens)")
+                       f"{_gb(self.split_weight_bytes)} of it split on tp; quantization "
+                       f"{self.quantization})")
+        row("KV bytes per page", f"{self.kv_bytes_per_page:,} ({self.page_size} tokens, "
+                                 f"kv_cache_dtype {self.kv_cache_dtype})")
         row("KV pages", f"{self.num_kv_pages:,}" + (f" per kvp group x {self.kvp}" if self.kvp > 1
                                                     else "")
             + f" = {_gb(self.kv_cache_bytes)}  (budget: {self.kv_budget_source}; "
@@ -231,18 +259,39 @@ class MemoryPlan:
                       f"memory_fraction {self.memory_fraction}: "
                       f"{_gb(self.device_memory_bytes * self.memory_fraction)})")
         row("total", total)
+        lines.extend(self._choices_table())
         if self.fits:
             lines.append("FITS")
         else:
             lines.extend(f"DOES NOT FIT: {p}" for p in self.problems)
         return "\n".join(lines)
 
+    def _choices_table(self) -> list[str]:
+        if not self.choices:
+            return []
+        lines = ["  weight and KV cache storage choices, same memory (activations as compiled "
+                 "for this plan, marked *; tokens the KV budget holds, uncapped):",
+                 f"    {'weights':<8}{'kv cache':<10}{'weights/dev':>13}{'KV B/token':>12}"
+                 f"{'cached tokens':>16}{'vs this':>9}"]
+        for c in self.choices:
+            mine = (c.quantization, c.kv_cache_dtype) == (self.quantization,
+                                                          self.kv_cache_dtype)
+            this = next((x.max_cached_tokens for x in self.choices
+                         if (x.quantization, x.kv_cache_dtype) == (self.quantization,
+                                                                   self.kv_cache_dtype)), 0)
+            ratio = f"{c.max_cached_tokens / this:.2f}x" if this else "-"
+            lines.append(f"  {'*' if mine else ' '} {c.quantization:<8}{c.kv_cache_dtype:<10}"
+                         f"{_gb(c.weight_bytes):>13}{c.kv_bytes_per_token:>12,}"
+                         f"{c.max_cached_tokens:>16,}{ratio:>9}")
+        return lines
+
     def log_line(self) -> str:
         """The plan in one line (what the engine logs at start)."""
         temp = (f", step temp {_gb(self.step.temp_bytes)}" if self.step is not None else "")
         mem = (f" of {_gb(self.device_memory_bytes)}" if self.device_memory_bytes else "")
         return (f"memory per device (mesh {self.mesh}): weights {_gb(self.weight_bytes)}, "
-                f"KV {self.num_kv_pages:,} pages x {self.kv_bytes_per_page:,} B = "
+                f"KV {self.num_kv_pages:,} pages x {self.kv_bytes_per_page:,} B "
+                f"({self.kv_cache_dtype}) = "
                 f"{_gb(self.kv_cache_bytes)}, max cached tokens {self.max_cached_tokens:,} "
                 f"(max_model_len {self.max_model_len:,}){temp}; total {_gb(self.total_bytes)}"
                 f"{mem}" + ("" if self.fits else "; DOES NOT FIT: " + " ".join(self.problems)))
@@ -287,13 +336,18 @@ def _suggest_tp(cfg: LlamaConfig, mc: MeshConfig, split: int, repl: int, other: 
     return None
 
 
+# The storage choices the plan compares (fp8_e5m2 stores as many bytes as fp8_e4m3).
+CHOICES = tuple((q, kv) for q in ("none", "int8", "fp8") for kv in ("auto", "int8", "fp8_e4m3"))
+
+
 def plan(cfg: LlamaConfig, engine_config: EngineConfig = EngineConfig(),
          device_memory_bytes: int | None = None, devices: Sequence[jax.Device] | None = None,
          model_name: str | None = None, compile: bool = True) -> MemoryPlan:
-    """The memory plan of serving ``cfg`` with ``engine_config`` on ``devices`` (default
-    ``jax.devices()``; the mesh takes the first ones), each with ``device_memory_bytes``
-    (default: the first device's memory as the engine reads it). Nothing is allocated and
-    no weight is read; ``compile=False`` skips lowering (no activation memory then)."""
+    """The memory plan of serving ``cfg`` (weights stored as its ``quantization``) with
+    ``engine_config`` on ``devices`` (default ``jax.devices()``; the mesh takes the first
+    ones), each with ``device_memory_bytes`` (default: the first device's, as the engine reads
+    it), and what each storage choice (``CHOICES``) caches in the same budget. Nothing is
+    allocated, no weight read; ``compile=False`` skips lowering (no activation memory)."""
     from jserve.engine.runner import state_spec
 
     geo = engine_geometry(cfg, engine_config)
@@ -310,7 +364,7 @@ def plan(cfg: LlamaConfig, engine_config: EngineConfig = EngineConfig(),
     weights = per_device_bytes(params)
     split, repl = _split_bytes(params)
     per_page = kv_bytes_per_page(cfg, engine_config.page_size, kv_heads_per_device(cfg, mc.tp),
-                                 cfg.num_hidden_layers // mc.spp)
+                                 cfg.num_hidden_layers // mc.spp, engine_config.kv_cache_dtype)
     rows = engine_config.max_num_seqs + geo.buckets.prefill_rows + 1
     state = per_device_bytes(state_spec(cfg, rows))
     source = ("num_kv_pages" if engine_config.num_kv_pages is not None else
@@ -340,9 +394,34 @@ def plan(cfg: LlamaConfig, engine_config: EngineConfig = EngineConfig(),
         pages_per_group=geo.buckets.pages_per_group if mc.kvp > 1 else None,
         state_bytes=state, step_shape=shape, step=step, sampler=sampler,
         device_memory_bytes=device_memory_bytes, memory_fraction=engine_config.memory_fraction,
-        kv_budget_source=source, compile_seconds=seconds)
+        kv_budget_source=source, compile_seconds=seconds,
+        kv_cache_dtype=engine_config.kv_cache_dtype, quantization=cfg.quantization)
+    p.choices = [_choice(cfg, engine_config, geo, mesh, devices[0], q, kv, state + act,
+                         device_memory_bytes, source) for q, kv in CHOICES]
     _check(p, cfg, mc, split, repl)
     return p
+
+
+def _choice(cfg: LlamaConfig, engine_config: EngineConfig, geo: Geometry, mesh, device,
+            quantization: str, kv_cache_dtype: str, other_bytes: int, device_memory_bytes: int,
+            source: str) -> Choice:
+    """What the plan's budget buys with weights stored as ``quantization`` and KV pages as
+    ``kv_cache_dtype`` (the rest of the plan, its activations included, unchanged)."""
+    mc = geo.mesh_config
+    weights = per_device_bytes(abstract_params(
+        dataclasses.replace(cfg, quantization=quantization), mesh, device))
+    per_page = kv_bytes_per_page(cfg, engine_config.page_size, kv_heads_per_device(cfg, mc.tp),
+                                 cfg.num_hidden_layers // mc.spp, kv_cache_dtype)
+    budget = (kv_budget_bytes(device_memory_bytes, engine_config.memory_fraction,
+                              weights + other_bytes) if source == "device memory" else None)
+    # What the budget holds, not capped at max_num_seqs x max_model_len as the pool is.
+    if engine_config.num_kv_pages is not None:
+        pages = engine_config.num_kv_pages
+    else:
+        budget = engine_config.kv_cache_bytes if budget is None else budget
+        pages = max(budget, 0) // per_page
+    return Choice(quantization, kv_cache_dtype, weights, per_page // engine_config.page_size,
+                  pages, mc.kvp * max(pages - 1, 0) * engine_config.page_size)
 
 
 def _compile_largest_step(cfg: LlamaConfig, engine_config: EngineConfig, geo: Geometry,
@@ -350,7 +429,8 @@ def _compile_largest_step(cfg: LlamaConfig, engine_config: EngineConfig, geo: Ge
     """(shape, step memory, sampler memory) of the largest bucket, compiled abstractly."""
     from jserve.engine.runner import ModelRunner
 
-    kv = abstract_kv_cache(cfg, 2, engine_config.page_size, mesh, device)
+    kv = abstract_kv_cache(cfg, 2, engine_config.page_size, mesh, device,
+                           engine_config.kv_cache_dtype)
     runner = ModelRunner(cfg, params, kv, geo.buckets, engine_config.max_num_seqs,
                          engine_config.attention_impl, mesh, abstract=True)
     shape = (geo.buckets.decode_rows[-1], geo.buckets.prefill_tokens[-1])
@@ -417,7 +497,8 @@ def describe_engine(engine) -> str:
         weight_bytes=per_device_bytes(runner.params), split_weight_bytes=split,
         kv_bytes_per_page=kv_bytes_per_page(cfg, config.page_size,
                                             kv_heads_per_device(cfg, mc.tp),
-                                            cfg.num_hidden_layers // mc.spp),
+                                            cfg.num_hidden_layers // mc.spp,
+                                            config.kv_cache_dtype),
         num_kv_pages=alloc.pool_blocks, kvp=alloc.groups, page_size=config.page_size,
         max_model_len=engine.max_model_len, max_num_seqs=config.max_num_seqs,
         max_useful_pages=config.max_num_seqs * (alloc.pages_per_group or
@@ -425,7 +506,8 @@ def describe_engine(engine) -> str:
         pages_per_group=alloc.pages_per_group,
         state_bytes=per_device_bytes(runner.state), step_shape=shape, step=step,
         sampler=sampler, device_memory_bytes=None, memory_fraction=config.memory_fraction,
-        kv_budget_source="engine")
+        kv_budget_source="engine", kv_cache_dtype=config.kv_cache_dtype,
+        quantization=cfg.quantization)
     return p.log_line()
 
 

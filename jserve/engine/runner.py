@@ -355,14 +355,16 @@ def _padded_page_ids(pages: Sequence[int]) -> np.ndarray:
     return ids
 
 
+# Swapping moves pages as stored (quantized pages with their scales: every leaf of the
+# cache has the page axis third).
 @jax.jit
 def _gather_pages(kv_cache: KVCache, ids: jax.Array) -> KVCache:
-    return tuple(pages[:, :, ids] for pages in kv_cache)
+    return jax.tree.map(lambda pages: pages[:, :, ids], kv_cache)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _scatter_pages(kv_cache: KVCache, ids: jax.Array, data: KVCache) -> KVCache:
-    return tuple(pages.at[:, :, ids].set(new) for pages, new in zip(kv_cache, data))
+    return jax.tree.map(lambda pages, new: pages.at[:, :, ids].set(new), kv_cache, data)
 
 
 def _check_capture_layer(cfg: LlamaConfig, layer: int | None, mesh) -> None:
@@ -570,16 +572,17 @@ class ModelRunner:
                  time.perf_counter() - t0, threads)
 
     # -- swapping KV pages to host memory and back ---------------------------------------
-    def read_pages(self, pages: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Host copies (k, v) of ``pages`` in every layer ([layers, Hkv, len(pages), S, D])."""
+    def read_pages(self, pages: Sequence[int]):
+        """Host copies (k, v) of ``pages`` in every layer ([layers, Hkv, len(pages), S, D]),
+        as stored (quantized pages: values and scales)."""
         ids = _padded_page_ids(pages)
-        k, v = jax.device_get(_gather_pages(self.kv_cache, ids))
-        return k[:, :, :len(pages)], v[:, :, :len(pages)]
+        data = jax.device_get(_gather_pages(self.kv_cache, ids))
+        return jax.tree.map(lambda x: x[:, :, :len(pages)], data)
 
-    def write_pages(self, pages: Sequence[int], data: tuple[np.ndarray, np.ndarray]) -> None:
+    def write_pages(self, pages: Sequence[int], data) -> None:
         ids = _padded_page_ids(pages)
         widths = ((0, 0), (0, 0), (0, len(ids) - len(pages)), (0, 0), (0, 0))
-        data = tuple(np.pad(x, widths) for x in data)
+        data = jax.tree.map(lambda x: np.pad(x, widths), data)
         self.kv_cache = _scatter_pages(self.kv_cache, ids, data)
 
     def execute(self, shape: tuple[int, int], arrays: StepArrays) -> SampleResult:

@@ -7,13 +7,14 @@ cache write before attention, follows the same choice. A Pallas flavour
 asked for on another backend (CPU in tests) runs in Pallas interpret mode: same kernel code,
 executed by XLA, slow but exact, which is how the engine is tested with the kernels.
 ``kv_parallel`` runs ``attention`` on one KV-cache-parallel group's pages and merges the
-groups' partial results.
+groups' partial results. Pages may be stored quantized (``kv_quant``: int8 with per-row
+scales, fp8); every implementation dequantizes the KV blocks it reads, inside the kernel.
 """
 from __future__ import annotations
 
 import jax
 
-from jserve.kernels import kv_write, pallas_gpu, pallas_tpu
+from jserve.kernels import kv_quant, kv_write, pallas_gpu, pallas_tpu
 from jserve.kernels.metadata import AttentionMetadata
 from jserve.kernels.reference import ragged_paged_attention
 
@@ -33,8 +34,11 @@ def resolve_impl(impl: str, backend: str | None = None) -> str:
     return next((name for name, (b, *_) in _KERNELS.items() if b == backend), "reference")
 
 
-def _layer(pages: jax.Array, layer) -> jax.Array:
-    return pages if layer is None else jax.lax.dynamic_index_in_dim(pages, layer, keepdims=False)
+def _layer(pages, layer):
+    """One layer of stacked pages (both leaves of quantized pages)."""
+    if layer is None:
+        return pages
+    return jax.tree.map(lambda p: jax.lax.dynamic_index_in_dim(p, layer, keepdims=False), pages)
 
 
 def attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: AttentionMetadata,
@@ -51,16 +55,26 @@ def attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: Attent
                   interpret=jax.default_backend() != backend)
 
 
-def write_kv(pages: jax.Array, slots: jax.Array, new: jax.Array,
-             impl: str = "reference", layer=None) -> jax.Array:
-    """Writes new [T, Hkv, D] into pages [Hkv, P, S, D] at flat slots [T]; with ``layer``,
-    into layer ``layer`` of a stacked cache [layers, Hkv, P, S, D] (returned whole)."""
-    impl = resolve_impl(impl)
+def _write(pages: jax.Array, slots: jax.Array, new: jax.Array, impl: str, layer) -> jax.Array:
     if impl == "reference":
         return kv_write.write_kv(pages, slots, new, layer=layer)
     backend, _, kernel = _KERNELS[impl]
     out = kernel(_layer(pages, layer), slots, new, interpret=jax.default_backend() != backend)
     return out if layer is None else jax.lax.dynamic_update_index_in_dim(pages, out, layer, 0)
+
+
+def write_kv(pages, slots: jax.Array, new: jax.Array, impl: str = "reference", layer=None):
+    """Writes new [T, Hkv, D] into pages [Hkv, P, S, D] at flat slots [T]; with ``layer``,
+    into layer ``layer`` of a stacked cache [layers, Hkv, P, S, D] (returned whole). The rows
+    are quantized to the pages' stored dtype first (``kv_quant``); int8 pages get their rows'
+    scales written to the same slots."""
+    impl = resolve_impl(impl)
+    values, scales = kv_quant.split(pages)
+    stored, new_scales = kv_quant.quantize(new, values.dtype)
+    out = _write(values, slots, stored, impl, layer)
+    if scales is None:
+        return out
+    return kv_quant.QuantizedPages(out, _write(scales, slots, new_scales, impl, layer))
 
 
 __all__ = ["AttentionMetadata", "attention", "write_kv", "resolve_impl", "ATTENTION_IMPLS"]

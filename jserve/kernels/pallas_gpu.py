@@ -11,6 +11,8 @@ decodes one token (one sequence) per block, prefill chunks ``prefill_block_rows 
 per block. Either launch splits the KV range of each block into parts run by separate
 programs (split-K) when it has too few programs to fill the GPU (a small decode batch, a short
 chunk at a long context); the parts are merged on their log-sum-exps.
+Quantized pages (``jserve.kernels.kv_quant``) are read as stored (int8 or fp8, plus the int8
+rows' scales) and dequantized per KV block in the kernel, to q's dtype for the matmuls.
 The reference for this kernel is :func:`jserve.kernels.reference.ragged_paged_attention`.
 """
 from __future__ import annotations
@@ -22,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jserve.kernels import blocks
+from jserve.kernels import blocks, kv_quant
 from jserve.kernels.metadata import AttentionMetadata
 
 PAGES_PER_BLOCK = 4
@@ -34,12 +36,21 @@ MAX_SPLITS = 32
 
 
 def _kernel(seq_lo_ref, seq_hi_ref, tok_pos_ref, q_end_ref, kv_lens_ref, table_ref, q_ref,
-            seq_ref, pos_ref, k_ref, v_ref, o_ref, lse_ref, *, pages_per_block,
-            blocks_per_split, tokens_per_block, scale):
+            seq_ref, pos_ref, k_ref, v_ref, *refs, pages_per_block, blocks_per_split,
+            tokens_per_block, scale):
+    # int8 pages bring their scales (ks_ref, vs_ref [P, S, 1]) before the outputs.
+    ks_ref, vs_ref, o_ref, lse_ref = refs if len(refs) == 4 else (None, None, *refs)
     b, split = pl.program_id(1), pl.program_id(2)
     rows, d = q_ref.shape
     chunk = pages_per_block * k_ref.shape[1]
     q, row_seq, row_pos = q_ref[...], seq_ref[...], pos_ref[...]
+
+    def load(ref, scale_ref, ids):
+        """A KV block [chunk, D] in q's dtype, dequantized in registers."""
+        x = ref[ids].reshape(chunk, d)
+        if scale_ref is not None:
+            x = x.astype(jnp.float32) * scale_ref[ids].reshape(chunk, 1)
+        return x.astype(q.dtype)
 
     def per_seq(s, carry):
         kv_end = blocks.causal_end(b, s, tok_pos_ref, q_end_ref, kv_lens_ref[s],
@@ -49,8 +60,7 @@ def _kernel(seq_lo_ref, seq_hi_ref, tok_pos_ref, q_end_ref, kv_lens_ref, table_r
 
         def per_block(j, carry):
             ids = table_ref[s, pl.ds(j * pages_per_block, pages_per_block)]
-            k = k_ref[ids].reshape(chunk, d)
-            v = v_ref[ids].reshape(chunk, d)
+            k, v = load(k_ref, ks_ref, ids), load(v_ref, vs_ref, ids)
             kv_pos = j * chunk + jnp.arange(chunk)
             valid = (row_seq[:, None] == s) & (kv_pos[None, :] <= row_pos[:, None])
             return blocks.attend_block(carry, q, k, v, valid, scale)
@@ -69,6 +79,7 @@ def _attend(rb: blocks.RowBlocks, k_pages, v_pages, kv_lens, page_table, *, spli
     """One launch over row blocks -> (out [Hkv, NB, R, D] f32, lse [Hkv, NB, R])."""
     hkv, nb, rows, d = rb.q.shape
     _, num_pages, page_size, _ = k_pages.shape
+    (k_values, k_scales), (v_values, v_scales) = map(kv_quant.split, (k_pages, v_pages))
     width = page_table.shape[1]
     blocks_per_split = -(-(width // pages_per_block) // splits)
     kernel = functools.partial(_kernel, pages_per_block=pages_per_block,
@@ -78,12 +89,17 @@ def _attend(rb: blocks.RowBlocks, k_pages, v_pages, kv_lens, page_table, *, spli
     per_row = pl.BlockSpec((None, rows), lambda h, b, k: (b, 0))
     pages = pl.BlockSpec((None, num_pages, page_size, d), lambda h, b, k: (h, 0, 0, 0))
     scalars = (rb.seq_lo, rb.seq_hi, rb.tok_pos, rb.q_end, kv_lens, page_table)
+    kv, kv_specs = [k_values, v_values], [pages, pages]
+    if k_scales is not None:
+        kv += [k_scales, v_scales]
+        kv_specs += [pl.BlockSpec((None, num_pages, page_size, 1),
+                                  lambda h, b, k: (h, 0, 0, 0))] * 2
     out, lse = pl.pallas_call(
         kernel,
         grid=(hkv, nb, splits),
         in_specs=[*map(whole, scalars),
                   pl.BlockSpec((None, None, rows, d), lambda h, b, k: (h, b, 0, 0)),
-                  per_row, per_row, pages, pages],
+                  per_row, per_row, *kv_specs],
         out_specs=[pl.BlockSpec((None, None, None, rows, d), lambda h, b, k: (k, h, b, 0, 0)),
                    pl.BlockSpec((None, None, None, rows), lambda h, b, k: (k, h, b, 0))],
         out_shape=[jax.ShapeDtypeStruct((splits, hkv, nb, rows, d), jnp.float32),
@@ -91,7 +107,7 @@ def _attend(rb: blocks.RowBlocks, k_pages, v_pages, kv_lens, page_table, *, spli
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="ragged_paged_attention_gpu",
-    )(*scalars, rb.q, rb.seq, rb.pos, k_pages, v_pages)
+    )(*scalars, rb.q, rb.seq, rb.pos, *kv)
     return blocks.merge_partials(out, lse) if splits > 1 else (out[0], lse[0])
 
 

@@ -8,6 +8,9 @@ cache stays in HBM (``pl.ANY``); the kernel copies ``pages_per_block`` pages per
 one of two VMEM buffers with async DMAs, starting step j+1's copies before computing on step
 j's buffer (double buffering), so the MXU works while the next KV block is in flight.
 
+Quantized pages (``jserve.kernels.kv_quant``) travel as stored (int8 or fp8, and the int8
+rows' scales, DMA'd beside their pages) and are dequantized in VMEM, to q's dtype.
+
 Limit: the flattened page table must fit SMEM (a few hundred thousand entries).
 The reference for this kernel is :func:`jserve.kernels.reference.ragged_paged_attention`.
 """
@@ -20,7 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jserve.kernels import blocks
+from jserve.kernels import blocks, kv_quant
 from jserve.kernels.metadata import AttentionMetadata
 
 PAGES_PER_BLOCK = 4
@@ -28,10 +31,17 @@ BLOCK_ROWS = 128
 
 
 def _kernel(seq_lo_ref, seq_hi_ref, tok_pos_ref, q_end_ref, kv_lens_ref, table_ref,  # SMEM
-            q_ref, seq_ref, pos_ref, k_hbm, v_hbm,  # inputs
-            o_ref, lse_ref,  # outputs
-            k_buf, v_buf, sem,  # scratch
-            *, pages_per_block, width, tokens_per_block, scale):
+            q_ref, seq_ref, pos_ref, k_hbm, v_hbm, *refs,
+            pages_per_block, width, tokens_per_block, scale):
+    # refs: [ks_hbm, vs_hbm] (int8 pages' scales), o_ref, lse_ref (outputs), k_buf, v_buf,
+    # [ks_buf, vs_buf], sem (scratch).
+    quantized = len(refs) == 9
+    if quantized:
+        ks_hbm, vs_hbm, o_ref, lse_ref, k_buf, v_buf, ks_buf, vs_buf, sem = refs
+        pairs = ((k_hbm, k_buf), (v_hbm, v_buf), (ks_hbm, ks_buf), (vs_hbm, vs_buf))
+    else:
+        o_ref, lse_ref, k_buf, v_buf, sem = refs
+        pairs = ((k_hbm, k_buf), (v_hbm, v_buf))
     h, b = pl.program_id(0), pl.program_id(1)
     rows, d = q_ref.shape
     page_size = k_hbm.shape[2]
@@ -43,7 +53,7 @@ def _kernel(seq_lo_ref, seq_hi_ref, tok_pos_ref, q_end_ref, kv_lens_ref, table_r
         out = []
         for i in range(pages_per_block):
             page = table_ref[s * width + j * pages_per_block + i]
-            for src, dst in ((k_hbm, k_buf), (v_hbm, v_buf)):
+            for src, dst in pairs:
                 out.append(pltpu.make_async_copy(
                     src.at[h, page], dst.at[slot, pl.ds(i * page_size, page_size)],
                     sem.at[slot]))
@@ -71,7 +81,12 @@ def _kernel(seq_lo_ref, seq_hi_ref, tok_pos_ref, q_end_ref, kv_lens_ref, table_r
                 c.wait()
             kv_pos = j * chunk + jax.lax.broadcasted_iota(jnp.int32, (1, chunk), 1)
             valid = (row_seq == s) & (kv_pos <= row_pos)
-            return blocks.attend_block(carry, q, k_buf[slot], v_buf[slot], valid, scale)
+            if quantized:  # dequantized in VMEM, to q's dtype for the MXU
+                k = (k_buf[slot].astype(jnp.float32) * ks_buf[slot]).astype(q.dtype)
+                v = (v_buf[slot].astype(jnp.float32) * vs_buf[slot]).astype(q.dtype)
+            else:
+                k, v = k_buf[slot].astype(q.dtype), v_buf[slot].astype(q.dtype)
+            return blocks.attend_block(carry, q, k, v, valid, scale)
 
         return jax.lax.fori_loop(0, n, per_block, carry)
 
@@ -89,6 +104,7 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     """Same contract as the reference: (out [T, Hq, D] in q's dtype, lse [T, Hq] float32)."""
     t, hq, d = q.shape
     hkv, _, page_size, _ = k_pages.shape
+    (k_values, k_scales), (v_values, v_scales) = map(kv_quant.split, (k_pages, v_pages))
     g = hq // hkv
     num_seqs, width = meta.page_table.shape
     pages_per_block = min(pages_per_block, width)
@@ -102,6 +118,13 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     kernel = functools.partial(_kernel, pages_per_block=pages_per_block, width=width,
                                tokens_per_block=bt, scale=d ** -0.5)
     per_row = pl.BlockSpec((None, rows, 1), lambda h, b, *_: (b, 0, 0))
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    kv, kv_specs = [k_values, v_values], [hbm, hbm]
+    buffers = [pltpu.VMEM((2, chunk, d), k_values.dtype), pltpu.VMEM((2, chunk, d), v_values.dtype)]
+    if k_scales is not None:
+        kv += [k_scales, v_scales]
+        kv_specs += [hbm, hbm]
+        buffers += [pltpu.VMEM((2, chunk, 1), k_scales.dtype)] * 2
     scalars = (rb.seq_lo, rb.seq_hi, rb.tok_pos, rb.q_end, meta.kv_lens,
                meta.page_table.reshape(-1))
     out, lse = pl.pallas_call(
@@ -110,17 +133,14 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
             num_scalar_prefetch=len(scalars),
             grid=(hkv, nb),
             in_specs=[pl.BlockSpec((None, None, rows, d), lambda h, b, *_: (h, b, 0, 0)),
-                      per_row, per_row,
-                      pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+                      per_row, per_row, *kv_specs],
             out_specs=[pl.BlockSpec((None, None, rows, d), lambda h, b, *_: (h, b, 0, 0)),
                        pl.BlockSpec((None, None, rows, 1), lambda h, b, *_: (h, b, 0, 0))],
-            scratch_shapes=[pltpu.VMEM((2, chunk, d), k_pages.dtype),
-                            pltpu.VMEM((2, chunk, d), v_pages.dtype),
-                            pltpu.SemaphoreType.DMA((2,))]),
+            scratch_shapes=[*buffers, pltpu.SemaphoreType.DMA((2,))]),
         out_shape=[jax.ShapeDtypeStruct((hkv, nb, rows, d), q.dtype),
                    jax.ShapeDtypeStruct((hkv, nb, rows, 1), jnp.float32)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=interpret,
         name="ragged_paged_attention_tpu",
-    )(*scalars, rb.q, rb.seq[..., None], rb.pos[..., None], k_pages, v_pages)
+    )(*scalars, rb.q, rb.seq[..., None], rb.pos[..., None], *kv)
     return blocks.unblock(out, t, g, bt), blocks.unblock(lse[..., 0], t, g, bt)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jserve.kernels import kv_quant
 from jserve.kernels.metadata import AttentionMetadata
 
 _MASKED = -1e30
@@ -40,15 +41,22 @@ def _finish(m, l, acc):
     return out, lse
 
 
-def _gather_block(pages, page_ids, layer=None):
-    """pages [Hkv, P, S, D], page_ids [..., n] -> [Hkv, ..., n*S, D]. With ``layer``, pages
-    are stacked [layers, Hkv, P, S, D] and read at that layer by the same single gather
-    (no copy of the layer's pages)."""
+def _gather(pages, page_ids, layer=None):
     if layer is None:
         g = pages[:, page_ids]
     else:  # mixed scalar/array indices around a slice put the indexed dims first
         g = jnp.moveaxis(pages[layer, :, page_ids], -3, 0)
     return g.reshape(*g.shape[:-3], g.shape[-3] * g.shape[-2], g.shape[-1])
+
+
+def _gather_block(pages, page_ids, layer=None):
+    """pages [Hkv, P, S, D], page_ids [..., n] -> float32 [Hkv, ..., n*S, D]. With ``layer``,
+    pages are stacked [layers, Hkv, P, S, D] and read at that layer by the same single gather
+    (no copy of the layer's pages). Quantized pages (``jserve.kernels.kv_quant``) are
+    dequantized block by block as they are read."""
+    values, scales = kv_quant.split(pages)
+    return kv_quant.dequantize(_gather(values, page_ids, layer),
+                               None if scales is None else _gather(scales, page_ids, layer))
 
 
 def _decode_attention(q, k_pages, v_pages, kv_lens, page_table, pages_per_block, scale,
@@ -76,8 +84,8 @@ def _decode_attention(q, k_pages, v_pages, kv_lens, page_table, pages_per_block,
         cols = blk[:, None] * pages_per_block + jnp.arange(pages_per_block)[None, :]
         ids = jnp.take_along_axis(page_table[row], jnp.clip(cols, 0, page_table.shape[1] - 1),
                                   axis=1)
-        k = _gather_block(k_pages, ids, layer).astype(jnp.float32)  # [Hkv, b, C, D]
-        v = _gather_block(v_pages, ids, layer).astype(jnp.float32)
+        k = _gather_block(k_pages, ids, layer)  # [Hkv, b, C, D]
+        v = _gather_block(v_pages, ids, layer)
         s = jnp.einsum("hbgd,hbcd->hbgc", qf[:, row], k)
         pos = blk[:, None] * block + jnp.arange(block)[None, :]
         valid = ((item < live_pairs)[:, None] & (pos < kv_lens[row][:, None]))[None, :, None, :]
@@ -126,8 +134,8 @@ def _prefill_attention(q, q_seq, q_pos, k_pages, v_pages, kv_lens, page_table, n
             def per_block(j, tile_carry):
                 ids = jax.lax.dynamic_slice_in_dim(page_table[i], j * pages_per_block,
                                                    pages_per_block)
-                k = _gather_block(k_pages, ids, layer).astype(jnp.float32)  # [Hkv, C, D]
-                v = _gather_block(v_pages, ids, layer).astype(jnp.float32)
+                k = _gather_block(k_pages, ids, layer)  # [Hkv, C, D]
+                v = _gather_block(v_pages, ids, layer)
                 s = jnp.einsum("hqd,hcd->hqc", qt, k).reshape(hkv, r, g, block)
                 pos = j * block + jnp.arange(block)
                 valid = rows[:, None] & (pos[None, :] <= pos_q[:, None]) & (pos[None, :] < seen)

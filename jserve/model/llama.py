@@ -15,6 +15,7 @@ from jserve.cache.pool import KVCache
 from jserve.config import LlamaConfig, inv_frequencies
 from jserve.kernels import AttentionMetadata, attention, write_kv
 from jserve.kernels.kv_parallel import kvp_attention, owned_slots
+from jserve.model.quant import matmul
 
 Params = dict[str, Any]
 
@@ -83,10 +84,13 @@ def prepare_params(params: Params) -> Params:
     if is_runtime_layout(params):
         return params
     layers = params["layers"]
-    stacked = {name: jnp.stack([layer[name] for layer in layers])
+    stack = lambda ws: jax.tree.map(lambda *a: jnp.stack(a), *ws)  # quantized: both leaves
+    stacked = {name: stack([layer[name] for layer in layers])
                for name in layers[0] if name not in ("w_gate", "w_up")}
-    stacked["w_gate_up"] = jnp.stack([jnp.concatenate([layer["w_gate"], layer["w_up"]], axis=1)
-                                      for layer in layers])
+    # Gate and up side by side on the output axis (per-output-channel scales follow it).
+    stacked["w_gate_up"] = stack([jax.tree.map(lambda g, u: jnp.concatenate([g, u], axis=-1),
+                                               layer["w_gate"], layer["w_up"])
+                                  for layer in layers])
     return {**params, "layers": stacked}
 
 
@@ -156,17 +160,17 @@ def decoder_layer(layer: Params, x: jax.Array, cos: jax.Array, sin: jax.Array,
     hq, hkv = layer["wq"].shape[1] // hd, layer["wk"].shape[1] // hd
     reduce = (lambda y: jax.lax.psum(y, tp_axis)) if tp_axis else (lambda y: y)
     h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
-    q = apply_rope((h @ layer["wq"]).reshape(*lead, hq, hd), cos, sin)
-    k = apply_rope((h @ layer["wk"]).reshape(*lead, hkv, hd), cos, sin)
-    v = (h @ layer["wv"]).reshape(*lead, hkv, hd)
+    q = apply_rope(matmul(h, layer["wq"]).reshape(*lead, hq, hd), cos, sin)
+    k = apply_rope(matmul(h, layer["wk"]).reshape(*lead, hkv, hd), cos, sin)
+    v = matmul(h, layer["wv"]).reshape(*lead, hkv, hd)
     out, aux = attend(q, k, v)
-    x = x + reduce(out.reshape(*lead, hq * hd).astype(x.dtype) @ layer["wo"])
+    x = x + reduce(matmul(out.reshape(*lead, hq * hd).astype(x.dtype), layer["wo"]))
     h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
     if "w_gate_up" in layer:
-        gate, up = jnp.split(h @ layer["w_gate_up"], 2, axis=-1)
+        gate, up = jnp.split(matmul(h, layer["w_gate_up"]), 2, axis=-1)
     else:
-        gate, up = h @ layer["w_gate"], h @ layer["w_up"]
-    x = x + reduce((jax.nn.silu(gate) * up) @ layer["w_down"])
+        gate, up = matmul(h, layer["w_gate"]), matmul(h, layer["w_up"])
+    x = x + reduce(matmul(jax.nn.silu(gate) * up, layer["w_down"]))
     return x, aux
 
 

@@ -14,6 +14,7 @@ validates a mesh against it without loading JAX.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -53,8 +54,12 @@ def tp_layout_leaf(name: str, w, cfg: LlamaConfig, tp: int):
     ``tp`` split gives each shard its own pieces: wk/wv columns follow ``kv_head_map`` and
     ``w_gate_up`` is laid out shard-major as [gate_0, up_0, gate_1, up_1, ...], so every
     shard's half-split still yields its gate slice and the matching up slice. The identity
-    at ``tp=1`` and for every other leaf."""
-    d, hd, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    at ``tp=1`` and for every other leaf. A quantized leaf (values [layers, in, out] and
+    per-output-channel scales [layers, 1, out]) has both reordered by column."""
+    if hasattr(w, "qvalue"):  # a qwix QArray (jserve.model.quant), duck-typed: no JAX here
+        return dataclasses.replace(w, qvalue=tp_layout_leaf(name, w.qvalue, cfg, tp),
+                                   scale=tp_layout_leaf(name, w.scale, cfg, tp))
+    d, hd, i = w.shape[1], cfg.head_dim, cfg.intermediate_size  # d: 1 for scales
     n = w.shape[0]
     if name in ("wk", "wv") and tp > 1:
         return w.reshape(n, d, -1, hd)[:, :, kv_head_map(cfg, tp)].reshape(n, d, -1)

@@ -19,7 +19,7 @@ import orbax.checkpoint as ocp
 from safetensors import safe_open
 
 from jserve.config import LlamaConfig
-from jserve.model import tp_layout
+from jserve.model import quant, tp_layout
 from jserve.tokenizer import TOKENIZER_FILES, ByteTokenizer, Tokenizer, load_tokenizer
 
 Params = dict[str, Any]
@@ -72,7 +72,8 @@ def init_params(cfg: LlamaConfig, seed: int = 0) -> Params:
             return jnp.ones(shape, dtype)
         return jnp.asarray(rng.normal(0.0, 0.02, size=shape).astype(np.float32), dtype=dtype)
 
-    return jax.tree.map(make, param_shapes(cfg), is_leaf=_is_shape)
+    return quant.quantize_params(jax.tree.map(make, param_shapes(cfg), is_leaf=_is_shape),
+                                 cfg.quantization)
 
 
 def _hf_name_map(cfg: LlamaConfig) -> dict[str, tuple[tuple[str | int, ...], bool]]:
@@ -123,7 +124,8 @@ def load_hf_safetensors(model_dir: str | Path, cfg: LlamaConfig) -> Params:
 
     Tensors are read one at a time (safetensors' flax framework, which handles bf16 where
     numpy cannot) and transposed/cast immediately, so at most one raw tensor is alive beside
-    the converted params.
+    the converted params. With ``cfg.quantization`` each layer matrix is quantized as soon
+    as it is read (``jserve.model.quant``).
     """
     dtype = cfg.np_dtype
     # Fresh containers holding expected shapes; every leaf is replaced by its tensor below.
@@ -136,6 +138,8 @@ def load_hf_safetensors(model_dir: str | Path, cfg: LlamaConfig) -> Params:
         for key in path[:-1]:
             node = node[key]
         _check_shape(name, tensor.shape, node[path[-1]])
+        if cfg.quantization != "none" and path[-1] in quant.QUANTIZED_LEAVES:
+            tensor = quant.quantize_weight(tensor, cfg.quantization)
         node[path[-1]] = tensor
     return params
 
@@ -294,6 +298,11 @@ def load_hf_runtime(model_dir: str | Path, cfg: LlamaConfig,
     and written in place into their preallocated stacked array, so the host holds about one
     tensor (one layer's) at a time instead of one copy of the model per device. Tensors are
     cast to ``cfg.dtype`` slice by slice: a bf16 checkpoint stays bf16.
+
+    With ``cfg.quantization`` a layer matrix is read whole on the host (one layer's tensor:
+    per-output-channel scales need every input row), quantized there
+    (``quant.quantize_host``), and only its quantized shards go to the devices, so a model
+    that fits only quantized loads.
     """
     from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
@@ -349,6 +358,11 @@ def load_hf_runtime(model_dir: str | Path, cfg: LlamaConfig,
         layers: Params = {}
         for name, shape in shapes["layers"].items():
             spec = P(*tp_layout.layer_axes(name))
+            if cfg.quantization != "none" and name in quant.QUANTIZED_LEAVES:
+                layers[name] = _stream_quantized(
+                    cfg, [sources["layers"](i)[name] for i in range(n)], files, shape, spec,
+                    sharding_of, bar)
+                continue
             stacked = sharding_of(spec)
             per_layer = sharding_of(P(*spec[1:]))
             buf = jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=stacked)()
@@ -366,6 +380,33 @@ def load_hf_runtime(model_dir: str | Path, cfg: LlamaConfig,
         for h in handles.values():
             h.__exit__(None, None, None)
     return params
+
+
+def _stream_quantized(cfg: LlamaConfig, sources: list, files: dict[str, Any],
+                      shape: tuple[int, ...], spec, sharding_of, bar):
+    """One stacked quantized layer leaf: each layer's matrix read whole on the host,
+    quantized there, and its values' and scales' shards placed (``load_hf_runtime``)."""
+    from jax.sharding import PartitionSpec as P
+
+    specs = (spec, quant.scale_spec(spec))
+    abstract = quant.abstract_weight(shape, cfg.quantization)
+    stacked = quant.from_parts(*map(sharding_of, specs), cfg.quantization)
+    per_layer = [sharding_of(P(*sp[1:])) for sp in specs]
+    buf = jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract),
+                  out_shardings=stacked)()
+    write = jax.jit(lambda b, x, i: jax.tree.map(
+        lambda bb, xx: jax.lax.dynamic_update_index_in_dim(bb, xx, i, 0), b, x),
+        donate_argnums=0, out_shardings=stacked)
+    for i, source in enumerate(sources):
+        whole = source.read(files, (slice(None), slice(None)), shape[1:], cfg.np_dtype)
+        parts = quant.quantize_host(whole, cfg.quantization)
+        del whole
+        x = quant.from_parts(*(jax.make_array_from_callback(h.shape, sh, lambda idx, h=h: h[idx])
+                               for h, sh in zip(parts, per_layer)), cfg.quantization)
+        buf = write(buf, x, np.int32(i))
+        del x, parts
+        bar.update()
+    return buf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -387,19 +428,26 @@ class LazyCheckpoint:
         return load_hf_safetensors(self.model_dir, self.cfg)
 
 
-def _abstract_params(cfg: LlamaConfig) -> Params:
-    """Restore targets; the sharding makes orbax return jax arrays on the default device."""
+def _abstract_params(cfg: LlamaConfig, stored: str = "none") -> Params:
+    """Restore targets; the sharding makes orbax return jax arrays on the default device.
+    ``stored``: the quantization the checkpoint was saved with."""
     sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     dtype = cfg.np_dtype
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype, sharding=sharding),
-                        param_shapes(cfg), is_leaf=_is_shape)
+    params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype, sharding=sharding),
+                          param_shapes(cfg), is_leaf=_is_shape)
+    if stored != "none":
+        params["layers"] = [{k: quant.abstract_weight(v.shape, stored, sharding, sharding)
+                             if k in quant.QUANTIZED_LEAVES else v for k, v in layer.items()}
+                            for layer in params["layers"]]
+    return params
 
 
 def save_orbax(ckpt_dir: str | Path, cfg: LlamaConfig, params: Params,
                tokenizer_dir: str | Path | None = None,
                tokenizer: Tokenizer | None = None) -> None:
     """Write a self-describing checkpoint: config.json, orbax ``params/``, tokenizer files
-    (copied from ``tokenizer_dir``, or the built-in byte tokenizer's marker)."""
+    (copied from ``tokenizer_dir``, or the built-in byte tokenizer's marker). Quantized
+    params (``cfg.quantization``) are saved as stored: values and scales."""
     ckpt_dir = Path(ckpt_dir).absolute()
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     (ckpt_dir / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
@@ -414,9 +462,14 @@ def save_orbax(ckpt_dir: str | Path, cfg: LlamaConfig, params: Params,
 
 
 def restore_orbax(ckpt_dir: str | Path, cfg: LlamaConfig) -> Params:
-    """Read ``params/`` from :func:`save_orbax`, cast to ``cfg.dtype``."""
+    """Read ``params/`` from :func:`save_orbax`, cast to ``cfg.dtype``; a full-precision
+    checkpoint asked for with ``cfg.quantization`` is quantized after reading."""
+    ckpt_dir = Path(ckpt_dir).absolute()
+    stored = json.loads((ckpt_dir / "config.json").read_text()).get("jserve_quantization",
+                                                                   "none")
     with ocp.StandardCheckpointer() as ckptr:
-        return ckptr.restore(Path(ckpt_dir).absolute() / "params", _abstract_params(cfg))
+        params = ckptr.restore(ckpt_dir / "params", _abstract_params(cfg, stored))
+    return quant.quantize_params(params, cfg.quantization)
 
 
 # Built-in checkpoints shipped inside the package, by name (scripts/train_task_model.py).
@@ -428,25 +481,32 @@ def resolve_model_dir(model: str) -> Path:
     return BUILTIN_MODELS.get(model, Path(model))
 
 
-def load_config(model: str, dtype: str | None = None) -> LlamaConfig:
-    """The config ``load_model`` would use, without reading any weights."""
+def load_config(model: str, dtype: str | None = None,
+                quantization: str | None = None) -> LlamaConfig:
+    """The config ``load_model`` would use, without reading any weights. ``quantization``
+    None: as stored (none, or a quantized orbax checkpoint's)."""
     if model == "default":
-        return DEFAULT_CONFIG if dtype is None else dataclasses.replace(DEFAULT_CONFIG, dtype=dtype)
+        return dataclasses.replace(DEFAULT_CONFIG, dtype=dtype or DEFAULT_CONFIG.dtype,
+                                   quantization=quantization or "none")
     path = resolve_model_dir(model)
     if not path.is_dir():
         raise FileNotFoundError(f"model {model!r} is not a directory (built-in models: 'default', "
                                 f"the random model, and {', '.join(map(repr, BUILTIN_MODELS))})")
     if not (path / "config.json").exists():
         raise ValueError(f"model directory {path} has no config.json")
-    return LlamaConfig.from_json_file(path / "config.json", dtype=dtype)
+    return LlamaConfig.from_json_file(path / "config.json", dtype=dtype,
+                                      quantization=quantization)
 
 
-def load_model(model: str, dtype: str | None = None, seed: int = 0, *,
-               lazy: bool = False) -> tuple[LlamaConfig, Params | LazyCheckpoint, Tokenizer | None]:
+def load_model(model: str, dtype: str | None = None, seed: int = 0, *, lazy: bool = False,
+               quantization: str | None = None
+               ) -> tuple[LlamaConfig, Params | LazyCheckpoint, Tokenizer | None]:
     """Resolve ``--model``: "default" (built-in random model), "tiny-tasks" (the packaged
     trained model), an orbax or a HF directory. ``lazy``: a HF safetensors directory gives a
-    :class:`LazyCheckpoint` (nothing read yet) that ``LLMEngine`` streams onto its mesh."""
-    cfg = load_config(model, dtype)
+    :class:`LazyCheckpoint` (nothing read yet) that ``LLMEngine`` streams onto its mesh.
+    ``quantization`` (none | int8 | fp8): weight-only quantization of the layer matrices on
+    load (None: as stored)."""
+    cfg = load_config(model, dtype, quantization)
     if model == "default":
         return cfg, init_params(cfg, seed), ByteTokenizer()
     path = resolve_model_dir(model)

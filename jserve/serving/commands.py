@@ -181,7 +181,8 @@ def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
         metrics_open=a.metrics_open, served_model_names=served_model_names(a),
         limits=client_limits(a))
     join_processes(a)
-    llm = LLM(a.model, dtype=a.dtype, scheduler=a.scheduler, length_probe=a.length_probe,
+    llm = LLM(a.model, dtype=a.dtype, quantization=a.quantization, scheduler=a.scheduler,
+              length_probe=a.length_probe,
               sprpt_c=a.sprpt_c, tpot_slo=a.tpot_slo, prefill_share=a.prefill_share,
               **engine_kwargs)
 
