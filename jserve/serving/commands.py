@@ -102,6 +102,10 @@ def add_serve_parser(sub, add_engine_args: Callable, engine_kwargs: Callable) ->
     add_limit_args(s)
     s.add_argument("--grace-period", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
+    s.add_argument("--drain-notice", type=float, default=0.0,
+                   help="seconds after SIGTERM during which /health (and the gRPC health "
+                        "check) fail while requests are still served, so a router stops "
+                        "sending before the drain refuses anything")
     s.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key)")
     s.add_argument("--tls-key", default=None, help="PEM private key (with --tls-cert)")
     s.add_argument("--auth-token", default=None,
@@ -176,7 +180,8 @@ def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
         host=a.host, port=a.port, metrics_port=None if a.metrics_port < 0 else a.metrics_port,
         http_port=None if a.http_port < 0 else a.http_port,
         max_waiting=a.max_waiting, max_request_bytes=a.max_request_bytes,
-        grace_period=a.grace_period, tls_cert=a.tls_cert, tls_key=a.tls_key,
+        grace_period=a.grace_period, drain_notice=a.drain_notice, tls_cert=a.tls_cert,
+        tls_key=a.tls_key,
         auth_token=a.auth_token or os.environ.get(TOKEN_ENV) or None,
         metrics_open=a.metrics_open, served_model_names=served_model_names(a),
         limits=client_limits(a))
