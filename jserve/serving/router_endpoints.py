@@ -137,8 +137,8 @@ class RouterEndpoints:
     async def _health_generate(self, request: Request) -> Response:
         gw = self.gateway
         if not gw.healthy:
-            return JSONResponse({"status": "draining" if gw.draining or gw.leaving else "engine stopped"},
-                                status_code=503)
+            state = "draining" if gw.draining or gw.leaving else "engine stopped"
+            return JSONResponse({"status": state}, status_code=503)
         try:
             await asyncio.wait_for(gw.engine_loop.call(lambda eng: None), 10.0)
         except (asyncio.TimeoutError, RuntimeError):
