@@ -14,7 +14,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 JAX_FREE_TESTS = [f"tests/test_{name}.py" for name in (
     "scheduler", "scheduler_properties", "deadline_scheduler", "predictor_chunking", "data",
-    "sim_hardware", "sim_loongserve", "sim_policies", "sim_simulator", "sim_trace", "routing")]
+    "sim_hardware", "sim_loongserve", "sim_policies", "sim_simulator", "sim_trace", "routing",
+    "sim_cluster")]
 
 _SCRIPT = """
 import importlib, pkgutil, sys
