@@ -10,7 +10,8 @@
 - SGLang's load endpoints, which ``smg`` (SGLang's model gateway) polls: ``GET /get_load``
   (and ``/v1/loads``): one entry per data-parallel rank (jserve has one) with ``num_reqs``
   (waiting + running), ``num_waiting_reqs`` and ``num_tokens`` (KV tokens in use);
-  ``/get_model_info``, ``/get_server_info``; ``/health_generate``: 200 only when the engine
+  ``/model_info`` and ``/server_info`` (and their older ``/get_`` names), which smg reads when
+  it registers a worker; ``/health_generate``: 200 only when the engine
   thread answers between steps (``/health`` only says the server is up and not draining).
 - jserve's own: ``GET /v1/route/load``: this replica's ``jserve.routing.ReplicaLoad``;
   ``POST /v1/route/wait`` with ``prompt`` (text or token ids) or ``prompt_tokens`` (a length)
@@ -93,7 +94,9 @@ class RouterEndpoints:
             Route("/get_load", self._get_load, methods=["GET"]),
             Route("/v1/loads", self._get_load, methods=["GET"]),
             Route("/get_model_info", self._model_info, methods=["GET"]),
+            Route("/model_info", self._model_info, methods=["GET"]),
             Route("/get_server_info", self._server_info, methods=["GET"]),
+            Route("/server_info", self._server_info, methods=["GET"]),
             Route("/health_generate", self._health_generate, methods=["GET"]),
             Route("/v1/route/load", self._route_load, methods=["GET"]),
             Route("/v1/route/wait", self._route_wait, methods=["POST"]),
