@@ -189,3 +189,18 @@ def test_a_deadline_replica_reports_deadlines_relative_to_now():
     assert p.due_s == pytest.approx(0.3) and p.work_s == pytest.approx(0.3, rel=0.01)
     assert predicted_ttft(load, 50, ttft_slo=0.25) == pytest.approx(0.05, rel=0.05)
     assert predicted_ttft(load, 50, ttft_slo=1.0) == pytest.approx(0.35, rel=0.05)
+
+
+def test_prefix_memory_guesses_cached_pages_from_where_prompts_went():
+    from jserve.routing.prefix_memory import PrefixMemory
+    m = PrefixMemory(page_size=4, capacity=5)
+    doc = list(range(1, 21))  # 5 pages of 4
+    m.record("a", doc)
+    assert m.cached_tokens("a", doc[:12] + [99, 98]) == 12
+    assert m.cached_tokens("a", doc) == 16  # the last token is always computed
+    assert m.cached_tokens("b", doc) == 0
+    assert m.cached_tokens("a", [0] + doc) == 0  # the same tokens at other positions
+    m.record("a", [50, 51, 52, 53, 54, 55, 56, 57, 58])  # 2 more pages: doc's first one goes
+    assert m.cached_tokens("a", doc) == 0  # its first page is gone, so no run starts
+    m.forget("a")
+    assert m.cached_tokens("a", [50, 51, 52, 53, 54]) == 0

@@ -113,6 +113,17 @@ def add_serve_parser(sub, add_engine_args: Callable, engine_kwargs: Callable) ->
     s.add_argument("--metrics-open", action="store_true",
                    help="serve /metrics without the bearer token even with --auth-token")
     s.add_argument("--log-level", default="INFO")
+    g = s.add_argument_group("Ray Serve (docs/scale_out.md): replicas of this engine behind a "
+                             "router, the OpenAI API on --http-port (no gRPC)")
+    g.add_argument("--ray", action="store_true", help="serve as a Ray Serve application")
+    g.add_argument("--replicas", type=int, default=2, help="engines (one per Ray replica)")
+    g.add_argument("--router", default="deadline",
+                   choices=("round_robin", "least_load", "prefix", "deadline"),
+                   help="how the ingress picks a replica (jserve.routing)")
+    g.add_argument("--autoscale", default=None, metavar="MIN,MAX",
+                   help="replicas follow queue depth between MIN and MAX instead of --replicas")
+    g.add_argument("--gpus-per-replica", type=float, default=0.0)
+    g.add_argument("--ray-address", default=None, help="a running Ray cluster (default: local)")
     s.set_defaults(func=lambda a: serve_command(a, engine_kwargs(a)))
 
 
@@ -168,8 +179,30 @@ def client_limits(a: argparse.Namespace) -> ClientLimits:
                         or None, max_choices=a.max_choices)
 
 
+def ray_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
+    from jserve.serving.ray_app import run
+
+    engine = dict(engine_kwargs, dtype=a.dtype, scheduler=a.scheduler, tpot_slo=a.tpot_slo,
+                  prefill_share=a.prefill_share)
+    args = dict(model=a.model, replicas=a.replicas, router=a.router, engine=engine,
+                server=dict(served_model_names=served_model_names(a),
+                            max_waiting=a.max_waiting, max_request_bytes=a.max_request_bytes,
+                            auth_token=a.auth_token or os.environ.get(TOKEN_ENV) or None,
+                            metrics_open=a.metrics_open, limits=client_limits(a)),
+                num_gpus=a.gpus_per_replica, address=a.ray_address, grace_s=a.grace_period)
+    if a.autoscale:
+        args["autoscale"] = a.autoscale
+    port = 8000 if a.http_port <= 0 else a.http_port
+    return run(args, a.host, port, ready=lambda: print(
+        f"jserve: serving {a.model} on Ray Serve, OpenAI API http://{a.host}:{port}/v1 "
+        f"({a.autoscale or a.replicas} replicas behind {a.router})", flush=True))
+
+
 def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
     import asyncio
+
+    if a.ray:
+        return ray_command(a, engine_kwargs)
 
     from jserve import LLM
     from jserve.serving.server import ServerConfig, serve

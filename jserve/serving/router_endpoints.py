@@ -149,7 +149,7 @@ class RouterEndpoints:
         return JSONResponse({"status": "ok"})
 
     # -- jserve's routing reports ----------------------------------------------------------
-    def _load(self, eng, now: float) -> ReplicaLoad:
+    def load(self, eng, now: float) -> ReplicaLoad:
         """On the engine thread: this replica's report now."""
         if self._table is None:
             self._table = self._prefill_table(eng)
@@ -172,7 +172,7 @@ class RouterEndpoints:
     async def _route_load(self, request: Request) -> Response:
         if (denied := self._denied(request)) is not None:
             return denied
-        load = await self.gateway.engine_loop.call(lambda eng: self._load(eng, time.monotonic()))
+        load = await self.gateway.engine_loop.call(lambda eng: self.load(eng, time.monotonic()))
         return JSONResponse(load.to_dict())
 
     async def _route_wait(self, request: Request) -> Response:
@@ -191,7 +191,7 @@ class RouterEndpoints:
             return Response(status_code=499)
 
         def read(eng):
-            load = self._load(eng, time.monotonic())
+            load = self.load(eng, time.monotonic())
             cached = cached_tokens(eng.scheduler, ids) if ids is not None else 0
             return load, cached
         load, cached = await self.gateway.engine_loop.call(read)
