@@ -19,7 +19,8 @@ from jserve import SamplingParams
 from jserve.routing import ReplicaLoad, ReplicaView, RouteRequest, choose, predicted_ttft
 
 pytestmark = pytest.mark.slow
-ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=8, max_prefill_seqs=2, max_model_len=4096,
+# Chunks of 4 tokens: a 4,000-token document takes a thousand steps to prefill.
+ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=4, max_prefill_seqs=2, max_model_len=4096,
               warmup=False)
 
 
@@ -75,14 +76,18 @@ def test_openai_client_gets_the_offline_completions_through_the_ingress(ray_app,
 def test_the_deadline_router_sends_a_short_request_to_the_idle_replica(ray_app):
     result = {}
 
-    def document():  # 3,600 tokens in chunks of 8: hundreds of steps of prefill
+    decided = len(httpx.get(ray_app + "/v1/route/decisions", timeout=30).json())
+
+    def document():  # 4,000 tokens in chunks of 4
         r = httpx.post(ray_app + "/v1/completions", timeout=300, json={
-            "model": "default", "prompt": "lorem ipsum " * 300, "max_tokens": 2,
+            "model": "default", "prompt": "lorem ipsum " * 333, "max_tokens": 2,
             "temperature": 0, "ignore_eos": True})
         result["doc"] = r
     t = threading.Thread(target=document)
     t.start()
-    time.sleep(1.0)  # the document is being prefilled; the routing stats show it
+    while len(httpx.get(ray_app + "/v1/route/decisions", timeout=30).json()) == decided:
+        time.sleep(0.01)
+    time.sleep(0.3)  # the document is being prefilled, and the routing stats show it
     short = httpx.post(ray_app + "/v1/completions", timeout=120, json={
         "model": "default", "prompt": "hi", "max_tokens": 2, "temperature": 0,
         "ignore_eos": True})
@@ -111,17 +116,18 @@ def test_a_killed_replica_loses_no_accepted_request(ray_app, llm):
     assert len(names) == 2
     prompts = [f"{i} is the number of this request" for i in range(8)]  # no shared prefix
     decided = len(httpx.get(ray_app + "/v1/route/decisions", timeout=30).json())
-    want = [o.text for o in llm.generate(prompts, _greedy(48))]
+    want = [o.text for o in llm.generate(prompts, _greedy(160))]
 
     def ask(p):
         r = httpx.post(ray_app + "/v1/completions", timeout=300, json={
-            "model": "default", "prompt": p, "max_tokens": 48, "temperature": 0,
+            "model": "default", "prompt": p, "max_tokens": 160, "temperature": 0,
             "ignore_eos": True})
         return r.status_code, r.json(), r.headers.get("x-jserve-replica")
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(ask, p) for p in prompts]
-        time.sleep(0.5)  # requests accepted on both replicas
-        sent = httpx.get(ray_app + "/v1/route/decisions", timeout=30).json()[decided:]
+        sent = []
+        while len(sent) < len(prompts):  # every request accepted by a replica
+            sent = httpx.get(ray_app + "/v1/route/decisions", timeout=30).json()[decided:]
         victim = next(n for n in names if n.endswith("#" + sent[0]["chosen"]))
         assert len({d["chosen"] for d in sent}) == 2  # spread over both
         ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=False)
