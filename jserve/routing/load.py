@@ -9,7 +9,8 @@ policy without a predictor, the engine's estimate). From those ``predicted_ttft`
 "what would a request of n tokens, k of them cached here, wait here": its own uncached prefill
 T(n) - T(k) plus the work the replica would run before it. A FIFO replica (``sarathi``,
 ``fcfs``, ``sprpt``) runs every queued prefill first; a deadline-ordered one (``edf``, ``lrs``,
-``lars``) runs first the prefills whose deadlines come before the newcomer's.
+``lars``) runs first the prefills whose deadlines come before the newcomer's. Either runs them
+at the share of each iteration its running decodes leave (``prefill_rate``).
 """
 from __future__ import annotations
 
@@ -85,6 +86,18 @@ class ReplicaLoad:
     prefills: tuple[QueuedPrefill, ...]
     table: PrefillTable
     long_threshold: int = 32768  # prompt tokens left that make a prefill "long"
+    # The iteration: its time budget (the deadline policies' t_target; else the time of a
+    # full token-budget chunk) and the predicted time of the running decodes' share of it.
+    # Prefills progress at (1 - decode_s / t_target) of full speed. 0: unknown.
+    t_target: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def prefill_rate(self) -> float:
+        """Share of each iteration left to prefills (at least 5%)."""
+        if self.t_target <= 0:
+            return 1.0
+        return max(1.0 - self.decode_s / self.t_target, 0.05)
 
     @property
     def outstanding(self) -> int:
@@ -115,7 +128,8 @@ class ReplicaLoad:
             prefills=tuple(QueuedPrefill(math.inf if due is None else float(due), float(w),
                                          int(n)) for due, w, n in d["prefills"]),
             table=PrefillTable(tuple(t["lengths"]), tuple(t["times"]), float(t["drain_s"])),
-            long_threshold=int(d.get("long_threshold", 32768)))
+            long_threshold=int(d.get("long_threshold", 32768)),
+            t_target=float(d.get("t_target", 0.0)), decode_s=float(d.get("decode_s", 0.0)))
 
 
 def default_deadline(own_s: float) -> float:
@@ -127,7 +141,8 @@ def predicted_ttft(load: ReplicaLoad, prompt_tokens: int, cached_tokens: int = 0
                    ttft_slo: float | None = None) -> float:
     """Seconds from now to the first token of a ``prompt_tokens`` request on this replica,
     ``cached_tokens`` of which it holds in its prefix cache: the replica's work ahead of the
-    request plus the request's own uncached prefill."""
+    request plus the request's own uncached prefill, at the speed the running decodes leave
+    to prefills."""
     own = load.table.remaining(prompt_tokens, min(cached_tokens, prompt_tokens - 1))
     if load.order == FIFO:
         ahead = load.queued_work_s
@@ -135,4 +150,4 @@ def predicted_ttft(load: ReplicaLoad, prompt_tokens: int, cached_tokens: int = 0
         due = ttft_slo if ttft_slo is not None else default_deadline(
             load.table.remaining(prompt_tokens, 0))
         ahead = sum(p.work_s for p in load.prefills if p.due_s <= due)
-    return ahead + own
+    return (ahead + own) / load.prefill_rate

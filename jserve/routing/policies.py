@@ -10,8 +10,8 @@ replicas' reports (``choose``). Nothing here keeps state; ``Router`` only number
   Among the replicas that meet the deadline it prefers the one holding the most of the prompt
   (a prefix hit that costs no deadline); a long prompt goes to the replica with the fewest
   long prefills among those that meet it (long requests do not pile onto one replica). When
-  none meets the deadline, the least late. Ties: less queued prefill work, fewer outstanding
-  requests, lower index.
+  none meets the deadline, the least late. Ties: fewer outstanding requests, less KV in use,
+  lower index.
 """
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def _deadline(request: RouteRequest, views: Sequence[ReplicaView], healthy: list
                               request.ttft_slo) for i in healthy}
 
     def tie(i: int) -> tuple:
-        return (views[i].load.queued_work_s,) + _load_key(views[i], i)
+        return _load_key(views[i], i)
     first = views[healthy[0]].load
     due = request.ttft_slo if request.ttft_slo is not None else default_deadline(
         first.table.remaining(request.prompt_tokens, 0))

@@ -13,6 +13,8 @@ from jserve.cache.prefix import extend_page_keys
 from jserve.routing.load import DEADLINE_ORDER, FIFO, PrefillTable, QueuedPrefill, ReplicaLoad
 from jserve.scheduler.base import SchedulerBase
 from jserve.scheduler.chunking import PrefillTimeCache
+from jserve.scheduler.plan import BatchPlan, ScheduledChunk
+from jserve.scheduler.predictor import RuntimePredictor
 
 
 def prefill_table(cache: PrefillTimeCache, max_len: int) -> PrefillTable:
@@ -32,23 +34,33 @@ def cached_tokens(scheduler: SchedulerBase, token_ids: Sequence[int]) -> int:
 
 
 def replica_load(name: str, scheduler: SchedulerBase, table: PrefillTable, now: float, *,
-                 healthy: bool = True) -> ReplicaLoad:
+                 healthy: bool = True, predictor: RuntimePredictor | None = None
+                 ) -> ReplicaLoad:
     """The report of ``scheduler`` at time ``now`` (its clock's): every request with prompt
-    left, with its deadline and remaining isolated prefill work by ``table``."""
+    left, with its deadline and remaining isolated prefill work by ``table``; with
+    ``predictor``, the iteration budget and the running decodes' time in it."""
     config = getattr(scheduler, "config", None)
     deadline_order = getattr(scheduler, "policy", "") in ("edf", "lrs", "lars")
-    prefills = []
+    prefills, decodes = [], []
     for req in (*scheduler.running, *scheduler.waiting):
         total, done = len(req.token_ids), req.num_done
-        if req.status.finished or total - done < 1 or (req.num_output_tokens and
-                                                       total - done == 1):
-            continue  # finished, or a decode
+        if req.status.finished or total - done < 1:
+            continue
+        if req.num_output_tokens and total - done == 1:
+            decodes.append(ScheduledChunk(req.request_id, total - 1, 1, True))
+            continue
         due = (req.ttft_deadline - now if req.ttft_deadline is not None
                and not req.num_output_tokens else math.inf)
         prefills.append(QueuedPrefill(due, table.remaining(total, done), total - done))
     alloc = scheduler.allocator
+    t_target = decode_s = 0.0
+    if predictor is not None:
+        t_target = getattr(config, "t_target", None) or predictor.predict(BatchPlan((), (
+            ScheduledChunk("_", 0, scheduler.token_budget, False),)))
+        decode_s = predictor.predict(BatchPlan(tuple(decodes), ())) if decodes else 0.0
     return ReplicaLoad(
         replica=name, healthy=healthy, waiting=len(scheduler.waiting),
         running=len(scheduler.running), kv_usage=alloc.num_allocated / max(alloc.total, 1),
         order=DEADLINE_ORDER if deadline_order else FIFO, prefills=tuple(prefills),
-        table=table, long_threshold=getattr(config, "long_threshold", 32768))
+        table=table, long_threshold=getattr(config, "long_threshold", 32768),
+        t_target=t_target, decode_s=decode_s)

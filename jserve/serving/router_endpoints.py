@@ -90,6 +90,7 @@ class RouterEndpoints:
     def __init__(self, gateway, config):
         self.gateway, self.config = gateway, config
         self._table: PrefillTable | None = None
+        self._predictor = None  # with the table: the step-time model of the reports
         self.routes = [
             Route("/get_load", self._get_load, methods=["GET"]),
             Route("/v1/loads", self._get_load, methods=["GET"]),
@@ -154,17 +155,16 @@ class RouterEndpoints:
         if self._table is None:
             self._table = self._prefill_table(eng)
         return replica_load(self.config.model_name, eng.scheduler, self._table, now,
-                            healthy=self.gateway.healthy)
+                            healthy=self.gateway.healthy, predictor=self._predictor)
 
-    @staticmethod
-    def _prefill_table(eng) -> PrefillTable:
+    def _prefill_table(self, eng) -> PrefillTable:
         """The deadline policies' own prefill-time cache; for the others, one built from the
         engine's predictor (or its FLOP estimate) with the scheduler's token budget."""
+        from jserve.engine.timing import estimated_predictor
+        self._predictor = predictor = eng.predictor or estimated_predictor(eng.cfg)
         cache = getattr(eng.scheduler, "cache", None)
         if cache is None:
-            from jserve.engine.timing import estimated_predictor
             from jserve.scheduler.chunking import PrefillTimeCache
-            predictor = eng.predictor or estimated_predictor(eng.cfg)
             cache = PrefillTimeCache(predictor, eng.max_model_len, math.inf,
                                      max_chunk=eng.scheduler.token_budget)
         return prefill_table(cache, eng.max_model_len)

@@ -68,7 +68,8 @@ def _request(t: TraceRequest) -> Request:
 
 def replica_views(replicas: Sequence[_Replica], req: Request, now: float) -> list[ReplicaView]:
     """What the router sees of each replica for ``req`` at ``now``."""
-    return [ReplicaView(replica_load(str(r.index), r.scheduler, r.table, now),
+    return [ReplicaView(replica_load(str(r.index), r.scheduler, r.table, now,
+                                     predictor=r.predictor),
                         cached_tokens(r.scheduler, req.token_ids)) for r in replicas]
 
 
