@@ -30,7 +30,7 @@ from jserve.sim.policies import (
     _prefill_cache,
     build,
 )
-from jserve.sim.simulator import VirtualClock
+from jserve.sim.simulator import VirtualClock, deliver_tokens
 from jserve.sim.tokens import LengthOnlyTokens
 from jserve.sim.trace import TraceRequest, empty_record
 
@@ -98,19 +98,6 @@ def run_cluster(trace: Sequence[TraceRequest], policy: str, router: str, replica
     records = {t.request_id: empty_record(t, policy) for t in pending}
     i = 0
 
-    def deliver(r: _Replica, plan: BatchPlan, at: float) -> None:
-        sampled = [0] * sum(c.samples for c in plan.decodes + plan.prefills)
-        for _, req in r.scheduler.update(plan, sampled):
-            rec = records[req.request_id]
-            rec["output_tokens"] += 1
-            rec["token_times_s"].append(at)
-            if rec["first_token_s"] is None:
-                rec["first_token_s"] = at
-            if req.num_output_tokens >= req.max_tokens:
-                r.scheduler.finish(req, RequestStatus.FINISHED_LENGTH)
-                rec["finish_s"] = at
-                rec["finish_reason"] = RequestStatus.FINISHED_LENGTH.value
-
     while True:
         t = min([pending[i].arrival_s if i < len(pending) else math.inf]
                 + [r.next_event() for r in reps])
@@ -123,7 +110,7 @@ def run_cluster(trace: Sequence[TraceRequest], policy: str, router: str, replica
         for r in reps:
             while r.in_flight and r.in_flight[0][0] <= now + _EPS:
                 at, plan = r.in_flight.popleft()
-                deliver(r, plan, at)
+                deliver_tokens(r.scheduler, records, plan, at)
                 r.wake(now)
         while i < len(pending) and pending[i].arrival_s <= now + _EPS:
             tr = pending[i]
