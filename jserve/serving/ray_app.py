@@ -341,6 +341,8 @@ def run(args: dict, host: str = "127.0.0.1", port: int = 8000, ready=None) -> in
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    while not stop.wait(0.5):  # a bare wait() would not see the signal
+        pass
     serve.shutdown()
+    ray.shutdown()
     return 0
