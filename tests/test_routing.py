@@ -2,6 +2,7 @@
 replica's report is read from a real scheduler."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -62,9 +63,11 @@ def test_a_prefix_hit_is_taken_only_when_it_costs_no_deadline():
     views = [ReplicaView(jammed, 1600), ReplicaView(other)]
     assert _pick("deadline", views, tokens=2000, slo=3.0) == 1
     assert _pick("prefix", views, tokens=2000, slo=3.0) == 0
-    # Both meet it: the hit wins even though b would answer sooner.
-    views = [ReplicaView(cached, 1600), ReplicaView(_load("b"), 0)]
-    assert _pick("deadline", views, tokens=2000, slo=10.0) == 0
+    # Both meet it and b answers sooner: the hit wins within 10% (2.1 s vs 2.0 s), not past.
+    near = _load("a", prefills=[(math.inf, 1.7, 1700)], running=1)
+    far = _load("a", prefills=[(math.inf, 2.0, 2000)], running=1)
+    assert _pick("deadline", [ReplicaView(near, 1600), ReplicaView(other)], 2000, 10.0) == 0
+    assert _pick("deadline", [ReplicaView(far, 1600), ReplicaView(other)], 2000, 10.0) == 1
 
 
 def test_long_requests_spread_over_replicas_that_meet_their_deadline():
@@ -95,6 +98,20 @@ def test_a_deadline_ordered_replica_runs_earlier_deadlines_first():
     assert predicted_ttft(lars2, 100) == pytest.approx(0.4)
     fifo = _load("b", prefills=[(60.0, 8.0, 8000)])
     assert _pick("deadline", [ReplicaView(fifo), ReplicaView(lars)]) == 1
+
+
+def test_a_lars_replica_runs_quick_and_due_prefills_first():
+    # quick_s 0.2 s, t_target 0.05 s: a 8 s document that is late (due -1 s), one due in
+    # 0.03 s (0.5 s of work) and a quick 0.1 s one.
+    lars = dataclasses.replace(_load("a", order=DEADLINE_ORDER, prefills=[
+        (-1.0, 8.0, 8000), (0.03, 0.5, 500), (5.0, 0.1, 100)]), t_target=0.05, quick_s=0.2)
+    # A quick newcomer (0.15 s) waits only for quick/due ones with less work: the 0.1 s one.
+    assert predicted_ttft(lars, 150) == pytest.approx(0.25)
+    # A 1 s newcomer (due at 1.5 s) waits for the due/quick ones and the late document.
+    assert predicted_ttft(lars, 1000) == pytest.approx(0.5 + 0.1 + 8.0 + 1.0)
+    # Without the due-first class it is the deadline order alone.
+    plain = dataclasses.replace(lars, quick_s=0.0)
+    assert predicted_ttft(plain, 150) == pytest.approx(8.0 + 0.5 + 0.15)
 
 
 def test_unhealthy_replicas_are_skipped_and_none_healthy_is_an_error():
@@ -187,8 +204,13 @@ def test_a_deadline_replica_reports_deadlines_relative_to_now():
     assert load.order == DEADLINE_ORDER
     (p,) = load.prefills
     assert p.due_s == pytest.approx(0.3) and p.work_s == pytest.approx(0.3, rel=0.01)
+    assert load.t_target == 0.05 and load.quick_s == pytest.approx(4 * 0.05)
+    # A quick newcomer (0.05 s of work <= 0.2 s) runs first, whatever its deadline.
     assert predicted_ttft(load, 50, ttft_slo=0.25) == pytest.approx(0.05, rel=0.05)
-    assert predicted_ttft(load, 50, ttft_slo=1.0) == pytest.approx(0.35, rel=0.05)
+    assert predicted_ttft(load, 50, ttft_slo=1.0) == pytest.approx(0.05, rel=0.05)
+    # A 250-token one (0.25 s) waits for the long one only if that is due first.
+    assert predicted_ttft(load, 250, ttft_slo=0.25) == pytest.approx(0.25, rel=0.05)
+    assert predicted_ttft(load, 250, ttft_slo=1.0) == pytest.approx(0.55, rel=0.05)
 
 
 def test_prefix_memory_guesses_cached_pages_from_where_prompts_went():

@@ -9,7 +9,8 @@ policy without a predictor, the engine's estimate). From those ``predicted_ttft`
 "what would a request of n tokens, k of them cached here, wait here": its own uncached prefill
 T(n) - T(k) plus the work the replica would run before it. A FIFO replica (``sarathi``,
 ``fcfs``, ``sprpt``) runs every queued prefill first; a deadline-ordered one (``edf``, ``lrs``,
-``lars``) runs first the prefills whose deadlines come before the newcomer's. Either runs them
+``lars``) runs first the prefills whose deadlines come before the newcomer's, and ``lars``
+(due-first) runs quick and due prefills before everything, least work first. Either runs them
 at the share of each iteration its running decodes leave (``prefill_rate``).
 """
 from __future__ import annotations
@@ -91,6 +92,10 @@ class ReplicaLoad:
     # Prefills progress at (1 - decode_s / t_target) of full speed. 0: unknown.
     t_target: float = 0.0
     decode_s: float = 0.0
+    # lars with due-first: a prefill with at most this much work left (quick_first x
+    # t_target), or one due within an iteration, runs before all others, least work first.
+    # 0: no such class (edf, lrs, lars without due-first).
+    quick_s: float = 0.0
 
     @property
     def prefill_rate(self) -> float:
@@ -129,7 +134,8 @@ class ReplicaLoad:
                                          int(n)) for due, w, n in d["prefills"]),
             table=PrefillTable(tuple(t["lengths"]), tuple(t["times"]), float(t["drain_s"])),
             long_threshold=int(d.get("long_threshold", 32768)),
-            t_target=float(d.get("t_target", 0.0)), decode_s=float(d.get("decode_s", 0.0)))
+            t_target=float(d.get("t_target", 0.0)), decode_s=float(d.get("decode_s", 0.0)),
+            quick_s=float(d.get("quick_s", 0.0)))
 
 
 def default_deadline(own_s: float) -> float:
@@ -149,5 +155,12 @@ def predicted_ttft(load: ReplicaLoad, prompt_tokens: int, cached_tokens: int = 0
     else:
         due = ttft_slo if ttft_slo is not None else default_deadline(
             load.table.remaining(prompt_tokens, 0))
-        ahead = sum(p.work_s for p in load.prefills if p.due_s <= due)
+
+        def first(p: QueuedPrefill) -> bool:  # lars's due-first class
+            return load.quick_s > 0 and (p.work_s <= load.quick_s
+                                         or 0 <= p.due_s < load.t_target)
+        if load.quick_s > 0 and own <= load.quick_s:  # a quick newcomer: least work first
+            ahead = sum(p.work_s for p in load.prefills if first(p) and p.work_s <= own)
+        else:
+            ahead = sum(p.work_s for p in load.prefills if first(p) or p.due_s <= due)
     return (ahead + own) / load.prefill_rate

@@ -7,11 +7,13 @@ replicas' reports (``choose``). Nothing here keeps state; ``Router`` only number
 - ``prefix``: most prompt tokens already cached there (prefix affinity), then least load.
 - ``deadline``: where the request is predicted to meet its TTFT deadline soonest
   (``jserve.routing.load.predicted_ttft``, which already counts a prefix hit as work saved).
-  Among the replicas that meet the deadline it prefers the one holding the most of the prompt
-  (a prefix hit that costs no deadline); a long prompt goes to the replica with the fewest
-  long prefills among those that meet it (long requests do not pile onto one replica). When
-  none meets the deadline, the least late. Ties: fewer outstanding requests, less KV in use,
-  lower index.
+  Among the replicas that meet the deadline: a long prompt goes to the one with the fewest long
+  prefills (long requests do not pile onto one replica); any other to the soonest first token,
+  or, within ``PREFIX_TOLERANCE`` of it, to the one holding the most of the prompt (a prefix
+  hit that costs next to nothing). Preferring a hit at any cost short of the deadline was
+  measured worse: it piles a shared prefix's requests onto one replica until that replica is
+  nearly saturated (docs/scale_out.md). When none meets the deadline, the least late. Ties:
+  fewer outstanding requests, less KV in use, lower index.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from typing import Sequence
 from jserve.routing.load import ReplicaLoad, default_deadline, predicted_ttft
 
 ROUTERS = ("round_robin", "least_load", "prefix", "deadline")
+PREFIX_TOLERANCE = 0.1  # deadline: a prefix hit may cost up to 10% later a first token
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,11 +76,13 @@ def _deadline(request: RouteRequest, views: Sequence[ReplicaView], healthy: list
     meets = [i for i in healthy if ttft[i] <= due]
     if not meets:
         return min(healthy, key=lambda i: (ttft[i],) + tie(i))
-    if any(views[i].cached_tokens for i in meets):
-        return min(meets, key=lambda i: (-views[i].cached_tokens, ttft[i]) + tie(i))
     if request.prompt_tokens >= first.long_threshold:
         return min(meets, key=lambda i: (views[i].load.long_prefills, ttft[i]) + tie(i))
-    return min(meets, key=lambda i: (ttft[i],) + tie(i))
+    # The soonest first token (a prefix hit already shortens it); within PREFIX_TOLERANCE of
+    # the soonest, the replica holding more of the prompt (it keeps the hit for later asks).
+    soonest = min(ttft[i] for i in meets)
+    near = [i for i in meets if ttft[i] <= soonest * (1 + PREFIX_TOLERANCE)]
+    return min(near, key=lambda i: (-views[i].cached_tokens, ttft[i]) + tie(i))
 
 
 class Router:

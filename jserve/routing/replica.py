@@ -53,9 +53,9 @@ def replica_load(name: str, scheduler: SchedulerBase, table: PrefillTable, now: 
                and not req.num_output_tokens else math.inf)
         prefills.append(QueuedPrefill(due, table.remaining(total, done), total - done))
     alloc = scheduler.allocator
-    t_target = decode_s = 0.0
+    t_target, decode_s = getattr(config, "t_target", 0.0), 0.0
     if predictor is not None:
-        t_target = getattr(config, "t_target", None) or predictor.predict(BatchPlan((), (
+        t_target = t_target or predictor.predict(BatchPlan((), (
             ScheduledChunk("_", 0, scheduler.token_budget, False),)))
         decode_s = predictor.predict(BatchPlan(tuple(decodes), ())) if decodes else 0.0
     return ReplicaLoad(
@@ -63,4 +63,12 @@ def replica_load(name: str, scheduler: SchedulerBase, table: PrefillTable, now: 
         running=len(scheduler.running), kv_usage=alloc.num_allocated / max(alloc.total, 1),
         order=DEADLINE_ORDER if deadline_order else FIFO, prefills=tuple(prefills),
         table=table, long_threshold=getattr(config, "long_threshold", 32768),
-        t_target=t_target, decode_s=decode_s)
+        t_target=t_target, decode_s=decode_s, quick_s=_quick_s(scheduler))
+
+
+def _quick_s(scheduler: SchedulerBase) -> float:
+    """lars's due-first class bound (``DeadlineConfig.quick_first`` x ``t_target``)."""
+    config = getattr(scheduler, "config", None)
+    if getattr(scheduler, "policy", "") != "lars" or not getattr(config, "due_first", False):
+        return 0.0
+    return config.quick_first * config.t_target
