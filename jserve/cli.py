@@ -212,6 +212,7 @@ def _plan(a: argparse.Namespace) -> int:
 
 
 def _add_simulate_parser(sub) -> None:
+    from jserve.routing import ROUTERS
     from jserve.sim.policies import POLICIES, SimConfig
 
     d = SimConfig()
@@ -240,6 +241,12 @@ def _add_simulate_parser(sub) -> None:
                    help="tokens per iteration at most")
     s.add_argument("--horizon", type=float, default=None,
                    help="stop the virtual clock here (s); unfinished requests get null times")
+    s.add_argument("--replicas", type=int, default=1,
+                   help="replicas of this mesh behind --router (jserve.sim.cluster)")
+    s.add_argument("--router", default="deadline", choices=ROUTERS,
+                   help="how requests are routed to replicas (with --replicas > 1)")
+    s.add_argument("--prefix-caching", action="store_true",
+                   help="automatic prefix caching (trace prefix ids say what is shared)")
     s.add_argument("--out", required=True, help="records JSONL")
     s.set_defaults(func=_simulate)
 
@@ -252,11 +259,19 @@ def _simulate(a: argparse.Namespace) -> int:
     trace = read_trace(a.trace, qps=a.qps, seed=a.seed, max_requests=a.max_requests)
     cfg = SimConfig(model=a.model, hardware=a.hardware, tp=a.tp, spp=a.spp, kvp=a.kvp,
                     tpot_slo=a.tpot_slo, max_num_seqs=a.max_num_seqs,
-                    max_num_batched_tokens=a.max_num_batched_tokens, horizon_s=a.horizon)
-    records = run(trace, a.policy, cfg)
+                    max_num_batched_tokens=a.max_num_batched_tokens, horizon_s=a.horizon,
+                    prefix_caching=a.prefix_caching)
+    if a.replicas == 1:
+        records = run(trace, a.policy, cfg)
+        where = ""
+    else:
+        from jserve.sim.cluster import run_cluster
+        records = run_cluster(trace, a.policy, a.router, a.replicas, cfg)
+        where = f"{a.replicas} replicas of "
     write_records(a.out, records)
-    print(f"{a.policy}: {len(records)} requests on {a.model} {a.hardware} "
-          f"tp={a.tp} spp={a.spp} kvp={a.kvp}; wrote {a.out}")
+    print(f"{a.policy}: {len(records)} requests on {where}{a.model} {a.hardware} "
+          f"tp={a.tp} spp={a.spp} kvp={a.kvp}{f' behind {a.router}' if where else ''}; "
+          f"wrote {a.out}")
     print(format_summary(summarize(records)))
     return 0
 

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 JAX_FREE_TESTS = [f"tests/test_{name}.py" for name in (
     "scheduler", "scheduler_properties", "deadline_scheduler", "predictor_chunking", "data",
     "sim_hardware", "sim_loongserve", "sim_loongserve_rules", "sim_policies", "sim_simulator",
-    "sim_trace", "sim_goodput")]
+    "sim_trace", "sim_goodput", "routing", "sim_cluster")]
 
 _SCRIPT = """
 import importlib, pkgutil, sys
@@ -27,8 +27,8 @@ class NoJax:
 
 sys.meta_path.insert(0, NoJax())
 import pytest
-import jserve.scheduler, jserve.sim
-for pkg in (jserve.scheduler, jserve.sim):
+import jserve.routing, jserve.scheduler, jserve.sim
+for pkg in (jserve.routing, jserve.scheduler, jserve.sim):
     for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
         importlib.import_module(m.name)
 code = pytest.main(["-n", "0", "-p", "no:cacheprovider", *sys.argv[1:]])

@@ -102,6 +102,10 @@ def add_serve_parser(sub, add_engine_args: Callable, engine_kwargs: Callable) ->
     add_limit_args(s)
     s.add_argument("--grace-period", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
+    s.add_argument("--drain-notice", type=float, default=0.0,
+                   help="seconds after SIGTERM during which /health (and the gRPC health "
+                        "check) fail while requests are still served, so a router stops "
+                        "sending before the drain refuses anything")
     s.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key)")
     s.add_argument("--tls-key", default=None, help="PEM private key (with --tls-cert)")
     s.add_argument("--auth-token", default=None,
@@ -110,6 +114,18 @@ def add_serve_parser(sub, add_engine_args: Callable, engine_kwargs: Callable) ->
                    help="serve /metrics without the bearer token even with --auth-token")
     s.add_argument("--log-level", default="INFO",
                    help="jserve's log level (other libraries log from WARNING up; DEBUG: all)")
+    g = s.add_argument_group("Ray Serve (docs/scale_out.md): replicas of this engine behind a "
+                             "router, the OpenAI API on --http-port (no gRPC)")
+    g.add_argument("--ray", action="store_true", help="serve as a Ray Serve application")
+    g.add_argument("--replicas", type=int, default=2, help="engines (one per Ray replica)")
+    g.add_argument("--router", default="deadline",
+                   choices=("round_robin", "least_load", "prefix", "deadline"),
+                   help="how the ingress picks a replica (jserve.routing)")
+    g.add_argument("--autoscale", default=None, metavar="MIN,MAX",
+                   help="replicas follow queue depth between MIN and MAX instead of --replicas")
+    g.add_argument("--gpus-per-replica", type=float, default=0.0,
+                   help="GPUs Ray reserves for each replica")
+    g.add_argument("--ray-address", default=None, help="a running Ray cluster (default: local)")
     s.set_defaults(func=lambda a: serve_command(a, engine_kwargs(a)))
 
 
@@ -165,8 +181,30 @@ def client_limits(a: argparse.Namespace) -> ClientLimits:
                         or None, max_choices=a.max_choices)
 
 
+def ray_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
+    from jserve.serving.ray_app import run
+
+    engine = dict(engine_kwargs, dtype=a.dtype, scheduler=a.scheduler, tpot_slo=a.tpot_slo,
+                  prefill_share=a.prefill_share)
+    args = dict(model=a.model, replicas=a.replicas, router=a.router, engine=engine,
+                server=dict(served_model_names=served_model_names(a),
+                            max_waiting=a.max_waiting, max_request_bytes=a.max_request_bytes,
+                            auth_token=a.auth_token or os.environ.get(TOKEN_ENV) or None,
+                            metrics_open=a.metrics_open, limits=client_limits(a)),
+                num_gpus=a.gpus_per_replica, address=a.ray_address, grace_s=a.grace_period)
+    if a.autoscale:
+        args["autoscale"] = a.autoscale
+    port = 8000 if a.http_port <= 0 else a.http_port
+    return run(args, a.host, port, ready=lambda: print(
+        f"jserve: serving {a.model} on Ray Serve, OpenAI API http://{a.host}:{port}/v1 "
+        f"({a.autoscale or a.replicas} replicas behind {a.router})", flush=True))
+
+
 def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
     import asyncio
+
+    if a.ray:
+        return ray_command(a, engine_kwargs)
 
     from jserve import LLM
     from jserve.serving.server import ServerConfig, serve
@@ -176,7 +214,8 @@ def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
         host=a.host, port=a.port, metrics_port=None if a.metrics_port < 0 else a.metrics_port,
         http_port=None if a.http_port < 0 else a.http_port,
         max_waiting=a.max_waiting, max_request_bytes=a.max_request_bytes,
-        grace_period=a.grace_period, tls_cert=a.tls_cert, tls_key=a.tls_key,
+        grace_period=a.grace_period, drain_notice=a.drain_notice, tls_cert=a.tls_cert,
+        tls_key=a.tls_key,
         auth_token=a.auth_token or os.environ.get(TOKEN_ENV) or None,
         metrics_open=a.metrics_open, served_model_names=served_model_names(a),
         limits=client_limits(a))

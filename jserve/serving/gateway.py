@@ -88,6 +88,9 @@ class Gateway:
         self._intake = concurrent.futures.ThreadPoolExecutor(INTAKE_THREADS,
                                                              thread_name_prefix="jserve-intake")
         self.draining = False
+        # Shutting down soon (the server's drain notice): /health and the gRPC health check
+        # fail so routers stop sending, while requests are still accepted.
+        self.leaving = False
         self._in_flight: dict[str, Stream] = {}
         self._drained = asyncio.Event()
         self._drained.set()
@@ -107,7 +110,7 @@ class Gateway:
 
     @property
     def healthy(self) -> bool:
-        return not self.draining and self.engine_loop.alive
+        return not (self.draining or self.leaving) and self.engine_loop.alive
 
     def trusted(self, authorization: str | bytes | None) -> bool:
         """Whether a client's bearer header carries the priority token."""

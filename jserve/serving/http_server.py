@@ -48,6 +48,7 @@ from jserve.serving.http_protocol import (
     rejection,
 )
 from jserve.serving.http_responses import Choice, Formatter, apply_deltas, pump, sse
+from jserve.serving.router_endpoints import RouterEndpoints
 from jserve.tokenizer import chat_prompt_ids
 
 log = logging.getLogger(__name__)
@@ -128,6 +129,7 @@ class OpenAIServer:
             Route("/v1/models", self._models, methods=["GET"]),
             Route("/health", self._health, methods=["GET"]),
             Route("/metrics", self._metrics, methods=["GET"]),
+            *RouterEndpoints(gateway, config).routes,
         ])
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task | None = None
@@ -194,7 +196,7 @@ class OpenAIServer:
         gw = self.gateway
         if gw.healthy:
             return JSONResponse({"status": "ok"})
-        state = "draining" if gw.draining else "engine stopped"
+        state = "draining" if gw.draining or gw.leaving else "engine stopped"
         return JSONResponse({"status": state}, status_code=503)
 
     async def _metrics(self, request: Request) -> Response:

@@ -51,6 +51,7 @@ from jserve.serving.gateway import (
 from jserve.serving.limits import ClientLimits
 from jserve.serving.metrics import ServerMetrics
 from jserve.serving.protocol import parse_request
+from jserve.serving.router_endpoints import export_vllm_names
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,9 @@ class ServerConfig:
     max_waiting: int = 1024            # admission queue; one more gets RESOURCE_EXHAUSTED
     max_request_bytes: int = 4 << 20   # bigger messages: RESOURCE_EXHAUSTED / HTTP 413
     grace_period: float = 30.0         # seconds in-flight requests get to finish on SIGTERM
+    # Seconds between SIGTERM and the drain during which health checks fail while requests
+    # are still served: a router polling /health stops sending before anything is refused.
+    drain_notice: float = 0.0
     tls_cert: str | None = None        # PEM files; both or neither
     tls_key: str | None = None
     auth_token: str | None = None      # clients send "authorization: Bearer <token>"
@@ -113,6 +117,8 @@ class ServerConfig:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
         if self.grace_period < 0:
             raise ValueError(f"grace_period must be >= 0, got {self.grace_period}")
+        if not self.drain_notice >= 0:
+            raise ValueError(f"drain_notice must be >= 0, got {self.drain_notice}")
         names = self.served_model_names
         if isinstance(names, str) or not names or not all(isinstance(n, str) and n
                                                           for n in names):
@@ -189,6 +195,7 @@ class GenerationServer:
         self.config = config
         self.metrics = ServerMetrics()
         self.metrics.watch_grammars(engine.intake.grammars)
+        export_vllm_names(self.metrics, config.model_name)
         self.engine_loop = el.EngineLoop(engine, self.metrics, max_waiting=config.max_waiting,
                                          on_crash=self._engine_died)
         self.gateway = Gateway(engine, self.engine_loop, self.metrics, config.limits)
@@ -274,11 +281,21 @@ class GenerationServer:
 
     async def stop(self, grace: float | None = None, *, hurry: asyncio.Event | None = None
                    ) -> None:
-        """Drain: refuse new requests (UNAVAILABLE / 503), report NOT_SERVING, give in-flight
+        """Drain (after ``drain_notice`` seconds of failing health checks while still serving):
+        refuse new requests (UNAVAILABLE / 503), report NOT_SERVING, give in-flight
         requests ``grace`` seconds (the config's by default; ``hurry`` set cuts it short) to
         finish, then end the rest with UNAVAILABLE and stop, within about half a second of
         the grace period's end however busy the engine thread is."""
         grace = self.config.grace_period if grace is None else grace
+        if self.config.drain_notice > 0 and not self.gateway.draining:
+            self.gateway.leaving = True  # health fails; requests are still accepted
+            await self.health.enter_graceful_shutdown()
+            notice = [asyncio.ensure_future(asyncio.sleep(self.config.drain_notice))]
+            if hurry is not None:
+                notice.append(asyncio.ensure_future(hurry.wait()))
+            await asyncio.wait(notice, return_when=asyncio.FIRST_COMPLETED)
+            for w in notice:
+                w.cancel()
         self.gateway.draining = True
         await self.health.enter_graceful_shutdown()
         if self.gateway.in_flight:

@@ -36,6 +36,22 @@ class VirtualClock:
         return self.now
 
 
+def deliver_tokens(scheduler: SchedulerBase, records: dict, plan: BatchPlan, at: float) -> None:
+    """``plan``'s sampled tokens come out at ``at``: the scheduler takes them back, the
+    requests' records get them, and a request at its length finishes."""
+    sampled = [0] * sum(c.samples for c in plan.decodes + plan.prefills)
+    for _, req in scheduler.update(plan, sampled):
+        rec = records[req.request_id]
+        rec["output_tokens"] += 1
+        rec["token_times_s"].append(at)
+        if rec["first_token_s"] is None:
+            rec["first_token_s"] = at
+        if req.num_output_tokens >= req.max_tokens:
+            scheduler.finish(req, RequestStatus.FINISHED_LENGTH)
+            rec["finish_s"] = at
+            rec["finish_reason"] = RequestStatus.FINISHED_LENGTH.value
+
+
 def simulate(scheduler: SchedulerBase, predictor: RuntimePredictor, clock: VirtualClock,
              trace: Iterable[TraceRequest], policy: str, *,
              stage_time: Callable[[BatchPlan], float] | None = None,
@@ -53,17 +69,7 @@ def simulate(scheduler: SchedulerBase, predictor: RuntimePredictor, clock: Virtu
     i = 0
 
     def deliver(plan: BatchPlan, at: float) -> None:
-        sampled = [0] * sum(c.samples for c in plan.decodes + plan.prefills)
-        for _, req in scheduler.update(plan, sampled):
-            rec = records[req.request_id]
-            rec["output_tokens"] += 1
-            rec["token_times_s"].append(at)
-            if rec["first_token_s"] is None:
-                rec["first_token_s"] = at
-            if req.num_output_tokens >= req.max_tokens:
-                scheduler.finish(req, RequestStatus.FINISHED_LENGTH)
-                rec["finish_s"] = at
-                rec["finish_reason"] = RequestStatus.FINISHED_LENGTH.value
+        deliver_tokens(scheduler, records, plan, at)
 
     while True:
         while in_flight and in_flight[0][0] <= clock.now + _EPS:

@@ -1,0 +1,215 @@
+"""What routers read from a replica, under the names they read it by.
+
+- Prometheus gauges and counters under vLLM's names (``vllm:num_requests_waiting``,
+  ``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc`` and its older name
+  ``vllm:gpu_cache_usage_perc``, ``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits``,
+  ``vllm:num_preemptions``, ``vllm:prompt_tokens``, ``vllm:generation_tokens``), each labelled
+  ``model_name`` as vLLM does: what the Gateway API Inference Extension's endpoint picker
+  (llm-d) and vLLM dashboards scrape. They are read at scrape time from jserve's own metrics,
+  so the two sets never disagree.
+- SGLang's load endpoints, which ``smg`` (SGLang's model gateway) polls: ``GET /get_load``
+  (and ``/v1/loads``): one entry per data-parallel rank (jserve has one) with ``num_reqs``
+  (waiting + running), ``num_waiting_reqs`` and ``num_tokens`` (KV tokens in use);
+  ``/model_info`` and ``/server_info`` (and their older ``/get_`` names), which smg reads when
+  it registers a worker; ``/health_generate``: 200 only when the engine
+  thread answers between steps (``/health`` only says the server is up and not draining).
+- jserve's own: ``GET /v1/route/load``: this replica's ``jserve.routing.ReplicaLoad``;
+  ``POST /v1/route/wait`` with ``prompt`` (text or token ids) or ``prompt_tokens`` (a length)
+  and optionally ``ttft_slo``: what a request of that prompt would wait here (predicted TTFT
+  by the scheduler's prefill-time model, less the prefix this replica has cached) with the
+  cached tokens and the report.
+
+The load endpoints sit behind the same token as ``/metrics``.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from jserve.routing.load import PrefillTable, ReplicaLoad, predicted_ttft
+from jserve.routing.replica import cached_tokens, prefill_table, replica_load
+from jserve.serving.engine_loop import INVALID
+from jserve.serving.gateway import UNAUTHENTICATED, Rejected, bearer_matches
+from jserve.serving.http_protocol import error_body, rejection
+from jserve.serving.metrics import ServerMetrics
+
+
+def _value(metric) -> float:
+    """The one sample of an unlabelled gauge or counter (``_total`` for a counter)."""
+    return next(s.value for s in metric.collect()[0].samples if not s.name.endswith("_created"))
+
+
+class VllmNames:
+    """A collector of jserve's engine metrics under vLLM's names (read at each scrape)."""
+
+    def __init__(self, metrics: ServerMetrics, model_name: str):
+        self.m, self.model = metrics, model_name
+
+    def collect(self):
+        m, label = self.m, [self.model]
+        used, free = _value(m.blocks_used), _value(m.blocks_free)
+        usage = used / (used + free) if used + free else 0.0
+        gauges = [("vllm:num_requests_waiting", "Requests waiting to be scheduled",
+                   _value(m.waiting)),
+                  ("vllm:num_requests_running", "Requests holding KV (prefill or decode)",
+                   _value(m.running)),
+                  ("vllm:kv_cache_usage_perc", "KV-cache usage, 1 = full", usage),
+                  ("vllm:gpu_cache_usage_perc", "KV-cache usage, 1 = full (vLLM's older name)",
+                   usage)]
+        for name, doc, value in gauges:
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric(label, value)
+            yield g
+        counters = [("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                     m.prefix_queried),
+                    ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                     m.prefix_hits),
+                    ("vllm:num_preemptions", "Requests preempted", m.preemptions),
+                    ("vllm:prompt_tokens", "Prompt tokens admitted", m.prompt_tokens),
+                    ("vllm:generation_tokens", "Tokens generated", m.generation_tokens)]
+        for name, doc, metric in counters:
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric(label, _value(metric))
+            yield c
+
+
+def export_vllm_names(metrics: ServerMetrics, model_name: str) -> None:
+    metrics.registry.register(VllmNames(metrics, model_name))
+
+
+class RouterEndpoints:
+    """The HTTP routes above, for the OpenAI server's app (``routes``)."""
+
+    def __init__(self, gateway, config):
+        self.gateway, self.config = gateway, config
+        self._table: PrefillTable | None = None
+        self._predictor = None  # with the table: the step-time model of the reports
+        self.routes = [
+            Route("/get_load", self._get_load, methods=["GET"]),
+            Route("/v1/loads", self._get_load, methods=["GET"]),
+            Route("/get_model_info", self._model_info, methods=["GET"]),
+            Route("/model_info", self._model_info, methods=["GET"]),
+            Route("/get_server_info", self._server_info, methods=["GET"]),
+            Route("/server_info", self._server_info, methods=["GET"]),
+            Route("/health_generate", self._health_generate, methods=["GET"]),
+            Route("/v1/route/load", self._route_load, methods=["GET"]),
+            Route("/v1/route/wait", self._route_wait, methods=["POST"]),
+        ]
+
+    def _denied(self, request: Request) -> Response | None:
+        token = self.config.metrics_token
+        if token is None or bearer_matches(request.headers.get("authorization"), token):
+            return None
+        return JSONResponse(error_body(UNAUTHENTICATED, "this endpoint needs the bearer token "
+                                       "(or the server's --metrics-open)")[1], status_code=401)
+
+    async def _get_load(self, request: Request) -> Response:
+        if (denied := self._denied(request)) is not None:
+            return denied
+        m = self.gateway.metrics
+        waiting, running = int(_value(m.waiting)), int(_value(m.running))
+        page = self.gateway.engine.config.page_size
+        return JSONResponse([{"dp_rank": 0, "num_reqs": waiting + running,
+                              "num_waiting_reqs": waiting,
+                              "num_tokens": int(_value(m.blocks_used)) * page}])
+
+    async def _model_info(self, request: Request) -> Response:
+        if (denied := self._denied(request)) is not None:
+            return denied
+        eng = self.gateway.engine
+        return JSONResponse({"model_path": self.config.model_name,
+                             "tokenizer_path": self.config.model_name,
+                             "is_generation": True, "max_model_len": eng.max_model_len})
+
+    async def _server_info(self, request: Request) -> Response:
+        if (denied := self._denied(request)) is not None:
+            return denied
+        eng = self.gateway.engine
+        return JSONResponse({"model_path": self.config.model_name, "dp_size": 1,
+                             "scheduler": eng.config.scheduler, "page_size": eng.config.page_size,
+                             "max_model_len": eng.max_model_len,
+                             "max_num_seqs": eng.config.max_num_seqs,
+                             "prefix_caching": eng.allocator.prefix_caching})
+
+    async def _health_generate(self, request: Request) -> Response:
+        gw = self.gateway
+        if not gw.healthy:
+            state = "draining" if gw.draining or gw.leaving else "engine stopped"
+            return JSONResponse({"status": state}, status_code=503)
+        try:
+            await asyncio.wait_for(gw.engine_loop.call(lambda eng: None), 10.0)
+        except (asyncio.TimeoutError, RuntimeError):
+            return JSONResponse({"status": "engine not answering"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    # -- jserve's routing reports ----------------------------------------------------------
+    def load(self, eng, now: float) -> ReplicaLoad:
+        """On the engine thread: this replica's report now."""
+        if self._table is None:
+            self._table = self._prefill_table(eng)
+        return replica_load(self.config.model_name, eng.scheduler, self._table, now,
+                            healthy=self.gateway.healthy, predictor=self._predictor)
+
+    def _prefill_table(self, eng) -> PrefillTable:
+        """The deadline policies' own prefill-time cache; for the others, one built from the
+        engine's predictor (or its FLOP estimate) with the scheduler's token budget."""
+        from jserve.engine.timing import estimated_predictor
+        self._predictor = predictor = eng.predictor or estimated_predictor(eng.cfg)
+        cache = getattr(eng.scheduler, "cache", None)
+        if cache is None:
+            from jserve.scheduler.chunking import PrefillTimeCache
+            cache = PrefillTimeCache(predictor, eng.max_model_len, math.inf,
+                                     max_chunk=eng.scheduler.token_budget)
+        return prefill_table(cache, eng.max_model_len)
+
+    async def _route_load(self, request: Request) -> Response:
+        if (denied := self._denied(request)) is not None:
+            return denied
+        load = await self.gateway.engine_loop.call(lambda eng: self.load(eng, time.monotonic()))
+        return JSONResponse(load.to_dict())
+
+    async def _route_wait(self, request: Request) -> Response:
+        if (denied := self._denied(request)) is not None:
+            return denied
+        from jserve.serving.http_server import ClientGone, read_body  # it imports this module
+        try:
+            raw = await read_body(request.scope, request.receive, self.config.max_request_bytes)
+            ids, n, slo = await self.gateway.off_loop(self._parse_wait, json.loads(raw))
+        except Rejected as e:  # a body over the limit: 413
+            status, body = rejection(e)
+            return JSONResponse(body, status_code=status)
+        except (ValueError, TypeError) as e:
+            return JSONResponse(error_body(INVALID, str(e))[1], status_code=400)
+        except ClientGone:
+            return Response(status_code=499)
+
+        def read(eng):
+            load = self.load(eng, time.monotonic())
+            cached = cached_tokens(eng.scheduler, ids) if ids is not None else 0
+            return load, cached
+        load, cached = await self.gateway.engine_loop.call(read)
+        return JSONResponse({"prompt_tokens": n, "cached_tokens": cached,
+                             "predicted_ttft_s": predicted_ttft(load, n, cached, slo),
+                             "load": load.to_dict()})
+
+    def _parse_wait(self, body) -> tuple[list[int] | None, int, float | None]:
+        """(token ids or None, prompt length, ttft_slo) of a /v1/route/wait body."""
+        if not isinstance(body, dict):
+            raise ValueError("the body must be a JSON object")
+        slo = body.get("ttft_slo")
+        if slo is not None and (not isinstance(slo, (int, float)) or not slo > 0):
+            raise ValueError(f"ttft_slo must be a positive number, got {slo!r}")
+        if "prompt" in body:
+            _, ids = self.gateway.engine.intake.tokenize(body["prompt"])
+            return list(ids), len(ids), slo
+        n = body.get("prompt_tokens")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError("give 'prompt' (text or token ids) or 'prompt_tokens' (>= 1)")
+        return None, n, slo

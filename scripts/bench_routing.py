@@ -1,0 +1,297 @@
+"""Routing across replicas, compared per router: live on this machine and simulated at scale.
+
+    python scripts/bench_routing.py live [--requests 48] [--qps 3] [--reps 3]
+    python scripts/bench_routing.py sim  [--requests 600] [--qps 20]
+    python scripts/bench_routing.py all  (both; writes docs/scale_out/bench_routing.json)
+
+(a) live: two ``jserve serve`` replicas (the built-in model, small batches) on loopback; a
+heterogeneous open-loop trace (Poisson arrivals): documents of ~1,200 tokens each asked three
+times (shared prefixes) among short chats. Routers: ``round_robin``, ``least_load``,
+``prefix``, ``deadline`` (``jserve.routing.choose`` on each replica's ``/v1/route/wait`` answer,
+asked per request by this script's router, which then streams from the chosen replica), and
+``smg`` (SGLang's gateway, ``--policy cache_aware``). Each router runs ``--reps`` times with
+fresh document texts (the replicas' caches never hold an earlier run's documents); the figures
+are the medians over repetitions of: short-request TTFT P50 / P90, short SLO attainment (TTFT
+within ``--short-slo``), and the prefix hit rate (prompt tokens found cached / looked up, from
+the replicas' ``vllm:prefix_cache_*`` counters).
+
+(b) sim: 4 replicas of Llama-3 8B on TP8 x SPP2 A100 meshes (64 GPUs), each running
+``lars-ss``, behind each router (``jserve.sim.cluster``); the Medha-scale trace
+(``jserve.bench.workload``: ShareGPT4 chats with 5% Medha-SWE-like 128K-1M documents) with half
+of every chat of 256+ tokens a shared system prompt (8 of them; prefix caching on). The table
+at ``--qps``, and each router's goodput: the highest QPS (bisection) at which 90% of short
+requests meet their TTFT deadline (the deadline policies' default, max(1.5 x isolated prefill,
+0.5 s)).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx2 as httpx
+from prometheus_client.parser import text_string_to_metric_families
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from jserve.bench.metrics import LONG_PROMPT_TOKENS, percentile  # noqa: E402
+from jserve.routing import ROUTERS, ReplicaLoad, ReplicaView, RouteRequest, choose  # noqa: E402
+
+SERVE = ["--max-num-seqs", "8", "--max-num-batched-tokens", "64",
+         "--max-model-len", "2048", "--host", "127.0.0.1", "--port", "0", "--metrics-port",
+         "-1"]
+LIVE_ROUTERS = ROUTERS + ("smg",)
+
+
+# -- (a) live ---------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_replica() -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "jserve.cli", "serve", *SERVE,
+                             "--http-port", str(port)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    proc.stdout.readline()  # the "serving" line: the ports are bound
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _start_smg(urls: list[str]) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    smg = str(Path(sys.executable).parent / "smg")
+    proc = subprocess.Popen([smg, "launch", "--host", "127.0.0.1", "--port", str(port),
+                             "--policy", "cache_aware", "--worker-urls", *urls,
+                             "--disable-tokenizer-autoload", "--log-level", "warn"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            if httpx.get(url + "/readiness", timeout=2).json().get("healthy_workers") == 2:
+                return proc, url
+        except (httpx.TransportError, ValueError):
+            pass
+        time.sleep(0.2)
+    raise RuntimeError("smg did not get ready")
+
+
+def _counters(url: str) -> dict[str, float]:
+    out = {}
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for s in fam.samples:
+            if s.name in ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"):
+                out[s.name] = s.value
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveRequest:
+    at: float
+    prompt: str
+    short: bool
+
+
+def live_trace(n: int, qps: float, seed: int) -> list[LiveRequest]:
+    """Per 8 requests: 3 asks of one ~1,200-token document and 5 short chats."""
+    rng = random.Random(seed)
+    out, t, doc = [], 0.0, None
+    for i in range(n):
+        t += rng.expovariate(qps)
+        if i % 8 == 0:
+            doc = "".join(rng.choice("abcdefghij klmnopqrstuvwxyz") for _ in range(1200))
+        if i % 8 in (0, 3, 6):
+            out.append(LiveRequest(t, f"{doc}\nQuestion {i}: what is it about?", False))
+        else:
+            out.append(LiveRequest(t, f"chat {i}: say hi {rng.randint(0, 999)}", True))
+    return out
+
+
+async def _stream(client: httpx.AsyncClient, url: str, prompt: str) -> float:
+    """When (``time.perf_counter``) the first streamed token came."""
+    async with client.stream("POST", url + "/v1/completions", json={
+            "model": "default", "prompt": prompt, "max_tokens": 16, "temperature": 0,
+            "ignore_eos": True, "stream": True}) as r:
+        first = None
+        async for line in r.aiter_lines():
+            if first is None and line.startswith("data: ") and '"text"' in line:
+                first = time.perf_counter()
+        if r.status_code != 200 or first is None:
+            raise RuntimeError(f"{url}: status {r.status_code}")
+        return first
+
+
+async def _pick(client: httpx.AsyncClient, router: str, urls: list[str], prompt: str,
+                seq: int) -> str:
+    """This script's router: every replica's /v1/route/wait answer, then jserve.routing."""
+    answers = await asyncio.gather(*(client.post(u + "/v1/route/wait", json={"prompt": prompt})
+                                     for u in urls))
+    views = [ReplicaView(ReplicaLoad.from_dict(a.json()["load"]), a.json()["cached_tokens"])
+             for a in answers]
+    n = answers[0].json()["prompt_tokens"]
+    return urls[choose(router, RouteRequest(n, None, seq), views)]
+
+
+async def _run_live(router: str, urls: list[str], gateway: str | None,
+                    trace: list[LiveRequest]) -> list[tuple[bool, float]]:
+    async with httpx.AsyncClient(timeout=300) as client:
+        t0 = time.perf_counter()
+
+        async def one(i: int, r: LiveRequest) -> tuple[bool, float]:
+            await asyncio.sleep(max(r.at - (time.perf_counter() - t0), 0))
+            start = time.perf_counter()
+            url = gateway if router == "smg" else await _pick(client, router, urls,
+                                                                  r.prompt, i)
+            # TTFT from the request's arrival at the router (its routing included).
+            return r.short, await _stream(client, url, r.prompt) - start
+        return await asyncio.gather(*(one(i, r) for i, r in enumerate(trace)))
+
+
+def live(a) -> dict:
+    replicas = [_start_replica() for _ in range(2)]
+    urls = [u for _, u in replicas]
+    smg = _start_smg(urls)
+    try:
+        warm = live_trace(16, 50.0, 12345)  # compile every shape the trace uses
+        asyncio.run(_run_live("round_robin", urls, None, warm))
+        idle = [asyncio.run(_run_live("round_robin", urls, None, [LiveRequest(0, "hi", True)]))
+                [0][1] for _ in range(5)]
+        rows = {r: [] for r in LIVE_ROUTERS}
+        # Each repetition runs the routers in a rotated order (none always goes first).
+        runs = [(rep, LIVE_ROUTERS[(i + rep) % len(LIVE_ROUTERS)]) for rep in range(a.reps)
+                for i in range(len(LIVE_ROUTERS))]
+        for rep, router in tqdm(runs, desc="live runs"):
+            trace = live_trace(a.requests, a.qps, seed=1000 * rep + LIVE_ROUTERS.index(router))
+            before = [_counters(u) for u in urls]
+            t0 = time.perf_counter()
+            res = asyncio.run(_run_live(router, urls, smg[1], trace))
+            wall = time.perf_counter() - t0
+            after = [_counters(u) for u in urls]
+            q = sum(x["vllm:prefix_cache_queries_total"] - y["vllm:prefix_cache_queries_total"]
+                    for x, y in zip(after, before))
+            h = sum(x["vllm:prefix_cache_hits_total"] - y["vllm:prefix_cache_hits_total"]
+                    for x, y in zip(after, before))
+            short = [t for s, t in res if s]
+            rows[router].append({"short_ttft_p50": percentile(short, 50),
+                                 "short_ttft_p90": percentile(short, 90),
+                                 "short_attainment": sum(t <= a.short_slo for t in short)
+                                 / len(short),
+                                 "prefix_hit_rate": h / q if q else 0.0, "wall_s": wall})
+        table = {r: {k: statistics.median(x[k] for x in v) for k in v[0]}
+                 for r, v in rows.items()}
+        return {"idle_short_ttft_median": statistics.median(idle), "short_slo": a.short_slo,
+                "requests": a.requests, "qps": a.qps, "reps": a.reps, "table": table,
+                "runs": rows}
+    finally:
+        smg[0].send_signal(signal.SIGKILL)
+        for p, _ in replicas:
+            p.send_signal(signal.SIGTERM)
+        for p, _ in replicas:
+            p.wait(30)
+
+
+# -- (b) sim ----------------------------------------------------------------------------------
+def sim_trace(n: int, qps: float, seed: int):
+    from jserve.bench.workload import WorkloadSpec, build_workload
+    out = []
+    for t in build_workload(WorkloadSpec(num_requests=n, long_fraction=0.05, qps=qps,
+                                         seed=seed)):
+        if t.prompt_tokens < LONG_PROMPT_TOKENS and t.prompt_tokens >= 256:
+            t = dataclasses.replace(t, prefix_id=f"system{int(t.request_id) % 8}",
+                                    prefix_tokens=t.prompt_tokens // 2)
+        out.append(t)
+    return out
+
+
+def _sim_once(router: str, n: int, qps: float, seed: int) -> dict:
+    from jserve.sim.cluster import run_cluster
+    from jserve.sim.policies import SimConfig, default_ttft_deadlines
+    cfg = SimConfig(model="llama3-8b", hardware="a100", tp=8, spp=2, prefix_caching=True)
+    trace = sim_trace(n, qps, seed)
+    recs = run_cluster(trace, "lars-ss", router, 4, cfg)
+    due = default_ttft_deadlines(trace, cfg)
+    short = [(r, d) for r, d in zip(recs, due) if r["prompt_tokens"] < LONG_PROMPT_TOKENS]
+    ttft = [r["first_token_s"] - r["arrival_s"] if r["first_token_s"] is not None
+            else float("inf") for r, _ in short]
+    met = [t <= d for t, (_, d) in zip(ttft, short)]
+    return {"short_ttft_p50": percentile(ttft, 50), "short_ttft_p90": percentile(ttft, 90),
+            "short_attainment": sum(met) / len(met)}
+
+
+def _goodput(router: str, n: int, seed: int, lo: float, hi: float, steps: int) -> float:
+    """Highest QPS in [lo, hi] (bisection, ``steps`` probes) with >= 90% short attainment."""
+    if _sim_once(router, n, lo, seed)["short_attainment"] < 0.9:
+        return 0.0
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        if _sim_once(router, n, mid, seed)["short_attainment"] >= 0.9:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def sim(a) -> dict:
+    table = {}
+    for router in tqdm(ROUTERS, desc="sim routers"):
+        row = _sim_once(router, a.sim_requests, a.sim_qps, a.seed)
+        row["goodput_qps"] = _goodput(router, a.sim_requests, a.seed, a.lo, a.hi, a.steps)
+        table[router] = row
+    return {"requests": a.sim_requests, "qps": a.sim_qps, "bracket": [a.lo, a.hi],
+            "steps": a.steps, "table": table}
+
+
+def _fmt(table: dict, cols: list[str]) -> str:
+    lines = ["| router | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for r, row in table.items():
+        lines.append(f"| {r} | " + " | ".join(f"{row[c]:.3f}" for c in cols) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("what", choices=("live", "sim", "all"))
+    p.add_argument("--requests", type=int, default=48, help="live: requests a run")
+    p.add_argument("--qps", type=float, default=3.0, help="live: Poisson arrival rate")
+    p.add_argument("--reps", type=int, default=3, help="live: runs per router (median)")
+    p.add_argument("--short-slo", type=float, default=0.25, help="live: short TTFT SLO (s)")
+    p.add_argument("--sim-requests", type=int, default=600)
+    p.add_argument("--sim-qps", type=float, default=20.0, help="sim: the table's QPS")
+    p.add_argument("--lo", type=float, default=2.0, help="sim: goodput bisection bracket")
+    p.add_argument("--hi", type=float, default=64.0)
+    p.add_argument("--steps", type=int, default=5, help="sim: bisection probes")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(ROOT / "docs" / "scale_out" / "bench_routing.json"))
+    a = p.parse_args()
+    out = {"command": " ".join(["python", "scripts/bench_routing.py", *sys.argv[1:]]),
+           "uptime_before": os.popen("uptime").read().strip()}
+    if a.what in ("live", "all"):
+        out["live"] = live(a)
+        print(_fmt(out["live"]["table"], ["short_ttft_p50", "short_ttft_p90",
+                                           "short_attainment", "prefix_hit_rate"]))
+    if a.what in ("sim", "all"):
+        out["sim"] = sim(a)
+        print(_fmt(out["sim"]["table"], ["short_ttft_p50", "short_ttft_p90",
+                                          "short_attainment", "goodput_qps"]))
+    out["uptime_after"] = os.popen("uptime").read().strip()
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(out, indent=1))
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""jserve on a local Ray cluster, two replicas behind jserve's Ray Serve request router: the
+OpenAI client gets the offline engine's greedy completions through the ingress; a replica
+killed during traffic loses no accepted request (each is sent again and completes); the
+deadline-aware router sends a short request to the idle replica while the other prefills a
+long document, and the routing policy the simulator runs makes the same choice on the
+reports the live router saw."""
+from __future__ import annotations
+
+import concurrent.futures
+import socket
+import threading
+import time
+
+import httpx2 as httpx
+import openai
+import pytest
+
+from jserve import SamplingParams
+from jserve.routing import ReplicaLoad, ReplicaView, RouteRequest, choose, predicted_ttft
+
+pytestmark = pytest.mark.slow
+# Chunks of 4 tokens: a 4,000-token document takes a thousand steps to prefill.
+ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=4, max_prefill_seqs=2, max_model_len=4096,
+              warmup=False)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ray_app():
+    import ray
+    from ray import serve
+
+    from jserve.serving.ray_app import build_app
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"JAX_PLATFORMS": "cpu"}})
+    try:
+        port = _free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app({"replicas": 2, "engine": ENGINE, "num_cpus": 0,
+                             "stats_period_s": 0.1}), name="jserve", route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _greedy(n):
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def test_openai_client_gets_the_offline_completions_through_the_ingress(ray_app, llm):
+    with openai.OpenAI(base_url=ray_app + "/v1", api_key="-", max_retries=0,
+                       timeout=120) as c:
+        got = c.completions.create(model="default", prompt="Hello, Ray", max_tokens=12,
+                                   temperature=0, extra_body={"ignore_eos": True})
+        assert got.choices[0].text == llm.generate("Hello, Ray", _greedy(12))[0].text
+        msgs = [{"role": "user", "content": "hi"}]
+        chat = c.chat.completions.create(model="default", messages=msgs, max_tokens=10,
+                                         temperature=0, extra_body={"ignore_eos": True})
+        assert chat.choices[0].message.content == \
+            llm.generate(llm.chat_prompt(msgs), _greedy(10))[0].text
+        chunks = list(c.completions.create(model="default", prompt="Hello, Ray",
+                                           max_tokens=12, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True}))
+        assert "".join(ch.choices[0].text for ch in chunks) == got.choices[0].text
+        bad = httpx.post(ray_app + "/v1/completions", timeout=60,
+                         json={"model": "default", "prompt": "x", "max_tokens": -1})
+        assert bad.status_code == 400 and "max_tokens" in bad.json()["error"]["message"]
+
+
+def test_the_deadline_router_sends_a_short_request_to_the_idle_replica(ray_app):
+    result = {}
+
+    decided = len(httpx.get(ray_app + "/v1/route/decisions", timeout=30).json())
+
+    def document():  # 4,000 tokens in chunks of 4
+        r = httpx.post(ray_app + "/v1/completions", timeout=300, json={
+            "model": "default", "prompt": "lorem ipsum " * 333, "max_tokens": 2,
+            "temperature": 0, "ignore_eos": True})
+        result["doc"] = r
+    t = threading.Thread(target=document)
+    t.start()
+    while len(httpx.get(ray_app + "/v1/route/decisions", timeout=30).json()) == decided:
+        time.sleep(0.01)
+    time.sleep(0.3)  # the document is being prefilled, and the routing stats show it
+    short = httpx.post(ray_app + "/v1/completions", timeout=120, json={
+        "model": "default", "prompt": "hi", "max_tokens": 2, "temperature": 0,
+        "ignore_eos": True})
+    t.join(300)
+    assert short.status_code == 200 and result["doc"].status_code == 200
+    assert short.headers["x-jserve-replica"] != result["doc"].headers["x-jserve-replica"]
+    decisions = httpx.get(ray_app + "/v1/route/decisions", timeout=30).json()
+    last = decisions[-1]
+    assert last["chosen"] == short.headers["x-jserve-replica"]
+    busy = last["replicas"].index(result["doc"].headers["x-jserve-replica"])
+    loads = [ReplicaLoad.from_dict(d) for d in last["loads"]]
+    assert loads[busy].prefills and loads[busy].prefills[0].tokens > 1000
+    request = RouteRequest(**last["request"])
+    assert predicted_ttft(loads[busy], request.prompt_tokens) > \
+        predicted_ttft(loads[1 - busy], request.prompt_tokens)
+    # The routing policy the simulator's cluster mode calls, on the same reports.
+    views = [ReplicaView(x, c) for x, c in zip(loads, last["cached"])]
+    assert last["replicas"][choose("deadline", request, views)] == last["chosen"]
+    assert choose("round_robin", RouteRequest(request.prompt_tokens, None, busy), views) == busy
+
+
+def test_a_killed_replica_loses_no_accepted_request(ray_app, llm):
+    import ray
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if "JServeReplica" in a["name"]]
+    assert len(names) == 2
+    prompts = [f"{i} is the number of this request" for i in range(8)]  # no shared prefix
+    decided = len(httpx.get(ray_app + "/v1/route/decisions", timeout=30).json())
+    want = [o.text for o in llm.generate(prompts, _greedy(160))]
+
+    def ask(p):
+        r = httpx.post(ray_app + "/v1/completions", timeout=300, json={
+            "model": "default", "prompt": p, "max_tokens": 160, "temperature": 0,
+            "ignore_eos": True})
+        return r.status_code, r.json(), r.headers.get("x-jserve-replica")
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(ask, p) for p in prompts]
+        sent = []
+        while len(sent) < len(prompts):  # every request accepted by a replica
+            sent = httpx.get(ray_app + "/v1/route/decisions", timeout=30).json()[decided:]
+        victim = next(n for n in names if n.endswith("#" + sent[0]["chosen"]))
+        assert len({d["chosen"] for d in sent}) == 2  # spread over both
+        ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=False)
+        results = [f.result(timeout=300) for f in futures]
+    assert [s for s, _, _ in results] == [200] * 8, results
+    assert [b["choices"][0]["text"] for _, b, _ in results] == want
+    # Those accepted by the killed replica were routed again (more decisions than requests).
+    after = httpx.get(ray_app + "/v1/route/decisions", timeout=30).json()
+    assert len(after) - decided > len(prompts)
