@@ -337,7 +337,7 @@ def _sampling_spec(s: int, vocab_size: int, sharding=None) -> SamplingBatch:
         presence_penalty=spec((s,), f32), frequency_penalty=spec((s,), f32),
         seed=spec((s,), jnp.uint32), step=spec((s,), i32),
         banned_ids=spec((s, MAX_BANNED_IDS), i32),
-        allowed=spec((s, mask_words(vocab_size)), i32))
+        allowed=spec((s, mask_words(vocab_size)), i32), draft=spec((s,), i32))
 
 
 def state_spec(cfg: LlamaConfig, rows: int, sharding=None) -> SeqState:

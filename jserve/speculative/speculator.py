@@ -1,0 +1,128 @@
+"""The engine's side of speculative decoding: which requests speculate, their draft tokens
+before each ``schedule()``, and which plans the host must read before planning the next.
+
+Async scheduling plans step N+1 while step N runs, with step N's tokens still on the device.
+A proposer needs those tokens (the n-gram's key ends with them; a draft model continues
+them), so a plan holding a request that speculates is read back before the next plan is
+made: such requests run one step at a time, the others keep overlapping. A request that
+stops speculating (opt-out, drafts that keep failing) overlaps again."""
+from __future__ import annotations
+
+import numpy as np
+
+from jserve.scheduler import PLACEHOLDER, BatchPlan, Request
+from jserve.scheduler.base import SchedulerBase
+from jserve.speculative.config import SpeculativeConfig
+from jserve.speculative.ngram import propose_ngram
+
+
+class Speculator:
+    """Drafts for the decodes of the next plan (``propose``), from prompt lookup or from
+    a ``draft`` proposer (``jserve.speculative.draft_model``) when given."""
+
+    def __init__(self, config: SpeculativeConfig | None, max_model_len: int, draft=None):
+        """``config`` None: speculation is off (nothing proposed, every plan may overlap)."""
+        self.config = config
+        self.max_model_len = max_model_len
+        self.draft = draft
+        self._histories: dict[str, tuple[np.ndarray, int]] = {}  # request id -> (buf, len)
+
+    # -- who speculates ----------------------------------------------------------------
+    def speculates(self, req: Request) -> bool:
+        """Off for a request that opted out, uses penalties (their counts would have to
+        follow each draft) or a grammar (its state would too), and for one whose drafts are
+        accepted less than ``min_acceptance_rate`` of the time once ``acceptance_window``
+        drafts were verified."""
+        p = req.payload.params
+        if (self.config is None or not p.speculative or p.uses_penalties
+                or p.structured_output is not None):
+            return False
+        c = self.config
+        return (req.num_drafted < c.acceptance_window
+                or req.num_accepted >= c.min_acceptance_rate * req.num_drafted)
+
+    def active(self, scheduler: SchedulerBase) -> bool:
+        limit = self.config.disable_by_batch_size
+        return limit is None or len(scheduler.running) <= limit
+
+    def reads_now(self, launched, scheduler: SchedulerBase) -> bool:
+        """Whether the host reads ``launched`` (an ``InFlight`` entry, or None) before
+        planning again: its plan verifies drafts, or a request in it samples a token a
+        proposal will need next step."""
+        if self.config is None or launched is None:
+            return False
+        plan = launched.plan
+        if plan.num_draft_tokens:
+            return True
+        if not self.active(scheduler):
+            return False
+        return any(c.samples and self.speculates(r)
+                   for r, c in zip(launched.requests, plan.decodes + plan.prefills))
+
+    # -- proposing ---------------------------------------------------------------------
+    def propose(self, scheduler: SchedulerBase) -> None:
+        """Sets ``draft_ids`` of every running request that decodes next and speculates:
+        at most ``num_speculative_tokens``, and never past ``max_tokens`` or the context
+        (a step appends at most drafts + 1 tokens)."""
+        if self.config is None:
+            return
+        for req in scheduler.running:
+            req.draft_ids = []
+        if len(self._histories) > 2 * len(scheduler.running) + 64:  # drop finished ones
+            live = {r.request_id for r in scheduler.running}
+            self._histories = {k: v for k, v in self._histories.items() if k in live}
+        if not self.active(scheduler):
+            return
+        reqs, ks = [], []
+        for req in scheduler.running:
+            # (Drafts start past min_tokens, so all rows of a step ban the same ids.)
+            if (req in scheduler.in_flight or not req.is_decode
+                    or req.token_ids[-1] == PLACEHOLDER or not self.speculates(req)
+                    or req.num_output_tokens < req.payload.params.min_tokens):
+                continue
+            k = min(self.config.num_speculative_tokens,
+                    req.max_tokens - req.num_output_tokens - 1,
+                    self.max_model_len - len(req.token_ids) - 1)
+            if k > 0:
+                reqs.append(req)
+                ks.append(k)
+        if not reqs:
+            return
+        if self.draft is not None:
+            drafts = self.draft.propose(reqs, ks)
+        else:
+            c = self.config
+            drafts = propose_ngram([self._history(r) for r in reqs], ks,
+                                   c.prompt_lookup_min, c.prompt_lookup_max)
+        for req, d in zip(reqs, drafts):
+            req.draft_ids = [int(t) for t in d]
+
+    def _history(self, req: Request) -> np.ndarray:
+        """``req``'s tokens as an array, appended to since the last step (its tokens are all
+        real here: no placeholder, no draft)."""
+        buf, n = self._histories.get(req.request_id, (np.zeros(0, np.int64), 0))
+        ids = req.token_ids
+        if len(ids) < n:  # cannot happen with real tokens only; rebuild to be safe
+            n = 0
+        if len(ids) > len(buf):
+            grown = np.zeros(max(2 * len(buf), len(ids) + 64), np.int64)
+            grown[:n] = buf[:n]
+            buf = grown
+        buf[n:len(ids)] = ids[n:]
+        self._histories[req.request_id] = (buf, len(ids))
+        return buf[:len(ids)]
+
+
+
+def build_speculator(config: SpeculativeConfig | None, cfg, max_model_len: int,
+                     scheduler: SchedulerBase) -> Speculator:
+    """The engine's speculator for ``config`` (None: off), proposing at the start of each
+    ``scheduler.schedule()``; a draft model is loaded here."""
+    draft = None
+    if config is not None and config.method == "draft_model":
+        from jserve.speculative.draft_model import DraftModelProposer  # loads JAX models
+        draft = DraftModelProposer.load(config.model, cfg, max_model_len)
+    speculator = Speculator(config, max_model_len, draft)
+    if config is not None:
+        scheduler.proposer = speculator.propose
+    return speculator
