@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jserve.scheduler import PLACEHOLDER, BatchPlan, Request
+from jserve.scheduler import PLACEHOLDER, Request
 from jserve.scheduler.base import SchedulerBase
 from jserve.speculative.config import SpeculativeConfig
 from jserve.speculative.ngram import propose_ngram
