@@ -1,6 +1,6 @@
 """Prompt-lookup (n-gram) proposals, on the host, vectorised over the batch with numpy: the
 draft for a sequence is what followed the latest earlier occurrence of its last n tokens
-(largest n first). Output that quotes its context (document QA, code edits, counting) is
+(largest n first), k tokens of it. Output that quotes its context (document QA, code edits, counting) is
 copied k tokens a step."""
 from __future__ import annotations
 
@@ -45,6 +45,9 @@ def propose_ngram(histories: Sequence[np.ndarray], ks: Sequence[int], n_min: int
         last = np.where(match.any(1), windows.shape[1] - 1 - np.argmax(match[:, ::-1], 1), -1)
         found[idx] = np.where(last >= 0, last + n, -1)
     for i in np.flatnonzero(found >= 0):
-        s = found[i]
-        out[i] = tokens[i, s:min(s + ks[i], lens[i])].astype(np.int32)
+        # Copied with overlap (as LZ77 does): a continuation that runs into the suffix
+        # goes on with the draft itself, so a repeating pattern is drafted k tokens ahead.
+        s, period = found[i], lens[i] - found[i]
+        seq = tokens[i, s:lens[i]]
+        out[i] = seq[np.arange(ks[i]) % period].astype(np.int32)
     return out
