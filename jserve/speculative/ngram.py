@@ -1,7 +1,7 @@
 """Prompt-lookup (n-gram) proposals, on the host, vectorised over the batch with numpy: the
 draft for a sequence is what followed the latest earlier occurrence of its last n tokens
-(largest n first), k tokens of it. Output that quotes its context (document QA, code edits, counting) is
-copied k tokens a step."""
+(largest n first), k tokens of it. Output that quotes its context (document QA, code edits,
+counting) is copied k tokens a step."""
 from __future__ import annotations
 
 from typing import Sequence
