@@ -189,6 +189,7 @@ class GenerationServer:
         self.config = config
         self.metrics = ServerMetrics()
         self.metrics.watch_grammars(engine.intake.grammars)
+        self.metrics.watch_speculation(engine.speculator)
         self.engine_loop = el.EngineLoop(engine, self.metrics, max_waiting=config.max_waiting,
                                          on_crash=self._engine_died)
         self.gateway = Gateway(engine, self.engine_loop, self.metrics, config.limits)

@@ -20,9 +20,11 @@ class Speculator:
     """Drafts for the decodes of the next plan (``propose``), from prompt lookup or from
     a ``draft`` proposer (``jserve.speculative.draft_model``) when given."""
 
-    def __init__(self, config: SpeculativeConfig | None, max_model_len: int, draft=None):
+    def __init__(self, config: SpeculativeConfig | None, max_model_len: int,
+                 scheduler: SchedulerBase, draft=None):
         """``config`` None: speculation is off (nothing proposed, every plan may overlap)."""
         self.config = config
+        self.scheduler = scheduler
         self.max_model_len = max_model_len
         self.draft = draft
         self._histories: dict[str, tuple[np.ndarray, int]] = {}  # request id -> (buf, len)
@@ -58,6 +60,17 @@ class Speculator:
             return False
         return any(c.samples and self.speculates(r)
                    for r, c in zip(launched.requests, plan.decodes + plan.prefills))
+
+    def stats(self) -> dict[str, float]:
+        """Totals since start: draft tokens verified and accepted, speculating decodes
+        verified, the acceptance rate and the mean accepted length (tokens a speculating
+        decode appends: accepted drafts + 1)."""
+        s = self.scheduler
+        drafted, accepted, steps = (s.num_draft_tokens, s.num_accepted_tokens,
+                                    s.num_draft_steps)
+        return dict(draft_tokens=drafted, accepted_tokens=accepted, drafts=steps,
+                    acceptance_rate=accepted / drafted if drafted else 0.0,
+                    mean_accepted_length=(accepted + steps) / steps if steps else 0.0)
 
     # -- proposing ---------------------------------------------------------------------
     def propose(self, scheduler: SchedulerBase) -> None:
@@ -122,7 +135,7 @@ def build_speculator(config: SpeculativeConfig | None, cfg, max_model_len: int,
     if config is not None and config.method == "draft_model":
         from jserve.speculative.draft_model import DraftModelProposer  # loads JAX models
         draft = DraftModelProposer.load(config.model, cfg, max_model_len)
-    speculator = Speculator(config, max_model_len, draft)
+    speculator = Speculator(config, max_model_len, scheduler, draft)
     if config is not None:
         scheduler.proposer = speculator.propose
     return speculator
