@@ -116,3 +116,20 @@ def test_opt_out_and_failing_drafts_stop_speculating():
     assert r.num_accepted < r.num_drafted  # it failed at least once ...
     assert 6 <= r.num_drafted < 6 + 3      # ... and stopped right after the window
     assert drafted[ids[1]] == r.num_drafted
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("draft", ["tiny-tasks", "default"])
+def test_greedy_is_identical_with_a_draft_model(reference, draft):
+    """A draft model with the target's vocabulary: the target itself (its drafts are what
+    the target would say: nearly all accepted) and the random default model (nearly none)."""
+    plain, _, _ = reference
+    llm = small_llm(MODEL, speculative_config={"method": "draft_model", "model": draft,
+                                               "num_speculative_tokens": 3})
+    eng = llm.engine
+    _same(_drive(eng, PROMPTS, [GREEDY] * len(PROMPTS)), plain)
+    sched = eng.scheduler
+    assert sched.num_draft_tokens > 0
+    rate = sched.num_accepted_tokens / sched.num_draft_tokens
+    assert rate > 0.9 if draft == "tiny-tasks" else rate < 0.5
+    assert eng.speculator.draft.engine.allocator.num_allocated == 0  # its own pool, all free

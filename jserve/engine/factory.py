@@ -199,7 +199,7 @@ def build_engine_parts(cfg: LlamaConfig, params: Params, config: EngineConfig) -
         hits = CACHE_EVENTS["cache_hits"]
         runner.warmup()
         hits = CACHE_EVENTS["cache_hits"] - hits
-    speculator = build_speculator(config.speculative_config, cfg, context, scheduler)
+    speculator = build_speculator(config, cfg, context, scheduler)
     return EngineParts(
         mesh_config, jax.process_count() > 1, context, buckets, allocator, scheduler,
         runner, StepBuilder(buckets, config.page_size, runner.state_sink, pool_pages=num_pages,

@@ -127,14 +127,15 @@ class Speculator:
 
 
 
-def build_speculator(config: SpeculativeConfig | None, cfg, max_model_len: int,
-                     scheduler: SchedulerBase) -> Speculator:
-    """The engine's speculator for ``config`` (None: off), proposing at the start of each
-    ``scheduler.schedule()``; a draft model is loaded here."""
+def build_speculator(engine_config, cfg, max_model_len: int, scheduler: SchedulerBase
+                     ) -> Speculator:
+    """The engine's speculator for ``engine_config.speculative_config`` (None: off), proposing
+    at the start of each ``scheduler.schedule()``; a draft model is loaded here."""
+    config = engine_config.speculative_config
     draft = None
     if config is not None and config.method == "draft_model":
         from jserve.speculative.draft_model import DraftModelProposer  # loads JAX models
-        draft = DraftModelProposer.load(config.model, cfg, max_model_len)
+        draft = DraftModelProposer.load(config.model, cfg, engine_config, max_model_len)
     speculator = Speculator(config, max_model_len, scheduler, draft)
     if config is not None:
         scheduler.proposer = speculator.propose
