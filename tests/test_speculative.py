@@ -186,3 +186,24 @@ def test_under_lars_a_due_short_prefill_is_not_delayed_by_drafts(offers):
 
 def test_base_scheduler_has_no_time_budget_for_drafts():
     assert SchedulerBase._drafts_fit(None, None) is True
+
+
+def _lookup_by_hand(h: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """The rule spelled out: largest n first, latest earlier occurrence, copied on."""
+    for n in range(min(n_max, len(h) - 1), n_min - 1, -1):
+        for s in range(len(h) - n - 1, -1, -1):
+            if h[s:s + n] == h[len(h) - n:]:
+                seq = h[s + n:]
+                return [seq[j % len(seq)] for j in range(k)]
+    return []
+
+
+def test_ngram_batch_agrees_with_the_rule_on_random_histories():
+    rng = np.random.default_rng(0)
+    cases = [(rng.integers(0, 4, rng.integers(1, 40)).tolist(), int(rng.integers(0, 5)))
+             for _ in range(200)]
+    for n_min, n_max in ((1, 4), (2, 3), (3, 5)):
+        got = propose_ngram([np.array(h) for h, _ in cases], [k for _, k in cases],
+                            n_min, n_max)
+        for (h, k), g in zip(cases, got):
+            assert g.tolist() == _lookup_by_hand(h, k, n_min, n_max), (h, k)

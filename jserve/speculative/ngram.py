@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import Sequence
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 _PAD = -2  # never a token id (nor the async placeholder, -1)
 
@@ -15,7 +14,12 @@ _PAD = -2  # never a token id (nor the async placeholder, -1)
 def propose_ngram(histories: Sequence[np.ndarray], ks: Sequence[int], n_min: int, n_max: int
                   ) -> list[np.ndarray]:
     """For each history (int array: prompt and output so far) up to ``ks[i]`` draft tokens
-    (empty when no n-gram of its suffix with ``n_min <= n <= n_max`` occurred before)."""
+    (empty when no n-gram of its suffix with ``n_min <= n <= n_max`` occurred before).
+
+    One pass for every n: ``length[b, j]`` counts how many tokens ending at position j
+    match the suffix ending at the last token (up to ``n_max``), built from ``n_max``
+    shifted comparisons of the whole padded batch; the longest match wins, the latest
+    among equals."""
     b = len(histories)
     out = [np.zeros(0, np.int32)] * b
     if b == 0:
@@ -27,27 +31,21 @@ def propose_ngram(histories: Sequence[np.ndarray], ks: Sequence[int], n_min: int
     tokens = np.full((b, width), _PAD, np.int64)
     for i, h in enumerate(histories):
         tokens[i, :len(h)] = h
-    ks = np.asarray(ks)
-    found = np.full(b, -1)  # where the draft starts in the history
     rows = np.arange(b)
-    for n in range(min(n_max, width - 1), n_min - 1, -1):
-        todo = (found < 0) & (lens > n) & (ks > 0)
-        if not todo.any():
-            break
-        idx = rows[todo]
-        t, ln = tokens[idx], lens[idx]
-        suffix = t[np.arange(len(idx))[:, None], ln[:, None] - n + np.arange(n)]
-        windows = sliding_window_view(t, n, axis=1)  # [rows, width - n + 1, n]
-        match = (windows == suffix[:, None, :]).all(-1)
-        # Only occurrences that end before the suffix's last token, so a continuation exists.
-        starts = np.arange(windows.shape[1])
-        match &= starts[None, :] + n < ln[:, None]
-        last = np.where(match.any(1), windows.shape[1] - 1 - np.argmax(match[:, ::-1], 1), -1)
-        found[idx] = np.where(last >= 0, last + n, -1)
-    for i in np.flatnonzero(found >= 0):
+    run = np.arange(width)[None, :] < (lens - 1)[:, None]  # a match must end before the last
+    length = np.zeros((b, width), np.int32)
+    for i in range(min(n_max, width - 1)):
+        target = np.where(lens - 1 - i >= 0, tokens[rows, np.maximum(lens - 1 - i, 0)], _PAD)
+        run[:, i:] &= tokens[:, :width - i] == target[:, None]
+        run[:, :i] = False
+        length += run
+    length[length < n_min] = 0
+    best = length.max(1)
+    best[np.asarray(ks) <= 0] = 0
+    end = width - 1 - np.argmax((length == best[:, None])[:, ::-1], 1)
+    for i in np.flatnonzero(best > 0):
         # Copied with overlap (as LZ77 does): a continuation that runs into the suffix
         # goes on with the draft itself, so a repeating pattern is drafted k tokens ahead.
-        s, period = found[i], lens[i] - found[i]
-        seq = tokens[i, s:lens[i]]
-        out[i] = seq[np.arange(ks[i]) % period].astype(np.int32)
+        seq = tokens[i, end[i] + 1:lens[i]]
+        out[i] = seq[np.arange(ks[i]) % len(seq)].astype(np.int32)
     return out
