@@ -133,3 +133,29 @@ def test_greedy_is_identical_with_a_draft_model(reference, draft):
     rate = sched.num_accepted_tokens / sched.num_draft_tokens
     assert rate > 0.9 if draft == "tiny-tasks" else rate < 0.5
     assert eng.speculator.draft.engine.allocator.num_allocated == 0  # its own pool, all free
+
+
+@pytest.mark.slow
+def test_sampled_requests_speculate_reproducibly_and_metrics_count_drafts():
+    """A seeded sampled request verifies drafts by rejection sampling: the same seed gives
+    the same tokens again; max_tokens is exact. Drafts show in the per-request metrics, in
+    ``Speculator.stats`` and in the Prometheus collector."""
+    from prometheus_client import generate_latest
+
+    from jserve.serving.metrics import ServerMetrics
+    llm = small_llm(MODEL, speculative_config=NGRAM)
+    eng = llm.engine
+    sampled = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=33)
+    first = llm.generate(PROMPTS[:3], sampled)
+    again = llm.generate(PROMPTS[:3], sampled)
+    assert [o.token_ids for o in first] == [o.token_ids for o in again]
+    assert all(len(o.token_ids) == 33 or o.finish_reason == "stop" for o in first)
+    stats = eng.speculator.stats()
+    assert stats["draft_tokens"] == sum(o.metrics.draft_tokens for o in first + again) > 0
+    assert stats["accepted_tokens"] == sum(o.metrics.accepted_tokens for o in first + again)
+    assert 1.0 <= stats["mean_accepted_length"] <= 1 + NGRAM["num_speculative_tokens"]
+    metrics = ServerMetrics()
+    metrics.watch_speculation(eng.speculator)
+    text = generate_latest(metrics.registry).decode()
+    assert f"jserve_spec_decode_num_draft_tokens_total {stats['draft_tokens']:.1f}" in text
+    assert f"jserve_spec_decode_num_drafts_total {stats['drafts']:.1f}" in text
