@@ -207,3 +207,18 @@ def test_ngram_batch_agrees_with_the_rule_on_random_histories():
                             n_min, n_max)
         for (h, k), g in zip(cases, got):
             assert g.tolist() == _lookup_by_hand(h, k, n_min, n_max), (h, k)
+
+
+def test_cli_reads_the_speculative_config_json_and_refuses_a_bad_one(capsys):
+    import argparse
+
+    from jserve.cli import _add_engine_args, _engine_kwargs
+    parser = argparse.ArgumentParser()
+    _add_engine_args(parser)
+    a = parser.parse_args(["--speculative-config",
+                           '{"method": "ngram", "num_speculative_tokens": 3}'])
+    assert _engine_kwargs(a)["speculative_config"] == SpeculativeConfig(
+        num_speculative_tokens=3)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--speculative-config", '{"method": "medusa"}'])
+    assert "'medusa' is not supported" in capsys.readouterr().err
