@@ -3,12 +3,14 @@ accepted length at batch 1 and 8 on three workloads.
 
     python scripts/bench_speculative.py [--reps 3] [--batches 1 8] [--k 4]
 
-Workloads (greedy, one engine per model and mode, all buckets compiled before timing):
+Workloads (one engine per model and mode, all buckets compiled before timing):
   quote      tiny-tasks "list N fruits": every answer repeats the same eight fruit names
              line after line, so the output copies earlier text (the stand-in for document
              QA that quotes: no model here reads a document and quotes it)
   countdown  tiny-tasks "count down from N": the tens digit repeats, the units do not
-  free       the random default model's free text, ignore_eos (drafts rarely accepted)
+  free       the random default model's free text sampled at temperature 1 (seeded),
+             ignore_eos: drafts are rarely accepted and requests stop speculating (greedy,
+             this model falls into loops that prompt lookup drafts well)
 Modes: ``base`` (no speculation, async scheduling on), ``ngram`` (prompt lookup, k drafts,
 n from 1 to 4; plans that carry speculating requests are read back before the next is
 planned), ``ngram-sync`` (the same with async scheduling off: what the overlap still buys).
@@ -40,7 +42,7 @@ def workloads(batch: int) -> dict[str, tuple[str, list, SamplingParams]]:
         "countdown": ("tiny-tasks", [format_prompt(count_down(60 + i).prompt)
                                      for i in range(batch)], greedy),
         "free": ("default", [f"free text number {i}: the " for i in range(batch)],
-                 SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)),
+                 SamplingParams(temperature=1.0, seed=1, max_tokens=128, ignore_eos=True)),
     }
 
 
