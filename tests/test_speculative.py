@@ -222,3 +222,37 @@ def test_cli_reads_the_speculative_config_json_and_refuses_a_bad_one(capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["--speculative-config", '{"method": "medusa"}'])
     assert "'medusa' is not supported" in capsys.readouterr().err
+
+
+def test_speculator_proposes_only_for_requests_that_may_speculate():
+    """Drafts for decodes only, capped by max_tokens; none for an opted-out or penalised
+    request, one still under min_tokens, or anyone while the batch is over
+    ``disable_by_batch_size``."""
+    from types import SimpleNamespace
+
+    from jserve.sampling.params import SamplingParams
+    from jserve.speculative.speculator import Speculator
+
+    alloc = BlockAllocator(64, 4)
+    sched = build_scheduler("sarathi", alloc, max_num_seqs=8, max_num_batched_tokens=64,
+                            max_prefill_seqs=8)
+    kinds = {"plain": SamplingParams(), "off": SamplingParams(speculative=False),
+             "penalised": SamplingParams(frequency_penalty=0.5),
+             "min_tokens": SamplingParams(min_tokens=5, max_tokens=16),
+             "short": SamplingParams(max_tokens=3)}
+    reqs = {}
+    for name, p in kinds.items():
+        req = Request(name, [1, 2, 3, 1, 2], p.max_tokens, 0.0,
+                      payload=SimpleNamespace(params=p))
+        sched.add(req)
+        reqs[name] = req
+    plan = sched.schedule()
+    sched.update(plan, [3] * len(plan.prefills))  # each now ends ... 1 2 3: drafts "1 2 3"
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=4), 512, sched)
+    spec.propose(sched)
+    assert {n: r.draft_ids for n, r in reqs.items()} == {
+        "plain": [1, 2, 3, 1], "off": [], "penalised": [], "min_tokens": [], "short": [1]}
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=4),
+                      512, sched)
+    spec.propose(sched)
+    assert all(not r.draft_ids for r in reqs.values())
