@@ -159,3 +159,17 @@ def test_sampled_requests_speculate_reproducibly_and_metrics_count_drafts():
     text = generate_latest(metrics.registry).decode()
     assert f"jserve_spec_decode_num_draft_tokens_total {stats['draft_tokens']:.1f}" in text
     assert f"jserve_spec_decode_num_drafts_total {stats['drafts']:.1f}" in text
+
+
+@pytest.mark.slow
+def test_nothing_compiles_after_warmup_with_drafts():
+    """Warm-up compiles every widened decode bucket and both samplers (the plain decoding
+    rows' and the widest step's); a workload with drafts then compiles nothing."""
+    llm = small_llm(MODEL, warmup=True, speculative_config=NGRAM)
+    eng = llm.engine
+    warm = eng.compile_count
+    assert warm == len(eng.buckets.all_shapes()) + 2
+    assert eng.buckets.decode_rows[-1] == 4 * (1 + NGRAM["num_speculative_tokens"])
+    llm.generate(PROMPTS, [GREEDY, SamplingParams(temperature=0.9, seed=3, max_tokens=20)] * 2
+                 + [GREEDY])
+    assert eng.scheduler.num_draft_tokens > 0 and eng.compile_count == warm

@@ -425,6 +425,11 @@ class ModelRunner:
         self.state_sink = rows - 1
         self.attention_impl = attention_impl
         self.sample_rows = buckets.max_rows
+        # Speculative decoding widens the decode buckets (1 + k rows a decode); steps within
+        # the rows of plain decoding keep a sampler of that size (``rows_for``), so they pay
+        # nothing for the option. Without drafts both sizes are the same.
+        self._plain_rows = min(max_num_seqs + buckets.prefill_rows, buckets.max_rows)
+        self._plain_sampler: jax.stages.Compiled | None = None
         self._jitted, self._pass_jit, self._sample_jit = _programs(self.spp)
         self._compiled: dict[tuple[int, int], tuple[jax.stages.Compiled, PackedLayout]] = {}
         self._passes: dict[tuple[int, int], tuple[jax.stages.Compiled, PackedLayout]] = {}
@@ -472,13 +477,13 @@ class ModelRunner:
             return self._pass_jit.lower(
                 self.params, self.kv_cache, self.state, ibuf, fbuf, layout=layout,
                 cfg=self.cfg, attention_impl=self.attention_impl, mesh=self.mesh,
-                rows=self.sample_rows), layout
+                rows=self.rows_for(shape)), layout
         carry = () if self.spp == 1 else (pipeline.carry_spec(
             self.mesh, self.cfg, sum(self.stream_shape)),)
         lowered = self._jitted.lower(self.params, self.kv_cache, self.state, *carry, ibuf, fbuf,
                                      layout=layout, cfg=self.cfg,
                                      attention_impl=self.attention_impl, mesh=self.mesh,
-                                     rows=self.sample_rows,
+                                     rows=self.rows_for(shape),
                                      **({"decode_rows": self.stream_shape[0]} if self.spp > 1
                                         else {"capture_layer": self.capture_layer}))
         return lowered, layout
@@ -494,9 +499,16 @@ class ModelRunner:
         spp > 1 one per pipeline slot ([spp, size]) unless ``lone`` (a pass: one step's)."""
         return self._buffer_shapes(self.compiled(shape, lone)[1], lone)
 
-    def _lower_sampler(self) -> jax.stages.Lowered:
-        """The one sampling program, on the padded rows every step hands it."""
-        r, rep = self.sample_rows, self._replicated
+    def rows_for(self, shape: tuple[int, int]) -> int:
+        """The rows a step of ``shape`` pads its sampling inputs to."""
+        rows = shape[0] + (self.buckets.prefill_rows if shape[1] else 0)
+        return self._plain_rows if self.spp == 1 and rows <= self._plain_rows \
+            else self.sample_rows
+
+    def _lower_sampler(self, rows: int | None = None) -> jax.stages.Lowered:
+        """The sampling program, on the padded rows every step hands it (the largest step's
+        unless ``rows``)."""
+        r, rep = rows or self.sample_rows, self._replicated
         b = lambda: _spec((), bool, rep)
         spec = SampleInputs(logits=_spec((r, self.cfg.vocab_size), jnp.float32, rep),
                             state_rows=_spec((r,), jnp.int32, rep),
@@ -526,7 +538,14 @@ class ModelRunner:
             self.compile_seconds += time.perf_counter() - t0
         return entry
 
-    def sampler(self) -> jax.stages.Compiled:
+    def sampler(self, rows: int | None = None) -> jax.stages.Compiled:
+        if rows is not None and rows != self.sample_rows:
+            if self._plain_sampler is None:
+                t0 = time.perf_counter()
+                self._plain_sampler = self._lower_sampler(rows).compile()
+                self.compile_count += 1
+                self.compile_seconds += time.perf_counter() - t0
+            return self._plain_sampler
         if self._sampler is None:
             t0 = time.perf_counter()
             self._sampler = self._lower_sampler().compile()
@@ -557,6 +576,8 @@ class ModelRunner:
                 jobs[pool.submit(lowered.compile)] = (shape, layout, lone)
             if self._sampler is None:
                 jobs[pool.submit(self._lower_sampler().compile)] = (None, None, False)
+            if self._plain_rows != self.sample_rows and self._plain_sampler is None:
+                self.sampler(self._plain_rows)
             for fut in as_completed(jobs):
                 shape, layout, lone = jobs[fut]
                 if shape is None:
@@ -610,7 +631,7 @@ class ModelRunner:
                 self.last_capture = capture[0]
         if not sample:
             return self._nothing_sampled()
-        out, self.state = self.sampler()(self.state, inputs)
+        out, self.state = self.sampler(self.rows_for(shape))(self.state, inputs)
         return out
 
     def _nothing_sampled(self) -> SampleResult:

@@ -30,7 +30,7 @@ class SpeculativeConfig:
     model: str | None = None
     disable_by_batch_size: int | None = None
     min_acceptance_rate: float = 0.1
-    acceptance_window: int = 32
+    acceptance_window: int = 16
 
     @classmethod
     def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":
