@@ -4,36 +4,46 @@ allocated."""
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from jserve.engine.config import EngineConfig
+from jserve.log_setup import configure_logging
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
+def _add_engine_args(p: argparse.ArgumentParser, warmup: bool = False) -> None:
+    """The engine's flags (``generate``, ``serve``); ``warmup``: this command's default."""
+    d = EngineConfig
     p.add_argument("--model", default="default",
-                   help='"default" (built-in random model), an HF directory or an orbax directory')
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int,
-                   default=EngineConfig.max_num_batched_tokens)
-    p.add_argument("--kv-cache-bytes", type=int, default=None)
+                   help='"default" (built-in random model), "tiny-tasks" (built-in trained '
+                        'model), an HF directory or an orbax directory')
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="weights and activations (None: the checkpoint's own dtype)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context length, prompt and output (None: the model's, at most 8192)")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                   help="sequences decoding at once (decode rows of a step)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="tokens per step at most (the prefill chunk size limit)")
+    p.add_argument("--kv-cache-bytes", type=int, default=None,
+                   help="KV cache budget per device in bytes (None: --memory-fraction of the "
+                        "free memory)")
     p.add_argument("--num-kv-pages", type=int, default=None,
                    help="exact KV pool per device in pages (instead of a byte budget)")
-    p.add_argument("--memory-fraction", type=float, default=EngineConfig.memory_fraction)
-    p.add_argument("--mesh", default=EngineConfig.mesh,
+    p.add_argument("--memory-fraction", type=float, default=d.memory_fraction,
+                   help="share of the device's free memory (after the weights) the KV cache "
+                        "takes when --kv-cache-bytes is not given")
+    p.add_argument("--mesh", default=d.mesh,
                    help='device mesh, e.g. "tp=2,kvp=2,spp=2" (tensor, KV-cache and stream '
                         'pipeline parallel axes; dp is not supported yet)')
-    p.add_argument("--warmup", action="store_true",
-                   help="compile every bucket at start (what a server wants; a single "
-                        "completion compiles only the shapes it uses)")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=warmup,
+                   help="compile every bucket at start (what a server wants; without it a "
+                        "step shape compiles on first use)")
     p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=EngineConfig.enable_prefix_caching,
+                   default=d.enable_prefix_caching,
                    help="share the KV pages of identical leading tokens between requests "
                         "(docs/prefix_cache.md)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
-                   default=EngineConfig.async_scheduling,
+                   default=d.async_scheduling,
                    help="plan and launch step N+1 while step N runs on the device (tokens "
                         "read one step late); off: every step waits for its tokens")
     p.add_argument("--speculative-config", type=_speculative_config, default=None,
@@ -211,18 +221,21 @@ def _add_simulate_parser(sub) -> None:
                    "num_decode_tokens, arrived_at (unless --qps)")
     s.add_argument("--policy", required=True, choices=POLICIES,
                    help="lars: LARS alone; lars-ss: LARS with space sharing")
-    s.add_argument("--model", default=d.model)
-    s.add_argument("--hardware", default=d.hardware)
-    s.add_argument("--tp", type=int, default=d.tp)
-    s.add_argument("--spp", type=int, default=d.spp)
-    s.add_argument("--kvp", type=int, default=d.kvp)
+    s.add_argument("--model", default=d.model,
+                   help="the model whose per-op profile times the steps (jserve/data/profiles)")
+    s.add_argument("--hardware", default=d.hardware, help="the GPU of the per-op profile")
+    s.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel GPUs per replica")
+    s.add_argument("--spp", type=int, default=d.spp, help="stream-pipeline stages")
+    s.add_argument("--kvp", type=int, default=d.kvp, help="KV-cache-parallel groups")
     s.add_argument("--qps", type=float, default=None, help="draw Poisson arrivals at this rate")
     s.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
     s.add_argument("--max-requests", type=int, default=None, help="the trace's first N requests")
     s.add_argument("--tpot-slo", type=float, default=d.tpot_slo,
                    help="seconds; the iteration budget of the deadline-aware policies")
-    s.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    s.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    s.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                   help="sequences decoding at once")
+    s.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="tokens per iteration at most")
     s.add_argument("--horizon", type=float, default=None,
                    help="stop the virtual clock here (s); unfinished requests get null times")
     s.add_argument("--out", required=True, help="records JSONL")
@@ -246,35 +259,40 @@ def _simulate(a: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``jserve`` command line: every flag of every subcommand says what it does, and
+    ``--help`` shows its default."""
     from jserve.serving.commands import add_multihost_args, add_remote_args, add_serve_parser
 
     parser = argparse.ArgumentParser(prog="jserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="stream one completion to the terminal")
     _add_engine_args(g)
-    g.add_argument("prompt")
+    g.add_argument("prompt", help="the prompt text (or token ids with --token-ids)")
     g.add_argument("--token-ids", action="store_true", help="the prompt is a list of token ids")
     g.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append", default=[])
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0: all)")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (None: random)")
+    g.add_argument("--stop", action="append", default=[],
+                   help="a stop string (repeat the flag for several)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
     add_remote_args(g)
     add_multihost_args(g)
     g.set_defaults(func=_generate)
     c = sub.add_parser("convert", help="save a model as an orbax checkpoint directory")
-    c.add_argument("--model", default="default")
-    c.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
-    c.add_argument("--out", required=True)
+    c.add_argument("--model", default="default",
+                   help='"default", "tiny-tasks", or an HF directory to convert')
+    c.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="dtype to store (None: the model's own)")
+    c.add_argument("--out", required=True, help="the checkpoint directory to write")
     c.set_defaults(func=_convert)
     pr = sub.add_parser("profile", help="time the engine over a grid and fit the runtime "
                                         "predictor the deadline-aware scheduler uses")
     _add_engine_args(pr)
-    pr.add_argument("--repeats", type=int, default=2)
+    pr.add_argument("--repeats", type=int, default=2, help="timings per grid point")
     pr.add_argument("--out", default=None, help="default: ~/.cache/jserve/predictors/KEY.json")
     pr.set_defaults(func=_profile)
     add_serve_parser(sub, _add_engine_args, _engine_kwargs)
@@ -282,9 +300,12 @@ def main(argv: list[str] | None = None) -> int:
     _add_plan_parser(sub)
     for p in sub.choices.values():  # every subcommand's --help shows its defaults
         p.formatter_class = _HelpWithDefaults
-    a = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    configure_logging("INFO")
     try:
         return a.func(a)
     except (ValueError, FileNotFoundError) as e:

@@ -40,12 +40,12 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def chat_prompt(self, messages: list[dict]) -> list[int]:
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """The prompt ids of chat messages under the tokenizer's chat template (one BOS, as
         transformers' ``apply_chat_template(tokenize=True)``; ``chat_prompt_ids``)."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template")
-        return chat_prompt_ids(self.tokenizer, messages)
+        return chat_prompt_ids(self.tokenizer, messages, tools)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None

@@ -37,7 +37,8 @@ class Tokenizer(Protocol):
     def eos_token_ids(self) -> tuple[int, ...]: ...
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> str: ...
+                            add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str: ...
 
 
 class ByteTokenizer:
@@ -77,27 +78,47 @@ class ByteTokenizer:
         return (self.EOS,)
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> str:
-        return simple_chat_prompt(messages, add_generation_prompt)
+                            add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        return simple_chat_prompt(messages, add_generation_prompt, tools)
 
 
-def simple_chat_prompt(messages: list[dict[str, Any]], add_generation_prompt: bool = True
-                       ) -> str:
+TOOL_CALL_INSTRUCTION = ('To call a function, answer with {"name": <its name>, "parameters": '
+                         '<its arguments as a JSON object>} and nothing else.')
+
+
+def simple_chat_prompt(messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                       tools: list[dict[str, Any]] | None = None) -> str:
     """The chat format of tokenizers that bring none: ``<|role|>\\ncontent\\n`` per message,
-    then ``<|assistant|>\\n``."""
-    text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
+    then ``<|assistant|>\\n``. With tools, a ``<|tools|>`` section first (one function's JSON
+    per line, then how to call one, Llama 3.1's JSON format); an assistant's tool calls are
+    written in that format, ``; `` between calls (what ``jserve.serving.tool_calls`` reads)."""
+    text = ""
+    if tools:
+        text = "<|tools|>\n" + "".join(json.dumps(t) + "\n" for t in tools) + \
+            TOOL_CALL_INSTRUCTION + "\n"
+    for m in messages:
+        content = m.get("content") or ""
+        if m.get("tool_calls"):
+            calls = "; ".join(json.dumps({"name": c["function"]["name"],
+                                          "parameters": c["function"]["arguments"]})
+                              for c in m["tool_calls"])
+            content = f"{content}\n{calls}" if content else calls
+        text += f"<|{m['role']}|>\n{content}\n"
     return text + "<|assistant|>\n" if add_generation_prompt else text
 
 
-def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict[str, Any]]) -> list[int]:
+def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict[str, Any]],
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
     """A chat's prompt ids as transformers' ``apply_chat_template(tokenize=True)`` gives them:
     a checkpoint's template writes its own special tokens (BOS included), so its text is
     encoded without adding any (else Llama prompts start with two BOS); a tokenizer with no
-    template gets ``simple_chat_prompt`` with the tokenizer's usual specials."""
+    template gets ``simple_chat_prompt`` with the tokenizer's usual specials. ``tools`` (the
+    API's function list) go to the template as transformers passes them."""
     if getattr(tokenizer, "has_chat_template", False):
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
         return tokenizer.encode(text, add_special_tokens=False)
-    return tokenizer.encode(simple_chat_prompt(messages))
+    return tokenizer.encode(simple_chat_prompt(messages, tools=tools))
 
 
 def _token_content(token: str | dict[str, Any] | None) -> str | None:
@@ -191,10 +212,12 @@ class HFTokenizer:
         return self._template is not None
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> str:
+                            add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
         if self._template is None:
             raise ValueError("this tokenizer has no chat template; send a plain prompt instead")
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+        return self._template.render(messages=messages, tools=tools,
+                                     add_generation_prompt=add_generation_prompt,
                                      **self._special_tokens)
 
 

@@ -12,8 +12,10 @@ generated token per request (mean over requests of (finish - first token) / (tok
 the table gives the median over reps and the constrained/free ratio. Host time on masks is
 timed around every ``Constraint.mask`` call, summed per engine step: P50/P99 over the steps
 of the constrained runs, against those steps' own times. Under async scheduling a
-constrained request waits for its previous token before it is scheduled again
-(``OutputProcessor.may_continue``), which is part of what the TPOT ratio measures.
+constrained request decodes every step like a free one: its row joins the next forward before
+its token is read, and its mask goes to the sampler once the host has read that token, while
+the forward runs (``LLMEngine._sample_late``); ``--no-async-scheduling`` measures synchronous
+steps instead. The machine's load average is printed with the table.
 """
 from __future__ import annotations
 
@@ -83,6 +85,7 @@ def main() -> int:
               max_model_len=1024, async_scheduling=a.async_scheduling)
     clock = MaskClock()
     rows = []
+    load_start = os.getloadavg()[0]
     with tqdm(total=len(a.batches) * (2 * a.reps + 2), desc="runs") as bar:
         for batch in a.batches:
             run(llm, batch, a.tokens, True)
@@ -104,7 +107,8 @@ def main() -> int:
                          np.percentile(masks, 99), np.percentile(steps, 50)))
     mode = "async" if a.async_scheduling else "sync"
     print(f"\nJSON schema vs free, {a.tokens} tokens a request, median of {a.reps} reps "
-          f"({mode} scheduling):")
+          f"({mode} scheduling; load average {load_start:.1f} at start, "
+          f"{os.getloadavg()[0]:.1f} at end):")
     print("| batch | TPOT constrained | TPOT free | ratio | mask ms/step P50 | P99 | "
           "step ms P50 |")
     print("|---:|---:|---:|---:|---:|---:|---:|")

@@ -31,3 +31,25 @@ def test_convert_round_trip(tmp_path, capsys, llm):
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     restored = small_llm(str(out)).generate("abc", params)[0]
     assert restored.text == llm.generate("abc", params)[0].text
+
+
+def test_every_flag_says_what_it_does_and_its_default():
+    import argparse
+
+    from jserve.cli import build_parser
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, p in sub.choices.items():
+        formatter = p._get_formatter()
+        for action in p._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            assert action.help, (name, action.option_strings or action.dest)
+            if action.option_strings:  # tokens name the environment variable instead
+                shown = formatter._get_help_string(action)
+                assert "%(default)" in shown or "(default: $JSERVE_" in shown, (name, action)
+    serve, generate = sub.choices["serve"], sub.choices["generate"]
+    # One --warmup/--no-warmup pair: on for a server, off for one completion.
+    assert serve.parse_args([]).warmup and not generate.parse_args(["x"]).warmup
+    assert not serve.parse_args(["--no-warmup"]).warmup
+    assert serve.format_help().count("--no-warmup") == 2  # the usage line and the flag's

@@ -256,7 +256,7 @@ BAD_FIELDS = [  # (endpoint, extra body fields, the field the 400 must name)
     ("chat", {"top_logprobs": 2}, "top_logprobs"),
     ("chat", {"logprobs": True, "top_logprobs": 30}, "top_logprobs"),
     ("chat", {"logprobs": 3}, "logprobs"),
-    ("chat", {"tools": [{"type": "function"}]}, "tools"),
+    ("chat", {"tools": [{"type": "function"}]}, "tools[0]"),
     ("chat", {"response_format": {"type": "yaml"}}, "response_format"),
     ("chat", {"messages": []}, "messages"),
     ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},

@@ -156,7 +156,7 @@ def test_streamed_results_equal_the_offline_api(client, llm, bg):
     wait_idle(bg)
 
 
-def test_model_info(client, llm):
+def test_model_info(client, llm, bg):
     info = client.model_info()
     eng = llm.engine
     assert (info.vocab_size, info.max_model_len, info.has_tokenizer) == (
@@ -164,6 +164,10 @@ def test_model_info(client, llm):
     assert list(info.eos_token_ids) == list(eng.eos_ids)
     assert info.num_kv_blocks == eng.allocator.total and info.scheduler == "sarathi"
     assert info.max_request_bytes == MAX_REQUEST_BYTES
+    # The limits a client's hints must keep (this server's are TRUSTING's).
+    assert info.min_tpot_slo == bg.server.gateway.limits.tpot_floor
+    assert (info.min_ttft_slo, info.min_priority, info.max_priority, info.max_choices) == (
+        0.0, -2**31, 2**31 - 1, TRUSTING.max_choices)
 
 
 def test_priority_and_slos_reach_the_schedulers_request(client, bg):

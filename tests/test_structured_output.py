@@ -5,6 +5,7 @@ arithmetic grammar."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import re
 
@@ -154,7 +155,7 @@ def test_max_tokens_cuts_a_constrained_output_with_length(llm):
 @pytest.fixture(scope="module")
 def served():
     from conftest import Served
-    s = Served()
+    s = Served("--max-model-len", "2048", "--max-num-batched-tokens", "128")  # tools are long
     yield s
     s.close()
 
@@ -231,3 +232,137 @@ def test_grpc_carries_the_constraint_and_names_a_bad_one(served):
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert e.value.details().startswith("sampling_params.structured_output.regex is not a "
                                             "valid constraint"), e.value.details()
+
+
+# -- tool calling over HTTP (the parsing and templates: tests/test_tool_calling.py) -------
+def _tool_request(client, stream: bool, **kw):
+    """A chat request's (message content, [(name, arguments)], finish_reason), streamed
+    deltas put together as a client does (ids and names on a call's first delta only)."""
+    if not stream:
+        r = client.chat.completions.create(**kw)
+        m = r.choices[0].message
+        calls = [(c.function.name, c.function.arguments) for c in m.tool_calls or []]
+        assert all(c.id.startswith("call_") and c.type == "function"
+                   for c in m.tool_calls or [])
+        return m.content, calls, r.choices[0].finish_reason
+    content, calls, finish = None, {}, None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        delta = chunk.choices[0].delta
+        if delta.content:
+            content = (content or "") + delta.content
+        for d in delta.tool_calls or []:
+            if d.index not in calls:
+                assert d.id.startswith("call_") and d.type == "function" and d.function.name
+                calls[d.index] = [d.function.name, ""]
+            else:
+                assert d.id is None and d.function.name is None
+            calls[d.index][1] += d.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    return content, [tuple(calls[i]) for i in sorted(calls)], finish
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True])
+def test_openai_tools_required_and_named_return_calls_that_validate(served, stream):
+    import openai
+
+    from test_tool_calling import TOOLS, USER
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    with openai.OpenAI(base_url=served.url + "/v1", api_key="x", max_retries=0,
+                       timeout=120) as client:
+        kw = dict(model="default", messages=USER, tools=TOOLS, temperature=1.0,
+                  max_tokens=1000)
+        for seed in (1, 2):
+            content, calls, finish = _tool_request(client, stream, tool_choice="required",
+                                                   seed=seed, **kw)
+            assert finish == "tool_calls" and not content and calls
+            for name, arguments in calls:
+                jsonschema.validate(json.loads(arguments), schemas[name])
+        content, calls, finish = _tool_request(client, stream, tool_choice="required", seed=3,
+                                               parallel_tool_calls=False, **kw)
+        assert finish == "tool_calls" and len(calls) == 1
+        named = {"type": "function", "function": {"name": "get_time"}}
+        content, calls, finish = _tool_request(client, stream, tool_choice=named, seed=4, **kw)
+        assert finish == "tool_calls" and not content and [c[0] for c in calls] == ["get_time"]
+        jsonschema.validate(json.loads(calls[0][1]), schemas["get_time"])
+
+
+def test_a_conversation_with_tool_results_goes_through_the_template(served):
+    """``tool`` messages and an assistant's calls (arguments as the API's JSON strings) reach
+    the built-in template: the prompt is exactly its rendering; the noise the random model
+    answers with under ``auto`` is content."""
+    import openai
+
+    from jserve.tokenizer import ByteTokenizer, simple_chat_prompt
+    from test_tool_calling import CONVERSATION, TOOLS
+    api = [dict(m, tool_calls=[{**c, "function": {**c["function"], "arguments": json.dumps(
+        c["function"]["arguments"])}} for c in m["tool_calls"]]) if "tool_calls" in m else m
+        for m in CONVERSATION]
+    with openai.OpenAI(base_url=served.url + "/v1", api_key="x", max_retries=0,
+                       timeout=120) as client:
+        r = client.chat.completions.create(model="default", messages=api, tools=TOOLS,
+                                           max_tokens=16, temperature=0.0)
+        want = ByteTokenizer().encode(simple_chat_prompt(CONVERSATION, tools=TOOLS))
+        assert r.usage.prompt_tokens == len(want)
+        m = r.choices[0].message
+        assert m.tool_calls is None and isinstance(m.content, str)
+        assert r.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.slow
+def test_async_steps_send_masks_late_and_give_the_synchronous_tokens(llm, monkeypatch):
+    """Under async scheduling a structured output decodes every step: its row runs in the
+    next forward before its token is read, and its mask goes to the sampler after the read
+    (``LLMEngine._sample_late``). Sampled with seeds, constrained and free requests get the
+    tokens of synchronous steps, every output valid, and the late path is what ran."""
+    eng = llm.engine
+    late = []
+    real = eng._sample_late
+    monkeypatch.setattr(eng, "_sample_late", lambda done: late.append(len(done.late))
+                        or real(done))
+    prompts = [f"Row {i}:" for i in range(10)]
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=120,
+                             structured_output=StructuredOutput(json=SCHEMA) if i % 3 else None)
+              for i in range(10)]
+    runs = {}
+    for mode in (True, False):
+        before = len(late)
+        eng.async_scheduling = mode
+        try:
+            runs[mode] = [o.token_ids for o in llm.generate(prompts, params)]
+        finally:
+            eng.async_scheduling = True
+        assert (len(late) > before) == mode
+    assert runs[True] == runs[False]
+    outs = [eng.tokenizer.decode(t) for t, p in zip(runs[True], params) if p.structured_output]
+    for text in outs:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    assert max(late) >= 5  # several constrained rows of one step sampled late together
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_constrained_requests_survive_preemption_prefix_hits_and_stop_strings(preemption):
+    """Under KV pressure (preempted and resumed mid-output), with prefix-cache hits on a
+    second pass, and cut by a stop string, constrained requests give the tokens of a roomy
+    run; blocks are conserved every step."""
+    from llm_helpers import run_checked, small_llm
+    from test_swap import TINY_POOL
+    prompts = [f"Case {i}: " + "abcdefgh" * 4 for i in range(4)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=60,
+                            structured_output=StructuredOutput(regex="[a-z]{40}"))
+    roomy = small_llm()
+    want = [o.token_ids for o in roomy.generate(prompts, greedy)]
+    assert all(len(t) == 40 for t in want)
+    tight = small_llm(preemption=preemption, **TINY_POOL)
+    assert run_checked(tight, prompts, greedy) == want
+    sched = tight.engine.scheduler
+    assert sched.num_preemptions > 0
+    assert (sched.num_swaps > 0) == (preemption == "swap")
+    hits = sched.prefix_hit_tokens
+    assert run_checked(tight, prompts, greedy) == want  # again, from the prefix cache
+    assert sched.prefix_hit_tokens > hits
+    text = roomy.tokenizer.decode(want[0])
+    stop = text[10:12]
+    cut = roomy.generate(prompts[0], dataclasses.replace(greedy, stop=[stop]))[0]
+    assert cut.finish_reason == "stop" and cut.text == text[:text.index(stop)]

@@ -26,7 +26,7 @@ from jserve.engine.in_flight import InFlight, Launched
 from jserve.engine.intake import PreparedRequest, RequestIntake, check_slos, new_request
 from jserve.engine.memory_plan import startup_summary
 from jserve.engine.output import OutputProcessor, RequestOutput, TokenLogprob
-from jserve.engine.request_state import NEUTRAL_ROW, StateRows, sampler_row
+from jserve.engine.request_state import NEUTRAL_ROW, StateRows, mask_pending, sampler_row
 from jserve.engine.step_builder import BuiltStep, StepFlags
 from jserve.engine.swap import HostKVStore
 from jserve.engine.tick_slots import TickSlots
@@ -72,6 +72,10 @@ class LLMEngine:
         # Settable between steps. Off with a length probe, which reads each step's captured
         # state before its tokens are appended.
         self.async_scheduling = config.async_scheduling and self.length_tracker is None
+        # Async: a structured output decodes every step, its mask sent after the forward
+        # (``_sample_late``); where the step is one call (a pipeline tick, multi-process
+        # followers) it waits for its token to be read instead (``may_continue``).
+        self._late_masks = parts.mesh_config.spp == 1 and not self._multi_process
         self._slots = TickSlots(self.runner, self.builder, NEUTRAL_ROW, self._in_flight.depth)
         self._clock = StepClock()
         # The deadline policies' predictor, corrected online from step times (one device:
@@ -172,7 +176,8 @@ class LLMEngine:
             lone = self._in_flight.lone(launched, sched.has_schedulable())
             if launched is not None:
                 launched.launched_at = time.perf_counter()
-            out = self._execute(launched.built if launched else None, lone)
+            out = self._execute(launched.built if launched else None, lone,
+                                defer=launched is not None and bool(launched.late))
             if launched is not None and self.length_tracker is not None:
                 launched.capture = self.runner.last_capture
         except Exception as e:  # noqa: BLE001 - a failed step must not strand its requests
@@ -181,10 +186,31 @@ class LLMEngine:
         if not self.async_scheduling or self.speculator.reads_now(done, sched):
             return self._read_unread() + (self._read(done) if done is not None else [])
         if done is not None:
-            sched.sampled_on_device(done.plan, self.outputs.may_continue)
+            sched.sampled_on_device(done.plan, self._may_continue)
         outputs = self._read_unread()
+        if done is not None and done.late:
+            try:
+                done.out = self._sample_late(done)
+            except Exception as e:  # noqa: BLE001 - as a failed step
+                return outputs + self._step_failed(e, reading=done)
         self._in_flight.unread = done
         return outputs
+
+    def _may_continue(self, req: Request) -> bool:
+        return self.outputs.may_continue(req, late_masks=self._late_masks)
+
+    def _sample_late(self, done: Launched):
+        """Samples ``done``'s step (its forward is running) with the masks of its structured
+        outputs, which the host could compute only now that it has read their previous
+        tokens; the mask time is hidden behind that forward."""
+        sb = done.built.arrays.sampling
+        allowed = np.full((done.out.logits.shape[0], sb.allowed.shape[1]), -1, np.int32)
+        allowed[:len(sb.allowed)] = sb.allowed
+        for row, req in done.late:
+            c = req.payload.constraint
+            if self.requests.get(req.request_id) is req and not c.done:
+                allowed[row] = c.mask()
+        return self.runner.sample(done.out, allowed)
 
     def _read_unread(self) -> list[RequestOutput]:
         done = self._in_flight.take_unread()
@@ -213,24 +239,29 @@ class LLMEngine:
             self.state_rows.assign(req)
             if req.payload.metrics.first_scheduled_time is None:
                 req.payload.metrics.first_scheduled_time = now
+        pending = {r.request_id for r, c in zip(reqs, chunks) if c.samples and mask_pending(r)}
         sampled = [r.payload.params for r, c in zip(reqs, chunks) if c.samples]
         flags = StepFlags(any_random=any(p.temperature > 0 for p in sampled),
                           # Every chunk of a penalised request counts: its prompt tokens
                           # fill the penalty state.
                           any_penalty=any(r.payload.params.uses_penalties for r in reqs),
                           want_logprobs=any(p.logprobs is not None for p in sampled))
-        return Launched(plan, reqs, self._build(plan, flags), flags.want_logprobs)
+        built = self._build(plan, flags)
+        late = [(row, self.requests[c.request_id]) for row, c in built.sample_rows
+                if c.request_id in pending] if pending else []
+        return Launched(plan, reqs, built, flags.want_logprobs, late=late)
 
     def _build(self, plan: BatchPlan, flags: StepFlags) -> BuiltStep:
         return self.builder.build(plan, self.requests, lambda r: sampler_row(r, self.eos_ids),
                                   NEUTRAL_ROW, lambda r: r.payload.state_row, flags)
 
-    def _execute(self, built: BuiltStep | None, lone: bool):
-        """Multi-process: the leader broadcasts every step (empty ticks too) to the followers."""
+    def _execute(self, built: BuiltStep | None, lone: bool, defer: bool = False):
+        """Multi-process: the leader broadcasts every step (empty ticks too) to the followers.
+        ``defer``: the forward only (``_sample_late`` samples)."""
         shape, bufs = self._slots.buffers(built, self._in_flight.slots, lone)
         if self._multi_process:
             return distributed.leader_execute(self.runner, shape, *bufs)
-        return self.runner.execute_packed(shape, *bufs)
+        return self.runner.execute_packed(shape, *bufs, defer=defer)
 
     def _complete(self, done: Launched, tokens: np.ndarray) -> list[RequestOutput]:
         """The plan ``done`` is back with its sampled tokens: the scheduler updates request

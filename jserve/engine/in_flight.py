@@ -23,6 +23,9 @@ class Launched:
     capture: object = None  # the length probe's captured layer state (device arrays)
     launched_at: float = 0.0  # time.perf_counter() when its step was launched
     out: object = None      # the SampleResult of the step it left the device in
+    # (row, request) of structured outputs whose mask is sent after the forward
+    # (``LLMEngine._sample_late``); ``out`` holds the forward's SampleInputs until then.
+    late: list = dataclasses.field(default_factory=list)
 
 
 class InFlight:

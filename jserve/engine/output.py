@@ -117,12 +117,13 @@ class OutputProcessor:
         self.eos_ids = eos_ids
         self.max_model_len = max_model_len
 
-    def may_continue(self, req) -> bool:
+    def may_continue(self, req, late_masks: bool = False) -> bool:
         """Whether ``req`` may decode again before its newest token (still on the device)
         is read: not if that token ends it by length (``max_tokens``, the context), nor
-        under a structured output (the next mask needs that token). A stop token or string
-        still can; the extra token is then dropped."""
-        return req.payload.constraint is None and not self._by_length(
+        under a structured output unless its next mask can be sent late (``late_masks``:
+        the engine samples that step after reading the token). A stop token or string, or
+        a completed grammar, still can; the extra token is then dropped."""
+        return (late_masks or req.payload.constraint is None) and not self._by_length(
             req, req.num_output_tokens + 1)
 
     def _by_length(self, req, n_out: int) -> bool:

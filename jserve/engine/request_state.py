@@ -9,7 +9,7 @@ from jserve.engine.output import IncrementalDetokenizer, RequestMetrics, TokenLo
 from jserve.sampling.params import MAX_BANNED_IDS, SamplingParams
 from jserve.sampling.sampler import SamplerRow
 from jserve.sampling.structured import Constraint
-from jserve.scheduler import Request
+from jserve.scheduler import PLACEHOLDER, Request
 
 NEUTRAL_ROW = SamplerRow(SamplingParams(temperature=0.0), seed=0, step=0)  # padding rows
 
@@ -33,15 +33,22 @@ class RequestState:
 
 def sampler_row(req: Request, eos_ids: tuple[int, ...]) -> SamplerRow:
     """The sampler's view of ``req`` for its next token: stop and EOS ids are banned until
-    ``min_tokens`` are out; a structured output allows only what its grammar does (the host
-    has read every token of such a request before it is scheduled again: ``may_continue``)."""
+    ``min_tokens`` are out; a structured output allows only what its grammar does, once the
+    host has read the token before (``mask_pending``: the engine sends the mask late)."""
     st: RequestState = req.payload
     p = st.params
     banned: tuple[int, ...] = ()
     if req.num_output_tokens < p.min_tokens:
         banned = (p.stop_token_ids + (() if p.ignore_eos else eos_ids))[:MAX_BANNED_IDS]
-    allowed = st.constraint.mask() if st.constraint is not None else None
+    allowed = st.constraint.mask() if st.constraint is not None and not mask_pending(req) \
+        else None
     return SamplerRow(p, st.seed, req.num_output_tokens, banned, allowed)
+
+
+def mask_pending(req: Request) -> bool:
+    """A structured output whose newest token is still on the device (async scheduling):
+    its next mask is not known until the host reads that token."""
+    return req.payload.constraint is not None and req.token_ids[-1:] == [PLACEHOLDER]
 
 
 class StateRows:

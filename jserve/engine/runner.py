@@ -608,14 +608,15 @@ class ModelRunner:
         return self.execute_packed(shape, *self.compiled(shape)[1].pack(arrays))
 
     def execute_packed(self, shape: tuple[int, int], ibuf, fbuf, sample: bool = True,
-                       lone: bool = False) -> SampleResult:
+                       lone: bool = False, defer: bool = False) -> SampleResult | SampleInputs:
         """The step on already packed buffers (what multi-process followers receive); with
         spp > 1 one pipeline tick, ``ibuf``/``fbuf`` [spp, size] (``buffer_shapes``): row
         ``s`` the batch stage ``s`` runs, the result the last row's samples. ``sample``
         False (an empty slot leaves the pipeline): no sampling, and the result is host
         zeros, so the caller does not wait for the tick. ``lone`` (spp > 1, the pipeline
         empty): one batch's buffers [size] through every stage in one pass; the carry is
-        left as it is."""
+        left as it is. ``defer``: the forward only; the result is its ``SampleInputs``, which
+        the caller hands to ``sample`` (with the masks it could not know at launch)."""
         exe, _ = self.compiled(shape, lone)
         (self.passed if lone else self.executed)[shape] += 1
         if lone:
@@ -631,7 +632,17 @@ class ModelRunner:
                 self.last_capture = capture[0]
         if not sample:
             return self._nothing_sampled()
-        out, self.state = self.sampler(self.rows_for(shape))(self.state, inputs)
+        return inputs if defer else self.sample(inputs)
+
+    def sample(self, inputs: SampleInputs, allowed: np.ndarray | None = None) -> SampleResult:
+        """The sampling executable on a forward's ``inputs``; ``allowed``: the bitmask of
+        every padded row [rows, words] in place of the one the step was built with (rows:
+        ``rows_for`` the step's shape)."""
+        if allowed is not None:
+            sb = inputs.sampling
+            inputs = dataclasses.replace(inputs, sampling=dataclasses.replace(
+                sb, allowed=allowed))  # the executable's own transfer: the cheapest
+        out, self.state = self.sampler(inputs.logits.shape[0])(self.state, inputs)
         return out
 
     def _nothing_sampled(self) -> SampleResult:

@@ -149,7 +149,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_model_len", "eos_token_ids", "has_tokenizer", "scheduler", "page_size", "num_kv_blocks", "max_num_seqs", "max_logprobs", "max_stop_strings", "max_stop_string_chars", "max_stop_token_ids", "max_request_bytes", "served_model_names")
+    __slots__ = ("model", "vocab_size", "max_model_len", "eos_token_ids", "has_tokenizer", "scheduler", "page_size", "num_kv_blocks", "max_num_seqs", "max_logprobs", "max_stop_strings", "max_stop_string_chars", "max_stop_token_ids", "max_request_bytes", "served_model_names", "min_tpot_slo", "min_ttft_slo", "min_priority", "max_priority", "max_choices")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +165,11 @@ class ModelInfo(_message.Message):
     MAX_STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
     SERVED_MODEL_NAMES_FIELD_NUMBER: _ClassVar[int]
+    MIN_TPOT_SLO_FIELD_NUMBER: _ClassVar[int]
+    MIN_TTFT_SLO_FIELD_NUMBER: _ClassVar[int]
+    MIN_PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    MAX_PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHOICES_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_model_len: int
@@ -180,4 +185,9 @@ class ModelInfo(_message.Message):
     max_stop_token_ids: int
     max_request_bytes: int
     served_model_names: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_tokenizer: _Optional[bool] = ..., scheduler: _Optional[str] = ..., page_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_stop_string_chars: _Optional[int] = ..., max_stop_token_ids: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., served_model_names: _Optional[_Iterable[str]] = ...) -> None: ...
+    min_tpot_slo: float
+    min_ttft_slo: float
+    min_priority: int
+    max_priority: int
+    max_choices: int
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_tokenizer: _Optional[bool] = ..., scheduler: _Optional[str] = ..., page_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_stop_string_chars: _Optional[int] = ..., max_stop_token_ids: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., served_model_names: _Optional[_Iterable[str]] = ..., min_tpot_slo: _Optional[float] = ..., min_ttft_slo: _Optional[float] = ..., min_priority: _Optional[int] = ..., max_priority: _Optional[int] = ..., max_choices: _Optional[int] = ...) -> None: ...

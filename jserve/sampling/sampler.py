@@ -213,8 +213,13 @@ def choose_tokens(penalised: jax.Array, sb: SamplingBatch, *, all_greedy: bool) 
     """Pick one token per row from penalised logits; ``all_greedy`` (static) skips the sort
     and the random draws when every row has temperature 0."""
     penalised = _ban(penalised.astype(jnp.float32), sb.banned_ids)
-    penalised = jnp.where(unpack_allowed(sb.allowed, penalised.shape[1]), penalised, -jnp.inf)
     vocab = penalised.shape[1]
+    # Run-time choice: unpacking the bitmask is vocab x rows of work, done only when some
+    # row is constrained (a free row's words are all ones).
+    penalised = lax.cond(
+        jnp.any(sb.allowed != -1),
+        lambda x: jnp.where(unpack_allowed(sb.allowed, vocab), x, -jnp.inf),
+        lambda x: x, penalised)
     tokens = jnp.argmax(penalised, axis=-1).astype(jnp.int32)
     if all_greedy:
         return tokens

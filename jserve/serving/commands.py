@@ -10,6 +10,7 @@ import sys
 from typing import Callable
 
 from jserve.engine.config import EngineConfig
+from jserve.log_setup import configure_logging
 from jserve.scheduler import POLICIES
 from jserve.serving.limits import ClientLimits
 
@@ -34,7 +35,8 @@ def add_multihost_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("multi-host (one process per host, see docs/multihost.md)")
     g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                    help="process 0's address, the same for every process")
-    g.add_argument("--num-processes", type=int, default=1)
+    g.add_argument("--num-processes", type=int, default=1,
+                   help="processes serving one engine (multi-host; docs/multihost.md)")
     g.add_argument("--process-id", type=int, default=0,
                    help="0 serves (or generates); the others run the steps it broadcasts")
     g.add_argument("--local-devices", type=int, default=None,
@@ -70,16 +72,14 @@ def leading(a: argparse.Namespace, llm):
 def add_serve_parser(sub, add_engine_args: Callable, engine_kwargs: Callable) -> None:
     s = sub.add_parser("serve", help="serve the jserve.v1.Generation gRPC service and the "
                                      "OpenAI-compatible HTTP API from one engine")
-    add_engine_args(s)
+    add_engine_args(s, warmup=True)
     add_multihost_args(s)
     s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="names requests may give as `model` (the first is the one /v1/models "
                         "and GetModelInfo report); default: --model's value for the built-in "
                         "models, the directory's name for a checkpoint directory")
-    s.add_argument("--no-warmup", dest="warmup", action="store_false",
-                   help="skip compiling every bucket at start (the server warms up by default)")
-    s.set_defaults(warmup=True)
-    s.add_argument("--scheduler", choices=POLICIES, default="sarathi")
+    s.add_argument("--scheduler", choices=POLICIES, default="sarathi",
+                   help="the scheduling policy (docs/scheduler.md)")
     s.add_argument("--length-probe", default=None,
                    help="output-length probe .npz (sprpt; default: the model's shipped one)")
     s.add_argument("--sprpt-c", type=float, default=0.8,
@@ -108,7 +108,8 @@ def add_serve_parser(sub, add_engine_args: Callable, engine_kwargs: Callable) ->
                    help=f"require 'authorization: Bearer TOKEN' (default: ${TOKEN_ENV})")
     s.add_argument("--metrics-open", action="store_true",
                    help="serve /metrics without the bearer token even with --auth-token")
-    s.add_argument("--log-level", default="INFO")
+    s.add_argument("--log-level", default="INFO",
+                   help="jserve's log level (other libraries log from WARNING up; DEBUG: all)")
     s.set_defaults(func=lambda a: serve_command(a, engine_kwargs(a)))
 
 
@@ -170,8 +171,7 @@ def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
     from jserve import LLM
     from jserve.serving.server import ServerConfig, serve
 
-    logging.basicConfig(level=a.log_level.upper(), force=True,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(a.log_level)
     config = ServerConfig(
         host=a.host, port=a.port, metrics_port=None if a.metrics_port < 0 else a.metrics_port,
         http_port=None if a.http_port < 0 else a.http_port,

@@ -15,6 +15,14 @@ from jserve.sampling.params import SamplingParams
 from jserve.sampling.structured import STRUCTURED_KINDS, StructuredOutput
 from jserve.serving import engine_loop as el
 from jserve.serving.gateway import NOT_FOUND, UNAUTHENTICATED, Rejected, field_message
+from jserve.serving.tool_calls import (
+    ToolChoice,
+    ToolError,
+    check_tool_calls,
+    parse_tools,
+    template_messages,
+    tool_constraint,
+)
 
 MAX_N = 16
 # Body fields per endpoint. Sampling fields map to SamplingParams of the same name unless
@@ -28,7 +36,7 @@ _COMMON = {"model", "n", "stream", "stream_options", "max_tokens", "user", "ttft
 PARAMS = {
     "completions": _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix", "logit_bias"},
     "chat": _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
-                       "logit_bias"},
+                       "logit_bias", "tools", "tool_choice", "parallel_tool_calls"},
 }
 STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
 _NEUTRAL = {"echo": (False,), "suffix": (None, ""), "logit_bias": (None, {})}
@@ -82,6 +90,8 @@ class Parsed:
     priority: int
     max_tokens_field: str
     constraint_field: str | None = None  # where the structured output came from
+    tools: list[dict] | None = None      # chat: the functions the model may call
+    tool_choice: ToolChoice | None = None
 
 
 def _kind_check(body: dict, field: str, ok: bool, want: str) -> None:
@@ -130,6 +140,12 @@ def parse(body: Any, endpoint: str, max_choices: int = 256) -> Parsed:
                               f"{max_choices} choices per request")
     kw = {k: body[k] for k in _SAMPLING if k in body}
     constraint_field, kw["structured_output"] = _structured_output(body)
+    tools, tool_choice = _tools(body) if endpoint == "chat" else (None, None)
+    if tools is not None and (c := tool_constraint(tools, tool_choice)) is not None:
+        if constraint_field is not None:
+            raise BadField("tool_choice", f"tool_choice={body['tool_choice']!r} constrains the "
+                                          f"output: it cannot go with {constraint_field}")
+        constraint_field, kw["structured_output"] = "tools", c
     if "stop" in kw and not isinstance(kw["stop"], (str, list)):
         raise BadField("stop", f"stop must be a string or a list of strings, got {kw['stop']!r}")
     if max_field in body:
@@ -155,7 +171,14 @@ def parse(body: Any, endpoint: str, max_choices: int = 256) -> Parsed:
         raise BadField(field, field_message(message, lambda f: field)) from None
     return Parsed(prompts, params, max_field in body, n, stream, include_usage,
                   continuous_usage, logprobs, body.get("ttft_slo"), body.get("tpot_slo"),
-                  priority, max_field, constraint_field)
+                  priority, max_field, constraint_field, tools, tool_choice)
+
+
+def _tools(body: dict) -> tuple[list[dict] | None, ToolChoice | None]:
+    try:
+        return parse_tools(body)
+    except ToolError as e:
+        raise BadField(e.field, str(e)) from None
 
 
 def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
@@ -243,11 +266,25 @@ def _chat_messages(body: dict) -> list[dict]:
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise BadField(f"messages[{i}]", f"messages[{i}] must be an object with a role")
-        extra = sorted(set(m) - {"role", "content", "name"})
+        extra = sorted(set(m) - {"role", "content", "name", "tool_calls", "tool_call_id"})
         if extra:
             raise BadField(f"messages[{i}].{extra[0]}",
                            f"messages[{i}].{extra[0]} is not supported by jserve")
+        message = {k: m[k] for k in ("name", "tool_call_id") if m.get(k) is not None}
+        for k, v in message.items():
+            if not isinstance(v, str):
+                raise BadField(f"messages[{i}].{k}", f"messages[{i}].{k} must be a string")
+        if m.get("tool_calls") is not None:
+            if m["role"] != "assistant":
+                raise BadField(f"messages[{i}].tool_calls",
+                               f"messages[{i}].tool_calls: only an assistant calls tools")
+            try:
+                message["tool_calls"] = check_tool_calls(f"messages[{i}]", m["tool_calls"])
+            except ToolError as e:
+                raise BadField(e.field, str(e)) from None
         content = m.get("content")
+        if content is None and "tool_calls" in message:
+            content = ""
         if isinstance(content, list):  # content parts: text only
             if not all(isinstance(c, dict) and c.get("type") == "text"
                        and isinstance(c.get("text"), str) for c in content):
@@ -257,8 +294,8 @@ def _chat_messages(body: dict) -> list[dict]:
         if not isinstance(content, str):
             raise BadField(f"messages[{i}].content",
                            f"messages[{i}].content must be a string or text parts")
-        out.append({"role": m["role"], "content": content})
-    return out
+        out.append({"role": m["role"], "content": content, **message})
+    return template_messages(out)
 
 
 def _chat_logprobs(body: dict) -> int | None:

@@ -22,6 +22,7 @@ from jserve.engine.output import TokenLogprob
 from jserve.serving import engine_loop as el
 from jserve.serving.gateway import Rejected, Stream
 from jserve.serving.http_protocol import Parsed
+from jserve.serving.tool_calls import ToolCallParser, read_tool_calls
 
 _SLOT = re.compile(r'"\\u000[01]"')  # the placeholders of a pre-serialized chunk frame
 
@@ -46,6 +47,10 @@ class Formatter:
         self.created = int(time.time())
         self.object = "chat.completion" if self.chat else "text_completion"
         self._frame: list[str] | None = None
+        # Chat with tools: each choice's output read for calls as it streams.
+        self._tools = parsed.tool_choice if self.chat and parsed.tool_choice is not None \
+            and parsed.tool_choice.parses else None
+        self._parsers: dict[int, ToolCallParser] = {}
 
     def _token(self, tid: int) -> str:
         return self.tok.decode([tid]) if self.tok is not None else str(tid)
@@ -79,7 +84,13 @@ class Formatter:
         for c in choices:
             item = {"index": c.index, "finish_reason": c.finish_reason,
                     "logprobs": self.logprobs(c.logprobs)}
-            if self.chat:
+            if self.chat and self._tools is not None:
+                content, calls = read_tool_calls(self._tools, c.text)
+                item["message"] = {"role": "assistant", "content": content}
+                if calls:
+                    item["message"]["tool_calls"] = calls
+                    item["finish_reason"] = _called(c.finish_reason)
+            elif self.chat:
                 item["message"] = {"role": "assistant", "content": c.text}
             else:
                 item["text"] = c.text
@@ -94,7 +105,9 @@ class Formatter:
         item: dict = {"index": c.index, "finish_reason": finish,
                       "logprobs": self.logprobs(lps, len(c.text) - len(text))
                       if lps else None}
-        if self.chat:
+        if self.chat and self._tools is not None:
+            item["delta"], item["finish_reason"] = self._tool_delta(c, text, finish, first)
+        elif self.chat:
             item["delta"] = ({"role": "assistant", "content": text} if first else
                              {"content": text} if text or not finish else {})
         else:
@@ -103,6 +116,24 @@ class Formatter:
         if self.parsed.continuous_usage:
             out["usage"] = _usage(c.prompt_tokens, len(c.token_ids))
         return out
+
+    def _tool_delta(self, c: Choice, text: str, finish: str | None, first: bool
+                    ) -> tuple[dict, str | None]:
+        """A chat chunk's delta and finish reason when the output is read for tool calls:
+        content as it is known to be content, calls as OpenAI streams them."""
+        parser = self._parsers.setdefault(c.index, ToolCallParser(self._tools))
+        content, calls = parser.feed(text)
+        if finish is not None:
+            rest, more = parser.finish()
+            content, calls = content + rest, calls + more
+            if parser.called:
+                finish = _called(finish)
+        delta: dict = {"role": "assistant"} if first else {}
+        if content or (first and not calls):
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = calls
+        return delta, finish
 
     def events(self, c: Choice, deltas: list[el.Delta], held: bool = False,
                first: bool = False) -> bytes:
@@ -123,6 +154,11 @@ class Formatter:
         """``chunk`` (``c`` already has ``deltas`` applied) as an SSE event; the common chunk
         (not the first, no logprobs) is spliced into a pre-serialized frame, which keeps the
         event loop's share of the GIL (and so the engine thread's slowdown) small."""
+        if self._tools is not None:  # text held back as a possible call makes no chunk
+            out = self.chunk(c, deltas, first)
+            item = out["choices"][0]
+            empty = not (first or item["delta"] or item["finish_reason"] or item["logprobs"])
+            return b"" if empty else sse(out)
         if first or self.parsed.logprobs is not None:
             return sse(self.chunk(c, deltas, first))
         if self._frame is None:
@@ -156,6 +192,11 @@ class Formatter:
         if self.parsed.include_usage:
             out["usage"] = None
         return out
+
+
+def _called(finish_reason: str | None) -> str | None:
+    """A choice that called tools finished with ``tool_calls`` (unless it was cut short)."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
 
 
 def _usage(prompt: int, completion: int) -> dict:

@@ -259,7 +259,7 @@ class OpenAIServer:
                                       f"server serves {names}")
         prepared = []
         for p in parsed.prompts:
-            prompt, params = self._prompt(p), parsed.params
+            prompt, params = self._prompt(p, parsed.tools), parsed.params
             if endpoint == "chat" and not parsed.max_tokens_given:  # up to the context
                 params = dataclasses.replace(
                     params, max_tokens=max(1, self.gateway.engine.max_model_len - len(prompt),
@@ -267,14 +267,14 @@ class OpenAIServer:
             prepared.append(self._prepare(prompt, params, parsed, endpoint, trusted))
         return parsed, prepared
 
-    def _prompt(self, p):
-        """A completion prompt as it came; chat messages as their prompt ids."""
+    def _prompt(self, p, tools: list[dict] | None):
+        """A completion prompt as it came; chat messages (and tools) as their prompt ids."""
         if isinstance(p, list) and p and isinstance(p[0], dict):
             tok = self.gateway.engine.tokenizer
             if tok is None:
                 raise BadField("messages", "this model has no tokenizer, so no chat")
             try:
-                return chat_prompt_ids(tok, p)
+                return chat_prompt_ids(tok, p, tools)
             except (jinja2.TemplateError, ValueError) as e:
                 raise BadField("messages", f"messages: the chat template failed: {e}") from None
         return p
@@ -340,8 +340,9 @@ class OpenAIServer:
 
         async def emit(c: Choice, deltas: list[el.Delta], held: bool,
                        first: bool = False) -> None:
-            await send({"type": "http.response.body", "more_body": True,
-                        "body": fmt.events(c, deltas, held, first)})
+            body = fmt.events(c, deltas, held, first)
+            if body:  # (empty: text held back as a possible tool call)
+                await send({"type": "http.response.body", "more_body": True, "body": body})
         for c, f in zip(choices, firsts):
             await emit(c, f, False, first=True)
         try:

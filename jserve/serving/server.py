@@ -209,7 +209,12 @@ class GenerationServer:
             page_size=engine.config.page_size, num_kv_blocks=engine.allocator.total,
             max_num_seqs=engine.config.max_num_seqs, max_logprobs=MAX_LOGPROBS,
             max_stop_strings=MAX_STOP_STRINGS, max_stop_string_chars=MAX_STOP_STRING_CHARS,
-            max_stop_token_ids=MAX_STOP_TOKEN_IDS, max_request_bytes=config.max_request_bytes)
+            max_stop_token_ids=MAX_STOP_TOKEN_IDS, max_request_bytes=config.max_request_bytes,
+            min_tpot_slo=self.gateway.limits.tpot_floor,
+            min_ttft_slo=config.limits.min_ttft_slo,
+            min_priority=config.limits.priority_range[0],
+            max_priority=config.limits.priority_range[1],
+            max_choices=config.limits.max_choices)
 
     @property
     def draining(self) -> bool:

@@ -50,8 +50,10 @@ class Speculator:
     def reads_now(self, launched, scheduler: SchedulerBase) -> bool:
         """Whether the host reads ``launched`` (an ``InFlight`` entry, or None) before
         planning again: its plan verifies drafts, or a request in it samples a token a
-        proposal will need next step."""
-        if self.config is None or launched is None:
+        proposal will need next step. Not a plan whose structured outputs sample late
+        (their masks wait for the previous plan's tokens): it is read the async way, and
+        its speculating requests wait for it (a verifying one is never released early)."""
+        if self.config is None or launched is None or getattr(launched, "late", None):
             return False
         plan = launched.plan
         if plan.num_draft_tokens:
