@@ -256,3 +256,26 @@ def test_speculator_proposes_only_for_requests_that_may_speculate():
                       512, sched)
     spec.propose(sched)
     assert all(not r.draft_ids for r in reqs.values())
+
+
+def test_failing_windows_pause_speculation_for_growing_stretches():
+    from types import SimpleNamespace
+
+    from jserve.sampling.params import SamplingParams
+    from jserve.speculative.speculator import Speculator
+
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=4, acceptance_window=8,
+                                        min_acceptance_rate=0.25), 512, None)
+    req = SimpleNamespace(request_id="r", payload=SimpleNamespace(params=SamplingParams()),
+                          num_output_tokens=10, num_drafted=0, num_accepted=0)
+
+    def at(out, drafted, accepted):
+        req.num_output_tokens, req.num_drafted, req.num_accepted = out, drafted, accepted
+        return spec.speculates(req)
+
+    assert at(10, 4, 0)                 # window not full yet
+    assert not at(12, 8, 1)             # 1/8 < 25%: paused for 8 output tokens
+    assert not at(19, 8, 1) and at(20, 8, 1)
+    assert at(30, 16, 5)                # 4/8 accepted: the window passes
+    assert not at(33, 24, 6)            # 1/8: paused again, now for 16 tokens
+    assert not at(48, 24, 6) and at(49, 24, 6)

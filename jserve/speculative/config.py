@@ -19,9 +19,10 @@ class SpeculativeConfig:
     of the last n tokens, n from ``prompt_lookup_max`` down to ``prompt_lookup_min``) or
     "draft_model" (greedy drafts from ``model``, a small jserve-loadable model with the
     target's vocabulary). ``disable_by_batch_size``: no drafts while more requests than
-    this are running (vLLM's key). jserve's own keys: a request whose drafts were accepted
-    less than ``min_acceptance_rate`` of the time after ``acceptance_window`` draft tokens
-    stops speculating."""
+    this are running (vLLM's key). jserve's own keys: a request whose last
+    ``acceptance_window`` draft tokens were accepted less than ``min_acceptance_rate`` of
+    the time pauses speculating for that many output tokens, doubling with each failing
+    window (``Speculator.speculates``)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4

@@ -8,12 +8,25 @@ made: such requests run one step at a time, the others keep overlapping. A reque
 stops speculating (opt-out, drafts that keep failing) overlaps again."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from jserve.scheduler import PLACEHOLDER, Request
 from jserve.scheduler.base import SchedulerBase
 from jserve.speculative.config import SpeculativeConfig
 from jserve.speculative.ngram import propose_ngram
+
+
+@dataclasses.dataclass
+class _Acceptance:
+    """A request's current acceptance window (its tallies when the window began) and the
+    output length before which its speculation is paused."""
+
+    drafted: int = 0
+    accepted: int = 0
+    resume_at: int = 0
+    pause: int = 0
 
 
 class Speculator:
@@ -28,20 +41,31 @@ class Speculator:
         self.max_model_len = max_model_len
         self.draft = draft
         self._histories: dict[str, tuple[np.ndarray, int]] = {}  # request id -> (buf, len)
+        self._acceptance: dict[str, _Acceptance] = {}
 
     # -- who speculates ----------------------------------------------------------------
     def speculates(self, req: Request) -> bool:
         """Off for a request that opted out, uses penalties (their counts would have to
-        follow each draft) or a grammar (its state would too), and for one whose drafts are
-        accepted less than ``min_acceptance_rate`` of the time once ``acceptance_window``
-        drafts were verified."""
+        follow each draft) or a grammar (its state would too). Acceptance is judged per
+        window of ``acceptance_window`` verified drafts: a window accepted less than
+        ``min_acceptance_rate`` of the time pauses the request's speculation for as many
+        output tokens as the window, twice as many after the next failing one, and so on
+        (text that starts free and later quotes gets drafts again; free text wastes little)."""
         p = req.payload.params
         if (self.config is None or not p.speculative or p.uses_penalties
                 or p.structured_output is not None):
             return False
         c = self.config
-        return (req.num_drafted < c.acceptance_window
-                or req.num_accepted >= c.min_acceptance_rate * req.num_drafted)
+        a = self._acceptance.setdefault(req.request_id, _Acceptance())
+        if req.num_output_tokens < a.resume_at:
+            return False
+        drafted = req.num_drafted - a.drafted
+        if drafted >= c.acceptance_window:
+            if req.num_accepted - a.accepted < c.min_acceptance_rate * drafted:
+                a.pause = max(2 * a.pause, c.acceptance_window)
+                a.resume_at = req.num_output_tokens + a.pause
+            a.drafted, a.accepted = req.num_drafted, req.num_accepted
+        return req.num_output_tokens >= a.resume_at
 
     def active(self, scheduler: SchedulerBase) -> bool:
         limit = self.config.disable_by_batch_size
@@ -86,6 +110,7 @@ class Speculator:
         if len(self._histories) > 2 * len(scheduler.running) + 64:  # drop finished ones
             live = {r.request_id for r in scheduler.running}
             self._histories = {k: v for k, v in self._histories.items() if k in live}
+            self._acceptance = {k: v for k, v in self._acceptance.items() if k in live}
         if not self.active(scheduler):
             return
         reqs, ks = [], []
