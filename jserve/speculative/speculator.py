@@ -5,7 +5,8 @@ Async scheduling plans step N+1 while step N runs, with step N's tokens still on
 A proposer needs those tokens (the n-gram's key ends with them; a draft model continues
 them), so a plan holding a request that speculates is read back before the next plan is
 made: such requests run one step at a time, the others keep overlapping. A request that
-pauses speculating (opt-out, a failing acceptance window) overlaps again."""
+does not speculate (opted out, or paused after a failing acceptance window) overlaps
+again."""
 from __future__ import annotations
 
 import dataclasses
