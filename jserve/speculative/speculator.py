@@ -28,6 +28,7 @@ class _Acceptance:
     accepted: int = 0
     resume_at: int = 0
     pause: int = 0
+    misses: int = 0  # proposals in a row that found no draft
 
 
 class Speculator:
@@ -137,6 +138,17 @@ class Speculator:
                                    c.prompt_lookup_min, c.prompt_lookup_max)
         for req, d in zip(reqs, drafts):
             req.draft_ids = [int(t) for t in d]
+            self._missed(req, not req.draft_ids)
+
+    def _missed(self, req: Request, missed: bool) -> None:
+        """A request whose proposal found nothing waits 1, 2, 4, ... output tokens (at most
+        ``acceptance_window``) before the next: meanwhile it is not read back early, so it
+        overlaps instead of paying a synchronous step for no draft."""
+        a = self._acceptance[req.request_id]
+        a.misses = a.misses + 1 if missed else 0
+        if missed:
+            wait = min(1 << (a.misses - 1), self.config.acceptance_window)
+            a.resume_at = max(a.resume_at, req.num_output_tokens + wait)
 
     def _history(self, req: Request) -> np.ndarray:
         """``req``'s tokens as an array, appended to since the last step (its tokens are all
