@@ -257,7 +257,7 @@ def test_guidellm_synchronous_and_concurrent_profiles(served, tmp_path):
     sync, conc = run("synchronous", 6), run("concurrent,streams=8", 32)
     after = counters(served.url)
     for bench, n in ((sync, 6), (conc, 32)):
-        made = bench["scheduler_metrics"]["requests_made"]
+        made = guidellm.requests_made(bench)
         assert made == {"successful": n, "errored": 0, "incomplete": 0, "total": n}, made
         done = bench["requests"]["successful"]
         assert len(done) == n and not bench["requests"]["errored"]
