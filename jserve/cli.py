@@ -53,6 +53,18 @@ def _add_engine_args(p: argparse.ArgumentParser, warmup: bool = False) -> None:
                    default=d.async_scheduling,
                    help="plan and launch step N+1 while step N runs on the device (tokens "
                         "read one step late); off: every step waits for its tokens")
+    p.add_argument("--speculative-config", type=_speculative_config, default=None,
+                   help='speculative decoding as JSON, vLLM\'s dict: e.g. \'{"method": '
+                        '"ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' '
+                        "(docs/speculative.md)")
+
+
+def _speculative_config(text: str):
+    from jserve.speculative.config import SpeculativeConfig
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 class _HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
@@ -69,7 +81,8 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
                 max_num_batched_tokens=a.max_num_batched_tokens, kv_cache_bytes=a.kv_cache_bytes,
                 num_kv_pages=a.num_kv_pages, memory_fraction=a.memory_fraction,
                 warmup=a.warmup, mesh=a.mesh, enable_prefix_caching=a.prefix_caching,
-                async_scheduling=a.async_scheduling, kv_cache_dtype=a.kv_cache_dtype)
+                async_scheduling=a.async_scheduling, kv_cache_dtype=a.kv_cache_dtype,
+                speculative_config=a.speculative_config)
 
 
 def _generate(a: argparse.Namespace) -> int:

@@ -517,8 +517,9 @@ def test_make_sampling_batch_layout_and_padding() -> None:
     assert sb.banned_ids.shape == (4, MAX_BANNED_IDS)
     assert sb.banned_ids[0, :3].tolist() == [7, 8, -1] and np.all(sb.banned_ids[1:] == -1)
     expected_dtypes = ([np.float32, np.int32] + [np.float32] * 5
-                       + [np.uint32, np.int32, np.int32, np.int32])
+                       + [np.uint32, np.int32, np.int32, np.int32, np.int32])
     assert [leaf.dtype for leaf in jax.tree.leaves(sb)] == expected_dtypes
+    assert np.all(sb.draft == -1)  # no speculative draft to verify
     assert sb.allowed.shape == (4, 1) and np.all(sb.allowed == -1)  # no constraint: all ones
 
 

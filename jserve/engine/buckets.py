@@ -46,14 +46,17 @@ class Buckets:
     @classmethod
     def for_limits(cls, *, max_num_seqs: int, token_budget: int, max_prefill_seqs: int,
                    max_model_len: int, page_size: int,
-                   pages_per_block: int = PAGES_PER_BLOCK, kvp: int = 1) -> "Buckets":
+                   pages_per_block: int = PAGES_PER_BLOCK, kvp: int = 1,
+                   draft_tokens: int = 0) -> "Buckets":
+        """``draft_tokens``: speculative decoding's k, each decode then takes up to 1 + k
+        decode rows."""
         # Each group's block of the table is padded like a whole table, so the kernels read
         # it (and L = its width x page_size tokens per group) on every group alike.
         pages_per_seq = -(-max_model_len // page_size)
         pages = -(-pages_per_seq // kvp)
         block = min(pages_per_block, 1 << (pages - 1).bit_length())
         width = -(-pages // block) * block
-        decodes = min(max_num_seqs, token_budget)
+        decodes = min(max_num_seqs * (1 + draft_tokens), token_budget)
         return cls(
             decode_rows=(0,) + _ladder(min(4, decodes), decodes),
             prefill_tokens=(0,) + _ladder(min(16, token_budget), token_budget),

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from jserve.config import KV_CACHE_DTYPES
+from jserve.speculative.config import SpeculativeConfig
 from sharding.mesh import MeshConfig
 
 
@@ -85,6 +86,11 @@ class EngineConfig:
     async_scheduling: bool = True
     compilation_cache_dir: str | None = dataclasses.field(
         default_factory=default_compilation_cache_dir)
+    # Speculative decoding (docs/speculative.md): vLLM's dict, e.g. {"method": "ngram",
+    # "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1} or
+    # {"method": "draft_model", "model": "<path or name>", "num_speculative_tokens": 4}
+    # (or its JSON text); parsed into a SpeculativeConfig. None: off.
+    speculative_config: SpeculativeConfig | None = None
 
     def unrolls_layers(self, num_layers: int, spp: int) -> bool:
         """Whether ``layer_loop`` picks unrolled layers for this depth and pipeline."""
@@ -111,7 +117,14 @@ class EngineConfig:
             raise ValueError(f"prefill_share must be in [0, 1], got {self.prefill_share}")
         if self.ttft_slo_floor < 0:
             raise ValueError(f"ttft_slo_floor must be >= 0, got {self.ttft_slo_floor}")
-        MeshConfig.parse(self.mesh)
+        mesh = MeshConfig.parse(self.mesh)
+        spec = SpeculativeConfig.parse(self.speculative_config)
+        object.__setattr__(self, "speculative_config", spec)
+        if spec is not None and mesh.spp > 1:
+            raise ValueError("speculative_config is not supported with a stream pipeline "
+                             "(spp > 1): a speculating plan is read back before the next")
+        if spec is not None and (self.length_probe or self.probe_layer is not None):
+            raise ValueError("speculative_config is not supported with a length probe")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
                              f"got {self.kv_cache_dtype!r}")

@@ -54,6 +54,7 @@ class LLMEngine:
         self.buckets, self.allocator = parts.buckets, parts.allocator
         self.scheduler, self.runner, self.builder = parts.scheduler, parts.runner, parts.builder
         self.predictor, self.length_tracker = parts.predictor, parts.length_tracker
+        self.speculator = parts.speculator  # proposes in the scheduler's schedule()
         self._multi_process = parts.multi_process
         # The model's own EOS ids plus the tokenizer's (generation_config may add end-of-turn).
         self.eos_ids = tuple(dict.fromkeys(
@@ -182,7 +183,7 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001 - a failed step must not strand its requests
             return self._step_failed(e, new_plan=plan)
         done = self._in_flight.push(launched, out, lone)
-        if not self.async_scheduling:
+        if not self.async_scheduling or self.speculator.reads_now(done, sched):
             return self._read_unread() + (self._read(done) if done is not None else [])
         if done is not None:
             sched.sampled_on_device(done.plan, self._may_continue)
@@ -203,7 +204,7 @@ class LLMEngine:
         outputs, which the host could compute only now that it has read their previous
         tokens; the mask time is hidden behind that forward."""
         sb = done.built.arrays.sampling
-        allowed = np.full((self.runner.sample_rows, sb.allowed.shape[1]), -1, np.int32)
+        allowed = np.full((done.out.logits.shape[0], sb.allowed.shape[1]), -1, np.int32)
         allowed[:len(sb.allowed)] = sb.allowed
         for row, req in done.late:
             c = req.payload.constraint
@@ -274,8 +275,10 @@ class LLMEngine:
         logprobs = (tuple(map(np.asarray, (out.logprobs, out.top_ids, out.top_logprobs)))
                     if done.want_logprobs else None)
         now = time.monotonic()
-        outputs = []
+        outputs = {}  # one per request: a speculating decode may append several tokens
         for i, req in appended:
+            if self.requests.get(req.request_id) is not req:
+                continue  # finished by an earlier token of this step (stop, length)
             lp = None
             if req.payload.logprobs is not None:
                 chosen, top_ids, top_lp = logprobs
@@ -283,8 +286,8 @@ class LLMEngine:
                 lp = TokenLogprob(sampled[i], float(chosen[row]), tuple(
                     zip(top_ids[row, :n].tolist(), top_lp[row, :n].tolist())))
             reason = self.outputs.add_token(req, sampled[i], now, lp)
-            outputs.append(self._finish(req, reason) if reason else self.outputs.output(req))
-        return outputs
+            outputs[req] = self._finish(req, reason) if reason else None
+        return [out or self.outputs.output(req) for req, out in outputs.items()]
 
     def _step_failed(self, error: Exception, **where) -> list[RequestOutput]:
         log.exception("engine step failed; failing every request in flight")

@@ -25,6 +25,7 @@ from jserve.scheduler.base import SchedulerBase
 from jserve.scheduler.deadline import DeadlineConfig
 from jserve.scheduler.predictor import CorrectedPredictor, RuntimePredictor
 from jserve.scheduler.swap import SwapPolicy
+from jserve.speculative.speculator import Speculator, build_speculator
 from sharding import pipeline
 from sharding.mesh import MeshConfig, make_mesh
 from sharding.specs import allocate_sharded_kv_cache, kv_head_map, kv_heads_per_device
@@ -54,6 +55,7 @@ class EngineParts:
     predictor: RuntimePredictor | None      # the deadline policies' step-time model
     length_tracker: LengthTracker | None
     persistent_cache_hits: int | None       # compiled programs found on disk (warm-up on)
+    speculator: Speculator                  # speculative decoding (off without a config)
 
 
 def check_config(cfg: LlamaConfig, config: EngineConfig) -> Geometry:
@@ -99,7 +101,9 @@ def engine_geometry(cfg: LlamaConfig, config: EngineConfig) -> Geometry:
     buckets = Buckets.for_limits(
         max_num_seqs=config.max_num_seqs, token_budget=budget,
         max_prefill_seqs=config.max_prefill_seqs, max_model_len=max_model_len,
-        page_size=config.page_size, kvp=mc.kvp)
+        page_size=config.page_size, kvp=mc.kvp,
+        draft_tokens=(config.speculative_config.num_speculative_tokens
+                      if config.speculative_config else 0))
     pages_per_seq = (-(-max_model_len // config.page_size) if mc.kvp == 1
                      else buckets.pages_per_group)
     return Geometry(mc, max_model_len, buckets, pages_per_seq,
@@ -198,11 +202,12 @@ def build_engine_parts(cfg: LlamaConfig, params: Params, config: EngineConfig) -
         hits = CACHE_EVENTS["cache_hits"]
         runner.warmup()
         hits = CACHE_EVENTS["cache_hits"] - hits
+    speculator = build_speculator(config, cfg, context, scheduler)
     return EngineParts(
         mesh_config, jax.process_count() > 1, context, buckets, allocator, scheduler,
         runner, StepBuilder(buckets, config.page_size, runner.state_sink, pool_pages=num_pages,
                     vocab_size=cfg.vocab_size),
-        predictor, tracker, hits)
+        predictor, tracker, hits, speculator)
 
 
 def _runner(cfg: LlamaConfig, params: Params, config: EngineConfig, mesh_config: MeshConfig,

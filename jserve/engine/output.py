@@ -26,6 +26,9 @@ class RequestMetrics:
     token_times: list[float] = dataclasses.field(default_factory=list)
     finished_time: float | None = None
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache (last admission)
+    # Speculative decoding: draft tokens verified for this request, and accepted.
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 @dataclasses.dataclass
@@ -170,6 +173,7 @@ class OutputProcessor:
         st.error = error
         st.metrics.finished_time = now
         st.metrics.cached_tokens = req.num_cached_tokens
+        st.metrics.draft_tokens, st.metrics.accepted_tokens = req.num_drafted, req.num_accepted
 
     @staticmethod
     def output(req) -> RequestOutput:

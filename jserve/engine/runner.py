@@ -337,7 +337,7 @@ def _sampling_spec(s: int, vocab_size: int, sharding=None) -> SamplingBatch:
         presence_penalty=spec((s,), f32), frequency_penalty=spec((s,), f32),
         seed=spec((s,), jnp.uint32), step=spec((s,), i32),
         banned_ids=spec((s, MAX_BANNED_IDS), i32),
-        allowed=spec((s, mask_words(vocab_size)), i32))
+        allowed=spec((s, mask_words(vocab_size)), i32), draft=spec((s,), i32))
 
 
 def state_spec(cfg: LlamaConfig, rows: int, sharding=None) -> SeqState:
@@ -427,6 +427,11 @@ class ModelRunner:
         self.state_sink = rows - 1
         self.attention_impl = attention_impl
         self.sample_rows = buckets.max_rows
+        # Speculative decoding widens the decode buckets (1 + k rows a decode); steps within
+        # the rows of plain decoding keep a sampler of that size (``rows_for``), so they pay
+        # nothing for the option. Without drafts both sizes are the same.
+        self._plain_rows = min(max_num_seqs + buckets.prefill_rows, buckets.max_rows)
+        self._plain_sampler: jax.stages.Compiled | None = None
         self._jitted, self._pass_jit, self._sample_jit = _programs(self.spp)
         self._compiled: dict[tuple[int, int], tuple[jax.stages.Compiled, PackedLayout]] = {}
         self._passes: dict[tuple[int, int], tuple[jax.stages.Compiled, PackedLayout]] = {}
@@ -474,13 +479,13 @@ class ModelRunner:
             return self._pass_jit.lower(
                 self.params, self.kv_cache, self.state, ibuf, fbuf, layout=layout,
                 cfg=self.cfg, attention_impl=self.attention_impl, mesh=self.mesh,
-                rows=self.sample_rows), layout
+                rows=self.rows_for(shape)), layout
         carry = () if self.spp == 1 else (pipeline.carry_spec(
             self.mesh, self.cfg, sum(self.stream_shape)),)
         lowered = self._jitted.lower(self.params, self.kv_cache, self.state, *carry, ibuf, fbuf,
                                      layout=layout, cfg=self.cfg,
                                      attention_impl=self.attention_impl, mesh=self.mesh,
-                                     rows=self.sample_rows,
+                                     rows=self.rows_for(shape),
                                      **({"decode_rows": self.stream_shape[0]} if self.spp > 1
                                         else {"capture_layer": self.capture_layer}))
         return lowered, layout
@@ -496,9 +501,16 @@ class ModelRunner:
         spp > 1 one per pipeline slot ([spp, size]) unless ``lone`` (a pass: one step's)."""
         return self._buffer_shapes(self.compiled(shape, lone)[1], lone)
 
-    def _lower_sampler(self) -> jax.stages.Lowered:
-        """The one sampling program, on the padded rows every step hands it."""
-        r, rep = self.sample_rows, self._replicated
+    def rows_for(self, shape: tuple[int, int]) -> int:
+        """The rows a step of ``shape`` pads its sampling inputs to."""
+        rows = shape[0] + (self.buckets.prefill_rows if shape[1] else 0)
+        return self._plain_rows if self.spp == 1 and rows <= self._plain_rows \
+            else self.sample_rows
+
+    def _lower_sampler(self, rows: int | None = None) -> jax.stages.Lowered:
+        """The sampling program, on the padded rows every step hands it (the largest step's
+        unless ``rows``)."""
+        r, rep = rows or self.sample_rows, self._replicated
         b = lambda: _spec((), bool, rep)
         spec = SampleInputs(logits=_spec((r, self.cfg.vocab_size), jnp.float32, rep),
                             state_rows=_spec((r,), jnp.int32, rep),
@@ -528,7 +540,14 @@ class ModelRunner:
             self.compile_seconds += time.perf_counter() - t0
         return entry
 
-    def sampler(self) -> jax.stages.Compiled:
+    def sampler(self, rows: int | None = None) -> jax.stages.Compiled:
+        if rows is not None and rows != self.sample_rows:
+            if self._plain_sampler is None:
+                t0 = time.perf_counter()
+                self._plain_sampler = self._lower_sampler(rows).compile()
+                self.compile_count += 1
+                self.compile_seconds += time.perf_counter() - t0
+            return self._plain_sampler
         if self._sampler is None:
             t0 = time.perf_counter()
             self._sampler = self._lower_sampler().compile()
@@ -559,6 +578,8 @@ class ModelRunner:
                 jobs[pool.submit(lowered.compile)] = (shape, layout, lone)
             if self._sampler is None:
                 jobs[pool.submit(self._lower_sampler().compile)] = (None, None, False)
+            if self._plain_rows != self.sample_rows and self._plain_sampler is None:
+                self.sampler(self._plain_rows)
             for fut in as_completed(jobs):
                 shape, layout, lone = jobs[fut]
                 if shape is None:
@@ -618,12 +639,13 @@ class ModelRunner:
 
     def sample(self, inputs: SampleInputs, allowed: np.ndarray | None = None) -> SampleResult:
         """The sampling executable on a forward's ``inputs``; ``allowed``: the bitmask of
-        every padded row [sample_rows, words] in place of the one the step was built with."""
+        every padded row [rows, words] in place of the one the step was built with (rows:
+        ``rows_for`` the step's shape)."""
         if allowed is not None:
             sb = inputs.sampling
             inputs = dataclasses.replace(inputs, sampling=dataclasses.replace(
                 sb, allowed=allowed))  # the executable's own transfer: the cheapest
-        out, self.state = self.sampler()(self.state, inputs)
+        out, self.state = self.sampler(inputs.logits.shape[0])(self.state, inputs)
         return out
 
     def _nothing_sampled(self) -> SampleResult:

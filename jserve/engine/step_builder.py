@@ -113,7 +113,7 @@ class StepBuilder:
               shape: tuple[int, int] | None = None) -> BuiltStep:
         """``shape``: build at this bucket shape instead of the smallest one that fits."""
         bd, padded_prefill_tokens = shape or self.buckets.shape_for(
-            len(plan.decodes), sum(c.num_tokens for c in plan.prefills))
+            plan.num_decode_rows, sum(c.num_tokens for c in plan.prefills))
         s = bd + (self.buckets.prefill_rows if padded_prefill_tokens else 0)
         h = _HostArrays.empty(bd + padded_prefill_tokens, s, self.buckets.page_table_width,
                               self.state_sink, neutral_row)
@@ -147,11 +147,16 @@ class StepBuilder:
     def _fill_decodes(self, h: "_HostArrays", plan: BatchPlan, requests, sampler_row,
                       state_row) -> None:
         """Decodes (the bulk of rows): scalars gathered in Python, one numpy store per
-        field."""
+        field. A speculating decode takes one row per token (its own, then its drafts), each
+        sampling: row j attends to the KV its earlier rows write in the same step."""
         ps = self.page_size
-        nd = len(plan.decodes)
-        dec = [requests[c.request_id] for c in plan.decodes]
-        pos_d = [c.start for c in plan.decodes]
+        chunks = plan.decodes
+        if plan.num_draft_tokens:
+            chunks = [c._replace(start=c.start + j, num_tokens=1, drafts=c.drafts[j:])
+                      for c in plan.decodes for j in range(c.num_tokens)]
+        nd = len(chunks)
+        dec = [requests[c.request_id] for c in chunks]
+        pos_d = [c.start for c in chunks]
         srows = [state_row(r) for r in dec]
         h.tokens[:nd] = [r.token_ids[p] for r, p in zip(dec, pos_d)]
         h.positions[:nd] = pos_d
@@ -171,8 +176,12 @@ class StepBuilder:
             for i, r in enumerate(dec):
                 h.start_groups[i] = self._kvp_row(h.page_table, i, r.block_ids)
         h.sampled_state_rows[:nd] = srows
-        for i, (r, c) in enumerate(zip(dec, plan.decodes)):
+        for i, (r, c) in enumerate(zip(dec, chunks)):
             h.rows[i] = sampler_row(r)
+            if c.drafts:  # a row of a speculating decode: the token after position start
+                # (no bans differ between its rows: drafts start past min_tokens)
+                h.rows[i] = dataclasses.replace(
+                    h.rows[i], step=c.start + 1 - r.num_prompt_tokens, draft=c.drafts[0])
             h.sample_rows.append((i, c))
 
     def _fill_prefills(self, h: "_HostArrays", plan: BatchPlan, requests, sampler_row,

@@ -74,6 +74,9 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; 0: chosen token only; n: chosen + top-n
     # A JSON schema, regex, choice or grammar the output must follow (None: free text).
     structured_output: StructuredOutput | None = None
+    # Speculative decoding, when the engine has a speculative_config: False opts this
+    # request out (it decodes one token a step).
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         self.stop = _as_tuple("stop", (self.stop,) if isinstance(self.stop, str) else self.stop)
@@ -137,6 +140,8 @@ class SamplingParams:
         self._validate_stop()
         self._validate_stop_token_ids(vocab_size)
 
+        if not isinstance(self.speculative, bool):
+            raise ValueError(f"speculative must be a bool, got {self.speculative!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.logprobs is not None:

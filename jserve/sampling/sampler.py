@@ -39,13 +39,17 @@ class SamplingBatch:
     # i32[B, W]: bit j of word i allows token 32 i + j (structured output); words past W
     # allow everything, so all-ones rows (-1) and a 1-word batch change nothing.
     allowed: jax.Array
+    # i32[B]: the draft token this row verifies (speculative decoding), -1 for none. The
+    # row then returns the draft if accepted, else a token from the residual distribution
+    # (never the draft), so "returned == draft" is the acceptance.
+    draft: jax.Array
 
 
 # What a padding row holds in each field: greedy, neutral penalties (bit-exact no-ops), no
 # banned ids, so it samples nothing that anyone reads and costs no random draws.
 NEUTRAL_ROW_VALUES = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
                           presence_penalty=0.0, frequency_penalty=0.0, seed=0, step=0,
-                          banned_ids=-1, allowed=-1)
+                          banned_ids=-1, allowed=-1, draft=-1)
 
 
 def pad_rows(sb: SamplingBatch, rows: int) -> SamplingBatch:
@@ -67,6 +71,7 @@ class SamplerRow:
     step: int
     banned_ids: tuple[int, ...] = ()
     allowed: np.ndarray | None = None  # int32 bitmask of the tokens allowed next (None: all)
+    draft: int = -1  # speculative decoding: the draft token this row verifies
 
 
 @jax.tree_util.register_dataclass
@@ -125,6 +130,7 @@ def make_sampling_batch(rows: Sequence[SamplerRow], pad_to: int, words: int = 1
         step=column("step", [r.step for r in rows], np.int32),
         banned_ids=np.array(banned, dtype=np.int32).reshape(pad_to, MAX_BANNED_IDS),
         allowed=allowed,
+        draft=np.array([r.draft for r in rows] + [-1] * n_pad, np.int32),
     )
 
 
@@ -188,6 +194,12 @@ def _row_gumbel(seed: jax.Array, step: jax.Array, vocab: int) -> jax.Array:
     return jax.random.gumbel(key, (vocab,), dtype=jnp.float32)
 
 
+def _row_uniform(seed: jax.Array, step: jax.Array) -> jax.Array:
+    """The acceptance draw of a speculative row: a stream apart from its Gumbel noise."""
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), step), 1)
+    return jax.random.uniform(key, (), dtype=jnp.float32)
+
+
 def unpack_allowed(allowed: jax.Array, vocab: int) -> jax.Array:
     """bool[B, vocab] from the ``allowed`` bitmask (tokens past its words: allowed)."""
     bits = (allowed[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
@@ -215,8 +227,21 @@ def choose_tokens(penalised: jax.Array, sb: SamplingBatch, *, all_greedy: bool) 
     temperature = jnp.where(greedy, 1.0, jnp.maximum(sb.temperature, _MIN_TEMPERATURE))
     scaled = penalised / temperature[:, None]
     gumbel = jax.vmap(_row_gumbel, in_axes=(0, 0, None))(sb.seed, sb.step, vocab)
-    perturbed = jnp.where(allowed_mask(scaled, sb), scaled + gumbel, -jnp.inf)
-    sampled = jnp.argmax(perturbed, axis=-1).astype(jnp.int32)
+    allowed = allowed_mask(scaled, sb)
+    # Speculative rows (rejection sampling against a draft d proposed with certainty):
+    # accept d with probability p(d), else draw from p with d removed, renormalised; the
+    # token returned is then distributed exactly as p. Rows without a draft are untouched.
+    has_draft = sb.draft >= 0
+    draft = jnp.maximum(sb.draft, 0)
+    is_draft = has_draft[:, None] & (lax.broadcasted_iota(jnp.int32, scaled.shape, 1)
+                                     == draft[:, None])
+    log_p = jax.nn.log_softmax(jnp.where(allowed, scaled, -jnp.inf), axis=-1)
+    p_draft = jnp.exp(jnp.take_along_axis(log_p, draft[:, None], axis=1)[:, 0])
+    uniform = jax.vmap(_row_uniform)(sb.seed, sb.step)
+    # (Rounding can leave p(d) a hair under 1 with nothing else allowed: accept then too.)
+    accept = has_draft & ((uniform < p_draft) | ~jnp.any(allowed & ~is_draft, axis=-1))
+    perturbed = jnp.where(allowed & ~is_draft, scaled + gumbel, -jnp.inf)
+    sampled = jnp.where(accept, draft, jnp.argmax(perturbed, axis=-1).astype(jnp.int32))
     return jnp.where(greedy, tokens, sampled)
 
 

@@ -65,6 +65,14 @@ class SchedulerBase(abc.ABC):
         # Prefix cache counters: prompt tokens looked up at admission, and found cached.
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
+        # Speculative decoding counters: draft tokens verified, accepted, and the
+        # speculating decodes that verified them.
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_draft_steps = 0
+        # Speculative decoding: called with the scheduler at the start of ``schedule()``;
+        # sets ``draft_ids`` of running requests (jserve.speculative).
+        self.proposer = None
 
     # -- queue management --------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -89,6 +97,13 @@ class SchedulerBase(abc.ABC):
         for req, c in zip(entry.requests, plan.decodes + plan.prefills):
             self._unpin(req)
             live = sampled is not None and not req.status.finished
+            if c.drafts:
+                if req in entry.held:
+                    self.in_flight.discard(req)
+                if live:
+                    appended += self._verify(req, c, sampled, i)
+                i += 1 + len(c.drafts)
+                continue
             end = c.start + c.num_tokens
             if live:
                 self._register_pages(req, end)
@@ -104,6 +119,34 @@ class SchedulerBase(abc.ABC):
                 i += 1
         return appended
 
+    def _verify(self, req: Request, c: ScheduledChunk, sampled: Sequence[int], i: int
+                ) -> list[tuple[int, Request]]:
+        """A speculating decode is back: ``sampled[i + j]`` is the token after its j-th
+        input (its own token, then the drafts). The drafts the samples agree with are
+        accepted, plus the sample after the last of them (the sampler already replaced a
+        rejected draft); the KV of rejected drafts is dropped and the pages past the
+        accepted tokens go back to the pool."""
+        got = sampled[i:i + 1 + len(c.drafts)]
+        accepted = 0
+        for draft, token in zip(c.drafts, got):
+            if draft != token:
+                break
+            accepted += 1
+        del req.token_ids[c.start + 1:]
+        req.token_ids.extend(got[:accepted + 1])
+        req.num_computed = c.start + 1 + accepted
+        keep = self.allocator.blocks_for(req.num_computed)
+        if len(req.block_ids) > keep:
+            self.allocator.free(req.block_ids[keep:])
+            del req.block_ids[keep:]
+        self._register_pages(req, req.num_computed)
+        req.num_drafted += len(c.drafts)
+        req.num_accepted += accepted
+        self.num_draft_tokens += len(c.drafts)
+        self.num_accepted_tokens += accepted
+        self.num_draft_steps += 1
+        return [(i + j, req) for j in range(accepted + 1)]
+
     def requests_of(self, plan: BatchPlan) -> list[Request]:
         """The requests of in-flight ``plan``'s chunks (decodes, then prefills), as launched."""
         return next(e.requests for e in reversed(self._launched) if e.plan is plan)
@@ -115,7 +158,9 @@ class SchedulerBase(abc.ABC):
         scheduled again at once; the others stay held until ``update``. ``plan`` must be
         in flight."""
         entry = next(e for e in self._launched if e.plan is plan)
-        for req in list(entry.held):
+        # A speculating decode's tokens are verified on the host: it stays held until then.
+        verified = {r for r, c in zip(entry.requests, plan.decodes) if c.drafts}
+        for req in list(entry.held - verified):
             if not req.status.finished and may_continue(req):
                 req.token_ids.append(PLACEHOLDER)
                 entry.held.discard(req)
@@ -175,6 +220,8 @@ class SchedulerBase(abc.ABC):
         held = set()
         for req, c in zip(reqs, plan.decodes + plan.prefills):
             req.num_computed += c.num_tokens
+            if c.drafts:  # they stand in the tokens until ``update`` verifies them
+                req.token_ids.extend(c.drafts)
             pinned[req] = pinned.get(req, 0) + 1
             if c.samples:
                 held.add(req)
@@ -379,6 +426,40 @@ class SchedulerBase(abc.ABC):
         self._count_prefix(req)
         self.running.append(req)
 
+    # -- speculative decoding ------------------------------------------------------------
+    def _with_drafts(self, plan: BatchPlan) -> BatchPlan:
+        """Drafts go in last: each decode whose request offers ``draft_ids`` takes as many
+        as the token budget, its KV room (no preemption for drafts; with kvp, up to its
+        group's end) and ``_drafts_fit`` (the deadline policies' time budget) leave, so
+        drafts never displace a prefill chunk or another decode. The offers are used up."""
+        by_id = {c.request_id: j for j, c in enumerate(plan.decodes)}
+        offers = [(by_id[r.request_id], r) for r in self.running
+                  if r.draft_ids and r.request_id in by_id]
+        if not offers:
+            return plan
+        decodes = list(plan.decodes)
+        tokens_left = self.token_budget - plan.num_tokens
+        for j, req in sorted(offers, key=lambda o: o[0]):
+            drafts, req.draft_ids = req.draft_ids, []
+            c = decodes[j]
+            k = min(len(drafts), tokens_left, self._fits(req, 1 + len(drafts)) - 1)
+            while k > 0:
+                decodes[j] = c._replace(num_tokens=1 + k, drafts=tuple(drafts[:k]))
+                trial = dataclasses.replace(plan, decodes=tuple(decodes))
+                if self._drafts_fit(trial):
+                    break
+                k -= 1
+            if k <= 0 or not self._grow(req, c.start + 1 + k):
+                decodes[j] = c
+                continue
+            plan, tokens_left = trial, tokens_left - k
+        return dataclasses.replace(plan, decodes=tuple(decodes))
+
+    def _drafts_fit(self, plan: BatchPlan) -> bool:
+        """Whether ``plan`` with its drafts fits the iteration (the token budget is already
+        held; the deadline policies also check their time budget)."""
+        return True
+
     @staticmethod
     def _chunk(req: Request, n: int) -> ScheduledChunk:
         return ScheduledChunk(req.request_id, req.num_computed, n,
@@ -394,6 +475,8 @@ class SchedulerBase(abc.ABC):
         sampled token in flight are out of the running queue while the policy plans (so none
         schedules or preempts them) and go back at their places in admission order after it,
         with new admissions after them."""
+        if self.proposer is not None:
+            self.proposer(self)
         plan = self._schedule_around_in_flight()
         if not plan.is_empty:
             self._launch(plan)
@@ -426,6 +509,7 @@ class SchedulerBase(abc.ABC):
             preempted.append(victim.request_id)
             plan = self._schedule_once(admit=False)
             preempted.extend(plan.preempted)
+        plan = self._with_drafts(plan)
         swap_out, swap_in = tuple(self._swap_out), tuple(self._swap_in)
         self._swap_out.clear()
         self._swap_in.clear()

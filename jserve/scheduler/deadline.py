@@ -264,6 +264,13 @@ class DeadlineScheduler(SchedulerBase):
         floor = self.predictor.predict(decodes) + self.config.prefill_share * base
         return min(base, max(tightest, floor))
 
+    def _drafts_fit(self, plan: BatchPlan) -> bool:
+        """Drafts cost time like any tokens: a plan with them must stay within the budget of
+        the same iteration without them (short budgets shrink or drop k)."""
+        plain = BatchPlan(tuple(c._replace(num_tokens=1, drafts=()) if c.drafts else c
+                                for c in plan.decodes), ())
+        return self.predictor.predict(plan) <= self.iteration_budget(plain)
+
     def _passes_over(self, req: Request, free: int) -> bool:
         """Whether a running candidate is sure to be skipped once not even a first granule
         fits (``hopeless``): its chunk cap (the loop's ``_fits``, with one KV group of

@@ -11,8 +11,12 @@ class ScheduledChunk(NamedTuple):
 
     request_id: str
     start: int        # first token position computed in this step
-    num_tokens: int   # tokens computed in this step (1 for a decode)
+    num_tokens: int   # tokens computed in this step (1 for a decode, 1 + k speculating)
     samples: bool     # the chunk reaches the end of the known tokens: sample a new one
+    # Speculative decoding: the k draft tokens a decode verifies after its own token (its
+    # chunk is 1 + k tokens and samples at each of them; ``SchedulerBase.update`` accepts
+    # the longest prefix the samples agree with).
+    drafts: tuple[int, ...] = ()
 
 
 PageMove = tuple[str, tuple[int, ...]]  # (request id, KV blocks in token order)
@@ -32,7 +36,17 @@ class BatchPlan:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decodes) + sum(c.num_tokens for c in self.prefills)
+        return (len(self.decodes) + self.num_draft_tokens
+                + sum(c.num_tokens for c in self.prefills))
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(len(c.drafts) for c in self.decodes)
+
+    @property
+    def num_decode_rows(self) -> int:
+        """Decode rows of the step: one per decode token, drafts included."""
+        return len(self.decodes) + self.num_draft_tokens
 
     @property
     def is_empty(self) -> bool:

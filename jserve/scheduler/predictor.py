@@ -33,13 +33,16 @@ FEATURES = ("constant", "tokens", "decodes", "decode_context", "prefill_attentio
 
 
 def _decode_context(decodes: tuple[ScheduledChunk, ...]) -> int:
-    return sum(c.start + 1 for c in decodes)
+    """KV read by the decode rows: a speculating decode's row j reads start + j + 1."""
+    return sum(c.start + 1 if c.num_tokens == 1 else
+               c.num_tokens * c.start + c.num_tokens * (c.num_tokens + 1) // 2
+               for c in decodes)
 
 
 def _terms(plan: BatchPlan, decode_ctx: int) -> tuple[int, int, int, int, int]:
     """The features after the constant, as exact integers."""
     attention = sum(c.num_tokens * (c.start + c.num_tokens) for c in plan.prefills)
-    return plan.num_tokens, len(plan.decodes), decode_ctx, attention, len(plan.prefills)
+    return plan.num_tokens, plan.num_decode_rows, decode_ctx, attention, len(plan.prefills)
 
 
 def plan_features(plan: BatchPlan) -> np.ndarray:

@@ -59,6 +59,13 @@ class Request:
     num_registered_pages: int = 0
     cached_hint: int = 0
     num_cached_tokens: int = 0
+    # Speculative decoding: the draft tokens a proposer offers for the next decode (the
+    # scheduler takes as many as the budget allows), and the request's running tally of
+    # drafts verified and accepted (``jserve.speculative`` turns speculation off for a
+    # request whose drafts keep failing).
+    draft_ids: list[int] = dataclasses.field(default_factory=list, repr=False)
+    num_drafted: int = 0
+    num_accepted: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -29,7 +29,7 @@ MAX_N = 16
 # noted; the neutral-only ones are accepted only at the value that changes nothing.
 _SAMPLING = ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
              "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
-             "stop_token_ids")
+             "stop_token_ids", "speculative")
 _COMMON = {"model", "n", "stream", "stream_options", "max_tokens", "user", "ttft_slo",
            "response_format", "structured_outputs",
            "tpot_slo", "priority", *_SAMPLING}

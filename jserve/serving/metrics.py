@@ -111,6 +111,10 @@ class ServerMetrics:
             self._recent_sum -= self._recent.popleft()[1]
         self.tokens_per_second.set(self._recent_sum / self._window)
 
+    def watch_speculation(self, speculator) -> None:
+        """Speculative decoding's counters, read at each scrape (``Speculator.stats``)."""
+        self.registry.register(_SpeculationCollector(speculator))
+
     def watch_grammars(self, compiler) -> None:
         """Structured output's grammar cache, read at each scrape: compilations and hits."""
         self.registry.register(_GrammarCollector(compiler))
@@ -150,6 +154,21 @@ class _GrammarCollector:
                                   "compiled (a distinct constraint compiles once)", c.compiles)
         yield CounterMetricFamily("jserve_grammar_cache_hits", "Structured-output requests "
                                   "whose grammar was already compiled", c.hits)
+
+
+class _SpeculationCollector:
+    def __init__(self, speculator):
+        self._speculator = speculator
+
+    def collect(self):
+        s = self._speculator.stats()
+        yield CounterMetricFamily("jserve_spec_decode_num_draft_tokens", "Draft tokens "
+                                  "verified (speculative decoding)", s["draft_tokens"])
+        yield CounterMetricFamily("jserve_spec_decode_num_accepted_tokens", "Draft tokens "
+                                  "accepted", s["accepted_tokens"])
+        yield CounterMetricFamily("jserve_spec_decode_num_drafts", "Speculating decodes "
+                                  "verified (mean accepted length: (accepted + drafts) / "
+                                  "drafts tokens a step)", s["drafts"])
 
 
 class _Quiet(WSGIRequestHandler):

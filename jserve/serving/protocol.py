@@ -14,7 +14,7 @@ from jserve.sampling.structured import StructuredOutput
 # Scalar SamplingParams fields carried as proto3 ``optional`` (unset: the offline default).
 SCALAR_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p",
                  "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
-                 "ignore_eos", "logprobs")
+                 "ignore_eos", "logprobs", "speculative")
 LIST_FIELDS = ("stop", "stop_token_ids")
 MESSAGE_FIELDS = ("structured_output",)
 MAX_REQUEST_ID_CHARS = 256

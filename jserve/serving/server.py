@@ -196,6 +196,7 @@ class GenerationServer:
         self.metrics = ServerMetrics()
         self.metrics.watch_grammars(engine.intake.grammars)
         export_vllm_names(self.metrics, config.model_name)
+        self.metrics.watch_speculation(engine.speculator)
         self.engine_loop = el.EngineLoop(engine, self.metrics, max_waiting=config.max_waiting,
                                          on_crash=self._engine_died)
         self.gateway = Gateway(engine, self.engine_loop, self.metrics, config.limits)
