@@ -313,13 +313,14 @@ def test_a_conversation_with_tool_results_goes_through_the_template(served):
 def test_async_steps_send_masks_late_and_give_the_synchronous_tokens(llm, monkeypatch):
     """Under async scheduling a structured output decodes every step: its row runs in the
     next forward before its token is read, and its mask goes to the sampler after the read
-    (``LLMEngine._sample_late``). Sampled with seeds, constrained and free requests get the
+    (``jserve.engine.late_masks``). Sampled with seeds, constrained and free requests get the
     tokens of synchronous steps, every output valid, and the late path is what ran."""
     eng = llm.engine
     late = []
-    real = eng._sample_late
-    monkeypatch.setattr(eng, "_sample_late", lambda done: late.append(len(done.late))
-                        or real(done))
+    from jserve.engine import engine as engine_module
+    real = engine_module.late_bitmask
+    monkeypatch.setattr(engine_module, "late_bitmask", lambda done, requests: late.append(
+        len(done.late)) or real(done, requests))
     prompts = [f"Row {i}:" for i in range(10)]
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=120,
                              structured_output=StructuredOutput(json=SCHEMA) if i % 3 else None)

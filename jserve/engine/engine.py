@@ -11,6 +11,7 @@ added and aborted between steps; every accepted request ends with a finish reaso
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import random
@@ -24,9 +25,10 @@ from jserve.engine.config import EngineConfig
 from jserve.engine.factory import build_engine_parts, enable_compilation_cache
 from jserve.engine.in_flight import InFlight, Launched
 from jserve.engine.intake import PreparedRequest, RequestIntake, check_slos, new_request
+from jserve.engine.late_masks import late_bitmask, late_rows
 from jserve.engine.memory_plan import startup_summary
-from jserve.engine.output import OutputProcessor, RequestOutput, TokenLogprob
-from jserve.engine.request_state import NEUTRAL_ROW, StateRows, mask_pending, sampler_row
+from jserve.engine.output import OutputProcessor, RequestOutput, StepLogprobs
+from jserve.engine.request_state import NEUTRAL_ROW, StateRows, sampler_row
 from jserve.engine.step_builder import BuiltStep, StepFlags
 from jserve.engine.swap import HostKVStore
 from jserve.engine.tick_slots import TickSlots
@@ -72,10 +74,11 @@ class LLMEngine:
         # Settable between steps. Off with a length probe, which reads each step's captured
         # state before its tokens are appended.
         self.async_scheduling = config.async_scheduling and self.length_tracker is None
-        # Async: a structured output decodes every step, its mask sent after the forward
-        # (``_sample_late``); where the step is one call (a pipeline tick, multi-process
-        # followers) it waits for its token to be read instead (``may_continue``).
-        self._late_masks = parts.mesh_config.spp == 1 and not self._multi_process
+        # Async: a structured output's mask goes after the forward (``late_masks``) unless
+        # the step is one call (a pipeline tick, multi-process followers).
+        self._may_continue = functools.partial(
+            self.outputs.may_continue,
+            late_masks=parts.mesh_config.spp == 1 and not self._multi_process)
         self._slots = TickSlots(self.runner, self.builder, NEUTRAL_ROW, self._in_flight.depth)
         self._clock = StepClock()
         # The deadline policies' predictor, corrected online from step times (one device:
@@ -188,29 +191,13 @@ class LLMEngine:
         if done is not None:
             sched.sampled_on_device(done.plan, self._may_continue)
         outputs = self._read_unread()
-        if done is not None and done.late:
+        if done is not None and done.late:  # its forward runs: now its sampling
             try:
-                done.out = self._sample_late(done)
+                done.out = self.runner.sample(done.out, late_bitmask(done, self.requests))
             except Exception as e:  # noqa: BLE001 - as a failed step
                 return outputs + self._step_failed(e, reading=done)
         self._in_flight.unread = done
         return outputs
-
-    def _may_continue(self, req: Request) -> bool:
-        return self.outputs.may_continue(req, late_masks=self._late_masks)
-
-    def _sample_late(self, done: Launched):
-        """Samples ``done``'s step (its forward is running) with the masks of its structured
-        outputs, which the host could compute only now that it has read their previous
-        tokens; the mask time is hidden behind that forward."""
-        sb = done.built.arrays.sampling
-        allowed = np.full((done.out.logits.shape[0], sb.allowed.shape[1]), -1, np.int32)
-        allowed[:len(sb.allowed)] = sb.allowed
-        for row, req in done.late:
-            c = req.payload.constraint
-            if self.requests.get(req.request_id) is req and not c.done:
-                allowed[row] = c.mask()
-        return self.runner.sample(done.out, allowed)
 
     def _read_unread(self) -> list[RequestOutput]:
         done = self._in_flight.take_unread()
@@ -230,34 +217,22 @@ class LLMEngine:
         return self._complete(done, tokens)
 
     def _launch(self, plan: BatchPlan) -> Launched:
-        """Hands state rows to the plan's requests, stamps first-scheduled times, and builds
-        its step with the run-time switches it needs."""
+        """Gives the plan's requests state rows and first-scheduled times; builds its step."""
         now = time.monotonic()
-        chunks = plan.decodes + plan.prefills
         reqs = self.scheduler.requests_of(plan)
         for req in reqs:
             self.state_rows.assign(req)
             if req.payload.metrics.first_scheduled_time is None:
                 req.payload.metrics.first_scheduled_time = now
-        pending = {r.request_id for r, c in zip(reqs, chunks) if c.samples and mask_pending(r)}
-        sampled = [r.payload.params for r, c in zip(reqs, chunks) if c.samples]
-        flags = StepFlags(any_random=any(p.temperature > 0 for p in sampled),
-                          # Every chunk of a penalised request counts: its prompt tokens
-                          # fill the penalty state.
-                          any_penalty=any(r.payload.params.uses_penalties for r in reqs),
-                          want_logprobs=any(p.logprobs is not None for p in sampled))
-        built = self._build(plan, flags)
-        late = [(row, self.requests[c.request_id]) for row, c in built.sample_rows
-                if c.request_id in pending] if pending else []
-        return Launched(plan, reqs, built, flags.want_logprobs, late=late)
-
-    def _build(self, plan: BatchPlan, flags: StepFlags) -> BuiltStep:
-        return self.builder.build(plan, self.requests, lambda r: sampler_row(r, self.eos_ids),
-                                  NEUTRAL_ROW, lambda r: r.payload.state_row, flags)
+        flags = StepFlags.of([r.payload.params for r in reqs], plan)
+        built = self.builder.build(plan, self.requests, lambda r: sampler_row(r, self.eos_ids),
+                                   NEUTRAL_ROW, lambda r: r.payload.state_row, flags)
+        return Launched(plan, reqs, built, flags.want_logprobs,
+                        late=late_rows(built, self.requests))
 
     def _execute(self, built: BuiltStep | None, lone: bool, defer: bool = False):
         """Multi-process: the leader broadcasts every step (empty ticks too) to the followers.
-        ``defer``: the forward only (``_sample_late`` samples)."""
+        ``defer``: the forward only (its sampling waits for late masks)."""
         shape, bufs = self._slots.buffers(built, self._in_flight.slots, lone)
         if self._multi_process:
             return distributed.leader_execute(self.runner, shape, *bufs)
@@ -271,20 +246,14 @@ class LLMEngine:
         rows = [row for row, _ in done.built.sample_rows]
         sampled = tokens[rows].tolist()
         appended = self.scheduler.update(done.plan, sampled)
-        out = done.out
-        logprobs = (tuple(map(np.asarray, (out.logprobs, out.top_ids, out.top_logprobs)))
-                    if done.want_logprobs else None)
+        logprobs = StepLogprobs(done.out) if done.want_logprobs else None
         now = time.monotonic()
         outputs = {}  # one per request: a speculating decode may append several tokens
         for i, req in appended:
             if self.requests.get(req.request_id) is not req:
                 continue  # finished by an earlier token of this step (stop, length)
-            lp = None
-            if req.payload.logprobs is not None:
-                chosen, top_ids, top_lp = logprobs
-                row, n = rows[i], req.payload.params.logprobs
-                lp = TokenLogprob(sampled[i], float(chosen[row]), tuple(
-                    zip(top_ids[row, :n].tolist(), top_lp[row, :n].tolist())))
+            lp = None if req.payload.logprobs is None else logprobs.token(
+                rows[i], sampled[i], req.payload.params.logprobs)
             reason = self.outputs.add_token(req, sampled[i], now, lp)
             outputs[req] = self._finish(req, reason) if reason else None
         return [out or self.outputs.output(req) for req, out in outputs.items()]

@@ -24,7 +24,7 @@ class Launched:
     launched_at: float = 0.0  # time.perf_counter() when its step was launched
     out: object = None      # the SampleResult of the step it left the device in
     # (row, request) of structured outputs whose mask is sent after the forward
-    # (``LLMEngine._sample_late``); ``out`` holds the forward's SampleInputs until then.
+    # (``jserve.engine.late_masks``); ``out`` holds the forward's SampleInputs until then.
     late: list = dataclasses.field(default_factory=list)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import numpy as np
+
 from jserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -14,6 +16,19 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]  # (token id, logprob) best first; empty when logprobs=0
+
+
+class StepLogprobs:
+    """A step's logprobs read back (the chosen tokens' and the top ones, per sampled row)."""
+
+    def __init__(self, out):
+        self.chosen, self.top_ids, self.top_lp = (
+            np.asarray(a) for a in (out.logprobs, out.top_ids, out.top_logprobs))
+
+    def token(self, row: int, token_id: int, n: int) -> TokenLogprob:
+        """Row ``row``'s ``token_id`` with its ``n`` best alternatives."""
+        return TokenLogprob(token_id, float(self.chosen[row]), tuple(
+            zip(self.top_ids[row, :n].tolist(), self.top_lp[row, :n].tolist())))
 
 
 @dataclasses.dataclass

@@ -22,6 +22,15 @@ class StepFlags:
     any_penalty: bool    # some request in the step uses penalties
     want_logprobs: bool  # some sampled row asked for logprobs
 
+    @classmethod
+    def of(cls, params: list, plan: BatchPlan) -> "StepFlags":
+        """The switches ``plan`` needs (``params``: its chunks' requests'). Every chunk of a
+        penalised request counts: its prompt tokens fill the penalty state."""
+        sampled = [p for p, c in zip(params, plan.decodes + plan.prefills) if c.samples]
+        return cls(any_random=any(p.temperature > 0 for p in sampled),
+                   any_penalty=any(p.uses_penalties for p in params),
+                   want_logprobs=any(p.logprobs is not None for p in sampled))
+
 
 @dataclasses.dataclass(frozen=True)
 class BuiltStep:

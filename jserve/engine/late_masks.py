@@ -1,0 +1,33 @@
+"""Structured outputs under async scheduling (docs/structured_output.md, "Async scheduling"):
+a constrained request decodes every step. Its row joins a step before the host has read its
+previous token; that step's forward is launched alone, and its sampling follows once the host
+has read the token and computed the request's next mask, while the forward runs."""
+from __future__ import annotations
+
+import numpy as np
+
+from jserve.engine.in_flight import Launched
+from jserve.engine.request_state import mask_pending
+from jserve.engine.step_builder import BuiltStep
+from jserve.scheduler import Request
+
+
+def late_rows(built: BuiltStep, requests: dict[str, Request]) -> list[tuple[int, Request]]:
+    """(row, request) of ``built``'s sampled rows whose mask is not known yet."""
+    return [(row, requests[c.request_id]) for row, c in built.sample_rows
+            if mask_pending(requests[c.request_id])]
+
+
+def late_bitmask(done: Launched, requests: dict[str, Request]) -> np.ndarray:
+    """The allowed-token bitmask of every padded sampling row of ``done``'s forward: as
+    built, with its late rows' masks now that their previous tokens are read (a request
+    that token finished, or whose grammar it completed, keeps all ones: its token is
+    dropped)."""
+    built = done.built.arrays.sampling.allowed
+    allowed = np.full((done.out.logits.shape[0], built.shape[1]), -1, np.int32)
+    allowed[:len(built)] = built
+    for row, req in done.late:
+        c = req.payload.constraint
+        if requests.get(req.request_id) is req and not c.done:
+            allowed[row] = c.mask()
+    return allowed
