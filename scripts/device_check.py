@@ -53,7 +53,6 @@ import dataclasses
 import datetime
 import functools
 import gc
-import importlib.util
 import json
 import math
 import statistics
@@ -64,8 +63,7 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if importlib.util.find_spec("jserve") is None:  # run from a checkout without an install
-    sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # this checkout's jserve, installed (maybe elsewhere) or not
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
