@@ -1,6 +1,7 @@
 """One process of the multi-host test: ``python -m tests.multihost_worker COORD N I DEVICES MESH
-OUT``. Process 0 generates greedy outputs for fixed prompts and writes them (JSON) to OUT;
-the others follow. ``N=1`` runs the same engine in one process, the reference."""
+OUT [KV_CACHE_DTYPE]``. Process 0 generates greedy outputs for fixed prompts and writes them
+(JSON) to OUT; the others follow. ``N=1`` runs the same engine in one process, the
+reference."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,7 @@ import jax
 
 
 def main(coordinator: str, num_processes: int, process_id: int, devices: int, mesh: str,
-         out: str) -> None:
+         out: str, kv_cache_dtype: str = "auto") -> None:
     from sharding import distributed
     if num_processes > 1:
         distributed.initialize(coordinator, num_processes, process_id, devices)
@@ -19,7 +20,7 @@ def main(coordinator: str, num_processes: int, process_id: int, devices: int, me
     from jserve import LLM, SamplingParams
     from tests.llm_helpers import SMALL
 
-    llm = LLM("default", mesh=mesh, **SMALL)
+    llm = LLM("default", mesh=mesh, kv_cache_dtype=kv_cache_dtype, **SMALL)
     if not distributed.is_leader():
         distributed.follow(llm.engine.runner)
         return
@@ -40,5 +41,5 @@ def main(coordinator: str, num_processes: int, process_id: int, devices: int, me
 
 
 if __name__ == "__main__":
-    c, n, i, d, m, o = sys.argv[1:]
-    main(c, int(n), int(i), int(d), m, o)
+    c, n, i, d, m, o, *kv = sys.argv[1:]
+    main(c, int(n), int(i), int(d), m, o, *kv)

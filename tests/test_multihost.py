@@ -4,8 +4,9 @@ mesh give the greedy tokens of one process on one device.
 Two layouts: 2 x 4 devices as spp=2 x kvp=2 x tp=2 (pipeline stages on different processes,
 so activations and step buffers cross processes by ppermute; the leader broadcasts every
 tick, empty drain ticks included, and every lone pass), and 2 x 2 devices as tp=4 (the
-tensor-parallel psums cross processes). Each process runs ``tests/multihost_worker.py``
-under a hard timeout, so a hang fails the test instead of stalling the suite."""
+tensor-parallel psums cross processes), the latter also with an int8 KV cache. Each process
+runs ``tests/multihost_worker.py`` under a hard timeout, so a hang fails the test instead of
+stalling the suite."""
 from __future__ import annotations
 
 import json
@@ -30,12 +31,12 @@ def _free_port() -> int:
 
 
 def _launch(coordinator: str, n: int, i: int, devices: int, mesh: str,
-            out: Path) -> subprocess.Popen:
+            out: Path, kv_cache_dtype: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("XLA_FLAGS", None)  # the worker sets its device count itself
     return subprocess.Popen(
         [sys.executable, "-m", "tests.multihost_worker", coordinator, str(n), str(i),
-         str(devices), mesh, str(out)],
+         str(devices), mesh, str(out), kv_cache_dtype],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -52,12 +53,14 @@ def _wait_all(procs: list[subprocess.Popen]) -> None:
     assert not failed, failed
 
 
-@pytest.mark.parametrize("devices, mesh", [(4, "spp=2,kvp=2,tp=2"), (2, "tp=4")])
-def test_two_processes_match_one_device(tmp_path, devices, mesh):
+@pytest.mark.parametrize("devices, mesh, kv_cache_dtype", [
+    (4, "spp=2,kvp=2,tp=2", "auto"), (2, "tp=4", "auto"),
+    (2, "tp=4", "int8")])  # quantized pages (values and scales) on a mesh across processes
+def test_two_processes_match_one_device(tmp_path, devices, mesh, kv_cache_dtype):
     coordinator = f"127.0.0.1:{_free_port()}"
     multi, single = tmp_path / "multi.json", tmp_path / "single.json"
-    procs = [_launch(coordinator, 2, i, devices, mesh, multi) for i in (0, 1)]
-    procs.append(_launch("", 1, 0, 1, "tp=1", single))
+    procs = [_launch(coordinator, 2, i, devices, mesh, multi, kv_cache_dtype) for i in (0, 1)]
+    procs.append(_launch("", 1, 0, 1, "tp=1", single, kv_cache_dtype))
     _wait_all(procs)
     m, s = json.loads(multi.read_text()), json.loads(single.read_text())
     assert (m["processes"], m["devices"], s["processes"], s["devices"]) == (2, 2 * devices, 1, 1)
