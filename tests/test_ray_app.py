@@ -116,11 +116,12 @@ def test_a_killed_replica_loses_no_accepted_request(ray_app, llm):
     assert len(names) == 2
     prompts = [f"{i} is the number of this request" for i in range(8)]  # no shared prefix
     decided = len(httpx.get(ray_app + "/v1/route/decisions", timeout=30).json())
-    want = [o.text for o in llm.generate(prompts, _greedy(160))]
+    # Long enough that the killed replica's requests are still running when it dies.
+    want = [o.text for o in llm.generate(prompts, _greedy(400))]
 
     def ask(p):
         r = httpx.post(ray_app + "/v1/completions", timeout=300, json={
-            "model": "default", "prompt": p, "max_tokens": 160, "temperature": 0,
+            "model": "default", "prompt": p, "max_tokens": 400, "temperature": 0,
             "ignore_eos": True})
         return r.status_code, r.json(), r.headers.get("x-jserve-replica")
     with concurrent.futures.ThreadPoolExecutor(8) as pool:

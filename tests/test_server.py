@@ -792,6 +792,7 @@ VALID = {
     "stop_token_ids": st.lists(st.integers(0, 319), max_size=3),
     "ignore_eos": st.none() | st.booleans(),
     "logprobs": st.none() | st.integers(0, 20),
+    "speculative": st.none() | st.booleans(),
     "prompt": st.text(min_size=1, max_size=30) | st.lists(st.integers(0, 319), min_size=1,
                                                           max_size=30),
     "ttft_slo": st.none() | st.floats(0.001, 100.0),

@@ -57,6 +57,9 @@ def _unknown_load(name: str) -> ReplicaLoad:
     return ReplicaLoad(name, True, 0, 0, 0.0, FIFO, (), PrefillTable((0, 1), (0.0, 0.0)))
 
 
+INTAKE_S = 1.0  # seconds a sent request may take to show in its replica's report
+
+
 class JServeRouter(FIFOMixin, RequestRouter):
     """Ray Serve's request-router API over ``jserve.routing.choose``."""
 
@@ -72,9 +75,14 @@ class JServeRouter(FIFOMixin, RequestRouter):
             lambda: collections.deque(maxlen=1024))
 
     def _with_unreported(self, load: ReplicaLoad, reported_at: float) -> ReplicaLoad:
-        """``load`` plus the requests this router sent the replica since it reported."""
+        """``load`` plus the requests this router sent the replica that its report may not
+        show yet: sent after it, or less than ``INTAKE_S`` before it (a request reaches
+        the engine's queue only after the replica has read, templated and tokenized it;
+        a report made meanwhile misses it, as a live test saw with a 4,000-token prompt).
+        Such a request may be counted twice for that long, which errs toward the other
+        replicas."""
         sent = self._sent[load.replica]
-        while sent and sent[0][0] <= reported_at:
+        while sent and sent[0][0] <= reported_at - INTAKE_S:
             sent.popleft()
         if not sent:
             return load
