@@ -119,20 +119,21 @@ def test_a_killed_replica_loses_no_accepted_request(ray_app, llm):
     prompts = [f"{i} is the number of this request" for i in range(8)]  # no shared prefix
     decided = len(httpx.get(ray_app + "/v1/route/decisions", timeout=30).json())
     # Long enough that the killed replica's requests are still running when it dies.
-    want = [o.text for o in llm.generate(prompts, _greedy(400))]
+    want = [o.text for o in llm.generate(prompts, _greedy(460))]
 
     def ask(p):
         r = httpx.post(ray_app + "/v1/completions", timeout=300, json={
-            "model": "default", "prompt": p, "max_tokens": 400, "temperature": 0,
+            "model": "default", "prompt": p, "max_tokens": 460, "temperature": 0,
             "ignore_eos": True})
         return r.status_code, r.json(), r.headers.get("x-jserve-replica")
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(ask, p) for p in prompts]
         sent = []
-        while len(sent) < len(prompts):  # every request accepted by a replica
+        while not sent:  # the first request routed: its replica is killed while it runs
             sent = httpx.get(ray_app + "/v1/route/decisions", timeout=30).json()[decided:]
+        # (Not after every request is routed: the router holds a request while its replicas
+        # are full, so by then the first replica's requests may all have finished.)
         victim = next(n for n in names if n.endswith("#" + sent[0]["chosen"]))
-        assert len({d["chosen"] for d in sent}) == 2  # spread over both
         ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=False)
         results = [f.result(timeout=300) for f in futures]
     assert [s for s, _, _ in results] == [200] * 8, results
