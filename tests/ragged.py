@@ -47,3 +47,31 @@ def ragged_case(rng, decode_ctx, prefill, hq, hkv, d, page_size=4, width=16, pad
                              num_prefills=jnp.asarray(len(prefill), jnp.int32),
                              num_decodes=len(decode_ctx))
     return q, k_pages, v_pages, meta, dense
+
+
+# The Pallas flavours, interpreted on CPU. Small blocks keep the interpreted grids short while
+# still crossing query blocks, sequences inside one block, and (GPU) several KV splits per
+# decode.
+def interpreted_flavours() -> dict:
+    import functools
+
+    from jserve.kernels import pallas_gpu, pallas_tpu
+    return {"gpu": functools.partial(pallas_gpu.ragged_paged_attention, interpret=True,
+                                     prefill_block_rows=32),
+            "tpu": functools.partial(pallas_tpu.ragged_paged_attention, interpret=True,
+                                     block_rows=32)}
+
+
+def lowering_case(platform: str, target: str):
+    """A mixed batch (a decode and a prefill chunk, head_dim 128) and ``jax.export`` for
+    ``platform`` with the kernel's custom call (``target``) allowed: what the lowering tests
+    export the accelerator kernels with, no device needed."""
+    import functools
+
+    import jax
+    q, kp, vp, meta, _ = ragged_case(np.random.default_rng(0), [9, 0], [(0, 20), (30, 5)],
+                                     hq=8, hkv=2, d=128, page_size=16, width=8)
+    export = functools.partial(
+        jax.export.export, platforms=[platform],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(target)])
+    return q, kp, vp, meta, export

@@ -18,15 +18,9 @@ from jserve.kernels.reference import ragged_paged_attention as reference
 from jserve.model.weights import DEFAULT_CONFIG, init_params, save_orbax
 from jserve.tokenizer import ByteTokenizer
 from llm_helpers import small_llm
-from ragged import ragged_case
+from ragged import interpreted_flavours, lowering_case, ragged_case
 
-FLAVOURS = {
-    # Small blocks keep the interpreted grids short while still crossing query blocks,
-    # sequences inside one block, and (GPU) several KV splits per decode.
-    "gpu": functools.partial(pallas_gpu.ragged_paged_attention, interpret=True,
-                             prefill_block_rows=32),
-    "tpu": functools.partial(pallas_tpu.ragged_paged_attention, interpret=True, block_rows=32),
-}
+FLAVOURS = interpreted_flavours()
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
 
 
@@ -130,15 +124,11 @@ def test_kv_write_kernel_matches_the_scatter_outside_the_sink_page(writer):
 def test_kernels_lower_for_their_accelerator(platform, attend, writer, target):
     """Lowering runs the Pallas-to-Triton / Pallas-to-Mosaic rules without the device: an op
     the backend cannot express fails here (the backend compiler's own passes do not run)."""
-    rng = np.random.default_rng(0)
-    q, kp, vp, meta, _ = ragged_case(rng, [9, 0], [(0, 20), (30, 5)], hq=8, hkv=2, d=128,
-                                     page_size=16, width=8)
-    export = functools.partial(
-        jax.export.export, platforms=[platform],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(target)])
+    q, kp, vp, meta, export = lowering_case(platform, target)
     args = [jnp.asarray(x, jnp.bfloat16) for x in (q, kp, vp)]
     assert target in export(jax.jit(attend))(*args, meta).mlir_module()
-    assert target in export(jax.jit(writer))(*kv_write_case(rng, jnp.bfloat16)).mlir_module()
+    write_args = kv_write_case(np.random.default_rng(1), jnp.bfloat16)
+    assert target in export(jax.jit(writer))(*write_args).mlir_module()
 
 
 def test_auto_picks_the_backends_kernel():

@@ -14,14 +14,12 @@ import pytest
 from jserve.config import KV_CACHE_DTYPES
 from jserve.kernels import kv_quant, kv_write, pallas_gpu, pallas_tpu, write_kv
 from jserve.kernels.reference import ragged_paged_attention as reference
-from ragged import ragged_case
+from ragged import interpreted_flavours, lowering_case, ragged_case
 
 QUANTIZED = [k for k in KV_CACHE_DTYPES if k != "auto"]
 KERNELS = {
     "reference": reference,
-    "gpu": functools.partial(pallas_gpu.ragged_paged_attention, interpret=True,
-                             prefill_block_rows=32),
-    "tpu": functools.partial(pallas_tpu.ragged_paged_attention, interpret=True, block_rows=32),
+    **interpreted_flavours(),
 }
 # Smallest normal of each fp8 format: below it the rounding step is fixed (subnormals).
 _FP8_MIN_NORMAL = {"fp8_e4m3": 2.0 ** -6, "fp8_e5m2": 2.0 ** -14}
@@ -163,12 +161,7 @@ def test_quantized_write_kernels_match_the_reference_write(writer, kind):
     ("tpu", pallas_tpu.ragged_paged_attention, kv_write.write_kv_tpu, "tpu_custom_call")])
 def test_kernels_lower_with_quantized_pages(platform, attend, writer, target, kind):
     """Triton and Mosaic accept the quantized reads (and the int8 scales' DMAs / loads)."""
-    rng = np.random.default_rng(0)
-    q, kp, vp, meta, _ = ragged_case(rng, [9, 0], [(0, 20), (30, 5)], hq=8, hkv=2, d=128,
-                                     page_size=16, width=8)
-    export = functools.partial(
-        jax.export.export, platforms=[platform],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(target)])
+    q, kp, vp, meta, export = lowering_case(platform, target)
     k, v = quantized_pages(kp, kind), quantized_pages(vp, kind)
     assert target in export(jax.jit(attend))(jnp.asarray(q, jnp.bfloat16), k, v,
                                              meta).mlir_module()
