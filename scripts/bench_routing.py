@@ -15,13 +15,16 @@ are the medians over repetitions of: short-request TTFT P50 / P90, short SLO att
 within ``--short-slo``), and the prefix hit rate (prompt tokens found cached / looked up, from
 the replicas' ``vllm:prefix_cache_*`` counters).
 
-(b) sim: 4 replicas of Llama-3 8B on TP8 x SPP2 A100 meshes (64 GPUs), each running
-``lars-ss``, behind each router (``jserve.sim.cluster``); the Medha-scale trace
-(``jserve.bench.workload``: ShareGPT4 chats with 5% Medha-SWE-like 128K-1M documents) with half
-of every chat of 256+ tokens a shared system prompt (8 of them; prefix caching on). The table
-at ``--qps``, and each router's goodput: the highest QPS (bisection) at which 90% of short
+(b) sim: 4 replicas of Llama-3 8B on TP8 x SPP2 A100 meshes (64 GPUs) behind each router
+(``jserve.sim.cluster``), once per replica scheduler (``--replica-policies``: ``lars-ss``, and
+``sarathi``, the FIFO chunked prefill of vLLM-like replicas) and share of long documents
+(``--long-fractions``: 5%, the Medha-scale trace, and 1%); the trace is
+``jserve.bench.workload``'s ShareGPT4 chats with Medha-SWE-like 128K-1M documents, with half
+of every chat of 256+ tokens a shared system prompt (8 of them; prefix caching on). Each
+router's goodput: the highest QPS (geometric bisection to ``--rel-tol``) at which 90% of short
 requests meet their TTFT deadline (the deadline policies' default, max(1.5 x isolated prefill,
-0.5 s)).
+0.5 s)); then every router's row (TTFT, short and long attainment) at the best load- or
+prefix-based router's goodput.
 """
 from __future__ import annotations
 
@@ -204,10 +207,10 @@ def live(a) -> dict:
 
 
 # -- (b) sim ----------------------------------------------------------------------------------
-def sim_trace(n: int, qps: float, seed: int):
+def sim_trace(n: int, qps: float, seed: int, long_fraction: float = 0.05):
     from jserve.bench.workload import WorkloadSpec, build_workload
     out = []
-    for t in build_workload(WorkloadSpec(num_requests=n, long_fraction=0.05, qps=qps,
+    for t in build_workload(WorkloadSpec(num_requests=n, long_fraction=long_fraction, qps=qps,
                                          seed=seed)):
         if t.prompt_tokens < LONG_PROMPT_TOKENS and t.prompt_tokens >= 256:
             t = dataclasses.replace(t, prefix_id=f"system{int(t.request_id) % 8}",
@@ -216,42 +219,54 @@ def sim_trace(n: int, qps: float, seed: int):
     return out
 
 
-def _sim_once(router: str, n: int, qps: float, seed: int) -> dict:
+def _attainment(recs, due, short: bool) -> tuple[float, list[float]]:
+    sel = [(r, d) for r, d in zip(recs, due) if (r["prompt_tokens"] < LONG_PROMPT_TOKENS) == short]
+    ttft = [r["first_token_s"] - r["arrival_s"] if r["first_token_s"] is not None
+            else float("inf") for r, _ in sel]
+    met = [t <= d for t, (_, d) in zip(ttft, sel)]
+    return (sum(met) / len(met) if met else 1.0), ttft
+
+
+def _sim_once(router: str, n: int, qps: float, seed: int, policy: str = "lars-ss",
+              long_fraction: float = 0.05) -> dict:
     from jserve.sim.cluster import run_cluster
     from jserve.sim.policies import SimConfig, default_ttft_deadlines
     cfg = SimConfig(model="llama3-8b", hardware="a100", tp=8, spp=2, prefix_caching=True)
-    trace = sim_trace(n, qps, seed)
-    recs = run_cluster(trace, "lars-ss", router, 4, cfg)
+    trace = sim_trace(n, qps, seed, long_fraction)
+    recs = run_cluster(trace, policy, router, 4, cfg)
     due = default_ttft_deadlines(trace, cfg)
-    short = [(r, d) for r, d in zip(recs, due) if r["prompt_tokens"] < LONG_PROMPT_TOKENS]
-    ttft = [r["first_token_s"] - r["arrival_s"] if r["first_token_s"] is not None
-            else float("inf") for r, _ in short]
-    met = [t <= d for t, (_, d) in zip(ttft, short)]
+    short, ttft = _attainment(recs, due, True)
+    long, _ = _attainment(recs, due, False)
     return {"short_ttft_p50": percentile(ttft, 50), "short_ttft_p90": percentile(ttft, 90),
-            "short_attainment": sum(met) / len(met)}
+            "short_attainment": short, "long_attainment": long}
 
 
-def _goodput(router: str, n: int, seed: int, lo: float, hi: float, steps: int) -> float:
-    """Highest QPS in [lo, hi] (bisection, ``steps`` probes) with >= 90% short attainment."""
-    if _sim_once(router, n, lo, seed)["short_attainment"] < 0.9:
-        return 0.0
-    for _ in range(steps):
-        mid = (lo + hi) / 2
-        if _sim_once(router, n, mid, seed)["short_attainment"] >= 0.9:
-            lo = mid
-        else:
-            hi = mid
-    return lo
+def _goodput(router: str, a, policy: str, long_fraction: float) -> float:
+    """Highest QPS with >= 90% short attainment (``jserve.sim.goodput.bisect_goodput``:
+    geometric, so the resolution is the same ratio at 1 req/s as at 30)."""
+    from jserve.sim.goodput import bisect_goodput
+    return bisect_goodput(lambda q: _sim_once(router, a.sim_requests, q, a.seed, policy,
+                                              long_fraction)["short_attainment"] >= 0.9,
+                          a.lo, a.hi, rel_tol=a.rel_tol)
 
 
 def sim(a) -> dict:
-    table = {}
-    for router in tqdm(ROUTERS, desc="sim routers"):
-        row = _sim_once(router, a.sim_requests, a.sim_qps, a.seed)
-        row["goodput_qps"] = _goodput(router, a.sim_requests, a.seed, a.lo, a.hi, a.steps)
-        table[router] = row
-    return {"requests": a.sim_requests, "qps": a.sim_qps, "bracket": [a.lo, a.hi],
-            "steps": a.steps, "table": table}
+    """Per replica scheduler and long-document share: each router's goodput, then every
+    router's row at the best load- or prefix-based router's goodput."""
+    configs = {}
+    for policy in a.replica_policies.split(","):
+        for lf in (float(x) for x in a.long_fractions.split(",")):
+            good = {r: _goodput(r, a, policy, lf)
+                    for r in tqdm(ROUTERS, desc=f"goodput {policy} long {lf}")}
+            base = max(good[r] for r in ROUTERS if r != "deadline")
+            at = base if base > 0 else a.lo / 4
+            table = {r: dict(_sim_once(r, a.sim_requests, at, a.seed, policy, lf),
+                             goodput_qps=good[r]) for r in ROUTERS}
+            configs[f"{policy} long={lf}"] = {
+                "policy": policy, "long_fraction": lf, "table_qps": at, "table": table,
+                "deadline_over_best_baseline": good["deadline"] / base if base else None}
+    return {"requests": a.sim_requests, "bracket": [a.lo, a.hi], "rel_tol": a.rel_tol,
+            "seed": a.seed, "configs": configs}
 
 
 def _fmt(table: dict, cols: list[str]) -> str:
@@ -270,23 +285,31 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3, help="live: runs per router (median)")
     p.add_argument("--short-slo", type=float, default=0.25, help="live: short TTFT SLO (s)")
     p.add_argument("--sim-requests", type=int, default=600)
-    p.add_argument("--sim-qps", type=float, default=20.0, help="sim: the table's QPS")
-    p.add_argument("--lo", type=float, default=2.0, help="sim: goodput bisection bracket")
-    p.add_argument("--hi", type=float, default=64.0)
-    p.add_argument("--steps", type=int, default=5, help="sim: bisection probes")
+    p.add_argument("--replica-policies", default="lars-ss,sarathi",
+                   help="sim: each replica's scheduler (comma list; one table each)")
+    p.add_argument("--long-fractions", default="0.05,0.01",
+                   help="sim: shares of 128K-1M-token documents (comma list)")
+    p.add_argument("--lo", type=float, default=2.0, help="sim: goodput search's first bracket")
+    p.add_argument("--hi", type=float, default=8.0)
+    p.add_argument("--rel-tol", type=float, default=0.1, help="sim: goodput resolution (ratio)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(ROOT / "docs" / "scale_out" / "bench_routing.json"))
     a = p.parse_args()
+    # A run of one part keeps the other part's last figures in the file.
+    prev = json.loads(Path(a.out).read_text()) if Path(a.out).exists() else {}
     out = {"command": " ".join(["python", "scripts/bench_routing.py", *sys.argv[1:]]),
            "uptime_before": os.popen("uptime").read().strip()}
+    out.update({k: prev[k] for k in ("live", "sim") if k in prev and a.what not in (k, "all")})
     if a.what in ("live", "all"):
         out["live"] = live(a)
         print(_fmt(out["live"]["table"], ["short_ttft_p50", "short_ttft_p90",
                                            "short_attainment", "prefix_hit_rate"]))
     if a.what in ("sim", "all"):
         out["sim"] = sim(a)
-        print(_fmt(out["sim"]["table"], ["short_ttft_p50", "short_ttft_p90",
-                                          "short_attainment", "goodput_qps"]))
+        for name, c in out["sim"]["configs"].items():
+            print(f"{name} (rows at {c['table_qps']:.2f} req/s)")
+            print(_fmt(c["table"], ["short_ttft_p50", "short_ttft_p90", "short_attainment",
+                                    "long_attainment", "goodput_qps"]))
     out["uptime_after"] = os.popen("uptime").read().strip()
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1))

@@ -1,6 +1,7 @@
 """jserve on a local Ray cluster, two replicas behind jserve's Ray Serve request router: the
 OpenAI client gets the offline engine's greedy completions through the ingress; a replica
-killed during traffic loses no accepted request (each is sent again and completes); the
+killed during traffic loses no accepted request (each is sent again and completes), and one
+stopped by scaling down finishes what it accepted (nothing is sent again); the
 deadline-aware router sends a short request to the idle replica while the other prefills a
 long document, and the routing policy the simulator runs makes the same choice on the
 reports the live router saw."""
@@ -30,6 +31,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _args(replicas: int) -> dict:
+    return {"replicas": replicas, "engine": ENGINE, "num_cpus": 0, "stats_period_s": 0.1}
+
+
 @pytest.fixture(scope="module")
 def ray_app():
     import ray
@@ -41,8 +46,10 @@ def ray_app():
     try:
         port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app({"replicas": 2, "engine": ENGINE, "num_cpus": 0,
-                             "stats_period_s": 0.1}), name="jserve", route_prefix="/")
+        # external_scaler_enabled: the last test scales down the way Ray's external-scaler
+        # REST API does, without redeploying (which would restart the ingress too).
+        serve.run(build_app(_args(2)), name="jserve", route_prefix="/",
+                  external_scaler_enabled=True)
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
@@ -113,8 +120,7 @@ def test_the_deadline_router_sends_a_short_request_to_the_idle_replica(ray_app):
 
 def test_a_killed_replica_loses_no_accepted_request(ray_app, llm):
     import ray
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if "JServeReplica" in a["name"]]
+    names = _replica_names()
     assert len(names) == 2
     prompts = [f"{i} is the number of this request" for i in range(8)]  # no shared prefix
     decided = len(httpx.get(ray_app + "/v1/route/decisions", timeout=30).json())
@@ -141,3 +147,47 @@ def test_a_killed_replica_loses_no_accepted_request(ray_app, llm):
     # Those accepted by the killed replica were routed again (more decisions than requests).
     after = httpx.get(ray_app + "/v1/route/decisions", timeout=30).json()
     assert len(after) - decided > len(prompts)
+
+
+def _replica_names() -> list[str]:
+    import ray
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if "JServeReplica" in a["name"]]
+
+
+def test_scaling_down_finishes_what_the_stopped_replica_accepted(ray_app, llm):
+    """Runs last in this module: it leaves one replica."""
+    import ray
+    from ray.serve._private.common import DeploymentID
+    from ray.serve.context import _get_global_client
+    deadline = time.monotonic() + 120
+    while len(_replica_names()) != 2:  # the previous test's killed replica is back
+        assert time.monotonic() < deadline, _replica_names()
+        time.sleep(0.2)
+    prompts = [f"request {i} of the scale-down" for i in range(6)]
+    want = [o.text for o in llm.generate(prompts, _greedy(300))]
+    decided = len(httpx.get(ray_app + "/v1/route/decisions", timeout=30).json())
+
+    def ask(p):
+        r = httpx.post(ray_app + "/v1/completions", timeout=300, json={
+            "model": "default", "prompt": p, "max_tokens": 300, "temperature": 0,
+            "ignore_eos": True})
+        return r.status_code, r.json(), r.headers.get("x-jserve-replica")
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(ask, p) for p in prompts]
+        sent = []
+        while len({d["chosen"] for d in sent}) < 2:  # both replicas hold requests
+            sent = httpx.get(ray_app + "/v1/route/decisions", timeout=30).json()[decided:]
+            time.sleep(0.01)
+        # What Ray's external-scaler endpoint calls (PUT .../deployments/.../scale).
+        ray.get(_get_global_client()._controller.update_deployment_replicas.remote(
+            DeploymentID(name="JServeReplica", app_name="jserve"), 1))
+        while len(_replica_names()) != 1:
+            time.sleep(0.05)
+        results = [f.result(timeout=300) for f in futures]
+    assert [s for s, _, _ in results] == [200] * 6, results
+    assert [b["choices"][0]["text"] for _, b, _ in results] == want
+    # Both replicas answered, one of them is gone, and nothing was sent twice.
+    assert len({r for _, _, r in results}) == 2
+    assert len(_replica_names()) == 1
+    assert len(httpx.get(ray_app + "/v1/route/decisions", timeout=30).json()) - decided == 6

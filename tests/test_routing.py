@@ -89,6 +89,19 @@ def test_when_no_replica_meets_the_deadline_the_least_late_gets_it():
     assert _pick("deadline", views, tokens=100, slo=1.0) == 1
 
 
+def test_a_long_request_late_everywhere_queues_behind_the_documents_not_on_the_idle_replica():
+    docs = _load("a", prefills=[(math.inf, 300.0, 300_000), (math.inf, 200.0, 200_000)])
+    busy = _load("b", prefills=[(math.inf, 100.0, 100_000)])
+    idle = _load("c")
+    views = [ReplicaView(docs), ReplicaView(busy), ReplicaView(idle)]
+    # 200K tokens (200 s alone) due in 100 s: no replica meets it; c is the least late but
+    # it goes behind the two documents on a, and c stays free for a short request.
+    assert _pick("deadline", views, tokens=200_000, slo=100.0) == 0
+    assert _pick("deadline", views, tokens=100) == 2
+    # Due in 300 s: c meets it, so it goes there.
+    assert _pick("deadline", views, tokens=200_000, slo=300.0) == 2
+
+
 def test_a_deadline_ordered_replica_runs_earlier_deadlines_first():
     # LARS-like replica: a long prefill due in 60 s does not delay a short one due in 0.5 s;
     # one due in 0.2 s does.

@@ -12,7 +12,10 @@ replicas' reports (``choose``). Nothing here keeps state; ``Router`` only number
   or, within ``PREFIX_TOLERANCE`` of it, to the one holding the most of the prompt (a prefix
   hit that costs next to nothing). Preferring a hit at any cost short of the deadline was
   measured worse: it piles a shared prefix's requests onto one replica until that replica is
-  nearly saturated (docs/scale_out.md). When none meets the deadline, the least late. Ties:
+  nearly saturated (docs/scale_out.md). When none meets the deadline: a long prompt goes
+  behind the most long prefills (it is late anyway; on FIFO replicas spreading late documents
+  leaves no replica free for short requests, measured in docs/scale_out.md), anything else
+  to the least late. Ties:
   fewer outstanding requests, less KV in use, lower index.
 """
 from __future__ import annotations
@@ -74,9 +77,14 @@ def _deadline(request: RouteRequest, views: Sequence[ReplicaView], healthy: list
     due = request.ttft_slo if request.ttft_slo is not None else default_deadline(
         first.table.remaining(request.prompt_tokens, 0))
     meets = [i for i in healthy if ttft[i] <= due]
+    long = request.prompt_tokens >= first.long_threshold
+    if not meets and long:
+        # Late anyway: queue it behind the most long prefills (least late among those), so
+        # the other replicas stay free for requests that can still be on time.
+        return min(healthy, key=lambda i: (-views[i].load.long_prefills, ttft[i]) + tie(i))
     if not meets:
         return min(healthy, key=lambda i: (ttft[i],) + tie(i))
-    if request.prompt_tokens >= first.long_threshold:
+    if long:
         return min(meets, key=lambda i: (views[i].load.long_prefills, ttft[i]) + tie(i))
     # The soonest first token (a prefix hit already shortens it); within PREFIX_TOLERANCE of
     # the soonest, the replica holding more of the prompt (it keeps the hit for later asks).
