@@ -1,7 +1,8 @@
 """jserve on a local Ray cluster, two replicas behind jserve's Ray Serve request router: the
 OpenAI client gets the offline engine's greedy completions through the ingress; a replica
 killed during traffic loses no accepted request (each is sent again and completes), and one
-stopped by scaling down finishes what it accepted (nothing is sent again); the
+stopped by scaling down finishes what it accepted (nothing is sent again); Ray's autoscaler
+adds a replica when requests queue and removes it when they are done; the
 deadline-aware router sends a short request to the idle replica while the other prefills a
 long document, and the routing policy the simulator runs makes the same choice on the
 reports the live router saw."""
@@ -156,7 +157,7 @@ def _replica_names() -> list[str]:
 
 
 def test_scaling_down_finishes_what_the_stopped_replica_accepted(ray_app, llm):
-    """Runs last in this module: it leaves one replica."""
+    """Runs after the tests that need two replicas: it leaves one."""
     import ray
     from ray.serve._private.common import DeploymentID
     from ray.serve.context import _get_global_client
@@ -191,3 +192,38 @@ def test_scaling_down_finishes_what_the_stopped_replica_accepted(ray_app, llm):
     assert len({r for _, _, r in results}) == 2
     assert len(_replica_names()) == 1
     assert len(httpx.get(ray_app + "/v1/route/decisions", timeout=30).json()) - decided == 6
+
+
+def test_the_autoscaler_adds_a_replica_for_queued_requests_and_removes_it_after(ray_app, llm):
+    """Runs last: redeploys the application with autoscaling (1 to 2 replicas, one ongoing
+    request each as the target)."""
+    from ray import serve
+
+    from jserve.serving.ray_app import build_app
+    serve.run(build_app(dict(_args(1), autoscale="1,2", target_ongoing=1, autoscaling={
+        "upscale_delay_s": 0, "downscale_delay_s": 1, "metrics_interval_s": 0.2,
+        "look_back_period_s": 0.5})), name="jserve", route_prefix="/")
+    deadline = time.monotonic() + 120
+    while len(_replica_names()) != 1:  # replicas of the earlier deployment are stopping
+        assert time.monotonic() < deadline, _replica_names()
+        time.sleep(0.1)
+    prompts = [f"autoscaled request {i}" for i in range(4)]
+    want = [o.text for o in llm.generate(prompts, _greedy(400))]
+
+    def ask(p):
+        r = httpx.post(ray_app + "/v1/completions", timeout=300, json={
+            "model": "default", "prompt": p, "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True})
+        return r.status_code, r.json()
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(ask, p) for p in prompts]
+        deadline = time.monotonic() + 120
+        while len(_replica_names()) < 2:
+            assert time.monotonic() < deadline, "no second replica under 4 ongoing requests"
+            time.sleep(0.1)
+        results = [f.result(timeout=300) for f in futures]
+    assert [(s, b["choices"][0]["text"]) for s, b in results] == [(200, w) for w in want]
+    deadline = time.monotonic() + 120
+    while len(_replica_names()) > 1:  # idle again: back to the minimum
+        assert time.monotonic() < deadline, _replica_names()
+        time.sleep(0.2)

@@ -293,7 +293,9 @@ def build_app(args: dict | None = None):
     ``model`` ("default"), ``replicas`` (2), ``router`` ("deadline"), ``engine`` (a JSON
     object of ``LLM`` keyword arguments), ``server`` (of ``ServerConfig`` fields),
     ``stats_period_s`` (0.2), ``num_cpus`` / ``num_gpus`` per replica, ``autoscale``
-    ("MIN,MAX" replicas on Ray's ongoing-requests target ``target_ongoing`` (4))."""
+    ("MIN,MAX" replicas on Ray's ongoing-requests target ``target_ongoing`` (4)) with
+    ``autoscaling`` (a JSON object of further ``AutoscalingConfig`` fields, e.g.
+    ``upscale_delay_s``, ``downscale_delay_s``, ``look_back_period_s``)."""
     a = dict(args or {})
     model = a.get("model", "default")
     engine = a.get("engine", {})
@@ -318,9 +320,11 @@ def build_app(args: dict | None = None):
             request_routing_stats_timeout_s=float(a.get("stats_timeout_s", 5.0))))
     if a.get("autoscale"):
         lo, hi = (int(x) for x in str(a["autoscale"]).split(","))
+        tuning = a.get("autoscaling", {})
+        tuning = json.loads(tuning) if isinstance(tuning, str) else dict(tuning)
         options["autoscaling_config"] = AutoscalingConfig(
             min_replicas=lo, max_replicas=hi,
-            target_ongoing_requests=float(a.get("target_ongoing", 4)))
+            target_ongoing_requests=float(a.get("target_ongoing", 4)), **tuning)
     else:
         options["num_replicas"] = int(a.get("replicas", 2))
     replica = serve.deployment(JServeReplica, name="JServeReplica", **options).bind(
