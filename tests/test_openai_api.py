@@ -251,6 +251,10 @@ BAD_FIELDS = [  # (endpoint, extra body fields, the field the 400 must name)
     ("completions", {"best_of": 2}, "best_of"),
     ("completions", {"logit_bias": {"5": 1}}, "logit_bias"),
     ("completions", {"frobnicate": 1}, "frobnicate"),
+    ("completions", {"no_stop_trim": True}, "no_stop_trim"),  # router-filled: only neutral
+    ("completions", {"skip_special_tokens": False}, "skip_special_tokens"),
+    ("chat", {"include_reasoning": False}, "include_reasoning"),
+    ("chat", {"continue_final_message": True}, "continue_final_message"),
     ("chat", {"max_completion_tokens": 0}, "max_completion_tokens"),
     ("chat", {"max_tokens": 5, "max_completion_tokens": 5}, "max_tokens"),
     ("chat", {"top_logprobs": 2}, "top_logprobs"),

@@ -1,7 +1,9 @@
 """Two ``jserve serve`` replicas behind SGLang's model gateway (``smg launch --policy
-cache_aware``) on loopback ports: each shared document's requests land on one replica, whose
-prefix hit rate is a lone replica's; a replica killed mid-stream ends its stream with an
-error, and every later request is served by the other; nothing hangs."""
+cache_aware``) and behind vllm-router (``--policy cache_aware``, which fills every request with
+its own defaults of SGLang's extra fields) on loopback ports: each shared document's requests
+land on one replica, whose prefix hit rate is a lone replica's; behind smg a replica killed
+mid-stream ends its stream with an error, and every later request is served by the other;
+nothing hangs."""
 from __future__ import annotations
 
 import os
@@ -22,6 +24,8 @@ from conftest import Served
 
 pytestmark = pytest.mark.slow
 SMG = shutil.which("smg", path=str(Path(sys.executable).parent)) or shutil.which("smg")
+VLLM_ROUTER = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or \
+    shutil.which("vllm-router")
 
 
 def _free_port() -> int:
@@ -40,14 +44,22 @@ def _counters(url: str) -> dict[str, float]:
 
 
 class Gateway:
-    def __init__(self, workers: list[str]):
+    """``smg`` or ``vllm-router`` in front of ``workers``, ready when both see every worker
+    healthy (the two share the ``/readiness`` endpoint of SGLang's router they come from)."""
+
+    def __init__(self, workers: list[str], kind: str = "smg"):
         self.url = f"http://127.0.0.1:{_free_port()}"
         port = self.url.rsplit(":", 1)[1]
-        self.proc = subprocess.Popen(
-            [SMG, "launch", "--host", "127.0.0.1", "--port", port, "--policy", "cache_aware",
-             "--worker-urls", *workers, "--disable-tokenizer-autoload", "--log-level", "warn",
-             "--health-check-interval-secs", "1"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        common = ["--host", "127.0.0.1", "--port", port, "--policy", "cache_aware",
+                  "--worker-urls", *workers, "--health-check-interval-secs", "1",
+                  # both default to port 29000 for their own metrics
+                  "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port())]
+        cmd = ([SMG, "launch", *common, "--disable-tokenizer-autoload", "--log-level", "warn"]
+               if kind == "smg" else [VLLM_ROUTER, *common, "--log-level", "warning"])
+        if cmd[0] is None:
+            pytest.fail(f"{kind} is not installed (pip install jserve[test])")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     text=True)
         end = time.monotonic() + 60
         while True:
             try:
@@ -57,8 +69,9 @@ class Gateway:
             except httpx.TransportError:
                 pass
             if self.proc.poll() is not None or time.monotonic() > end:
-                self.close()
-                raise RuntimeError(f"smg did not get ready: {self.proc.stderr.read()[-2000:]}")
+                self.proc.kill()
+                err = self.proc.communicate()[1][:3000]
+                raise RuntimeError(f"{kind} did not get ready: {err}")
             time.sleep(0.2)
 
     def close(self) -> None:
@@ -97,9 +110,19 @@ def _document(d: int) -> str:
     return f"Document {d}. " + "".join(chr(97 + (i * 7 + d * 5) % 26) for i in range(300))
 
 
-def test_shared_documents_land_on_one_replica_with_a_lone_replicas_hit_rate(cluster):
-    replicas, gw = cluster
+@pytest.mark.parametrize("kind", ["smg", "vllm-router"])
+def test_shared_documents_land_on_one_replica_with_a_lone_replicas_hit_rate(cluster, kind):
+    replicas, smg = cluster
     urls = [r.url for r in replicas]
+    gw = smg if kind == "smg" else Gateway(urls, kind)
+    try:
+        _shared_documents(urls, gw, offset=0 if kind == "smg" else 10)
+    finally:
+        if gw is not smg:
+            gw.close()
+
+
+def _shared_documents(urls: list[str], gw: Gateway, offset: int) -> None:
 
     def rate(before, after):
         q = after["vllm:prefix_cache_queries_total"] - before["vllm:prefix_cache_queries_total"]
@@ -108,13 +131,13 @@ def test_shared_documents_land_on_one_replica_with_a_lone_replicas_hit_rate(clus
     # A lone replica's hit rate on one document asked three times.
     before = _counters(urls[0])
     for q in range(3):
-        assert _complete(urls[0], _document(99) + f" Question {q}?").status_code == 200
+        assert _complete(urls[0], _document(99 + offset) + f" Question {q}?").status_code == 200
     lone = rate(before, _counters(urls[0]))
     assert lone > 0.5
     # Through the gateway: three documents, three questions each.
     start = [_counters(u) for u in urls]
     placed = {}
-    for d in range(3):
+    for d in range(offset, offset + 3):
         for q in range(3):
             before = [_counters(u) for u in urls]
             r = _complete(gw.url, _document(d) + f" Question {q}?")

@@ -33,13 +33,23 @@ _SAMPLING = ("temperature", "top_p", "seed", "stop", "presence_penalty", "freque
 _COMMON = {"model", "n", "stream", "stream_options", "max_tokens", "user", "ttft_slo",
            "response_format", "structured_outputs",
            "tpot_slo", "priority", *_SAMPLING}
+# Fields routers fill in with their defaults (vllm-router sends every one on every request):
+# accepted at the value that is what jserve does anyway. jserve has no reasoning parser, so
+# separating or streaming reasoning changes nothing; dropping it cannot be honoured.
+_ROUTER_FILLED = {"no_stop_trim": (False,), "skip_special_tokens": (True,),
+                  "return_hidden_states": (False,)}
+_CHAT_ROUTER_FILLED = {"continue_final_message": (False,), "separate_reasoning": (False, True),
+                       "stream_reasoning": (False, True), "include_reasoning": (True,)}
 PARAMS = {
-    "completions": _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix", "logit_bias"},
+    "completions": _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix", "logit_bias",
+                              *_ROUTER_FILLED},
     "chat": _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
-                       "logit_bias", "tools", "tool_choice", "parallel_tool_calls"},
+                       "logit_bias", "tools", "tool_choice", "parallel_tool_calls",
+                       *_ROUTER_FILLED, *_CHAT_ROUTER_FILLED},
 }
 STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
-_NEUTRAL = {"echo": (False,), "suffix": (None, ""), "logit_bias": (None, {})}
+_NEUTRAL = {"echo": (False,), "suffix": (None, ""), "logit_bias": (None, {}), **_ROUTER_FILLED,
+            **_CHAT_ROUTER_FILLED}
 _STATUS = {el.INVALID: 400, UNAUTHENTICATED: 401, NOT_FOUND: 404, el.EXHAUSTED: 429,
            el.UNAVAILABLE: 503, el.DEADLINE: 504, el.INTERNAL: 500}
 _TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
