@@ -376,15 +376,20 @@ def test_a_disconnect_frees_the_blocks_at_once(served):
         lines = r.iter_lines()
         while not next(lines).startswith("data: "):
             pass
-        assert gauges(served.url)["jserve_kv_blocks_used"] > 0
-    t = time.monotonic()
-    wait_blocks_free(served.url, timeout=1.0)  # 450 tokens would take far longer
-    assert time.monotonic() - t < 1.0
-    # A non-streaming request whose client goes away is aborted too.
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(served.url + "/v1/completions", json={**body, "stream": False},
-                   headers={"Authorization": f"Bearer {TOKEN}"}, timeout=0.5)
-    wait_blocks_free(served.url, timeout=1.5)
+        g = gauges(served.url)
+        assert g["jserve_kv_blocks_used"] > 0
+    # Freed by an abort, not by running to the end: the request ends cancelled with fewer
+    # than its 450 tokens (a bound in tokens, not seconds, so machine load cannot fail it).
+    cancelled = 'jserve_requests_total{"outcome": "cancelled"}'
+    for post in (None, {**body, "stream": False}):
+        if post is not None:  # a non-streaming request whose client goes away
+            g = gauges(served.url)
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(served.url + "/v1/completions", json=post, timeout=0.5,
+                           headers={"Authorization": f"Bearer {TOKEN}"})
+        after = wait_blocks_free(served.url)
+        assert after[cancelled] == g.get(cancelled, 0) + 1
+        assert after["jserve_generation_tokens_total"] - g["jserve_generation_tokens_total"] < 450
 
 
 # -- statuses that need a server in a given state ---------------------------------------------
