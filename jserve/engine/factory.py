@@ -37,12 +37,15 @@ log = logging.getLogger(__name__)
 
 
 def enable_compilation_cache(path: str | None) -> None:
-    """Persistent XLA cache: restarts and repeated test processes skip recompiling."""
+    """Persistent XLA cache: restarts and repeated test processes skip recompiling. Every
+    program is written, however quick its compile (JAX's default skips those under 1 s)
+    and however small (-1: no size floor, and JAX does not override it at cache start the
+    way it may override 0)."""
     if path is None:
         return
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
 @dataclasses.dataclass
