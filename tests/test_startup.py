@@ -7,10 +7,10 @@ import re
 
 import pytest
 
+from hf_models import tiny_llama_dir
 from jserve import SamplingParams
 from jserve.engine.startup import StartupTimes
 from llm_helpers import small_llm
-from hf_models import tiny_llama_dir
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 # Lengths that need a 16-token chunk first (one prompt alone), then mixed steps and decode
