@@ -106,3 +106,13 @@ def test_startup_line_names_every_phase():
     assert t.line() == ("ready in 3.2 s: imports 0.9, weights 0.4, KV 0.1, programs 1.6 "
                         "(2 cached, 1 compiled, 16 deferred)")
     assert re.fullmatch(r"\d+\.\d+", f"{StartupTimes().before_engine:.1f}")  # Linux /proc
+
+
+def test_a_pool_sized_from_free_memory_keeps_its_size_across_restarts():
+    """Free memory moves between starts; the pool (and so every program's shape, and the
+    persistent cache key) must not move with it."""
+    from jserve.cache.pool import stable_page_count
+    assert stable_page_count(16200) == stable_page_count(15500) == 15360  # 4% apart
+    for n in (2, 17, 100, 1000, 16385, 10**6 + 7):
+        got = stable_page_count(n)
+        assert n * 7 / 8 <= got <= n and stable_page_count(got) == got
