@@ -49,10 +49,7 @@ _EMPTY_PLAN = BatchPlan((), ())
 class LLMEngine:
     def __init__(self, cfg: LlamaConfig, params: Params, tokenizer: Tokenizer | None,
                  config: EngineConfig = EngineConfig(), startup: StartupTimes | None = None):
-        """``startup``: the start's phase timer when the caller started it earlier (``LLM``
-        does, before reading the config)."""
-        self.startup = startup if startup is not None else StartupTimes()
-        started = time.perf_counter()
+        self.startup = startup or StartupTimes()  # ``LLM`` starts it before reading the model
         enable_compilation_cache(config.compilation_cache_dir)
         parts = build_engine_parts(cfg, params, config, self.startup)
         self.cfg, self.tokenizer, self.config = cfg, tokenizer, config
@@ -91,9 +88,7 @@ class LLMEngine:
                            and self._in_flight.depth == 1 else None)
         if self._in_flight.depth > 1:
             self.runner.start_pipeline()
-        self.startup.done()
-        self.startup_summary = startup_summary(self, time.perf_counter() - started,
-                                               parts.persistent_cache_hits)
+        self.startup_summary = startup_summary(self, parts.persistent_cache_hits)  # ready now
         log.info("%s", self.startup_summary)
 
     # -- requests ------------------------------------------------------------------------

@@ -511,9 +511,11 @@ def describe_engine(engine) -> str:
     return p.log_line()
 
 
-def startup_summary(engine, seconds: float, cache_hits: int | None) -> str:
-    """What a server says when its engine is up: where the start went
-    (``StartupTimes.line``), the plan's numbers (``describe_engine``), prefix caching."""
+def startup_summary(engine, cache_hits: int | None) -> str:
+    """What a server says when its engine is up (this stops the start's clock): where the
+    start went (``StartupTimes.line``), the plan's numbers (``describe_engine``), what
+    compiles later, prefix caching."""
+    engine.startup.done()
     runner, mode = engine.runner, engine.config.warmup
     later = {"none": "each step shape compiles on first use",
              "all": "nothing compiles later"}.get(
