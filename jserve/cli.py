@@ -27,7 +27,7 @@ def _add_engine_args(p: argparse.ArgumentParser, warmup: str = "none") -> None:
                    help="tokens per step at most (the prefill chunk size limit)")
     p.add_argument("--kv-cache-bytes", type=int, default=None,
                    help="KV cache budget per device in bytes (None: --memory-fraction of the "
-                        "free memory)")
+                        "free memory; on CPU at most 4 GiB)")
     p.add_argument("--num-kv-pages", type=int, default=None,
                    help="exact KV pool per device in pages (instead of a byte budget)")
     p.add_argument("--memory-fraction", type=float, default=d.memory_fraction,

@@ -116,3 +116,19 @@ def test_a_pool_sized_from_free_memory_keeps_its_size_across_restarts():
     for n in (2, 17, 100, 1000, 16385, 10**6 + 7):
         got = stable_page_count(n)
         assert n * 7 / 8 <= got <= n and stable_page_count(got) == got
+
+
+def test_a_cpu_pool_without_a_budget_takes_at_most_4_gib():
+    """Every page is zeroed at start: the CPU default is bounded, an explicit budget is not."""
+    from jserve.cache.pool import CPU_KV_BUDGET_BYTES, kv_bytes_per_page, num_pages_for_budget
+    from jserve.config import LlamaConfig
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=688,
+                      num_hidden_layers=32, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=64, max_position_embeddings=8192)
+    per_page = kv_bytes_per_page(cfg, 16)
+    pages = num_pages_for_budget(cfg, 16, kv_cache_bytes=None, memory_fraction=1.0,
+                                 max_useful_pages=10**7)
+    assert pages * per_page <= CPU_KV_BUDGET_BYTES == 4 << 30
+    explicit = num_pages_for_budget(cfg, 16, kv_cache_bytes=2 * CPU_KV_BUDGET_BYTES,
+                                    memory_fraction=1.0, max_useful_pages=10**7)
+    assert explicit * per_page == 2 * CPU_KV_BUDGET_BYTES

@@ -34,6 +34,12 @@ def available_device_bytes(device: jax.Device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+# On CPU the "device memory" is the host's RAM, shared with everything else on it, and every
+# page is zeroed at start (about 0.4 s per GB on an idle 2-core host, several times that
+# under load): without an explicit budget the pool takes at most this much there.
+CPU_KV_BUDGET_BYTES = 4 << 30
+
+
 def stable_page_count(pages: int, steps_per_octave: int = 8) -> int:
     """``pages`` rounded down to one of ``steps_per_octave`` sizes per power of two (at most
     1/8 fewer). A pool sized from free memory, which moves with everything else on the
@@ -50,8 +56,8 @@ def num_pages_for_budget(cfg: LlamaConfig, page_size: int, *, kv_cache_bytes: in
                          kv_heads: int | None = None, num_layers: int | None = None,
                          kv_cache_dtype: str = "auto") -> int:
     """Pages that fit one device's budget: an explicit byte count, else a fraction of its free
-    memory; ``kv_heads`` and ``num_layers`` are what a device stores per page
-    (``kv_bytes_per_page``).
+    memory (on CPU at most ``CPU_KV_BUDGET_BYTES``), rounded by ``stable_page_count``;
+    ``kv_heads`` and ``num_layers`` are what a device stores per page (``kv_bytes_per_page``).
 
     Capped at ``max_useful_pages`` (every sequence slot at full context) plus the reserved
     page, so a small model on a large host does not grab memory it can never use. With
@@ -62,7 +68,10 @@ def num_pages_for_budget(cfg: LlamaConfig, page_size: int, *, kv_cache_bytes: in
     budget = kv_cache_bytes
     fits = None
     if budget is None:
-        budget = int(available_device_bytes(jax.local_devices()[0]) * memory_fraction)
+        device = jax.local_devices()[0]
+        budget = int(available_device_bytes(device) * memory_fraction)
+        if device.platform == "cpu":
+            budget = min(budget, CPU_KV_BUDGET_BYTES)
         fits = stable_page_count(budget // kv_bytes_per_page(cfg, page_size, kv_heads,
                                                              num_layers, kv_cache_dtype))
     if fits is None:

@@ -25,7 +25,9 @@ class EngineConfig:
     max_prefill_seqs: int = 4          # prefill chunks per iteration at most
     max_model_len: int | None = None   # default: min(model's max positions, 8192)
     page_size: int = 16
-    kv_cache_bytes: int | None = None  # explicit KV budget; else memory_fraction of free memory
+    # Explicit KV budget; else memory_fraction of free memory (on CPU at most 4 GiB:
+    # jserve.cache.pool.CPU_KV_BUDGET_BYTES, every page is zeroed at start).
+    kv_cache_bytes: int | None = None
     # Exact KV pool size in pages per device (one kvp group's pool; the reserved sink page
     # included), like vLLM's num_gpu_blocks_override; excludes kv_cache_bytes.
     num_kv_pages: int | None = None
