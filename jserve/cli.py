@@ -7,11 +7,11 @@ import argparse
 import sys
 
 from jserve.config import KV_CACHE_DTYPES, QUANTIZATIONS
-from jserve.engine.config import EngineConfig
+from jserve.engine.config import WARMUP_MODES, EngineConfig
 from jserve.log_setup import configure_logging
 
 
-def _add_engine_args(p: argparse.ArgumentParser, warmup: bool = False) -> None:
+def _add_engine_args(p: argparse.ArgumentParser, warmup: str = "none") -> None:
     """The engine's flags (``generate``, ``serve``); ``warmup``: this command's default."""
     d = EngineConfig
     p.add_argument("--model", default="default",
@@ -27,7 +27,7 @@ def _add_engine_args(p: argparse.ArgumentParser, warmup: bool = False) -> None:
                    help="tokens per step at most (the prefill chunk size limit)")
     p.add_argument("--kv-cache-bytes", type=int, default=None,
                    help="KV cache budget per device in bytes (None: --memory-fraction of the "
-                        "free memory)")
+                        "free memory; on CPU at most 4 GiB)")
     p.add_argument("--num-kv-pages", type=int, default=None,
                    help="exact KV pool per device in pages (instead of a byte budget)")
     p.add_argument("--memory-fraction", type=float, default=d.memory_fraction,
@@ -42,9 +42,14 @@ def _add_engine_args(p: argparse.ArgumentParser, warmup: bool = False) -> None:
     p.add_argument("--mesh", default=d.mesh,
                    help='device mesh, e.g. "tp=2,kvp=2,spp=2" (tensor, KV-cache and stream '
                         'pipeline parallel axes; dp is not supported yet)')
-    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=warmup,
-                   help="compile every bucket at start (what a server wants; without it a "
-                        "step shape compiles on first use)")
+    p.add_argument("--warmup", nargs="?", const="all", choices=WARMUP_MODES, default=warmup,
+                   help="step programs compiled before the engine is ready: core (the "
+                        "largest step and the one-row decode; other shapes compile in the "
+                        "background on first use, their steps padded up meanwhile), "
+                        "background (core, then all others in the background at once), all "
+                        "(every shape; --warmup alone), none (each on first use, waiting)")
+    p.add_argument("--no-warmup", dest="warmup", action="store_const", const="none",
+                   help="the same as --warmup none")
     p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction,
                    default=d.enable_prefix_caching,
                    help="share the KV pages of identical leading tokens between requests "

@@ -7,6 +7,7 @@ from typing import Sequence
 from jserve.engine.config import EngineConfig
 from jserve.engine.engine import LLMEngine
 from jserve.engine.output import RequestOutput
+from jserve.engine.startup import StartupTimes
 from jserve.model.weights import load_model
 from jserve.probe.length_probe import default_probe_path
 from jserve.sampling.params import SamplingParams
@@ -26,6 +27,7 @@ class LLM:
 
     def __init__(self, model: str = "default", *, dtype: str | None = None,
                  quantization: str | None = None, **engine_kwargs):
+        startup = StartupTimes()  # imports: process start to here
         fields = {f.name for f in dataclasses.fields(EngineConfig)}
         unknown = sorted(set(engine_kwargs) - fields)
         if unknown:
@@ -38,7 +40,8 @@ class LLM:
         cfg, params, tokenizer = load_model(model, dtype=dtype, lazy=True,
                                             quantization=quantization)
         self.model = model
-        self.engine = LLMEngine(cfg, params, tokenizer, EngineConfig(**engine_kwargs))
+        self.engine = LLMEngine(cfg, params, tokenizer, EngineConfig(**engine_kwargs),
+                                startup)
 
     @property
     def tokenizer(self):

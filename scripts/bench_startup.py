@@ -1,21 +1,20 @@
-"""Engine start-up (compile) time: cold and warm persistent-cache starts per model depth, the
-trace / lower / backend-compile split from JAX's own monitoring events, and a per-component
-breakdown (decoder layers, attention, sampling sort, penalties, logprobs, the fused step) at
-the engine's decode and prefill bucket shapes and one mixed shape.
+"""Start-up time, process start to first token: the issue-31 setup by default.
 
-    python scripts/bench_startup.py --depths 4,16,32 --out startup.json
-    PYTHONPATH=/path/to/other/checkout python scripts/bench_startup.py ...   # other code
+    python scripts/bench_startup.py                      # cold + warm, 4 and 32 layers
+    python scripts/bench_startup.py --depths 4 --reps 3 --warmup all
+    python scripts/bench_startup.py --setup engine ...   # the older engine-only study
 
-Every engine start runs in a fresh subprocess (in-process JAX caches would make a warm start
-meaningless): "cold" uses a new, empty compilation-cache directory, "warm" starts again on the
-same directory. The components run in one more subprocess per depth, without a persistent
-cache, through the AOT API (``jax.jit(f).trace(...).lower().compile()`` on
-``ShapeDtypeStruct`` inputs). A component whose code changed shape (refactors) prints "n/a"
-with the reason instead of failing the run.
+``--setup first-token`` (default): a random HF Llama (hidden 256, intermediate 688, vocab
+32000, 4 heads / 2 KV heads of 64) is saved per depth with ``save_pretrained``; every start
+is a fresh process that imports jserve, builds ``LLM(<HF dir>)`` and generates 4 greedy
+tokens. "cold" uses a new, empty persistent compilation cache, "warm" the same cache again.
+Each start reports the engine's own phase breakdown (``jserve.engine.startup``: imports =
+process start to the engine's construction, weights, KV, programs with cached / compiled /
+deferred counts), process start to first token and to the 4th token, JAX's trace / lower /
+backend-compile split (monitoring events), and the machine's load before and after.
 
-The model is a random HF-Llama-like config (hidden 256, vocab 32000, 4 heads / 2 KV heads of
-64) and the engine runs with default ``EngineConfig`` settings (41 bucket shapes at the
-defaults before the bucket refactor).
+``--setup engine``: the study of docs/startup.md's earlier sections (``LLMEngine`` on
+``init_params``, every bucket compiled, plus per-component AOT compiles).
 """
 from __future__ import annotations
 
@@ -153,7 +152,7 @@ def child_start(args) -> dict:
     jax.block_until_ready(params)
     params_s = time.perf_counter() - t0
     extra = {} if args.num_kv_pages is None else {"num_kv_pages": args.num_kv_pages}
-    econf = EngineConfig(compilation_cache_dir=args.cache_dir, **extra)
+    econf = EngineConfig(compilation_cache_dir=args.cache_dir, warmup="all", **extra)
     rec.reset()
     rec.active = True
     t0 = time.perf_counter()
@@ -167,6 +166,110 @@ def child_start(args) -> dict:
            "jserve": os.path.dirname(jserve.__file__), "jax": jax.__version__}
     out.update(rec.summary())
     return out
+
+
+# -- child: the issue-31 setup, process start to first token ------------------------------
+
+
+def child_first_token(args) -> dict:
+    from jserve.engine.startup import process_age
+    age_at_main = process_age()
+    import jax
+    rec = EventRecorder()
+    from jserve import LLM, SamplingParams
+    llm = LLM(args.model_dir, compilation_cache_dir=args.cache_dir, warmup=args.warmup)
+    out = llm.generate([list(range(1, 9))], SamplingParams(temperature=0.0, max_tokens=4,
+                                                            ignore_eos=True))[0]
+    now, age = time.monotonic(), process_age()
+    m = out.metrics
+    runner = llm.engine.runner
+    result = {"depth": args.depth, "warmup": args.warmup, "age_at_main_s": age_at_main,
+              "first_token_s": age - (now - m.first_token_time), "fourth_token_s": age,
+              "tokens": out.token_ids, "startup": llm.engine.startup.as_dict(),
+              "programs_up_front": runner.compiled_up_front,
+              "programs_later_so_far": runner.compiled_later,
+              "padded_steps": sum(runner.padded.values()),
+              "jserve": os.path.dirname(sys.modules["jserve"].__file__), "jax": jax.__version__}
+    result.update(rec.summary())
+    return result
+
+
+def make_hf_dir(path: str, depth: int, hidden: int, vocab: int) -> None:
+    import torch
+    import transformers
+    torch.manual_seed(0)
+    inter = 688 if hidden == 256 else int(hidden * 8 / 3 + 63) // 64 * 64
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=depth,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        max_position_embeddings=8192, bos_token_id=1, eos_token_id=2)
+    transformers.LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(path)
+
+
+def first_token_table(rows: list[dict]) -> str:
+    lines = ["| depth | start | first token s | 4th token s | imports s | weights s | KV s "
+             "| programs s | cached / compiled / deferred | trace / lower / backend s "
+             "| load1 before -> after |", "|---:|---|---:|---:|---:|---:|---:|---:|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['depth']} | {r['kind']} | {r['error']} |" + " |" * 8)
+            continue
+        st = r["startup"]
+        lines.append(
+            f"| {r['depth']} | {r['kind']} | {r['first_token_s']:.1f} | "
+            f"{r['fourth_token_s']:.1f} | {st['before_engine']:.1f} | {st['weights']:.1f} | "
+            f"{st['kv']:.1f} | {st['programs']:.1f} | {st['cached']} / {st['compiled']} / "
+            f"{st['deferred']} | {r['trace_s']:.1f} / {r['lower_s']:.1f} / "
+            f"{r['backend_compile_s']:.1f} | {r['load1_before']:.2f} -> "
+            f"{r['load1_after']:.2f} |")
+    return "\n".join(lines)
+
+
+def run_first_token(args) -> None:
+    from tqdm import tqdm
+    depths = [int(d) for d in args.depths.split(",") if d]
+    report = {"argv": sys.argv, "load_start": load(), "setup": "first-token",
+              "warmup": args.warmup, "rows": []}
+    print(f"load at start: {report['load_start']}", flush=True)
+    root = tempfile.mkdtemp(prefix="jserve_bench_startup_")
+    jobs = [(d, kind) for d in depths for kind in ["cold"] + ["warm"] * args.reps]
+    try:
+        for d in tqdm(sorted(set(depths)), desc="writing HF checkpoints"):
+            make_hf_dir(os.path.join(root, f"hf{d}"), d, args.hidden, args.vocab)
+        bar = tqdm(jobs, desc="starts")
+        for d, kind in bar:
+            bar.set_postfix_str(f"{kind} depth {d} load {os.getloadavg()[0]:.1f}")
+            before = os.getloadavg()[0]
+            r = spawn(args, "first_token", d,
+                      ["--_cache-dir", os.path.join(root, f"cache{d}"),
+                       "--_model-dir", os.path.join(root, f"hf{d}"), "--warmup", args.warmup],
+                      args.timeout)
+            r.update(kind=kind, depth=d, load1_before=round(before, 2),
+                     load1_after=round(os.getloadavg()[0], 2))
+            report["rows"].append(r)
+            tqdm.write(f"{kind} depth {d}: " + (r["error"] if "error" in r else
+                       f"first token {r['first_token_s']:.1f}s, engine "
+                       f"{r['startup']['engine']:.1f}s, tokens {r['tokens']}"))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    report["load_end"] = load()
+    print(f"load at end: {report['load_end']}")
+    print(f"\nProcess start to first token (LLM(<HF dir>), warmup={args.warmup!r}, 4 greedy "
+          "tokens; fresh process each; cold = empty persistent cache, warm = the same cache "
+          "again)\n")
+    print(first_token_table(report["rows"]))
+    for d in depths:
+        warm = [r["first_token_s"] for r in report["rows"]
+                if r["depth"] == d and r["kind"] == "warm" and "error" not in r]
+        cold = [r["first_token_s"] for r in report["rows"]
+                if r["depth"] == d and r["kind"] == "cold" and "error" not in r]
+        if warm and cold:
+            print(f"depth {d}: cold {cold[0]:.1f} s (goal < 30), warm median "
+                  f"{statistics.median(warm):.1f} s of {len(warm)} (goal < 5)")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"\nwrote {args.out}")
 
 
 # -- child: trace + lower only (what a warm start redoes before its cache reads) ----------
@@ -406,10 +509,13 @@ def spawn(args, mode: str, depth: int, extra: list[str], timeout: float | None) 
         cmd += ["--num-kv-pages", str(args.num_kv_pages)]
     if args.verbose:
         cmd.append("--verbose")
+    # The children import the jserve of this script's checkout unless PYTHONPATH names one.
+    env = dict(os.environ)
+    env.setdefault("PYTHONPATH", os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              timeout=timeout)
+                              timeout=timeout, env=env)
         wall = time.perf_counter() - t0
         if proc.returncode != 0:
             return {"error": f"child exited {proc.returncode}: "
@@ -476,10 +582,15 @@ def component_table(comp: dict[int, dict], shapes: list[str]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--depths", default="4,16,32", help="decoder layer counts, comma separated")
+    p.add_argument("--setup", choices=["first-token", "engine"], default="first-token",
+                   help="first-token: process start to first token of LLM(<HF dir>) (issue "
+                        "31); engine: LLMEngine start and per-component compiles (older study)")
+    p.add_argument("--warmup", default="core", choices=["core", "background", "all", "none"],
+                   help="first-token setup: the engine's warmup mode")
+    p.add_argument("--depths", default="4,32", help="decoder layer counts, comma separated")
     p.add_argument("--hidden", type=int, default=256, help="hidden size")
     p.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
-    p.add_argument("--reps", type=int, default=1, help="warm starts per depth (median reported)")
+    p.add_argument("--reps", type=int, default=3, help="warm starts per depth (median reported)")
     p.add_argument("--skip-cold", action="store_true",
                    help="no cold start (warm starts then compile into a fresh cache first, "
                         "untimed)")
@@ -505,14 +616,19 @@ def main() -> None:
     p.add_argument("--_result", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_cache-dir", dest="cache_dir", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_shared", dest="shared", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--_model-dir", dest="model_dir", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
 
     if args._child:
         args.depth = args._depth
         out = {"start": child_start, "lower_all": child_lower_all,
-               "components": child_components}[args._child](args)
+               "components": child_components,
+               "first_token": child_first_token}[args._child](args)
         with open(args._result, "w") as f:
             json.dump(out, f)
+        return
+    if args.setup == "first-token":
+        run_first_token(args)
         return
 
     from tqdm import tqdm

@@ -49,7 +49,8 @@ class Served:
         import subprocess
         import sys
         from pathlib import Path
-        base = SERVE_FLAGS if not warmup else [f for f in SERVE_FLAGS if f != "--no-warmup"]
+        base = SERVE_FLAGS if not warmup else ["--warmup" if f == "--no-warmup" else f
+                                               for f in SERVE_FLAGS]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "jserve.cli", "serve", *base, *flags],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -49,7 +49,8 @@ def test_every_flag_says_what_it_does_and_its_default():
                 shown = formatter._get_help_string(action)
                 assert "%(default)" in shown or "(default: $JSERVE_" in shown, (name, action)
     serve, generate = sub.choices["serve"], sub.choices["generate"]
-    # One --warmup/--no-warmup pair: on for a server, off for one completion.
-    assert serve.parse_args([]).warmup and not generate.parse_args(["x"]).warmup
-    assert not serve.parse_args(["--no-warmup"]).warmup
+    # --warmup MODE: core for a server, none for one completion; --warmup alone is all.
+    assert serve.parse_args([]).warmup == "core" and generate.parse_args(["x"]).warmup == "none"
+    assert serve.parse_args(["--no-warmup"]).warmup == "none"
+    assert serve.parse_args(["--warmup"]).warmup == "all"
     assert serve.format_help().count("--no-warmup") == 2  # the usage line and the flag's

@@ -34,13 +34,30 @@ def available_device_bytes(device: jax.Device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+# On CPU the "device memory" is the host's RAM, shared with everything else on it, and every
+# page is zeroed at start (about 0.4 s per GB on an idle 2-core host, several times that
+# under load): without an explicit budget the pool takes at most this much there.
+CPU_KV_BUDGET_BYTES = 4 << 30
+
+
+def stable_page_count(pages: int, steps_per_octave: int = 8) -> int:
+    """``pages`` rounded down to one of ``steps_per_octave`` sizes per power of two (at most
+    1/8 fewer). A pool sized from free memory, which moves with everything else on the
+    host, would otherwise change size from one start to the next, and with it the shape of
+    every step program: a restart would miss the persistent compilation cache."""
+    if pages < 2 * steps_per_octave:
+        return pages
+    grain = 1 << (pages.bit_length() - 1 - steps_per_octave.bit_length() + 1)
+    return pages // grain * grain
+
+
 def num_pages_for_budget(cfg: LlamaConfig, page_size: int, *, kv_cache_bytes: int | None,
                          memory_fraction: float, max_useful_pages: int,
                          kv_heads: int | None = None, num_layers: int | None = None,
                          kv_cache_dtype: str = "auto") -> int:
     """Pages that fit one device's budget: an explicit byte count, else a fraction of its free
-    memory; ``kv_heads`` and ``num_layers`` are what a device stores per page
-    (``kv_bytes_per_page``).
+    memory (on CPU at most ``CPU_KV_BUDGET_BYTES``), rounded by ``stable_page_count``;
+    ``kv_heads`` and ``num_layers`` are what a device stores per page (``kv_bytes_per_page``).
 
     Capped at ``max_useful_pages`` (every sequence slot at full context) plus the reserved
     page, so a small model on a large host does not grab memory it can never use. With
@@ -49,11 +66,18 @@ def num_pages_for_budget(cfg: LlamaConfig, page_size: int, *, kv_cache_bytes: in
     if not 0 < memory_fraction <= 1:
         raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
     budget = kv_cache_bytes
+    fits = None
     if budget is None:
-        budget = int(available_device_bytes(jax.local_devices()[0]) * memory_fraction)
-    pages = min(budget // kv_bytes_per_page(cfg, page_size, kv_heads, num_layers,
-                                            kv_cache_dtype),
-                max_useful_pages + 1)
+        device = jax.local_devices()[0]
+        budget = int(available_device_bytes(device) * memory_fraction)
+        if device.platform == "cpu":
+            budget = min(budget, CPU_KV_BUDGET_BYTES)
+        fits = stable_page_count(budget // kv_bytes_per_page(cfg, page_size, kv_heads,
+                                                             num_layers, kv_cache_dtype))
+    if fits is None:
+        fits = budget // kv_bytes_per_page(cfg, page_size, kv_heads, num_layers,
+                                           kv_cache_dtype)
+    pages = min(fits, max_useful_pages + 1)
     if pages < 2:
         raise ValueError(
             f"KV cache budget of {budget} bytes holds {pages} pages of {page_size} tokens; "

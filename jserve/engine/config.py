@@ -10,6 +10,8 @@ from jserve.config import KV_CACHE_DTYPES
 from jserve.speculative.config import SpeculativeConfig
 from sharding.mesh import MeshConfig
 
+WARMUP_MODES = ("core", "background", "all", "none")
+
 
 def default_compilation_cache_dir() -> str:
     return os.environ.get("JSERVE_COMPILATION_CACHE",
@@ -23,7 +25,9 @@ class EngineConfig:
     max_prefill_seqs: int = 4          # prefill chunks per iteration at most
     max_model_len: int | None = None   # default: min(model's max positions, 8192)
     page_size: int = 16
-    kv_cache_bytes: int | None = None  # explicit KV budget; else memory_fraction of free memory
+    # Explicit KV budget; else memory_fraction of free memory (on CPU at most 4 GiB:
+    # jserve.cache.pool.CPU_KV_BUDGET_BYTES, every page is zeroed at start).
+    kv_cache_bytes: int | None = None
     # Exact KV pool size in pages per device (one kvp group's pool; the reserved sink page
     # included), like vLLM's num_gpu_blocks_override; excludes kv_cache_bytes.
     num_kv_pages: int | None = None
@@ -79,7 +83,14 @@ class EngineConfig:
     seed: int = 0                      # draws seeds for requests that give none
     # "tp=2,kvp=2,spp=2" (sharding.MeshConfig: dp, spp, kvp, tp); dp is not supported yet.
     mesh: str = "tp=1"
-    warmup: bool = True                # compile every bucket at start
+    # Which step programs compile before the engine is ready (docs/startup.md): "core" (the
+    # largest step, which covers every other padded, the one-row decode and the sampler;
+    # any other bucket shape compiles in a background thread the first time a step needs
+    # it, and runs padded up to a compiled shape until then), "background" (core, then
+    # every other shape in the background right away), "all" (every shape before ready;
+    # True) or "none" (each shape compiles on first use, and its step waits; False).
+    # With spp > 1 or several processes, "core" and "background" mean "all".
+    warmup: str = "core"
     # Plan and build step N+1 on the host while step N runs on the device; sampled tokens
     # stay there and feed the next step, the host reads them one step later. False: every
     # step waits for its tokens (debugging, exact step timing).
@@ -99,6 +110,11 @@ class EngineConfig:
         return self.layer_loop == "unrolled"
 
     def __post_init__(self) -> None:
+        if isinstance(self.warmup, bool):
+            object.__setattr__(self, "warmup", "all" if self.warmup else "none")
+        if self.warmup not in WARMUP_MODES:
+            raise ValueError(f"warmup must be one of {WARMUP_MODES} (or a bool), "
+                             f"got {self.warmup!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_seqs", "page_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -29,6 +29,7 @@ from jserve.engine.late_masks import late_bitmask, late_rows
 from jserve.engine.memory_plan import startup_summary
 from jserve.engine.output import OutputProcessor, RequestOutput, StepLogprobs
 from jserve.engine.request_state import NEUTRAL_ROW, StateRows, sampler_row
+from jserve.engine.startup import StartupTimes
 from jserve.engine.step_builder import BuiltStep, StepFlags
 from jserve.engine.swap import HostKVStore
 from jserve.engine.tick_slots import TickSlots
@@ -47,10 +48,10 @@ _EMPTY_PLAN = BatchPlan((), ())
 
 class LLMEngine:
     def __init__(self, cfg: LlamaConfig, params: Params, tokenizer: Tokenizer | None,
-                 config: EngineConfig = EngineConfig()):
-        started = time.perf_counter()
+                 config: EngineConfig = EngineConfig(), startup: StartupTimes | None = None):
+        self.startup = startup or StartupTimes()  # ``LLM`` starts it before reading the model
         enable_compilation_cache(config.compilation_cache_dir)
-        parts = build_engine_parts(cfg, params, config)
+        parts = build_engine_parts(cfg, params, config, self.startup)
         self.cfg, self.tokenizer, self.config = cfg, tokenizer, config
         self.max_model_len = parts.max_model_len
         self.buckets, self.allocator = parts.buckets, parts.allocator
@@ -87,8 +88,7 @@ class LLMEngine:
                            and self._in_flight.depth == 1 else None)
         if self._in_flight.depth > 1:
             self.runner.start_pipeline()
-        self.startup_summary = startup_summary(self, time.perf_counter() - started,
-                                               parts.persistent_cache_hits)
+        self.startup_summary = startup_summary(self, parts.persistent_cache_hits)  # ready now
         log.info("%s", self.startup_summary)
 
     # -- requests ------------------------------------------------------------------------

@@ -4,7 +4,9 @@ allocator, the scheduler (with its swap policy), the model runner and the step b
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+import time
 
 import jax
 
@@ -13,11 +15,12 @@ from jserve.cache.pool import allocate_kv_cache, kv_bytes_per_page, num_pages_fo
 from jserve.config import LlamaConfig
 from jserve.engine.buckets import Buckets
 from jserve.engine.config import EngineConfig
-from jserve.engine.runner import CACHE_EVENTS, ModelRunner
+from jserve.engine.runner import ModelRunner, runtime_params
+from jserve.engine.startup import StartupTimes
 from jserve.engine.step_builder import StepBuilder
 from jserve.engine.timing import estimated_predictor, host_round_trip_seconds, load_predictor
 from jserve.kernels import ATTENTION_IMPLS
-from jserve.model.llama import Params
+from jserve.model.llama import Params, unstack_layers
 from jserve.probe.length_probe import LengthProbe
 from jserve.probe.tracker import LengthTracker
 from jserve.scheduler import POLICIES, BatchPlan, ScheduledChunk, build_scheduler
@@ -34,12 +37,15 @@ log = logging.getLogger(__name__)
 
 
 def enable_compilation_cache(path: str | None) -> None:
-    """Persistent XLA cache: restarts and repeated test processes skip recompiling."""
+    """Persistent XLA cache: restarts and repeated test processes skip recompiling. Every
+    program is written, however quick its compile (JAX's default skips those under 1 s)
+    and however small (-1: no size floor, and JAX does not override it at cache start the
+    way it may override 0)."""
     if path is None:
         return
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
 @dataclasses.dataclass
@@ -178,7 +184,9 @@ def _scheduler(config: EngineConfig, allocator: BlockAllocator, budget: int,
         sprpt_c=config.sprpt_c, fallback_remaining=probe.prior_mean if probe else None)
 
 
-def build_engine_parts(cfg: LlamaConfig, params: Params, config: EngineConfig) -> EngineParts:
+def build_engine_parts(cfg: LlamaConfig, params: Params, config: EngineConfig,
+                       times: StartupTimes | None = None) -> EngineParts:
+    times = times if times is not None else StartupTimes()
     geo = check_config(cfg, config)
     mesh_config, buckets, context = geo.mesh_config, geo.buckets, geo.max_model_len
     budget = min(config.max_num_batched_tokens, context)
@@ -196,32 +204,94 @@ def build_engine_parts(cfg: LlamaConfig, params: Params, config: EngineConfig) -
                                prefix_caching=prefix_caching)
     scheduler = _scheduler(config, allocator, budget, context, predictor, tracker)
     scheduler.swap_policy = _swap_policy(cfg, config, mesh_config, predictor)
-    runner = _runner(cfg, params, config, mesh_config, buckets, num_pages, tracker)
-    hits = None
-    if config.warmup:
-        hits = CACHE_EVENTS["cache_hits"]
-        runner.warmup()
-        hits = CACHE_EVENTS["cache_hits"] - hits
+    # Padding a step up to a compiled shape needs one process (followers run the leader's
+    # shapes) and no pipeline (a tick's shape covers its slots' own).
+    defer = (config.warmup in ("core", "background") and mesh_config.spp == 1
+             and jax.process_count() == 1)
+    runner, hits = _runner(cfg, params, config, mesh_config, buckets, num_pages, tracker,
+                           times, defer)
+    if defer:
+        runner.defer(compile_rest=config.warmup == "background")
+    times.deferred = len(runner.deferred_shapes())
     speculator = build_speculator(config, cfg, context, scheduler)
     return EngineParts(
         mesh_config, jax.process_count() > 1, context, buckets, allocator, scheduler,
         runner, StepBuilder(buckets, config.page_size, runner.state_sink, pool_pages=num_pages,
-                    vocab_size=cfg.vocab_size),
+                            vocab_size=cfg.vocab_size,
+                            ready=runner.ready_shape if defer else None),
         predictor, tracker, hits, speculator)
 
 
 def _runner(cfg: LlamaConfig, params: Params, config: EngineConfig, mesh_config: MeshConfig,
-            buckets: Buckets, num_pages: int, tracker: LengthTracker | None) -> ModelRunner:
+            buckets: Buckets, num_pages: int, tracker: LengthTracker | None,
+            times: StartupTimes, core_only: bool) -> tuple[ModelRunner, int | None]:
+    """The runner with its programs warmed up (``config.warmup``) and how many of them came
+    from the persistent cache (None: no warm-up). On one device the weights and the KV
+    pages load in a thread while the programs compile against their specs (lowering needs
+    only shapes and placements); on a mesh they load first."""
     mesh = make_mesh(mesh_config) if mesh_config.size > 1 else None
-    kv_cache = (allocate_kv_cache(cfg, num_pages, config.page_size, config.kv_cache_dtype)
-                if mesh is None else
-                allocate_sharded_kv_cache(cfg, mesh_config.kvp * num_pages, config.page_size,
-                                          mesh, config.kv_cache_dtype))
     placed = hasattr(params, "place")  # a lazy checkpoint streams onto the mesh
-    if placed:
-        params = params.place(cfg, mesh)
-    return ModelRunner(cfg, params, kv_cache, buckets, config.max_num_seqs,
-                       config.attention_impl, mesh,
-                       capture_layer=tracker.layer if tracker else None, params_placed=placed,
-                       unroll_layers=config.unrolls_layers(cfg.num_hidden_layers,
-                                                           mesh_config.spp))
+    unroll = config.unrolls_layers(cfg.num_hidden_layers, mesh_config.spp)
+    warm = config.warmup != "none"
+
+    def load_weights() -> Params:
+        t0 = time.perf_counter()
+        p = params.place(cfg, mesh) if placed else params
+        p = jax.block_until_ready(runtime_params(cfg, p, mesh, placed=placed, unroll=unroll))
+        times.weights = time.perf_counter() - t0
+        return p
+
+    def allocate_kv():
+        t0 = time.perf_counter()
+        kv = jax.block_until_ready(
+            allocate_kv_cache(cfg, num_pages, config.page_size, config.kv_cache_dtype)
+            if mesh is None else
+            allocate_sharded_kv_cache(cfg, mesh_config.kvp * num_pages, config.page_size,
+                                      mesh, config.kv_cache_dtype))
+        times.kv = time.perf_counter() - t0
+        return kv
+
+    def warmup(runner: ModelRunner) -> int | None:
+        if not warm:
+            return None
+        t0 = time.perf_counter()
+        runner.warmup(core=core_only)
+        times.programs += time.perf_counter() - t0
+        times.cached = runner.cache_events["cache_hits"]
+        times.compiled = runner.compiled_up_front - times.cached
+        return times.cached
+
+    make = functools.partial(ModelRunner, buckets=buckets, max_num_seqs=config.max_num_seqs,
+                             attention_impl=config.attention_impl, mesh=mesh,
+                             capture_layer=tracker.layer if tracker else None)
+    if mesh is not None or not warm:
+        runner = make(cfg, load_weights(), allocate_kv(), params_placed=True)
+        return runner, warmup(runner)
+    from concurrent.futures import ThreadPoolExecutor
+
+    from jserve.engine.memory_plan import abstract_kv_cache  # it imports this module
+
+    times.overlapped = True
+    with ThreadPoolExecutor(1, thread_name_prefix="jserve-load") as loader:
+        loaded = loader.submit(lambda: (load_weights(), allocate_kv()))
+        runner = make(cfg, _params_spec(cfg, unroll), abstract_kv_cache(
+            cfg, num_pages, config.page_size, None, kv_cache_dtype=config.kv_cache_dtype),
+            abstract=True)
+        hits = warmup(runner)
+        weights, kv = loaded.result()
+    if not runner.attach(weights, kv):
+        hits = warmup(runner)
+    return runner, hits
+
+
+def _params_spec(cfg: LlamaConfig, unroll: bool) -> Params:
+    """The step's params on one device as ``ShapeDtypeStruct``s (``runtime_params``'s
+    output), from the config alone."""
+    from jserve.engine.memory_plan import abstract_params
+
+    device = jax.local_devices()[0]
+    one = jax.sharding.SingleDeviceSharding(device)
+    spec = abstract_params(cfg, None, device)
+    if unroll:
+        spec = jax.eval_shape(unstack_layers, spec)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), spec)

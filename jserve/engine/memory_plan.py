@@ -487,7 +487,7 @@ def describe_engine(engine) -> str:
     step = None
     shape = None
     if runner._compiled:
-        shape = max(runner._compiled, key=sum)
+        shape = max(list(runner._compiled), key=sum)
         step = CompiledMemory.of(runner._compiled[shape][0])
     sampler = CompiledMemory.of(runner._sampler) if runner._sampler is not None else None
     split, _ = _split_bytes(runner.params)
@@ -511,12 +511,18 @@ def describe_engine(engine) -> str:
     return p.log_line()
 
 
-def startup_summary(engine, seconds: float, cache_hits: int | None) -> str:
-    """What a server says when its engine is up: the plan's numbers (``describe_engine``),
-    what compiled and how much came from the persistent cache, prefix caching."""
-    runner = engine.runner
-    return (f"engine ready in {seconds:.1f}s: {describe_engine(engine)}; "
-            f"compiled {runner.compile_count} programs in {runner.compile_seconds:.1f}s"
-            + (f" ({cache_hits} from the persistent cache)" if cache_hits is not None else
-               " (warmup off: step shapes compile on first use)")
+def startup_summary(engine, cache_hits: int | None) -> str:
+    """What a server says when its engine is up (this stops the start's clock): where the
+    start went (``StartupTimes.line``), the plan's numbers (``describe_engine``), what
+    compiles later, prefix caching."""
+    engine.startup.done()
+    runner, mode = engine.runner, engine.config.warmup
+    later = {"none": "each step shape compiles on first use",
+             "all": "nothing compiles later"}.get(
+        mode, "other step shapes compile in the background, padded up to a compiled shape "
+              "meanwhile" + (" (all queued now)" if runner.deferred is not None
+                             and mode == "background" else " (on first use)"))
+    return (f"engine {engine.startup.line()}; {describe_engine(engine)}; warmup {mode}: "
+            f"{runner.compiled_up_front} programs before ready, {later}"
+            + ("" if cache_hits is not None else " (warmup off)")
             + f"; prefix caching {'on' if engine.allocator.prefix_caching else 'off'}")

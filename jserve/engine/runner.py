@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import logging
 import os
+import threading
 import time
 from typing import Sequence
 
@@ -18,6 +19,7 @@ import numpy as np
 from jserve.cache.pool import KVCache
 from jserve.config import LlamaConfig
 from jserve.engine.buckets import Buckets
+from jserve.engine.deferred import DeferredCompiles
 from jserve.kernels import AttentionMetadata
 from jserve.model.llama import (
     Params,
@@ -48,12 +50,31 @@ log = logging.getLogger(__name__)
 CACHE_EVENTS: collections.Counter = collections.Counter()
 
 
+# The same events of the programs a runner compiles (``_compile``): the listener runs in
+# the compiling thread, so a thread-local counter tells them from other threads' programs
+# (the weights loading beside them).
+_PROGRAM_EVENTS = threading.local()
+
+
 def _count_cache_event(event: str, **_) -> None:
     if event.startswith("/jax/compilation_cache/cache_"):
-        CACHE_EVENTS[event.rsplit("/", 1)[1]] += 1
+        name = event.rsplit("/", 1)[1]
+        CACHE_EVENTS[name] += 1
+        counter = getattr(_PROGRAM_EVENTS, "counter", None)
+        if counter is not None:
+            counter[name] += 1
 
 
 jax.monitoring.register_event_listener(_count_cache_event)
+
+
+def _compile(lowered: jax.stages.Lowered, counter: collections.Counter) -> jax.stages.Compiled:
+    """``lowered.compile()``, its persistent-cache hits and misses added to ``counter``."""
+    _PROGRAM_EVENTS.counter = counter
+    try:
+        return lowered.compile()
+    finally:
+        _PROGRAM_EVENTS.counter = None
 
 
 @jax.tree_util.register_dataclass
@@ -367,6 +388,31 @@ def _scatter_pages(kv_cache: KVCache, ids: jax.Array, data: KVCache) -> KVCache:
     return jax.tree.map(lambda pages, new: pages.at[:, :, ids].set(new), kv_cache, data)
 
 
+def runtime_params(cfg: LlamaConfig, params: Params, mesh: jax.sharding.Mesh | None, *,
+                   placed: bool, unroll: bool) -> Params:
+    """``params`` as the step takes them: the runtime layout (``prepare_params``) split
+    for tp on ``mesh`` unless ``placed`` already, with per-layer arrays if ``unroll``."""
+    if not placed:
+        params = prepare_params(params)
+        if mesh is not None:
+            params = shard_params(params, cfg, mesh)
+    return _unstacked(params, mesh) if unroll else params
+
+
+def new_state(cfg: LlamaConfig, rows: int, sharding=None) -> SeqState:
+    """The zeroed penalty state of ``rows`` rows."""
+    return jax.device_put(SeqState(jnp.zeros((rows, cfg.vocab_size), jnp.int32),
+                                   jnp.zeros((rows, cfg.vocab_size), bool),
+                                   jnp.zeros((rows,), jnp.int32)), sharding)
+
+
+def abstract_of(tree):
+    """``tree``'s arrays (or specs) as ``ShapeDtypeStruct``s with their shardings."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                       sharding=getattr(x, "sharding", None)),
+                        tree)
+
+
 def _check_capture_layer(cfg: LlamaConfig, layer: int | None, mesh) -> None:
     if layer is None:
         return
@@ -403,27 +449,19 @@ class ModelRunner:
         self.last_capture = None  # the latest step's Capture (device arrays) when capturing
         self.cfg = cfg
         self.mesh = mesh
-        self.params = params if params_placed else prepare_params(params)
         self._replicated = (None if mesh is None else
                             jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
         # Stream pipeline: every call of the step is one tick; ``start_pipeline`` fills the
         # carry. Params and pages are split by stage on the mesh's "spp" axis either way.
         self.spp = mesh.shape["spp"] if mesh is not None else 1
         self.carry: pipeline.PipelineCarry | None = None
-        if mesh is not None and not params_placed:
-            self.params = shard_params(self.params, cfg, mesh)
-        if unroll_layers and not abstract:
-            self.params = _unstacked(self.params, mesh)
+        self.params = params if abstract else runtime_params(
+            cfg, params, mesh, placed=params_placed, unroll=unroll_layers)
         self.kv_cache = kv_cache
         self.buckets = buckets
         rows = max_num_seqs + buckets.prefill_rows + 1
-        if abstract:
-            self.state = state_spec(cfg, rows, self._replicated)
-        else:
-            self.state = jax.device_put(SeqState(jnp.zeros((rows, cfg.vocab_size), jnp.int32),
-                                                 jnp.zeros((rows, cfg.vocab_size), bool),
-                                                 jnp.zeros((rows,), jnp.int32)),
-                                        self._replicated)
+        self.state = (state_spec(cfg, rows, self._replicated) if abstract
+                      else new_state(cfg, rows, self._replicated))
         self.state_sink = rows - 1
         self.attention_impl = attention_impl
         self.sample_rows = buckets.max_rows
@@ -440,6 +478,12 @@ class ModelRunner:
         self.executed: collections.Counter = collections.Counter()  # steps run per shape
         self.passed: collections.Counter = collections.Counter()  # lone passes per shape
         self.compile_seconds = 0.0  # wall time spent lowering and compiling
+        self.compiled_up_front = 0  # programs compiled by ``warmup`` (before the engine is ready)
+        self.cache_events: collections.Counter = collections.Counter()  # cache_hits/_misses
+        self.deferred: DeferredCompiles | None = None  # after ``defer()``
+        self.padded: collections.Counter = collections.Counter()  # (needed, ran as) -> steps
+        self._lock = threading.Lock()  # _compiled and the counters, shared with that thread
+        self._arg_specs = None  # abstract (params, KV, state): lowering never reads arrays
 
     @property
     def stream_shape(self) -> tuple[int, int]:
@@ -477,12 +521,12 @@ class ModelRunner:
         fbuf = jax.ShapeDtypeStruct(fshape, jnp.float32, sharding=self._replicated)
         if lone:
             return self._pass_jit.lower(
-                self.params, self.kv_cache, self.state, ibuf, fbuf, layout=layout,
+                *self._specs(), ibuf, fbuf, layout=layout,
                 cfg=self.cfg, attention_impl=self.attention_impl, mesh=self.mesh,
                 rows=self.rows_for(shape)), layout
         carry = () if self.spp == 1 else (pipeline.carry_spec(
             self.mesh, self.cfg, sum(self.stream_shape)),)
-        lowered = self._jitted.lower(self.params, self.kv_cache, self.state, *carry, ibuf, fbuf,
+        lowered = self._jitted.lower(*self._specs(), *carry, ibuf, fbuf,
                                      layout=layout, cfg=self.cfg,
                                      attention_impl=self.attention_impl, mesh=self.mesh,
                                      rows=self.rows_for(shape),
@@ -518,7 +562,39 @@ class ModelRunner:
                             sampling=_sampling_spec(r, self.cfg.vocab_size, rep),
                             any_random=b(), any_penalty=b(),
                             want_logprobs=b())
-        return self._sample_jit.lower(self.state, spec)
+        return self._sample_jit.lower(self._specs()[2], spec)
+
+    def _specs(self) -> tuple:
+        """(params, KV cache, state) as ``ShapeDtypeStruct``s with their shardings, taken once
+        (the arrays are donated every step; a background lowering must not touch them)."""
+        with self._lock:
+            return self._specs_unlocked()
+
+    def attach(self, params: Params, kv_cache: KVCache) -> bool:
+        """The real weights (the step's layout, placed) and KV pages of a runner built on
+        their specs (``abstract=True``, so its programs compiled while they loaded), and a
+        new penalty state. False when they differ from the specs in a way the programs
+        see: then the programs are dropped, to compile again."""
+        def signature(tree):
+            return (jax.tree.structure(tree),
+                    [(x.shape, np.dtype(x.dtype), x.sharding) for x in jax.tree.leaves(tree)])
+        with self._lock:
+            same = (signature(abstract_of((params, kv_cache)))
+                    == signature(self._specs_unlocked()[:2]))
+            self.params, self.kv_cache = params, kv_cache
+            self.state = new_state(self.cfg, self.state_sink + 1, self._replicated)
+            if not same:
+                log.warning("loaded weights or KV pages differ from the specs the programs "
+                            "were compiled for; compiling again")
+                self._arg_specs = None
+                self._compiled.clear()
+                self._sampler = self._plain_sampler = None
+        return same
+
+    def _specs_unlocked(self) -> tuple:
+        if self._arg_specs is None:
+            self._arg_specs = abstract_of((self.params, self.kv_cache, self.state))
+        return self._arg_specs
 
     def pass_warmup_shapes(self) -> list[tuple[int, int]]:
         """The shapes whose pass ``warmup`` compiles (spp > 1): the decode-only ones, where a
@@ -528,46 +604,118 @@ class ModelRunner:
 
     def compiled(self, shape: tuple[int, int], lone: bool = False
                  ) -> tuple[jax.stages.Compiled, PackedLayout]:
-        """The step (spp: tick) executable of ``shape`` and its layout, compiled on first use;
-        ``lone``: the pass executable instead (spp > 1)."""
+        """The step (spp: tick) executable of ``shape`` and its layout, compiled on first use
+        (a shape the background thread has in hand: waits for it); ``lone``: the pass
+        executable instead (spp > 1)."""
         cache = self._passes if lone else self._compiled
         entry = cache.get(shape)
+        if entry is None and not lone and self.deferred is not None:
+            fut = self.deferred.future(shape)
+            if fut is not None and not fut.cancelled():
+                try:
+                    fut.result()
+                except Exception:  # noqa: BLE001 - compiled below, in this thread
+                    pass
+                entry = cache.get(shape)
         if entry is None:
             t0 = time.perf_counter()
             lowered, layout = self._lower(shape, lone)
-            entry = cache[shape] = (lowered.compile(), layout)
-            self.compile_count += 1
-            self.compile_seconds += time.perf_counter() - t0
-        return entry
-
-    def sampler(self, rows: int | None = None) -> jax.stages.Compiled:
-        if rows is not None and rows != self.sample_rows:
-            if self._plain_sampler is None:
-                t0 = time.perf_counter()
-                self._plain_sampler = self._lower_sampler(rows).compile()
+            exe = _compile(lowered, self.cache_events)
+            with self._lock:
+                entry = cache.setdefault(shape, (exe, layout))
                 self.compile_count += 1
                 self.compile_seconds += time.perf_counter() - t0
-            return self._plain_sampler
-        if self._sampler is None:
-            t0 = time.perf_counter()
-            self._sampler = self._lower_sampler().compile()
-            self.compile_count += 1
-            self.compile_seconds += time.perf_counter() - t0
-        return self._sampler
+        return entry
 
-    def warmup(self, threads: int | None = None, progress: bool | None = None) -> None:
-        """Compiles every bucket's step (spp: tick), the sampler and, under spp, the
-        decode-only shapes' passes (``pass_warmup_shapes``). Tracing and lowering run here one
-        after another (the layer loop keeps them cheap at any depth); XLA compiles in
-        ``threads`` worker threads (default: one per two cores, at least 2), which release
-        the GIL. ``progress``: a tqdm bar (None: only on a terminal)."""
+    def core_shapes(self) -> list[tuple[int, int]]:
+        """What ``warmup(core=True)`` compiles before the engine is ready: the largest step,
+        which every other step fits in padded, and the smallest decode-only step (one
+        stream decoding: the common steady state, where padding would cost the most)."""
+        b = self.buckets
+        largest = (b.decode_rows[-1], b.prefill_tokens[-1])
+        smallest_decode = b.shape_for(1, 0)
+        return [smallest_decode, largest] if smallest_decode != largest else [largest]
+
+    def defer(self, compile_rest: bool = False) -> None:
+        """From now on a step shape not compiled yet runs padded up (``ready_shape``) while
+        it compiles in the background; ``compile_rest``: queue every bucket shape not
+        compiled yet now, smallest first."""
+        self.deferred = DeferredCompiles(self._compile_in_background)
+        if compile_rest:
+            for shape in sorted(self.deferred_shapes(), key=lambda s: (s[0] + s[1], s)):
+                self.deferred.request(shape)
+
+    def deferred_shapes(self) -> list[tuple[int, int]]:
+        """Bucket shapes whose step is not compiled (yet)."""
+        with self._lock:
+            return [s for s in self.buckets.all_shapes() if s not in self._compiled]
+
+    def _compile_in_background(self, shape: tuple[int, int]) -> None:
+        t0 = time.perf_counter()
+        lowered, layout = self._lower(shape)
+        exe = _compile(lowered, self.cache_events)
+        with self._lock:
+            if shape not in self._compiled:
+                self._compiled[shape] = (exe, layout)
+                self.compile_count += 1
+                self.compile_seconds += time.perf_counter() - t0
+
+    def ready_shape(self, shape: tuple[int, int]) -> tuple[int, int]:
+        """The shape to run a step of bucket ``shape`` at now: itself once compiled; while
+        it is not (``defer``), the smallest compiled shape at least as large in both
+        dimensions, and its compile is queued; with none, itself (compiled on the spot)."""
+        if self.deferred is None or shape in self._compiled:
+            return shape
+        with self._lock:
+            cover = [s for s in self._compiled if s[0] >= shape[0] and s[1] >= shape[1]]
+        if not cover:
+            return shape
+        self.deferred.request(shape)
+        ran = min(cover, key=lambda s: (s[0] + s[1], s))
+        self.padded[(shape, ran)] += 1
+        return ran
+
+    @property
+    def compiled_later(self) -> int:
+        """Programs compiled after ``warmup``: in the background or on first use."""
+        return self.compile_count - self.compiled_up_front
+
+    def wait_compiles(self, timeout: float | None = None) -> bool:
+        """Blocks until the background compiles requested so far are done (tests, benches)."""
+        return self.deferred is None or self.deferred.wait(timeout)
+
+    def sampler(self, rows: int | None = None) -> jax.stages.Compiled:
+        plain = rows is not None and rows != self.sample_rows
+        exe = self._plain_sampler if plain else self._sampler
+        if exe is None:
+            t0 = time.perf_counter()
+            exe = _compile(self._lower_sampler(rows if plain else None), self.cache_events)
+            with self._lock:
+                if plain:
+                    self._plain_sampler = exe
+                else:
+                    self._sampler = exe
+                self.compile_count += 1
+                self.compile_seconds += time.perf_counter() - t0
+        return exe
+
+    def warmup(self, threads: int | None = None, progress: bool | None = None,
+               core: bool = False) -> None:
+        """Compiles every bucket's step (spp: tick), or with ``core`` only ``core_shapes``,
+        the sampler and, under spp, the decode-only shapes' passes (``pass_warmup_shapes``).
+        Tracing and lowering run here one after another (the layer loop keeps them cheap at
+        any depth); XLA compiles, or reads the persistent cache, in ``threads`` worker
+        threads (default: one per two cores, at least 2), which release the GIL.
+        ``progress``: a tqdm bar (None: only on a terminal)."""
         from concurrent.futures import ThreadPoolExecutor, as_completed
 
         from tqdm.auto import tqdm
 
         t0 = time.perf_counter()
-        todo = [(s, False) for s in self.buckets.all_shapes() if s not in self._compiled]
+        shapes = self.core_shapes() if core else self.buckets.all_shapes()
+        todo = [(s, False) for s in shapes if s not in self._compiled]
         todo += [(s, True) for s in self.pass_warmup_shapes() if s not in self._passes]
+        todo.sort(key=lambda job: -sum(job[0]))  # the longest compiles start first
         jobs: dict = {}
         threads = threads or max(2, (os.cpu_count() or 2) // 2)
         with ThreadPoolExecutor(threads) as pool, \
@@ -575,20 +723,24 @@ class ModelRunner:
                      unit="shape", disable=None if progress is None else not progress) as bar:
             for shape, lone in todo:
                 lowered, layout = self._lower(shape, lone)
-                jobs[pool.submit(lowered.compile)] = (shape, layout, lone)
+                jobs[pool.submit(_compile, lowered, self.cache_events)] = (shape, layout, lone)
             if self._sampler is None:
-                jobs[pool.submit(self._lower_sampler().compile)] = (None, None, False)
+                jobs[pool.submit(_compile, self._lower_sampler(), self.cache_events)] = (None, None,
+                                                                         False)
             if self._plain_rows != self.sample_rows and self._plain_sampler is None:
                 self.sampler(self._plain_rows)
             for fut in as_completed(jobs):
                 shape, layout, lone = jobs[fut]
-                if shape is None:
-                    self._sampler = fut.result()
-                else:
-                    (self._passes if lone else self._compiled)[shape] = (fut.result(), layout)
-                self.compile_count += 1
+                with self._lock:
+                    if shape is None:
+                        self._sampler = fut.result()
+                    else:
+                        (self._passes if lone else self._compiled)[shape] = (fut.result(),
+                                                                             layout)
+                    self.compile_count += 1
                 bar.update()
         self.compile_seconds += time.perf_counter() - t0
+        self.compiled_up_front = self.compile_count
         log.info("compiled %d step shapes and the sampler in %.1fs (%d threads)", len(todo),
                  time.perf_counter() - t0, threads)
 

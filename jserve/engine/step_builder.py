@@ -95,7 +95,12 @@ class StepBuilder:
     each row its start group. On one group those are the plain ids, slots and zeros."""
 
     def __init__(self, buckets: Buckets, page_size: int, state_sink: int,
-                 pool_pages: int | None = None, vocab_size: int = 32):
+                 pool_pages: int | None = None, vocab_size: int = 32,
+                 ready: "callable[[tuple[int, int]], tuple[int, int]] | None" = None):
+        """``ready``: the shape a step of a bucket shape is built at now
+        (``ModelRunner.ready_shape``: a compiled one covering it while its own compiles in
+        the background); None: the bucket shape itself."""
+        self.ready = ready or (lambda shape: shape)
         if buckets.kvp > 1 and pool_pages is None:
             raise ValueError("kvp > 1 needs pool_pages (KV pages per group)")
         self.buckets = buckets
@@ -121,8 +126,8 @@ class StepBuilder:
               state_row: "callable[[Request], int]", flags: StepFlags,
               shape: tuple[int, int] | None = None) -> BuiltStep:
         """``shape``: build at this bucket shape instead of the smallest one that fits."""
-        bd, padded_prefill_tokens = shape or self.buckets.shape_for(
-            plan.num_decode_rows, sum(c.num_tokens for c in plan.prefills))
+        bd, padded_prefill_tokens = shape or self.ready(self.buckets.shape_for(
+            plan.num_decode_rows, sum(c.num_tokens for c in plan.prefills)))
         s = bd + (self.buckets.prefill_rows if padded_prefill_tokens else 0)
         h = _HostArrays.empty(bd + padded_prefill_tokens, s, self.buckets.page_table_width,
                               self.state_sink, neutral_row)

@@ -72,7 +72,7 @@ def leading(a: argparse.Namespace, llm):
 def add_serve_parser(sub, add_engine_args: Callable, engine_kwargs: Callable) -> None:
     s = sub.add_parser("serve", help="serve the jserve.v1.Generation gRPC service and the "
                                      "OpenAI-compatible HTTP API from one engine")
-    add_engine_args(s, warmup=True)
+    add_engine_args(s, warmup="core")
     add_multihost_args(s)
     s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="names requests may give as `model` (the first is the one /v1/models "
@@ -233,7 +233,8 @@ def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
         name = config.model_name if config.model_name == a.model else \
             f"{config.model_name} (--model {a.model})"
         print(f"jserve: serving {name} on {a.host}:{server.port} "
-              f"({'TLS' if a.tls_cert else 'plaintext'}; metrics {metrics}{http})", flush=True)
+              f"({'TLS' if a.tls_cert else 'plaintext'}; metrics {metrics}{http}); engine "
+              f"{llm.engine.startup.line()}", flush=True)
         print(f"jserve: client limits: {server.gateway.limits.describe()}, requests <= "
               f"{config.max_request_bytes} bytes", flush=True)
         if config.open_to_the_network:
