@@ -134,11 +134,11 @@ class DeviceStep:
         self.ibuf, self.fbuf = map(jax.device_put, packed)
         self.sample = self.runner.sampler()
 
-    def time(self, with_sampler: bool) -> float:
-        """Seconds per call over ``CALLS`` calls."""
+    def time(self, with_sampler: bool, calls: int = CALLS) -> float:
+        """Seconds per call over ``calls`` calls."""
         r = self.runner
         t = time.perf_counter()
-        for _ in range(CALLS):
+        for _ in range(calls):
             inputs, r.kv_cache, r.state = self.exe(r.params, r.kv_cache, r.state, self.ibuf,
                                                    self.fbuf)
             out = inputs.logits
