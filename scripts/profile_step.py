@@ -1,6 +1,7 @@
 """A decode step against the f32 matmul ceiling of this machine, per batch size.
 
-    python scripts/profile_step.py [--batches 1,8,32] [--prompt-len 128] [--reps 3] [--overlap]
+    python scripts/profile_step.py [--batches 1,8,32 | --batch B] [--prompt-len 128] [--reps 3]
+                                   [--overlap]
 
 For each batch size B: ``B`` greedy requests on the bench model of ``bench_engine.py`` (4
 layers, hidden 512, GQA 8/2, vocab 8192, f32) through one engine, ``--reps`` times; the
@@ -261,13 +262,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
+    ap.add_argument("--batch", type=int, default=None, help="one batch size (overrides --batches)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=40)
     ap.add_argument("--reps", type=int, default=3, help="repetitions (medians are taken)")
     ap.add_argument("--overlap", action="store_true",
                     help="also run synchronous scheduling and probe the dispatch gaps")
     a = ap.parse_args()
-    batches = [int(b) for b in a.batches.split(",")]
+    batches = [a.batch] if a.batch else [int(b) for b in a.batches.split(",")]
     print(f"load at start: {uptime()}")
     print(f"jax {jax.__version__} on {jax.default_backend()}")
     results = []
