@@ -15,7 +15,8 @@ jitted program doing every matmul of the step (each layer's q, k, v, o, gate-up 
 projections and the LM head, on the engine's own weight arrays) at B rows. Its FLOP rate is
 the ceiling; a step's share is its FLOPs (those matmuls plus attention at the mean context)
 per second over that rate. Measuring both sides in one run makes machine load hit both
-(this machine is shared; ``uptime`` is printed at start and end). ``--overlap`` also runs
+(this machine is shared; ``uptime`` is printed at start and end). Every time is also taken
+as this process's CPU time, which the neighbours move much less. ``--overlap`` also runs
 synchronous scheduling and reports how long the device waits for the host at each dispatch.
 """
 from __future__ import annotations
@@ -39,6 +40,12 @@ BENCH_MODEL = LlamaConfig(vocab_size=8192, hidden_size=512, intermediate_size=15
                           num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
                           head_dim=64, max_position_embeddings=4096, eos_token_ids=(2,))
 CALLS = 30  # device-only step and ceiling calls per repetition
+
+
+def clocks() -> np.ndarray:
+    """(wall, this process's CPU time over all its threads) in seconds. CPU time moves far
+    less with the neighbours' load than wall time does, so both are reported."""
+    return np.array([time.perf_counter(), time.process_time()])
 
 
 def uptime() -> str:
@@ -89,18 +96,19 @@ def bench_prompts(batch: int, prompt_len: int) -> list[list[int]]:
     return [rng.integers(3, BENCH_MODEL.vocab_size, prompt_len).tolist() for _ in range(batch)]
 
 
-def decode_steps(eng: LLMEngine, prompts, params) -> list[float]:
-    """Wall time of every engine step taken while every running request decodes."""
+def decode_steps(eng: LLMEngine, prompts, params) -> list[np.ndarray]:
+    """(wall, CPU) seconds of every engine step taken while every running request
+    decodes."""
     for p in prompts:
         eng.add_request(p, params)
     steps = []
     while eng.has_unfinished():
-        t = time.perf_counter()
+        t = clocks()
         decoding = bool(eng.scheduler.running) and not eng.scheduler.waiting and all(
             r.is_decode for r in eng.scheduler.running)
         eng.step()
         if decoding:
-            steps.append(time.perf_counter() - t)
+            steps.append(clocks() - t)
     return steps[2:-2]  # drop the ramp and the tail (the last token's read step)
 
 
@@ -135,10 +143,10 @@ class DeviceStep:
         self.ibuf, self.fbuf = map(jax.device_put, packed)
         self.sample = self.runner.sampler()
 
-    def time(self, with_sampler: bool, calls: int = CALLS) -> float:
-        """Seconds per call over ``calls`` calls."""
+    def time(self, with_sampler: bool, calls: int = CALLS) -> np.ndarray:
+        """(wall, CPU) seconds per call over ``calls`` calls."""
         r = self.runner
-        t = time.perf_counter()
+        t = clocks()
         for _ in range(calls):
             inputs, r.kv_cache, r.state = self.exe(r.params, r.kv_cache, r.state, self.ibuf,
                                                    self.fbuf)
@@ -146,7 +154,7 @@ class DeviceStep:
             if with_sampler:
                 out, r.state = self.sample(r.state, inputs)
         jax.block_until_ready(out)
-        return (time.perf_counter() - t) / CALLS
+        return (clocks() - t) / calls
 
 
 def step_weights(params) -> list[jax.Array]:
@@ -186,13 +194,13 @@ class MatmulCeiling:
         self.program = jax.jit(chain)
         jax.block_until_ready(self.program(self.xs, weights))
 
-    def time(self) -> float:
-        """Seconds per call over ``CALLS`` calls."""
-        t = time.perf_counter()
+    def time(self) -> np.ndarray:
+        """(wall, CPU) seconds per call over ``CALLS`` calls."""
+        t = clocks()
         for _ in range(CALLS):
             out = self.program(self.xs, self.weights)
         jax.block_until_ready(out)
-        return (time.perf_counter() - t) / CALLS
+        return (clocks() - t) / CALLS
 
 
 def attention_flops(cfg: LlamaConfig, rows: int, context: int) -> float:
@@ -206,13 +214,13 @@ def profile_batch(batch: int, a, bar: tqdm) -> dict:
     prompts = bench_prompts(batch, a.prompt_len)
     shape, packed = capture_decode(eng, prompts, params)
     modes = (True, False) if a.overlap else (True,)
-    steps: dict[bool, list[float]] = {m: [] for m in modes}
+    steps: dict[bool, list[np.ndarray]] = {m: [] for m in modes}
     gaps: dict[bool, list[tuple[bool, float]]] = {m: [] for m in modes}
     probe = DispatchProbe(eng) if a.overlap else None
     for _ in range(a.reps):
         for mode in modes:
             eng.async_scheduling = mode
-            steps[mode].append(float(np.median(decode_steps(eng, prompts, params))))
+            steps[mode].append(np.median(decode_steps(eng, prompts, params), axis=0))
             if probe is not None:
                 gaps[mode] += probe.take()[2:-2]
         bar.update()
@@ -221,13 +229,13 @@ def profile_batch(batch: int, a, bar: tqdm) -> dict:
     # Device step and ceiling alternate, so a change of machine load hits both alike.
     step, ceiling = DeviceStep(eng, packed, shape), MatmulCeiling(
         step_weights(eng.runner.params), batch)
-    times: dict[str, list[float]] = {"forward_only": [], "device": [], "ceiling": []}
+    times: dict[str, list[np.ndarray]] = {"forward_only": [], "device": [], "ceiling": []}
     for _ in range(a.reps):
         times["forward_only"].append(step.time(with_sampler=False))
         times["device"].append(step.time(with_sampler=True))
         times["ceiling"].append(ceiling.time())
     bar.update()
-    t = {k: float(np.median(v)) for k, v in times.items()}
+    t = {k: np.median(v, axis=0) for k, v in times.items()}
     flops = ceiling.flops + attention_flops(BENCH_MODEL, batch, a.prompt_len + a.new_tokens // 2)
     return dict(batch=batch, forward_only=t["forward_only"], device=t["device"], steps=steps,
                 gaps=gaps, flops=flops, ceiling=ceiling.flops / t["ceiling"],
@@ -235,20 +243,28 @@ def profile_batch(batch: int, a, bar: tqdm) -> dict:
 
 
 def report(r: dict, overlap: bool) -> None:
-    ceiling, flops = r["ceiling"], r["flops"]
-    share = lambda t: f"{100 * flops / t / ceiling:5.1f}%"
-    engine = float(np.median(r["steps"][True]))
-    print(f"batch {r['batch']:3d}: ceiling {ceiling / 1e9:6.1f} GFLOP/s (its matmuls alone "
-          f"{1e3 * r['ceiling_time']:.2f} ms); step {flops / 1e9:.3f} GFLOP")
-    print(f"  engine step (async)   {1e3 * engine:7.2f} ms  {share(engine)} of the ceiling"
-          f"  (per repetition: {', '.join(f'{1e3 * t:.2f}' for t in r['steps'][True])})")
-    print(f"  device-only step      {1e3 * r['device']:7.2f} ms  {share(r['device'])}")
-    print(f"  step executable alone {1e3 * r['forward_only']:7.2f} ms  {share(r['forward_only'])}")
+    """Each step as wall ms and share of the wall-clock ceiling, then CPU ms and share of
+    the CPU-time ceiling (same FLOPs over this process's CPU seconds)."""
+    ceiling, flops = r["ceiling"], r["flops"]  # ceiling: (wall, CPU) FLOP/s
+
+    def row(name: str, t: np.ndarray) -> str:
+        shares = 100 * flops / t / ceiling
+        return (f"  {name:24s} {1e3 * t[0]:7.2f} ms {shares[0]:5.1f}%   "
+                f"CPU {1e3 * t[1]:7.2f} ms {shares[1]:5.1f}%")
+
+    engine = np.median(r["steps"][True], axis=0)
+    print(f"batch {r['batch']:3d}: step {flops / 1e9:.3f} GFLOP; ceiling "
+          f"{ceiling[0] / 1e9:.1f} GFLOP/s wall, {ceiling[1] / 1e9:.1f} per CPU second (its "
+          f"matmuls alone {1e3 * r['ceiling_time'][0]:.2f} ms, CPU "
+          f"{1e3 * r['ceiling_time'][1]:.2f} ms)")
+    print(row("engine step (async)", engine)
+          + f"  (wall per repetition: {', '.join(f'{1e3 * t[0]:.2f}' for t in r['steps'][True])})")
+    print(row("device-only step", r["device"]))
+    print(row("step executable alone", r["forward_only"]))
     if not overlap:
         return
-    sync = float(np.median(r["steps"][False]))
-    print(f"  engine step (sync)    {1e3 * sync:7.2f} ms  {share(sync)}; async / sync "
-          f"{engine / sync:.3f}")
+    sync = np.median(r["steps"][False], axis=0)
+    print(row("engine step (sync)", sync) + f"  async / sync (wall) {engine[0] / sync[0]:.3f}")
     for mode in (False, True):
         busy = [b for b, _ in r["gaps"][mode]]
         gap = [g for _, g in r["gaps"][mode]]
