@@ -1,6 +1,6 @@
 """A decode step against the f32 matmul ceiling of this machine, per batch size.
 
-    python scripts/profile_step.py [--batches 1,8,32 | --batch B] [--prompt-len 128] [--reps 3]
+    python scripts/profile_step.py [--batches 1,8,32 | --batch B] [--prompt-len 128] [--reps 5]
                                    [--overlap]
 
 For each batch size B: ``B`` greedy requests on the bench model of ``bench_engine.py`` (4
@@ -281,7 +281,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=None, help="one batch size (overrides --batches)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=40)
-    ap.add_argument("--reps", type=int, default=3, help="repetitions (medians are taken)")
+    ap.add_argument("--reps", type=int, default=5, help="repetitions (medians are taken)")
     ap.add_argument("--overlap", action="store_true",
                     help="also run synchronous scheduling and probe the dispatch gaps")
     a = ap.parse_args()
