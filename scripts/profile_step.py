@@ -17,7 +17,9 @@ the ceiling; a step's share is its FLOPs (those matmuls plus attention at the me
 per second over that rate. Measuring both sides in one run makes machine load hit both
 (this machine is shared; ``uptime`` is printed at start and end). Every time is also taken
 as this process's CPU time, which the neighbours move much less. ``--overlap`` also runs
-synchronous scheduling and reports how long the device waits for the host at each dispatch.
+synchronous scheduling and reports how long the device waits for the host at each dispatch;
+``--sampler-ab`` also times the device-only step with the sampler built on ``jnp.argmax``
+(before ``row_argmax``), alternated with the current one.
 """
 from __future__ import annotations
 
@@ -32,9 +34,11 @@ from tqdm import tqdm
 
 from jserve import SamplingParams
 from jserve.config import LlamaConfig
+from jserve.engine import runner as runner_module
 from jserve.engine.config import EngineConfig
 from jserve.engine.engine import LLMEngine
 from jserve.model.weights import init_params
+from jserve.sampling import sampler as sampler_module
 
 BENCH_MODEL = LlamaConfig(vocab_size=8192, hidden_size=512, intermediate_size=1536,
                           num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
@@ -203,6 +207,20 @@ class MatmulCeiling:
         return (clocks() - t) / CALLS
 
 
+def argmax_sampler(step: DeviceStep):
+    """The sampling executable as it was built with ``jnp.argmax`` (XLA:CPU's variadic
+    reduce) instead of ``row_argmax``: the baseline of ``--sampler-ab``."""
+    r = step.runner
+    inputs, r.kv_cache, r.state = step.exe(r.params, r.kv_cache, r.state, step.ibuf, step.fbuf)
+    kept = sampler_module.row_argmax
+    sampler_module.row_argmax = lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32)
+    try:
+        return jax.jit(runner_module._fresh(runner_module._sample), donate_argnums=(0,)).lower(
+            r.state, inputs).compile()
+    finally:
+        sampler_module.row_argmax = kept
+
+
 def attention_flops(cfg: LlamaConfig, rows: int, context: int) -> float:
     """QK and PV of ``rows`` decodes at ``context`` keys, every layer."""
     return 4.0 * rows * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * context
@@ -230,16 +248,23 @@ def profile_batch(batch: int, a, bar: tqdm) -> dict:
     step, ceiling = DeviceStep(eng, packed, shape), MatmulCeiling(
         step_weights(eng.runner.params), batch)
     times: dict[str, list[np.ndarray]] = {"forward_only": [], "device": [], "ceiling": []}
+    samplers = {"device": step.sample}
+    if a.sampler_ab:
+        samplers["device, jnp.argmax sampler"] = argmax_sampler(step)
+        times["device, jnp.argmax sampler"] = []
     for _ in range(a.reps):
         times["forward_only"].append(step.time(with_sampler=False))
-        times["device"].append(step.time(with_sampler=True))
+        for name, sample in samplers.items():
+            step.sample = sample
+            times[name].append(step.time(with_sampler=True))
+        step.sample = samplers["device"]
         times["ceiling"].append(ceiling.time())
     bar.update()
     t = {k: np.median(v, axis=0) for k, v in times.items()}
     flops = ceiling.flops + attention_flops(BENCH_MODEL, batch, a.prompt_len + a.new_tokens // 2)
     return dict(batch=batch, forward_only=t["forward_only"], device=t["device"], steps=steps,
                 gaps=gaps, flops=flops, ceiling=ceiling.flops / t["ceiling"],
-                ceiling_time=t["ceiling"])
+                ceiling_time=t["ceiling"], argmax_device=t.get("device, jnp.argmax sampler"))
 
 
 def report(r: dict, overlap: bool) -> None:
@@ -261,6 +286,9 @@ def report(r: dict, overlap: bool) -> None:
           + f"  (wall per repetition: {', '.join(f'{1e3 * t[0]:.2f}' for t in r['steps'][True])})")
     print(row("device-only step", r["device"]))
     print(row("step executable alone", r["forward_only"]))
+    if r["argmax_device"] is not None:
+        print(row("device-only, jnp.argmax", r["argmax_device"]) + "  (the sampler before "
+              "row_argmax, alternated with the device-only step)")
     if not overlap:
         return
     sync = np.median(r["steps"][False], axis=0)
@@ -282,6 +310,8 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=40)
     ap.add_argument("--reps", type=int, default=5, help="repetitions (medians are taken)")
+    ap.add_argument("--sampler-ab", action="store_true",
+                    help="also time the device-only step with the sampler built on jnp.argmax")
     ap.add_argument("--overlap", action="store_true",
                     help="also run synchronous scheduling and probe the dispatch gaps")
     a = ap.parse_args()
