@@ -152,9 +152,9 @@ def breakdown(title: str, hlo: Hlo, times: dict[str, float], wall: float, top: i
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--new-tokens", type=int, default=40)
+    ap.add_argument("--batch", type=int, default=32, help="decode rows of the profiled step")
+    ap.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request")
+    ap.add_argument("--new-tokens", type=int, default=40, help="greedy tokens per request")
     ap.add_argument("--steps", type=int, default=20, help="traced calls of each executable")
     ap.add_argument("--top", type=int, default=25, help="single ops listed")
     ap.add_argument("--hlo-out", default=None, help="write the step's optimized HLO here")

@@ -307,8 +307,8 @@ def main() -> int:
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
     ap.add_argument("--batch", type=int, default=None, help="one batch size (overrides --batches)")
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--new-tokens", type=int, default=40)
+    ap.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request")
+    ap.add_argument("--new-tokens", type=int, default=40, help="greedy tokens per request")
     ap.add_argument("--reps", type=int, default=5, help="repetitions (medians are taken)")
     ap.add_argument("--sampler-ab", action="store_true",
                     help="also time the device-only step with the sampler built on jnp.argmax")
