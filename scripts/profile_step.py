@@ -1,36 +1,59 @@
-"""Where a decode step's time goes, and how much of it the device sits idle waiting for the
-host, with async scheduling (overlap) on and off.
+"""A decode step against the f32 matmul ceiling of this machine, per batch size.
 
-    python scripts/profile_step.py [--batch 32] [--prompt-len 128] [--reps 3]
+    python scripts/profile_step.py [--batches 1,8,32 | --batch B] [--prompt-len 128] [--reps 5]
+                                   [--overlap]
 
-Runs ``batch`` greedy requests on the bench model of ``bench_engine.py`` (4 layers, hidden
-512, GQA 8/2, vocab 8192, f32) through one engine, alternating synchronous and async
-scheduling ``--reps`` times each, and takes the median all-decode engine step of each mode.
-It captures the inputs of one all-decode step and times the compiled step plus the sampling
-executable back to back (30 calls per repetition, KV cache fed back): the device-only step.
-Two views of the device's idle time: engine step - device-only step (per step, in ms and as
-% of the device-only step), and at every dispatch whether the previous step was still
-running (``DispatchProbe``: then the device waits for nothing) and otherwise how long ago the
-host had its tokens. The issue's goal: idle gap under 5% of the step at batch 32 with
-overlap. Also prints achieved GFLOP/s against the 110 GFLOP/s f32
-ceiling used in docs/bench.md. On a CPU host the device and the host share the cores, so
-overlap gains less there than on an accelerator.
+For each batch size B: ``B`` greedy requests on the bench model of ``bench_engine.py`` (4
+layers, hidden 512, GQA 8/2, vocab 8192, f32) through one engine, ``--reps`` times; the
+median all-decode engine step (async scheduling, the default) is the *engine step*. The
+inputs of one all-decode step are captured and the compiled step plus the sampling
+executable run back to back on them (30 calls per repetition, KV cache fed back): the
+*device-only step*.
+
+The ceiling is measured in the same run, on the same threads, right after the steps: one
+jitted program doing every matmul of the step (each layer's q, k, v, o, gate-up and down
+projections and the LM head, on the engine's own weight arrays) at B rows. Its FLOP rate is
+the ceiling; a step's share is its FLOPs (those matmuls plus attention at the mean context)
+per second over that rate. Measuring both sides in one run makes machine load hit both
+(this machine is shared; ``uptime`` is printed at start and end). Every time is also taken
+as this process's CPU time, which the neighbours move much less. ``--overlap`` also runs
+synchronous scheduling and reports how long the device waits for the host at each dispatch;
+``--sampler-ab`` also times the device-only step with the sampler built on ``jnp.argmax``
+(before ``row_argmax``), alternated with the current one.
 """
 from __future__ import annotations
 
 import argparse
+import subprocess
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
 from jserve import SamplingParams
 from jserve.config import LlamaConfig
+from jserve.engine import runner as runner_module
 from jserve.engine.config import EngineConfig
 from jserve.engine.engine import LLMEngine
 from jserve.model.weights import init_params
+from jserve.sampling import sampler as sampler_module
 
-CEILING_GFLOPS = 110.0
+BENCH_MODEL = LlamaConfig(vocab_size=8192, hidden_size=512, intermediate_size=1536,
+                          num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                          head_dim=64, max_position_embeddings=4096, eos_token_ids=(2,))
+CALLS = 30  # device-only step and ceiling calls per repetition
+
+
+def clocks() -> np.ndarray:
+    """(wall, this process's CPU time over all its threads) in seconds. CPU time moves far
+    less with the neighbours' load than wall time does, so both are reported."""
+    return np.array([time.perf_counter(), time.process_time()])
+
+
+def uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
 class DispatchProbe:
@@ -64,109 +87,244 @@ class DispatchProbe:
         return records
 
 
-def decode_steps(eng: LLMEngine, prompts, params) -> list[float]:
-    """Wall time of every engine step taken while every running request decodes."""
+def bench_engine(batch: int) -> LLMEngine:
+    """The bench model's engine sized for ``batch`` decodes (buckets compile on first use)."""
+    cfg = BENCH_MODEL
+    return LLMEngine(cfg, init_params(cfg), None,
+                     EngineConfig(max_num_seqs=batch, max_num_batched_tokens=512,
+                                  max_model_len=2048, warmup=False))
+
+
+def bench_prompts(batch: int, prompt_len: int) -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    return [rng.integers(3, BENCH_MODEL.vocab_size, prompt_len).tolist() for _ in range(batch)]
+
+
+def decode_steps(eng: LLMEngine, prompts, params) -> list[np.ndarray]:
+    """(wall, CPU) seconds of every engine step taken while every running request
+    decodes."""
     for p in prompts:
         eng.add_request(p, params)
     steps = []
     while eng.has_unfinished():
-        t = time.perf_counter()
+        t = clocks()
         decoding = bool(eng.scheduler.running) and not eng.scheduler.waiting and all(
             r.is_decode for r in eng.scheduler.running)
         eng.step()
         if decoding:
-            steps.append(time.perf_counter() - t)
+            steps.append(clocks() - t)
     return steps[2:-2]  # drop the ramp and the tail (the last token's read step)
 
 
-def device_step(eng: LLMEngine, packed, shape, reps: int) -> tuple[float, float]:
-    """(step executable alone, step + sampler) seconds per call, back to back."""
-    runner = eng.runner
-    exe, _ = runner.compiled(shape)
-    ibuf, fbuf = map(jax.device_put, packed)
-    sampler = runner.sampler()
-    device, forward_only = [], []
-    for _ in range(reps):
-        t = time.perf_counter()
-        for _ in range(30):
-            inputs, runner.kv_cache, runner.state = exe(runner.params, runner.kv_cache,
-                                                        runner.state, ibuf, fbuf)
-        jax.block_until_ready(inputs.logits)
-        forward_only.append((time.perf_counter() - t) / 30)
-        t = time.perf_counter()
-        for _ in range(30):
-            inputs, runner.kv_cache, runner.state = exe(runner.params, runner.kv_cache,
-                                                        runner.state, ibuf, fbuf)
-            out, runner.state = sampler(runner.state, inputs)
-        jax.block_until_ready(out.tokens)
-        device.append((time.perf_counter() - t) / 30)
-    return float(np.median(forward_only)), float(np.median(device))
-
-
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--new-tokens", type=int, default=40)
-    ap.add_argument("--reps", type=int, default=3)
-    a = ap.parse_args()
-    cfg = LlamaConfig(vocab_size=8192, hidden_size=512, intermediate_size=1536,
-                      num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-                      head_dim=64, max_position_embeddings=4096, eos_token_ids=(2,))
-    eng = LLMEngine(cfg, init_params(cfg), None,
-                    EngineConfig(max_num_seqs=a.batch, max_num_batched_tokens=512,
-                                 max_model_len=2048, warmup=False))
-    rng = np.random.default_rng(0)
-    params = SamplingParams(temperature=0.0, max_tokens=a.new_tokens, ignore_eos=True)
-    prompts = [rng.integers(3, cfg.vocab_size, a.prompt_len).tolist() for _ in range(a.batch)]
-    decode_shape = eng.buckets.shape_for(a.batch, 0)
+def capture_decode(eng: LLMEngine, prompts, params) -> tuple[tuple[int, int], tuple]:
+    """Runs ``prompts`` once (compiling every shape they use) and returns the all-decode
+    bucket's shape and the packed inputs of one step at it."""
+    shape = eng.buckets.shape_for(len(prompts), 0)
     captured = {}
     execute = eng.runner.execute_packed
 
-    def capture(shape, ibuf, fbuf, *args):
-        if shape == decode_shape:
+    def capture(s, ibuf, fbuf, *args, **kwargs):
+        if s == shape:
             captured["packed"] = (ibuf, fbuf)
-        return execute(shape, ibuf, fbuf, *args)
+        return execute(s, ibuf, fbuf, *args, **kwargs)
 
     eng.runner.execute_packed = capture
-    decode_steps(eng, prompts, params)  # compiles every shape the runs use
-    steps: dict[bool, list[float]] = {False: [], True: []}
-    gaps: dict[bool, list[tuple[bool, float]]] = {False: [], True: []}
-    probe = DispatchProbe(eng)
-    for _ in range(a.reps):
-        for mode in (False, True):
-            eng.async_scheduling = mode
-            steps[mode].append(float(np.median(decode_steps(eng, prompts, params))))
-            gaps[mode] += probe.take()[2:-2]
-    eng.runner.execute_packed, eng._read = probe._execute, probe._read
-    forward_only, device = device_step(eng, captured["packed"], decode_shape, a.reps)
+    try:
+        decode_steps(eng, prompts, params)
+    finally:
+        eng.runner.execute_packed = execute
+    return shape, captured["packed"]
 
-    print(f"batch {a.batch}: step executable alone {1e3 * forward_only:7.2f} ms; "
-          f"with the sampling executable {1e3 * device:7.2f} ms (device-only step)")
-    ctx = a.prompt_len + a.new_tokens // 2
-    flops = a.batch * 2 * (cfg.num_params() - cfg.vocab_size * cfg.hidden_size)
-    flops += a.batch * cfg.num_hidden_layers * 4 * cfg.num_attention_heads * cfg.head_dim * ctx
-    print(f"{'':24s} {'step':>9s} {'idle gap':>9s} {'gap/step':>9s} {'GFLOP/s':>8s}")
-    rows = [("device-only step", device)] + [
-        (f"engine, {'async' if mode else 'sync'} x{a.reps}", float(np.median(steps[mode])))
-        for mode in (False, True)]
-    for name, t in rows:
-        gap = t - device
-        print(f"{name:24s} {t * 1e3:7.2f}ms {gap * 1e3:7.2f}ms {100 * gap / device:8.1f}% "
-              f"{flops / t / 1e9:8.1f}")
+
+class DeviceStep:
+    """The captured all-decode step's compiled executable run back to back on its own
+    inputs (KV cache and penalty state fed back), alone and followed by the sampling
+    executable."""
+
+    def __init__(self, eng: LLMEngine, packed, shape):
+        self.runner = eng.runner
+        self.exe, _ = self.runner.compiled(shape)
+        self.ibuf, self.fbuf = map(jax.device_put, packed)
+        self.sample = self.runner.sampler()
+
+    def time(self, with_sampler: bool, calls: int = CALLS) -> np.ndarray:
+        """(wall, CPU) seconds per call over ``calls`` calls."""
+        r = self.runner
+        t = clocks()
+        for _ in range(calls):
+            inputs, r.kv_cache, r.state = self.exe(r.params, r.kv_cache, r.state, self.ibuf,
+                                                   self.fbuf)
+            out = inputs.logits
+            if with_sampler:
+                out, r.state = self.sample(r.state, inputs)
+        jax.block_until_ready(out)
+        return (clocks() - t) / calls
+
+
+def step_weights(params) -> list[jax.Array]:
+    """Every weight matrix a decode step multiplies by (runtime layout, stacked or
+    unrolled): the layers' projections, then the LM head."""
+    layers = params["layers"]
+    names = ("wq", "wk", "wv", "wo", "w_gate_up", "w_down")
+    if isinstance(layers, dict):
+        ws = [layers[n][i] for i in range(layers["wq"].shape[0]) for n in names]
+    else:
+        ws = [layer[n] for layer in layers for n in names]
+    head = params.get("lm_head")
+    return ws + [params["embed"].T if head is None else head]
+
+
+class MatmulCeiling:
+    """One jitted program doing ``rows`` x W for every W in ``weights``, one after the other
+    as in the step (an optimization barrier ties each input to the previous product, so
+    XLA neither runs them side by side nor drops one)."""
+
+    def __init__(self, weights: list[jax.Array], rows: int):
+        rng = np.random.default_rng(1)
+        self.xs = [jnp.asarray(rng.standard_normal((rows, w.shape[0]), np.float32))
+                   for w in weights]
+        self.weights = weights
+        self.flops = float(sum(2 * rows * w.shape[0] * w.shape[1] for w in weights))
+
+        def chain(xs, ws):
+            outs, prev = [], None
+            for x, w in zip(xs, ws):
+                if prev is not None:
+                    x, _ = jax.lax.optimization_barrier((x, prev))
+                prev = jnp.dot(x, w, preferred_element_type=jnp.float32)
+                outs.append(prev)
+            return outs
+
+        self.program = jax.jit(chain)
+        jax.block_until_ready(self.program(self.xs, weights))
+
+    def time(self) -> np.ndarray:
+        """(wall, CPU) seconds per call over ``CALLS`` calls."""
+        t = clocks()
+        for _ in range(CALLS):
+            out = self.program(self.xs, self.weights)
+        jax.block_until_ready(out)
+        return (clocks() - t) / CALLS
+
+
+def argmax_sampler(step: DeviceStep):
+    """The sampling executable as it was built with ``jnp.argmax`` (XLA:CPU's variadic
+    reduce) instead of ``row_argmax``: the baseline of ``--sampler-ab``."""
+    r = step.runner
+    inputs, r.kv_cache, r.state = step.exe(r.params, r.kv_cache, r.state, step.ibuf, step.fbuf)
+    kept = sampler_module.row_argmax
+    sampler_module.row_argmax = lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32)
+    try:
+        return jax.jit(runner_module._fresh(runner_module._sample), donate_argnums=(0,)).lower(
+            r.state, inputs).compile()
+    finally:
+        sampler_module.row_argmax = kept
+
+
+def attention_flops(cfg: LlamaConfig, rows: int, context: int) -> float:
+    """QK and PV of ``rows`` decodes at ``context`` keys, every layer."""
+    return 4.0 * rows * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * context
+
+
+def profile_batch(batch: int, a, bar: tqdm) -> dict:
+    eng = bench_engine(batch)
+    params = SamplingParams(temperature=0.0, max_tokens=a.new_tokens, ignore_eos=True)
+    prompts = bench_prompts(batch, a.prompt_len)
+    shape, packed = capture_decode(eng, prompts, params)
+    modes = (True, False) if a.overlap else (True,)
+    steps: dict[bool, list[np.ndarray]] = {m: [] for m in modes}
+    gaps: dict[bool, list[tuple[bool, float]]] = {m: [] for m in modes}
+    probe = DispatchProbe(eng) if a.overlap else None
+    for _ in range(a.reps):
+        for mode in modes:
+            eng.async_scheduling = mode
+            steps[mode].append(np.median(decode_steps(eng, prompts, params), axis=0))
+            if probe is not None:
+                gaps[mode] += probe.take()[2:-2]
+        bar.update()
+    if probe is not None:
+        eng.runner.execute_packed, eng._read = probe._execute, probe._read
+    # Device step and ceiling alternate, so a change of machine load hits both alike.
+    step, ceiling = DeviceStep(eng, packed, shape), MatmulCeiling(
+        step_weights(eng.runner.params), batch)
+    times: dict[str, list[np.ndarray]] = {"forward_only": [], "device": [], "ceiling": []}
+    samplers = {"device": step.sample}
+    if a.sampler_ab:
+        samplers["device, jnp.argmax sampler"] = argmax_sampler(step)
+        times["device, jnp.argmax sampler"] = []
+    for _ in range(a.reps):
+        times["forward_only"].append(step.time(with_sampler=False))
+        for name, sample in samplers.items():
+            step.sample = sample
+            times[name].append(step.time(with_sampler=True))
+        step.sample = samplers["device"]
+        times["ceiling"].append(ceiling.time())
+    bar.update()
+    t = {k: np.median(v, axis=0) for k, v in times.items()}
+    flops = ceiling.flops + attention_flops(BENCH_MODEL, batch, a.prompt_len + a.new_tokens // 2)
+    return dict(batch=batch, forward_only=t["forward_only"], device=t["device"], steps=steps,
+                gaps=gaps, flops=flops, ceiling=ceiling.flops / t["ceiling"],
+                ceiling_time=t["ceiling"], argmax_device=t.get("device, jnp.argmax sampler"))
+
+
+def report(r: dict, overlap: bool) -> None:
+    """Each step as wall ms and share of the wall-clock ceiling, then CPU ms and share of
+    the CPU-time ceiling (same FLOPs over this process's CPU seconds)."""
+    ceiling, flops = r["ceiling"], r["flops"]  # ceiling: (wall, CPU) FLOP/s
+
+    def row(name: str, t: np.ndarray) -> str:
+        shares = 100 * flops / t / ceiling
+        return (f"  {name:24s} {1e3 * t[0]:7.2f} ms {shares[0]:5.1f}%   "
+                f"CPU {1e3 * t[1]:7.2f} ms {shares[1]:5.1f}%")
+
+    engine = np.median(r["steps"][True], axis=0)
+    print(f"batch {r['batch']:3d}: step {flops / 1e9:.3f} GFLOP; ceiling "
+          f"{ceiling[0] / 1e9:.1f} GFLOP/s wall, {ceiling[1] / 1e9:.1f} per CPU second (its "
+          f"matmuls alone {1e3 * r['ceiling_time'][0]:.2f} ms, CPU "
+          f"{1e3 * r['ceiling_time'][1]:.2f} ms)")
+    print(row("engine step (async)", engine)
+          + f"  (wall per repetition: {', '.join(f'{1e3 * t[0]:.2f}' for t in r['steps'][True])})")
+    print(row("device-only step", r["device"]))
+    print(row("step executable alone", r["forward_only"]))
+    if r["argmax_device"] is not None:
+        print(row("device-only, jnp.argmax", r["argmax_device"]) + "  (the sampler before "
+              "row_argmax, alternated with the device-only step)")
+    if not overlap:
+        return
+    sync = np.median(r["steps"][False], axis=0)
+    print(row("engine step (sync)", sync) + f"  async / sync (wall) {engine[0] / sync[0]:.3f}")
     for mode in (False, True):
-        busy = [b for b, _ in gaps[mode]]
-        gap = [g for _, g in gaps[mode]]
-        print(f"{'async' if mode else 'sync'}: {100 * np.mean(busy):5.1f}% of {len(busy)} steps "
-              f"dispatched while the previous one still ran; idle gap at dispatch median "
-              f"{1e3 * np.median(gap):.2f} ms, mean {1e3 * np.mean(gap):.2f} ms "
-              f"({100 * np.mean(gap) / device:.1f}% of the device-only step)"
+        busy = [b for b, _ in r["gaps"][mode]]
+        gap = [g for _, g in r["gaps"][mode]]
+        print(f"  {'async' if mode else 'sync '}: {100 * np.mean(busy):5.1f}% of {len(busy)} "
+              f"steps dispatched while the previous one still ran; idle gap at dispatch "
+              f"median {1e3 * np.median(gap):.2f} ms, mean {1e3 * np.mean(gap):.2f} ms"
               + (" (a lower bound)" if mode else ""))
-    print("per-repetition engine steps (ms): "
-          + "; ".join(f"{'async' if m else 'sync'} "
-                      + ", ".join(f"{1e3 * t:.2f}" for t in steps[m]) for m in (False, True)))
-    print(f"async / sync engine step: "
-          f"{np.median(steps[True]) / np.median(steps[False]):.3f}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
+    ap.add_argument("--batch", type=int, default=None, help="one batch size (overrides --batches)")
+    ap.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request")
+    ap.add_argument("--new-tokens", type=int, default=40, help="greedy tokens per request")
+    ap.add_argument("--reps", type=int, default=5, help="repetitions (medians are taken)")
+    ap.add_argument("--sampler-ab", action="store_true",
+                    help="also time the device-only step with the sampler built on jnp.argmax")
+    ap.add_argument("--overlap", action="store_true",
+                    help="also run synchronous scheduling and probe the dispatch gaps")
+    a = ap.parse_args()
+    batches = [a.batch] if a.batch else [int(b) for b in a.batches.split(",")]
+    print(f"load at start: {uptime()}")
+    print(f"jax {jax.__version__} on {jax.default_backend()}")
+    results = []
+    with tqdm(total=len(batches) * (a.reps + 1), desc="profile", unit="run") as bar:
+        for batch in batches:
+            results.append(profile_batch(batch, a, bar))
+    for r in results:
+        report(r, a.overlap)
+    print(f"load at end: {uptime()}")
     return 0
 
 

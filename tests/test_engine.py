@@ -2,6 +2,9 @@
 no compilation after warm-up, orbax round trip."""
 from __future__ import annotations
 
+import re
+
+import jax
 import numpy as np
 import pytest
 
@@ -175,3 +178,36 @@ def test_looped_and_unrolled_layers_give_the_same_tokens(reference, layer_loop, 
     layers = llm.engine.runner.params["layers"]
     assert isinstance(layers, dict if layer_loop == "loop" else list)
     assert [llm.generate([p], GREEDY)[0].token_ids for p in PROMPTS] == reference
+
+
+def _instructions(hlo: str):
+    """(result shape, op, line) of every instruction of an optimized HLO module."""
+    for line in hlo.splitlines():
+        m = re.match(r"^\s+(?:ROOT )?%[\w.\-]+ = (\([^()]*\)|\S+) ([\w\-]+)\(", line)
+        if m:
+            yield m.group(1), m.group(2), line
+
+
+def test_decode_step_writes_the_kv_cache_in_place_and_samples_without_a_variadic_argmax(llm):
+    # docs/bench.md, "Batch-32 decode against the ceiling": the compiled decode step aliases
+    # both donated KV buffers to its outputs and never copies a whole cache (the write is a
+    # scatter into the buffer); the greedy argmax on CPU is two plain reductions, not the
+    # (value, index) reduce that took most of the sampler's time.
+    runner = llm.engine.runner
+    exe, _ = runner.compiled(llm.engine.buckets.shape_for(2, 0))
+    hlo = exe.as_text()
+    kv = jax.tree.leaves(runner.kv_cache)
+    first_kv = len(jax.tree.leaves(runner.params))
+    aliased = {int(n) for n in re.findall(r"\((\d+), \{\}, (?:may|must)-alias\)",
+                                          hlo.splitlines()[0])}
+    assert {first_kv + i for i in range(len(kv))} <= aliased
+    cache_shape = "f32[" + ",".join(map(str, kv[0].shape)) + "]"
+    whole_cache = [(op, line.strip()[:120]) for shape, op, line in _instructions(hlo)
+                   if shape.startswith(cache_shape)
+                   and op not in ("parameter", "bitcast", "get-tuple-element")
+                   and not (op == "fusion" and "scatter" in line)]
+    assert not whole_cache, whole_cache
+    sampler = runner.sampler().as_text()
+    variadic = [line.strip()[:120] for shape, op, line in _instructions(sampler)
+                if re.fullmatch(r"\(f32\[\d+\]\{0\}, s32\[\d+\]\{0\}\)", shape)]
+    assert not variadic, variadic

@@ -26,6 +26,7 @@ from jserve.sampling.sampler import (
     allowed_mask,
     apply_penalties,
     make_sampling_batch,
+    row_argmax,
     sample,
 )
 
@@ -304,6 +305,21 @@ def test_greedy_is_argmax(seed: int) -> None:
     for all_greedy in (False, True):
         np.testing.assert_array_equal(run_sample(logits, sb, all_greedy=all_greedy).tokens,
                                       expected)
+
+
+def test_row_argmax_matches_argmax_on_ties_infinities_and_nans() -> None:
+    # The CPU form (max, then the lowest index holding it) must pick what jnp.argmax picks.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(7, 300)).astype(np.float32)
+    x[1, [5, 200]] = 9.0                   # tie: the lower id
+    x[2] = -np.inf                         # nothing allowed: id 0
+    x[3, [10, 40]] = np.nan                # NaN wins, the first one
+    x[4, :] = 3.0                          # all equal
+    x[5, 299] = np.inf                     # +inf at the end
+    x[6, [0, 299]] = np.inf
+    got = np.asarray(jax.jit(row_argmax)(x))
+    np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
+    np.testing.assert_array_equal(got[1:], [5, 0, 10, 0, 299, 0])
 
 
 @pytest.mark.slow
