@@ -32,6 +32,7 @@ from jserve.train.length_task import count_down, format_prompt, list_fruits
 
 SETTINGS = dict(max_num_seqs=8, max_num_batched_tokens=64, max_prefill_seqs=2,
                 max_model_len=512, warmup=True)
+WORKLOADS = ("quote", "countdown", "free")
 
 
 def workloads(batch: int) -> dict[str, tuple[str, list, SamplingParams]]:
@@ -75,7 +76,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
-    ap.add_argument("--workloads", nargs="+", default=["quote", "countdown", "free"])
+    ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     a = ap.parse_args()
     print("load before:", subprocess.run(["uptime"], capture_output=True, text=True).stdout
           .strip(), f"({os.cpu_count()} CPUs)")
