@@ -4,16 +4,23 @@ accepted length at batch 1 and 8 on three workloads.
     python scripts/bench_speculative.py [--reps 3] [--batches 1 8] [--k 4]
 
 Workloads (one engine per model and mode, all buckets compiled before timing):
-  quote      tiny-tasks "list N fruits": every answer repeats the same eight fruit names
-             line after line, so the output copies earlier text (the stand-in for document
-             QA that quotes: no model here reads a document and quotes it)
-  countdown  tiny-tasks "count down from N": the tens digit repeats, the units do not
+  quote      document QA whose answer quotes the document: ``quote: PASSAGE`` to the
+             tiny-quote model (tiny-tasks fine-tuned by ``scripts/train_quote_model.py``,
+             ``--quote-model``), which answers with the passage; passages are 40 random
+             words (held-out seeds), greedy, until EOS
+  countdown  tiny-tasks "count down from N" (N = 60...), greedy: the tens digit repeats, the
+             units do not, so prompt lookup drafts little; also run with a draft model
+             (``--draft-model``, default tiny-tasks itself: every draft is right, so this is
+             the best any draft model can do at its cost per draft token)
   free       the random default model's free text sampled at temperature 1 (seeded),
              ignore_eos: drafts are rarely accepted and requests stop speculating (greedy,
              this model falls into loops that prompt lookup drafts well)
+  fruits     (not run by default) tiny-tasks "list N fruits": the fruit names repeat every
+             eight lines, the numbers count down
 Modes: ``base`` (no speculation, async scheduling on), ``ngram`` (prompt lookup, k drafts,
 n from 1 to 4; plans that carry speculating requests are read back before the next is
-planned), ``ngram-sync`` (the same with async scheduling off: what the overlap still buys).
+planned), ``ngram-sync`` (the same with async scheduling off: what the overlap still buys),
+``draft`` (countdown only: the draft model proposes k tokens).
 Per run: the median over requests of (last token time - first token time) / (tokens - 1);
 per cell: the median over ``--reps`` repetitions, the modes alternating within each
 repetition. Prints a markdown table and the machine load (``uptime``) before and after.
@@ -24,22 +31,35 @@ import argparse
 import os
 import statistics
 import subprocess
+from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
 from jserve import LLM, SamplingParams
 from jserve.train.length_task import count_down, format_prompt, list_fruits
+from jserve.train.quote_task import MAX_WORDS, WORDS, quote
 
 SETTINGS = dict(max_num_seqs=8, max_num_batched_tokens=64, max_prefill_seqs=2,
                 max_model_len=512, warmup=True)
-WORKLOADS = ("quote", "countdown", "free")
+WORKLOADS = ("quote", "countdown", "free", "fruits")
+QUOTE_MODEL = "build/tiny-quote"
 
 
-def workloads(batch: int) -> dict[str, tuple[str, list, SamplingParams]]:
-    greedy = SamplingParams(temperature=0.0, max_tokens=200)
+def passage(seed: int) -> str:
+    """``MAX_WORDS`` random words from seeds the fine-tune never drew (it trains on seed 1)."""
+    rng = np.random.default_rng(20_000 + seed)
+    return " ".join(WORDS[i] for i in rng.integers(len(WORDS), size=MAX_WORDS))
+
+
+def workloads(batch: int, quote_model: str = QUOTE_MODEL
+              ) -> dict[str, tuple[str, list, SamplingParams]]:
+    greedy = SamplingParams(temperature=0.0, max_tokens=300)
     return {
-        "quote": ("tiny-tasks", [format_prompt(list_fruits(16 + i).prompt)
-                                 for i in range(batch)], greedy),
+        "quote": (quote_model, [format_prompt(quote(passage(i)).prompt) for i in range(batch)],
+                  greedy),
+        "fruits": ("tiny-tasks", [format_prompt(list_fruits(16 + i).prompt)
+                                  for i in range(batch)], greedy),
         "countdown": ("tiny-tasks", [format_prompt(count_down(60 + i).prompt)
                                      for i in range(batch)], greedy),
         "free": ("default", [f"free text number {i}: the " for i in range(batch)],
@@ -76,39 +96,55 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
-    ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    ap.add_argument("--workloads", nargs="+", default=["quote", "countdown", "free"],
+                    choices=WORKLOADS)
+    ap.add_argument("--quote-model", default=QUOTE_MODEL,
+                    help="the quote workload's model (scripts/train_quote_model.py writes it)")
+    ap.add_argument("--draft-model", default="tiny-tasks",
+                    help="the countdown's draft model ('' : no draft mode)")
     a = ap.parse_args()
+    if "quote" in a.workloads and not Path(a.quote_model).is_dir():
+        ap.error(f"no quote model at {a.quote_model}: run scripts/train_quote_model.py "
+                 "(or pass --quote-model)")
     print("load before:", subprocess.run(["uptime"], capture_output=True, text=True).stdout
           .strip(), f"({os.cpu_count()} CPUs)")
-    ngram = {"method": "ngram", "num_speculative_tokens": a.k, "prompt_lookup_max": 4,
-             "prompt_lookup_min": 1}
+    configs = {"ngram": {"method": "ngram", "num_speculative_tokens": a.k,
+                         "prompt_lookup_max": 4, "prompt_lookup_min": 1},
+               "draft": {"method": "draft_model", "model": a.draft_model,
+                         "num_speculative_tokens": a.k}}
+    modes = {w: ["base", "ngram", "ngram-sync"] + (["draft"] if w == "countdown"
+                                                    and a.draft_model else [])
+             for w in a.workloads}
+    engine_of = {"base": "base", "ngram": "ngram", "ngram-sync": "ngram", "draft": "draft"}
+    wanted = sorted({(workloads(1, a.quote_model)[w][0], engine_of[m])
+                     for w in a.workloads for m in modes[w]})
     engines: dict[tuple[str, str], LLM] = {}
-    models = sorted({workloads(1)[w][0] for w in a.workloads})
-    for model in tqdm(models, desc="engines (compiling)"):
-        engines[model, "base"] = LLM(model, **SETTINGS)
-        engines[model, "ngram"] = LLM(model, speculative_config=ngram, **SETTINGS)
-    modes = ["base", "ngram", "ngram-sync"]
+    for model, kind in tqdm(wanted, desc="engines (compiling)"):
+        engines[model, kind] = LLM(model, speculative_config=configs.get(kind), **SETTINGS)
     cells = [(w, b) for w in a.workloads for b in a.batches]
     results: dict[tuple[str, int, str], list[tuple[float, float, int]]] = {}
     for rep in tqdm(range(a.reps), desc="repetitions"):
         for w, b in cells:
-            model, prompts, params = workloads(b)[w]
-            order = modes if rep % 2 == 0 else modes[::-1]
+            model, prompts, params = workloads(b, a.quote_model)[w]
+            order = modes[w] if rep % 2 == 0 else modes[w][::-1]
             for mode in order:
-                llm = engines[model, "base" if mode == "base" else "ngram"]
+                llm = engines[model, engine_of[mode]]
                 llm.engine.async_scheduling = mode != "ngram-sync"
                 results.setdefault((w, b, mode), []).append(run(llm, prompts, params))
     print()
     print("| workload | batch | TPOT base | TPOT ngram | base / ngram | TPOT ngram, "
-          "async off | accepted length | tokens |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+          "async off | accepted length | TPOT draft model | base / draft | draft accepted "
+          "length | tokens |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for w, b in cells:
-        med = {m: statistics.median(r[0] for r in results[w, b, m]) for m in modes}
-        length = statistics.median(r[1] for r in results[w, b, "ngram"])
+        med = {m: statistics.median(r[0] for r in results[w, b, m]) for m in modes[w]}
+        length = {m: statistics.median(r[1] for r in results[w, b, m]) for m in modes[w]}
         tokens = results[w, b, "base"][0][2]
+        draft = (f"{med['draft'] * 1e3:.2f} ms | {med['base'] / med['draft']:.2f}x | "
+                 f"{length['draft']:.2f}" if "draft" in med else "- | - | -")
         print(f"| {w} | {b} | {med['base'] * 1e3:.2f} ms | {med['ngram'] * 1e3:.2f} ms | "
               f"{med['base'] / med['ngram']:.2f}x | {med['ngram-sync'] * 1e3:.2f} ms | "
-              f"{length:.2f} | {tokens} |")
+              f"{length['ngram']:.2f} | {draft} | {tokens} |")
     print()
     print("load after:", subprocess.run(["uptime"], capture_output=True, text=True).stdout
           .strip())

@@ -26,9 +26,8 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from jserve import LLM
-
 import bench_speculative as bench
+from jserve import LLM
 
 PHASES = ("propose", "schedule", "build", "dispatch", "readback", "update+output", "step")
 

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
-
 from jserve.scheduler import PLACEHOLDER, Request
 from jserve.scheduler.base import SchedulerBase
 from jserve.speculative.config import SpeculativeConfig
-from jserve.speculative.ngram import propose_ngram
+from jserve.speculative.ngram import NgramIndex
 
 
 @dataclasses.dataclass
@@ -42,7 +40,8 @@ class Speculator:
         self.scheduler = scheduler
         self.max_model_len = max_model_len
         self.draft = draft
-        self._histories: dict[str, tuple[np.ndarray, int]] = {}  # request id -> (buf, len)
+        # request id -> (the request, its tokens' n-gram index)
+        self._indexes: dict[str, tuple[Request, NgramIndex]] = {}
         self._acceptance: dict[str, _Acceptance] = {}
 
     # -- who speculates ----------------------------------------------------------------
@@ -109,9 +108,9 @@ class Speculator:
             return
         for req in scheduler.running:
             req.draft_ids = []
-        if len(self._histories) > 2 * len(scheduler.running) + 64:  # drop finished ones
+        if len(self._indexes) > 2 * len(scheduler.running) + 64:  # drop finished ones
             live = {r.request_id for r in scheduler.running}
-            self._histories = {k: v for k, v in self._histories.items() if k in live}
+            self._indexes = {k: v for k, v in self._indexes.items() if k in live}
             self._acceptance = {k: v for k, v in self._acceptance.items() if k in live}
         if not self.active(scheduler):
             return
@@ -133,9 +132,7 @@ class Speculator:
         if self.draft is not None:
             drafts = self.draft.propose(reqs, ks)
         else:
-            c = self.config
-            drafts = propose_ngram([self._history(r) for r in reqs], ks,
-                                   c.prompt_lookup_min, c.prompt_lookup_max)
+            drafts = [self._index(r).propose(k) for r, k in zip(reqs, ks)]
         for req, d in zip(reqs, drafts):
             req.draft_ids = [int(t) for t in d]
             self._missed(req, not req.draft_ids)
@@ -150,21 +147,17 @@ class Speculator:
             wait = min(1 << (a.misses - 1), self.config.acceptance_window)
             a.resume_at = max(a.resume_at, req.num_output_tokens + wait)
 
-    def _history(self, req: Request) -> np.ndarray:
-        """``req``'s tokens as an array, appended to since the last step (its tokens are all
-        real here: no placeholder, no draft)."""
-        buf, n = self._histories.get(req.request_id, (np.zeros(0, np.int64), 0))
+    def _index(self, req: Request) -> NgramIndex:
+        """``req``'s n-gram index, given the tokens appended since the last step (its tokens
+        are all real here: no placeholder, no draft)."""
+        owner, index = self._indexes.get(req.request_id, (None, None))
         ids = req.token_ids
-        if len(ids) < n:  # cannot happen with real tokens only; rebuild to be safe
-            n = 0
-        if len(ids) > len(buf):
-            grown = np.zeros(max(2 * len(buf), len(ids) + 64), np.int64)
-            grown[:n] = buf[:n]
-            buf = grown
-        buf[n:len(ids)] = ids[n:]
-        self._histories[req.request_id] = (buf, len(ids))
-        return buf[:len(ids)]
-
+        if owner is not req or len(ids) < len(index.tokens):  # new (or its id reused)
+            c = self.config
+            index = NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max)
+            self._indexes[req.request_id] = (req, index)
+        index.extend(ids[len(index.tokens):])
+        return index
 
 
 def build_speculator(engine_config, cfg, max_model_len: int, scheduler: SchedulerBase
