@@ -4,10 +4,10 @@ accepted length at batch 1 and 8 on three workloads.
     python scripts/bench_speculative.py [--reps 3] [--batches 1 8] [--k 4]
 
 Workloads (one engine per model and mode, all buckets compiled before timing):
-  quote      document QA whose answer quotes the document: ``quote: PASSAGE`` to the
-             tiny-quote model (tiny-tasks fine-tuned by ``scripts/train_quote_model.py``,
-             ``--quote-model``), which answers with the passage; passages are 40 random
-             words (held-out seeds), greedy, until EOS
+  quote      tiny-tasks "list N fruits" (N = 16...), greedy: the answer repeats its own
+             earlier lines, the fruit names every eight lines, while the numbers count
+             down. The stand-in for document QA that quotes: no model here copies a
+             document (docs/speculative.md says what was tried)
   countdown  tiny-tasks "count down from N" (N = 60...), greedy: the tens digit repeats, the
              units do not, so prompt lookup drafts little; also run with a draft model
              (``--draft-model``, default tiny-tasks itself: every draft is right, so this is
@@ -15,8 +15,6 @@ Workloads (one engine per model and mode, all buckets compiled before timing):
   free       the random default model's free text sampled at temperature 1 (seeded),
              ignore_eos: drafts are rarely accepted and requests stop speculating (greedy,
              this model falls into loops that prompt lookup drafts well)
-  fruits     (not run by default) tiny-tasks "list N fruits": the fruit names repeat every
-             eight lines, the numbers count down
 Modes: ``base`` (no speculation, async scheduling on), ``ngram`` (prompt lookup, k drafts,
 n from 1 to 4; plans that carry speculating requests are read back before the next is
 planned), ``ngram-sync`` (the same with async scheduling off: what the overlap still buys),
@@ -31,35 +29,22 @@ import argparse
 import os
 import statistics
 import subprocess
-from pathlib import Path
 
-import numpy as np
 from tqdm import tqdm
 
 from jserve import LLM, SamplingParams
 from jserve.train.length_task import count_down, format_prompt, list_fruits
-from jserve.train.quote_task import MAX_WORDS, WORDS, quote
 
 SETTINGS = dict(max_num_seqs=8, max_num_batched_tokens=64, max_prefill_seqs=2,
                 max_model_len=512, warmup=True)
-WORKLOADS = ("quote", "countdown", "free", "fruits")
-QUOTE_MODEL = "build/tiny-quote"
+WORKLOADS = ("quote", "countdown", "free")
 
 
-def passage(seed: int) -> str:
-    """``MAX_WORDS`` random words from seeds the fine-tune never drew (it trains on seed 1)."""
-    rng = np.random.default_rng(20_000 + seed)
-    return " ".join(WORDS[i] for i in rng.integers(len(WORDS), size=MAX_WORDS))
-
-
-def workloads(batch: int, quote_model: str = QUOTE_MODEL
-              ) -> dict[str, tuple[str, list, SamplingParams]]:
-    greedy = SamplingParams(temperature=0.0, max_tokens=300)
+def workloads(batch: int) -> dict[str, tuple[str, list, SamplingParams]]:
+    greedy = SamplingParams(temperature=0.0, max_tokens=200)
     return {
-        "quote": (quote_model, [format_prompt(quote(passage(i)).prompt) for i in range(batch)],
-                  greedy),
-        "fruits": ("tiny-tasks", [format_prompt(list_fruits(16 + i).prompt)
-                                  for i in range(batch)], greedy),
+        "quote": ("tiny-tasks", [format_prompt(list_fruits(16 + i).prompt)
+                                 for i in range(batch)], greedy),
         "countdown": ("tiny-tasks", [format_prompt(count_down(60 + i).prompt)
                                      for i in range(batch)], greedy),
         "free": ("default", [f"free text number {i}: the " for i in range(batch)],
@@ -96,16 +81,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
-    ap.add_argument("--workloads", nargs="+", default=["quote", "countdown", "free"],
-                    choices=WORKLOADS)
-    ap.add_argument("--quote-model", default=QUOTE_MODEL,
-                    help="the quote workload's model (scripts/train_quote_model.py writes it)")
+    ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     ap.add_argument("--draft-model", default="tiny-tasks",
                     help="the countdown's draft model ('' : no draft mode)")
     a = ap.parse_args()
-    if "quote" in a.workloads and not Path(a.quote_model).is_dir():
-        ap.error(f"no quote model at {a.quote_model}: run scripts/train_quote_model.py "
-                 "(or pass --quote-model)")
     print("load before:", subprocess.run(["uptime"], capture_output=True, text=True).stdout
           .strip(), f"({os.cpu_count()} CPUs)")
     configs = {"ngram": {"method": "ngram", "num_speculative_tokens": a.k,
@@ -116,7 +95,7 @@ def main() -> None:
                                                     and a.draft_model else [])
              for w in a.workloads}
     engine_of = {"base": "base", "ngram": "ngram", "ngram-sync": "ngram", "draft": "draft"}
-    wanted = sorted({(workloads(1, a.quote_model)[w][0], engine_of[m])
+    wanted = sorted({(workloads(1)[w][0], engine_of[m])
                      for w in a.workloads for m in modes[w]})
     engines: dict[tuple[str, str], LLM] = {}
     for model, kind in tqdm(wanted, desc="engines (compiling)"):
@@ -125,7 +104,7 @@ def main() -> None:
     results: dict[tuple[str, int, str], list[tuple[float, float, int]]] = {}
     for rep in tqdm(range(a.reps), desc="repetitions"):
         for w, b in cells:
-            model, prompts, params = workloads(b, a.quote_model)[w]
+            model, prompts, params = workloads(b)[w]
             order = modes[w] if rep % 2 == 0 else modes[w][::-1]
             for mode in order:
                 llm = engines[model, engine_of[mode]]

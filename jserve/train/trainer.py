@@ -102,9 +102,8 @@ def pack(rows: Sequence[Sequence[tuple[list[int], int]]], row_len: int) -> Batch
     return Batch(tokens, targets, weights, positions, segments)
 
 
-def batches(tc: TrainConfig, sample=sample_task) -> Iterator[Batch]:
-    """An endless seeded stream of packed batches of fresh "train"-split tasks
-    (``sample(rng, split)`` draws one; default: the length task's).
+def batches(tc: TrainConfig) -> Iterator[Batch]:
+    """An endless seeded stream of packed batches of fresh "train"-split tasks.
 
     First-fit-decreasing over a pool of pending examples; what does not fit waits for the next
     batch (longest first), so the stream keeps the task distribution and rows stay full."""
@@ -113,7 +112,7 @@ def batches(tc: TrainConfig, sample=sample_task) -> Iterator[Batch]:
     pool: list[tuple[list[int], int]] = []
     while True:
         while sum(len(ids) for ids, _ in pool) < 1.25 * capacity:
-            ids, n_prompt = encode_example(sample(rng, "train"))
+            ids, n_prompt = encode_example(sample_task(rng, "train"))
             if len(ids) > tc.row_len:
                 raise ValueError(f"an example of {len(ids)} tokens exceeds row_len={tc.row_len}")
             pool.append((ids, n_prompt))
@@ -189,11 +188,10 @@ def _as_jax(batch: Batch) -> Batch:
 
 
 def train(tc: TrainConfig, cfg: LlamaConfig = TINY_TASKS_CONFIG, params: Params | None = None,
-          log=print, on_checkpoint=None, checkpoint_every: int = 0, sample=sample_task
-          ) -> tuple[Params, list[float]]:
+          log=print, on_checkpoint=None, checkpoint_every: int = 0) -> tuple[Params, list[float]]:
     """Runs ``tc.steps`` AdamW steps from ``params`` (default: ``init_params(cfg, tc.seed)``);
     returns the final params and the loss of every step. ``on_checkpoint(step, params)`` is
-    called every ``checkpoint_every`` steps (0: never); ``sample``: as in ``batches``."""
+    called every ``checkpoint_every`` steps (0: never)."""
     if tc.steps < 1:
         raise ValueError(f"steps must be >= 1, got {tc.steps}")
     params = init_params(cfg, tc.seed) if params is None else params
@@ -201,7 +199,7 @@ def train(tc: TrainConfig, cfg: LlamaConfig = TINY_TASKS_CONFIG, params: Params 
     opt_state = opt.init(params)
     step_fn = make_train_step(cfg, opt)
     losses: list[float] = []
-    data = batches(tc, sample)
+    data = batches(tc)
     start = time.perf_counter()
     for i in range(1, tc.steps + 1):
         params, opt_state, loss = step_fn(params, opt_state, _as_jax(next(data)))
