@@ -1,5 +1,5 @@
 """Speculative decoding against plain decoding, side by side in one run: TPOT and mean
-accepted length at batch 1 and 8 on three workloads.
+accepted length at batch 1 and 8 on four workloads.
 
     python scripts/bench_speculative.py [--reps 3] [--batches 1 8] [--k 4]
 
@@ -15,6 +15,10 @@ Workloads (one engine per model and mode, all buckets compiled before timing):
   free       the random default model's free text sampled at temperature 1 (seeded),
              ignore_eos: drafts are rarely accepted and requests stop speculating (greedy,
              this model falls into loops that prompt lookup drafts well)
+  loop       (the ceiling) the random default model's greedy text, which falls into a
+             short loop within a few tokens: prompt lookup drafts nearly every token, so
+             this shows what speculation gives on this machine when drafts are accepted,
+             whatever the workload
 Modes: ``base`` (no speculation, async scheduling on), ``ngram`` (prompt lookup, k drafts,
 n from 1 to 4; plans that carry speculating requests are read back before the next is
 planned), ``ngram-sync`` (the same with async scheduling off: what the overlap still buys),
@@ -37,7 +41,7 @@ from jserve.train.length_task import count_down, format_prompt, list_fruits
 
 SETTINGS = dict(max_num_seqs=8, max_num_batched_tokens=64, max_prefill_seqs=2,
                 max_model_len=512, warmup=True)
-WORKLOADS = ("quote", "countdown", "free")
+WORKLOADS = ("quote", "countdown", "free", "loop")
 
 
 def workloads(batch: int) -> dict[str, tuple[str, list, SamplingParams]]:
@@ -49,6 +53,8 @@ def workloads(batch: int) -> dict[str, tuple[str, list, SamplingParams]]:
                                      for i in range(batch)], greedy),
         "free": ("default", [f"free text number {i}: the " for i in range(batch)],
                  SamplingParams(temperature=1.0, seed=1, max_tokens=128, ignore_eos=True)),
+        "loop": ("default", [f"free text number {i}: the " for i in range(batch)],
+                 SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)),
     }
 
 
