@@ -43,8 +43,8 @@ class NgramIndex:
         for n in range(min(self.n_max, last), self.n_min - 1, -1):
             end = self._ends[n].get(tuple(toks[last - n + 1:]))
             if end is not None:
-                seq = toks[end + 1:]
-                return np.array([seq[j % len(seq)] for j in range(k)], np.int32)
+                run = last - end  # tokens after the match: the copy repeats them
+                return np.array([toks[end + 1 + j % run] for j in range(k)], np.int32)
         return np.zeros(0, np.int32)
 
     def _index_up_to(self, stop: int) -> None:

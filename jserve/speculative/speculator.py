@@ -191,12 +191,12 @@ class Speculator:
         """``req``'s n-gram index over its first ``n`` tokens (real ones: no placeholder,
         no draft), given the tokens appended since the last step."""
         owner, index = self._indexes.get(req.request_id, (None, None))
-        ids = req.token_ids[:n] if n < len(req.token_ids) else req.token_ids
-        if owner is not req or len(ids) < len(index.tokens):  # new (or its id reused)
+        ids = req.token_ids
+        if owner is not req or n < len(index.tokens):  # new (or its id reused)
             c = self.config
             index = NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max)
             self._indexes[req.request_id] = (req, index)
-        index.extend(ids[len(index.tokens):])
+        index.extend(ids[len(index.tokens):n])
         return index
 
 
