@@ -320,3 +320,28 @@ def test_a_paused_request_resumes_once_a_host_only_proposal_comes_true():
     spec.propose(sched)
     assert req.draft_ids == [20, 21, 22]  # what followed "15 16" in the document
     alloc.check_holders(sched.block_holders())
+
+
+def test_a_budgeted_ngram_index_finds_new_matches_at_once_and_old_ones_soon():
+    """A long prompt is indexed ``budget`` positions a proposal, newest first: a match among
+    the newest is proposed at once, one only at the start once indexing reaches it; then the
+    proposals are the unbounded rule's."""
+    from jserve.speculative.ngram import NgramIndex
+
+    def index(h, budget):
+        ix = NgramIndex(1, 2, budget)
+        ix.extend(h)
+        return ix
+
+    recent = list(range(100, 300)) + [295, 296]
+    assert index(recent, 16).propose(4).tolist() == [297, 298, 299, 295]
+    old = [7, 8, 9] + list(range(100, 300)) + [7, 8]
+    ix = index(old, 16)
+    proposals = [ix.propose(4).tolist() for _ in range(len(old) // 16 + 2)]
+    assert proposals[0] == [] and proposals[-1] == [9, 100, 101, 102]
+    assert proposals[-1] == propose_ngram([old], [4], 1, 2)[0].tolist()
+    # A key seen again later keeps its latest position: 150 follows the later 8, not the first.
+    ix = index(old[:-2] + [8, 150, 1, 2, 3] + [8], 16)
+    for _ in range(len(old) // 16 + 2):
+        got = ix.propose(2).tolist()
+    assert got == [150, 1]

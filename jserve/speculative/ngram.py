@@ -15,17 +15,29 @@ from typing import Sequence
 
 import numpy as np
 
+# Positions a proposal indexes at most (beyond the new tokens): about 2.6 ms of Python for
+# 1024 positions and n up to 4 on this CPU.
+INDEX_BUDGET = 1024
+
 
 class NgramIndex:
     """One sequence's tokens and, for each n in [n_min, n_max], the latest end position of
     every n-gram among them that ends before the last token (the suffix itself is never its
-    own match)."""
+    own match).
 
-    def __init__(self, n_min: int, n_max: int):
-        self.n_min, self.n_max = n_min, n_max
+    ``budget`` bounds the work of one ``propose``: a long prompt's first proposal indexes its
+    newest ``budget`` positions (and new tokens are always indexed), and each proposal also
+    indexes up to ``budget`` older positions (newest first, so a key keeps its latest
+    position). Until the prompt is done
+    a match only in its older part is not found yet; the engine's loop never stalls on a
+    long document (unbounded: 85 ms for 32k tokens on this CPU). None: no bound."""
+
+    def __init__(self, n_min: int, n_max: int, budget: int | None = None):
+        self.n_min, self.n_max, self.budget = n_min, n_max, budget
         self.tokens: list[int] = []
         self._ends: list[dict[tuple[int, ...], int]] = [{} for _ in range(n_max + 1)]
-        self._indexed = 0  # n-grams ending at positions < this are in the index
+        # Positions [_older, _newer) are indexed; [0, _older) is still to do (newest first).
+        self._older = self._newer = 0
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Appends ``tokens`` (the sequence's new tokens since the last call)."""
@@ -48,12 +60,26 @@ class NgramIndex:
         return np.zeros(0, np.int32)
 
     def _index_up_to(self, stop: int) -> None:
-        """Indexes the n-grams ending at positions ``_indexed`` .. ``stop - 1``."""
+        """Indexes the n-grams ending at positions ``_newer`` .. ``stop - 1`` (all of them
+        but, on a first call, at most ``budget``), then up to ``budget`` older ones."""
+        if self._newer == 0 and self.budget is not None:
+            self._older = self._newer = max(0, stop - self.budget)
+        for end in range(self._newer, stop):
+            self._add(end, overwrite=True)
+        self._newer = max(self._newer, stop)
+        lo = 0 if self.budget is None else max(0, self._older - self.budget)
+        for end in range(self._older - 1, lo - 1, -1):
+            self._add(end, overwrite=False)  # a newer position of the key stays
+        self._older = lo
+
+    def _add(self, end: int, overwrite: bool) -> None:
         toks = self.tokens
-        for end in range(self._indexed, stop):
-            for n in range(self.n_min, min(self.n_max, end + 1) + 1):
-                self._ends[n][tuple(toks[end - n + 1:end + 1])] = end
-        self._indexed = max(self._indexed, stop)
+        for n in range(self.n_min, min(self.n_max, end + 1) + 1):
+            key = tuple(toks[end - n + 1:end + 1])
+            if overwrite:
+                self._ends[n][key] = end
+            else:
+                self._ends[n].setdefault(key, end)
 
 
 def propose_ngram(histories: Sequence[Sequence[int]], ks: Sequence[int], n_min: int,

@@ -14,7 +14,7 @@ import dataclasses
 from jserve.scheduler import PLACEHOLDER, Request
 from jserve.scheduler.base import SchedulerBase
 from jserve.speculative.config import SpeculativeConfig
-from jserve.speculative.ngram import NgramIndex
+from jserve.speculative.ngram import INDEX_BUDGET, NgramIndex
 
 
 @dataclasses.dataclass
@@ -194,7 +194,7 @@ class Speculator:
         ids = req.token_ids
         if owner is not req or n < len(index.tokens):  # new (or its id reused)
             c = self.config
-            index = NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max)
+            index = NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max, INDEX_BUDGET)
             self._indexes[req.request_id] = (req, index)
         index.extend(ids[len(index.tokens):n])
         return index
