@@ -279,3 +279,69 @@ def test_failing_windows_pause_speculation_for_growing_stretches():
     assert at(30, 16, 5)                # 4/8 accepted: the window passes
     assert not at(33, 24, 6)            # 1/8: paused again, now for 16 tokens
     assert not at(48, 24, 6) and at(49, 24, 6)
+
+
+def test_a_paused_request_resumes_once_a_host_only_proposal_comes_true():
+    """While paused, prompt lookup runs on the host alone: a proposal whose k tokens all come
+    true (the output starts quoting) ends the pause at once; one that fails does not."""
+    from types import SimpleNamespace
+
+    from jserve.sampling.params import SamplingParams
+    from jserve.speculative.speculator import Speculator, _Acceptance
+
+    alloc = BlockAllocator(64, 4)
+    sched = build_scheduler("sarathi", alloc, max_num_seqs=4, max_num_batched_tokens=64,
+                            max_prefill_seqs=2)
+    doc = [10, 11, 12, 13, 14, 15, 16]
+    req = Request("r", doc + [20, 21], 64, 0.0, payload=SimpleNamespace(
+        params=SamplingParams(max_tokens=64)))
+    sched.add(req)
+    plan = sched.schedule()
+    sched.update(plan, [22])  # the answer so far: 22 (it does not quote yet)
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1,
+                                        prompt_lookup_max=2), 512, sched)
+    a = spec._acceptance["r"] = _Acceptance(resume_at=40, pause=32)  # a window failed
+
+    def step(token):
+        spec.propose(sched)
+        assert req.draft_ids == []  # paused: nothing goes to the device
+        sched.update(sched.schedule(), [token])
+
+    # Free text: at "... 12" the lookup proposes "13 14 15"; 30 comes, so no resume.
+    for t in (12, 30, 31, 12):
+        step(t)
+    assert a.resume_at == 40 and not spec.speculates(req)
+    # Quoting: at "12 13" it proposes "14 15 16", which comes true: drafts at once.
+    for t in (13, 14, 15, 16):
+        step(t)
+    assert a.resume_at == 40
+    spec.propose(sched)  # sees "14 15 16" came: the pause ends
+    assert a.resume_at <= req.num_output_tokens < 40
+    spec.propose(sched)
+    assert req.draft_ids == [20, 21, 22]  # what followed "15 16" in the document
+    alloc.check_holders(sched.block_holders())
+
+
+def test_a_budgeted_ngram_index_finds_new_matches_at_once_and_old_ones_soon():
+    """A long prompt is indexed ``budget`` positions a proposal, newest first: a match among
+    the newest is proposed at once, one only at the start once indexing reaches it; then the
+    proposals are the unbounded rule's."""
+    from jserve.speculative.ngram import NgramIndex
+
+    def index(h, budget):
+        ix = NgramIndex(1, 2, budget)
+        ix.extend(h)
+        return ix
+
+    recent = list(range(100, 300)) + [295, 296]
+    assert index(recent, 16).propose(4).tolist() == [297, 298, 299, 295]
+    old = [7, 8, 9] + list(range(100, 300)) + [7, 8]
+    ix = index(old, 16)
+    proposals = [ix.propose(4).tolist() for _ in range(len(old) // 16 + 2)]
+    assert proposals[0] == [] and proposals[-1] == [9, 100, 101, 102]
+    assert proposals[-1] == propose_ngram([old], [4], 1, 2)[0].tolist()
+    # A key seen again later keeps its latest position: 150 follows the later 8, not the first.
+    ix = index(old[:-2] + [8, 150, 1, 2, 3] + [8], 16)
+    for _ in range(len(old) // 16 + 2):
+        got = ix.propose(2).tolist()
+    assert got == [150, 1]

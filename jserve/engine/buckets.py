@@ -64,9 +64,12 @@ class Buckets:
             page_table_width=width * kvp,
             kvp=kvp,
             # 1, 2, 4, 8 rows, then the mixed steps' sizes: padding matters most for small
-            # batches.
+            # batches. With drafts also 1 + k: one speculating decode alone (batch 1, where
+            # latency is what speculation buys) is not padded to the next power of two.
             decode_only_rows=tuple(sorted(set(_ladder(1, min(8, decodes), 2))
-                                          | set(_ladder(min(4, decodes), decodes)))),
+                                          | set(_ladder(min(4, decodes), decodes))
+                                          | ({min(1 + draft_tokens, decodes)}
+                                             if draft_tokens else set()))),
         )
 
     @property

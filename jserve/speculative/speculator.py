@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
-
 from jserve.scheduler import PLACEHOLDER, Request
 from jserve.scheduler.base import SchedulerBase
 from jserve.speculative.config import SpeculativeConfig
-from jserve.speculative.ngram import propose_ngram
+from jserve.speculative.ngram import INDEX_BUDGET, NgramIndex
 
 
 @dataclasses.dataclass
@@ -29,6 +27,9 @@ class _Acceptance:
     resume_at: int = 0
     pause: int = 0
     misses: int = 0  # proposals in a row that found no draft
+    # While paused (n-gram only): a proposal made on the host alone, (real tokens it
+    # continued, its draft), checked against the tokens that come (``Speculator._shadow``).
+    shadow: tuple[int, list[int]] | None = None
 
 
 class Speculator:
@@ -42,7 +43,8 @@ class Speculator:
         self.scheduler = scheduler
         self.max_model_len = max_model_len
         self.draft = draft
-        self._histories: dict[str, tuple[np.ndarray, int]] = {}  # request id -> (buf, len)
+        # request id -> (the request, its tokens' n-gram index)
+        self._indexes: dict[str, tuple[Request, NgramIndex]] = {}
         self._acceptance: dict[str, _Acceptance] = {}
 
     # -- who speculates ----------------------------------------------------------------
@@ -53,9 +55,7 @@ class Speculator:
         ``min_acceptance_rate`` of the time pauses the request's speculation for as many
         output tokens as the window, twice as many after the next failing one, and so on
         (text that starts free and later quotes gets drafts again; free text wastes little)."""
-        p = req.payload.params
-        if (self.config is None or not p.speculative or p.uses_penalties
-                or p.structured_output is not None):
+        if not self._may_speculate(req):
             return False
         c = self.config
         a = self._acceptance.setdefault(req.request_id, _Acceptance())
@@ -68,6 +68,11 @@ class Speculator:
                 a.resume_at = req.num_output_tokens + a.pause
             a.drafted, a.accepted = req.num_drafted, req.num_accepted
         return req.num_output_tokens >= a.resume_at
+
+    def _may_speculate(self, req: Request) -> bool:
+        p = req.payload.params
+        return (self.config is not None and p.speculative and not p.uses_penalties
+                and p.structured_output is None)
 
     def active(self, scheduler: SchedulerBase) -> bool:
         limit = self.config.disable_by_batch_size
@@ -109,9 +114,9 @@ class Speculator:
             return
         for req in scheduler.running:
             req.draft_ids = []
-        if len(self._histories) > 2 * len(scheduler.running) + 64:  # drop finished ones
+        if len(self._indexes) > 2 * len(scheduler.running) + 64:  # drop finished ones
             live = {r.request_id for r in scheduler.running}
-            self._histories = {k: v for k, v in self._histories.items() if k in live}
+            self._indexes = {k: v for k, v in self._indexes.items() if k in live}
             self._acceptance = {k: v for k, v in self._acceptance.items() if k in live}
         if not self.active(scheduler):
             return
@@ -121,6 +126,8 @@ class Speculator:
             if (req in scheduler.in_flight or not req.is_decode
                     or req.token_ids[-1] == PLACEHOLDER or not self.speculates(req)
                     or req.num_output_tokens < req.payload.params.min_tokens):
+                if self.draft is None and req.is_decode:
+                    self._shadow(req)
                 continue
             k = min(self.config.num_speculative_tokens,
                     req.max_tokens - req.num_output_tokens - 1,
@@ -133,14 +140,44 @@ class Speculator:
         if self.draft is not None:
             drafts = self.draft.propose(reqs, ks)
         else:
-            c = self.config
-            drafts = propose_ngram([self._history(r) for r in reqs], ks,
-                                   c.prompt_lookup_min, c.prompt_lookup_max)
+            drafts = [self._index(r, len(r.token_ids)).propose(k) for r, k in zip(reqs, ks)]
         for req, d in zip(reqs, drafts):
             req.draft_ids = [int(t) for t in d]
             self._missed(req, not req.draft_ids)
 
+    def _shadow(self, req: Request) -> None:
+        """A paused request's speculation resumes as soon as prompt lookup, run on the host
+        alone meanwhile (microseconds a step, nothing sent to the device), proposes k tokens
+        that all come true: text that starts free and then quotes (an answer that opens in
+        its own words, then copies the document; a list whose items start repeating) gets
+        drafts again at once, not after its pause. Its window starts afresh; the pause it
+        had still doubles after the next failing window."""
+        a = self._acceptance.get(req.request_id)
+        if (a is None or req.num_output_tokens >= a.resume_at
+                or not self._may_speculate(req)):
+            return
+        ids = req.token_ids
+        n = len(ids)
+        while n and ids[n - 1] == PLACEHOLDER:  # async: the token not read back yet
+            n -= 1
+        if a.shadow is not None:
+            base, draft = a.shadow
+            came = ids[base:min(n, base + len(draft))]
+            if came != draft[:len(came)]:
+                a.shadow = None  # a miss: propose anew from here
+            elif len(came) == len(draft):
+                a.shadow = None
+                a.resume_at, a.misses = req.num_output_tokens, 0
+                a.drafted, a.accepted = req.num_drafted, req.num_accepted
+                return
+            else:
+                return  # still coming true
+        draft = self._index(req, n).propose(self.config.num_speculative_tokens)
+        if len(draft):
+            a.shadow = (n, draft.tolist())
+
     def _missed(self, req: Request, missed: bool) -> None:
+
         """A request whose proposal found nothing waits 1, 2, 4, ... output tokens (at most
         ``acceptance_window``) before the next: meanwhile it is not read back early, so it
         overlaps instead of paying a synchronous step for no draft."""
@@ -150,21 +187,17 @@ class Speculator:
             wait = min(1 << (a.misses - 1), self.config.acceptance_window)
             a.resume_at = max(a.resume_at, req.num_output_tokens + wait)
 
-    def _history(self, req: Request) -> np.ndarray:
-        """``req``'s tokens as an array, appended to since the last step (its tokens are all
-        real here: no placeholder, no draft)."""
-        buf, n = self._histories.get(req.request_id, (np.zeros(0, np.int64), 0))
+    def _index(self, req: Request, n: int) -> NgramIndex:
+        """``req``'s n-gram index over its first ``n`` tokens (real ones: no placeholder,
+        no draft), given the tokens appended since the last step."""
+        owner, index = self._indexes.get(req.request_id, (None, None))
         ids = req.token_ids
-        if len(ids) < n:  # cannot happen with real tokens only; rebuild to be safe
-            n = 0
-        if len(ids) > len(buf):
-            grown = np.zeros(max(2 * len(buf), len(ids) + 64), np.int64)
-            grown[:n] = buf[:n]
-            buf = grown
-        buf[n:len(ids)] = ids[n:]
-        self._histories[req.request_id] = (buf, len(ids))
-        return buf[:len(ids)]
-
+        if owner is not req or n < len(index.tokens):  # new (or its id reused)
+            c = self.config
+            index = NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max, INDEX_BUDGET)
+            self._indexes[req.request_id] = (req, index)
+        index.extend(ids[len(index.tokens):n])
+        return index
 
 
 def build_speculator(engine_config, cfg, max_model_len: int, scheduler: SchedulerBase
