@@ -57,6 +57,14 @@ def ray_app():
         ray.shutdown()
 
 
+def _ask(url: str, prompt: str, max_tokens: int) -> tuple[int, dict, str | None]:
+    """A greedy completion through the ingress: status, body, the replica that answered."""
+    r = httpx.post(url + "/v1/completions", timeout=300, json={
+        "model": "default", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True})
+    return r.status_code, r.json(), r.headers.get("x-jserve-replica")
+
+
 def _greedy(n):
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
@@ -127,14 +135,8 @@ def test_a_killed_replica_loses_no_accepted_request(ray_app, llm):
     decided = len(httpx.get(ray_app + "/v1/route/decisions", timeout=30).json())
     # Long enough that the killed replica's requests are still running when it dies.
     want = [o.text for o in llm.generate(prompts, _greedy(460))]
-
-    def ask(p):
-        r = httpx.post(ray_app + "/v1/completions", timeout=300, json={
-            "model": "default", "prompt": p, "max_tokens": 460, "temperature": 0,
-            "ignore_eos": True})
-        return r.status_code, r.json(), r.headers.get("x-jserve-replica")
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        futures = [pool.submit(ask, p) for p in prompts]
+        futures = [pool.submit(_ask, ray_app, p, 460) for p in prompts]
         sent = []
         while not sent:  # the first request routed: its replica is killed while it runs
             sent = httpx.get(ray_app + "/v1/route/decisions", timeout=30).json()[decided:]
@@ -168,14 +170,8 @@ def test_scaling_down_finishes_what_the_stopped_replica_accepted(ray_app, llm):
     prompts = [f"request {i} of the scale-down" for i in range(6)]
     want = [o.text for o in llm.generate(prompts, _greedy(300))]
     decided = len(httpx.get(ray_app + "/v1/route/decisions", timeout=30).json())
-
-    def ask(p):
-        r = httpx.post(ray_app + "/v1/completions", timeout=300, json={
-            "model": "default", "prompt": p, "max_tokens": 300, "temperature": 0,
-            "ignore_eos": True})
-        return r.status_code, r.json(), r.headers.get("x-jserve-replica")
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
-        futures = [pool.submit(ask, p) for p in prompts]
+        futures = [pool.submit(_ask, ray_app, p, 300) for p in prompts]
         sent = []
         while len({d["chosen"] for d in sent}) < 2:  # both replicas hold requests
             sent = httpx.get(ray_app + "/v1/route/decisions", timeout=30).json()[decided:]
@@ -209,20 +205,14 @@ def test_the_autoscaler_adds_a_replica_for_queued_requests_and_removes_it_after(
         time.sleep(0.1)
     prompts = [f"autoscaled request {i}" for i in range(4)]
     want = [o.text for o in llm.generate(prompts, _greedy(400))]
-
-    def ask(p):
-        r = httpx.post(ray_app + "/v1/completions", timeout=300, json={
-            "model": "default", "prompt": p, "max_tokens": 400, "temperature": 0,
-            "ignore_eos": True})
-        return r.status_code, r.json()
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(ask, p) for p in prompts]
+        futures = [pool.submit(_ask, ray_app, p, 400) for p in prompts]
         deadline = time.monotonic() + 120
         while len(_replica_names()) < 2:
             assert time.monotonic() < deadline, "no second replica under 4 ongoing requests"
             time.sleep(0.1)
         results = [f.result(timeout=300) for f in futures]
-    assert [(s, b["choices"][0]["text"]) for s, b in results] == [(200, w) for w in want]
+    assert [(s, b["choices"][0]["text"]) for s, b, _ in results] == [(200, w) for w in want]
     deadline = time.monotonic() + 120
     while len(_replica_names()) > 1:  # idle again: back to the minimum
         assert time.monotonic() < deadline, _replica_names()
