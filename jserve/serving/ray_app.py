@@ -288,6 +288,13 @@ def _tokenizer(model: str):
     return load_tokenizer(resolve_model_dir(model)) or ByteTokenizer()
 
 
+def _object_arg(args: dict, key: str) -> dict:
+    """An application argument that is a JSON object: a string from ``serve run ...
+    key='{...}'``, or a dict from Python."""
+    v = args.get(key, {})
+    return json.loads(v) if isinstance(v, str) else dict(v)
+
+
 def build_app(args: dict | None = None):
     """The application: ``args`` (strings from ``serve run ... key=value`` or values):
     ``model`` ("default"), ``replicas`` (2), ``router`` ("deadline"), ``engine`` (a JSON
@@ -298,10 +305,8 @@ def build_app(args: dict | None = None):
     ``upscale_delay_s``, ``downscale_delay_s``, ``look_back_period_s``)."""
     a = dict(args or {})
     model = a.get("model", "default")
-    engine = a.get("engine", {})
-    engine = json.loads(engine) if isinstance(engine, str) else dict(engine)
-    server = a.get("server", {})
-    server = json.loads(server) if isinstance(server, str) else dict(server)
+    engine = _object_arg(a, "engine")
+    server = _object_arg(a, "server")
     if "served_model_names" in server:
         server["served_model_names"] = tuple(server["served_model_names"])
     else:
@@ -320,11 +325,10 @@ def build_app(args: dict | None = None):
             request_routing_stats_timeout_s=float(a.get("stats_timeout_s", 5.0))))
     if a.get("autoscale"):
         lo, hi = (int(x) for x in str(a["autoscale"]).split(","))
-        tuning = a.get("autoscaling", {})
-        tuning = json.loads(tuning) if isinstance(tuning, str) else dict(tuning)
         options["autoscaling_config"] = AutoscalingConfig(
             min_replicas=lo, max_replicas=hi,
-            target_ongoing_requests=float(a.get("target_ongoing", 4)), **tuning)
+            target_ongoing_requests=float(a.get("target_ongoing", 4)),
+            **_object_arg(a, "autoscaling"))
     else:
         options["num_replicas"] = int(a.get("replicas", 2))
     replica = serve.deployment(JServeReplica, name="JServeReplica", **options).bind(
