@@ -26,7 +26,7 @@ DEFAULT_FLAGS = (
     "--xla_cpu_enable_concurrency_optimized_scheduler=true",
     "--xla_cpu_experimental_ynn_fusion_type=+eltwise,+reduce",
     "--xla_cpu_use_fusion_emitters=false",
-    "--xla_cpu_prefer_vector_width=512",
+    "--xla_cpu_experimental_xnn_graph_fusion_mode=XNN_GRAPH_FUSION_MODE_GREEDY",
 )
 ROWS = ("engine step (async)", "device-only step", "step executable alone")
 _ROW = re.compile(r"^\s+(.+?)\s+([\d.]+) ms\s+([\d.]+)%\s+CPU\s+([\d.]+) ms\s+([\d.]+)%")
