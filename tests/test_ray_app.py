@@ -163,8 +163,13 @@ def test_scaling_down_finishes_what_the_stopped_replica_accepted(ray_app, llm):
     import ray
     from ray.serve._private.common import DeploymentID
     from ray.serve.context import _get_global_client
+    # The previous test's killed replica is back once the router is offered both replicas
+    # again (its actor being up is not enough: Ray adds it to the handle's set later).
     deadline = time.monotonic() + 120
-    while len(_replica_names()) != 2:  # the previous test's killed replica is back
+    while True:
+        assert _ask(ray_app, "are both replicas there?", 1)[0] == 200
+        if len(httpx.get(ray_app + "/v1/route/decisions", timeout=30).json()[-1]["replicas"]) == 2:
+            break
         assert time.monotonic() < deadline, _replica_names()
         time.sleep(0.2)
     prompts = [f"request {i} of the scale-down" for i in range(6)]
@@ -173,13 +178,17 @@ def test_scaling_down_finishes_what_the_stopped_replica_accepted(ray_app, llm):
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(_ask, ray_app, p, 300) for p in prompts]
         sent = []
+        deadline = time.monotonic() + 60
         while len({d["chosen"] for d in sent}) < 2:  # both replicas hold requests
+            assert time.monotonic() < deadline, sent
             sent = httpx.get(ray_app + "/v1/route/decisions", timeout=30).json()[decided:]
             time.sleep(0.01)
         # What Ray's external-scaler endpoint calls (PUT .../deployments/.../scale).
         ray.get(_get_global_client()._controller.update_deployment_replicas.remote(
             DeploymentID(name="JServeReplica", app_name="jserve"), 1))
+        deadline = time.monotonic() + 120
         while len(_replica_names()) != 1:
+            assert time.monotonic() < deadline, _replica_names()
             time.sleep(0.05)
         results = [f.result(timeout=300) for f in futures]
     assert [s for s, _, _ in results] == [200] * 6, results
