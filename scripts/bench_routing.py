@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 
 import httpx2 as httpx
+import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
@@ -219,27 +220,94 @@ def sim_trace(n: int, qps: float, seed: int, long_fraction: float = 0.05):
     return out
 
 
+REPLICAS = 4
+
+
+def _sim_cfg(pooled: bool = False):
+    """The replicas' mesh; ``pooled``: one replica with the cluster's compute, KV, batch and
+    sequence slots, run in time slowed ``REPLICAS``x (see ``_pooled_once``)."""
+    from jserve.sim.policies import SimConfig, _time_model
+    cfg = SimConfig(model="llama3-8b", hardware="a100", tp=8, spp=2, prefix_caching=True)
+    if not pooled:
+        return cfg
+    kv = _time_model(cfg.model, cfg.hardware, cfg.tp, cfg.spp, cfg.kvp).kv_cache_tokens(
+        cfg.memory_fraction)
+    return dataclasses.replace(
+        cfg, tpot_slo=cfg.tpot_slo * REPLICAS, kv_cache_tokens=kv * REPLICAS,
+        max_num_seqs=cfg.max_num_seqs * REPLICAS,
+        max_num_batched_tokens=cfg.max_num_batched_tokens * REPLICAS,
+        max_prefill_seqs=cfg.max_prefill_seqs * REPLICAS)
+
+
+def _full_share(recs: list[dict], missed: list[dict], slots: int) -> float:
+    """The share of ``missed`` that arrived while their replica held at least ``slots``
+    unfinished requests (its sequence slots full: they waited for one)."""
+    if not missed:
+        return 0.0
+    by = {}
+    for r in recs:
+        a, f = by.setdefault(r.get("replica", 0), ([], []))
+        a.append(r["arrival_s"])
+        f.append(r["finish_s"] if r["finish_s"] is not None else float("inf"))
+    by = {k: (np.sort(a), np.sort(f)) for k, (a, f) in by.items()}
+    full = 0
+    for r in missed:
+        a, f = by[r.get("replica", 0)]
+        t = r["arrival_s"]
+        full += (np.searchsorted(a, t, "left") - np.searchsorted(f, t, "right")) >= slots
+    return full / len(missed)
+
+
 def _sim_once(router: str, n: int, qps: float, seed: int, policy: str = "lars-ss",
               long_fraction: float = 0.05) -> dict:
+    """One simulated run: ``router`` over ``REPLICAS`` replicas, or (``router="pooled"``) the
+    pooled replica. A pooled replica REPLICAS times as fast as one serves a trace at ``qps``
+    as one of today's serves it at ``qps / REPLICAS`` with every time stretched REPLICAS x:
+    its iteration budget, and the TTFT floor of its deadlines (max(1.5 x isolated prefill,
+    REPLICAS x 0.5 s)), so its attainment is that run's."""
+    from jserve.scheduler.deadline import DeadlineConfig
     from jserve.sim.cluster import run_cluster
     from jserve.sim.goodput import GoodputSlo, attainment
-    from jserve.sim.policies import SimConfig, default_ttft_deadlines
-    cfg = SimConfig(model="llama3-8b", hardware="a100", tp=8, spp=2, prefix_caching=True)
-    trace = sim_trace(n, qps, seed, long_fraction)
-    recs = run_cluster(trace, policy, router, 4, cfg)
+    from jserve.sim.policies import default_ttft_deadlines, isolated_ttfts
+    pooled = router == "pooled"
+    cfg = _sim_cfg(pooled)
+    if pooled:
+        trace = sim_trace(n, qps / REPLICAS, seed, long_fraction)
+        k, floor = DeadlineConfig.ttft_k, DeadlineConfig.ttft_floor
+        trace = [dataclasses.replace(t, ttft_deadline_s=max(k * alone, REPLICAS * floor))
+                 for t, alone in zip(trace, isolated_ttfts(trace, cfg))]
+        recs = run_cluster(trace, policy, "round_robin", 1, cfg)
+    else:
+        trace = sim_trace(n, qps, seed, long_fraction)
+        recs = run_cluster(trace, policy, router, REPLICAS, cfg)
     due = default_ttft_deadlines(trace, cfg)
-    met = attainment(recs, due, GoodputSlo())  # the TTFT classes; its TPOT share is unused
+    slo = GoodputSlo()
+    short = [(r, d) for r, d in zip(recs, due) if r["prompt_tokens"] < slo.long_prompt_tokens]
     ttft = [r["first_token_s"] - r["arrival_s"] if r["first_token_s"] is not None
-            else float("inf") for r in recs if r["prompt_tokens"] < LONG_PROMPT_TOKENS]
-    return {"short_ttft_p50": percentile(ttft, 50), "short_ttft_p90": percentile(ttft, 90),
-            "short_attainment": met["short"], "long_attainment": met["long"]}
+            else float("inf") for r, _ in short]
+    missed = [r for (r, d), t in zip(short, ttft) if t > d]
+    met = attainment(recs, due, slo)  # the TTFT classes; its TPOT share is unused
+    out = {"short_ttft_p50": percentile(ttft, 50), "short_ttft_p90": percentile(ttft, 90),
+           "short_attainment": met["short"], "long_attainment": met["long"],
+           "missed_with_slots_full": _full_share(recs, missed, cfg.max_num_seqs)}
+    if pooled:  # its times in the pooled replica's own clock
+        out["short_ttft_p50"] /= REPLICAS
+        out["short_ttft_p90"] /= REPLICAS
+    return out
+
+
+def _sim_mean(router: str, a, qps: float, policy: str, long_fraction: float) -> dict:
+    """``_sim_once`` over every seed of ``--seeds``, each figure the mean (one trace's
+    attainment is not monotone in QPS; several smooth the bisection)."""
+    runs = [_sim_once(router, a.sim_requests, qps, s, policy, long_fraction) for s in a.seeds]
+    return {k: float(np.mean([r[k] for r in runs])) for k in runs[0]}
 
 
 def _goodput(router: str, a, policy: str, long_fraction: float) -> float:
     """Highest QPS with >= 90% short attainment (``jserve.sim.goodput.bisect_goodput``:
     geometric, so the resolution is the same ratio at 1 req/s as at 30)."""
     from jserve.sim.goodput import bisect_goodput
-    return bisect_goodput(lambda q: _sim_once(router, a.sim_requests, q, a.seed, policy,
+    return bisect_goodput(lambda q: _sim_mean(router, a, q, policy,
                                               long_fraction)["short_attainment"] >= 0.9,
                           a.lo, a.hi, rel_tol=a.rel_tol)
 
@@ -248,19 +316,22 @@ def sim(a) -> dict:
     """Per replica scheduler and long-document share: each router's goodput, then every
     router's row at the best load- or prefix-based router's goodput."""
     configs = {}
+    routers = [r for r in a.routers.split(",") if r]
     for policy in a.replica_policies.split(","):
         for lf in (float(x) for x in a.long_fractions.split(",")):
             good = {r: _goodput(r, a, policy, lf)
-                    for r in tqdm(ROUTERS, desc=f"goodput {policy} long {lf}")}
-            base = max(good[r] for r in ROUTERS if r != "deadline")
+                    for r in tqdm(routers, desc=f"goodput {policy} long {lf}")}
+            others = [good[r] for r in routers if r not in ("deadline", "pooled")]
+            base = max(others) if others else 0.0
             at = base if base > 0 else a.lo / 4
-            table = {r: dict(_sim_once(r, a.sim_requests, at, a.seed, policy, lf),
-                             goodput_qps=good[r]) for r in ROUTERS}
+            table = {r: dict(_sim_mean(r, a, at, policy, lf), goodput_qps=good[r])
+                     for r in routers}
             configs[f"{policy} long={lf}"] = {
                 "policy": policy, "long_fraction": lf, "table_qps": at, "table": table,
-                "deadline_over_best_baseline": good["deadline"] / base if base else None}
+                "deadline_over_best_baseline": (good["deadline"] / base
+                                                if base and "deadline" in good else None)}
     return {"requests": a.sim_requests, "bracket": [a.lo, a.hi], "rel_tol": a.rel_tol,
-            "seed": a.seed, "configs": configs}
+            "seeds": a.seeds, "configs": configs}
 
 
 def _fmt(table: dict, cols: list[str]) -> str:
@@ -286,9 +357,14 @@ def main() -> None:
     p.add_argument("--lo", type=float, default=2.0, help="sim: goodput search's first bracket")
     p.add_argument("--hi", type=float, default=8.0)
     p.add_argument("--rel-tol", type=float, default=0.1, help="sim: goodput resolution (ratio)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", default="0",
+                   help="sim: trace seeds (comma list); every probe runs each, figures are means")
+    p.add_argument("--routers", default=",".join(ROUTERS),
+                   help="sim: routers to compare (comma list); 'pooled' adds one replica with "
+                   "the cluster's compute, KV and slots")
     p.add_argument("--out", default=str(ROOT / "docs" / "scale_out" / "bench_routing.json"))
     a = p.parse_args()
+    a.seeds = [int(x) for x in a.seeds.split(",")]
     # A run of one part keeps the other part's last figures in the file.
     prev = json.loads(Path(a.out).read_text()) if Path(a.out).exists() else {}
     out = {"command": " ".join(["python", "scripts/bench_routing.py", *sys.argv[1:]]),
@@ -303,7 +379,8 @@ def main() -> None:
         for name, c in out["sim"]["configs"].items():
             print(f"{name} (rows at {c['table_qps']:.2f} req/s)")
             print(_fmt(c["table"], ["short_ttft_p50", "short_ttft_p90", "short_attainment",
-                                    "long_attainment", "goodput_qps"]))
+                                    "long_attainment", "missed_with_slots_full",
+                                    "goodput_qps"]))
     out["uptime_after"] = os.popen("uptime").read().strip()
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1))

@@ -69,3 +69,14 @@ def test_outcomes_are_deterministic_for_a_seed(policy):
     assert a == b
     other = run_checked(policy, seed=0)
     assert [r["first_token_s"] for r in other] != [r["first_token_s"] for r in a]
+
+
+def test_an_explicit_kv_pool_replaces_the_one_memory_leaves():
+    """``SimConfig.kv_cache_tokens`` (the pooled replica of scripts/bench_routing.py holds
+    four replicas' KV) sizes the pool; None keeps what memory_fraction leaves."""
+    t = trace(0)
+    default, _ = build("lars-ss", CFG, VirtualClock(), _max_context(t))
+    tokens = 4 * default.allocator.total * CFG.block_size
+    big, _ = build("lars-ss", dataclasses.replace(CFG, kv_cache_tokens=tokens), VirtualClock(),
+                   _max_context(t))
+    assert big.allocator.total == 4 * default.allocator.total

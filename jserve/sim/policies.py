@@ -47,6 +47,7 @@ class SimConfig:
     sarathi_chunk: int = 512
     block_size: int = 16
     memory_fraction: float = 0.9
+    kv_cache_tokens: int | None = None  # the KV pool; None: what memory_fraction leaves
     esp_instance_tp: int = 2            # Medha §6.2 runs LoongServe as TP-2 instances
     horizon_s: float | None = None      # stop the clock here; None: run until all finish
     prefix_caching: bool = False        # the engine's automatic prefix caching (TraceRequest
@@ -135,7 +136,8 @@ def build(policy: str, cfg: SimConfig, clock: VirtualClock, max_context: int
     if name == "sarathi":
         limits["max_num_batched_tokens"] = cfg.sarathi_chunk
     sched = build_scheduler(
-        name, pool(model.kv_cache_tokens(cfg.memory_fraction)), **limits, predictor=model,
+        name, pool(cfg.kv_cache_tokens or model.kv_cache_tokens(cfg.memory_fraction)),
+        **limits, predictor=model,
         deadline=DeadlineConfig(t_target=cfg.tpot_slo, space_sharing=policy == "lars-ss",
                                 due_first=cfg.due_first, quick_first=cfg.quick_first),
         clock=clock, prefill_cache=None if name == "sarathi" else _prefill_cache(cfg, max_context))
