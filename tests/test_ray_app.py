@@ -101,7 +101,9 @@ def test_the_deadline_router_sends_a_short_request_to_the_idle_replica(ray_app):
         result["doc"] = r
     t = threading.Thread(target=document)
     t.start()
+    deadline = time.monotonic() + 120
     while len(httpx.get(ray_app + "/v1/route/decisions", timeout=30).json()) == decided:
+        assert time.monotonic() < deadline, "the document was never routed"
         time.sleep(0.01)
     time.sleep(0.3)  # the document is being prefilled, and the routing stats show it
     short = httpx.post(ray_app + "/v1/completions", timeout=120, json={
@@ -137,8 +139,9 @@ def test_a_killed_replica_loses_no_accepted_request(ray_app, llm):
     want = [o.text for o in llm.generate(prompts, _greedy(460))]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(_ask, ray_app, p, 460) for p in prompts]
-        sent = []
+        sent, deadline = [], time.monotonic() + 120
         while not sent:  # the first request routed: its replica is killed while it runs
+            assert time.monotonic() < deadline, "no request was routed"
             sent = httpx.get(ray_app + "/v1/route/decisions", timeout=30).json()[decided:]
         # (Not after every request is routed: the router holds a request while its replicas
         # are full, so by then the first replica's requests may all have finished.)
