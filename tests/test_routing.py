@@ -102,6 +102,27 @@ def test_a_long_request_late_everywhere_queues_behind_the_documents_not_on_the_i
     assert _pick("deadline", views, tokens=200_000, slo=300.0) == 2
 
 
+def test_a_replica_with_every_sequence_slot_taken_gets_a_request_only_if_all_are_full():
+    full = dataclasses.replace(_load("a", running=4), max_num_seqs=4)  # no prefill queued
+    queued = dataclasses.replace(_load("b", prefills=[(math.inf, 0.3, 300)], running=2,
+                                       waiting=1), max_num_seqs=4)
+    views = [ReplicaView(full), ReplicaView(queued)]
+    assert full.slots_full and not queued.slots_full
+    # a's queue is empty, but the request would wait there for a request to finish.
+    assert _pick("deadline", views, tokens=100) == 1
+    assert _pick("deadline", [ReplicaView(dataclasses.replace(full, max_num_seqs=0)),
+                              views[1]], tokens=100) == 0  # slots unknown: never full
+    # Both full: the one with fewer requests ahead for a slot, whatever its prefill queue.
+    fuller = dataclasses.replace(_load("c", running=4, waiting=2), max_num_seqs=4)
+    both = [ReplicaView(fuller), ReplicaView(dataclasses.replace(queued, max_num_seqs=3))]
+    assert _pick("deadline", both, tokens=100) == 1
+    # A document late everywhere still queues behind the documents, full or not.
+    docs = dataclasses.replace(_load("d", prefills=[(math.inf, 300.0, 300_000)], running=4),
+                               max_num_seqs=4)
+    assert _pick("deadline", [ReplicaView(docs), views[1]], tokens=200_000, slo=100.0) == 0
+    assert ReplicaLoad.from_dict(full.to_dict()) == full
+
+
 def test_a_deadline_ordered_replica_runs_earlier_deadlines_first():
     # LARS-like replica: a long prefill due in 60 s does not delay a short one due in 0.5 s;
     # one due in 0.2 s does.
@@ -193,6 +214,7 @@ def test_a_sarathi_replica_reports_its_queue_and_its_cached_prefix():
     s.update(plan, [7] * sum(c.samples for c in plan.decodes + plan.prefills))
     load = replica_load("r0", s, TABLE, now=0.0)
     assert load.order == FIFO and load.running == 2 and load.waiting == 0
+    assert load.max_num_seqs == 8 and not load.slots_full
     left = 300 - long_req.num_computed
     assert [(p.tokens, p.due_s) for p in load.prefills] == [(left, math.inf)]
     assert load.prefills[0].work_s == pytest.approx(left / 1000)

@@ -96,6 +96,13 @@ class ReplicaLoad:
     # t_target), or one due within an iteration, runs before all others, least work first.
     # 0: no such class (edf, lrs, lars without due-first).
     quick_s: float = 0.0
+    max_num_seqs: int = 0        # sequence slots (running requests it may hold); 0: unknown
+
+    @property
+    def slots_full(self) -> bool:
+        """Every sequence slot taken or promised to a queued request: a newcomer starts only
+        once a request here finishes, however short the prefill queue."""
+        return 0 < self.max_num_seqs <= self.outstanding
 
     @property
     def prefill_rate(self) -> float:
@@ -135,7 +142,7 @@ class ReplicaLoad:
             table=PrefillTable(tuple(t["lengths"]), tuple(t["times"]), float(t["drain_s"])),
             long_threshold=int(d.get("long_threshold", 32768)),
             t_target=float(d.get("t_target", 0.0)), decode_s=float(d.get("decode_s", 0.0)),
-            quick_s=float(d.get("quick_s", 0.0)))
+            quick_s=float(d.get("quick_s", 0.0)), max_num_seqs=int(d.get("max_num_seqs", 0)))
 
 
 def default_deadline(own_s: float) -> float:

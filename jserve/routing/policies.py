@@ -15,7 +15,8 @@ replicas' reports (``choose``). Nothing here keeps state; ``Router`` only number
   nearly saturated (docs/scale_out.md). When none meets the deadline: a long prompt goes
   behind the most long prefills (it is late anyway; on FIFO replicas spreading late documents
   leaves no replica free for short requests, measured in docs/scale_out.md), anything else
-  to the least late. Ties:
+  to the least late. A replica with all its sequence slots taken (``ReplicaLoad.slots_full``)
+  is left out unless every replica is full; then the fewest outstanding requests wins. Ties:
   fewer outstanding requests, less KV in use, lower index.
 """
 from __future__ import annotations
@@ -76,14 +77,19 @@ def _deadline(request: RouteRequest, views: Sequence[ReplicaView], healthy: list
     first = views[healthy[0]].load
     due = request.ttft_slo if request.ttft_slo is not None else default_deadline(
         first.table.remaining(request.prompt_tokens, 0))
-    meets = [i for i in healthy if ttft[i] <= due]
+    # A replica with every sequence slot taken starts nothing new until a request there
+    # finishes, which its prefill queue does not show: only where all are full.
+    open_ = [i for i in healthy if not views[i].load.slots_full]
+    meets = [i for i in open_ if ttft[i] <= due]
     long = request.prompt_tokens >= first.long_threshold
     if not meets and long:
         # Late anyway: queue it behind the most long prefills (least late among those), so
         # the other replicas stay free for requests that can still be on time.
         return min(healthy, key=lambda i: (-views[i].load.long_prefills, ttft[i]) + tie(i))
+    if not open_:  # all full: the fewest requests ahead for a slot
+        return min(healthy, key=tie)
     if not meets:
-        return min(healthy, key=lambda i: (ttft[i],) + tie(i))
+        return min(open_, key=lambda i: (ttft[i],) + tie(i))
     if long:
         return min(meets, key=lambda i: (views[i].load.long_prefills, ttft[i]) + tie(i))
     # The soonest first token (a prefix hit already shortens it); within PREFIX_TOLERANCE of

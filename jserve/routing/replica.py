@@ -63,7 +63,8 @@ def replica_load(name: str, scheduler: SchedulerBase, table: PrefillTable, now: 
         running=len(scheduler.running), kv_usage=alloc.num_allocated / max(alloc.total, 1),
         order=DEADLINE_ORDER if deadline_order else FIFO, prefills=tuple(prefills),
         table=table, long_threshold=getattr(config, "long_threshold", 32768),
-        t_target=t_target, decode_s=decode_s, quick_s=_quick_s(scheduler))
+        t_target=t_target, decode_s=decode_s, quick_s=_quick_s(scheduler),
+        max_num_seqs=scheduler.max_num_seqs)
 
 
 def _quick_s(scheduler: SchedulerBase) -> float:
