@@ -19,7 +19,9 @@ per second over that rate. Measuring both sides in one run makes machine load hi
 as this process's CPU time, which the neighbours move much less. ``--overlap`` also runs
 synchronous scheduling and reports how long the device waits for the host at each dispatch;
 ``--sampler-ab`` also times the device-only step with the sampler built on ``jnp.argmax``
-(before ``row_argmax``), alternated with the current one.
+(before ``row_argmax``), alternated with the current one. ``--host-phases`` splits the
+engine thread's own CPU time (``time.thread_time``) of each all-decode step by phase
+(``HostPhases``): XLA's worker threads fill both cores, so this CPU adds onto the step.
 """
 from __future__ import annotations
 
@@ -100,17 +102,95 @@ def bench_prompts(batch: int, prompt_len: int) -> list[list[int]]:
     return [rng.integers(3, BENCH_MODEL.vocab_size, prompt_len).tolist() for _ in range(batch)]
 
 
-def decode_steps(eng: LLMEngine, prompts, params) -> list[np.ndarray]:
+class HostPhases:
+    """The engine thread's CPU time per step, split by phase: each phase is a method of the
+    engine or one of its parts, wrapped so that time goes to the innermost phase running
+    (exclusive times; ``other`` is the step's time outside every phase). Only the steps
+    ``decode_steps`` keeps are recorded."""
+
+    PHASES = (  # (label, owner attribute path, method)
+        ("schedule", "scheduler", "schedule"),
+        ("launch (rows, flags)", "", "_launch"),
+        ("build", "builder", "build"),
+        ("pack", "_slots", "buffers"),
+        ("step executable call", "runner", "execute_packed"),
+        ("sampler call", "runner", "sample"),
+        ("sampled_on_device", "scheduler", "sampled_on_device"),
+        ("token read", "", "_read"),
+        ("complete: update", "scheduler", "update"),
+        ("complete: outputs", "", "_complete"),
+    )
+
+    def __init__(self, eng: LLMEngine):
+        self.runs: list[list[dict[str, float]]] = []  # per ``decode_steps`` run, per step
+        self._stack: list[str] = []
+        self._mark = 0.0
+        self._now: dict[str, float] | None = None
+        for label, path, method in self.PHASES:
+            owner = eng
+            for name in filter(None, path.split(".")):
+                owner = getattr(owner, name)
+            setattr(owner, method, self._wrap(label, getattr(owner, method)))
+
+    def _charge(self) -> None:
+        now = time.thread_time()
+        if self._now is not None:
+            top = self._stack[-1] if self._stack else "other"
+            self._now[top] = self._now.get(top, 0.0) + now - self._mark
+        self._mark = now
+
+    def _wrap(self, label: str, fn):
+        def timed(*args, **kwargs):
+            self._charge()
+            self._stack.append(label)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._charge()
+                self._stack.pop()
+        return timed
+
+    def start(self) -> None:
+        self._now = {}
+        self._mark = time.thread_time()
+
+    def stop(self, keep: bool) -> None:
+        self._charge()
+        if keep:
+            self.runs[-1].append(self._now)
+        self._now = None
+
+    def report(self) -> None:
+        """Median per step of each phase over the kept steps (each run's ramp and tail
+        dropped, as ``decode_steps`` drops them)."""
+        steps = [s for run in self.runs for s in run[2:-2]]
+        labels = [label for label, _, _ in self.PHASES] + ["other"]
+        med = {k: 1e3 * float(np.median([s.get(k, 0.0) for s in steps])) for k in labels}
+        total = 1e3 * float(np.median([sum(s.values()) for s in steps]))
+        print(f"  engine thread CPU per all-decode step (median of {len(steps)} steps): "
+              f"{total:.3f} ms")
+        for k in labels:
+            print(f"    {k:24s} {med[k]:6.3f} ms")
+
+
+def decode_steps(eng: LLMEngine, prompts, params, phases: HostPhases | None = None
+                 ) -> list[np.ndarray]:
     """(wall, CPU) seconds of every engine step taken while every running request
     decodes."""
     for p in prompts:
         eng.add_request(p, params)
     steps = []
+    if phases is not None:
+        phases.runs.append([])
     while eng.has_unfinished():
         t = clocks()
         decoding = bool(eng.scheduler.running) and not eng.scheduler.waiting and all(
             r.is_decode for r in eng.scheduler.running)
+        if phases is not None:
+            phases.start()
         eng.step()
+        if phases is not None:
+            phases.stop(keep=decoding)
         if decoding:
             steps.append(clocks() - t)
     return steps[2:-2]  # drop the ramp and the tail (the last token's read step)
@@ -244,6 +324,12 @@ def profile_batch(batch: int, a, bar: tqdm) -> dict:
         bar.update()
     if probe is not None:
         eng.runner.execute_packed, eng._read = probe._execute, probe._read
+    phases = None
+    if a.host_phases:  # runs of their own: the wrappers cost a little CPU each call
+        eng.async_scheduling = True
+        phases = HostPhases(eng)
+        for _ in range(a.reps):
+            decode_steps(eng, prompts, params, phases)
     # Device step and ceiling alternate, so a change of machine load hits both alike.
     step, ceiling = DeviceStep(eng, packed, shape), MatmulCeiling(
         step_weights(eng.runner.params), batch)
@@ -264,7 +350,8 @@ def profile_batch(batch: int, a, bar: tqdm) -> dict:
     flops = ceiling.flops + attention_flops(BENCH_MODEL, batch, a.prompt_len + a.new_tokens // 2)
     return dict(batch=batch, forward_only=t["forward_only"], device=t["device"], steps=steps,
                 gaps=gaps, flops=flops, ceiling=ceiling.flops / t["ceiling"],
-                ceiling_time=t["ceiling"], argmax_device=t.get("device, jnp.argmax sampler"))
+                ceiling_time=t["ceiling"], argmax_device=t.get("device, jnp.argmax sampler"),
+                phases=phases)
 
 
 def report(r: dict, overlap: bool) -> None:
@@ -286,6 +373,8 @@ def report(r: dict, overlap: bool) -> None:
           + f"  (wall per repetition: {', '.join(f'{1e3 * t[0]:.2f}' for t in r['steps'][True])})")
     print(row("device-only step", r["device"]))
     print(row("step executable alone", r["forward_only"]))
+    if r["phases"] is not None:
+        r["phases"].report()
     if r["argmax_device"] is not None:
         print(row("device-only, jnp.argmax", r["argmax_device"]) + "  (the sampler before "
               "row_argmax, alternated with the device-only step)")
@@ -312,6 +401,9 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5, help="repetitions (medians are taken)")
     ap.add_argument("--sampler-ab", action="store_true",
                     help="also time the device-only step with the sampler built on jnp.argmax")
+    ap.add_argument("--host-phases", action="store_true",
+                    help="also split the engine thread's CPU time per all-decode step by "
+                         "phase (extra runs, async scheduling)")
     ap.add_argument("--overlap", action="store_true",
                     help="also run synchronous scheduling and probe the dispatch gaps")
     a = ap.parse_args()
