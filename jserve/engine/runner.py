@@ -1,5 +1,7 @@
 """The device side of the engine: one fused jitted step (forward, penalty state, sampling)
-compiled ahead of time per bucket, with a compile counter tests read. (The name follows
+compiled ahead of time per bucket, with a compile counter tests read. The sampling is also
+its own executable, shared by every shape: a pipeline tick or pass (spp > 1) and a step
+whose masks come late run it after the forward. (The name follows
 vLLM's ``ModelRunner``; it is the only ``runner`` module in the package.)"""
 from __future__ import annotations
 
@@ -249,9 +251,10 @@ def _sample(state: SeqState, inp: SampleInputs) -> tuple[SampleResult, SeqState]
             dataclasses.replace(state, last_tokens=last))
 
 
-def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, fbuf: jax.Array,
-          *, layout: PackedLayout, cfg: LlamaConfig, attention_impl: str,
-          mesh: jax.sharding.Mesh | None, rows: int, capture_layer: int | None = None):
+def _forward_step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array,
+                  fbuf: jax.Array, *, layout: PackedLayout, cfg: LlamaConfig,
+                  attention_impl: str, mesh: jax.sharding.Mesh | None, rows: int,
+                  capture_layer: int | None = None):
     """The forward of one bucket and the penalty state update; returns (SampleInputs, KV
     cache, state). With ``capture_layer`` set, a fourth output: the layer's ``Capture``
     (prompt sums over the step's prompt tokens); ``None`` compiles exactly the step without
@@ -269,6 +272,22 @@ def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, f
     if capture_layer is not None:
         return inputs, kv_cache, state, capture
     return inputs, kv_cache, state
+
+
+def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, fbuf: jax.Array,
+          *, layout: PackedLayout, cfg: LlamaConfig, attention_impl: str,
+          mesh: jax.sharding.Mesh | None, rows: int, capture_layer: int | None = None):
+    """The plain step (spp == 1): ``_forward_step`` and the sampling in one executable, so
+    the logits never leave it and the host dispatches one call a step. Returns
+    (SampleResult, SampleInputs, KV cache, state[, Capture]); the ``SampleInputs`` serve a
+    step whose sampling waits for masks the host computes while it runs (``late_masks``):
+    the sampling executable samples them again with those masks, overwriting the tokens
+    this one kept in ``state.last_tokens`` before anything reads them."""
+    inputs, kv_cache, state, *capture = _forward_step(
+        params, kv_cache, state, ibuf, fbuf, layout=layout, cfg=cfg,
+        attention_impl=attention_impl, mesh=mesh, rows=rows, capture_layer=capture_layer)
+    out, state = _sample(state, inputs)
+    return (out, inputs, kv_cache, state, *capture)
 
 
 def _tick(params: Params, kv_cache: KVCache, state: SeqState, carry: pipeline.PipelineCarry,
@@ -771,7 +790,9 @@ class ModelRunner:
         zeros, so the caller does not wait for the tick. ``lone`` (spp > 1, the pipeline
         empty): one batch's buffers [size] through every stage in one pass; the carry is
         left as it is. ``defer``: the forward only; the result is its ``SampleInputs``, which
-        the caller hands to ``sample`` (with the masks it could not know at launch)."""
+        the caller hands to ``sample`` (with the masks it could not know at launch). One
+        executable call when spp == 1 (the step samples too), two under spp > 1 (the tick
+        or pass, then the sampling executable)."""
         exe, _ = self.compiled(shape, lone)
         (self.passed if lone else self.executed)[shape] += 1
         if lone:
@@ -780,11 +801,12 @@ class ModelRunner:
         elif self.spp > 1:
             inputs, self.kv_cache, self.state, self.carry = exe(
                 self.params, self.kv_cache, self.state, self.carry, ibuf, fbuf)
-        else:
-            inputs, self.kv_cache, self.state, *capture = exe(
+        else:  # the step samples too (``_step``)
+            out, inputs, self.kv_cache, self.state, *capture = exe(
                 self.params, self.kv_cache, self.state, ibuf, fbuf)
             if capture:
                 self.last_capture = capture[0]
+            return inputs if defer else out
         if not sample:
             return self._nothing_sampled()
         return inputs if defer else self.sample(inputs)
