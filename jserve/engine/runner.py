@@ -160,14 +160,16 @@ class PackedLayout:
         return jax.lax.dynamic_update_slice_in_dim(ibuf, tokens, offset, 0)
 
     def pack(self, arrays: StepArrays) -> tuple[np.ndarray, np.ndarray]:
+        """The two buffers; ``np.concatenate`` casts as it copies (bools to int32), so a
+        leaf is copied once."""
         ints, floats = [], []
         for (dtype, _, is_float, _), leaf in zip(self.fields, jax.tree.leaves(arrays)):
             flat = np.asarray(leaf, dtype).ravel()
             if is_float:
                 floats.append(flat)
             else:
-                ints.append(flat.view(np.int32) if dtype == np.uint32 else flat.astype(np.int32))
-        return np.concatenate(ints), np.concatenate(floats)
+                ints.append(flat.view(np.int32) if dtype == np.uint32 else flat)
+        return np.concatenate(ints, dtype=np.int32), np.concatenate(floats)
 
     def unpack(self, ibuf: jax.Array, fbuf: jax.Array) -> StepArrays:
         leaves = []

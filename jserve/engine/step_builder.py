@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import jax
 import numpy as np
@@ -180,8 +181,12 @@ class StepBuilder:
         h.state_rows[:nd] = srows
         if self.kvp == 1:
             h.slots[:nd] = [r.block_ids[p // ps] * ps + p % ps for r, p in zip(dec, pos_d)]
-            for i, r in enumerate(dec):
-                h.page_table[i, :len(r.block_ids)] = r.block_ids
+            # Every row's blocks in one store: a boolean mask over the table takes them in
+            # row-major order, so the blocks of all rows, concatenated, fill it.
+            tables = [r.block_ids for r in dec]
+            lens = np.fromiter(map(len, tables), np.int32, nd)
+            h.page_table[:nd][np.arange(h.page_table.shape[1]) < lens[:, None]] = \
+                list(itertools.chain.from_iterable(tables))
         else:
             pool = self.pool_pages
             pages = np.asarray([r.block_ids[p // ps] for r, p in zip(dec, pos_d)], np.int32)
@@ -190,13 +195,14 @@ class StepBuilder:
             for i, r in enumerate(dec):
                 h.start_groups[i] = self._kvp_row(h.page_table, i, r.block_ids)
         h.sampled_state_rows[:nd] = srows
-        for i, (r, c) in enumerate(zip(dec, chunks)):
-            h.rows[i] = sampler_row(r)
-            if c.drafts:  # a row of a speculating decode: the token after position start
-                # (no bans differ between its rows: drafts start past min_tokens)
-                h.rows[i] = dataclasses.replace(
-                    h.rows[i], step=c.start + 1 - r.num_prompt_tokens, draft=c.drafts[0])
-            h.sample_rows.append((i, c))
+        h.rows[:nd] = map(sampler_row, dec)
+        h.sample_rows.extend(enumerate(chunks))
+        if plan.num_draft_tokens:
+            for i, (r, c) in enumerate(zip(dec, chunks)):
+                if c.drafts:  # a row of a speculating decode: the token after position start
+                    # (no bans differ between its rows: drafts start past min_tokens)
+                    h.rows[i] = h.rows[i]._replace(step=c.start + 1 - r.num_prompt_tokens,
+                                                   draft=c.drafts[0])
 
     def _fill_prefills(self, h: "_HostArrays", plan: BatchPlan, requests, sampler_row,
                        state_row, first_row: int) -> None:
