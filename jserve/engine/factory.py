@@ -210,9 +210,10 @@ def build_engine_parts(cfg: LlamaConfig, params: Params, config: EngineConfig,
              and jax.process_count() == 1)
     runner, hits = _runner(cfg, params, config, mesh_config, buckets, num_pages, tracker,
                            times, defer)
-    if defer:
+    times.deferred = len(runner.deferred_shapes()) + (runner.samplers_missing() if defer
+                                                      else 0)
+    if defer:  # counted first: the background thread starts on the sampler at once
         runner.defer(compile_rest=config.warmup == "background")
-    times.deferred = len(runner.deferred_shapes())
     speculator = build_speculator(config, cfg, context, scheduler)
     return EngineParts(
         mesh_config, jax.process_count() > 1, context, buckets, allocator, scheduler,

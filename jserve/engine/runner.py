@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 import time
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -95,6 +95,13 @@ class SeqState:
     output_counts: jax.Array  # [R, V] int32
     prompt_mask: jax.Array    # [R, V] bool
     last_tokens: jax.Array    # [R] int32
+
+
+class _SamplerKey(NamedTuple):
+    """The sampling executable of ``rows`` rows in the background compile queue (beside
+    step shapes)."""
+
+    rows: int
 
 
 @jax.tree_util.register_dataclass
@@ -660,8 +667,12 @@ class ModelRunner:
     def defer(self, compile_rest: bool = False) -> None:
         """From now on a step shape not compiled yet runs padded up (``ready_shape``) while
         it compiles in the background; ``compile_rest``: queue every bucket shape not
-        compiled yet now, smallest first."""
+        compiled yet now, smallest first. The sampling executable (spp == 1: only a step
+        whose masks come late runs it) is queued first, unless compiled already."""
         self.deferred = DeferredCompiles(self._compile_in_background)
+        for rows in self._sampler_rows():
+            if self._sampler_for(rows) is None:
+                self.deferred.request(_SamplerKey(rows))
         if compile_rest:
             for shape in sorted(self.deferred_shapes(), key=lambda s: (s[0] + s[1], s)):
                 self.deferred.request(shape)
@@ -671,7 +682,10 @@ class ModelRunner:
         with self._lock:
             return [s for s in self.buckets.all_shapes() if s not in self._compiled]
 
-    def _compile_in_background(self, shape: tuple[int, int]) -> None:
+    def _compile_in_background(self, shape: "tuple[int, int] | _SamplerKey") -> None:
+        if isinstance(shape, _SamplerKey):
+            self.sampler(shape.rows, wait=False)
+            return
         t0 = time.perf_counter()
         lowered, layout = self._lower(shape)
         exe = _compile(lowered, self.cache_events)
@@ -705,13 +719,38 @@ class ModelRunner:
         """Blocks until the background compiles requested so far are done (tests, benches)."""
         return self.deferred is None or self.deferred.wait(timeout)
 
-    def sampler(self, rows: int | None = None) -> jax.stages.Compiled:
-        plain = rows is not None and rows != self.sample_rows
-        exe = self._plain_sampler if plain else self._sampler
+    def _sampler_rows(self) -> list[int]:
+        """The row counts of the sampling executables steps use (``rows_for``)."""
+        return list(dict.fromkeys((self.sample_rows, self._plain_rows)))
+
+    def samplers_missing(self) -> int:
+        """Sampling executables not compiled (yet): ``defer`` queues them."""
+        return sum(self._sampler_for(rows) is None for rows in self._sampler_rows())
+
+    def _sampler_for(self, rows: int) -> jax.stages.Compiled | None:
+        return self._plain_sampler if rows != self.sample_rows else self._sampler
+
+    def sampler(self, rows: int | None = None, wait: bool = True) -> jax.stages.Compiled:
+        """The sampling executable on ``rows`` padded rows (default: the largest step's),
+        compiled on first use; ``wait``: if the background thread has it in hand, wait for
+        it rather than compile it a second time."""
+        rows = rows or self.sample_rows
+        plain = rows != self.sample_rows
+        if self._sampler_for(rows) is None and wait and self.deferred is not None:
+            fut = self.deferred.future(_SamplerKey(rows))
+            if fut is not None and not fut.cancelled():
+                try:
+                    fut.result()
+                except Exception:  # noqa: BLE001 - compiled below, in this thread
+                    pass
+        with self._lock:
+            exe = self._sampler_for(rows)
         if exe is None:
             t0 = time.perf_counter()
             exe = _compile(self._lower_sampler(rows if plain else None), self.cache_events)
             with self._lock:
+                if self._sampler_for(rows) is not None:  # the other thread was first
+                    return self._sampler_for(rows)
                 if plain:
                     self._plain_sampler = exe
                 else:
@@ -723,7 +762,8 @@ class ModelRunner:
     def warmup(self, threads: int | None = None, progress: bool | None = None,
                core: bool = False) -> None:
         """Compiles every bucket's step (spp: tick), or with ``core`` only ``core_shapes``,
-        the sampler and, under spp, the decode-only shapes' passes (``pass_warmup_shapes``).
+        the sampler (not with ``core`` when spp == 1: ``defer`` queues it) and, under spp,
+        the decode-only shapes' passes (``pass_warmup_shapes``).
         Tracing and lowering run here one after another (the layer loop keeps them cheap at
         any depth); XLA compiles, or reads the persistent cache, in ``threads`` worker
         threads (default: one per two cores, at least 2), which release the GIL.
@@ -734,21 +774,25 @@ class ModelRunner:
 
         t0 = time.perf_counter()
         shapes = self.core_shapes() if core else self.buckets.all_shapes()
+        # A plain step samples in its own executable; the sampling executable serves only
+        # steps whose masks come late, so with ``core`` it compiles after start (``defer``).
+        samplers = self.spp > 1 or not core
         todo = [(s, False) for s in shapes if s not in self._compiled]
         todo += [(s, True) for s in self.pass_warmup_shapes() if s not in self._passes]
         todo.sort(key=lambda job: -sum(job[0]))  # the longest compiles start first
         jobs: dict = {}
         threads = threads or max(2, (os.cpu_count() or 2) // 2)
         with ThreadPoolExecutor(threads) as pool, \
-                tqdm(total=len(todo) + (self._sampler is None), desc="compiling step shapes",
+                tqdm(total=len(todo) + (samplers and self._sampler is None),
+                     desc="compiling step shapes",
                      unit="shape", disable=None if progress is None else not progress) as bar:
             for shape, lone in todo:
                 lowered, layout = self._lower(shape, lone)
                 jobs[pool.submit(_compile, lowered, self.cache_events)] = (shape, layout, lone)
-            if self._sampler is None:
+            if samplers and self._sampler is None:
                 jobs[pool.submit(_compile, self._lower_sampler(), self.cache_events)] = (None, None,
                                                                          False)
-            if self._plain_rows != self.sample_rows and self._plain_sampler is None:
+            if samplers and self._plain_rows != self.sample_rows and self._plain_sampler is None:
                 self.sampler(self._plain_rows)
             for fut in as_completed(jobs):
                 shape, layout, lone = jobs[fut]
@@ -762,8 +806,8 @@ class ModelRunner:
                 bar.update()
         self.compile_seconds += time.perf_counter() - t0
         self.compiled_up_front = self.compile_count
-        log.info("compiled %d step shapes and the sampler in %.1fs (%d threads)", len(todo),
-                 time.perf_counter() - t0, threads)
+        log.info("compiled %d step shapes%s in %.1fs (%d threads)", len(todo),
+                 " and the sampler" if samplers else "", time.perf_counter() - t0, threads)
 
     # -- swapping KV pages to host memory and back ---------------------------------------
     def read_pages(self, pages: Sequence[int]):
