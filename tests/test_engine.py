@@ -199,6 +199,42 @@ def test_a_plain_step_is_one_executable_call_with_the_same_tokens(llm, reference
     assert calls["steps"] > 0 and calls["sampler"] == 0
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_decode_steps_built_from_the_last_step_equal_fresh_builds(llm, reference, monkeypatch,
+                                                                   async_scheduling):
+    """``StepBuilder._advance`` (an all-decode step of the same requests as the last one,
+    from that one's arrays) gives exactly the arrays a build from request state gives, on
+    a workload that makes it stop and start again: requests ending at different lengths,
+    rows banned until ``min_tokens``, seeded random rows, new blocks taken mid-run."""
+    from jserve.engine.request_state import NEUTRAL_ROW, sampler_row
+
+    eng, b = llm.engine, llm.engine.builder
+    monkeypatch.setattr(eng, "async_scheduling", async_scheduling)
+    advance, checked = b._advance, []
+
+    def compared(plan, requests, state_row, flags):
+        built = advance(plan, requests, state_row, flags)
+        if built is not None:
+            fresh = b._build(plan, requests, lambda r: sampler_row(r, eng.eos_ids),
+                             NEUTRAL_ROW, state_row, flags)
+            assert built.shape == fresh.shape and built.sample_rows == fresh.sample_rows
+            for got, want in zip(jax.tree.leaves(built.arrays), jax.tree.leaves(fresh.arrays),
+                                 strict=True):
+                np.testing.assert_array_equal(got, want)
+            checked.append(len(plan.decodes))
+        return built
+
+    monkeypatch.setattr(b, "_advance", compared)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (40, 23)]
+    params += [SamplingParams(temperature=0.0, max_tokens=30, min_tokens=6, ignore_eos=True),
+               SamplingParams(temperature=0.9, seed=11, max_tokens=35, ignore_eos=True)]
+    outs = llm.generate([PROMPTS[0], PROMPTS[1], [7] * 14, [3, 4]], params)
+    assert [len(o.token_ids) for o in outs] == [40, 23, 30, 35]
+    assert outs[0].token_ids[:12] == reference[0]
+    # Most decode steps went the cheap way, with 4 rows and with fewer.
+    assert len(checked) > 30 and {4, 3} <= set(checked)
+
+
 def _instructions(hlo: str):
     """(result shape, op, line) of every instruction of an optimized HLO module."""
     for line in hlo.splitlines():
