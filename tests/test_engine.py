@@ -232,7 +232,7 @@ def test_decode_steps_built_from_the_last_step_equal_fresh_builds(llm, reference
     assert [len(o.token_ids) for o in outs] == [40, 23, 30, 35]
     assert outs[0].token_ids[:12] == reference[0]
     # Most decode steps went the cheap way, with 4 rows and with fewer.
-    assert len(checked) > 30 and {4, 3} <= set(checked)
+    assert len(checked) >= 20 and {4, 3} <= set(checked)
 
 
 def _instructions(hlo: str):
