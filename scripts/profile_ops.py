@@ -170,12 +170,13 @@ def main() -> int:
             f.write(step_hlo_text)
     step_hlo = Hlo(step_hlo_text)
 
-    profile, wall = trace(lambda n: step.time(False, calls=n), a.steps)
+    profile, wall = trace(lambda n: step.time("one", calls=n), a.steps)
     breakdown(f"step executable, batch {a.batch}", step_hlo,
               op_times(profile, step_hlo, a.steps), wall, a.top)
     sampler_hlo = Hlo(step.sample.as_text())
     r = eng.runner
-    inputs, r.kv_cache, r.state = step.exe(r.params, r.kv_cache, r.state, step.ibuf, step.fbuf)
+    inputs, r.kv_cache, r.state = step.forward(r.params, r.kv_cache, r.state, step.ibuf,
+                                               step.fbuf)
 
     def run_sampler(n):
         out = None

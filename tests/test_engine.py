@@ -180,6 +180,61 @@ def test_looped_and_unrolled_layers_give_the_same_tokens(reference, layer_loop, 
     assert [llm.generate([p], GREEDY)[0].token_ids for p in PROMPTS] == reference
 
 
+def test_a_plain_step_is_one_executable_call_with_the_same_tokens(llm, reference, monkeypatch):
+    """Each step samples inside its own executable (the logits never leave it): a run with
+    greedy, seeded random, penalised and logprob rows dispatches one call a step and never
+    the sampling executable, and its greedy tokens are the reference's."""
+    runner = llm.engine.runner
+    calls = {"sampler": 0, "steps": 0}
+    sample, execute = runner.sample, runner.execute_packed
+    monkeypatch.setattr(runner, "sample", lambda *a, **k: (
+        calls.__setitem__("sampler", calls["sampler"] + 1), sample(*a, **k))[1])
+    monkeypatch.setattr(runner, "execute_packed", lambda *a, **k: (
+        calls.__setitem__("steps", calls["steps"] + 1), execute(*a, **k))[1])
+    mixed = [SamplingParams(temperature=0.8, seed=5, max_tokens=6, logprobs=2),
+             SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=6)]
+    outs = llm.generate(PROMPTS + PROMPTS[:2], [GREEDY] * len(PROMPTS) + mixed)
+    assert [o.token_ids for o in outs[:len(PROMPTS)]] == reference
+    assert len(outs[-2].logprobs) == 6 and all(len(o.token_ids) == 6 for o in outs[-2:])
+    assert calls["steps"] > 0 and calls["sampler"] == 0
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_decode_steps_built_from_the_last_step_equal_fresh_builds(llm, reference, monkeypatch,
+                                                                   async_scheduling):
+    """``StepBuilder._advance`` (an all-decode step of the same requests as the last one,
+    from that one's arrays) gives exactly the arrays a build from request state gives, on
+    a workload that makes it stop and start again: requests ending at different lengths,
+    rows banned until ``min_tokens``, seeded random rows, new blocks taken mid-run."""
+    from jserve.engine.request_state import NEUTRAL_ROW, sampler_row
+
+    eng, b = llm.engine, llm.engine.builder
+    monkeypatch.setattr(eng, "async_scheduling", async_scheduling)
+    advance, checked = b._advance, []
+
+    def compared(plan, requests, state_row, flags):
+        built = advance(plan, requests, state_row, flags)
+        if built is not None:
+            fresh = b._build(plan, requests, lambda r: sampler_row(r, eng.eos_ids),
+                             NEUTRAL_ROW, state_row, flags)
+            assert built.shape == fresh.shape and built.sample_rows == fresh.sample_rows
+            for got, want in zip(jax.tree.leaves(built.arrays), jax.tree.leaves(fresh.arrays),
+                                 strict=True):
+                np.testing.assert_array_equal(got, want)
+            checked.append(len(plan.decodes))
+        return built
+
+    monkeypatch.setattr(b, "_advance", compared)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (40, 23)]
+    params += [SamplingParams(temperature=0.0, max_tokens=30, min_tokens=6, ignore_eos=True),
+               SamplingParams(temperature=0.9, seed=11, max_tokens=35, ignore_eos=True)]
+    outs = llm.generate([PROMPTS[0], PROMPTS[1], [7] * 14, [3, 4]], params)
+    assert [len(o.token_ids) for o in outs] == [40, 23, 30, 35]
+    assert outs[0].token_ids[:12] == reference[0]
+    # Most decode steps went the cheap way, with 4 rows and with fewer.
+    assert len(checked) >= 20 and {4, 3} <= set(checked)
+
+
 def _instructions(hlo: str):
     """(result shape, op, line) of every instruction of an optimized HLO module."""
     for line in hlo.splitlines():
@@ -207,7 +262,8 @@ def test_decode_step_writes_the_kv_cache_in_place_and_samples_without_a_variadic
                    and op not in ("parameter", "bitcast", "get-tuple-element")
                    and not (op == "fusion" and "scatter" in line)]
     assert not whole_cache, whole_cache
-    sampler = runner.sampler().as_text()
-    variadic = [line.strip()[:120] for shape, op, line in _instructions(sampler)
-                if re.fullmatch(r"\(f32\[\d+\]\{0\}, s32\[\d+\]\{0\}\)", shape)]
-    assert not variadic, variadic
+    # The step samples in its own executable, so its argmax is held to the same rule.
+    for program in (hlo, runner.sampler().as_text()):
+        variadic = [line.strip()[:120] for shape, op, line in _instructions(program)
+                    if re.fullmatch(r"\(f32\[\d+\]\{0\}, s32\[\d+\]\{0\}\)", shape)]
+        assert not variadic, variadic

@@ -41,16 +41,20 @@ def reference(model_dir) -> list[list[int]]:
 
 
 @pytest.mark.slow
-def test_core_warmup_compiles_three_programs_and_the_rest_on_first_use(model_dir, reference):
+def test_core_warmup_compiles_two_programs_and_the_rest_later(model_dir, reference):
     llm = small_llm(model_dir, warmup="core")
     eng, runner = llm.engine, llm.engine.runner
     shapes = eng.buckets.all_shapes()
     assert sorted(shapes) == [(0, 16), (0, 32), (1, 0), (2, 0), (4, 0), (4, 16), (4, 32)]
-    # Up front: the largest step (covers every other), the 1-row decode and the sampler.
-    assert runner.compiled_up_front == runner.compile_count == 3
+    # Up front: the largest step (covers every other) and the 1-row decode, each sampling
+    # in its own executable. The sampling executable alone (late structured-output masks)
+    # is queued in the background at start; the 5 other shapes wait for first use.
+    assert runner.compiled_up_front == 2
     assert sorted(runner._compiled) == [(1, 0), (4, 32)]
-    assert eng.startup.deferred == 5 and eng.startup.overlapped
-    assert eng.startup.cached + eng.startup.compiled == 3
+    assert eng.startup.deferred == 6 and eng.startup.overlapped
+    assert eng.startup.cached + eng.startup.compiled == 2
+    runner.sampler()  # waits for the background compile: compiled once, not again here
+    assert runner.compile_count == 3 and runner.compiled_later == 1
 
     assert _generate(llm) == reference  # exact greedy tokens, padded steps included
     # The lone 5-token prompt's chunk needed (0, 16), not compiled: it ran as the largest step.
@@ -60,7 +64,7 @@ def test_core_warmup_compiles_three_programs_and_the_rest_on_first_use(model_dir
     assert needed <= set(shapes) - {(1, 0), (4, 32)}
     assert runner.wait_compiles(timeout=600)
     # Each shape a step needed compiled once, in the background; nothing compiled twice.
-    assert runner.compiled_later == len(needed) and runner.compile_count == 3 + len(needed)
+    assert runner.compiled_later == 1 + len(needed) and runner.compile_count == 3 + len(needed)
     assert set(runner._compiled) == needed | {(1, 0), (4, 32)}
 
     compiled, before = set(runner._compiled), runner.padded.copy()
@@ -74,10 +78,10 @@ def test_core_warmup_compiles_three_programs_and_the_rest_on_first_use(model_dir
 def test_background_warmup_compiles_every_other_shape_after_ready(model_dir, reference):
     llm = small_llm(model_dir, warmup="background")
     runner = llm.engine.runner
-    assert runner.compiled_up_front == 3
+    assert runner.compiled_up_front == 2
     assert runner.wait_compiles(timeout=600)
-    total = len(llm.engine.buckets.all_shapes()) + 1
-    assert runner.compile_count == total and runner.compiled_later == total - 3
+    total = len(llm.engine.buckets.all_shapes()) + 1  # and the sampling executable
+    assert runner.compile_count == total and runner.compiled_later == total - 2
     assert _generate(llm) == reference and not runner.padded
     assert runner.compile_count == total
 
@@ -87,7 +91,9 @@ def test_none_warmup_compiles_each_shape_on_first_use_and_waits(model_dir, refer
     runner = llm.engine.runner
     assert runner.compile_count == 0 and runner.deferred is None
     assert _generate(llm) == reference and not runner.padded
-    assert runner.compile_count == len(runner._compiled) + 1  # the shapes used, the sampler
+    # The shapes used: each plain step samples in its own executable, so the sampling
+    # executable (late masks, pipeline ticks) is never needed here and never compiled.
+    assert runner.compile_count == len(runner._compiled) and runner._sampler is None
 
 
 def test_warmup_modes_and_bools():

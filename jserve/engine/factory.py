@@ -15,6 +15,7 @@ from jserve.cache.pool import allocate_kv_cache, kv_bytes_per_page, num_pages_fo
 from jserve.config import LlamaConfig
 from jserve.engine.buckets import Buckets
 from jserve.engine.config import EngineConfig
+from jserve.engine.request_state import plain_sampler_row
 from jserve.engine.runner import ModelRunner, runtime_params
 from jserve.engine.startup import StartupTimes
 from jserve.engine.step_builder import StepBuilder
@@ -210,15 +211,17 @@ def build_engine_parts(cfg: LlamaConfig, params: Params, config: EngineConfig,
              and jax.process_count() == 1)
     runner, hits = _runner(cfg, params, config, mesh_config, buckets, num_pages, tracker,
                            times, defer)
-    if defer:
+    times.deferred = len(runner.deferred_shapes()) + (runner.samplers_missing() if defer
+                                                      else 0)
+    if defer:  # counted first: the background thread starts on the sampler at once
         runner.defer(compile_rest=config.warmup == "background")
-    times.deferred = len(runner.deferred_shapes())
     speculator = build_speculator(config, cfg, context, scheduler)
     return EngineParts(
         mesh_config, jax.process_count() > 1, context, buckets, allocator, scheduler,
         runner, StepBuilder(buckets, config.page_size, runner.state_sink, pool_pages=num_pages,
                             vocab_size=cfg.vocab_size,
-                            ready=runner.ready_shape if defer else None),
+                            ready=runner.ready_shape if defer else None,
+                            plain_row=plain_sampler_row),
         predictor, tracker, hits, speculator)
 
 

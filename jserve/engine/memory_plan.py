@@ -521,7 +521,10 @@ def startup_summary(engine, cache_hits: int | None) -> str:
              "all": "nothing compiles later"}.get(
         mode, "other step shapes compile in the background, padded up to a compiled shape "
               "meanwhile" + (" (all queued now)" if runner.deferred is not None
-                             and mode == "background" else " (on first use)"))
+                             and mode == "background" else " (on first use)")
+        + ("" if runner.deferred is None or runner.spp > 1 else
+           ", the sampling executable (steps whose structured-output masks come late) "
+           "right after start"))
     return (f"engine {engine.startup.line()}; {describe_engine(engine)}; warmup {mode}: "
             f"{runner.compiled_up_front} programs before ready, {later}"
             + ("" if cache_hits is not None else " (warmup off)")

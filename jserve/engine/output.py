@@ -138,8 +138,12 @@ class OutputProcessor:
         under a structured output unless its next mask can be sent late (``late_masks``:
         the engine samples that step after reading the token). A stop token or string, or
         a completed grammar, still can; the extra token is then dropped."""
-        return (late_masks or req.payload.constraint is None) and not self._by_length(
-            req, req.num_output_tokens + 1)
+        st = req.payload
+        if st.constraint is not None and not late_masks:
+            return False
+        total = len(req.token_ids) + 1  # ``_by_length`` inlined: this runs for every decode
+        return (total - len(req.prompt_token_ids) < st.params.max_tokens
+                and total < self.max_model_len)
 
     def _by_length(self, req, n_out: int) -> bool:
         """Whether ``n_out`` generated tokens end ``req`` by length."""

@@ -45,6 +45,13 @@ def sampler_row(req: Request, eos_ids: tuple[int, ...]) -> SamplerRow:
     return SamplerRow(p, st.seed, req.num_output_tokens, banned, allowed)
 
 
+def plain_sampler_row(req: Request) -> bool:
+    """Whether ``sampler_row(req)`` bans nothing and masks nothing: past ``min_tokens``, no
+    structured output (what lets ``StepBuilder`` reuse the last step's sampling rows)."""
+    st: RequestState = req.payload
+    return st.constraint is None and req.num_output_tokens >= st.params.min_tokens
+
+
 def mask_pending(req: Request) -> bool:
     """A structured output whose newest token is still on the device (async scheduling):
     its next mask is not known until the host reads that token."""

@@ -1,5 +1,7 @@
 """The device side of the engine: one fused jitted step (forward, penalty state, sampling)
-compiled ahead of time per bucket, with a compile counter tests read. (The name follows
+compiled ahead of time per bucket, with a compile counter tests read. The sampling is also
+its own executable, shared by every shape: a pipeline tick or pass (spp > 1) and a step
+whose masks come late run it after the forward. (The name follows
 vLLM's ``ModelRunner``; it is the only ``runner`` module in the package.)"""
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import logging
 import os
 import threading
 import time
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -95,6 +97,13 @@ class SeqState:
     last_tokens: jax.Array    # [R] int32
 
 
+class _SamplerKey(NamedTuple):
+    """The sampling executable of ``rows`` rows in the background compile queue (beside
+    step shapes)."""
+
+    rows: int
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepArrays:
@@ -158,14 +167,16 @@ class PackedLayout:
         return jax.lax.dynamic_update_slice_in_dim(ibuf, tokens, offset, 0)
 
     def pack(self, arrays: StepArrays) -> tuple[np.ndarray, np.ndarray]:
+        """The two buffers; ``np.concatenate`` casts as it copies (bools to int32), so a
+        leaf is copied once."""
         ints, floats = [], []
         for (dtype, _, is_float, _), leaf in zip(self.fields, jax.tree.leaves(arrays)):
             flat = np.asarray(leaf, dtype).ravel()
             if is_float:
                 floats.append(flat)
             else:
-                ints.append(flat.view(np.int32) if dtype == np.uint32 else flat.astype(np.int32))
-        return np.concatenate(ints), np.concatenate(floats)
+                ints.append(flat.view(np.int32) if dtype == np.uint32 else flat)
+        return np.concatenate(ints, dtype=np.int32), np.concatenate(floats)
 
     def unpack(self, ibuf: jax.Array, fbuf: jax.Array) -> StepArrays:
         leaves = []
@@ -249,9 +260,10 @@ def _sample(state: SeqState, inp: SampleInputs) -> tuple[SampleResult, SeqState]
             dataclasses.replace(state, last_tokens=last))
 
 
-def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, fbuf: jax.Array,
-          *, layout: PackedLayout, cfg: LlamaConfig, attention_impl: str,
-          mesh: jax.sharding.Mesh | None, rows: int, capture_layer: int | None = None):
+def _forward_step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array,
+                  fbuf: jax.Array, *, layout: PackedLayout, cfg: LlamaConfig,
+                  attention_impl: str, mesh: jax.sharding.Mesh | None, rows: int,
+                  capture_layer: int | None = None):
     """The forward of one bucket and the penalty state update; returns (SampleInputs, KV
     cache, state). With ``capture_layer`` set, a fourth output: the layer's ``Capture``
     (prompt sums over the step's prompt tokens); ``None`` compiles exactly the step without
@@ -269,6 +281,22 @@ def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, f
     if capture_layer is not None:
         return inputs, kv_cache, state, capture
     return inputs, kv_cache, state
+
+
+def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, fbuf: jax.Array,
+          *, layout: PackedLayout, cfg: LlamaConfig, attention_impl: str,
+          mesh: jax.sharding.Mesh | None, rows: int, capture_layer: int | None = None):
+    """The plain step (spp == 1): ``_forward_step`` and the sampling in one executable, so
+    the logits never leave it and the host dispatches one call a step. Returns
+    (SampleResult, SampleInputs, KV cache, state[, Capture]); the ``SampleInputs`` serve a
+    step whose sampling waits for masks the host computes while it runs (``late_masks``):
+    the sampling executable samples them again with those masks, overwriting the tokens
+    this one kept in ``state.last_tokens`` before anything reads them."""
+    inputs, kv_cache, state, *capture = _forward_step(
+        params, kv_cache, state, ibuf, fbuf, layout=layout, cfg=cfg,
+        attention_impl=attention_impl, mesh=mesh, rows=rows, capture_layer=capture_layer)
+    out, state = _sample(state, inputs)
+    return (out, inputs, kv_cache, state, *capture)
 
 
 def _tick(params: Params, kv_cache: KVCache, state: SeqState, carry: pipeline.PipelineCarry,
@@ -639,8 +667,12 @@ class ModelRunner:
     def defer(self, compile_rest: bool = False) -> None:
         """From now on a step shape not compiled yet runs padded up (``ready_shape``) while
         it compiles in the background; ``compile_rest``: queue every bucket shape not
-        compiled yet now, smallest first."""
+        compiled yet now, smallest first. The sampling executable (spp == 1: only a step
+        whose masks come late runs it) is queued first, unless compiled already."""
         self.deferred = DeferredCompiles(self._compile_in_background)
+        for rows in self._sampler_rows():
+            if self._sampler_for(rows) is None:
+                self.deferred.request(_SamplerKey(rows))
         if compile_rest:
             for shape in sorted(self.deferred_shapes(), key=lambda s: (s[0] + s[1], s)):
                 self.deferred.request(shape)
@@ -650,7 +682,10 @@ class ModelRunner:
         with self._lock:
             return [s for s in self.buckets.all_shapes() if s not in self._compiled]
 
-    def _compile_in_background(self, shape: tuple[int, int]) -> None:
+    def _compile_in_background(self, shape: "tuple[int, int] | _SamplerKey") -> None:
+        if isinstance(shape, _SamplerKey):
+            self.sampler(shape.rows, wait=False)
+            return
         t0 = time.perf_counter()
         lowered, layout = self._lower(shape)
         exe = _compile(lowered, self.cache_events)
@@ -684,13 +719,38 @@ class ModelRunner:
         """Blocks until the background compiles requested so far are done (tests, benches)."""
         return self.deferred is None or self.deferred.wait(timeout)
 
-    def sampler(self, rows: int | None = None) -> jax.stages.Compiled:
-        plain = rows is not None and rows != self.sample_rows
-        exe = self._plain_sampler if plain else self._sampler
+    def _sampler_rows(self) -> list[int]:
+        """The row counts of the sampling executables steps use (``rows_for``)."""
+        return list(dict.fromkeys((self.sample_rows, self._plain_rows)))
+
+    def samplers_missing(self) -> int:
+        """Sampling executables not compiled (yet): ``defer`` queues them."""
+        return sum(self._sampler_for(rows) is None for rows in self._sampler_rows())
+
+    def _sampler_for(self, rows: int) -> jax.stages.Compiled | None:
+        return self._plain_sampler if rows != self.sample_rows else self._sampler
+
+    def sampler(self, rows: int | None = None, wait: bool = True) -> jax.stages.Compiled:
+        """The sampling executable on ``rows`` padded rows (default: the largest step's),
+        compiled on first use; ``wait``: if the background thread has it in hand, wait for
+        it rather than compile it a second time."""
+        rows = rows or self.sample_rows
+        plain = rows != self.sample_rows
+        if self._sampler_for(rows) is None and wait and self.deferred is not None:
+            fut = self.deferred.future(_SamplerKey(rows))
+            if fut is not None and not fut.cancelled():
+                try:
+                    fut.result()
+                except Exception:  # noqa: BLE001 - compiled below, in this thread
+                    pass
+        with self._lock:
+            exe = self._sampler_for(rows)
         if exe is None:
             t0 = time.perf_counter()
             exe = _compile(self._lower_sampler(rows if plain else None), self.cache_events)
             with self._lock:
+                if self._sampler_for(rows) is not None:  # the other thread was first
+                    return self._sampler_for(rows)
                 if plain:
                     self._plain_sampler = exe
                 else:
@@ -702,7 +762,8 @@ class ModelRunner:
     def warmup(self, threads: int | None = None, progress: bool | None = None,
                core: bool = False) -> None:
         """Compiles every bucket's step (spp: tick), or with ``core`` only ``core_shapes``,
-        the sampler and, under spp, the decode-only shapes' passes (``pass_warmup_shapes``).
+        the sampler (not with ``core`` when spp == 1: ``defer`` queues it) and, under spp,
+        the decode-only shapes' passes (``pass_warmup_shapes``).
         Tracing and lowering run here one after another (the layer loop keeps them cheap at
         any depth); XLA compiles, or reads the persistent cache, in ``threads`` worker
         threads (default: one per two cores, at least 2), which release the GIL.
@@ -713,21 +774,25 @@ class ModelRunner:
 
         t0 = time.perf_counter()
         shapes = self.core_shapes() if core else self.buckets.all_shapes()
+        # A plain step samples in its own executable; the sampling executable serves only
+        # steps whose masks come late, so with ``core`` it compiles after start (``defer``).
+        samplers = self.spp > 1 or not core
         todo = [(s, False) for s in shapes if s not in self._compiled]
         todo += [(s, True) for s in self.pass_warmup_shapes() if s not in self._passes]
         todo.sort(key=lambda job: -sum(job[0]))  # the longest compiles start first
         jobs: dict = {}
         threads = threads or max(2, (os.cpu_count() or 2) // 2)
         with ThreadPoolExecutor(threads) as pool, \
-                tqdm(total=len(todo) + (self._sampler is None), desc="compiling step shapes",
+                tqdm(total=len(todo) + (samplers and self._sampler is None),
+                     desc="compiling step shapes",
                      unit="shape", disable=None if progress is None else not progress) as bar:
             for shape, lone in todo:
                 lowered, layout = self._lower(shape, lone)
                 jobs[pool.submit(_compile, lowered, self.cache_events)] = (shape, layout, lone)
-            if self._sampler is None:
+            if samplers and self._sampler is None:
                 jobs[pool.submit(_compile, self._lower_sampler(), self.cache_events)] = (None, None,
                                                                          False)
-            if self._plain_rows != self.sample_rows and self._plain_sampler is None:
+            if samplers and self._plain_rows != self.sample_rows and self._plain_sampler is None:
                 self.sampler(self._plain_rows)
             for fut in as_completed(jobs):
                 shape, layout, lone = jobs[fut]
@@ -741,8 +806,8 @@ class ModelRunner:
                 bar.update()
         self.compile_seconds += time.perf_counter() - t0
         self.compiled_up_front = self.compile_count
-        log.info("compiled %d step shapes and the sampler in %.1fs (%d threads)", len(todo),
-                 time.perf_counter() - t0, threads)
+        log.info("compiled %d step shapes%s in %.1fs (%d threads)", len(todo),
+                 " and the sampler" if samplers else "", time.perf_counter() - t0, threads)
 
     # -- swapping KV pages to host memory and back ---------------------------------------
     def read_pages(self, pages: Sequence[int]):
@@ -771,7 +836,9 @@ class ModelRunner:
         zeros, so the caller does not wait for the tick. ``lone`` (spp > 1, the pipeline
         empty): one batch's buffers [size] through every stage in one pass; the carry is
         left as it is. ``defer``: the forward only; the result is its ``SampleInputs``, which
-        the caller hands to ``sample`` (with the masks it could not know at launch)."""
+        the caller hands to ``sample`` (with the masks it could not know at launch). One
+        executable call when spp == 1 (the step samples too), two under spp > 1 (the tick
+        or pass, then the sampling executable)."""
         exe, _ = self.compiled(shape, lone)
         (self.passed if lone else self.executed)[shape] += 1
         if lone:
@@ -780,11 +847,12 @@ class ModelRunner:
         elif self.spp > 1:
             inputs, self.kv_cache, self.state, self.carry = exe(
                 self.params, self.kv_cache, self.state, self.carry, ibuf, fbuf)
-        else:
-            inputs, self.kv_cache, self.state, *capture = exe(
+        else:  # the step samples too (``_step``)
+            out, inputs, self.kv_cache, self.state, *capture = exe(
                 self.params, self.kv_cache, self.state, ibuf, fbuf)
             if capture:
                 self.last_capture = capture[0]
+            return inputs if defer else out
         if not sample:
             return self._nothing_sampled()
         return inputs if defer else self.sample(inputs)

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -96,11 +98,17 @@ class StepBuilder:
 
     def __init__(self, buckets: Buckets, page_size: int, state_sink: int,
                  pool_pages: int | None = None, vocab_size: int = 32,
-                 ready: "callable[[tuple[int, int]], tuple[int, int]] | None" = None):
+                 ready: "callable[[tuple[int, int]], tuple[int, int]] | None" = None,
+                 plain_row: "callable[[Request], bool] | None" = None):
         """``ready``: the shape a step of a bucket shape is built at now
         (``ModelRunner.ready_shape``: a compiled one covering it while its own compiles in
-        the background); None: the bucket shape itself."""
+        the background); None: the bucket shape itself. ``plain_row``: whether a request's
+        sampler row has neither bans nor a mask (``request_state.plain_sampler_row``);
+        given, an all-decode step of the same requests as the last one is built from that
+        one's arrays (``_advance``)."""
         self.ready = ready or (lambda shape: shape)
+        self.plain_row = plain_row
+        self._last: _LastDecodes | None = None
         if buckets.kvp > 1 and pool_pages is None:
             raise ValueError("kvp > 1 needs pool_pages (KV pages per group)")
         self.buckets = buckets
@@ -126,6 +134,75 @@ class StepBuilder:
               state_row: "callable[[Request], int]", flags: StepFlags,
               shape: tuple[int, int] | None = None) -> BuiltStep:
         """``shape``: build at this bucket shape instead of the smallest one that fits."""
+        decodes_only = (shape is None and self.plain_row is not None and self.kvp == 1
+                        and not plan.prefills and not plan.num_draft_tokens)
+        if decodes_only:
+            built = self._advance(plan, requests, state_row, flags)
+            if built is not None:
+                return built
+        built = self._build(plan, requests, sampler_row, neutral_row, state_row, flags, shape)
+        self._last = None
+        if decodes_only and plan.decodes:
+            dec = [requests[c.request_id] for c in plan.decodes]
+            if all(map(self.plain_row, dec)):
+                self._last = _LastDecodes(plan.decodes, dec, built, flags,
+                                          [r.block_ids for r in dec],
+                                          [len(r.block_ids) for r in dec])
+        return built
+
+    def _advance(self, plan: BatchPlan, requests: dict[str, Request],
+                 state_row: "callable[[Request], int]", flags: StepFlags) -> BuiltStep | None:
+        """The steady state of decoding, cheaply: when the last step built was all decodes
+        of the same requests in the same order, each one token further, at the same shape
+        and switches, every row plain (no bans, no mask) then and now, this step's arrays
+        are a copy of that one's with the per-token fields rewritten (tokens, positions,
+        slots, KV lengths, state rows, sampling steps; page-table rows whose request took
+        a new block). None when it does not apply: ``_build`` then builds it (a test holds
+        the two equal)."""
+        last = self._last
+        if last is None or flags != last.flags or len(plan.decodes) != len(last.decodes):
+            return None
+        shape = self.ready(self.buckets.shape_for(len(plan.decodes), 0))
+        if shape != last.built.shape:
+            return None
+        dec = []
+        for c, old, req, blocks in zip(plan.decodes, last.decodes, last.requests,
+                                       last.blocks):
+            r = requests.get(c.request_id)
+            if (r is not req or c.start != old.start + 1 or r.block_ids is not blocks
+                    or not self.plain_row(r)):
+                return None
+            dec.append(r)
+        nd, ps = len(dec), self.page_size
+        pos = [c.start for c in plan.decodes]
+        leaves, treedef = jax.tree_util.tree_flatten(last.built.arrays)
+        arrays = treedef.unflatten([leaf.copy() for leaf in leaves])
+        b, sb = arrays.batch, arrays.sampling
+        srows = [state_row(r) for r in dec]
+        tokens = np.asarray([r.token_ids[p] for r, p in zip(dec, pos)], np.int32)
+        fed = tokens == PLACEHOLDER
+        b.tokens[:nd] = np.where(fed, 0, tokens)
+        arrays.token_fed[:nd] = fed
+        b.attn.positions[:nd] = pos
+        b.attn.kv_lens[:nd] = [p + 1 for p in pos]
+        b.slots[:nd] = [r.block_ids[p // ps] * ps + p % ps for r, p in zip(dec, pos)]
+        lens = [len(r.block_ids) for r in dec]
+        for i, (n, was) in enumerate(zip(lens, last.lens)):
+            if n != was:
+                b.attn.page_table[i, :n] = dec[i].block_ids
+        arrays.token_state_rows[:nd] = srows
+        arrays.state_rows[:nd] = srows
+        arrays.sampled_state_rows[:nd] = srows
+        sb.step[:nd] = [r.num_output_tokens for r in dec]
+        built = BuiltStep(shape, arrays, list(enumerate(plan.decodes)))
+        self._last = _LastDecodes(plan.decodes, dec, built, flags, last.blocks, lens)
+        return built
+
+    def _build(self, plan: BatchPlan, requests: dict[str, Request],
+               sampler_row: "callable[[Request], SamplerRow]", neutral_row: SamplerRow,
+               state_row: "callable[[Request], int]", flags: StepFlags,
+               shape: tuple[int, int] | None = None) -> BuiltStep:
+        """The step built from the requests' state alone."""
         bd, padded_prefill_tokens = shape or self.ready(self.buckets.shape_for(
             plan.num_decode_rows, sum(c.num_tokens for c in plan.prefills)))
         s = bd + (self.buckets.prefill_rows if padded_prefill_tokens else 0)
@@ -180,8 +257,12 @@ class StepBuilder:
         h.state_rows[:nd] = srows
         if self.kvp == 1:
             h.slots[:nd] = [r.block_ids[p // ps] * ps + p % ps for r, p in zip(dec, pos_d)]
-            for i, r in enumerate(dec):
-                h.page_table[i, :len(r.block_ids)] = r.block_ids
+            # Every row's blocks in one store: a boolean mask over the table takes them in
+            # row-major order, so the blocks of all rows, concatenated, fill it.
+            tables = [r.block_ids for r in dec]
+            lens = np.fromiter(map(len, tables), np.int32, nd)
+            h.page_table[:nd][np.arange(h.page_table.shape[1]) < lens[:, None]] = \
+                list(itertools.chain.from_iterable(tables))
         else:
             pool = self.pool_pages
             pages = np.asarray([r.block_ids[p // ps] for r, p in zip(dec, pos_d)], np.int32)
@@ -190,13 +271,14 @@ class StepBuilder:
             for i, r in enumerate(dec):
                 h.start_groups[i] = self._kvp_row(h.page_table, i, r.block_ids)
         h.sampled_state_rows[:nd] = srows
-        for i, (r, c) in enumerate(zip(dec, chunks)):
-            h.rows[i] = sampler_row(r)
-            if c.drafts:  # a row of a speculating decode: the token after position start
-                # (no bans differ between its rows: drafts start past min_tokens)
-                h.rows[i] = dataclasses.replace(
-                    h.rows[i], step=c.start + 1 - r.num_prompt_tokens, draft=c.drafts[0])
-            h.sample_rows.append((i, c))
+        h.rows[:nd] = map(sampler_row, dec)
+        h.sample_rows.extend(enumerate(chunks))
+        if plan.num_draft_tokens:
+            for i, (r, c) in enumerate(zip(dec, chunks)):
+                if c.drafts:  # a row of a speculating decode: the token after position start
+                    # (no bans differ between its rows: drafts start past min_tokens)
+                    h.rows[i] = h.rows[i]._replace(step=c.start + 1 - r.num_prompt_tokens,
+                                                   draft=c.drafts[0])
 
     def _fill_prefills(self, h: "_HostArrays", plan: BatchPlan, requests, sampler_row,
                        state_row, first_row: int) -> None:
@@ -234,6 +316,17 @@ class StepBuilder:
                 h.sample_rows.append((row, c))
                 h.sampled_state_rows[row] = srow
             start = end
+
+
+class _LastDecodes(NamedTuple):
+    """The last all-decode step built with every row plain (``StepBuilder._advance``)."""
+
+    decodes: tuple[ScheduledChunk, ...]
+    requests: list[Request]
+    built: BuiltStep
+    flags: StepFlags
+    blocks: list[list[int]]  # each request's block list (the same list while it runs)
+    lens: list[int]  # how many blocks each held then
 
 
 @dataclasses.dataclass

@@ -159,8 +159,10 @@ class SchedulerBase(abc.ABC):
         in flight."""
         entry = next(e for e in self._launched if e.plan is plan)
         # A speculating decode's tokens are verified on the host: it stays held until then.
-        verified = {r for r, c in zip(entry.requests, plan.decodes) if c.drafts}
-        for req in list(entry.held - verified):
+        held = entry.held
+        if plan.num_draft_tokens:
+            held = held - {r for r, c in zip(entry.requests, plan.decodes) if c.drafts}
+        for req in list(held):
             if not req.status.finished and may_continue(req):
                 req.token_ids.append(PLACEHOLDER)
                 entry.held.discard(req)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 
@@ -39,8 +40,9 @@ class BatchPlan:
         return (len(self.decodes) + self.num_draft_tokens
                 + sum(c.num_tokens for c in self.prefills))
 
-    @property
+    @functools.cached_property
     def num_draft_tokens(self) -> int:
+        """Kept once asked (the engine asks several times a step; the plan never changes)."""
         return sum(len(c.drafts) for c in self.decodes)
 
     @property
