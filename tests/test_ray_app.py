@@ -65,6 +65,17 @@ def _ask(url: str, prompt: str, max_tokens: int) -> tuple[int, dict, str | None]
     return r.status_code, r.json(), r.headers.get("x-jserve-replica")
 
 
+def _decisions_after(url: str, n: int) -> list[dict]:
+    """The ingress's routing decisions numbered after ``n`` (it keeps the last 256)."""
+    return [d for d in httpx.get(url + "/v1/route/decisions", timeout=30).json()
+            if d["n"] > n]
+
+
+def _last_decision(url: str) -> int:
+    return max((d["n"] for d in httpx.get(url + "/v1/route/decisions", timeout=30).json()),
+               default=0)
+
+
 def _greedy(n):
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
@@ -92,7 +103,7 @@ def test_openai_client_gets_the_offline_completions_through_the_ingress(ray_app,
 def test_the_deadline_router_sends_a_short_request_to_the_idle_replica(ray_app):
     result = {}
 
-    decided = len(httpx.get(ray_app + "/v1/route/decisions", timeout=30).json())
+    decided = _last_decision(ray_app)
 
     def document():  # 4,000 tokens in chunks of 4
         r = httpx.post(ray_app + "/v1/completions", timeout=300, json={
@@ -102,7 +113,7 @@ def test_the_deadline_router_sends_a_short_request_to_the_idle_replica(ray_app):
     t = threading.Thread(target=document)
     t.start()
     deadline = time.monotonic() + 120
-    while len(httpx.get(ray_app + "/v1/route/decisions", timeout=30).json()) == decided:
+    while not _decisions_after(ray_app, decided):
         assert time.monotonic() < deadline, "the document was never routed"
         time.sleep(0.01)
     time.sleep(0.3)  # the document is being prefilled, and the routing stats show it
@@ -134,7 +145,7 @@ def test_a_killed_replica_loses_no_accepted_request(ray_app, llm):
     names = _replica_names()
     assert len(names) == 2
     prompts = [f"{i} is the number of this request" for i in range(8)]  # no shared prefix
-    decided = len(httpx.get(ray_app + "/v1/route/decisions", timeout=30).json())
+    decided = _last_decision(ray_app)
     # Long enough that the killed replica's requests are still running when it dies.
     want = [o.text for o in llm.generate(prompts, _greedy(460))]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -142,7 +153,7 @@ def test_a_killed_replica_loses_no_accepted_request(ray_app, llm):
         sent, deadline = [], time.monotonic() + 120
         while not sent:  # the first request routed: its replica is killed while it runs
             assert time.monotonic() < deadline, "no request was routed"
-            sent = httpx.get(ray_app + "/v1/route/decisions", timeout=30).json()[decided:]
+            sent = _decisions_after(ray_app, decided)
         # (Not after every request is routed: the router holds a request while its replicas
         # are full, so by then the first replica's requests may all have finished.)
         victim = next(n for n in names if n.endswith("#" + sent[0]["chosen"]))
@@ -180,14 +191,14 @@ def test_scaling_down_finishes_what_the_stopped_replica_accepted(ray_app, llm):
         time.sleep(0.2)
     prompts = [f"request {i} of the scale-down" for i in range(6)]
     want = [o.text for o in llm.generate(prompts, _greedy(300))]
-    decided = len(httpx.get(ray_app + "/v1/route/decisions", timeout=30).json())
+    decided = _last_decision(ray_app)
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(_ask, ray_app, p, 300) for p in prompts]
         sent = []
         deadline = time.monotonic() + 60
         while len({d["chosen"] for d in sent}) < 2:  # both replicas hold requests
             assert time.monotonic() < deadline, sent
-            sent = httpx.get(ray_app + "/v1/route/decisions", timeout=30).json()[decided:]
+            sent = _decisions_after(ray_app, decided)
             time.sleep(0.01)
         # What Ray's external-scaler endpoint calls (PUT .../deployments/.../scale).
         ray.get(_get_global_client()._controller.update_deployment_replicas.remote(

@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 REPLICA_HEADER = "x-jserve-replica"
 # The last routing decisions made in this process (the ingress's): what it saw and chose.
 DECISIONS: collections.deque = collections.deque(maxlen=256)
+DECISION_NUMBERS = itertools.count(1)  # each decision's "n": what came after a given one
 _RETRYABLE = (ActorDiedError, ActorUnavailableError, RayActorError)
 
 
@@ -123,7 +124,8 @@ class JServeRouter(FIFOMixin, RequestRouter):
         # Ray may hold this class as a pickled copy with globals of its own: record into the
         # module the ingress reads.
         from jserve.serving import ray_app
-        ray_app.DECISIONS.append({"policy": self.policy, "request": dataclasses.asdict(request),
+        ray_app.DECISIONS.append({"n": next(ray_app.DECISION_NUMBERS), "policy": self.policy,
+                          "request": dataclasses.asdict(request),
                           "loads": [v.load.to_dict() for v in views],
                           "cached": [v.cached_tokens for v in views],
                           "replicas": [r.replica_id.unique_id for r in candidate_replicas],
@@ -299,7 +301,9 @@ def build_app(args: dict | None = None):
     """The application: ``args`` (strings from ``serve run ... key=value`` or values):
     ``model`` ("default"), ``replicas`` (2), ``router`` ("deadline"), ``engine`` (a JSON
     object of ``LLM`` keyword arguments), ``server`` (of ``ServerConfig`` fields),
-    ``stats_period_s`` (0.2), ``num_cpus`` / ``num_gpus`` per replica, ``autoscale``
+    ``stats_period_s`` (0.2), ``num_cpus`` / ``num_gpus`` per replica, ``max_ongoing``
+    (requests Ray lets a replica hold; Ray's default, 5: beyond it the router holds them),
+    ``ingress_max_ongoing`` (4096), ``autoscale``
     ("MIN,MAX" replicas on Ray's ongoing-requests target ``target_ongoing`` (4)) with
     ``autoscaling`` (a JSON object of further ``AutoscalingConfig`` fields, e.g.
     ``upscale_delay_s``, ``downscale_delay_s``, ``look_back_period_s``)."""
@@ -323,6 +327,8 @@ def build_app(args: dict | None = None):
             request_router_kwargs={"policy": router},
             request_routing_stats_period_s=float(a.get("stats_period_s", 0.2)),
             request_routing_stats_timeout_s=float(a.get("stats_timeout_s", 5.0))))
+    if a.get("max_ongoing"):
+        options["max_ongoing_requests"] = int(a["max_ongoing"])
     if a.get("autoscale"):
         lo, hi = (int(x) for x in str(a["autoscale"]).split(","))
         options["autoscaling_config"] = AutoscalingConfig(
@@ -333,8 +339,11 @@ def build_app(args: dict | None = None):
         options["num_replicas"] = int(a.get("replicas", 2))
     replica = serve.deployment(JServeReplica, name="JServeReplica", **options).bind(
         model, engine, server)
-    ingress = serve.deployment(Ingress, name="Ingress",
-                               ray_actor_options={"num_cpus": 0}).bind(replica, model)
+    # The ingress only awaits replicas: Ray's default of 5 ongoing requests would cap the
+    # whole service at 5 (a sixth request, even GET /v1/route/decisions, queued in the proxy).
+    ingress = serve.deployment(Ingress, name="Ingress", ray_actor_options={"num_cpus": 0},
+                               max_ongoing_requests=int(a.get("ingress_max_ongoing", 4096))
+                               ).bind(replica, model)
     return ingress
 
 
