@@ -185,7 +185,7 @@ class StepBuilder:
         arrays.token_fed[:nd] = fed
         b.attn.positions[:nd] = pos
         b.attn.kv_lens[:nd] = [p + 1 for p in pos]
-        b.slots[:nd] = [r.block_ids[p // ps] * ps + p % ps for r, p in zip(dec, pos)]
+        b.slots[:nd] = _decode_slots(dec, pos, ps)
         lens = [len(r.block_ids) for r in dec]
         for i, (n, was) in enumerate(zip(lens, last.lens)):
             if n != was:
@@ -256,7 +256,7 @@ class StepBuilder:
         h.logits_rows[:nd] = np.arange(nd)
         h.state_rows[:nd] = srows
         if self.kvp == 1:
-            h.slots[:nd] = [r.block_ids[p // ps] * ps + p % ps for r, p in zip(dec, pos_d)]
+            h.slots[:nd] = _decode_slots(dec, pos_d, ps)
             # Every row's blocks in one store: a boolean mask over the table takes them in
             # row-major order, so the blocks of all rows, concatenated, fill it.
             tables = [r.block_ids for r in dec]
@@ -316,6 +316,12 @@ class StepBuilder:
                 h.sample_rows.append((row, c))
                 h.sampled_state_rows[row] = srow
             start = end
+
+
+def _decode_slots(requests: list[Request], positions: list[int], page_size: int) -> list[int]:
+    """The KV slot each decode row writes (kvp == 1): its position's page, then offset."""
+    return [r.block_ids[p // page_size] * page_size + p % page_size
+            for r, p in zip(requests, positions)]
 
 
 class _LastDecodes(NamedTuple):
