@@ -691,8 +691,9 @@ def render_markdown(res: dict) -> str:
                    "are real; the times measure the interpreter and the CPU, not a kernel.")
         out.append("")
     out.append(f"Peak figures ({res['device_kind']}): "
-               f"{fmt(peaks['tflops'])} TFLOP/s dense bf16, {fmt(peaks['tbps'])} TB/s "
-               f"(n/a: not in the script's table; pass --peak-tflops/--peak-tbps).")
+               f"{fmt(peaks['tflops'])} TFLOP/s dense bf16, {fmt(peaks['tbps'])} TB/s"
+               + (" (n/a: not in the script's table; pass --peak-tflops/--peak-tbps)."
+                  if peaks["tflops"] is None or peaks["tbps"] is None else " (datasheet)."))
     out += ["", "## Checks", ""]
     out.append(md_table(["check", "status", "detail"],
                         [[c["name"], c["status"], c.get("detail") or ""] for c in res["checks"]]))

@@ -118,6 +118,33 @@ def test_kv_write_kernel_matches_the_scatter_outside_the_sink_page(writer):
                                   np.asarray(ref[:, 1:], np.float32))
 
 
+def test_gpu_kernels_read_and_write_one_layer_of_a_stacked_cache_in_place():
+    """The serving step hands the GPU kernels the whole stacked cache and a traced layer
+    index: writing at layer 1 changes that layer alone (as the scatter does), and attention
+    at layer 1 equals attention over that layer's pages alone."""
+    rng = np.random.default_rng(7)
+    q, kp, vp, meta, _ = ragged_case(rng, [9, 0], [(0, 20), (30, 5)], hq=4, hkv=2, d=64,
+                                     page_size=4, width=16)
+    noise = lambda: rng.normal(size=(3, *kp.shape))
+    k_stack = jnp.asarray(noise(), jnp.float32).at[1].set(kp)
+    v_stack = jnp.asarray(noise(), jnp.float32).at[1].set(vp)
+    attend = jax.jit(lambda q, k, v, meta, i: pallas_gpu.ragged_paged_attention(
+        q, k, v, meta, interpret=True, prefill_block_rows=32, layer=i))
+    out, lse = attend(jnp.asarray(q), k_stack, v_stack, meta, jnp.int32(1))
+    ref_out, ref_lse = reference(jnp.asarray(q), jnp.asarray(kp), jnp.asarray(vp), meta)
+    np.testing.assert_allclose(out, ref_out, atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(lse, ref_lse, atol=2e-5, rtol=2e-5)
+
+    pages, slots, new = kv_write_case(rng)
+    stack = jnp.asarray(rng.normal(size=(3, *pages.shape)), jnp.float32)
+    write = jax.jit(lambda p, s, n, i: kv_write.write_kv_gpu(p, s, n, interpret=True, layer=i))
+    out = write(stack, slots, new, jnp.int32(1))
+    ref = kv_write.write_kv(stack, slots, new, layer=1)
+    assert out.shape == stack.shape
+    np.testing.assert_array_equal(np.asarray(out[:, :, 1:]), np.asarray(ref[:, :, 1:]))
+    np.testing.assert_array_equal(np.asarray(out[::2]), np.asarray(stack[::2]))
+
+
 @pytest.mark.parametrize("platform, attend, writer, target", [
     ("cuda", pallas_gpu.ragged_paged_attention, kv_write.write_kv_gpu, "__gpu$xla.gpu.triton"),
     ("tpu", pallas_tpu.ragged_paged_attention, kv_write.write_kv_tpu, "tpu_custom_call")])

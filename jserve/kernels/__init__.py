@@ -45,21 +45,26 @@ def attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: Attent
               impl: str = "reference", layer=None) -> tuple[jax.Array, jax.Array]:
     """Returns (output [T, Hq, D], log-sum-exp [T, Hq]). Pages are one layer's
     [Hkv, P, S, D], or with ``layer`` (may be traced) a stacked cache [layers, Hkv, P, S, D]
-    read at that layer. The reference gathers straight from the stacked cache; the Pallas
-    kernels are handed the layer's slice (a copy unless XLA elides it; docs/startup.md)."""
+    read at that layer. The reference and the GPU kernel read the stacked cache in place; the
+    TPU kernel is handed the layer's slice (a copy unless XLA elides it; docs/device.md)."""
     impl = resolve_impl(impl)
     if impl == "reference":
         return ragged_paged_attention(q, k_pages, v_pages, meta, layer=layer)
     backend, kernel, _ = _KERNELS[impl]
-    return kernel(q, _layer(k_pages, layer), _layer(v_pages, layer), meta,
-                  interpret=jax.default_backend() != backend)
+    interpret = jax.default_backend() != backend
+    if impl == "pallas_gpu":
+        return kernel(q, k_pages, v_pages, meta, interpret=interpret, layer=layer)
+    return kernel(q, _layer(k_pages, layer), _layer(v_pages, layer), meta, interpret=interpret)
 
 
 def _write(pages: jax.Array, slots: jax.Array, new: jax.Array, impl: str, layer) -> jax.Array:
     if impl == "reference":
         return kv_write.write_kv(pages, slots, new, layer=layer)
     backend, _, kernel = _KERNELS[impl]
-    out = kernel(_layer(pages, layer), slots, new, interpret=jax.default_backend() != backend)
+    interpret = jax.default_backend() != backend
+    if impl == "pallas_gpu":
+        return kernel(pages, slots, new, interpret=interpret, layer=layer)
+    out = kernel(_layer(pages, layer), slots, new, interpret=interpret)
     return out if layer is None else jax.lax.dynamic_update_index_in_dim(pages, out, layer, 0)
 
 

@@ -37,32 +37,39 @@ def write_kv(pages: jax.Array, slots: jax.Array, new: jax.Array, layer=None) -> 
     return flat.reshape(pages.shape)
 
 
-def _gpu_kernel(slots_ref, new_ref, _, pages_ref):
-    pages_ref[slots_ref[...]] = new_ref[...].astype(pages_ref.dtype)
+def _gpu_kernel(layer_ref, slots_ref, new_ref, _, pages_ref):
+    pages_ref[layer_ref[0], slots_ref[...]] = new_ref[...].astype(pages_ref.dtype)
 
 
 def write_kv_gpu(pages: jax.Array, slots: jax.Array, new: jax.Array, *,
-                 interpret: bool = False) -> jax.Array:
-    hkv, p, s, d = pages.shape
+                 interpret: bool = False, layer=None) -> jax.Array:
+    """Pages [Hkv, P, S, D], or with ``layer`` (may be traced) stacked [L, Hkv, P, S, D]
+    written at that layer in place (returned whole): the kernel indexes the layer itself,
+    since a slice of the stacked cache would copy the layer's whole pool."""
+    stacked = layer is not None
+    pages4 = pages if stacked else pages[None]
+    n, hkv, p, s, d = pages4.shape
     t = slots.shape[0]
     bt = GPU_BLOCK_TOKENS
     pad = -t % bt
     slots = jnp.pad(slots, (0, pad))  # the extra rows go to the sink page 0
     new = jnp.pad(new.transpose(1, 0, 2), ((0, 0), (0, pad), (0, 0)))
+    layer = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
     out = pl.pallas_call(
         _gpu_kernel,
         grid=(hkv, (t + pad) // bt),
-        in_specs=[pl.BlockSpec((bt,), lambda h, i: (i,)),
+        in_specs=[pl.BlockSpec((1,), lambda h, i: (0,)),
+                  pl.BlockSpec((bt,), lambda h, i: (i,)),
                   pl.BlockSpec((None, bt, d), lambda h, i: (h, i, 0)),
                   pl.BlockSpec(memory_space=pl.ANY)],
-        out_specs=pl.BlockSpec((None, p * s, d), lambda h, i: (h, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((hkv, p * s, d), pages.dtype),
-        input_output_aliases={2: 0},
+        out_specs=pl.BlockSpec((n, None, p * s, d), lambda h, i: (0, h, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((n, hkv, p * s, d), pages.dtype),
+        input_output_aliases={3: 0},
         compiler_params=plgpu.CompilerParams(num_warps=1),  # Triton, not Mosaic GPU
         interpret=interpret,
         name="kv_write_gpu",
-    )(slots, new, pages.reshape(hkv, p * s, d))
-    return out.reshape(hkv, p, s, d)
+    )(layer, slots, new, pages4.reshape(n, hkv, p * s, d))
+    return out.reshape(pages.shape)
 
 
 def _tpu_kernel(slots_ref, new_hbm, _, pages_hbm, sem):

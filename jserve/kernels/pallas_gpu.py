@@ -13,6 +13,9 @@ programs (split-K) when it has too few programs to fill the GPU (a small decode 
 chunk at a long context); the parts are merged on their log-sum-exps.
 Quantized pages (``jserve.kernels.kv_quant``) are read as stored (int8 or fp8, plus the int8
 rows' scales) and dequantized per KV block in the kernel, to q's dtype for the matmuls.
+The serving step's stacked cache [layers, Hkv, P, S, D] is handed over whole with the layer
+index (read in the kernel), never sliced: a slice of the stacked cache is a copy of that
+layer's whole pool per call, which on an H100 cost more than the rest of a decode step.
 The reference for this kernel is :func:`jserve.kernels.reference.ragged_paged_attention`.
 """
 from __future__ import annotations
@@ -35,21 +38,23 @@ TARGET_PROGRAMS = 256
 MAX_SPLITS = 32
 
 
-def _kernel(seq_lo_ref, seq_hi_ref, tok_pos_ref, q_end_ref, kv_lens_ref, table_ref, q_ref,
-            seq_ref, pos_ref, k_ref, v_ref, *refs, pages_per_block, blocks_per_split,
+def _kernel(layer_ref, seq_lo_ref, seq_hi_ref, tok_pos_ref, q_end_ref, kv_lens_ref, table_ref,
+            q_ref, seq_ref, pos_ref, k_ref, v_ref, *refs, pages_per_block, blocks_per_split,
             tokens_per_block, scale):
-    # int8 pages bring their scales (ks_ref, vs_ref [P, S, 1]) before the outputs.
+    # k_ref, v_ref: the head's pages of every layer [L, P, S, D]; int8 pages bring their
+    # scales (ks_ref, vs_ref [L, P, S, 1]) before the outputs.
     ks_ref, vs_ref, o_ref, lse_ref = refs if len(refs) == 4 else (None, None, *refs)
     b, split = pl.program_id(1), pl.program_id(2)
     rows, d = q_ref.shape
-    chunk = pages_per_block * k_ref.shape[1]
+    chunk = pages_per_block * k_ref.shape[2]
+    layer = layer_ref[0]
     q, row_seq, row_pos = q_ref[...], seq_ref[...], pos_ref[...]
 
     def load(ref, scale_ref, ids):
         """A KV block [chunk, D] in q's dtype, dequantized in registers."""
-        x = ref[ids].reshape(chunk, d)
+        x = ref[layer, ids].reshape(chunk, d)
         if scale_ref is not None:
-            x = x.astype(jnp.float32) * scale_ref[ids].reshape(chunk, 1)
+            x = x.astype(jnp.float32) * scale_ref[layer, ids].reshape(chunk, 1)
         return x.astype(q.dtype)
 
     def per_seq(s, carry):
@@ -74,11 +79,12 @@ def _kernel(seq_lo_ref, seq_hi_ref, tok_pos_ref, q_end_ref, kv_lens_ref, table_r
     lse_ref[...] = lse.reshape(rows)
 
 
-def _attend(rb: blocks.RowBlocks, k_pages, v_pages, kv_lens, page_table, *, splits,
+def _attend(rb: blocks.RowBlocks, k_pages, v_pages, layer, kv_lens, page_table, *, splits,
             pages_per_block, interpret):
-    """One launch over row blocks -> (out [Hkv, NB, R, D] f32, lse [Hkv, NB, R])."""
+    """One launch over row blocks -> (out [Hkv, NB, R, D] f32, lse [Hkv, NB, R]); the pages
+    are stacked [L, Hkv, P, S, D], read at ``layer`` [1]."""
     hkv, nb, rows, d = rb.q.shape
-    _, num_pages, page_size, _ = k_pages.shape
+    num_layers, _, num_pages, page_size, _ = k_pages.shape
     (k_values, k_scales), (v_values, v_scales) = map(kv_quant.split, (k_pages, v_pages))
     width = page_table.shape[1]
     blocks_per_split = -(-(width // pages_per_block) // splits)
@@ -87,13 +93,14 @@ def _attend(rb: blocks.RowBlocks, k_pages, v_pages, kv_lens, page_table, *, spli
                                tokens_per_block=rb.tokens_per_block, scale=d ** -0.5)
     whole = lambda x: pl.BlockSpec(x.shape, lambda h, b, k: (0,) * x.ndim)
     per_row = pl.BlockSpec((None, rows), lambda h, b, k: (b, 0))
-    pages = pl.BlockSpec((None, num_pages, page_size, d), lambda h, b, k: (h, 0, 0, 0))
-    scalars = (rb.seq_lo, rb.seq_hi, rb.tok_pos, rb.q_end, kv_lens, page_table)
+    pages = pl.BlockSpec((num_layers, None, num_pages, page_size, d),
+                         lambda h, b, k: (0, h, 0, 0, 0))
+    scalars = (layer, rb.seq_lo, rb.seq_hi, rb.tok_pos, rb.q_end, kv_lens, page_table)
     kv, kv_specs = [k_values, v_values], [pages, pages]
     if k_scales is not None:
         kv += [k_scales, v_scales]
-        kv_specs += [pl.BlockSpec((None, num_pages, page_size, 1),
-                                  lambda h, b, k: (h, 0, 0, 0))] * 2
+        kv_specs += [pl.BlockSpec((num_layers, None, num_pages, page_size, 1),
+                                  lambda h, b, k: (0, h, 0, 0, 0))] * 2
     out, lse = pl.pallas_call(
         kernel,
         grid=(hkv, nb, splits),
@@ -120,12 +127,18 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            meta: AttentionMetadata, *, interpret: bool = False,
                            pages_per_block: int = PAGES_PER_BLOCK,
                            prefill_block_rows: int = PREFILL_BLOCK_ROWS,
-                           splits: int | None = None) -> tuple[jax.Array, jax.Array]:
+                           splits: int | None = None, layer=None) -> tuple[jax.Array, jax.Array]:
     """Same contract as the reference: (out [T, Hq, D] in q's dtype, lse [T, Hq] float32).
+    Pages are one layer's [Hkv, P, S, D], or with ``layer`` (may be traced) a stacked cache
+    [layers, Hkv, P, S, D] read at that layer in place.
 
     ``splits`` fixes the split-K factor of both launches (default: :func:`kv_splits`)."""
+    if layer is None:
+        k_pages, v_pages = (jax.tree.map(lambda p: p[None], x) for x in (k_pages, v_pages))
+        layer = 0
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
     t, hq, d = q.shape
-    hkv = k_pages.shape[0]
+    hkv = k_pages.shape[1]
     g = hq // hkv
     nd = meta.num_decodes
     width = meta.page_table.shape[1]
@@ -134,7 +147,8 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         raise ValueError(f"page table width {width} is not a multiple of {pages_per_block}")
     num_seqs = meta.page_table.shape[0]
     num_live = nd + meta.num_prefills
-    run = functools.partial(_attend, k_pages=k_pages, v_pages=v_pages, kv_lens=meta.kv_lens,
+    run = functools.partial(_attend, k_pages=k_pages, v_pages=v_pages, layer=layer,
+                            kv_lens=meta.kv_lens,
                             page_table=meta.page_table, pages_per_block=pages_per_block,
                             interpret=interpret)
     outs, lses = [], []
