@@ -61,6 +61,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=1024, help="prompt tokens per sequence")
     ap.add_argument("--steps", type=int, default=8, help="decode steps traced")
     ap.add_argument("--impl", default="auto", help="attention_impl")
+    ap.add_argument("--layer-loop", default="auto", choices=("auto", "loop", "unrolled"),
+                    help="EngineConfig.layer_loop")
     ap.add_argument("--top", type=int, default=25, help="kernel names listed")
     ap.add_argument("--out", default=None, help="trace directory (default: a temporary one)")
     args = ap.parse_args(argv)
@@ -73,7 +75,7 @@ def main(argv=None) -> int:
     engine = dc.make_engine(cfg, params, args.impl, max_num_seqs=args.batch,
                             max_num_batched_tokens=2048, max_prefill_seqs=4,
                             max_model_len=args.prompt + new_tokens + page, page_size=page,
-                            num_kv_pages=pages + 2)
+                            num_kv_pages=pages + 2, layer_loop=args.layer_loop)
     rng = np.random.default_rng(0)
     prompts = rng.integers(3, cfg.vocab_size, (args.batch, args.prompt)).tolist()
     greedy = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
@@ -103,7 +105,8 @@ def main(argv=None) -> int:
 
     rows, busy, where = kernel_table(out, traced_steps, args.top)
     print(f"{args.model} batch {args.batch}, prompt {args.prompt}, attention "
-          f"{engine.config.attention_impl}, {jax.devices()[0].device_kind}, jax {jax.__version__}")
+          f"{engine.config.attention_impl}, layer_loop {args.layer_loop}, "
+          f"{jax.devices()[0].device_kind}, jax {jax.__version__}")
     print(f"trace {out}; events of: {where}")
     print(f"step: wall {wall * 1e3:.2f} ms (traced), logged median {logged * 1e3:.2f} ms, "
           f"device busy {busy:.2f} ms ({busy / (wall * 1e3):.0%} of wall)")
