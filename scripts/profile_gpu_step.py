@@ -63,6 +63,9 @@ def main(argv=None) -> int:
     ap.add_argument("--impl", default="auto", help="attention_impl")
     ap.add_argument("--layer-loop", default="auto", choices=("auto", "loop", "unrolled"),
                     help="EngineConfig.layer_loop")
+    ap.add_argument("--cprofile", type=int, default=0, metavar="N",
+                    help="also run N more steps under cProfile and list the host's top "
+                         "functions (where the host loop spends its time)")
     ap.add_argument("--top", type=int, default=25, help="kernel names listed")
     ap.add_argument("--out", default=None, help="trace directory (default: a temporary one)")
     args = ap.parse_args(argv)
@@ -100,6 +103,16 @@ def main(argv=None) -> int:
         wall = (time.perf_counter() - t0) / len(engine.step_log)
     logged = float(np.median([s for _, s in engine.step_log]))
     traced_steps, engine.step_log = len(engine.step_log), None
+    if args.cprofile:
+        import cProfile
+        import pstats
+        prof = cProfile.Profile()
+        t0 = time.perf_counter()
+        prof.runcall(lambda: [engine.step() for _ in range(args.cprofile)])
+        print(f"host, {args.cprofile} steps under cProfile: "
+              f"{(time.perf_counter() - t0) / args.cprofile * 1e3:.2f} ms per step")
+        for key in ("tottime", "cumulative"):
+            pstats.Stats(prof, stream=sys.stdout).sort_stats(key).print_stats(args.top)
     while engine.has_unfinished():
         engine.step()
 
