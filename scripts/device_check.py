@@ -31,15 +31,16 @@ status, ``pass`` or ``fail``, and the exit status is non-zero if any failed:
    and a 32K prompt prefilled in 256- vs 2048-token chunks. Step times come from the
    engine's step log (device step plus the token fetch; no host scheduling); every engine
    serves its workload once untimed first (compiles), then once timed.
-4. Writes ``docs/device.md`` (device, jax version, date, every figure, pass/fail per check)
-   and ``--json`` (default ``docs/device.json``).
+4. Writes ``docs/device/check.md`` (device, jax version, date, every figure, pass/fail per
+   check) and ``--json`` (default ``docs/device/check.json``); ``docs/device.md`` is the
+   hand-written account of what the runs showed.
 
 Smoke mode (``--smoke``; the default on CPU): the same code paths at tiny shapes (4 query /
 2 KV heads, head_dim 32, float32, contexts 64 and 256, a 2-layer model), both Pallas
 flavours run in interpret mode against the reference, the engine with ``pallas_gpu``
 (interpreted) against the reference, and timings of a tiny model that are printed but say
 nothing about performance. It writes its report to a temporary directory unless
-``--write-docs`` is given, so CI never overwrites docs/device.md.
+``--write-docs`` is given, so CI never overwrites docs/device/check.md.
 
 Peak figures come from a table keyed by ``jax.devices()[0].device_kind`` (vendor datasheets;
 ``--peak-tflops`` / ``--peak-tbps`` override it); for an unknown device the utilisations are
@@ -819,13 +820,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="override the device's peak memory bandwidth, TB/s")
     ap.add_argument("--seed", type=int, default=0, help="seeds weights, prompts and cases")
     ap.add_argument("--json", type=Path, default=None,
-                    help="results JSON; unset: docs/device.json in full mode or with "
+                    help="results JSON; unset: docs/device/check.json in full mode or with "
                          "--write-docs, else in a new temporary directory")
     ap.add_argument("--md", type=Path, default=None,
-                    help="report markdown; unset: docs/device.md in full mode or with "
+                    help="report markdown; unset: docs/device/check.md in full mode or with "
                          "--write-docs, else next to the JSON (smoke)")
     ap.add_argument("--write-docs", action="store_true",
-                    help="smoke mode: write docs/device.md and docs/device.json too")
+                    help="smoke mode: write docs/device/check.md and check.json too")
     return ap.parse_args(argv)
 
 
@@ -858,9 +859,9 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     to_docs = not smoke or args.write_docs  # smoke runs (CI) keep off docs/ unless asked
-    json_path = args.json or (ROOT / "docs" / "device.json" if to_docs else
+    json_path = args.json or (ROOT / "docs" / "device" / "check.json" if to_docs else
                               Path(tempfile.mkdtemp(prefix="device-check-")) / "device.json")
-    md_path = args.md or (ROOT / "docs" / "device.md" if to_docs else
+    md_path = args.md or (ROOT / "docs" / "device" / "check.md" if to_docs else
                           json_path.with_suffix(".md"))
     flops_peak, bw_peak = peak_figures(device_kind, args.peak_tflops, args.peak_tbps)
     peaks = (flops_peak, bw_peak)

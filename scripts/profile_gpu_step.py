@@ -23,10 +23,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import device_check as dc  # noqa: E402  (also puts this checkout's jserve first on sys.path)
-
 import jax  # noqa: E402
 
+import device_check as dc  # noqa: E402  (also puts this checkout's jserve first on sys.path)
 from jserve.sampling.params import SamplingParams  # noqa: E402
 
 
@@ -61,7 +60,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=1024, help="prompt tokens per sequence")
     ap.add_argument("--steps", type=int, default=8, help="decode steps traced")
     ap.add_argument("--impl", default="auto", help="attention_impl")
-    ap.add_argument("--layer-loop", default="auto", choices=("auto", "loop", "unrolled"),
+    ap.add_argument("--layer-loop", default="auto", choices=("auto", "loop", "unrolled", "sliced"),
                     help="EngineConfig.layer_loop")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
                     help="also run N more steps under cProfile and list the host's top "

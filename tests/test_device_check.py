@@ -2,7 +2,7 @@
 kernels (both flavours, interpreted) against the reference on decode, prefill and mixed
 batches, the cache writes, the engine's greedy tokens with pallas_gpu against the reference,
 and the timing code paths. Every check must pass and the report must land where it was told
-(never docs/device.md)."""
+(never docs/device/check.md)."""
 from __future__ import annotations
 
 import json
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_device_check_smoke_mode_passes(tmp_path):
     out = tmp_path / "device.json"
-    docs = ROOT / "docs" / "device.md"
+    docs = ROOT / "docs" / "device" / "check.md"
     before = docs.stat().st_mtime_ns if docs.exists() else None
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one plain CPU device
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "device_check.py"),
@@ -60,6 +60,6 @@ def test_device_check_smoke_mode_passes(tmp_path):
     assert len(t["prefill"]) == 3 and len(t["chunked"]) == 1
     assert res["peaks"] == {"tflops": None, "tbps": None} or res["backend"] != "cpu"
 
-    # The report went next to the JSON, not over docs/device.md.
+    # The report went next to the JSON, not over docs/device/check.md.
     assert (tmp_path / "device.md").read_text().startswith("# Device check")
     assert (docs.stat().st_mtime_ns if docs.exists() else None) == before

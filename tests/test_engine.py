@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jserve import SamplingParams
+from jserve.engine.config import EngineConfig
 from jserve.model.weights import DEFAULT_CONFIG, init_params, save_orbax
 from jserve.tokenizer import ByteTokenizer
 from llm_helpers import small_llm
@@ -169,15 +170,31 @@ def test_a_failing_step_ends_its_requests_with_an_error_and_frees_blocks(monkeyp
     assert not eng.has_unfinished() and eng.allocator.num_allocated == 0
 
 
-@pytest.mark.parametrize("layer_loop, max_num_seqs", [("loop", 4), ("loop", 1), ("unrolled", 1)])
+@pytest.mark.parametrize("layer_loop, max_num_seqs",
+                         [("loop", 4), ("loop", 1), ("unrolled", 1), ("sliced", 4)])
 def test_looped_and_unrolled_layers_give_the_same_tokens(reference, layer_loop, max_num_seqs):
     """The default engine here unrolls its 4 layers over per-layer weights; the loop over
     stacked weights must agree, also with one sequence at a time (one-token steps, whose KV
-    write takes the padded-scatter path)."""
+    write takes the padded-scatter path), and so must the layers unrolled in the program
+    over slices of the stacked weights (the GPU default)."""
     llm = small_llm(layer_loop=layer_loop, max_num_seqs=max_num_seqs)
     layers = llm.engine.runner.params["layers"]
-    assert isinstance(layers, dict if layer_loop == "loop" else list)
+    assert isinstance(layers, list if layer_loop == "unrolled" else dict)
+    assert llm.engine.runner.slice_layers == (layer_loop == "sliced")
     assert [llm.generate([p], GREEDY)[0].token_ids for p in PROMPTS] == reference
+
+
+def test_the_layer_mode_follows_backend_depth_and_pipeline():
+    """GPU: sliced (measured on an H100, docs/device.md); elsewhere unrolled up to 8 layers a
+    stage, else the loop; an explicit choice stands, but sliced cannot split into stages."""
+    auto = EngineConfig()
+    assert auto.layer_mode(32, 1, "gpu") == "sliced"
+    assert auto.layer_mode(32, 2, "gpu") == "loop"
+    assert auto.layer_mode(8, 1, "cpu") == "unrolled" and auto.layer_mode(16, 1, "cpu") == "loop"
+    assert auto.layer_mode(16, 2, "tpu") == "unrolled"
+    assert EngineConfig(layer_loop="loop").layer_mode(4, 1, "gpu") == "loop"
+    with pytest.raises(ValueError, match="spp == 1"):
+        EngineConfig(layer_loop="sliced").layer_mode(4, 2, "gpu")
 
 
 def test_a_plain_step_is_one_executable_call_with_the_same_tokens(llm, reference, monkeypatch):

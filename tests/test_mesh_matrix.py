@@ -3,7 +3,8 @@ kvp=4 and spp=4, runs one mixed workload (multi-chunk prefills beside decodes, a
 spanning every KV-cache-parallel group, and preemptions from a small KV pool) and must give
 the 1-device engine's greedy tokens, with top logprobs within float32 reduction-order noise.
 Every mesh runs with async scheduling (the default); the reference and a few meshes (one per
-axis, and all three) run synchronously too ("<mesh>|sync").
+axis, and all three) run synchronously too ("<mesh>|sync"), and one runs its layers unrolled
+over slices of the stacked weights, as on a GPU ("<mesh>|sliced").
 
 Two subprocesses with 8 forced host devices each run half of the meshes side by side (XLA
 compiles on one core, and compiling dominates), so the rest of the suite keeps one CPU
@@ -26,6 +27,7 @@ MESHES = [f"spp={s},kvp={k},tp={t}" for s in (1, 2) for k in (1, 2) for t in (1,
 MESHES += ["tp=4", "kvp=4", "spp=4"]
 MESHES += [f"{m}|sync" for m in ("tp=1", "spp=2,kvp=1,tp=1", "spp=1,kvp=2,tp=1",
                                  "spp=1,kvp=1,tp=2", "spp=2,kvp=2,tp=2")]
+MESHES += ["spp=1,kvp=2,tp=2|sliced"]
 
 _SCRIPT = textwrap.dedent("""
     import json, sys
@@ -47,7 +49,8 @@ _SCRIPT = textwrap.dedent("""
         # The same 16 usable pages on every mesh (a kvp group's pool holds 16/kvp of them plus
         # its sink): a small pool, so every mesh preempts.
         llm = LLM("default", mesh=mesh, num_kv_pages=16 // mc.kvp + 1,
-                  async_scheduling=mode != "sync", **settings)
+                  async_scheduling=mode != "sync",
+                  layer_loop="sliced" if mode == "sliced" else "auto", **settings)
         outs = llm.generate(prompts, params)
         eng = llm.engine
         eng.allocator.check()

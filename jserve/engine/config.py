@@ -75,10 +75,13 @@ class EngineConfig:
     # with a length probe (they need every prompt token to go through the model).
     enable_prefix_caching: bool = True
     # Decoder layers as one loop over stacked weights ("loop": compile time independent of
-    # depth) or unrolled over per-layer weights ("unrolled": XLA:CPU does not copy each
+    # depth), unrolled over per-layer weight arrays ("unrolled": XLA:CPU does not copy each
     # layer's weights every step, ~2x faster decode at small batches, compile time grows
-    # with depth); "auto": unrolled up to 8 layers per pipeline stage (the whole model
-    # without spp), else the loop.
+    # with depth), or unrolled in the program over static slices of the stacked weights
+    # ("sliced", spp == 1 only: XLA:GPU neither copies the weights, as it does for the
+    # loop's dynamic slices, nor pays per-argument dispatch for hundreds of arrays;
+    # docs/device.md). "auto": sliced on GPU without spp; else unrolled up to 8 layers per
+    # pipeline stage (the whole model without spp), else the loop.
     layer_loop: str = "auto"
     seed: int = 0                      # draws seeds for requests that give none
     # "tp=2,kvp=2,spp=2" (sharding.MeshConfig: dp, spp, kvp, tp); dp is not supported yet.
@@ -103,11 +106,20 @@ class EngineConfig:
     # (or its JSON text); parsed into a SpeculativeConfig. None: off.
     speculative_config: SpeculativeConfig | None = None
 
-    def unrolls_layers(self, num_layers: int, spp: int) -> bool:
-        """Whether ``layer_loop`` picks unrolled layers for this depth and pipeline."""
-        if self.layer_loop == "auto":
-            return num_layers // spp <= 8
-        return self.layer_loop == "unrolled"
+    def layer_mode(self, num_layers: int, spp: int, backend: str | None = None) -> str:
+        """What ``layer_loop`` means for this depth, pipeline and backend (default: JAX's):
+        "loop", "unrolled" or "sliced"."""
+        if self.layer_loop == "sliced" and spp > 1:
+            raise ValueError("layer_loop 'sliced' needs spp == 1 (a pipeline stage loops "
+                             "over its own layers)")
+        if self.layer_loop != "auto":
+            return self.layer_loop
+        if spp == 1 and backend is None:
+            import jax
+            backend = jax.default_backend()
+        if spp == 1 and backend == "gpu":
+            return "sliced"
+        return "unrolled" if num_layers // spp <= 8 else "loop"
 
     def __post_init__(self) -> None:
         if isinstance(self.warmup, bool):
@@ -118,8 +130,8 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_seqs", "page_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.layer_loop not in ("auto", "loop", "unrolled"):
-            raise ValueError(f"layer_loop must be 'auto', 'loop' or 'unrolled', "
+        if self.layer_loop not in ("auto", "loop", "unrolled", "sliced"):
+            raise ValueError(f"layer_loop must be 'auto', 'loop', 'unrolled' or 'sliced', "
                              f"got {self.layer_loop!r}")
         if self.preemption not in ("auto", "swap", "recompute"):
             raise ValueError(f"preemption must be 'auto', 'swap' or 'recompute', "

@@ -234,7 +234,8 @@ def _runner(cfg: LlamaConfig, params: Params, config: EngineConfig, mesh_config:
     only shapes and placements); on a mesh they load first."""
     mesh = make_mesh(mesh_config) if mesh_config.size > 1 else None
     placed = hasattr(params, "place")  # a lazy checkpoint streams onto the mesh
-    unroll = config.unrolls_layers(cfg.num_hidden_layers, mesh_config.spp)
+    layer_mode = config.layer_mode(cfg.num_hidden_layers, mesh_config.spp)
+    unroll = layer_mode == "unrolled"
     warm = config.warmup != "none"
 
     def load_weights() -> Params:
@@ -266,7 +267,8 @@ def _runner(cfg: LlamaConfig, params: Params, config: EngineConfig, mesh_config:
 
     make = functools.partial(ModelRunner, buckets=buckets, max_num_seqs=config.max_num_seqs,
                              attention_impl=config.attention_impl, mesh=mesh,
-                             capture_layer=tracker.layer if tracker else None)
+                             capture_layer=tracker.layer if tracker else None,
+                             slice_layers=layer_mode == "sliced")
     if mesh is not None or not warm:
         runner = make(cfg, load_weights(), allocate_kv(), params_placed=True)
         return runner, warmup(runner)

@@ -431,8 +431,11 @@ def _compile_largest_step(cfg: LlamaConfig, engine_config: EngineConfig, geo: Ge
 
     kv = abstract_kv_cache(cfg, 2, engine_config.page_size, mesh, device,
                            engine_config.kv_cache_dtype)
+    spp = 1 if mesh is None else mesh.shape["spp"]
+    mode = engine_config.layer_mode(cfg.num_hidden_layers, spp, device.platform)
     runner = ModelRunner(cfg, params, kv, geo.buckets, engine_config.max_num_seqs,
-                         engine_config.attention_impl, mesh, abstract=True)
+                         engine_config.attention_impl, mesh, abstract=True,
+                         slice_layers=mode == "sliced")
     shape = (geo.buckets.decode_rows[-1], geo.buckets.prefill_tokens[-1])
     options = _CPU_COMPILE_OPTIONS if device.platform == "cpu" else None
     return (shape, CompiledMemory.of(runner._lower(shape)[0].compile(options)),

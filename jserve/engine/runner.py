@@ -263,20 +263,20 @@ def _sample(state: SeqState, inp: SampleInputs) -> tuple[SampleResult, SeqState]
 def _forward_step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array,
                   fbuf: jax.Array, *, layout: PackedLayout, cfg: LlamaConfig,
                   attention_impl: str, mesh: jax.sharding.Mesh | None, rows: int,
-                  capture_layer: int | None = None):
+                  capture_layer: int | None = None, slice_layers: bool = False):
     """The forward of one bucket and the penalty state update; returns (SampleInputs, KV
     cache, state). With ``capture_layer`` set, a fourth output: the layer's ``Capture``
     (prompt sums over the step's prompt tokens); ``None`` compiles exactly the step without
-    it."""
+    it. ``slice_layers`` as in ``forward``."""
     arrays = layout.unpack(layout.feed(ibuf, state.last_tokens), fbuf)
     if mesh is None:
         logits, kv_cache, capture = forward(
             params, kv_cache, arrays.batch, cfg=cfg, attention_impl=attention_impl,
-            capture_layer=capture_layer,
+            capture_layer=capture_layer, slice_layers=slice_layers,
             prompt_mask=arrays.token_is_prompt if capture_layer is not None else None)
     else:  # tensor / KV-cache parallel; the rest of the step runs replicated on the logits
         logits, kv_cache = tp_forward(params, kv_cache, arrays.batch, mesh=mesh, cfg=cfg,
-                                      attention_impl=attention_impl)
+                                      attention_impl=attention_impl, slice_layers=slice_layers)
     inputs, state = _sample_inputs(logits, state, arrays, rows, mesh)
     if capture_layer is not None:
         return inputs, kv_cache, state, capture
@@ -285,7 +285,8 @@ def _forward_step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.
 
 def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, fbuf: jax.Array,
           *, layout: PackedLayout, cfg: LlamaConfig, attention_impl: str,
-          mesh: jax.sharding.Mesh | None, rows: int, capture_layer: int | None = None):
+          mesh: jax.sharding.Mesh | None, rows: int, capture_layer: int | None = None,
+          slice_layers: bool = False):
     """The plain step (spp == 1): ``_forward_step`` and the sampling in one executable, so
     the logits never leave it and the host dispatches one call a step. Returns
     (SampleResult, SampleInputs, KV cache, state[, Capture]); the ``SampleInputs`` serve a
@@ -294,7 +295,8 @@ def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, f
     this one kept in ``state.last_tokens`` before anything reads them."""
     inputs, kv_cache, state, *capture = _forward_step(
         params, kv_cache, state, ibuf, fbuf, layout=layout, cfg=cfg,
-        attention_impl=attention_impl, mesh=mesh, rows=rows, capture_layer=capture_layer)
+        attention_impl=attention_impl, mesh=mesh, rows=rows, capture_layer=capture_layer,
+        slice_layers=slice_layers)
     out, state = _sample(state, inputs)
     return (out, inputs, kv_cache, state, *capture)
 
@@ -359,7 +361,7 @@ def _programs(spp: int):
                        donate_argnums=(1, 2, 3))
         lone = jax.jit(_fresh(_lone_pass), static_argnames=static, donate_argnums=(1, 2))
     else:
-        step = jax.jit(_fresh(_step), static_argnames=static + ("capture_layer",),
+        step = jax.jit(_fresh(_step), static_argnames=static + ("capture_layer", "slice_layers"),
                        donate_argnums=(1, 2))
         lone = None
     return step, lone, jax.jit(_fresh(_sample), donate_argnums=(0,))
@@ -462,7 +464,8 @@ class ModelRunner:
     def __init__(self, cfg: LlamaConfig, params: Params, kv_cache: KVCache, buckets: Buckets,
                  max_num_seqs: int, attention_impl: str, mesh: jax.sharding.Mesh | None = None,
                  capture_layer: int | None = None, params_placed: bool = False,
-                 abstract: bool = False, unroll_layers: bool = False):
+                 abstract: bool = False, unroll_layers: bool = False,
+                 slice_layers: bool = False):
         """``params_placed``: ``params`` are already in the runtime layout, tp-laid-out and
         placed on ``mesh`` (a loader that streams them there, ``jserve.model.weights``).
         ``abstract``: ``params`` (runtime layout, placed) and ``kv_cache`` are
@@ -470,7 +473,9 @@ class ModelRunner:
         compiles (``compiled``, ``sampler``), nothing is allocated (``jserve.engine.memory_plan``).
         ``unroll_layers``: run the layers unrolled over separate per-layer weight arrays
         instead of one loop over stacked ones (``jserve.model.llama.unstack_layers``; with
-        spp each stage's own layers, ``sharding.pipeline.unstack_stages``)."""
+        spp each stage's own layers, ``sharding.pipeline.unstack_stages``). ``slice_layers``
+        (spp == 1): stacked params, the layers unrolled in the program over static slices of
+        them (``EngineConfig.layer_loop`` "sliced")."""
         params_placed = params_placed or abstract
         _check_capture_layer(cfg, capture_layer, mesh)
         self.capture_layer = capture_layer
@@ -492,6 +497,7 @@ class ModelRunner:
                       else new_state(cfg, rows, self._replicated))
         self.state_sink = rows - 1
         self.attention_impl = attention_impl
+        self.slice_layers = slice_layers
         self.sample_rows = buckets.max_rows
         # Speculative decoding widens the decode buckets (1 + k rows a decode); steps within
         # the rows of plain decoding keep a sampler of that size (``rows_for``), so they pay
@@ -559,7 +565,8 @@ class ModelRunner:
                                      attention_impl=self.attention_impl, mesh=self.mesh,
                                      rows=self.rows_for(shape),
                                      **({"decode_rows": self.stream_shape[0]} if self.spp > 1
-                                        else {"capture_layer": self.capture_layer}))
+                                        else {"capture_layer": self.capture_layer,
+                                              "slice_layers": self.slice_layers}))
         return lowered, layout
 
     def _buffer_shapes(self, layout: PackedLayout, lone: bool = False
