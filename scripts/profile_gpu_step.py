@@ -7,7 +7,8 @@ steps, the device's kernels summed by name, against the step's wall time.
 Same random weights and engine settings as ``scripts/device_check.py``'s decode timings. The
 trace (``jax.profiler``, Perfetto JSON) stays in ``--out``; the table printed last gives,
 per kernel name, the calls and milliseconds per step and the share of the device-busy time.
-On CPU it runs too (XLA:CPU's ops instead of kernels); the figures then describe the CPU.
+On CPU it runs too, as a try of the script: the trace has no device process, so the table
+lists the host's events, which nest (their sum is no busy time).
 """
 from __future__ import annotations
 
@@ -119,7 +120,8 @@ def main(argv=None) -> int:
     print(f"{args.model} batch {args.batch}, prompt {args.prompt}, attention "
           f"{engine.config.attention_impl}, layer_loop {args.layer_loop}, "
           f"{jax.devices()[0].device_kind}, jax {jax.__version__}")
-    print(f"trace {out}; events of: {where}")
+    print(f"trace {out}; events of: {where}"
+          + ("" if "/device:" in where else " (no device: nested host events, busy means nothing)"))
     print(f"step: wall {wall * 1e3:.2f} ms (traced), logged median {logged * 1e3:.2f} ms, "
           f"device busy {busy:.2f} ms ({busy / (wall * 1e3):.0%} of wall)")
     print(f"{'kernel':60s} {'calls':>6s} {'ms/step':>8s} {'share':>6s}")
