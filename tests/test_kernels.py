@@ -118,26 +118,27 @@ def test_kv_write_kernel_matches_the_scatter_outside_the_sink_page(writer):
                                   np.asarray(ref[:, 1:], np.float32))
 
 
-def test_gpu_kernels_read_and_write_one_layer_of_a_stacked_cache_in_place():
-    """The serving step hands the GPU kernels the whole stacked cache and a traced layer
-    index: writing at layer 1 changes that layer alone (as the scatter does), and attention
-    at layer 1 equals attention over that layer's pages alone."""
+@pytest.mark.parametrize("attend, writer", [
+    (FLAVOURS["gpu"], kv_write.write_kv_gpu), (FLAVOURS["tpu"], kv_write.write_kv_tpu)])
+def test_kernels_read_and_write_one_layer_of_a_stacked_cache_in_place(attend, writer):
+    """The serving step hands the kernels the whole stacked cache and a traced layer index:
+    writing at layer 1 changes that layer alone (as the scatter does), and attention at
+    layer 1 equals attention over that layer's pages alone."""
     rng = np.random.default_rng(7)
     q, kp, vp, meta, _ = ragged_case(rng, [9, 0], [(0, 20), (30, 5)], hq=4, hkv=2, d=64,
                                      page_size=4, width=16)
     noise = lambda: rng.normal(size=(3, *kp.shape))
     k_stack = jnp.asarray(noise(), jnp.float32).at[1].set(kp)
     v_stack = jnp.asarray(noise(), jnp.float32).at[1].set(vp)
-    attend = jax.jit(lambda q, k, v, meta, i: pallas_gpu.ragged_paged_attention(
-        q, k, v, meta, interpret=True, prefill_block_rows=32, layer=i))
-    out, lse = attend(jnp.asarray(q), k_stack, v_stack, meta, jnp.int32(1))
+    out, lse = jax.jit(lambda q, k, v, meta, i: attend(q, k, v, meta, layer=i))(
+        jnp.asarray(q), k_stack, v_stack, meta, jnp.int32(1))
     ref_out, ref_lse = reference(jnp.asarray(q), jnp.asarray(kp), jnp.asarray(vp), meta)
     np.testing.assert_allclose(out, ref_out, atol=2e-5, rtol=2e-5)
     np.testing.assert_allclose(lse, ref_lse, atol=2e-5, rtol=2e-5)
 
     pages, slots, new = kv_write_case(rng)
     stack = jnp.asarray(rng.normal(size=(3, *pages.shape)), jnp.float32)
-    write = jax.jit(lambda p, s, n, i: kv_write.write_kv_gpu(p, s, n, interpret=True, layer=i))
+    write = jax.jit(lambda p, s, n, i: writer(p, s, n, interpret=True, layer=i))
     out = write(stack, slots, new, jnp.int32(1))
     ref = kv_write.write_kv(stack, slots, new, layer=1)
     assert out.shape == stack.shape
@@ -156,6 +157,14 @@ def test_kernels_lower_for_their_accelerator(platform, attend, writer, target):
     assert target in export(jax.jit(attend))(*args, meta).mlir_module()
     write_args = kv_write_case(np.random.default_rng(1), jnp.bfloat16)
     assert target in export(jax.jit(writer))(*write_args).mlir_module()
+    # The serving step's call: a stacked cache of 3 layers and a traced layer index.
+    stack = lambda x: jnp.stack([x] * 3)  # noqa: E731
+    at_layer = lambda q, k, v, meta, i: attend(q, k, v, meta, layer=i)  # noqa: E731
+    assert target in export(jax.jit(at_layer))(args[0], stack(args[1]), stack(args[2]), meta,
+                                               jnp.int32(1)).mlir_module()
+    write_at = lambda p, s, n, i: writer(p, s, n, layer=i)  # noqa: E731
+    assert target in export(jax.jit(write_at))(stack(write_args[0]), *write_args[1:],
+                                               jnp.int32(1)).mlir_module()
 
 
 def test_auto_picks_the_backends_kernel():

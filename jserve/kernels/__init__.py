@@ -34,38 +34,25 @@ def resolve_impl(impl: str, backend: str | None = None) -> str:
     return next((name for name, (b, *_) in _KERNELS.items() if b == backend), "reference")
 
 
-def _layer(pages, layer):
-    """One layer of stacked pages (both leaves of quantized pages)."""
-    if layer is None:
-        return pages
-    return jax.tree.map(lambda p: jax.lax.dynamic_index_in_dim(p, layer, keepdims=False), pages)
-
-
 def attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: AttentionMetadata,
               impl: str = "reference", layer=None) -> tuple[jax.Array, jax.Array]:
     """Returns (output [T, Hq, D], log-sum-exp [T, Hq]). Pages are one layer's
     [Hkv, P, S, D], or with ``layer`` (may be traced) a stacked cache [layers, Hkv, P, S, D]
-    read at that layer. The reference and the GPU kernel read the stacked cache in place; the
-    TPU kernel is handed the layer's slice (a copy unless XLA elides it; docs/device.md)."""
+    read at that layer in place: every implementation addresses the layer itself, since a
+    slice of the stacked cache is a copy of the layer's whole pool (docs/device.md)."""
     impl = resolve_impl(impl)
     if impl == "reference":
         return ragged_paged_attention(q, k_pages, v_pages, meta, layer=layer)
     backend, kernel, _ = _KERNELS[impl]
-    interpret = jax.default_backend() != backend
-    if impl == "pallas_gpu":
-        return kernel(q, k_pages, v_pages, meta, interpret=interpret, layer=layer)
-    return kernel(q, _layer(k_pages, layer), _layer(v_pages, layer), meta, interpret=interpret)
+    return kernel(q, k_pages, v_pages, meta, interpret=jax.default_backend() != backend,
+                  layer=layer)
 
 
 def _write(pages: jax.Array, slots: jax.Array, new: jax.Array, impl: str, layer) -> jax.Array:
     if impl == "reference":
         return kv_write.write_kv(pages, slots, new, layer=layer)
     backend, _, kernel = _KERNELS[impl]
-    interpret = jax.default_backend() != backend
-    if impl == "pallas_gpu":
-        return kernel(pages, slots, new, interpret=interpret, layer=layer)
-    out = kernel(_layer(pages, layer), slots, new, interpret=interpret)
-    return out if layer is None else jax.lax.dynamic_update_index_in_dim(pages, out, layer, 0)
+    return kernel(pages, slots, new, interpret=jax.default_backend() != backend, layer=layer)
 
 
 def write_kv(pages, slots: jax.Array, new: jax.Array, impl: str = "reference", layer=None):

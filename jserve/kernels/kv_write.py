@@ -46,9 +46,8 @@ def write_kv_gpu(pages: jax.Array, slots: jax.Array, new: jax.Array, *,
     """Pages [Hkv, P, S, D], or with ``layer`` (may be traced) stacked [L, Hkv, P, S, D]
     written at that layer in place (returned whole): the kernel indexes the layer itself,
     since a slice of the stacked cache would copy the layer's whole pool."""
-    stacked = layer is not None
-    pages4 = pages if stacked else pages[None]
-    n, hkv, p, s, d = pages4.shape
+    pages5 = pages if layer is not None else pages[None]
+    n, hkv, p, s, d = pages5.shape
     t = slots.shape[0]
     bt = GPU_BLOCK_TOKENS
     pad = -t % bt
@@ -68,16 +67,16 @@ def write_kv_gpu(pages: jax.Array, slots: jax.Array, new: jax.Array, *,
         compiler_params=plgpu.CompilerParams(num_warps=1),  # Triton, not Mosaic GPU
         interpret=interpret,
         name="kv_write_gpu",
-    )(layer, slots, new, pages4.reshape(n, hkv, p * s, d))
+    )(layer, slots, new, pages5.reshape(n, hkv, p * s, d))
     return out.reshape(pages.shape)
 
 
-def _tpu_kernel(slots_ref, new_hbm, _, pages_hbm, sem):
-    h = pl.program_id(0)
+def _tpu_kernel(layer_ref, slots_ref, new_hbm, _, pages_hbm, sem):
+    h, layer = pl.program_id(0), layer_ref[0]
 
     def copy(t):
         return pltpu.make_async_copy(new_hbm.at[h, pl.ds(t, 1)],
-                                     pages_hbm.at[h, pl.ds(slots_ref[t], 1)], sem)
+                                     pages_hbm.at[layer, h, pl.ds(slots_ref[t], 1)], sem)
 
     n = slots_ref.shape[0]
     jax.lax.fori_loop(0, n, lambda t, c: (copy(t).start(), c)[1], 0)
@@ -85,18 +84,21 @@ def _tpu_kernel(slots_ref, new_hbm, _, pages_hbm, sem):
 
 
 def write_kv_tpu(pages: jax.Array, slots: jax.Array, new: jax.Array, *,
-                 interpret: bool = False) -> jax.Array:
-    hkv, p, s, d = pages.shape
+                 interpret: bool = False, layer=None) -> jax.Array:
+    """As :func:`write_kv_gpu`: one layer's pages, or a stacked cache written at ``layer``."""
+    pages5 = pages if layer is not None else pages[None]
+    n, hkv, p, s, d = pages5.shape
+    layer = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     out = pl.pallas_call(
         _tpu_kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1, grid=(hkv,), in_specs=[any_spec, any_spec],
+            num_scalar_prefetch=2, grid=(hkv,), in_specs=[any_spec, any_spec],
             out_specs=any_spec, scratch_shapes=[pltpu.SemaphoreType.DMA(())]),
-        out_shape=jax.ShapeDtypeStruct((hkv, p * s, d), pages.dtype),
-        input_output_aliases={2: 0},  # operand 2 counts the scalar-prefetched slots
+        out_shape=jax.ShapeDtypeStruct((n, hkv, p * s, d), pages.dtype),
+        input_output_aliases={3: 0},  # operand 3 counts the scalar-prefetched layer, slots
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
         interpret=interpret,
         name="kv_write_tpu",
-    )(slots, new.transpose(1, 0, 2).astype(pages.dtype), pages.reshape(hkv, p * s, d))
-    return out.reshape(hkv, p, s, d)
+    )(layer, slots, new.transpose(1, 0, 2).astype(pages.dtype), pages5.reshape(n, hkv, p * s, d))
+    return out.reshape(pages.shape)

@@ -8,6 +8,10 @@ cache stays in HBM (``pl.ANY``); the kernel copies ``pages_per_block`` pages per
 one of two VMEM buffers with async DMAs, starting step j+1's copies before computing on step
 j's buffer (double buffering), so the MXU works while the next KV block is in flight.
 
+The serving step's stacked cache [layers, Hkv, P, S, D] is handed over whole with the layer
+index (scalar-prefetched like the page table): the DMAs address that layer's pages, so no
+slice of the stacked cache (a copy of the layer's pool) is made.
+
 Quantized pages (``jserve.kernels.kv_quant``) travel as stored (int8 or fp8, and the int8
 rows' scales, DMA'd beside their pages) and are dequantized in VMEM, to q's dtype.
 
@@ -30,8 +34,8 @@ PAGES_PER_BLOCK = 4
 BLOCK_ROWS = 128
 
 
-def _kernel(seq_lo_ref, seq_hi_ref, tok_pos_ref, q_end_ref, kv_lens_ref, table_ref,  # SMEM
-            q_ref, seq_ref, pos_ref, k_hbm, v_hbm, *refs,
+def _kernel(layer_ref, seq_lo_ref, seq_hi_ref, tok_pos_ref, q_end_ref, kv_lens_ref,  # SMEM
+            table_ref, q_ref, seq_ref, pos_ref, k_hbm, v_hbm, *refs,
             pages_per_block, width, tokens_per_block, scale):
     # refs: [ks_hbm, vs_hbm] (int8 pages' scales), o_ref, lse_ref (outputs), k_buf, v_buf,
     # [ks_buf, vs_buf], sem (scratch).
@@ -43,8 +47,9 @@ def _kernel(seq_lo_ref, seq_hi_ref, tok_pos_ref, q_end_ref, kv_lens_ref, table_r
         o_ref, lse_ref, k_buf, v_buf, sem = refs
         pairs = ((k_hbm, k_buf), (v_hbm, v_buf))
     h, b = pl.program_id(0), pl.program_id(1)
+    layer = layer_ref[0]
     rows, d = q_ref.shape
-    page_size = k_hbm.shape[2]
+    page_size = k_hbm.shape[3]
     chunk = pages_per_block * page_size
     q, row_seq, row_pos = q_ref[...], seq_ref[...], pos_ref[...]
 
@@ -55,7 +60,7 @@ def _kernel(seq_lo_ref, seq_hi_ref, tok_pos_ref, q_end_ref, kv_lens_ref, table_r
             page = table_ref[s * width + j * pages_per_block + i]
             for src, dst in pairs:
                 out.append(pltpu.make_async_copy(
-                    src.at[h, page], dst.at[slot, pl.ds(i * page_size, page_size)],
+                    src.at[layer, h, page], dst.at[slot, pl.ds(i * page_size, page_size)],
                     sem.at[slot]))
         return out
 
@@ -99,11 +104,16 @@ def _kernel(seq_lo_ref, seq_hi_ref, tok_pos_ref, q_end_ref, kv_lens_ref, table_r
 
 def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            meta: AttentionMetadata, *, interpret: bool = False,
-                           pages_per_block: int = PAGES_PER_BLOCK, block_rows: int = BLOCK_ROWS
-                           ) -> tuple[jax.Array, jax.Array]:
-    """Same contract as the reference: (out [T, Hq, D] in q's dtype, lse [T, Hq] float32)."""
+                           pages_per_block: int = PAGES_PER_BLOCK, block_rows: int = BLOCK_ROWS,
+                           layer=None) -> tuple[jax.Array, jax.Array]:
+    """Same contract as the reference: (out [T, Hq, D] in q's dtype, lse [T, Hq] float32).
+    Pages are one layer's [Hkv, P, S, D], or with ``layer`` (may be traced) a stacked cache
+    [layers, Hkv, P, S, D] read at that layer in place."""
+    if layer is None:
+        k_pages, v_pages = (jax.tree.map(lambda p: p[None], x) for x in (k_pages, v_pages))
+        layer = 0
     t, hq, d = q.shape
-    hkv, _, page_size, _ = k_pages.shape
+    _, hkv, _, page_size, _ = k_pages.shape
     (k_values, k_scales), (v_values, v_scales) = map(kv_quant.split, (k_pages, v_pages))
     g = hq // hkv
     num_seqs, width = meta.page_table.shape
@@ -125,8 +135,8 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         kv += [k_scales, v_scales]
         kv_specs += [hbm, hbm]
         buffers += [pltpu.VMEM((2, chunk, 1), k_scales.dtype)] * 2
-    scalars = (rb.seq_lo, rb.seq_hi, rb.tok_pos, rb.q_end, meta.kv_lens,
-               meta.page_table.reshape(-1))
+    scalars = (jnp.asarray(layer, jnp.int32).reshape(1), rb.seq_lo, rb.seq_hi, rb.tok_pos,
+               rb.q_end, meta.kv_lens, meta.page_table.reshape(-1))
     out, lse = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
