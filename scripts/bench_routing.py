@@ -258,6 +258,24 @@ def _full_share(recs: list[dict], missed: list[dict], slots: int) -> float:
     return full / len(missed)
 
 
+def _long_everywhere_share(recs: list[dict], missed: list[dict], long_tokens: int,
+                           replicas: int) -> float:
+    """The share of ``missed`` that arrived while every replica had a long prompt between its
+    arrival and its first token (on FIFO replicas a newcomer waits behind it wherever it
+    goes: no choice of replica for the short request could avoid a document's prefill)."""
+    if not missed:
+        return 0.0
+    spans: dict = {}
+    for r in recs:
+        if r["prompt_tokens"] >= long_tokens:
+            end = r["first_token_s"] if r["first_token_s"] is not None else float("inf")
+            spans.setdefault(r.get("replica", 0), []).append((r["arrival_s"], end))
+    if len(spans) < replicas:
+        return 0.0
+    busy = lambda k, t: any(a <= t < e for a, e in spans[k])  # noqa: E731
+    return sum(all(busy(k, r["arrival_s"]) for k in spans) for r in missed) / len(missed)
+
+
 def _sim_once(router: str, n: int, qps: float, seed: int, policy: str = "lars-ss",
               long_fraction: float = 0.05) -> dict:
     """One simulated run: ``router`` over ``REPLICAS`` replicas, or (``router="pooled"``) the
@@ -289,7 +307,9 @@ def _sim_once(router: str, n: int, qps: float, seed: int, policy: str = "lars-ss
     met = attainment(recs, due, slo)  # the TTFT classes; its TPOT share is unused
     out = {"short_ttft_p50": percentile(ttft, 50), "short_ttft_p90": percentile(ttft, 90),
            "short_attainment": met["short"], "long_attainment": met["long"],
-           "missed_with_slots_full": _full_share(recs, missed, cfg.max_num_seqs)}
+           "missed_with_slots_full": _full_share(recs, missed, cfg.max_num_seqs),
+           "missed_with_long_everywhere": _long_everywhere_share(
+               recs, missed, slo.long_prompt_tokens, 1 if pooled else REPLICAS)}
     if pooled:  # its times in the pooled replica's own clock
         out["short_ttft_p50"] /= REPLICAS
         out["short_ttft_p90"] /= REPLICAS
@@ -319,17 +339,18 @@ def sim(a) -> dict:
     routers = [r for r in a.routers.split(",") if r]
     for policy in a.replica_policies.split(","):
         for lf in (float(x) for x in a.long_fractions.split(",")):
-            good = {r: _goodput(r, a, policy, lf)
+            # --table-qps: only the rows at that rate (why requests miss there), no goodput.
+            good = {r: None if a.table_qps else _goodput(r, a, policy, lf)
                     for r in tqdm(routers, desc=f"goodput {policy} long {lf}")}
-            others = [good[r] for r in routers if r not in ("deadline", "pooled")]
+            others = [good[r] or 0.0 for r in routers if r not in ("deadline", "pooled")]
             base = max(others) if others else 0.0
-            at = base if base > 0 else a.lo / 4
+            at = a.table_qps or (base if base > 0 else a.lo / 4)
             table = {r: dict(_sim_mean(r, a, at, policy, lf), goodput_qps=good[r])
                      for r in routers}
             configs[f"{policy} long={lf}"] = {
                 "policy": policy, "long_fraction": lf, "table_qps": at, "table": table,
                 "deadline_over_best_baseline": (good["deadline"] / base
-                                                if base and "deadline" in good else None)}
+                                                if base and good.get("deadline") else None)}
     return {"requests": a.sim_requests, "bracket": [a.lo, a.hi], "rel_tol": a.rel_tol,
             "seeds": a.seeds, "configs": configs}
 
@@ -337,7 +358,8 @@ def sim(a) -> dict:
 def _fmt(table: dict, cols: list[str]) -> str:
     lines = ["| router | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for r, row in table.items():
-        lines.append(f"| {r} | " + " | ".join(f"{row[c]:.3f}" for c in cols) + " |")
+        lines.append(f"| {r} | " + " | ".join(
+            "-" if row.get(c) is None else f"{row[c]:.3f}" for c in cols) + " |")
     return "\n".join(lines)
 
 
@@ -355,6 +377,8 @@ def main() -> None:
     p.add_argument("--long-fractions", default="0.05,0.01",
                    help="sim: shares of 128K-1M-token documents (comma list)")
     p.add_argument("--lo", type=float, default=2.0, help="sim: goodput search's first bracket")
+    p.add_argument("--table-qps", type=float, default=None,
+                   help="sim: only each router's row at this rate (no goodput search)")
     p.add_argument("--hi", type=float, default=8.0)
     p.add_argument("--rel-tol", type=float, default=0.1, help="sim: goodput resolution (ratio)")
     p.add_argument("--seeds", default="0",
@@ -380,7 +404,7 @@ def main() -> None:
             print(f"{name} (rows at {c['table_qps']:.2f} req/s)")
             print(_fmt(c["table"], ["short_ttft_p50", "short_ttft_p90", "short_attainment",
                                     "long_attainment", "missed_with_slots_full",
-                                    "goodput_qps"]))
+                                    "missed_with_long_everywhere", "goodput_qps"]))
     out["uptime_after"] = os.popen("uptime").read().strip()
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1))
