@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 
@@ -228,14 +229,13 @@ def build_engine_parts(cfg: LlamaConfig, params: Params, config: EngineConfig,
 def _runner(cfg: LlamaConfig, params: Params, config: EngineConfig, mesh_config: MeshConfig,
             buckets: Buckets, num_pages: int, tracker: LengthTracker | None,
             times: StartupTimes, core_only: bool) -> tuple[ModelRunner, int | None]:
-    """The runner with its programs warmed up (``config.warmup``) and how many of them came
-    from the persistent cache (None: no warm-up). On one device the weights and the KV
-    pages load in a thread while the programs compile against their specs (lowering needs
-    only shapes and placements); on a mesh they load first."""
+    """The runner, its programs warmed up (``config.warmup``), and how many came from the
+    persistent cache (None: no warm-up). On one device the weights and KV pages load in a
+    thread while the programs compile against their specs; on a mesh they load first."""
     mesh = make_mesh(mesh_config) if mesh_config.size > 1 else None
     placed = hasattr(params, "place")  # a lazy checkpoint streams onto the mesh
     layer_mode = config.layer_mode(cfg.num_hidden_layers, mesh_config.spp)
-    unroll = layer_mode == "unrolled"
+    unroll = layer_mode == "unrolled"  # per-layer arrays; "sliced" keeps them stacked
     warm = config.warmup != "none"
 
     def load_weights() -> Params:
@@ -272,8 +272,6 @@ def _runner(cfg: LlamaConfig, params: Params, config: EngineConfig, mesh_config:
     if mesh is not None or not warm:
         runner = make(cfg, load_weights(), allocate_kv(), params_placed=True)
         return runner, warmup(runner)
-    from concurrent.futures import ThreadPoolExecutor
-
     from jserve.engine.memory_plan import abstract_kv_cache  # it imports this module
 
     times.overlapped = True

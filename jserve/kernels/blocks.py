@@ -127,3 +127,12 @@ def merge_partials(out: jax.Array, lse: jax.Array, reduce_max=lambda x: x.max(ax
     merged = reduce_sum(w[..., None] * out.astype(jnp.float32))
     merged = merged / jnp.where(total > 0, total, 1.0)[..., None]
     return merged, jnp.where(total > 0, safe_top + jnp.log(total), -jnp.inf)
+
+
+def stacked(pages, layer):
+    """(pages as a stacked cache [L, ...], layer as int32 [1]) for the kernels, which always
+    address a layer of a stack: one layer's pages (``layer`` None) become a stack of one.
+    ``pages`` may be quantized (both leaves)."""
+    if layer is None:
+        return jax.tree.map(lambda p: p[None], pages), jnp.zeros((1,), jnp.int32)
+    return pages, jnp.asarray(layer, jnp.int32).reshape(1)

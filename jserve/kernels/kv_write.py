@@ -13,6 +13,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu, triton as plgpu
 
+from jserve.kernels import blocks
+
 GPU_BLOCK_TOKENS = 16
 
 
@@ -46,14 +48,13 @@ def write_kv_gpu(pages: jax.Array, slots: jax.Array, new: jax.Array, *,
     """Pages [Hkv, P, S, D], or with ``layer`` (may be traced) stacked [L, Hkv, P, S, D]
     written at that layer in place (returned whole): the kernel indexes the layer itself,
     since a slice of the stacked cache would copy the layer's whole pool."""
-    pages5 = pages if layer is not None else pages[None]
+    pages5, layer = blocks.stacked(pages, layer)
     n, hkv, p, s, d = pages5.shape
     t = slots.shape[0]
     bt = GPU_BLOCK_TOKENS
     pad = -t % bt
     slots = jnp.pad(slots, (0, pad))  # the extra rows go to the sink page 0
     new = jnp.pad(new.transpose(1, 0, 2), ((0, 0), (0, pad), (0, 0)))
-    layer = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
     out = pl.pallas_call(
         _gpu_kernel,
         grid=(hkv, (t + pad) // bt),
@@ -86,9 +87,8 @@ def _tpu_kernel(layer_ref, slots_ref, new_hbm, _, pages_hbm, sem):
 def write_kv_tpu(pages: jax.Array, slots: jax.Array, new: jax.Array, *,
                  interpret: bool = False, layer=None) -> jax.Array:
     """As :func:`write_kv_gpu`: one layer's pages, or a stacked cache written at ``layer``."""
-    pages5 = pages if layer is not None else pages[None]
+    pages5, layer = blocks.stacked(pages, layer)
     n, hkv, p, s, d = pages5.shape
-    layer = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     out = pl.pallas_call(
         _tpu_kernel,

@@ -133,10 +133,7 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     [layers, Hkv, P, S, D] read at that layer in place.
 
     ``splits`` fixes the split-K factor of both launches (default: :func:`kv_splits`)."""
-    if layer is None:
-        k_pages, v_pages = (jax.tree.map(lambda p: p[None], x) for x in (k_pages, v_pages))
-        layer = 0
-    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    (k_pages, v_pages), layer = blocks.stacked((k_pages, v_pages), layer)
     t, hq, d = q.shape
     hkv = k_pages.shape[1]
     g = hq // hkv

@@ -109,9 +109,7 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     """Same contract as the reference: (out [T, Hq, D] in q's dtype, lse [T, Hq] float32).
     Pages are one layer's [Hkv, P, S, D], or with ``layer`` (may be traced) a stacked cache
     [layers, Hkv, P, S, D] read at that layer in place."""
-    if layer is None:
-        k_pages, v_pages = (jax.tree.map(lambda p: p[None], x) for x in (k_pages, v_pages))
-        layer = 0
+    (k_pages, v_pages), layer = blocks.stacked((k_pages, v_pages), layer)
     t, hq, d = q.shape
     _, hkv, _, page_size, _ = k_pages.shape
     (k_values, k_scales), (v_values, v_scales) = map(kv_quant.split, (k_pages, v_pages))
@@ -135,8 +133,8 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         kv += [k_scales, v_scales]
         kv_specs += [hbm, hbm]
         buffers += [pltpu.VMEM((2, chunk, 1), k_scales.dtype)] * 2
-    scalars = (jnp.asarray(layer, jnp.int32).reshape(1), rb.seq_lo, rb.seq_hi, rb.tok_pos,
-               rb.q_end, meta.kv_lens, meta.page_table.reshape(-1))
+    scalars = (layer, rb.seq_lo, rb.seq_hi, rb.tok_pos, rb.q_end, meta.kv_lens,
+               meta.page_table.reshape(-1))
     out, lse = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(

@@ -33,6 +33,7 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, R
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
+from jserve.engine.config import EngineConfig
 from jserve.routing import ROUTERS, ReplicaLoad, ReplicaView, RouteRequest, choose
 from jserve.routing.load import FIFO, PrefillTable, QueuedPrefill, default_deadline
 from jserve.routing.prefix_memory import PrefixMemory
@@ -302,7 +303,8 @@ def build_app(args: dict | None = None):
     ``model`` ("default"), ``replicas`` (2), ``router`` ("deadline"), ``engine`` (a JSON
     object of ``LLM`` keyword arguments), ``server`` (of ``ServerConfig`` fields),
     ``stats_period_s`` (0.2), ``num_cpus`` / ``num_gpus`` per replica, ``max_ongoing``
-    (requests Ray lets a replica hold; Ray's default, 5: beyond it the router holds them),
+    (requests Ray lets a replica hold; default the engine's ``max_num_seqs``, its batch:
+    beyond it the router holds them and routes each on fresher reports),
     ``ingress_max_ongoing`` (4096), ``autoscale``
     ("MIN,MAX" replicas on Ray's ongoing-requests target ``target_ongoing`` (4)) with
     ``autoscaling`` (a JSON object of further ``AutoscalingConfig`` fields, e.g.
@@ -327,8 +329,9 @@ def build_app(args: dict | None = None):
             request_router_kwargs={"policy": router},
             request_routing_stats_period_s=float(a.get("stats_period_s", 0.2)),
             request_routing_stats_timeout_s=float(a.get("stats_timeout_s", 5.0))))
-    if a.get("max_ongoing"):
-        options["max_ongoing_requests"] = int(a["max_ongoing"])
+    # Ray's own default (5) would cap every replica's batch at 5 sequences.
+    options["max_ongoing_requests"] = int(a.get("max_ongoing") or engine.get(
+        "max_num_seqs", EngineConfig.max_num_seqs))
     if a.get("autoscale"):
         lo, hi = (int(x) for x in str(a["autoscale"]).split(","))
         options["autoscaling_config"] = AutoscalingConfig(
