@@ -25,17 +25,16 @@ def batch_specs(batch: StepInput) -> StepInput:
 
 
 def tp_forward(params: Params, kv_cache: KVCache, batch: StepInput, *, mesh: Mesh,
-               cfg: LlamaConfig, attention_impl: str = "reference",
-               slice_layers: bool = False) -> tuple[jax.Array, KVCache]:
+               cfg: LlamaConfig, attention_impl: str = "reference") -> tuple[jax.Array, KVCache]:
     """``forward`` over params from ``shard_params`` and pages from
     ``allocate_sharded_kv_cache``; the batch is replicated but for the page table's
-    columns, split over ``kvp``. ``slice_layers`` as in ``forward``."""
+    columns, split over ``kvp``."""
     kv_specs = kv_cache_specs()
     kvp_axis = "kvp" if mesh.shape["kvp"] > 1 else None
     def local(params, kv_cache, batch):
         logits, kv_cache, _ = forward(params, kv_cache, batch, cfg=cfg,
                                       attention_impl=attention_impl, tp_axis="tp",
-                                      kvp_axis=kvp_axis, slice_layers=slice_layers)
+                                      kvp_axis=kvp_axis)
         return logits, kv_cache
     # check_vma off: the attention kernels' loop carries start as invariant constants and
     # turn varying over tp; the outputs' replication is by construction (psum, then replicated

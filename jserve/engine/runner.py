@@ -267,16 +267,20 @@ def _forward_step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.
     """The forward of one bucket and the penalty state update; returns (SampleInputs, KV
     cache, state). With ``capture_layer`` set, a fourth output: the layer's ``Capture``
     (prompt sums over the step's prompt tokens); ``None`` compiles exactly the step without
-    it. ``slice_layers`` as in ``forward``."""
+    it. ``slice_layers``: stacked params, the layers unrolled over static slices of them
+    (``EngineConfig.layer_loop`` "sliced": on GPU neither the loop's weight copies nor an
+    argument per layer weight)."""
+    if slice_layers:
+        params = unstack_layers(params)
     arrays = layout.unpack(layout.feed(ibuf, state.last_tokens), fbuf)
     if mesh is None:
         logits, kv_cache, capture = forward(
             params, kv_cache, arrays.batch, cfg=cfg, attention_impl=attention_impl,
-            capture_layer=capture_layer, slice_layers=slice_layers,
+            capture_layer=capture_layer,
             prompt_mask=arrays.token_is_prompt if capture_layer is not None else None)
     else:  # tensor / KV-cache parallel; the rest of the step runs replicated on the logits
         logits, kv_cache = tp_forward(params, kv_cache, arrays.batch, mesh=mesh, cfg=cfg,
-                                      attention_impl=attention_impl, slice_layers=slice_layers)
+                                      attention_impl=attention_impl)
     inputs, state = _sample_inputs(logits, state, arrays, rows, mesh)
     if capture_layer is not None:
         return inputs, kv_cache, state, capture

@@ -268,19 +268,16 @@ class Capture(NamedTuple):
 def forward(params: Params, kv_cache: KVCache, batch: StepInput, *, cfg: LlamaConfig,
             attention_impl: str = "reference", tp_axis: str | None = None,
             kvp_axis: str | None = None, capture_layer: int | None = None,
-            prompt_mask: jax.Array | None = None, slice_layers: bool = False
-            ) -> tuple[jax.Array, KVCache, Capture | None]:
+            prompt_mask: jax.Array | None = None) -> tuple[jax.Array, KVCache, Capture | None]:
     """Returns (float32 logits [S, vocab] for ``batch.logits_rows``, updated KV cache, capture).
 
     ``params`` must be in the runtime layout of :func:`prepare_params`; ``tp_axis`` and
     ``kvp_axis`` as in :func:`step_layer`. ``capture`` is the :class:`Capture` after layer
     ``capture_layer`` (0-based; ``None``: nothing captured and nothing extra computed);
-    ``prompt_mask`` [T] picks the tokens its ``prompt_sum`` adds up. ``slice_layers``: stacked
-    layers run unrolled over static slices of the stacked weights (``EngineConfig.layer_loop``
-    "sliced") instead of one loop."""
+    ``prompt_mask`` [T] picks the tokens its ``prompt_sum`` adds up."""
     x = embed(params, batch.tokens)
     cos, sin = rope_tables(cfg, batch.attn.positions)
-    layers = unstack_layers(params)["layers"] if slice_layers else params["layers"]
+    layers = params["layers"]
     layer_fn = step_layer(batch, cos, sin, cfg=cfg, attention_impl=attention_impl,
                           tp_axis=tp_axis, kvp_axis=kvp_axis)
     num_layers = len(layers) if isinstance(layers, list) else jax.tree.leaves(layers)[0].shape[0]
