@@ -198,6 +198,28 @@ def decode_steps(eng: LLMEngine, prompts, params, phases: HostPhases | None = No
     return steps[2:-2]  # drop the ramp and the tail (the last token's read step)
 
 
+def burst_token_times(eng: LLMEngine, prompts, params, burst: int) -> list[np.ndarray]:
+    """(wall, CPU) seconds per token of every engine step that read a whole burst of
+    ``burst`` tokens of the first request (``EngineConfig.decode_burst``; under async
+    scheduling such a step launched the next burst and read this one): the step's time
+    over ``burst``."""
+    eng.bursts.steps = burst
+    ids = [eng.add_request(p, params) for p in prompts]
+    per_token, seen = [], 0
+    try:
+        while eng.has_unfinished():
+            t = clocks()
+            outs = eng.step()
+            dt = clocks() - t
+            n = next((o.num_tokens for o in outs if o.request_id == ids[0]), seen)
+            if n - seen == burst:
+                per_token.append(dt / burst)
+            seen = n
+    finally:
+        eng.bursts.steps = 1
+    return per_token
+
+
 def capture_decode(eng: LLMEngine, prompts, params) -> tuple[tuple[int, int], tuple]:
     """Runs ``prompts`` once (compiling every shape they use) and returns the all-decode
     bucket's shape and the packed inputs of one step at it."""
@@ -345,6 +367,7 @@ def attention_flops(cfg: LlamaConfig, rows: int, context: int) -> float:
 
 
 ONE, TWO, SYNC = "engine step (async)", "engine, two executables", "engine step (sync)"
+BURST = "engine, per token in bursts"
 
 
 def profile_batch(batch: int, a, bar: tqdm) -> dict:
@@ -364,6 +387,10 @@ def profile_batch(batch: int, a, bar: tqdm) -> dict:
     steps: dict[str, list[np.ndarray]] = {v[0]: [] for v in variants}
     gaps: dict[bool, list[tuple[bool, float]]] = {True: [], False: []}
     probe = DispatchProbe(eng) if a.overlap else None
+    if a.decode_burst > 1:
+        steps[BURST] = []
+        burst_token_times(eng, prompts, params, a.decode_burst)  # compiles the burst
+        eng.runner.wait_compiles()
     for _ in range(a.reps):
         for label, mode, program in variants:
             eng.async_scheduling = mode
@@ -371,6 +398,10 @@ def profile_batch(batch: int, a, bar: tqdm) -> dict:
             steps[label].append(np.median(decode_steps(eng, prompts, params), axis=0))
             if probe is not None:
                 gaps[mode] += probe.take()[2:-2]
+        if a.decode_burst > 1:
+            eng.async_scheduling = True
+            steps[BURST].append(np.median(
+                burst_token_times(eng, prompts, params, a.decode_burst), axis=0))
         bar.update()
     eng.runner._compiled[shape] = fused
     if probe is not None:
@@ -418,7 +449,7 @@ def report(r: dict, overlap: bool) -> None:
           f"matmuls alone {1e3 * r['ceiling_time'][0]:.2f} ms, CPU "
           f"{1e3 * r['ceiling_time'][1]:.2f} ms)")
     engine = {k: np.median(v, axis=0) for k, v in r["steps"].items()}
-    for label in (ONE, TWO):
+    for label in (ONE, TWO, BURST):
         if label in engine:
             print(row(label, engine[label]) + "  (wall per repetition: "
                   + ", ".join(f"{1e3 * t[0]:.2f}" for t in r["steps"][label]) + ")")
@@ -463,6 +494,10 @@ def main() -> int:
     ap.add_argument("--host-phases", action="store_true",
                     help="also split the engine thread's CPU time per all-decode step by "
                          "phase (extra runs, async scheduling)")
+    ap.add_argument("--decode-burst", type=int, default=1,
+                    help="also run the engine with decode bursts of this many steps "
+                         "(EngineConfig.decode_burst) and report its time per token inside "
+                         "bursts, alternated with the plain engine step")
     ap.add_argument("--overlap", action="store_true",
                     help="also run synchronous scheduling and probe the dispatch gaps")
     a = ap.parse_args()

@@ -98,6 +98,11 @@ class EngineConfig:
     # stay there and feed the next step, the host reads them one step later. False: every
     # step waits for its tokens (debugging, exact step timing).
     async_scheduling: bool = True
+    # Decode bursts (jserve.engine.burst): when nothing waits and every running request may
+    # take this many tokens with no host decision between them, they run as that many decode
+    # steps in one executable call, so the host's per-step work is paid once a burst. A
+    # request arriving meanwhile waits for the burst to end. 1: off.
+    decode_burst: int = 1
     compilation_cache_dir: str | None = dataclasses.field(
         default_factory=default_compilation_cache_dir)
     # Speculative decoding (docs/speculative.md): vLLM's dict, e.g. {"method": "ngram",
@@ -127,7 +132,8 @@ class EngineConfig:
         if self.warmup not in WARMUP_MODES:
             raise ValueError(f"warmup must be one of {WARMUP_MODES} (or a bool), "
                              f"got {self.warmup!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_seqs", "page_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_seqs", "page_size",
+                     "decode_burst"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.layer_loop not in ("auto", "loop", "unrolled", "sliced"):

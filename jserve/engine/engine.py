@@ -30,7 +30,7 @@ from jserve.engine.memory_plan import startup_summary
 from jserve.engine.output import OutputProcessor, RequestOutput, StepLogprobs
 from jserve.engine.request_state import NEUTRAL_ROW, StateRows, sampler_row
 from jserve.engine.startup import StartupTimes
-from jserve.engine.step_builder import BuiltStep, StepFlags
+from jserve.engine.step_builder import StepFlags
 from jserve.engine.swap import HostKVStore
 from jserve.engine.tick_slots import TickSlots
 from jserve.engine.timing import StepClock
@@ -80,6 +80,7 @@ class LLMEngine:
         self._may_continue = functools.partial(
             self.outputs.may_continue,
             late_masks=parts.mesh_config.spp == 1 and not self._multi_process)
+        self.bursts = parts.bursts  # ``bursts.steps`` is settable between steps
         self._slots = TickSlots(self.runner, self.builder, NEUTRAL_ROW, self._in_flight.depth)
         self._clock = StepClock()
         # The deadline policies' predictor, corrected online from step times (one device:
@@ -141,9 +142,7 @@ class LLMEngine:
         """Abort between steps; blocks are freed at once (or once its chunks in flight are
         back). None if the id is unknown or done."""
         req = self.requests.get(request_id)
-        if req is None:
-            return None
-        return self._finish(req, "abort")
+        return None if req is None else self._finish(req, "abort")
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight.pending
@@ -168,7 +167,7 @@ class LLMEngine:
         device, its requests may decode again at once (the next step feeds their tokens
         there), and the host reads it during the next step, while that one runs."""
         sched = self.scheduler
-        plan = sched.schedule() if sched.has_schedulable() else _EMPTY_PLAN
+        plan = sched.schedule(*self.bursts.next()) if sched.has_schedulable() else _EMPTY_PLAN
         self.host_kv.apply(plan)  # before anything can overwrite the pages it frees
         for rid in plan.preempted:
             self.state_rows.release(self.requests[rid])
@@ -179,8 +178,7 @@ class LLMEngine:
             lone = self._in_flight.lone(launched, sched.has_schedulable())
             if launched is not None:
                 launched.launched_at = time.perf_counter()
-            out = self._execute(launched.built if launched else None, lone,
-                                defer=launched is not None and bool(launched.late))
+            out = self._execute(launched, lone)
             if launched is not None and self.length_tracker is not None:
                 launched.capture = self.runner.last_capture
         except Exception as e:  # noqa: BLE001 - a failed step must not strand its requests
@@ -212,7 +210,7 @@ class LLMEngine:
         seconds = self._clock.read(done.launched_at)
         if self.step_log is not None:
             self.step_log.append((done.plan, seconds))
-        if self._corrected is not None:
+        if self._corrected is not None and done.plan.burst == 1:
             self._corrected.observe(done.plan, seconds)
         return self._complete(done, tokens)
 
@@ -230,21 +228,23 @@ class LLMEngine:
         return Launched(plan, reqs, built, flags.want_logprobs,
                         late=late_rows(built, self.requests))
 
-    def _execute(self, built: BuiltStep | None, lone: bool, defer: bool = False):
+    def _execute(self, launched: Launched | None, lone: bool):
         """Multi-process: the leader broadcasts every step (empty ticks too) to the followers.
-        ``defer``: the forward only (its sampling waits for late masks)."""
+        A plan with late masks runs its forward only (its sampling waits for them)."""
+        built = launched.built if launched else None
         shape, bufs = self._slots.buffers(built, self._in_flight.slots, lone)
         if self._multi_process:
             return distributed.leader_execute(self.runner, shape, *bufs)
-        return self.runner.execute_packed(shape, *bufs, defer=defer)
+        return self.runner.execute_packed(shape, *bufs, defer=bool(launched and launched.late),
+                                          burst=launched.plan.burst if launched else 1)
 
     def _complete(self, done: Launched, tokens: np.ndarray) -> list[RequestOutput]:
-        """The plan ``done`` is back with its sampled tokens: the scheduler updates request
-        state, output processing makes the outputs."""
+        """The plan ``done`` is back with its sampled tokens (a burst's: [steps, rows]): the
+        scheduler updates request state, output processing makes the outputs."""
         if self.length_tracker is not None and self._in_flight.depth == 1:
             self.length_tracker.observe(done.plan, done.built, self.requests, done.capture)
         rows = [row for row, _ in done.built.sample_rows]
-        sampled = tokens[rows].tolist()
+        sampled = (tokens[rows] if tokens.ndim == 1 else tokens[:, rows].T.ravel()).tolist()
         appended = self.scheduler.update(done.plan, sampled)
         logprobs = StepLogprobs(done.out) if done.want_logprobs else None
         now = time.monotonic()

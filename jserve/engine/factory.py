@@ -14,6 +14,7 @@ import jax
 from jserve.cache.allocator import BlockAllocator
 from jserve.cache.pool import allocate_kv_cache, kv_bytes_per_page, num_pages_for_budget
 from jserve.config import LlamaConfig
+from jserve.engine.burst import DecodeBursts
 from jserve.engine.buckets import Buckets
 from jserve.engine.config import EngineConfig
 from jserve.engine.request_state import plain_sampler_row
@@ -64,6 +65,7 @@ class EngineParts:
     length_tracker: LengthTracker | None
     persistent_cache_hits: int | None       # compiled programs found on disk (warm-up on)
     speculator: Speculator                  # speculative decoding (off without a config)
+    bursts: DecodeBursts                    # decode bursts (off unless configured)
 
 
 def check_config(cfg: LlamaConfig, config: EngineConfig) -> Geometry:
@@ -217,13 +219,17 @@ def build_engine_parts(cfg: LlamaConfig, params: Params, config: EngineConfig,
     if defer:  # counted first: the background thread starts on the sampler at once
         runner.defer(compile_rest=config.warmup == "background")
     speculator = build_speculator(config, cfg, context, scheduler)
+    # Bursts need one device and process, no KV-cache parallelism and no length probe.
+    bursts = DecodeBursts(config.decode_burst, mesh_config.spp == 1 and mesh_config.kvp == 1
+                          and jax.process_count() == 1 and tracker is None,
+                          scheduler, runner, buckets, context)
     return EngineParts(
         mesh_config, jax.process_count() > 1, context, buckets, allocator, scheduler,
         runner, StepBuilder(buckets, config.page_size, runner.state_sink, pool_pages=num_pages,
                             vocab_size=cfg.vocab_size,
                             ready=runner.ready_shape if defer else None,
                             plain_row=plain_sampler_row),
-        predictor, tracker, hits, speculator)
+        predictor, tracker, hits, speculator, bursts)
 
 
 def _runner(cfg: LlamaConfig, params: Params, config: EngineConfig, mesh_config: MeshConfig,

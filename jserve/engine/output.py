@@ -132,16 +132,16 @@ class OutputProcessor:
         self.eos_ids = eos_ids
         self.max_model_len = max_model_len
 
-    def may_continue(self, req, late_masks: bool = False) -> bool:
-        """Whether ``req`` may decode again before its newest token (still on the device)
-        is read: not if that token ends it by length (``max_tokens``, the context), nor
+    def may_continue(self, req, new_tokens: int = 1, late_masks: bool = False) -> bool:
+        """Whether ``req`` may decode again before its newest ``new_tokens`` (still on the
+        device) are read: not if they end it by length (``max_tokens``, the context), nor
         under a structured output unless its next mask can be sent late (``late_masks``:
         the engine samples that step after reading the token). A stop token or string, or
         a completed grammar, still can; the extra token is then dropped."""
         st = req.payload
         if st.constraint is not None and not late_masks:
             return False
-        total = len(req.token_ids) + 1  # ``_by_length`` inlined: this runs for every decode
+        total = len(req.token_ids) + new_tokens  # ``_by_length`` inlined: runs every decode
         return (total - len(req.prompt_token_ids) < st.params.max_tokens
                 and total < self.max_model_len)
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from jserve.cache.pool import KVCache
 from jserve.config import LlamaConfig
+from jserve.engine import burst
 from jserve.engine.buckets import Buckets
 from jserve.engine.deferred import DeferredCompiles
 from jserve.kernels import AttentionMetadata
@@ -104,6 +105,14 @@ class _SamplerKey(NamedTuple):
     rows: int
 
 
+class _BurstKey(NamedTuple):
+    """A decode burst's executable (``steps`` steps of an all-decode ``shape``) in the
+    background compile queue."""
+
+    shape: tuple[int, int]
+    steps: int
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepArrays:
@@ -142,7 +151,8 @@ class PackedLayout:
     def __init__(self, spec: StepArrays):
         leaves, self.treedef = jax.tree_util.tree_flatten_with_path(spec)
         self.fields: list[tuple[np.dtype, tuple[int, ...], bool, int]] = []
-        self._int_at: dict[str, tuple[int, int]] = {}  # leaf path -> (offset, size) in ints
+        # leaf path -> (offset in ints, shape) of every int leaf
+        self._int_at: dict[str, tuple[int, tuple[int, ...]]] = {}
         sizes = [0, 0]
         for path, leaf in leaves:
             dtype = np.dtype(leaf.dtype)
@@ -150,7 +160,7 @@ class PackedLayout:
             n = int(np.prod(leaf.shape))
             self.fields.append((dtype, tuple(leaf.shape), is_float, sizes[is_float]))
             if not is_float:
-                self._int_at[jax.tree_util.keystr(path)] = (sizes[0], n)
+                self._int_at[jax.tree_util.keystr(path)] = (sizes[0], tuple(leaf.shape))
             sizes[is_float] += n
         self.int_size, self.float_size = sizes
 
@@ -158,13 +168,23 @@ class PackedLayout:
         """``ibuf`` with every token marked ``token_fed`` replaced by its sequence's last
         sampled token (on device: the host has not read it yet). Works on the packed buffer,
         so the plain step and the pipeline tick feed the same way."""
-        def leaf(name):
-            offset, n = self._int_at[name]
-            return jax.lax.slice_in_dim(ibuf, offset, offset + n)
-        offset, _ = self._int_at[".batch.tokens"]
+        leaf = functools.partial(self.int_leaf, ibuf)
         tokens = jnp.where(leaf(".token_fed") != 0, last_tokens[leaf(".token_state_rows")],
                            leaf(".batch.tokens"))
-        return jax.lax.dynamic_update_slice_in_dim(ibuf, tokens, offset, 0)
+        return self.with_int_leaf(ibuf, ".batch.tokens", tokens)
+
+    def int_leaf(self, ibuf: jax.Array, name: str) -> jax.Array:
+        """The int leaf at path ``name`` (e.g. ".batch.tokens") of a packed buffer, as stored
+        (int32; bools as 0/1)."""
+        offset, shape = self._int_at[name]
+        n = int(np.prod(shape))
+        return jax.lax.slice_in_dim(ibuf, offset, offset + n).reshape(shape)
+
+    def with_int_leaf(self, ibuf: jax.Array, name: str, value: jax.Array) -> jax.Array:
+        """``ibuf`` with the leading entries of leaf ``name`` replaced by ``value``."""
+        offset, _ = self._int_at[name]
+        return jax.lax.dynamic_update_slice_in_dim(ibuf, value.astype(jnp.int32).ravel(),
+                                                   offset, 0)
 
     def pack(self, arrays: StepArrays) -> tuple[np.ndarray, np.ndarray]:
         """The two buffers; ``np.concatenate`` casts as it copies (bools to int32), so a
@@ -305,6 +325,21 @@ def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, f
     return (out, inputs, kv_cache, state, *capture)
 
 
+def _burst(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array,
+           fbuf: jax.Array, *, layout: PackedLayout, cfg: LlamaConfig, attention_impl: str,
+           mesh: jax.sharding.Mesh | None, rows: int, slice_layers: bool, steps: int,
+           num_decodes: int, page_size: int):
+    """``steps`` plain steps of an all-decode bucket in one program (``jserve.engine.burst``);
+    returns (tokens [steps, rows], KV cache, state)."""
+    def step(kv, st, buf):
+        out, _, kv, st = _step(params, kv, st, buf, fbuf, layout=layout, cfg=cfg,
+                               attention_impl=attention_impl, mesh=mesh, rows=rows,
+                               slice_layers=slice_layers)
+        return out, kv, st
+    return burst.run_burst(step, ibuf, kv_cache, state, layout=layout, steps=steps, rows=rows,
+                           num_decodes=num_decodes, page_size=page_size)
+
+
 def _tick(params: Params, kv_cache: KVCache, state: SeqState, carry: pipeline.PipelineCarry,
           ibufs: jax.Array, fbufs: jax.Array, *, layout: PackedLayout, cfg: LlamaConfig,
           attention_impl: str, mesh: jax.sharding.Mesh, rows: int, decode_rows: int):
@@ -355,7 +390,8 @@ def _unstacked(params: Params, mesh: jax.sharding.Mesh | None) -> Params:
 
 def _programs(spp: int):
     """The runner's jitted step (spp > 1: tick), pass (spp > 1: a batch alone in an empty
-    pipeline through every stage; else None) and sampler. Fresh function objects per runner:
+    pipeline through every stage; else None), decode burst (spp == 1; else None) and
+    sampler. Fresh function objects per runner:
     JAX's trace and compile caches are keyed weakly on the function, so a dropped engine's
     executables (hundreds of memory maps each on CPU) are freed with it instead of
     accumulating for the life of the process."""
@@ -364,11 +400,14 @@ def _programs(spp: int):
         step = jax.jit(_fresh(_tick), static_argnames=static + ("decode_rows",),
                        donate_argnums=(1, 2, 3))
         lone = jax.jit(_fresh(_lone_pass), static_argnames=static, donate_argnums=(1, 2))
+        burst_step = None
     else:
         step = jax.jit(_fresh(_step), static_argnames=static + ("capture_layer", "slice_layers"),
                        donate_argnums=(1, 2))
         lone = None
-    return step, lone, jax.jit(_fresh(_sample), donate_argnums=(0,))
+        burst_step = jax.jit(_fresh(_burst), static_argnames=static + (
+            "slice_layers", "steps", "num_decodes", "page_size"), donate_argnums=(1, 2))
+    return step, lone, burst_step, jax.jit(_fresh(_sample), donate_argnums=(0,))
 
 
 def _fresh(fn):
@@ -508,9 +547,11 @@ class ModelRunner:
         # nothing for the option. Without drafts both sizes are the same.
         self._plain_rows = min(max_num_seqs + buckets.prefill_rows, buckets.max_rows)
         self._plain_sampler: jax.stages.Compiled | None = None
-        self._jitted, self._pass_jit, self._sample_jit = _programs(self.spp)
+        self._jitted, self._pass_jit, self._burst_jit, self._sample_jit = _programs(self.spp)
         self._compiled: dict[tuple[int, int], tuple[jax.stages.Compiled, PackedLayout]] = {}
         self._passes: dict[tuple[int, int], tuple[jax.stages.Compiled, PackedLayout]] = {}
+        self._bursts: dict[_BurstKey, jax.stages.Compiled] = {}
+        self.page_size = jax.tree.leaves(kv_cache)[0].shape[3]
         self._sampler: jax.stages.Compiled | None = None
         self.compile_count = 0
         self.executed: collections.Counter = collections.Counter()  # steps run per shape
@@ -572,6 +613,40 @@ class ModelRunner:
                                         else {"capture_layer": self.capture_layer,
                                               "slice_layers": self.slice_layers}))
         return lowered, layout
+
+    def _lower_burst(self, key: _BurstKey) -> jax.stages.Lowered:
+        layout = PackedLayout(self.arrays_spec(*key.shape))
+        ishape, fshape = self._buffer_shapes(layout)
+        return self._burst_jit.lower(
+            *self._specs(), jax.ShapeDtypeStruct(ishape, jnp.int32, sharding=self._replicated),
+            jax.ShapeDtypeStruct(fshape, jnp.float32, sharding=self._replicated),
+            layout=layout, cfg=self.cfg, attention_impl=self.attention_impl, mesh=self.mesh,
+            rows=self.rows_for(key.shape), slice_layers=self.slice_layers, steps=key.steps,
+            num_decodes=key.shape[0], page_size=self.page_size)
+
+    def burst_ready(self, shape: tuple[int, int], steps: int) -> bool:
+        """Whether a burst of ``steps`` decode steps of the all-decode ``shape`` can run now
+        (spp == 1): its program and the shape's step are compiled. If not, with background
+        compiles (``defer``) the burst's is queued and the caller steps one at a time
+        meanwhile; without, it compiles now."""
+        key = _BurstKey(shape, steps)
+        if key in self._bursts and shape in self._compiled:
+            return True
+        if self.deferred is not None:
+            self.deferred.request(key)
+            return False
+        self._compile_burst(key)
+        self.compiled(shape)
+        return True
+
+    def _compile_burst(self, key: _BurstKey) -> None:
+        t0 = time.perf_counter()
+        exe = _compile(self._lower_burst(key), self.cache_events)
+        with self._lock:
+            if key not in self._bursts:
+                self._bursts[key] = exe
+                self.compile_count += 1
+                self.compile_seconds += time.perf_counter() - t0
 
     def _buffer_shapes(self, layout: PackedLayout, lone: bool = False
                        ) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -696,6 +771,10 @@ class ModelRunner:
     def _compile_in_background(self, shape: "tuple[int, int] | _SamplerKey") -> None:
         if isinstance(shape, _SamplerKey):
             self.sampler(shape.rows, wait=False)
+            return
+        if isinstance(shape, _BurstKey):
+            self._compile_burst(shape)
+            self.deferred.request(shape.shape)  # its step too, if not compiled yet
             return
         t0 = time.perf_counter()
         lowered, layout = self._lower(shape)
@@ -838,8 +917,16 @@ class ModelRunner:
         """One unpipelined step (spp == 1) of ``arrays``."""
         return self.execute_packed(shape, *self.compiled(shape)[1].pack(arrays))
 
+    def _execute_burst(self, shape: tuple[int, int], ibuf, fbuf, steps: int) -> SampleResult:
+        exe = self._bursts[_BurstKey(shape, steps)]
+        self.executed[shape] += steps
+        tokens, self.kv_cache, self.state = exe(self.params, self.kv_cache, self.state, ibuf,
+                                                fbuf)
+        return SampleResult(tokens, None, None, None)
+
     def execute_packed(self, shape: tuple[int, int], ibuf, fbuf, sample: bool = True,
-                       lone: bool = False, defer: bool = False) -> SampleResult | SampleInputs:
+                       lone: bool = False, defer: bool = False, burst: int = 1
+                       ) -> SampleResult | SampleInputs:
         """The step on already packed buffers (what multi-process followers receive); with
         spp > 1 one pipeline tick, ``ibuf``/``fbuf`` [spp, size] (``buffer_shapes``): row
         ``s`` the batch stage ``s`` runs, the result the last row's samples. ``sample``
@@ -849,7 +936,11 @@ class ModelRunner:
         left as it is. ``defer``: the forward only; the result is its ``SampleInputs``, which
         the caller hands to ``sample`` (with the masks it could not know at launch). One
         executable call when spp == 1 (the step samples too), two under spp > 1 (the tick
-        or pass, then the sampling executable)."""
+        or pass, then the sampling executable). ``burst`` > 1 (spp == 1, an all-decode step,
+        ``burst_ready`` said yes): that many decode steps in one call; the result's
+        ``tokens`` are [burst, rows], its logprobs fields None (bursts carry none)."""
+        if burst > 1:
+            return self._execute_burst(shape, ibuf, fbuf, burst)
         exe, _ = self.compiled(shape, lone)
         (self.passed if lone else self.executed)[shape] += 1
         if lone:

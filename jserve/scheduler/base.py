@@ -105,18 +105,18 @@ class SchedulerBase(abc.ABC):
                 i += 1 + len(c.drafts)
                 continue
             end = c.start + c.num_tokens
-            if live:
-                self._register_pages(req, end)
             if c.samples:
                 if req in entry.held:
                     self.in_flight.discard(req)
-                if live:
-                    if end < len(req.token_ids):  # its placeholder (async scheduling)
-                        req.token_ids[end] = sampled[i]
+                for j in range(plan.burst) if live else ():
+                    if end + j < len(req.token_ids):  # its placeholder (async scheduling)
+                        req.token_ids[end + j] = sampled[i + j]
                     else:
-                        req.token_ids.append(sampled[i])
-                    appended.append((i, req))
-                i += 1
+                        req.token_ids.append(sampled[i + j])
+                    appended.append((i + j, req))
+                i += plan.burst
+            if live:  # a burst's KV reaches its last input, a token it sampled itself
+                self._register_pages(req, end + plan.burst - 1)
         return appended
 
     def _verify(self, req: Request, c: ScheduledChunk, sampled: Sequence[int], i: int
@@ -154,7 +154,8 @@ class SchedulerBase(abc.ABC):
     def sampled_on_device(self, plan: BatchPlan, may_continue) -> None:
         """Async scheduling: ``plan``'s step has sampled its tokens on the device, and the
         host reads them later. Each sampling request for which ``may_continue(req)`` holds
-        (its new token cannot end it by length) gets a ``PLACEHOLDER`` token and may be
+        (its new token cannot end it by length; a burst's ``may_continue(req, burst)``:
+        its ``burst`` new tokens) gets a ``PLACEHOLDER`` token for each and may be
         scheduled again at once; the others stay held until ``update``. ``plan`` must be
         in flight."""
         entry = next(e for e in self._launched if e.plan is plan)
@@ -163,8 +164,9 @@ class SchedulerBase(abc.ABC):
         if plan.num_draft_tokens:
             held = held - {r for r, c in zip(entry.requests, plan.decodes) if c.drafts}
         for req in list(held):
-            if not req.status.finished and may_continue(req):
-                req.token_ids.append(PLACEHOLDER)
+            if not req.status.finished and (
+                    may_continue(req) if plan.burst == 1 else may_continue(req, plan.burst)):
+                req.token_ids.extend([PLACEHOLDER] * plan.burst)
                 entry.held.discard(req)
                 self.in_flight.discard(req)
 
@@ -220,8 +222,9 @@ class SchedulerBase(abc.ABC):
         reqs = [by_id[c.request_id] for c in plan.decodes + plan.prefills]
         pinned = self.pinned
         held = set()
+        extra = plan.burst - 1  # a burst's decodes compute that many more tokens
         for req, c in zip(reqs, plan.decodes + plan.prefills):
-            req.num_computed += c.num_tokens
+            req.num_computed += c.num_tokens + extra
             if c.drafts:  # they stand in the tokens until ``update`` verifies them
                 req.token_ids.extend(c.drafts)
             pinned[req] = pinned.get(req, 0) + 1
@@ -472,17 +475,38 @@ class SchedulerBase(abc.ABC):
     def _schedule_once(self, admit: bool) -> BatchPlan:
         """One batch under the policy; ``admit`` False forbids taking waiting requests."""
 
-    def schedule(self) -> BatchPlan:
+    def schedule(self, burst: int = 1, may_burst=None) -> BatchPlan:
         """The next batch, now in flight until ``update`` takes it back. Requests holding a
         sampled token in flight are out of the running queue while the policy plans (so none
         schedules or preempts them) and go back at their places in admission order after it,
-        with new admissions after them."""
+        with new admissions after them. ``burst`` > 1: the plan becomes a burst of that many
+        decode steps (``_as_burst``) where ``may_burst(request, burst)`` holds for all of it."""
         if self.proposer is not None:
             self.proposer(self)
         plan = self._schedule_around_in_flight()
+        if burst > 1:
+            plan = self._as_burst(plan, burst, may_burst)
         if not plan.is_empty:
             self._launch(plan)
         return plan
+
+    def _as_burst(self, plan: BatchPlan, burst: int, may_burst) -> BatchPlan:
+        """``plan`` as a burst of ``burst`` decode steps when it decodes every running
+        request and nothing else (no prefill, draft, preemption or swap, nobody waiting), every
+        request may take ``burst`` tokens without the host in between, and each one's blocks
+        grow to hold them; else ``plan`` unchanged (blocks grown for some requests stay theirs:
+        their next decodes use them)."""
+        if (self.waiting or plan.prefills or not plan.decodes or plan.num_draft_tokens
+                or plan.preempted or plan.swap_out or plan.swap_in
+                or len(plan.decodes) != len(self.running)):
+            return plan
+        by_id = {r.request_id: r for r in self.running}
+        reqs = [by_id.get(c.request_id) for c in plan.decodes]
+        if not all(r is not None and may_burst(r, burst) for r in reqs):
+            return plan
+        if not all(self._grow(r, c.start + burst) for r, c in zip(reqs, plan.decodes)):
+            return plan
+        return dataclasses.replace(plan, burst=burst)
 
     def _schedule_around_in_flight(self) -> BatchPlan:
         if not self.in_flight:

@@ -34,6 +34,9 @@ class BatchPlan:
     preempted: tuple[str, ...] = ()
     swap_out: tuple[PageMove, ...] = ()
     swap_in: tuple[PageMove, ...] = ()
+    # Decode steps the plan runs in one go (``jserve.engine.burst``): every chunk is a
+    # decode, computes ``burst`` tokens and samples ``burst`` tokens, one a step.
+    burst: int = 1
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,98 @@
+"""Decode bursts: several decode steps of the same requests in one executable call.
+
+On a machine where the host's per-step work (schedule, build, output processing for every
+request) shares the cores the step runs on, or where it is longer than the step itself (a
+small model on a GPU), that work is paid once a burst instead of once a token. The scheduler
+makes a plan a burst of ``k`` steps only when nothing else is waiting and every request in
+it may take ``k`` more tokens without a host decision in between (no structured output, no
+logprobs, no pending ``min_tokens`` ban, room under ``max_tokens`` and the context): then the
+tokens of step ``j`` are exactly the inputs of step ``j + 1``, and what changes between the
+steps (position, KV slot, context length, sampler step) is computed on the device from the
+first step's buffers. A stop token or string inside a burst ends the request there on the
+host; the tokens after it are dropped, as an async step's extra token is. (vLLM's
+"multi-step scheduling" is the same idea.)
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+
+def advance(layout, ibuf: jax.Array, j: jax.Array, tokens: jax.Array, num_decodes: int,
+            page_size: int) -> jax.Array:
+    """The packed int buffer of an all-decode step moved ``j`` tokens on: every live decode
+    row (``kv_len > 0``) gets ``tokens`` (the previous step's samples, row i = token i) as its
+    input unless ``j == 0``, its position, context length and sampler step ``+ j``, and the
+    KV slot of that position from its page table (whose pages the scheduler grew for the
+    whole burst). Padding rows are left as built (they write to the reserved page 0)."""
+    nd = num_decodes
+    leaf = lambda name: layout.int_leaf(ibuf, name)[:nd]
+    kv_lens = leaf(".batch.attn.kv_lens")
+    live = kv_lens > 0
+    moved = jnp.where(live, j, 0)
+    positions = leaf(".batch.attn.positions") + moved
+    page = layout.int_leaf(ibuf, ".batch.attn.page_table")[jnp.arange(nd),
+                                                           positions // page_size]
+    slots = jnp.where(live, page * page_size + positions % page_size, leaf(".batch.slots"))
+    fed = live & (j > 0)
+    for name, value in ((".batch.attn.positions", positions), (".batch.slots", slots),
+                        (".batch.attn.kv_lens", kv_lens + moved),
+                        (".sampling.step", leaf(".sampling.step") + moved),
+                        (".batch.tokens", jnp.where(fed, tokens[:nd], leaf(".batch.tokens"))),
+                        (".token_fed", jnp.where(fed, 0, leaf(".token_fed")))):
+        ibuf = layout.with_int_leaf(ibuf, name, value)
+    return ibuf
+
+
+def run_burst(step, ibuf: jax.Array, kv_cache, state, *, layout, steps: int, rows: int,
+              num_decodes: int, page_size: int):
+    """``steps`` calls of ``step(kv_cache, state, ibuf) -> (SampleResult, kv_cache, state)``
+    in one loop, each on the buffer ``advance``d from the first; returns (tokens [steps,
+    rows], kv_cache, state). The state's ``last_tokens`` end as the last step left them, so
+    the step after the burst feeds from there as after any step."""
+    def one(j, carry):
+        kv, st, out = carry
+        prev = out[jnp.maximum(j - 1, 0)]
+        sampled, kv, st = step(kv, st, advance(layout, ibuf, j, prev, num_decodes, page_size))
+        return kv, st, out.at[j].set(sampled.tokens)
+
+    init = (kv_cache, state, jnp.zeros((steps, rows), jnp.int32))
+    kv_cache, state, tokens = jax.lax.fori_loop(0, steps, one, init)
+    return tokens, kv_cache, state
+
+
+def may_burst(req, steps: int, max_model_len: int) -> bool:
+    """Whether ``req`` may decode ``steps`` tokens with no host decision between them: no
+    structured output or logprobs, no ``min_tokens`` ban left, and the ``steps`` tokens fit
+    under ``max_tokens`` and the context (the last one may end it by length)."""
+    st = req.payload
+    p = st.params
+    total = len(req.token_ids) + steps
+    return (st.constraint is None and p.logprobs is None
+            and req.num_output_tokens >= p.min_tokens
+            and total - len(req.prompt_token_ids) <= p.max_tokens and total <= max_model_len)
+
+
+class DecodeBursts:
+    """Whether the engine's next plan may be a burst, and of how many steps: ``steps``
+    (``EngineConfig.decode_burst``; settable between steps, 1: off) where bursts are
+    ``supported`` (one device and process, no KV-cache parallelism, no length probe), while
+    nothing waits, once the burst's program for the running requests' step is compiled
+    (``ModelRunner.burst_ready``: until then it compiles in the background and the engine
+    steps one at a time)."""
+
+    def __init__(self, steps: int, supported: bool, scheduler, runner, buckets,
+                 max_model_len: int):
+        self.steps, self.supported = steps, supported
+        self.scheduler, self.runner, self.buckets = scheduler, runner, buckets
+        self.may_burst = functools.partial(may_burst, max_model_len=max_model_len)
+
+    def next(self) -> tuple[int, object]:
+        """``scheduler.schedule``'s arguments for the next plan: (burst, may_burst)."""
+        sched, k = self.scheduler, self.steps
+        if k == 1 or not self.supported or sched.waiting or not sched.running:
+            return 1, None
+        ready = self.runner.burst_ready(self.buckets.shape_for(len(sched.running), 0), k)
+        return (k, self.may_burst) if ready else (1, None)
