@@ -58,6 +58,10 @@ def _add_engine_args(p: argparse.ArgumentParser, warmup: str = "none") -> None:
                    default=d.async_scheduling,
                    help="plan and launch step N+1 while step N runs on the device (tokens "
                         "read one step late); off: every step waits for its tokens")
+    p.add_argument("--decode-burst", type=int, default=d.decode_burst,
+                   help="decode steps run in one device call while nothing waits and no "
+                        "running request needs the host between tokens (1: off); a request "
+                        "arriving meanwhile waits for the burst to end")
     p.add_argument("--speculative-config", type=_speculative_config, default=None,
                    help='speculative decoding as JSON, vLLM\'s dict: e.g. \'{"method": '
                         '"ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' '
@@ -87,7 +91,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
                 num_kv_pages=a.num_kv_pages, memory_fraction=a.memory_fraction,
                 warmup=a.warmup, mesh=a.mesh, enable_prefix_caching=a.prefix_caching,
                 async_scheduling=a.async_scheduling, kv_cache_dtype=a.kv_cache_dtype,
-                speculative_config=a.speculative_config)
+                speculative_config=a.speculative_config, decode_burst=a.decode_burst)
 
 
 def _generate(a: argparse.Namespace) -> int:

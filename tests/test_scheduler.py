@@ -147,6 +147,45 @@ def test_async_scheduling_decodes_again_on_a_placeholder_and_drops_a_late_token(
     s.allocator.check_holders(s.block_holders())
 
 
+def test_a_burst_needs_every_running_request_decoding_and_takes_its_tokens_back():
+    """``schedule(burst, may_burst)``: a plan is a burst only when it decodes every running
+    request, nobody waits and ``may_burst`` holds for each; its requests' blocks grow to
+    hold the burst's KV, their computed counts move by the burst, ``sampled_on_device``
+    gives each as many placeholders, and ``update`` writes each request's tokens in order
+    (decodes in plan order, each request's steps in a row)."""
+    s = _sched(blocks=16, budget=16, seqs=4, block_size=4)
+    a, b, c = _req("a", 4, 0, max_tokens=20), _req("b", 3, 1, max_tokens=20), _req("c", 2, 9)
+    for r in (a, b):
+        s.add(r)
+    apply_plan(s, s.schedule())  # both prefilled; each has one token and decodes next
+    assert len(a.token_ids) == 5 and len(b.token_ids) == 4
+    yes = lambda r, k: True
+    s.add(c)  # waiting: no burst
+    plan = s.schedule(4, yes)
+    assert plan.burst == 1 and plan.prefills
+    apply_plan(s, plan)
+    s.finish(c, RequestStatus.FINISHED_ABORTED)
+    plan = s.schedule(4, lambda r, k: r is not b)  # b may not burst: nobody does
+    assert plan.burst == 1 and [d.request_id for d in plan.decodes] == ["a", "b"]
+    apply_plan(s, plan)
+    starts = {r.request_id: r.num_computed for r in (a, b)}
+    plan = s.schedule(4, yes)
+    assert plan.burst == 4 and not plan.prefills
+    assert [(d.request_id, d.start, d.num_tokens) for d in plan.decodes] == [
+        ("a", starts["a"], 1), ("b", starts["b"], 1)]
+    for r in (a, b):  # the KV of 4 tokens from its start fits its blocks; 4 more computed
+        assert len(r.block_ids) * 4 >= starts[r.request_id] + 4
+        assert r.num_computed == starts[r.request_id] + 4
+    s.sampled_on_device(plan, lambda r, k=1: k == 4)
+    assert a.token_ids[-4:] == [PLACEHOLDER] * 4 and b.token_ids[-4:] == [PLACEHOLDER] * 4
+    appended = s.update(plan, [11, 12, 13, 14, 21, 22, 23, 24])
+    assert [(i, r.request_id) for i, r in appended] == [
+        (0, "a"), (1, "a"), (2, "a"), (3, "a"), (4, "b"), (5, "b"), (6, "b"), (7, "b")]
+    assert a.token_ids[-4:] == [11, 12, 13, 14] and b.token_ids[-4:] == [21, 22, 23, 24]
+    assert a.num_computed == len(a.token_ids) - 1 and b.num_computed == len(b.token_ids) - 1
+    s.allocator.check_holders(s.block_holders())
+
+
 # -- KV-cache parallel groups (kvp): per-group pools and the group-boundary rules -------------
 
 

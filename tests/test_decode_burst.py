@@ -1,0 +1,98 @@
+"""Decode bursts (``EngineConfig.decode_burst``): several decode steps in one executable call.
+The tokens are exactly those of one step at a time (greedy, seeded sampling, penalties, stop
+ids and strings, async and sync scheduling), KV blocks are conserved after every step and
+all free at the end, an abort while a burst is on the device frees its blocks, and a burst
+whose program is not compiled yet waits for the background compile while the engine steps
+one at a time."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from jserve import SamplingParams
+from llm_helpers import check_blocks, small_llm
+
+PROMPTS = [[1 + i, 5, 7, 9 + i] * (3 + i) for i in range(4)]
+
+
+def _params(stop_token: int | None = None, stop: str | None = None) -> list[SamplingParams]:
+    return [SamplingParams(temperature=0.0, max_tokens=23, ignore_eos=True,
+                           stop_token_ids=[stop_token] if stop_token is not None else None),
+            SamplingParams(temperature=0.9, seed=7, max_tokens=18, ignore_eos=True),
+            SamplingParams(temperature=0.0, max_tokens=21, repetition_penalty=1.3,
+                           frequency_penalty=0.4, ignore_eos=True,
+                           stop=[stop] if stop else None),
+            SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)]
+
+
+def _run(llm, params, abort_in_burst: str | None = None):
+    """Every request's (token ids, finish reason), blocks checked after every step; with
+    ``abort_in_burst``, that request is aborted once a burst holding it is on the device."""
+    eng = llm.engine
+    ids = [eng.add_request(p, s, request_id=f"r{i}")
+           for i, (p, s) in enumerate(zip(PROMPTS, params))]
+    eng.step_log = []
+    done = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = (out.token_ids, out.finish_reason)
+        if abort_in_burst in eng.requests and any(
+                e.plan.burst > 1 for e in eng.scheduler._launched):
+            out = eng.abort(abort_in_burst)
+            done[abort_in_burst] = (out.token_ids, out.finish_reason)
+        check_blocks(eng)
+    assert eng.allocator.num_free == eng.allocator.total
+    return [done[i] for i in ids], sum(p.burst > 1 for p, _ in eng.step_log)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """One step at a time."""
+    return small_llm()
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_bursts_give_the_tokens_of_one_step_at_a_time(reference, async_scheduling):
+    want, _ = _run(reference, _params())
+    # Stops that fall inside bursts: request 0 on the id it generates 7th, request 2 on the
+    # text of its 8th to 10th tokens (the byte tokenizer: one character a token).
+    stop_token = want[0][0][6]
+    text = reference.engine.tokenizer.decode(want[2][0][7:10])
+    want, _ = _run(reference, _params(stop_token, text))
+    assert want[0][1] == "stop" and len(want[0][0]) <= 7
+    assert want[2][1] == "stop"
+    burst = small_llm(decode_burst=4, async_scheduling=async_scheduling)
+    got, bursts = _run(burst, _params(stop_token, text))
+    assert got == want
+    assert bursts >= 3
+
+
+def test_an_abort_during_a_burst_frees_its_blocks_and_leaves_the_others_alone(reference):
+    want, _ = _run(reference, _params())
+    got, bursts = _run(small_llm(decode_burst=4), _params(), abort_in_burst="r1")
+    assert bursts >= 1
+    ids, reason = got[1]
+    assert reason == "abort" and ids == want[1][0][:len(ids)] and len(ids) < len(want[1][0])
+    assert [g for i, g in enumerate(got) if i != 1] == [w for i, w in enumerate(want) if i != 1]
+
+
+def test_a_burst_not_compiled_yet_compiles_in_the_background_meanwhile_single_steps(
+        reference):
+    want, _ = _run(reference, _params())
+    llm = small_llm(decode_burst=4, warmup="core")
+    runner = llm.engine.runner
+    gate, compile_burst = threading.Event(), runner._compile_burst
+
+    def held_back(key):  # the background compile of the burst waits until the test says
+        assert gate.wait(120)
+        compile_burst(key)
+
+    runner._compile_burst = held_back
+    got, bursts = _run(llm, _params())
+    assert got == want and bursts == 0
+    gate.set()
+    assert runner.wait_compiles(120)
+    got, bursts = _run(llm, _params())  # the same requests: now in bursts
+    assert got == want and bursts >= 3
