@@ -14,8 +14,8 @@ import jax
 from jserve.cache.allocator import BlockAllocator
 from jserve.cache.pool import allocate_kv_cache, kv_bytes_per_page, num_pages_for_budget
 from jserve.config import LlamaConfig
-from jserve.engine.burst import DecodeBursts
 from jserve.engine.buckets import Buckets
+from jserve.engine.burst import DecodeBursts
 from jserve.engine.config import EngineConfig
 from jserve.engine.request_state import plain_sampler_row
 from jserve.engine.runner import ModelRunner, runtime_params
