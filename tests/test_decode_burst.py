@@ -1,15 +1,18 @@
 """Decode bursts (``EngineConfig.decode_burst``): several decode steps in one executable call.
 The tokens are exactly those of one step at a time (greedy, seeded sampling, penalties, stop
 ids and strings, async and sync scheduling), KV blocks are conserved after every step and
-all free at the end, an abort while a burst is on the device frees its blocks, and a burst
+all free at the end, an abort while a burst is on the device frees its blocks, a burst
 whose program is not compiled yet waits for the background compile while the engine steps
-one at a time."""
+one at a time, and bursts on a tp=2 mesh give the one-device tokens."""
 from __future__ import annotations
 
+import json
+import textwrap
 import threading
 
 import pytest
 
+from devices import run_on_devices
 from jserve import SamplingParams
 from llm_helpers import check_blocks, small_llm
 
@@ -96,3 +99,36 @@ def test_a_burst_not_compiled_yet_compiles_in_the_background_meanwhile_single_st
     assert runner.wait_compiles(120)
     got, bursts = _run(llm, _params())  # the same requests: now in bursts
     assert got == want and bursts >= 3
+
+
+_TP_SCRIPT = textwrap.dedent("""
+    import json, sys
+    from jserve import LLM, SamplingParams
+    from jserve.bench.evaluate import release_executables
+    settings = json.loads(sys.argv[1])
+    prompts = ["count down from 40", "list fruits", "count down from 33"]
+    params = SamplingParams(max_tokens=30, temperature=0.0)
+    result = {}
+    for name, mesh, burst in (("ref", "tp=1", 1), ("tp=2", "tp=2", 4)):
+        llm = LLM("tiny-tasks", mesh=mesh, decode_burst=burst, **settings)
+        llm.engine.step_log = []
+        outs = llm.generate(prompts, params)
+        eng = llm.engine
+        eng.allocator.check()
+        result[name] = {"tokens": [o.token_ids for o in outs],
+                        "leaked": eng.allocator.num_allocated,
+                        "bursts": sum(p.burst > 1 for p, _ in eng.step_log)}
+        del llm, eng, outs
+        release_executables()
+    print(json.dumps(result))
+""")
+
+
+@pytest.mark.slow
+def test_bursts_on_a_tp2_mesh_give_the_one_device_tokens():
+    settings = dict(max_num_seqs=4, max_num_batched_tokens=32, max_prefill_seqs=2,
+                    max_model_len=160, warmup=False)
+    result = run_on_devices(_TP_SCRIPT, json.dumps(settings), devices=2, timeout=1200).result
+    assert result["tp=2"]["tokens"] == result["ref"]["tokens"]
+    assert result["tp=2"]["leaked"] == 0 and result["tp=2"]["bursts"] >= 3
+    assert result["ref"]["bursts"] == 0
