@@ -124,6 +124,7 @@ class Profile:
     decode_prompt: int
     decode_tokens: int
     decode_max_model_len: int
+    decode_burst: int               # each decode batch again in bursts of this many steps
     prefill_len: int                # one prompt prefilled in one chunk (the MFU figure)
     chunk_context: int              # the long prompt prefilled in chunks of ...
     chunk_sizes: tuple[int, ...]
@@ -156,7 +157,7 @@ FULL = Profile(
                        max_model_len=2048, page_size=16),
     timing_models={"llama-3.2-1b-shaped": LLAMA_1B, "llama-3-8b-shaped": LLAMA_8B},
     decode_batches=(1, 32), decode_prompt=1024, decode_tokens=64, decode_max_model_len=8192,
-    prefill_len=2048, chunk_context=32768, chunk_sizes=(256, 2048))
+    decode_burst=8, prefill_len=2048, chunk_context=32768, chunk_sizes=(256, 2048))
 
 SMOKE = Profile(
     name="smoke", hq=4, hkv=2, d=32, dtype="float32", page=16,
@@ -178,7 +179,7 @@ SMOKE = Profile(
     # Prompts of 16 (b=1) and 2 x 16 (b=2) prefill in one step each; the 32-token budget
     # engine also serves the 32-token chunks at context 128: five compiled shapes.
     decode_batches=(1, 2), decode_prompt=16, decode_tokens=8, decode_max_model_len=144,
-    prefill_len=32, chunk_context=128, chunk_sizes=(16, 32))
+    decode_burst=4, prefill_len=32, chunk_context=128, chunk_sizes=(16, 32))
 
 
 def peak_figures(device_kind: str, tflops: float | None, tbps: float | None):
@@ -538,13 +539,22 @@ def twice(engine, prompts, params, desc):
 
 
 def decode_timing(p: Profile, name: str, cfg, engine, impl: str, peaks, b: int,
-                  rng: np.random.Generator) -> dict:
+                  rng: np.random.Generator, burst: int = 1) -> dict:
     """Batch b of ``decode_prompt``-token prompts, ``decode_tokens`` greedy tokens each: the
-    step times of the steps where all b sequences decode and nothing prefills."""
+    step times of the steps where all b sequences decode and nothing prefills. ``burst`` > 1:
+    with decode bursts of that many steps (``EngineConfig.decode_burst``), the times of the
+    bursts over their steps."""
     prompts = rng.integers(3, cfg.vocab_size, (b, p.decode_prompt)).tolist()
     greedy = SamplingParams(temperature=0.0, max_tokens=p.decode_tokens, ignore_eos=True)
-    _, log, compiles = twice(engine, prompts, greedy, f"{name} decode b={b}")
-    steps = [(plan, s) for plan, s in log if not plan.prefills and len(plan.decodes) == b]
+    engine.bursts.steps = burst
+    try:
+        _, log, compiles = twice(engine, prompts, greedy,
+                                 f"{name} decode b={b}" + (f" bursts of {burst}" if burst > 1
+                                                           else ""))
+    finally:
+        engine.bursts.steps = 1
+    steps = [(plan, s / plan.burst) for plan, s in log
+             if not plan.prefills and len(plan.decodes) == b and plan.burst == burst]
     if not steps:
         raise RuntimeError(f"no step had all {b} sequences decoding")
     # Context a decode attends to: its position + 1 (ScheduledChunk.start; if the plan
@@ -556,13 +566,14 @@ def decode_timing(p: Profile, name: str, cfg, engine, impl: str, peaks, b: int,
     step = statistics.median(s for _, s in steps)
     w_bytes = weight_bytes_read(cfg)
     kv = ctx * kv_bytes_per_token(cfg)
-    row = dict(model=name, impl=impl, batch=b, prompt=p.decode_prompt,
+    row = dict(model=name, impl=impl, batch=b, burst=burst, prompt=p.decode_prompt,
                new_tokens=p.decode_tokens, max_model_len=engine.max_model_len,
                steps_timed=len(steps), mean_context=ctx / b, step_ms=step * 1e3,
                tok_s=b / step, weight_gb=w_bytes / 1e9, kv_gb=kv / 1e9,
                tbps=(w_bytes + kv) / step / 1e12, mbu=ratio((w_bytes + kv) / step, peaks[1]),
                compiles_while_timed=compiles)
-    say(f"  decode {name} b={b}: {row['step_ms']:.2f} ms/step, {row['tok_s']:.1f} tok/s, "
+    say(f"  decode {name} b={b} burst {burst}: {row['step_ms']:.2f} ms/step, "
+        f"{row['tok_s']:.1f} tok/s, "
         f"{row['tbps']:.3g} TB/s, MBU {fmt_pct(row['mbu'])}")
     return row
 
@@ -618,10 +629,11 @@ def model_timings(p: Profile, name: str, impl: str, peaks, seed: int, out: dict)
         max_model_len=p.decode_max_model_len, page_size=p.page, num_kv_pages=need + 2))
     if engine is not None:
         for b in p.decode_batches:
-            row = attempt(f"decode b={b}",
-                          lambda b=b: decode_timing(p, name, cfg, engine, impl, peaks, b, rng))
-            if row:
-                out["decode"].append(row)
+            for burst in (1, p.decode_burst):
+                row = attempt(f"decode b={b} burst {burst}", lambda b=b, burst=burst:
+                              decode_timing(p, name, cfg, engine, impl, peaks, b, rng, burst))
+                if row:
+                    out["decode"].append(row)
         row = attempt(f"prefill {p.prefill_len}", lambda: prefill_timing(
             p, name, cfg, engine, impl, peaks, p.prefill_len, p.prefill_len, rng))
         if row:
@@ -758,14 +770,16 @@ def render_markdown(res: dict) -> str:
     if t:
         out += ["", f"## Engine timings (attention_impl={t['impl']}, random weights)", "",
                 "Step times from the engine's step log (device step plus token fetch), median "
-                "over the steps where the whole batch decodes. MBU = (weights read + KV read) "
+                "over the steps where the whole batch decodes (burst > 1: decode bursts of "
+                "that many steps, a burst's time over its steps). MBU = (weights read + KV read) "
                 "per step / step time / peak bandwidth; MFU = model FLOPs (layer matmuls per "
                 "token, causal attention, LM head once) / prefill time / peak FLOP/s.", "",
                 "### Decode", ""]
         out.append(md_table(
-            ["model", "batch", "prompt", "new tokens", "max_model_len", "mean context",
-             "step ms", "tok/s", "weights GB", "KV GB/step", "TB/s", "MBU"],
-            [[r["model"], r["batch"], r["prompt"], r["new_tokens"], r["max_model_len"],
+            ["model", "batch", "burst", "prompt", "new tokens", "max_model_len",
+             "mean context", "step ms", "tok/s", "weights GB", "KV GB/step", "TB/s", "MBU"],
+            [[r["model"], r["batch"], r.get("burst", 1), r["prompt"], r["new_tokens"],
+              r["max_model_len"],
               r["mean_context"], r["step_ms"], r["tok_s"], r["weight_gb"], r["kv_gb"],
               r["tbps"], fmt_pct(r["mbu"])] for r in t["decode"]]))
         out += ["", "### Prefill", ""]

@@ -55,7 +55,7 @@ def test_device_check_smoke_mode_passes(tmp_path):
     # The timing paths ran and produced figures (not judged on a CPU).
     t = res["timings"]
     assert not t["errors"]
-    assert {r["batch"] for r in t["decode"]} == {1, 2}
+    assert {(r["batch"], r["burst"]) for r in t["decode"]} == {(1, 1), (1, 4), (2, 1), (2, 4)}
     assert all(r["step_ms"] > 0 and r["tok_s"] > 0 for r in t["decode"])
     assert len(t["prefill"]) == 3 and len(t["chunked"]) == 1
     assert res["peaks"] == {"tflops": None, "tbps": None} or res["backend"] != "cpu"
