@@ -186,6 +186,19 @@ def test_a_burst_needs_every_running_request_decoding_and_takes_its_tokens_back(
     s.allocator.check_holders(s.block_holders())
 
 
+def test_a_burst_the_pool_cannot_hold_is_one_step_and_takes_no_block():
+    s = _sched(blocks=4, budget=16, seqs=4, block_size=4)  # 4 usable blocks of 4 tokens
+    a, b = _req("a", 4, 0, max_tokens=20), _req("b", 3, 1, max_tokens=20)
+    for r in (a, b):
+        s.add(r)
+    apply_plan(s, s.schedule())
+    # One step: a needs a 2nd block (5 tokens), b none; 8 steps: a a 3rd, b two more.
+    plan = s.schedule(8, lambda r, k: True)
+    assert plan.burst == 1 and [d.request_id for d in plan.decodes] == ["a", "b"]
+    assert (len(a.block_ids), len(b.block_ids), s.allocator.num_free) == (2, 1, 1)
+    s.allocator.check_holders(s.block_holders())
+
+
 # -- KV-cache parallel groups (kvp): per-group pools and the group-boundary rules -------------
 
 

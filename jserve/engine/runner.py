@@ -702,6 +702,7 @@ class ModelRunner:
                             "were compiled for; compiling again")
                 self._arg_specs = None
                 self._compiled.clear()
+                self._bursts.clear()
                 self._sampler = self._plain_sampler = None
         return same
 

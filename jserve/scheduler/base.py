@@ -493,9 +493,8 @@ class SchedulerBase(abc.ABC):
     def _as_burst(self, plan: BatchPlan, burst: int, may_burst) -> BatchPlan:
         """``plan`` as a burst of ``burst`` decode steps when it decodes every running
         request and nothing else (no prefill, draft, preemption or swap, nobody waiting), every
-        request may take ``burst`` tokens without the host in between, and each one's blocks
-        grow to hold them; else ``plan`` unchanged (blocks grown for some requests stay theirs:
-        their next decodes use them)."""
+        request may take ``burst`` tokens without the host in between, and the blocks of all
+        of them grow to hold those; else ``plan`` unchanged, and so are their blocks."""
         if (self.waiting or plan.prefills or not plan.decodes or plan.num_draft_tokens
                 or plan.preempted or plan.swap_out or plan.swap_in
                 or len(plan.decodes) != len(self.running)):
@@ -504,9 +503,13 @@ class SchedulerBase(abc.ABC):
         reqs = [by_id.get(c.request_id) for c in plan.decodes]
         if not all(r is not None and may_burst(r, burst) for r in reqs):
             return plan
-        if not all(self._grow(r, c.start + burst) for r, c in zip(reqs, plan.decodes)):
-            return plan
-        return dataclasses.replace(plan, burst=burst)
+        had = [len(r.block_ids) for r in reqs]
+        if all(self._grow(r, c.start + burst) for r, c in zip(reqs, plan.decodes)):
+            return dataclasses.replace(plan, burst=burst)
+        for r, n in zip(reqs, had):  # the pool is short: what was grown goes back
+            self.allocator.free(r.block_ids[n:])
+            del r.block_ids[n:]
+        return plan
 
     def _schedule_around_in_flight(self) -> BatchPlan:
         if not self.in_flight:
