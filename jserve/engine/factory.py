@@ -219,9 +219,11 @@ def build_engine_parts(cfg: LlamaConfig, params: Params, config: EngineConfig,
     if defer:  # counted first: the background thread starts on the sampler at once
         runner.defer(compile_rest=config.warmup == "background")
     speculator = build_speculator(config, cfg, context, scheduler)
-    # Bursts need one device and process, no KV-cache parallelism and no length probe.
+    # Bursts need one device and process, no KV-cache parallelism, no length probe and no
+    # speculative decoding (untested together).
     bursts = DecodeBursts(config.decode_burst, mesh_config.spp == 1 and mesh_config.kvp == 1
-                          and jax.process_count() == 1 and tracker is None,
+                          and jax.process_count() == 1 and tracker is None
+                          and config.speculative_config is None,
                           scheduler, runner, buckets, context)
     return EngineParts(
         mesh_config, jax.process_count() > 1, context, buckets, allocator, scheduler,
