@@ -170,7 +170,7 @@ def test_kernels_lower_for_their_accelerator(platform, attend, writer, target):
 def test_auto_picks_the_backends_kernel():
     assert resolve_impl("auto", "gpu") == "pallas_gpu"
     assert resolve_impl("auto", "tpu") == "pallas_tpu"
-    assert resolve_impl("auto", "cpu") == "reference"
+    assert resolve_impl("auto", "cpu") == "cpu"  # the native decode kernel (test_cpu_kernel)
     assert resolve_impl("pallas_tpu", "cpu") == "pallas_tpu"  # interpreted, see the engine test
     with pytest.raises(ValueError, match="attention_impl"):
         resolve_impl("flash")
@@ -198,7 +198,7 @@ def greedy_reference(one_layer_model):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
+@pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu", "cpu"])
 def test_engine_greedy_tokens_match_the_reference(impl, greedy_reference, one_layer_model):
     llm = small_llm(one_layer_model, max_num_seqs=2, attention_impl=impl)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == greedy_reference

@@ -1,8 +1,10 @@
 """Attention for a mixed ragged batch over the paged KV cache.
 
 ``attention`` is the one call site the model uses; ``impl`` picks the implementation:
-``reference`` (pure jnp, any backend), ``pallas_gpu`` (Triton), ``pallas_tpu`` (Mosaic), or
-``auto``: the Pallas flavour of the backend JAX runs on, else the reference. ``write_kv``, the
+``reference`` (pure jnp, any backend), ``pallas_gpu`` (Triton), ``pallas_tpu`` (Mosaic),
+``cpu`` (the reference with its decode rows on a native kernel for XLA:CPU, ``cpu.py``), or
+``auto``: the Pallas flavour of the backend JAX runs on, on CPU ``cpu`` where its kernel
+builds, else the reference. ``write_kv``, the
 cache write before attention, follows the same choice. A Pallas flavour
 asked for on another backend (CPU in tests) runs in Pallas interpret mode: same kernel code,
 executed by XLA, slow but exact, which is how the engine is tested with the kernels.
@@ -14,11 +16,11 @@ from __future__ import annotations
 
 import jax
 
-from jserve.kernels import kv_quant, kv_write, pallas_gpu, pallas_tpu
+from jserve.kernels import cpu, kv_quant, kv_write, pallas_gpu, pallas_tpu
 from jserve.kernels.metadata import AttentionMetadata
 from jserve.kernels.reference import ragged_paged_attention
 
-ATTENTION_IMPLS = ("auto", "reference", "pallas_gpu", "pallas_tpu")
+ATTENTION_IMPLS = ("auto", "reference", "pallas_gpu", "pallas_tpu", "cpu")
 # impl -> (backend it compiles for, attention kernel, cache-write kernel)
 _KERNELS = {"pallas_gpu": ("gpu", pallas_gpu.ragged_paged_attention, kv_write.write_kv_gpu),
             "pallas_tpu": ("tpu", pallas_tpu.ragged_paged_attention, kv_write.write_kv_tpu)}
@@ -31,6 +33,8 @@ def resolve_impl(impl: str, backend: str | None = None) -> str:
     if impl != "auto":
         return impl
     backend = backend or jax.default_backend()
+    if backend == "cpu":
+        return "cpu" if cpu.available() else "reference"
     return next((name for name, (b, *_) in _KERNELS.items() if b == backend), "reference")
 
 
@@ -43,13 +47,15 @@ def attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: Attent
     impl = resolve_impl(impl)
     if impl == "reference":
         return ragged_paged_attention(q, k_pages, v_pages, meta, layer=layer)
+    if impl == "cpu":
+        return cpu.ragged_paged_attention(q, k_pages, v_pages, meta, layer=layer)
     backend, kernel, _ = _KERNELS[impl]
     return kernel(q, k_pages, v_pages, meta, interpret=jax.default_backend() != backend,
                   layer=layer)
 
 
 def _write(pages: jax.Array, slots: jax.Array, new: jax.Array, impl: str, layer) -> jax.Array:
-    if impl == "reference":
+    if impl in ("reference", "cpu"):
         return kv_write.write_kv(pages, slots, new, layer=layer)
     backend, _, kernel = _KERNELS[impl]
     return kernel(pages, slots, new, interpret=jax.default_backend() != backend, layer=layer)

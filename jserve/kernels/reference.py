@@ -159,13 +159,15 @@ def _prefill_attention(q, q_seq, q_pos, k_pages, v_pages, kv_lens, page_table, n
 
 def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            meta: AttentionMetadata, *, pages_per_block: int = PAGES_PER_BLOCK,
-                           rows_per_tile: int = _PREFILL_TILE, layer=None
+                           rows_per_tile: int = _PREFILL_TILE, layer=None, decode=None
                            ) -> tuple[jax.Array, jax.Array]:
     """Attention of a mixed batch of decodes and prefill chunks over a paged KV cache.
 
     q: [T, Hq, D]; k_pages, v_pages: [Hkv, num_pages, page_size, D] (already holding this
     step's KV), or stacked [layers, Hkv, ...] read at ``layer``. Returns (out [T, Hq, D] in q's
-    dtype, lse [T, Hq] float32; -inf where a token has no keys, e.g. padding).
+    dtype, lse [T, Hq] float32; -inf where a token has no keys, e.g. padding). ``decode``:
+    what attends the decode rows, with ``_decode_attention``'s contract (the native CPU kernel,
+    ``jserve.kernels.cpu``); default ``_decode_attention``.
     """
     t, hq, d = q.shape
     hkv = k_pages.shape[-4]
@@ -179,8 +181,9 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     qg = q.reshape(t, hkv, g, d).transpose(1, 0, 2, 3)  # [Hkv, T, G, D]
     outs, lses = [], []
     if nd:
-        o, l = _decode_attention(qg[:, :nd], k_pages, v_pages, meta.kv_lens[:nd],
-                                 meta.page_table[:nd], pages_per_block, scale, layer)
+        o, l = (decode or _decode_attention)(qg[:, :nd], k_pages, v_pages, meta.kv_lens[:nd],
+                                             meta.page_table[:nd], pages_per_block, scale,
+                                             layer)
         outs.append(o)
         lses.append(l)
     if t > nd:

@@ -1,0 +1,132 @@
+"""Attention on XLA:CPU with a native decode kernel (``attention_impl="cpu"``).
+
+XLA:CPU runs the jnp reference's decode attention as page gathers (a copy of every KV block
+read) and many small batched dots inside a loop; on a 2-core VM that was about a fifth of a
+batch-32 decode step of the bench model (docs/bench.md). The decode rows here go to a C++
+kernel (``native/cpu_decode_attention.cc``) called through the XLA FFI: it reads the pages in
+place, one pass over each sequence's keys with an online softmax, on XLA's own intra-op
+threads. Prefill chunks, quantized pages and anything the kernel does not take (see
+``decode_supported``) stay on the reference, so every batch the reference serves is served.
+
+The kernel is compiled on first use with the system's C++ compiler against the FFI headers
+jaxlib ships, for this CPU (``-march=native``), into a cache keyed by the source, the flags,
+jaxlib's version and the CPU (``$JSERVE_KERNEL_CACHE``, default ``~/.cache/jserve/kernels``).
+Without a compiler, or if the build fails, ``available()`` is False (logged once) and
+``attention_impl="auto"`` means the reference on CPU, as before.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from jserve.kernels import kv_quant, reference
+from jserve.kernels.metadata import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("native") / "cpu_decode_attention.cc"
+_TARGET = "jserve_cpu_decode_attention"
+_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
+_MAX_GROUP, _MAX_DIM, _MAX_PAGE = 16, 256, 256  # the kernel's limits
+_lock = threading.Lock()
+_state: dict = {}  # "ok": bool once tried; "error": why not
+
+
+def _cpu_identity() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        flags = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+        model = next((ln for ln in text.splitlines() if ln.startswith("model name")), "")
+        return model + flags
+    except OSError:
+        return platform.processor()
+
+
+def _library_path() -> Path:
+    key = hashlib.sha256()
+    for part in (_SOURCE.read_bytes(), " ".join(_FLAGS).encode(), jax.lib.__version__.encode(),
+                 platform.machine().encode(), _cpu_identity().encode()):
+        key.update(part)
+    root = Path(os.environ.get("JSERVE_KERNEL_CACHE",
+                               Path.home() / ".cache" / "jserve" / "kernels"))
+    return root / key.hexdigest()[:16] / "libjserve_cpu_attention.so"
+
+
+def _build(path: Path) -> None:
+    """Compiles the kernel to ``path`` (atomically: parallel processes may race here)."""
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (g++ or $CXX) found")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        out = Path(tmp) / path.name
+        proc = subprocess.run([compiler, *_FLAGS, "-I", jax.ffi.include_dir(), str(_SOURCE),
+                               "-o", str(out)], capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
+        os.replace(out, path)
+
+
+def available() -> bool:
+    """Whether the native decode kernel is built, loaded and registered with XLA (tried
+    once per process; the first call may compile it, a few seconds)."""
+    with _lock:
+        if "ok" not in _state:
+            try:
+                path = _library_path()
+                if not path.exists():
+                    _build(path)
+                lib = ctypes.cdll.LoadLibrary(str(path))
+                jax.ffi.register_ffi_target(
+                    _TARGET, jax.ffi.pycapsule(lib.JserveCpuDecodeAttention), platform="cpu")
+                _state["ok"] = True
+            except Exception as e:  # noqa: BLE001 - the reference serves instead
+                _state.update(ok=False, error=str(e))
+                log.warning("native CPU decode attention unavailable, using the reference: %s",
+                            e)
+        return _state["ok"]
+
+
+def decode_supported(q: jax.Array, k_pages) -> bool:
+    """Whether the kernel takes these shapes and dtypes (else the reference runs)."""
+    _, scales = kv_quant.split(k_pages)
+    hkv, _, g, d = q.shape
+    return (scales is None and k_pages.dtype in (jnp.float32, jnp.bfloat16)
+            and g <= _MAX_GROUP and d <= _MAX_DIM and k_pages.shape[-2] <= _MAX_PAGE
+            and available())
+
+
+def _decode_attention(q, k_pages, v_pages, kv_lens, page_table, pages_per_block, scale,
+                      layer=None):
+    """The reference's ``_decode_attention`` contract (q [Hkv, B, G, D]; pages one layer's or
+    stacked with ``layer``) on the native kernel where it applies."""
+    if not decode_supported(q, k_pages) or scale != q.shape[-1] ** -0.5:
+        return reference._decode_attention(q, k_pages, v_pages, kv_lens, page_table,
+                                           pages_per_block, scale, layer)
+    if layer is None:
+        k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
+    hkv, b, g, d = q.shape
+    return jax.ffi.ffi_call(
+        _TARGET, (jax.ShapeDtypeStruct((hkv, b, g, d), jnp.float32),
+                  jax.ShapeDtypeStruct((hkv, b, g), jnp.float32)))(
+        q.astype(jnp.float32), k_pages, v_pages, jnp.asarray(layer, jnp.int32),
+        kv_lens.astype(jnp.int32), page_table.astype(jnp.int32))
+
+
+def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                           meta: AttentionMetadata, *, layer=None
+                           ) -> tuple[jax.Array, jax.Array]:
+    """``reference.ragged_paged_attention`` with its decode rows on the native kernel."""
+    return reference.ragged_paged_attention(q, k_pages, v_pages, meta, layer=layer,
+                                            decode=_decode_attention)

@@ -1,0 +1,86 @@
+"""The native CPU decode kernel (``attention_impl="cpu"``, jserve/kernels/cpu.py): compiled
+on first use, called through the XLA FFI; its decode rows against the jnp reference on random
+ragged batches (GQA groups, head dims, float32 and bfloat16 pages, contexts past a thousand
+tokens, padding rows), a traced layer of a stacked cache read in place, quantized pages left
+to the reference, and ``auto`` choosing it on CPU only where it builds."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jserve.kernels import cpu, resolve_impl
+from jserve.kernels.reference import ragged_paged_attention as reference
+from ragged import ragged_case
+
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
+TARGET = "jserve_cpu_decode_attention"
+
+
+def native_calls(fn, *args) -> int:
+    """How many times the compiled ``fn`` calls the native kernel."""
+    return jax.jit(fn).lower(*args).as_text().count(TARGET)
+
+
+@pytest.mark.parametrize("hq, hkv, d, dtype, max_ctx", [
+    (4, 4, 64, jnp.float32, 60), (8, 2, 128, jnp.bfloat16, 60), (16, 1, 64, jnp.float32, 60),
+    (8, 2, 64, jnp.float32, 1500)])
+def test_native_decode_matches_the_reference(hq, hkv, d, dtype, max_ctx):
+    rng = np.random.default_rng(hq * 100 + d + max_ctx)
+    decode_ctx = [int(c) for c in rng.integers(1, max_ctx, 5)] + [0, 1]
+    prefill = [(0, 9), (int(rng.integers(1, 30)), 6)]
+    width = (-(-max_ctx // 4) + 4 + 3) // 4 * 4  # pages; a multiple of the reference's block
+    q, kp, vp, meta, _ = ragged_case(rng, decode_ctx, prefill, hq=hq, hkv=hkv, d=d,
+                                     page_size=4, width=width)
+    q, kp, vp = (jnp.asarray(x, dtype) for x in (q, kp, vp))
+    attend = lambda q, k, v, meta: cpu.ragged_paged_attention(q, k, v, meta)  # noqa: E731
+    assert native_calls(attend, q, kp, vp, meta) == 1
+    out, lse = jax.jit(attend)(q, kp, vp, meta)
+    ref_out, ref_lse = reference(q, kp, vp, meta)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    tol = TOL[dtype]
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out, np.float32),
+                               atol=tol, rtol=tol)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=tol, rtol=tol)
+    empty = np.isneginf(np.asarray(ref_lse))  # the padding decode row: 0 and -inf exactly
+    assert empty.any() and np.all(np.isneginf(np.asarray(lse))[empty])
+    assert np.all(np.asarray(out, np.float32)[empty] == 0)
+
+
+def test_native_decode_reads_a_traced_layer_of_a_stacked_cache():
+    rng = np.random.default_rng(3)
+    q, kp, vp, meta, _ = ragged_case(rng, [9, 30, 0], [], hq=8, hkv=2, d=64, page_size=4,
+                                     width=16)
+    noise = lambda: rng.normal(size=(3, *kp.shape))  # noqa: E731
+    k_stack = jnp.asarray(noise(), jnp.float32).at[1].set(kp)
+    v_stack = jnp.asarray(noise(), jnp.float32).at[1].set(vp)
+    at_layer = lambda q, k, v, meta, i: cpu.ragged_paged_attention(q, k, v, meta, layer=i)  # noqa: E731
+    args = (jnp.asarray(q), k_stack, v_stack, meta, jnp.int32(1))
+    assert native_calls(at_layer, *args) == 1
+    out, lse = jax.jit(at_layer)(*args)
+    ref_out, ref_lse = reference(jnp.asarray(q), jnp.asarray(kp), jnp.asarray(vp), meta)
+    np.testing.assert_allclose(out, ref_out, atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(lse, ref_lse, atol=2e-5, rtol=2e-5)
+
+
+def test_quantized_pages_stay_on_the_reference():
+    rng = np.random.default_rng(5)
+    q, kp, vp, meta, _ = ragged_case(rng, [9, 30], [], hq=4, hkv=2, d=64, page_size=4,
+                                     width=16)
+    q = jnp.asarray(q)
+    kp, vp = (jnp.asarray(x, jnp.float8_e4m3fn) for x in (kp, vp))
+    attend = lambda q, k, v, meta: cpu.ragged_paged_attention(q, k, v, meta)  # noqa: E731
+    assert native_calls(attend, q, kp, vp, meta) == 0
+    out, lse = jax.jit(attend)(q, kp, vp, meta)
+    ref_out, ref_lse = jax.jit(reference)(q, kp, vp, meta)
+    np.testing.assert_array_equal(out, ref_out)
+    np.testing.assert_array_equal(lse, ref_lse)
+
+
+def test_auto_is_the_native_kernel_on_cpu_where_it_builds(monkeypatch):
+    assert cpu.available()  # a C++ compiler is part of this project's machines
+    assert resolve_impl("auto", "cpu") == "cpu"
+    monkeypatch.setattr(cpu, "_state", {"ok": False, "error": "no compiler"})
+    assert resolve_impl("auto", "cpu") == "reference"
+    assert resolve_impl("auto", "gpu") == "pallas_gpu"
