@@ -13,6 +13,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <mutex>
 
 #include "xla/ffi/api/ffi.h"
@@ -100,31 +101,40 @@ void attend(const Problem<T>& p, int64_t h, int64_t row) {
   }
 }
 
-// Runs attend() over every (head, row) pair: the calling thread and up to
-// num_threads - 1 tasks of XLA's pool take pairs from one counter; returns when all are done.
+// Runs attend() over every (head, row) pair: the calling thread and up to num_threads - 1
+// tasks on XLA's intra-op pool take pairs from one counter. The caller waits only for pairs
+// that were taken, never for a task to start: on a busy pool (another device's program on
+// the same threads) it does every pair itself. The shared state outlives this call, so a
+// task that starts late finds nothing to do and touches no buffer.
+template <typename T>
+struct Shared {
+  explicit Shared(const Problem<T>& problem) : p(problem), items(problem.hkv * problem.b) {}
+  Problem<T> p;
+  int64_t items;
+  std::atomic<int64_t> next{0};
+  int64_t finished = 0;  // guarded by mu
+  std::mutex mu;
+  std::condition_variable all_done;
+
+  void work() {
+    int64_t mine = 0;
+    for (int64_t i; (i = next.fetch_add(1)) < items; ++mine) attend(p, i / p.b, i % p.b);
+    if (mine == 0) return;
+    std::lock_guard<std::mutex> lock(mu);
+    finished += mine;
+    if (finished == items) all_done.notify_all();
+  }
+};
+
 template <typename T>
 void run(ffi::ThreadPool& pool, const Problem<T>& p) {
-  const int64_t items = p.hkv * p.b;
-  const int64_t helpers = std::max<int64_t>(0, std::min<int64_t>(pool.num_threads(), items) - 1);
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> running{helpers};
-  std::mutex mu;
-  std::condition_variable done;
-  auto work = [&]() {
-    for (int64_t i; (i = next.fetch_add(1)) < items;) attend(p, i / p.b, i % p.b);
-  };
-  for (int64_t t = 0; t < helpers; ++t) {
-    pool.Schedule([&]() {
-      work();
-      if (running.fetch_sub(1) == 1) {
-        std::lock_guard<std::mutex> lock(mu);
-        done.notify_one();
-      }
-    });
-  }
-  work();
-  std::unique_lock<std::mutex> lock(mu);
-  done.wait(lock, [&] { return running.load() == 0; });
+  auto shared = std::make_shared<Shared<T>>(p);
+  const int64_t helpers = std::max<int64_t>(
+      0, std::min<int64_t>(pool.num_threads(), shared->items) - 1);
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([shared]() { shared->work(); });
+  shared->work();
+  std::unique_lock<std::mutex> lock(shared->mu);
+  shared->all_done.wait(lock, [&] { return shared->finished == shared->items; });
 }
 
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
