@@ -36,10 +36,11 @@ class EngineConfig:
     # token and KV head scales) | fp8_e4m3 | fp8_e5m2 (one fixed scale). The budget above
     # counts pages at their stored size, so int8/fp8 hold about 2x the tokens of bf16.
     kv_cache_dtype: str = "auto"
-    # auto | reference | pallas_gpu | pallas_tpu (jserve.kernels): auto is the backend's Pallas
-    # kernel on GPU/TPU and the XLA reference on CPU; a Pallas flavour on CPU runs interpreted.
-    # The default stays the reference until the kernels have been compiled on the hardware.
-    attention_impl: str = "reference"
+    # auto | reference | pallas_gpu | pallas_tpu | cpu (jserve.kernels): auto is the backend's
+    # kernel where it has run on the hardware: the Pallas GPU kernel (checked on an H100,
+    # docs/device.md), the native decode kernel on CPU (where it builds), the XLA reference
+    # on TPU until pallas_tpu has run on a TPU. A Pallas flavour on CPU runs interpreted.
+    attention_impl: str = "auto"
     # sarathi | fcfs | edf | lrs | lars | sprpt (jserve.scheduler.POLICIES)
     scheduler: str = "sarathi"
     # Output-length probe (TRAIL, jserve.probe): a probe .npz turns on capturing its layer's

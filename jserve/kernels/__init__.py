@@ -3,8 +3,9 @@
 ``attention`` is the one call site the model uses; ``impl`` picks the implementation:
 ``reference`` (pure jnp, any backend), ``pallas_gpu`` (Triton), ``pallas_tpu`` (Mosaic),
 ``cpu`` (the reference with its decode rows on a native kernel for XLA:CPU, ``cpu.py``), or
-``auto``: the Pallas flavour of the backend JAX runs on, on CPU ``cpu`` where its kernel
-builds, else the reference. ``write_kv``, the
+``auto``: the backend's kernel where it has run on that hardware: ``pallas_gpu`` on GPU,
+``cpu`` on CPU where its kernel builds, else (TPU until ``pallas_tpu`` has run on one) the
+reference. ``write_kv``, the
 cache write before attention, follows the same choice. A Pallas flavour
 asked for on another backend (CPU in tests) runs in Pallas interpret mode: same kernel code,
 executed by XLA, slow but exact, which is how the engine is tested with the kernels.
@@ -35,7 +36,7 @@ def resolve_impl(impl: str, backend: str | None = None) -> str:
     backend = backend or jax.default_backend()
     if backend == "cpu":
         return "cpu" if cpu.available() else "reference"
-    return next((name for name, (b, *_) in _KERNELS.items() if b == backend), "reference")
+    return "pallas_gpu" if backend == "gpu" else "reference"
 
 
 def attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: AttentionMetadata,
