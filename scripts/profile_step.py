@@ -41,6 +41,7 @@ from jserve.config import LlamaConfig
 from jserve.engine import runner as runner_module
 from jserve.engine.config import EngineConfig
 from jserve.engine.engine import LLMEngine
+from jserve.kernels import resolve_impl
 from jserve.model.weights import init_params
 from jserve.sampling import sampler as sampler_module
 
@@ -91,12 +92,13 @@ class DispatchProbe:
         return records
 
 
-def bench_engine(batch: int) -> LLMEngine:
+def bench_engine(batch: int, attention_impl: str = "auto") -> LLMEngine:
     """The bench model's engine sized for ``batch`` decodes (buckets compile on first use)."""
     cfg = BENCH_MODEL
     return LLMEngine(cfg, init_params(cfg), None,
                      EngineConfig(max_num_seqs=batch, max_num_batched_tokens=512,
-                                  max_model_len=2048, warmup=False))
+                                  max_model_len=2048, warmup=False,
+                                  attention_impl=attention_impl))
 
 
 def bench_prompts(batch: int, prompt_len: int) -> list[list[int]]:
@@ -371,7 +373,7 @@ BURST = "engine, per token in bursts"
 
 
 def profile_batch(batch: int, a, bar: tqdm) -> dict:
-    eng = bench_engine(batch)
+    eng = bench_engine(batch, a.attention_impl)
     params = SamplingParams(temperature=0.0, max_tokens=a.new_tokens, ignore_eos=True)
     prompts = bench_prompts(batch, a.prompt_len)
     shape, packed = capture_decode(eng, prompts, params)
@@ -494,6 +496,9 @@ def main() -> int:
     ap.add_argument("--host-phases", action="store_true",
                     help="also split the engine thread's CPU time per all-decode step by "
                          "phase (extra runs, async scheduling)")
+    ap.add_argument("--attention-impl", default="auto",
+                    help="the engine's attention_impl (auto on CPU: the native decode kernel "
+                         "where it builds; reference: the jnp reference)")
     ap.add_argument("--decode-burst", type=int, default=1,
                     help="also run the engine with decode bursts of this many steps "
                          "(EngineConfig.decode_burst) and report its time per token inside "
@@ -503,7 +508,8 @@ def main() -> int:
     a = ap.parse_args()
     batches = [a.batch] if a.batch else [int(b) for b in a.batches.split(",")]
     print(f"load at start: {uptime()}")
-    print(f"jax {jax.__version__} on {jax.default_backend()}")
+    print(f"jax {jax.__version__} on {jax.default_backend()}; attention_impl {a.attention_impl}"
+          f" ({resolve_impl(a.attention_impl)})")
     results = []
     with tqdm(total=len(batches) * (a.reps + 1), desc="profile", unit="run") as bar:
         for batch in batches:
