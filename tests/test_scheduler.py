@@ -130,11 +130,11 @@ def test_async_scheduling_decodes_again_on_a_placeholder_and_drops_a_late_token(
     for r in (a, b, c):
         s.add(r)
     p1 = s.schedule()
-    s.sampled_on_device(p1, lambda r: r is not c)
+    s.sampled_on_device(p1, lambda r, n: r is not c)
     assert a.token_ids[-1] == b.token_ids[-1] == PLACEHOLDER and c.token_ids == [1, 2]
     p2 = s.schedule()  # a and b decode on their placeholders; c waits for its token
     assert [(d.request_id, d.start) for d in p2.decodes] == [("a", 4), ("b", 3)]
-    s.sampled_on_device(p2, lambda r: True)
+    s.sampled_on_device(p2, lambda r, n: True)
     assert a.token_ids == [1, 2, 3, 4, PLACEHOLDER, PLACEHOLDER]
     assert [r.request_id for _, r in s.update(p1, [7, 8, 9])] == ["a", "b", "c"]
     assert a.token_ids == [1, 2, 3, 4, 7, PLACEHOLDER] and c.token_ids == [1, 2, 9]
@@ -176,7 +176,7 @@ def test_a_burst_needs_every_running_request_decoding_and_takes_its_tokens_back(
     for r in (a, b):  # the KV of 4 tokens from its start fits its blocks; 4 more computed
         assert len(r.block_ids) * 4 >= starts[r.request_id] + 4
         assert r.num_computed == starts[r.request_id] + 4
-    s.sampled_on_device(plan, lambda r, k=1: k == 4)
+    s.sampled_on_device(plan, lambda r, n: n == 4)
     assert a.token_ids[-4:] == [PLACEHOLDER] * 4 and b.token_ids[-4:] == [PLACEHOLDER] * 4
     appended = s.update(plan, [11, 12, 13, 14, 21, 22, 23, 24])
     assert [(i, r.request_id) for i, r in appended] == [

@@ -592,12 +592,17 @@ class ModelRunner:
             any_random=_spec((), bool), any_penalty=_spec((), bool),
             want_logprobs=_spec((), bool))
 
-    def _lower(self, shape: tuple[int, int], lone: bool = False
-               ) -> tuple[jax.stages.Lowered, PackedLayout]:
+    def _buffer_specs(self, shape: tuple[int, int], lone: bool = False
+                      ) -> tuple[PackedLayout, jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+        """A bucket's layout and its packed int32 and float32 buffers, abstract."""
         layout = PackedLayout(self.arrays_spec(*shape))
         ishape, fshape = self._buffer_shapes(layout, lone)
-        ibuf = jax.ShapeDtypeStruct(ishape, jnp.int32, sharding=self._replicated)
-        fbuf = jax.ShapeDtypeStruct(fshape, jnp.float32, sharding=self._replicated)
+        return (layout, jax.ShapeDtypeStruct(ishape, jnp.int32, sharding=self._replicated),
+                jax.ShapeDtypeStruct(fshape, jnp.float32, sharding=self._replicated))
+
+    def _lower(self, shape: tuple[int, int], lone: bool = False
+               ) -> tuple[jax.stages.Lowered, PackedLayout]:
+        layout, ibuf, fbuf = self._buffer_specs(shape, lone)
         if lone:
             return self._pass_jit.lower(
                 *self._specs(), ibuf, fbuf, layout=layout,
@@ -615,11 +620,9 @@ class ModelRunner:
         return lowered, layout
 
     def _lower_burst(self, key: _BurstKey) -> jax.stages.Lowered:
-        layout = PackedLayout(self.arrays_spec(*key.shape))
-        ishape, fshape = self._buffer_shapes(layout)
+        layout, ibuf, fbuf = self._buffer_specs(key.shape)
         return self._burst_jit.lower(
-            *self._specs(), jax.ShapeDtypeStruct(ishape, jnp.int32, sharding=self._replicated),
-            jax.ShapeDtypeStruct(fshape, jnp.float32, sharding=self._replicated),
+            *self._specs(), ibuf, fbuf,
             layout=layout, cfg=self.cfg, attention_impl=self.attention_impl, mesh=self.mesh,
             rows=self.rows_for(key.shape), slice_layers=self.slice_layers, steps=key.steps,
             num_decodes=key.shape[0], page_size=self.page_size)
@@ -641,10 +644,14 @@ class ModelRunner:
 
     def _compile_burst(self, key: _BurstKey) -> None:
         t0 = time.perf_counter()
-        exe = _compile(self._lower_burst(key), self.cache_events)
+        self._keep(self._bursts, key, _compile(self._lower_burst(key), self.cache_events), t0)
+
+    def _keep(self, cache: dict, key, program, t0: float) -> None:
+        """Stores a program compiled since ``t0`` unless another thread stored one first,
+        and counts it."""
         with self._lock:
-            if key not in self._bursts:
-                self._bursts[key] = exe
+            if key not in cache:
+                cache[key] = program
                 self.compile_count += 1
                 self.compile_seconds += time.perf_counter() - t0
 
@@ -779,12 +786,7 @@ class ModelRunner:
             return
         t0 = time.perf_counter()
         lowered, layout = self._lower(shape)
-        exe = _compile(lowered, self.cache_events)
-        with self._lock:
-            if shape not in self._compiled:
-                self._compiled[shape] = (exe, layout)
-                self.compile_count += 1
-                self.compile_seconds += time.perf_counter() - t0
+        self._keep(self._compiled, shape, (_compile(lowered, self.cache_events), layout), t0)
 
     def ready_shape(self, shape: tuple[int, int]) -> tuple[int, int]:
         """The shape to run a step of bucket ``shape`` at now: itself once compiled; while

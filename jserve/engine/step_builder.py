@@ -147,14 +147,15 @@ class StepBuilder:
             if all(map(self.plain_row, dec)):
                 self._last = _LastDecodes(plan.decodes, dec, built, flags,
                                           [r.block_ids for r in dec],
-                                          [len(r.block_ids) for r in dec])
+                                          [len(r.block_ids) for r in dec], plan.burst)
         return built
 
     def _advance(self, plan: BatchPlan, requests: dict[str, Request],
                  state_row: "callable[[Request], int]", flags: StepFlags) -> BuiltStep | None:
         """The steady state of decoding, cheaply: when the last step built was all decodes
-        of the same requests in the same order, each one token further, at the same shape
-        and switches, every row plain (no bans, no mask) then and now, this step's arrays
+        of the same requests in the same order, each as many tokens further as that step
+        moved them (one, or a burst's), at the same shape and switches, every row plain (no
+        bans, no mask) then and now, this step's arrays
         are a copy of that one's with the per-token fields rewritten (tokens, positions,
         slots, KV lengths, state rows, sampling steps; page-table rows whose request took
         a new block). None when it does not apply: ``_build`` then builds it (a test holds
@@ -169,7 +170,7 @@ class StepBuilder:
         for c, old, req, blocks in zip(plan.decodes, last.decodes, last.requests,
                                        last.blocks):
             r = requests.get(c.request_id)
-            if (r is not req or c.start != old.start + 1 or r.block_ids is not blocks
+            if (r is not req or c.start != old.start + last.burst or r.block_ids is not blocks
                     or not self.plain_row(r)):
                 return None
             dec.append(r)
@@ -195,7 +196,8 @@ class StepBuilder:
         arrays.sampled_state_rows[:nd] = srows
         sb.step[:nd] = [r.num_output_tokens for r in dec]
         built = BuiltStep(shape, arrays, list(enumerate(plan.decodes)))
-        self._last = _LastDecodes(plan.decodes, dec, built, flags, last.blocks, lens)
+        self._last = _LastDecodes(plan.decodes, dec, built, flags, last.blocks, lens,
+                                  plan.burst)
         return built
 
     def _build(self, plan: BatchPlan, requests: dict[str, Request],
@@ -333,6 +335,7 @@ class _LastDecodes(NamedTuple):
     flags: StepFlags
     blocks: list[list[int]]  # each request's block list (the same list while it runs)
     lens: list[int]  # how many blocks each held then
+    burst: int  # the tokens each decode moved on (``BatchPlan.burst``)
 
 
 @dataclasses.dataclass

@@ -29,8 +29,9 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jserve.kernels import kv_quant, reference
+from jserve.kernels import blocks, kv_quant, reference
 from jserve.kernels.metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -45,10 +46,9 @@ _state: dict = {}  # "ok": bool once tried; "error": why not
 
 def _cpu_identity() -> str:
     try:
-        text = Path("/proc/cpuinfo").read_text()
-        flags = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-        model = next((ln for ln in text.splitlines() if ln.startswith("model name")), "")
-        return model + flags
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return "".join(next((ln for ln in lines if ln.startswith(k)), "")
+                       for k in ("model name", "flags"))
     except OSError:
         return platform.processor()
 
@@ -111,17 +111,16 @@ def _decode_attention(q, k_pages, v_pages, kv_lens, page_table, pages_per_block,
                       layer=None):
     """The reference's ``_decode_attention`` contract (q [Hkv, B, G, D]; pages one layer's or
     stacked with ``layer``) on the native kernel where it applies."""
-    if not decode_supported(q, k_pages) or scale != q.shape[-1] ** -0.5:
+    if not decode_supported(q, k_pages):
         return reference._decode_attention(q, k_pages, v_pages, kv_lens, page_table,
                                            pages_per_block, scale, layer)
-    if layer is None:
-        k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
+    (k_pages, at), (v_pages, _) = blocks.stacked(k_pages, layer), blocks.stacked(v_pages, layer)
     hkv, b, g, d = q.shape
     return jax.ffi.ffi_call(
         _TARGET, (jax.ShapeDtypeStruct((hkv, b, g, d), jnp.float32),
                   jax.ShapeDtypeStruct((hkv, b, g), jnp.float32)))(
-        q.astype(jnp.float32), k_pages, v_pages, jnp.asarray(layer, jnp.int32),
-        kv_lens.astype(jnp.int32), page_table.astype(jnp.int32))
+        q.astype(jnp.float32), k_pages, v_pages, at, kv_lens.astype(jnp.int32),
+        page_table.astype(jnp.int32), scale=np.float32(scale))
 
 
 def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,

@@ -153,9 +153,9 @@ class SchedulerBase(abc.ABC):
 
     def sampled_on_device(self, plan: BatchPlan, may_continue) -> None:
         """Async scheduling: ``plan``'s step has sampled its tokens on the device, and the
-        host reads them later. Each sampling request for which ``may_continue(req)`` holds
-        (its new token cannot end it by length; a burst's ``may_continue(req, burst)``:
-        its ``burst`` new tokens) gets a ``PLACEHOLDER`` token for each and may be
+        host reads them later. Each sampling request for which ``may_continue(req, n)`` holds
+        (its ``n`` new tokens, one or a burst's, cannot end it by length) gets a
+        ``PLACEHOLDER`` token for each and may be
         scheduled again at once; the others stay held until ``update``. ``plan`` must be
         in flight."""
         entry = next(e for e in self._launched if e.plan is plan)
@@ -164,8 +164,7 @@ class SchedulerBase(abc.ABC):
         if plan.num_draft_tokens:
             held = held - {r for r, c in zip(entry.requests, plan.decodes) if c.drafts}
         for req in list(held):
-            if not req.status.finished and (
-                    may_continue(req) if plan.burst == 1 else may_continue(req, plan.burst)):
+            if not req.status.finished and may_continue(req, plan.burst):
                 req.token_ids.extend([PLACEHOLDER] * plan.burst)
                 entry.held.discard(req)
                 self.in_flight.discard(req)

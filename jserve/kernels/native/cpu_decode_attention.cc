@@ -5,7 +5,7 @@
 // each sequence's keys with an online softmax, page by page. Work items are (KV head,
 // sequence) pairs spread over XLA's intra-op thread pool. q [Hkv, B, G, D] float32; pages
 // float32 or bfloat16; returns out [Hkv, B, G, D] and the log-sum-exp [Hkv, B, G] of the
-// scaled scores (-inf, and a zero output, for a sequence with no keys), as the jnp reference
+// scores scaled by ``scale`` (-inf, and a zero output, for a sequence with no keys), as the jnp reference
 // (jserve/kernels/reference.py) does.
 #include <algorithm>
 #include <atomic>
@@ -140,7 +140,8 @@ void run(ffi::ThreadPool& pool, const Problem<T>& p) {
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
                            ffi::AnyBuffer v, ffi::Buffer<ffi::S32> layer,
                            ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_table,
-                           ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
+                           float scale, ffi::ResultBuffer<ffi::F32> out,
+                           ffi::ResultBuffer<ffi::F32> lse) {
   auto qd = q.dimensions();
   auto kd = k.dimensions();
   if (qd.size() != 4 || kd.size() != 5 || page_table.dimensions().size() != 2)
@@ -156,8 +157,7 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
     using T = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
     return Problem<T>{q.typed_data(), kp, vp, kv_lens.typed_data(), page_table.typed_data(),
                       out->typed_data(), lse->typed_data(), qd[0], qd[1], qd[2], qd[3], kd[2],
-                      kd[3], page_table.dimensions()[1], at_layer,
-                      1.0f / std::sqrt(static_cast<float>(qd[3]))};
+                      kd[3], page_table.dimensions()[1], at_layer, scale};
   };
   switch (k.element_type()) {
     case ffi::DataType::F32:
@@ -184,5 +184,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveCpuDecodeAttention, DecodeAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<float>("scale")
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
