@@ -49,11 +49,12 @@ def test_the_check_sees_imports_inside_functions(tmp_path):
 
 
 def test_the_engine_stays_carved():
-    """Issue 19's shape of the engine package: ``engine.py`` under 300 lines and no function
-    in ``jserve/engine/`` over 60 (construction, intake, output processing and the host KV
-    store live in their own modules)."""
+    """Issue 19's shape of the engine package: no function in ``jserve/engine/`` over 60
+    lines (construction, intake, output processing and the host KV store live in their own
+    modules), ``engine.py`` under 600 (issue 40's bound for every module; 300 before, which
+    pushed fragments out of it)."""
     engine = ROOT / "jserve" / "engine"
-    assert len((engine / "engine.py").read_text().splitlines()) < 300
+    assert len((engine / "engine.py").read_text().splitlines()) < 600
     long = [f"{path.name}:{node.name} ({node.end_lineno - node.lineno + 1} lines)"
             for path in sorted(engine.glob("*.py"))
             for node in ast.walk(ast.parse(path.read_text()))

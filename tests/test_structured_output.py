@@ -319,8 +319,8 @@ def test_async_steps_send_masks_late_and_give_the_synchronous_tokens(llm, monkey
     late = []
     from jserve.engine import engine as engine_module
     real = engine_module.late_bitmask
-    monkeypatch.setattr(engine_module, "late_bitmask", lambda done, requests: late.append(
-        len(done.late)) or real(done, requests))
+    monkeypatch.setattr(engine_module, "late_bitmask", lambda done, *a: late.append(
+        len(done.late)) or real(done, *a))
     prompts = [f"Row {i}:" for i in range(10)]
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=120,
                              structured_output=StructuredOutput(json=SCHEMA) if i % 3 else None)

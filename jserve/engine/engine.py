@@ -23,8 +23,9 @@ import numpy as np
 from jserve.config import LlamaConfig
 from jserve.engine.config import EngineConfig
 from jserve.engine.factory import build_engine_parts, enable_compilation_cache
+from jserve.engine.faults import RequestFaults
 from jserve.engine.in_flight import InFlight, Launched
-from jserve.engine.intake import PreparedRequest, RequestIntake, check_slos, new_request
+from jserve.engine.intake import PreparedRequest, RequestIntake, new_request
 from jserve.engine.late_masks import late_bitmask, late_rows
 from jserve.engine.memory_plan import startup_summary
 from jserve.engine.output import OutputProcessor, RequestOutput, StepLogprobs
@@ -34,6 +35,7 @@ from jserve.engine.step_builder import StepFlags
 from jserve.engine.swap import HostKVStore
 from jserve.engine.tick_slots import TickSlots
 from jserve.engine.timing import StepClock
+from jserve.fields import check_slos, number
 from jserve.model.llama import Params
 from jserve.sampling.params import SamplingParams
 from jserve.scheduler import BatchPlan, Request, RequestStatus
@@ -67,6 +69,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.eos_ids, self.max_model_len)
         self.host_kv = HostKVStore(self.runner)
         self.state_rows = StateRows(self.runner.state_sink)
+        self.faults = RequestFaults()  # per-request failures inside a step
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._rng = random.Random(config.seed)
@@ -108,7 +111,7 @@ class LLMEngine:
         prepared = self.prepare(prompt, params)
         check_slos(ttft_slo, tpot_slo)
         return self.enqueue(prepared, request_id, arrival_time, ttft_slo, tpot_slo,
-                            int(priority))
+                            number("priority", priority))
 
     def add_requests(self, prompts: Sequence[str | Sequence[int]],
                      params: Sequence[SamplingParams]) -> list[str]:
@@ -165,7 +168,13 @@ class LLMEngine:
         """One plan goes to the device. Synchronous: the plan leaving it (this one, or under
         spp the one leaving the pipeline) is read back now. Async: its tokens stay on the
         device, its requests may decode again at once (the next step feeds their tokens
-        there), and the host reads it during the next step, while that one runs."""
+        there), and the host reads it during the next step, while that one runs. A request
+        whose own part of the step failed (``faults``) ends here with an error."""
+        outputs = self._step()
+        return outputs + [self._finish(req, "abort", error) for req, error in self.faults.take()
+                          if self.requests.get(req.request_id) is req]
+
+    def _step(self) -> list[RequestOutput]:
         sched = self.scheduler
         plan = sched.schedule(*self.bursts.next()) if sched.has_schedulable() else _EMPTY_PLAN
         self.host_kv.apply(plan)  # before anything can overwrite the pages it frees
@@ -191,7 +200,8 @@ class LLMEngine:
         outputs = self._read_unread()
         if done is not None and done.late:  # its forward runs: now its sampling
             try:
-                done.out = self.runner.sample(done.out, late_bitmask(done, self.requests))
+                done.out = self.runner.sample(done.out, late_bitmask(done, self.requests,
+                                                                     self.faults))
             except Exception as e:  # noqa: BLE001 - as a failed step
                 return outputs + self._step_failed(e, reading=done)
         self._in_flight.unread = done
@@ -223,8 +233,10 @@ class LLMEngine:
             if req.payload.metrics.first_scheduled_time is None:
                 req.payload.metrics.first_scheduled_time = now
         flags = StepFlags.of([r.payload.params for r in reqs], plan)
-        built = self.builder.build(plan, self.requests, lambda r: sampler_row(r, self.eos_ids),
-                                   NEUTRAL_ROW, lambda r: r.payload.state_row, flags)
+        row = lambda r: self.faults.run(r, "its sampler row", sampler_row, r, self.eos_ids,
+                                        default=NEUTRAL_ROW)
+        built = self.builder.build(plan, self.requests, row, NEUTRAL_ROW,
+                                   lambda r: r.payload.state_row, flags)
         return Launched(plan, reqs, built, flags.want_logprobs,
                         late=late_rows(built, self.requests))
 
@@ -252,11 +264,17 @@ class LLMEngine:
         for i, req in appended:
             if self.requests.get(req.request_id) is not req:
                 continue  # finished by an earlier token of this step (stop, length)
-            lp = None if req.payload.logprobs is None else logprobs.token(
-                rows[i], sampled[i], req.payload.params.logprobs)
-            reason = self.outputs.add_token(req, sampled[i], now, lp)
-            outputs[req] = self._finish(req, reason) if reason else None
+            reason = self.faults.run(req, "output processing", self._add_token, req, rows[i],
+                                     sampled[i], logprobs, now)
+            if not self.faults.failed(req):
+                outputs[req] = self._finish(req, reason) if reason else None
         return [out or self.outputs.output(req) for req, out in outputs.items()]
+
+    def _add_token(self, req: Request, row: int, token: int, logprobs: StepLogprobs | None,
+                   now: float) -> str | None:
+        lp = None if req.payload.logprobs is None else logprobs.token(
+            row, token, req.payload.params.logprobs)
+        return self.outputs.add_token(req, token, now, lp)
 
     def _step_failed(self, error: Exception, **where) -> list[RequestOutput]:
         log.exception("engine step failed; failing every request in flight")

@@ -80,14 +80,6 @@ class RequestIntake:
                                 if alloc.groups > 1 else ""))
 
 
-def check_slos(ttft_slo: float | None, tpot_slo: float | None,
-               names: tuple[str, str] = ("ttft_slo", "tpot_slo")) -> None:
-    """Per-request SLOs are seconds > 0 when given."""
-    for name, slo in zip(names, (ttft_slo, tpot_slo)):
-        if slo is not None and not slo > 0:
-            raise ValueError(f"{name} must be > 0 seconds, got {slo}")
-
-
 def new_request(prepared: PreparedRequest, request_id: str, seed: int, arrival_time: float,
                 tokenizer: Tokenizer | None, ttft_slo: float | None = None,
                 tpot_slo: float | None = None, priority: int = 0,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from jserve.engine.faults import RequestFaults
 from jserve.engine.in_flight import Launched
 from jserve.engine.request_state import mask_pending
 from jserve.engine.step_builder import BuiltStep
@@ -18,16 +19,19 @@ def late_rows(built: BuiltStep, requests: dict[str, Request]) -> list[tuple[int,
             if mask_pending(requests[c.request_id])]
 
 
-def late_bitmask(done: Launched, requests: dict[str, Request]) -> np.ndarray:
+def late_bitmask(done: Launched, requests: dict[str, Request], faults: RequestFaults
+                 ) -> np.ndarray:
     """The allowed-token bitmask of every padded sampling row of ``done``'s forward: as
     built, with its late rows' masks now that their previous tokens are read (a request
     that token finished, or whose grammar it completed, keeps all ones: its token is
-    dropped)."""
+    dropped; so does one whose grammar failed, noted in ``faults``)."""
     built = done.built.arrays.sampling.allowed
     allowed = np.full((done.out.logits.shape[0], built.shape[1]), -1, np.int32)
     allowed[:len(built)] = built
     for row, req in done.late:
         c = req.payload.constraint
         if requests.get(req.request_id) is req and not c.done:
-            allowed[row] = c.mask()
+            mask = faults.run(req, "its grammar mask", c.mask)
+            if mask is not None:
+                allowed[row] = mask
     return allowed

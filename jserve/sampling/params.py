@@ -6,40 +6,28 @@ never has to deal with out-of-range values and every rejection names the offendi
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 from collections.abc import Iterable, Sequence
 
+from jserve.fields import MAX_TOKEN_LOGPROBS, number
 from jserve.sampling.structured import StructuredOutput
 
 # Size limits keep the device-side arrays fixed-shape (no recompiles per request).
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = MAX_TOKEN_LOGPROBS
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 16
 # stop ids + eos ids that are masked while ``min_tokens`` has not been reached.
 MAX_BANNED_IDS = 32
 
-_SEED_LIMIT = 2**32
+# The numeric fields, checked against jserve.fields.NUMBERS (type, finiteness, range).
+_NUMERIC = ("max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p",
+            "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "logprobs")
 
 
 def _is_int(value: object) -> bool:
     """bool is an int subclass, but ``top_k=True`` is a client bug, not a value."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _is_real(value: object) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _require_int(name: str, value: object) -> None:
-    if not _is_int(value):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-
-
-def _require_finite(name: str, value: object) -> None:
-    if not _is_real(value) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
 
 
 def _as_tuple(name: str, value: object) -> tuple:
@@ -98,44 +86,15 @@ class SamplingParams:
         Called without ``vocab_size`` at construction; the engine calls it again with the
         model's vocabulary size to also check token-id ranges.
         """
-        _require_int("max_tokens", self.max_tokens)
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        _require_int("min_tokens", self.min_tokens)
-        if not 0 <= self.min_tokens <= self.max_tokens:
+        for name in _NUMERIC:
+            value = getattr(self, name)
+            if value is not None or name not in ("seed", "logprobs"):  # these may be unset
+                number(name, value)
+        if self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
-
-        _require_finite("temperature", self.temperature)
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-
-        _require_int("top_k", self.top_k)
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (disabled) or >= 1, got {self.top_k}")
         if vocab_size is not None and self.top_k > vocab_size:
             raise ValueError(f"top_k must be <= vocab_size={vocab_size}, got {self.top_k}")
-
-        _require_finite("top_p", self.top_p)
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        _require_finite("min_p", self.min_p)
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-
-        _require_finite("repetition_penalty", self.repetition_penalty)
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            _require_finite(name, value)
-            if not -2 <= value <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], got {value}")
-
-        if self.seed is not None:
-            _require_int("seed", self.seed)
-            if not 0 <= self.seed < _SEED_LIMIT:
-                raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
 
         self._validate_stop()
         self._validate_stop_token_ids(vocab_size)
@@ -144,10 +103,6 @@ class SamplingParams:
             raise ValueError(f"speculative must be a bool, got {self.speculative!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        if self.logprobs is not None:
-            _require_int("logprobs", self.logprobs)
-            if not 0 <= self.logprobs <= MAX_LOGPROBS:
-                raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if self.structured_output is not None and not isinstance(self.structured_output,
                                                                  StructuredOutput):
             raise ValueError(f"structured_output must be a StructuredOutput, "

@@ -218,6 +218,21 @@ class EngineLoop:
 
     def _add(self, out, sink, request_id, prepared, arrival_time, deadline, ttft_slo,
              tpot_slo, priority) -> None:
+        """Queues one request on the engine, or ends its stream with why not: a refusal
+        (INVALID, EXHAUSTED, DEADLINE) or, for a failure of ours, INTERNAL with the engine
+        left without it."""
+        try:
+            self._enqueue(out, sink, request_id, prepared, arrival_time, deadline, ttft_slo,
+                          tpot_slo, priority)
+        except Exception as e:  # noqa: BLE001 - one request's failure ends it alone
+            log.exception("request %s: intake on the engine thread failed", request_id)
+            self._live.pop(request_id, None)
+            if request_id in self.engine.requests:
+                self.engine.abort(request_id)
+            out.append((sink, _error(INTERNAL, f"request intake failed: {e}")))
+
+    def _enqueue(self, out, sink, request_id, prepared, arrival_time, deadline, ttft_slo,
+                 tpot_slo, priority) -> None:
         eng = self.engine
         if len(eng.scheduler.waiting) >= self.max_waiting:
             out.append((sink, _error(EXHAUSTED, f"admission queue full "
@@ -259,9 +274,21 @@ class EngineLoop:
         self._live.clear()
 
     def _on_output(self, out, o: RequestOutput, now: float) -> int:
+        """``o``'s delta for its stream (its new tokens' count); a failure of ours here ends
+        that request alone, INTERNAL, its blocks freed."""
         lv = self._live.get(o.request_id)
         if lv is None:
             return 0
+        try:
+            return self._delta(out, lv, o, now)
+        except Exception as e:  # noqa: BLE001 - one request's failure ends it alone
+            log.exception("request %s: output processing failed", o.request_id)
+            if self._live.pop(o.request_id, None) is not None:
+                self.engine.abort(o.request_id)
+            out.append((lv.sink, _error(INTERNAL, f"output processing failed: {e}")))
+            return 0
+
+    def _delta(self, out, lv: _Live, o: RequestOutput, now: float) -> int:
         ids = o.new_token_ids(lv.sent_tokens)
         lv.sent_tokens += len(ids)
         lps = o.new_logprobs(lv.sent_logprobs)

@@ -240,16 +240,16 @@ class Stream:
             self.gateway.metrics.outcome(outcome)
             self.gateway._closed(self)
 
-    def close(self) -> None:
+    def close(self, outcome: str | None = None) -> None:
         """Ends the request if it has not ended: aborts it on the engine thread (its blocks
-        are free before the next schedule) and counts it cancelled, or deadline_exceeded when
-        its deadline has (about) passed. Idempotent."""
+        are free before the next schedule) and counts it as ``outcome``, by default cancelled,
+        or deadline_exceeded when its deadline has (about) passed. Idempotent."""
         if self.outcome is not None:
             return
         self.gateway.engine_loop.abort(self.request_id)
         expired = (self._deadline is not None
                    and time.monotonic() >= self._deadline - DEADLINE_SLACK_S)
-        self._count(el.DEADLINE if expired else "cancelled")
+        self._count(outcome or (el.DEADLINE if expired else "cancelled"))
 
     async def __aenter__(self) -> Stream:
         return self

@@ -11,6 +11,9 @@ import dataclasses
 import json
 from typing import Any
 
+from starlette import responses
+
+from jserve import fields
 from jserve.sampling.params import SamplingParams
 from jserve.sampling.structured import STRUCTURED_KINDS, StructuredOutput
 from jserve.serving import engine_loop as el
@@ -24,7 +27,6 @@ from jserve.serving.tool_calls import (
     tool_constraint,
 )
 
-MAX_N = 16
 # Body fields per endpoint. Sampling fields map to SamplingParams of the same name unless
 # noted; the neutral-only ones are accepted only at the value that changes nothing.
 _SAMPLING = ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
@@ -71,6 +73,14 @@ class BodyTooLarge(Rejected):
                                        f"{limit} bytes (--max-request-bytes)")
 
 
+class JSONResponse(responses.JSONResponse):
+    """Starlette's, written as ASCII JSON: a message that echoes a client's lone surrogate
+    (valid JSON, ``"\\ud800"``, but not encodable as UTF-8) still goes out, as it came."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode()
+
+
 def error_body(kind: str, message: str, field: str | None = None, status: int | None = None
                ) -> tuple[int, dict]:
     status = status or _STATUS[kind]
@@ -106,7 +116,7 @@ class Parsed:
 
 def _kind_check(body: dict, field: str, ok: bool, want: str) -> None:
     if not ok:
-        raise BadField(field, f"{field} must be {want}, got {body[field]!r}")
+        raise BadField(field, f"{field} must be {want}, got {fields.shown(body[field])}")
 
 
 def parse(body: Any, endpoint: str, max_choices: int = 256) -> Parsed:
@@ -124,9 +134,7 @@ def parse(body: Any, endpoint: str, max_choices: int = 256) -> Parsed:
     if "model" not in body:
         raise BadField("model", "model is required")
     _kind_check(body, "model", isinstance(body["model"], str), "a string")
-    n = body.get("n", 1)
-    _kind_check(body, "n", isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_N,
-                f"an int in [1, {MAX_N}]") if "n" in body else None
+    n = _number(body, "n", 1)
     if "best_of" in body and body["best_of"] != n:
         raise BadField("best_of", f"best_of={body['best_of']!r} is not supported by jserve "
                                   f"(only equal to n)")
@@ -160,14 +168,8 @@ def parse(body: Any, endpoint: str, max_choices: int = 256) -> Parsed:
         raise BadField("stop", f"stop must be a string or a list of strings, got {kw['stop']!r}")
     if max_field in body:
         kw["max_tokens"] = body[max_field]
-    for field in ("ttft_slo", "tpot_slo"):
-        if field in body:
-            v = body[field]
-            _kind_check(body, field, isinstance(v, (int, float)) and not isinstance(v, bool),
-                        "a number of seconds")
-    priority = body.get("priority", 0)
-    _kind_check(body, "priority", isinstance(priority, int) and not isinstance(priority, bool),
-                "an int") if "priority" in body else None
+    ttft_slo, tpot_slo = _number(body, "ttft_slo"), _number(body, "tpot_slo")
+    priority = _number(body, "priority", 0)
     if "user" in body:
         _kind_check(body, "user", isinstance(body["user"], str), "a string")
     try:
@@ -180,8 +182,20 @@ def parse(body: Any, endpoint: str, max_choices: int = 256) -> Parsed:
             field = "top_logprobs"
         raise BadField(field, field_message(message, lambda f: field)) from None
     return Parsed(prompts, params, max_field in body, n, stream, include_usage,
-                  continuous_usage, logprobs, body.get("ttft_slo"), body.get("tpot_slo"),
-                  priority, max_field, constraint_field, tools, tool_choice)
+                  continuous_usage, logprobs, ttft_slo, tpot_slo, priority, max_field,
+                  constraint_field, tools, tool_choice)
+
+
+def _number(body: dict, field: str, default: int | float | None = None
+            ) -> int | float | None:
+    """A numeric body field checked against ``jserve.fields.NUMBERS`` (``default`` when
+    absent)."""
+    if field not in body:
+        return default
+    try:
+        return fields.number(field, body[field])
+    except ValueError as e:
+        raise BadField(field, str(e)) from None
 
 
 def _tools(body: dict) -> tuple[list[dict] | None, ToolChoice | None]:
@@ -243,10 +257,9 @@ def _structured_output(body: dict) -> tuple[str | None, StructuredOutput | None]
         so = dict(so)
         if isinstance(so.get("json"), str):  # vLLM also takes the schema as a JSON string
             try:
-                so["json"] = json.loads(so["json"])
+                so["json"] = fields.loads(so["json"], "structured_outputs.json")
             except ValueError as e:
-                raise BadField("structured_outputs", f"structured_outputs.json is not JSON: "
-                                                     f"{e}") from None
+                raise BadField("structured_outputs", str(e)) from None
         try:
             return "structured_outputs", StructuredOutput(**so)
         except ValueError as e:
@@ -314,5 +327,5 @@ def _chat_logprobs(body: dict) -> int | None:
         raise BadField("logprobs", f"logprobs must be a bool, got {want!r}")
     if "top_logprobs" in body and not want:
         raise BadField("top_logprobs", "top_logprobs needs logprobs: true")
-    return body.get("top_logprobs", 0) if want else None
+    return _number(body, "top_logprobs", 0) if want else None
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from jserve.fields import check_slos, number
 from jserve.scheduler.plan import BatchPlan, ScheduledChunk
 
 if TYPE_CHECKING:
@@ -67,12 +68,12 @@ class RequestLimits:
               names: tuple[str, str, str] = ("ttft_slo", "tpot_slo", "priority")) -> None:
         """ValueError naming the field (as ``names`` spells it) and the bound it missed."""
         ttft_name, tpot_name, priority_name = names
+        check_slos(ttft_slo, tpot_slo, (ttft_name, tpot_name))
+        number("priority", priority, priority_name)
         for name, slo, floor in ((ttft_name, ttft_slo, self.ttft_floor(prompt_tokens)),
                                  (tpot_name, tpot_slo, self.tpot_floor)):
             if slo is None:
                 continue
-            if not slo > 0:
-                raise ValueError(f"{name} must be > 0 seconds, got {slo}")
             if slo < floor:
                 raise ValueError(f"{name}={slo:g} s is below this server's floor of "
                                  f"{floor:.4g} s" + (f" for a {prompt_tokens}-token prompt"

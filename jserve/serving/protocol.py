@@ -7,6 +7,7 @@ import dataclasses
 import json
 from collections.abc import Sequence
 
+from jserve import fields
 from jserve.proto import generate_pb2 as pb
 from jserve.sampling.params import SamplingParams
 from jserve.sampling.structured import StructuredOutput
@@ -34,11 +35,8 @@ def params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
 def structured_from_proto(msg: pb.StructuredOutput) -> StructuredOutput:
     kind = msg.WhichOneof("kind")
     if kind == "json_schema":
-        try:
-            return StructuredOutput(json=json.loads(msg.json_schema))
-        except ValueError as e:
-            raise ValueError(f"structured_output.json_schema is not a JSON schema: {e}"
-                             ) from None
+        return StructuredOutput(json=fields.loads(msg.json_schema,
+                                                  "structured_output.json_schema"))
     if kind == "json_object":
         return StructuredOutput(json=True)
     if kind == "choice":
@@ -109,7 +107,10 @@ def parse_request(req: pb.GenerateRequest) -> ParsedRequest:
         params = params_from_proto(req.sampling_params)
     except ValueError as e:
         raise ValueError(f"sampling_params.{e}") from None
+    slos = {f: getattr(req, f) if req.HasField(f) else None
+            for f in ("ttft_slo_seconds", "tpot_slo_seconds")}
+    fields.check_slos(*slos.values(), tuple(slos))
     return ParsedRequest(
-        request_id=req.request_id, prompt=prompt, params=params, priority=req.priority,
-        ttft_slo=req.ttft_slo_seconds if req.HasField("ttft_slo_seconds") else None,
-        tpot_slo=req.tpot_slo_seconds if req.HasField("tpot_slo_seconds") else None)
+        request_id=req.request_id, prompt=prompt, params=params,
+        priority=fields.number("priority", req.priority), ttft_slo=slos["ttft_slo_seconds"],
+        tpot_slo=slos["tpot_slo_seconds"])

@@ -24,20 +24,20 @@ The load endpoints sit behind the same token as ``/metrics``.
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import time
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
+from jserve import fields
 from jserve.routing.load import PrefillTable, ReplicaLoad, predicted_ttft
 from jserve.routing.replica import cached_tokens, prefill_table, replica_load
 from jserve.serving.engine_loop import INVALID
 from jserve.serving.gateway import UNAUTHENTICATED, Rejected, bearer_matches
-from jserve.serving.http_protocol import error_body, rejection
+from jserve.serving.http_protocol import JSONResponse, error_body, rejection
 from jserve.serving.metrics import ServerMetrics
 
 
@@ -181,7 +181,7 @@ class RouterEndpoints:
         from jserve.serving.http_server import ClientGone, read_body  # it imports this module
         try:
             raw = await read_body(request.scope, request.receive, self.config.max_request_bytes)
-            ids, n, slo = await self.gateway.off_loop(self._parse_wait, json.loads(raw))
+            ids, n, slo = await self.gateway.off_loop(self._parse_wait, raw)
         except Rejected as e:  # a body over the limit: 413
             status, body = rejection(e)
             return JSONResponse(body, status_code=status)
@@ -199,17 +199,19 @@ class RouterEndpoints:
                              "predicted_ttft_s": predicted_ttft(load, n, cached, slo),
                              "load": load.to_dict()})
 
-    def _parse_wait(self, body) -> tuple[list[int] | None, int, float | None]:
+    def _parse_wait(self, raw: bytes) -> tuple[list[int] | None, int, float | None]:
         """(token ids or None, prompt length, ttft_slo) of a /v1/route/wait body."""
+        body = fields.loads(raw, "the request body")
         if not isinstance(body, dict):
             raise ValueError("the body must be a JSON object")
-        slo = body.get("ttft_slo")
-        if slo is not None and (not isinstance(slo, (int, float)) or not slo > 0):
-            raise ValueError(f"ttft_slo must be a positive number, got {slo!r}")
+        slo = fields.optional_number("ttft_slo", body.get("ttft_slo"))
         if "prompt" in body:
-            _, ids = self.gateway.engine.intake.tokenize(body["prompt"])
+            prompt = body["prompt"]
+            if not (isinstance(prompt, str) or isinstance(prompt, list) and all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+                raise ValueError("prompt must be a string or a list of token ids")
+            _, ids = self.gateway.engine.intake.tokenize(prompt)
             return list(ids), len(ids), slo
-        n = body.get("prompt_tokens")
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        if "prompt_tokens" not in body:
             raise ValueError("give 'prompt' (text or token ids) or 'prompt_tokens' (>= 1)")
-        return None, n, slo
+        return None, fields.number("prompt_tokens", body["prompt_tokens"]), slo

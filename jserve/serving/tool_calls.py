@@ -27,6 +27,7 @@ import re
 import secrets
 from typing import Any
 
+from jserve import fields
 from jserve.sampling.structured import StructuredOutput
 
 _FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -162,10 +163,9 @@ def check_tool_calls(where: str, calls: Any) -> list[dict]:
             raise ToolError(at, f"{at} must be {{\"id\", \"type\": \"function\", \"function\": "
                                 f"{{\"name\", \"arguments\"}}}}, got {c!r}")
         try:
-            json.loads(f["arguments"])
+            fields.loads(f["arguments"], f"{at}.function.arguments")
         except ValueError as e:
-            raise ToolError(f"{at}.function.arguments",
-                            f"{at}.function.arguments is not JSON: {e}") from None
+            raise ToolError(f"{at}.function.arguments", str(e)) from None
     return calls
 
 
@@ -345,7 +345,7 @@ class ToolCallParser:
         """Every call's arguments parse as JSON (the unconstrained ``auto`` output may not)."""
         for call in self.calls:
             try:
-                json.loads(call["function"]["arguments"])
+                fields.loads(call["function"]["arguments"], "arguments")
             except ValueError:
                 return False
         return True
