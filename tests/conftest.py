@@ -40,6 +40,34 @@ SERVE_FLAGS = ["--no-warmup", "--max-num-seqs", "4", "--max-num-batched-tokens",
                "--http-port", "0", "--metrics-port", "-1"]
 
 
+def gauges(url: str, token: str | None = None) -> dict[str, float]:
+    """A server's /metrics as {name + labels: value}."""
+    import json
+
+    import httpx2 as httpx
+    from prometheus_client.parser import text_string_to_metric_families
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    body = httpx.get(url + "/metrics", timeout=10, headers=headers).text
+    out = {}
+    for fam in text_string_to_metric_families(body):
+        for s in fam.samples:
+            out[s.name + (json.dumps(s.labels, sort_keys=True) if s.labels else "")] = s.value
+    return out
+
+
+def wait_blocks_free(url: str, token: str | None = None, timeout: float = 30.0) -> dict:
+    """Waits until a server holds no KV block and runs and queues nothing; its gauges."""
+    import time
+    end = time.monotonic() + timeout
+    while True:
+        g = gauges(url, token)
+        if g["jserve_kv_blocks_used"] == 0 and g["jserve_num_requests_running"] == 0 \
+                and g["jserve_num_requests_waiting"] == 0:
+            return g
+        assert time.monotonic() < end, {k: v for k, v in g.items() if "blocks" in k}
+        time.sleep(0.05)
+
+
 class Served:
     """A ``jserve serve`` subprocess (small engine, free loopback ports) and its addresses;
     ``warmup``: compile every step shape before serving (off: on first use)."""
@@ -48,19 +76,25 @@ class Served:
         import re
         import subprocess
         import sys
+        import tempfile
         from pathlib import Path
         base = SERVE_FLAGS if not warmup else ["--warmup" if f == "--no-warmup" else f
                                                for f in SERVE_FLAGS]
+        # stderr to a file: a pipe nobody reads blocks the server once it fills (64 KiB of
+        # logged tracebacks).
+        self.stderr = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "jserve.cli", "serve", *base, *flags],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            stdout=subprocess.PIPE, stderr=self.stderr, text=True,
             cwd=Path(__file__).resolve().parent.parent)
         self.line = self.proc.stdout.readline()
         m = re.search(r"on ([\d.]+):(\d+) .*OpenAI API http://[\d.]+:(\d+)/v1", self.line)
         if m is None:
             self.proc.kill()
+            self.proc.wait()
+            self.stderr.seek(0)
             raise RuntimeError(f"jserve serve did not start: {self.line!r} "
-                               f"{self.proc.stderr.read()[-3000:]}")
+                               f"{self.stderr.read()[-3000:]}")
         host = "127.0.0.1" if m.group(1) == "0.0.0.0" else m.group(1)
         self.target = f"{host}:{m.group(2)}"
         self.url = f"http://{host}:{m.group(3)}"
@@ -69,5 +103,5 @@ class Served:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
-        for f in (self.proc.stdout, self.proc.stderr):
+        for f in (self.proc.stdout, self.stderr):
             f.close()

@@ -17,8 +17,8 @@ import time
 import httpx2 as httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
+import conftest
 from conftest import Served
 from jserve import SamplingParams
 from jserve.client import Client
@@ -47,24 +47,11 @@ def greedy(n=12, **kw) -> SamplingParams:
 
 
 def gauges(url: str) -> dict[str, float]:
-    body = httpx.get(url + "/metrics", timeout=10,
-                     headers={"authorization": f"Bearer {TOKEN}"}).text
-    out = {}
-    for fam in text_string_to_metric_families(body):
-        for s in fam.samples:
-            out[s.name + (json.dumps(s.labels, sort_keys=True) if s.labels else "")] = s.value
-    return out
+    return conftest.gauges(url, TOKEN)
 
 
 def wait_blocks_free(url: str, timeout: float = 30.0) -> dict:
-    end = time.monotonic() + timeout
-    while True:
-        g = gauges(url)
-        if g["jserve_kv_blocks_used"] == 0 and g["jserve_num_requests_running"] == 0 \
-                and g["jserve_num_requests_waiting"] == 0:
-            return g
-        assert time.monotonic() < end, {k: v for k, v in g.items() if "blocks" in k}
-        time.sleep(0.05)
+    return conftest.wait_blocks_free(url, TOKEN, timeout)
 
 
 def sse_events(resp: httpx.Response) -> list[str]:

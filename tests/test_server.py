@@ -1039,7 +1039,8 @@ def test_sigterm_exits_within_the_grace_period_plus_a_second(llm):
         took = time.monotonic() - t0
         for t in threads:
             t.join(30)
-        err = served.proc.stderr.read()
+        served.stderr.seek(0)
+        err = served.stderr.read()
         assert took <= 1.0 + 1.0, (took, err[-1500:])
         assert grpc.StatusCode.UNAVAILABLE in outcomes and len(outcomes) == 40, outcomes
         assert "WARNING" in err  # open: 0.0.0.0 and no --auth-token

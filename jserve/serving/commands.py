@@ -98,7 +98,17 @@ def add_serve_parser(sub, add_engine_args: Callable, engine_kwargs: Callable) ->
                    help="admission queue size; further requests get RESOURCE_EXHAUSTED")
     s.add_argument("--max-request-bytes", type=int, default=4 << 20,
                    help="larger requests get HTTP 413 / RESOURCE_EXHAUSTED, refused while "
-                        "reading")
+                        "reading; the edge then reads and drops the rest for up to 30 s / "
+                        "256 MiB so that the client sees the 413")
+    s.add_argument("--head-timeout", type=float, default=10.0,
+                   help="seconds from accept (or a kept-alive connection's next request's "
+                        "first byte) to the end of the request head on the HTTP ports; "
+                        "later: closed")
+    s.add_argument("--max-head-bytes", type=int, default=64 << 10,
+                   help="request line and headers at most (HTTP ports); larger: 431")
+    s.add_argument("--max-connections", type=int, default=2048,
+                   help="open connections per HTTP port (API, metrics); a request on one "
+                        "more gets 503 and the connection is closed")
     add_limit_args(s)
     s.add_argument("--grace-period", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
@@ -214,8 +224,9 @@ def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
         host=a.host, port=a.port, metrics_port=None if a.metrics_port < 0 else a.metrics_port,
         http_port=None if a.http_port < 0 else a.http_port,
         max_waiting=a.max_waiting, max_request_bytes=a.max_request_bytes,
-        grace_period=a.grace_period, drain_notice=a.drain_notice, tls_cert=a.tls_cert,
-        tls_key=a.tls_key,
+        head_timeout=a.head_timeout, max_head_bytes=a.max_head_bytes,
+        max_connections=a.max_connections, grace_period=a.grace_period,
+        drain_notice=a.drain_notice, tls_cert=a.tls_cert, tls_key=a.tls_key,
         auth_token=a.auth_token or os.environ.get(TOKEN_ENV) or None,
         metrics_open=a.metrics_open, served_model_names=served_model_names(a),
         limits=client_limits(a))

@@ -84,7 +84,9 @@ class JSONResponse(responses.JSONResponse):
 def error_body(kind: str, message: str, field: str | None = None, status: int | None = None
                ) -> tuple[int, dict]:
     status = status or _STATUS[kind]
-    return status, {"error": {"message": message, "type": _TYPE[status], "param": field,
+    kind_of_status = _TYPE.get(status, "invalid_request_error" if status < 500 else
+                               "server_error")
+    return status, {"error": {"message": message, "type": kind_of_status, "param": field,
                               "code": kind}}
 
 

@@ -8,14 +8,16 @@ ending in ``data: [DONE]``), ``GET /v1/models``, ``GET /health`` (503 while drai
 engine thread is gone), ``GET /metrics`` (the server's Prometheus registry; behind the bearer
 token when there is one, unless ``metrics_open``).
 
-The edge is bounded: a body over ``max_request_bytes`` gets 413 as soon as that is known
-(from Content-Length before any of it is read, else while reading) and the connection is
-closed, so the rest is never read; parsing, chat templating and tokenization run on the
-gateway's intake threads. Each of a request's ``n`` choices (and each prompt of a batch) is one
-engine request; the response starts once every one of them produced its first token (or was
-refused: 429 when the admission queue is full), so a refusal still gets its status code. A
-client that disconnects cancels the work at once: every engine request is aborted and its KV
-blocks freed.
+The edge is bounded (``edge``: head timeout and size, connections per port): a body over
+``max_request_bytes`` gets 413 as soon as that is known (from Content-Length before any of it is
+read, else while reading), and the rest is read and dropped, within bounds, so the client reads
+the 413 before the connection closes; client JSON is parsed with its numbers and nesting bounded
+(``jserve.fields``); a failure of ours in one request ends that request alone with a 500 (or an
+error event once streaming); parsing, chat templating and tokenization run on the gateway's
+intake threads. Each of a request's ``n`` choices (and each prompt of a batch) is one engine
+request; the response starts once every one of them produced its first token (or was refused:
+429 when the admission queue is full), so a refusal still gets its status code. A client that
+disconnects cancels the work at once: every engine request is aborted and its KV blocks freed.
 """
 from __future__ import annotations
 
@@ -23,25 +25,27 @@ import asyncio
 import dataclasses
 import json
 import logging
-import socket
 import time
 
 import jinja2
-import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
+from jserve import fields
 from jserve.engine.intake import PreparedRequest
 from jserve.sampling.params import SamplingParams
 from jserve.serving import engine_loop as el
+from jserve.serving.edge import EdgeLimits, EdgeServer
 from jserve.serving.gateway import NOT_FOUND, UNAUTHENTICATED, Gateway, Rejected, bearer_matches
 from jserve.serving.http_protocol import (
     PARAMS,
     BadField,
     BodyTooLarge,
+    JSONResponse,
     Parsed,
     error_body,
     parse,
@@ -84,7 +88,8 @@ async def read_body(scope, receive, limit: int) -> bytes:
 
 def _error(e: Rejected) -> JSONResponse:
     status, body = rejection(e)
-    # A body over the limit was not read: close the connection rather than read the rest.
+    # A body over the limit is not read: the connection ends, after the edge has read and
+    # dropped the rest for a while (jserve.serving.edge), so that the client sees the 413.
     return JSONResponse(body, status_code=status,
                         headers={"connection": "close"} if status == 413 else None)
 
@@ -112,6 +117,14 @@ class _Work:
                 raise
 
 
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    """Starlette's own refusals (an unknown path, a wrong method) in OpenAI's error shape."""
+    kind = NOT_FOUND if exc.status_code == 404 else el.INVALID
+    status, body = error_body(kind, f"{request.method} {request.url.path}: {exc.detail}",
+                              status=exc.status_code)
+    return JSONResponse(body, status_code=status, headers=exc.headers)
+
+
 async def _send_json(send, status: int, body: dict) -> None:
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json")]})
@@ -130,9 +143,8 @@ class OpenAIServer:
             Route("/health", self._health, methods=["GET"]),
             Route("/metrics", self._metrics, methods=["GET"]),
             *RouterEndpoints(gateway, config).routes,
-        ])
-        self._server: uvicorn.Server | None = None
-        self._task: asyncio.Task | None = None
+        ], exception_handlers={HTTPException: _http_error})
+        self._edge: EdgeServer | None = None
         self._generation = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
     async def asgi(self, scope, receive, send) -> None:
@@ -151,39 +163,16 @@ class OpenAIServer:
             await response(scope, receive, send)
 
     async def start(self, host: str, port: int) -> int:
-        """Binds and serves on the running loop; returns the port."""
-        host = host.strip("[]")
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        # proto TCP: asyncio turns Nagle off (TCP_NODELAY) only on sockets that say so; with
-        # it on, every write after the first unacknowledged one waited for the client's
-        # delayed ACK (about 40 ms on Linux): SSE events came in 40 ms bursts.
-        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(2048)
-        sock.setblocking(False)
-        config = uvicorn.Config(self.asgi, interface="asgi3", log_level="warning",
-                                access_log=False, proxy_headers=False,
-                                lifespan="off", timeout_graceful_shutdown=0.2,
-                                timeout_keep_alive=30, ssl_certfile=self.config.tls_cert,
+        """Binds and serves on the running loop (behind the bounded edge); returns the
+        port."""
+        self._edge = EdgeServer(self.asgi, EdgeLimits.of(self.config),
+                                ssl_certfile=self.config.tls_cert,
                                 ssl_keyfile=self.config.tls_key)
-        self._server = _Uvicorn(config)
-        self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
-        while not self._server.started:
-            if self._task.done():
-                self._task.result()
-                raise OSError(f"HTTP server on {host}:{port} did not start")
-            await asyncio.sleep(0.01)
-        return sock.getsockname()[1]
+        return await self._edge.start(host, port)
 
     async def stop(self, timeout: float) -> None:
-        if self._server is None:
-            return
-        self._server.should_exit = self._server.force_exit = True
-        try:
-            await asyncio.wait_for(asyncio.shield(self._task), timeout + 0.2)
-        except asyncio.TimeoutError:
-            self._task.cancel()
+        if self._edge is not None:
+            await self._edge.stop(timeout)
 
     # -- endpoints -------------------------------------------------------------------------
     def _authorized(self, authorization: str | bytes | None) -> None:
@@ -242,6 +231,10 @@ class OpenAIServer:
         except ClientGone:
             gw.refused("cancelled")
             return None
+        except Exception as e:  # noqa: BLE001 - ours, not the client's: 500, and keep serving
+            log.exception("request intake failed")
+            gw.refused(el.INTERNAL)
+            return _error(Rejected(el.INTERNAL, f"request intake failed: {e}"))
         rid = gw.new_id("chatcmpl" if endpoint == "chat" else "cmpl")
         fmt = Formatter(endpoint, rid, self.model, gw.engine.tokenizer, parsed)
         return _Work(lambda send: self._run(send, prepared, parsed, fmt, arrival))
@@ -251,9 +244,9 @@ class OpenAIServer:
         """Parses, templates and tokenizes a body (on an intake thread); ``Rejected``
         naming the field."""
         try:
-            body = json.loads(raw)
+            body = fields.loads(raw, "the request body")
         except ValueError as e:
-            raise BadField(None, f"the request body is not JSON: {e}") from None
+            raise BadField(None, str(e)) from None
         parsed = parse(body, endpoint, self.config.limits.max_choices)
         if body["model"] not in self._names:
             names = ", ".join(map(repr, self.config.served_model_names))
@@ -298,43 +291,66 @@ class OpenAIServer:
 
     async def _run(self, send, prepared, parsed: Parsed, fmt: Formatter, arrival: float
                    ) -> None:
-        gw = self.gateway
+        """Runs the accepted request to its response. A failure of ours on the way (in
+        output formatting, tool-call parsing, ...) ends this request alone with a 500, or an
+        error event once the stream has started, its engine requests aborted and counted
+        internal."""
         choices: list[Choice] = []
+        started = False
+
+        async def tracked(message) -> None:
+            nonlocal started
+            started = True
+            await send(message)
         try:
-            for request in prepared:
-                params = request.params
-                for i in range(parsed.n):
-                    p = request if params.seed is None or i == 0 else dataclasses.replace(
-                        request, params=dataclasses.replace(
-                            params, seed=(params.seed + i) % 2**32))
-                    s = gw.open(gw.new_id(fmt.rid), p, arrival=arrival,
-                                ttft_slo=parsed.ttft_slo, tpot_slo=parsed.tpot_slo,
-                                priority=parsed.priority)
-                    choices.append(Choice(len(choices), s,
-                                          prompt_tokens=len(request.prompt_ids)))
-            # The first deltas of every choice decide the status code.
-            firsts = await asyncio.gather(*(c.stream.next() for c in choices),
-                                          return_exceptions=True)
-            for f in firsts:
-                if isinstance(f, BaseException):
-                    if not isinstance(f, Rejected):
-                        raise f
-                    status, body = error_body(f.kind, f.message)
-                    return await _send_json(send, status, body)
-            if parsed.stream:
-                await self._stream(send, choices, firsts, fmt)
-            else:
-                for c, f in zip(choices, firsts):
-                    apply_deltas(c, f)
-                try:
-                    await pump(choices, lambda c, deltas, held: apply_deltas(c, deltas))
-                except Rejected as e:
-                    status, body = error_body(e.kind, e.message)
-                    return await _send_json(send, status, body)
-                await _send_json(send, 200, fmt.full(choices))
+            await self._respond(tracked, prepared, parsed, fmt, arrival, choices)
+        except Exception as e:  # noqa: BLE001 - this request's failure, not the server's
+            log.exception("request %s failed", fmt.rid)
+            for c in choices:
+                c.stream.close(el.INTERNAL)
+            status, body = error_body(el.INTERNAL, f"the request failed: {e}")
+            if not started:
+                return await _send_json(send, status, body)
+            await send({"type": "http.response.body", "more_body": False,
+                        "body": sse(body) + sse("[DONE]")})
         finally:
             for c in choices:
                 c.stream.close()
+
+    async def _respond(self, send, prepared, parsed: Parsed, fmt: Formatter, arrival: float,
+                       choices: list[Choice]) -> None:
+        gw = self.gateway
+        for request in prepared:
+            params = request.params
+            for i in range(parsed.n):
+                p = request if params.seed is None or i == 0 else dataclasses.replace(
+                    request, params=dataclasses.replace(
+                        params, seed=(params.seed + i) % 2**32))
+                s = gw.open(gw.new_id(fmt.rid), p, arrival=arrival,
+                            ttft_slo=parsed.ttft_slo, tpot_slo=parsed.tpot_slo,
+                            priority=parsed.priority)
+                choices.append(Choice(len(choices), s,
+                                      prompt_tokens=len(request.prompt_ids)))
+        # The first deltas of every choice decide the status code.
+        firsts = await asyncio.gather(*(c.stream.next() for c in choices),
+                                      return_exceptions=True)
+        for f in firsts:
+            if isinstance(f, BaseException):
+                if not isinstance(f, Rejected):
+                    raise f
+                status, body = error_body(f.kind, f.message)
+                return await _send_json(send, status, body)
+        if parsed.stream:
+            await self._stream(send, choices, firsts, fmt)
+        else:
+            for c, f in zip(choices, firsts):
+                apply_deltas(c, f)
+            try:
+                await pump(choices, lambda c, deltas, held: apply_deltas(c, deltas))
+            except Rejected as e:
+                status, body = error_body(e.kind, e.message)
+                return await _send_json(send, status, body)
+            await _send_json(send, 200, fmt.full(choices))
 
     async def _stream(self, send, choices: list[Choice], firsts, fmt: Formatter) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": [
@@ -356,13 +372,3 @@ class OpenAIServer:
             await send({"type": "http.response.body", "more_body": True,
                         "body": sse(error_body(e.kind, e.message)[1])})
         await send({"type": "http.response.body", "body": sse("[DONE]"), "more_body": False})
-
-
-
-class _Uvicorn(uvicorn.Server):
-    """uvicorn without its own signal handling: the process's SIGTERM drain owns that."""
-
-    def capture_signals(self):
-        import contextlib
-        return contextlib.nullcontext()
-

@@ -6,20 +6,9 @@ every engine iteration. prometheus-client is thread-safe.
 from __future__ import annotations
 
 import collections
-import socket
-import threading
 import time
-from socketserver import ThreadingMixIn
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    make_wsgi_app,
-    start_http_server,
-)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_asgi_app
 from prometheus_client.core import CounterMetricFamily
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -119,29 +108,28 @@ class ServerMetrics:
         """Structured output's grammar cache, read at each scrape: compilations and hits."""
         self.registry.register(_GrammarCollector(compiler))
 
-    def serve_http(self, port: int, host: str = "0.0.0.0", token: str | None = None):
-        """Starts the /metrics endpoint in a daemon thread; returns (http server, thread).
-        With ``token``, a scrape without ``Authorization: Bearer <token>`` gets 401."""
-        if token is None:
-            return start_http_server(port, addr=host, registry=self.registry)
-        from jserve.serving.gateway import bearer_matches  # the gateway imports this module
-        metrics = make_wsgi_app(self.registry)
+    async def serve_http(self, port: int, host: str = "0.0.0.0", token: str | None = None,
+                         limits=None):
+        """Serves /metrics on the running event loop behind the bounded edge of
+        ``jserve.serving.edge`` (``limits``: an ``EdgeLimits``), so an open connection costs
+        no thread; returns the started ``EdgeServer`` (``.port``, ``await .stop(t)``). With
+        ``token``, a scrape without ``Authorization: Bearer <token>`` gets 401."""
+        # Imported here: the gateway imports this module, and uvicorn is only for serving.
+        from jserve.serving.edge import EdgeLimits, EdgeServer
+        from jserve.serving.gateway import bearer_matches
+        metrics = make_asgi_app(self.registry)
 
-        def app(environ, start_response):
-            if bearer_matches(environ.get("HTTP_AUTHORIZATION"), token):
-                return metrics(environ, start_response)
-            start_response("401 Unauthorized", [("Content-Type", "text/plain"),
-                                                ("WWW-Authenticate", "Bearer")])
-            return [b"missing or wrong bearer token\n"]
+        async def app(scope, receive, send) -> None:
+            if token is None or bearer_matches(dict(scope["headers"]).get(b"authorization"),
+                                               token):
+                return await metrics(scope, receive, send)
+            await send({"type": "http.response.start", "status": 401, "headers": [
+                (b"content-type", b"text/plain"), (b"www-authenticate", b"Bearer")]})
+            await send({"type": "http.response.body", "body": b"missing or wrong bearer token\n"})
 
-        class Server(ThreadingMixIn, WSGIServer):
-            daemon_threads = True
-            address_family = socket.getaddrinfo(host.strip("[]"), port)[0][0]
-
-        httpd = make_server(host.strip("[]"), port, app, Server, handler_class=_Quiet)
-        thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-        thread.start()
-        return httpd, thread
+        server = EdgeServer(app, limits or EdgeLimits())
+        await server.start(host, port)
+        return server
 
 
 class _GrammarCollector:
@@ -169,8 +157,3 @@ class _SpeculationCollector:
         yield CounterMetricFamily("jserve_spec_decode_num_drafts", "Speculating decodes "
                                   "verified (mean accepted length: (accepted + drafts) / "
                                   "drafts tokens a step)", s["drafts"])
-
-
-class _Quiet(WSGIRequestHandler):
-    def log_message(self, format, *args):  # noqa: A002 - the base class's signature
-        pass

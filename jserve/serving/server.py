@@ -78,6 +78,12 @@ class ServerConfig:
     http_port: int | None = None       # OpenAI-compatible HTTP API; None: off; 0: a free port
     max_waiting: int = 1024            # admission queue; one more gets RESOURCE_EXHAUSTED
     max_request_bytes: int = 4 << 20   # bigger messages: RESOURCE_EXHAUSTED / HTTP 413
+    # The HTTP ports' edge (jserve/serving/edge.py), each port on its own: seconds from
+    # accept (or a new request's first byte) to a whole request head, the head's size
+    # (larger: 431), connections open at once (a request on one more: 503).
+    head_timeout: float = 10.0
+    max_head_bytes: int = 64 << 10
+    max_connections: int = 2048
     grace_period: float = 30.0         # seconds in-flight requests get to finish on SIGTERM
     # Seconds between SIGTERM and the drain during which health checks fail while requests
     # are still served: a router polling /health stops sending before anything is refused.
@@ -115,6 +121,12 @@ class ServerConfig:
             raise ValueError("tls_cert and tls_key go together")
         if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
+        if not self.head_timeout > 0:
+            raise ValueError(f"head_timeout must be > 0, got {self.head_timeout}")
+        if self.max_head_bytes < 1024:
+            raise ValueError(f"max_head_bytes must be >= 1024, got {self.max_head_bytes}")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
         if self.grace_period < 0:
             raise ValueError(f"grace_period must be >= 0, got {self.grace_period}")
         if not self.drain_notice >= 0:
@@ -138,6 +150,21 @@ class _BadMessage:
 
     reason: str
     kind: str = el.INVALID
+
+
+def _tolerant(message_type):
+    """A deserializer that hands the handler a ``_BadMessage`` for bytes that are not a
+    ``message_type`` (grpc would answer UNKNOWN with a traceback's words)."""
+    def deserialize(data: bytes):
+        try:
+            return message_type.FromString(data)
+        except DecodeError as e:
+            return _BadMessage(f"request is not a valid {message_type.DESCRIPTOR.full_name}: "
+                               f"{e}")
+    return deserialize
+
+
+_GENERATE_REQUEST = _tolerant(pb.GenerateRequest)
 
 
 class _BearerAuth(grpc.aio.ServerInterceptor):
@@ -244,7 +271,7 @@ class GenerationServer:
                 self._generate_call, request_deserializer=self._deserialize,
                 response_serializer=pb.GenerateResponse.SerializeToString),
             "GetModelInfo": grpc.unary_unary_rpc_method_handler(
-                self._model_info, request_deserializer=pb.GetModelInfoRequest.FromString,
+                self._model_info, request_deserializer=_tolerant(pb.GetModelInfoRequest),
                 response_serializer=pb.ModelInfo.SerializeToString),
         }),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -268,9 +295,10 @@ class GenerationServer:
         self.engine_loop.start(asyncio.get_running_loop())
         await server.start()
         if cfg.metrics_port is not None:
-            self._http = self.metrics.serve_http(cfg.metrics_port, cfg.host,
-                                                 cfg.metrics_token)
-            self.metrics_port = self._http[0].server_port
+            from jserve.serving.edge import EdgeLimits
+            self._http = await self.metrics.serve_http(cfg.metrics_port, cfg.host,
+                                                       cfg.metrics_token, EdgeLimits.of(cfg))
+            self.metrics_port = self._http.port
         for name in ("", SERVICE):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving %s on %s:%d%s", SERVICE, cfg.host, port,
@@ -314,13 +342,14 @@ class GenerationServer:
         loop = asyncio.get_running_loop()
         stopping = loop.run_in_executor(None, self.engine_loop.shutdown, 0.2)
         await asyncio.sleep(0.05)  # lets the handlers send their statuses
+        metrics_stop = (asyncio.ensure_future(self._http.stop(0.2))  # alongside the others
+                        if self._http is not None else None)
         if self._openai is not None:
             await self._openai.stop(0.2)
         if self._server is not None:
             await self._server.stop(0.2)
-        if self._http is not None:  # its shutdown() polls every 0.5 s: not worth waiting for
-            self._http[0].server_close()
-            threading.Thread(target=self._http[0].shutdown, daemon=True).start()
+        if metrics_stop is not None:
+            await metrics_stop
             self._http = None
         await stopping
         self.gateway.close()
@@ -342,12 +371,11 @@ class GenerationServer:
         if len(data) > limit:
             return _BadMessage(f"request is {len(data)} bytes; the limit is {limit} bytes "
                                f"(prompt and stop strings count)", el.EXHAUSTED)
-        try:
-            return pb.GenerateRequest.FromString(data)
-        except DecodeError as e:
-            return _BadMessage(f"request is not a valid jserve.v1.GenerateRequest: {e}")
+        return _GENERATE_REQUEST(data)
 
     async def _model_info(self, request, context) -> pb.ModelInfo:
+        if isinstance(request, _BadMessage):
+            await context.abort(_CODES[request.kind], request.reason)
         return self._info
 
     def _denied(self) -> None:
@@ -436,6 +464,10 @@ class GenerationServer:
                 # The client went away while a message was on its way: the request is
                 # cancelled (the block's exit aborts it), and the stream ends quietly.
                 raise asyncio.CancelledError from None
+            except Exception as e:  # noqa: BLE001 - ours: this call alone ends, INTERNAL
+                log.exception("request %s failed", stream.request_id)
+                stream.close(el.INTERNAL)
+                await _quietly(context.abort(_CODES[el.INTERNAL], f"the request failed: {e}"))
 
 
 async def _quietly(abort) -> None:
