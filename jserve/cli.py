@@ -7,73 +7,11 @@ import argparse
 import sys
 
 from jserve.config import KV_CACHE_DTYPES, QUANTIZATIONS
-from jserve.engine.config import WARMUP_MODES, EngineConfig
+from jserve.engine.args import add_engine_args, engine_kwargs, llm_from_args
+from jserve.engine.config import EngineConfig
 from jserve.log_setup import configure_logging
 
-
-def _add_engine_args(p: argparse.ArgumentParser, warmup: str = "none") -> None:
-    """The engine's flags (``generate``, ``serve``); ``warmup``: this command's default."""
-    d = EngineConfig
-    p.add_argument("--model", default="default",
-                   help='"default" (built-in random model), "tiny-tasks" (built-in trained '
-                        'model), an HF directory or an orbax directory')
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                   help="weights and activations (None: the checkpoint's own dtype)")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="context length, prompt and output (None: the model's, at most 8192)")
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
-                   help="sequences decoding at once (decode rows of a step)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
-                   help="tokens per step at most (the prefill chunk size limit)")
-    p.add_argument("--kv-cache-bytes", type=int, default=None,
-                   help="KV cache budget per device in bytes (None: --memory-fraction of the "
-                        "free memory; on CPU at most 4 GiB)")
-    p.add_argument("--num-kv-pages", type=int, default=None,
-                   help="exact KV pool per device in pages (instead of a byte budget)")
-    p.add_argument("--memory-fraction", type=float, default=d.memory_fraction,
-                   help="share of the device's free memory (after the weights) the KV cache "
-                        "takes when --kv-cache-bytes is not given")
-    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
-                   help="how KV pages are stored: auto (the model's dtype), int8 (per token "
-                        "and KV head scales) or fp8 (docs/quantization.md)")
-    p.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
-                   help="weight-only quantization on load (docs/quantization.md); None: as "
-                        "the checkpoint stores the weights")
-    p.add_argument("--mesh", default=d.mesh,
-                   help='device mesh, e.g. "tp=2,kvp=2,spp=2" (tensor, KV-cache and stream '
-                        'pipeline parallel axes; dp is not supported yet)')
-    p.add_argument("--warmup", nargs="?", const="all", choices=WARMUP_MODES, default=warmup,
-                   help="step programs compiled before the engine is ready: core (the "
-                        "largest step and the one-row decode; other shapes compile in the "
-                        "background on first use, their steps padded up meanwhile), "
-                        "background (core, then all others in the background at once), all "
-                        "(every shape; --warmup alone), none (each on first use, waiting)")
-    p.add_argument("--no-warmup", dest="warmup", action="store_const", const="none",
-                   help="the same as --warmup none")
-    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=d.enable_prefix_caching,
-                   help="share the KV pages of identical leading tokens between requests "
-                        "(docs/prefix_cache.md)")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
-                   default=d.async_scheduling,
-                   help="plan and launch step N+1 while step N runs on the device (tokens "
-                        "read one step late); off: every step waits for its tokens")
-    p.add_argument("--decode-burst", type=int, default=d.decode_burst,
-                   help="decode steps run in one device call while nothing waits and no "
-                        "running request needs the host between tokens (1: off); a request "
-                        "arriving meanwhile waits for the burst to end")
-    p.add_argument("--speculative-config", type=_speculative_config, default=None,
-                   help='speculative decoding as JSON, vLLM\'s dict: e.g. \'{"method": '
-                        '"ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' '
-                        "(docs/speculative.md)")
-
-
-def _speculative_config(text: str):
-    from jserve.speculative.config import SpeculativeConfig
-    try:
-        return SpeculativeConfig.parse(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+_add_engine_args, _engine_kwargs = add_engine_args, engine_kwargs  # their names before
 
 
 class _HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
@@ -85,17 +23,8 @@ class _HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def _engine_kwargs(a: argparse.Namespace) -> dict:
-    return dict(max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
-                max_num_batched_tokens=a.max_num_batched_tokens, kv_cache_bytes=a.kv_cache_bytes,
-                num_kv_pages=a.num_kv_pages, memory_fraction=a.memory_fraction,
-                warmup=a.warmup, mesh=a.mesh, enable_prefix_caching=a.prefix_caching,
-                async_scheduling=a.async_scheduling, kv_cache_dtype=a.kv_cache_dtype,
-                speculative_config=a.speculative_config, decode_burst=a.decode_burst)
-
-
 def _generate(a: argparse.Namespace) -> int:
-    from jserve import LLM, SamplingParams
+    from jserve import SamplingParams
 
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
                             top_k=a.top_k, seed=a.seed, stop=a.stop or None,
@@ -105,7 +34,7 @@ def _generate(a: argparse.Namespace) -> int:
         return generate_remote(a, params)
     from jserve.serving.commands import join_processes, leading
     join_processes(a)
-    llm = LLM(a.model, dtype=a.dtype, quantization=a.quantization, **_engine_kwargs(a))
+    llm = llm_from_args(a)
     with leading(a, llm) as leader:
         return _stream(a, llm, params) if leader else 0
 
@@ -142,12 +71,11 @@ def _convert(a: argparse.Namespace) -> int:
 
 
 def _profile(a: argparse.Namespace) -> int:
-    from jserve import LLM
     from jserve.engine.profiler import fit_predictor, profile_samples
     from jserve.engine.timing import default_predictor_path
     from jserve.scheduler.predictor import FEATURES
 
-    llm = LLM(a.model, dtype=a.dtype, quantization=a.quantization, **_engine_kwargs(a))
+    llm = llm_from_args(a)
     samples = profile_samples(llm.engine, repeats=a.repeats)
     predictor, report = fit_predictor(llm.engine, samples)
     out = a.out or default_predictor_path(llm.engine.cfg, llm.engine.config)
@@ -235,7 +163,9 @@ def _plan(a: argparse.Namespace) -> int:
 
 def _add_simulate_parser(sub) -> None:
     from jserve.routing import ROUTERS
-    from jserve.sim.policies import POLICIES, SimConfig
+    from jserve.scheduler.registry import SIMULATED_POLICIES
+    from jserve.serving.commands import add_budget_arg
+    from jserve.sim.policies import SimConfig
 
     d = SimConfig()
     s = sub.add_parser("simulate", help="replay a trace through a scheduling policy on the "
@@ -244,7 +174,7 @@ def _add_simulate_parser(sub) -> None:
                    help="a packaged trace (sharegpt4: lengths only, so with --qps; azure-conv: "
                    "with arrivals) or a CSV or JSONL file: num_prefill_tokens, "
                    "num_decode_tokens, arrived_at (unless --qps)")
-    s.add_argument("--policy", required=True, choices=POLICIES,
+    s.add_argument("--policy", required=True, choices=SIMULATED_POLICIES,
                    help="lars: LARS alone; lars-ss: LARS with space sharing")
     s.add_argument("--model", default=d.model,
                    help="the model whose per-op profile times the steps (jserve/data/profiles)")
@@ -255,8 +185,7 @@ def _add_simulate_parser(sub) -> None:
     s.add_argument("--qps", type=float, default=None, help="draw Poisson arrivals at this rate")
     s.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
     s.add_argument("--max-requests", type=int, default=None, help="the trace's first N requests")
-    s.add_argument("--tpot-slo", type=float, default=d.tpot_slo,
-                   help="seconds; the iteration budget of the deadline-aware policies")
+    add_budget_arg(s, d.iteration_budget)
     s.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
                    help="sequences decoding at once")
     s.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
@@ -280,7 +209,7 @@ def _simulate(a: argparse.Namespace) -> int:
 
     trace = read_trace(a.trace, qps=a.qps, seed=a.seed, max_requests=a.max_requests)
     cfg = SimConfig(model=a.model, hardware=a.hardware, tp=a.tp, spp=a.spp, kvp=a.kvp,
-                    tpot_slo=a.tpot_slo, max_num_seqs=a.max_num_seqs,
+                    iteration_budget=a.iteration_budget, max_num_seqs=a.max_num_seqs,
                     max_num_batched_tokens=a.max_num_batched_tokens, horizon_s=a.horizon,
                     prefix_caching=a.prefix_caching)
     if a.replicas == 1:
@@ -306,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="stream one completion to the terminal")
-    _add_engine_args(g)
+    add_engine_args(g)
     g.add_argument("prompt", help="the prompt text (or token ids with --token-ids)")
     g.add_argument("--token-ids", action="store_true", help="the prompt is a list of token ids")
     g.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
@@ -332,11 +261,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=_convert)
     pr = sub.add_parser("profile", help="time the engine over a grid and fit the runtime "
                                         "predictor the deadline-aware scheduler uses")
-    _add_engine_args(pr)
+    add_engine_args(pr)
     pr.add_argument("--repeats", type=int, default=2, help="timings per grid point")
     pr.add_argument("--out", default=None, help="default: ~/.cache/jserve/predictors/KEY.json")
     pr.set_defaults(func=_profile)
-    add_serve_parser(sub, _add_engine_args, _engine_kwargs)
+    add_serve_parser(sub, add_engine_args, engine_kwargs)
     _add_simulate_parser(sub)
     _add_plan_parser(sub)
     for p in sub.choices.values():  # every subcommand's --help shows its defaults

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Sequence
 
 from jserve.engine.config import EngineConfig
@@ -11,6 +12,7 @@ from jserve.engine.startup import StartupTimes
 from jserve.model.weights import load_model
 from jserve.probe.length_probe import default_probe_path
 from jserve.sampling.params import SamplingParams
+from jserve.scheduler.registry import POLICIES
 from jserve.tokenizer import chat_prompt_ids
 
 Prompt = str | Sequence[int]
@@ -28,12 +30,18 @@ class LLM:
     def __init__(self, model: str = "default", *, dtype: str | None = None,
                  quantization: str | None = None, **engine_kwargs):
         startup = StartupTimes()  # imports: process start to here
+        if "tpot_slo" in engine_kwargs:  # the iteration budget's name before
+            warnings.warn("LLM(tpot_slo=...) is deprecated: use iteration_budget=...",
+                          DeprecationWarning, stacklevel=2)
+            engine_kwargs["iteration_budget"] = engine_kwargs.pop("tpot_slo")
         fields = {f.name for f in dataclasses.fields(EngineConfig)}
         unknown = sorted(set(engine_kwargs) - fields)
         if unknown:
             raise TypeError(f"unknown LLM arguments {unknown}; "
                             f"engine settings are {sorted(fields)}")
-        if engine_kwargs.get("scheduler") == "sprpt" and not engine_kwargs.get("length_probe"):
+        scheduler = POLICIES.get(engine_kwargs.get("scheduler", ""))
+        if scheduler is not None and scheduler.length_probe \
+                and not engine_kwargs.get("length_probe"):
             shipped = default_probe_path(model)  # a built-in model's trained length probe
             if shipped is not None:
                 engine_kwargs["length_probe"] = str(shipped)

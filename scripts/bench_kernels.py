@@ -29,13 +29,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jserve.bench.kernel_check import timed
 from jserve.kernels import AttentionMetadata, attention, resolve_impl
 from jserve.kernels.reference import PAGES_PER_BLOCK
 
@@ -89,17 +88,6 @@ def work(n_seqs, kv_len, chunk, heads: Heads):
     flops = 4 * heads.d * heads.hq * pairs
     rows = 2 * heads.hkv * n_seqs * kv_len + 2 * heads.hq * n_seqs * chunk
     return flops, jnp.dtype(heads.dtype).itemsize * heads.d * rows
-
-
-def timed(fn, args, reps):
-    """Median seconds of ``reps`` calls after one untimed call (compile, warm caches)."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def run_cell(kind, n_seqs, kv_len, chunk, impl, reps, peaks, heads=LLAMA3_8B):

@@ -233,7 +233,7 @@ def _sim_cfg(pooled: bool = False):
     kv = _time_model(cfg.model, cfg.hardware, cfg.tp, cfg.spp, cfg.kvp).kv_cache_tokens(
         cfg.memory_fraction)
     return dataclasses.replace(
-        cfg, tpot_slo=cfg.tpot_slo * REPLICAS, kv_cache_tokens=kv * REPLICAS,
+        cfg, iteration_budget=cfg.iteration_budget * REPLICAS, kv_cache_tokens=kv * REPLICAS,
         max_num_seqs=cfg.max_num_seqs * REPLICAS,
         max_num_batched_tokens=cfg.max_num_batched_tokens * REPLICAS,
         max_prefill_seqs=cfg.max_prefill_seqs * REPLICAS)

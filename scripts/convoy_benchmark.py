@@ -42,7 +42,7 @@ POLICIES = ("fcfs", "sarathi", "edf", "lars")
 CPU = WorkloadSpec(num_requests=200, long_fraction=0.05, qps=2.0, short_scale=1 / 4,
                    long_scale=1 / 32, output_scale=1 / 4, min_tokens=64, seed=0)
 CPU_ENGINE = dict(max_num_seqs=32, max_num_batched_tokens=256, kv_cache_bytes=2 << 30,
-                  tpot_slo=0.05)
+                  iteration_budget=0.05)
 # Seconds on any machine: tiny lengths and the test suite's engine shapes (compiled once).
 SMOKE = WorkloadSpec(num_requests=8, long_fraction=0.25, qps=8.0, short_scale=1 / 512,
                      long_scale=1 / 4096, output_scale=1 / 64, min_tokens=4, seed=0)
@@ -103,7 +103,7 @@ def sweep(spec: WorkloadSpec, engine: dict, seeds: list[int], loads: list[float]
     if profile:
         ensure_predictor("default", max_context=engine["max_model_len"],
                          **{k: v for k, v in engine.items()
-                            if k not in ("tpot_slo", "max_model_len")})
+                            if k not in ("iteration_budget", "max_model_len")})
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = []
     for policy in policies:
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     if not a.smoke:  # the smoke run checks plumbing only; it leaves the saved predictor be
         max_len = model_len_for(build_workload(spec))
         ensure_predictor("default", max_context=max_len,
-                         **{k: v for k, v in engine.items() if k != "tpot_slo"})
+                         **{k: v for k, v in engine.items() if k != "iteration_budget"})
     run = local_runner("default", seed=spec.seed, progress=not a.no_progress, **engine)
     # TTFT SLO: 0.5 s, or 2 ms a prompt token for long prompts; TPOT SLO 0.2 s (CPU figures).
     results = evaluate(spec, policies, run, out_dir=a.out_dir, slo=SLO)

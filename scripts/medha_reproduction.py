@@ -48,6 +48,7 @@ from jserve.bench.workload import WorkloadSpec, build_workload  # noqa: E402
 from jserve.data import profiles_root  # noqa: E402
 from jserve.scheduler.chunking import PrefillTimeCache  # noqa: E402
 from jserve.scheduler.plan import BatchPlan, ScheduledChunk  # noqa: E402
+from jserve.scheduler.registry import SIMULATED_POLICIES as POLICIES  # noqa: E402
 from jserve.sim.goodput import GoodputSlo, at_rate, attainment, bisect_goodput  # noqa: E402
 from jserve.sim.hardware import (  # noqa: E402
     LAYER_OPS,
@@ -57,7 +58,6 @@ from jserve.sim.hardware import (  # noqa: E402
     _load_compute,
 )
 from jserve.sim.policies import (  # noqa: E402
-    POLICIES,
     SimConfig,
     default_ttft_deadlines,
     isolated_ttfts,

@@ -19,6 +19,8 @@ from pathlib import Path
 from jserve.bench.evaluate import evaluate, local_runner, ratio_table, remote_runner, write_plots
 from jserve.bench.metrics import Slo
 from jserve.bench.workload import WorkloadSpec
+from jserve.engine.args import add_engine_args, llm_kwargs
+from jserve.engine.config import EngineConfig
 from jserve.scheduler import POLICIES
 
 
@@ -63,16 +65,16 @@ def main() -> None:
     ap.add_argument("--policies", nargs="+", default=["fcfs", "sarathi", "edf", "lars"],
                     choices=POLICIES)
     ap.add_argument("--baseline", default="fcfs")
-    ap.add_argument("--model", default="default")
     ap.add_argument("--target", "--server", dest="server", default=None,
                     help="a running server: host:port (jserve gRPC) or http://host:port (any "
                          "OpenAI-compatible server, jserve's included); --policies are labels")
     ap.add_argument("--auth-token", default=None, help="bearer token for --target")
-    ap.add_argument("--max-num-seqs", type=int, default=32)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=256)
-    ap.add_argument("--kv-cache-bytes", type=int, default=2 << 30)
-    ap.add_argument("--engine-tpot-slo", type=float, default=0.05,
-                    help="the deadline-aware policies' iteration budget (s)")
+    # The engine's flags (as ``jserve serve``'s), with this evaluation's defaults.
+    add_engine_args(ap, warmup=EngineConfig.warmup, max_num_seqs=32,
+                    max_num_batched_tokens=256, kv_cache_bytes=2 << 30)
+    ap.add_argument("--iteration-budget", "--engine-tpot-slo", type=float, default=0.05,
+                    help="the deadline-aware policies' iteration budget (s; "
+                         "--engine-tpot-slo: its name before)")
     ap.add_argument("--out-dir", type=Path, default=Path("bench-out"))
     ap.add_argument("--no-progress", action="store_true")
     add_workload_args(ap, WorkloadSpec())
@@ -83,9 +85,7 @@ def main() -> None:
                             auth_token=a.auth_token)
     else:
         run = local_runner(a.model, window_s=a.window, seed=a.seed, progress=not a.no_progress,
-                           max_num_seqs=a.max_num_seqs,
-                           max_num_batched_tokens=a.max_num_batched_tokens,
-                           kv_cache_bytes=a.kv_cache_bytes, tpot_slo=a.engine_tpot_slo)
+                           iteration_budget=a.iteration_budget, **llm_kwargs(a))
     sweep = a.qps if len(a.qps) > 1 and a.arrivals is None else None
     results = evaluate(spec, a.policies, run, out_dir=a.out_dir, qps_points=sweep,
                        slo=Slo(a.ttft_slo, a.ttft_slo_per_token, a.tpot_slo))

@@ -23,10 +23,11 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's jserve
 import jax  # noqa: E402
 
-import device_check as dc  # noqa: E402  (also puts this checkout's jserve first on sys.path)
+from jserve.bench.device_profiles import FULL, SMOKE, llama_cfg  # noqa: E402
+from jserve.bench.random_engine import make_engine, random_params, serve  # noqa: E402
 from jserve.sampling.params import SamplingParams  # noqa: E402
 
 
@@ -54,7 +55,7 @@ def kernel_table(trace_dir: Path, steps: int, top: int) -> tuple[list[tuple], fl
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    models = {**dc.FULL.timing_models, **dc.SMOKE.timing_models}
+    models = {**FULL.timing_models, **SMOKE.timing_models}
     ap.add_argument("--model", default="llama-3.2-1b-shaped", choices=sorted(models),
                     help="random-weight model (tiny: the smoke check's, for a CPU try)")
     ap.add_argument("--batch", type=int, default=32)
@@ -70,19 +71,19 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="trace directory (default: a temporary one)")
     args = ap.parse_args(argv)
 
-    cfg = dc.llama_cfg(**models[args.model])
-    params = dc.random_params(cfg, 0)
-    page = dc.FULL.page
+    cfg = llama_cfg(**models[args.model])
+    params = random_params(cfg, 0)
+    page = FULL.page
     new_tokens = args.steps + 48
     pages = args.batch * -(-(args.prompt + new_tokens) // page)
-    engine = dc.make_engine(cfg, params, args.impl, max_num_seqs=args.batch,
+    engine = make_engine(cfg, params, args.impl, max_num_seqs=args.batch,
                             max_num_batched_tokens=2048, max_prefill_seqs=4,
                             max_model_len=args.prompt + new_tokens + page, page_size=page,
                             num_kv_pages=pages + 2, layer_loop=args.layer_loop)
     rng = np.random.default_rng(0)
     prompts = rng.integers(3, cfg.vocab_size, (args.batch, args.prompt)).tolist()
     greedy = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    dc.serve(engine, prompts, greedy, "warm-up")  # compiles every shape the run meets
+    serve(engine, prompts, greedy, "warm-up")  # compiles every shape the run meets
 
     engine.add_requests(prompts, [greedy] * len(prompts))
     engine.step_log = []

@@ -24,7 +24,9 @@ from pathlib import Path
 from jserve.bench.metrics import summarize
 from jserve.bench.plots import qps_sweep
 from jserve.bench.workload import WorkloadSpec, build_workload
-from jserve.sim.policies import POLICIES, SimConfig, run
+from jserve.scheduler.registry import SIMULATED_POLICIES as POLICIES
+from jserve.serving.commands import add_budget_arg
+from jserve.sim.policies import SimConfig, run
 from jserve.sim.trace import TraceRequest, read_trace, write_trace
 
 QPS = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75)
@@ -46,9 +48,9 @@ def horizon(trace: list[TraceRequest], drain_s: float) -> float:
 
 
 def run_point(args: tuple[str, float, str, int, float, float]) -> dict:
-    policy, qps, workload, seed, drain_s, tpot_slo = args
+    policy, qps, workload, seed, drain_s, budget = args
     trace = read_trace(workload, qps=qps, seed=seed)
-    cfg = dataclasses.replace(MESH, tpot_slo=tpot_slo, horizon_s=horizon(trace, drain_s))
+    cfg = dataclasses.replace(MESH, iteration_budget=budget, horizon_s=horizon(trace, drain_s))
     t0 = time.perf_counter()
     s = summarize(run(trace, policy, cfg))
     return {**{k: s[k] for k in COLUMNS if k in s}, "policy": policy, "qps": qps,
@@ -88,7 +90,7 @@ def sweep(a: argparse.Namespace) -> list[dict]:
     workload = a.out_dir / "workload.csv"
     write_workload(workload, a.requests, a.seed)
     # Costliest first (deadline policies at high load) so the pool's tail is short.
-    tasks = sorted(((p, q, str(workload), a.seed, a.drain, a.tpot_slo)
+    tasks = sorted(((p, q, str(workload), a.seed, a.drain, a.iteration_budget)
                     for p in a.policies for q in a.qps),
                    key=lambda t: (t[0] in ("fcfs", "sarathi", "loongserve"), -t[1]))
     rows = []
@@ -115,7 +117,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--drain", type=float, default=600.0,
                     help="seconds the clock runs on after the last arrival")
-    ap.add_argument("--tpot-slo", type=float, default=MESH.tpot_slo)
+    add_budget_arg(ap, MESH.iteration_budget)
     ap.add_argument("--focus-qps", type=float, default=0.75)
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out-dir", type=Path, default=Path("docs/sim"))

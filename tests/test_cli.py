@@ -54,3 +54,15 @@ def test_every_flag_says_what_it_does_and_its_default():
     assert serve.parse_args(["--no-warmup"]).warmup == "none"
     assert serve.parse_args(["--warmup"]).warmup == "all"
     assert serve.format_help().count("--no-warmup") == 2  # the usage line and the flag's
+
+
+def test_the_iteration_budget_keeps_its_old_flag_deprecated(capsys):
+    from jserve.cli import build_parser
+    parser = build_parser()
+    for command in (["serve"], ["simulate", "--trace", "t", "--policy", "lars", "--out", "o"]):
+        new = parser.parse_args(command + ["--iteration-budget", "0.07"])
+        assert new.iteration_budget == 0.07 and "deprecated" not in capsys.readouterr().err
+        old = parser.parse_args(command + ["--tpot-slo", "0.08"])
+        assert old.iteration_budget == 0.08
+        assert "--tpot-slo is deprecated; use --iteration-budget" in capsys.readouterr().err
+        assert parser.parse_args(command).iteration_budget == 0.05

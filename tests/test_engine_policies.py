@@ -31,7 +31,7 @@ def test_every_policy_gives_the_reference_greedy_outputs(policy, reference, tmp_
     predictor = LinearPredictor((0.0, 1e-3, 0.0, 0.0, 1e-6, 0.0))
     predictor.save(path)
     # A prefill alone may take the whole 128 tokens (full_chunk_alone): off, to see the budget.
-    llm = small_llm(scheduler=policy, tpot_slo=0.07, max_num_batched_tokens=128,
+    llm = small_llm(scheduler=policy, iteration_budget=0.07, max_num_batched_tokens=128,
                     predictor_path=str(path), predictor_correction=False,
                     full_chunk_alone=False)
     assert llm.engine.predictor == predictor
@@ -79,8 +79,11 @@ def test_predictor_loading_and_bad_names(tmp_path):
         small_llm(scheduler="sjf")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         small_llm(scheduler="lars", predictor_path=str(tmp_path / "missing.json"))
-    with pytest.raises(ValueError, match="tpot_slo must be > 0"):
-        small_llm(scheduler="lars", tpot_slo=0)
+    with pytest.raises(ValueError, match="iteration_budget must be > 0"):
+        small_llm(scheduler="lars", iteration_budget=0)
+    with pytest.warns(DeprecationWarning, match="tpot_slo"), \
+            pytest.raises(ValueError, match="iteration_budget must be > 0"):
+        small_llm(scheduler="lars", tpot_slo=0)  # the old name still reaches the budget
     eng = small_llm(scheduler="lars", compilation_cache_dir=str(tmp_path / "xla")).engine
     # Nothing profiled: the estimate, corrected online from step times.
     assert eng.predictor.base == estimated_predictor(eng.cfg)

@@ -61,3 +61,86 @@ def test_the_engine_stays_carved():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
             and node.end_lineno - node.lineno + 1 > 60]
     assert not long, long
+
+
+# -- the module import graph (issue 40: no import cycles, even through imports inside
+# functions) ---------------------------------------------------------------------------------
+GRAPH_PACKAGES = ("jserve", "sharding")
+
+
+def _module_names(root: Path, packages: tuple[str, ...]) -> dict[str, Path]:
+    """Every module of ``packages`` under ``root`` by its dotted name (a package by its own)."""
+    modules = {}
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def _imported_modules(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The modules of ``modules`` that ``name`` imports, at any depth (top level, functions,
+    ``TYPE_CHECKING``); ``from X import Y`` is an import of ``X.Y`` where that is a module,
+    else of ``X``; relative imports are resolved against ``name``'s package."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.add(sub if sub in modules else base)
+    return {module for module in found if module in modules and module != name}
+
+
+def import_graph(root: Path = ROOT, packages: tuple[str, ...] = GRAPH_PACKAGES
+                 ) -> dict[str, set[str]]:
+    """Module -> the modules it imports, read from the source of ``packages``."""
+    modules = _module_names(root, packages)
+    return {name: _imported_modules(name, path, modules) for name, path in modules.items()}
+
+
+def _shortest_cycle(graph: dict[str, set[str]], start: str) -> list[str] | None:
+    """The shortest import path from ``start`` back to itself (breadth first), or None."""
+    came_from: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for nxt in sorted(graph[node]):
+                if nxt == start:
+                    path = [node]
+                    while path[-1] != start:
+                        path.append(came_from[path[-1]])
+                    return [start] + path[::-1][1:] + [start] if node != start else [start, start]
+                if nxt not in came_from:
+                    came_from[nxt] = node
+                    following.append(nxt)
+        frontier = following
+    return None
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The shortest cycle through each module that is on one, each cycle once (by its
+    members, whatever module it starts from)."""
+    cycles, seen = [], set()
+    for name in sorted(graph):
+        cycle = _shortest_cycle(graph, name)
+        if cycle and frozenset(cycle) not in seen:
+            seen.add(frozenset(cycle))
+            cycles.append(cycle)
+    return cycles
+
+
+def test_no_import_cycles():
+    """No module of ``jserve`` or ``sharding`` imports, through any chain of imports
+    (including those inside functions), a module that imports it: an import inside a
+    function is for keeping a heavy optional dependency off the start-up path, not for
+    hiding a cycle."""
+    cycles = import_cycles(import_graph())
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)

@@ -8,10 +8,10 @@ import functools
 import pytest
 
 from jserve.bench.workload import WorkloadSpec, build_workload
+from jserve.scheduler.registry import SIMULATED_POLICIES as POLICIES
 from jserve.sim.loongserve import simulate_loongserve, tipping_point_s
 from jserve.sim.loongserve_manager import GlobalManager
 from jserve.sim.policies import (
-    POLICIES,
     SimConfig,
     _max_context,
     build,

@@ -80,7 +80,7 @@ class DecodeBursts:
     (``EngineConfig.decode_burst``; settable between steps, 1: off) where bursts are
     ``supported`` (one device and process, no KV-cache parallelism, no length probe), while
     nothing waits, once the burst's program for the running requests' step is compiled
-    (``ModelRunner.burst_ready``: until then it compiles in the background and the engine
+    (``StepPrograms.burst_ready``: until then it compiles in the background and the engine
     steps one at a time)."""
 
     def __init__(self, steps: int, supported: bool, scheduler, runner, buckets,
@@ -94,5 +94,5 @@ class DecodeBursts:
         sched, k = self.scheduler, self.steps
         if k == 1 or not self.supported or sched.waiting or not sched.running:
             return 1, None
-        ready = self.runner.burst_ready(self.buckets.shape_for(len(sched.running), 0), k)
+        ready = self.runner.programs.burst_ready(self.buckets.shape_for(len(sched.running), 0), k)
         return (k, self.may_burst) if ready else (1, None)

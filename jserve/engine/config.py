@@ -41,7 +41,7 @@ class EngineConfig:
     # docs/device.md), the native decode kernel on CPU (where it builds), the XLA reference
     # on TPU until pallas_tpu has run on a TPU. A Pallas flavour on CPU runs interpreted.
     attention_impl: str = "auto"
-    # sarathi | fcfs | edf | lrs | lars | sprpt (jserve.scheduler.POLICIES)
+    # jserve.scheduler.ENGINE_POLICIES: fcfs | sarathi | edf | lrs | lars | sprpt
     scheduler: str = "sarathi"
     # Output-length probe (TRAIL, jserve.probe): a probe .npz turns on capturing its layer's
     # hidden state and per-request remaining-length predictions; probe_layer alone captures
@@ -50,17 +50,19 @@ class EngineConfig:
     length_probe: str | None = None
     probe_layer: int | None = None
     sprpt_c: float = 0.8
-    # Deadline-aware policies: the TPOT SLO is the iteration time budget; a request's TTFT
+    # Deadline-aware policies: the time budget of one iteration (seconds; the paper's TPOT
+    # SLO, t_target; ``tpot_slo`` before, which names a request's own SLO: an ``LLM`` keyword
+    # and the --tpot-slo flag still take the old name, deprecated); a request's TTFT
     # deadline defaults to max(ttft_slo_factor x its isolated prefill time, ttft_slo_floor).
-    tpot_slo: float = 0.05
+    iteration_budget: float = 0.05
     ttft_slo_factor: float = 1.5
     ttft_slo_floor: float = 0.5
     space_sharing: bool = True
     # The progress rule: a request's own tpot_slo shortens iterations only down to their
-    # decodes' time plus this share of tpot_slo (jserve.scheduler.deadline.DeadlineConfig).
+    # decodes' time plus this share of iteration_budget (jserve.scheduler.deadline).
     prefill_share: float = 0.75
     # A deadline policy's prefill alone in an iteration (no decode, no other prefill) runs
-    # a whole max_num_batched_tokens chunk, not one cut to tpot_slo
+    # a whole max_num_batched_tokens chunk, not one cut to iteration_budget
     # (jserve.scheduler.deadline.DeadlineConfig.full_chunk_alone).
     full_chunk_alone: bool = True
     predictor_path: str | None = None  # default: the one `jserve profile` saved for this model
@@ -145,7 +147,7 @@ class EngineConfig:
                              f"got {self.preemption!r}")
         if self.swap_space_bytes < 0:
             raise ValueError(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
-        for name in ("tpot_slo", "ttft_slo_factor"):
+        for name in ("iteration_budget", "ttft_slo_factor"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0.0 <= self.prefill_share <= 1.0:

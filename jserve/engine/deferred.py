@@ -1,10 +1,10 @@
 """Step programs compiled after the engine is ready, in one background thread.
 
-At start the engine compiles only its core programs (``ModelRunner.core_shapes``: the
+At start the engine compiles only its core programs (``StepPrograms.core_shapes``: the
 largest step, which covers any other, and the one-row decode); every other bucket shape is
 compiled here when a step first needs it (``warmup="core"``) or right after start
 (``warmup="background"``). Until a shape is ready, its steps run padded up to the smallest
-compiled shape that covers them (``ModelRunner.ready_shape``): padding rows and tokens are
+compiled shape that covers them (``StepPrograms.ready_shape``): padding rows and tokens are
 what every bucket already carries, so the tokens are the same, only that step is slower.
 
 One thread, not a pool: on a small host the serving loop needs the other cores. The thread

@@ -48,12 +48,17 @@ log = logging.getLogger(__name__)
 _EMPTY_PLAN = BatchPlan((), ())
 
 
+def _draft_engine(cfg: LlamaConfig, params: Params, config: EngineConfig) -> LLMEngine:
+    """The engine a draft model proposes from (``jserve.speculative.draft_model``)."""
+    return LLMEngine(cfg, params, None, config)
+
+
 class LLMEngine:
     def __init__(self, cfg: LlamaConfig, params: Params, tokenizer: Tokenizer | None,
                  config: EngineConfig = EngineConfig(), startup: StartupTimes | None = None):
         self.startup = startup or StartupTimes()  # ``LLM`` starts it before reading the model
         enable_compilation_cache(config.compilation_cache_dir)
-        parts = build_engine_parts(cfg, params, config, self.startup)
+        parts = build_engine_parts(cfg, params, config, self.startup, _draft_engine)
         self.cfg, self.tokenizer, self.config = cfg, tokenizer, config
         self.max_model_len = parts.max_model_len
         self.buckets, self.allocator = parts.buckets, parts.allocator
@@ -161,7 +166,7 @@ class LLMEngine:
 
     @property
     def compile_count(self) -> int:
-        return self.runner.compile_count
+        return self.runner.programs.compile_count
 
     # -- one iteration -----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -14,23 +14,26 @@ import jax
 from jserve.cache.allocator import BlockAllocator
 from jserve.cache.pool import allocate_kv_cache, kv_bytes_per_page, num_pages_for_budget
 from jserve.config import LlamaConfig
+from jserve.engine.abstract import abstract_kv_cache, params_on_one_device
 from jserve.engine.buckets import Buckets
 from jserve.engine.burst import DecodeBursts
 from jserve.engine.config import EngineConfig
 from jserve.engine.request_state import plain_sampler_row
-from jserve.engine.runner import ModelRunner, runtime_params
+from jserve.engine.runner import ModelRunner
 from jserve.engine.startup import StartupTimes
 from jserve.engine.step_builder import StepBuilder
+from jserve.engine.step_program import runtime_params
 from jserve.engine.timing import estimated_predictor, host_round_trip_seconds, load_predictor
 from jserve.kernels import ATTENTION_IMPLS
-from jserve.model.llama import Params, unstack_layers
+from jserve.model.llama import Params
 from jserve.probe.length_probe import LengthProbe
 from jserve.probe.tracker import LengthTracker
-from jserve.scheduler import POLICIES, BatchPlan, ScheduledChunk, build_scheduler
+from jserve.scheduler import BatchPlan, ScheduledChunk, build_scheduler, policy
 from jserve.scheduler.base import SchedulerBase
 from jserve.scheduler.deadline import DeadlineConfig
 from jserve.scheduler.predictor import CorrectedPredictor, RuntimePredictor
 from jserve.scheduler.swap import SwapPolicy
+from jserve.speculative.draft_model import NewEngine
 from jserve.speculative.speculator import Speculator, build_speculator
 from sharding import pipeline
 from sharding.mesh import MeshConfig, make_mesh
@@ -74,8 +77,7 @@ def check_config(cfg: LlamaConfig, config: EngineConfig) -> Geometry:
     if config.attention_impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, "
                          f"got {config.attention_impl!r}")
-    if config.scheduler not in POLICIES:
-        raise ValueError(f"scheduler must be one of {POLICIES}, got {config.scheduler!r}")
+    policy(config.scheduler)  # ValueError naming the choices
     geo = engine_geometry(cfg, config)
     if jax.process_count() > 1 and geo.mesh_config.size != jax.device_count():
         raise ValueError(f"mesh {config.mesh!r}: with {jax.process_count()} processes it "
@@ -130,7 +132,7 @@ def length_tracker(cfg: LlamaConfig, config: EngineConfig) -> LengthTracker | No
         if config.probe_layer is not None and config.probe_layer != probe.layer:
             raise ValueError(f"probe_layer {config.probe_layer} differs from the probe's "
                              f"layer {probe.layer}")
-    elif config.scheduler == "sprpt":
+    elif policy(config.scheduler).length_probe:
         raise ValueError("scheduler 'sprpt' needs a length probe (length_probe=path)")
     layer = probe.layer if probe is not None else config.probe_layer
     if layer is None:
@@ -180,7 +182,7 @@ def _scheduler(config: EngineConfig, allocator: BlockAllocator, budget: int,
         config.scheduler, allocator, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=budget, max_prefill_seqs=config.max_prefill_seqs,
         predictor=predictor, max_context=context,
-        deadline=DeadlineConfig(t_target=config.tpot_slo, ttft_k=config.ttft_slo_factor,
+        deadline=DeadlineConfig(t_target=config.iteration_budget, ttft_k=config.ttft_slo_factor,
                                 ttft_floor=config.ttft_slo_floor,
                                 space_sharing=config.space_sharing,
                                 prefill_share=config.prefill_share,
@@ -189,14 +191,16 @@ def _scheduler(config: EngineConfig, allocator: BlockAllocator, budget: int,
 
 
 def build_engine_parts(cfg: LlamaConfig, params: Params, config: EngineConfig,
-                       times: StartupTimes | None = None) -> EngineParts:
+                       times: StartupTimes | None = None,
+                       new_engine: NewEngine | None = None) -> EngineParts:
+    """``new_engine``: makes the engine a draft model proposes from (speculative decoding)."""
     times = times if times is not None else StartupTimes()
     geo = check_config(cfg, config)
     mesh_config, buckets, context = geo.mesh_config, geo.buckets, geo.max_model_len
     budget = min(config.max_num_batched_tokens, context)
     num_pages = _num_kv_pages(cfg, config, geo)
     predictor = (load_predictor(cfg, config)
-                 if config.scheduler not in ("sarathi", "sprpt") else None)
+                 if policy(config.scheduler).predictor else None)
     if predictor is not None and config.predictor_correction:
         predictor = CorrectedPredictor(predictor)
     tracker = length_tracker(cfg, config)
@@ -214,11 +218,12 @@ def build_engine_parts(cfg: LlamaConfig, params: Params, config: EngineConfig,
              and jax.process_count() == 1)
     runner, hits = _runner(cfg, params, config, mesh_config, buckets, num_pages, tracker,
                            times, defer)
-    times.deferred = len(runner.deferred_shapes()) + (runner.samplers_missing() if defer
-                                                      else 0)
+    programs = runner.programs
+    times.deferred = len(programs.deferred_shapes()) + (programs.samplers_missing() if defer
+                                                        else 0)
     if defer:  # counted first: the background thread starts on the sampler at once
-        runner.defer(compile_rest=config.warmup == "background")
-    speculator = build_speculator(config, cfg, context, scheduler)
+        programs.defer(compile_rest=config.warmup == "background")
+    speculator = build_speculator(config, cfg, context, scheduler, new_engine)
     # Bursts need one device and process, no KV-cache parallelism, no length probe and no
     # speculative decoding (untested together).
     bursts = DecodeBursts(config.decode_burst, mesh_config.spp == 1 and mesh_config.kvp == 1
@@ -229,7 +234,7 @@ def build_engine_parts(cfg: LlamaConfig, params: Params, config: EngineConfig,
         mesh_config, jax.process_count() > 1, context, buckets, allocator, scheduler,
         runner, StepBuilder(buckets, config.page_size, runner.state_sink, pool_pages=num_pages,
                             vocab_size=cfg.vocab_size,
-                            ready=runner.ready_shape if defer else None,
+                            ready=programs.ready_shape if defer else None,
                             plain_row=plain_sampler_row),
         predictor, tracker, hits, speculator, bursts)
 
@@ -267,10 +272,10 @@ def _runner(cfg: LlamaConfig, params: Params, config: EngineConfig, mesh_config:
         if not warm:
             return None
         t0 = time.perf_counter()
-        runner.warmup(core=core_only)
+        runner.programs.warmup(core=core_only)
         times.programs += time.perf_counter() - t0
-        times.cached = runner.cache_events["cache_hits"]
-        times.compiled = runner.compiled_up_front - times.cached
+        times.cached = runner.programs.cache_events["cache_hits"]
+        times.compiled = runner.programs.compiled_up_front - times.cached
         return times.cached
 
     make = functools.partial(ModelRunner, buckets=buckets, max_num_seqs=config.max_num_seqs,
@@ -280,12 +285,10 @@ def _runner(cfg: LlamaConfig, params: Params, config: EngineConfig, mesh_config:
     if mesh is not None or not warm:
         runner = make(cfg, load_weights(), allocate_kv(), params_placed=True)
         return runner, warmup(runner)
-    from jserve.engine.memory_plan import abstract_kv_cache  # it imports this module
-
     times.overlapped = True
     with ThreadPoolExecutor(1, thread_name_prefix="jserve-load") as loader:
         loaded = loader.submit(lambda: (load_weights(), allocate_kv()))
-        runner = make(cfg, _params_spec(cfg, unroll), abstract_kv_cache(
+        runner = make(cfg, params_on_one_device(cfg, unroll), abstract_kv_cache(
             cfg, num_pages, config.page_size, None, kv_cache_dtype=config.kv_cache_dtype),
             abstract=True)
         hits = warmup(runner)
@@ -293,16 +296,3 @@ def _runner(cfg: LlamaConfig, params: Params, config: EngineConfig, mesh_config:
     if not runner.attach(weights, kv):
         hits = warmup(runner)
     return runner, hits
-
-
-def _params_spec(cfg: LlamaConfig, unroll: bool) -> Params:
-    """The step's params on one device as ``ShapeDtypeStruct``s (``runtime_params``'s
-    output), from the config alone."""
-    from jserve.engine.memory_plan import abstract_params
-
-    device = jax.local_devices()[0]
-    one = jax.sharding.SingleDeviceSharding(device)
-    spec = abstract_params(cfg, None, device)
-    if unroll:
-        spec = jax.eval_shape(unstack_layers, spec)
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), spec)

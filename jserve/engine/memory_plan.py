@@ -28,19 +28,17 @@ from typing import Sequence
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from jserve.cache.allocator import BlockAllocator
-from jserve.cache.pool import available_device_bytes, kv_bytes_per_page, kv_cache_shape
+from jserve.cache.pool import available_device_bytes, kv_bytes_per_page
 from jserve.config import LlamaConfig
+from jserve.engine.abstract import abstract_kv_cache, abstract_params
 from jserve.engine.config import EngineConfig
 from jserve.engine.factory import Geometry, engine_geometry
-from jserve.kernels import kv_quant
-from jserve.model import quant
-from jserve.model.llama import Params, runtime_param_shapes
-from sharding.kv_parallel import STACKED_KV_SPEC
-from sharding.mesh import AXES, MeshConfig, make_mesh
-from sharding.specs import kv_head_map, kv_heads_per_device, param_specs
+from jserve.engine.runner import ModelRunner
+from jserve.engine.step_arrays import state_spec
+from sharding.mesh import MeshConfig, make_mesh
+from sharding.specs import kv_heads_per_device
 
 GB = 10 ** 9
 _UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
@@ -68,45 +66,6 @@ def _gb(n: int | float) -> str:
 
 def _count(n: int) -> str:
     return f"{n / 1e9:.2f} B" if n >= 10 ** 9 else f"{n / 1e6:.2f} M"
-
-
-def abstract_params(cfg: LlamaConfig, mesh: jax.sharding.Mesh | None,
-                    device: jax.Device | None = None) -> Params:
-    """Runtime-layout params as ``ShapeDtypeStruct``s: split by ``param_specs`` on ``mesh``
-    (``tp_layout`` reorders, it never reshapes), or on ``device`` without a mesh."""
-    shapes = runtime_param_shapes(cfg)
-    is_shape = lambda x: isinstance(x, tuple)
-    if mesh is None:  # one device: a 1-device mesh's specs, so the tp-split leaves are known
-        mesh = jax.sharding.Mesh(np.array([device or jax.devices()[0]]).reshape(1, 1, 1, 1),
-                                 AXES)
-    specs = param_specs(shapes)
-    params = jax.tree.map(lambda s, p: jax.ShapeDtypeStruct(s, cfg.np_dtype,
-                                                            sharding=NamedSharding(mesh, p)),
-                          shapes, specs, is_leaf=is_shape)
-    if cfg.quantization != "none":  # int8/fp8 values and per-output-channel scales
-        for name, spec in specs["layers"].items():
-            if name in quant.QUANTIZED_LEAVES:
-                params["layers"][name] = quant.abstract_weight(
-                    shapes["layers"][name], cfg.quantization, NamedSharding(mesh, spec),
-                    NamedSharding(mesh, quant.scale_spec(spec)))
-    return params
-
-
-def abstract_kv_cache(cfg: LlamaConfig, num_pages: int, page_size: int,
-                      mesh: jax.sharding.Mesh | None, device: jax.Device | None = None,
-                      kv_cache_dtype: str = "auto"):
-    """(k, v) pages as ``ShapeDtypeStruct``s, laid out as the engine allocates them:
-    ``num_pages`` per kvp group, stored heads split on tp (``allocate_sharded_kv_cache``),
-    stored as ``kv_cache_dtype`` (int8: values and scales)."""
-    if mesh is None:
-        shape = kv_cache_shape(cfg, num_pages, page_size)
-        sharding = SingleDeviceSharding(device or jax.devices()[0])
-    else:
-        shape = kv_cache_shape(cfg, mesh.shape["kvp"] * num_pages, page_size,
-                               len(kv_head_map(cfg, mesh.shape["tp"])))
-        sharding = NamedSharding(mesh, STACKED_KV_SPEC)
-    spec = kv_quant.abstract(shape, kv_cache_dtype, cfg.np_dtype, sharding)
-    return spec, spec
 
 
 def per_device_bytes(tree) -> int:
@@ -155,7 +114,7 @@ class CompiledMemory:
 
 
 @dataclasses.dataclass(frozen=True)
-class Choice:
+class StorageChoice:
     """One weight quantization x KV cache dtype under the plan's budget (per device)."""
 
     quantization: str
@@ -198,7 +157,7 @@ class MemoryPlan:
     suggested_tp: int | None = None
     kv_cache_dtype: str = "auto"  # how pages are stored (jserve.kernels.kv_quant)
     quantization: str = "none"    # weight-only quantization (jserve.model.quant)
-    choices: list["Choice"] = dataclasses.field(default_factory=list)
+    choices: list["StorageChoice"] = dataclasses.field(default_factory=list)
 
     @property
     def fits(self) -> bool:
@@ -348,8 +307,6 @@ def plan(cfg: LlamaConfig, engine_config: EngineConfig = EngineConfig(),
     ones), each with ``device_memory_bytes`` (default: the first device's, as the engine reads
     it), and what each storage choice (``CHOICES``) caches in the same budget. Nothing is
     allocated, no weight read; ``compile=False`` skips lowering (no activation memory)."""
-    from jserve.engine.runner import state_spec
-
     geo = engine_geometry(cfg, engine_config)
     mc = geo.mesh_config
     devices = list(jax.devices() if devices is None else devices)
@@ -404,7 +361,7 @@ def plan(cfg: LlamaConfig, engine_config: EngineConfig = EngineConfig(),
 
 def _choice(cfg: LlamaConfig, engine_config: EngineConfig, geo: Geometry, mesh, device,
             quantization: str, kv_cache_dtype: str, other_bytes: int, device_memory_bytes: int,
-            source: str) -> Choice:
+            source: str) -> StorageChoice:
     """What the plan's budget buys with weights stored as ``quantization`` and KV pages as
     ``kv_cache_dtype`` (the rest of the plan, its activations included, unchanged)."""
     mc = geo.mesh_config
@@ -420,15 +377,13 @@ def _choice(cfg: LlamaConfig, engine_config: EngineConfig, geo: Geometry, mesh, 
     else:
         budget = engine_config.kv_cache_bytes if budget is None else budget
         pages = max(budget, 0) // per_page
-    return Choice(quantization, kv_cache_dtype, weights, per_page // engine_config.page_size,
+    return StorageChoice(quantization, kv_cache_dtype, weights, per_page // engine_config.page_size,
                   pages, mc.kvp * max(pages - 1, 0) * engine_config.page_size)
 
 
 def _compile_largest_step(cfg: LlamaConfig, engine_config: EngineConfig, geo: Geometry,
                           params, mesh, device) -> tuple:
     """(shape, step memory, sampler memory) of the largest bucket, compiled abstractly."""
-    from jserve.engine.runner import ModelRunner
-
     kv = abstract_kv_cache(cfg, 2, engine_config.page_size, mesh, device,
                            engine_config.kv_cache_dtype)
     spp = 1 if mesh is None else mesh.shape["spp"]
@@ -438,8 +393,9 @@ def _compile_largest_step(cfg: LlamaConfig, engine_config: EngineConfig, geo: Ge
                          slice_layers=mode == "sliced")
     shape = (geo.buckets.decode_rows[-1], geo.buckets.prefill_tokens[-1])
     options = _CPU_COMPILE_OPTIONS if device.platform == "cpu" else None
-    return (shape, CompiledMemory.of(runner._lower(shape)[0].compile(options)),
-            CompiledMemory.of(runner._lower_sampler().compile(options)))
+    lowering = runner.programs.lowering
+    return (shape, CompiledMemory.of(lowering.lower(shape)[0].compile(options)),
+            CompiledMemory.of(lowering.lower_sampler().compile(options)))
 
 
 def _check(p: MemoryPlan, cfg: LlamaConfig, mc: MeshConfig, split: int, repl: int) -> None:
@@ -489,10 +445,12 @@ def describe_engine(engine) -> str:
     cfg = engine.cfg
     step = None
     shape = None
-    if runner._compiled:
-        shape = max(list(runner._compiled), key=sum)
-        step = CompiledMemory.of(runner._compiled[shape][0])
-    sampler = CompiledMemory.of(runner._sampler) if runner._sampler is not None else None
+    programs = runner.programs
+    if programs.steps:
+        shape = max(list(programs.steps), key=sum)
+        step = CompiledMemory.of(programs.steps[shape][0])
+    big_sampler = programs.samplers.get(programs.sample_rows)
+    sampler = CompiledMemory.of(big_sampler) if big_sampler is not None else None
     split, _ = _split_bytes(runner.params)
     p = MemoryPlan(
         model=f"Llama {cfg.num_hidden_layers} layers", mesh=config.mesh, num_devices=mc.size,
@@ -519,16 +477,16 @@ def startup_summary(engine, cache_hits: int | None) -> str:
     start went (``StartupTimes.line``), the plan's numbers (``describe_engine``), what
     compiles later, prefix caching."""
     engine.startup.done()
-    runner, mode = engine.runner, engine.config.warmup
+    programs, mode = engine.runner.programs, engine.config.warmup
     later = {"none": "each step shape compiles on first use",
              "all": "nothing compiles later"}.get(
         mode, "other step shapes compile in the background, padded up to a compiled shape "
-              "meanwhile" + (" (all queued now)" if runner.deferred is not None
+              "meanwhile" + (" (all queued now)" if programs.deferred is not None
                              and mode == "background" else " (on first use)")
-        + ("" if runner.deferred is None or runner.spp > 1 else
+        + ("" if programs.deferred is None or programs.spp > 1 else
            ", the sampling executable (steps whose structured-output masks come late) "
            "right after start"))
     return (f"engine {engine.startup.line()}; {describe_engine(engine)}; warmup {mode}: "
-            f"{runner.compiled_up_front} programs before ready, {later}"
+            f"{programs.compiled_up_front} programs before ready, {later}"
             + ("" if cache_hits is not None else " (warmup off)")
             + f"; prefix caching {'on' if engine.allocator.prefix_caching else 'off'}")

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from jserve.engine.buckets import Buckets
-from jserve.engine.runner import StepArrays
+from jserve.engine.step_arrays import StepArrays
 from jserve.kernels import AttentionMetadata
 from jserve.model.llama import StepInput
 from jserve.sampling.sampler import SamplerRow, make_sampling_batch, mask_words
@@ -18,7 +18,7 @@ from jserve.scheduler import PLACEHOLDER, BatchPlan, Request, ScheduledChunk
 
 @dataclasses.dataclass(frozen=True)
 class StepFlags:
-    """Run-time switches of the fused step (no recompile): see ``runner._step``."""
+    """Run-time switches of the fused step (no recompile): see ``step_program._step``."""
 
     any_random: bool     # some sampled row has temperature > 0
     any_penalty: bool    # some request in the step uses penalties
@@ -101,7 +101,7 @@ class StepBuilder:
                  ready: "callable[[tuple[int, int]], tuple[int, int]] | None" = None,
                  plain_row: "callable[[Request], bool] | None" = None):
         """``ready``: the shape a step of a bucket shape is built at now
-        (``ModelRunner.ready_shape``: a compiled one covering it while its own compiles in
+        (``StepPrograms.ready_shape``: a compiled one covering it while its own compiles in
         the background); None: the bucket shape itself. ``plain_row``: whether a request's
         sampler row has neither bans nor a mask (``request_state.plain_sampler_row``);
         given, an all-decode step of the same requests as the last one is built from that

@@ -19,7 +19,7 @@ from jserve.sampling.sampler import SamplerRow
 
 
 class TickSlots:
-    """``runner``: its ``compiled(shape)`` gives the shape's ``PackedLayout``."""
+    """``runner``: its ``programs.compiled(shape)`` gives the shape's ``PackedLayout``."""
 
     def __init__(self, runner, builder: StepBuilder, neutral_row: SamplerRow, spp: int):
         self.runner, self.builder, self.neutral_row, self.spp = runner, builder, neutral_row, spp
@@ -49,13 +49,13 @@ class TickSlots:
         the re-padded one; returns the tick's shape, its [spp, size] int32 and float32
         buffers, and whether the tick samples (a batch leaves the last stage)."""
         if self.spp == 1 or lone:
-            packed = self.runner.compiled(new.shape, lone)[1].pack(new.arrays)
+            packed = self.runner.programs.compiled(new.shape, lone)[1].pack(new.arrays)
             return new.shape, (packed + (True, True) if lone else packed)
         records = [None] + list(in_flight)
         records += [None] * (self.spp - len(records))
         steps = [new] + [r.built if r is not None else None for r in records[1:]]
         shape = self.shape(steps)
-        layout = self.runner.compiled(shape)[1]
+        layout = self.runner.programs.compiled(shape)[1]
         packed, rows = {}, []
         for record, step in zip(records, steps):
             if step is None:

@@ -15,9 +15,8 @@ from jserve.cache.pool import KVCache
 from jserve.config import LlamaConfig, inv_frequencies
 from jserve.kernels import AttentionMetadata, attention, write_kv
 from jserve.kernels.kv_parallel import kvp_attention, owned_slots
+from jserve.model.params import Params
 from jserve.model.quant import matmul
-
-Params = dict[str, Any]
 
 
 @jax.tree_util.register_dataclass
@@ -92,20 +91,6 @@ def prepare_params(params: Params) -> Params:
                                                layer["w_gate"], layer["w_up"])
                                   for layer in layers])
     return {**params, "layers": stacked}
-
-
-def runtime_param_shapes(cfg: LlamaConfig) -> dict:
-    """Shape tuples of the runtime layout (what :func:`prepare_params` returns): the
-    checkpoint layout's per-layer shapes stacked, gate and up fused."""
-    from jserve.model.weights import param_shapes  # weights imports this module's config
-
-    shapes = param_shapes(cfg)
-    layer = dict(shapes["layers"][0])
-    d, f = layer.pop("w_gate")
-    layer.pop("w_up")
-    layer["w_gate_up"] = (d, 2 * f)
-    n = cfg.num_hidden_layers
-    return {**shapes, "layers": {name: (n, *shape) for name, shape in layer.items()}}
 
 
 def unstack_layers(params: Params) -> Params:

@@ -15,13 +15,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 from safetensors import safe_open
+from tqdm.auto import tqdm
 
 from jserve.config import LlamaConfig
 from jserve.model import quant, tp_layout
+from jserve.model.params import Params, param_shapes, runtime_param_shapes
 from jserve.tokenizer import TOKENIZER_FILES, ByteTokenizer, Tokenizer, load_tokenizer
-
-Params = dict[str, Any]
 
 # Sized so the whole engine can be exercised on a CPU; vocab covers ByteTokenizer's 259 ids.
 DEFAULT_CONFIG = LlamaConfig(
@@ -39,21 +40,6 @@ DEFAULT_CONFIG = LlamaConfig(
     eos_token_ids=(ByteTokenizer.EOS,),
     dtype="float32",
 )
-
-
-def param_shapes(cfg: LlamaConfig) -> Params:
-    """The params pytree with shape tuples as leaves: the single source of the layout."""
-    d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    q = cfg.num_attention_heads * cfg.head_dim
-    kv = cfg.num_key_value_heads * cfg.head_dim
-    layer = {"attn_norm": (d,), "wq": (d, q), "wk": (d, kv), "wv": (d, kv), "wo": (q, d),
-             "mlp_norm": (d,), "w_gate": (d, f), "w_up": (d, f), "w_down": (f, d)}
-    shapes: Params = {"embed": (v, d),
-                      "layers": [dict(layer) for _ in range(cfg.num_hidden_layers)],
-                      "final_norm": (d,)}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head"] = (d, v)
-    return shapes
 
 
 def _is_shape(x: Any) -> bool:
@@ -303,43 +289,14 @@ def load_hf_runtime(model_dir: str | Path, cfg: LlamaConfig,
     (``quant.quantize_host``), and only its quantized shards go to the devices, so a model
     that fits only quantized loads.
     """
-    from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
-
-    from jserve.model.llama import runtime_param_shapes
-
     model_dir = Path(model_dir)
     layout = _check_checkpoint(model_dir, cfg)
     tp = mesh.shape["tp"] if mesh is not None else 1
     if tp > 1:
         tp_layout.check_tp(cfg, tp)  # the index maps below assume tp splits evenly
-    dtype = cfg.np_dtype
     sources = _leaf_sources(cfg, tp)
-    shapes = runtime_param_shapes(cfg)
-    if tp > 1:  # stored KV heads: copies when tp exceeds the KV heads
-        stored = len(tp_layout.kv_head_map(cfg, tp)) * cfg.head_dim
-        for name in ("wk", "wv"):
-            n, d, _ = shapes["layers"][name]
-            shapes["layers"][name] = (n, d, stored)
-
-    def sharding_of(spec: P):
-        if mesh is None:
-            return SingleDeviceSharding(jax.local_devices()[0])
-        return NamedSharding(mesh, spec)
-
-    def build(source: _LeafSource, files: dict[str, Any], shape: tuple[int, ...],
-              sharding) -> jax.Array:
-        cache: dict[tuple, np.ndarray] = {}  # shards replicated on several devices: read once
-
-        def callback(index: tuple[slice, ...]) -> np.ndarray:
-            key = tuple((s.start, s.stop, s.step) for s in index)
-            if key not in cache:
-                cache[key] = source.read(files, index, shape, dtype)
-            return cache[key]
-
-        return jax.make_array_from_callback(shape, sharding, callback, dtype=dtype)
-
-    from tqdm.auto import tqdm
-
+    shapes = _stored_shapes(cfg, tp)
+    sharding_of = functools.partial(_sharding_of, mesh)
     handles = {}
     n = cfg.num_hidden_layers
     bar = tqdm(total=len(shapes) - 1 + n * len(shapes["layers"]), desc="loading weights",
@@ -352,27 +309,14 @@ def load_hf_runtime(model_dir: str | Path, cfg: LlamaConfig,
         params: Params = {}
         for name, src in sources.items():
             if name != "layers":
-                params[name] = build(src, files, shapes[name], sharding_of(P()))
+                params[name] = _build(src, files, shapes[name], sharding_of(P()), cfg.np_dtype)
                 bar.update()
         layers: Params = {}
         for name, shape in shapes["layers"].items():
-            spec = P(*tp_layout.layer_axes(name))
-            if cfg.quantization != "none" and name in quant.QUANTIZED_LEAVES:
-                layers[name] = _stream_quantized(
-                    cfg, [sources["layers"](i)[name] for i in range(n)], files, shape, spec,
-                    sharding_of, bar)
-                continue
-            stacked = sharding_of(spec)
-            per_layer = sharding_of(P(*spec[1:]))
-            buf = jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=stacked)()
-            write = jax.jit(lambda b, x, i: jax.lax.dynamic_update_index_in_dim(b, x, i, 0),
-                            donate_argnums=0, out_shardings=stacked)
-            for i in range(n):
-                x = build(sources["layers"](i)[name], files, shape[1:], per_layer)
-                buf = write(buf, x, np.int32(i))
-                del x
-                bar.update()
-            layers[name] = buf
+            stream = (_stream_quantized if cfg.quantization != "none"
+                      and name in quant.QUANTIZED_LEAVES else _stream_layers)
+            layers[name] = stream(cfg, [sources["layers"](i)[name] for i in range(n)], files,
+                                  shape, P(*tp_layout.layer_axes(name)), sharding_of, bar)
         params["layers"] = layers
     finally:
         bar.close()
@@ -381,12 +325,60 @@ def load_hf_runtime(model_dir: str | Path, cfg: LlamaConfig,
     return params
 
 
+def _stored_shapes(cfg: LlamaConfig, tp: int) -> Params:
+    """The runtime layout's shapes as stored under ``tp``: wk/wv hold the stored KV heads
+    (copies when tp exceeds the KV heads)."""
+    shapes = runtime_param_shapes(cfg)
+    if tp > 1:
+        stored = len(tp_layout.kv_head_map(cfg, tp)) * cfg.head_dim
+        for name in ("wk", "wv"):
+            n, d, _ = shapes["layers"][name]
+            shapes["layers"][name] = (n, d, stored)
+    return shapes
+
+
+def _sharding_of(mesh: jax.sharding.Mesh | None, spec: P):
+    if mesh is None:
+        return SingleDeviceSharding(jax.local_devices()[0])
+    return NamedSharding(mesh, spec)
+
+
+def _build(source: _LeafSource, files: dict[str, Any], shape: tuple[int, ...], sharding,
+           dtype: np.dtype) -> jax.Array:
+    """One leaf, each device's shard read from the files on its own."""
+    cache: dict[tuple, np.ndarray] = {}  # shards replicated on several devices: read once
+
+    def callback(index: tuple[slice, ...]) -> np.ndarray:
+        key = tuple((s.start, s.stop, s.step) for s in index)
+        if key not in cache:
+            cache[key] = source.read(files, index, shape, dtype)
+        return cache[key]
+
+    return jax.make_array_from_callback(shape, sharding, callback, dtype=dtype)
+
+
+def _stream_layers(cfg: LlamaConfig, sources: list, files: dict[str, Any],
+                   shape: tuple[int, ...], spec, sharding_of, bar):
+    """One stacked layer leaf, each layer's slice built (``_build``) and written in place
+    into the preallocated stacked array (``load_hf_runtime``)."""
+    dtype = cfg.np_dtype
+    stacked = sharding_of(spec)
+    per_layer = sharding_of(P(*spec[1:]))
+    buf = jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=stacked)()
+    write = jax.jit(lambda b, x, i: jax.lax.dynamic_update_index_in_dim(b, x, i, 0),
+                    donate_argnums=0, out_shardings=stacked)
+    for i, source in enumerate(sources):
+        x = _build(source, files, shape[1:], per_layer, dtype)
+        buf = write(buf, x, np.int32(i))
+        del x
+        bar.update()
+    return buf
+
+
 def _stream_quantized(cfg: LlamaConfig, sources: list, files: dict[str, Any],
                       shape: tuple[int, ...], spec, sharding_of, bar):
     """One stacked quantized layer leaf: each layer's matrix read whole on the host,
     quantized there, and its values' and scales' shards placed (``load_hf_runtime``)."""
-    from jax.sharding import PartitionSpec as P
-
     specs = (spec, quant.scale_spec(spec))
     abstract = quant.abstract_weight(shape, cfg.quantization)
     stacked = quant.from_parts(*map(sharding_of, specs), cfg.quantization)
@@ -468,7 +460,7 @@ def restore_orbax(ckpt_dir: str | Path, cfg: LlamaConfig) -> Params:
     ckpt_dir = Path(ckpt_dir).absolute()
     stored = json.loads((ckpt_dir / "config.json").read_text()).get("jserve_quantization",
                                                                    "none")
-    import orbax.checkpoint as ocp
+    import orbax.checkpoint as ocp  # 0.35 s of import: only for orbax checkpoints
 
     with ocp.StandardCheckpointer() as ckptr:
         params = ckptr.restore(ckpt_dir / "params", _abstract_params(cfg, stored))

@@ -15,6 +15,7 @@ from jserve.scheduler.base import SchedulerBase
 from jserve.scheduler.chunking import PrefillTimeCache
 from jserve.scheduler.plan import BatchPlan, ScheduledChunk
 from jserve.scheduler.predictor import RuntimePredictor
+from jserve.scheduler.registry import POLICIES
 
 
 def prefill_table(cache: PrefillTimeCache, max_len: int) -> PrefillTable:
@@ -40,7 +41,8 @@ def replica_load(name: str, scheduler: SchedulerBase, table: PrefillTable, now: 
     left, with its deadline and remaining isolated prefill work by ``table``; with
     ``predictor``, the iteration budget and the running decodes' time in it."""
     config = getattr(scheduler, "config", None)
-    deadline_order = getattr(scheduler, "policy", "") in ("edf", "lrs", "lars")
+    entry = POLICIES.get(getattr(scheduler, "policy", ""))
+    deadline_order = entry is not None and entry.deadline_order
     prefills, decodes = [], []
     for req in (*scheduler.running, *scheduler.waiting):
         total, done = len(req.token_ids), req.num_done
@@ -63,13 +65,5 @@ def replica_load(name: str, scheduler: SchedulerBase, table: PrefillTable, now: 
         running=len(scheduler.running), kv_usage=alloc.num_allocated / max(alloc.total, 1),
         order=DEADLINE_ORDER if deadline_order else FIFO, prefills=tuple(prefills),
         table=table, long_threshold=getattr(config, "long_threshold", 32768),
-        t_target=t_target, decode_s=decode_s, quick_s=_quick_s(scheduler),
+        t_target=t_target, decode_s=decode_s, quick_s=getattr(scheduler, "quick_s", 0.0),
         max_num_seqs=scheduler.max_num_seqs)
-
-
-def _quick_s(scheduler: SchedulerBase) -> float:
-    """lars's due-first class bound (``DeadlineConfig.quick_first`` x ``t_target``)."""
-    config = getattr(scheduler, "config", None)
-    if getattr(scheduler, "policy", "") != "lars" or not getattr(config, "due_first", False):
-        return 0.0
-    return config.quick_first * config.t_target

@@ -201,6 +201,14 @@ class DeadlineScheduler(SchedulerBase):
                               self.config.quick_first)
         return keys
 
+    @property
+    def quick_s(self) -> float:
+        """lars's due-first class bound: remaining work under it goes first when due
+        (``DeadlineConfig.quick_first`` x ``t_target``); 0 when the order has no such class."""
+        if self.policy != "lars" or not self.config.due_first:
+            return 0.0
+        return self.config.quick_first * self.config.t_target
+
     def _victim(self) -> Request:
         keys = self._keys(self.running, self.clock()).tolist()
         running = self.running

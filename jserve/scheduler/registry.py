@@ -1,44 +1,96 @@
-"""Policy name -> scheduler object, shared by the live engine and the simulator so a name means
-the same policy everywhere."""
+"""Scheduling policies by name: one table that the engine, the simulator, the router reports
+and the CLI all read, so a name means the same policy everywhere and a new policy is one
+entry here (plus its scheduler class)."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable
 
 from jserve.cache.allocator import BlockAllocator
 from jserve.scheduler.base import SchedulerBase
 from jserve.scheduler.chunking import PrefillTimeCache
-from jserve.scheduler.deadline import DEADLINE_POLICIES, DeadlineConfig, DeadlineScheduler
+from jserve.scheduler.deadline import DeadlineConfig, DeadlineScheduler
 from jserve.scheduler.predictor import RuntimePredictor
 from jserve.scheduler.sarathi import SarathiScheduler
 from jserve.scheduler.sprpt import SPRPTScheduler
 
-POLICIES = ("sarathi",) + DEADLINE_POLICIES + ("sprpt",)
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """What a policy name means to everything that takes one."""
+
+    name: str
+    summary: str
+    predictor: bool = False       # times chunks with a runtime predictor (deadline policies)
+    deadline_order: bool = False  # ranks waiting requests by deadline (routing reports say so)
+    length_probe: bool = False    # ranks by predicted output length (needs a length probe)
+    engine: bool = True           # the live engine runs it
+    simulated: bool = True        # the simulator runs it
+    runs: str | None = None       # the scheduler it is, under another setting (lars-ss)
+    space_sharing: bool | None = None  # forced on or off; None: the configuration's
 
 
-def build_scheduler(policy: str, allocator: BlockAllocator, *, max_num_seqs: int,
+POLICIES: dict[str, Policy] = {p.name: p for p in (
+    Policy("fcfs", "first come, first served; whole prompts, no preemption", predictor=True),
+    Policy("sarathi", "first come, first served in fixed chunks, decodes first "
+                      "(Sarathi-Serve)"),
+    Policy("edf", "earliest TTFT deadline first, adaptive chunks", predictor=True,
+           deadline_order=True),
+    Policy("lrs", "least remaining slack first, adaptive chunks", predictor=True,
+           deadline_order=True),
+    Policy("lars", "length-aware relative slack first, adaptive chunks (Medha)",
+           predictor=True, deadline_order=True),
+    Policy("lars-ss", "lars with space sharing (one long prefill beside short ones)",
+           predictor=True, deadline_order=True, engine=False, runs="lars",
+           space_sharing=True),
+    Policy("sprpt", "shortest predicted remaining processing time (a length probe)",
+           length_probe=True, simulated=False),
+    Policy("loongserve", "LoongServe's elastic sequence parallelism (simulator baseline)",
+           engine=False),
+)}
+ENGINE_POLICIES = tuple(n for n, p in POLICIES.items() if p.engine)
+SIMULATED_POLICIES = tuple(n for n, p in POLICIES.items() if p.simulated)
+
+
+def policy(name: str, where: str = "engine") -> Policy:
+    """The registry's entry for ``name``; ValueError naming the choices ``where`` (``engine``
+    or ``simulator``) has when it has no such policy."""
+    names = ENGINE_POLICIES if where == "engine" else SIMULATED_POLICIES
+    if name not in names:
+        what = "scheduler" if where == "engine" else "policy"
+        raise ValueError(f"{what} must be one of {names}, got {name!r}")
+    return POLICIES[name]
+
+
+def build_scheduler(name: str, allocator: BlockAllocator, *, max_num_seqs: int,
                     max_num_batched_tokens: int, max_prefill_seqs: int,
                     predictor: RuntimePredictor | None = None, max_context: int | None = None,
                     deadline: DeadlineConfig = DeadlineConfig(),
                     clock: Callable[[], float] = time.monotonic,
                     prefill_cache: PrefillTimeCache | None = None, sprpt_c: float = 0.8,
-                    fallback_remaining: float | None = None) -> SchedulerBase:
-    """Deadline-aware policies need a predictor and either the longest context (to build the
+                    fallback_remaining: float | None = None,
+                    where: str = "engine") -> SchedulerBase:
+    """Policies with a predictor need it and either the longest context (to build the
     prefill-time cache) or a ready cache; ``sarathi`` needs none of them; ``sprpt`` takes its
     preemption window ``sprpt_c`` and the remaining length assumed before a prediction."""
+    p = policy(name, where)
     limits = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                   max_prefill_seqs=max_prefill_seqs)
-    if policy == "sarathi":
+    if p.name == "sarathi":
         return SarathiScheduler(allocator, **limits)
-    if policy == "sprpt":
+    if p.name == "sprpt":
         return SPRPTScheduler(allocator, c=sprpt_c, fallback_remaining=fallback_remaining,
                               **limits)
-    if policy not in DEADLINE_POLICIES:
-        raise ValueError(f"scheduler must be one of {POLICIES}, got {policy!r}")
+    if not p.predictor:
+        raise ValueError(f"policy {name!r} is not a scheduler (it runs through its own "
+                         f"simulator)")
     if predictor is None or (max_context is None and prefill_cache is None):
-        raise ValueError(f"policy {policy!r} needs a runtime predictor and max_context")
+        raise ValueError(f"policy {name!r} needs a runtime predictor and max_context")
+    if p.space_sharing is not None:
+        deadline = dataclasses.replace(deadline, space_sharing=p.space_sharing)
     cache = prefill_cache or PrefillTimeCache(predictor, max_context, deadline.t_target,
                                               chunk_granularity=deadline.chunk_granularity,
                                               max_chunk=max_num_batched_tokens)
-    return DeadlineScheduler(allocator, policy=policy, predictor=predictor, prefill_cache=cache,
-                             config=deadline, clock=clock, **limits)
+    return DeadlineScheduler(allocator, policy=p.runs or p.name, predictor=predictor,
+                             prefill_cache=cache, config=deadline, clock=clock, **limits)

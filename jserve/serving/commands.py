@@ -11,7 +11,7 @@ from typing import Callable
 
 from jserve.engine.config import EngineConfig
 from jserve.log_setup import configure_logging
-from jserve.scheduler import POLICIES
+from jserve.scheduler import ENGINE_POLICIES
 from jserve.serving.limits import ClientLimits
 
 TOKEN_ENV = "JSERVE_AUTH_TOKEN"
@@ -78,7 +78,7 @@ def add_serve_parser(sub, add_engine_args: Callable, engine_kwargs: Callable) ->
                    help="names requests may give as `model` (the first is the one /v1/models "
                         "and GetModelInfo report); default: --model's value for the built-in "
                         "models, the directory's name for a checkpoint directory")
-    s.add_argument("--scheduler", choices=POLICIES, default="sarathi",
+    s.add_argument("--scheduler", choices=ENGINE_POLICIES, default="sarathi",
                    help="the scheduling policy (docs/scheduler.md)")
     s.add_argument("--length-probe", default=None,
                    help="output-length probe .npz (sprpt; default: the model's shipped one)")
@@ -122,6 +122,9 @@ def add_serve_parser(sub, add_engine_args: Callable, engine_kwargs: Callable) ->
                    help=f"require 'authorization: Bearer TOKEN' (default: ${TOKEN_ENV})")
     s.add_argument("--metrics-open", action="store_true",
                    help="serve /metrics without the bearer token even with --auth-token")
+    s.add_argument("--fake-engine", action="store_true",
+                   help="serve jserve.serving.fake_engine's scripted tokens instead of a model "
+                        "(no JAX; for testing clients, routers and the edge)")
     s.add_argument("--log-level", default="INFO",
                    help="jserve's log level (other libraries log from WARNING up; DEBUG: all)")
     g = s.add_argument_group("Ray Serve (docs/scale_out.md): replicas of this engine behind a "
@@ -139,15 +142,33 @@ def add_serve_parser(sub, add_engine_args: Callable, engine_kwargs: Callable) ->
     s.set_defaults(func=lambda a: serve_command(a, engine_kwargs(a)))
 
 
+class _OldTpotSlo(argparse.Action):
+    """Stores the value; says so on stderr when the old spelling was used."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string == "--tpot-slo":
+            print(f"jserve: {option_string} is deprecated; use {self.option_strings[0]}",
+                  file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def add_budget_arg(g, default: float) -> None:
+    """``--iteration-budget`` (``--tpot-slo``, its name before, deprecated: a request's own
+    ``tpot_slo`` is another thing)."""
+    g.add_argument("--iteration-budget", "--tpot-slo", dest="iteration_budget", type=float,
+                   default=default, action=_OldTpotSlo,
+                   help="the deadline policies' time budget of one iteration (seconds; "
+                        "--tpot-slo: deprecated)")
+
+
 def add_limit_args(s: argparse.ArgumentParser) -> None:
     """What one client may ask for (jserve.serving.limits, docs/server.md "Limits")."""
     d = ClientLimits()
     g = s.add_argument_group("client limits (per-request fields are requests, not orders)")
-    g.add_argument("--tpot-slo", type=float, default=EngineConfig.tpot_slo,
-                   help="the deadline policies' iteration time budget (seconds)")
+    add_budget_arg(g, EngineConfig.iteration_budget)
     g.add_argument("--prefill-share", type=float, default=EngineConfig.prefill_share,
-                   help="share of --tpot-slo that prefills keep in every iteration however "
-                        "tight a request's own tpot_slo")
+                   help="share of --iteration-budget that prefills keep in every iteration "
+                        "however tight a request's own tpot_slo")
     g.add_argument("--min-tpot-slo", type=float, default=d.min_tpot_slo,
                    help="smallest tpot_slo a request may ask (seconds; raised to the "
                         "predicted time of a lone decode step)")
@@ -194,8 +215,8 @@ def client_limits(a: argparse.Namespace) -> ClientLimits:
 def ray_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
     from jserve.serving.ray_app import run
 
-    engine = dict(engine_kwargs, dtype=a.dtype, scheduler=a.scheduler, tpot_slo=a.tpot_slo,
-                  prefill_share=a.prefill_share)
+    engine = dict(engine_kwargs, dtype=a.dtype, scheduler=a.scheduler,
+                  iteration_budget=a.iteration_budget, prefill_share=a.prefill_share)
     args = dict(model=a.model, replicas=a.replicas, router=a.router, engine=engine,
                 server=dict(served_model_names=served_model_names(a),
                             max_waiting=a.max_waiting, max_request_bytes=a.max_request_bytes,
@@ -216,7 +237,10 @@ def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
     if a.ray:
         return ray_command(a, engine_kwargs)
 
+    # Imported here: the model loads JAX and the server gRPC, which `jserve simulate` and
+    # `--help` never need.
     from jserve import LLM
+    from jserve.serving.fake_engine import FakeEngine
     from jserve.serving.server import ServerConfig, serve
 
     configure_logging(a.log_level)
@@ -231,10 +255,15 @@ def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
         metrics_open=a.metrics_open, served_model_names=served_model_names(a),
         limits=client_limits(a))
     join_processes(a)
-    llm = LLM(a.model, dtype=a.dtype, quantization=a.quantization, scheduler=a.scheduler,
-              length_probe=a.length_probe,
-              sprpt_c=a.sprpt_c, tpot_slo=a.tpot_slo, prefill_share=a.prefill_share,
-              **engine_kwargs)
+    if a.fake_engine:
+        llm, engine = None, FakeEngine(max_model_len=a.max_model_len or 512,
+                                       max_num_seqs=a.max_num_seqs or 8)
+    else:
+        llm = LLM(a.model, dtype=a.dtype, quantization=a.quantization, scheduler=a.scheduler,
+                  length_probe=a.length_probe,
+                  sprpt_c=a.sprpt_c, iteration_budget=a.iteration_budget, prefill_share=a.prefill_share,
+                  **engine_kwargs)
+        engine = llm.engine
 
     def ready(server) -> None:
         metrics = (f"http://{a.host}:{server.metrics_port}/metrics"
@@ -245,7 +274,7 @@ def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
             f"{config.model_name} (--model {a.model})"
         print(f"jserve: serving {name} on {a.host}:{server.port} "
               f"({'TLS' if a.tls_cert else 'plaintext'}; metrics {metrics}{http}); engine "
-              f"{llm.engine.startup.line()}", flush=True)
+              f"{llm.engine.startup.line() if llm else 'fake (scripted tokens)'}", flush=True)
         print(f"jserve: client limits: {server.gateway.limits.describe()}, requests <= "
               f"{config.max_request_bytes} bytes", flush=True)
         if config.open_to_the_network:
@@ -255,7 +284,7 @@ def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
         if not leader:
             return 0
         try:
-            rc = asyncio.run(serve(llm.engine, config, ready=ready))
+            rc = asyncio.run(serve(engine, config, ready=ready))
         except (OSError, RuntimeError) as e:  # a port in use, an unreadable certificate
             print(f"jserve: error: {e}", file=sys.stderr)
             return 1

@@ -1,11 +1,16 @@
 """The engine in a thread of its own, fed by a thread-safe command queue, streaming to asyncio.
 
-``LLMEngine`` is not thread-safe, so exactly one thread (this loop's) touches it. The asyncio
-side never calls the engine: it puts commands (add, abort, run-this-function) on a
-``queue.SimpleQueue`` and the engine thread applies them between steps, so an abort lands at
-the next iteration and frees the request's blocks before the next ``schedule()``. Outputs go
-back through ``loop.call_soon_threadsafe`` into one ``asyncio.Queue`` per request, one
-callback per iteration for all requests.
+An engine core (``LLMEngine``, or the fake one) is not thread-safe, so exactly one thread
+(this loop's) touches it. The asyncio side never calls the core: it puts commands (add,
+abort, run-this-function) on a ``queue.SimpleQueue`` and the engine thread applies them
+between steps, so an abort lands at the next iteration and frees the request's blocks before
+the next ``schedule()``. Outputs go back through ``loop.call_soon_threadsafe`` into one
+``asyncio.Queue`` per request, one callback per iteration for all requests.
+
+``EngineLoop`` is the part of ``EngineClient`` (``engine_api``) every engine shares: the
+thread, the streams, deadlines, the admission queue, latency metrics and per-request fault
+isolation. A subclass says what its core is (``LiveEngine``, ``FakeEngine``): its counters,
+its reports, its model info and intake.
 
 Text deltas hold back the last ``len(longest stop string) - 1`` characters until the request
 finishes: a stop string that completes later cuts the text where it starts, and what was
@@ -19,39 +24,60 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Protocol, Sequence
 
-from jserve.engine.engine import LLMEngine
-from jserve.engine.intake import PreparedRequest
-from jserve.engine.output import RequestOutput, TokenLogprob
+from jserve.engine.output import RequestOutput
+from jserve.routing.load import ReplicaLoad, predicted_ttft
+from jserve.serving.engine_api import (
+    DEADLINE,
+    EXHAUSTED,
+    INTERNAL,
+    INVALID,
+    UNAVAILABLE,
+    Delta,
+    Prepared,
+    WaitEstimate,
+    error_delta,
+)
 from jserve.serving.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 
-# Error kinds a stream can end with (the server maps them to gRPC status codes).
-INVALID = "invalid_argument"
-EXHAUSTED = "resource_exhausted"
-DEADLINE = "deadline_exceeded"
-UNAVAILABLE = "unavailable"
-INTERNAL = "internal"
+
+class EngineCore(Protocol):
+    """What the loop drives, on its thread only: ``LLMEngine``'s step API."""
+
+    def enqueue(self, prepared: Prepared, request_id: str | None = None,
+                arrival_time: float | None = None, ttft_slo: float | None = None,
+                tpot_slo: float | None = None, priority: int = 0) -> str:
+        """Queues a prepared request; ValueError only for an id already in use."""
+
+    def abort(self, request_id: str) -> object:
+        """Ends a request now (nothing if unknown or done)."""
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration: the outputs of the requests it advanced or ended."""
+
+    def has_unfinished(self) -> bool: ...
+
+    def cancel_in_flight(self, reason: str) -> object:
+        """Ends the steps in flight (shutdown, crash)."""
 
 
-@dataclasses.dataclass
-class Delta:
-    """What one request got in one iteration (``finish_reason`` or ``error`` on the last)."""
+@dataclasses.dataclass(frozen=True)
+class EngineCounters:
+    """A core's state between steps (totals since start for the counters)."""
 
-    token_ids: list[int]
-    text: str
-    logprobs: list[TokenLogprob]
-    finish_reason: str | None = None        # 'stop' | 'length'
-    error: tuple[str, str] | None = None    # (kind, message)
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    timings: dict[str, float] | None = None
-
-    @property
-    def last(self) -> bool:
-        return self.finish_reason is not None or self.error is not None
+    requests: int           # requests the core holds
+    waiting: int
+    running: int
+    blocks_used: int
+    blocks_free: int
+    blocks_total: int
+    preemptions: int
+    prefix_queried: int = 0
+    prefix_hits: int = 0
+    cached_blocks: int = 0
 
 
 @dataclasses.dataclass(eq=False)
@@ -69,22 +95,20 @@ class _Live:
 
 
 _STOP = object()
-
-
-def _error(kind: str, message: str) -> Delta:
-    return Delta([], "", [], error=(kind, message))
+_error = error_delta
 
 
 class EngineLoop:
-    """Owns ``engine`` from ``start()`` until ``shutdown()`` returns."""
+    """Owns ``core`` from ``start()`` until ``shutdown()`` returns. A subclass gives
+    ``_counters`` (and ``_check``, ``_load``, ``_cached_tokens``: engine thread) and the
+    rest of ``EngineClient``."""
 
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None, *,
-                 max_waiting: int = 1024, idle_poll_s: float = 1.0,
-                 on_crash: Callable[[BaseException], None] | None = None):
+    def __init__(self, core: EngineCore, *, max_waiting: int = 1024,
+                 idle_poll_s: float = 1.0):
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
-        self.engine = engine
-        self.metrics = metrics
+        self.core = core
+        self.metrics: ServerMetrics | None = None
         self.max_waiting = max_waiting
         self._idle_poll_s = idle_poll_s
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
@@ -93,11 +117,29 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self.crashed: BaseException | None = None
         self._stop_sent = False
-        self._on_crash = on_crash  # called on the event loop if the engine thread dies
+        self._on_crash: Callable[[BaseException], None] | None = None
+
+    # -- what a subclass says about its core (engine thread) -------------------------------
+    def _counters(self) -> EngineCounters:
+        raise NotImplementedError
+
+    def _check(self) -> None:
+        """Asserts the KV pool is whole (``stats``)."""
+
+    def _load(self, replica: str, now: float, healthy: bool) -> ReplicaLoad:
+        raise NotImplementedError
+
+    def _cached_tokens(self, prompt_ids: Sequence[int]) -> int:
+        return 0
 
     # -- asyncio side ------------------------------------------------------------------
-    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+    def attach_metrics(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+
+    def start(self, loop: asyncio.AbstractEventLoop | None = None,
+              on_crash: Callable[[BaseException], None] | None = None) -> None:
         self._loop = loop or asyncio.get_running_loop()
+        self._on_crash = on_crash  # called on the event loop if the engine thread dies
         self._thread = threading.Thread(target=self._run, name="jserve-engine", daemon=True)
         self._thread.start()
 
@@ -105,7 +147,7 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def submit(self, request_id: str, prepared: PreparedRequest, *, arrival_time: float,
+    def submit(self, request_id: str, prepared: Prepared, *, arrival_time: float,
                deadline: float | None = None, ttft_slo: float | None = None,
                tpot_slo: float | None = None, priority: int = 0) -> asyncio.Queue:
         """Queues an add of a request prepared (tokenized, validated) by the caller; returns
@@ -121,14 +163,15 @@ class EngineLoop:
         """Client gone: drop the request at the next iteration; nothing more is sent."""
         self._cmds.put(lambda out: self._abort(request_id))
 
-    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """Runs ``fn(engine)`` on the engine thread between steps; returns its result."""
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """Runs ``fn(core)`` on the engine thread between steps; returns its result. (For
+        the loop's own reports and for tests; the serving layer uses the reports.)"""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
 
         def run(out):
             try:
-                result, exc = fn(self.engine), None
+                result, exc = fn(self.core), None
             except Exception as e:  # noqa: BLE001 - handed to the caller
                 result, exc = None, e
             loop.call_soon_threadsafe(
@@ -138,15 +181,30 @@ class EngineLoop:
 
     async def stats(self) -> dict[str, int]:
         """Engine counters read on the engine thread (consistent between steps)."""
-        def read(eng: LLMEngine) -> dict[str, int]:
-            eng.allocator.check()
-            return dict(in_flight=len(self._live), engine_requests=len(eng.requests),
-                        engine_busy=int(eng.has_unfinished()),
-                        waiting=len(eng.scheduler.waiting), running=len(eng.scheduler.running),
-                        blocks_used=eng.allocator.num_allocated,
-                        blocks_free=eng.allocator.num_free, blocks_total=eng.allocator.total,
-                        preemptions=eng.scheduler.num_preemptions)
+        def read(core) -> dict[str, int]:
+            self._check()
+            c = self._counters()
+            return dict(in_flight=len(self._live), engine_requests=c.requests,
+                        engine_busy=int(core.has_unfinished()), waiting=c.waiting,
+                        running=c.running, blocks_used=c.blocks_used,
+                        blocks_free=c.blocks_free, blocks_total=c.blocks_total,
+                        preemptions=c.preemptions)
         return await self.call(read)
+
+    async def ping(self) -> None:
+        await self.call(lambda core: None)
+
+    async def load_report(self, replica: str, *, healthy: bool = True) -> ReplicaLoad:
+        return await self.call(lambda core: self._load(replica, time.monotonic(), healthy))
+
+    async def predicted_wait(self, replica: str, prompt_ids: Sequence[int] | None,
+                             prompt_tokens: int, ttft_slo: float | None = None, *,
+                             healthy: bool = True) -> WaitEstimate:
+        def read(core) -> tuple[ReplicaLoad, int]:
+            load = self._load(replica, time.monotonic(), healthy)
+            return load, self._cached_tokens(prompt_ids) if prompt_ids is not None else 0
+        load, cached = await self.call(read)
+        return WaitEstimate(cached, predicted_ttft(load, prompt_tokens, cached, ttft_slo), load)
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Ends every request still in flight with UNAVAILABLE and stops the thread."""
@@ -159,7 +217,7 @@ class EngineLoop:
 
     # -- engine thread -----------------------------------------------------------------
     def _run(self) -> None:
-        eng = self.engine
+        eng = self.core
         try:
             while True:
                 out: list[tuple[asyncio.Queue, Delta]] = []
@@ -227,14 +285,12 @@ class EngineLoop:
         except Exception as e:  # noqa: BLE001 - one request's failure ends it alone
             log.exception("request %s: intake on the engine thread failed", request_id)
             self._live.pop(request_id, None)
-            if request_id in self.engine.requests:
-                self.engine.abort(request_id)
+            self.core.abort(request_id)  # nothing if the core never took it
             out.append((sink, _error(INTERNAL, f"request intake failed: {e}")))
 
     def _enqueue(self, out, sink, request_id, prepared, arrival_time, deadline, ttft_slo,
                  tpot_slo, priority) -> None:
-        eng = self.engine
-        if len(eng.scheduler.waiting) >= self.max_waiting:
+        if self._counters().waiting >= self.max_waiting:
             out.append((sink, _error(EXHAUSTED, f"admission queue full "
                                                 f"({self.max_waiting} requests waiting)")))
             return
@@ -242,20 +298,20 @@ class EngineLoop:
             out.append((sink, _error(DEADLINE, "deadline passed before admission")))
             return
         try:
-            eng.enqueue(prepared, request_id=request_id, arrival_time=arrival_time,
+            self.core.enqueue(prepared, request_id=request_id, arrival_time=arrival_time,
                         ttft_slo=ttft_slo, tpot_slo=tpot_slo, priority=priority)
         except ValueError as e:
             out.append((sink, _error(INVALID, str(e))))
             return
-        req = eng.requests[request_id]
+        prompt_tokens = len(prepared.prompt_ids)
         holdback = max((len(s) for s in prepared.params.stop), default=1) - 1
-        self._live[request_id] = _Live(sink, deadline, holdback, req.num_prompt_tokens)
+        self._live[request_id] = _Live(sink, deadline, holdback, prompt_tokens)
         if self.metrics is not None:
-            self.metrics.prompt_tokens.inc(req.num_prompt_tokens)
+            self.metrics.prompt_tokens.inc(prompt_tokens)
 
     def _abort(self, request_id: str) -> None:
         if self._live.pop(request_id, None) is not None:
-            self.engine.abort(request_id)
+            self.core.abort(request_id)
 
     def _expire(self, out) -> None:
         now = time.monotonic()
@@ -263,13 +319,13 @@ class EngineLoop:
                    if lv.deadline is not None and now >= lv.deadline]
         for rid in expired:
             lv = self._live.pop(rid)
-            self.engine.abort(rid)
+            self.core.abort(rid)
             out.append((lv.sink, _error(DEADLINE, f"deadline passed after {lv.sent_tokens} "
                                                   f"generated tokens")))
 
     def _fail_all(self, out, kind: str, message: str) -> None:
         for rid, lv in list(self._live.items()):
-            self.engine.abort(rid)
+            self.core.abort(rid)
             out.append((lv.sink, _error(kind, message)))
         self._live.clear()
 
@@ -284,7 +340,7 @@ class EngineLoop:
         except Exception as e:  # noqa: BLE001 - one request's failure ends it alone
             log.exception("request %s: output processing failed", o.request_id)
             if self._live.pop(o.request_id, None) is not None:
-                self.engine.abort(o.request_id)
+                self.core.abort(o.request_id)
             out.append((lv.sink, _error(INTERNAL, f"output processing failed: {e}")))
             return 0
 
@@ -329,13 +385,12 @@ class EngineLoop:
     def _update_metrics(self, new_tokens: int) -> None:
         if self.metrics is None:
             return
-        eng = self.engine
+        c = self._counters()
         self.metrics.engine_state(
-            waiting=len(eng.scheduler.waiting), running=len(eng.scheduler.running),
-            blocks_used=eng.allocator.num_allocated, blocks_free=eng.allocator.num_free,
-            preemptions=eng.scheduler.num_preemptions, new_tokens=new_tokens,
-            prefix_queried=eng.scheduler.prefix_queried_tokens,
-            prefix_hits=eng.scheduler.prefix_hit_tokens, cached_blocks=eng.allocator.num_cached)
+            waiting=c.waiting, running=c.running, blocks_used=c.blocks_used,
+            blocks_free=c.blocks_free, preemptions=c.preemptions, new_tokens=new_tokens,
+            prefix_queried=c.prefix_queried, prefix_hits=c.prefix_hits,
+            cached_blocks=c.cached_blocks)
 
 
 def _deliver(items: list[tuple[asyncio.Queue, Delta]]) -> None:

@@ -2,12 +2,13 @@
 
 Both front ends run on the same event loop and share one ``Gateway``: it refuses new work
 while draining or when the engine thread is gone, validates with the offline API's own checks
-(``LLMEngine.prepare``, once per request) naming fields the way the caller's
+(``EngineClient.prepare``, once per request) naming fields the way the caller's
 wire format does, hands out request ids that never collide with anyone's (a server id skips
 every id in flight, whoever chose it), keeps the set of requests in flight (for the drain),
 and turns the engine loop's deltas into a ``Stream`` that counts its request's outcome in
 ``jserve_requests_total`` exactly once, whatever ends it: a finish, an error from the engine
-thread, a cancelled or vanished client, or a passed deadline.
+thread, a cancelled or vanished client, or a passed deadline. The engine is an
+``EngineClient`` (``engine_api``): the gateway reads nothing else of it.
 
 Refusals before a request is accepted raise ``Rejected``; the front end maps the kind to its
 status code and counts it with ``Gateway.refused``. Tokenization, chat templates and body
@@ -18,17 +19,16 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import hmac
 import itertools
 import logging
 import secrets
 import time
 from typing import Callable, TypeVar
 
-from jserve.engine.engine import LLMEngine
-from jserve.engine.intake import PreparedRequest
 from jserve.sampling.params import SamplingParams
-from jserve.serving import engine_loop as el
+from jserve.serving import engine_api as el
+from jserve.serving.auth import bearer_matches
+from jserve.serving.engine_api import EngineClient, Prepared
 from jserve.serving.limits import ClientLimits, RequestLimits
 from jserve.serving.metrics import ServerMetrics
 
@@ -46,24 +46,13 @@ T = TypeVar("T")
 
 
 class Rejected(Exception):
-    """A request refused before it reached the engine (``kind``: an engine_loop error kind or
+    """A request refused before it reached the engine (``kind``: an engine_api error kind or
     one of this module's)."""
 
     def __init__(self, kind: str, message: str):
         super().__init__(message)
         self.kind = kind
         self.message = message
-
-
-def bearer_matches(header: str | bytes | None, *tokens: str) -> bool:
-    """``Bearer <token>`` with one of ``tokens`` (the scheme in any case), compared in
-    constant time."""
-    if isinstance(header, bytes):
-        header = header.decode("latin-1")
-    scheme, _, value = (header or "").strip().partition(" ")
-    given = value.strip().encode()
-    return scheme.lower() == "bearer" and any(hmac.compare_digest(given, t.encode())
-                                              for t in tokens)
 
 
 def field_message(message: str, name: Callable[[str], str]) -> str:
@@ -79,10 +68,9 @@ def field_message(message: str, name: Callable[[str], str]) -> str:
 
 
 class Gateway:
-    def __init__(self, engine: LLMEngine, engine_loop: el.EngineLoop, metrics: ServerMetrics,
+    def __init__(self, engine: EngineClient, metrics: ServerMetrics,
                  limits: ClientLimits = ClientLimits()):
         self.engine = engine
-        self.engine_loop = engine_loop
         self.metrics = metrics
         self.limits = RequestLimits(limits, engine)
         self._intake = concurrent.futures.ThreadPoolExecutor(INTAKE_THREADS,
@@ -105,12 +93,12 @@ class Gateway:
     def check_open(self) -> None:
         if self.draining:
             raise Rejected(el.UNAVAILABLE, "the server is shutting down")
-        if not self.engine_loop.alive:
+        if not self.engine.alive:
             raise Rejected(el.UNAVAILABLE, "the engine is not running")
 
     @property
     def healthy(self) -> bool:
-        return not (self.draining or self.leaving) and self.engine_loop.alive
+        return not (self.draining or self.leaving) and self.engine.alive
 
     def trusted(self, authorization: str | bytes | None) -> bool:
         """Whether a client's bearer header carries the priority token."""
@@ -126,7 +114,7 @@ class Gateway:
                 priority: int = 0, trusted: bool = False,
                 name: Callable[[str], str] = lambda f: f,
                 slo_names: tuple[str, str, str] = ("ttft_slo", "tpot_slo", "priority")
-                ) -> PreparedRequest:
+                ) -> Prepared:
         """The request tokenized and validated (the only time it is) and its SLO fields and
         priority within the server's limits, or ``Rejected`` (INVALID) naming the field as
         ``name`` (``slo_names``) does. Any thread; tokenizes, so not on the event loop."""
@@ -148,16 +136,16 @@ class Gateway:
             if rid not in self._in_flight:
                 return rid
 
-    def open(self, request_id: str, prepared: PreparedRequest, *,
+    def open(self, request_id: str, prepared: Prepared, *,
              arrival: float, deadline: float | None = None, ttft_slo: float | None = None,
              tpot_slo: float | None = None, priority: int = 0) -> Stream:
         """Accepts the request (``Rejected`` ALREADY_EXISTS if its id is in flight) and queues
         it on the engine loop. Use as ``async with``: leaving the block ends the request."""
         if request_id in self._in_flight:
             raise Rejected(ALREADY_EXISTS, f"request_id {request_id!r} is already in flight")
-        sink = self.engine_loop.submit(request_id, prepared, arrival_time=arrival,
-                                       deadline=deadline, ttft_slo=ttft_slo,
-                                       tpot_slo=tpot_slo, priority=priority)
+        sink = self.engine.submit(request_id, prepared, arrival_time=arrival,
+                                  deadline=deadline, ttft_slo=ttft_slo, tpot_slo=tpot_slo,
+                                  priority=priority)
         stream = Stream(self, request_id, sink, deadline)
         self._in_flight[request_id] = stream
         self._drained.clear()
@@ -246,7 +234,7 @@ class Stream:
         or deadline_exceeded when its deadline has (about) passed. Idempotent."""
         if self.outcome is not None:
             return
-        self.gateway.engine_loop.abort(self.request_id)
+        self.gateway.engine.abort(self.request_id)
         expired = (self._deadline is not None
                    and time.monotonic() >= self._deadline - DEADLINE_SLACK_S)
         self._count(outcome or (el.DEADLINE if expired else "cancelled"))

@@ -1,5 +1,5 @@
 """The OpenAI HTTP API's wire format: request bodies in, error bodies out (the HTTP side's
-``protocol``; no engine state, no event loop).
+``protocol``; no engine state, no event loop), and the request body read within its limit.
 
 Every body field is honoured or refused with a 400 naming it (``PARAMS``); none is dropped.
 A request carries at most ``max_choices`` prompts x ``n`` (``parse``): each choice is one
@@ -16,7 +16,7 @@ from starlette import responses
 from jserve import fields
 from jserve.sampling.params import SamplingParams
 from jserve.sampling.structured import STRUCTURED_KINDS, StructuredOutput
-from jserve.serving import engine_loop as el
+from jserve.serving import engine_api as el
 from jserve.serving.gateway import NOT_FOUND, UNAUTHENTICATED, Rejected, field_message
 from jserve.serving.tool_calls import (
     ToolChoice,
@@ -94,6 +94,34 @@ def rejection(e: Rejected) -> tuple[int, dict]:
     """A refusal's status code and body."""
     return error_body(e.kind, e.message, getattr(e, "field", None),
                       413 if isinstance(e, BodyTooLarge) else None)
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request was read."""
+
+
+async def read_body(scope, receive, limit: int) -> bytes:
+    """The request body, or ``BodyTooLarge`` as soon as it is known to be over ``limit``
+    bytes: from Content-Length before any of it is read, else once the bytes read pass it.
+    Either way at most ``limit`` bytes (plus one chunk) are ever held."""
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            if not value.isdigit():
+                raise BadField(None, f"Content-Length {value.decode('latin-1')!r} is not a size")
+            if int(value) > limit:
+                raise BodyTooLarge(limit)
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(limit)
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
 
 
 # -- request parsing ---------------------------------------------------------------------

@@ -19,7 +19,7 @@ import re
 import time
 
 from jserve.engine.output import TokenLogprob
-from jserve.serving import engine_loop as el
+from jserve.serving import engine_api as el
 from jserve.serving.gateway import Rejected, Stream
 from jserve.serving.http_protocol import Parsed
 from jserve.serving.tool_calls import ToolCallParser, read_tool_calls

@@ -36,19 +36,21 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from jserve import fields
-from jserve.engine.intake import PreparedRequest
 from jserve.sampling.params import SamplingParams
-from jserve.serving import engine_loop as el
+from jserve.serving import engine_api as el
+from jserve.serving.auth import bearer_matches
 from jserve.serving.edge import EdgeLimits, EdgeServer
-from jserve.serving.gateway import NOT_FOUND, UNAUTHENTICATED, Gateway, Rejected, bearer_matches
+from jserve.serving.engine_api import Prepared
+from jserve.serving.gateway import NOT_FOUND, UNAUTHENTICATED, Gateway, Rejected
 from jserve.serving.http_protocol import (
     PARAMS,
     BadField,
-    BodyTooLarge,
+    ClientGone,
     JSONResponse,
     Parsed,
     error_body,
     parse,
+    read_body,
     rejection,
 )
 from jserve.serving.http_responses import Choice, Formatter, apply_deltas, pump, sse
@@ -56,34 +58,6 @@ from jserve.serving.router_endpoints import RouterEndpoints
 from jserve.tokenizer import chat_prompt_ids
 
 log = logging.getLogger(__name__)
-
-
-class ClientGone(Exception):
-    """The client disconnected before its request was read."""
-
-
-async def read_body(scope, receive, limit: int) -> bytes:
-    """The request body, or ``BodyTooLarge`` as soon as it is known to be over ``limit``
-    bytes: from Content-Length before any of it is read, else once the bytes read pass it.
-    Either way at most ``limit`` bytes (plus one chunk) are ever held."""
-    for name, value in scope["headers"]:
-        if name == b"content-length":
-            if not value.isdigit():
-                raise BadField(None, f"Content-Length {value.decode('latin-1')!r} is not a size")
-            if int(value) > limit:
-                raise BodyTooLarge(limit)
-    chunks, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientGone
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge(limit)
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
 
 
 def _error(e: Rejected) -> JSONResponse:
@@ -204,11 +178,11 @@ class OpenAIServer:
         except Rejected as e:
             self.gateway.refused(e.kind)
             return _error(e)
-        eng, limits = self.gateway.engine, self.gateway.limits
+        info, limits = self.gateway.engine.info, self.gateway.limits
         return JSONResponse({"object": "list", "data": [{
             "id": self.model, "object": "model", "created": 0, "owned_by": "jserve",
-            "max_model_len": eng.max_model_len, "vocab_size": eng.cfg.vocab_size,
-            "scheduler": eng.config.scheduler, "min_tpot_slo": limits.tpot_floor,
+            "max_model_len": info.max_model_len, "vocab_size": info.vocab_size,
+            "scheduler": info.scheduler, "min_tpot_slo": limits.tpot_floor,
             "priority_range": list(limits.limits.priority_range),
             "max_choices": limits.limits.max_choices}]})
 
@@ -240,7 +214,7 @@ class OpenAIServer:
         return _Work(lambda send: self._run(send, prepared, parsed, fmt, arrival))
 
     def _admit(self, raw: bytes, endpoint: str, trusted: bool
-               ) -> tuple[Parsed, list[PreparedRequest]]:
+               ) -> tuple[Parsed, list[Prepared]]:
         """Parses, templates and tokenizes a body (on an intake thread); ``Rejected``
         naming the field."""
         try:
@@ -252,13 +226,12 @@ class OpenAIServer:
             names = ", ".join(map(repr, self.config.served_model_names))
             raise Rejected(NOT_FOUND, f"model {body['model']!r} does not exist; this "
                                       f"server serves {names}")
-        prepared = []
+        prepared, context = [], self.gateway.engine.info.max_model_len
         for p in parsed.prompts:
             prompt, params = self._prompt(p, parsed.tools), parsed.params
             if endpoint == "chat" and not parsed.max_tokens_given:  # up to the context
                 params = dataclasses.replace(
-                    params, max_tokens=max(1, self.gateway.engine.max_model_len - len(prompt),
-                                           params.min_tokens))
+                    params, max_tokens=max(1, context - len(prompt), params.min_tokens))
             prepared.append(self._prepare(prompt, params, parsed, endpoint, trusted))
         return parsed, prepared
 
@@ -275,7 +248,7 @@ class OpenAIServer:
         return p
 
     def _prepare(self, prompt, params: SamplingParams, parsed: Parsed, endpoint: str,
-                 trusted: bool) -> PreparedRequest:
+                 trusted: bool) -> Prepared:
         try:
             return self.gateway.prepare(
                 prompt, params, ttft_slo=parsed.ttft_slo, tpot_slo=parsed.tpot_slo,

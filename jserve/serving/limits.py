@@ -17,10 +17,9 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from jserve.fields import check_slos, number
-from jserve.scheduler.plan import BatchPlan, ScheduledChunk
 
 if TYPE_CHECKING:
-    from jserve.engine.engine import LLMEngine
+    from jserve.serving.engine_api import EngineClient
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,17 +47,14 @@ class ClientLimits:
 
 
 class RequestLimits:
-    """``ClientLimits`` against one engine: the floors its predictor sets."""
+    """``ClientLimits`` against one engine: the floors its predictions set (a lone decode
+    step, a prompt's isolated prefill: ``EngineClient.info.lone_decode_s`` and
+    ``isolated_prefill_s``)."""
 
-    def __init__(self, limits: ClientLimits, engine: LLMEngine):
+    def __init__(self, limits: ClientLimits, engine: EngineClient):
         self.limits = limits
-        predictor = engine.predictor
-        lone_decode = 0.0 if predictor is None else predictor.predict(
-            BatchPlan((ScheduledChunk("", 0, 1, True),), ()))
-        self.tpot_floor = max(limits.min_tpot_slo, lone_decode)
-        cache = getattr(engine.scheduler, "cache", None)  # the deadline policies' T(n)
-        self._isolated = (lambda n: cache.remaining(n, 0)) if cache is not None else (
-            lambda n: 0.0)
+        self.tpot_floor = max(limits.min_tpot_slo, engine.info.lone_decode_s)
+        self._isolated = engine.isolated_prefill_s
 
     def ttft_floor(self, prompt_tokens: int) -> float:
         return max(self.limits.min_ttft_slo, self._isolated(prompt_tokens))

@@ -11,6 +11,9 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_asgi_app
 from prometheus_client.core import CounterMetricFamily
 
+from jserve.serving.auth import bearer_matches
+from jserve.serving.edge import EdgeLimits, EdgeServer
+
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 30.0, 60.0, 120.0)
 _TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0,
@@ -114,9 +117,6 @@ class ServerMetrics:
         ``jserve.serving.edge`` (``limits``: an ``EdgeLimits``), so an open connection costs
         no thread; returns the started ``EdgeServer`` (``.port``, ``await .stop(t)``). With
         ``token``, a scrape without ``Authorization: Bearer <token>`` gets 401."""
-        # Imported here: the gateway imports this module, and uvicorn is only for serving.
-        from jserve.serving.edge import EdgeLimits, EdgeServer
-        from jserve.serving.gateway import bearer_matches
         metrics = make_asgi_app(self.registry)
 
         async def app(scope, receive, send) -> None:

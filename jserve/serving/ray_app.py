@@ -23,9 +23,12 @@ import dataclasses
 import itertools
 import json
 import logging
+import signal
+import threading
 import time
 from typing import Any, AsyncIterator
 
+import ray
 from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
@@ -37,6 +40,9 @@ from jserve.engine.config import EngineConfig
 from jserve.routing import ROUTERS, ReplicaLoad, ReplicaView, RouteRequest, choose
 from jserve.routing.load import FIFO, PrefillTable, QueuedPrefill, default_deadline
 from jserve.routing.prefix_memory import PrefixMemory
+from jserve.serving.http_server import OpenAIServer
+from jserve.serving.server import GenerationServer, ServerConfig
+from jserve.tokenizer import ByteTokenizer, chat_prompt_ids, load_tokenizer
 
 log = logging.getLogger(__name__)
 REPLICA_HEADER = "x-jserve-replica"
@@ -138,22 +144,20 @@ class JServeReplica:
     """One engine and jserve's OpenAI app, called in process (no ports)."""
 
     def __init__(self, model: str, engine_kwargs: dict, server_kwargs: dict):
+        # Imported here: the model loads JAX, which the ingress and the router (this module
+        # too) never need.
         from jserve import LLM
-        from jserve.serving.http_server import OpenAIServer
-        from jserve.serving.router_endpoints import RouterEndpoints
-        from jserve.serving.server import GenerationServer, ServerConfig
 
         self.llm = LLM(model, **engine_kwargs)
         self.config = ServerConfig(port=0, http_port=None, metrics_port=None, **server_kwargs)
         self.server = GenerationServer(self.llm.engine, self.config)
         self.http = OpenAIServer(self.server.gateway, self.config)
         self.name = serve.get_replica_context().replica_id.unique_id
-        self._reports = RouterEndpoints(self.server.gateway, self.config)
         self._started = False
 
     def _start(self) -> None:
         if not self._started:
-            self.server.engine_loop.start(asyncio.get_running_loop())
+            self.server.start_engine(asyncio.get_running_loop())
             self._started = True
 
     async def handle(self, route: dict | None, method: str, path: str,
@@ -206,13 +210,12 @@ class JServeReplica:
     async def record_routing_stats(self) -> dict:
         """Ray's routing stats of this replica: its ``ReplicaLoad``."""
         self._start()
-        load = await self.server.engine_loop.call(  # the report is as of now
-            lambda eng: self._reports.load(eng, time.monotonic()))
-        return dict(dataclasses.replace(load, replica=self.name).to_dict(),
-                    reported_at=time.time())
+        load = await self.server.engine.load_report(  # the report is as of now
+            self.name, healthy=self.server.gateway.healthy)
+        return dict(load.to_dict(), reported_at=time.time())
 
     async def check_health(self) -> None:
-        if self._started and not self.server.engine_loop.alive:
+        if self._started and not self.server.engine.alive:
             raise RuntimeError("the engine thread is gone")
 
 
@@ -232,7 +235,6 @@ class Ingress:
             b = json.loads(body)
             slo = b.get("ttft_slo")
             if path.endswith("chat/completions"):
-                from jserve.tokenizer import chat_prompt_ids
                 ids = chat_prompt_ids(self.tokenizer, b["messages"])
             else:
                 p = b["prompt"]
@@ -284,9 +286,9 @@ async def _body(stream) -> AsyncIterator[bytes]:
 
 
 def _tokenizer(model: str):
-    from jserve.tokenizer import ByteTokenizer, load_tokenizer
     if model == "default":
         return ByteTokenizer()
+    # Imported here: the model package loads JAX, which the ingress does not need.
     from jserve.model.weights import resolve_model_dir
     return load_tokenizer(resolve_model_dir(model)) or ByteTokenizer()
 
@@ -357,10 +359,6 @@ def run(args: dict, host: str = "127.0.0.1", port: int = 8000, ready=None) -> in
     """``jserve serve --ray``: starts (or joins) a Ray cluster, serves the application on
     ``host:port`` until SIGTERM or SIGINT, then shuts Serve down (replicas finish what they
     accepted)."""
-    import signal
-    import threading
-
-    import ray
     ray.init(address=args.pop("address", None), ignore_reinit_error=True)
     serve.start(http_options={"host": host, "port": port})
     serve.run(build_app(args), name="jserve", route_prefix="/")

@@ -19,13 +19,13 @@
   by the scheduler's prefill-time model, less the prefix this replica has cached) with the
   cached tokens and the report.
 
-The load endpoints sit behind the same token as ``/metrics``.
+The load endpoints sit behind the same token as ``/metrics``. Everything here is read through
+the ``EngineClient`` (``engine_api``): its ``info``, ``ping``, ``load_report`` and
+``predicted_wait``, and the server's own metrics.
 """
 from __future__ import annotations
 
 import asyncio
-import math
-import time
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.requests import Request
@@ -33,11 +33,16 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from jserve import fields
-from jserve.routing.load import PrefillTable, ReplicaLoad, predicted_ttft
-from jserve.routing.replica import cached_tokens, prefill_table, replica_load
-from jserve.serving.engine_loop import INVALID
-from jserve.serving.gateway import UNAUTHENTICATED, Rejected, bearer_matches
-from jserve.serving.http_protocol import JSONResponse, error_body, rejection
+from jserve.serving.auth import bearer_matches
+from jserve.serving.engine_api import INVALID
+from jserve.serving.gateway import UNAUTHENTICATED, Gateway, Rejected
+from jserve.serving.http_protocol import (
+    ClientGone,
+    JSONResponse,
+    error_body,
+    read_body,
+    rejection,
+)
 from jserve.serving.metrics import ServerMetrics
 
 
@@ -87,10 +92,8 @@ def export_vllm_names(metrics: ServerMetrics, model_name: str) -> None:
 class RouterEndpoints:
     """The HTTP routes above, for the OpenAI server's app (``routes``)."""
 
-    def __init__(self, gateway, config):
+    def __init__(self, gateway: Gateway, config):
         self.gateway, self.config = gateway, config
-        self._table: PrefillTable | None = None
-        self._predictor = None  # with the table: the step-time model of the reports
         self.routes = [
             Route("/get_load", self._get_load, methods=["GET"]),
             Route("/v1/loads", self._get_load, methods=["GET"]),
@@ -115,7 +118,7 @@ class RouterEndpoints:
             return denied
         m = self.gateway.metrics
         waiting, running = int(_value(m.waiting)), int(_value(m.running))
-        page = self.gateway.engine.config.page_size
+        page = self.gateway.engine.info.page_size
         return JSONResponse([{"dp_rank": 0, "num_reqs": waiting + running,
                               "num_waiting_reqs": waiting,
                               "num_tokens": int(_value(m.blocks_used)) * page}])
@@ -123,20 +126,20 @@ class RouterEndpoints:
     async def _model_info(self, request: Request) -> Response:
         if (denied := self._denied(request)) is not None:
             return denied
-        eng = self.gateway.engine
+        info = self.gateway.engine.info
         return JSONResponse({"model_path": self.config.model_name,
                              "tokenizer_path": self.config.model_name,
-                             "is_generation": True, "max_model_len": eng.max_model_len})
+                             "is_generation": True, "max_model_len": info.max_model_len})
 
     async def _server_info(self, request: Request) -> Response:
         if (denied := self._denied(request)) is not None:
             return denied
-        eng = self.gateway.engine
+        info = self.gateway.engine.info
         return JSONResponse({"model_path": self.config.model_name, "dp_size": 1,
-                             "scheduler": eng.config.scheduler, "page_size": eng.config.page_size,
-                             "max_model_len": eng.max_model_len,
-                             "max_num_seqs": eng.config.max_num_seqs,
-                             "prefix_caching": eng.allocator.prefix_caching})
+                             "scheduler": info.scheduler, "page_size": info.page_size,
+                             "max_model_len": info.max_model_len,
+                             "max_num_seqs": info.max_num_seqs,
+                             "prefix_caching": info.prefix_caching})
 
     async def _health_generate(self, request: Request) -> Response:
         gw = self.gateway
@@ -144,41 +147,22 @@ class RouterEndpoints:
             state = "draining" if gw.draining or gw.leaving else "engine stopped"
             return JSONResponse({"status": state}, status_code=503)
         try:
-            await asyncio.wait_for(gw.engine_loop.call(lambda eng: None), 10.0)
+            await asyncio.wait_for(gw.engine.ping(), 10.0)
         except (asyncio.TimeoutError, RuntimeError):
             return JSONResponse({"status": "engine not answering"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     # -- jserve's routing reports ----------------------------------------------------------
-    def load(self, eng, now: float) -> ReplicaLoad:
-        """On the engine thread: this replica's report now."""
-        if self._table is None:
-            self._table = self._prefill_table(eng)
-        return replica_load(self.config.model_name, eng.scheduler, self._table, now,
-                            healthy=self.gateway.healthy, predictor=self._predictor)
-
-    def _prefill_table(self, eng) -> PrefillTable:
-        """The deadline policies' own prefill-time cache; for the others, one built from the
-        engine's predictor (or its FLOP estimate) with the scheduler's token budget."""
-        from jserve.engine.timing import estimated_predictor
-        self._predictor = predictor = eng.predictor or estimated_predictor(eng.cfg)
-        cache = getattr(eng.scheduler, "cache", None)
-        if cache is None:
-            from jserve.scheduler.chunking import PrefillTimeCache
-            cache = PrefillTimeCache(predictor, eng.max_model_len, math.inf,
-                                     max_chunk=eng.scheduler.token_budget)
-        return prefill_table(cache, eng.max_model_len)
-
     async def _route_load(self, request: Request) -> Response:
         if (denied := self._denied(request)) is not None:
             return denied
-        load = await self.gateway.engine_loop.call(lambda eng: self.load(eng, time.monotonic()))
+        gw = self.gateway
+        load = await gw.engine.load_report(self.config.model_name, healthy=gw.healthy)
         return JSONResponse(load.to_dict())
 
     async def _route_wait(self, request: Request) -> Response:
         if (denied := self._denied(request)) is not None:
             return denied
-        from jserve.serving.http_server import ClientGone, read_body  # it imports this module
         try:
             raw = await read_body(request.scope, request.receive, self.config.max_request_bytes)
             ids, n, slo = await self.gateway.off_loop(self._parse_wait, raw)
@@ -189,15 +173,12 @@ class RouterEndpoints:
             return JSONResponse(error_body(INVALID, str(e))[1], status_code=400)
         except ClientGone:
             return Response(status_code=499)
-
-        def read(eng):
-            load = self.load(eng, time.monotonic())
-            cached = cached_tokens(eng.scheduler, ids) if ids is not None else 0
-            return load, cached
-        load, cached = await self.gateway.engine_loop.call(read)
-        return JSONResponse({"prompt_tokens": n, "cached_tokens": cached,
-                             "predicted_ttft_s": predicted_ttft(load, n, cached, slo),
-                             "load": load.to_dict()})
+        gw = self.gateway
+        wait = await gw.engine.predicted_wait(self.config.model_name, ids, n, slo,
+                                              healthy=gw.healthy)
+        return JSONResponse({"prompt_tokens": n, "cached_tokens": wait.cached_tokens,
+                             "predicted_ttft_s": wait.predicted_ttft_s,
+                             "load": wait.load.to_dict()})
 
     def _parse_wait(self, raw: bytes) -> tuple[list[int] | None, int, float | None]:
         """(token ids or None, prompt length, ttft_slo) of a /v1/route/wait body."""
@@ -210,8 +191,8 @@ class RouterEndpoints:
             if not (isinstance(prompt, str) or isinstance(prompt, list) and all(
                     isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
                 raise ValueError("prompt must be a string or a list of token ids")
-            _, ids = self.gateway.engine.intake.tokenize(prompt)
-            return list(ids), len(ids), slo
+            ids = self.gateway.engine.tokenize(prompt)
+            return ids, len(ids), slo
         if "prompt_tokens" not in body:
             raise ValueError("give 'prompt' (text or token ids) or 'prompt_tokens' (>= 1)")
         return None, fields.number("prompt_tokens", body["prompt_tokens"]), slo

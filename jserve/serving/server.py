@@ -1,9 +1,9 @@
 """The ``jserve.v1.Generation`` gRPC service on ``grpc.aio`` and the process around it.
 
 One event loop runs the gRPC server, the health and reflection services and the request
-handlers; the engine runs in its own thread (``EngineLoop``). A handler validates the request
-with the engine's own checks (``SamplingParams``, ``LLMEngine.tokenize/validate``: they read only
-immutable model settings, so calling them from the event loop is safe), submits it, and writes
+handlers; the engine (an ``EngineClient``: ``LiveEngine`` over an ``LLMEngine``, or a
+``FakeEngine``) runs in its own thread. A handler validates the request with the engine's own
+checks (``SamplingParams``, ``EngineClient.prepare``, on an intake thread), submits it, and writes
 the request's deltas to the stream as they arrive, coalescing whatever piled up while the
 client was slow. A cancelled or disconnected client, or a passed gRPC deadline, aborts the
 request on the engine thread at the next iteration.
@@ -30,7 +30,6 @@ from grpc._cython.cygrpc import ExecuteBatchError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from jserve.engine.engine import LLMEngine
 from jserve.proto import generate_pb2 as pb
 from jserve.sampling.params import (
     MAX_LOGPROBS,
@@ -38,7 +37,10 @@ from jserve.sampling.params import (
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
 )
-from jserve.serving import engine_loop as el
+from jserve.serving import engine_api as el
+from jserve.serving.auth import bearer_matches
+from jserve.serving.edge import EdgeLimits
+from jserve.serving.engine_api import EngineClient
 from jserve.serving.gateway import (
     ALREADY_EXISTS,
     DEADLINE_SLACK_S,
@@ -46,9 +48,10 @@ from jserve.serving.gateway import (
     Gateway,
     Rejected,
     Stream,
-    bearer_matches,
 )
+from jserve.serving.http_server import OpenAIServer
 from jserve.serving.limits import ClientLimits
+from jserve.serving.live_engine import LiveEngine
 from jserve.serving.metrics import ServerMetrics
 from jserve.serving.protocol import parse_request
 from jserve.serving.router_endpoints import export_vllm_names
@@ -211,22 +214,22 @@ def _denying(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 class GenerationServer:
     """``await start()``, then ``await stop()`` (drain) or ``wait_for_termination()``.
 
-    One process, one engine loop, two front ends: the gRPC service and (with
-    ``config.http_port``) the OpenAI-compatible HTTP API, both through one ``Gateway``. The
-    server owns ``engine`` from ``start()`` on: touch it only through
-    ``self.engine_loop.call(fn)``.
+    One process, one engine, two front ends: the gRPC service and (with
+    ``config.http_port``) the OpenAI-compatible HTTP API, both through one ``Gateway``.
+    ``engine`` is an ``EngineClient`` (an ``LLMEngine`` is wrapped in a ``LiveEngine``); the
+    server starts it in ``start()`` and owns it from then on.
     """
 
-    def __init__(self, engine: LLMEngine, config: ServerConfig = ServerConfig()):
+    def __init__(self, engine: EngineClient, config: ServerConfig = ServerConfig()):
+        if not isinstance(engine, EngineClient):  # an LLMEngine
+            engine = LiveEngine(engine)
         self.engine = engine
         self.config = config
+        engine.max_waiting = config.max_waiting
         self.metrics = ServerMetrics()
-        self.metrics.watch_grammars(engine.intake.grammars)
+        engine.attach_metrics(self.metrics)
         export_vllm_names(self.metrics, config.model_name)
-        self.metrics.watch_speculation(engine.speculator)
-        self.engine_loop = el.EngineLoop(engine, self.metrics, max_waiting=config.max_waiting,
-                                         on_crash=self._engine_died)
-        self.gateway = Gateway(engine, self.engine_loop, self.metrics, config.limits)
+        self.gateway = Gateway(engine, self.metrics, config.limits)
         self.calls_in_flight = 0  # Generate handlers running (accepted or not)
         self.health = health.aio.HealthServicer()
         self.port: int | None = None
@@ -235,13 +238,14 @@ class GenerationServer:
         self._server: grpc.aio.Server | None = None
         self._http = None
         self._openai = None
+        info = engine.info
         self._info = pb.ModelInfo(
             model=config.model_name, served_model_names=config.served_model_names,
-            vocab_size=engine.cfg.vocab_size,
-            max_model_len=engine.max_model_len, eos_token_ids=list(engine.eos_ids),
-            has_tokenizer=engine.tokenizer is not None, scheduler=engine.config.scheduler,
-            page_size=engine.config.page_size, num_kv_blocks=engine.allocator.total,
-            max_num_seqs=engine.config.max_num_seqs, max_logprobs=MAX_LOGPROBS,
+            vocab_size=info.vocab_size, max_model_len=info.max_model_len,
+            eos_token_ids=list(info.eos_token_ids), has_tokenizer=info.has_tokenizer,
+            scheduler=info.scheduler, page_size=info.page_size,
+            num_kv_blocks=info.num_kv_blocks, max_num_seqs=info.max_num_seqs,
+            max_logprobs=MAX_LOGPROBS,
             max_stop_strings=MAX_STOP_STRINGS, max_stop_string_chars=MAX_STOP_STRING_CHARS,
             max_stop_token_ids=MAX_STOP_TOKEN_IDS, max_request_bytes=config.max_request_bytes,
             min_tpot_slo=self.gateway.limits.tpot_floor,
@@ -289,13 +293,11 @@ class GenerationServer:
         self.port = port
         self._server = server
         if cfg.http_port is not None:
-            from jserve.serving.http_server import OpenAIServer
             self._openai = OpenAIServer(self.gateway, cfg)
             self.http_port = await self._openai.start(cfg.host, cfg.http_port)
-        self.engine_loop.start(asyncio.get_running_loop())
+        self.start_engine()
         await server.start()
         if cfg.metrics_port is not None:
-            from jserve.serving.edge import EdgeLimits
             self._http = await self.metrics.serve_http(cfg.metrics_port, cfg.host,
                                                        cfg.metrics_token, EdgeLimits.of(cfg))
             self.metrics_port = self._http.port
@@ -340,7 +342,7 @@ class GenerationServer:
         log.info("grace over: ending %d requests", self.gateway.in_flight)
         self.gateway.end_all(el.UNAVAILABLE, "the server is shutting down")
         loop = asyncio.get_running_loop()
-        stopping = loop.run_in_executor(None, self.engine_loop.shutdown, 0.2)
+        stopping = loop.run_in_executor(None, self.engine.shutdown, 0.2)
         await asyncio.sleep(0.05)  # lets the handlers send their statuses
         metrics_stop = (asyncio.ensure_future(self._http.stop(0.2))  # alongside the others
                         if self._http is not None else None)
@@ -354,6 +356,11 @@ class GenerationServer:
         await stopping
         self.gateway.close()
         log.info("stopped %.2f s after the grace period", time.monotonic() - t0)
+
+    def start_engine(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Starts the engine thread alone (``start`` does; Ray's replicas serve without
+        ports); if it dies, health turns NOT_SERVING."""
+        self.engine.start(loop or asyncio.get_running_loop(), on_crash=self._engine_died)
 
     def _engine_died(self, error: BaseException) -> None:
         """The engine thread is gone (not a failed step: those are handled): report it."""
@@ -500,7 +507,7 @@ class BackgroundServer:
     """A GenerationServer on its own event loop in a daemon thread, for embedding (notebooks,
     tests): ``BackgroundServer(engine, config).target`` is ready to dial; ``stop()`` drains."""
 
-    def __init__(self, engine: LLMEngine, config: ServerConfig = ServerConfig()):
+    def __init__(self, engine: EngineClient, config: ServerConfig = ServerConfig()):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="jserve-grpc",
                                         daemon=True)
@@ -521,19 +528,19 @@ class BackgroundServer:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     def stats(self) -> dict[str, int]:
-        return self.run(self.server.engine_loop.stats())
+        return self.run(self.server.engine.stats())
 
     def stop(self, grace: float | None = None) -> None:
         if self._loop.is_closed():
             return
         self.run(self.server.stop(grace))
-        self.server.engine_loop.shutdown()  # the engine is the caller's again once stopped
+        self.server.engine.shutdown()  # the engine is the caller's again once stopped
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
 
 
-async def serve(engine: LLMEngine, config: ServerConfig, *, ready=None) -> int:
+async def serve(engine: EngineClient, config: ServerConfig, *, ready=None) -> int:
     """Runs until SIGTERM or SIGINT, then drains (a second signal cuts the grace short).
     ``ready(server)`` is called once the ports are bound."""
     server = GenerationServer(engine, config)

@@ -16,12 +16,12 @@ import functools
 from typing import Sequence
 
 from jserve.cache.allocator import BlockAllocator
+from jserve.scheduler import registry
 from jserve.scheduler.base import SchedulerBase
 from jserve.scheduler.chunking import PrefillTimeCache, largest_chunk
 from jserve.scheduler.deadline import DeadlineConfig
 from jserve.scheduler.plan import BatchPlan, ScheduledChunk
 from jserve.scheduler.predictor import RuntimePredictor
-from jserve.scheduler.registry import build_scheduler
 from jserve.sim.capacity import esp_work_s, mesh_work_s, saturation_qps
 from jserve.sim.esp import EspCosts
 from jserve.sim.hardware import GpuTimeModel, StageTimes
@@ -30,7 +30,6 @@ from jserve.sim.simulator import VirtualClock, simulate
 from jserve.sim.trace import TraceRequest
 
 _CONTEXT_STEP = 65_536
-POLICIES = ("fcfs", "sarathi", "edf", "lrs", "lars", "lars-ss", "loongserve")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +39,7 @@ class SimConfig:
     tp: int = 8
     spp: int = 1
     kvp: int = 1
-    tpot_slo: float = 0.05              # seconds; the deadline policies' iteration budget
+    iteration_budget: float = 0.05      # seconds; the deadline policies' time per iteration
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 32_768  # the token cap of fcfs iterations
     max_prefill_seqs: int = 8
@@ -60,8 +59,8 @@ class SimConfig:
     quick_first: float = DeadlineConfig.quick_first
 
     def __post_init__(self) -> None:
-        if self.tpot_slo <= 0:
-            raise ValueError(f"tpot_slo must be > 0, got {self.tpot_slo}")
+        if self.iteration_budget <= 0:
+            raise ValueError(f"iteration_budget must be > 0, got {self.iteration_budget}")
 
 
 @functools.lru_cache(maxsize=8)
@@ -74,20 +73,20 @@ def _prefill_cache(cfg: SimConfig, max_context: int) -> PrefillTimeCache:
     the times sum stage times, for chunks sized to a stage-time budget of t_target / spp
     (within the embedding and one send of the scheduler's latency-budget chunks)."""
     return _cached_prefill_cache(cfg.model, cfg.hardware, cfg.tp, cfg.spp, cfg.kvp,
-                                 cfg.tpot_slo, cfg.max_num_batched_tokens, max_context,
+                                 cfg.iteration_budget, cfg.max_num_batched_tokens, max_context,
                                  cfg.pipeline_drain)
 
 
 @functools.lru_cache(maxsize=8)
 def _cached_prefill_cache(model: str, hardware: str, tp: int, spp: int, kvp: int,
-                          tpot_slo: float, max_chunk: int, max_context: int,
+                          budget: float, max_chunk: int, max_context: int,
                           drain: bool = True) -> PrefillTimeCache:
     """Keyed on what the table depends on, so runs differing in anything else share it."""
     time_model = _time_model(model, hardware, tp, spp, kvp)
-    return PrefillTimeCache(StageTimes(time_model), max_context, tpot_slo / spp,
+    return PrefillTimeCache(StageTimes(time_model), max_context, budget / spp,
                             chunk_granularity=DeadlineConfig.chunk_granularity,
                             max_chunk=max_chunk,
-                            drain_s=pipeline_drain(time_model, tpot_slo) if drain else 0.0)
+                            drain_s=pipeline_drain(time_model, budget) if drain else 0.0)
 
 
 def pipeline_drain(model: GpuTimeModel, t_target: float) -> float:
@@ -121,9 +120,7 @@ def esp_instances(cfg: SimConfig) -> int:
 def build(policy: str, cfg: SimConfig, clock: VirtualClock, max_context: int
           ) -> tuple[SchedulerBase, RuntimePredictor]:
     """A fresh scheduler (with its KV pool) and the time model that executes its plans."""
-    if policy not in POLICIES or policy == "loongserve":
-        raise ValueError(f"policy must be one of {POLICIES[:-1]} (loongserve runs through "
-                         f"run()), got {policy!r}")
+    entry = registry.policy(policy, "simulator")
     limits = dict(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                   max_prefill_seqs=cfg.max_prefill_seqs)
 
@@ -132,15 +129,15 @@ def build(policy: str, cfg: SimConfig, clock: VirtualClock, max_context: int
                               prefix_caching=cfg.prefix_caching)
 
     model = _time_model(cfg.model, cfg.hardware, cfg.tp, cfg.spp, cfg.kvp)
-    name = policy.removesuffix("-ss")
-    if name == "sarathi":
+    if not entry.predictor:  # fixed chunks
         limits["max_num_batched_tokens"] = cfg.sarathi_chunk
-    sched = build_scheduler(
-        name, pool(cfg.kv_cache_tokens or model.kv_cache_tokens(cfg.memory_fraction)),
+    sched = registry.build_scheduler(
+        policy, pool(cfg.kv_cache_tokens or model.kv_cache_tokens(cfg.memory_fraction)),
         **limits, predictor=model,
-        deadline=DeadlineConfig(t_target=cfg.tpot_slo, space_sharing=policy == "lars-ss",
+        deadline=DeadlineConfig(t_target=cfg.iteration_budget, space_sharing=False,
                                 due_first=cfg.due_first, quick_first=cfg.quick_first),
-        clock=clock, prefill_cache=None if name == "sarathi" else _prefill_cache(cfg, max_context))
+        clock=clock, prefill_cache=_prefill_cache(cfg, max_context) if entry.predictor else None,
+        where="simulator")
     return sched, model
 
 

@@ -6,13 +6,25 @@ Each round the request's current tokens go to the draft engine as a prompt; its 
 finds the full pages of what it saw last round, so only the newest tokens (under a page plus
 what was accepted) are prefilled before k - 1 decodes. The draft engine runs synchronously
 inside the target's ``schedule()``: simple and exact, at the cost of k small steps per
-target step on the host's critical path."""
+target step on the host's critical path.
+
+The draft engine is made by the ``new_engine`` the engine's builder hands over (one more
+``LLMEngine``): the engine builds the speculator, so ``jserve.engine.engine`` is not
+imported here."""
 from __future__ import annotations
+
+from typing import Any, Callable
 
 from jserve.config import LlamaConfig
 from jserve.engine.config import EngineConfig
+from jserve.model.llama import Params
+from jserve.model.weights import load_model
 from jserve.sampling.params import SamplingParams
 from jserve.scheduler import Request
+
+# (model config, params, engine config) -> an engine with ``add_request``,
+# ``has_unfinished`` and ``step`` (``LLMEngine``; its tokenizer is None).
+NewEngine = Callable[[LlamaConfig, Params, EngineConfig], Any]
 
 
 class DraftModelProposer:
@@ -20,12 +32,10 @@ class DraftModelProposer:
         self.engine = engine
 
     @classmethod
-    def load(cls, model: str, target: LlamaConfig, config: EngineConfig, max_model_len: int
-             ) -> "DraftModelProposer":
-        """Loads ``model`` (a path or a built-in name); ValueError if its vocabulary is not
-        the target's or its context is shorter."""
-        from jserve.engine.engine import LLMEngine
-        from jserve.model.weights import load_model
+    def load(cls, model: str, target: LlamaConfig, config: EngineConfig, max_model_len: int,
+             new_engine: NewEngine) -> "DraftModelProposer":
+        """Loads ``model`` (a path or a built-in name) into an engine from ``new_engine``;
+        ValueError if its vocabulary is not the target's or its context is shorter."""
         cfg, params, _ = load_model(model, lazy=True)
         if cfg.vocab_size != target.vocab_size:
             raise ValueError(f"speculative_config: draft model {model!r} has vocab_size "
@@ -36,7 +46,7 @@ class DraftModelProposer:
                              f"{cfg.max_position_embeddings} positions, the target serves "
                              f"{max_model_len}")
         pages = -(-max_model_len // config.page_size)
-        engine = LLMEngine(cfg, params, None, EngineConfig(
+        engine = new_engine(cfg, params, EngineConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=max(
                 config.max_num_batched_tokens, config.page_size * 2),
             max_prefill_seqs=config.max_prefill_seqs, max_model_len=max_model_len,

@@ -14,6 +14,7 @@ import dataclasses
 from jserve.scheduler import PLACEHOLDER, Request
 from jserve.scheduler.base import SchedulerBase
 from jserve.speculative.config import SpeculativeConfig
+from jserve.speculative.draft_model import DraftModelProposer, NewEngine
 from jserve.speculative.ngram import INDEX_BUDGET, NgramIndex
 
 
@@ -200,15 +201,18 @@ class Speculator:
         return index
 
 
-def build_speculator(engine_config, cfg, max_model_len: int, scheduler: SchedulerBase
-                     ) -> Speculator:
+def build_speculator(engine_config, cfg, max_model_len: int, scheduler: SchedulerBase,
+                     new_engine: NewEngine | None = None) -> Speculator:
     """The engine's speculator for ``engine_config.speculative_config`` (None: off), proposing
-    at the start of each ``scheduler.schedule()``; a draft model is loaded here."""
+    at the start of each ``scheduler.schedule()``; a draft model is loaded here, into an
+    engine from ``new_engine``."""
     config = engine_config.speculative_config
     draft = None
     if config is not None and config.method == "draft_model":
-        from jserve.speculative.draft_model import DraftModelProposer  # loads JAX models
-        draft = DraftModelProposer.load(config.model, cfg, engine_config, max_model_len)
+        if new_engine is None:
+            raise ValueError("speculative_config: a draft model needs an engine to run in")
+        draft = DraftModelProposer.load(config.model, cfg, engine_config, max_model_len,
+                                        new_engine)
     speculator = Speculator(config, max_model_len, scheduler, draft)
     if config is not None:
         scheduler.proposer = speculator.propose

@@ -1,0 +1,256 @@
+"""The device check (``scripts/device_check.py``): the backend's Pallas kernels against the
+XLA reference, the engine's greedy tokens with the kernel against the reference, and engine
+timings on random weights; every check gets a status, and a JSON and markdown report is
+written. ``run`` is the whole check; the script parses its flags."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import gc
+import json
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from jserve.bench.device_profiles import FULL, SMOKE, Profile, llama_cfg, peak_figures, ratio
+from jserve.bench.device_report import error_text, fmt, render_markdown, say
+from jserve.bench.device_timings import timings
+from jserve.bench.kernel_check import kernel_check, kv_write_check, quantized_kernel_check
+from jserve.bench.random_engine import free_memory, make_engine, serve
+from jserve.engine.config import EngineConfig
+from jserve.kernels import resolve_impl
+from jserve.model.weights import init_params
+from jserve.sampling.params import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What one run checks: the profile (flags applied), the kernels checked, the engine's
+    and the timings' attention, and the timing models."""
+
+    profile: Profile
+    smoke: bool
+    kernel_impls: list[str]
+    engine_impl: str
+    timing_impl: str
+    models: list[str]
+
+
+def plan(args: argparse.Namespace) -> Plan:
+    """The run ``args`` asks for (``scripts/device_check.py``'s flags); ValueError says why
+    there is none."""
+    backend = jax.default_backend()
+    smoke = args.smoke or (not args.full and backend not in ("gpu", "tpu"))
+    p = SMOKE if smoke else FULL
+    if args.contexts:
+        p = dataclasses.replace(p, contexts=tuple(int(c) for c in args.contexts.split(",")))
+    if args.reps:
+        p = dataclasses.replace(p, reps=args.reps)
+    if smoke and args.impl == "auto":
+        kernel_impls, engine_impl = ["pallas_gpu", "pallas_tpu"], "pallas_gpu"
+        timing_impl = resolve_impl("auto")
+    else:
+        impl = resolve_impl(args.impl)
+        if impl == "reference":
+            raise ValueError(f"no Pallas kernel for backend {backend!r}: pass --impl pallas_gpu "
+                             f"or pallas_tpu (interpreted, very slow at full shapes) or use "
+                             f"--smoke")
+        kernel_impls, engine_impl, timing_impl = [impl], impl, impl
+    models = args.models.split(",") if args.models else list(p.timing_models)
+    unknown = sorted(set(models) - set(p.timing_models))
+    if unknown:
+        raise ValueError(f"unknown models {unknown}; this mode has {list(p.timing_models)}")
+    return Plan(p, smoke, kernel_impls, engine_impl, timing_impl, models)
+
+
+def run(args: argparse.Namespace, command: str, docs_dir: Path) -> int:
+    """The whole check: exit status 0 when every check passed, 1 when one failed, 2 when the
+    flags ask for no run. The report goes to ``--json`` / ``--md``, else ``docs_dir`` (full
+    mode or ``--write-docs``) or a temporary directory (smoke)."""
+    t_start = time.perf_counter()
+    try:
+        pl = plan(args)
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
+    p = pl.profile
+    device_kind = jax.devices()[0].device_kind
+    to_docs = not pl.smoke or args.write_docs  # smoke runs (CI) keep off docs/ unless asked
+    json_path = args.json or (docs_dir / "check.json" if to_docs else
+                              Path(tempfile.mkdtemp(prefix="device-check-")) / "device.json")
+    md_path = args.md or (docs_dir / "check.md" if to_docs else json_path.with_suffix(".md"))
+    peaks = peak_figures(device_kind, args.peak_tflops, args.peak_tbps)
+    _persistent_cache()
+    say(f"device check ({p.name}): backend={jax.default_backend()} device={device_kind} "
+        f"jax={jax.__version__} kernels={pl.kernel_impls} engine={pl.engine_impl} "
+        f"timings={pl.timing_impl} peaks={fmt(ratio(peaks[0], 1e12))} TFLOP/s, "
+        f"{fmt(ratio(peaks[1], 1e12))} TB/s")
+    res = _results(p, device_kind, command, peaks)
+    if not args.skip_kernels:
+        _kernel_checks(res, p, pl.kernel_impls, args.seed, peaks)
+    if not args.skip_engine:
+        _engine_check(res, p, pl.engine_impl, args.seed)
+    if not args.skip_timings:
+        _timings(res, p, pl, peaks, args.seed)
+    checks = res["checks"]
+    res["passed"] = all(c["status"] == "pass" for c in checks)
+    res["wall_s"] = time.perf_counter() - t_start
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    md_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(res, indent=1, default=str) + "\n")
+    md_path.write_text(render_markdown(res))
+    n_fail = sum(c["status"] == "fail" for c in checks)
+    say(f"{len(checks) - n_fail}/{len(checks)} checks passed in {res['wall_s']:.1f} s; "
+        f"wrote {json_path} and {md_path}")
+    return 0 if res["passed"] else 1
+
+
+def _persistent_cache() -> None:
+    """The engine's persistent compilation cache, on from the start so the kernel checks'
+    compiles are kept too (a rerun skips them)."""
+    cache_dir = EngineConfig().compilation_cache_dir
+    if cache_dir:
+        jax.config.update("jax_compilation_cache_dir", cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+def _results(p: Profile, device_kind: str, command: str, peaks) -> dict:
+    """The results dict before any check ran."""
+    return dict(
+        mode=p.name, backend=jax.default_backend(), device_kind=device_kind,
+        jax_version=jax.__version__,
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        command=command, peaks=dict(tflops=ratio(peaks[0], 1e12), tbps=ratio(peaks[1], 1e12)),
+        shapes=dict(hq=p.hq, hkv=p.hkv, d=p.d, dtype=p.dtype, page=p.page), reps=p.reps,
+        checks=[], kernels=[], kv_write=[], kernels_quantized=[])
+
+
+def record(res: dict, name: str, ok: bool, detail: str | None = None, **extra) -> None:
+    """One check's status into ``res["checks"]``, and its line printed."""
+    res["checks"].append(dict(name=name, status="pass" if ok else "fail", detail=detail,
+                              **extra))
+    say(f"[{'pass' if ok else 'FAIL'}] {name}" + (f": {detail}" if detail else ""))
+
+
+def _kernel_checks(res: dict, p: Profile, kernel_impls: list[str], seed: int, peaks) -> None:
+    """Every kernel on every batch kind and context, its cache write, and the mixed batch
+    over quantized KV pages (docs/quantization.md) at the longest context."""
+    cases = [(impl, kind, ctx) for impl in kernel_impls for ctx in p.contexts
+             for kind in ("decode", "prefill", "mixed")]
+    cases += [(impl, "write_kv", ctx) for impl in kernel_impls for ctx in p.contexts]
+    cases += [(impl, f"mixed {kv}", max(p.contexts)) for impl in kernel_impls
+              for kv in ("int8", "fp8_e4m3")]
+    for n, (impl, kind, ctx) in enumerate(tqdm(cases, desc="kernels", disable=None)):
+        name = f"kernel {impl} {kind} context {ctx}"
+        table = (res["kv_write"] if kind == "write_kv" else res["kernels_quantized"]
+                 if kind.startswith("mixed ") else res["kernels"])
+        try:
+            row, detail = _kernel_case(p, impl, kind, ctx, seed * 1000 + ctx + n, peaks)
+            table.append(row)
+            row["status"] = "pass" if row["ok"] else "fail"
+            record(res, name, row["ok"], detail)
+        except Exception as e:  # noqa: BLE001 - one failure must not hide the others
+            traceback.print_exc()
+            table.append(dict(impl=impl, kind=kind, context=ctx, status="fail",
+                              error=error_text(e)))
+            record(res, name, False, error_text(e))
+        gc.collect()  # the case's cache pool (compiled kernels stay: shapes repeat)
+    free_memory()
+
+
+def _kernel_case(p: Profile, impl: str, kind: str, ctx: int, seed: int, peaks
+                 ) -> tuple[dict, str]:
+    """One kernel case's row and its check's detail line."""
+    if kind.startswith("mixed "):
+        row = quantized_kernel_check(p, impl, kind.split()[1], ctx, seed)
+        return row, (f"max abs err out {row['max_abs_err_out']:.2e} (tol {p.tol:g}); "
+                     f"{row['kernel_ms']:.3g} ms vs {row['full_precision_ms']:.3g} ms "
+                     f"over full-precision pages")
+    if kind == "write_kv":
+        row = kv_write_check(p, impl, ctx, seed)
+        return row, (f"{row['mismatched_rows']} rows differ" if not row["ok"] else
+                     f"{row['kernel_ms']:.3g} ms vs {row['reference_ms']:.3g} ms")
+    row = kernel_check(p, impl, kind, ctx, seed, peaks)
+    detail = (f"max abs err out {row['max_abs_err_out']:.2e}, lse "
+              f"{row['max_abs_err_lse']:.2e} (tol {p.tol:g}); "
+              f"{row['kernel_ms']:.3g} ms vs reference "
+              f"{row['reference_ms']:.3g} ms")
+    if not row["ok"]:
+        detail = f"{row['problem']} out of tolerance; " + detail
+    return row, detail
+
+
+def _engine_check(res: dict, p: Profile, engine_impl: str, seed: int) -> None:
+    name = f"engine greedy tokens {engine_impl} vs reference"
+    try:
+        e = engine_check(p, engine_impl, seed)
+        res["engine"] = e
+        detail = (f"{e['tokens_compared']} tokens identical" if e["ok"] else
+                  f"first mismatch {e['first_mismatch']}" if e["first_mismatch"] else
+                  "outputs shorter than max_tokens")
+        record(res, name, e["ok"], detail, tokens_compared=e["tokens_compared"])
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        res["engine"] = dict(impl=engine_impl, error=error_text(e), tokens_compared=0)
+        record(res, name, False, error_text(e), tokens_compared=0)
+    free_memory()
+
+
+def _timings(res: dict, p: Profile, pl: Plan, peaks, seed: int) -> None:
+    name = f"engine timings ran ({', '.join(pl.models)}; {pl.timing_impl})"
+    try:
+        t = res["timings"] = timings(p, pl.timing_impl, peaks, seed, pl.models)
+        record(res, name, not t["errors"],
+               "; ".join(t["errors"][:3]) if t["errors"] else
+               "figures are not judged" + ("; in smoke mode they say nothing about speed"
+                                           if pl.smoke else ""))
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        record(res, name, False, error_text(e))
+    free_memory()
+
+
+def engine_check(p: Profile, impl: str, seed: int) -> dict:
+    cfg = llama_cfg(**p.engine_model)
+    params = init_params(cfg, seed)
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in p.engine_prompts]
+    greedy = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+              for n in p.engine_tokens]
+    # On an accelerator, float32 matmuls default to reduced precision (TF32 / one bf16 pass):
+    # at "highest" both runs compute the same model and differ only in attention.
+    precise = (jax.default_matmul_precision("highest") if jax.default_backend() != "cpu"
+               else contextlib.nullcontext())
+    tokens, secs = {}, {}
+    with precise:
+        for name in ("reference", impl):
+            t0 = time.perf_counter()
+            engine = make_engine(cfg, params, name, **p.engine_kwargs)
+            outs, _, _ = serve(engine, prompts, greedy, f"engine {name}")
+            secs[name] = time.perf_counter() - t0
+            tokens[name] = [list(o.token_ids) for o in outs]
+            del engine
+            free_memory()
+    ref, got = tokens["reference"], tokens[impl]
+    compared = sum(min(len(a), len(b)) for a, b in zip(ref, got))
+    mismatch = None
+    for i, (a, b) in enumerate(zip(ref, got)):
+        if a != b:
+            k = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            mismatch = dict(request=i, prompt_len=len(prompts[i]), token=k,
+                            reference=a[k:k + 5], kernel=b[k:k + 5])
+            break
+    full_length = all(len(a) == len(b) == n for a, b, n in zip(ref, got, p.engine_tokens))
+    return dict(impl=impl, model=p.engine_model, prompts=list(p.engine_prompts),
+                engine=p.engine_kwargs, max_tokens=list(p.engine_tokens), tokens_compared=compared,
+                identical=mismatch is None and full_length, first_mismatch=mismatch,
+                reference_s=secs["reference"], kernel_s=secs[impl],
+                ok=mismatch is None and full_length)

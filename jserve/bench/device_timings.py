@@ -1,0 +1,149 @@
+"""The device check's engine timings on random weights (not judged): decode step time at each
+batch with and without decode bursts (MBU), a prompt prefilled in one chunk (MFU), and a long
+prompt prefilled in small against large chunks."""
+from __future__ import annotations
+
+import statistics
+import traceback
+
+import numpy as np
+
+from jserve.bench.device_profiles import Profile, llama_cfg, ratio
+from jserve.bench.device_report import error_text, fmt_pct, say
+from jserve.bench.flops import kv_bytes_per_token, prefill_flops, weight_bytes_read
+from jserve.bench.random_engine import free_memory, make_engine, random_params, twice
+from jserve.sampling.params import SamplingParams
+
+
+def decode_timing(p: Profile, name: str, cfg, engine, impl: str, peaks, b: int,
+                  rng: np.random.Generator, burst: int = 1) -> dict:
+    """Batch b of ``decode_prompt``-token prompts, ``decode_tokens`` greedy tokens each: the
+    step times of the steps where all b sequences decode and nothing prefills. ``burst`` > 1:
+    with decode bursts of that many steps (``EngineConfig.decode_burst``), the times of the
+    bursts over their steps."""
+    prompts = rng.integers(3, cfg.vocab_size, (b, p.decode_prompt)).tolist()
+    greedy = SamplingParams(temperature=0.0, max_tokens=p.decode_tokens, ignore_eos=True)
+    engine.bursts.steps = burst
+    try:
+        _, log, compiles = twice(engine, prompts, greedy,
+                                 f"{name} decode b={b}" + (f" bursts of {burst}" if burst > 1
+                                                           else ""))
+    finally:
+        engine.bursts.steps = 1
+    steps = [(plan, s / plan.burst) for plan, s in log
+             if not plan.prefills and len(plan.decodes) == b and plan.burst == burst]
+    if not steps:
+        raise RuntimeError(f"no step had all {b} sequences decoding")
+    # Context a decode attends to: its position + 1 (ScheduledChunk.start; if the plan
+    # stops saying, the mean over the decode phase).
+    approx = b * (p.decode_prompt + p.decode_tokens / 2)
+    ctx = statistics.mean(
+        sum(c.start + 1 for c in plan.decodes)
+        if all(hasattr(c, "start") for c in plan.decodes) else approx for plan, _ in steps)
+    step = statistics.median(s for _, s in steps)
+    w_bytes = weight_bytes_read(cfg)
+    kv = ctx * kv_bytes_per_token(cfg)
+    row = dict(model=name, impl=impl, batch=b, burst=burst, prompt=p.decode_prompt,
+               new_tokens=p.decode_tokens, max_model_len=engine.max_model_len,
+               steps_timed=len(steps), mean_context=ctx / b, step_ms=step * 1e3,
+               tok_s=b / step, weight_gb=w_bytes / 1e9, kv_gb=kv / 1e9,
+               tbps=(w_bytes + kv) / step / 1e12, mbu=ratio((w_bytes + kv) / step, peaks[1]),
+               compiles_while_timed=compiles)
+    say(f"  decode {name} b={b} burst {burst}: {row['step_ms']:.2f} ms/step, "
+        f"{row['tok_s']:.1f} tok/s, "
+        f"{row['tbps']:.3g} TB/s, MBU {fmt_pct(row['mbu'])}")
+    return row
+
+
+def prefill_timing(p: Profile, name: str, cfg, engine, impl: str, peaks, prompt_len: int,
+                   chunk: int, rng: np.random.Generator) -> dict:
+    """One prompt of ``prompt_len`` tokens, one new token, chunks of ``chunk`` tokens (the
+    engine's token budget): the summed step times of its prefill."""
+    prompt = rng.integers(3, cfg.vocab_size, prompt_len).tolist()
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    _, log, compiles = twice(engine, [prompt], one, f"{name} prefill {prompt_len}/{chunk}")
+    secs = sum(s for _, s in log)
+    flops = prefill_flops(cfg, prompt_len)
+    row = dict(model=name, impl=impl, prompt=prompt_len, chunk=chunk, steps=len(log),
+               seconds=secs, tok_s=prompt_len / secs, tflops=flops / secs / 1e12,
+               mfu=ratio(flops / secs, peaks[0]), compiles_while_timed=compiles)
+    say(f"  prefill {name} {prompt_len} tokens in chunks of {chunk}: {secs * 1e3:.1f} ms, "
+        f"{row['tok_s']:.0f} tok/s, {row['tflops']:.3g} TFLOP/s, MFU {fmt_pct(row['mfu'])}")
+    return row
+
+
+def model_timings(p: Profile, name: str, impl: str, peaks, seed: int, out: dict) -> None:
+    """Every figure of one model into ``out``; a failed measurement is recorded in
+    ``out["errors"]`` and the others still run."""
+    cfg = llama_cfg(**p.timing_models[name])
+    say(f"timings: {name} ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+        f"{cfg.num_attention_heads}/{cfg.num_key_value_heads} heads, head_dim {cfg.head_dim}, "
+        f"{cfg.dtype}, attention {impl})")
+
+    def attempt(what, fn):
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - the other figures still run
+            traceback.print_exc()
+            out["errors"].append(f"{name} {what}: {error_text(e)}")
+            say(f"  {name} {what} failed: {error_text(e)}")
+            return None
+
+    params = attempt("weights", lambda: random_params(cfg, seed))
+    if params is None:
+        return
+    rng = np.random.default_rng(seed)
+    pages = lambda n: -(-n // p.page)  # noqa: E731
+    long_len = p.chunk_context + p.page
+    # The decode engine (token budget prefill_len) also serves the big-chunk prefill at long
+    # context when its max_model_len allows: one engine, fewer compiles.
+    reuse = p.decode_max_model_len >= long_len
+    need = max(max(p.decode_batches) * pages(p.decode_prompt + p.decode_tokens),
+               pages(p.prefill_len) + 1, pages(long_len) + 1 if reuse else 0)
+    engine = attempt("engine", lambda: make_engine(
+        cfg, params, impl, max_num_seqs=max(p.decode_batches),
+        max_num_batched_tokens=p.prefill_len, max_prefill_seqs=4,
+        max_model_len=p.decode_max_model_len, page_size=p.page, num_kv_pages=need + 2))
+    if engine is not None:
+        for b in p.decode_batches:
+            for burst in (1, p.decode_burst):
+                row = attempt(f"decode b={b} burst {burst}", lambda b=b, burst=burst:
+                              decode_timing(p, name, cfg, engine, impl, peaks, b, rng, burst))
+                if row:
+                    out["decode"].append(row)
+        row = attempt(f"prefill {p.prefill_len}", lambda: prefill_timing(
+            p, name, cfg, engine, impl, peaks, p.prefill_len, p.prefill_len, rng))
+        if row:
+            out["prefill"].append(row)
+    chunks = {}
+    # The chunk the decode engine can serve first, then drop that engine.
+    for chunk in sorted(p.chunk_sizes, key=lambda c: not (reuse and c == p.prefill_len)):
+        def run(chunk=chunk):
+            # Reads `engine` when it runs, after it may have been dropped (so its pool is freed).
+            eng = (engine if reuse and engine is not None and chunk == p.prefill_len else  # noqa: B023
+                   make_engine(cfg, params, impl, max_num_seqs=1, max_num_batched_tokens=chunk,
+                               max_prefill_seqs=1, max_model_len=long_len, page_size=p.page,
+                               num_kv_pages=pages(long_len) + 3))
+            return prefill_timing(p, name, cfg, eng, impl, peaks, p.chunk_context, chunk, rng)
+        if chunk != p.prefill_len or not reuse:
+            engine = None  # the decode engine's pool goes before a new one is allocated
+            free_memory()
+        row = attempt(f"prefill {p.chunk_context} in chunks of {chunk}", run)
+        free_memory()
+        if row:
+            out["prefill"].append(row)
+            chunks[chunk] = row
+    if len(chunks) >= 2:
+        lo, hi = min(chunks), max(chunks)
+        out["chunked"].append(dict(model=name, context=p.chunk_context, small_chunk=lo,
+                                   big_chunk=hi, small_s=chunks[lo]["seconds"],
+                                   big_s=chunks[hi]["seconds"],
+                                   slowdown=chunks[lo]["seconds"] / chunks[hi]["seconds"]))
+
+
+def timings(p: Profile, impl: str, peaks, seed: int, models: list[str]) -> dict:
+    out = dict(impl=impl, decode=[], prefill=[], chunked=[], errors=[])
+    for name in models:
+        model_timings(p, name, impl, peaks, seed, out)
+        free_memory()
+    return out

@@ -1,0 +1,68 @@
+"""The step's arguments without allocating them: the runtime params and the KV pages as
+``jax.ShapeDtypeStruct``s placed as the engine places them (nothing allocated, no weight
+read), for ``jserve plan`` and for a runner that compiles while the weights load."""
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, SingleDeviceSharding
+
+from jserve.cache.pool import kv_cache_shape
+from jserve.config import LlamaConfig
+from jserve.kernels import kv_quant
+from jserve.model import quant
+from jserve.model.llama import Params, unstack_layers
+from jserve.model.params import runtime_param_shapes
+from sharding.kv_parallel import STACKED_KV_SPEC
+from sharding.mesh import AXES
+from sharding.specs import kv_head_map, param_specs
+
+
+def abstract_params(cfg: LlamaConfig, mesh: jax.sharding.Mesh | None,
+                    device: jax.Device | None = None) -> Params:
+    """Runtime-layout params as ``ShapeDtypeStruct``s: split by ``param_specs`` on ``mesh``
+    (``tp_layout`` reorders, it never reshapes), or on ``device`` without a mesh."""
+    shapes = runtime_param_shapes(cfg)
+    is_shape = lambda x: isinstance(x, tuple)
+    if mesh is None:  # one device: a 1-device mesh's specs, so the tp-split leaves are known
+        mesh = jax.sharding.Mesh(np.array([device or jax.devices()[0]]).reshape(1, 1, 1, 1),
+                                 AXES)
+    specs = param_specs(shapes)
+    params = jax.tree.map(lambda s, p: jax.ShapeDtypeStruct(s, cfg.np_dtype,
+                                                            sharding=NamedSharding(mesh, p)),
+                          shapes, specs, is_leaf=is_shape)
+    if cfg.quantization != "none":  # int8/fp8 values and per-output-channel scales
+        for name, spec in specs["layers"].items():
+            if name in quant.QUANTIZED_LEAVES:
+                params["layers"][name] = quant.abstract_weight(
+                    shapes["layers"][name], cfg.quantization, NamedSharding(mesh, spec),
+                    NamedSharding(mesh, quant.scale_spec(spec)))
+    return params
+
+
+def abstract_kv_cache(cfg: LlamaConfig, num_pages: int, page_size: int,
+                      mesh: jax.sharding.Mesh | None, device: jax.Device | None = None,
+                      kv_cache_dtype: str = "auto"):
+    """(k, v) pages as ``ShapeDtypeStruct``s, laid out as the engine allocates them:
+    ``num_pages`` per kvp group, stored heads split on tp (``allocate_sharded_kv_cache``),
+    stored as ``kv_cache_dtype`` (int8: values and scales)."""
+    if mesh is None:
+        shape = kv_cache_shape(cfg, num_pages, page_size)
+        sharding = SingleDeviceSharding(device or jax.devices()[0])
+    else:
+        shape = kv_cache_shape(cfg, mesh.shape["kvp"] * num_pages, page_size,
+                               len(kv_head_map(cfg, mesh.shape["tp"])))
+        sharding = NamedSharding(mesh, STACKED_KV_SPEC)
+    spec = kv_quant.abstract(shape, kv_cache_dtype, cfg.np_dtype, sharding)
+    return spec, spec
+
+
+def params_on_one_device(cfg: LlamaConfig, unroll: bool) -> Params:
+    """The step's params on one device as ``ShapeDtypeStruct``s (``runtime_params``'s
+    output), from the config alone."""
+    device = jax.local_devices()[0]
+    one = jax.sharding.SingleDeviceSharding(device)
+    spec = abstract_params(cfg, None, device)
+    if unroll:
+        spec = jax.eval_shape(unstack_layers, spec)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), spec)

@@ -1,0 +1,117 @@
+"""Lowering a runner's programs: a bucket shape's step (spp > 1: tick) or pass, a decode
+burst, or the sampling executable, traced and lowered against abstract arguments (the
+params, KV pages and penalty state as ``jax.ShapeDtypeStruct``s, so a lowering never reads
+an array, and a background lowering never touches arrays a step donates). Compiling them
+and keeping the executables is ``programs.StepPrograms``'s job."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jserve.config import LlamaConfig
+from jserve.engine.buckets import Buckets
+from jserve.engine.step_arrays import PackedLayout, StepArrays, arrays_spec, sample_inputs_spec
+from jserve.engine.step_program import jitted
+from sharding import pipeline
+
+
+class BurstKey(NamedTuple):
+    """A decode burst's executable (``steps`` steps of an all-decode ``shape``)."""
+
+    shape: tuple[int, int]
+    steps: int
+
+
+class StepLowering:
+    """The lowerings of one runner's programs. ``args``: (params, KV cache, penalty state)
+    as ``ShapeDtypeStruct``s with their shardings (``step_arrays.abstract_of``)."""
+
+    def __init__(self, cfg: LlamaConfig, buckets: Buckets, max_num_seqs: int,
+                 attention_impl: str, mesh: jax.sharding.Mesh | None, args: tuple,
+                 capture_layer: int | None = None, slice_layers: bool = False):
+        self.cfg, self.buckets, self.mesh, self.args = cfg, buckets, mesh, args
+        self.attention_impl = attention_impl
+        self.capture_layer, self.slice_layers = capture_layer, slice_layers
+        self.replicated = (None if mesh is None else
+                           jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+        # Stream pipeline: every call of the step is one tick. Params and pages are split by
+        # stage on the mesh's "spp" axis either way.
+        self.spp = mesh.shape["spp"] if mesh is not None else 1
+        self.sample_rows = buckets.max_rows
+        # Speculative decoding widens the decode buckets (1 + k rows a decode); steps within
+        # the rows of plain decoding keep a sampler of that size (``rows_for``), so they pay
+        # nothing for the option. Without drafts both sizes are the same.
+        self.plain_rows = min(max_num_seqs + buckets.prefill_rows, buckets.max_rows)
+        self.page_size = jax.tree.leaves(args[1])[0].shape[3]
+        self.jitted = jitted(self.spp)
+
+    @property
+    def stream_shape(self) -> tuple[int, int]:
+        """The pipeline carry's canonical rows (``sharding.pipeline``): the most decode rows
+        of any bucket, then the largest prefill chunk."""
+        b = self.buckets
+        return max(b.decode_rows + b.decode_only_rows), b.prefill_tokens[-1]
+
+    def arrays_spec(self, num_decodes: int, num_prefill_tokens: int) -> StepArrays:
+        """Abstract shapes of a bucket's inputs (what ``StepBuilder`` fills)."""
+        return arrays_spec(self.buckets, self.cfg.vocab_size, num_decodes, num_prefill_tokens)
+
+    def rows_for(self, shape: tuple[int, int]) -> int:
+        """The rows a step of ``shape`` pads its sampling inputs to."""
+        rows = shape[0] + (self.buckets.prefill_rows if shape[1] else 0)
+        return self.plain_rows if self.spp == 1 and rows <= self.plain_rows \
+            else self.sample_rows
+
+    def buffer_shapes(self, layout: PackedLayout, lone: bool = False
+                      ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The packed int32 and float32 buffers of a step laid out by ``layout``: one step's,
+        or with spp > 1 one per pipeline slot ([spp, size]) unless ``lone``."""
+        lead = (self.spp,) if self.spp > 1 and not lone else ()
+        return lead + (layout.int_size,), lead + (layout.float_size,)
+
+    def _buffer_specs(self, shape: tuple[int, int], lone: bool = False
+                      ) -> tuple[PackedLayout, jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+        """A bucket's layout and its packed int32 and float32 buffers, abstract."""
+        layout = PackedLayout(self.arrays_spec(*shape))
+        ishape, fshape = self.buffer_shapes(layout, lone)
+        return (layout, jax.ShapeDtypeStruct(ishape, jnp.int32, sharding=self.replicated),
+                jax.ShapeDtypeStruct(fshape, jnp.float32, sharding=self.replicated))
+
+    def lower(self, shape: tuple[int, int], lone: bool = False
+              ) -> tuple[jax.stages.Lowered, PackedLayout]:
+        """The step (spp > 1: tick; ``lone``: pass) of bucket ``shape``, and its layout."""
+        layout, ibuf, fbuf = self._buffer_specs(shape, lone)
+        args = self.args
+        if lone:
+            return self.jitted.lone.lower(
+                *args, ibuf, fbuf, layout=layout,
+                cfg=self.cfg, attention_impl=self.attention_impl, mesh=self.mesh,
+                rows=self.rows_for(shape)), layout
+        carry = () if self.spp == 1 else (pipeline.carry_spec(
+            self.mesh, self.cfg, sum(self.stream_shape)),)
+        lowered = self.jitted.step.lower(*args, *carry, ibuf, fbuf,
+                                         layout=layout, cfg=self.cfg,
+                                         attention_impl=self.attention_impl, mesh=self.mesh,
+                                         rows=self.rows_for(shape),
+                                         **({"decode_rows": self.stream_shape[0]}
+                                            if self.spp > 1
+                                            else {"capture_layer": self.capture_layer,
+                                                  "slice_layers": self.slice_layers}))
+        return lowered, layout
+
+    def lower_burst(self, key: BurstKey) -> jax.stages.Lowered:
+        layout, ibuf, fbuf = self._buffer_specs(key.shape)
+        return self.jitted.burst.lower(
+            *self.args, ibuf, fbuf,
+            layout=layout, cfg=self.cfg, attention_impl=self.attention_impl, mesh=self.mesh,
+            rows=self.rows_for(key.shape), slice_layers=self.slice_layers, steps=key.steps,
+            num_decodes=key.shape[0], page_size=self.page_size)
+
+    def lower_sampler(self, rows: int | None = None) -> jax.stages.Lowered:
+        """The sampling program, on the padded rows every step hands it (the largest step's
+        unless ``rows``)."""
+        spec = sample_inputs_spec(rows or self.sample_rows, self.cfg.vocab_size,
+                                  self.replicated)
+        return self.jitted.sample.lower(self.args[2], spec)

@@ -1,0 +1,215 @@
+"""What one step sends to the device and keeps there: ``StepArrays`` (the bucket's inputs,
+packed by ``PackedLayout`` into one int32 and one float32 buffer), the per-sequence device
+state ``SeqState``, the ``SampleInputs`` the sampling executable takes, and their abstract
+specs (``jax.ShapeDtypeStruct``s a program is lowered against)."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jserve.config import LlamaConfig
+from jserve.engine.buckets import Buckets
+from jserve.kernels import AttentionMetadata
+from jserve.model.llama import StepInput
+from jserve.sampling.params import MAX_BANNED_IDS
+from jserve.sampling.sampler import SamplingBatch, mask_words
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SeqState:
+    """Per-sequence device state: for penalties, generated-token counts and prompt membership;
+    for async scheduling, the sequence's last sampled token.
+
+    Rows are handed to running sequences; a row is reset when its sequence's first chunk
+    (position 0) runs, and filled from the tokens the forward pass consumes, so recompute after
+    preemption rebuilds it exactly. ``last_tokens`` is written by the sampler and read by the
+    next step for tokens the host has not seen yet (``StepArrays.token_fed``). The last row
+    is a sink for padding.
+    """
+
+    output_counts: jax.Array  # [R, V] int32
+    prompt_mask: jax.Array    # [R, V] bool
+    last_tokens: jax.Array    # [R] int32
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepArrays:
+    """Everything one step sends to the device (see ``StepBuilder``)."""
+
+    batch: StepInput
+    token_state_rows: jax.Array  # [T]
+    token_is_prompt: jax.Array   # [T]
+    token_fed: jax.Array         # [T] bool: the token is its sequence's ``last_tokens`` entry
+    state_rows: jax.Array        # [S]
+    reset_rows: jax.Array        # [S]
+    sampled_state_rows: jax.Array  # [S] where the row's sampled token is kept (sink: nowhere)
+    sampling: SamplingBatch
+    any_random: jax.Array        # scalar bool: some row samples (else argmax only)
+    any_penalty: jax.Array       # scalar bool: some row uses penalties (else skip their work)
+    want_logprobs: jax.Array     # scalar bool
+
+
+class PackedLayout:
+    """Where each leaf of a bucket's ``StepArrays`` sits in two flat buffers (int32, float32).
+
+    One host-to-device copy per buffer instead of one per leaf: with ~25 small leaves the
+    per-transfer cost was over a tenth of a decode step on CPU. Bools travel as int32, uint32
+    seeds as their int32 bit pattern.
+    """
+
+    def __init__(self, spec: StepArrays):
+        leaves, self.treedef = jax.tree_util.tree_flatten_with_path(spec)
+        self.fields: list[tuple[np.dtype, tuple[int, ...], bool, int]] = []
+        # leaf path -> (offset in ints, shape) of every int leaf
+        self._int_at: dict[str, tuple[int, tuple[int, ...]]] = {}
+        sizes = [0, 0]
+        for path, leaf in leaves:
+            dtype = np.dtype(leaf.dtype)
+            is_float = dtype == np.float32
+            n = int(np.prod(leaf.shape))
+            self.fields.append((dtype, tuple(leaf.shape), is_float, sizes[is_float]))
+            if not is_float:
+                self._int_at[jax.tree_util.keystr(path)] = (sizes[0], tuple(leaf.shape))
+            sizes[is_float] += n
+        self.int_size, self.float_size = sizes
+
+    def feed(self, ibuf: jax.Array, last_tokens: jax.Array) -> jax.Array:
+        """``ibuf`` with every token marked ``token_fed`` replaced by its sequence's last
+        sampled token (on device: the host has not read it yet). Works on the packed buffer,
+        so the plain step and the pipeline tick feed the same way."""
+        leaf = functools.partial(self.int_leaf, ibuf)
+        tokens = jnp.where(leaf(".token_fed") != 0, last_tokens[leaf(".token_state_rows")],
+                           leaf(".batch.tokens"))
+        return self.with_int_leaf(ibuf, ".batch.tokens", tokens)
+
+    def int_leaf(self, ibuf: jax.Array, name: str) -> jax.Array:
+        """The int leaf at path ``name`` (e.g. ".batch.tokens") of a packed buffer, as stored
+        (int32; bools as 0/1)."""
+        offset, shape = self._int_at[name]
+        n = int(np.prod(shape))
+        return jax.lax.slice_in_dim(ibuf, offset, offset + n).reshape(shape)
+
+    def with_int_leaf(self, ibuf: jax.Array, name: str, value: jax.Array) -> jax.Array:
+        """``ibuf`` with the leading entries of leaf ``name`` replaced by ``value``."""
+        offset, _ = self._int_at[name]
+        return jax.lax.dynamic_update_slice_in_dim(ibuf, value.astype(jnp.int32).ravel(),
+                                                   offset, 0)
+
+    def pack(self, arrays: StepArrays) -> tuple[np.ndarray, np.ndarray]:
+        """The two buffers; ``np.concatenate`` casts as it copies (bools to int32), so a
+        leaf is copied once."""
+        ints, floats = [], []
+        for (dtype, _, is_float, _), leaf in zip(self.fields, jax.tree.leaves(arrays)):
+            flat = np.asarray(leaf, dtype).ravel()
+            if is_float:
+                floats.append(flat)
+            else:
+                ints.append(flat.view(np.int32) if dtype == np.uint32 else flat)
+        return np.concatenate(ints, dtype=np.int32), np.concatenate(floats)
+
+    def unpack(self, ibuf: jax.Array, fbuf: jax.Array) -> StepArrays:
+        leaves = []
+        for dtype, shape, is_float, offset in self.fields:
+            n = int(np.prod(shape))
+            flat = jax.lax.slice_in_dim(fbuf if is_float else ibuf, offset, offset + n)
+            if dtype == np.bool_:
+                flat = flat != 0
+            elif dtype == np.uint32:
+                flat = jax.lax.bitcast_convert_type(flat, jnp.uint32)
+            leaves.append(flat.reshape(shape))
+        return jax.tree.unflatten(self.treedef, leaves)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SampleInputs:
+    """What the step hands the sampling executable, every row padded to the engine's largest
+    row count: one sampling program (the full-vocabulary sort, top-k logprobs) serves every
+    step shape instead of being compiled into each."""
+
+    logits: jax.Array          # [R, vocab] float32
+    state_rows: jax.Array      # [R]
+    sampled_state_rows: jax.Array  # [R]
+    sampling: SamplingBatch    # [R] rows
+    any_random: jax.Array
+    any_penalty: jax.Array
+    want_logprobs: jax.Array
+
+
+def leaf_spec(shape, dtype, sharding=None) -> jax.ShapeDtypeStruct:
+    """One abstract array."""
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+def sampling_spec(s: int, vocab_size: int, sharding=None) -> SamplingBatch:
+    f32, i32 = jnp.float32, jnp.int32
+    spec = lambda shape, dtype: leaf_spec(shape, dtype, sharding)
+    return SamplingBatch(
+        temperature=spec((s,), f32), top_k=spec((s,), i32), top_p=spec((s,), f32),
+        min_p=spec((s,), f32), repetition_penalty=spec((s,), f32),
+        presence_penalty=spec((s,), f32), frequency_penalty=spec((s,), f32),
+        seed=spec((s,), jnp.uint32), step=spec((s,), i32),
+        banned_ids=spec((s, MAX_BANNED_IDS), i32),
+        allowed=spec((s, mask_words(vocab_size)), i32), draft=spec((s,), i32))
+
+
+def state_spec(cfg: LlamaConfig, rows: int, sharding=None) -> SeqState:
+    """The abstract penalty state of ``rows`` rows (a runner built on specs, ``abstract=True``)."""
+    return SeqState(leaf_spec((rows, cfg.vocab_size), jnp.int32, sharding),
+                    leaf_spec((rows, cfg.vocab_size), jnp.bool_, sharding),
+                    leaf_spec((rows,), jnp.int32, sharding))
+
+
+def new_state(cfg: LlamaConfig, rows: int, sharding=None) -> SeqState:
+    """The zeroed penalty state of ``rows`` rows."""
+    return jax.device_put(SeqState(jnp.zeros((rows, cfg.vocab_size), jnp.int32),
+                                   jnp.zeros((rows, cfg.vocab_size), bool),
+                                   jnp.zeros((rows,), jnp.int32)), sharding)
+
+
+def abstract_of(tree):
+    """``tree``'s arrays (or specs) as ``ShapeDtypeStruct``s with their shardings."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                       sharding=getattr(x, "sharding", None)),
+                        tree)
+
+
+def arrays_spec(buckets: Buckets, vocab_size: int, num_decodes: int,
+                num_prefill_tokens: int) -> StepArrays:
+    """Abstract shapes of a bucket's inputs (what ``StepBuilder`` fills)."""
+    t = num_decodes + num_prefill_tokens
+    s = num_decodes + (buckets.prefill_rows if num_prefill_tokens else 0)
+    i32 = jnp.int32
+    attn = AttentionMetadata(
+        positions=leaf_spec((t,), i32), token_seq=leaf_spec((t,), i32),
+        kv_lens=leaf_spec((s,), i32),
+        page_table=leaf_spec((s, buckets.page_table_width), i32),
+        num_prefills=leaf_spec((), i32), num_decodes=num_decodes)
+    sampling = sampling_spec(s, vocab_size)
+    return StepArrays(
+        batch=StepInput(tokens=leaf_spec((t,), i32), slots=leaf_spec((t,), i32),
+                        logits_rows=leaf_spec((s,), i32), attn=attn,
+                        slot_groups=leaf_spec((t,), i32), start_groups=leaf_spec((s,), i32)),
+        token_state_rows=leaf_spec((t,), i32), token_is_prompt=leaf_spec((t,), bool),
+        token_fed=leaf_spec((t,), bool), state_rows=leaf_spec((s,), i32),
+        reset_rows=leaf_spec((s,), i32), sampled_state_rows=leaf_spec((s,), i32),
+        sampling=sampling,
+        any_random=leaf_spec((), bool), any_penalty=leaf_spec((), bool),
+        want_logprobs=leaf_spec((), bool))
+
+
+def sample_inputs_spec(rows: int, vocab_size: int, sharding=None) -> SampleInputs:
+    """Abstract ``SampleInputs`` of ``rows`` padded rows, every leaf on ``sharding``."""
+    b = lambda: leaf_spec((), bool, sharding)
+    return SampleInputs(logits=leaf_spec((rows, vocab_size), jnp.float32, sharding),
+                        state_rows=leaf_spec((rows,), jnp.int32, sharding),
+                        sampled_state_rows=leaf_spec((rows,), jnp.int32, sharding),
+                        sampling=sampling_spec(rows, vocab_size, sharding),
+                        any_random=b(), any_penalty=b(),
+                        want_logprobs=b())

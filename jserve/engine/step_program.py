@@ -1,0 +1,251 @@
+"""The device side of a step, as pure functions jitted per runner (``jitted``): the fused
+plain step (forward, penalty state, sampling), a decode burst, a stream-pipeline tick and
+lone pass, and the sampling executable every shape shares; ``runtime_params`` puts the
+params in the layout they take."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jserve.cache.pool import KVCache
+from jserve.config import LlamaConfig
+from jserve.engine import burst
+from jserve.engine.step_arrays import PackedLayout, SampleInputs, SeqState, StepArrays
+from jserve.model.llama import Params, final_logits, forward, prepare_params, unstack_layers
+from jserve.sampling.params import MAX_LOGPROBS
+from jserve.sampling.sampler import (
+    SampleResult,
+    apply_penalties,
+    choose_tokens,
+    pad_rows,
+    token_logprobs,
+)
+from sharding import pipeline
+from sharding.specs import param_specs, shard_params
+from sharding.tensor_parallel import tp_forward
+
+
+def _update_state(state: SeqState, tokens, rows, is_prompt, reset_rows) -> SeqState:
+    sink = state.output_counts.shape[0] - 1
+    counts = state.output_counts.at[reset_rows].set(0)
+    mask = state.prompt_mask.at[reset_rows].set(False)
+    counts = counts.at[rows, tokens].add(jnp.where(is_prompt, 0, 1).astype(counts.dtype))
+    mask = mask.at[jnp.where(is_prompt, rows, sink), tokens].set(True)
+    return dataclasses.replace(state, output_counts=counts, prompt_mask=mask)
+
+
+def _sample_inputs(logits: jax.Array, state: SeqState, arrays: StepArrays, rows: int,
+                   mesh: jax.sharding.Mesh | None) -> tuple[SampleInputs, SeqState]:
+    """The step's tail after the forward (shared by the plain step, the pipeline tick and
+    the lone pass): the penalty state update, which reads the step's tokens, then the
+    sampling inputs padded to ``rows``, replicated over ``mesh`` as the sampling executable
+    takes them (multi-process leaders read their own copy; the donated state keeps its
+    input sharding). Runtime choice (no recompile): penalty bookkeeping only when some row
+    uses penalties (a row is reset at its sequence's first chunk, so skipped steps leave
+    nothing stale that a penalised request reads)."""
+    state = jax.lax.cond(
+        arrays.any_penalty,
+        lambda: _update_state(state, arrays.batch.tokens, arrays.token_state_rows,
+                              arrays.token_is_prompt, arrays.reset_rows),
+        lambda: state)
+    pad = rows - logits.shape[0]
+    sink = state.output_counts.shape[0] - 1
+    inputs = SampleInputs(
+        logits=jnp.pad(logits, ((0, pad), (0, 0))),
+        state_rows=jnp.pad(arrays.state_rows, (0, pad), constant_values=sink),
+        sampled_state_rows=jnp.pad(arrays.sampled_state_rows, (0, pad), constant_values=sink),
+        sampling=pad_rows(arrays.sampling, rows), any_random=arrays.any_random,
+        any_penalty=arrays.any_penalty, want_logprobs=arrays.want_logprobs)
+    if mesh is None:
+        return inputs, state
+    return jax.lax.with_sharding_constraint(
+        (inputs, state), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+
+def _sample(state: SeqState, inp: SampleInputs) -> tuple[SampleResult, SeqState]:
+    """Penalties, token choice and logprobs on the padded rows (one executable); the chosen
+    tokens are kept in ``state.last_tokens`` for the next step. Runtime choices: penalties
+    only when some row uses them, the sort only when some row samples, top-n logprobs only
+    when asked."""
+    logits, sb = inp.logits, inp.sampling
+    penalised = jax.lax.cond(
+        inp.any_penalty,
+        lambda: apply_penalties(logits, state.output_counts[inp.state_rows],
+                                state.prompt_mask[inp.state_rows], sb),
+        lambda: logits)
+    tokens = jax.lax.cond(inp.any_random,
+                          lambda: choose_tokens(penalised, sb, all_greedy=False),
+                          lambda: choose_tokens(penalised, sb, all_greedy=True))
+    s = logits.shape[0]
+    chosen, top_ids, top_lp = jax.lax.cond(
+        inp.want_logprobs,
+        lambda: token_logprobs(logits, tokens, MAX_LOGPROBS),
+        lambda: (jnp.zeros((s,), jnp.float32), jnp.zeros((s, MAX_LOGPROBS), jnp.int32),
+                 jnp.zeros((s, MAX_LOGPROBS), jnp.float32)))
+    last = state.last_tokens.at[inp.sampled_state_rows].set(tokens)
+    return (SampleResult(tokens, chosen, top_ids, top_lp),
+            dataclasses.replace(state, last_tokens=last))
+
+
+def _forward_step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array,
+                  fbuf: jax.Array, *, layout: PackedLayout, cfg: LlamaConfig,
+                  attention_impl: str, mesh: jax.sharding.Mesh | None, rows: int,
+                  capture_layer: int | None = None, slice_layers: bool = False):
+    """The forward of one bucket and the penalty state update; returns (SampleInputs, KV
+    cache, state). With ``capture_layer`` set, a fourth output: the layer's ``Capture``
+    (prompt sums over the step's prompt tokens); ``None`` compiles exactly the step without
+    it. ``slice_layers``: stacked params, the layers unrolled over static slices of them
+    (``EngineConfig.layer_loop`` "sliced": on GPU neither the loop's weight copies nor an
+    argument per layer weight)."""
+    if slice_layers:
+        params = unstack_layers(params)
+    arrays = layout.unpack(layout.feed(ibuf, state.last_tokens), fbuf)
+    if mesh is None:
+        logits, kv_cache, capture = forward(
+            params, kv_cache, arrays.batch, cfg=cfg, attention_impl=attention_impl,
+            capture_layer=capture_layer,
+            prompt_mask=arrays.token_is_prompt if capture_layer is not None else None)
+    else:  # tensor / KV-cache parallel; the rest of the step runs replicated on the logits
+        logits, kv_cache = tp_forward(params, kv_cache, arrays.batch, mesh=mesh, cfg=cfg,
+                                      attention_impl=attention_impl)
+    inputs, state = _sample_inputs(logits, state, arrays, rows, mesh)
+    if capture_layer is not None:
+        return inputs, kv_cache, state, capture
+    return inputs, kv_cache, state
+
+
+def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, fbuf: jax.Array,
+          *, layout: PackedLayout, cfg: LlamaConfig, attention_impl: str,
+          mesh: jax.sharding.Mesh | None, rows: int, capture_layer: int | None = None,
+          slice_layers: bool = False):
+    """The plain step (spp == 1): ``_forward_step`` and the sampling in one executable, so
+    the logits never leave it and the host dispatches one call a step. Returns
+    (SampleResult, SampleInputs, KV cache, state[, Capture]); the ``SampleInputs`` serve a
+    step whose sampling waits for masks the host computes while it runs (``late_masks``):
+    the sampling executable samples them again with those masks, overwriting the tokens
+    this one kept in ``state.last_tokens`` before anything reads them."""
+    inputs, kv_cache, state, *capture = _forward_step(
+        params, kv_cache, state, ibuf, fbuf, layout=layout, cfg=cfg,
+        attention_impl=attention_impl, mesh=mesh, rows=rows, capture_layer=capture_layer,
+        slice_layers=slice_layers)
+    out, state = _sample(state, inputs)
+    return (out, inputs, kv_cache, state, *capture)
+
+
+def _burst(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array,
+           fbuf: jax.Array, *, layout: PackedLayout, cfg: LlamaConfig, attention_impl: str,
+           mesh: jax.sharding.Mesh | None, rows: int, slice_layers: bool, steps: int,
+           num_decodes: int, page_size: int):
+    """``steps`` plain steps of an all-decode bucket in one program (``jserve.engine.burst``);
+    returns (tokens [steps, rows], KV cache, state)."""
+    def step(kv, st, buf):
+        out, _, kv, st = _step(params, kv, st, buf, fbuf, layout=layout, cfg=cfg,
+                               attention_impl=attention_impl, mesh=mesh, rows=rows,
+                               slice_layers=slice_layers)
+        return out, kv, st
+    return burst.run_burst(step, ibuf, kv_cache, state, layout=layout, steps=steps, rows=rows,
+                           num_decodes=num_decodes, page_size=page_size)
+
+
+def _tick(params: Params, kv_cache: KVCache, state: SeqState, carry: pipeline.PipelineCarry,
+          ibufs: jax.Array, fbufs: jax.Array, *, layout: PackedLayout, cfg: LlamaConfig,
+          attention_impl: str, mesh: jax.sharding.Mesh, rows: int, decode_rows: int):
+    """A stream-pipeline tick (``sharding.pipeline.tick``; ``ibufs``/``fbufs`` [spp, size]:
+    every stage's batch at the tick's shape), then the plain step's tail on the batch that
+    left the last stage (the last row; replicated, outside the shard_map). Every slot's fed
+    tokens are filled in: the host resends a batch's buffers each tick, and a sequence's
+    ``last_tokens`` entry does not change while its batch is in flight (its sampled chunk is
+    its only one in the pipeline)."""
+    ibufs = jax.vmap(layout.feed, in_axes=(0, None))(ibufs, state.last_tokens)
+    kv_cache, carry = pipeline.tick(params, kv_cache, carry, ibufs, fbufs, unpack=layout.unpack,
+                                    decode_rows=decode_rows, mesh=mesh, cfg=cfg,
+                                    attention_impl=attention_impl)
+    arrays = layout.unpack(ibufs[-1], fbufs[-1])
+    x = pipeline.exiting(carry, arrays.batch.attn.num_decodes, arrays.batch.tokens.shape[0],
+                         decode_rows)
+    logits = final_logits(params, x, arrays.batch.logits_rows, cfg)
+    inputs, state = _sample_inputs(logits, state, arrays, rows, mesh)
+    return inputs, kv_cache, state, carry
+
+
+def _lone_pass(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array,
+               fbuf: jax.Array, *, layout: PackedLayout, cfg: LlamaConfig, attention_impl: str,
+               mesh: jax.sharding.Mesh, rows: int):
+    """A batch alone in an empty pipeline through every stage at once
+    (``sharding.pipeline.lone_pass``; ``ibuf``/``fbuf``: its own packed step, fed like the
+    plain step's), then ``_tick``'s tail on the stream that left the last stage."""
+    ibuf = layout.feed(ibuf, state.last_tokens)
+    arrays = layout.unpack(ibuf, fbuf)
+    kv_cache, x = pipeline.lone_pass(params, kv_cache, ibuf, fbuf, unpack=layout.unpack,
+                                     mesh=mesh, cfg=cfg, attention_impl=attention_impl)
+    logits = final_logits(params, x, arrays.batch.logits_rows, cfg)
+    inputs, state = _sample_inputs(logits, state, arrays, rows, mesh)
+    return inputs, kv_cache, state
+
+
+def _unstacked(params: Params, mesh: jax.sharding.Mesh | None) -> Params:
+    """``unstack_layers`` on placed params, each layer's arrays keeping their tp split; with
+    spp > 1 ``pipeline.unstack_stages`` (each stage's layers, still split by stage)."""
+    split = (unstack_layers if mesh is None or mesh.shape["spp"] == 1 else
+             functools.partial(pipeline.unstack_stages, spp=mesh.shape["spp"]))
+    target = jax.eval_shape(split, params)  # structure only
+    shardings = (None if mesh is None else jax.tree.map(
+        lambda spec: jax.sharding.NamedSharding(mesh, spec), param_specs(target),
+        is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))
+    return jax.jit(split, out_shardings=shardings)(params)
+
+
+class Jitted(NamedTuple):
+    """A runner's jitted programs (``jitted``)."""
+
+    step: Callable             # spp > 1: the pipeline tick
+    lone: Callable | None      # spp > 1: a batch alone through every stage; else None
+    burst: Callable | None     # spp == 1: a decode burst; else None
+    sample: Callable           # the sampling executable
+
+
+def jitted(spp: int) -> Jitted:
+    """The runner's jitted step (spp > 1: tick), pass (spp > 1: a batch alone in an empty
+    pipeline through every stage; else None), decode burst (spp == 1; else None) and
+    sampler. Fresh function objects per runner:
+    JAX's trace and compile caches are keyed weakly on the function, so a dropped engine's
+    executables (hundreds of memory maps each on CPU) are freed with it instead of
+    accumulating for the life of the process."""
+    static = ("layout", "cfg", "attention_impl", "mesh", "rows")
+    if spp > 1:
+        step = jax.jit(_fresh(_tick), static_argnames=static + ("decode_rows",),
+                       donate_argnums=(1, 2, 3))
+        lone = jax.jit(_fresh(_lone_pass), static_argnames=static, donate_argnums=(1, 2))
+        burst_step = None
+    else:
+        step = jax.jit(_fresh(_step), static_argnames=static + ("capture_layer", "slice_layers"),
+                       donate_argnums=(1, 2))
+        lone = None
+        burst_step = jax.jit(_fresh(_burst), static_argnames=static + (
+            "slice_layers", "steps", "num_decodes", "page_size"), donate_argnums=(1, 2))
+    return Jitted(step, lone, burst_step, jax.jit(_fresh(_sample), donate_argnums=(0,)))
+
+
+def _fresh(fn):
+    """A new function object running ``fn`` (see ``jitted``)."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        return fn(*args, **kwargs)
+    return run
+
+
+def runtime_params(cfg: LlamaConfig, params: Params, mesh: jax.sharding.Mesh | None, *,
+                   placed: bool, unroll: bool) -> Params:
+    """``params`` as the step takes them: the runtime layout (``prepare_params``) split
+    for tp on ``mesh`` unless ``placed`` already, with per-layer arrays if ``unroll``."""
+    if not placed:
+        params = prepare_params(params)
+        if mesh is not None:
+            params = shard_params(params, cfg, mesh)
+    return _unstacked(params, mesh) if unroll else params
+
+

@@ -1,0 +1,157 @@
+"""The engine as the serving layer sees it: ``EngineClient``, and the values that cross it.
+
+The front ends, the gateway, the limits, the router endpoints and the metrics talk to the
+engine through this interface and nothing else, so a change inside the engine (scheduler,
+allocator, runner) stops at its implementations, and the edge can be tested against an
+engine that compiles nothing. Two implement it, both run by ``EngineLoop``'s thread:
+``LiveEngine`` (``live_engine``: ``LLMEngine``) and ``FakeEngine`` (``fake_engine``: scripted
+tokens, no JAX). Shaped after JetStream's ``engine_api`` and vLLM v1's ``EngineCoreClient``:
+requests in, a stream of deltas out, and reports read between steps.
+
+No JAX and no engine import here.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence, runtime_checkable
+
+from jserve.engine.output import TokenLogprob
+from jserve.routing.load import ReplicaLoad
+from jserve.sampling.params import SamplingParams
+from jserve.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from jserve.serving.metrics import ServerMetrics
+
+# Error kinds a stream can end with (the front ends map them to gRPC and HTTP statuses).
+INVALID = "invalid_argument"
+EXHAUSTED = "resource_exhausted"
+DEADLINE = "deadline_exceeded"
+UNAVAILABLE = "unavailable"
+INTERNAL = "internal"
+
+
+@dataclasses.dataclass
+class Delta:
+    """What one request got in one iteration (``finish_reason`` or ``error`` on the last)."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None = None        # 'stop' | 'length'
+    error: tuple[str, str] | None = None    # (kind, message)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    timings: dict[str, float] | None = None
+
+    @property
+    def last(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+def error_delta(kind: str, message: str) -> Delta:
+    return Delta([], "", [], error=(kind, message))
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineInfo:
+    """What a client may know of the model and the engine; fixed once the engine is built
+    (``GetModelInfo``, ``/v1/models``, ``/server_info`` and the limits read it)."""
+
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    has_tokenizer: bool
+    scheduler: str          # the scheduling policy's name
+    page_size: int          # tokens per KV block
+    num_kv_blocks: int
+    max_num_seqs: int
+    prefix_caching: bool
+    lone_decode_s: float    # predicted time of a step with one decode: the floor of tpot_slo
+
+
+@dataclasses.dataclass(frozen=True)
+class WaitEstimate:
+    """What a request of a given prompt would wait on this replica now (``/v1/route/wait``)."""
+
+    cached_tokens: int      # leading prompt tokens the prefix cache holds
+    predicted_ttft_s: float
+    load: ReplicaLoad       # the report the prediction was made from
+
+
+class Prepared(Protocol):
+    """A request tokenized and validated by ``EngineClient.prepare`` (a frozen dataclass, so
+    a front end may ``dataclasses.replace`` its params, e.g. one seed per choice)."""
+
+    prompt: str | None      # the text, when the prompt came as text
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """One engine behind the serving layer. ``prepare``, ``tokenize`` and
+    ``isolated_prefill_s`` run on any thread (the gateway's intake threads): they read only
+    what is fixed. The rest runs on the event loop; what reads engine state is answered by
+    the engine's own thread between steps, so it is consistent and never races a step."""
+
+    info: EngineInfo
+    tokenizer: Tokenizer | None     # for chat templates and token strings; None: ids only
+    max_waiting: int                # admission queue; one more is refused EXHAUSTED
+    crashed: BaseException | None   # why the engine thread died, once it has
+
+    @property
+    def alive(self) -> bool:
+        """The engine thread runs (False before ``start`` and after a crash or shutdown)."""
+
+    def prepare(self, prompt: str | Sequence[int], params: SamplingParams) -> Prepared:
+        """Tokenized and validated, or ValueError naming the field (the offline API's own
+        checks, so the server refuses exactly what ``LLM.generate`` refuses)."""
+
+    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        """The prompt's ids (ValueError for an empty one or ids outside the vocabulary)."""
+
+    def isolated_prefill_s(self, prompt_tokens: int) -> float:
+        """Predicted seconds to the first token of a prompt run alone (0: no prediction):
+        the floor of its ``ttft_slo``."""
+
+    def attach_metrics(self, metrics: ServerMetrics) -> None:
+        """Feeds ``metrics`` from now on: token latencies and engine gauges as steps end, the
+        engine's own counters (grammar cache, speculation) at each scrape. Before ``start``."""
+
+    def start(self, loop: asyncio.AbstractEventLoop | None = None,
+              on_crash: Callable[[BaseException], None] | None = None) -> None:
+        """Starts the engine thread; its deltas go to ``loop`` (default: the running one),
+        ``on_crash(error)`` is called there if the thread dies."""
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Ends every request in flight with UNAVAILABLE and stops the engine thread."""
+
+    def submit(self, request_id: str, prepared: Prepared, *, arrival_time: float,
+               deadline: float | None = None, ttft_slo: float | None = None,
+               tpot_slo: float | None = None, priority: int = 0) -> asyncio.Queue[Delta]:
+        """Queues a prepared request; its ``Delta`` stream, one per step that produced
+        tokens for it. A refusal (an id in use, a full admission queue, a passed
+        ``deadline``, a ``time.monotonic()`` instant) is the stream's only, last, Delta."""
+
+    def abort(self, request_id: str) -> None:
+        """The client is gone: the request ends at the next step, its KV blocks freed."""
+
+    async def stats(self) -> dict[str, int]:
+        """Counters read between steps, the KV pool checked whole: in_flight,
+        engine_requests, engine_busy, waiting, running, blocks_used, blocks_free,
+        blocks_total, preemptions."""
+
+    async def ping(self) -> None:
+        """Returns once the engine thread answers between steps (``/health_generate``)."""
+
+    async def load_report(self, replica: str, *, healthy: bool = True) -> ReplicaLoad:
+        """This replica's ``ReplicaLoad`` now, as a router reads it (``/v1/route/load``,
+        Ray Serve's routing stats)."""
+
+    async def predicted_wait(self, replica: str, prompt_ids: Sequence[int] | None,
+                             prompt_tokens: int, ttft_slo: float | None = None, *,
+                             healthy: bool = True) -> WaitEstimate:
+        """What a ``prompt_tokens`` request would wait here now, less the prefix of
+        ``prompt_ids`` (None: only a length is known) this replica has cached."""

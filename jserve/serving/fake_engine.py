@@ -1,0 +1,354 @@
+"""``FakeEngine``: an ``EngineClient`` with scripted tokens and step times and injectable faults,
+for testing an edge (jserve's gateway, gRPC and HTTP front ends, router endpoints, or your
+own) without a model: nothing compiles, and importing this module imports no JAX.
+
+The real ``EngineLoop`` runs it (the engine thread, streams, stop-string holdback, deadlines,
+the admission queue, metrics, per-request fault isolation); only the core under it is fake:
+- tokens: ``script(prompt_ids, params, i)`` is the ``i``-th generated token; by default
+  bytes of ``TEXT`` from an offset set by the prompt (and by the seed when sampling at a
+  temperature), so the same request always gives the same text. Stop strings, stop token
+  ids, EOS (unless ``ignore_eos``), ``min_tokens``, ``max_tokens``, the context length and
+  logprobs (``logprobs`` alternatives, made up) apply as in the engine; other sampling fields
+  are validated, not applied, and a structured output's grammar is compiled (so its errors
+  are the engine's) but not enforced.
+- time: each step sleeps ``step_s`` seconds and gives every running request one token; a
+  request is admitted (first-come first-served, at most ``max_num_seqs`` running) with KV
+  blocks for its prompt and ``max_tokens``, and gets its first token in that step.
+- the prefix cache: a prompt's full pages are remembered (up to ``num_kv_blocks`` pages) and
+  a later prompt starting with them reports them cached, in the counters and the routing
+  reports.
+- faults: ``fail_steps(error)`` makes the next steps raise (an ``Exception`` fails that
+  step's requests; a ``BaseException`` kills the engine thread), ``fail_requests(pick)``
+  ends the requests ``pick`` chooses with an engine error after their first token.
+``received`` records each request as the core received it (ids, SLO fields, priority).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import random
+import time
+from typing import Callable, Sequence
+
+from jserve.engine.output import (
+    IncrementalDetokenizer,
+    RequestMetrics,
+    RequestOutput,
+    TokenLogprob,
+    find_stop,
+)
+from jserve.routing.load import FIFO, PrefillTable, QueuedPrefill, ReplicaLoad
+from jserve.sampling.params import SamplingParams
+from jserve.sampling.structured import GrammarCompiler
+from jserve.serving.engine_api import EngineInfo
+from jserve.serving.engine_loop import EngineCounters, EngineLoop
+from jserve.serving.metrics import ServerMetrics
+from jserve.tokenizer import ByteTokenizer, Tokenizer
+
+TEXT = "The quick brown fox jumps over the lazy dog; pack my box with five dozen jugs. "
+Script = Callable[[Sequence[int], SamplingParams, int], int]
+
+
+def text_script(prompt_ids: Sequence[int], params: SamplingParams, i: int) -> int:
+    """The default script: ``TEXT``'s bytes in a loop from an offset set by the prompt (and
+    the seed at a temperature above 0)."""
+    offset = sum(prompt_ids) + (params.seed or 0) * (params.temperature > 0)
+    return TEXT.encode()[(offset + i) % len(TEXT)]
+
+
+@dataclasses.dataclass(frozen=True)
+class FakePrepared:
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclasses.dataclass(eq=False)
+class FakeRequest:
+    """One request as the fake core holds it."""
+
+    request_id: str
+    prepared: FakePrepared
+    arrival_time: float
+    ttft_slo: float | None
+    tpot_slo: float | None
+    priority: int
+    detok: IncrementalDetokenizer
+    metrics: RequestMetrics
+    ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    text: str = ""
+    blocks: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+
+    def output(self) -> RequestOutput:
+        p = self.prepared
+        return RequestOutput(self.request_id, p.prompt, p.prompt_ids, self.text,
+                             self.finish_reason is not None, self.finish_reason, self.metrics,
+                             len(self.ids), self.error, self.ids, self.logprobs)
+
+
+class _Core:
+    """The engine thread's side: ``LLMEngine``'s step API over scripted requests."""
+
+    def __init__(self, fake: FakeEngine):
+        self.fake = fake
+        self.requests: dict[str, FakeRequest] = {}
+        self.waiting: collections.deque[FakeRequest] = collections.deque()
+        self.running: list[FakeRequest] = []
+        self.blocks_used = 0
+        self.pages: collections.OrderedDict[tuple[int, ...], None] = collections.OrderedDict()
+        self.prefix_queried = self.prefix_hits = 0
+        self._rng = random.Random(0)
+
+    def enqueue(self, prepared: FakePrepared, request_id: str | None = None,
+                arrival_time: float | None = None, ttft_slo: float | None = None,
+                tpot_slo: float | None = None, priority: int = 0) -> str:
+        rid = request_id if request_id is not None else f"fake-{len(self.fake.received)}"
+        if rid in self.requests:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        p = prepared.params
+        if p.temperature > 0 and p.seed is None:  # sampled: a seed of its own, as the engine
+            prepared = dataclasses.replace(prepared, params=dataclasses.replace(
+                p, seed=self._rng.getrandbits(32)))
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        req = FakeRequest(rid, prepared, arrival, ttft_slo, tpot_slo, priority,
+                          IncrementalDetokenizer(self.fake.tokenizer), RequestMetrics(arrival),
+                          logprobs=[] if p.logprobs is not None else None)
+        self.requests[rid] = req
+        self.waiting.append(req)
+        self.fake.received.append(req)
+        return rid
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.get(request_id)
+        return None if req is None else self._finish(req, "abort")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def cancel_in_flight(self, reason: str) -> list[RequestOutput]:
+        return []  # nothing runs between steps
+
+    def step(self) -> list[RequestOutput]:
+        fake = self.fake
+        if fake.step_s > 0:
+            time.sleep(fake.step_s)
+        if fake._step_faults:
+            raise fake._step_faults.popleft()
+        now = time.monotonic()
+        self._admit(now)
+        outputs = []
+        for req in list(self.running):
+            self._next_token(req, now)
+            if req.finish_reason is None and fake._request_fault(req.prepared):
+                self._finish(req, "abort", "injected request fault")
+            elif req.finish_reason is not None:
+                self._finish(req, req.finish_reason)
+            outputs.append(req.output())
+        return outputs
+
+    def _admit(self, now: float) -> None:
+        fake = self.fake
+        while self.waiting and len(self.running) < fake.info.max_num_seqs:
+            req = self.waiting[0]
+            p = req.prepared
+            need = math.ceil((len(p.prompt_ids) + p.params.max_tokens) / fake.info.page_size)
+            if need > fake.info.num_kv_blocks - self.blocks_used:
+                return
+            self.waiting.popleft()
+            req.blocks = need
+            self.blocks_used += need
+            self.prefix_queried += len(p.prompt_ids)
+            self.prefix_hits += self.cached(p.prompt_ids)
+            self._remember(p.prompt_ids)
+            req.metrics.first_scheduled_time = now
+            self.running.append(req)
+
+    def _next_token(self, req: FakeRequest, now: float) -> None:
+        fake, p = self.fake, req.prepared.params
+        n = len(req.ids)
+        tok = fake.script(req.prepared.prompt_ids, p, n)
+        req.ids.append(tok)
+        if req.logprobs is not None:
+            top = tuple((t % fake.info.vocab_size, -0.25 - k) for k, t in
+                        enumerate(range(tok, tok + p.logprobs)))
+            req.logprobs.append(TokenLogprob(tok, -0.25, top))
+        m = req.metrics
+        m.first_token_time = m.first_token_time or now
+        m.token_times.append(now)
+        n += 1
+        if n >= p.min_tokens and (tok in p.stop_token_ids or (
+                tok in fake.info.eos_token_ids and not p.ignore_eos)):
+            req.text += req.detok.flush()
+            req.finish_reason = "stop"
+            return
+        before = len(req.text)
+        req.text += req.detok.add(tok)
+        cut = find_stop(req.text, before, p.stop) if n >= p.min_tokens else None
+        if cut is not None:
+            req.text, req.finish_reason = req.text[:cut], "stop"
+        elif n >= p.max_tokens or len(req.prepared.prompt_ids) + n >= fake.info.max_model_len:
+            req.text += req.detok.flush()
+            req.finish_reason = "length"
+
+    def _finish(self, req: FakeRequest, reason: str, error: str | None = None
+                ) -> RequestOutput:
+        req.finish_reason, req.error = reason, error
+        req.metrics.finished_time = time.monotonic()
+        self.requests.pop(req.request_id, None)
+        if req in self.running:
+            self.running.remove(req)
+            self.blocks_used -= req.blocks
+            req.blocks = 0
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        return req.output()
+
+    # -- the prefix cache ------------------------------------------------------------------
+    def _page_keys(self, ids: Sequence[int]) -> list[tuple[int, ...]]:
+        page = self.fake.info.page_size
+        return [tuple(ids[:k * page]) for k in range(1, (len(ids) - 1) // page + 1)]
+
+    def cached(self, ids: Sequence[int]) -> int:
+        """Leading tokens of ``ids`` in whole remembered pages (the last token left to
+        compute), as the engine's admission would take them."""
+        n = 0
+        for key in self._page_keys(ids):
+            if key not in self.pages:
+                break
+            n = len(key)
+        return n
+
+    def _remember(self, ids: Sequence[int]) -> None:
+        if not self.fake.info.prefix_caching:
+            return
+        for key in self._page_keys(ids):
+            self.pages[key] = None
+            self.pages.move_to_end(key)
+        while len(self.pages) > self.fake.info.num_kv_blocks:
+            self.pages.popitem(last=False)
+
+
+class FakeEngine(EngineLoop):
+    """An engine with ``info`` as given and tokens from ``script``; start and use it as any
+    ``EngineClient`` (``GenerationServer(FakeEngine(), config)``)."""
+
+    def __init__(self, *, script: Script = text_script, step_s: float = 0.002,
+                 vocab_size: int = 320, max_model_len: int = 512, page_size: int = 16,
+                 num_kv_blocks: int = 512, max_num_seqs: int = 8,
+                 eos_token_ids: tuple[int, ...] = (ByteTokenizer.EOS,),
+                 tokenizer: Tokenizer | None = ByteTokenizer(), scheduler: str = "fake",
+                 prefix_caching: bool = True, lone_decode_s: float = 0.0,
+                 prefill_s_per_token: float = 1e-4,
+                 isolated_prefill: Callable[[int], float] | None = None,
+                 max_waiting: int = 1024, idle_poll_s: float = 0.05):
+        self.script = script
+        self.step_s = step_s
+        self.tokenizer = tokenizer
+        self.info = EngineInfo(
+            vocab_size=vocab_size, max_model_len=max_model_len,
+            eos_token_ids=tuple(eos_token_ids), has_tokenizer=tokenizer is not None,
+            scheduler=scheduler, page_size=page_size, num_kv_blocks=num_kv_blocks,
+            max_num_seqs=max_num_seqs, prefix_caching=prefix_caching,
+            lone_decode_s=lone_decode_s)
+        self.prefill_s_per_token = prefill_s_per_token
+        self._isolated = isolated_prefill or (lambda n: 0.0)
+        self._grammars = GrammarCompiler(tokenizer, vocab_size, tuple(eos_token_ids))
+        self._step_faults: collections.deque[BaseException] = collections.deque()
+        self._request_fault: Callable[[FakePrepared], bool] = lambda prepared: False
+        self.received: collections.deque[FakeRequest] = collections.deque(maxlen=10_000)
+        super().__init__(_Core(self), max_waiting=max_waiting, idle_poll_s=idle_poll_s)
+
+    # -- faults ----------------------------------------------------------------------------
+    def fail_steps(self, error: BaseException, times: int = 1) -> None:
+        """The next ``times`` steps raise ``error``."""
+        self._step_faults.extend([error] * times)
+
+    def fail_requests(self, pick: Callable[[FakePrepared], bool]) -> None:
+        """Requests ``pick`` chooses end with an engine error after their first token."""
+        self._request_fault = pick
+
+    # -- any thread ------------------------------------------------------------------------
+    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass the prompt as token ids")
+            return list(self.tokenizer.encode(prompt))
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("prompt is empty")
+        vocab = self.info.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        return ids
+
+    def prepare(self, prompt: str | Sequence[int], params: SamplingParams | None = None
+                ) -> FakePrepared:
+        """The engine's checks (``RequestIntake``), with its messages."""
+        params = params if params is not None else SamplingParams()
+        ids = self.tokenize(prompt)
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be SamplingParams, got "
+                             f"{type(params).__name__}")
+        info = self.info
+        params.validate(vocab_size=info.vocab_size)
+        if params.structured_output is not None:
+            if self.tokenizer is None:
+                raise ValueError("structured_output needs a model with a tokenizer")
+            self._grammars.check(params.structured_output)
+        n, limit = len(ids), info.max_model_len
+        if n >= limit:
+            raise ValueError(f"prompt has {n} tokens; the context holds {limit}")
+        if n + params.max_tokens > limit:
+            raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                             f"the context of {limit} tokens")
+        need = math.ceil((n + params.max_tokens) / info.page_size)
+        if need > info.num_kv_blocks:
+            raise ValueError(f"request needs {need} KV blocks; the pool has "
+                             f"{info.num_kv_blocks}")
+        return FakePrepared(prompt if isinstance(prompt, str) else None, ids, params)
+
+    def isolated_prefill_s(self, prompt_tokens: int) -> float:
+        return self._isolated(prompt_tokens)
+
+    def attach_metrics(self, metrics: ServerMetrics) -> None:
+        super().attach_metrics(metrics)
+        metrics.watch_grammars(self._grammars)
+
+    # -- engine thread ---------------------------------------------------------------------
+    def _counters(self) -> EngineCounters:
+        c = self.core
+        total = self.info.num_kv_blocks
+        return EngineCounters(
+            requests=len(c.requests), waiting=len(c.waiting), running=len(c.running),
+            blocks_used=c.blocks_used, blocks_free=total - c.blocks_used, blocks_total=total,
+            preemptions=0, prefix_queried=c.prefix_queried, prefix_hits=c.prefix_hits,
+            cached_blocks=len(c.pages))
+
+    def _check(self) -> None:
+        c = self.core
+        held = sum(r.blocks for r in c.running)
+        assert held == c.blocks_used <= self.info.num_kv_blocks, (held, c.blocks_used)
+        assert all(not r.blocks for r in c.waiting)
+
+    def _load(self, replica: str, now: float, healthy: bool) -> ReplicaLoad:
+        c, info = self.core, self.info
+        table = PrefillTable.sample(lambda n: n * self.prefill_s_per_token,
+                                    max(info.max_model_len, 2))
+        prefills = tuple(QueuedPrefill(
+            r.ttft_slo - (now - r.arrival_time) if r.ttft_slo is not None else math.inf,
+            table.remaining(len(r.prepared.prompt_ids), 0), len(r.prepared.prompt_ids))
+            for r in c.waiting)
+        return ReplicaLoad(replica=replica, healthy=healthy, waiting=len(c.waiting),
+                           running=len(c.running),
+                           kv_usage=c.blocks_used / max(info.num_kv_blocks, 1), order=FIFO,
+                           prefills=prefills, table=table, max_num_seqs=info.max_num_seqs)
+
+    def _cached_tokens(self, prompt_ids: Sequence[int]) -> int:
+        return self.core.cached(prompt_ids)

@@ -1,0 +1,112 @@
+"""``EngineClient`` over the live ``LLMEngine``: the one module of the serving layer that
+reads the engine's scheduler, allocator, predictor and config, so a change inside the engine
+changes this adapter and nothing at the edge.
+
+The engine thread is ``EngineLoop``'s, driving ``LLMEngine``'s step API; this adds what only
+the live engine can say: its model info, intake (``LLMEngine.prepare``: the offline API's own
+checks), counters, its grammar and speculation counters for the metrics, and the routing
+reports (``jserve.routing.replica``, the functions the simulator's cluster mode calls too).
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Callable, Sequence
+
+from jserve.routing.load import PrefillTable, ReplicaLoad
+from jserve.routing.replica import cached_tokens, prefill_table, replica_load
+from jserve.sampling.params import SamplingParams
+from jserve.scheduler.chunking import PrefillTimeCache
+from jserve.scheduler.plan import BatchPlan, ScheduledChunk
+from jserve.scheduler.predictor import RuntimePredictor
+from jserve.serving.engine_api import EngineInfo, Prepared
+from jserve.serving.engine_loop import EngineCounters, EngineLoop
+from jserve.serving.metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from jserve.engine.engine import LLMEngine
+
+
+def lone_decode_s(predictor: RuntimePredictor | None) -> float:
+    """The predicted time of a step with one decode (0 without a predictor): no request can
+    be promised a shorter time per token."""
+    return 0.0 if predictor is None else predictor.predict(
+        BatchPlan((ScheduledChunk("", 0, 1, True),), ()))
+
+
+def isolated_prefill(scheduler) -> Callable[[int], float]:
+    """T(n), a prompt's isolated prefill time, from the deadline policies' own cache (0 for
+    the policies without one)."""
+    cache = getattr(scheduler, "cache", None)
+    return (lambda n: cache.remaining(n, 0)) if cache is not None else (lambda n: 0.0)
+
+
+class LiveEngine(EngineLoop):
+    """Owns ``engine`` from ``start()`` until ``shutdown()`` returns."""
+
+    def __init__(self, engine: LLMEngine, *, max_waiting: int = 1024,
+                 idle_poll_s: float = 1.0):
+        super().__init__(engine, max_waiting=max_waiting, idle_poll_s=idle_poll_s)
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        cfg, alloc = engine.config, engine.allocator
+        self.info = EngineInfo(
+            vocab_size=engine.cfg.vocab_size, max_model_len=engine.max_model_len,
+            eos_token_ids=tuple(engine.eos_ids), has_tokenizer=engine.tokenizer is not None,
+            scheduler=cfg.scheduler, page_size=cfg.page_size, num_kv_blocks=alloc.total,
+            max_num_seqs=cfg.max_num_seqs, prefix_caching=alloc.prefix_caching,
+            lone_decode_s=lone_decode_s(engine.predictor))
+        self._isolated = isolated_prefill(engine.scheduler)
+        self._table: PrefillTable | None = None
+        self._predictor: RuntimePredictor | None = None  # with the table: the reports'
+
+    # -- any thread ------------------------------------------------------------------------
+    def prepare(self, prompt: str | Sequence[int], params: SamplingParams) -> Prepared:
+        return self.engine.prepare(prompt, params)
+
+    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        return list(self.engine.intake.tokenize(prompt)[1])
+
+    def isolated_prefill_s(self, prompt_tokens: int) -> float:
+        return self._isolated(prompt_tokens)
+
+    def attach_metrics(self, metrics: ServerMetrics) -> None:
+        super().attach_metrics(metrics)
+        metrics.watch_grammars(self.engine.intake.grammars)
+        metrics.watch_speculation(self.engine.speculator)
+
+    # -- engine thread ---------------------------------------------------------------------
+    def _counters(self) -> EngineCounters:
+        eng = self.engine
+        sched, alloc = eng.scheduler, eng.allocator
+        return EngineCounters(
+            requests=len(eng.requests), waiting=len(sched.waiting), running=len(sched.running),
+            blocks_used=alloc.num_allocated, blocks_free=alloc.num_free,
+            blocks_total=alloc.total, preemptions=sched.num_preemptions,
+            prefix_queried=sched.prefix_queried_tokens, prefix_hits=sched.prefix_hit_tokens,
+            cached_blocks=alloc.num_cached)
+
+    def _check(self) -> None:
+        self.engine.allocator.check()
+
+    def _load(self, replica: str, now: float, healthy: bool) -> ReplicaLoad:
+        if self._table is None:
+            self._table = self._prefill_table()
+        return replica_load(replica, self.engine.scheduler, self._table, now, healthy=healthy,
+                            predictor=self._predictor)
+
+    def _cached_tokens(self, prompt_ids: Sequence[int]) -> int:
+        return cached_tokens(self.engine.scheduler, prompt_ids)
+
+    def _prefill_table(self) -> PrefillTable:
+        """The deadline policies' own prefill-time cache; for the others, one built from the
+        engine's predictor (or its FLOP estimate) with the scheduler's token budget."""
+        # Imported here: it imports JAX, which a server on a fake engine never loads (a live
+        # engine has loaded it long before).
+        from jserve.engine.timing import estimated_predictor
+        eng = self.engine
+        self._predictor = predictor = eng.predictor or estimated_predictor(eng.cfg)
+        cache = getattr(eng.scheduler, "cache", None)
+        if cache is None:
+            cache = PrefillTimeCache(predictor, eng.max_model_len, math.inf,
+                                     max_chunk=eng.scheduler.token_budget)
+        return prefill_table(cache, eng.max_model_len)
