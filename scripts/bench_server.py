@@ -18,20 +18,15 @@ import asyncio
 import platform
 import statistics
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx2 as httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))  # conftest.Served: how the tests start a server
-
-from conftest import Served  # noqa: E402
-from jserve.bench.metrics import percentile, tpot, ttft  # noqa: E402
-from jserve.bench.replay import run_http, run_remote  # noqa: E402
-from jserve.sim.trace import TraceRequest  # noqa: E402
+from jserve.bench.metrics import percentile, tpot, ttft
+from jserve.bench.replay import run_http, run_remote
+from jserve.bench.served import Served
+from jserve.sim.trace import TraceRequest
 
 
 def engine_tpot(url: str) -> tuple[float, float]:
@@ -83,9 +78,7 @@ def main() -> None:
                 if rnd:
                     results[name].append(figures(records, wall, engine, cpu))
     finally:
-        served.proc.terminate()
-        served.proc.wait(30)
-        served.close()
+        served.stop(30)
     med = {name: {k: statistics.median(f[k] for f in fs) for k in fs[0]}
            for name, fs in results.items()}
     cpu = subprocess.run(["sh", "-c", "grep -m1 'model name' /proc/cpuinfo | cut -d: -f2"],

@@ -19,12 +19,10 @@ backend-compile split (monitoring events), and the machine's load before and aft
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's jserve
-
-from jserve.bench.startup import run_child, run_engine_study, run_first_token  # noqa: E402
+# Parent and children import the jserve installed here (this checkout's, in its venv) unless
+# PYTHONPATH names another; the children get this checkout's root as PYTHONPATH by default.
+from jserve.bench.startup import run_child, run_engine_study, run_first_token
 
 
 def main() -> None:

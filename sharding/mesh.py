@@ -71,7 +71,7 @@ class MeshConfig:
 def make_mesh(mc: MeshConfig, devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh:
     """A mesh with axes ``AXES`` over the first ``mc.size`` of ``devices`` (default: all of
     ``jax.devices()``, every process's, so the same call is right on each host)."""
-    import jax
+    import jax  # ``MeshConfig`` is plain Python (the CLI parses a mesh without JAX)
 
     devices = list(jax.devices() if devices is None else devices)
     if mc.size > len(devices):

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from jserve.bench.served import SERVE_FLAGS, Served  # noqa: F401  (the tests import them from here)
+
 
 @pytest.fixture(scope="module")
 def llm():
@@ -33,11 +35,6 @@ def _free_executables():
     if "jax" in sys.modules:
         gc.collect()
         sys.modules["jax"].clear_caches()
-
-
-SERVE_FLAGS = ["--no-warmup", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
-               "--max-model-len", "512", "--host", "127.0.0.1", "--port", "0",
-               "--http-port", "0", "--metrics-port", "-1"]
 
 
 def gauges(url: str, token: str | None = None) -> dict[str, float]:
@@ -66,42 +63,3 @@ def wait_blocks_free(url: str, token: str | None = None, timeout: float = 30.0) 
             return g
         assert time.monotonic() < end, {k: v for k, v in g.items() if "blocks" in k}
         time.sleep(0.05)
-
-
-class Served:
-    """A ``jserve serve`` subprocess (small engine, free loopback ports) and its addresses;
-    ``warmup``: compile every step shape before serving (off: on first use)."""
-
-    def __init__(self, *flags: str, warmup: bool = False):
-        import re
-        import subprocess
-        import sys
-        import tempfile
-        from pathlib import Path
-        base = SERVE_FLAGS if not warmup else ["--warmup" if f == "--no-warmup" else f
-                                               for f in SERVE_FLAGS]
-        # stderr to a file: a pipe nobody reads blocks the server once it fills (64 KiB of
-        # logged tracebacks).
-        self.stderr = tempfile.TemporaryFile("w+")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "jserve.cli", "serve", *base, *flags],
-            stdout=subprocess.PIPE, stderr=self.stderr, text=True,
-            cwd=Path(__file__).resolve().parent.parent)
-        self.line = self.proc.stdout.readline()
-        m = re.search(r"on ([\d.]+):(\d+) .*OpenAI API http://[\d.]+:(\d+)/v1", self.line)
-        if m is None:
-            self.proc.kill()
-            self.proc.wait()
-            self.stderr.seek(0)
-            raise RuntimeError(f"jserve serve did not start: {self.line!r} "
-                               f"{self.stderr.read()[-3000:]}")
-        host = "127.0.0.1" if m.group(1) == "0.0.0.0" else m.group(1)
-        self.target = f"{host}:{m.group(2)}"
-        self.url = f"http://{host}:{m.group(3)}"
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        for f in (self.proc.stdout, self.stderr):
-            f.close()

@@ -1,6 +1,8 @@
 """What one client may do to a shared server (issue 25, docs/server.md "Limits"): SLO fields
 within floors and a progress rule that no field can break, priorities within a range and
-only from trusted clients, a bounded HTTP edge, tokenization off the event loop."""
+only from trusted clients, a bounded HTTP edge, tokenization off the event loop. The edge's
+tests run ``jserve serve --fake-engine`` (scripted tokens, the model's tokenizer, no JAX); the
+progress rule needs the live scheduler."""
 from __future__ import annotations
 
 import asyncio
@@ -19,15 +21,19 @@ from conftest import Served
 from jserve.scheduler.chunking import PrefillTimeCache
 from jserve.scheduler.predictor import LinearPredictor
 from jserve.serving.limits import ClientLimits, RequestLimits
+from jserve.serving.live_engine import isolated_prefill, lone_decode_s
 
 # 1 ms per token plus 2 ms a step: a lone decode takes 3 ms, a 600-token prefill 0.6 s+.
 PREDICTOR = LinearPredictor((0.002, 1e-3, 0.0, 0.0, 0.0, 0.0))
 
 
 def _limits(**kw) -> RequestLimits:
+    """The limits of an engine with ``PREDICTOR`` and a deadline policy's prefill-time cache,
+    as ``LiveEngine`` reports them."""
+    scheduler = types.SimpleNamespace(cache=PrefillTimeCache(PREDICTOR, 4096, 0.05))
     engine = types.SimpleNamespace(
-        predictor=PREDICTOR,
-        scheduler=types.SimpleNamespace(cache=PrefillTimeCache(PREDICTOR, 4096, 0.05)))
+        info=types.SimpleNamespace(lone_decode_s=lone_decode_s(PREDICTOR)),
+        isolated_prefill_s=isolated_prefill(scheduler))
     return RequestLimits(ClientLimits(**kw), engine)
 
 
@@ -143,7 +149,7 @@ def test_the_smallest_accepted_tpot_slo_does_not_starve_other_prefills(policy, s
 def edge():
     """A server with a 1 MiB request limit, a priority token and /metrics behind the auth
     token."""
-    s = Served("--max-request-bytes", str(1 << 20), "--auth-token", "user",
+    s = Served("--fake-engine", "--max-request-bytes", str(1 << 20), "--auth-token", "user",
                "--priority-token", "boss", "--max-choices", "64")
     yield s
     s.close()
@@ -250,8 +256,8 @@ def hf_served():
     """The tiny HF Llama with its byte-level BPE tokenizer, a 6 MB request limit."""
     from hf_models import tiny_llama_dir
     model = tiny_llama_dir("llama2", with_tokenizer=True)
-    s = Served("--model", str(model), "--max-request-bytes", str(6 << 20), "--max-model-len",
-               "2048")
+    s = Served("--fake-engine", "--model", str(model), "--max-request-bytes", str(6 << 20),
+               "--max-model-len", "2048")
     s.model = str(model)
     s.name = model.name  # what it is served as: the directory's name
     yield s

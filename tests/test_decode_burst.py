@@ -85,7 +85,7 @@ def test_a_burst_not_compiled_yet_compiles_in_the_background_meanwhile_single_st
         reference):
     want, _ = _run(reference, _params())
     llm = small_llm(decode_burst=4, warmup="core")
-    runner = llm.engine.runner
+    runner = llm.engine.runner.programs
     gate, compile_burst = threading.Event(), runner._compile_burst
 
     def held_back(key):  # the background compile of the burst waits until the test says

@@ -2,7 +2,8 @@
 "Limits"), against a real ``jserve serve``: connections that never finish a request head are
 closed within the head timeout, heads over the cap get 431 unbuffered, a body over the limit
 gets a 413 the client can read, connections over the cap get 503, and the metrics port holds
-idle connections without a thread each."""
+idle connections without a thread each. The edge is the same whatever serves the tokens, so
+these run ``jserve serve --fake-engine`` (no model, no JAX in the process)."""
 from __future__ import annotations
 
 import re
@@ -27,7 +28,7 @@ SMALL = {"model": "default", "prompt": "hi", "max_tokens": 2, "temperature": 0.0
 
 
 def _served(*flags: str) -> Served:
-    s = Served("--metrics-port", "0", "--auth-token", TOKEN, *flags)
+    s = Served("--fake-engine", "--metrics-port", "0", "--auth-token", TOKEN, *flags)
     s.port = int(s.url.rsplit(":", 1)[1])
     s.metrics_port = int(re.search(r"metrics http://[\d.]+:(\d+)/metrics", s.line).group(1))
     return s
@@ -35,8 +36,11 @@ def _served(*flags: str) -> Served:
 
 @pytest.fixture(scope="module")
 def edge():
-    s = _served("--head-timeout", str(HEAD_TIMEOUT))
-    httpx.post(s.url + "/v1/completions", json=SMALL, headers=AUTH, timeout=60)  # compiles
+    # A 1 MiB request limit: a chunked body is refused once the bytes read pass it, so the
+    # server holds at most that plus a chunk, well inside the 4 MiB the peak RSS may grow (a
+    # process without a model has no free heap to hide the default 4 MiB in).
+    s = _served("--head-timeout", str(HEAD_TIMEOUT), "--max-request-bytes", str(1 << 20))
+    httpx.post(s.url + "/v1/completions", json=SMALL, headers=AUTH, timeout=60)  # warms
     yield s
     s.close()
 

@@ -266,7 +266,7 @@ def test_decode_step_writes_the_kv_cache_in_place_and_samples_without_a_variadic
     # scatter into the buffer); the greedy argmax on CPU is two plain reductions, not the
     # (value, index) reduce that took most of the sampler's time.
     runner = llm.engine.runner
-    exe, _ = runner.compiled(llm.engine.buckets.shape_for(2, 0))
+    exe, _ = runner.programs.compiled(llm.engine.buckets.shape_for(2, 0))
     hlo = exe.as_text()
     kv = jax.tree.leaves(runner.kv_cache)
     first_kv = len(jax.tree.leaves(runner.params))
@@ -280,7 +280,7 @@ def test_decode_step_writes_the_kv_cache_in_place_and_samples_without_a_variadic
                    and not (op == "fusion" and "scatter" in line)]
     assert not whole_cache, whole_cache
     # The step samples in its own executable, so its argmax is held to the same rule.
-    for program in (hlo, runner.sampler().as_text()):
+    for program in (hlo, runner.programs.sampler().as_text()):
         variadic = [line.strip()[:120] for shape, op, line in _instructions(program)
                     if re.fullmatch(r"\(f32\[\d+\]\{0\}, s32\[\d+\]\{0\}\)", shape)]
         assert not variadic, variadic

@@ -3,7 +3,11 @@ subprocess (gRPC and HTTP from one engine loop): greedy text equal to ``LLM.gene
 the gRPC stream, streaming and not, n=3, logprobs, stop strings, reproducible seeds, exact
 usage; every body field honoured or refused with a 400 naming it; 400/401/404/429/503 in
 OpenAI's error shape; concurrent streams with random client disconnects leave zero KV blocks;
-/health fails within a second of the engine loop dying."""
+/health fails within a second of the engine loop dying.
+
+What needs the model (text and logprobs equal to the offline API's, KV blocks freed) runs on a
+real server; the edge's own behaviour (SSE framing, n choices and their seeds, refusals, auth,
+429/503, engine death) on a ``FakeEngine`` in process (``fake``: nothing compiles)."""
 from __future__ import annotations
 
 import asyncio
@@ -22,8 +26,8 @@ import conftest
 from conftest import Served
 from jserve import SamplingParams
 from jserve.client import Client
+from jserve.serving.fake_engine import FakeEngine
 from jserve.serving.server import BackgroundServer, ServerConfig
-from llm_helpers import small_llm
 
 TOKEN = "s3cret"
 
@@ -38,6 +42,23 @@ def served():
 @pytest.fixture(scope="module")
 def oai(served):
     with openai.OpenAI(base_url=served.url + "/v1", api_key=TOKEN, max_retries=0,
+                       timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def fake():
+    """The same server on a FakeEngine, in process: ``.url``, ``.engine``."""
+    server = BackgroundServer(FakeEngine(), ServerConfig(port=0, metrics_port=None, http_port=0,
+                                                         auth_token=TOKEN))
+    server.url, server.engine = server.http_url, server.server.engine
+    yield server
+    server.stop(grace=0)
+
+
+@pytest.fixture(scope="module")
+def fake_oai(fake):
+    with openai.OpenAI(base_url=fake.url + "/v1", api_key=TOKEN, max_retries=0,
                        timeout=120) as c:
         yield c
 
@@ -105,18 +126,18 @@ def test_chat_uses_the_template_and_equals_offline(oai, llm):
         llm.generate(llm.chat_prompt([{"role": "user", "content": "hi"}]), greedy(16))[0].text
 
 
-def test_n3_seeds_are_reproducible_and_choice_i_is_seed_plus_i(oai, llm):
+def test_n3_seeds_are_reproducible_and_choice_i_is_seed_plus_i(fake, fake_oai):
     kw = dict(model="default", prompt="Once upon a time", max_tokens=12, temperature=0.9,
               seed=11, n=3, extra_body={"ignore_eos": True})
-    a, b = oai.completions.create(**kw), oai.completions.create(**kw)
+    a, b = fake_oai.completions.create(**kw), fake_oai.completions.create(**kw)
     assert [c.index for c in a.choices] == [0, 1, 2]
     assert [c.text for c in a.choices] == [c.text for c in b.choices]
     assert len({c.text for c in a.choices}) > 1
     for i, c in enumerate(a.choices):
         p = SamplingParams(temperature=0.9, seed=11 + i, max_tokens=12, ignore_eos=True)
-        assert c.text == llm.generate("Once upon a time", p)[0].text
+        assert c.text == fake.engine.generate("Once upon a time", p).text
     assert a.usage.completion_tokens == 36
-    streamed = list(oai.completions.create(**kw, stream=True))
+    streamed = list(fake_oai.completions.create(**kw, stream=True))
     texts = ["", "", ""]
     for ch in streamed:
         for c in ch.choices:
@@ -160,7 +181,8 @@ def test_stop_strings_cut_the_text_and_finish_with_stop(oai, llm):
         assert "".join(c.choices[0].text for c in streamed) == want.text
 
 
-def test_sse_ends_with_done_and_usage_only_when_asked(served):
+def test_sse_ends_with_done_and_usage_only_when_asked(fake):
+    served = fake
     h = {"Authorization": f"Bearer {TOKEN}"}
     body = {"model": "default", "prompt": "Hi", "max_tokens": 5, "temperature": 0,
             "ignore_eos": True, "stream": True}
@@ -259,7 +281,8 @@ BAD_FIELDS = [  # (endpoint, extra body fields, the field the 400 must name)
 ]
 
 
-def test_bad_or_unsupported_fields_get_400_naming_them(served):
+def test_bad_or_unsupported_fields_get_400_naming_them(fake):
+    served = fake
     h = {"Authorization": f"Bearer {TOKEN}"}
     before = gauges(served.url)['jserve_requests_total{"outcome": "invalid_argument"}']
     for endpoint, extra, field in BAD_FIELDS:
@@ -279,7 +302,8 @@ def test_bad_or_unsupported_fields_get_400_naming_them(served):
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
 
 
-def test_auth_model_and_shape_of_errors(served):
+def test_auth_model_and_shape_of_errors(fake):
+    served = fake
     url = served.url + "/v1/completions"
     body = {"model": "default", "prompt": "hi", "max_tokens": 2}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
@@ -395,20 +419,16 @@ def test_a_disconnect_frees_the_blocks_at_once(served):
 
 
 # -- statuses that need a server in a given state ---------------------------------------------
-@pytest.fixture(scope="module")
-def spare_engine():
-    return small_llm().engine
-
-
 def _post(url: str, body: dict, **kw) -> httpx.Response:
     return httpx.post(url + "/v1/completions", json={"model": "default", **body}, timeout=60,
                       **kw)
 
 
-def test_full_admission_queue_gets_429(spare_engine):
-    server = BackgroundServer(spare_engine, ServerConfig(port=0, metrics_port=None,
-                                                         http_port=0))
-    server.server.engine_loop.max_waiting = 1
+def test_full_admission_queue_gets_429():
+    """One request runs at a time, so the queue of 1 fills."""
+    server = BackgroundServer(FakeEngine(max_num_seqs=1), ServerConfig(
+        port=0, metrics_port=None, http_port=0))
+    server.server.engine.max_waiting = 1
     try:
         async def run():
             async with httpx.AsyncClient(base_url=server.http_url, timeout=120) as c:
@@ -424,23 +444,17 @@ def test_full_admission_queue_gets_429(spare_engine):
         assert set(codes) == {200, 429}, codes
         assert all(e["error"]["type"] == "rate_limit_error" and "admission queue" in
                    e["error"]["message"] for c, e in results if c == 429)
-        server.server.engine_loop.max_waiting = 1024
+        server.server.engine.max_waiting = 1024
         st = server.stats()
         assert st["blocks_used"] == 0 and st["in_flight"] == 0
     finally:
         server.stop(grace=0)
 
 
-def test_draining_gets_503_and_health_fails(spare_engine, monkeypatch):
-    step = spare_engine.step
-
-    def slow_step():  # 450 tokens take over 4 s, however fast the machine: past the grace
-        time.sleep(0.01)
-        return step()
-
-    monkeypatch.setattr(spare_engine, "step", slow_step)
-    server = BackgroundServer(spare_engine, ServerConfig(port=0, metrics_port=None,
-                                                         http_port=0))
+def test_draining_gets_503_and_health_fails():
+    # 450 tokens take over 4 s, however fast the machine: past the grace
+    server = BackgroundServer(FakeEngine(step_s=0.01), ServerConfig(port=0, metrics_port=None,
+                                                                    http_port=0))
     url = server.http_url
     try:
         streaming = threading.Event()
@@ -480,19 +494,14 @@ class _EngineDeath(BaseException):
     pass
 
 
-def test_health_fails_within_a_second_when_the_engine_loop_dies(spare_engine):
-    server = BackgroundServer(spare_engine, ServerConfig(port=0, metrics_port=None,
-                                                         http_port=0))
-    step = spare_engine.step
+def test_health_fails_within_a_second_when_the_engine_loop_dies():
+    fake = FakeEngine()
+    server = BackgroundServer(fake, ServerConfig(port=0, metrics_port=None, http_port=0))
     url = server.http_url
     try:
         assert httpx.get(url + "/health", timeout=10).status_code == 200
         assert _post(url, {"prompt": "hi", "max_tokens": 2}).status_code == 200
-
-        def broken_step():
-            spare_engine.step = step
-            raise _EngineDeath("killed")
-        spare_engine.step = broken_step
+        fake.fail_steps(_EngineDeath("killed"))
         r = _post(url, {"prompt": [3, 4], "max_tokens": 50})
         killed = time.monotonic()
         assert r.status_code == 500 and "killed" in r.json()["error"]["message"]
@@ -503,5 +512,4 @@ def test_health_fails_within_a_second_when_the_engine_loop_dies(spare_engine):
         assert h.status_code == 503 and h.json()["status"] == "engine stopped"
         assert _post(url, {"prompt": "hi", "max_tokens": 2}).status_code == 503
     finally:
-        spare_engine.step = step
         server.stop(grace=0)

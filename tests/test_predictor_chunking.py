@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from jserve.scheduler.chunking import PrefillTimeCache, largest_chunk, with_chunk
-from jserve.scheduler.plan import BatchPlan, ScheduledChunk
+from jserve.scheduler.chunking import PrefillTimeCache, largest_chunk
+from jserve.scheduler.plan import BatchPlan, ScheduledChunk, with_chunk
 from jserve.scheduler.predictor import (
     FEATURES,
     CorrectedPredictor,

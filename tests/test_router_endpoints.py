@@ -1,6 +1,8 @@
 """What routers read from one replica: vLLM-named gauges equal to jserve's own, SGLang's load
 endpoint, the replica's predicted wait (less its cached prefix), and a drain notice during
-which /health fails while requests are still served."""
+which /health fails while requests are still served. The endpoints are tested on a
+``FakeEngine`` (scripted tokens, a prefix cache of whole pages); the live engine's own reports
+once, end to end."""
 from __future__ import annotations
 
 import threading
@@ -10,13 +12,8 @@ import httpx2 as httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from jserve.serving.fake_engine import FakeEngine
 from jserve.serving.server import BackgroundServer, ServerConfig
-from llm_helpers import small_llm
-
-
-@pytest.fixture(scope="module")
-def engine():
-    return small_llm().engine
 
 
 def _samples(url: str) -> dict[str, float]:
@@ -34,18 +31,8 @@ def _complete(url: str, prompt, n: int = 4, **kw) -> httpx.Response:
         "ignore_eos": True, **kw})
 
 
-def _slow(engine, monkeypatch, seconds: float = 0.01) -> None:
-    step = engine.step
-
-    def slow_step():
-        time.sleep(seconds)
-        return step()
-    monkeypatch.setattr(engine, "step", slow_step)
-
-
-@pytest.mark.slow
-def test_vllm_names_and_load_endpoints_report_the_engine(engine, monkeypatch):
-    _slow(engine, monkeypatch)
+def test_vllm_names_and_load_endpoints_report_the_engine():
+    engine = FakeEngine(step_s=0.005)  # 300 tokens: 1.5 s at least
     server = BackgroundServer(engine, ServerConfig(port=0, metrics_port=None, http_port=0))
     url = server.http_url
     try:
@@ -114,8 +101,8 @@ def test_vllm_names_and_load_endpoints_report_the_engine(engine, monkeypatch):
         server.stop(grace=0)
 
 
-def test_health_fails_during_the_drain_notice_while_requests_are_served(engine):
-    server = BackgroundServer(engine, ServerConfig(port=0, metrics_port=None, http_port=0,
+def test_health_fails_during_the_drain_notice_while_requests_are_served():
+    server = BackgroundServer(FakeEngine(), ServerConfig(port=0, metrics_port=None, http_port=0,
                                                    drain_notice=1.5))
     url = server.http_url
     try:
@@ -134,5 +121,37 @@ def test_health_fails_during_the_drain_notice_while_requests_are_served(engine):
             time.sleep(0.005)
         assert _complete(url, [3, 4, 5], 2).status_code == 503
         stopping.join(10)
+    finally:
+        server.stop(grace=0)
+
+
+@pytest.mark.slow
+def test_the_live_engine_reports_its_prefix_cache_and_load():
+    """The same reports from the live engine (``LiveEngine``): its prefix cache's hits under
+    both names and in the predicted wait, its scheduler's load."""
+    from llm_helpers import small_llm
+    server = BackgroundServer(small_llm().engine, ServerConfig(port=0, metrics_port=None,
+                                                               http_port=0))
+    url = server.http_url
+    try:
+        doc = list(range(100, 164))  # 64 tokens: 4 pages of 16
+        for tail in ([5, 6, 7], [8, 9]):
+            assert _complete(url, doc + tail).status_code == 200
+        idle = _samples(url)
+        assert idle["vllm:prefix_cache_hits_total[default]"] == \
+            idle["jserve_prefix_cache_hit_tokens_total"] == 64
+        hit = httpx.post(url + "/v1/route/wait", json={"prompt": doc + [1, 2, 3]},
+                         timeout=30).json()
+        miss = httpx.post(url + "/v1/route/wait", json={"prompt": [9] + doc + [1, 2]},
+                          timeout=30).json()
+        assert hit["cached_tokens"] == 64 and miss["cached_tokens"] == 0
+        assert 0 < hit["predicted_ttft_s"] < miss["predicted_ttft_s"]
+        load = httpx.get(url + "/v1/route/load", timeout=10).json()
+        assert (load["replica"], load["waiting"], load["running"], load["order"]) == (
+            "default", 0, 0, "fifo")
+        assert load["table"]["times"][-1] > 0 and load["max_num_seqs"] == 4
+        info = httpx.get(url + "/get_server_info", timeout=10).json()
+        assert (info["scheduler"], info["page_size"], info["prefix_caching"]) == (
+            "sarathi", 16, True)
     finally:
         server.stop(grace=0)

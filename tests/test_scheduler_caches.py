@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from jserve.cache.allocator import BlockAllocator
-from jserve.scheduler.chunking import PrefillTimeCache, with_chunk
+from jserve.scheduler.chunking import PrefillTimeCache
 from jserve.scheduler.deadline import (
     DEADLINE_POLICIES,
     LARS_VARIANTS,
@@ -25,7 +25,7 @@ from jserve.scheduler.deadline import (
     DeadlineScheduler,
     _QueuedParts,
 )
-from jserve.scheduler.plan import BatchPlan, ScheduledChunk
+from jserve.scheduler.plan import BatchPlan, ScheduledChunk, with_chunk
 from jserve.scheduler.predictor import LinearPredictor
 from jserve.scheduler.request import Request, RequestStatus
 from jserve.sim import VirtualClock

@@ -2,7 +2,12 @@
 offline API's, bad input gets INVALID_ARGUMENT naming the field, 200 concurrent streams and 500
 cancels/disconnects/deadlines leave the block pool whole, health and reflection work for
 generic tooling, metrics are exported, TLS and bearer auth, graceful drain on stop and on
-SIGTERM (subprocess), the generated modules are current."""
+SIGTERM (subprocess), the generated modules are current.
+
+The edge's own behaviour (statuses, outcomes, deadlines, drain, faults, auth, metrics) is
+tested on a ``FakeEngine`` (``bg``, ``client``: nothing compiles); what needs the model (tokens
+equal to the offline API's, the scheduler's request, KV blocks under load) on the live engine
+(``live``, ``live_client``)."""
 from __future__ import annotations
 
 import asyncio
@@ -36,10 +41,13 @@ from jserve import SamplingParams
 from jserve.cli import main
 from jserve.client import AsyncClient, Client
 from jserve.proto import generate_pb2 as pb
-from jserve.serving.engine_loop import DEADLINE, EngineLoop
+from jserve.sampling.structured import StructuredOutput
+from jserve.serving.engine_api import DEADLINE, EngineClient
+from jserve.serving.fake_engine import FakeEngine
 from jserve.serving.limits import ClientLimits
+from jserve.serving.live_engine import LiveEngine
 from jserve.serving.metrics import OUTCOMES
-from jserve.serving.protocol import LIST_FIELDS, MESSAGE_FIELDS, SCALAR_FIELDS
+from jserve.serving.protocol import LIST_FIELDS, MESSAGE_FIELDS, SCALAR_FIELDS, parse_request
 from jserve.serving.server import BackgroundServer, ServerConfig
 from llm_helpers import small_llm
 
@@ -54,11 +62,14 @@ TRUSTING = ClientLimits(min_tpot_slo=0.0, min_ttft_slo=0.0, priority_range=(-2**
 SMALL_FLAGS = ["--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--max-model-len", "512"]
 
 
+CONFIG = ServerConfig(host="127.0.0.1", port=0, metrics_port=0,
+                      max_request_bytes=MAX_REQUEST_BYTES, limits=TRUSTING)
+
+
 @pytest.fixture(scope="module")
 def bg():
-    server = BackgroundServer(small_llm().engine, ServerConfig(
-        host="127.0.0.1", port=0, metrics_port=0, max_request_bytes=MAX_REQUEST_BYTES,
-        limits=TRUSTING))
+    """The server on a FakeEngine (the model of the small engine: 320 ids, 512 tokens)."""
+    server = BackgroundServer(FakeEngine(), CONFIG)
     yield server
     server.stop(grace=0)
 
@@ -70,9 +81,22 @@ def client(bg):
 
 
 @pytest.fixture(scope="module")
-def spare_engine():
-    """A second engine for servers with other settings (one at a time)."""
-    return small_llm().engine
+def live():
+    """The server on the small live engine."""
+    server = BackgroundServer(small_llm().engine, CONFIG)
+    yield server
+    server.stop(grace=0)
+
+
+@pytest.fixture(scope="module")
+def live_client(live):
+    with Client(live.target) as c:
+        yield c
+
+
+def scripted(bg: BackgroundServer, prompt, params):
+    """What a fake-engine server's request gets (the fake's offline answer)."""
+    return bg.server.engine.generate(prompt, params)
 
 
 def wait_idle(bg: BackgroundServer, timeout: float = 30.0) -> dict:
@@ -115,7 +139,8 @@ def stream(client: Client, prompt, params, **kw) -> tuple[list[pb.GenerateRespon
 
 
 # -- results -----------------------------------------------------------------------------
-def test_streamed_results_equal_the_offline_api(client, llm, bg):
+def test_streamed_results_equal_the_offline_api(live_client, llm, live):
+    client = live_client
     base = llm.generate("Hello, jserve", SamplingParams(temperature=0.0, max_tokens=30,
                                                         ignore_eos=True))
     stop = base[0].text[19:21]  # a stop string the greedy output really contains
@@ -153,16 +178,17 @@ def test_streamed_results_equal_the_offline_api(client, llm, bg):
                 assert list(g.top_token_ids) == [i for i, _ in w.top]
                 assert list(g.top_logprobs) == pytest.approx([v for _, v in w.top], abs=1e-4)
     assert llm.generate(*cases[-1])[0].finish_reason == "stop"
-    wait_idle(bg)
+    wait_idle(live)
 
 
-def test_model_info(client, llm, bg):
+def test_model_info(client, bg):
     info = client.model_info()
-    eng = llm.engine
+    eng = bg.server.engine.info
     assert (info.vocab_size, info.max_model_len, info.has_tokenizer) == (
-        eng.cfg.vocab_size, eng.max_model_len, True)
-    assert list(info.eos_token_ids) == list(eng.eos_ids)
-    assert info.num_kv_blocks == eng.allocator.total and info.scheduler == "sarathi"
+        eng.vocab_size, eng.max_model_len, True)
+    assert list(info.eos_token_ids) == list(eng.eos_token_ids)
+    assert info.num_kv_blocks == eng.num_kv_blocks and info.scheduler == eng.scheduler == "fake"
+    assert (info.page_size, info.max_num_seqs) == (eng.page_size, eng.max_num_seqs)
     assert info.max_request_bytes == MAX_REQUEST_BYTES
     # The limits a client's hints must keep (this server's are TRUSTING's).
     assert info.min_tpot_slo == bg.server.gateway.limits.tpot_floor
@@ -170,16 +196,68 @@ def test_model_info(client, llm, bg):
         0.0, -2**31, 2**31 - 1, TRUSTING.max_choices)
 
 
-def test_priority_and_slos_reach_the_schedulers_request(client, bg):
-    call = client.stream([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=400,
-                                                   ignore_eos=True),
-                         request_id="slo", priority=-3, ttft_slo=2.5, tpot_slo=0.07)
+def test_the_live_engine_reports_its_engines_settings(llm):
+    """What ``LiveEngine`` says of the engine (GetModelInfo, /v1/models, the limits) is the
+    engine's own."""
+    eng = llm.engine
+    live = LiveEngine(eng)
+    assert isinstance(live, EngineClient) and isinstance(FakeEngine(), EngineClient)
+    i = live.info
+    assert (i.vocab_size, i.max_model_len, i.eos_token_ids, i.has_tokenizer) == (
+        eng.cfg.vocab_size, eng.max_model_len, tuple(eng.eos_ids), True)
+    assert (i.scheduler, i.page_size, i.num_kv_blocks, i.max_num_seqs, i.prefix_caching) == (
+        "sarathi", eng.config.page_size, eng.allocator.total, eng.config.max_num_seqs,
+        eng.allocator.prefix_caching)
+    assert i.lone_decode_s >= 0 and live.isolated_prefill_s(100) == 0.0  # sarathi: no T(n)
+    assert live.tokenize("hi") == eng.intake.tokenize("hi")[1]
+
+
+def test_the_fake_engine_refuses_what_the_engine_refuses(llm):
+    """The fake's intake is the engine's: each request of ``BAD`` (and a good one) is
+    refused by both with the same message, or accepted by both."""
+    live = LiveEngine(llm.engine)
+    i = live.info
+    fake = FakeEngine(vocab_size=i.vocab_size, max_model_len=i.max_model_len,
+                      page_size=i.page_size, num_kv_blocks=i.num_kv_blocks,
+                      eos_token_ids=i.eos_token_ids)
+    cases = []
+    for r, _ in BAD:
+        try:
+            parsed = parse_request(r)
+        except ValueError:
+            continue  # refused before the engine
+        cases.append((parsed.prompt, parsed.params))
+    assert len(cases) >= 8
+    regex = StructuredOutput(regex="[a-z]+")
+    cases += [(p, SamplingParams(max_tokens=n, **kw)) for p, n, kw in (
+        ("hi", 4, {}), ([0, 319], 4, {}), ([1] * 511, 1, {}), ([1] * 511, 2, {}),
+        ([1] * 512, 1, {}), ("x" * 300, 300, {}), ([5], 4, dict(top_k=320)),
+        ([5], 4, dict(top_k=321)), ([5], 4, dict(stop_token_ids=[319])),
+        ([5], 4, dict(stop_token_ids=[320])), ("hi", 4, dict(structured_output=regex)),
+        ("hi", 4, dict(structured_output=StructuredOutput(regex="(["))))]
+    refused = 0
+    for prompt, params in cases:
+        verdicts = []
+        for engine in (live, fake):
+            try:
+                verdicts.append(engine.prepare(prompt, params).prompt_ids)
+            except ValueError as e:
+                verdicts.append(str(e))
+        assert verdicts[0] == verdicts[1], (str(prompt)[:50], params, verdicts)
+        refused += isinstance(verdicts[0], str)
+    assert 10 <= refused <= len(cases) - 4, refused
+
+
+def test_priority_and_slos_reach_the_schedulers_request(live_client, live):
+    call = live_client.stream([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=400,
+                                                        ignore_eos=True),
+                              request_id="slo", priority=-3, ttft_slo=2.5, tpot_slo=0.07)
     next(call)
-    req = bg.run(bg.server.engine_loop.call(lambda e: e.requests["slo"]))
+    req = live.run(live.server.engine.call(lambda e: e.requests["slo"]))
     call.cancel()
     assert (req.priority, req.tpot_slo) == (-3, 0.07)
     assert req.ttft_deadline == pytest.approx(req.arrival_time + 2.5)
-    wait_idle(bg)
+    wait_idle(live)
 
 
 def test_proto_sampling_params_carry_every_offline_field():
@@ -261,10 +339,10 @@ def test_an_oversized_message_gets_resource_exhausted_and_is_counted(bg, client)
     assert metrics(bg)[outcome("resource_exhausted")] == before + 1
 
 
-def test_bad_input_gets_invalid_argument_naming_the_field_and_disturbs_nobody(bg, llm):
+def test_bad_input_gets_invalid_argument_naming_the_field_and_disturbs_nobody(bg):
     before = metrics(bg)[outcome("invalid_argument")]
-    want = llm.generate([7, 8, 9], SamplingParams(temperature=0.0, max_tokens=60,
-                                                  ignore_eos=True))[0]
+    want = scripted(bg, [7, 8, 9], SamplingParams(temperature=0.0, max_tokens=60,
+                                                  ignore_eos=True))
 
     async def run():
         async with AsyncClient(bg.target) as c:
@@ -332,8 +410,10 @@ def test_duplicate_request_id_in_flight_gets_already_exists(client, bg):
     assert client.generate("hi", GREEDY, request_id="dup").finish_reason == "length"
 
 
-def test_full_admission_queue_gets_resource_exhausted(bg):
-    bg.server.engine_loop.max_waiting = 2
+def test_full_admission_queue_gets_resource_exhausted():
+    """One request runs at a time, so the queue of 2 fills."""
+    bg = BackgroundServer(FakeEngine(max_num_seqs=1), CONFIG)
+    bg.server.engine.max_waiting = 2
     try:
         async def run():
             async with AsyncClient(bg.target) as c:
@@ -346,18 +426,19 @@ def test_full_admission_queue_gets_resource_exhausted(bg):
                         return e.code(), e.details()
                 return await asyncio.gather(*(one(i) for i in range(16)))
         results = asyncio.run(run())
+        codes = collections.Counter(r[0] for r in results)
+        assert codes["ok"] >= 2 and codes[grpc.StatusCode.RESOURCE_EXHAUSTED] >= 1, codes
+        assert codes["ok"] + codes[grpc.StatusCode.RESOURCE_EXHAUSTED] == 16, codes
+        assert all("admission queue" in d for c, d in results if c != "ok")
+        wait_idle(bg)
     finally:
-        bg.server.engine_loop.max_waiting = 1024
-    codes = collections.Counter(r[0] for r in results)
-    assert codes["ok"] >= 2 and codes[grpc.StatusCode.RESOURCE_EXHAUSTED] >= 1, codes
-    assert codes["ok"] + codes[grpc.StatusCode.RESOURCE_EXHAUSTED] == 16, codes
-    assert all("admission queue" in d for c, d in results if c != "ok")
-    wait_idle(bg)
+        bg.stop(grace=0)
 
 
 # -- load, cancellation, deadlines -----------------------------------------------------
 @pytest.mark.slow
-def test_200_concurrent_streaming_clients_all_complete(bg, llm):
+def test_200_concurrent_streaming_clients_all_complete(live, llm):
+    bg = live
     rng = random.Random(1)
     prompts = [[rng.randrange(256) for _ in range(rng.randint(1, 40))] for _ in range(200)]
     params = [SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 8), ignore_eos=True)
@@ -389,7 +470,8 @@ def test_200_concurrent_streaming_clients_all_complete(bg, llm):
 
 
 @pytest.mark.slow
-def test_500_random_cancels_disconnects_and_deadlines_leak_nothing(bg, client, llm, caplog):
+def test_500_random_cancels_disconnects_and_deadlines_leak_nothing(live, live_client, llm,
+                                                                  caplog):
     """500 calls cut at random moments leave the block pool whole, and every call the server
     was handed ends in exactly one outcome: the one its client saw wherever the client can
     know it. Two things no client can know come from the server's own records (request ids
@@ -402,6 +484,7 @@ def test_500_random_cancels_disconnects_and_deadlines_leak_nothing(bg, client, l
     - whether the server finished a call before the client's cut reached it: its last message
       was on the wire when the client cut (the two cross; the server rightly counts `length`,
       the client never sees the finish)."""
+    bg, client = live, live_client
     caplog.set_level(logging.DEBUG, logger="jserve.serving.gateway")
     wait_idle(bg)  # nothing of an earlier test counts during this one
     before = metrics(bg)
@@ -519,13 +602,13 @@ def test_grpc_deadline_becomes_deadline_exceeded_and_frees_blocks(client, bg):
     wait_idle(bg)
 
 
-def test_engine_thread_enforces_the_deadline_itself(spare_engine):
+def test_engine_thread_enforces_the_deadline_itself():
     """Without gRPC in between: the engine loop aborts an expired request and says why."""
     async def run():
-        loop = EngineLoop(spare_engine)
+        loop = FakeEngine()
         loop.start()
         try:
-            sink = loop.submit("d", spare_engine.prepare(
+            sink = loop.submit("d", loop.prepare(
                 [5] * 30, SamplingParams(temperature=0.0, max_tokens=450, ignore_eos=True)),
                                arrival_time=time.monotonic(), deadline=time.monotonic() + 0.2)
             n = 0
@@ -542,7 +625,7 @@ def test_engine_thread_enforces_the_deadline_itself(spare_engine):
 
 
 # -- health, reflection, metrics -------------------------------------------------------
-def test_health_and_reflection_serve_generic_tooling(bg, llm):
+def test_health_and_reflection_serve_generic_tooling(bg):
     with grpc.insecure_channel(bg.target) as ch:
         hs = health_pb2_grpc.HealthStub(ch)
         for service in ("", "jserve.v1.Generation"):
@@ -561,7 +644,7 @@ def test_health_and_reflection_serve_generic_tooling(bg, llm):
                                request_serializer=req_cls.SerializeToString,
                                response_deserializer=resp_cls.FromString)
         text = "".join(r.text for r in call(req))
-    assert text == llm.generate("Hello, jserve", GREEDY)[0].text
+    assert text == scripted(bg, "Hello, jserve", GREEDY).text
 
 
 def test_metrics_endpoint_exports_latency_queue_and_kv_figures(bg, client):
@@ -585,18 +668,19 @@ def test_metrics_endpoint_exports_latency_queue_and_kv_figures(bg, client):
 
 
 # -- CLI, TLS and auth, shutdown ---------------------------------------------------------
-def test_cli_generate_streams_from_the_server(bg, llm, capsys):
+def test_cli_generate_streams_from_the_server(bg, capsys):
     assert main(["generate", "--server", bg.target, "--max-tokens", "12", "--ignore-eos",
                  "Hello, jserve"]) == 0
     out = capsys.readouterr()
-    assert out.out == llm.generate("Hello, jserve", GREEDY)[0].text + "\n"
+    assert out.out == scripted(bg, "Hello, jserve", GREEDY).text + "\n"
     assert "[12 tokens, finish_reason=length]" in out.err
     assert main(["generate", "--server", bg.target, "--max-tokens", "1000", "hi"]) == 2
     assert "INVALID_ARGUMENT" in capsys.readouterr().err
 
 
-def test_tls_and_bearer_token(spare_engine, llm):
-    server = BackgroundServer(spare_engine, ServerConfig(
+def test_tls_and_bearer_token():
+    fake = FakeEngine()
+    server = BackgroundServer(fake, ServerConfig(
         host="127.0.0.1", port=0, metrics_port=None, tls_cert=str(TLS / "server.crt"),
         tls_key=str(TLS / "server.key"), auth_token="s3cret"))
     ca = (TLS / "server.crt").read_bytes()
@@ -604,7 +688,7 @@ def test_tls_and_bearer_token(spare_engine, llm):
     try:
         with Client(target, root_certificates=ca, auth_token="s3cret") as c:
             assert c.generate("Hello, jserve", GREEDY).token_ids == \
-                llm.generate("Hello, jserve", GREEDY)[0].token_ids
+                fake.generate("Hello, jserve", GREEDY).token_ids
         for token in (None, "wrong"):
             with Client(target, root_certificates=ca, auth_token=token) as c:
                 for call in (lambda: c.generate("hi", GREEDY), c.model_info):
@@ -640,22 +724,17 @@ class _EngineDeath(BaseException):
 
 
 @pytest.mark.parametrize("fault", [RuntimeError, _EngineDeath])
-def test_engine_faults_fail_in_flight_requests_with_internal(spare_engine, fault, llm):
+def test_engine_faults_fail_in_flight_requests_with_internal(fault):
     """A failed iteration fails its requests and the server keeps serving; a dead engine
     thread fails them too and turns health NOT_SERVING and new calls UNAVAILABLE."""
-    server = BackgroundServer(spare_engine, ServerConfig(host="127.0.0.1", port=0,
-                                                         metrics_port=None))
-    step = spare_engine.step
+    fake = FakeEngine()
+    server = BackgroundServer(fake, ServerConfig(host="127.0.0.1", port=0, metrics_port=None))
     try:
         with Client(server.target) as c:
             call = c.stream([3, 4], SamplingParams(temperature=0.0, max_tokens=400,
                                                    ignore_eos=True))
             next(call)
-
-            def broken_step():
-                spare_engine.step = step
-                raise fault("injected")
-            spare_engine.step = broken_step
+            fake.fail_steps(fault("injected"))
             with pytest.raises(grpc.RpcError) as e:
                 list(call)
             assert e.value.code() == grpc.StatusCode.INTERNAL and "injected" in e.value.details()
@@ -669,23 +748,22 @@ def test_engine_faults_fail_in_flight_requests_with_internal(spare_engine, fault
             if fault is RuntimeError:
                 assert status.status == health_pb2.HealthCheckResponse.SERVING
                 assert c.generate("Hello, jserve", GREEDY).token_ids == \
-                    llm.generate("Hello, jserve", GREEDY)[0].token_ids
+                    fake.generate("Hello, jserve", GREEDY).token_ids
                 wait_idle(server)
             else:
                 assert status.status == health_pb2.HealthCheckResponse.NOT_SERVING
                 with pytest.raises(grpc.RpcError) as e:
                     c.generate("Hello, jserve", GREEDY)
                 assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-                assert spare_engine.allocator.num_allocated == 0
-                assert not spare_engine.has_unfinished()
+                assert fake.core.blocks_used == 0
+                assert not fake.core.has_unfinished()
     finally:
-        spare_engine.step = step
         server.stop(grace=0)
 
 
-def test_stop_after_grace_ends_stragglers_with_unavailable(spare_engine):
-    server = BackgroundServer(spare_engine, ServerConfig(host="127.0.0.1", port=0,
-                                                         metrics_port=None))
+def test_stop_after_grace_ends_stragglers_with_unavailable():
+    fake = FakeEngine(step_s=0.005)  # 450 tokens: over 2 s, far past the grace
+    server = BackgroundServer(fake, ServerConfig(host="127.0.0.1", port=0, metrics_port=None))
 
     async def run():
         async with AsyncClient(server.target) as c:
@@ -713,7 +791,7 @@ def test_stop_after_grace_ends_stragglers_with_unavailable(spare_engine):
     results, late = asyncio.run(run())
     assert results == [grpc.StatusCode.UNAVAILABLE] * 2
     assert late == grpc.StatusCode.UNAVAILABLE
-    assert not spare_engine.has_unfinished() and spare_engine.allocator.num_allocated == 0
+    assert not fake.core.has_unfinished() and fake.core.blocks_used == 0
 
 
 @pytest.mark.slow
@@ -873,7 +951,8 @@ def _offline_verdict(llm, f: dict) -> SamplingParams | None:
 @pytest.mark.slow
 @settings(max_examples=80, deadline=None, print_blob=True)
 @given(f=fuzzed_requests())
-def test_fuzzed_requests_end_in_a_result_or_invalid_argument(bg, client, llm, f):
+def test_fuzzed_requests_end_in_a_result_or_invalid_argument(live_client, llm, f):
+    client = live_client
     params = _offline_verdict(llm, f)
     event("valid" if params is not None else "invalid")
     try:
@@ -906,17 +985,17 @@ def test_fuzzed_bytes_never_crash_the_server(bg, data):
 
 
 @pytest.mark.slow
-def test_server_is_whole_after_fuzzing(bg, client, llm):
-    wait_idle(bg)
-    assert client.generate("Hello, jserve", GREEDY).token_ids == \
+def test_server_is_whole_after_fuzzing(live, live_client, llm):
+    wait_idle(live)
+    assert live_client.generate("Hello, jserve", GREEDY).token_ids == \
         llm.generate("Hello, jserve", GREEDY)[0].token_ids
 
 
 # -- defects found by the load and fault pass ----------------------------------------------
-def test_server_ids_never_collide_with_ids_clients_chose(spare_engine):
+def test_server_ids_never_collide_with_ids_clients_chose():
     """Clients holding ``grpc-0`` .. ``grpc-3`` in flight: requests without an id get server
     ids that collide with none of them (no ALREADY_EXISTS)."""
-    server = BackgroundServer(spare_engine, ServerConfig(port=0, metrics_port=None))
+    server = BackgroundServer(FakeEngine(), ServerConfig(port=0, metrics_port=None))
     try:
         with Client(server.target) as c:
             held = [c.stream([i + 1] * 3, SamplingParams(temperature=0.0, max_tokens=400,

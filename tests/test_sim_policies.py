@@ -82,25 +82,17 @@ def test_an_explicit_kv_pool_replaces_the_one_memory_leaves():
     assert big.allocator.total == 4 * default.allocator.total
 
 
-def test_a_missed_request_counts_as_behind_documents_only_if_every_replica_had_one(
-        monkeypatch):
+def test_a_missed_request_counts_as_behind_documents_only_if_every_replica_had_one():
     """bench_routing's diagnostic: a short request that missed while every replica had a
     document between arrival and first token could not have been routed around one."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_routing.py"
-    spec = importlib.util.spec_from_file_location("bench_routing", path)
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_routing", bench)  # its dataclasses look it up
-    spec.loader.exec_module(bench)
+    from jserve.bench.routing_sim import long_everywhere_share
     doc = lambda k, a, f: dict(replica=k, prompt_tokens=200_000, arrival_s=a,  # noqa: E731
                                first_token_s=f)
     short = lambda k, a: dict(replica=k, prompt_tokens=100, arrival_s=a,  # noqa: E731
                               first_token_s=a + 9.0)
     recs = [doc(0, 0.0, 10.0), doc(1, 5.0, 8.0), doc(1, 12.0, None)]
     missed = [short(0, 6.0), short(1, 9.0), short(0, 13.0)]  # both, only r0, only r1
-    share = bench._long_everywhere_share(recs + missed, missed, 32_768, replicas=2)
+    share = long_everywhere_share(recs + missed, missed, 32_768, replicas=2)
     assert share == 1 / 3
     # A replica that never had a document: nothing was unavoidable.
-    assert bench._long_everywhere_share(recs + missed, missed, 32_768, replicas=3) == 0.0
+    assert long_everywhere_share(recs + missed, missed, 32_768, replicas=3) == 0.0

@@ -130,7 +130,7 @@ _SCRIPT = textwrap.dedent("""
         result["ticks"] = ticks
         result["compiles"] = eng.compile_count
         if pipelined:
-            result["pass_shapes"] = [list(s) for s in eng.runner._passes]
+            result["pass_shapes"] = [list(s) for s in eng.runner.programs.passes]
         return result
 
     def looped():

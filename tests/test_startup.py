@@ -33,7 +33,7 @@ def model_dir():
 def reference(model_dir) -> list[list[int]]:
     """Every step shape compiled before the first request."""
     llm = small_llm(model_dir, warmup="all")
-    runner = llm.engine.runner
+    runner = llm.engine.runner.programs
     assert runner.compile_count == len(llm.engine.buckets.all_shapes()) + 1  # and the sampler
     out = _generate(llm)
     assert not runner.padded and runner.compile_count == runner.compiled_up_front
@@ -43,14 +43,14 @@ def reference(model_dir) -> list[list[int]]:
 @pytest.mark.slow
 def test_core_warmup_compiles_two_programs_and_the_rest_later(model_dir, reference):
     llm = small_llm(model_dir, warmup="core")
-    eng, runner = llm.engine, llm.engine.runner
+    eng, runner = llm.engine, llm.engine.runner.programs
     shapes = eng.buckets.all_shapes()
     assert sorted(shapes) == [(0, 16), (0, 32), (1, 0), (2, 0), (4, 0), (4, 16), (4, 32)]
     # Up front: the largest step (covers every other) and the 1-row decode, each sampling
     # in its own executable. The sampling executable alone (late structured-output masks)
     # is queued in the background at start; the 5 other shapes wait for first use.
     assert runner.compiled_up_front == 2
-    assert sorted(runner._compiled) == [(1, 0), (4, 32)]
+    assert sorted(runner.steps) == [(1, 0), (4, 32)]
     assert eng.startup.deferred == 6 and eng.startup.overlapped
     assert eng.startup.cached + eng.startup.compiled == 2
     runner.sampler()  # waits for the background compile: compiled once, not again here
@@ -65,9 +65,9 @@ def test_core_warmup_compiles_two_programs_and_the_rest_later(model_dir, referen
     assert runner.wait_compiles(timeout=600)
     # Each shape a step needed compiled once, in the background; nothing compiled twice.
     assert runner.compiled_later == 1 + len(needed) and runner.compile_count == 3 + len(needed)
-    assert set(runner._compiled) == needed | {(1, 0), (4, 32)}
+    assert set(runner.steps) == needed | {(1, 0), (4, 32)}
 
-    compiled, before = set(runner._compiled), runner.padded.copy()
+    compiled, before = set(runner.steps), runner.padded.copy()
     assert _generate(llm) == reference  # the same steps again: on their own programs now
     assert all(need not in compiled for need, _ in runner.padded - before)
     eng.allocator.check()
@@ -77,7 +77,7 @@ def test_core_warmup_compiles_two_programs_and_the_rest_later(model_dir, referen
 @pytest.mark.slow
 def test_background_warmup_compiles_every_other_shape_after_ready(model_dir, reference):
     llm = small_llm(model_dir, warmup="background")
-    runner = llm.engine.runner
+    runner = llm.engine.runner.programs
     assert runner.compiled_up_front == 2
     assert runner.wait_compiles(timeout=600)
     total = len(llm.engine.buckets.all_shapes()) + 1  # and the sampling executable
@@ -88,12 +88,12 @@ def test_background_warmup_compiles_every_other_shape_after_ready(model_dir, ref
 
 def test_none_warmup_compiles_each_shape_on_first_use_and_waits(model_dir, reference):
     llm = small_llm(model_dir, warmup="none")
-    runner = llm.engine.runner
+    runner = llm.engine.runner.programs
     assert runner.compile_count == 0 and runner.deferred is None
     assert _generate(llm) == reference and not runner.padded
     # The shapes used: each plain step samples in its own executable, so the sampling
     # executable (late masks, pipeline ticks) is never needed here and never compiled.
-    assert runner.compile_count == len(runner._compiled) and runner._sampler is None
+    assert runner.compile_count == len(runner.steps) and not runner.samplers
 
 
 def test_warmup_modes_and_bools():

@@ -39,3 +39,8 @@ def prefill_flops(cfg: LlamaConfig, prompt_len: int) -> float:
     attn = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * pairs
     return (2.0 * matmul_params_per_token(cfg) * prompt_len + attn
             + 2.0 * cfg.hidden_size * cfg.vocab_size)
+
+
+def attention_flops(cfg: LlamaConfig, rows: int, context: int) -> float:
+    """QK and PV of ``rows`` decodes at ``context`` keys, every layer."""
+    return 4.0 * rows * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * context

@@ -9,6 +9,7 @@ import argparse
 
 from jserve.config import KV_CACHE_DTYPES, QUANTIZATIONS
 from jserve.engine.config import WARMUP_MODES, EngineConfig
+from jserve.speculative.config import SpeculativeConfig
 
 
 def add_engine_args(p: argparse.ArgumentParser, warmup: str = "none", **defaults) -> None:
@@ -74,7 +75,6 @@ def add_engine_args(p: argparse.ArgumentParser, warmup: str = "none", **defaults
 
 def speculative_config(text: str):
     """``--speculative-config``'s type: the JSON parsed, or an argparse error."""
-    from jserve.speculative.config import SpeculativeConfig
     try:
         return SpeculativeConfig.parse(text)
     except ValueError as e:
@@ -105,6 +105,6 @@ def llm_kwargs(a: argparse.Namespace) -> dict:
 def llm_from_args(a: argparse.Namespace, **overrides):
     """``LLM(--model, ...)`` built from ``add_engine_args``'s flags; ``overrides``: further
     ``LLM`` keyword arguments (``scheduler=...``), which win over the flags."""
-    from jserve.llm import LLM
+    from jserve.llm import LLM  # loads JAX and the engine: only once an engine is built
 
     return LLM(a.model, **{**llm_kwargs(a), **overrides})

@@ -123,7 +123,7 @@ class EngineConfig:
         if self.layer_loop != "auto":
             return self.layer_loop
         if spp == 1 and backend is None:
-            import jax
+            import jax  # this module is plain Python (the CLI reads it without JAX)
             backend = jax.default_backend()
         if spp == 1 and backend == "gpu":
             return "sliced"

@@ -269,16 +269,18 @@ class LLMEngine:
         for i, req in appended:
             if self.requests.get(req.request_id) is not req:
                 continue  # finished by an earlier token of this step (stop, length)
-            reason = self.faults.run(req, "output processing", self._add_token, req, rows[i],
+            reason = self.faults.run(req, "output processing", self._add_token, req, rows, i,
                                      sampled[i], logprobs, now)
             if not self.faults.failed(req):
                 outputs[req] = self._finish(req, reason) if reason else None
         return [out or self.outputs.output(req) for req, out in outputs.items()]
 
-    def _add_token(self, req: Request, row: int, token: int, logprobs: StepLogprobs | None,
-                   now: float) -> str | None:
+    def _add_token(self, req: Request, rows: list[int], i: int, token: int,
+                   logprobs: StepLogprobs | None, now: float) -> str | None:
+        """The ``i``-th sampled token, at sampling row ``rows[i]`` when it has logprobs (a
+        burst's tokens, [rows x steps] flattened, have none)."""
         lp = None if req.payload.logprobs is None else logprobs.token(
-            row, token, req.payload.params.logprobs)
+            rows[i], token, req.payload.params.logprobs)
         return self.outputs.add_token(req, token, now, lp)
 
     def _step_failed(self, error: Exception, **where) -> list[RequestOutput]:

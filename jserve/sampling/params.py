@@ -6,7 +6,6 @@ never has to deal with out-of-range values and every rejection names the offendi
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from collections.abc import Iterable, Sequence
 
 from jserve.fields import MAX_TOKEN_LOGPROBS, number
@@ -23,11 +22,6 @@ MAX_BANNED_IDS = 32
 # The numeric fields, checked against jserve.fields.NUMBERS (type, finiteness, range).
 _NUMERIC = ("max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p",
             "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "logprobs")
-
-
-def _is_int(value: object) -> bool:
-    """bool is an int subclass, but ``top_k=True`` is a client bug, not a value."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _as_tuple(name: str, value: object) -> tuple:
@@ -123,7 +117,7 @@ class SamplingParams:
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"stop_token_ids must have at most {MAX_STOP_TOKEN_IDS} ids, "
                              f"got {len(self.stop_token_ids)}")
-        upper = "vocab_size" if vocab_size is None else vocab_size
         for t in self.stop_token_ids:
-            if not _is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
-                raise ValueError(f"stop_token_ids must be ints in [0, {upper}), got {t!r}")
+            number("stop_token_ids", t)  # an int in the table's range
+            if vocab_size is not None and t >= vocab_size:
+                raise ValueError(f"stop_token_ids must be ints in [0, {vocab_size}), got {t!r}")

@@ -13,28 +13,8 @@ from __future__ import annotations
 import bisect
 import functools
 
-from jserve.scheduler.plan import BatchPlan, ScheduledChunk
-from jserve.scheduler.predictor import ChunkTimer, RuntimePredictor
-
-
-def with_chunk(plan: BatchPlan, request_id: str, start: int, n: int, samples: bool) -> BatchPlan:
-    # BatchPlan(...) rather than dataclasses.replace: the scheduler extends a plan for every
-    # chunk it packs, and replace() costs several times more.
-    chunk = ScheduledChunk(request_id, start, n, samples)
-    return BatchPlan(plan.decodes, plan.prefills + (chunk,), plan.preempted, plan.swap_out,
-                     plan.swap_in)
-
-
-def chunk_timer(predictor: RuntimePredictor, plan: BatchPlan) -> ChunkTimer:
-    """predict(plan + one prefill chunk) as a function of the chunk: the predictor's own O(1)
-    ``chunk_timer`` when it has one, else ``predict`` on the extended plan."""
-    fast = getattr(predictor, "chunk_timer", None)
-    if fast is not None:
-        return fast(plan)
-
-    def time(request_id: str, start: int, n: int, samples: bool) -> float:
-        return predictor.predict(with_chunk(plan, request_id, start, n, samples))
-    return time
+from jserve.scheduler.plan import BatchPlan
+from jserve.scheduler.predictor import ChunkTimer, RuntimePredictor, chunk_timer
 
 
 class ChunkSearch:

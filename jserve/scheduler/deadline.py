@@ -32,8 +32,8 @@ import numpy as np
 
 from jserve.cache.allocator import BlockAllocator
 from jserve.scheduler.base import SchedulerBase
-from jserve.scheduler.chunking import ChunkSearch, PrefillTimeCache, with_chunk
-from jserve.scheduler.plan import BatchPlan
+from jserve.scheduler.chunking import ChunkSearch, PrefillTimeCache
+from jserve.scheduler.plan import BatchPlan, with_chunk
 from jserve.scheduler.predictor import RuntimePredictor
 from jserve.scheduler.request import Request, RequestStatus
 

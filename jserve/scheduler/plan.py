@@ -56,3 +56,12 @@ class BatchPlan:
     @property
     def is_empty(self) -> bool:
         return not self.decodes and not self.prefills
+
+
+def with_chunk(plan: BatchPlan, request_id: str, start: int, n: int, samples: bool) -> BatchPlan:
+    """``plan`` with one more prefill chunk (what the packer prices a chunk size by)."""
+    # BatchPlan(...) rather than dataclasses.replace: the scheduler extends a plan for every
+    # chunk it packs, and replace() costs several times more.
+    chunk = ScheduledChunk(request_id, start, n, samples)
+    return BatchPlan(plan.decodes, plan.prefills + (chunk,), plan.preempted, plan.swap_out,
+                     plan.swap_in)

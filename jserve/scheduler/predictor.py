@@ -13,7 +13,7 @@ from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
-from jserve.scheduler.plan import BatchPlan, ScheduledChunk
+from jserve.scheduler.plan import BatchPlan, ScheduledChunk, with_chunk
 
 
 class RuntimePredictor(Protocol):
@@ -23,8 +23,20 @@ class RuntimePredictor(Protocol):
 # Optionally a predictor also has ``chunk_timer(plan) -> ChunkTimer``: the time of ``plan``
 # plus one more prefill chunk, in O(1) per call, so the chunk-size search does not rebuild and
 # re-walk a batch of a hundred decodes for every chunk size it tries
-# (``chunking.chunk_timer`` falls back to ``predict`` without it).
+# (``chunk_timer`` falls back to ``predict`` without it).
 ChunkTimer = Callable[[str, int, int, bool], float]  # (request_id, start, num_tokens, samples)
+
+
+def chunk_timer(predictor: RuntimePredictor, plan: BatchPlan) -> ChunkTimer:
+    """predict(plan + one prefill chunk) as a function of the chunk: the predictor's own O(1)
+    ``chunk_timer`` when it has one, else ``predict`` on the extended plan."""
+    fast = getattr(predictor, "chunk_timer", None)
+    if fast is not None:
+        return fast(plan)
+
+    def time(request_id: str, start: int, n: int, samples: bool) -> float:
+        return predictor.predict(with_chunk(plan, request_id, start, n, samples))
+    return time
 
 
 FEATURES = ("constant", "tokens", "decodes", "decode_context", "prefill_attention",
@@ -143,8 +155,6 @@ class CorrectedPredictor:
         return self.base.predict(plan) * self.scale
 
     def chunk_timer(self, plan: BatchPlan) -> ChunkTimer:
-        from jserve.scheduler.chunking import chunk_timer  # chunking imports this module
-
         timer, scale = chunk_timer(self.base, plan), self.scale
         return lambda request_id, start, n, samples: timer(request_id, start, n,
                                                            samples) * scale

@@ -1,8 +1,10 @@
 """The serving layer: ``jserve serve``, gRPC and an OpenAI-compatible HTTP API from one engine.
 
-``protocol`` converts between the gRPC wire messages and the offline API's types,
-``engine_loop`` runs the (not thread-safe) engine in a thread of its own and streams outputs
-back to asyncio, ``gateway`` is the path of one request shared by both front ends (admission,
+``engine_api`` is all the serving layer sees of the engine (``EngineClient``), implemented by
+``live_engine`` (``LLMEngine``) and ``fake_engine`` (scripted tokens, no JAX) over
+``engine_loop``, which runs the (not thread-safe) engine in a thread of its own and streams
+outputs back to asyncio; ``protocol`` converts between the gRPC wire messages and the offline
+API's types, ``gateway`` is the path of one request shared by both front ends (admission,
 validation off the event loop, ids, the in-flight set, outcome accounting), ``limits`` what
 one client may ask for (SLO floors, priority range and trust), ``metrics`` exports Prometheus
 metrics, ``server`` is the ``grpc.aio`` service and process lifecycle (health, reflection,

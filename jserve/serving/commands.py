@@ -3,6 +3,7 @@ here so ``jserve/cli.py`` only wires them in)."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import os
@@ -46,7 +47,7 @@ def add_multihost_args(p: argparse.ArgumentParser) -> None:
 def join_processes(a: argparse.Namespace) -> None:
     """Starts JAX's distributed runtime when ``--coordinator`` is given; before any JAX work."""
     if a.coordinator is not None:
-        from sharding import distributed
+        from sharding import distributed  # JAX: only multi-host runs load it here
         distributed.initialize(a.coordinator, a.num_processes, a.process_id, a.local_devices)
 
 
@@ -58,7 +59,7 @@ def leading(a: argparse.Namespace, llm):
     if a.coordinator is None:
         yield True
         return
-    from sharding import distributed
+    from sharding import distributed  # JAX: only multi-host runs load it here
     if not distributed.is_leader():
         distributed.follow(llm.engine.runner)
         yield False
@@ -123,8 +124,9 @@ def add_serve_parser(sub, add_engine_args: Callable, engine_kwargs: Callable) ->
     s.add_argument("--metrics-open", action="store_true",
                    help="serve /metrics without the bearer token even with --auth-token")
     s.add_argument("--fake-engine", action="store_true",
-                   help="serve jserve.serving.fake_engine's scripted tokens instead of a model "
-                        "(no JAX; for testing clients, routers and the edge)")
+                   help="serve jserve.serving.fake_engine's scripted tokens instead of the "
+                        "model (with a checkpoint directory's tokenizer; no JAX): for testing "
+                        "clients, routers and the edge")
     s.add_argument("--log-level", default="INFO",
                    help="jserve's log level (other libraries log from WARNING up; DEBUG: all)")
     g = s.add_argument_group("Ray Serve (docs/scale_out.md): replicas of this engine behind a "
@@ -189,7 +191,7 @@ def add_limit_args(s: argparse.ArgumentParser) -> None:
 def served_model_names(a: argparse.Namespace) -> tuple[str, ...]:
     """``--served-model-name``, or the default: a built-in model's name as given, a
     checkpoint directory's own name (not its path on the server's disk)."""
-    from jserve.model.weights import BUILTIN_MODELS
+    from jserve.model.weights import BUILTIN_MODELS  # the model package loads JAX
 
     if a.served_model_name:
         if not all(a.served_model_name):
@@ -213,7 +215,7 @@ def client_limits(a: argparse.Namespace) -> ClientLimits:
 
 
 def ray_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
-    from jserve.serving.ray_app import run
+    from jserve.serving.ray_app import run  # Ray: only --ray loads it
 
     engine = dict(engine_kwargs, dtype=a.dtype, scheduler=a.scheduler,
                   iteration_budget=a.iteration_budget, prefill_share=a.prefill_share)
@@ -232,8 +234,6 @@ def ray_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
 
 
 def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
-    import asyncio
-
     if a.ray:
         return ray_command(a, engine_kwargs)
 
@@ -256,12 +256,12 @@ def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
         limits=client_limits(a))
     join_processes(a)
     if a.fake_engine:
-        llm, engine = None, FakeEngine(max_model_len=a.max_model_len or 512,
-                                       max_num_seqs=a.max_num_seqs or 8)
+        llm, engine = None, FakeEngine.for_model(a.model, max_model_len=a.max_model_len or 512,
+                                                 max_num_seqs=a.max_num_seqs or 8)
     else:
         llm = LLM(a.model, dtype=a.dtype, quantization=a.quantization, scheduler=a.scheduler,
-                  length_probe=a.length_probe,
-                  sprpt_c=a.sprpt_c, iteration_budget=a.iteration_budget, prefill_share=a.prefill_share,
+                  length_probe=a.length_probe, sprpt_c=a.sprpt_c,
+                  iteration_budget=a.iteration_budget, prefill_share=a.prefill_share,
                   **engine_kwargs)
         engine = llm.engine
 
@@ -297,6 +297,7 @@ def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
 
 
 def generate_remote(a: argparse.Namespace, params) -> int:
+    # Imported here: gRPC, which the CLI's other commands never need.
     import grpc
 
     from jserve.client import Client

@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import os
 import random
 import time
 from typing import Callable, Sequence
@@ -44,7 +45,7 @@ from jserve.sampling.structured import GrammarCompiler
 from jserve.serving.engine_api import EngineInfo
 from jserve.serving.engine_loop import EngineCounters, EngineLoop
 from jserve.serving.metrics import ServerMetrics
-from jserve.tokenizer import ByteTokenizer, Tokenizer
+from jserve.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 TEXT = "The quick brown fox jumps over the lazy dog; pack my box with five dozen jugs. "
 Script = Callable[[Sequence[int], SamplingParams, int], int]
@@ -93,8 +94,9 @@ class FakeRequest:
 class _Core:
     """The engine thread's side: ``LLMEngine``'s step API over scripted requests."""
 
-    def __init__(self, fake: FakeEngine):
+    def __init__(self, fake: FakeEngine, live: bool = True):
         self.fake = fake
+        self.live = live  # False: ``FakeEngine.generate``'s (no sleep, no faults, no record)
         self.requests: dict[str, FakeRequest] = {}
         self.waiting: collections.deque[FakeRequest] = collections.deque()
         self.running: list[FakeRequest] = []
@@ -119,7 +121,8 @@ class _Core:
                           logprobs=[] if p.logprobs is not None else None)
         self.requests[rid] = req
         self.waiting.append(req)
-        self.fake.received.append(req)
+        if self.live:
+            self.fake.received.append(req)
         return rid
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -134,16 +137,16 @@ class _Core:
 
     def step(self) -> list[RequestOutput]:
         fake = self.fake
-        if fake.step_s > 0:
+        if self.live and fake.step_s > 0:
             time.sleep(fake.step_s)
-        if fake._step_faults:
+        if self.live and fake._step_faults:
             raise fake._step_faults.popleft()
         now = time.monotonic()
         self._admit(now)
         outputs = []
         for req in list(self.running):
             self._next_token(req, now)
-            if req.finish_reason is None and fake._request_fault(req.prepared):
+            if req.finish_reason is None and self.live and fake._request_fault(req.prepared):
                 self._finish(req, "abort", "injected request fault")
             elif req.finish_reason is not None:
                 self._finish(req, req.finish_reason)
@@ -244,7 +247,7 @@ class FakeEngine(EngineLoop):
                  prefix_caching: bool = True, lone_decode_s: float = 0.0,
                  prefill_s_per_token: float = 1e-4,
                  isolated_prefill: Callable[[int], float] | None = None,
-                 max_waiting: int = 1024, idle_poll_s: float = 0.05):
+                 max_waiting: int = 1024, idle_poll_s: float = 1.0):
         self.script = script
         self.step_s = step_s
         self.tokenizer = tokenizer
@@ -261,6 +264,28 @@ class FakeEngine(EngineLoop):
         self._request_fault: Callable[[FakePrepared], bool] = lambda prepared: False
         self.received: collections.deque[FakeRequest] = collections.deque(maxlen=10_000)
         super().__init__(_Core(self), max_waiting=max_waiting, idle_poll_s=idle_poll_s)
+
+    def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None
+                 ) -> RequestOutput:
+        """What a request gets, run alone here and now (the fake's ``LLM.generate``; a
+        sampled request without a seed gets one at random, as on the server)."""
+        core = _Core(self, live=False)
+        core.enqueue(self.prepare(prompt, params), "offline")
+        while True:
+            for out in core.step():
+                if out.finished:
+                    return out
+
+    @classmethod
+    def for_model(cls, model: str, **kw) -> FakeEngine:
+        """A fake with ``model``'s tokenizer (chat template, vocabulary, EOS ids) when it
+        is a checkpoint directory with one (``jserve serve --fake-engine --model DIR``), the
+        byte tokenizer otherwise."""
+        tok = load_tokenizer(model) if os.path.isdir(model) else None
+        if tok is None or isinstance(tok, ByteTokenizer):
+            return cls(**kw)
+        return cls(tokenizer=tok, vocab_size=tok.vocab_size,
+                   eos_token_ids=tuple(getattr(tok, "eos_token_ids", ())), **kw)
 
     # -- faults ----------------------------------------------------------------------------
     def fail_steps(self, error: BaseException, times: int = 1) -> None:

@@ -1,6 +1,6 @@
 """Wire messages <-> the offline API's types. No JAX and no engine state: the client uses the
 ``*_to_proto`` half, the server the ``*_from_proto`` half, and validation stays where it is
-(``SamplingParams`` and ``LLMEngine.tokenize/validate``)."""
+(``SamplingParams`` and ``EngineClient.prepare``)."""
 from __future__ import annotations
 
 import dataclasses

@@ -84,6 +84,29 @@ def iteration_s(gm: GlobalManager, costs, reqs: Iterable[EspRequest]) -> float:
     return max(costs.decode_instance(masters.get(i, 0), tuple(p)) for i, p in pieces.items())
 
 
+def _decode_iterations(gm: GlobalManager, costs: EspCosts, decoding: dict[str, EspRequest],
+                       in_flight: set[str], now: float) -> list[tuple[float, list[EspRequest]]]:
+    """The decode iterations that start at ``now``: (end, requests) per instance group whose
+    instances are all free, with its requests that may step (not in an iteration, not held,
+    none of their instances prefilling); the groups' instances are busy until the end."""
+    def ready(r: EspRequest) -> bool:
+        return (r.request_id not in in_flight
+                and gm.hold_until.get(r.request_id, now) <= now
+                and not any(gm.prefilling(i, now) for i in gm.placement[r.request_id]))
+    out = []
+    for insts, reqs in decode_groups(gm, decoding.values()):
+        if any(gm.decode_until[i] > now for i in insts):
+            continue  # part of the group is still in its previous iteration
+        stepping = [r for r in reqs if ready(r)]
+        if not stepping:
+            continue
+        end = now + iteration_s(gm, costs, stepping)
+        for i in {i for r in stepping for i in gm.placement[r.request_id]}:
+            gm.decode_until[i] = end
+        out.append((end, stepping))
+    return out
+
+
 def simulate_loongserve(trace: Iterable[TraceRequest], costs: EspCosts, num_instances: int, *,
                         memory_fraction: float = 0.9, horizon_s: float | None = None,
                         proactive: bool = True, check: bool = False,
@@ -117,11 +140,6 @@ def simulate_loongserve(trace: Iterable[TraceRequest], costs: EspCosts, num_inst
             decoding.pop(r.request_id, None)
             gm.release(r, at)
 
-    def ready(r: EspRequest) -> bool:
-        return (r.request_id not in in_flight
-                and gm.hold_until.get(r.request_id, now) <= now
-                and not any(gm.prefilling(i, now) for i in gm.placement[r.request_id]))
-
     while True:
         while a < len(pending_trace) and pending_trace[a].arrival_s <= now:
             t = pending_trace[a]
@@ -152,15 +170,7 @@ def simulate_loongserve(trace: Iterable[TraceRequest], costs: EspCosts, num_inst
         gm.scale_up_decodes(now, list(decoding.values()))
         if check:
             gm.check()
-        for insts, reqs in decode_groups(gm, decoding.values()):
-            if any(gm.decode_until[i] > now for i in insts):
-                continue  # part of the group is still in its previous iteration
-            stepping = [r for r in reqs if ready(r)]
-            if not stepping:
-                continue
-            end = now + iteration_s(gm, costs, stepping)
-            for i in {i for r in stepping for i in gm.placement[r.request_id]}:
-                gm.decode_until[i] = end
+        for end, stepping in _decode_iterations(gm, costs, decoding, in_flight, now):
             in_flight.update(r.request_id for r in stepping)
             heapq.heappush(events, (end, next(seq), "decode", stepping))
         upcoming = [events[0][0]] if events else []

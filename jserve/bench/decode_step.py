@@ -1,0 +1,233 @@
+"""The bench model's all-decode step, taken apart (``scripts/profile_step.py``,
+``scripts/profile_ops.py``): an engine on the bench model (4 layers, hidden 512, GQA 8/2,
+vocab 8192, f32), its all-decode steps timed as (wall, CPU) pairs, one step's packed inputs
+captured and its compiled step run back to back on them (one executable, the forward and the
+sampling executable, or the forward alone), and the matmul ceiling of the same weights."""
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jserve.bench.host_probes import HostPhases
+from jserve.config import LlamaConfig
+from jserve.engine import runner as runner_module
+from jserve.engine.config import EngineConfig
+from jserve.engine.engine import LLMEngine
+from jserve.model.weights import init_params
+from jserve.sampling import sampler as sampler_module
+
+BENCH_MODEL = LlamaConfig(vocab_size=8192, hidden_size=512, intermediate_size=1536,
+                          num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                          head_dim=64, max_position_embeddings=4096, eos_token_ids=(2,))
+
+
+CALLS = 30  # device-only step and ceiling calls per repetition
+
+
+def clocks() -> np.ndarray:
+    """(wall, this process's CPU time over all its threads) in seconds. CPU time moves far
+    less with the neighbours' load than wall time does, so both are reported."""
+    return np.array([time.perf_counter(), time.process_time()])
+
+
+def bench_engine(batch: int, attention_impl: str = "auto") -> LLMEngine:
+    """The bench model's engine sized for ``batch`` decodes (buckets compile on first use)."""
+    cfg = BENCH_MODEL
+    return LLMEngine(cfg, init_params(cfg), None,
+                     EngineConfig(max_num_seqs=batch, max_num_batched_tokens=512,
+                                  max_model_len=2048, warmup=False,
+                                  attention_impl=attention_impl))
+
+
+def bench_prompts(batch: int, prompt_len: int) -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    return [rng.integers(3, BENCH_MODEL.vocab_size, prompt_len).tolist() for _ in range(batch)]
+
+
+def decode_steps(eng: LLMEngine, prompts, params, phases: HostPhases | None = None
+                 ) -> list[np.ndarray]:
+    """(wall, CPU) seconds of every engine step taken while every running request
+    decodes."""
+    for p in prompts:
+        eng.add_request(p, params)
+    steps = []
+    if phases is not None:
+        phases.runs.append([])
+    while eng.has_unfinished():
+        t = clocks()
+        decoding = bool(eng.scheduler.running) and not eng.scheduler.waiting and all(
+            r.is_decode for r in eng.scheduler.running)
+        if phases is not None:
+            phases.start()
+        eng.step()
+        if phases is not None:
+            phases.stop(keep=decoding)
+        if decoding:
+            steps.append(clocks() - t)
+    return steps[2:-2]  # drop the ramp and the tail (the last token's read step)
+
+
+def burst_token_times(eng: LLMEngine, prompts, params, burst: int) -> list[np.ndarray]:
+    """(wall, CPU) seconds per token of every engine step that read a whole burst of
+    ``burst`` tokens of the first request (``EngineConfig.decode_burst``; under async
+    scheduling such a step launched the next burst and read this one): the step's time
+    over ``burst``."""
+    eng.bursts.steps = burst
+    ids = [eng.add_request(p, params) for p in prompts]
+    per_token, seen = [], 0
+    try:
+        while eng.has_unfinished():
+            t = clocks()
+            outs = eng.step()
+            dt = clocks() - t
+            n = next((o.num_tokens for o in outs if o.request_id == ids[0]), seen)
+            if n - seen == burst:
+                per_token.append(dt / burst)
+            seen = n
+    finally:
+        eng.bursts.steps = 1
+    return per_token
+
+
+def capture_decode(eng: LLMEngine, prompts, params) -> tuple[tuple[int, int], tuple]:
+    """Runs ``prompts`` once (compiling every shape they use) and returns the all-decode
+    bucket's shape and the packed inputs of one step at it."""
+    shape = eng.buckets.shape_for(len(prompts), 0)
+    captured = {}
+    execute = eng.runner.execute_packed
+
+    def capture(s, ibuf, fbuf, *args, **kwargs):
+        if s == shape:
+            captured["packed"] = (ibuf, fbuf)
+        return execute(s, ibuf, fbuf, *args, **kwargs)
+
+    eng.runner.execute_packed = capture
+    try:
+        decode_steps(eng, prompts, params)
+    finally:
+        eng.runner.execute_packed = execute
+    return shape, captured["packed"]
+
+
+def forward_executable(runner, shape: tuple[int, int]) -> jax.stages.Compiled:
+    """The step's forward alone (``runner._forward_step``: no sampling), compiled for
+    ``shape`` as the runner compiles its steps: the first half of the two-executable step
+    the engine ran before the sampling moved into the step."""
+    jitted = jax.jit(runner_module._fresh(runner_module._forward_step),
+                     static_argnames=("layout", "cfg", "attention_impl", "mesh", "rows",
+                                      "capture_layer"), donate_argnums=(1, 2))
+    ishape, fshape = runner.buffer_shapes(shape)
+    return jitted.lower(*runner._specs(), jax.ShapeDtypeStruct(ishape, jnp.int32),
+                        jax.ShapeDtypeStruct(fshape, jnp.float32),
+                        layout=runner.compiled(shape)[1], cfg=runner.cfg,
+                        attention_impl=runner.attention_impl, mesh=None,
+                        rows=runner.rows_for(shape), capture_layer=None).compile()
+
+
+class TwoExecutables:
+    """The step as two executable calls, the forward then the sampling executable, with
+    the one-executable step's signature and results: installed in the runner for a shape,
+    the engine runs the way it did before (``--split-ab``)."""
+
+    def __init__(self, forward, sample):
+        self.forward, self.sample = forward, sample
+
+    def __call__(self, params, kv_cache, state, ibuf, fbuf):
+        inputs, kv_cache, state = self.forward(params, kv_cache, state, ibuf, fbuf)
+        out, state = self.sample(state, inputs)
+        return out, inputs, kv_cache, state
+
+
+class DeviceStep:
+    """The captured all-decode step run back to back on its own inputs (KV cache and
+    penalty state fed back): as the engine's one executable (forward and sampling), as
+    the forward and the sampling executable (two calls), and the forward alone."""
+
+    def __init__(self, eng: LLMEngine, packed, shape):
+        self.runner = eng.runner
+        self.exe, _ = self.runner.compiled(shape)
+        self.forward = forward_executable(self.runner, shape)
+        self.ibuf, self.fbuf = map(jax.device_put, packed)
+        self.sample = self.runner.sampler(self.runner.rows_for(shape))
+
+    def time(self, mode: str, calls: int = CALLS) -> np.ndarray:
+        """(wall, CPU) seconds per call over ``calls`` calls; ``mode``: "one" (the
+        engine's step), "two" (forward, then ``self.sample``) or "forward"."""
+        r = self.runner
+        t = clocks()
+        for _ in range(calls):
+            if mode == "one":
+                out, _, r.kv_cache, r.state = self.exe(r.params, r.kv_cache, r.state,
+                                                       self.ibuf, self.fbuf)
+                continue
+            inputs, r.kv_cache, r.state = self.forward(r.params, r.kv_cache, r.state,
+                                                       self.ibuf, self.fbuf)
+            out = inputs.logits
+            if mode == "two":
+                out, r.state = self.sample(r.state, inputs)
+        jax.block_until_ready(out)
+        return (clocks() - t) / calls
+
+
+def step_weights(params) -> list[jax.Array]:
+    """Every weight matrix a decode step multiplies by (runtime layout, stacked or
+    unrolled): the layers' projections, then the LM head."""
+    layers = params["layers"]
+    names = ("wq", "wk", "wv", "wo", "w_gate_up", "w_down")
+    if isinstance(layers, dict):
+        ws = [layers[n][i] for i in range(layers["wq"].shape[0]) for n in names]
+    else:
+        ws = [layer[n] for layer in layers for n in names]
+    head = params.get("lm_head")
+    return ws + [params["embed"].T if head is None else head]
+
+
+class MatmulCeiling:
+    """One jitted program doing ``rows`` x W for every W in ``weights``, one after the other
+    as in the step (an optimization barrier ties each input to the previous product, so
+    XLA neither runs them side by side nor drops one)."""
+
+    def __init__(self, weights: list[jax.Array], rows: int):
+        rng = np.random.default_rng(1)
+        self.xs = [jnp.asarray(rng.standard_normal((rows, w.shape[0]), np.float32))
+                   for w in weights]
+        self.weights = weights
+        self.flops = float(sum(2 * rows * w.shape[0] * w.shape[1] for w in weights))
+
+        def chain(xs, ws):
+            outs, prev = [], None
+            for x, w in zip(xs, ws):
+                if prev is not None:
+                    x, _ = jax.lax.optimization_barrier((x, prev))
+                prev = jnp.dot(x, w, preferred_element_type=jnp.float32)
+                outs.append(prev)
+            return outs
+
+        self.program = jax.jit(chain)
+        jax.block_until_ready(self.program(self.xs, weights))
+
+    def time(self) -> np.ndarray:
+        """(wall, CPU) seconds per call over ``CALLS`` calls."""
+        t = clocks()
+        for _ in range(CALLS):
+            out = self.program(self.xs, self.weights)
+        jax.block_until_ready(out)
+        return (clocks() - t) / CALLS
+
+
+def argmax_sampler(step: DeviceStep):
+    """The sampling executable as it was built with ``jnp.argmax`` (XLA:CPU's variadic
+    reduce) instead of ``row_argmax``: the baseline of ``--sampler-ab``."""
+    r = step.runner
+    inputs, r.kv_cache, r.state = step.forward(r.params, r.kv_cache, r.state, step.ibuf,
+                                               step.fbuf)
+    kept = sampler_module.row_argmax
+    sampler_module.row_argmax = lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32)
+    try:
+        return jax.jit(runner_module._fresh(runner_module._sample), donate_argnums=(0,)).lower(
+            r.state, inputs).compile()
+    finally:
+        sampler_module.row_argmax = kept
