@@ -249,6 +249,31 @@ class ToolCallParser:
         else:
             deltas.append({"index": index, "function": {"arguments": piece}})
 
+    def _scan_arguments(self, t: str, i: int) -> int:
+        """Reads a call's arguments from ``t[i]`` on (strings, escapes, brackets); where
+        they end (the state is then ``close``), or ``len(t)`` if they go on."""
+        j = i
+        while j < len(t):
+            ch = t[j]
+            j += 1
+            if self._in_string:
+                if self._escape:
+                    self._escape = False
+                elif ch == "\\":
+                    self._escape = True
+                elif ch == '"':
+                    self._in_string = False
+            elif ch == '"':
+                self._in_string = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    self._state = "close"
+                    return j
+        return j
+
     def feed(self, text: str) -> tuple[str, list[dict]]:
         self._text += text
         content, deltas = "", []
@@ -300,26 +325,7 @@ class ToolCallParser:
                 self._state = "args"
                 self._depth = 0
             elif self._state == "args":
-                j = i
-                while j < len(t):
-                    ch = t[j]
-                    j += 1
-                    if self._in_string:
-                        if self._escape:
-                            self._escape = False
-                        elif ch == "\\":
-                            self._escape = True
-                        elif ch == '"':
-                            self._in_string = False
-                    elif ch == '"':
-                        self._in_string = True
-                    elif ch in "{[":
-                        self._depth += 1
-                    elif ch in "}]":
-                        self._depth -= 1
-                        if self._depth == 0:
-                            self._state = "close"
-                            break
+                j = self._scan_arguments(t, i)
                 self._arguments(t[i:j], deltas)
                 self._at = j
             elif self._state == "close":  # the call object's own '}'
