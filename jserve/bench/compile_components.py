@@ -72,21 +72,21 @@ def child_components(args) -> dict:
 
 
 def fused_step(runner, rec: EventRecorder, shape) -> dict:
-    """The engine's own path: ``runner.compiled(shape)``; the split comes from JAX's events
-    (whatever executables that path compiles, e.g. a separate sampling program)."""
+    """The engine's own path: ``runner.programs.compiled(shape)``; the split comes from JAX's
+    events (whatever executables that path compiles, e.g. a separate sampling program)."""
     import jax
-    if hasattr(runner, "_compiled"):
-        runner._compiled.pop(tuple(shape), None)
+    programs = runner.programs
+    programs.steps.pop(tuple(shape), None)
     rec.reset()
-    before = runner.compile_count
+    before = programs.compile_count
     t0 = time.perf_counter()
-    runner.compiled(tuple(shape))
+    programs.compiled(tuple(shape))
     total = time.perf_counter() - t0
     s = rec.summary()
     del jax
     return {"trace_s": s["trace_s"], "lower_s": s["lower_s"],
             "compile_s": s["backend_compile_s"], "total_s": total,
-            "executables": runner.compile_count - before,
+            "executables": programs.compile_count - before,
             "backend_compiles": s["n_backend_compiles"]}
 
 
@@ -94,7 +94,7 @@ def decoder_layers(runner, cfg, shape) -> dict:
     """``llama.forward`` (embed, every decoder layer, final norm and LM head) without the
     sampling tail, on the runner's params / KV cache layout."""
     from jserve.model.llama import forward
-    spec = runner.arrays_spec(*shape)
+    spec = runner.programs.lowering.arrays_spec(*shape)
 
     def f(params, kv_cache, batch):
         logits, kv_cache, _ = forward(params, kv_cache, batch, cfg=cfg,
@@ -120,7 +120,7 @@ def attention_only(runner, cfg, shape) -> dict:
     import jax
 
     from jserve.kernels import attention
-    spec = runner.arrays_spec(*shape)
+    spec = runner.programs.lowering.arrays_spec(*shape)
     t = spec.batch.tokens.shape[0]
     q = jax.ShapeDtypeStruct((t, cfg.num_attention_heads, cfg.head_dim), cfg.np_dtype)
     k, v = _one_layer_pages(runner)
@@ -139,7 +139,7 @@ def _logits_spec(cfg, s):
 def sampling(runner, cfg, shape) -> dict:
     """Top-k / top-p / min-p with the full-vocabulary sort, S rows x vocab."""
     from jserve.sampling.sampler import choose_tokens
-    spec = runner.arrays_spec(*shape)
+    spec = runner.programs.lowering.arrays_spec(*shape)
     s = spec.sampling.temperature.shape[0]
 
     def f(logits, sb):
@@ -148,13 +148,14 @@ def sampling(runner, cfg, shape) -> dict:
 
 
 def penalties(runner, cfg, shape) -> dict:
-    """``apply_penalties`` on the rows' state plus the state update (``runner._update_state``)."""
+    """``apply_penalties`` on the rows' state plus the state update
+    (``step_program._update_state``)."""
     import jax
     import jax.numpy as jnp
 
-    from jserve.engine import runner as runner_mod
+    from jserve.engine import step_program as runner_mod
     from jserve.sampling.sampler import apply_penalties
-    spec = runner.arrays_spec(*shape)
+    spec = runner.programs.lowering.arrays_spec(*shape)
     s = spec.sampling.temperature.shape[0]
     state = _abstract(runner.state)
 
@@ -174,7 +175,7 @@ def logprobs(runner, cfg, shape) -> dict:
 
     from jserve.sampling.params import MAX_LOGPROBS
     from jserve.sampling.sampler import token_logprobs
-    spec = runner.arrays_spec(*shape)
+    spec = runner.programs.lowering.arrays_spec(*shape)
     s = spec.sampling.temperature.shape[0]
     tokens = jax.ShapeDtypeStruct((s,), jnp.int32)
 

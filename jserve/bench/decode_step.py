@@ -13,7 +13,7 @@ import numpy as np
 
 from jserve.bench.host_probes import HostPhases
 from jserve.config import LlamaConfig
-from jserve.engine import runner as runner_module
+from jserve.engine import step_program as runner_module
 from jserve.engine.config import EngineConfig
 from jserve.engine.engine import LLMEngine
 from jserve.model.weights import init_params
@@ -120,11 +120,12 @@ def forward_executable(runner, shape: tuple[int, int]) -> jax.stages.Compiled:
                      static_argnames=("layout", "cfg", "attention_impl", "mesh", "rows",
                                       "capture_layer"), donate_argnums=(1, 2))
     ishape, fshape = runner.buffer_shapes(shape)
-    return jitted.lower(*runner._specs(), jax.ShapeDtypeStruct(ishape, jnp.int32),
+    return jitted.lower(*runner.programs.lowering.args, jax.ShapeDtypeStruct(ishape, jnp.int32),
                         jax.ShapeDtypeStruct(fshape, jnp.float32),
-                        layout=runner.compiled(shape)[1], cfg=runner.cfg,
+                        layout=runner.programs.compiled(shape)[1], cfg=runner.cfg,
                         attention_impl=runner.attention_impl, mesh=None,
-                        rows=runner.rows_for(shape), capture_layer=None).compile()
+                        rows=runner.programs.lowering.rows_for(shape),
+                        capture_layer=None).compile()
 
 
 class TwoExecutables:
@@ -148,10 +149,11 @@ class DeviceStep:
 
     def __init__(self, eng: LLMEngine, packed, shape):
         self.runner = eng.runner
-        self.exe, _ = self.runner.compiled(shape)
+        self.exe, _ = self.runner.programs.compiled(shape)
         self.forward = forward_executable(self.runner, shape)
         self.ibuf, self.fbuf = map(jax.device_put, packed)
-        self.sample = self.runner.sampler(self.runner.rows_for(shape))
+        programs = self.runner.programs
+        self.sample = programs.sampler(programs.lowering.rows_for(shape))
 
     def time(self, mode: str, calls: int = CALLS) -> np.ndarray:
         """(wall, CPU) seconds per call over ``calls`` calls; ``mode``: "one" (the

@@ -44,7 +44,7 @@ def child_start(args) -> dict:
     total = time.perf_counter() - t0
     rec.active = False
     out = {"depth": args.depth, "total_s": total, "import_s": import_s, "params_s": params_s,
-           "executables": engine.runner.compile_count,
+           "executables": engine.runner.programs.compile_count,
            "shapes": len(engine.buckets.all_shapes()),
            "jserve": os.path.dirname(jserve.__file__), "jax": jax.__version__}
     out.update(rec.summary())
@@ -62,7 +62,7 @@ def child_first_token(args) -> dict:
                                                             ignore_eos=True))[0]
     now, age = time.monotonic(), process_age()
     m = out.metrics
-    runner = llm.engine.runner
+    runner = llm.engine.runner.programs
     result = {"depth": args.depth, "warmup": args.warmup, "age_at_main_s": age_at_main,
               "first_token_s": age - (now - m.first_token_time), "fourth_token_s": age,
               "tokens": out.token_ids, "startup": llm.engine.startup.as_dict(),
@@ -95,7 +95,7 @@ def child_lower_all(args) -> dict:
     lowered = 0
     for shape in shapes:
         try:
-            engine.runner.compiled(shape)
+            engine.runner.programs.compiled(shape)
         except _StopBeforeCompile:
             lowered += 1
     total = time.perf_counter() - t0

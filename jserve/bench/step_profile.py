@@ -35,7 +35,7 @@ def profile_batch(batch: int, a, bar: tqdm) -> dict:
     prompts = bench_prompts(batch, a.prompt_len)
     shape, packed = capture_decode(eng, prompts, params)
     step = DeviceStep(eng, packed, shape)
-    fused = eng.runner._compiled[shape]
+    fused = eng.runner.programs.steps[shape]
     two = (TwoExecutables(step.forward, step.sample), fused[1])
     # Engine variants, alternated within each repetition: (label, async, step program).
     variants = [(ONE, True, fused)]
@@ -49,11 +49,11 @@ def profile_batch(batch: int, a, bar: tqdm) -> dict:
     if a.decode_burst > 1:
         steps[BURST] = []
         burst_token_times(eng, prompts, params, a.decode_burst)  # compiles the burst
-        eng.runner.wait_compiles()
+        eng.runner.programs.wait_compiles()
     for _ in range(a.reps):
         for label, mode, program in variants:
             eng.async_scheduling = mode
-            eng.runner._compiled[shape] = program
+            eng.runner.programs.steps[shape] = program
             steps[label].append(np.median(decode_steps(eng, prompts, params), axis=0))
             if probe is not None:
                 gaps[mode] += probe.take()[2:-2]
@@ -62,7 +62,7 @@ def profile_batch(batch: int, a, bar: tqdm) -> dict:
             steps[BURST].append(np.median(
                 burst_token_times(eng, prompts, params, a.decode_burst), axis=0))
         bar.update()
-    eng.runner._compiled[shape] = fused
+    eng.runner.programs.steps[shape] = fused
     if probe is not None:
         eng.runner.execute_packed, eng._read = probe._execute, probe._read
     phases = None
