@@ -78,7 +78,7 @@ def _profile(a: argparse.Namespace) -> int:
     llm = llm_from_args(a)
     samples = profile_samples(llm.engine, repeats=a.repeats)
     predictor, report = fit_predictor(llm.engine, samples)
-    out = a.out or default_predictor_path(llm.engine.cfg, llm.engine.config)
+    out = a.out or default_predictor_path(llm.engine.model_config, llm.engine.config)
     predictor.save(out)
     for name, c in zip(FEATURES, predictor.coef):
         print(f"  {name:18s} {c:.3e}")

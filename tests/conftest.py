@@ -53,7 +53,7 @@ def gauges(url: str, token: str | None = None) -> dict[str, float]:
 
 
 def wait_blocks_free(url: str, token: str | None = None, timeout: float = 30.0) -> dict:
-    """Waits until a server holds no KV block and runs and queues nothing; its gauges."""
+    """Waits until a server holds no KV page and runs and queues nothing; its gauges."""
     import time
     end = time.monotonic() + timeout
     while True:

@@ -214,10 +214,10 @@ def test_http_target_records_what_the_grpc_target_records():
         assert cut["finish_s"] is None and 0 <= cut["output_tokens"] < 300
         for _ in range(100):
             st = server.stats()
-            if st["in_flight"] == 0 and st["blocks_used"] == 0:
+            if st["in_flight"] == 0 and st["pages_used"] == 0:
                 break
             time.sleep(0.02)
-        assert st["in_flight"] == 0 and st["blocks_used"] == 0, st
+        assert st["in_flight"] == 0 and st["pages_used"] == 0, st
     finally:
         server.stop(grace=0)
 

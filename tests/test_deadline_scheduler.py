@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from jserve.cache.allocator import BlockAllocator
+from jserve.cache.allocator import PageAllocator
 from jserve.scheduler.chunking import PrefillTimeCache
 from jserve.scheduler.deadline import DeadlineConfig, DeadlineScheduler
 from jserve.scheduler.predictor import LinearPredictor
@@ -21,7 +21,7 @@ CONFIG = DeadlineConfig(t_target=0.05, long_threshold=1000, chunk_granularity=50
 def _run(policy, trace, predictor=MS_PER_TOKEN, config=CONFIG, blocks=4096):
     clock = VirtualClock()
     sched = DeadlineScheduler(
-        BlockAllocator(blocks + 1, 16), policy=policy, predictor=predictor,
+        PageAllocator(blocks + 1, 16), policy=policy, predictor=predictor,
         prefill_cache=PrefillTimeCache(predictor, 20_000, config.t_target),
         max_num_seqs=64, max_num_batched_tokens=4096, max_prefill_seqs=8, config=config,
         clock=clock)
@@ -131,8 +131,8 @@ def test_lars_order_of_due_late_and_other_requests():
             Request("due-big", [0] * 400, 1, 2.0, ttft_deadline=2.93),     # slack 0.03 s
             Request("due-small", [0] * 100, 1, 2.4, ttft_deadline=2.64),   # slack 0.04 s
             Request("spare", [0] * 500, 1, 2.5, ttft_deadline=3.5)]        # slack 0.5 s
-    lars = DeadlineScheduler(BlockAllocator(2048, 16), policy="lars", **kw)
-    paper = DeadlineScheduler(BlockAllocator(2048, 16), policy="lars", **{
+    lars = DeadlineScheduler(PageAllocator(2048, 16), policy="lars", **kw)
+    paper = DeadlineScheduler(PageAllocator(2048, 16), policy="lars", **{
         **kw, "config": dataclasses.replace(CONFIG, due_first=False)})
     for sched in (lars, paper):
         for r in reqs:
@@ -169,23 +169,23 @@ def test_lars_keys_on_constructed_values():
               max_num_batched_tokens=4096, max_prefill_seqs=4, clock=clock)
     long = Request("long", [0] * 10_000, 1, 0.0, num_computed=5_000, ttft_deadline=16.0)
     short = Request("short", [0] * 500, 1, 5.0, ttft_deadline=6.0)
-    lars = DeadlineScheduler(BlockAllocator(64, 16), policy="lars", **kw)
+    lars = DeadlineScheduler(PageAllocator(64, 16), policy="lars", **kw)
     assert lars.key(long, 5.0) == pytest.approx((16 - 5 - 5) / 5)    # slack / remaining work
     assert lars.key(short, 5.0) == pytest.approx((6 - 5 - 0.5) / 0.5)
-    total = DeadlineScheduler(BlockAllocator(64, 16), policy="lars",
+    total = DeadlineScheduler(PageAllocator(64, 16), policy="lars",
                               config=DeadlineConfig(lars_variant="total_work"), **kw)
     assert total.key(long, 5.0) == pytest.approx((16 - 5 - 5) / 10)  # slack / total work
-    rel = DeadlineScheduler(BlockAllocator(64, 16), policy="lars",
+    rel = DeadlineScheduler(PageAllocator(64, 16), policy="lars",
                             config=DeadlineConfig(lars_variant="relative_deadline"), **kw)
     assert rel.key(long, 5.0) == pytest.approx(6 / 16)               # slack / relative deadline
-    lrs = DeadlineScheduler(BlockAllocator(64, 16), policy="lrs", **kw)
+    lrs = DeadlineScheduler(PageAllocator(64, 16), policy="lrs", **kw)
     assert lrs.key(short, 5.0) == pytest.approx(0.5) and lrs.key(long, 5.0) == pytest.approx(6)
 
 
 def test_default_ttft_deadline_is_k_times_isolated_prefill_with_a_floor():
     clock = VirtualClock()
     cache = PrefillTimeCache(MS_PER_TOKEN, 20_000, 0.05)
-    sched = DeadlineScheduler(BlockAllocator(512, 16), policy="edf", predictor=MS_PER_TOKEN,
+    sched = DeadlineScheduler(PageAllocator(512, 16), policy="edf", predictor=MS_PER_TOKEN,
                               prefill_cache=cache, max_num_seqs=8, max_num_batched_tokens=4096,
                               max_prefill_seqs=4, clock=clock)
     big, tiny = Request("big", [0] * 2000, 1, 0.0), Request("tiny", [0] * 10, 1, 0.0)
@@ -215,7 +215,7 @@ def test_space_sharing_leaves_room_for_short_prefills_beside_a_long_one():
 def test_priority_ranks_before_the_policy_key_and_tpot_slo_caps_the_budget():
     clock = VirtualClock()
     sched = DeadlineScheduler(
-        BlockAllocator(4097, 16), policy="edf", predictor=MS_PER_TOKEN,
+        PageAllocator(4097, 16), policy="edf", predictor=MS_PER_TOKEN,
         prefill_cache=PrefillTimeCache(MS_PER_TOKEN, 20_000, 0.05), max_num_seqs=64,
         max_num_batched_tokens=4096, max_prefill_seqs=8,
         config=dataclasses.replace(CONFIG, chunk_granularity=1), clock=clock)
@@ -246,7 +246,7 @@ def test_a_tiny_tpot_slo_cannot_stop_other_prefills(policy, share, chunk):
     clock = VirtualClock()
     config = dataclasses.replace(CONFIG, chunk_granularity=1, prefill_share=share)
     sched = DeadlineScheduler(
-        BlockAllocator(4097, 16), policy=policy, predictor=MS_PER_TOKEN,
+        PageAllocator(4097, 16), policy=policy, predictor=MS_PER_TOKEN,
         prefill_cache=PrefillTimeCache(MS_PER_TOKEN, 20_000, 0.05), max_num_seqs=64,
         max_num_batched_tokens=4096, max_prefill_seqs=8, config=config, clock=clock)
     hostile = Request("hostile", [0] * 8, 1000, 0.0, tpot_slo=1e-6)
@@ -273,7 +273,7 @@ def test_a_prefill_alone_runs_a_whole_chunk_and_shares_the_budget_otherwise(poli
     def scheduler(full: bool) -> DeadlineScheduler:
         config = dataclasses.replace(CONFIG, full_chunk_alone=full, chunk_granularity=7)
         return DeadlineScheduler(
-            BlockAllocator(4097, 16), policy=policy, predictor=MS_PER_TOKEN,
+            PageAllocator(4097, 16), policy=policy, predictor=MS_PER_TOKEN,
             prefill_cache=PrefillTimeCache(MS_PER_TOKEN, 20_000, config.t_target),
             max_num_seqs=64, max_num_batched_tokens=256, max_prefill_seqs=8, config=config,
             clock=VirtualClock())

@@ -1,6 +1,6 @@
 """Decode bursts (``EngineConfig.decode_burst``): several decode steps in one executable call.
 The tokens are exactly those of one step at a time (greedy, seeded sampling, penalties, stop
-ids and strings, async and sync scheduling), KV blocks are conserved after every step and
+ids and strings, async and sync scheduling), KV pages are conserved after every step and
 all free at the end, an abort while a burst is on the device frees its blocks, a burst
 whose program is not compiled yet waits for the background compile while the engine steps
 one at a time, and bursts on a tp=2 mesh give the one-device tokens."""

@@ -44,7 +44,7 @@ def test_blocks_are_conserved_after_every_step(llm):
     while eng.has_unfinished():
         finished += sum(o.finished for o in eng.step())
         eng.allocator.check()  # each held block counted once per holder (shared prefixes)
-        eng.allocator.check_holders(eng.scheduler.block_holders())
+        eng.allocator.check_holders(eng.scheduler.page_holders())
     assert finished == 6
     assert eng.allocator.num_free == eng.allocator.total
 
@@ -68,20 +68,20 @@ def test_abort_frees_blocks_and_others_finish(async_scheduling, reference):
         for o in eng.step():
             outs[o.request_id] = o
     running = next(r for r in eng.scheduler.running if r.request_id == ids[0])
-    held = len(running.block_ids)
+    held = len(running.page_ids)
     assert held > 0
     before = eng.allocator.num_free
     aborted = eng.abort(ids[0])
     assert aborted.finish_reason == "abort" and aborted.finished
-    assert running.block_ids == []
+    assert running.page_ids == []
     if async_scheduling:  # its next decode is on the device: freed once that step is read
         assert eng.allocator.num_free == before
-        assert [len(b) for b in eng.scheduler.block_holders()[len(eng.scheduler.running):]] \
+        assert [len(b) for b in eng.scheduler.page_holders()[len(eng.scheduler.running):]] \
             == [held]
-        eng.allocator.check_holders(eng.scheduler.block_holders())
+        eng.allocator.check_holders(eng.scheduler.page_holders())
         for o in eng.step():
             outs[o.request_id] = o
-        assert eng.scheduler.block_holders() == [r.block_ids for r in eng.scheduler.running]
+        assert eng.scheduler.page_holders() == [r.page_ids for r in eng.scheduler.running]
     else:
         assert eng.allocator.num_free == before + held
     assert eng.abort(ids[0]) is None  # already gone

@@ -86,7 +86,7 @@ def test_predictor_loading_and_bad_names(tmp_path):
         small_llm(scheduler="lars", tpot_slo=0)  # the old name still reaches the budget
     eng = small_llm(scheduler="lars", compilation_cache_dir=str(tmp_path / "xla")).engine
     # Nothing profiled: the estimate, corrected online from step times.
-    assert eng.predictor.base == estimated_predictor(eng.cfg)
+    assert eng.predictor.base == estimated_predictor(eng.model_config)
     with pytest.raises(ValueError, match="ttft_slo must be > 0"):
         eng.add_request([1, 2, 3], GREEDY, ttft_slo=-1.0)
     assert not eng.has_unfinished()

@@ -174,7 +174,7 @@ def test_deltas_follow_the_script_and_hold_back_a_stop_strings_start():
     assert [lp.token_id for d in deltas for lp in d.logprobs] == want.token_ids
     assert all(len(lp.top) == 2 for d in deltas for lp in d.logprobs)
     assert 0 <= last.timings["time_to_first_token"] <= last.timings["e2e_seconds"]
-    assert stats["in_flight"] == stats["blocks_used"] == stats["engine_requests"] == 0
+    assert stats["in_flight"] == stats["pages_used"] == stats["engine_requests"] == 0
 
 
 def test_an_abort_frees_the_requests_blocks_and_a_deadline_ends_it():
@@ -190,8 +190,8 @@ def test_an_abort_frees_the_requests_blocks_and_a_deadline_ends_it():
                            deadline=time.monotonic() + 0.1)
         return busy, idle, after, await _drain(late)
     busy, idle, after, deadline = _run(FakeEngine(), body)
-    assert busy["running"] == 1 and busy["blocks_used"] == 26  # ceil(402 / 16)
-    assert idle["blocks_used"] == idle["running"] == idle["in_flight"] == 0
+    assert busy["running"] == 1 and busy["pages_used"] == 26  # ceil(402 / 16)
+    assert idle["pages_used"] == idle["running"] == idle["in_flight"] == 0
     assert not any(d.last for d in after)  # an aborted stream just stops
     assert deadline[-1].error[0] == DEADLINE and len(deadline) < 400
 
@@ -287,7 +287,7 @@ def test_intake_refuses_as_the_engine_does():
             ([320], None, "outside the vocabulary [0, 320)"),
             ([1] * 64, None, "prompt has 64 tokens; the context holds 64"),
             ([1] * 60, SamplingParams(max_tokens=5), "exceeds the context of 64"),
-            ([1] * 30, SamplingParams(max_tokens=10), "request needs 3 KV blocks; the pool has 2"),
+            ([1] * 30, SamplingParams(max_tokens=10), "request needs 3 KV pages; the pool has 2"),
             ([1], SamplingParams(top_k=321), "top_k must be <= vocab_size=320")):
         with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("(", r"\(")
                            .replace(")", r"\)")):

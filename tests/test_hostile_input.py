@@ -2,7 +2,7 @@
 
 Against a real ``jserve serve`` (HTTP and gRPC): each class of input that once stopped the
 engine or got a 500 now gets a 400 / INVALID_ARGUMENT naming its field, and the same process
-then serves a greedy request with the tokens it gave before, every KV block free. Then
+then serves a greedy request with the tokens it gave before, every KV page free. Then
 property-based fuzzing of every HTTP endpoint and every gRPC method, and fault injection: an
 exception raised inside one request's part of the work (intake, the engine's per-request
 stages, output processing, response formatting) ends that request alone with a 500 /
@@ -72,7 +72,7 @@ def probe_text(served) -> str:
 
 
 def assert_whole(served) -> None:
-    """The server serves the probe as before and holds no KV block."""
+    """The server serves the probe as before and holds no KV page."""
     assert probe_text(served) == served.probe
     wait_blocks_free(served.url, TOKEN)
 
@@ -475,5 +475,5 @@ def test_a_fault_in_one_requests_work_ends_it_alone(inproc, monkeypatch):
             else:
                 assert got[name] == want[name], (stage, name, got[name], want[name])
         llm_stats = server.stats()
-        assert llm_stats["blocks_used"] == 0 and llm_stats["in_flight"] == 0, (stage, llm_stats)
+        assert llm_stats["pages_used"] == 0 and llm_stats["in_flight"] == 0, (stage, llm_stats)
     assert _answers(url, victim) == references[key]  # the same engine serves on

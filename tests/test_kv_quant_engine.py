@@ -44,7 +44,7 @@ def test_a_prompt_too_long_for_full_precision_fits_quantized_and_completes():
     prompt = [3 + i % 250 for i in range(900)]  # 57 pages with 12 new tokens
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     full = _engine("auto")
-    with pytest.raises(ValueError, match="KV blocks"):
+    with pytest.raises(ValueError, match="KV pages"):
         full.generate([prompt], params)
     assert full.engine.allocator.num_allocated == 0 and not full.engine.has_unfinished()
     for kind in ("int8", "fp8_e4m3"):

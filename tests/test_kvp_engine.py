@@ -47,11 +47,11 @@ _SCRIPT = textwrap.dedent("""
                 if o.finished:
                     outs[o.request_id] = o
             eng.allocator.check()
-            eng.allocator.check_holders(eng.scheduler.block_holders())
+            eng.allocator.check_holders(eng.scheduler.page_holders())
             for r in eng.scheduler.running:
-                if r.block_ids:
-                    starts.add(eng.allocator.start_group(r.block_ids))
-                    spread = max(spread, len({eng.allocator.group_of(b) for b in r.block_ids}))
+                if r.page_ids:
+                    starts.add(eng.allocator.start_group(r.page_ids))
+                    spread = max(spread, len({eng.allocator.group_of(b) for b in r.page_ids}))
         plans = [p for p, _ in eng.step_log]
         L = eng.allocator.tokens_per_group
         crossing = L is not None and any(c.start // L != (c.start + c.num_tokens - 1) // L

@@ -154,8 +154,9 @@ def test_capture_matches_a_direct_forward_call_and_prompt_means_span_chunks():
     first = built_steps[0]
     cap = eng.runner.last_capture
     params = eng.runner.params  # already in the runtime layout
-    cache = allocate_kv_cache(eng.cfg, eng.allocator.total + 1, eng.config.page_size)
-    _, _, want = forward(params, cache, _device(first.arrays.batch), cfg=eng.cfg, capture_layer=2,
+    cache = allocate_kv_cache(eng.model_config, eng.allocator.total + 1, eng.config.page_size)
+    _, _, want = forward(params, cache, _device(first.arrays.batch), cfg=eng.model_config,
+                         capture_layer=2,
                          prompt_mask=first.arrays.token_is_prompt)
     np.testing.assert_allclose(np.asarray(cap.rows), np.asarray(want.rows), atol=1e-4)
     np.testing.assert_allclose(np.asarray(cap.prompt_sum), np.asarray(want.prompt_sum),
@@ -175,7 +176,8 @@ def test_capture_matches_a_direct_forward_call_and_prompt_means_span_chunks():
                              num_prefills=np.asarray(1, np.int32), num_decodes=0)
     batch = StepInput(tokens=np.asarray(p, np.int32), slots=(16 + pos).astype(np.int32),
                       logits_rows=np.asarray([n - 1], np.int32), attn=attn)
-    _, _, whole = forward(params, allocate_kv_cache(eng.cfg, 8, 16), _device(batch), cfg=eng.cfg,
+    _, _, whole = forward(params, allocate_kv_cache(eng.model_config, 8, 16), _device(batch),
+                          cfg=eng.model_config,
                           capture_layer=2)
     np.testing.assert_allclose(log[("req-0", "prompt", 0)], np.asarray(whole.prompt_sum[0]) / n,
                                atol=1e-4)
@@ -185,7 +187,7 @@ def test_capture_matches_a_direct_forward_call_and_prompt_means_span_chunks():
 def test_engine_with_a_probe_predicts_from_the_prompt_then_refines(tmp_path):
     rng = np.random.default_rng(1)
     llm = small_llm()
-    h = llm.engine.cfg.hidden_size
+    h = llm.engine.model_config.hidden_size
     bins = LengthBins.equal(num_bins=4, max_len=8)
     probe, _ = train_probe(rng.normal(size=(64, h)), rng.integers(0, 10, 64), bins, layer=1,
                            hidden=32, steps=20)
@@ -226,9 +228,9 @@ def test_offline_pairs_match_what_the_engine_captures():
     outs = llm.generate(PROMPTS[:2], PARAMS)
     log = {(rid, k): v for rid, k, _, v in eng.length_tracker.log}
     for o in outs:
-        embs, remaining, k = sequence_pairs(eng.cfg, eng.runner.params, o.prompt_token_ids,
+        embs, remaining, k = sequence_pairs(eng.model_config, eng.runner.params, o.prompt_token_ids,
                                             o.token_ids)
-        assert embs.shape == (eng.cfg.num_hidden_layers, 6, eng.cfg.hidden_size)
+        assert embs.shape == (eng.model_config.num_hidden_layers, 6, eng.model_config.hidden_size)
         assert remaining.tolist() == [6, 5, 4, 3, 2, 1] and k.tolist() == list(range(6))
         live = np.stack([log[(o.request_id, i)] for i in range(6)])
         np.testing.assert_allclose(embs[2], live, atol=1e-3)

@@ -2,10 +2,10 @@
 subprocess (gRPC and HTTP from one engine loop): greedy text equal to ``LLM.generate`` and to
 the gRPC stream, streaming and not, n=3, logprobs, stop strings, reproducible seeds, exact
 usage; every body field honoured or refused with a 400 naming it; 400/401/404/429/503 in
-OpenAI's error shape; concurrent streams with random client disconnects leave zero KV blocks;
+OpenAI's error shape; concurrent streams with random client disconnects leave zero KV pages;
 /health fails within a second of the engine loop dying.
 
-What needs the model (text and logprobs equal to the offline API's, KV blocks freed) runs on a
+What needs the model (text and logprobs equal to the offline API's, KV pages freed) runs on a
 real server; the edge's own behaviour (SSE framing, n choices and their seeds, refusals, auth,
 429/503, engine death) on a ``FakeEngine`` in process (``fake``: nothing compiles)."""
 from __future__ import annotations
@@ -446,7 +446,7 @@ def test_full_admission_queue_gets_429():
                    e["error"]["message"] for c, e in results if c == 429)
         server.server.engine.max_waiting = 1024
         st = server.stats()
-        assert st["blocks_used"] == 0 and st["in_flight"] == 0
+        assert st["pages_used"] == 0 and st["in_flight"] == 0
     finally:
         server.stop(grace=0)
 

@@ -79,8 +79,8 @@ _SCRIPT = textwrap.dedent("""
     engine = LLM("default", **kw).engine
     pk = plan(DEFAULT_CONFIG, EngineConfig(**kw))
     out["kvp"] = dict(plan=[pk.num_kv_pages, pk.max_cached_tokens, pk.weight_bytes],
-                      engine=[engine.allocator.pool_blocks,
-                              engine.allocator.total * engine.allocator.block_size,
+                      engine=[engine.allocator.pool_pages,
+                              engine.allocator.total * engine.allocator.page_size,
                               sum(x.addressable_shards[0].data.nbytes
                                   for x in jax.tree.leaves(engine.runner.params))],
                     line=describe_engine(engine))
@@ -152,7 +152,7 @@ def test_quantized_default_plan_matches_the_engine():
     kw = dict(SMALL, kv_cache_bytes=1_000_000, kv_cache_dtype="int8")
     eng = LLM("default", quantization="int8", **kw).engine
     p = plan(dataclasses.replace(DEFAULT_CONFIG, quantization="int8"), EngineConfig(**kw))
-    assert p.num_kv_pages == eng.allocator.pool_blocks
+    assert p.num_kv_pages == eng.allocator.pool_pages
     assert p.weight_bytes == sum(x.nbytes for x in jax.tree.leaves(eng.runner.params))
     full = plan(DEFAULT_CONFIG, EngineConfig(**{**kw, "kv_cache_dtype": "auto"}),
                 compile=False)
@@ -168,8 +168,8 @@ def test_default_plan_matches_the_engine(kv):
     llm = LLM("default", **{**SMALL, **kv})
     eng = llm.engine
     p = plan(DEFAULT_CONFIG, EngineConfig(**{**SMALL, **kv}))
-    assert p.num_kv_pages == eng.allocator.pool_blocks
-    assert p.max_cached_tokens == eng.allocator.total * eng.allocator.block_size
+    assert p.num_kv_pages == eng.allocator.pool_pages
+    assert p.max_cached_tokens == eng.allocator.total * eng.allocator.page_size
     assert p.max_model_len == eng.max_model_len
     assert p.weight_bytes == sum(x.nbytes for x in jax.tree.leaves(eng.runner.params))
     assert p.fits and p.step.temp_bytes > 0

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from conftest import apply_plan
-from jserve.cache.allocator import BlockAllocator
+from jserve.cache.allocator import PageAllocator
 from jserve.cache.prefix import extend_page_keys
 from jserve.scheduler.chunking import PrefillTimeCache
 from jserve.scheduler.deadline import DeadlineConfig, DeadlineScheduler
@@ -35,7 +35,7 @@ def test_page_keys_match_only_when_every_earlier_token_matches():
 
 
 def _cached_allocator(blocks=6, page=4):
-    return BlockAllocator(blocks + 1, page, prefix_caching=True)
+    return PageAllocator(blocks + 1, page, prefix_caching=True)
 
 
 def test_lookup_acquire_and_reference_counts():
@@ -104,7 +104,7 @@ def test_a_recycled_page_is_never_found_before_it_is_written_again():
 
 
 def test_kvp_groups_a_hit_stops_where_a_page_is_not_in_its_logical_group():
-    alloc = BlockAllocator(5, 4, groups=2, pages_per_group=2, prefix_caching=True)
+    alloc = PageAllocator(5, 4, groups=2, pages_per_group=2, prefix_caching=True)
     keys = _keys(list(range(16)))
     seq = alloc.extend([], 4)          # two pages in one group, then two in the other
     for b, k in zip(seq, keys):
@@ -118,7 +118,7 @@ def test_kvp_groups_a_hit_stops_where_a_page_is_not_in_its_logical_group():
 
 # -- the scheduler ------------------------------------------------------------------------
 def _sarathi(blocks=64, page=4, budget=16, seqs=4):
-    return SarathiScheduler(BlockAllocator(blocks + 1, page, prefix_caching=True),
+    return SarathiScheduler(PageAllocator(blocks + 1, page, prefix_caching=True),
                             max_num_seqs=seqs, max_num_batched_tokens=budget, max_prefill_seqs=2)
 
 
@@ -133,9 +133,9 @@ def test_a_request_starts_after_its_cached_prefix_and_only_after_computed_pages(
     sched.token_budget = 40            # room for a's remaining 18 tokens and b's chunk
     plan = sched.schedule()
     (cb,) = [c for c in plan.prefills if c.request_id == "b"]
-    assert cb.start == 8 and b.block_ids[:2] == a.block_ids[:2]   # the 2 computed pages only
+    assert cb.start == 8 and b.page_ids[:2] == a.page_ids[:2]   # the 2 computed pages only
     assert b.num_cached_tokens == 8
-    sched.allocator.check_holders([r.block_ids for r in sched.running])
+    sched.allocator.check_holders([r.page_ids for r in sched.running])
     sched.allocator.check()
 
 
@@ -161,16 +161,16 @@ def test_lars_ranks_a_request_with_a_long_cached_prefix_by_its_uncached_work():
     config = DeadlineConfig(t_target=0.05, chunk_granularity=16, long_threshold=10**6,
                             quick_first=0.0)  # LARS's own key (quick first: below)
     clock = VirtualClock(0.0)
-    alloc = BlockAllocator(2001, 16, prefix_caching=True)
+    alloc = PageAllocator(2001, 16, prefix_caching=True)
     sched = DeadlineScheduler(alloc, policy="lars", predictor=predictor,
                               prefill_cache=PrefillTimeCache(predictor, 20_000, 0.05),
                               max_num_seqs=8, max_num_batched_tokens=64, max_prefill_seqs=1,
                               config=config, clock=clock)
     doc = [7] * 8000
     owner = Request("owner", doc, 1, 0.0)
-    owner.block_ids = alloc.allocate(500)
+    owner.page_ids = alloc.allocate(500)
     sched.advance(owner, 8000)          # the document's 500 pages are cached
-    alloc.free(owner.block_ids)
+    alloc.free(owner.page_ids)
     # Same deadline for both. Counted in full, "cached" (8,016 tokens, 8 s of work) would be
     # hopelessly late and go first; by its uncached work (16 tokens) it has the most slack
     # per unit of work left, so the plain 2,000-token prompt goes first.
@@ -203,7 +203,7 @@ def test_lars_ranks_a_request_with_a_long_cached_prefix_by_its_uncached_work():
        blocks=st.integers(8, 120), policy=st.sampled_from(["sarathi", "lars", "edf"]))
 def test_conservation_and_exact_sharing_under_random_shared_traffic(seed, page, blocks, policy):
     rng = random.Random(seed)
-    alloc = BlockAllocator(blocks + 1, page, prefix_caching=True)
+    alloc = PageAllocator(blocks + 1, page, prefix_caching=True)
     if policy == "sarathi":
         sched = SarathiScheduler(alloc, max_num_seqs=6, max_num_batched_tokens=24,
                                  max_prefill_seqs=2)
@@ -220,7 +220,7 @@ def test_conservation_and_exact_sharing_under_random_shared_traffic(seed, page, 
         if rng.random() < 0.3 and len(reqs) < 40:
             prompt = rng.choice(docs)[:rng.randrange(1, 61)] + [rng.randrange(50)
                                                                 for _ in range(rng.randrange(3))]
-            need = alloc.blocks_for(len(prompt) + 3)
+            need = alloc.pages_for(len(prompt) + 3)
             if need <= alloc.total:
                 r = Request(f"r{len(reqs)}", prompt, rng.randrange(1, 4), float(step))
                 reqs.append(r)
@@ -234,14 +234,14 @@ def test_conservation_and_exact_sharing_under_random_shared_traffic(seed, page, 
             if r.num_output_tokens >= r.max_tokens and not r.num_uncomputed:
                 sched.finish(r, RequestStatus.FINISHED_LENGTH)
         alloc.check()
-        alloc.check_holders([r.block_ids for r in sched.running])
+        alloc.check_holders([r.page_ids for r in sched.running])
         # A shared page holds the same tokens for every holder (identical history up to it).
         seen: dict[int, tuple] = {}
         for r in sched.running:
-            for j, b in enumerate(r.block_ids[:r.num_computed // page]):
+            for j, b in enumerate(r.page_ids[:r.num_computed // page]):
                 prefix = tuple(r.token_ids[:(j + 1) * page])
                 assert seen.setdefault(b, prefix) == prefix
-        assert all(not r.block_ids for r in sched.waiting)
+        assert all(not r.page_ids for r in sched.waiting)
     for r in list(sched.running) + list(sched.waiting):
         sched.finish(r, RequestStatus.FINISHED_ABORTED)
     alloc.check()
@@ -252,10 +252,10 @@ def test_prometheus_prefix_cache_counters_follow_the_engine_totals():
     from jserve.serving.metrics import ServerMetrics
 
     m = ServerMetrics()
-    state = dict(waiting=0, running=1, blocks_used=3, blocks_free=5, preemptions=0,
+    state = dict(waiting=0, running=1, pages_used=3, pages_free=5, preemptions=0,
                  new_tokens=0)
-    m.engine_state(**state, prefix_queried=100, prefix_hits=64, cached_blocks=4)
-    m.engine_state(**state, prefix_queried=150, prefix_hits=64, cached_blocks=6)
+    m.engine_state(**state, prefix_queried=100, prefix_hits=64, cached_pages=4)
+    m.engine_state(**state, prefix_queried=150, prefix_hits=64, cached_pages=6)
     get = m.registry.get_sample_value
     assert get("jserve_prefix_cache_queried_tokens_total") == 150
     assert get("jserve_prefix_cache_hit_tokens_total") == 64

@@ -97,7 +97,7 @@ def test_abort_of_the_first_owner_while_others_use_its_pages(reference):
         if state or first is None or first.num_computed < 64:
             return
         sharing = [r for r in eng.scheduler.running if r is not first
-                   and set(r.block_ids) & set(first.block_ids)]
+                   and set(r.page_ids) & set(first.page_ids)]
         if sharing:
             state["shared"] = len(sharing)
             eng.abort(first.request_id)

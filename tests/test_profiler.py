@@ -26,7 +26,7 @@ def test_profile_grid_and_fit(tmp_path):
     # The grid reaches the longest context the engine holds; the fit says how far it measured.
     assert predictor.meta["max_context"] == max(
         c.start + c.num_tokens for p, _ in samples for c in p.decodes + p.prefills) >= 496
-    default = default_predictor_path(engine.cfg, engine.config)
+    default = default_predictor_path(engine.model_config, engine.config)
     assert default.parent.name == "predictors" and default.name.endswith("-cpu-mesh1.json")
     path = tmp_path / default.name
     predictor.save(path)

@@ -96,7 +96,7 @@ def test_vllm_names_and_load_endpoints_report_the_engine():
             assert r.status_code == 400 and r.json()["error"]["message"], bad
         assert httpx.post(url + "/v1/route/wait", content=b"{", timeout=10).status_code == 400
         st = server.stats()
-        assert st["blocks_used"] == 0 and st["in_flight"] == 0
+        assert st["pages_used"] == 0 and st["in_flight"] == 0
     finally:
         server.stop(grace=0)
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from jserve.cache.allocator import BlockAllocator
+from jserve.cache.allocator import PageAllocator
 from jserve.routing import (
     PrefillTable,
     QueuedPrefill,
@@ -202,7 +202,7 @@ def _reqs():
 
 
 def test_a_sarathi_replica_reports_its_queue_and_its_cached_prefix():
-    s = SarathiScheduler(BlockAllocator(200, 4, prefix_caching=True), max_num_seqs=8,
+    s = SarathiScheduler(PageAllocator(200, 4, prefix_caching=True), max_num_seqs=8,
                          max_num_batched_tokens=16, max_prefill_seqs=4)
     doc, long_req, doc_req = _reqs()
     s.add(doc_req)
@@ -228,7 +228,7 @@ def test_a_deadline_replica_reports_deadlines_relative_to_now():
     predictor = LinearPredictor((0.0, 1e-3, 0.0, 0.0, 0.0, 0.0))
     cache = PrefillTimeCache(predictor, 4096, 0.05)
     now = [0.0]
-    s = DeadlineScheduler(BlockAllocator(400, 4), policy="lars", predictor=predictor,
+    s = DeadlineScheduler(PageAllocator(400, 4), policy="lars", predictor=predictor,
                           prefill_cache=cache, max_num_seqs=8, max_num_batched_tokens=64,
                           max_prefill_seqs=4, config=DeadlineConfig(t_target=0.05),
                           clock=lambda: now[0])

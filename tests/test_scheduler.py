@@ -6,15 +6,15 @@ import random
 import pytest
 
 from conftest import apply_plan
-from jserve.cache.allocator import BlockAllocator, OutOfBlocks
+from jserve.cache.allocator import OutOfPages, PageAllocator
 from jserve.scheduler import PLACEHOLDER, Request, RequestStatus, SarathiScheduler
 from jserve.scheduler.chunking import PrefillTimeCache
 from jserve.scheduler.deadline import DeadlineConfig, DeadlineScheduler
 from jserve.scheduler.predictor import LinearPredictor
 
 
-def _sched(blocks=64, budget=16, seqs=8, prefill_seqs=4, block_size=4):
-    return SarathiScheduler(BlockAllocator(blocks + 1, block_size), max_num_seqs=seqs,
+def _sched(blocks=64, budget=16, seqs=8, prefill_seqs=4, page_size=4):
+    return SarathiScheduler(PageAllocator(blocks + 1, page_size), max_num_seqs=seqs,
                             max_num_batched_tokens=budget, max_prefill_seqs=prefill_seqs)
 
 
@@ -46,7 +46,7 @@ def test_decodes_first_then_prefill_chunks_in_arrival_order_under_the_budget():
 
 
 def test_kv_pressure_preempts_the_latest_arrival_and_blocks_are_conserved():
-    s = _sched(blocks=4, budget=64, block_size=4)  # 16 token slots
+    s = _sched(blocks=4, budget=64, page_size=4)  # 16 token slots
     a, b = _req("a", 8, 0), _req("b", 7, 1)
     s.add(a)
     s.add(b)
@@ -55,11 +55,11 @@ def test_kv_pressure_preempts_the_latest_arrival_and_blocks_are_conserved():
     apply_plan(s, p)  # a: 9 tokens (needs 3 blocks next), b: 8 tokens (fits 2 blocks, needs 2)
     p = s.schedule()
     assert p.preempted == ("b",)
-    assert b.status is RequestStatus.PREEMPTED and b.num_computed == 0 and not b.block_ids
+    assert b.status is RequestStatus.PREEMPTED and b.num_computed == 0 and not b.page_ids
     assert [x.request_id for x in p.decodes] == ["a"]
     assert s.waiting[0] is b
     s.allocator.check()
-    assert s.allocator.num_allocated == len(a.block_ids) == 3
+    assert s.allocator.num_allocated == len(a.page_ids) == 3
 
 
 def test_finish_and_abort_release_blocks_immediately():
@@ -70,7 +70,7 @@ def test_finish_and_abort_release_blocks_immediately():
     apply_plan(s, s.schedule())
     assert s.allocator.num_allocated == 3 + 1
     s.finish(a, RequestStatus.FINISHED_ABORTED)
-    assert s.allocator.num_allocated == 1 and a.block_ids == []
+    assert s.allocator.num_allocated == 1 and a.page_ids == []
     s.finish(b, RequestStatus.FINISHED_STOPPED)
     assert s.allocator.num_allocated == 0 and not s.has_unfinished()
     s.allocator.check()
@@ -78,10 +78,10 @@ def test_finish_and_abort_release_blocks_immediately():
 
 def test_running_prefills_stuck_on_memory_do_not_deadlock():
     # Two half-done prefills hold every block and neither can grow (e.g. after recomputes).
-    s = _sched(blocks=4, budget=8, block_size=4)
+    s = _sched(blocks=4, budget=8, page_size=4)
     a, b = _req("a", 12, 0), _req("b", 12, 1)
     for r in (a, b):
-        r.block_ids = s.allocator.allocate(2)
+        r.page_ids = s.allocator.allocate(2)
         r.num_computed = 8
         r.status = RequestStatus.RUNNING
         s.running.append(r)
@@ -96,7 +96,7 @@ def test_running_prefills_stuck_on_memory_do_not_deadlock():
 def test_requests_with_a_token_in_flight_are_neither_scheduled_nor_preempted():
     """Stream pipeline parallelism: a decode re-enters only after its token left the last
     stage; meanwhile it keeps its place and its blocks and counts against max_num_seqs."""
-    s = _sched(blocks=4, budget=16, seqs=2, block_size=4)
+    s = _sched(blocks=4, budget=16, seqs=2, page_size=4)
     a, b, c = _req("a", 4, 0), _req("b", 3, 1), _req("c", 4, 2)
     for r in (a, b, c):
         s.add(r)
@@ -107,7 +107,7 @@ def test_requests_with_a_token_in_flight_are_neither_scheduled_nor_preempted():
     # Only b decodes; c is not admitted (a still counts against max_num_seqs); a keeps its
     # blocks and its place in the running queue.
     assert [d.request_id for d in plan.decodes] == ["b"] and not plan.prefills
-    assert "a" not in plan.preempted and a.block_ids and a.status is RequestStatus.RUNNING
+    assert "a" not in plan.preempted and a.page_ids and a.status is RequestStatus.RUNNING
     assert [r.request_id for r in s.running] == ["a", "b"]
     apply_plan(s, plan)
     s.in_flight.discard(a)
@@ -125,7 +125,7 @@ def test_async_scheduling_decodes_again_on_a_placeholder_and_drops_a_late_token(
     and decode again before the host reads them; ``update`` writes each token at its
     position; a request that stops on the first token has its second dropped and its blocks
     freed when that plan is back; one whose token ends it by length stays held."""
-    s = _sched(blocks=8, budget=16, seqs=4, block_size=4)
+    s = _sched(blocks=8, budget=16, seqs=4, page_size=4)
     a, b, c = _req("a", 4, 0), _req("b", 3, 1), _req("c", 2, 2, max_tokens=1)
     for r in (a, b, c):
         s.add(r)
@@ -140,11 +140,11 @@ def test_async_scheduling_decodes_again_on_a_placeholder_and_drops_a_late_token(
     assert a.token_ids == [1, 2, 3, 4, 7, PLACEHOLDER] and c.token_ids == [1, 2, 9]
     s.finish(b, RequestStatus.FINISHED_STOPPED)  # b's 8 was a stop token
     s.finish(c, RequestStatus.FINISHED_LENGTH)
-    assert b.block_ids == [] and len(s.block_holders()) == 2  # a's, and b's until p2 is back
+    assert b.page_ids == [] and len(s.page_holders()) == 2  # a's, and b's until p2 is back
     assert [r.request_id for _, r in s.update(p2, [10, 11])] == ["a"]
     assert a.token_ids == [1, 2, 3, 4, 7, 10] and b.token_ids == [1, 2, 3, 8, PLACEHOLDER]
-    assert s.block_holders() == [a.block_ids]
-    s.allocator.check_holders(s.block_holders())
+    assert s.page_holders() == [a.page_ids]
+    s.allocator.check_holders(s.page_holders())
 
 
 def test_a_burst_needs_every_running_request_decoding_and_takes_its_tokens_back():
@@ -153,7 +153,7 @@ def test_a_burst_needs_every_running_request_decoding_and_takes_its_tokens_back(
     hold the burst's KV, their computed counts move by the burst, ``sampled_on_device``
     gives each as many placeholders, and ``update`` writes each request's tokens in order
     (decodes in plan order, each request's steps in a row)."""
-    s = _sched(blocks=16, budget=16, seqs=4, block_size=4)
+    s = _sched(blocks=16, budget=16, seqs=4, page_size=4)
     a, b, c = _req("a", 4, 0, max_tokens=20), _req("b", 3, 1, max_tokens=20), _req("c", 2, 9)
     for r in (a, b):
         s.add(r)
@@ -174,7 +174,7 @@ def test_a_burst_needs_every_running_request_decoding_and_takes_its_tokens_back(
     assert [(d.request_id, d.start, d.num_tokens) for d in plan.decodes] == [
         ("a", starts["a"], 1), ("b", starts["b"], 1)]
     for r in (a, b):  # the KV of 4 tokens from its start fits its blocks; 4 more computed
-        assert len(r.block_ids) * 4 >= starts[r.request_id] + 4
+        assert len(r.page_ids) * 4 >= starts[r.request_id] + 4
         assert r.num_computed == starts[r.request_id] + 4
     s.sampled_on_device(plan, lambda r, n: n == 4)
     assert a.token_ids[-4:] == [PLACEHOLDER] * 4 and b.token_ids[-4:] == [PLACEHOLDER] * 4
@@ -183,11 +183,11 @@ def test_a_burst_needs_every_running_request_decoding_and_takes_its_tokens_back(
         (0, "a"), (1, "a"), (2, "a"), (3, "a"), (4, "b"), (5, "b"), (6, "b"), (7, "b")]
     assert a.token_ids[-4:] == [11, 12, 13, 14] and b.token_ids[-4:] == [21, 22, 23, 24]
     assert a.num_computed == len(a.token_ids) - 1 and b.num_computed == len(b.token_ids) - 1
-    s.allocator.check_holders(s.block_holders())
+    s.allocator.check_holders(s.page_holders())
 
 
 def test_a_burst_the_pool_cannot_hold_is_one_step_and_takes_no_block():
-    s = _sched(blocks=4, budget=16, seqs=4, block_size=4)  # 4 usable blocks of 4 tokens
+    s = _sched(blocks=4, budget=16, seqs=4, page_size=4)  # 4 usable blocks of 4 tokens
     a, b = _req("a", 4, 0, max_tokens=20), _req("b", 3, 1, max_tokens=20)
     for r in (a, b):
         s.add(r)
@@ -195,15 +195,15 @@ def test_a_burst_the_pool_cannot_hold_is_one_step_and_takes_no_block():
     # One step: a needs a 2nd block (5 tokens), b none; 8 steps: a a 3rd, b two more.
     plan = s.schedule(8, lambda r, k: True)
     assert plan.burst == 1 and [d.request_id for d in plan.decodes] == ["a", "b"]
-    assert (len(a.block_ids), len(b.block_ids), s.allocator.num_free) == (2, 1, 1)
-    s.allocator.check_holders(s.block_holders())
+    assert (len(a.page_ids), len(b.page_ids), s.allocator.num_free) == (2, 1, 1)
+    s.allocator.check_holders(s.page_holders())
 
 
 # -- KV-cache parallel groups (kvp): per-group pools and the group-boundary rules -------------
 
 
 def test_grouped_allocator_conserves_blocks_per_group_under_random_traffic():
-    alloc = BlockAllocator(9, 4, groups=3, pages_per_group=3)  # 8 usable pages per group
+    alloc = PageAllocator(9, 4, groups=3, pages_per_group=3)  # 8 usable pages per group
     rng = random.Random(0)
     seqs: list[list[int]] = []
     for _ in range(400):
@@ -215,7 +215,7 @@ def test_grouped_allocator_conserves_blocks_per_group_under_random_traffic():
             if len(seq) + n <= 9 and alloc.can_extend(seq, n):
                 seq += alloc.extend(seq, n)
             elif len(seq) + n <= 9:
-                with pytest.raises(OutOfBlocks):
+                with pytest.raises(OutOfPages):
                     alloc.extend(seq, n)
         else:
             n = rng.randint(1, 5)
@@ -237,7 +237,7 @@ def test_grouped_allocator_conserves_blocks_per_group_under_random_traffic():
 
 
 def test_new_sequences_start_on_the_least_loaded_group():
-    alloc = BlockAllocator(9, 4, groups=3, pages_per_group=3)
+    alloc = PageAllocator(9, 4, groups=3, pages_per_group=3)
     a = alloc.extend([], 2)                          # all equal: group 0
     assert {alloc.group_of(b) for b in a} == {0}
     b = alloc.extend([], 3)                          # groups 1 and 2 tie: group 1
@@ -257,7 +257,7 @@ def test_new_sequences_start_on_the_least_loaded_group():
 
 def _grouped_sched(**kw):
     # 4-token pages, 2 pages a group: L = 8 tokens per group, 3 groups, 7 usable pages each.
-    return SarathiScheduler(BlockAllocator(8, 4, groups=3, pages_per_group=2), **{
+    return SarathiScheduler(PageAllocator(8, 4, groups=3, pages_per_group=2), **{
         "max_num_seqs": 8, "max_num_batched_tokens": 32, "max_prefill_seqs": 4, **kw})
 
 
@@ -277,7 +277,7 @@ def test_prefill_chunks_stop_at_group_boundaries():
 def test_group_boundary_clip_also_applies_to_deadline_chunks():
     pred = LinearPredictor((0.0, 1e-3, 0.0, 0.0, 0.0, 0.0))
     cfg = DeadlineConfig(t_target=1.0, chunk_granularity=2)
-    s = DeadlineScheduler(BlockAllocator(8, 4, groups=3, pages_per_group=2), policy="edf",
+    s = DeadlineScheduler(PageAllocator(8, 4, groups=3, pages_per_group=2), policy="edf",
                           predictor=pred, prefill_cache=PrefillTimeCache(pred, 64, 1.0),
                           max_num_seqs=8, max_num_batched_tokens=32, max_prefill_seqs=4,
                           config=cfg, clock=lambda: 0.0)
@@ -307,7 +307,7 @@ def test_at_most_one_group_spanning_prefill_per_batch():
 
 def test_deadline_policy_runs_one_group_spanning_prefill_per_batch():
     pred = LinearPredictor((0.0, 1e-4, 0.0, 0.0, 0.0, 0.0))
-    s = DeadlineScheduler(BlockAllocator(8, 4, groups=3, pages_per_group=2), policy="edf",
+    s = DeadlineScheduler(PageAllocator(8, 4, groups=3, pages_per_group=2), policy="edf",
                           predictor=pred, prefill_cache=PrefillTimeCache(pred, 64, 1.0),
                           max_num_seqs=8, max_num_batched_tokens=32, max_prefill_seqs=4,
                           config=DeadlineConfig(t_target=1.0, chunk_granularity=2),

@@ -16,7 +16,7 @@ import random
 import numpy as np
 import pytest
 
-from jserve.cache.allocator import BlockAllocator
+from jserve.cache.allocator import PageAllocator
 from jserve.scheduler.chunking import PrefillTimeCache
 from jserve.scheduler.deadline import (
     DEADLINE_POLICIES,
@@ -81,7 +81,7 @@ def drive(cls, seed: int, policy: str, steps: int = 60) -> list[tuple]:
                              max_chunk=budget)
     groups = 2 if rng.random() < 0.15 else 1
     blocks = rng.choice([12, 24, 64, 256]) * (16 // page) // groups
-    alloc = BlockAllocator(blocks, page, groups=groups,
+    alloc = PageAllocator(blocks, page, groups=groups,
                            pages_per_group=(8192 // page) if groups > 1 else None,
                            prefix_caching=rng.random() < 0.5)
     clock = VirtualClock(0.0)
@@ -124,7 +124,7 @@ def drive(cls, seed: int, policy: str, steps: int = 60) -> list[tuple]:
 class OddIdsSwap:
     """A swap policy: requests with odd ids swap, the others recompute."""
 
-    def swaps(self, req: Request, num_blocks: int) -> bool:
+    def swaps(self, req: Request, num_pages: int) -> bool:
         return int(req.request_id[1:]) % 2 == 1
 
     def release(self, request_id: str) -> None:
@@ -213,14 +213,14 @@ def hopeless_case(cls, pages: int, last: str) -> BatchPlan:
     # The paper's order (the quick requests of quick_first would jump the queue here).
     config = DeadlineConfig(t_target=0.009, chunk_granularity=32, quick_first=0.0)
     cache = PrefillTimeCache(predictor, 4096, 0.009, chunk_granularity=32, max_chunk=4096)
-    sched = cls(BlockAllocator(pages + 1, 16), policy="lars", predictor=predictor,
+    sched = cls(PageAllocator(pages + 1, 16), policy="lars", predictor=predictor,
                 prefill_cache=cache, max_num_seqs=8, max_num_batched_tokens=4096,
                 max_prefill_seqs=4, config=config, clock=VirtualClock(0.0))
     if last == "running":
         r = Request("r", [0] * 100, 1, 0.0, ttft_deadline=100.0)
         sched.add(r)
         r.num_computed = 95
-        r.block_ids = sched.allocator.allocate(sched.allocator.blocks_for(95))
+        r.page_ids = sched.allocator.allocate(sched.allocator.pages_for(95))
         sched._admit(r)
     sched.add(Request("w1", [0] * 1000, 1, 0.0, ttft_deadline=0.5))
     sched.add(Request("w2", [0] * 500, 1, 0.0, ttft_deadline=0.6))

@@ -12,7 +12,7 @@ import dataclasses
 
 from hypothesis import given, settings, strategies as st, target
 
-from jserve.cache.allocator import BlockAllocator
+from jserve.cache.allocator import PageAllocator
 from jserve.scheduler.chunking import PrefillTimeCache
 from jserve.scheduler.deadline import LARS_VARIANTS, DeadlineConfig, DeadlineScheduler
 from jserve.scheduler.plan import BatchPlan
@@ -38,7 +38,7 @@ class Spec:
     token_budget: int
     max_prefill_seqs: int
     room: int
-    block_size: int
+    page_size: int
     spare_blocks: int
     now: float
     decodes: list[tuple[int, int]]                      # (prompt, generated so far)
@@ -62,7 +62,7 @@ SPECS = st.builds(
     token_budget=st.integers(1, 4096),
     max_prefill_seqs=st.integers(1, 6),
     room=st.integers(0, 12),
-    block_size=st.sampled_from([1, 4, 16]),
+    page_size=st.sampled_from([1, 4, 16]),
     spare_blocks=st.one_of(st.integers(0, 4), st.integers(0, 4000)),
     now=st.floats(0.0, 100.0),
     decodes=st.lists(st.tuples(st.integers(1, 4000), st.integers(1, 20)), max_size=24),
@@ -83,12 +83,12 @@ def build(spec: Spec) -> tuple[DeadlineScheduler, VirtualClock, dict[str, Reques
                   + [p for p, *_ in spec.waiting] + [1])
     cache = PrefillTimeCache(predictor, longest + 64, spec.t_target,
                              chunk_granularity=spec.granularity)
-    held = sum(-(-(p + g - 1) // spec.block_size) for p, g in spec.decodes) + sum(
-        -(-int(p * f) // spec.block_size) for p, f in spec.prefills)
+    held = sum(-(-(p + g - 1) // spec.page_size) for p, g in spec.decodes) + sum(
+        -(-int(p * f) // spec.page_size) for p, f in spec.prefills)
     clock = VirtualClock(spec.now)
     running = len(spec.decodes) + len(spec.prefills)
     sched = DeadlineScheduler(
-        BlockAllocator(max(held + spec.spare_blocks, 1) + 1, spec.block_size), policy=spec.policy,
+        PageAllocator(max(held + spec.spare_blocks, 1) + 1, spec.page_size), policy=spec.policy,
         predictor=predictor, prefill_cache=cache, max_num_seqs=running + spec.room,
         max_num_batched_tokens=spec.token_budget, max_prefill_seqs=spec.max_prefill_seqs,
         config=config, clock=clock)
@@ -99,7 +99,7 @@ def build(spec: Spec) -> tuple[DeadlineScheduler, VirtualClock, dict[str, Reques
         sched.add(req)
         sched.waiting.remove(req)
         req.num_computed = computed
-        req.block_ids = sched.allocator.allocate(sched.allocator.blocks_for(computed))
+        req.page_ids = sched.allocator.allocate(sched.allocator.pages_for(computed))
         req.status = RequestStatus.RUNNING
         sched.running.append(req)
 
@@ -136,15 +136,15 @@ def check_batch(sched: DeadlineScheduler, reqs: dict[str, Request], plan: BatchP
         assert c.start == computed and req.num_computed == computed + c.num_tokens
         assert 1 <= c.num_tokens <= length - computed
         assert c.samples == (c.start + c.num_tokens == length)
-        assert len(req.block_ids) >= sched.allocator.blocks_for(c.start + c.num_tokens)
+        assert len(req.page_ids) >= sched.allocator.pages_for(c.start + c.num_tokens)
     assert all(c.num_tokens == 1 and c.samples and reqs[c.request_id].num_output_tokens > 0
                for c in plan.decodes)  # decodes: one token left, after the prompt
 
     # Blocks: conserved, held only by running requests, never shared.
     sched.allocator.check()
-    held = [b for r in reqs.values() for b in r.block_ids]
+    held = [b for r in reqs.values() for b in r.page_ids]
     assert len(held) == len(set(held)) == sched.allocator.num_allocated
-    assert all(not r.block_ids for r in sched.waiting)
+    assert all(not r.page_ids for r in sched.waiting)
     assert len(sched.running) <= sched.max_num_seqs
 
     # Limits.
@@ -206,7 +206,7 @@ def test_chunks_of_one_prefill_shrink_as_its_kv_grows(coef, attention, per_prefi
                             space_sharing=False)
     clock = VirtualClock()
     sched = DeadlineScheduler(
-        BlockAllocator(40_000, 16), policy=policy, predictor=predictor,
+        PageAllocator(40_000, 16), policy=policy, predictor=predictor,
         prefill_cache=PrefillTimeCache(predictor, prompt, t_target,
                                        chunk_granularity=granularity),
         max_num_seqs=len(decodes) + 1, max_num_batched_tokens=8192, max_prefill_seqs=4,
@@ -218,7 +218,7 @@ def test_chunks_of_one_prefill_shrink_as_its_kv_grows(coef, attention, per_prefi
         sched.add(req)
         sched.waiting.remove(req)
         req.num_computed, req.status = ctx, RequestStatus.RUNNING
-        req.block_ids = sched.allocator.allocate(sched.allocator.blocks_for(ctx))
+        req.page_ids = sched.allocator.allocate(sched.allocator.pages_for(ctx))
         sched.running.append(req)
     long = reqs["long"] = Request("long", [0] * prompt, 1, 0.0)
     sched.add(long)

@@ -6,7 +6,7 @@ SIGTERM (subprocess), the generated modules are current.
 
 The edge's own behaviour (statuses, outcomes, deadlines, drain, faults, auth, metrics) is
 tested on a ``FakeEngine`` (``bg``, ``client``: nothing compiles); what needs the model (tokens
-equal to the offline API's, the scheduler's request, KV blocks under load) on the live engine
+equal to the offline API's, the scheduler's request, KV pages under load) on the live engine
 (``live``, ``live_client``)."""
 from __future__ import annotations
 
@@ -112,7 +112,7 @@ def wait_idle(bg: BackgroundServer, timeout: float = 30.0) -> dict:
         assert time.monotonic() < end, f"requests still in flight: {st}"
         time.sleep(0.02)
     assert st["waiting"] == st["running"] == 0, st
-    assert st["blocks_used"] == 0 and st["blocks_free"] == st["blocks_total"], st
+    assert st["pages_used"] == 0 and st["pages_free"] == st["pages_total"], st
     return st
 
 
@@ -187,7 +187,7 @@ def test_model_info(client, bg):
     assert (info.vocab_size, info.max_model_len, info.has_tokenizer) == (
         eng.vocab_size, eng.max_model_len, True)
     assert list(info.eos_token_ids) == list(eng.eos_token_ids)
-    assert info.num_kv_blocks == eng.num_kv_blocks and info.scheduler == eng.scheduler == "fake"
+    assert info.num_kv_blocks == eng.num_kv_pages and info.scheduler == eng.scheduler == "fake"
     assert (info.page_size, info.max_num_seqs) == (eng.page_size, eng.max_num_seqs)
     assert info.max_request_bytes == MAX_REQUEST_BYTES
     # The limits a client's hints must keep (this server's are TRUSTING's).
@@ -204,8 +204,8 @@ def test_the_live_engine_reports_its_engines_settings(llm):
     assert isinstance(live, EngineClient) and isinstance(FakeEngine(), EngineClient)
     i = live.info
     assert (i.vocab_size, i.max_model_len, i.eos_token_ids, i.has_tokenizer) == (
-        eng.cfg.vocab_size, eng.max_model_len, tuple(eng.eos_ids), True)
-    assert (i.scheduler, i.page_size, i.num_kv_blocks, i.max_num_seqs, i.prefix_caching) == (
+        eng.model_config.vocab_size, eng.max_model_len, tuple(eng.eos_ids), True)
+    assert (i.scheduler, i.page_size, i.num_kv_pages, i.max_num_seqs, i.prefix_caching) == (
         "sarathi", eng.config.page_size, eng.allocator.total, eng.config.max_num_seqs,
         eng.allocator.prefix_caching)
     assert i.lone_decode_s >= 0 and live.isolated_prefill_s(100) == 0.0  # sarathi: no T(n)
@@ -218,7 +218,7 @@ def test_the_fake_engine_refuses_what_the_engine_refuses(llm):
     live = LiveEngine(llm.engine)
     i = live.info
     fake = FakeEngine(vocab_size=i.vocab_size, max_model_len=i.max_model_len,
-                      page_size=i.page_size, num_kv_blocks=i.num_kv_blocks,
+                      page_size=i.page_size, num_kv_pages=i.num_kv_pages,
                       eos_token_ids=i.eos_token_ids)
     cases = []
     for r, _ in BAD:
@@ -621,7 +621,7 @@ def test_engine_thread_enforces_the_deadline_itself():
             loop.shutdown()
     d, n, st = asyncio.run(run())
     assert d.error is not None and d.error[0] == DEADLINE and n < 450
-    assert st["in_flight"] == st["engine_requests"] == st["blocks_used"] == 0
+    assert st["in_flight"] == st["engine_requests"] == st["pages_used"] == 0
 
 
 # -- health, reflection, metrics -------------------------------------------------------
@@ -661,7 +661,7 @@ def test_metrics_endpoint_exports_latency_queue_and_kv_figures(bg, client):
         before["jserve_time_per_output_token_seconds_count"] + 3 * 11
     assert m["jserve_generation_tokens_total"] == before["jserve_generation_tokens_total"] + 36
     assert m[outcome("length")] == before[outcome("length")] + 3
-    assert m["jserve_kv_blocks_free"] == st["blocks_total"] and m["jserve_kv_blocks_used"] == 0
+    assert m["jserve_kv_blocks_free"] == st["pages_total"] and m["jserve_kv_blocks_used"] == 0
     assert m["jserve_num_requests_waiting"] == m["jserve_num_requests_running"] == 0
     assert m["jserve_generation_tokens_per_second"] > 0
     assert "jserve_preemptions_total" in m
@@ -755,7 +755,7 @@ def test_engine_faults_fail_in_flight_requests_with_internal(fault):
                 with pytest.raises(grpc.RpcError) as e:
                     c.generate("Hello, jserve", GREEDY)
                 assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-                assert fake.core.blocks_used == 0
+                assert fake.core.pages_used == 0
                 assert not fake.core.has_unfinished()
     finally:
         server.stop(grace=0)
@@ -791,7 +791,7 @@ def test_stop_after_grace_ends_stragglers_with_unavailable():
     results, late = asyncio.run(run())
     assert results == [grpc.StatusCode.UNAVAILABLE] * 2
     assert late == grpc.StatusCode.UNAVAILABLE
-    assert not fake.core.has_unfinished() and fake.core.blocks_used == 0
+    assert not fake.core.has_unfinished() and fake.core.pages_used == 0
 
 
 @pytest.mark.slow

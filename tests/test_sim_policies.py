@@ -76,7 +76,7 @@ def test_an_explicit_kv_pool_replaces_the_one_memory_leaves():
     four replicas' KV) sizes the pool; None keeps what memory_fraction leaves."""
     t = trace(0)
     default, _ = build("lars-ss", CFG, VirtualClock(), _max_context(t))
-    tokens = 4 * default.allocator.total * CFG.block_size
+    tokens = 4 * default.allocator.total * CFG.page_size
     big, _ = build("lars-ss", dataclasses.replace(CFG, kv_cache_tokens=tokens), VirtualClock(),
                    _max_context(t))
     assert big.allocator.total == 4 * default.allocator.total

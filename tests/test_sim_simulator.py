@@ -9,7 +9,7 @@ import tracemalloc
 import pytest
 
 from jserve.bench.metrics import percentile, summarize
-from jserve.cache.allocator import BlockAllocator
+from jserve.cache.allocator import PageAllocator
 from jserve.scheduler.chunking import PrefillTimeCache
 from jserve.scheduler.deadline import DeadlineConfig, DeadlineScheduler
 from jserve.scheduler.plan import BatchPlan, ScheduledChunk
@@ -33,10 +33,10 @@ class TwoStagePipeline:
         return 1e-3 * plan.num_tokens
 
 
-def fcfs(predictor, blocks: int = 4096, block_size: int = 16, token_cap: int = 100):
+def fcfs(predictor, blocks: int = 4096, page_size: int = 16, token_cap: int = 100):
     clock = VirtualClock()
     sched = DeadlineScheduler(
-        BlockAllocator(blocks + 1, block_size), policy="fcfs", predictor=predictor,
+        PageAllocator(blocks + 1, page_size), policy="fcfs", predictor=predictor,
         prefill_cache=PrefillTimeCache(MS_PER_TOKEN, 4096, 0.05), max_num_seqs=8,
         max_num_batched_tokens=token_cap, max_prefill_seqs=4, clock=clock)
     return sched, clock
@@ -58,7 +58,7 @@ def test_length_only_tokens_behave_like_a_list_of_zeros():
 
 
 def test_a_million_token_prompt_costs_constant_memory():
-    sched, clock = fcfs(MS_PER_TOKEN, blocks=1100, block_size=1024, token_cap=65_536)
+    sched, clock = fcfs(MS_PER_TOKEN, blocks=1100, page_size=1024, token_cap=65_536)
     trace = [TraceRequest("big", 0.0, 1_000_000, 3), TraceRequest("small", 1.0, 100, 2)]
     tracemalloc.start()
     records = simulate(sched, MS_PER_TOKEN, clock, trace, "fcfs")
@@ -99,7 +99,7 @@ def test_remaining_work_counts_the_pipelines_last_pass():
     cache = PrefillTimeCache(Stages(), 4096, 0.05 / 2, chunk_granularity=1, drain_s=drain)
     clock = VirtualClock()
     sched = DeadlineScheduler(
-        BlockAllocator(257, 16), policy="lars", predictor=pipe, prefill_cache=cache,
+        PageAllocator(257, 16), policy="lars", predictor=pipe, prefill_cache=cache,
         max_num_seqs=8, max_num_batched_tokens=1000, max_prefill_seqs=4, clock=clock,
         config=DeadlineConfig(chunk_granularity=1))
     req = Request("r", [0] * 100, 1, 0.0)
@@ -193,7 +193,7 @@ def test_kv_capacity_of_tp8_spp2_on_a100():
 
 
 def test_requests_with_tokens_in_flight_count_against_max_num_seqs():
-    sched, clock = SarathiScheduler(BlockAllocator(4097, 16), max_num_seqs=2,
+    sched, clock = SarathiScheduler(PageAllocator(4097, 16), max_num_seqs=2,
                                     max_num_batched_tokens=100, max_prefill_seqs=4), VirtualClock()
     seen = []
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jserve.cache.allocator import BlockAllocator
+from jserve.cache.allocator import PageAllocator
 from jserve.scheduler.base import SchedulerBase
 from jserve.scheduler.chunking import PrefillTimeCache
 from jserve.scheduler.deadline import DeadlineConfig, DeadlineScheduler
@@ -70,7 +70,7 @@ def _decoding(sched, prompt_len=20, rid="r"):
 
 
 def test_update_accepts_the_agreeing_prefix_and_frees_the_rejected_pages():
-    alloc = BlockAllocator(64, 4)
+    alloc = PageAllocator(64, 4)
     sched = build_scheduler("sarathi", alloc, max_num_seqs=4, max_num_batched_tokens=64,
                             max_prefill_seqs=2)
     req = _decoding(sched, prompt_len=11)  # 12 tokens: 3 full pages of 4
@@ -78,18 +78,18 @@ def test_update_accepts_the_agreeing_prefix_and_frees_the_rejected_pages():
     plan = sched.schedule()
     (c,) = plan.decodes
     assert (c.start, c.num_tokens, c.drafts) == (11, 7, (50, 51, 52, 53, 54, 55))
-    assert len(req.block_ids) == 5 and req.token_ids[-6:] == [50, 51, 52, 53, 54, 55]
-    alloc.check_holders(sched.block_holders())
+    assert len(req.page_ids) == 5 and req.token_ids[-6:] == [50, 51, 52, 53, 54, 55]
+    alloc.check_holders(sched.page_holders())
     # Samples agree with the first two drafts; the third sample replaces draft 52.
     out = sched.update(plan, [50, 51, 77, 0, 0, 0, 0])
     assert [i for i, _ in out] == [0, 1, 2]
     assert req.token_ids[11:] == [100, 50, 51, 77] and req.num_computed == 14
-    assert len(req.block_ids) == 4 and req.is_decode  # KV of 14 tokens: pages 4
+    assert len(req.page_ids) == 4 and req.is_decode  # KV of 14 tokens: pages 4
     assert (req.num_drafted, req.num_accepted) == (6, 2)
     assert (sched.num_draft_tokens, sched.num_accepted_tokens, sched.num_draft_steps) \
         == (6, 2, 1)
     alloc.check()
-    alloc.check_holders(sched.block_holders())
+    alloc.check_holders(sched.page_holders())
     # All accepted: the bonus token follows the last draft.
     req.draft_ids = [5, 6]
     plan = sched.schedule()
@@ -100,7 +100,7 @@ def test_update_accepts_the_agreeing_prefix_and_frees_the_rejected_pages():
 
 
 def test_abort_while_drafts_are_in_flight_frees_every_page():
-    alloc = BlockAllocator(64, 4)
+    alloc = PageAllocator(64, 4)
     sched = build_scheduler("sarathi", alloc, max_num_seqs=4, max_num_batched_tokens=64,
                             max_prefill_seqs=2)
     req = _decoding(sched, prompt_len=11)
@@ -115,7 +115,7 @@ def test_abort_while_drafts_are_in_flight_frees_every_page():
 def test_drafts_take_only_the_token_budget_and_kv_left():
     """Budget 12 tokens: two decodes (2) and a 6-token prefill chunk leave 4 for drafts,
     given in decode order; a request whose KV cannot grow gets none (no preemption)."""
-    alloc = BlockAllocator(9, 4)  # 8 usable pages
+    alloc = PageAllocator(9, 4)  # 8 usable pages
     sched = build_scheduler("sarathi", alloc, max_num_seqs=4, max_num_batched_tokens=12,
                             max_prefill_seqs=2)
     a, b = _decoding(sched, 7, "a"), _decoding(sched, 7, "b")  # 2 pages each
@@ -125,11 +125,11 @@ def test_drafts_take_only_the_token_budget_and_kv_left():
     assert [c.drafts for c in plan.decodes] == [(1, 2, 3), (4,)]
     assert [c.num_tokens for c in plan.prefills] == [6] and plan.num_tokens == 12
     sched.update(plan, [1, 9, 0, 0, 4, 8, 7])  # a, b: 1 accepted each; p: its first token
-    alloc.check_holders(sched.block_holders())
+    alloc.check_holders(sched.page_holders())
     # The pool full: pages for drafts are not taken by preempting anyone.
     taken = alloc.allocate(alloc.num_free_in(0))
     a.draft_ids = list(range(40, 48))
-    a_room = len(a.block_ids) * 4 - a.num_computed - 1
+    a_room = len(a.page_ids) * 4 - a.num_computed - 1
     plan = sched.schedule()
     assert len(plan.decodes[0].drafts) == a_room and not plan.preempted
     alloc.free(taken)
@@ -142,7 +142,7 @@ MS_PER_TOKEN = LinearPredictor((0.0, 1e-3, 0.0, 0.0, 0.0, 0.0))
 def _lars(clock):
     config = DeadlineConfig(t_target=0.05, chunk_granularity=8, quick_first=0.0)
     return DeadlineScheduler(
-        BlockAllocator(512, 16), policy="lars", predictor=MS_PER_TOKEN,
+        PageAllocator(512, 16), policy="lars", predictor=MS_PER_TOKEN,
         prefill_cache=PrefillTimeCache(MS_PER_TOKEN, 4096, config.t_target),
         max_num_seqs=16, max_num_batched_tokens=256, max_prefill_seqs=4, config=config,
         clock=clock)
@@ -181,7 +181,7 @@ def test_under_lars_a_due_short_prefill_is_not_delayed_by_drafts(offers):
     assert not plan.prefills and plan.num_draft_tokens == 32
     for r in decoding:
         assert r.token_ids[-1] != 1  # (the verification of the previous step's drafts)
-    sched.allocator.check_holders(sched.block_holders())
+    sched.allocator.check_holders(sched.page_holders())
 
 
 def test_base_scheduler_has_no_time_budget_for_drafts():
@@ -233,7 +233,7 @@ def test_speculator_proposes_only_for_requests_that_may_speculate():
     from jserve.sampling.params import SamplingParams
     from jserve.speculative.speculator import Speculator
 
-    alloc = BlockAllocator(64, 4)
+    alloc = PageAllocator(64, 4)
     sched = build_scheduler("sarathi", alloc, max_num_seqs=8, max_num_batched_tokens=64,
                             max_prefill_seqs=8)
     kinds = {"plain": SamplingParams(), "off": SamplingParams(speculative=False),
@@ -289,7 +289,7 @@ def test_a_paused_request_resumes_once_a_host_only_proposal_comes_true():
     from jserve.sampling.params import SamplingParams
     from jserve.speculative.speculator import Speculator, _Acceptance
 
-    alloc = BlockAllocator(64, 4)
+    alloc = PageAllocator(64, 4)
     sched = build_scheduler("sarathi", alloc, max_num_seqs=4, max_num_batched_tokens=64,
                             max_prefill_seqs=2)
     doc = [10, 11, 12, 13, 14, 15, 16]
@@ -319,7 +319,7 @@ def test_a_paused_request_resumes_once_a_host_only_proposal_comes_true():
     assert a.resume_at <= req.num_output_tokens < 40
     spec.propose(sched)
     assert req.draft_ids == [20, 21, 22]  # what followed "15 16" in the document
-    alloc.check_holders(sched.block_holders())
+    alloc.check_holders(sched.page_holders())
 
 
 def test_a_budgeted_ngram_index_finds_new_matches_at_once_and_old_ones_soon():

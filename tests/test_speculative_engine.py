@@ -1,6 +1,6 @@
 """Speculative decoding in the engine (docs/speculative.md): greedy outputs identical with
 and without n-gram drafts, in decode-only and mixed batches, under recompute and swap
-preemption and with prefix caching; KV blocks conserved after every step (rejected drafts
+preemption and with prefix caching; KV pages conserved after every step (rejected drafts
 roll back); stop strings, stop ids, max_tokens and logprobs as without speculation; a
 request that opts out or whose drafts keep failing stops speculating."""
 from __future__ import annotations

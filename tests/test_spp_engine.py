@@ -2,7 +2,7 @@
 
 The multi-device runs happen in a subprocess that forces 8 host devices before JAX starts
 (like tests/test_sharding.py). One script runs the reference and every mesh, checking after
-every tick that KV blocks are conserved (running requests plus blocks whose release waits for
+every tick that KV pages are conserved (running requests plus blocks whose release waits for
 in-flight chunks), and reports tokens, logprobs and what the pipeline held per tick."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from devices import run_on_devices
-from jserve.cache.allocator import BlockAllocator
+from jserve.cache.allocator import PageAllocator
 from jserve.scheduler import Request, RequestStatus, SarathiScheduler
 from llm_helpers import small_llm
 
@@ -34,11 +34,11 @@ _SCRIPT = textwrap.dedent("""
     def check_blocks(eng):
         eng.allocator.check()
         sched = eng.scheduler
-        held = sum(len(r.block_ids) for r in sched.running)
+        held = sum(len(r.page_ids) for r in sched.running)
         deferred = sum(len(b) for b in sched._deferred.values())
         assert eng.allocator.num_allocated == held + deferred, (eng.allocator.num_allocated,
                                                                  held, deferred)
-        assert all(not r.block_ids for r in sched.waiting)
+        assert all(not r.page_ids for r in sched.waiting)
 
     def drain(eng, done):
         while eng.has_unfinished():
@@ -92,7 +92,7 @@ _SCRIPT = textwrap.dedent("""
         req = eng.requests["a"]
         assert req in eng.scheduler.pinned and req.num_computed > 0, req.num_computed
         before = eng.allocator.num_allocated
-        blocks = len(req.block_ids)
+        blocks = len(req.page_ids)
         eng.abort("a")
         check_blocks(eng)
         deferred_kept = eng.allocator.num_allocated == before and blocks > 0
@@ -178,7 +178,7 @@ def _pinning_case():
     """a (8 tokens) and b (20) under a 4-block pool of 4-token blocks: plan 1 prefills a
     (sampling) and the first 8 tokens of b and comes back; b is pinned as if its next chunk
     were in the pipeline, and a needs a third block for its next token."""
-    s = SarathiScheduler(BlockAllocator(5, 4), max_num_seqs=8, max_num_batched_tokens=64,
+    s = SarathiScheduler(PageAllocator(5, 4), max_num_seqs=8, max_num_batched_tokens=64,
                          max_prefill_seqs=4)
     a = Request("a", list(range(1, 9)), 8, 0.0)
     b = Request("b", list(range(1, 21)), 8, 1.0)
@@ -194,13 +194,13 @@ def _pinning_case():
 
 def test_pinned_request_is_never_the_preemption_victim():
     s, a, b = _pinning_case()
-    blocks = list(b.block_ids)
+    blocks = list(b.page_ids)
     plan = s.schedule()
     # Unpinned, b (the latest arrival) would be the victim; pinned, a yields instead and b
     # continues with its next chunk while its previous one is in flight.
     assert plan.preempted == ("a",) and a.status is RequestStatus.PREEMPTED
     assert [(c.request_id, c.start, c.num_tokens) for c in plan.prefills] == [("b", 8, 8)]
-    assert b.block_ids[:2] == blocks
+    assert b.page_ids[:2] == blocks
     s.allocator.check()
 
 
@@ -217,7 +217,7 @@ def test_finish_while_pinned_defers_the_block_release():
     s.pinned[b] += 1  # two chunks of b in flight
     held = s.allocator.num_allocated
     s.finish(b, RequestStatus.FINISHED_ABORTED)
-    assert s.allocator.num_allocated == held and not b.block_ids and b not in s.running
+    assert s.allocator.num_allocated == held and not b.page_ids and b not in s.running
     s._unpin(b)
     assert s.allocator.num_allocated == held  # one chunk still in flight
     s._unpin(b)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import apply_plan
-from jserve.cache.allocator import BlockAllocator
+from jserve.cache.allocator import PageAllocator
 from jserve.probe import LengthBins, train_probe
 from jserve.sampling.params import SamplingParams
 from jserve.scheduler import Request, RequestStatus, build_scheduler
@@ -15,8 +15,8 @@ from jserve.scheduler.sprpt import SPRPTScheduler
 from llm_helpers import run_checked, small_llm
 
 
-def _sched(c=0.8, seqs=2, blocks=64, budget=64, block_size=4, fallback=None):
-    return build_scheduler("sprpt", BlockAllocator(blocks + 1, block_size), max_num_seqs=seqs,
+def _sched(c=0.8, seqs=2, blocks=64, budget=64, page_size=4, fallback=None):
+    return build_scheduler("sprpt", PageAllocator(blocks + 1, page_size), max_num_seqs=seqs,
                            max_num_batched_tokens=budget, max_prefill_seqs=4, sprpt_c=c,
                            fallback_remaining=fallback)
 
@@ -71,10 +71,10 @@ def test_full_batch_preempts_the_preemptable_request_with_the_largest_prediction
     s.add(short)
     plan = s.schedule()
     assert plan.preempted == ("a",)
-    assert a.status is RequestStatus.PREEMPTED and a in s.waiting and not a.block_ids
+    assert a.status is RequestStatus.PREEMPTED and a in s.waiting and not a.page_ids
     assert [c.request_id for c in plan.prefills] == ["short"]
     assert [c.request_id for c in plan.decodes] == ["b"]
-    assert s.allocator.num_allocated == sum(len(r.block_ids) for r in s.running)
+    assert s.allocator.num_allocated == sum(len(r.page_ids) for r in s.running)
 
 
 def test_a_request_past_its_window_is_not_preempted_the_next_largest_is():
@@ -85,8 +85,8 @@ def test_a_request_past_its_window_is_not_preempted_the_next_largest_is():
     apply_plan(s, s.schedule())
     a.token_ids += [5] * 8  # a has generated 9 > 0.8 x 10: out of its window
     a.num_computed = len(a.token_ids) - 1
-    s.allocator.free(a.block_ids)
-    a.block_ids = s.allocator.allocate(s.allocator.blocks_for(len(a.token_ids)))
+    s.allocator.free(a.page_ids)
+    a.page_ids = s.allocator.allocate(s.allocator.pages_for(len(a.token_ids)))
     a.predicted_remaining = 40.0  # now the largest prediction, but protected
     s.add(_req("short", t=2, first=5.0))
     plan = s.schedule()
@@ -107,7 +107,7 @@ def test_no_preemption_when_the_waiting_request_is_not_shorter_or_c_is_zero():
 
 
 def test_kv_full_also_counts_as_a_full_batch():
-    s = _sched(seqs=8, blocks=4, block_size=4)  # 16 token slots
+    s = _sched(seqs=8, blocks=4, page_size=4)  # 16 token slots
     a = _req("a", prompt_len=12, first=50.0)
     s.add(a)
     apply_plan(s, s.schedule())
@@ -121,7 +121,7 @@ def test_kv_full_also_counts_as_a_full_batch():
 @pytest.mark.slow
 def test_engine_sprpt_run_frees_every_block_and_matches_greedy_reference(tmp_path):
     ref_llm = small_llm()
-    h = ref_llm.engine.cfg.hidden_size
+    h = ref_llm.engine.model_config.hidden_size
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, 300, int(n)).tolist() for n in rng.integers(4, 40, 10)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

@@ -134,7 +134,7 @@ _SCRIPT = textwrap.dedent("""
     llm = LLM(str(path), **settings)
     streamed_reads = len(reads)
     streamed = [o.token_ids for o in llm.generate(prompts, sp)]
-    cfg = llm.engine.cfg
+    cfg = llm.engine.model_config
     del llm
     eager_llm = LLM.__new__(LLM)
     eager_llm.engine = LLMEngine(cfg, weights.load_hf_safetensors(path, cfg), None,

@@ -67,7 +67,7 @@ def _mode(tmp_path, per_token_s, **kw):
     req = next(iter(eng.requests.values()))
     req.num_computed = 100
     policy = eng.scheduler.swap_policy
-    swaps = policy.swaps(req, eng.allocator.blocks_for(req.num_computed))
+    swaps = policy.swaps(req, eng.allocator.pages_for(req.num_computed))
     return ("swap" if swaps else "recompute"), eng
 
 

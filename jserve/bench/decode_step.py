@@ -122,7 +122,7 @@ def forward_executable(runner, shape: tuple[int, int]) -> jax.stages.Compiled:
     ishape, fshape = runner.buffer_shapes(shape)
     return jitted.lower(*runner.programs.lowering.args, jax.ShapeDtypeStruct(ishape, jnp.int32),
                         jax.ShapeDtypeStruct(fshape, jnp.float32),
-                        layout=runner.programs.compiled(shape)[1], cfg=runner.cfg,
+                        layout=runner.programs.compiled(shape)[1], cfg=runner.model_config,
                         attention_impl=runner.attention_impl, mesh=None,
                         rows=runner.programs.lowering.rows_for(shape),
                         capture_layer=None).compile()

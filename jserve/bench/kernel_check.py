@@ -63,7 +63,7 @@ def build_case(p: Profile, kind: str, ctx: int, seed: int) -> Case:
     seqs, pad_tokens = batch_sequences(p, kind, ctx, rng)
     shape_ctx = max(p.contexts) if p.fixed_shapes else ctx
     pages_of = [-(-(a + b) // p.page) for a, b in seqs]
-    # The table width is a whole number of the kernels' 4-page KV blocks. With fixed_shapes
+    # The table width is a whole number of the kernels' 4-page KV pages. With fixed_shapes
     # width and pool size depend on the profile and kind only: every context reuses one
     # compiled kernel.
     pages_per_seq = -(-shape_ctx // p.page)

@@ -60,7 +60,7 @@ def run_local(engine, trace: Sequence[TraceRequest], *, window_s: float | None =
     lengths."""
     trace = _sorted(trace)
     policy = engine.config.scheduler
-    prompts = (prompt_token_ids(trace, engine.cfg.vocab_size, seed) if prompts is None
+    prompts = (prompt_token_ids(trace, engine.model_config.vocab_size, seed) if prompts is None
                else [prompts[t.request_id] for t in trace])
     prepared = []
     for t, ids in zip(trace, prompts):

@@ -21,7 +21,7 @@ from pathlib import Path
 if __name__ == "__main__":  # run as a file by ``compare``: jserve from PYTHONPATH, not siblings
     del sys.path[0]
 
-from jserve.cache.allocator import BlockAllocator  # noqa: E402
+from jserve.cache.allocator import PageAllocator  # noqa: E402
 from jserve.scheduler.base import SchedulerBase  # noqa: E402
 from jserve.scheduler.chunking import PrefillTimeCache  # noqa: E402
 from jserve.scheduler.deadline import DeadlineConfig  # noqa: E402
@@ -60,7 +60,7 @@ def build(policy: str, predictor, cache: PrefillTimeCache, seed: int = 0) -> Sch
     rng = random.Random(seed)
     lengths = read_lengths("sharegpt4")
     clock = VirtualClock(NOW)
-    sched = build_scheduler(policy, BlockAllocator(65_536, 16), predictor=predictor,
+    sched = build_scheduler(policy, PageAllocator(65_536, 16), predictor=predictor,
                             prefill_cache=cache, deadline=CONFIG, clock=clock, **LIMITS)
     alloc = sched.allocator
 
@@ -68,7 +68,7 @@ def build(policy: str, predictor, cache: PrefillTimeCache, seed: int = 0) -> Sch
         """Put ``req`` in the running queue as if it had already computed ``computed`` tokens."""
         sched.add(req)
         req.num_computed = computed
-        req.block_ids = alloc.allocate(alloc.blocks_for(computed))
+        req.page_ids = alloc.allocate(alloc.pages_for(computed))
         sched._admit(req)  # out of the waiting queue (and its cached key parts), running
 
     probe = random.Random(seed + 1)  # sprpt's predicted lengths: the state stays the same

@@ -1,7 +1,7 @@
-"""Host-side KV block allocator (pure Python: the scheduler and simulator use it without JAX).
+"""Host-side KV page allocator (pure Python: the scheduler and simulator use it without JAX).
 
 With ``groups > 1`` (KV-cache parallelism) the pool is split into one pool per kvp group of
-``num_blocks`` pages each; global block id = ``group * num_blocks + local id``, and local id 0
+``num_pages`` pages each; global block id = ``group * num_pages + local id``, and local id 0
 of every group is that group's sink (padding tokens write there), never handed out. A
 sequence's logical page ``j`` lives in group ``(start + j // pages_per_group) % groups`` where
 ``start`` is the group of its first page, chosen as the least-loaded group when the first page
@@ -22,28 +22,28 @@ import collections
 from typing import Hashable, Sequence
 
 
-class OutOfBlocks(RuntimeError):
+class OutOfPages(RuntimeError):
     pass
 
 
-class BlockAllocator:
-    def __init__(self, num_blocks: int, block_size: int, *, groups: int = 1,
+class PageAllocator:
+    def __init__(self, num_pages: int, page_size: int, *, groups: int = 1,
                  pages_per_group: int | None = None, prefix_caching: bool = False):
-        """``num_blocks`` pages per group (sink included); ``pages_per_group`` logical pages of
+        """``num_pages`` pages per group (sink included); ``pages_per_group`` logical pages of
         a sequence per group (needed when ``groups > 1``)."""
-        if num_blocks < 2:
-            raise ValueError(f"need at least 2 KV blocks (one is reserved), got {num_blocks}")
+        if num_pages < 2:
+            raise ValueError(f"need at least 2 KV pages (one is reserved), got {num_pages}")
         if groups < 1:
             raise ValueError(f"groups must be >= 1, got {groups}")
         if groups > 1 and (pages_per_group is None or pages_per_group < 1):
             raise ValueError(f"groups={groups} needs pages_per_group >= 1, got {pages_per_group}")
-        self.block_size = block_size
+        self.page_size = page_size
         self.groups = groups
-        self.pool_blocks = num_blocks
+        self.pool_pages = num_pages
         self.pages_per_group = pages_per_group if groups > 1 else None
-        self.total = groups * (num_blocks - 1)
+        self.total = groups * (num_pages - 1)
         self._free: list[list[int]] = [
-            list(range(g * num_blocks + num_blocks - 1, g * num_blocks, -1)) for g in range(groups)]
+            list(range(g * num_pages + num_pages - 1, g * num_pages, -1)) for g in range(groups)]
         self.prefix_caching = prefix_caching
         self._refs: dict[int, int] = {}  # in-use block -> number of sequences holding it
         # Cached pages: key <-> block, and per group the idle ones (count 0), LRU first.
@@ -76,30 +76,30 @@ class BlockAllocator:
     @property
     def tokens_per_group(self) -> int | None:
         """Tokens of a sequence each group holds (None: one group, no boundary)."""
-        return None if self.pages_per_group is None else self.pages_per_group * self.block_size
+        return None if self.pages_per_group is None else self.pages_per_group * self.page_size
 
     def num_free_in(self, group: int) -> int:
         return len(self._free[group]) + len(self._idle[group])
 
     def group_of(self, block: int) -> int:
-        return block // self.pool_blocks
+        return block // self.pool_pages
 
-    def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
 
     # -- per-sequence allocation -------------------------------------------------------
-    def start_group(self, block_ids: Sequence[int]) -> int:
+    def start_group(self, page_ids: Sequence[int]) -> int:
         """The group of a sequence's first page; for a sequence with none yet, the group it
         would start in: the one with the most free pages (least loaded; ties: lowest)."""
-        if block_ids:
-            return self.group_of(block_ids[0])
+        if page_ids:
+            return self.group_of(page_ids[0])
         return max(range(self.groups), key=lambda g: (self.num_free_in(g), -g))
 
-    def _groups_of(self, block_ids: Sequence[int], n: int) -> list[int]:
+    def _groups_of(self, page_ids: Sequence[int], n: int) -> list[int]:
         """Groups of the sequence's next ``n`` logical pages."""
         if self.groups == 1:
             return [0] * n
-        start, first, ppg = self.start_group(block_ids), len(block_ids), self.pages_per_group
+        start, first, ppg = self.start_group(page_ids), len(page_ids), self.pages_per_group
         if first + n > self.groups * ppg:
             raise ValueError(f"a sequence holds at most {self.groups * ppg} pages "
                              f"({self.groups} groups x {ppg}); asked for {first + n}")
@@ -112,20 +112,20 @@ class BlockAllocator:
             need[g] = need.get(g, 0) + 1
         return all(c <= self.num_free_in(g) for g, c in need.items())
 
-    def can_extend(self, block_ids: Sequence[int], n: int) -> bool:
+    def can_extend(self, page_ids: Sequence[int], n: int) -> bool:
         if self.groups == 1:
             return n <= self.num_free_in(0)
-        if len(block_ids) + n > self.groups * self.pages_per_group:
+        if len(page_ids) + n > self.groups * self.pages_per_group:
             return False
-        return self._fit(self._groups_of(block_ids, n))
+        return self._fit(self._groups_of(page_ids, n))
 
-    def extendable(self, block_ids: Sequence[int]) -> int:
+    def extendable(self, page_ids: Sequence[int]) -> int:
         """How many more pages the sequence could take now (its groups' free pages, in
         logical order, up to the sequence's maximum)."""
         if self.groups == 1:
             return self.num_free_in(0)
-        start, ppg = self.start_group(block_ids), self.pages_per_group
-        j, total = len(block_ids), 0
+        start, ppg = self.start_group(page_ids), self.pages_per_group
+        j, total = len(page_ids), 0
         while j < self.groups * ppg:
             free = self.num_free_in((start + j // ppg) % self.groups)
             room = ppg - j % ppg  # pages left in this group's chunk of the sequence
@@ -135,29 +135,29 @@ class BlockAllocator:
             j += room
         return total
 
-    def extend(self, block_ids: Sequence[int], n: int) -> list[int]:
+    def extend(self, page_ids: Sequence[int], n: int) -> list[int]:
         """The sequence's next ``n`` pages (global ids, logical order); the caller appends
         them to its block list. All or nothing: ValueError past a sequence's maximum,
-        OutOfBlocks when one of its groups is short."""
+        OutOfPages when one of its groups is short."""
         if self.groups == 1:  # the common case, a page at a time only past the free list
             if n > self.num_free_in(0):
-                raise self._out_of_blocks(block_ids, n)
+                raise self._out_of_pages(page_ids, n)
             free = self._free[0]
             cut = len(free) - min(n, len(free))
             out = free[cut:][::-1]  # as popped one by one from the end
             del free[cut:]
             out += [self._take(0) for _ in range(n - len(out))]
         else:
-            groups = self._groups_of(block_ids, n)  # ValueError past the sequence's maximum
+            groups = self._groups_of(page_ids, n)  # ValueError past the sequence's maximum
             if not self._fit(groups):
-                raise self._out_of_blocks(block_ids, n)
+                raise self._out_of_pages(page_ids, n)
             out = [self._take(g) for g in groups]
         self._refs.update(dict.fromkeys(out, 1))
         return out
 
-    def _out_of_blocks(self, block_ids: Sequence[int], n: int) -> OutOfBlocks:
-        return OutOfBlocks(f"asked for {n} KV blocks for a sequence holding "
-                           f"{len(block_ids)}; free per group: "
+    def _out_of_pages(self, page_ids: Sequence[int], n: int) -> OutOfPages:
+        return OutOfPages(f"asked for {n} KV pages for a sequence holding "
+                           f"{len(page_ids)}; free per group: "
                            f"{[self.num_free_in(g) for g in range(self.groups)]}")
 
     def _take(self, group: int) -> int:
@@ -184,7 +184,7 @@ class BlockAllocator:
             return num_pages <= self.total
         if num_pages > self.groups * self.pages_per_group:
             return False
-        return min(num_pages, self.pages_per_group) <= self.pool_blocks - 1
+        return min(num_pages, self.pages_per_group) <= self.pool_pages - 1
 
     def free(self, blocks: list[int]) -> None:
         """Drop one hold on each block: a block no sequence holds goes back to the free pool,
@@ -242,11 +242,11 @@ class BlockAllocator:
         self._block_of[key] = block
         self._key_of[block] = key
 
-    def check_holders(self, block_lists: Sequence[Sequence[int]]) -> None:
-        """Every in-use block is held exactly as many times as ``block_lists`` (the block
+    def check_holders(self, page_lists: Sequence[Sequence[int]]) -> None:
+        """Every in-use block is held exactly as many times as ``page_lists`` (the block
         tables of every sequence holding blocks) list it, and no other block is in use."""
         counts: dict[int, int] = {}
-        for blocks in block_lists:
+        for blocks in page_lists:
             for b in blocks:
                 counts[b] = counts.get(b, 0) + 1
         assert counts == self._refs, "block reference counts differ from the holders"
@@ -259,13 +259,13 @@ class BlockAllocator:
             self.num_allocated, self.num_free, self.total)
         for g, (free, idle) in enumerate(zip(self._free, self._idle)):
             held = sum(1 for b in self._refs if self.group_of(b) == g)
-            assert held + len(free) + len(idle) == self.pool_blocks - 1, (
+            assert held + len(free) + len(idle) == self.pool_pages - 1, (
                 g, held, len(free), len(idle))
-            assert all(self.group_of(b) == g and b % self.pool_blocks
+            assert all(self.group_of(b) == g and b % self.pool_pages
                        for b in (*free, *idle)), g
             assert len(set(free)) == len(free), g
             assert all(b in self._key_of for b in idle), g
-        assert not any(b % self.pool_blocks == 0 for b in self._refs)
+        assert not any(b % self.pool_pages == 0 for b in self._refs)
         assert all(r >= 1 for r in self._refs.values())
         unheld = [b for free in self._free for b in free] + [b for i in self._idle for b in i]
         assert len(set(unheld)) == len(unheld) and not set(self._refs).intersection(unheld)

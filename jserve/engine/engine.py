@@ -59,7 +59,7 @@ class LLMEngine:
         self.startup = startup or StartupTimes()  # ``LLM`` starts it before reading the model
         enable_compilation_cache(config.compilation_cache_dir)
         parts = build_engine_parts(cfg, params, config, self.startup, _draft_engine)
-        self.cfg, self.tokenizer, self.config = cfg, tokenizer, config
+        self.model_config, self.tokenizer, self.config = cfg, tokenizer, config
         self.max_model_len = parts.max_model_len
         self.buckets, self.allocator = parts.buckets, parts.allocator
         self.scheduler, self.runner, self.builder = parts.scheduler, parts.runner, parts.builder

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import jax
 
-from jserve.cache.allocator import BlockAllocator
+from jserve.cache.allocator import PageAllocator
 from jserve.cache.pool import allocate_kv_cache, kv_bytes_per_page, num_pages_for_budget
 from jserve.config import LlamaConfig
 from jserve.engine.abstract import abstract_kv_cache, params_on_one_device
@@ -60,7 +60,7 @@ class EngineParts:
     multi_process: bool
     max_model_len: int
     buckets: Buckets
-    allocator: BlockAllocator
+    allocator: PageAllocator
     scheduler: SchedulerBase
     runner: ModelRunner
     builder: StepBuilder
@@ -174,7 +174,7 @@ def _swap_policy(cfg: LlamaConfig, config: EngineConfig, mesh_config: MeshConfig
             "", 0, tokens, False),))))
 
 
-def _scheduler(config: EngineConfig, allocator: BlockAllocator, budget: int,
+def _scheduler(config: EngineConfig, allocator: PageAllocator, budget: int,
                context: int, predictor: RuntimePredictor | None,
                tracker: LengthTracker | None) -> SchedulerBase:
     probe = tracker.probe if tracker else None
@@ -207,7 +207,7 @@ def build_engine_parts(cfg: LlamaConfig, params: Params, config: EngineConfig,
     prefix_caching = config.enable_prefix_caching and tracker is None
     if config.enable_prefix_caching and not prefix_caching:
         log.info("prefix caching is off: not supported with a length probe")
-    allocator = BlockAllocator(num_pages, config.page_size, groups=mesh_config.kvp,
+    allocator = PageAllocator(num_pages, config.page_size, groups=mesh_config.kvp,
                                pages_per_group=buckets.pages_per_group,
                                prefix_caching=prefix_caching)
     scheduler = _scheduler(config, allocator, budget, context, predictor, tracker)

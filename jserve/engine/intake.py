@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from jserve.cache.allocator import BlockAllocator
+from jserve.cache.allocator import PageAllocator
 from jserve.engine.output import IncrementalDetokenizer, RequestMetrics
 from jserve.engine.request_state import RequestState
 from jserve.sampling.params import SamplingParams
@@ -25,7 +25,7 @@ class PreparedRequest:
 
 class RequestIntake:
     def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int,
-                 allocator: BlockAllocator, eos_ids: tuple[int, ...] = ()):
+                 allocator: PageAllocator, eos_ids: tuple[int, ...] = ()):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -73,10 +73,10 @@ class RequestIntake:
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                              f"context of {self.max_model_len} tokens")
         alloc = self.allocator
-        need = alloc.blocks_for(n + params.max_tokens)
+        need = alloc.pages_for(n + params.max_tokens)
         if not alloc.can_ever_hold(need):
-            raise ValueError(f"request needs {need} KV blocks; the pool has {alloc.total}"
-                             + (f" ({alloc.groups} groups of {alloc.pool_blocks - 1})"
+            raise ValueError(f"request needs {need} KV pages; the pool has {alloc.total}"
+                             + (f" ({alloc.groups} groups of {alloc.pool_pages - 1})"
                                 if alloc.groups > 1 else ""))
 
 

@@ -31,7 +31,7 @@ class StepLowering:
     def __init__(self, cfg: LlamaConfig, buckets: Buckets, max_num_seqs: int,
                  attention_impl: str, mesh: jax.sharding.Mesh | None, args: tuple,
                  capture_layer: int | None = None, slice_layers: bool = False):
-        self.cfg, self.buckets, self.mesh, self.args = cfg, buckets, mesh, args
+        self.model_config, self.buckets, self.mesh, self.args = cfg, buckets, mesh, args
         self.attention_impl = attention_impl
         self.capture_layer, self.slice_layers = capture_layer, slice_layers
         self.replicated = (None if mesh is None else
@@ -56,7 +56,8 @@ class StepLowering:
 
     def arrays_spec(self, num_decodes: int, num_prefill_tokens: int) -> StepArrays:
         """Abstract shapes of a bucket's inputs (what ``StepBuilder`` fills)."""
-        return arrays_spec(self.buckets, self.cfg.vocab_size, num_decodes, num_prefill_tokens)
+        return arrays_spec(self.buckets, self.model_config.vocab_size, num_decodes,
+                           num_prefill_tokens)
 
     def rows_for(self, shape: tuple[int, int]) -> int:
         """The rows a step of ``shape`` pads its sampling inputs to."""
@@ -87,12 +88,12 @@ class StepLowering:
         if lone:
             return self.jitted.lone.lower(
                 *args, ibuf, fbuf, layout=layout,
-                cfg=self.cfg, attention_impl=self.attention_impl, mesh=self.mesh,
+                cfg=self.model_config, attention_impl=self.attention_impl, mesh=self.mesh,
                 rows=self.rows_for(shape)), layout
         carry = () if self.spp == 1 else (pipeline.carry_spec(
-            self.mesh, self.cfg, sum(self.stream_shape)),)
+            self.mesh, self.model_config, sum(self.stream_shape)),)
         lowered = self.jitted.step.lower(*args, *carry, ibuf, fbuf,
-                                         layout=layout, cfg=self.cfg,
+                                         layout=layout, cfg=self.model_config,
                                          attention_impl=self.attention_impl, mesh=self.mesh,
                                          rows=self.rows_for(shape),
                                          **({"decode_rows": self.stream_shape[0]}
@@ -105,13 +106,14 @@ class StepLowering:
         layout, ibuf, fbuf = self._buffer_specs(key.shape)
         return self.jitted.burst.lower(
             *self.args, ibuf, fbuf,
-            layout=layout, cfg=self.cfg, attention_impl=self.attention_impl, mesh=self.mesh,
+            layout=layout, cfg=self.model_config, attention_impl=self.attention_impl,
+            mesh=self.mesh,
             rows=self.rows_for(key.shape), slice_layers=self.slice_layers, steps=key.steps,
             num_decodes=key.shape[0], page_size=self.page_size)
 
     def lower_sampler(self, rows: int | None = None) -> jax.stages.Lowered:
         """The sampling program, on the padded rows every step hands it (the largest step's
         unless ``rows``)."""
-        spec = sample_inputs_spec(rows or self.sample_rows, self.cfg.vocab_size,
+        spec = sample_inputs_spec(rows or self.sample_rows, self.model_config.vocab_size,
                                   self.replicated)
         return self.jitted.sample.lower(self.args[2], spec)

@@ -29,7 +29,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from jserve.cache.allocator import BlockAllocator
+from jserve.cache.allocator import PageAllocator
 from jserve.cache.pool import available_device_bytes, kv_bytes_per_page
 from jserve.config import LlamaConfig
 from jserve.engine.abstract import abstract_kv_cache, abstract_params
@@ -421,7 +421,7 @@ def _check(p: MemoryPlan, cfg: LlamaConfig, mc: MeshConfig, split: int, repl: in
             "max_num_batched_tokens")
         return
     need = -(-p.max_model_len // p.page_size)
-    alloc = BlockAllocator(p.num_kv_pages, p.page_size, groups=p.kvp,
+    alloc = PageAllocator(p.num_kv_pages, p.page_size, groups=p.kvp,
                            pages_per_group=p.pages_per_group)
     if not alloc.can_ever_hold(need):
         p.problems.append(
@@ -442,7 +442,7 @@ def describe_engine(engine) -> str:
     ``LLMEngine.__init__``, e.g. ``log.info("%s", describe_engine(self))``."""
     runner, alloc, config = engine.runner, engine.allocator, engine.config
     mc = MeshConfig.parse(config.mesh)
-    cfg = engine.cfg
+    cfg = engine.model_config
     step = None
     shape = None
     programs = runner.programs
@@ -460,7 +460,7 @@ def describe_engine(engine) -> str:
                                             kv_heads_per_device(cfg, mc.tp),
                                             cfg.num_hidden_layers // mc.spp,
                                             config.kv_cache_dtype),
-        num_kv_pages=alloc.pool_blocks, kvp=alloc.groups, page_size=config.page_size,
+        num_kv_pages=alloc.pool_pages, kvp=alloc.groups, page_size=config.page_size,
         max_model_len=engine.max_model_len, max_num_seqs=config.max_num_seqs,
         max_useful_pages=config.max_num_seqs * (alloc.pages_per_group or
                                                 -(-engine.max_model_len // config.page_size)),

@@ -32,7 +32,7 @@ def profile_samples(engine: LLMEngine, *, seed: int = 0, repeats: int = 2
 
 def _profile_grid(engine: LLMEngine, seed: int, repeats: int) -> list[tuple[object, float]]:
     rng = np.random.default_rng(seed)
-    vocab = min(engine.cfg.vocab_size, 256)
+    vocab = min(engine.model_config.vocab_size, 256)
     max_len = engine.max_model_len
     budget = engine.scheduler.token_budget
     max_seqs = engine.config.max_num_seqs
@@ -66,7 +66,7 @@ def _profile_grid(engine: LLMEngine, seed: int, repeats: int) -> list[tuple[obje
 def fit_predictor(engine: LLMEngine, samples) -> tuple[LinearPredictor, dict]:
     held = samples[::5]
     train = [s for i, s in enumerate(samples) if i % 5]
-    key = predictor_key(engine.cfg, MeshConfig.parse(engine.config.mesh).key())
+    key = predictor_key(engine.model_config, MeshConfig.parse(engine.config.mesh).key())
     predictor = LinearPredictor.fit(train, meta={"key": key,
                                                  "samples": len(train),
                                                  "max_context": profiled_context(samples)})

@@ -73,7 +73,7 @@ class ModelRunner:
         (spp == 1): stacked params, the layers unrolled in the program over static slices of
         them (``EngineConfig.layer_loop`` "sliced")."""
         _check_capture_layer(cfg, capture_layer, mesh)
-        self.cfg, self.mesh, self.attention_impl = cfg, mesh, attention_impl
+        self.model_config, self.mesh, self.attention_impl = cfg, mesh, attention_impl
         self.capture_layer, self.slice_layers = capture_layer, slice_layers
         self.last_capture = None  # the latest step's Capture (device arrays) when capturing
         self._replicated = (None if mesh is None else
@@ -102,7 +102,7 @@ class ModelRunner:
         new penalty state. False when they differ from the specs in a way the programs
         see: then the programs are dropped, to compile again."""
         self.params, self.kv_cache = params, kv_cache
-        self.state = new_state(self.cfg, self.state_sink + 1, self._replicated)
+        self.state = new_state(self.model_config, self.state_sink + 1, self._replicated)
         same = self.programs.reset(abstract_of((params, kv_cache, self.state)))
         if not same:
             log.warning("loaded weights or KV pages differ from the specs the programs "
@@ -180,7 +180,7 @@ class ModelRunner:
     def start_pipeline(self) -> None:
         """A zero residual stream in every pipeline slot (the slots' steps come with each
         tick)."""
-        self.carry = pipeline.empty_carry(self.mesh, self.cfg,
+        self.carry = pipeline.empty_carry(self.mesh, self.model_config,
                                           sum(self.programs.lowering.stream_shape))
 
     # -- swapping KV pages to host memory and back ---------------------------------------

@@ -118,9 +118,9 @@ class StepBuilder:
         self.pool_pages = pool_pages
         self.mask_words = mask_words(vocab_size)  # structured-output bitmask width
 
-    def _kvp_row(self, page_table: np.ndarray, row: int, block_ids) -> int:
-        """Fills ``row`` of the page table from global ``block_ids``; returns the start group."""
-        blocks = np.asarray(block_ids, np.int32)
+    def _kvp_row(self, page_table: np.ndarray, row: int, page_ids) -> int:
+        """Fills ``row`` of the page table from global ``page_ids``; returns the start group."""
+        blocks = np.asarray(page_ids, np.int32)
         if not len(blocks):
             return 0
         ppg, pool = self.buckets.pages_per_group, self.pool_pages
@@ -146,8 +146,8 @@ class StepBuilder:
             dec = [requests[c.request_id] for c in plan.decodes]
             if all(map(self.plain_row, dec)):
                 self._last = _LastDecodes(plan.decodes, dec, built, flags,
-                                          [r.block_ids for r in dec],
-                                          [len(r.block_ids) for r in dec], plan.burst)
+                                          [r.page_ids for r in dec],
+                                          [len(r.page_ids) for r in dec], plan.burst)
         return built
 
     def _advance(self, plan: BatchPlan, requests: dict[str, Request],
@@ -170,7 +170,7 @@ class StepBuilder:
         for c, old, req, blocks in zip(plan.decodes, last.decodes, last.requests,
                                        last.blocks):
             r = requests.get(c.request_id)
-            if (r is not req or c.start != old.start + last.burst or r.block_ids is not blocks
+            if (r is not req or c.start != old.start + last.burst or r.page_ids is not blocks
                     or not self.plain_row(r)):
                 return None
             dec.append(r)
@@ -187,10 +187,10 @@ class StepBuilder:
         b.attn.positions[:nd] = pos
         b.attn.kv_lens[:nd] = [p + 1 for p in pos]
         b.slots[:nd] = _decode_slots(dec, pos, ps)
-        lens = [len(r.block_ids) for r in dec]
+        lens = [len(r.page_ids) for r in dec]
         for i, (n, was) in enumerate(zip(lens, last.lens)):
             if n != was:
-                b.attn.page_table[i, :n] = dec[i].block_ids
+                b.attn.page_table[i, :n] = dec[i].page_ids
         arrays.token_state_rows[:nd] = srows
         arrays.state_rows[:nd] = srows
         arrays.sampled_state_rows[:nd] = srows
@@ -261,17 +261,17 @@ class StepBuilder:
             h.slots[:nd] = _decode_slots(dec, pos_d, ps)
             # Every row's blocks in one store: a boolean mask over the table takes them in
             # row-major order, so the blocks of all rows, concatenated, fill it.
-            tables = [r.block_ids for r in dec]
+            tables = [r.page_ids for r in dec]
             lens = np.fromiter(map(len, tables), np.int32, nd)
             h.page_table[:nd][np.arange(h.page_table.shape[1]) < lens[:, None]] = \
                 list(itertools.chain.from_iterable(tables))
         else:
             pool = self.pool_pages
-            pages = np.asarray([r.block_ids[p // ps] for r, p in zip(dec, pos_d)], np.int32)
+            pages = np.asarray([r.page_ids[p // ps] for r, p in zip(dec, pos_d)], np.int32)
             h.slots[:nd] = pages % pool * ps + np.asarray(pos_d, np.int32) % ps
             h.slot_groups[:nd] = pages // pool
             for i, r in enumerate(dec):
-                h.start_groups[i] = self._kvp_row(h.page_table, i, r.block_ids)
+                h.start_groups[i] = self._kvp_row(h.page_table, i, r.page_ids)
         h.sampled_state_rows[:nd] = srows
         h.rows[:nd] = map(sampler_row, dec)
         h.sample_rows.extend(enumerate(chunks))
@@ -293,7 +293,7 @@ class StepBuilder:
             n = c.num_tokens
             end = start + n
             pos = np.arange(c.start, c.start + n, dtype=np.int32)
-            blocks = np.asarray(req.block_ids, np.int32)
+            blocks = np.asarray(req.page_ids, np.int32)
             h.tokens[start:end] = req.token_ids[c.start:c.start + n]
             h.positions[start:end] = pos
             if self.kvp == 1:
@@ -322,7 +322,7 @@ class StepBuilder:
 
 def _decode_slots(requests: list[Request], positions: list[int], page_size: int) -> list[int]:
     """The KV slot each decode row writes (kvp == 1): its position's page, then offset."""
-    return [r.block_ids[p // page_size] * page_size + p % page_size
+    return [r.page_ids[p // page_size] * page_size + p % page_size
             for r, p in zip(requests, positions)]
 
 

@@ -11,7 +11,7 @@ asked for on another backend (CPU in tests) runs in Pallas interpret mode: same 
 executed by XLA, slow but exact, which is how the engine is tested with the kernels.
 ``kv_parallel`` runs ``attention`` on one KV-cache-parallel group's pages and merges the
 groups' partial results. Pages may be stored quantized (``kv_quant``: int8 with per-row
-scales, fp8); every implementation dequantizes the KV blocks it reads, inside the kernel.
+scales, fp8); every implementation dequantizes the KV pages it reads, inside the kernel.
 """
 from __future__ import annotations
 

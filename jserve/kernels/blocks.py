@@ -2,7 +2,7 @@
 online-softmax step they share, and the log-sum-exp merge of partial results.
 
 A token of a GQA model carries G = Hq / Hkv query heads that all read the same KV head, so
-the kernels work on *rows* (token, head-in-group) per KV head: one KV block loaded from the
+the kernels work on *rows* (token, head-in-group) per KV head: one KV page loaded from the
 paged cache serves every query head of the group. Rows are grouped into blocks of
 ``tokens_per_block`` consecutive tokens (padded to a power of two, at least 16 rows: the
 smallest Triton matmul and a whole bf16 TPU sublane tile). A block may hold tokens of several
@@ -87,7 +87,7 @@ def causal_end(b, s, blocks_tok_pos, q_end, kv_len, tokens_per_block):
 
 
 def attend_block(carry, q, k, v, valid, scale):
-    """One online-softmax step of a query block q [R, D] over a KV block k, v [C, D]; the
+    """One online-softmax step of a query block q [R, D] over a KV page k, v [C, D]; the
     carry is (m [R, 1], l [R, 1], acc [R, D]) in float32. Kept 2-D for Mosaic's layouts."""
     m, l, acc = carry
     prec = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None

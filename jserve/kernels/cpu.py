@@ -1,6 +1,6 @@
 """Attention on XLA:CPU with a native decode kernel (``attention_impl="cpu"``).
 
-XLA:CPU runs the jnp reference's decode attention as page gathers (a copy of every KV block
+XLA:CPU runs the jnp reference's decode attention as page gathers (a copy of every KV page
 read) and many small batched dots inside a loop; on a 2-core VM that was about a fifth of a
 batch-32 decode step of the bench model (docs/bench.md). The decode rows here go to a C++
 kernel (``native/cpu_decode_attention.cc``) called through the XLA FFI: it reads the pages in

@@ -4,7 +4,7 @@ Grid (KV head, query block, KV split); the KV loop runs inside the kernel, gathe
 ``pages_per_block`` pages of the head's cache per step straight from HBM (Triton keeps the
 tiles in registers/shared memory; no staging copies). A query block covers
 ``tokens_per_block`` consecutive tokens times the G query heads sharing the KV head (see
-:mod:`jserve.kernels.blocks`), so GQA reads each KV block once per group.
+:mod:`jserve.kernels.blocks`), so GQA reads each KV page once per group.
 
 Decodes and prefill chunks are two launches of the same kernel with different blocking:
 decodes one token (one sequence) per block, prefill chunks ``prefill_block_rows / G`` tokens
@@ -12,7 +12,7 @@ per block. Either launch splits the KV range of each block into parts run by sep
 programs (split-K) when it has too few programs to fill the GPU (a small decode batch, a short
 chunk at a long context); the parts are merged on their log-sum-exps.
 Quantized pages (``jserve.kernels.kv_quant``) are read as stored (int8 or fp8, plus the int8
-rows' scales) and dequantized per KV block in the kernel, to q's dtype for the matmuls.
+rows' scales) and dequantized per KV page in the kernel, to q's dtype for the matmuls.
 The serving step's stacked cache [layers, Hkv, P, S, D] is handed over whole with the layer
 index (read in the kernel), never sliced: a slice of the stacked cache is a copy of that
 layer's whole pool per call, which on an H100 cost more than the rest of a decode step.
@@ -33,7 +33,7 @@ from jserve.kernels.metadata import AttentionMetadata
 PAGES_PER_BLOCK = 4
 PREFILL_BLOCK_ROWS = 64
 # Split-K aims for this many programs per launch (an H100 has 132 SMs; two programs per SM
-# hide the gather latency) without splitting below one KV block per part.
+# hide the gather latency) without splitting below one KV page per part.
 TARGET_PROGRAMS = 256
 MAX_SPLITS = 32
 
@@ -51,7 +51,7 @@ def _kernel(layer_ref, seq_lo_ref, seq_hi_ref, tok_pos_ref, q_end_ref, kv_lens_r
     q, row_seq, row_pos = q_ref[...], seq_ref[...], pos_ref[...]
 
     def load(ref, scale_ref, ids):
-        """A KV block [chunk, D] in q's dtype, dequantized in registers."""
+        """A KV page [chunk, D] in q's dtype, dequantized in registers."""
         x = ref[layer, ids].reshape(chunk, d)
         if scale_ref is not None:
             x = x.astype(jnp.float32) * scale_ref[layer, ids].reshape(chunk, 1)

@@ -6,7 +6,7 @@ page table, context lengths and per-block sequence ranges ride in SMEM through s
 prefetch (``PrefetchScalarGridSpec``), so the kernel computes every page address itself. The
 cache stays in HBM (``pl.ANY``); the kernel copies ``pages_per_block`` pages per KV step into
 one of two VMEM buffers with async DMAs, starting step j+1's copies before computing on step
-j's buffer (double buffering), so the MXU works while the next KV block is in flight.
+j's buffer (double buffering), so the MXU works while the next KV page is in flight.
 
 The serving step's stacked cache [layers, Hkv, P, S, D] is handed over whole with the layer
 index (scalar-prefetched like the page table): the DMAs address that layer's pages, so no
@@ -54,7 +54,7 @@ def _kernel(layer_ref, seq_lo_ref, seq_hi_ref, tok_pos_ref, q_end_ref, kv_lens_r
     q, row_seq, row_pos = q_ref[...], seq_ref[...], pos_ref[...]
 
     def copies(s, j, slot):
-        """The DMAs bringing KV block j of sequence s into buffer ``slot``."""
+        """The DMAs bringing KV page j of sequence s into buffer ``slot``."""
         out = []
         for i in range(pages_per_block):
             page = table_ref[s * width + j * pages_per_block + i]

@@ -21,7 +21,7 @@ _MASKED = -1e30
 # 2-core CPU 4 pages of 16 tokens beat 1, 2, 8 and 16 at both 160- and 1000-token contexts
 # (decode, batch 32, 2 KV heads).
 PAGES_PER_BLOCK = 4
-# Query rows of one prefill sequence attended together (a tile reads each KV block once).
+# Query rows of one prefill sequence attended together (a tile reads each KV page once).
 _PREFILL_TILE = 64
 
 
@@ -63,7 +63,7 @@ def _decode_attention(q, k_pages, v_pages, kv_lens, page_table, pages_per_block,
                       layer=None):
     """q [Hkv, B, G, D]; one query per sequence at position kv_len - 1.
 
-    The live (sequence, KV block) pairs are flattened and visited B at a time, so a step
+    The live (sequence, KV page) pairs are flattened and visited B at a time, so a step
     costs the batch's total context, not B x its longest: one long decode does not make every
     row in the batch pay for its context. Each visit's partial softmax is merged into
     its row by scatter max/add (split-K with a log-sum-exp merge)."""
@@ -109,7 +109,7 @@ def _prefill_attention(q, q_seq, q_pos, k_pages, v_pages, kv_lens, page_table, n
                        pages_per_block, scale, rows_per_tile=_PREFILL_TILE, layer=None):
     """q [Hkv, T, G, D] of several sequences' chunks; q_seq/q_pos give each token's owner and
     absolute position (a sequence's tokens are contiguous). Loops over live sequences, then
-    over tiles of their own query rows, then over the KV blocks the tile can see, so a long
+    over tiles of their own query rows, then over the KV pages the tile can see, so a long
     sequence's context is read against its own chunk only, not every prefill row."""
     hkv, t, g, d = q.shape
     page_size = k_pages.shape[-2]

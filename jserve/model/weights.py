@@ -409,14 +409,14 @@ class LazyCheckpoint:
     cfg: LlamaConfig
 
     def __post_init__(self) -> None:
-        _check_checkpoint(self.model_dir, self.cfg)
+        _check_checkpoint(self.model_dir, self.model_config)
 
     def place(self, cfg: LlamaConfig, mesh: jax.sharding.Mesh | None = None) -> Params:
         return load_hf_runtime(self.model_dir, cfg, mesh)
 
     def load(self) -> Params:
         """The eager checkpoint-layout params (:func:`load_hf_safetensors`)."""
-        return load_hf_safetensors(self.model_dir, self.cfg)
+        return load_hf_safetensors(self.model_dir, self.model_config)
 
 
 def _abstract_params(cfg: LlamaConfig, stored: str = "none") -> Params:

@@ -101,7 +101,7 @@ def collect(llm, prompts, max_tokens: int):
     """Per request: (embeddings [layers, L, H], remaining [L])."""
     eng = llm.engine
     seqs = finished_sequences(llm, prompts, max_tokens)
-    return [sequence_pairs(eng.cfg, eng.runner.params, p, o)[:2] for p, o in seqs]
+    return [sequence_pairs(eng.model_config, eng.runner.params, p, o)[:2] for p, o in seqs]
 
 
 def stack(data, layer: int, prompt_repeat: int):

@@ -81,8 +81,8 @@ class ReplicaLoad:
     replica: str
     healthy: bool
     waiting: int                 # requests queued for admission
-    running: int                 # requests holding KV blocks
-    kv_usage: float              # share of KV blocks in use, 0..1
+    running: int                 # requests holding KV pages
+    kv_usage: float              # share of KV pages in use, 0..1
     order: str                   # FIFO or DEADLINE_ORDER: who runs before a newcomer
     prefills: tuple[QueuedPrefill, ...]
     table: PrefillTable

@@ -29,9 +29,9 @@ def cached_tokens(scheduler: SchedulerBase, token_ids: Sequence[int]) -> int:
     alloc = scheduler.allocator
     if not alloc.prefix_caching or len(token_ids) < 2:
         return 0
-    pages = (len(token_ids) - 1) // alloc.block_size
-    return len(alloc.lookup(extend_page_keys([], token_ids, alloc.block_size, pages))) \
-        * alloc.block_size
+    pages = (len(token_ids) - 1) // alloc.page_size
+    return len(alloc.lookup(extend_page_keys([], token_ids, alloc.page_size, pages))) \
+        * alloc.page_size
 
 
 def replica_load(name: str, scheduler: SchedulerBase, table: PrefillTable, now: float, *,

@@ -1,4 +1,4 @@
-"""What every policy shares: the waiting and running queues, KV blocks (grow, release,
+"""What every policy shares: the waiting and running queues, KV pages (grow, release,
 recompute preemption), retiring requests, and a guard against running prefills deadlocked on
 memory. Pure Python, so the simulator drives the same objects as the live engine.
 
@@ -21,7 +21,7 @@ import collections
 import dataclasses
 from typing import Sequence
 
-from jserve.cache.allocator import BlockAllocator
+from jserve.cache.allocator import PageAllocator
 from jserve.cache.prefix import extend_page_keys
 from jserve.scheduler.plan import BatchPlan, PageMove, ScheduledChunk
 from jserve.scheduler.request import PLACEHOLDER, Request, RequestStatus
@@ -39,7 +39,7 @@ class _Outstanding:
 
 
 class SchedulerBase(abc.ABC):
-    def __init__(self, allocator: BlockAllocator, *, max_num_seqs: int,
+    def __init__(self, allocator: PageAllocator, *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_prefill_seqs: int):
         self.allocator = allocator
         self.max_num_seqs = max_num_seqs
@@ -135,10 +135,10 @@ class SchedulerBase(abc.ABC):
         del req.token_ids[c.start + 1:]
         req.token_ids.extend(got[:accepted + 1])
         req.num_computed = c.start + 1 + accepted
-        keep = self.allocator.blocks_for(req.num_computed)
-        if len(req.block_ids) > keep:
-            self.allocator.free(req.block_ids[keep:])
-            del req.block_ids[keep:]
+        keep = self.allocator.pages_for(req.num_computed)
+        if len(req.page_ids) > keep:
+            self.allocator.free(req.page_ids[keep:])
+            del req.page_ids[keep:]
         self._register_pages(req, req.num_computed)
         req.num_drafted += len(c.drafts)
         req.num_accepted += accepted
@@ -181,12 +181,12 @@ class SchedulerBase(abc.ABC):
         alloc = self.allocator
         if not (alloc.prefix_caching and req.cacheable):
             return
-        full = min(num_computed // alloc.block_size, len(req.block_ids))
+        full = min(num_computed // alloc.page_size, len(req.page_ids))
         if full <= req.num_registered_pages:
             return
-        keys = extend_page_keys(req.page_keys, req.token_ids, alloc.block_size, full)
+        keys = extend_page_keys(req.page_keys, req.token_ids, alloc.page_size, full)
         for j in range(req.num_registered_pages, full):
-            alloc.register(req.block_ids[j], keys[j])
+            alloc.register(req.page_ids[j], keys[j])
         req.num_registered_pages = full
 
     def finish(self, req: Request, status: RequestStatus) -> None:
@@ -200,8 +200,8 @@ class SchedulerBase(abc.ABC):
         elif req in self.waiting:
             self.waiting.remove(req)
         if req in self.pinned:
-            self._deferred[req] = req.block_ids
-            req.block_ids = []
+            self._deferred[req] = req.page_ids
+            req.page_ids = []
         else:
             self._release(req)
         req.status = status
@@ -209,10 +209,10 @@ class SchedulerBase(abc.ABC):
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def block_holders(self) -> list[list[int]]:
+    def page_holders(self) -> list[list[int]]:
         """Every list of blocks in use: the running requests' block tables, and those of
         finished requests whose chunks are still in flight (freed when they are back)."""
-        return [r.block_ids for r in self.running] + list(self._deferred.values())
+        return [r.page_ids for r in self.running] + list(self._deferred.values())
 
     def _launch(self, plan: BatchPlan) -> None:
         """``plan`` leaves for the device: its chunks count as computed, its requests are
@@ -246,8 +246,8 @@ class SchedulerBase(abc.ABC):
 
     # -- blocks ------------------------------------------------------------------------
     def _release(self, req: Request) -> None:
-        self.allocator.free(req.block_ids)
-        req.block_ids = []
+        self.allocator.free(req.page_ids)
+        req.page_ids = []
         req.num_registered_pages = 0
 
     def _cached_prefix(self, req: Request) -> list[int]:
@@ -256,27 +256,27 @@ class SchedulerBase(abc.ABC):
         alloc = self.allocator
         if not (alloc.prefix_caching and req.cacheable):
             return []
-        pages = (len(req.token_ids) - 1) // alloc.block_size
-        return alloc.lookup(extend_page_keys(req.page_keys, req.token_ids, alloc.block_size,
+        pages = (len(req.token_ids) - 1) // alloc.page_size
+        return alloc.lookup(extend_page_keys(req.page_keys, req.token_ids, alloc.page_size,
                                              pages))
 
     def _peek_prefix(self, req: Request) -> None:
         """Record how much of a newly queued request the cache holds (no pages taken): the
         deadline-aware policies rank and time a waiting request by its uncached work."""
         if req.num_computed == 0 and not req.swapped:
-            req.cached_hint = len(self._cached_prefix(req)) * self.allocator.block_size
+            req.cached_hint = len(self._cached_prefix(req)) * self.allocator.page_size
 
     def _claim_prefix(self, req: Request) -> None:
         """Before admitting waiting ``req``: take its cached leading pages, so it starts
         prefilling after them. ``_unclaim_prefix`` undoes it if the admission fails."""
-        if req.num_computed or req.block_ids or req.swapped:
+        if req.num_computed or req.page_ids or req.swapped:
             return
         blocks = self._cached_prefix(req)
         req.cached_hint = 0
         if blocks:
             self.allocator.acquire(blocks)
-            req.block_ids = blocks
-            req.num_computed = req.num_cached_tokens = len(blocks) * self.allocator.block_size
+            req.page_ids = blocks
+            req.num_computed = req.num_cached_tokens = len(blocks) * self.allocator.page_size
             req.num_registered_pages = len(blocks)
 
     def _unclaim_prefix(self, req: Request) -> None:
@@ -293,12 +293,12 @@ class SchedulerBase(abc.ABC):
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
         """Make ``req`` own enough blocks for ``num_tokens`` KV entries."""
-        need = self.allocator.blocks_for(num_tokens) - len(req.block_ids)
+        need = self.allocator.pages_for(num_tokens) - len(req.page_ids)
         if need <= 0:
             return True
-        if not self.allocator.can_extend(req.block_ids, need):  # in the groups they go to
+        if not self.allocator.can_extend(req.page_ids, need):  # in the groups they go to
             return False
-        req.block_ids.extend(self.allocator.extend(req.block_ids, need))
+        req.page_ids.extend(self.allocator.extend(req.page_ids, need))
         return True
 
     def _preempt(self, req: Request) -> None:
@@ -306,9 +306,9 @@ class SchedulerBase(abc.ABC):
         requeue it at the head of the waiting queue."""
         self.running.remove(req)
         if req.num_computed and self.swap_policy is not None \
-                and self.swap_policy.swaps(req, self.allocator.blocks_for(req.num_computed)):
-            used = self.allocator.blocks_for(req.num_computed)
-            self._swap_out.append((req.request_id, tuple(req.block_ids[:used])))
+                and self.swap_policy.swaps(req, self.allocator.pages_for(req.num_computed)):
+            used = self.allocator.pages_for(req.num_computed)
+            self._swap_out.append((req.request_id, tuple(req.page_ids[:used])))
             req.swapped = True
             self.num_swaps += 1
         else:
@@ -326,7 +326,7 @@ class SchedulerBase(abc.ABC):
         the groups it grows into; with kvp groups it also stops at the next group boundary
         (a multiple of the tokens per group), so a chunk's new KV goes to one group."""
         alloc = self.allocator
-        capacity = (len(req.block_ids) + alloc.extendable(req.block_ids)) * alloc.block_size
+        capacity = (len(req.page_ids) + alloc.extendable(req.page_ids)) * alloc.page_size
         tokens_per_group = alloc.tokens_per_group
         if tokens_per_group is not None:
             max_chunk = min(max_chunk, tokens_per_group - req.num_computed % tokens_per_group)
@@ -390,7 +390,7 @@ class SchedulerBase(abc.ABC):
         when the pool is short, victims are preempted until it fits (possibly itself)."""
         decodes: list[ScheduledChunk] = []
         preempted: list[str] = []
-        block_size = self.allocator.block_size
+        page_size = self.allocator.page_size
         running = RequestStatus.RUNNING
         for req in list(self.running):
             if len(decodes) == max_decodes:
@@ -399,7 +399,7 @@ class SchedulerBase(abc.ABC):
             if (req.status is not running or n - req.num_computed != 1
                     or n == len(req.prompt_token_ids)):
                 continue
-            if n > len(req.block_ids) * block_size:  # its token needs a new block
+            if n > len(req.page_ids) * page_size:  # its token needs a new block
                 while not self._grow(req, n):
                     victim = self._pick_victim()
                     if victim is None:  # every candidate is pinned: the decode waits
@@ -410,7 +410,7 @@ class SchedulerBase(abc.ABC):
                         break
                     # A victim may be a decode this loop already scheduled.
                     decodes = [c for c in decodes if c.request_id != victim.request_id]
-                if n > len(req.block_ids) * block_size:
+                if n > len(req.page_ids) * page_size:
                     continue
             if req.status is running:
                 decodes.append(ScheduledChunk(req.request_id, req.num_computed, 1, True))
@@ -421,8 +421,8 @@ class SchedulerBase(abc.ABC):
         request's KV goes back into the leading blocks."""
         self.waiting.remove(req)
         if req.swapped:
-            used = self.allocator.blocks_for(req.num_computed)
-            self._swap_in.append((req.request_id, tuple(req.block_ids[:used])))
+            used = self.allocator.pages_for(req.num_computed)
+            self._swap_in.append((req.request_id, tuple(req.page_ids[:used])))
             if self.swap_policy is not None:
                 self.swap_policy.release(req.request_id)
             req.swapped = False
@@ -502,12 +502,12 @@ class SchedulerBase(abc.ABC):
         reqs = [by_id.get(c.request_id) for c in plan.decodes]
         if not all(r is not None and may_burst(r, burst) for r in reqs):
             return plan
-        had = [len(r.block_ids) for r in reqs]
+        had = [len(r.page_ids) for r in reqs]
         if all(self._grow(r, c.start + burst) for r, c in zip(reqs, plan.decodes)):
             return dataclasses.replace(plan, burst=burst)
         for r, n in zip(reqs, had):  # the pool is short: what was grown goes back
-            self.allocator.free(r.block_ids[n:])
-            del r.block_ids[n:]
+            self.allocator.free(r.page_ids[n:])
+            del r.page_ids[n:]
         return plan
 
     def _schedule_around_in_flight(self) -> BatchPlan:

@@ -30,7 +30,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from jserve.cache.allocator import BlockAllocator
+from jserve.cache.allocator import PageAllocator
 from jserve.scheduler.base import SchedulerBase
 from jserve.scheduler.chunking import ChunkSearch, PrefillTimeCache
 from jserve.scheduler.plan import BatchPlan, with_chunk
@@ -84,7 +84,7 @@ class DeadlineConfig:
 
 
 class DeadlineScheduler(SchedulerBase):
-    def __init__(self, allocator: BlockAllocator, *, policy: str, predictor: RuntimePredictor,
+    def __init__(self, allocator: PageAllocator, *, policy: str, predictor: RuntimePredictor,
                  prefill_cache: PrefillTimeCache, max_num_seqs: int,
                  max_num_batched_tokens: int, max_prefill_seqs: int,
                  config: DeadlineConfig = DeadlineConfig(),
@@ -170,12 +170,12 @@ class DeadlineScheduler(SchedulerBase):
         tokens, its KV past its pages (to hold a chunk the free pages must hold this plus
         the chunk), and whether claiming and unclaiming its prefix would change nothing (no
         cached pages held, none to look up)."""
-        computed, blocks = req.num_computed, req.block_ids
+        computed, blocks = req.num_computed, req.page_ids
         plain = not req.num_cached_tokens and bool(
             computed or blocks or req.swapped  # ``_claim_prefix`` returns at once
             or req.cached_hint == 0 and not (self.allocator.prefix_caching and req.cacheable))
         return self._parts(req) + (len(req.token_ids) - computed,
-                                   computed - len(blocks) * self.allocator.block_size, plain)
+                                   computed - len(blocks) * self.allocator.page_size, plain)
 
     def _keys(self, reqs: Sequence[Request], now: float) -> np.ndarray:
         """The policy's order (lower first) of each request at ``now``."""
@@ -286,7 +286,7 @@ class DeadlineScheduler(SchedulerBase):
         request over.) Waiting candidates are decided from ``_queued_parts``."""
         g, computed = self.config.chunk_granularity, req.num_computed
         return len(req.token_ids) - computed >= g \
-            and (len(req.block_ids) + free) * self.allocator.block_size - computed >= g
+            and (len(req.page_ids) + free) * self.allocator.page_size - computed >= g
 
     def _unclaim(self, req: Request, queued: bool, hint: int) -> None:
         """A waiting request that was not admitted gives its claimed prefix back; its
@@ -325,7 +325,7 @@ class DeadlineScheduler(SchedulerBase):
                 if passable is None:
                     uncomputed, kv_need, plain = extra
                     passable = ((plain == 1) & (uncomputed >= granularity)
-                                & (free * self.allocator.block_size >= kv_need + granularity)
+                                & (free * self.allocator.page_size >= kv_need + granularity)
                                 ).tolist()
                 if passable[i] if queued else self._passes_over(req, free):
                     continue

@@ -20,7 +20,7 @@ class ScheduledChunk(NamedTuple):
     drafts: tuple[int, ...] = ()
 
 
-PageMove = tuple[str, tuple[int, ...]]  # (request id, KV blocks in token order)
+PageMove = tuple[str, tuple[int, ...]]  # (request id, KV pages in token order)
 
 
 @dataclasses.dataclass(frozen=True)

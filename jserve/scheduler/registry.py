@@ -7,7 +7,7 @@ import dataclasses
 import time
 from typing import Callable
 
-from jserve.cache.allocator import BlockAllocator
+from jserve.cache.allocator import PageAllocator
 from jserve.scheduler.base import SchedulerBase
 from jserve.scheduler.chunking import PrefillTimeCache
 from jserve.scheduler.deadline import DeadlineConfig, DeadlineScheduler
@@ -63,7 +63,7 @@ def policy(name: str, where: str = "engine") -> Policy:
     return POLICIES[name]
 
 
-def build_scheduler(name: str, allocator: BlockAllocator, *, max_num_seqs: int,
+def build_scheduler(name: str, allocator: PageAllocator, *, max_num_seqs: int,
                     max_num_batched_tokens: int, max_prefill_seqs: int,
                     predictor: RuntimePredictor | None = None, max_context: int | None = None,
                     deadline: DeadlineConfig = DeadlineConfig(),

@@ -13,7 +13,7 @@ PLACEHOLDER = -1
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
-    RUNNING = "running"          # prefilling or decoding; holds KV blocks
+    RUNNING = "running"          # prefilling or decoding; holds KV pages
     PREEMPTED = "preempted"      # blocks released; KV swapped to host or to be recomputed
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
@@ -38,7 +38,7 @@ class Request:
     payload: Any = None  # engine-side data (sampling params, detokenizer); opaque here
     token_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0
-    block_ids: list[int] = dataclasses.field(default_factory=list)
+    page_ids: list[int] = dataclasses.field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     ttft_deadline: float | None = None  # absolute time; deadline-aware policies fill it in

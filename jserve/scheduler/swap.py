@@ -27,12 +27,12 @@ class SwapPolicy:
         self._recompute_seconds = recompute_seconds
         self.reserved: dict[str, int] = {}  # host bytes by swapped request id
 
-    def swaps(self, req: Request, num_blocks: int) -> bool:
-        """Whether to swap ``req``'s ``num_blocks`` KV blocks out (reserving their host
+    def swaps(self, req: Request, num_pages: int) -> bool:
+        """Whether to swap ``req``'s ``num_pages`` KV pages out (reserving their host
         bytes until ``release``) rather than drop them for recompute."""
         if not req.cacheable:
             return False
-        nbytes = num_blocks * self.page_bytes
+        nbytes = num_pages * self.page_bytes
         if sum(self.reserved.values()) + nbytes > self.capacity_bytes:
             return False
         if self.mode == "auto" and \

@@ -64,8 +64,8 @@ class EngineInfo:
     eos_token_ids: tuple[int, ...]
     has_tokenizer: bool
     scheduler: str          # the scheduling policy's name
-    page_size: int          # tokens per KV block
-    num_kv_blocks: int
+    page_size: int          # tokens per KV page
+    num_kv_pages: int
     max_num_seqs: int
     prefix_caching: bool
     lone_decode_s: float    # predicted time of a step with one decode: the floor of tpot_slo
@@ -136,12 +136,12 @@ class EngineClient(Protocol):
         ``deadline``, a ``time.monotonic()`` instant) is the stream's only, last, Delta."""
 
     def abort(self, request_id: str) -> None:
-        """The client is gone: the request ends at the next step, its KV blocks freed."""
+        """The client is gone: the request ends at the next step, its KV pages freed."""
 
     async def stats(self) -> dict[str, int]:
         """Counters read between steps, the KV pool checked whole: in_flight,
-        engine_requests, engine_busy, waiting, running, blocks_used, blocks_free,
-        blocks_total, preemptions."""
+        engine_requests, engine_busy, waiting, running, pages_used, pages_free,
+        pages_total, preemptions."""
 
     async def ping(self) -> None:
         """Returns once the engine thread answers between steps (``/health_generate``)."""

@@ -71,13 +71,13 @@ class EngineCounters:
     requests: int           # requests the core holds
     waiting: int
     running: int
-    blocks_used: int
-    blocks_free: int
-    blocks_total: int
+    pages_used: int
+    pages_free: int
+    pages_total: int
     preemptions: int
     prefix_queried: int = 0
     prefix_hits: int = 0
-    cached_blocks: int = 0
+    cached_pages: int = 0
 
 
 @dataclasses.dataclass(eq=False)
@@ -186,8 +186,8 @@ class EngineLoop:
             c = self._counters()
             return dict(in_flight=len(self._live), engine_requests=c.requests,
                         engine_busy=int(core.has_unfinished()), waiting=c.waiting,
-                        running=c.running, blocks_used=c.blocks_used,
-                        blocks_free=c.blocks_free, blocks_total=c.blocks_total,
+                        running=c.running, pages_used=c.pages_used,
+                        pages_free=c.pages_free, pages_total=c.pages_total,
                         preemptions=c.preemptions)
         return await self.call(read)
 
@@ -387,10 +387,10 @@ class EngineLoop:
             return
         c = self._counters()
         self.metrics.engine_state(
-            waiting=c.waiting, running=c.running, blocks_used=c.blocks_used,
-            blocks_free=c.blocks_free, preemptions=c.preemptions, new_tokens=new_tokens,
+            waiting=c.waiting, running=c.running, pages_used=c.pages_used,
+            pages_free=c.pages_free, preemptions=c.preemptions, new_tokens=new_tokens,
             prefix_queried=c.prefix_queried, prefix_hits=c.prefix_hits,
-            cached_blocks=c.cached_blocks)
+            cached_pages=c.cached_pages)
 
 
 def _deliver(items: list[tuple[asyncio.Queue, Delta]]) -> None:

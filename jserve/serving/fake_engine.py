@@ -14,7 +14,7 @@ the admission queue, metrics, per-request fault isolation); only the core under 
 - time: each step sleeps ``step_s`` seconds and gives every running request one token; a
   request is admitted (first-come first-served, at most ``max_num_seqs`` running) with KV
   blocks for its prompt and ``max_tokens``, and gets its first token in that step.
-- the prefix cache: a prompt's full pages are remembered (up to ``num_kv_blocks`` pages) and
+- the prefix cache: a prompt's full pages are remembered (up to ``num_kv_pages`` pages) and
   a later prompt starting with them reports them cached, in the counters and the routing
   reports.
 - faults: ``fail_steps(error)`` makes the next steps raise (an ``Exception`` fails that
@@ -100,7 +100,7 @@ class _Core:
         self.requests: dict[str, FakeRequest] = {}
         self.waiting: collections.deque[FakeRequest] = collections.deque()
         self.running: list[FakeRequest] = []
-        self.blocks_used = 0
+        self.pages_used = 0
         self.pages: collections.OrderedDict[tuple[int, ...], None] = collections.OrderedDict()
         self.prefix_queried = self.prefix_hits = 0
         self._rng = random.Random(0)
@@ -159,11 +159,11 @@ class _Core:
             req = self.waiting[0]
             p = req.prepared
             need = math.ceil((len(p.prompt_ids) + p.params.max_tokens) / fake.info.page_size)
-            if need > fake.info.num_kv_blocks - self.blocks_used:
+            if need > fake.info.num_kv_pages - self.pages_used:
                 return
             self.waiting.popleft()
             req.blocks = need
-            self.blocks_used += need
+            self.pages_used += need
             self.prefix_queried += len(p.prompt_ids)
             self.prefix_hits += self.cached(p.prompt_ids)
             self._remember(p.prompt_ids)
@@ -204,7 +204,7 @@ class _Core:
         self.requests.pop(req.request_id, None)
         if req in self.running:
             self.running.remove(req)
-            self.blocks_used -= req.blocks
+            self.pages_used -= req.blocks
             req.blocks = 0
         elif req in self.waiting:
             self.waiting.remove(req)
@@ -231,7 +231,7 @@ class _Core:
         for key in self._page_keys(ids):
             self.pages[key] = None
             self.pages.move_to_end(key)
-        while len(self.pages) > self.fake.info.num_kv_blocks:
+        while len(self.pages) > self.fake.info.num_kv_pages:
             self.pages.popitem(last=False)
 
 
@@ -241,7 +241,7 @@ class FakeEngine(EngineLoop):
 
     def __init__(self, *, script: Script = text_script, step_s: float = 0.002,
                  vocab_size: int = 320, max_model_len: int = 512, page_size: int = 16,
-                 num_kv_blocks: int = 512, max_num_seqs: int = 8,
+                 num_kv_pages: int = 512, max_num_seqs: int = 8,
                  eos_token_ids: tuple[int, ...] = (ByteTokenizer.EOS,),
                  tokenizer: Tokenizer | None = ByteTokenizer(), scheduler: str = "fake",
                  prefix_caching: bool = True, lone_decode_s: float = 0.0,
@@ -254,7 +254,7 @@ class FakeEngine(EngineLoop):
         self.info = EngineInfo(
             vocab_size=vocab_size, max_model_len=max_model_len,
             eos_token_ids=tuple(eos_token_ids), has_tokenizer=tokenizer is not None,
-            scheduler=scheduler, page_size=page_size, num_kv_blocks=num_kv_blocks,
+            scheduler=scheduler, page_size=page_size, num_kv_pages=num_kv_pages,
             max_num_seqs=max_num_seqs, prefix_caching=prefix_caching,
             lone_decode_s=lone_decode_s)
         self.prefill_s_per_token = prefill_s_per_token
@@ -334,9 +334,9 @@ class FakeEngine(EngineLoop):
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds "
                              f"the context of {limit} tokens")
         need = math.ceil((n + params.max_tokens) / info.page_size)
-        if need > info.num_kv_blocks:
-            raise ValueError(f"request needs {need} KV blocks; the pool has "
-                             f"{info.num_kv_blocks}")
+        if need > info.num_kv_pages:
+            raise ValueError(f"request needs {need} KV pages; the pool has "
+                             f"{info.num_kv_pages}")
         return FakePrepared(prompt if isinstance(prompt, str) else None, ids, params)
 
     def isolated_prefill_s(self, prompt_tokens: int) -> float:
@@ -349,17 +349,17 @@ class FakeEngine(EngineLoop):
     # -- engine thread ---------------------------------------------------------------------
     def _counters(self) -> EngineCounters:
         c = self.core
-        total = self.info.num_kv_blocks
+        total = self.info.num_kv_pages
         return EngineCounters(
             requests=len(c.requests), waiting=len(c.waiting), running=len(c.running),
-            blocks_used=c.blocks_used, blocks_free=total - c.blocks_used, blocks_total=total,
+            pages_used=c.pages_used, pages_free=total - c.pages_used, pages_total=total,
             preemptions=0, prefix_queried=c.prefix_queried, prefix_hits=c.prefix_hits,
-            cached_blocks=len(c.pages))
+            cached_pages=len(c.pages))
 
     def _check(self) -> None:
         c = self.core
         held = sum(r.blocks for r in c.running)
-        assert held == c.blocks_used <= self.info.num_kv_blocks, (held, c.blocks_used)
+        assert held == c.pages_used <= self.info.num_kv_pages, (held, c.pages_used)
         assert all(not r.blocks for r in c.waiting)
 
     def _load(self, replica: str, now: float, healthy: bool) -> ReplicaLoad:
@@ -372,7 +372,7 @@ class FakeEngine(EngineLoop):
             for r in c.waiting)
         return ReplicaLoad(replica=replica, healthy=healthy, waiting=len(c.waiting),
                            running=len(c.running),
-                           kv_usage=c.blocks_used / max(info.num_kv_blocks, 1), order=FIFO,
+                           kv_usage=c.pages_used / max(info.num_kv_pages, 1), order=FIFO,
                            prefills=prefills, table=table, max_num_seqs=info.max_num_seqs)
 
     def _cached_tokens(self, prompt_ids: Sequence[int]) -> int:

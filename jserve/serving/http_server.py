@@ -17,7 +17,7 @@ error event once streaming); parsing, chat templating and tokenization run on th
 intake threads. Each of a request's ``n`` choices (and each prompt of a batch) is one engine
 request; the response starts once every one of them produced its first token (or was refused:
 429 when the admission queue is full), so a refusal still gets its status code. A client that
-disconnects cancels the work at once: every engine request is aborted and its KV blocks freed.
+disconnects cancels the work at once: every engine request is aborted and its KV pages freed.
 """
 from __future__ import annotations
 

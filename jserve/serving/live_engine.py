@@ -50,9 +50,9 @@ class LiveEngine(EngineLoop):
         self.tokenizer = engine.tokenizer
         cfg, alloc = engine.config, engine.allocator
         self.info = EngineInfo(
-            vocab_size=engine.cfg.vocab_size, max_model_len=engine.max_model_len,
+            vocab_size=engine.model_config.vocab_size, max_model_len=engine.max_model_len,
             eos_token_ids=tuple(engine.eos_ids), has_tokenizer=engine.tokenizer is not None,
-            scheduler=cfg.scheduler, page_size=cfg.page_size, num_kv_blocks=alloc.total,
+            scheduler=cfg.scheduler, page_size=cfg.page_size, num_kv_pages=alloc.total,
             max_num_seqs=cfg.max_num_seqs, prefix_caching=alloc.prefix_caching,
             lone_decode_s=lone_decode_s(engine.predictor))
         self._isolated = isolated_prefill(engine.scheduler)
@@ -80,10 +80,10 @@ class LiveEngine(EngineLoop):
         sched, alloc = eng.scheduler, eng.allocator
         return EngineCounters(
             requests=len(eng.requests), waiting=len(sched.waiting), running=len(sched.running),
-            blocks_used=alloc.num_allocated, blocks_free=alloc.num_free,
-            blocks_total=alloc.total, preemptions=sched.num_preemptions,
+            pages_used=alloc.num_allocated, pages_free=alloc.num_free,
+            pages_total=alloc.total, preemptions=sched.num_preemptions,
             prefix_queried=sched.prefix_queried_tokens, prefix_hits=sched.prefix_hit_tokens,
-            cached_blocks=alloc.num_cached)
+            cached_pages=alloc.num_cached)
 
     def _check(self) -> None:
         self.engine.allocator.check()
@@ -104,7 +104,7 @@ class LiveEngine(EngineLoop):
         # engine has loaded it long before).
         from jserve.engine.timing import estimated_predictor
         eng = self.engine
-        self._predictor = predictor = eng.predictor or estimated_predictor(eng.cfg)
+        self._predictor = predictor = eng.predictor or estimated_predictor(eng.model_config)
         cache = getattr(eng.scheduler, "cache", None)
         if cache is None:
             cache = PrefillTimeCache(predictor, eng.max_model_len, math.inf,

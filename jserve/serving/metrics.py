@@ -39,9 +39,9 @@ class ServerMetrics:
         self.waiting = Gauge("jserve_num_requests_waiting",
                              "Requests queued for admission (incl. preempted)", registry=r)
         self.running = Gauge("jserve_num_requests_running",
-                             "Requests holding KV blocks (prefilling or decoding)", registry=r)
-        self.blocks_used = Gauge("jserve_kv_blocks_used", "KV cache blocks in use", registry=r)
-        self.blocks_free = Gauge("jserve_kv_blocks_free", "KV cache blocks free", registry=r)
+                             "Requests holding KV pages (prefilling or decoding)", registry=r)
+        self.pages_used = Gauge("jserve_kv_blocks_used", "KV cache blocks in use", registry=r)
+        self.pages_free = Gauge("jserve_kv_blocks_free", "KV cache blocks free", registry=r)
         self.preemptions = Counter("jserve_preemptions", "Requests preempted under KV pressure",
                                    registry=r)
         self.prompt_tokens = Counter("jserve_prompt_tokens", "Prompt tokens admitted",
@@ -64,8 +64,8 @@ class ServerMetrics:
         self.prefix_hits = Counter("jserve_prefix_cache_hit_tokens",
                                    "Prompt tokens found in the prefix cache (not prefilled)",
                                    registry=r)
-        self.cached_blocks = Gauge("jserve_prefix_cache_blocks",
-                                   "KV blocks registered in the prefix cache (in use or idle)",
+        self.cached_pages = Gauge("jserve_prefix_cache_blocks",
+                                   "KV pages registered in the prefix cache (in use or idle)",
                                    registry=r)
         self._prefix_seen = (0, 0)
         for o in OUTCOMES:
@@ -78,19 +78,19 @@ class ServerMetrics:
     def outcome(self, name: str) -> None:
         self.requests.labels(name).inc()
 
-    def engine_state(self, *, waiting: int, running: int, blocks_used: int, blocks_free: int,
+    def engine_state(self, *, waiting: int, running: int, pages_used: int, pages_free: int,
                      preemptions: int, new_tokens: int, prefix_queried: int = 0,
-                     prefix_hits: int = 0, cached_blocks: int = 0) -> None:
+                     prefix_hits: int = 0, cached_pages: int = 0) -> None:
         """After each engine iteration (engine thread); counts are the engine's totals."""
         queried, hits = self._prefix_seen
         self.prefix_queried.inc(max(prefix_queried - queried, 0))
         self.prefix_hits.inc(max(prefix_hits - hits, 0))
         self._prefix_seen = (prefix_queried, prefix_hits)
-        self.cached_blocks.set(cached_blocks)
+        self.cached_pages.set(cached_pages)
         self.waiting.set(waiting)
         self.running.set(running)
-        self.blocks_used.set(blocks_used)
-        self.blocks_free.set(blocks_free)
+        self.pages_used.set(pages_used)
+        self.pages_free.set(pages_free)
         if preemptions > self._preemptions_seen:
             self.preemptions.inc(preemptions - self._preemptions_seen)
             self._preemptions_seen = preemptions

@@ -59,7 +59,7 @@ class VllmNames:
 
     def collect(self):
         m, label = self.m, [self.model]
-        used, free = _value(m.blocks_used), _value(m.blocks_free)
+        used, free = _value(m.pages_used), _value(m.pages_free)
         usage = used / (used + free) if used + free else 0.0
         gauges = [("vllm:num_requests_waiting", "Requests waiting to be scheduled",
                    _value(m.waiting)),
@@ -121,7 +121,7 @@ class RouterEndpoints:
         page = self.gateway.engine.info.page_size
         return JSONResponse([{"dp_rank": 0, "num_reqs": waiting + running,
                               "num_waiting_reqs": waiting,
-                              "num_tokens": int(_value(m.blocks_used)) * page}])
+                              "num_tokens": int(_value(m.pages_used)) * page}])
 
     async def _model_info(self, request: Request) -> Response:
         if (denied := self._denied(request)) is not None:

@@ -244,7 +244,8 @@ class GenerationServer:
             vocab_size=info.vocab_size, max_model_len=info.max_model_len,
             eos_token_ids=list(info.eos_token_ids), has_tokenizer=info.has_tokenizer,
             scheduler=info.scheduler, page_size=info.page_size,
-            num_kv_blocks=info.num_kv_blocks, max_num_seqs=info.max_num_seqs,
+            num_kv_blocks=info.num_kv_pages,  # the wire keeps its name
+            max_num_seqs=info.max_num_seqs,
             max_logprobs=MAX_LOGPROBS,
             max_stop_strings=MAX_STOP_STRINGS, max_stop_string_chars=MAX_STOP_STRING_CHARS,
             max_stop_token_ids=MAX_STOP_TOKEN_IDS, max_request_bytes=config.max_request_bytes,

@@ -117,7 +117,7 @@ def run_cluster(trace: Sequence[TraceRequest], policy: str, router: str, replica
             i += 1
             req = _request(tr)
             alloc = reps[0].scheduler.allocator
-            if alloc.blocks_for(tr.prompt_tokens + tr.output_tokens) > alloc.total:
+            if alloc.pages_for(tr.prompt_tokens + tr.output_tokens) > alloc.total:
                 records[tr.request_id]["finish_reason"] = RequestStatus.FINISHED_ABORTED.value
                 continue
             k = choose(router, RouteRequest(tr.prompt_tokens, tr.ttft_deadline_s, i - 1),

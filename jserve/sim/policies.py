@@ -15,7 +15,7 @@ import dataclasses
 import functools
 from typing import Sequence
 
-from jserve.cache.allocator import BlockAllocator
+from jserve.cache.allocator import PageAllocator
 from jserve.scheduler import registry
 from jserve.scheduler.base import SchedulerBase
 from jserve.scheduler.chunking import PrefillTimeCache, largest_chunk
@@ -44,7 +44,7 @@ class SimConfig:
     max_num_batched_tokens: int = 32_768  # the token cap of fcfs iterations
     max_prefill_seqs: int = 8
     sarathi_chunk: int = 512
-    block_size: int = 16
+    page_size: int = 16
     memory_fraction: float = 0.9
     kv_cache_tokens: int | None = None  # the KV pool; None: what memory_fraction leaves
     esp_instance_tp: int = 2            # Medha §6.2 runs LoongServe as TP-2 instances
@@ -124,8 +124,8 @@ def build(policy: str, cfg: SimConfig, clock: VirtualClock, max_context: int
     limits = dict(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                   max_prefill_seqs=cfg.max_prefill_seqs)
 
-    def pool(kv_tokens: int) -> BlockAllocator:
-        return BlockAllocator(kv_tokens // cfg.block_size + 1, cfg.block_size,
+    def pool(kv_tokens: int) -> PageAllocator:
+        return PageAllocator(kv_tokens // cfg.page_size + 1, cfg.page_size,
                               prefix_caching=cfg.prefix_caching)
 
     model = _time_model(cfg.model, cfg.hardware, cfg.tp, cfg.spp, cfg.kvp)

@@ -84,7 +84,7 @@ def simulate(scheduler: SchedulerBase, predictor: RuntimePredictor, clock: Virtu
             if t.ttft_deadline_s is not None:
                 req.ttft_deadline = t.arrival_s + t.ttft_deadline_s
             i += 1
-            if scheduler.allocator.blocks_for(t.prompt_tokens + t.output_tokens) \
+            if scheduler.allocator.pages_for(t.prompt_tokens + t.output_tokens) \
                     > scheduler.allocator.total:
                 # It can never fit: it would be preempted and recomputed forever.
                 records[t.request_id]["finish_reason"] = RequestStatus.FINISHED_ABORTED.value
