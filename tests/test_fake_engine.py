@@ -281,7 +281,7 @@ def test_reports_see_the_prefix_cache_and_the_queue():
 
 
 def test_intake_refuses_as_the_engine_does():
-    fake = FakeEngine(max_model_len=64, num_kv_blocks=2, tokenizer=None)
+    fake = FakeEngine(max_model_len=64, num_kv_pages=2, tokenizer=None)
     for prompt, params, words in (
             ("hi", None, "no tokenizer"), ([], None, "prompt is empty"),
             ([320], None, "outside the vocabulary [0, 320)"),
@@ -293,3 +293,22 @@ def test_intake_refuses_as_the_engine_does():
                            .replace(")", r"\)")):
             fake.prepare(prompt, params)
     assert fake.prepare([1, 2], SamplingParams(max_tokens=8)).prompt_ids == [1, 2]
+
+
+def test_tokenize_and_detokenize_through_the_interface():
+    fake = FakeEngine()  # the byte tokenizer, a vocabulary of 320
+    assert fake.tokenize("hi") == [256, 104, 105]
+    assert fake.tokenize("hi", add_special_tokens=False) == [104, 105]
+    assert fake.tokenize([3, 4], add_special_tokens=False) == [3, 4]  # ids as they are
+    assert fake.detokenize([256, 104, 105, 257]) == "<bos>hi<eos>"
+    assert fake.detokenize([300]) == ""  # in the model's vocabulary, past the tokenizer's
+    for bad in ([320], [-1]):
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            fake.detokenize(bad)
+    bare = FakeEngine(tokenizer=None)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        bare.detokenize([1])
+    with pytest.raises(ValueError, match="no tokenizer"):
+        bare.tokenize("hi", add_special_tokens=False)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        fake.tokenize("", add_special_tokens=False)

@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from jserve.config import LlamaConfig
+from jserve.config import DTYPE_CHOICES, DTYPES, LlamaConfig, auto_dtype, stored_dtype
 from jserve.model import quant, tp_layout
 from jserve.model.params import Params, param_shapes, runtime_param_shapes
 from jserve.tokenizer import TOKENIZER_FILES, ByteTokenizer, Tokenizer, load_tokenizer
@@ -406,7 +406,7 @@ class LazyCheckpoint:
     calls ``place(cfg, mesh)`` once it has built its mesh and gets the runtime params streamed
     onto it (:func:`load_hf_runtime`). Names and shapes are checked when it is made."""
     model_dir: Path
-    cfg: LlamaConfig
+    model_config: LlamaConfig
 
     def __post_init__(self) -> None:
         _check_checkpoint(self.model_dir, self.model_config)
@@ -476,10 +476,36 @@ def resolve_model_dir(model: str) -> Path:
     return BUILTIN_MODELS.get(model, Path(model))
 
 
+def resolve_dtype(model: str, dtype: str | None = "auto",
+                  backend: str | None = None) -> tuple[str, str]:
+    """The dtype ``model`` computes in for ``dtype`` (auto | float32 | bfloat16 | None: as
+    stored) and why, in the start-up line's words: ``("float32", "auto: bf16 checkpoint, CPU
+    backend")`` (``jserve.config.auto_dtype``). ``backend``: JAX's default one unless given
+    (asking starts JAX's backends: after ``jax.distributed.initialize`` in multi-host runs)."""
+    if dtype not in (None, "auto"):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPE_CHOICES} (or None), got {dtype!r}")
+        return dtype, "as asked"
+    what = "checkpoint"
+    if model == "default":
+        stored, what = DEFAULT_CONFIG.dtype, "built-in model"
+    elif (path := resolve_model_dir(model) / "config.json").is_file():
+        stored = stored_dtype(json.loads(path.read_text()))
+    else:
+        stored = load_config(model).dtype  # raises what a missing model or config.json raises
+    if dtype is None:
+        return load_config(model).dtype, f"the {what}'s own"
+    return auto_dtype(stored, backend or jax.default_backend(), what)
+
+
 def load_config(model: str, dtype: str | None = None,
                 quantization: str | None = None) -> LlamaConfig:
-    """The config ``load_model`` would use, without reading any weights. ``quantization``
-    None: as stored (none, or a quantized orbax checkpoint's)."""
+    """The config ``load_model`` would use, without reading any weights. ``dtype``: auto
+    (``resolve_dtype``: float32 on a CPU backend, else the checkpoint's), float32, bfloat16
+    or None (as stored). ``quantization`` None: as stored (none, or a quantized orbax
+    checkpoint's)."""
+    if dtype == "auto":
+        dtype = resolve_dtype(model, dtype)[0]
     if model == "default":
         return dataclasses.replace(DEFAULT_CONFIG, dtype=dtype or DEFAULT_CONFIG.dtype,
                                    quantization=quantization or "none")
