@@ -7,11 +7,27 @@ import argparse
 import sys
 
 from jserve.config import KV_CACHE_DTYPES, QUANTIZATIONS
-from jserve.engine.args import add_engine_args, engine_kwargs, llm_from_args
+from jserve.engine.args import add_engine_args, engine_kwargs, kv_cache_dtype, llm_from_args
 from jserve.engine.config import EngineConfig
 from jserve.log_setup import configure_logging
 
 _add_engine_args, _engine_kwargs = add_engine_args, engine_kwargs  # their names before
+
+
+class _Parser(argparse.ArgumentParser):
+    """Says why a well-known vLLM flag is refused (``VLLM_REFUSED``), beside argparse's own
+    "unrecognized arguments" naming every other unknown flag."""
+
+    def error(self, message: str):
+        from jserve.serving.commands import refused_vllm_flags
+
+        prefix = "unrecognized arguments: "
+        if message.startswith(prefix):
+            lines = refused_vllm_flags(message[len(prefix):].split(" "))
+            if lines:
+                self.print_usage(sys.stderr)
+                self.exit(2, "".join(f"{self.prog}: error: {line}\n" for line in lines))
+        super().error(message)
 
 
 class _HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
@@ -118,8 +134,10 @@ def _add_plan_parser(sub) -> None:
     s.add_argument("--num-kv-pages", type=int, default=None,
                    help="exact KV pool per device in pages")
     s.add_argument("--attention-impl", default=d.attention_impl, help="the step's kernels")
-    s.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
-                   help="how KV pages are stored (the plan also lists the other choices)")
+    s.add_argument("--kv-cache-dtype", type=kv_cache_dtype, choices=KV_CACHE_DTYPES,
+                   default=d.kv_cache_dtype,
+                   help="how KV pages are stored (fp8: vLLM's name of fp8_e4m3; the plan "
+                        "also lists the other choices)")
     s.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
                    help="weight-only quantization, none: as the checkpoint stores them (the "
                         "plan also lists the other choices)")
@@ -232,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     ``--help`` shows its default."""
     from jserve.serving.commands import add_multihost_args, add_remote_args, add_serve_parser
 
-    parser = argparse.ArgumentParser(prog="jserve", description=__doc__)
+    parser = _Parser(prog="jserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="stream one completion to the terminal")
     add_engine_args(g)

@@ -109,16 +109,44 @@ def simple_chat_prompt(messages: list[dict[str, Any]], add_generation_prompt: bo
 
 
 def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict[str, Any]],
-                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+                    tools: list[dict[str, Any]] | None = None, *,
+                    add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    template_kwargs: dict[str, Any] | None = None,
+                    add_special_tokens: bool | None = None) -> list[int]:
     """A chat's prompt ids as transformers' ``apply_chat_template(tokenize=True)`` gives them:
     a checkpoint's template writes its own special tokens (BOS included), so its text is
     encoded without adding any (else Llama prompts start with two BOS); a tokenizer with no
-    template gets ``simple_chat_prompt`` with the tokenizer's usual specials. ``tools`` (the
-    API's function list) go to the template as transformers passes them."""
-    if getattr(tokenizer, "has_chat_template", False):
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
-        return tokenizer.encode(text, add_special_tokens=False)
-    return tokenizer.encode(simple_chat_prompt(messages, tools=tools))
+    template gets ``simple_chat_prompt`` with the tokenizer's usual specials
+    (``add_special_tokens`` given: as told). ``tools`` (the API's function list) go to the
+    template as transformers passes them, ``template_kwargs`` as extra template variables
+    (vLLM's ``chat_template_kwargs``; the built-in format has none). Without
+    ``add_generation_prompt`` no assistant header follows the messages;
+    ``continue_final_message``: the text ends where the last message's content does (no
+    end of turn after it), so a reply continues it (``continued``)."""
+    templated = getattr(tokenizer, "has_chat_template", False)
+    if templated:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                             tools=tools, **(template_kwargs or {}))
+    else:
+        text = simple_chat_prompt(messages, add_generation_prompt, tools)
+    if continue_final_message:
+        text = continued(text, messages[-1])
+    if add_special_tokens is None:
+        add_special_tokens = not templated
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def continued(text: str, message: dict[str, Any]) -> str:
+    """A rendered chat cut right after ``message``'s content (its last occurrence), as
+    transformers' ``continue_final_message`` does (the content stripped if the template
+    trimmed it); ValueError if the template did not write it."""
+    content = message.get("content") or ""
+    for c in (content, content.strip()):
+        at = text.rfind(c) if c else -1
+        if at >= 0:
+            return text[:at + len(c)]
+    raise ValueError("continue_final_message: the chat template does not write the final "
+                     "message's content as given, so the reply cannot continue it")
 
 
 def _token_content(token: str | dict[str, Any] | None) -> str | None:
@@ -147,6 +175,12 @@ def _chat_environment() -> ImmutableSandboxedEnvironment:
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env
+
+
+def compile_chat_template(text: str) -> jinja2.Template:
+    """A chat template's text compiled in the sandbox; jinja2.TemplateSyntaxError if it is
+    not a template."""
+    return _chat_environment().from_string(text)
 
 
 class HFTokenizer:
@@ -183,7 +217,11 @@ class HFTokenizer:
         jinja_path = model_dir / "chat_template.jinja"
         if template is None and jinja_path.exists():
             template = jinja_path.read_text()
-        self._template = _chat_environment().from_string(template) if template else None
+        self._template = compile_chat_template(template) if template else None
+
+    def set_chat_template(self, template: str) -> None:
+        """Replaces the directory's chat template (``jserve serve --chat-template``)."""
+        self._template = compile_chat_template(template)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # The tokenizer.json post-processor decides what specials to add (Llama: BOS).
@@ -213,12 +251,15 @@ class HFTokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> str:
+                            tools: list[dict[str, Any]] | None = None,
+                            **template_kwargs: Any) -> str:
+        """The template rendered; ``template_kwargs`` are extra variables (over the special
+        tokens' names, as transformers lets them)."""
         if self._template is None:
             raise ValueError("this tokenizer has no chat template; send a plain prompt instead")
-        return self._template.render(messages=messages, tools=tools,
-                                     add_generation_prompt=add_generation_prompt,
-                                     **self._special_tokens)
+        return self._template.render(**{**self._special_tokens, **template_kwargs},
+                                     messages=messages, tools=tools,
+                                     add_generation_prompt=add_generation_prompt)
 
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:

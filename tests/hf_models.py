@@ -20,7 +20,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach the hub
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
+from tokenizers import (  # noqa: E402
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
 
 _COMMON: dict[str, Any] = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128,
                                vocab_size=512, head_dim=16, num_attention_heads=4,
@@ -161,3 +169,104 @@ def tiny_llama_dir(name: str, *, max_shard_size: str | None = None,
 def tiny_tokenizer_dir() -> Path:
     """A directory holding only the tiny tokenizer files. Read-only."""
     return write_tiny_tokenizer(_cache_root() / "tokenizer")
+
+
+# -- a Llama-3-style chat checkpoint (the kind a user brings) ------------------------------
+# Byte-level BPE trained here, Llama 3's pre-tokenizer split and special tokens (after the
+# trained vocabulary, as in Llama 3), its header-style chat template with a tools section,
+# EOS on <|end_of_text|>, <|eom_id|> and <|eot_id|> (Llama 3.1 instruct's generation config),
+# and an embedding padded past the tokenizer's vocabulary.
+LLAMA3_SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
+                         "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>",
+                         "<|finetune_right_pad_id|>"]
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+                r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+LLAMA3_CHAT_TEMPLATE = (  # no newline right after a block tag: trim_blocks would eat it
+    "{{ bos_token }}"
+    "{% if tools is not none %}<|start_header_id|>system<|end_header_id|>\n\n"
+    "Environment: ipython\nYou may call these functions:"
+    "{% for t in tools %}{{ '\\n' }}{{ t | tojson }}{% endfor %}{{ '\\n' }}"
+    "To call one, answer with {\"name\": function name, \"parameters\": its arguments}."
+    "<|eot_id|>{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'tool' %}<|start_header_id|>ipython<|end_header_id|>\n\n"
+    "{{ m.content }}<|eot_id|>"
+    "{% elif m.tool_calls %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+    "{% for c in m.tool_calls %}"
+    "{{ {'name': c.function.name, 'parameters': c.function.arguments} | tojson }}"
+    "{% if not loop.last %}; {% endif %}{% endfor %}<|eot_id|>"
+    "{% else %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n"
+    "{{ m.content | trim }}<|eot_id|>{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+    "{% endif %}")
+
+
+def _llama3_corpus() -> list[str]:
+    """Prose, code and JSON (objects, tool calls, arrays), so that merges span quotes,
+    braces, keys and digits as a real vocabulary's do."""
+    words = ["alpha", "beta", "gamma", "Paris", "Oslo", "Lima", "weather", "city", "days",
+             "zone", "name", "parameters", "get_weather", "get_time", "true", "false", "null"]
+    docs = list(_TRAINING_TEXT)
+    for i in range(200):
+        a, b = words[i % len(words)], words[(i * 7 + 3) % len(words)]
+        docs += [
+            json.dumps({"name": a, "age": i % 97, "tags": [b, a[:3]], "ok": i % 2 == 0}),
+            json.dumps([{"name": "get_weather", "parameters": {"city": b, "days": i % 7}}]),
+            json.dumps({a: {b: [i, i * 31 % 1000, -i / 8]}}, separators=(",", ":")),
+            f"The {a} of {b} is {i * 13 % 1000}; call {a}_{b}({i}) -> {b.upper()}-{i:04d}.",
+            f"<p class=\"{a}\">{b} & {a}</p>\n  if x[{i}] != '{b}': y += {i}\n",
+        ]
+    return docs
+
+
+def write_llama3_tokenizer(out_dir: Path, vocab_size: int = 1200) -> Path:
+    """A trained byte-level BPE tokenizer.json in Llama 3's layout, its tokenizer_config.json
+    (BOS, EOS <|eot_id|>, the chat template) beside it."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_llama3_corpus(), trainer)
+    tok.add_special_tokens(LLAMA3_SPECIAL_TOKENS)
+    bos = "<|begin_of_text|>"
+    tok.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                      special_tokens=[(bos, tok.token_to_id(bos))]),
+    ])
+    tok.save(str(out_dir / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos,
+              "eos_token": "<|eot_id|>", "clean_up_tokenization_spaces": True,
+              "model_max_length": 2048, "chat_template": LLAMA3_CHAT_TEMPLATE}
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return out_dir
+
+
+def write_llama3_chat_checkpoint(out_dir: Path) -> Path:
+    """A random-weight ``LlamaForCausalLM`` (2 layers, hidden 64) saved by transformers with
+    ``write_llama3_tokenizer``'s tokenizer: config.json, generation_config.json (its three
+    EOS ids), model.safetensors, tokenizer.json, tokenizer_config.json."""
+    write_llama3_tokenizer(out_dir)
+    tok = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
+    n = tok.get_vocab_size(with_added_tokens=True)
+    ids = {t: tok.token_to_id(t) for t in LLAMA3_SPECIAL_TOKENS}
+    config = transformers.LlamaConfig(**dict(
+        _COMMON, num_key_value_heads=2, vocab_size=(n // 64 + 1) * 64,  # padded, as Qwen's
+        max_position_embeddings=2048, bos_token_id=ids["<|begin_of_text|>"],
+        eos_token_id=[ids["<|end_of_text|>"], ids["<|eom_id|>"], ids["<|eot_id|>"]],
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0}))
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).eval().save_pretrained(out_dir)
+    return out_dir
+
+
+@functools.cache
+def llama3_chat_dir() -> Path:
+    """Process-wide cached ``write_llama3_chat_checkpoint``. Read-only."""
+    return write_llama3_chat_checkpoint(_cache_root() / "llama3-chat")

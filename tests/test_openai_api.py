@@ -265,7 +265,16 @@ BAD_FIELDS = [  # (endpoint, extra body fields, the field the 400 must name)
     ("completions", {"no_stop_trim": True}, "no_stop_trim"),  # router-filled: only neutral
     ("completions", {"skip_special_tokens": False}, "skip_special_tokens"),
     ("chat", {"include_reasoning": False}, "include_reasoning"),
-    ("chat", {"continue_final_message": True}, "continue_final_message"),
+    ("chat", {"continue_final_message": True}, "continue_final_message"),  # a user's last
+    ("chat", {"add_generation_prompt": "no"}, "add_generation_prompt"),
+    ("chat", {"chat_template_kwargs": [1]}, "chat_template_kwargs"),
+    ("chat", {"chat_template": "{{ messages }}"}, "chat_template"),
+    ("completions", {"add_generation_prompt": False}, "add_generation_prompt"),  # chat's
+    ("completions", {"guided_regex": "a", "structured_outputs": {"regex": "b"}},
+     "guided_regex"),
+    ("completions", {"guided_choice": "yes"}, "guided_choice"),
+    ("chat", {"guided_json": {"type": "object"}, "response_format": {"type": "text"}},
+     "guided_json"),
     ("chat", {"max_completion_tokens": 0}, "max_completion_tokens"),
     ("chat", {"max_tokens": 5, "max_completion_tokens": 5}, "max_tokens"),
     ("chat", {"top_logprobs": 2}, "top_logprobs"),
@@ -279,6 +288,43 @@ BAD_FIELDS = [  # (endpoint, extra body fields, the field the 400 must name)
     ("chat", {"messages": [{"role": "user", "content": "x", "tool_calls": []}]},
      "messages[0].tool_calls"),
 ]
+
+
+def test_tokenize_detokenize_and_chat_templates_on_the_engine(served, oai, llm):
+    """The live engine's tokenizer: /tokenize then /detokenize round-trips its ids; a chat
+    without the generation prompt (and one continuing the assistant's message) runs on
+    exactly the ids the tokenizer gives, and generates what the offline API does on them;
+    vLLM's older guided_choice constrains the output."""
+    from jserve.tokenizer import simple_chat_prompt
+    h = {"Authorization": f"Bearer {TOKEN}"}
+    tok = llm.engine.tokenizer
+
+    def post(path: str, body: dict) -> dict:
+        r = httpx.post(served.url + path, json=body, headers=h, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()
+    text = "Hello, jserve: ünïcode 🙂"
+    got = post("/tokenize", {"model": "default", "prompt": text})
+    assert got["tokens"] == tok.encode(text) and got["count"] == len(got["tokens"])
+    assert got["max_model_len"] == llm.engine.max_model_len
+    assert post("/detokenize", {"tokens": got["tokens"]})["prompt"] == tok.decode(
+        got["tokens"], skip_special_tokens=False)
+    bare = post("/tokenize", {"prompt": text, "add_special_tokens": False})["tokens"]
+    assert post("/detokenize", {"tokens": bare})["prompt"] == text
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+    for extra, rendered in (
+            ({"add_generation_prompt": False}, simple_chat_prompt(msgs, False)),
+            ({"continue_final_message": True}, simple_chat_prompt(msgs, False)[:-1])):
+        want = tok.encode(rendered)
+        assert post("/tokenize", {"messages": msgs, **extra})["tokens"] == want
+        chat = oai.chat.completions.create(model="default", messages=msgs, max_tokens=8,
+                                           temperature=0,
+                                           extra_body={"ignore_eos": True, **extra})
+        assert chat.usage.prompt_tokens == len(want)
+        assert chat.choices[0].message.content == llm.generate(want, greedy(8))[0].text
+    choice = oai.completions.create(model="default", prompt="Yes or no?", max_tokens=8,
+                                    temperature=0, extra_body={"guided_choice": ["yes", "no"]})
+    assert choice.choices[0].text in ("yes", "no")
 
 
 def test_bad_or_unsupported_fields_get_400_naming_them(fake):

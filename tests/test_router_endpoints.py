@@ -140,6 +140,13 @@ def test_the_live_engine_reports_its_prefix_cache_and_load():
         idle = _samples(url)
         assert idle["vllm:prefix_cache_hits_total[default]"] == \
             idle["jserve_prefix_cache_hit_tokens_total"] == 64
+        # vLLM's latency histograms: the live engine's timings, the same as jserve's own.
+        for phase in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
+                      "request_queue_time_seconds", "request_prefill_time_seconds",
+                      "request_decode_time_seconds"):
+            vllm, own = f"vllm:{phase}", f"jserve_{phase}"
+            assert idle[vllm + "_count[default]"] == idle[own + "_count"] == 2, phase
+            assert idle[vllm + "_sum[default]"] == idle[own + "_sum"] > 0, phase
         hit = httpx.post(url + "/v1/route/wait", json={"prompt": doc + [1, 2, 3]},
                          timeout=30).json()
         miss = httpx.post(url + "/v1/route/wait", json={"prompt": [9] + doc + [1, 2]},

@@ -799,7 +799,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(llm):
     """`jserve serve` as a subprocess, on the LARS policy: same greedy tokens as offline."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "jserve.cli", "serve", "--no-warmup", *SMALL_FLAGS,
-         "--scheduler", "lars", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1",
+         "--scheduler", "lars", "--host", "127.0.0.1", "--grpc-port", "0", "--metrics-port", "-1",
          "--http-port", "-1",
          "--grace-period", "60"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)

@@ -86,6 +86,87 @@ def test_the_mask_allows_exactly_what_the_grammar_does():
     assert c.advance(ord("o")) and c.done and allowed() == [257]  # only EOS: complete
 
 
+# -- \d, \w, \s are ASCII (issue 41: [A-Z]{3}-\d{4} gave 'SEG-6੬𖄷߉') ----------------------
+DIGITS = set(b"0123456789")
+WORD = DIGITS | set(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz_")
+SPACE = set(b" \t\n\r\f\v")
+
+
+def _allowed(c) -> set[int]:
+    m = c.mask()
+    return {t for t in range(320) if (int(m[t // 32]) >> (t % 32)) & 1}
+
+
+def _accepts(compiler, so: StructuredOutput, text: str) -> bool:
+    """The byte model's constraint takes ``text`` byte by byte and then allows EOS."""
+    c = compiler.compile(so)
+    for b in text.encode():
+        if b not in _allowed(c) or not c.advance(b):
+            return False
+    return 257 in _allowed(c)
+
+
+def test_d_w_s_are_the_ascii_classes_in_regexes_and_schema_patterns():
+    """As in ECMAScript (JSON Schema's pattern dialect) and vLLM's engines: the first mask
+    of ``\\d`` is the ten digit bytes, not also the lead bytes of '੬' or '٣'."""
+    compiler = GrammarCompiler(ByteTokenizer(), 320, (257,))
+    for rx, want in ((r"\d", DIGITS), (r"\w", WORD), (r"\s", SPACE), (r"[\d_]", DIGITS | {95}),
+                     (r"[^\D]", DIGITS), (r"\\d", {ord("\\")}), (r"a/\d", {ord("a")})):
+        assert _allowed(compiler.compile(StructuredOutput(regex=rx))) == want, rx
+    other = _allowed(compiler.compile(StructuredOutput(regex=r"\D")))
+    assert not other & DIGITS and {ord("a"), 0xD9, 0xE0} <= other  # '٣' starts D9, '੬' E0
+
+    def after_quote(pattern: str) -> set[int]:
+        c = compiler.compile(StructuredOutput(json={"type": "string", "pattern": pattern}))
+        assert c.advance(ord('"'))
+        return _allowed(c)
+    assert after_quote(r"^\d+$") == DIGITS and after_quote(r"^\w$") == WORD
+    # \t \n \r \f are written as JSON escapes, \v as \u000b: a space or a backslash; not
+    # the lead bytes of U+00A0 (C2), U+2003 (E2), U+3000 (E3).
+    assert after_quote(r"^\s$") == {ord(" "), ord("\\")}
+
+
+PATTERNS = [r"\d{2,3}", r"\w+", r"a\sb", r"[\d_]+", r"[^\d\s]+", r"\\d", r"[\\d]+",
+            r"\D\W\S", r"[\w.-]+@[\w-]+\.[a-z]{2,3}", r"x/\d", r"(?:\d|\s)+", r"[\s\S]{2}"]
+TEXTS = ["123", "١٢٣", "੬੬", "12", "abc_9", "héllo", "a b", "a\u00a0b", "a\u2003b", "a\tb",
+         "a\vb", "\\d", "d", "\\\\", "_1_2", "x/5", "x/٥", "a.b-c@d-e.com", "é@x.fr", "ab",
+         "q!x", "é!\u00a0", "1 2\n3", "\u3000 "]
+
+
+def test_regexes_mean_what_python_re_ascii_means():
+    """Every pattern on every text: the constraint accepts exactly what ``re.fullmatch``
+    with ``re.ASCII`` does (escaped backslashes, classes inside classes, negations)."""
+    compiler = GrammarCompiler(ByteTokenizer(), 320, (257,))
+    for p in PATTERNS:
+        so = StructuredOutput(regex=p)
+        got = {t for t in TEXTS if _accepts(compiler, so, t)}
+        assert got == {t for t in TEXTS if re.fullmatch(p, t, re.ASCII)}, p
+        assert got, p  # each pattern matches something here
+
+
+def test_only_schema_positions_are_rewritten_and_a_lone_backslash_is_refused():
+    from jserve.sampling.structured import ascii_schema
+    schema = {"type": "object",
+              "properties": {"pattern": {"const": r"\d"}, "code": {"pattern": r"\d"}},
+              "patternProperties": {r"^\w+$": {"enum": [r"\s"]}},
+              "$defs": {"x": {"pattern": r"\s"}}, "anyOf": [{"items": {"pattern": r"\d"}}],
+              "default": {"pattern": r"\d"}}
+    before = json.dumps(schema)
+    out = ascii_schema(schema)
+    assert json.dumps(schema) == before  # a copy
+    assert out["properties"] == {"pattern": {"const": r"\d"}, "code": {"pattern": "[0-9]"}}
+    assert out["patternProperties"] == {"^[0-9a-zA-Z_]+$": {"enum": [r"\s"]}}
+    assert out["$defs"]["x"]["pattern"] == r"[ \t\n\r\f\v]"
+    assert out["anyOf"][0]["items"]["pattern"] == "[0-9]"
+    assert out["default"] == {"pattern": r"\d"}
+    compiler = GrammarCompiler(ByteTokenizer(), 320, (257,))
+    for so in (StructuredOutput(regex="ab\\"), StructuredOutput(json={"pattern": "a\\\\\\"})):
+        with pytest.raises(ValueError, match=r"structured_output.(regex|json) is not a valid "
+                                             r"constraint: .* lone backslash"):
+            compiler.compile(so)
+    assert _accepts(compiler, StructuredOutput(regex="ab\\\\"), "ab\\")  # an escaped one
+
+
 # -- on the engine ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def llm():
@@ -127,6 +208,24 @@ def test_any_json_object(llm):
             assert isinstance(json.loads(o.text), dict), o.text
         else:
             assert o.finish_reason == "length" and o.text.startswith("{"), o.text
+
+
+@pytest.mark.slow
+def test_sampled_d_w_s_are_ascii_on_the_built_in_model(llm):
+    """The issue's regex (it gave 'SEG-6੬𖄷߉') and a schema pattern with \\d \\s \\w: 100
+    sampled outputs each, every class character ASCII."""
+    outs = _sample(llm, StructuredOutput(regex=r"[A-Z]{3}-\d{4}"), max_tokens=40)
+    assert [o.finish_reason for o in outs] == ["stop"] * 100
+    bad = [o.text for o in outs if not re.fullmatch(r"[A-Z]{3}-[0-9]{4}", o.text)]
+    assert not bad, bad[:5]
+    schema = {"type": "object", "additionalProperties": False, "required": ["code"],
+              "properties": {"code": {"type": "string", "pattern": r"^\d{3}\s\w{2}$"}}}
+    outs = _sample(llm, StructuredOutput(json=schema), max_tokens=60)
+    assert [o.finish_reason for o in outs] == ["stop"] * 100
+    codes = [json.loads(o.text)["code"] for o in outs]
+    bad = [c for c in codes if not re.fullmatch(r"[0-9]{3}[ \t\n\r\f\v][0-9A-Za-z_]{2}", c)]
+    assert not bad, bad[:5]
+    assert len(set(codes)) > 20 and len({c[3] for c in codes}) > 1  # sampled, \s varies
 
 
 @pytest.mark.slow

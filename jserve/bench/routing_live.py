@@ -26,7 +26,7 @@ from jserve.routing import ROUTERS, ReplicaLoad, ReplicaView, RouteRequest, choo
 _ROOT = Path(__file__).resolve().parents[2]  # the checkout whose jserve the replicas run
 
 SERVE = ["--max-num-seqs", "8", "--max-num-batched-tokens", "64",
-         "--max-model-len", "2048", "--host", "127.0.0.1", "--port", "0", "--metrics-port",
+         "--max-model-len", "2048", "--host", "127.0.0.1", "--grpc-port", "0", "--metrics-port",
          "-1"]
 
 

@@ -10,8 +10,8 @@ import tempfile
 from pathlib import Path
 
 SERVE_FLAGS = ["--no-warmup", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
-               "--max-model-len", "512", "--host", "127.0.0.1", "--port", "0",
-               "--http-port", "0", "--metrics-port", "-1"]
+               "--max-model-len", "512", "--host", "127.0.0.1", "--grpc-port", "0",
+               "--port", "0", "--metrics-port", "-1"]  # --port: the OpenAI API's
 
 
 class Served:

@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import argparse
 
-from jserve.config import KV_CACHE_DTYPES, QUANTIZATIONS
+from jserve.config import DTYPE_CHOICES, KV_CACHE_DTYPES, QUANTIZATIONS
 from jserve.engine.config import WARMUP_MODES, EngineConfig
 from jserve.speculative.config import SpeculativeConfig
+from sharding.mesh import AXES, MeshConfig
+
+# vLLM's names of jserve's KV cache storage (``--kv-cache-dtype fp8``: vLLM's fp8 is e4m3).
+KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
 
 
 def add_engine_args(p: argparse.ArgumentParser, warmup: str = "none", **defaults) -> None:
@@ -20,31 +24,61 @@ def add_engine_args(p: argparse.ArgumentParser, warmup: str = "none", **defaults
     p.add_argument("--model", default="default",
                    help='"default" (built-in random model), "tiny-tasks" (built-in trained '
                         'model), an HF directory or an orbax directory')
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                   help="weights and activations (None: the checkpoint's own dtype)")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                   help="weights and activations: auto is the checkpoint's dtype, but float32 "
+                        "on a CPU backend (XLA:CPU runs bf16 about 100x slower); `jserve "
+                        "serve`'s first line says which runs and why")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length, prompt and output (None: the model's, at most 8192)")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
                    help="sequences decoding at once (decode rows of a step)")
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                    help="tokens per step at most (the prefill chunk size limit)")
+    _add_memory_args(p)
+    _add_step_args(p, warmup)
+    if defaults:
+        p.set_defaults(**defaults)
+
+
+def _add_memory_args(p: argparse.ArgumentParser) -> None:
+    """The KV pool, its storage and the weights' (part of ``add_engine_args``)."""
+    d = EngineConfig
     p.add_argument("--kv-cache-bytes", type=int, default=None,
                    help="KV cache budget per device in bytes (None: --memory-fraction of the "
                         "free memory; on CPU at most 4 GiB)")
-    p.add_argument("--num-kv-pages", type=int, default=None,
-                   help="exact KV pool per device in pages (instead of a byte budget)")
-    p.add_argument("--memory-fraction", type=float, default=d.memory_fraction,
-                   help="share of the device's free memory (after the weights) the KV cache "
-                        "takes when --kv-cache-bytes is not given")
-    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
+    p.add_argument("--num-kv-pages", "--num-gpu-blocks-override", dest="num_kv_pages",
+                   type=int, default=None,
+                   help="exact KV pool per device in pages (instead of a byte budget; "
+                        "--num-gpu-blocks-override: vLLM's name)")
+    p.add_argument("--memory-fraction", "--gpu-memory-utilization", dest="memory_fraction",
+                   type=fraction, default=d.memory_fraction,
+                   help="share of the device memory still free once the weights are loaded "
+                        "that the KV cache takes, when --kv-cache-bytes is not given (on CPU "
+                        "at most 4 GiB). --gpu-memory-utilization F sets this to F; vLLM's F "
+                        "is of the whole device for weights, activations and KV, so at the "
+                        "same F jserve's pool is larger by (1 - F) x weights plus vLLM's "
+                        "activation reserve (docs/compatibility.md)")
+    p.add_argument("--kv-cache-dtype", type=kv_cache_dtype, choices=KV_CACHE_DTYPES,
+                   default=d.kv_cache_dtype,
                    help="how KV pages are stored: auto (the model's dtype), int8 (per token "
-                        "and KV head scales) or fp8 (docs/quantization.md)")
+                        "and KV head scales) or fp8_e4m3 / fp8_e5m2 (fp8: vLLM's name of "
+                        "fp8_e4m3; docs/quantization.md)")
     p.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                    help="weight-only quantization on load (docs/quantization.md); None: as "
                         "the checkpoint stores the weights")
+
+
+
+def _add_step_args(p: argparse.ArgumentParser, warmup: str) -> None:
+    """The mesh, the step programs and how steps run (part of ``add_engine_args``)."""
+    d = EngineConfig
     p.add_argument("--mesh", default=d.mesh,
                    help='device mesh, e.g. "tp=2,kvp=2,spp=2" (tensor, KV-cache and stream '
                         'pipeline parallel axes; dp is not supported yet)')
+    p.add_argument("--tensor-parallel-size", "-tp", dest="tensor_parallel_size",
+                   type=positive_int, default=None,
+                   help="vLLM's flag: the mesh's tp axis (--mesh's other axes kept; a --mesh "
+                        "with another tp is an error); None: --mesh's tp")
     p.add_argument("--warmup", nargs="?", const="all", choices=WARMUP_MODES, default=warmup,
                    help="step programs compiled before the engine is ready: core (the "
                         "largest step and the one-row decode; other shapes compile in the "
@@ -53,10 +87,10 @@ def add_engine_args(p: argparse.ArgumentParser, warmup: str = "none", **defaults
                         "(every shape; --warmup alone), none (each on first use, waiting)")
     p.add_argument("--no-warmup", dest="warmup", action="store_const", const="none",
                    help="the same as --warmup none")
-    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=d.enable_prefix_caching,
+    p.add_argument("--prefix-caching", "--enable-prefix-caching", dest="prefix_caching",
+                   action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
                    help="share the KV pages of identical leading tokens between requests "
-                        "(docs/prefix_cache.md)")
+                        "(docs/prefix_cache.md; --[no-]enable-prefix-caching: vLLM's name)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                    default=d.async_scheduling,
                    help="plan and launch step N+1 while step N runs on the device (tokens "
@@ -69,8 +103,45 @@ def add_engine_args(p: argparse.ArgumentParser, warmup: str = "none", **defaults
                    help='speculative decoding as JSON, vLLM\'s dict: e.g. \'{"method": '
                         '"ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' '
                         "(docs/speculative.md)")
-    if defaults:
-        p.set_defaults(**defaults)
+
+
+def fraction(text: str) -> float:
+    """``--memory-fraction``'s type: a number in (0, 1]."""
+    try:
+        f = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < f <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return f
+
+
+def positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def kv_cache_dtype(text: str) -> str:
+    """``--kv-cache-dtype``'s type: vLLM's names mapped to jserve's (fp8 is fp8_e4m3)."""
+    return KV_CACHE_DTYPE_ALIASES.get(text, text)
+
+
+def mesh_with_tp(mesh: str, tp: int | None) -> str:
+    """``--mesh`` with ``--tensor-parallel-size`` as its tp axis (``mesh`` as given when
+    ``tp`` is None); ValueError when the mesh already names another tp."""
+    if tp is None:
+        return mesh
+    m = MeshConfig.parse(mesh)
+    if m.tp not in (1, tp):
+        raise ValueError(f"--tensor-parallel-size {tp} and --mesh {mesh!r} (tp={m.tp}) "
+                         "disagree: give tp once")
+    sizes = {ax: getattr(m, ax) for ax in AXES} | {"tp": tp}
+    return ",".join(f"{ax}={n}" for ax, n in sizes.items() if n > 1 or ax == "tp")
 
 
 def speculative_config(text: str):
@@ -88,7 +159,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
     kw = dict(max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
               max_num_batched_tokens=a.max_num_batched_tokens, kv_cache_bytes=a.kv_cache_bytes,
               num_kv_pages=a.num_kv_pages, memory_fraction=a.memory_fraction,
-              warmup=a.warmup, mesh=a.mesh, enable_prefix_caching=a.prefix_caching,
+              warmup=a.warmup, enable_prefix_caching=a.prefix_caching,
+              mesh=mesh_with_tp(a.mesh, getattr(a, "tensor_parallel_size", None)),
               async_scheduling=a.async_scheduling, kv_cache_dtype=a.kv_cache_dtype,
               speculative_config=a.speculative_config, decode_burst=a.decode_burst)
     return {k: v for k, v in kw.items() if v is not None}

@@ -59,17 +59,70 @@ class StructuredOutput:
         """The llguidance grammar (a JSON document naming one grammar): also the cache key."""
         from llguidance import LLMatcher
         if self.json is not None:
-            schema = {"type": "object"} if self.json is True else self.json
+            schema = {"type": "object"} if self.json is True else ascii_schema(self.json)
             # Compact JSON (no free whitespace between tokens, as xgrammar's default): a
             # model cannot pad its output with whitespace until max_tokens.
             return LLMatcher.grammar_from_json_schema(json.dumps(schema, sort_keys=True),
                                                       defaults={"whitespace_flexible": False})
         if self.regex is not None:
-            return LLMatcher.grammar_from_regex(self.regex)
+            return LLMatcher.grammar_from_regex(ascii_regex(self.regex, "regex"))
         if self.choice is not None:
             return LLMatcher.grammar_from_regex("|".join(f"({re.escape(c)})"
                                                          for c in self.choice))
         return LLMatcher.grammar_from_lark(self.grammar)
+
+
+# ECMAScript (the dialect of JSON Schema's ``pattern``) and vLLM's grammar engines read
+# \d, \w and \s as ASCII classes; llguidance's regexes are Rust's, where they are Unicode
+# classes (\d matches '੬', \s matches U+00A0). The letters of llguidance's ``regex_to_lark``
+# ``use_ascii`` argument: all three.
+ASCII_CLASSES = "dws"
+
+# Where a JSON schema holds subschemas: one schema, a list of them, a map of them.
+_SUBSCHEMA = ("additionalProperties", "additionalItems", "items", "contains", "not", "if",
+              "then", "else", "propertyNames", "unevaluatedItems", "unevaluatedProperties")
+_SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions",
+                   "dependentSchemas", "dependencies")
+
+
+def ascii_regex(pattern: str, kind: str = "regex") -> str:
+    """``pattern`` with ``\\d \\w \\s`` (and ``\\D \\W \\S``) spelled as the ASCII classes
+    ``[0-9]``, ``[0-9a-zA-Z_]``, ``[ \\t\\n\\r\\f\\v]``, as ECMAScript and vLLM read them. The
+    rewrite is llguidance's own ``regex_to_lark``: it reads escapes left to right, so an
+    escaped backslash stays one (``\\\\d`` is a backslash and a ``d``), and inside a character
+    class the class nests (``[\\d_]`` becomes ``[[0-9]_]``, a union in Rust's syntax). It
+    would drop a trailing lone backslash (an invalid pattern), so that is refused here."""
+    if (len(pattern) - len(pattern.rstrip("\\"))) % 2:
+        raise ValueError(f"structured_output.{kind} is not a valid constraint: the pattern "
+                         f"{pattern!r} ends with a lone backslash")
+    from llguidance import regex_to_lark
+    return regex_to_lark(pattern, ASCII_CLASSES)
+
+
+def ascii_schema(schema: Any) -> Any:
+    """A copy of the JSON schema with every ``pattern`` and ``patternProperties`` key put
+    through ``ascii_regex``; only schema positions are walked (``const``, ``enum``,
+    ``default`` and ``examples`` are data, left alone). llguidance reads \\d and \\w in a
+    schema as ASCII itself but \\s as Unicode; this makes all three ASCII."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if isinstance(out.get("pattern"), str):
+        out["pattern"] = ascii_regex(out["pattern"], "json")
+    for key in _SUBSCHEMA:
+        if isinstance(out.get(key), list):  # draft 4's tuple ``items``
+            out[key] = [ascii_schema(s) for s in out[key]]
+        elif key in out:
+            out[key] = ascii_schema(out[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [ascii_schema(s) for s in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {(ascii_regex(name, "json") if key == "patternProperties" else name):
+                        ascii_schema(sub) for name, sub in out[key].items()}
+    return out
 
 
 class GrammarCompiler:
@@ -165,14 +218,36 @@ class Constraint:
 
 
 def llguidance_tokenizer(tokenizer, eos_ids: tuple[int, ...]):
-    """llguidance's view of a jserve tokenizer: an HF one from its tokenizer.json, the byte
-    tokenizer from its 259 tokens."""
+    """llguidance's view of a jserve tokenizer: an HF one from its own tokenizer.json (its
+    vocabulary, merges, byte-level or byte-fallback decoding and special tokens; what
+    ``llguidance.hf.from_tokenizer`` hands over, without transformers), the byte tokenizer
+    from its 259 tokens. ``eos_ids`` (the engine's: the checkpoint's config and tokenizer
+    together) are the tokens a complete output may end with; all of them, not only the
+    first (Llama 3 instruct stops on <|eot_id|> and <|end_of_text|>)."""
     import llguidance
-    eos = eos_ids[0] if eos_ids else None
-    text = getattr(tokenizer, "tokenizer_json", None)
+    # An id past the tokenizer's vocabulary (a config's, on a padded embedding) is never
+    # allowed anyway, and llguidance refuses it.
+    eos = [i for i in eos_ids if 0 <= i < tokenizer.vocab_size] or None
+    text = hf_tokenizer_json(tokenizer)
     if text is not None:
         return llguidance.LLTokenizer(text, eos_token=eos)
-    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteTokens(tokenizer, eos)))
+    return llguidance.LLTokenizer(
+        llguidance.TokenizerWrapper(_ByteTokens(tokenizer, eos[0] if eos else None)),
+        eos_token=eos)
+
+
+def hf_tokenizer_json(tokenizer) -> str | None:
+    """The tokenizer.json text of an HF tokenizer (None for any other), padding and
+    truncation off, as llguidance must tokenize whole strings."""
+    from jserve.tokenizer import HFTokenizer
+    text = getattr(tokenizer, "tokenizer_json", None)
+    if text is None and isinstance(tokenizer, HFTokenizer):
+        text = tokenizer._tok.to_str()  # the loaded tokenizers.Tokenizer, added tokens included
+    if text is None:
+        return None
+    doc = json.loads(text)
+    doc["padding"] = doc["truncation"] = None
+    return json.dumps(doc)
 
 
 class _ByteTokens:

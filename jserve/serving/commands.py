@@ -7,16 +7,73 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import sys
 from typing import Callable
 
 from jserve.engine.config import EngineConfig
+from jserve.fields import MAX_TOKEN_LOGPROBS
 from jserve.log_setup import configure_logging
 from jserve.scheduler import ENGINE_POLICIES
 from jserve.serving.limits import ClientLimits
 
 TOKEN_ENV = "JSERVE_AUTH_TOKEN"
 PRIORITY_TOKEN_ENV = "JSERVE_PRIORITY_TOKEN"
+
+# Well-known flags of `vllm serve` that jserve refuses, and why (docs/compatibility.md); any
+# other unknown flag gets argparse's "unrecognized arguments", which names it too.
+_FILES_ONLY = "jserve loads a local checkpoint directory (safetensors or orbax); nothing is " \
+              "downloaded"
+_NO_LORA = "LoRA adapters are not supported yet"
+VLLM_REFUSED = {
+    "--pipeline-parallel-size": "jserve's pipeline is stream pipeline parallel: --mesh spp=N "
+                                "(docs/mesh.md)",
+    "-pp": "jserve's pipeline is stream pipeline parallel: --mesh spp=N (docs/mesh.md)",
+    "--data-parallel-size": "dp is not supported yet; run replicas behind a router "
+                            "(--ray --replicas N, docs/scale_out.md)",
+    "-dp": "dp is not supported yet; run replicas behind a router (--ray --replicas N, "
+           "docs/scale_out.md)",
+    "--enable-expert-parallel": "jserve serves dense Llama-family models (no experts)",
+    "--distributed-executor-backend": "a multi-host engine is one process per host: "
+                                      "--coordinator, --num-processes (docs/multihost.md)",
+    "--enforce-eager": "jserve always runs compiled XLA step programs (--warmup none "
+                       "compiles each on first use instead of before serving)",
+    "--compilation-config": "jserve compiles a fixed set of step programs (--warmup, "
+                            "docs/startup.md)",
+    "--cuda-graph-sizes": "jserve compiles a fixed set of step programs (--warmup, "
+                          "docs/startup.md); no CUDA graphs",
+    "--enable-chunked-prefill": "jserve chunks every prefill (its schedulers are built on "
+                                "it): leave the flag out; --max-num-batched-tokens bounds a "
+                                "chunk",
+    "--no-enable-chunked-prefill": "jserve chunks every prefill (its schedulers are built on "
+                                   "it); --max-num-batched-tokens bounds a chunk",
+    "--block-size": "the KV page size is EngineConfig.page_size (16; no flag yet)",
+    "--swap-space": "the host swap pool is EngineConfig.swap_space_bytes (4 GiB; LLM("
+                    "swap_space_bytes=...), no flag yet)",
+    "--cpu-offload-gb": "weights stay on the device",
+    "--scheduling-policy": "jserve's policies are --scheduler (docs/scheduler.md); priority "
+                           "is a request field",
+    "--enable-lora": _NO_LORA, "--lora-modules": _NO_LORA, "--max-loras": _NO_LORA,
+    "--max-lora-rank": _NO_LORA,
+    "--load-format": _FILES_ONLY, "--download-dir": _FILES_ONLY, "--revision": _FILES_ONLY,
+    "--tokenizer-revision": _FILES_ONLY, "--code-revision": _FILES_ONLY,
+    "--hf-token": _FILES_ONLY,
+    "--tokenizer-mode": "jserve reads a fast tokenizer's tokenizer.json only",
+    "--speculative-model": "use --speculative-config (vLLM's dict, docs/speculative.md)",
+    "--guided-decoding-backend": "structured output has one backend, jserve's own "
+                                 "(docs/structured_output.md)",
+    "--structured-outputs-config": "structured output has one backend, jserve's own "
+                                   "(docs/structured_output.md)",
+    "--reasoning-parser": "reasoning output is not parsed yet",
+    "--limit-mm-per-prompt": "jserve serves text models only",
+    "--device": "JAX picks the backend (JAX_PLATFORMS=cpu|cuda|tpu)",
+    "--uvicorn-log-level": "--log-level sets jserve's log level",
+    "--disable-log-requests": "jserve logs no request (nothing to turn off): leave it out",
+    "--enable-log-requests": "jserve does not log requests",
+    "--disable-log-stats": "jserve logs no periodic stats (they are on /metrics): leave it out",
+}
+TOOL_CALL_PARSERS = ("llama3_json",)  # the format jserve.serving.tool_calls reads
+_NUMBER = re.compile(r"-\d+(\.\d*)?")  # a negative value, not a flag
 
 
 def add_remote_args(g: argparse.ArgumentParser) -> None:
@@ -70,9 +127,47 @@ def leading(a: argparse.Namespace, llm):
         distributed.stop_followers()
 
 
+def refused_vllm_flags(unrecognized: list[str]) -> list[str]:
+    """Lines saying why each well-known vLLM flag among argparse's unrecognized arguments is
+    refused (and naming the other unknown flags); empty when none of them is one."""
+    names = dict.fromkeys(t.split("=", 1)[0] for t in unrecognized
+                          if t.startswith("-") and not _NUMBER.fullmatch(t))
+    lines = [f"{n}: vLLM's flag is not supported by jserve: {VLLM_REFUSED[n]}" for n in names
+             if n in VLLM_REFUSED]
+    others = [n for n in names if n not in VLLM_REFUSED]
+    if lines and others:
+        lines.append("unrecognized arguments: " + " ".join(others))
+    return lines
+
+
+def max_logprobs(text: str) -> int:
+    """``--max-logprobs``'s type: at most jserve's fixed ``MAX_TOKEN_LOGPROBS``."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 0 <= n <= MAX_TOKEN_LOGPROBS:
+        raise argparse.ArgumentTypeError(
+            f"jserve returns at most {MAX_TOKEN_LOGPROBS} logprobs a token (a fixed limit), "
+            f"got {n}{' (vLLM: the whole vocabulary)' if n == -1 else ''}")
+    return n
+
+
+def tool_call_parser(text: str) -> str:
+    if text not in TOOL_CALL_PARSERS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not supported yet: jserve reads tool calls in one format, "
+            f"llama3_json (Llama 3.1's JSON, {{\"name\": ..., \"parameters\": ...}}, ';' "
+            "between calls)")
+    return text
+
+
 def add_serve_parser(sub, add_engine_args: Callable, engine_kwargs: Callable) -> None:
     s = sub.add_parser("serve", help="serve the jserve.v1.Generation gRPC service and the "
                                      "OpenAI-compatible HTTP API from one engine")
+    s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as --model takes it (vLLM's spelling: `jserve serve DIR`); "
+                        "None: --model's")
     add_engine_args(s, warmup="core")
     add_multihost_args(s)
     s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
@@ -85,14 +180,57 @@ def add_serve_parser(sub, add_engine_args: Callable, engine_kwargs: Callable) ->
                    help="output-length probe .npz (sprpt; default: the model's shipped one)")
     s.add_argument("--sprpt-c", type=float, default=0.8,
                    help="sprpt preempts a request only while generated <= c x first prediction")
+    add_edge_args(s)
+    add_limit_args(s)
+    s.add_argument("--grace-period", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM")
+    s.add_argument("--drain-notice", type=float, default=0.0,
+                   help="seconds after SIGTERM during which /health (and the gRPC health "
+                        "check) fail while requests are still served, so a router stops "
+                        "sending before the drain refuses anything")
+    s.add_argument("--tls-cert", "--ssl-certfile", dest="tls_cert", default=None,
+                   help="PEM certificate chain (with --tls-key): TLS on gRPC and HTTP")
+    s.add_argument("--tls-key", "--ssl-keyfile", dest="tls_key", default=None,
+                   help="PEM private key (with --tls-cert)")
+    s.add_argument("--auth-token", "--api-key", dest="auth_token", default=None,
+                   help="require 'authorization: Bearer TOKEN' on gRPC and HTTP (--api-key: "
+                        f"vLLM's name) (default: ${TOKEN_ENV})")
+    s.add_argument("--metrics-open", action="store_true",
+                   help="serve /metrics without the bearer token even with --auth-token")
+    s.add_argument("--fake-engine", action="store_true",
+                   help="serve jserve.serving.fake_engine's scripted tokens instead of the "
+                        "model (with a checkpoint directory's tokenizer; no JAX): for testing "
+                        "clients, routers and the edge")
+    s.add_argument("--log-level", default="INFO",
+                   help="jserve's log level (other libraries log from WARNING up; DEBUG: all)")
+    add_vllm_args(s)
+    g = s.add_argument_group("Ray Serve (docs/scale_out.md): replicas of this engine behind a "
+                             "router, the OpenAI API on --port (no gRPC)")
+    g.add_argument("--ray", action="store_true", help="serve as a Ray Serve application")
+    g.add_argument("--replicas", type=int, default=2, help="engines (one per Ray replica)")
+    g.add_argument("--router", default="deadline",
+                   choices=("round_robin", "least_load", "prefix", "deadline"),
+                   help="how the ingress picks a replica (jserve.routing)")
+    g.add_argument("--autoscale", default=None, metavar="MIN,MAX",
+                   help="replicas follow queue depth between MIN and MAX instead of --replicas")
+    g.add_argument("--gpus-per-replica", type=float, default=0.0,
+                   help="GPUs Ray reserves for each replica")
+    g.add_argument("--ray-address", default=None, help="a running Ray cluster (default: local)")
+    s.set_defaults(func=lambda a: serve_command(a, engine_kwargs(a)))
+
+
+def add_edge_args(s: argparse.ArgumentParser) -> None:
+    """Where the server listens and what its edge takes (docs/server.md, "Limits")."""
     s.add_argument("--host", default="127.0.0.1",
                    help="address of every endpoint (0.0.0.0: all interfaces; without "
                         "--auth-token the server then says loudly that it is open)")
-    s.add_argument("--grpc-port", "--port", dest="port", type=int, default=50051,
-                   help="gRPC port (0: any free port)")
-    s.add_argument("--http-port", type=int, default=8000,
-                   help="OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
-                        "/v1/models, /health, /metrics; 0: any free port; -1: off)")
+    s.add_argument("--port", "--http-port", dest="http_port", type=int, default=8000,
+                   help="the OpenAI-compatible HTTP API's port, as vLLM's --port "
+                        "(/v1/completions, /v1/chat/completions, /v1/models, /health, "
+                        "/metrics; 0: any free port; -1: off; --http-port: its name before)")
+    s.add_argument("--grpc-port", type=int, default=50051,
+                   help="gRPC port (0: any free port; --port was gRPC's before, it is the "
+                        "OpenAI API's now)")
     s.add_argument("--metrics-port", type=int, default=9400,
                    help="Prometheus /metrics port (0: any free port; -1: off)")
     s.add_argument("--max-waiting", type=int, default=1024,
@@ -110,38 +248,36 @@ def add_serve_parser(sub, add_engine_args: Callable, engine_kwargs: Callable) ->
     s.add_argument("--max-connections", type=int, default=2048,
                    help="open connections per HTTP port (API, metrics); a request on one "
                         "more gets 503 and the connection is closed")
-    add_limit_args(s)
-    s.add_argument("--grace-period", type=float, default=30.0,
-                   help="seconds in-flight requests get to finish after SIGTERM")
-    s.add_argument("--drain-notice", type=float, default=0.0,
-                   help="seconds after SIGTERM during which /health (and the gRPC health "
-                        "check) fail while requests are still served, so a router stops "
-                        "sending before the drain refuses anything")
-    s.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key)")
-    s.add_argument("--tls-key", default=None, help="PEM private key (with --tls-cert)")
-    s.add_argument("--auth-token", default=None,
-                   help=f"require 'authorization: Bearer TOKEN' (default: ${TOKEN_ENV})")
-    s.add_argument("--metrics-open", action="store_true",
-                   help="serve /metrics without the bearer token even with --auth-token")
-    s.add_argument("--fake-engine", action="store_true",
-                   help="serve jserve.serving.fake_engine's scripted tokens instead of the "
-                        "model (with a checkpoint directory's tokenizer; no JAX): for testing "
-                        "clients, routers and the edge")
-    s.add_argument("--log-level", default="INFO",
-                   help="jserve's log level (other libraries log from WARNING up; DEBUG: all)")
-    g = s.add_argument_group("Ray Serve (docs/scale_out.md): replicas of this engine behind a "
-                             "router, the OpenAI API on --http-port (no gRPC)")
-    g.add_argument("--ray", action="store_true", help="serve as a Ray Serve application")
-    g.add_argument("--replicas", type=int, default=2, help="engines (one per Ray replica)")
-    g.add_argument("--router", default="deadline",
-                   choices=("round_robin", "least_load", "prefix", "deadline"),
-                   help="how the ingress picks a replica (jserve.routing)")
-    g.add_argument("--autoscale", default=None, metavar="MIN,MAX",
-                   help="replicas follow queue depth between MIN and MAX instead of --replicas")
-    g.add_argument("--gpus-per-replica", type=float, default=0.0,
-                   help="GPUs Ray reserves for each replica")
-    g.add_argument("--ray-address", default=None, help="a running Ray cluster (default: local)")
-    s.set_defaults(func=lambda a: serve_command(a, engine_kwargs(a)))
+
+
+def add_vllm_args(s: argparse.ArgumentParser) -> None:
+    """`vllm serve`'s flags that have no jserve flag to be an alias of (docs/compatibility.md;
+    the aliases are beside jserve's flags)."""
+    g = s.add_argument_group("vLLM's flags (docs/compatibility.md)")
+    g.add_argument("--seed", type=int, default=EngineConfig.seed,
+                   help="seeds the draws of requests that bring no seed of their own "
+                        "(EngineConfig.seed)")
+    g.add_argument("--max-logprobs", type=max_logprobs, default=MAX_TOKEN_LOGPROBS,
+                   help=f"accepted up to jserve's fixed limit of {MAX_TOKEN_LOGPROBS} logprobs "
+                        f"a token, refused above it; requests may ask up to "
+                        f"{MAX_TOKEN_LOGPROBS} whatever the value")
+    g.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="the model's own directory (or name) only: a tokenizer from another "
+                        "directory is refused, not supported yet (jserve reads tokenizer.json "
+                        "beside the weights); None: the model's")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted and changes nothing: jserve runs no code from a checkpoint "
+                        "(chat templates render in a sandbox)")
+    g.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="a Jinja chat template (a file, or the template itself) instead of "
+                        "the tokenizer's, for /v1/chat/completions (needs a tokenizer.json "
+                        "model; not with --ray); None: the tokenizer's")
+    g.add_argument("--tool-call-parser", type=tool_call_parser, default=None,
+                   help="llama3_json only, the format jserve always reads tool calls in "
+                        "(jserve.serving.tool_calls); any other is refused")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted and changes nothing: tool_choice auto is always on "
+                        "(calls read in llama3_json format)")
 
 
 class _OldTpotSlo(argparse.Action):
@@ -233,7 +369,60 @@ def ray_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
         f"({a.autoscale or a.replicas} replicas behind {a.router})", flush=True))
 
 
+def read_chat_template(arg: str) -> str:
+    """``--chat-template``'s text: the file's, or ``arg`` itself when it is a template (as
+    vLLM reads it); ValueError when it is neither or does not compile."""
+    from jinja2 import TemplateSyntaxError
+
+    from jserve.tokenizer import compile_chat_template
+
+    if os.path.isfile(arg):
+        with open(arg, encoding="utf-8") as f:
+            text = f.read()
+    elif "{" in arg or "\n" in arg:
+        text = arg
+    else:
+        raise ValueError(f"--chat-template {arg!r}: no such file, nor a template")
+    try:
+        compile_chat_template(text)
+    except TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template: not a Jinja template: {e}") from None
+    return text
+
+
+def _has_tokenizer_json(model: str) -> bool:
+    from jserve.model.weights import BUILTIN_MODELS  # the model package loads JAX
+
+    return model != "default" and os.path.isfile(
+        os.path.join(BUILTIN_MODELS.get(model, model), "tokenizer.json"))
+
+
+def vllm_args(a: argparse.Namespace) -> str | None:
+    """The vLLM spellings that need more than argparse, checked before anything loads: the
+    positional model becomes ``a.model``; ``--tokenizer`` must be the model's own;
+    ``--chat-template`` is read. Returns the chat template's text (None: the tokenizer's)."""
+    if a.model_tag is not None:
+        if a.model not in ("default", a.model_tag):
+            raise ValueError(f"the model is given twice: {a.model_tag!r} and --model {a.model!r}")
+        a.model = a.model_tag
+    if a.tokenizer is not None and a.tokenizer != a.model \
+            and os.path.realpath(a.tokenizer) != os.path.realpath(a.model):
+        raise ValueError(f"--tokenizer {a.tokenizer}: a tokenizer from another directory than "
+                         f"the model's ({a.model}) is not supported yet; jserve reads "
+                         "tokenizer.json and tokenizer_config.json beside the weights")
+    if a.chat_template is None:
+        return None
+    if a.ray:
+        raise ValueError("--chat-template is not supported with --ray yet")
+    if not a.fake_engine and not _has_tokenizer_json(a.model):
+        raise ValueError(f"--chat-template: model {a.model!r} has no tokenizer.json, so no "
+                         "chat template to replace")
+    return read_chat_template(a.chat_template)
+
+
 def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
+    chat_template = vllm_args(a)
+    engine_kwargs = dict(engine_kwargs, seed=a.seed)
     if a.ray:
         return ray_command(a, engine_kwargs)
 
@@ -245,7 +434,8 @@ def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
 
     configure_logging(a.log_level)
     config = ServerConfig(
-        host=a.host, port=a.port, metrics_port=None if a.metrics_port < 0 else a.metrics_port,
+        host=a.host, port=a.grpc_port,
+        metrics_port=None if a.metrics_port < 0 else a.metrics_port,
         http_port=None if a.http_port < 0 else a.http_port,
         max_waiting=a.max_waiting, max_request_bytes=a.max_request_bytes,
         head_timeout=a.head_timeout, max_head_bytes=a.max_head_bytes,
@@ -255,15 +445,26 @@ def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
         metrics_open=a.metrics_open, served_model_names=served_model_names(a),
         limits=client_limits(a))
     join_processes(a)
+    dtype_note = ""
     if a.fake_engine:
         llm, engine = None, FakeEngine.for_model(a.model, max_model_len=a.max_model_len or 512,
                                                  max_num_seqs=a.max_num_seqs or 8)
     else:
-        llm = LLM(a.model, dtype=a.dtype, quantization=a.quantization, scheduler=a.scheduler,
+        from jserve.model.weights import resolve_dtype
+
+        dtype, why = resolve_dtype(a.model, a.dtype)  # after join_processes: starts JAX
+        llm = LLM(a.model, dtype=dtype, quantization=a.quantization, scheduler=a.scheduler,
                   length_probe=a.length_probe, sprpt_c=a.sprpt_c,
                   iteration_budget=a.iteration_budget, prefill_share=a.prefill_share,
                   **engine_kwargs)
         engine = llm.engine
+        dtype_note = f"; dtype {llm.engine.model_config.dtype} " \
+                     f"({why if a.dtype == 'auto' else '--dtype'})"
+    if chat_template is not None:
+        if not hasattr(engine.tokenizer, "set_chat_template"):
+            raise ValueError(f"--chat-template: model {a.model!r} has no tokenizer.json, so "
+                             "no chat template to replace")
+        engine.tokenizer.set_chat_template(chat_template)
 
     def ready(server) -> None:
         metrics = (f"http://{a.host}:{server.metrics_port}/metrics"
@@ -274,7 +475,8 @@ def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
             f"{config.model_name} (--model {a.model})"
         print(f"jserve: serving {name} on {a.host}:{server.port} "
               f"({'TLS' if a.tls_cert else 'plaintext'}; metrics {metrics}{http}); engine "
-              f"{llm.engine.startup.line() if llm else 'fake (scripted tokens)'}", flush=True)
+              f"{llm.engine.startup.line() + dtype_note if llm else 'fake (scripted tokens)'}",
+              flush=True)
         print(f"jserve: client limits: {server.gateway.limits.describe()}, requests <= "
               f"{config.max_request_bytes} bytes", flush=True)
         if config.open_to_the_network:

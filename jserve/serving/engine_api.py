@@ -80,6 +80,27 @@ class WaitEstimate:
     load: ReplicaLoad       # the report the prediction was made from
 
 
+def encode_text(tokenizer: Tokenizer | None, text: str, add_special_tokens: bool = True
+                ) -> list[int]:
+    """A text prompt's ids, refused as the engine's intake refuses them (ValueError)."""
+    if not text:
+        raise ValueError("prompt is empty")
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer: pass the prompt as token ids")
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
+def decode_ids(tokenizer: Tokenizer | None, token_ids: Sequence[int], vocab_size: int) -> str:
+    """``EngineClient.detokenize`` for any engine: ids in the model's vocabulary, decoded with
+    special tokens written out (as vLLM's ``/detokenize``)."""
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer, so no text for token ids")
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"tokens outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    return tokenizer.decode(list(token_ids), skip_special_tokens=False)
+
+
 class Prepared(Protocol):
     """A request tokenized and validated by ``EngineClient.prepare`` (a frozen dataclass, so
     a front end may ``dataclasses.replace`` its params, e.g. one seed per choice)."""
@@ -91,7 +112,7 @@ class Prepared(Protocol):
 
 @runtime_checkable
 class EngineClient(Protocol):
-    """One engine behind the serving layer. ``prepare``, ``tokenize`` and
+    """One engine behind the serving layer. ``prepare``, ``tokenize``, ``detokenize`` and
     ``isolated_prefill_s`` run on any thread (the gateway's intake threads): they read only
     what is fixed. The rest runs on the event loop; what reads engine state is answered by
     the engine's own thread between steps, so it is consistent and never races a step."""
@@ -109,8 +130,14 @@ class EngineClient(Protocol):
         """Tokenized and validated, or ValueError naming the field (the offline API's own
         checks, so the server refuses exactly what ``LLM.generate`` refuses)."""
 
-    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
-        """The prompt's ids (ValueError for an empty one or ids outside the vocabulary)."""
+    def tokenize(self, prompt: str | Sequence[int], add_special_tokens: bool = True
+                 ) -> list[int]:
+        """The prompt's ids (ValueError for an empty one or ids outside the vocabulary); text
+        with the tokenizer's special tokens (BOS) unless not ``add_special_tokens``."""
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """The ids' text, special tokens written out (ValueError for ids outside the
+        vocabulary or a model without a tokenizer): ``/detokenize``."""
 
     def isolated_prefill_s(self, prompt_tokens: int) -> float:
         """Predicted seconds to the first token of a prompt run alone (0: no prediction):

@@ -370,7 +370,7 @@ class EngineLoop:
                 delta.completion_tokens = lv.sent_tokens
                 delta.timings = _timings(o)
                 if m is not None:
-                    m.e2e.observe(delta.timings["e2e_seconds"])
+                    m.finished(delta.timings, lv.prompt_tokens, lv.sent_tokens)
         out.append((lv.sink, delta))
         return len(ids)
 

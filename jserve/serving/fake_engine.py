@@ -42,7 +42,7 @@ from jserve.engine.output import (
 from jserve.routing.load import FIFO, PrefillTable, QueuedPrefill, ReplicaLoad
 from jserve.sampling.params import SamplingParams
 from jserve.sampling.structured import GrammarCompiler
-from jserve.serving.engine_api import EngineInfo
+from jserve.serving.engine_api import EngineInfo, decode_ids, encode_text
 from jserve.serving.engine_loop import EngineCounters, EngineLoop
 from jserve.serving.metrics import ServerMetrics
 from jserve.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
@@ -297,13 +297,10 @@ class FakeEngine(EngineLoop):
         self._request_fault = pick
 
     # -- any thread ------------------------------------------------------------------------
-    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+    def tokenize(self, prompt: str | Sequence[int], add_special_tokens: bool = True
+                 ) -> list[int]:
         if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass the prompt as token ids")
-            return list(self.tokenizer.encode(prompt))
+            return encode_text(self.tokenizer, prompt, add_special_tokens)
         ids = [int(t) for t in prompt]
         if not ids:
             raise ValueError("prompt is empty")
@@ -312,6 +309,9 @@ class FakeEngine(EngineLoop):
         if bad:
             raise ValueError(f"prompt token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
         return ids
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        return decode_ids(self.tokenizer, token_ids, self.info.vocab_size)
 
     def prepare(self, prompt: str | Sequence[int], params: SamplingParams | None = None
                 ) -> FakePrepared:

@@ -32,26 +32,40 @@ from jserve.serving.tool_calls import (
 _SAMPLING = ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
              "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
              "stop_token_ids", "speculative")
+# vLLM's older spelling of structured_outputs: guided_json is structured_outputs.json, ...
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+          "guided_grammar": "grammar"}
 _COMMON = {"model", "n", "stream", "stream_options", "max_tokens", "user", "ttft_slo",
-           "response_format", "structured_outputs",
+           "response_format", "structured_outputs", *GUIDED,
            "tpot_slo", "priority", *_SAMPLING}
+# How a chat becomes its prompt (the chat endpoint's and /tokenize's).
+_CHAT_TEMPLATE = {"add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
+# Template variables jserve sets itself (chat_template_kwargs may not).
+_TEMPLATE_OWN = ("messages", "tools", "add_generation_prompt", "continue_final_message")
 # Fields routers fill in with their defaults (vllm-router sends every one on every request):
 # accepted at the value that is what jserve does anyway. jserve has no reasoning parser, so
 # separating or streaming reasoning changes nothing; dropping it cannot be honoured.
 _ROUTER_FILLED = {"no_stop_trim": (False,), "skip_special_tokens": (True,),
                   "return_hidden_states": (False,)}
-_CHAT_ROUTER_FILLED = {"continue_final_message": (False,), "separate_reasoning": (False, True),
+_CHAT_ROUTER_FILLED = {"separate_reasoning": (False, True),
                        "stream_reasoning": (False, True), "include_reasoning": (True,)}
 PARAMS = {
     "completions": _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix", "logit_bias",
                               *_ROUTER_FILLED},
     "chat": _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
                        "logit_bias", "tools", "tool_choice", "parallel_tool_calls",
-                       *_ROUTER_FILLED, *_CHAT_ROUTER_FILLED},
+                       *_CHAT_TEMPLATE, *_ROUTER_FILLED, *_CHAT_ROUTER_FILLED},
 }
+# /tokenize (vLLM's TokenizeCompletionRequest or TokenizeChatRequest) and /detokenize.
+TOKENIZE_PARAMS = {"model", "prompt", "messages", "add_special_tokens", "tools",
+                   "return_token_strs", *_CHAT_TEMPLATE}
+DETOKENIZE_PARAMS = {"model", "tokens"}
 STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
 _NEUTRAL = {"echo": (False,), "suffix": (None, ""), "logit_bias": (None, {}), **_ROUTER_FILLED,
             **_CHAT_ROUTER_FILLED}
+# Why a field is accepted only at its neutral value (the 400's message says it).
+_WHY_NEUTRAL = {"logit_bias": "biasing token logits needs sampler support jserve does not "
+                              "have yet"}
 _STATUS = {el.INVALID: 400, UNAUTHENTICATED: 401, NOT_FOUND: 404, el.EXHAUSTED: 429,
            el.UNAVAILABLE: 503, el.DEADLINE: 504, el.INTERNAL: 500}
 _TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -142,6 +156,102 @@ class Parsed:
     constraint_field: str | None = None  # where the structured output came from
     tools: list[dict] | None = None      # chat: the functions the model may call
     tool_choice: ToolChoice | None = None
+    chat: ChatTemplate = dataclasses.field(default_factory=lambda: ChatTemplate())
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatTemplate:
+    """How chat messages are rendered (``jserve.tokenizer.chat_prompt_ids``'s options)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: dict | None = None   # chat_template_kwargs: extra template variables
+
+
+def chat_template(body: dict, messages: list[dict]) -> ChatTemplate:
+    """``add_generation_prompt`` (default true), ``continue_final_message`` (vLLM's: the last
+    message is an assistant's and the reply continues it; then no generation prompt, which
+    vLLM makes the client say and jserve implies) and ``chat_template_kwargs``."""
+    for field in ("add_generation_prompt", "continue_final_message"):
+        if field in body:
+            _kind_check(body, field, isinstance(body[field], bool), "a bool")
+    cont = body.get("continue_final_message", False)
+    gen = body.get("add_generation_prompt", not cont)
+    if cont:
+        if gen:
+            raise BadField("continue_final_message", "continue_final_message continues the "
+                           "last message, so it cannot go with add_generation_prompt: true")
+        last = messages[-1]
+        if last["role"] != "assistant" or not last["content"] or last.get("tool_calls"):
+            raise BadField("continue_final_message", "continue_final_message needs the last "
+                           "message to be an assistant's, with content (and no tool_calls), "
+                           "for the reply to continue")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None:
+        _kind_check(body, "chat_template_kwargs", isinstance(kwargs, dict),
+                    "an object (template variable: value)")
+        own = [k for k in _TEMPLATE_OWN if k in kwargs]
+        if own:
+            raise BadField("chat_template_kwargs", f"chat_template_kwargs may not set "
+                           f"{own[0]!r}: jserve sets it (give it as its own field)")
+    return ChatTemplate(gen, cont, kwargs or None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tokenize:
+    """A ``/tokenize`` body: vLLM's ``TokenizeCompletionRequest`` (``prompt``) or
+    ``TokenizeChatRequest`` (``messages``, rendered as the chat endpoint renders them)."""
+
+    prompt: str | None
+    messages: list[dict] | None
+    add_special_tokens: bool | None   # None: as the completions or chat endpoint would
+    chat: ChatTemplate
+    tools: list[dict] | None
+
+
+def _object(body: Any, allowed: set[str]) -> dict:
+    """A body as an object of known fields (nulls dropped), or ``BadField``."""
+    if not isinstance(body, dict):
+        raise BadField(None, "the request body must be a JSON object")
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise BadField(unknown[0], f"{unknown[0]} is not supported by jserve")
+    body = {k: v for k, v in body.items() if v is not None}
+    if "model" in body:
+        _kind_check(body, "model", isinstance(body["model"], str), "a string")
+    return body
+
+
+def parse_tokenize(body: Any) -> Tokenize:
+    body = _object(body, TOKENIZE_PARAMS)
+    if ("prompt" in body) == ("messages" in body):
+        raise BadField("prompt", "give prompt (a text) or messages (a chat): one of them")
+    for field in ("add_special_tokens", "return_token_strs"):
+        if field in body:
+            _kind_check(body, field, isinstance(body[field], bool), "a bool")
+    if body.get("return_token_strs"):
+        raise BadField("return_token_strs", "return_token_strs=true is not supported by jserve "
+                                            "(decode single ids with /detokenize)")
+    special = body.get("add_special_tokens")
+    if "prompt" in body:
+        chat_only = sorted((_CHAT_TEMPLATE | {"tools"}) & set(body))
+        if chat_only:
+            raise BadField(chat_only[0], f"{chat_only[0]} goes with messages, not prompt")
+        _kind_check(body, "prompt", isinstance(body["prompt"], str), "a string")
+        return Tokenize(body["prompt"], None, special, ChatTemplate(), None)
+    messages = _chat_messages(body)
+    tools, _ = _tools(body)
+    return Tokenize(None, messages, special, chat_template(body, messages), tools)
+
+
+def parse_detokenize(body: Any) -> list[int]:
+    """A ``/detokenize`` body's ``tokens``."""
+    body = _object(body, DETOKENIZE_PARAMS)
+    tokens = body.get("tokens")
+    if not (isinstance(tokens, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in tokens)):
+        raise BadField("tokens", "tokens must be a list of token ids")
+    return tokens
 
 
 def _kind_check(body: dict, field: str, ok: bool, want: str) -> None:
@@ -159,21 +269,25 @@ def parse(body: Any, endpoint: str, max_choices: int = 256) -> Parsed:
     body = {k: v for k, v in body.items() if v is not None}
     for field, neutral in _NEUTRAL.items():
         if field in body and body[field] not in neutral:
-            raise BadField(field, f"{field}={body[field]!r} is not supported by jserve "
-                                  f"(only {neutral[-1]!r})")
+            why = f": {_WHY_NEUTRAL[field]}" if field in _WHY_NEUTRAL else ""
+            raise BadField(field, f"{field}={fields.shown(body[field])} is not supported by "
+                                  f"jserve (only {neutral[-1]!r}){why}")
     if "model" not in body:
         raise BadField("model", "model is required")
     _kind_check(body, "model", isinstance(body["model"], str), "a string")
     n = _number(body, "n", 1)
     if "best_of" in body and body["best_of"] != n:
-        raise BadField("best_of", f"best_of={body['best_of']!r} is not supported by jserve "
-                                  f"(only equal to n)")
+        raise BadField("best_of", f"best_of={fields.shown(body['best_of'])} is not supported "
+                                  f"by jserve (only equal to n: ranking extra candidates by "
+                                  f"their logprobs is not implemented; ask for n choices)")
     stream = body.get("stream", False)
     if "stream" in body:
         _kind_check(body, "stream", isinstance(stream, bool), "a bool")
     include_usage, continuous_usage = _stream_options(body, stream)
+    chat = ChatTemplate()
     if endpoint == "chat":
         prompts = [_chat_messages(body)]
+        chat = chat_template(body, prompts[0])
         logprobs = _chat_logprobs(body)
         max_field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
         if "max_completion_tokens" in body and "max_tokens" in body:
@@ -213,7 +327,7 @@ def parse(body: Any, endpoint: str, max_choices: int = 256) -> Parsed:
         raise BadField(field, field_message(message, lambda f: field)) from None
     return Parsed(prompts, params, max_field in body, n, stream, include_usage,
                   continuous_usage, logprobs, ttft_slo, tpot_slo, priority, max_field,
-                  constraint_field, tools, tool_choice)
+                  constraint_field, tools, tool_choice, chat)
 
 
 def _number(body: dict, field: str, default: int | float | None = None
@@ -258,11 +372,23 @@ def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
 
 
 def _structured_output(body: dict) -> tuple[str | None, StructuredOutput | None]:
-    """OpenAI's ``response_format`` or vLLM's ``structured_outputs`` extra (not both) as a
-    ``StructuredOutput``, with the field it came from."""
+    """OpenAI's ``response_format``, vLLM's ``structured_outputs`` extra or its older
+    ``guided_*`` fields (one of them) as a ``StructuredOutput``, with the field it came
+    from."""
     if "response_format" in body and "structured_outputs" in body:
         raise BadField("structured_outputs", "give response_format or structured_outputs, "
                                              "not both")
+    guided = [f for f in GUIDED if f in body]
+    if guided:
+        field = guided[0]
+        if len(guided) > 1:
+            raise BadField(guided[1], f"give one of {', '.join(GUIDED)}, not {guided[0]} and "
+                                      f"{guided[1]}")
+        other = next((f for f in ("structured_outputs", "response_format") if f in body), None)
+        if other is not None:
+            raise BadField(field, f"{field} is vLLM's older spelling of structured_outputs: "
+                                  f"give {field} or {other}, not both")
+        return field, _constraint(field, {GUIDED[field]: body[field]})
     if "response_format" in body:
         rf = body["response_format"]
         kind = rf.get("type") if isinstance(rf, dict) else None
@@ -284,18 +410,33 @@ def _structured_output(body: dict) -> tuple[str | None, StructuredOutput | None]
         if not isinstance(so, dict) or set(so) - set(STRUCTURED_KINDS):
             raise BadField("structured_outputs", f"structured_outputs takes one of "
                                                  f"{list(STRUCTURED_KINDS)}, got {so!r}")
-        so = dict(so)
-        if isinstance(so.get("json"), str):  # vLLM also takes the schema as a JSON string
-            try:
-                so["json"] = fields.loads(so["json"], "structured_outputs.json")
-            except ValueError as e:
-                raise BadField("structured_outputs", str(e)) from None
-        try:
-            return "structured_outputs", StructuredOutput(**so)
-        except ValueError as e:
-            raise BadField("structured_outputs",
-                           str(e).replace("structured_output", "structured_outputs")) from None
+        return "structured_outputs", _constraint("structured_outputs", so)
     return None, None
+
+
+def constraint_message(field: str, message: str) -> str:
+    """A ``StructuredOutput`` error (``structured_output.regex ...``) as the wire names the
+    constraint: ``structured_outputs.regex ...``, ``guided_regex ...``."""
+    if field in GUIDED:
+        return message.replace(f"structured_output.{GUIDED[field]}", field).replace(
+            "structured_output", field)
+    if field == "structured_outputs":
+        return message.replace("structured_output", "structured_outputs")
+    return message if field in message else f"{field}: {message}"
+
+
+def _constraint(field: str, so: dict) -> StructuredOutput:
+    so = dict(so)
+    if isinstance(so.get("json"), str):  # vLLM also takes the schema as a JSON string
+        try:
+            so["json"] = fields.loads(so["json"], f"{field}.json" if field ==
+                                      "structured_outputs" else field)
+        except ValueError as e:
+            raise BadField(field, str(e)) from None
+    try:
+        return StructuredOutput(**so)
+    except ValueError as e:
+        raise BadField(field, constraint_message(field, str(e))) from None
 
 
 def _prompts(body: dict) -> list[str | list[int]]:

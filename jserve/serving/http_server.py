@@ -4,9 +4,10 @@ server's event loop, through the same ``Gateway`` and engine loop): the HTTP sid
 ``http_responses``.
 
 ``POST /v1/completions`` and ``/v1/chat/completions`` (``stream: true``: server-sent events
-ending in ``data: [DONE]``), ``GET /v1/models``, ``GET /health`` (503 while draining or once the
-engine thread is gone), ``GET /metrics`` (the server's Prometheus registry; behind the bearer
-token when there is one, unless ``metrics_open``).
+ending in ``data: [DONE]``), ``GET /v1/models`` and ``/v1/models/{id}``, vLLM's ``POST
+/tokenize`` and ``/detokenize`` and ``GET /version``, ``GET /health`` (503 while draining or
+once the engine thread is gone), ``GET /metrics`` (the server's Prometheus registry; behind
+the bearer token when there is one, unless ``metrics_open``).
 
 The edge is bounded (``edge``: head timeout and size, connections per port): a body over
 ``max_request_bytes`` gets 413 as soon as that is known (from Content-Length before any of it is
@@ -35,7 +36,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from jserve import fields
+from jserve import __version__, fields
 from jserve.sampling.params import SamplingParams
 from jserve.serving import engine_api as el
 from jserve.serving.auth import bearer_matches
@@ -45,11 +46,15 @@ from jserve.serving.gateway import NOT_FOUND, UNAUTHENTICATED, Gateway, Rejected
 from jserve.serving.http_protocol import (
     PARAMS,
     BadField,
+    ChatTemplate,
     ClientGone,
     JSONResponse,
     Parsed,
+    constraint_message,
     error_body,
     parse,
+    parse_detokenize,
+    parse_tokenize,
     read_body,
     rejection,
 )
@@ -99,6 +104,14 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     return JSONResponse(body, status_code=status, headers=exc.headers)
 
 
+def _loads(raw: bytes):
+    """A body's JSON (numbers and nesting bounded), or ``BadField``."""
+    try:
+        return fields.loads(raw, "the request body")
+    except ValueError as e:
+        raise BadField(None, str(e)) from None
+
+
 async def _send_json(send, status: int, body: dict) -> None:
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json")]})
@@ -114,6 +127,10 @@ class OpenAIServer:
         self._names = frozenset(config.served_model_names)  # what `model` may say
         self.app = Starlette(routes=[
             Route("/v1/models", self._models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", self._model, methods=["GET"]),
+            Route("/tokenize", self._tokenize, methods=["POST"]),
+            Route("/detokenize", self._detokenize, methods=["POST"]),
+            Route("/version", self._version, methods=["GET"]),
             Route("/health", self._health, methods=["GET"]),
             Route("/metrics", self._metrics, methods=["GET"]),
             *RouterEndpoints(gateway, config).routes,
@@ -172,19 +189,101 @@ class OpenAIServer:
         return Response(generate_latest(self.gateway.metrics.registry),
                         media_type=CONTENT_TYPE_LATEST)
 
-    async def _models(self, request: Request) -> Response:
+    def _refused(self, request: Request) -> Response | None:
+        """The 401 of a request without the bearer token (counted), else None."""
         try:
             self._authorized(request.headers.get("authorization"))
         except Rejected as e:
             self.gateway.refused(e.kind)
             return _error(e)
+        return None
+
+    def _model_card(self) -> dict:
         info, limits = self.gateway.engine.info, self.gateway.limits
-        return JSONResponse({"object": "list", "data": [{
-            "id": self.model, "object": "model", "created": 0, "owned_by": "jserve",
-            "max_model_len": info.max_model_len, "vocab_size": info.vocab_size,
-            "scheduler": info.scheduler, "min_tpot_slo": limits.tpot_floor,
-            "priority_range": list(limits.limits.priority_range),
-            "max_choices": limits.limits.max_choices}]})
+        return {"id": self.model, "object": "model", "created": 0, "owned_by": "jserve",
+                "max_model_len": info.max_model_len, "vocab_size": info.vocab_size,
+                "scheduler": info.scheduler, "min_tpot_slo": limits.tpot_floor,
+                "priority_range": list(limits.limits.priority_range),
+                "max_choices": limits.limits.max_choices}
+
+    def _check_model(self, name: str) -> None:
+        if name not in self._names:
+            names = ", ".join(map(repr, self.config.served_model_names))
+            raise Rejected(NOT_FOUND, f"model {name!r} does not exist; this server serves "
+                                      f"{names}")
+
+    async def _models(self, request: Request) -> Response:
+        if (refused := self._refused(request)) is not None:
+            return refused
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def _model(self, request: Request) -> Response:
+        """``GET /v1/models/{id}``: the model object for any served name, else 404."""
+        if (refused := self._refused(request)) is not None:
+            return refused
+        try:
+            self._check_model(request.path_params["model_id"])
+        except Rejected as e:
+            return _error(e)
+        return JSONResponse(self._model_card())
+
+    async def _version(self, request: Request) -> Response:
+        if (refused := self._refused(request)) is not None:
+            return refused
+        return JSONResponse({"version": __version__})
+
+    async def _tokenize(self, request: Request) -> Response:
+        return await self._utility(request, self._tokenize_body)
+
+    async def _detokenize(self, request: Request) -> Response:
+        return await self._utility(request, self._detokenize_body)
+
+    async def _utility(self, request: Request, handle) -> Response:
+        """A POST endpoint that runs no engine request: behind the bearer token, its body read
+        within the limit and answered by ``handle(raw)`` on an intake thread (it may
+        tokenize a large body)."""
+        if (refused := self._refused(request)) is not None:
+            return refused
+        try:
+            raw = await read_body(request.scope, request.receive, self.config.max_request_bytes)
+            return JSONResponse(await self.gateway.off_loop(handle, raw))
+        except Rejected as e:
+            return _error(e)
+        except ClientGone:
+            return Response(status_code=499)
+        except Exception as e:  # noqa: BLE001 - ours, not the client's: 500, and keep serving
+            log.exception("%s failed", request.url.path)
+            return _error(Rejected(el.INTERNAL, f"{request.url.path} failed: {e}"))
+
+    def _tokenize_body(self, raw: bytes) -> dict:
+        """vLLM's ``/tokenize``: a text's ids (with the tokenizer's special tokens unless
+        ``add_special_tokens: false``) or a chat's prompt ids exactly as the chat endpoint
+        makes them (``add_special_tokens`` given: the rendered text encoded so)."""
+        body = _loads(raw)
+        t = parse_tokenize(body)
+        if "model" in body:
+            self._check_model(body["model"])
+        if t.messages is not None:
+            ids = self._prompt(t.messages, t.tools, t.chat, t.add_special_tokens)
+        else:
+            try:
+                ids = self.gateway.engine.tokenize(t.prompt, t.add_special_tokens is not False)
+            except ValueError as e:
+                raise BadField("prompt", str(e) if str(e).startswith("prompt")
+                               else f"prompt: {e}") from None
+        return {"count": len(ids), "max_model_len": self.gateway.engine.info.max_model_len,
+                "tokens": ids, "token_strs": None}
+
+    def _detokenize_body(self, raw: bytes) -> dict:
+        """vLLM's ``/detokenize``: the ids' text, special tokens written out."""
+        body = _loads(raw)
+        tokens = parse_detokenize(body)
+        if "model" in body:
+            self._check_model(body["model"])
+        try:
+            return {"prompt": self.gateway.engine.detokenize(tokens)}
+        except ValueError as e:
+            raise BadField("tokens", f"tokens: {e}") from None
 
     async def _generate(self, scope, receive, endpoint: str):
         """The ASGI response to a generation request (None: the client left before it was
@@ -217,34 +316,38 @@ class OpenAIServer:
                ) -> tuple[Parsed, list[Prepared]]:
         """Parses, templates and tokenizes a body (on an intake thread); ``Rejected``
         naming the field."""
-        try:
-            body = fields.loads(raw, "the request body")
-        except ValueError as e:
-            raise BadField(None, str(e)) from None
+        body = _loads(raw)
         parsed = parse(body, endpoint, self.config.limits.max_choices)
-        if body["model"] not in self._names:
-            names = ", ".join(map(repr, self.config.served_model_names))
-            raise Rejected(NOT_FOUND, f"model {body['model']!r} does not exist; this "
-                                      f"server serves {names}")
+        self._check_model(body["model"])
         prepared, context = [], self.gateway.engine.info.max_model_len
         for p in parsed.prompts:
-            prompt, params = self._prompt(p, parsed.tools), parsed.params
+            prompt, params = self._prompt(p, parsed.tools, parsed.chat), parsed.params
             if endpoint == "chat" and not parsed.max_tokens_given:  # up to the context
                 params = dataclasses.replace(
                     params, max_tokens=max(1, context - len(prompt), params.min_tokens))
             prepared.append(self._prepare(prompt, params, parsed, endpoint, trusted))
         return parsed, prepared
 
-    def _prompt(self, p, tools: list[dict] | None):
+    def _prompt(self, p, tools: list[dict] | None, chat: ChatTemplate,
+                add_special_tokens: bool | None = None):
         """A completion prompt as it came; chat messages (and tools) as their prompt ids."""
         if isinstance(p, list) and p and isinstance(p[0], dict):
             tok = self.gateway.engine.tokenizer
             if tok is None:
                 raise BadField("messages", "this model has no tokenizer, so no chat")
             try:
-                return chat_prompt_ids(tok, p, tools)
-            except (jinja2.TemplateError, ValueError) as e:
-                raise BadField("messages", f"messages: the chat template failed: {e}") from None
+                return chat_prompt_ids(
+                    tok, p, tools, add_generation_prompt=chat.add_generation_prompt,
+                    continue_final_message=chat.continue_final_message,
+                    template_kwargs=chat.template_kwargs, add_special_tokens=add_special_tokens)
+            except (jinja2.TemplateError, ValueError, TypeError) as e:
+                # (TypeError: a template variable that is a name of render()'s own)
+                if str(e).startswith("continue_final_message"):
+                    raise BadField("continue_final_message", str(e)) from None
+                given = f" (given chat_template_kwargs {sorted(chat.template_kwargs)})" \
+                    if chat.template_kwargs else ""
+                raise BadField("messages", f"messages: the chat template failed{given}: "
+                                           f"{e}") from None
         return p
 
     def _prepare(self, prompt, params: SamplingParams, parsed: Parsed, endpoint: str,
@@ -255,12 +358,13 @@ class OpenAIServer:
                 priority=parsed.priority, trusted=trusted,
                 name=lambda f: parsed.max_tokens_field if f == "max_tokens" else f)
         except Rejected as e:
-            field = e.message.split(" ", 1)[0].rstrip(":").split("=", 1)[0]
+            field, message = e.message.split(" ", 1)[0].rstrip(":").split("=", 1)[0], e.message
             if field.startswith("structured_output") and parsed.constraint_field:
                 field = parsed.constraint_field
+                message = constraint_message(field, message)
             elif field not in PARAMS[endpoint]:
                 field = "messages" if endpoint == "chat" else "prompt"
-            raise BadField(field, e.message) from None
+            raise BadField(field, message) from None
 
     async def _run(self, send, prepared, parsed: Parsed, fmt: Formatter, arrival: float
                    ) -> None:

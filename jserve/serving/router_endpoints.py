@@ -3,10 +3,12 @@
 - Prometheus gauges and counters under vLLM's names (``vllm:num_requests_waiting``,
   ``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc`` and its older name
   ``vllm:gpu_cache_usage_perc``, ``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits``,
-  ``vllm:num_preemptions``, ``vllm:prompt_tokens``, ``vllm:generation_tokens``), each labelled
-  ``model_name`` as vLLM does: what the Gateway API Inference Extension's endpoint picker
-  (llm-d) and vLLM dashboards scrape. They are read at scrape time from jserve's own metrics,
-  so the two sets never disagree.
+  ``vllm:num_preemptions``, ``vllm:prompt_tokens``, ``vllm:generation_tokens``,
+  ``vllm:request_success{finished_reason}``) and vLLM's latency histograms
+  (``_VLLM_HISTOGRAMS``: TTFT, inter-token latency, e2e, queue, prefill, decode, ...), each
+  labelled ``model_name`` as vLLM does: what the Gateway API Inference Extension's endpoint
+  picker (llm-d) and vLLM's Grafana dashboard scrape. They are read at scrape time from
+  jserve's own metrics (a histogram with jserve's buckets), so the two sets never disagree.
 - SGLang's load endpoints, which ``smg`` (SGLang's model gateway) polls: ``GET /get_load``
   (and ``/v1/loads``): one entry per data-parallel rank (jserve has one) with ``num_reqs``
   (waiting + running), ``num_waiting_reqs`` and ``num_tokens`` (KV tokens in use);
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import asyncio
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -49,6 +51,37 @@ from jserve.serving.metrics import ServerMetrics
 def _value(metric) -> float:
     """The one sample of an unlabelled gauge or counter (``_total`` for a counter)."""
     return next(s.value for s in metric.collect()[0].samples if not s.name.endswith("_created"))
+
+
+def _histogram(metric) -> tuple[list[tuple[str, float]], float]:
+    """An unlabelled histogram's cumulative buckets (``le``, count) and sum."""
+    samples = metric.collect()[0].samples
+    buckets = [(s.labels["le"], s.value) for s in samples if s.name.endswith("_bucket")]
+    return buckets, next(s.value for s in samples if s.name.endswith("_sum"))
+
+
+# vLLM's latency histograms (``vllm/v1/metrics/loggers.py``), each from the jserve histogram
+# of the same measurement: same observations, jserve's buckets.
+_VLLM_HISTOGRAMS = (
+    ("vllm:time_to_first_token_seconds", "Time to first token (s)", "ttft"),
+    ("vllm:inter_token_latency_seconds", "Gap between consecutive tokens (s)", "tpot"),
+    ("vllm:time_per_output_token_seconds", "Gap between consecutive tokens (s; vLLM's older "
+     "name of vllm:inter_token_latency_seconds)", "tpot"),
+    ("vllm:request_time_per_output_token_seconds", "A request's mean time per output token (s)",
+     "request_tpot"),
+    ("vllm:e2e_request_latency_seconds", "End-to-end request latency (s)", "e2e"),
+    ("vllm:request_queue_time_seconds", "Time in the WAITING phase (s)", "queue_time"),
+    ("vllm:request_prefill_time_seconds", "Time in the PREFILL phase (s)", "prefill_time"),
+    ("vllm:request_decode_time_seconds", "Time in the DECODE phase (s)", "decode_time"),
+    ("vllm:request_inference_time_seconds", "Time in the RUNNING phase (s)", "inference_time"),
+    ("vllm:request_prompt_tokens", "Prompt tokens per finished request",
+     "request_prompt_tokens"),
+    ("vllm:request_generation_tokens", "Generated tokens per finished request",
+     "request_generation_tokens"),
+)
+# vllm:request_success_total's finished_reason from jserve_requests_total's outcomes.
+_FINISHED_REASONS = (("stop", ("stop",)), ("length", ("length",)),
+                     ("abort", ("cancelled", "deadline_exceeded")), ("error", ("internal",)))
 
 
 class VllmNames:
@@ -83,6 +116,18 @@ class VllmNames:
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric(label, _value(metric))
             yield c
+        outcomes = {s.labels["outcome"]: s.value for s in m.requests.collect()[0].samples
+                    if s.name.endswith("_total")}
+        c = CounterMetricFamily("vllm:request_success", "Finished requests by finished_reason",
+                                labels=["model_name", "finished_reason"])
+        for reason, of in _FINISHED_REASONS:
+            c.add_metric([self.model, reason], sum(outcomes.get(o, 0.0) for o in of))
+        yield c
+        for name, doc, attr in _VLLM_HISTOGRAMS:
+            buckets, total = _histogram(getattr(m, attr))
+            h = HistogramMetricFamily(name, doc, labels=["model_name"])
+            h.add_metric(label, buckets, total)
+            yield h
 
 
 def export_vllm_names(metrics: ServerMetrics, model_name: str) -> None:
