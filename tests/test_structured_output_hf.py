@@ -122,6 +122,117 @@ def _json_schema_valid(text: str) -> bool:
     return True
 
 
+class _Incomplete(Exception):
+    """The text ended where more of a JSON document can follow."""
+
+
+_NUMBER = re.compile(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?")
+_NUMBER_START = re.compile(r"-?((0|[1-9][0-9]*)(\.[0-9]*)?([eE][+-]?[0-9]*)?)?")
+
+
+def _object_or_prefix(text: str) -> str:
+    """``"object"`` if ``text`` is a JSON object, ``"prefix"`` if more text can make it one,
+    else ``"invalid"``: a recursive-descent reader of RFC 8259, independent of llguidance,
+    for the outputs that ran out of tokens (JSON is LL(1), so reaching the end of the text
+    inside a well-formed production means it can be completed)."""
+    def at(i):
+        if i >= len(text):
+            raise _Incomplete
+        return text[i]
+
+    def ws(i):
+        while i < len(text) and text[i] in " \t\n\r":
+            i += 1
+        return i
+
+    def string(i):  # text[i] == '"'
+        i += 1
+        while (c := at(i)) != '"':
+            if c == "\\":
+                e = at(i + 1)
+                if e == "u":
+                    digits = text[i + 2:i + 6]
+                    if not all(d in "0123456789abcdefABCDEF" for d in digits):
+                        raise ValueError
+                    if len(digits) < 4:
+                        raise _Incomplete
+                    i += 6
+                elif e in '"\\/bfnrt':
+                    i += 2
+                else:
+                    raise ValueError
+            elif ord(c) < 0x20:
+                raise ValueError
+            else:
+                i += 1
+        return i + 1
+
+    def items(i, close, member):  # after the opening bracket
+        i = ws(i)
+        if at(i) == close:
+            return i + 1
+        while True:
+            i = ws(member(ws(i)))
+            if at(i) == close:
+                return i + 1
+            if at(i) != ",":
+                raise ValueError
+            i += 1
+
+    def pair(i):
+        if at(i) != '"':
+            raise ValueError
+        i = ws(string(i))
+        if at(i) != ":":
+            raise ValueError
+        return value(i + 1)
+
+    def value(i):
+        i = ws(i)
+        c = at(i)
+        if c == "{":
+            return items(i + 1, "}", pair)
+        if c == "[":
+            return items(i + 1, "]", value)
+        if c == '"':
+            return string(i)
+        if c in "-0123456789":
+            m = _NUMBER.match(text, i)
+            if m and m.end() < len(text):
+                return m.end()
+            if _NUMBER_START.fullmatch(text, i):
+                raise _Incomplete
+            raise ValueError
+        for word in ("true", "false", "null"):
+            if c == word[0]:
+                if not word.startswith(text[i:i + len(word)]):
+                    raise ValueError
+                if len(text) < i + len(word):
+                    raise _Incomplete
+                return i + len(word)
+        raise ValueError
+
+    try:
+        if at(ws(0)) != "{" or ws(value(0)) != len(text):
+            return "invalid"
+    except _Incomplete:
+        return "prefix"
+    except ValueError:
+        return "invalid"
+    return "object"
+
+
+def test_the_object_prefix_reader_tells_objects_prefixes_and_garbage_apart():
+    for text in ('{}', '{"a":[1,-2.5e+3,true,null,{"b":"\\u00e9\\n"}]}', ' { "k" : "" } '):
+        assert _object_or_prefix(text) == "object" and isinstance(json.loads(text), dict)
+    for text in ('{', '{"a', '{"a":', '{"a":-', '{"a":1.', '{"a":1e', '{"a":[tr', '{"a":"\\u00',
+                 '{"a":{"b":[1,', '{"a":0', '{"a":"x\\'):
+        assert _object_or_prefix(text) == "prefix", text
+    for text in ('[]', '"x"', '{"a":01', '{"a":tx', '{a', '{"a":1,}', '{"a":"\\x"}', '{}}',
+                 '{"a":"\n"}', '{"a":1.e'):
+        assert _object_or_prefix(text) == "invalid", text
+
+
 KINDS = {  # name: (request fields, validator of the text, distinct outputs at least)
     "json_schema": ({"response_format": {"type": "json_schema", "json_schema": {
         "name": "person", "schema": SCHEMA, "strict": True}}}, _json_schema_valid, 50),
