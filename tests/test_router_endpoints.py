@@ -5,6 +5,7 @@ which /health fails while requests are still served. The endpoints are tested on
 once, end to end."""
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -102,12 +103,16 @@ def test_vllm_names_and_load_endpoints_report_the_engine():
 
 
 def test_health_fails_during_the_drain_notice_while_requests_are_served():
+    # A notice far longer than the checks, ended by ``hurry`` once they are done: the checks
+    # do not race the notice's clock (with 1.5 s, a loaded machine ran out of it).
     server = BackgroundServer(FakeEngine(), ServerConfig(port=0, metrics_port=None, http_port=0,
-                                                   drain_notice=1.5))
+                                                   drain_notice=60.0))
     url = server.http_url
+    hurry = asyncio.Event()
     try:
         assert httpx.get(url + "/health", timeout=10).status_code == 200
-        stopping = threading.Thread(target=server.stop, args=(5.0,))
+        stopping = threading.Thread(target=server.run,
+                                    args=(server.server.stop(5.0, hurry=hurry),))
         stopping.start()
         while not server.server.gateway.leaving:
             time.sleep(0.005)
@@ -117,6 +122,7 @@ def test_health_fails_during_the_drain_notice_while_requests_are_served():
         r = _complete(url, [3, 4, 5], 2)  # still served
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
         assert not server.server.draining
+        server._loop.call_soon_threadsafe(hurry.set)
         while not server.server.draining:
             time.sleep(0.005)
         assert _complete(url, [3, 4, 5], 2).status_code == 503
