@@ -264,6 +264,7 @@ def hf_served():
     s.close()
 
 
+@pytest.mark.slow  # 12 s in a --durations run of the full suite
 def test_a_5_mb_prompt_is_tokenized_off_the_event_loop(hf_served):
     """While a 5 MB prompt (over max_model_len, so refused) is tokenized, another client's
     streams keep flowing: no gap between their chunks over half the tokenization time."""

@@ -376,6 +376,7 @@ def test_auth_model_and_shape_of_errors(fake):
 STREAMS, DISCONNECTS, CONCURRENT = 500, 300, 200
 
 
+@pytest.mark.slow  # 7-15 s in a --durations run of the full suite
 def test_concurrent_streams_and_random_disconnects_leave_no_blocks(served, llm):
     """500 streams, 200 at a time, 300 of them dropped by the client mid-stream."""
     rng = random.Random(3)
