@@ -1,6 +1,10 @@
 """The ``jserve`` command: ``generate`` streams a completion, ``convert`` writes an orbax
 checkpoint, ``plan`` prints a configuration's per-device memory before anything is
-allocated."""
+allocated.
+
+Each command imports what it runs inside its own function: parsing flags, ``--help`` and
+``jserve simulate`` load no JAX (``tests/test_jax_free.py``), and no command pays for another's
+imports (JAX, gRPC, the simulator)."""
 from __future__ import annotations
 
 import argparse

@@ -1,5 +1,7 @@
 """``jserve serve`` and ``jserve generate --server``: the CLI side of the gRPC service (kept
-here so ``jserve/cli.py`` only wires them in)."""
+here so ``jserve/cli.py`` only wires them in). Like the CLI's, each command imports the
+server, the client, the model loader or the fake engine inside its own function, so building
+the parser loads none of them (JAX and gRPC stay off ``jserve --help``'s path)."""
 from __future__ import annotations
 
 import argparse
