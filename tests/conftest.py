@@ -63,3 +63,22 @@ def wait_blocks_free(url: str, token: str | None = None, timeout: float = 30.0) 
             return g
         assert time.monotonic() < end, {k: v for k, v in g.items() if "blocks" in k}
         time.sleep(0.05)
+
+
+def wait_idle(bg, timeout: float = 30.0) -> dict:
+    """Waits until nothing is in flight on ``bg`` (a ``BackgroundServer``): no request, no
+    plan on the device, no handler; then asserts the page pool is whole."""
+    import time
+    end = time.monotonic() + timeout
+    while True:
+        st = bg.stats()  # allocator.check() runs on the engine thread
+        # ... and every handler has ended (and counted its outcome) on the event loop: each
+        # gRPC call's, accepted or not, and each accepted HTTP request's.
+        if st["in_flight"] == 0 and st["engine_requests"] == 0 and not st["engine_busy"] \
+                and bg.server.gateway.in_flight == 0 and bg.server.calls_in_flight == 0:
+            break
+        assert time.monotonic() < end, f"requests still in flight: {st}"
+        time.sleep(0.02)
+    assert st["waiting"] == st["running"] == 0, st
+    assert st["pages_used"] == 0 and st["pages_free"] == st["pages_total"], st
+    return st

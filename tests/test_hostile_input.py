@@ -25,7 +25,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from conftest import Served, wait_blocks_free
+from conftest import Served, wait_blocks_free, wait_idle
 from jserve import fields
 from jserve.proto import generate_pb2 as pb
 from jserve.serving.http_protocol import PARAMS
@@ -474,6 +474,7 @@ def test_a_fault_in_one_requests_work_ends_it_alone(inproc, monkeypatch):
                 assert "injected" in got[name][2], (stage, exc, got[name])
             else:
                 assert got[name] == want[name], (stage, name, got[name], want[name])
-        llm_stats = server.stats()
-        assert llm_stats["pages_used"] == 0 and llm_stats["in_flight"] == 0, (stage, llm_stats)
+        # Every page free once the engine is idle (a failed request's page comes back when
+        # the step it was in, still on the device under async scheduling, is read).
+        wait_idle(server, timeout=30)
     assert _answers(url, victim) == references[key]  # the same engine serves on

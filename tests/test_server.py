@@ -36,7 +36,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 from hypothesis import event, given, settings, strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import Served
+from conftest import Served, wait_idle
 from jserve import SamplingParams
 from jserve.cli import main
 from jserve.client import AsyncClient, Client
@@ -97,23 +97,6 @@ def live_client(live):
 def scripted(bg: BackgroundServer, prompt, params):
     """What a fake-engine server's request gets (the fake's offline answer)."""
     return bg.server.engine.generate(prompt, params)
-
-
-def wait_idle(bg: BackgroundServer, timeout: float = 30.0) -> dict:
-    """Waits until nothing is in flight, then asserts the block pool is whole."""
-    end = time.monotonic() + timeout
-    while True:
-        st = bg.stats()  # allocator.check() runs on the engine thread
-        # ... and every handler has ended (and counted its outcome) on the event loop: each
-        # gRPC call's, accepted or not, and each accepted HTTP request's.
-        if st["in_flight"] == 0 and st["engine_requests"] == 0 and not st["engine_busy"] \
-                and bg.server.gateway.in_flight == 0 and bg.server.calls_in_flight == 0:
-            break
-        assert time.monotonic() < end, f"requests still in flight: {st}"
-        time.sleep(0.02)
-    assert st["waiting"] == st["running"] == 0, st
-    assert st["pages_used"] == 0 and st["pages_free"] == st["pages_total"], st
-    return st
 
 
 def metrics(bg: BackgroundServer) -> dict[str, float]:
