@@ -15,8 +15,6 @@ from jserve.engine.args import add_engine_args, engine_kwargs, kv_cache_dtype, l
 from jserve.engine.config import EngineConfig
 from jserve.log_setup import configure_logging
 
-_add_engine_args, _engine_kwargs = add_engine_args, engine_kwargs  # their names before
-
 
 class _Parser(argparse.ArgumentParser):
     """Says why a well-known vLLM flag is refused (``VLLM_REFUSED``), beside argparse's own

@@ -93,9 +93,8 @@ def number(field: str, value: object, name: str | None = None, rule: str | None 
     name = name or field
     ok_type = (isinstance(value, numbers.Integral) if spec.integer
                else isinstance(value, numbers.Real)) and not isinstance(value, bool)
-    if not ok_type or (isinstance(value, float) and not math.isfinite(value)):
-        raise ValueError(f"{name} must be {spec.describe()}, got {shown(value)}")
-    if not spec.holds(value):
+    if (not ok_type or (isinstance(value, float) and not math.isfinite(value))
+            or not spec.holds(value)):
         raise ValueError(f"{name} must be {spec.describe()}, got {shown(value)}")
     return int(value) if spec.integer else float(value)
 

@@ -27,6 +27,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import Served, wait_blocks_free, wait_idle
 from jserve import fields
+from jserve.client import Client
 from jserve.proto import generate_pb2 as pb
 from jserve.serving.http_protocol import PARAMS
 
@@ -180,13 +181,10 @@ def test_route_wait_checks_its_numbers(served):
 
 
 def _call(served, request: pb.GenerateRequest) -> grpc.RpcError | None:
-    with grpc.insecure_channel(served.target) as ch:
-        call = ch.unary_stream("/jserve.v1.Generation/Generate",
-                               request_serializer=pb.GenerateRequest.SerializeToString,
-                               response_deserializer=pb.GenerateResponse.FromString)
+    """The gRPC call's error, None when it ended with a result."""
+    with Client(served.target, auth_token=TOKEN) as c:
         try:
-            for _ in call(request, timeout=60, metadata=[("authorization", f"Bearer {TOKEN}")]):
-                pass
+            c.generate(request, timeout=60)
         except grpc.RpcError as e:
             return e
     return None

@@ -212,12 +212,12 @@ def test_ngram_batch_agrees_with_the_rule_on_random_histories():
 def test_cli_reads_the_speculative_config_json_and_refuses_a_bad_one(capsys):
     import argparse
 
-    from jserve.cli import _add_engine_args, _engine_kwargs
+    from jserve.engine.args import add_engine_args, engine_kwargs
     parser = argparse.ArgumentParser()
-    _add_engine_args(parser)
+    add_engine_args(parser)
     a = parser.parse_args(["--speculative-config",
                            '{"method": "ngram", "num_speculative_tokens": 3}'])
-    assert _engine_kwargs(a)["speculative_config"] == SpeculativeConfig(
+    assert engine_kwargs(a)["speculative_config"] == SpeculativeConfig(
         num_speculative_tokens=3)
     with pytest.raises(SystemExit):
         parser.parse_args(["--speculative-config", '{"method": "medusa"}'])

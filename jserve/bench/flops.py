@@ -7,7 +7,7 @@ import math
 import jax
 
 from jserve.config import LlamaConfig
-from jserve.model.weights import param_shapes
+from jserve.model.params import param_shapes
 
 
 def weight_bytes_read(cfg: LlamaConfig) -> float:

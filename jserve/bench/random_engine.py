@@ -14,7 +14,8 @@ from tqdm import tqdm
 from jserve.config import LlamaConfig
 from jserve.engine.config import EngineConfig
 from jserve.engine.engine import LLMEngine
-from jserve.model.weights import init_params, param_shapes
+from jserve.model.params import param_shapes
+from jserve.model.weights import init_params
 from jserve.sampling.params import SamplingParams
 
 

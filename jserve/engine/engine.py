@@ -25,11 +25,11 @@ from jserve.engine.config import EngineConfig
 from jserve.engine.factory import build_engine_parts, enable_compilation_cache
 from jserve.engine.faults import RequestFaults
 from jserve.engine.in_flight import InFlight, Launched
-from jserve.engine.intake import PreparedRequest, RequestIntake, new_request
+from jserve.engine.intake import PreparedRequest, RequestIntake
 from jserve.engine.late_masks import late_bitmask, late_rows
 from jserve.engine.memory_plan import startup_summary
 from jserve.engine.output import OutputProcessor, RequestOutput, StepLogprobs
-from jserve.engine.request_state import NEUTRAL_ROW, StateRows, sampler_row
+from jserve.engine.request_state import NEUTRAL_ROW, StateRows, new_request, sampler_row
 from jserve.engine.startup import StartupTimes
 from jserve.engine.step_builder import StepFlags
 from jserve.engine.swap import HostKVStore
@@ -176,8 +176,10 @@ class LLMEngine:
         there), and the host reads it during the next step, while that one runs. A request
         whose own part of the step failed (``faults``) ends here with an error."""
         outputs = self._step()
-        return outputs + [self._finish(req, "abort", error) for req, error in self.faults.take()
-                          if self.requests.get(req.request_id) is req]
+        for req, error in self.faults.take():
+            if self.requests.get(req.request_id) is req:
+                outputs.append(self._finish(req, "abort", error))
+        return outputs
 
     def _step(self) -> list[RequestOutput]:
         sched = self.scheduler

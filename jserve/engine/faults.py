@@ -42,5 +42,7 @@ class RequestFaults:
 
     def take(self) -> list[tuple[Request, str]]:
         """The requests noted since the last call, with their messages."""
+        if not self._noted:  # every step asks: nothing to allocate when nothing failed
+            return []
         noted, self._noted = list(self._noted.values()), {}
         return noted

@@ -1,18 +1,16 @@
 """The edge of the engine: a prompt (text or ids) and sampling parameters become a
 ``PreparedRequest`` after every check that could refuse it, before any state changes. The
 serving front ends prepare on their side and hand the result over, so nothing is tokenized
-or validated twice."""
+or validated twice. No JAX here: the fake engine (``jserve.serving.fake_engine``) runs the
+same intake, so its refusals are the engine's."""
 from __future__ import annotations
 
 import dataclasses
 from typing import Sequence
 
 from jserve.cache.allocator import PageAllocator
-from jserve.engine.output import IncrementalDetokenizer, RequestMetrics
-from jserve.engine.request_state import RequestState
 from jserve.sampling.params import SamplingParams
 from jserve.sampling.structured import GrammarCompiler
-from jserve.scheduler import Request
 from jserve.tokenizer import Tokenizer
 
 
@@ -42,12 +40,15 @@ class RequestIntake:
         self.validate(ids, params)
         return PreparedRequest(text, ids, params)
 
-    def tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+    def tokenize(self, prompt: str | Sequence[int], add_special_tokens: bool = True
+                 ) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass the prompt as token ids")
+            if not add_special_tokens:  # (``/tokenize``'s option; a request always adds them)
+                return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=False))
             return prompt, self.tokenizer.encode(prompt)
         ids = [int(t) for t in prompt]
         if not ids:
@@ -78,24 +79,3 @@ class RequestIntake:
             raise ValueError(f"request needs {need} KV pages; the pool has {alloc.total}"
                              + (f" ({alloc.groups} groups of {alloc.pool_pages - 1})"
                                 if alloc.groups > 1 else ""))
-
-
-def new_request(prepared: PreparedRequest, request_id: str, seed: int, arrival_time: float,
-                tokenizer: Tokenizer | None, ttft_slo: float | None = None,
-                tpot_slo: float | None = None, priority: int = 0,
-                grammars: GrammarCompiler | None = None) -> Request:
-    """The scheduler's ``Request`` for a prepared prompt, with the engine's ``RequestState``
-    as its payload (``ttft_slo``: seconds after arrival)."""
-    p = prepared.params
-    state = RequestState(
-        params=p, seed=seed, prompt=prepared.prompt, metrics=RequestMetrics(arrival_time),
-        detok=IncrementalDetokenizer(tokenizer), prompt_ids=list(prepared.prompt_ids),
-        logprobs=[] if p.logprobs is not None else None,
-        constraint=(grammars.start(p.structured_output)  # cached by prepare
-                    if p.structured_output is not None else None))
-    req = Request(request_id, prepared.prompt_ids, p.max_tokens, arrival_time, payload=state,
-                  tpot_slo=tpot_slo, priority=priority,
-                  cacheable=not p.uses_penalties)  # penalties count every token
-    if ttft_slo is not None:
-        req.ttft_deadline = arrival_time + ttft_slo
-    return req

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 
+from jserve.engine.intake import PreparedRequest
 from jserve.engine.output import IncrementalDetokenizer, RequestMetrics, TokenLogprob
 from jserve.sampling.params import MAX_BANNED_IDS, SamplingParams
 from jserve.sampling.sampler import SamplerRow
-from jserve.sampling.structured import Constraint
+from jserve.sampling.structured import Constraint, GrammarCompiler
 from jserve.scheduler import PLACEHOLDER, Request
+from jserve.tokenizer import Tokenizer
 
 NEUTRAL_ROW = SamplerRow(SamplingParams(temperature=0.0), seed=0, step=0)  # padding rows
 
@@ -76,3 +78,24 @@ class StateRows:
         if st.state_row is not None:
             self._free.append(st.state_row)
             st.state_row = None
+
+
+def new_request(prepared: PreparedRequest, request_id: str, seed: int, arrival_time: float,
+                tokenizer: Tokenizer | None, ttft_slo: float | None = None,
+                tpot_slo: float | None = None, priority: int = 0,
+                grammars: GrammarCompiler | None = None) -> Request:
+    """The scheduler's ``Request`` for a prepared prompt, with the engine's ``RequestState``
+    as its payload (``ttft_slo``: seconds after arrival)."""
+    p = prepared.params
+    state = RequestState(
+        params=p, seed=seed, prompt=prepared.prompt, metrics=RequestMetrics(arrival_time),
+        detok=IncrementalDetokenizer(tokenizer), prompt_ids=list(prepared.prompt_ids),
+        logprobs=[] if p.logprobs is not None else None,
+        constraint=(grammars.start(p.structured_output)  # cached by prepare
+                    if p.structured_output is not None else None))
+    req = Request(request_id, prepared.prompt_ids, p.max_tokens, arrival_time, payload=state,
+                  tpot_slo=tpot_slo, priority=priority,
+                  cacheable=not p.uses_penalties)  # penalties count every token
+    if ttft_slo is not None:
+        req.ttft_deadline = arrival_time + ttft_slo
+    return req

@@ -80,16 +80,6 @@ class WaitEstimate:
     load: ReplicaLoad       # the report the prediction was made from
 
 
-def encode_text(tokenizer: Tokenizer | None, text: str, add_special_tokens: bool = True
-                ) -> list[int]:
-    """A text prompt's ids, refused as the engine's intake refuses them (ValueError)."""
-    if not text:
-        raise ValueError("prompt is empty")
-    if tokenizer is None:
-        raise ValueError("this model has no tokenizer: pass the prompt as token ids")
-    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
-
-
 def decode_ids(tokenizer: Tokenizer | None, token_ids: Sequence[int], vocab_size: int) -> str:
     """``EngineClient.detokenize`` for any engine: ids in the model's vocabulary, decoded with
     special tokens written out (as vLLM's ``/detokenize``)."""

@@ -18,6 +18,7 @@ already streamed must stay a prefix of the final text.
 """
 from __future__ import annotations
 
+import abc
 import asyncio
 import dataclasses
 import logging
@@ -95,10 +96,9 @@ class _Live:
 
 
 _STOP = object()
-_error = error_delta
 
 
-class EngineLoop:
+class EngineLoop(abc.ABC):
     """Owns ``core`` from ``start()`` until ``shutdown()`` returns. A subclass gives
     ``_counters`` (and ``_check``, ``_load``, ``_cached_tokens``: engine thread) and the
     rest of ``EngineClient``."""
@@ -120,14 +120,17 @@ class EngineLoop:
         self._on_crash: Callable[[BaseException], None] | None = None
 
     # -- what a subclass says about its core (engine thread) -------------------------------
+    @abc.abstractmethod
     def _counters(self) -> EngineCounters:
-        raise NotImplementedError
+        """The core's state now (every iteration, for the gauges; and admission)."""
 
+    @abc.abstractmethod
     def _check(self) -> None:
         """Asserts the KV pool is whole (``stats``)."""
 
+    @abc.abstractmethod
     def _load(self, replica: str, now: float, healthy: bool) -> ReplicaLoad:
-        raise NotImplementedError
+        """This replica's routing report at ``now``."""
 
     def _cached_tokens(self, prompt_ids: Sequence[int]) -> int:
         return 0
@@ -286,22 +289,22 @@ class EngineLoop:
             log.exception("request %s: intake on the engine thread failed", request_id)
             self._live.pop(request_id, None)
             self.core.abort(request_id)  # nothing if the core never took it
-            out.append((sink, _error(INTERNAL, f"request intake failed: {e}")))
+            out.append((sink, error_delta(INTERNAL, f"request intake failed: {e}")))
 
     def _enqueue(self, out, sink, request_id, prepared, arrival_time, deadline, ttft_slo,
                  tpot_slo, priority) -> None:
         if self._counters().waiting >= self.max_waiting:
-            out.append((sink, _error(EXHAUSTED, f"admission queue full "
+            out.append((sink, error_delta(EXHAUSTED, f"admission queue full "
                                                 f"({self.max_waiting} requests waiting)")))
             return
         if deadline is not None and time.monotonic() >= deadline:
-            out.append((sink, _error(DEADLINE, "deadline passed before admission")))
+            out.append((sink, error_delta(DEADLINE, "deadline passed before admission")))
             return
         try:
             self.core.enqueue(prepared, request_id=request_id, arrival_time=arrival_time,
                         ttft_slo=ttft_slo, tpot_slo=tpot_slo, priority=priority)
         except ValueError as e:
-            out.append((sink, _error(INVALID, str(e))))
+            out.append((sink, error_delta(INVALID, str(e))))
             return
         prompt_tokens = len(prepared.prompt_ids)
         holdback = max((len(s) for s in prepared.params.stop), default=1) - 1
@@ -320,13 +323,13 @@ class EngineLoop:
         for rid in expired:
             lv = self._live.pop(rid)
             self.core.abort(rid)
-            out.append((lv.sink, _error(DEADLINE, f"deadline passed after {lv.sent_tokens} "
+            out.append((lv.sink, error_delta(DEADLINE, f"deadline passed after {lv.sent_tokens} "
                                                   f"generated tokens")))
 
     def _fail_all(self, out, kind: str, message: str) -> None:
         for rid, lv in list(self._live.items()):
             self.core.abort(rid)
-            out.append((lv.sink, _error(kind, message)))
+            out.append((lv.sink, error_delta(kind, message)))
         self._live.clear()
 
     def _on_output(self, out, o: RequestOutput, now: float) -> int:
@@ -341,7 +344,7 @@ class EngineLoop:
             log.exception("request %s: output processing failed", o.request_id)
             if self._live.pop(o.request_id, None) is not None:
                 self.core.abort(o.request_id)
-            out.append((lv.sink, _error(INTERNAL, f"output processing failed: {e}")))
+            out.append((lv.sink, error_delta(INTERNAL, f"output processing failed: {e}")))
             return 0
 
     def _delta(self, out, lv: _Live, o: RequestOutput, now: float) -> int:

@@ -32,6 +32,8 @@ import random
 import time
 from typing import Callable, Sequence
 
+from jserve.cache.allocator import PageAllocator
+from jserve.engine.intake import PreparedRequest, RequestIntake
 from jserve.engine.output import (
     IncrementalDetokenizer,
     RequestMetrics,
@@ -41,8 +43,7 @@ from jserve.engine.output import (
 )
 from jserve.routing.load import FIFO, PrefillTable, QueuedPrefill, ReplicaLoad
 from jserve.sampling.params import SamplingParams
-from jserve.sampling.structured import GrammarCompiler
-from jserve.serving.engine_api import EngineInfo, decode_ids, encode_text
+from jserve.serving.engine_api import EngineInfo, decode_ids
 from jserve.serving.engine_loop import EngineCounters, EngineLoop
 from jserve.serving.metrics import ServerMetrics
 from jserve.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
@@ -58,19 +59,12 @@ def text_script(prompt_ids: Sequence[int], params: SamplingParams, i: int) -> in
     return TEXT.encode()[(offset + i) % len(TEXT)]
 
 
-@dataclasses.dataclass(frozen=True)
-class FakePrepared:
-    prompt: str | None
-    prompt_ids: list[int]
-    params: SamplingParams
-
-
 @dataclasses.dataclass(eq=False)
 class FakeRequest:
     """One request as the fake core holds it."""
 
     request_id: str
-    prepared: FakePrepared
+    prepared: PreparedRequest
     arrival_time: float
     ttft_slo: float | None
     tpot_slo: float | None
@@ -105,7 +99,7 @@ class _Core:
         self.prefix_queried = self.prefix_hits = 0
         self._rng = random.Random(0)
 
-    def enqueue(self, prepared: FakePrepared, request_id: str | None = None,
+    def enqueue(self, prepared: PreparedRequest, request_id: str | None = None,
                 arrival_time: float | None = None, ttft_slo: float | None = None,
                 tpot_slo: float | None = None, priority: int = 0) -> str:
         rid = request_id if request_id is not None else f"fake-{len(self.fake.received)}"
@@ -158,7 +152,7 @@ class _Core:
         while self.waiting and len(self.running) < fake.info.max_num_seqs:
             req = self.waiting[0]
             p = req.prepared
-            need = math.ceil((len(p.prompt_ids) + p.params.max_tokens) / fake.info.page_size)
+            need = fake.intake.allocator.pages_for(len(p.prompt_ids) + p.params.max_tokens)
             if need > fake.info.num_kv_pages - self.pages_used:
                 return
             self.waiting.popleft()
@@ -259,9 +253,12 @@ class FakeEngine(EngineLoop):
             lone_decode_s=lone_decode_s)
         self.prefill_s_per_token = prefill_s_per_token
         self._isolated = isolated_prefill or (lambda n: 0.0)
-        self._grammars = GrammarCompiler(tokenizer, vocab_size, tuple(eos_token_ids))
+        # The engine's intake over a pool of ``num_kv_pages`` (plus the allocator's sink).
+        self.intake = RequestIntake(tokenizer, vocab_size, max_model_len,
+                                    PageAllocator(num_kv_pages + 1, page_size),
+                                    tuple(eos_token_ids))
         self._step_faults: collections.deque[BaseException] = collections.deque()
-        self._request_fault: Callable[[FakePrepared], bool] = lambda prepared: False
+        self._request_fault: Callable[[PreparedRequest], bool] = lambda prepared: False
         self.received: collections.deque[FakeRequest] = collections.deque(maxlen=10_000)
         super().__init__(_Core(self), max_waiting=max_waiting, idle_poll_s=idle_poll_s)
 
@@ -292,59 +289,29 @@ class FakeEngine(EngineLoop):
         """The next ``times`` steps raise ``error``."""
         self._step_faults.extend([error] * times)
 
-    def fail_requests(self, pick: Callable[[FakePrepared], bool]) -> None:
+    def fail_requests(self, pick: Callable[[PreparedRequest], bool]) -> None:
         """Requests ``pick`` chooses end with an engine error after their first token."""
         self._request_fault = pick
 
     # -- any thread ------------------------------------------------------------------------
     def tokenize(self, prompt: str | Sequence[int], add_special_tokens: bool = True
                  ) -> list[int]:
-        if isinstance(prompt, str):
-            return encode_text(self.tokenizer, prompt, add_special_tokens)
-        ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("prompt is empty")
-        vocab = self.info.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-        return ids
+        return list(self.intake.tokenize(prompt, add_special_tokens)[1])
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         return decode_ids(self.tokenizer, token_ids, self.info.vocab_size)
 
     def prepare(self, prompt: str | Sequence[int], params: SamplingParams | None = None
-                ) -> FakePrepared:
-        """The engine's checks (``RequestIntake``), with its messages."""
-        params = params if params is not None else SamplingParams()
-        ids = self.tokenize(prompt)
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be SamplingParams, got "
-                             f"{type(params).__name__}")
-        info = self.info
-        params.validate(vocab_size=info.vocab_size)
-        if params.structured_output is not None:
-            if self.tokenizer is None:
-                raise ValueError("structured_output needs a model with a tokenizer")
-            self._grammars.check(params.structured_output)
-        n, limit = len(ids), info.max_model_len
-        if n >= limit:
-            raise ValueError(f"prompt has {n} tokens; the context holds {limit}")
-        if n + params.max_tokens > limit:
-            raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                             f"the context of {limit} tokens")
-        need = math.ceil((n + params.max_tokens) / info.page_size)
-        if need > info.num_kv_pages:
-            raise ValueError(f"request needs {need} KV pages; the pool has "
-                             f"{info.num_kv_pages}")
-        return FakePrepared(prompt if isinstance(prompt, str) else None, ids, params)
+                ) -> PreparedRequest:
+        """The engine's own intake (``RequestIntake``): its checks and messages."""
+        return self.intake.prepare(prompt, params)
 
     def isolated_prefill_s(self, prompt_tokens: int) -> float:
         return self._isolated(prompt_tokens)
 
     def attach_metrics(self, metrics: ServerMetrics) -> None:
         super().attach_metrics(metrics)
-        metrics.watch_grammars(self._grammars)
+        metrics.watch_grammars(self.intake.grammars)
 
     # -- engine thread ---------------------------------------------------------------------
     def _counters(self) -> EngineCounters:

@@ -18,7 +18,7 @@ from jserve.sampling.params import SamplingParams
 from jserve.scheduler.chunking import PrefillTimeCache
 from jserve.scheduler.plan import BatchPlan, ScheduledChunk
 from jserve.scheduler.predictor import RuntimePredictor
-from jserve.serving.engine_api import EngineInfo, Prepared, decode_ids, encode_text
+from jserve.serving.engine_api import EngineInfo, Prepared, decode_ids
 from jserve.serving.engine_loop import EngineCounters, EngineLoop
 from jserve.serving.metrics import ServerMetrics
 
@@ -65,9 +65,7 @@ class LiveEngine(EngineLoop):
 
     def tokenize(self, prompt: str | Sequence[int], add_special_tokens: bool = True
                  ) -> list[int]:
-        if isinstance(prompt, str) and not add_special_tokens:
-            return encode_text(self.tokenizer, prompt, add_special_tokens=False)
-        return list(self.engine.intake.tokenize(prompt)[1])
+        return list(self.engine.intake.tokenize(prompt, add_special_tokens)[1])
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         return decode_ids(self.tokenizer, token_ids, self.info.vocab_size)

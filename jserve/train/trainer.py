@@ -20,7 +20,8 @@ import optax
 
 from jserve.config import LlamaConfig
 from jserve.model.llama import decoder_layer, embed, head_logits, layer_loop, rope_tables
-from jserve.model.weights import Params, init_params
+from jserve.model.params import Params
+from jserve.model.weights import init_params
 from jserve.tokenizer import ByteTokenizer
 from jserve.train.length_task import Task, format_prompt, sample_task
 
