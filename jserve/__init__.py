@@ -1,14 +1,14 @@
 """jserve: a JAX/XLA serving stack for Llama-family models with preemptive scheduling.
 
-``LLM``, ``SamplingParams`` and ``RequestOutput`` load on first use, so JAX-free parts
-(the scheduler, the simulator) import without pulling in JAX.
+``LLM``, ``SamplingParams``, ``RequestOutput`` and ``CompletionOutput`` (vLLM's names) load
+on first use, so JAX-free parts (the scheduler, the simulator) import without pulling in JAX.
 """
 from __future__ import annotations
 
 import importlib
 
 _EXPORTS = {"LLM": "jserve.llm", "SamplingParams": "jserve.sampling.params",
-            "RequestOutput": "jserve.engine.output"}
+            "RequestOutput": "jserve.engine.output", "CompletionOutput": "jserve.engine.output"}
 __all__ = list(_EXPORTS)
 __version__ = "0.1.0"
 

@@ -159,13 +159,13 @@ def _plan(a: argparse.Namespace) -> int:
             if len(jax.devices("cpu")) < a.devices:
                 raise ValueError(f"--devices {a.devices}: JAX already started with "
                                  f"{len(jax.devices('cpu'))} CPU devices") from None
-    from jserve.config import LlamaConfig
     from jserve.engine.memory_plan import parse_bytes, plan
+    from jserve.model.families import read_config_file
     from jserve.model.weights import load_config
 
     q = None if a.quantization == "none" else a.quantization  # none: as stored
     if Path(a.model).is_file():
-        cfg = LlamaConfig.from_json_file(a.model, dtype=a.dtype, quantization=q)
+        cfg = read_config_file(a.model, dtype=a.dtype, quantization=q)
     else:
         cfg = load_config(a.model, dtype=a.dtype, quantization=q)
     config = EngineConfig(
@@ -250,6 +250,7 @@ def _simulate(a: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The ``jserve`` command line: every flag of every subcommand says what it does, and
     ``--help`` shows its default."""
+    from jserve.bench.serve_bench import add_bench_parser
     from jserve.serving.commands import add_multihost_args, add_remote_args, add_serve_parser
 
     parser = _Parser(prog="jserve", description=__doc__)
@@ -288,6 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub, add_engine_args, engine_kwargs)
     _add_simulate_parser(sub)
     _add_plan_parser(sub)
+    add_bench_parser(sub)  # jserve bench serve: jserve.bench.serve_bench
     for p in sub.choices.values():  # every subcommand's --help shows its defaults
         p.formatter_class = _HelpWithDefaults
     return parser

@@ -1,21 +1,22 @@
 """Model configuration read from a Hugging Face ``config.json``.
 
-One frozen dataclass holds everything the forward pass needs; nothing is read from globals.
-The name stays ``config.py`` after the HF file it mirrors (``config.json``), and every layer
-imports it as ``jserve.config``; the engine's settings are ``jserve/engine/config.py``.
+One frozen dataclass (``ModelConfig``) holds everything the forward pass needs, for every
+model family; nothing is read from globals. What every family reads alike from a
+``config.json`` is here (``hf_config_fields``); the family registry
+(``jserve.model.families``) picks the family by architecture and adds its own fields. No JAX
+here: the CLI and ``MeshConfig`` import it. The name stays ``config.py`` after the HF file it
+mirrors (``config.json``), and every layer imports it as ``jserve.config``; the engine's
+settings are ``jserve/engine/config.py``.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-from pathlib import Path
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 # How KV pages may be stored (jserve.kernels.kv_quant) and weights quantized
 # (jserve.model.quant); here, without JAX, so configs and the CLI can validate them.
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
@@ -57,7 +58,11 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
-class LlamaConfig:
+class ModelConfig:
+    """What the forward pass needs of any model family. ``architecture`` (the HF
+    ``architectures`` name) picks the family (``jserve.model.families``: its tensors and its
+    layer); the registry reads a ``config.json`` into this (``read_config``)."""
+
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -76,6 +81,8 @@ class LlamaConfig:
     # Weight-only quantization of the layer matrices (jserve.model.quant): none | int8 | fp8.
     # An orbax checkpoint saved quantized records it in its config.json.
     quantization: str = "none"
+    architecture: str = "LlamaForCausalLM"
+    model_type: str = "llama"  # config.json's, written back to an orbax checkpoint
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -93,81 +100,12 @@ class LlamaConfig:
         """The params' and KV cache's element type (jnp accepts numpy dtypes)."""
         return np.dtype(ml_dtypes.bfloat16 if self.dtype == "bfloat16" else np.float32)
 
-    @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any], dtype: str | None = None,
-                     quantization: str | None = None) -> "LlamaConfig":
-        """``quantization`` None: what the checkpoint was saved with (``jserve_quantization``,
-        none for HF checkpoints); a quantized checkpoint cannot be loaded as another kind."""
-        archs = cfg.get("architectures") or ["LlamaForCausalLM"]
-        if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-            raise ValueError(f"unsupported architecture {archs}; "
-                             f"jserve serves {SUPPORTED_ARCHITECTURES}")
-        for flag in ("attention_bias", "mlp_bias"):
-            if cfg.get(flag):
-                raise ValueError(f"config.json sets {flag}=true, which jserve does not support")
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"unsupported hidden_act {act!r} (Llama uses 'silu')")
-        n_heads = cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
-        rope_theta = cfg.get("rope_theta", 10000.0)
-        raw_scaling = cfg.get("rope_scaling")
-        if raw_scaling is None and isinstance(cfg.get("rope_parameters"), dict):
-            # transformers >= 5 writes rope settings under ``rope_parameters``.
-            raw_scaling = cfg["rope_parameters"]
-            rope_theta = raw_scaling.get("rope_theta", rope_theta)
-        scaling = None
-        if raw_scaling:
-            kind = raw_scaling.get("rope_type", raw_scaling.get("type", "default"))
-            if kind == "llama3":
-                scaling = RopeScaling(
-                    factor=float(raw_scaling["factor"]),
-                    low_freq_factor=float(raw_scaling["low_freq_factor"]),
-                    high_freq_factor=float(raw_scaling["high_freq_factor"]),
-                    original_max_position_embeddings=int(raw_scaling["original_max_position_embeddings"]),
-                )
-            elif kind != "default":
-                raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: llama3)")
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        if dtype is None:
-            dtype = "bfloat16" if stored_dtype(cfg) in ("bfloat16", "float16") else "float32"
-        stored = cfg.get("jserve_quantization", "none")
-        if quantization is None:
-            quantization = stored
-        elif stored != "none" and quantization != stored:
-            raise ValueError(f"the checkpoint's weights are stored quantized as {stored!r}; "
-                             f"it cannot be loaded with quantization={quantization!r}")
-        return cls(
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_hidden_layers=cfg["num_hidden_layers"],
-            num_attention_heads=n_heads,
-            num_key_value_heads=cfg.get("num_key_value_heads") or n_heads,
-            head_dim=head_dim,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-            rope_theta=float(rope_theta),
-            rope_scaling=scaling,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            dtype=dtype,
-            quantization=quantization,
-        )
-
-    @classmethod
-    def from_json_file(cls, path: str | Path, dtype: str | None = None,
-                       quantization: str | None = None) -> "LlamaConfig":
-        return cls.from_hf_dict(json.loads(Path(path).read_text()), dtype=dtype,
-                                quantization=quantization)
-
     def to_hf_dict(self) -> dict[str, Any]:
-        """The HF ``config.json`` form, so an orbax checkpoint directory is self-describing."""
+        """The HF ``config.json`` form, so an orbax checkpoint directory is self-describing
+        (what a family implies by its architecture, like Qwen2's biases, is not written)."""
         d: dict[str, Any] = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "architectures": [self.architecture],
+            "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -190,16 +128,64 @@ class LlamaConfig:
             d["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
         return d
 
-    def num_params(self) -> int:
-        d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        q = self.num_attention_heads * self.head_dim
-        kv = self.num_key_value_heads * self.head_dim
-        per_layer = d * (q + 2 * kv) + q * d + 3 * d * f + 2 * d
-        embeddings = v * d * (1 if self.tie_word_embeddings else 2)
-        return embeddings + self.num_hidden_layers * per_layer + d
+
+def hf_config_fields(cfg: dict[str, Any], dtype: str | None = None,
+                     quantization: str | None = None) -> dict[str, Any]:
+    """The :class:`ModelConfig` fields every family reads alike from a ``config.json``
+    (sizes, RoPE, special tokens, dtype, quantization); a family adds its own and checks
+    what it cannot serve (``jserve.model.families``). ``dtype`` None: as stored;
+    ``quantization`` None: what the checkpoint was saved with (``jserve_quantization``,
+    none for HF checkpoints); a quantized checkpoint cannot be loaded as another kind."""
+    n_heads = cfg["num_attention_heads"]
+    rope_theta = cfg.get("rope_theta", 10000.0)
+    raw_scaling = cfg.get("rope_scaling")
+    if raw_scaling is None and isinstance(cfg.get("rope_parameters"), dict):
+        # transformers >= 5 writes rope settings under ``rope_parameters``.
+        raw_scaling = cfg["rope_parameters"]
+        rope_theta = raw_scaling.get("rope_theta", rope_theta)
+    scaling = None
+    if raw_scaling:
+        kind = raw_scaling.get("rope_type", raw_scaling.get("type", "default"))
+        if kind == "llama3":
+            scaling = RopeScaling(
+                factor=float(raw_scaling["factor"]),
+                low_freq_factor=float(raw_scaling["low_freq_factor"]),
+                high_freq_factor=float(raw_scaling["high_freq_factor"]),
+                original_max_position_embeddings=int(raw_scaling["original_max_position_embeddings"]),
+            )
+        elif kind != "default":
+            raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: llama3)")
+    eos = cfg.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    if dtype is None:
+        dtype = "bfloat16" if stored_dtype(cfg) in ("bfloat16", "float16") else "float32"
+    stored = cfg.get("jserve_quantization", "none")
+    if quantization is None:
+        quantization = stored
+    elif stored != "none" and quantization != stored:
+        raise ValueError(f"the checkpoint's weights are stored quantized as {stored!r}; "
+                         f"it cannot be loaded with quantization={quantization!r}")
+    return dict(
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_hidden_layers=cfg["num_hidden_layers"],
+        num_attention_heads=n_heads,
+        num_key_value_heads=cfg.get("num_key_value_heads") or n_heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+        rope_theta=float(rope_theta),
+        rope_scaling=scaling,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        dtype=dtype,
+        quantization=quantization,
+    )
 
 
-def inv_frequencies(cfg: LlamaConfig) -> np.ndarray:
+def inv_frequencies(cfg: ModelConfig) -> np.ndarray:
     """RoPE inverse frequencies in float32, with Llama 3.1 scaling when configured.
 
     Computed in float32 step by step as Hugging Face does, so f32 logits match to rounding.

@@ -61,13 +61,17 @@ NUMBERS: dict[str, Number] = {
     "frequency_penalty": Number(False, -2, 2),
     "seed": Number(True, 0, 2**32, hi_open=True),
     "logprobs": Number(True, 0, MAX_TOKEN_LOGPROBS),
+    "prompt_logprobs": Number(True, 0, MAX_TOKEN_LOGPROBS),
     "stop_token_ids": Number(True, 0, MAX_INT),     # each; the vocabulary bounds it further
+    "logit_bias": Number(False, -100, 100),         # each value (OpenAI's range)
     # Per request (both front ends; the server's limits narrow them further).
     "ttft_slo": Number(False, 0, MAX_SECONDS, lo_open=True, unit="seconds"),
     "tpot_slo": Number(False, 0, MAX_SECONDS, lo_open=True, unit="seconds"),
     "priority": Number(True, -MAX_INT - 1, MAX_INT),
-    # HTTP only.
+    # Sequences per prompt (SamplingParams and HTTP): n returned of best_of run.
     "n": Number(True, 1, 16),
+    "best_of": Number(True, 1, 16),
+    # HTTP only.
     "top_logprobs": Number(True, 0, MAX_TOKEN_LOGPROBS),
     "prompt_tokens": Number(True, 1, MAX_INT),      # /v1/route/wait
 }

@@ -1,21 +1,34 @@
-"""The offline API: ``LLM(model=...).generate(prompts, params)``, the shape vLLM users know."""
+"""The offline API: ``LLM(model=...).generate(prompts, params)`` and ``chat(messages)``,
+the shape vLLM users know (vLLM's constructor names too: ``jserve.engine.vllm_names``).
+
+A prompt's ``n`` sequences (``best_of`` of them run, the ``n`` of highest cumulative logprob
+returned) are engine requests of their own, grouped back into one ``RequestOutput``. With a
+request seed, sequence ``i`` samples with ``(seed + i) mod 2**32`` (as the HTTP API's choice
+``i``); without one, each draws its own seed from the engine's generator. Greedy sequences
+are identical (as in vLLM).
+"""
 from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Sequence
+from typing import Any, Sequence
 
 from jserve.engine.config import EngineConfig
 from jserve.engine.engine import LLMEngine
+from jserve.engine.intake import PreparedRequest
 from jserve.engine.output import RequestOutput
 from jserve.engine.startup import StartupTimes
+from jserve.engine.vllm_names import llm_engine_kwargs, separate_tokenizer
 from jserve.model.weights import load_model
 from jserve.probe.length_probe import default_probe_path
 from jserve.sampling.params import SamplingParams
 from jserve.scheduler.registry import POLICIES
+from jserve.serving.tool_calls import template_messages
 from jserve.tokenizer import chat_prompt_ids
 
-Prompt = str | Sequence[int]
+# A prompt: text, token ids, or vLLM's TextPrompt / TokensPrompt dicts.
+Prompt = str | Sequence[int] | dict[str, Any]
+Messages = list[dict[str, Any]]
 
 
 class LLM:
@@ -25,6 +38,9 @@ class LLM:
     draws for requests that bring no seed of their own; the default model's weights are fixed).
     ``quantization`` (none | int8 | fp8) quantizes the layer weights on load
     (docs/quantization.md); the KV cache's storage is the engine setting ``kv_cache_dtype``.
+    vLLM's names are taken too (``tensor_parallel_size``, ``gpu_memory_utilization``,
+    ``kv_cache_dtype="fp8"``, ``tokenizer``, ``trust_remote_code``: ``llm_engine_kwargs``);
+    a name vLLM has and jserve refuses, or an unknown one, raises TypeError naming it.
     """
 
     def __init__(self, model: str = "default", *, dtype: str | None = None,
@@ -34,6 +50,8 @@ class LLM:
             warnings.warn("LLM(tpot_slo=...) is deprecated: use iteration_budget=...",
                           DeprecationWarning, stacklevel=2)
             engine_kwargs["iteration_budget"] = engine_kwargs.pop("tpot_slo")
+        tokenizer = engine_kwargs.get("tokenizer")  # checked and dropped from the engine's
+        engine_kwargs = llm_engine_kwargs(model, engine_kwargs)
         fields = {f.name for f in dataclasses.fields(EngineConfig)}
         unknown = sorted(set(engine_kwargs) - fields)
         if unknown:
@@ -45,8 +63,9 @@ class LLM:
             shipped = default_probe_path(model)  # a built-in model's trained length probe
             if shipped is not None:
                 engine_kwargs["length_probe"] = str(shipped)
-        cfg, params, tokenizer = load_model(model, dtype=dtype, lazy=True,
-                                            quantization=quantization)
+        cfg, params, tokenizer = load_model(
+            model, dtype=dtype, lazy=True, quantization=quantization,
+            tokenizer=tokenizer if separate_tokenizer(tokenizer, model) else None)
         self.model = model
         self.engine = LLMEngine(cfg, params, tokenizer, EngineConfig(**engine_kwargs),
                                 startup)
@@ -55,35 +74,116 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """The prompt ids of chat messages under the tokenizer's chat template (one BOS, as
-        transformers' ``apply_chat_template(tokenize=True)``; ``chat_prompt_ids``)."""
+    def get_tokenizer(self):
+        """The model's tokenizer (vLLM's name; None for a model without one)."""
+        return self.tokenizer
+
+    def chat_prompt(self, messages: Messages, tools: list[dict] | None = None, *,
+                    add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    chat_template_kwargs: dict | None = None) -> list[int]:
+        """The prompt ids of chat messages (OpenAI's format, as the HTTP chat endpoint takes
+        them) under the tokenizer's chat template: one BOS, as transformers'
+        ``apply_chat_template(tokenize=True)`` (``chat_prompt_ids``)."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template")
-        return chat_prompt_ids(self.tokenizer, messages, tools)
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message continues the last message, so it "
+                             "cannot go with add_generation_prompt=True")
+        return chat_prompt_ids(self.tokenizer, template_messages(messages), tools,
+                               add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message,
+                               template_kwargs=chat_template_kwargs)
+
+    def chat(self, messages: Messages | Sequence[Messages],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None
+             ) -> list[RequestOutput]:
+        """vLLM's ``LLM.chat``: one conversation (a list of messages) or a list of them,
+        each rendered by ``chat_prompt`` and generated as ``generate`` does. A per-call
+        ``chat_template`` is refused (the tokenizer's is used; ``jserve serve
+        --chat-template`` replaces it for a server)."""
+        if chat_template is not None:
+            raise ValueError("chat_template: a per-call chat template is not supported by "
+                             "jserve; the tokenizer's template is used")
+        one = bool(messages) and isinstance(messages[0], dict)
+        prompts = [self.chat_prompt(m, tools, add_generation_prompt=add_generation_prompt,
+                                    continue_final_message=continue_final_message,
+                                    chat_template_kwargs=chat_template_kwargs)
+                   for m in ([messages] if one else messages)]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
-        """Runs every prompt to completion and returns outputs in prompt order.
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Runs every prompt to completion and returns one output per prompt, in prompt
+        order, its ``n`` sequences in ``outputs`` (``use_tqdm``: vLLM's progress bar, which
+        jserve does not draw).
 
-        All prompts are validated before any is queued (``LLMEngine.add_requests``): a bad one
-        raises ValueError and leaves the engine as it was.
+        All prompts are validated before any is queued: a bad one raises ValueError naming
+        its index and leaves the engine as it was.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        prompts = list(prompts)
+        prompts = [_prompt(p) for p in prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        ids = self.engine.add_requests(prompts, params)
-        wanted = set(ids)
+        groups = self._prepare(prompts, params)
+        ids = [[self.engine.enqueue(r) for r in group] for group in groups]
+        wanted = {i for group in ids for i in group}
         done: dict[str, RequestOutput] = {}
         while wanted - done.keys():
             for out in self.engine.step():
                 if out.finished and out.request_id in wanted:
                     done[out.request_id] = out
-        return [done[i] for i in ids]
+        return [_best([done[i] for i in group], p) for group, p in zip(ids, params)]
+
+    def _prepare(self, prompts: list, params: list[SamplingParams]
+                 ) -> list[list[PreparedRequest]]:
+        """Each prompt's sequences, prepared (tokenized and checked once per prompt)."""
+        groups = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            seqs = [_sequence_params(p, j) for j in range(p.sequences)]
+            try:
+                first = self.engine.prepare(prompt, seqs[0])
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+            groups.append([first] + [dataclasses.replace(first, params=q) for q in seqs[1:]])
+        return groups
+
+
+def _prompt(p: Prompt) -> str | Sequence[int]:
+    """A prompt as text or ids (vLLM's ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``)."""
+    if not isinstance(p, dict):
+        return p
+    if set(p) == {"prompt"} or set(p) == {"prompt_token_ids"}:
+        return next(iter(p.values()))
+    raise TypeError(f"a dict prompt takes 'prompt' or 'prompt_token_ids' alone, got {sorted(p)}")
+
+
+def _sequence_params(p: SamplingParams, i: int) -> SamplingParams:
+    """Sequence ``i``'s own request params: one sequence, seed ``seed + i``, and the chosen
+    tokens' logprobs when ``best_of`` > ``n`` ranks by them (``_best`` hides them again
+    unless asked for)."""
+    if p.sequences == 1 and p.best_of is None:
+        return p
+    ranks = p.sequences > p.n and p.logprobs is None
+    return dataclasses.replace(
+        p, n=1, best_of=None, seed=None if p.seed is None else (p.seed + i) % 2**32,
+        logprobs=0 if ranks else p.logprobs)
+
+
+def _best(seqs: list[RequestOutput], p: SamplingParams) -> RequestOutput:
+    """A prompt's output: its sequences, or with ``best_of`` > ``n`` the ``n`` of highest
+    cumulative logprob, best first (ties: the earlier sequence), logprobs dropped unless
+    asked for."""
+    if p.sequences > p.n:
+        seqs = sorted(seqs, key=lambda s: -sum(lp.logprob for lp in s.logprobs))[:p.n]
+        if p.logprobs is None:
+            seqs = [dataclasses.replace(s, _logprobs=None) for s in seqs]
+    return RequestOutput.group(seqs)

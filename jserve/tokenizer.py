@@ -186,7 +186,9 @@ def compile_chat_template(text: str) -> jinja2.Template:
 class HFTokenizer:
     """A Hugging Face fast-tokenizer directory (``tokenizer.json`` + ``tokenizer_config.json``)."""
 
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(self, model_dir: str | Path, weights_dir: str | Path | None = None) -> None:
+        """``weights_dir``: the model's directory when the tokenizer's is another (its
+        generation_config.json's EOS ids count too)."""
         model_dir = Path(model_dir)
         self._tok = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         config_path = model_dir / "tokenizer_config.json"
@@ -202,8 +204,9 @@ class HFTokenizer:
             if (eos_id := self._tok.token_to_id(eos_tok)) is not None:
                 eos.append(eos_id)
         # Instruct models stop on several ids (e.g. Llama 3's <|eot_id|>) listed only here.
-        gen_path = model_dir / "generation_config.json"
-        if gen_path.exists():
+        for d in dict.fromkeys([model_dir, *([Path(weights_dir)] if weights_dir else [])]):
+            if not (gen_path := d / "generation_config.json").exists():
+                continue
             gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
             listed = gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos]
             for i in listed:
@@ -269,3 +272,20 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:
     if (Path(model_dir) / ByteTokenizer.MARKER_FILE).exists():
         return ByteTokenizer()
     return None
+
+
+def load_tokenizer_dir(tokenizer_dir: str | Path, vocab_size: int,
+                       model_dir: str | Path | None = None) -> HFTokenizer:
+    """A tokenizer from a directory other than the model's (vLLM's ``--tokenizer``):
+    tokenizer.json, tokenizer_config.json and the chat template there. ValueError if there is
+    none, or if its vocabulary has more tokens than the model's ``vocab_size`` embedding rows
+    (ids past them would index nothing)."""
+    d = Path(tokenizer_dir)
+    if not (d / "tokenizer.json").is_file():
+        raise ValueError(f"tokenizer {tokenizer_dir}: no tokenizer.json there (jserve reads a "
+                         "fast tokenizer's tokenizer.json and tokenizer_config.json)")
+    tok = HFTokenizer(d, model_dir)
+    if tok.vocab_size > vocab_size:
+        raise ValueError(f"tokenizer {tokenizer_dir}: its vocabulary has {tok.vocab_size} "
+                         f"tokens, more than the model's {vocab_size} embedding rows")
+    return tok

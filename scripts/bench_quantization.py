@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jserve import LLM, SamplingParams  # noqa: E402
 from jserve.cache.pool import kv_bytes_per_page  # noqa: E402
-from jserve.config import LlamaConfig  # noqa: E402
+from jserve.config import ModelConfig  # noqa: E402
 from jserve.train.evaluate import evaluate  # noqa: E402
 from jserve.train.length_task import count_down, is_held_out, list_fruits  # noqa: E402
 
@@ -48,7 +48,7 @@ MODES = {
     "W fp8": dict(quantization="fp8"),
     "W int8 + KV int8": dict(quantization="int8", kv_cache_dtype="int8"),
 }
-LLAMA_31_8B = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+LLAMA_31_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                           num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                           head_dim=128, dtype="bfloat16")
 PAGE = 16

@@ -31,9 +31,20 @@ status, ``pass`` or ``fail``, and the exit status is non-zero if any failed:
    and a 32K prompt prefilled in 256- vs 2048-token chunks. Step times come from the
    engine's step log (device step plus the token fetch; no host scheduling); every engine
    serves its workload once untimed first (compiles), then once timed.
-4. Writes ``docs/device/check.md`` (device, jax version, date, every figure, pass/fail per
+4. HF transformers' plain ``generate`` on the same decode shapes (random bf16 weights,
+   greedy, batch 1 and 32) in a child process: the baseline of the same run.
+5. Writes ``docs/device/check.md`` (device, jax version, date, every figure, pass/fail per
    check) and ``--json`` (default ``docs/device/check.json``); ``docs/device.md`` is the
    hand-written account of what the runs showed.
+
+``--budget S`` (default 420 s; 0: none): the run fits in S seconds, on a fresh machine with
+an empty compile cache too. Items run most valuable first (kernels, engine tokens, decode at
+batch 1 and 32 with and without bursts per model, prefill MFU, the HF baseline, the chunked
+long prefill); the JSON is rewritten after every item; an item that would start with too
+little time left is skipped, and at the deadline the run ends (exit status 3) with the JSON
+and markdown saying what was measured, what was cut short and what was skipped. Every
+compile's seconds (or persistent-cache read's) are printed per program; the timing engines
+compile their whole program set at start, in parallel.
 
 Smoke mode (``--smoke``; the default on CPU): the same code paths at tiny shapes (4 query /
 2 KV heads, head_dim 32, float32, contexts 64 and 256, a 2-layer model), both Pallas
@@ -49,11 +60,15 @@ n/a.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's jserve, installed (maybe elsewhere) or not
+# JAX takes device memory as it needs it instead of 75% up front, so the HF baseline's child
+# process finds room on the same GPU (set it to "true" to measure with preallocation).
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 from jserve.bench.device_check import run  # noqa: E402
 from jserve.bench.device_profiles import FULL, SMOKE  # noqa: E402
@@ -86,6 +101,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--skip-kernels", action="store_true", help="no kernel checks")
     ap.add_argument("--skip-engine", action="store_true", help="no engine token check")
     ap.add_argument("--skip-timings", action="store_true", help="no engine timings")
+    ap.add_argument("--skip-hf", action="store_true",
+                    help="no HF transformers generate baseline")
+    ap.add_argument("--budget", type=float, default=420.0,
+                    help="seconds the whole run may take (0: no limit): items run most "
+                         "valuable first, one that would start with too little time left "
+                         "is skipped, and at the deadline the run ends, writing what it "
+                         "measured and what it did not (exit status 3)")
     ap.add_argument("--peak-tflops", type=float, default=None,
                     help="override the device's peak dense bf16 TFLOP/s")
     ap.add_argument("--peak-tbps", type=float, default=None,

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from jserve.model.params import num_params  # noqa: E402
 from jserve.model.weights import restore_orbax, save_orbax  # noqa: E402
 from jserve.tokenizer import ByteTokenizer  # noqa: E402
 from jserve.train.length_task import sample_tasks  # noqa: E402
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     tc = TrainConfig(steps=args.steps, batch_rows=args.batch_rows, row_len=args.row_len,
                      lr=args.lr, seed=args.seed)
-    print(f"config {TINY_TASKS_CONFIG.num_params()} params; {tc}", flush=True)
+    print(f"config {num_params(TINY_TASKS_CONFIG)} params; {tc}", flush=True)
     t0 = time.perf_counter()
     init = restore_orbax(args.init, TINY_TASKS_CONFIG) if args.init else None
     params, _ = train(tc, params=init, log=lambda s: print(s, flush=True),

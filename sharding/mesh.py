@@ -9,7 +9,7 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, Sequence
 
-from jserve.config import LlamaConfig
+from jserve.config import ModelConfig
 from jserve.model.tp_layout import check_tp
 
 if TYPE_CHECKING:
@@ -63,7 +63,7 @@ class MeshConfig:
         parts = [f"{name}{getattr(self, name)}" for name in AXES if getattr(self, name) > 1]
         return "x".join(parts) or "1"
 
-    def validate(self, cfg: LlamaConfig) -> None:
+    def validate(self, cfg: ModelConfig) -> None:
         """Raises ValueError when the model cannot be split this way."""
         check_tp(cfg, self.tp)
 

@@ -44,9 +44,11 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jserve.cache.pool import KVCache
-from jserve.config import LlamaConfig
+from jserve.config import ModelConfig
 from jserve.kernels.kv_parallel import local_page_table
-from jserve.model.llama import Params, embed, layer_loop, rope_tables, step_layer
+from jserve.model.layers import rope_tables
+from jserve.model.llama import embed, layer_loop, step_layer
+from jserve.model.params import Params
 from sharding.specs import kv_cache_specs, param_specs
 
 STAGE_SPEC = P("spp")                # carry leaves: [spp, ...]
@@ -77,17 +79,17 @@ def unstack_stages(params: Params, spp: int) -> Params:
                                       for j in range(lps))}
 
 
-def validate(cfg: LlamaConfig, spp: int) -> None:
+def validate(cfg: ModelConfig, spp: int) -> None:
     if cfg.num_hidden_layers % spp:
         raise ValueError(f"spp={spp} does not divide num_hidden_layers={cfg.num_hidden_layers}")
 
 
-def layers_per_stage(cfg: LlamaConfig, spp: int) -> int:
+def layers_per_stage(cfg: ModelConfig, spp: int) -> int:
     validate(cfg, spp)
     return cfg.num_hidden_layers // spp
 
 
-def carry_spec(mesh: Mesh, cfg: LlamaConfig, tokens: int) -> PipelineCarry:
+def carry_spec(mesh: Mesh, cfg: ModelConfig, tokens: int) -> PipelineCarry:
     """Abstract carry (shape and sharding) for lowering the tick; ``tokens``: the canonical
     rows (largest decode rows plus largest prefill chunk)."""
     spp = mesh.shape["spp"]
@@ -95,7 +97,7 @@ def carry_spec(mesh: Mesh, cfg: LlamaConfig, tokens: int) -> PipelineCarry:
                                               sharding=NamedSharding(mesh, STAGE_SPEC)))
 
 
-def empty_carry(mesh: Mesh, cfg: LlamaConfig, tokens: int) -> PipelineCarry:
+def empty_carry(mesh: Mesh, cfg: ModelConfig, tokens: int) -> PipelineCarry:
     """A zero residual stream in every slot (empty slots: all-padding steps, whose writes go
     to the sink page 0 and which sample no row)."""
     spp = mesh.shape["spp"]
@@ -143,7 +145,7 @@ def _stage_layers(params: Params):
     return layers
 
 
-def _stage_runner(mesh: Mesh, cfg: LlamaConfig, attention_impl: str):
+def _stage_runner(mesh: Mesh, cfg: ModelConfig, attention_impl: str):
     """What ``tick`` and ``lone_pass`` share inside the shard_map: the ring permutation that
     moves a stream one stage on, and ``run(params, x, kv_cache, batch)``, this stage's layers
     on ``batch`` (tp psums and kvp attention only where those axes have more than one
@@ -165,7 +167,7 @@ def _stage_runner(mesh: Mesh, cfg: LlamaConfig, attention_impl: str):
 
 def tick(params: Params, kv_cache: KVCache, carry: PipelineCarry, ibufs: jax.Array,
          fbufs: jax.Array, *, unpack: Callable, decode_rows: int, mesh: Mesh,
-         cfg: LlamaConfig, attention_impl: str) -> tuple[KVCache, PipelineCarry]:
+         cfg: ModelConfig, attention_impl: str) -> tuple[KVCache, PipelineCarry]:
     """One pipeline tick. ``ibufs``/``fbufs`` [spp, size] (replicated): row ``s`` is the
     packed step of the batch stage ``s`` runs (row 0 the new batch, entering stage 0), all
     at the tick's shape; ``unpack(ibuf, fbuf)`` turns one row into ``StepArrays``.
@@ -202,7 +204,7 @@ def tick(params: Params, kv_cache: KVCache, carry: PipelineCarry, ibufs: jax.Arr
 
 
 def lone_pass(params: Params, kv_cache: KVCache, ibuf: jax.Array, fbuf: jax.Array, *,
-              unpack: Callable, mesh: Mesh, cfg: LlamaConfig, attention_impl: str
+              unpack: Callable, mesh: Mesh, cfg: ModelConfig, attention_impl: str
               ) -> tuple[KVCache, jax.Array]:
     """One batch through every stage in one executable (module docstring, Pass): ``ibuf`` /
     ``fbuf`` [size] (replicated) its packed step at its own shape. Returns the updated KV

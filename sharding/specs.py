@@ -11,9 +11,9 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jserve.cache.pool import KVCache, kv_cache_shape
-from jserve.config import LlamaConfig
+from jserve.config import ModelConfig
 from jserve.kernels import kv_quant
-from jserve.model.llama import Params
+from jserve.model.params import Params
 from jserve.model.quant import leaf_spec
 from jserve.model.tp_layout import kv_head_map, layer_axes, tp_layout
 
@@ -51,7 +51,7 @@ def kv_cache_specs() -> tuple[P, P]:
     return STACKED_KV_SPEC, STACKED_KV_SPEC
 
 
-def shard_params(params: Params, cfg: LlamaConfig, mesh: Mesh) -> Params:
+def shard_params(params: Params, cfg: ModelConfig, mesh: Mesh) -> Params:
     """Runtime params reordered by ``tp_layout`` and placed on ``mesh`` (layers by pipeline
     stage, heads and MLP columns by tp)."""
     params = tp_layout(params, cfg, mesh.shape["tp"])
@@ -59,12 +59,12 @@ def shard_params(params: Params, cfg: LlamaConfig, mesh: Mesh) -> Params:
     return jax.device_put(params, shardings)
 
 
-def kv_heads_per_device(cfg: LlamaConfig, tp: int) -> int:
+def kv_heads_per_device(cfg: ModelConfig, tp: int) -> int:
     """KV heads one device stores (``kv_head_map`` split over ``tp``): what sizes its pages."""
     return len(kv_head_map(cfg, tp)) // tp
 
 
-def allocate_sharded_kv_cache(cfg: LlamaConfig, num_pages: int, page_size: int,
+def allocate_sharded_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int,
                               mesh: Mesh, kv_cache_dtype: str = "auto") -> KVCache:
     """Zeroed stacked KV pages created in place on ``mesh`` (no full copy on one device
     first); ``num_pages`` is the global count, ``kvp`` pools of ``num_pages / kvp``. Quantized

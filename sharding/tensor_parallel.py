@@ -11,8 +11,8 @@ import jax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jserve.cache.pool import KVCache
-from jserve.config import LlamaConfig
-from jserve.model.llama import Params, StepInput, forward
+from jserve.config import ModelConfig
+from jserve.model.llama import Params, StepInput, final_logits, forward_stream
 from sharding.kv_parallel import PAGE_TABLE_SPEC
 from sharding.specs import kv_cache_specs, param_specs
 
@@ -25,20 +25,24 @@ def batch_specs(batch: StepInput) -> StepInput:
 
 
 def tp_forward(params: Params, kv_cache: KVCache, batch: StepInput, *, mesh: Mesh,
-               cfg: LlamaConfig, attention_impl: str = "reference") -> tuple[jax.Array, KVCache]:
+               cfg: ModelConfig, attention_impl: str = "reference", stream: bool = False
+               ) -> tuple[jax.Array, ...]:
     """``forward`` over params from ``shard_params`` and pages from
     ``allocate_sharded_kv_cache``; the batch is replicated but for the page table's
-    columns, split over ``kvp``."""
+    columns, split over ``kvp``. Returns (logits, KV cache), and with ``stream`` the
+    residual stream after the last layer too (replicated: prompt logprobs)."""
     kv_specs = kv_cache_specs()
     kvp_axis = "kvp" if mesh.shape["kvp"] > 1 else None
     def local(params, kv_cache, batch):
-        logits, kv_cache, _ = forward(params, kv_cache, batch, cfg=cfg,
-                                      attention_impl=attention_impl, tp_axis="tp",
-                                      kvp_axis=kvp_axis)
-        return logits, kv_cache
+        x, kv_cache, _ = forward_stream(params, kv_cache, batch, cfg=cfg,
+                                        attention_impl=attention_impl, tp_axis="tp",
+                                        kvp_axis=kvp_axis)
+        logits = final_logits(params, x, batch.logits_rows, cfg)
+        return (logits, kv_cache, x) if stream else (logits, kv_cache)
     # check_vma off: the attention kernels' loop carries start as invariant constants and
     # turn varying over tp; the outputs' replication is by construction (psum, then replicated
     # norm and head), and tests hold it by comparing tokens with the unsharded engine.
+    out_specs = (P(), kv_specs, P()) if stream else (P(), kv_specs)
     return jax.shard_map(local, mesh=mesh,
                          in_specs=(param_specs(params), kv_specs, batch_specs(batch)),
-                         out_specs=(P(), kv_specs), check_vma=False)(params, kv_cache, batch)
+                         out_specs=out_specs, check_vma=False)(params, kv_cache, batch)

@@ -73,7 +73,9 @@ def wait_idle(bg, timeout: float = 30.0) -> dict:
     while True:
         st = bg.stats()  # allocator.check() runs on the engine thread
         # ... and every handler has ended (and counted its outcome) on the event loop: each
-        # gRPC call's, accepted or not, and each accepted HTTP request's.
+        # gRPC call's, accepted or not, and each accepted HTTP request's. (A gRPC call grpc
+        # has not handed to its handler yet is in none of these: an answer to a later call
+        # on the same channel says the earlier ones were handed over, or dropped.)
         if st["in_flight"] == 0 and st["engine_requests"] == 0 and not st["engine_busy"] \
                 and bg.server.gateway.in_flight == 0 and bg.server.calls_in_flight == 0:
             break

@@ -1,4 +1,5 @@
-"""Tiny random Hugging Face Llama checkpoints (and a tokenizer) for loader and parity tests.
+"""Tiny random Hugging Face checkpoints (Llama variants and the other model families jserve
+serves; and a tokenizer) for loader and parity tests.
 
 Everything is built locally (no hub access) and cached per process: ``tiny_llama_dir`` writes
 each variant once into a temp dir, ``tiny_llama_model`` keeps the torch model it came from.
@@ -58,6 +59,22 @@ DEEP_CONFIGS: dict[str, dict[str, Any]] = {
     "llama3-16layers": dict(CONFIGS["llama3"], num_hidden_layers=16),
 }
 
+# The other families (jserve.model.families), on shapes off the usual ones: GQA ratios other
+# than 4 and head_dim not 64/128. Qwen2: 6 query heads on 1 KV head (tp=2 copies it), head_dim
+# 24, tied embeddings, rope theta 1e6, q/k/v biases. Qwen3: 6 on 2, head_dim 40 (not
+# hidden / heads), q/k norms. Weights drawn 10x wider than HF's default: at 0.02 the tied
+# Qwen2 only repeats the prompt's last token, which a broken layer would do too.
+FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen2": dict(_COMMON, initializer_range=0.2, hidden_size=144, num_attention_heads=6,
+                  num_key_value_heads=1, head_dim=24, tie_word_embeddings=True,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    "qwen3": dict(_COMMON, initializer_range=0.2, num_attention_heads=6, num_key_value_heads=2,
+                  head_dim=40, rope_parameters={"rope_type": "default", "rope_theta": 50000.0}),
+}
+# transformers (config, model) class names by config name; Llama where not listed.
+_HF_CLASSES = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+               "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|eot_id|>"]  # ids 0..3, matching the configs above
 
 CHAT_TEMPLATE = (
@@ -82,24 +99,27 @@ _TRAINING_TEXT = [
 ]
 
 
-def tiny_hf_config(name: str) -> transformers.LlamaConfig:
-    known = CONFIGS | DEEP_CONFIGS
+def tiny_hf_config(name: str) -> transformers.PretrainedConfig:
+    known = CONFIGS | DEEP_CONFIGS | FAMILY_CONFIGS
     if name not in known:
         raise KeyError(f"unknown tiny config {name!r}; choose from {sorted(known)}")
-    return transformers.LlamaConfig(**known[name])
+    return getattr(transformers, _HF_CLASSES.get(name, ("LlamaConfig",))[0])(**known[name])
 
 
 @functools.cache
-def tiny_llama_model(name: str) -> transformers.LlamaForCausalLM:
-    """The float32 torch model behind ``tiny_llama_dir(name)``, seeded, in eval mode.
+def tiny_llama_model(name: str) -> transformers.PreTrainedModel:
+    """The float32 torch model behind ``tiny_llama_dir(name)`` (a Llama, or the family
+    ``FAMILY_CONFIGS`` names), seeded, in eval mode.
 
-    Norm weights are jittered away from HF's all-ones init so a mixed-up norm shows in parity.
+    Norm weights (q/k norms too) are jittered away from HF's all-ones init and biases away
+    from its zeros, so a mixed-up norm or bias shows in parity.
     """
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(tiny_hf_config(name)).eval()
+    model_class = getattr(transformers, _HF_CLASSES.get(name, (None, "LlamaForCausalLM"))[1])
+    model = model_class(tiny_hf_config(name)).eval()
     with torch.no_grad():
         for pname, p in model.named_parameters():
-            if pname.endswith("norm.weight"):
+            if pname.endswith("norm.weight") or pname.endswith(".bias"):
                 p.add_(0.1 * torch.randn_like(p))
     return model
 
@@ -270,3 +290,86 @@ def write_llama3_chat_checkpoint(out_dir: Path) -> Path:
 def llama3_chat_dir() -> Path:
     """Process-wide cached ``write_llama3_chat_checkpoint``. Read-only."""
     return write_llama3_chat_checkpoint(_cache_root() / "llama3-chat")
+
+
+# -- a Qwen-style ChatML checkpoint whose template asks for Hermes tool calls --------------
+# ChatML turns (<|im_start|>role ... <|im_end|>), no BOS, EOS <|im_end|> (and <|endoftext|>
+# in generation_config.json), <tool_call> and </tool_call> as added tokens that are not special
+# (so they decode into the text the parser reads), a template written for these tests that
+# lists the tools as JSON lines and asks for <tool_call> blocks (jserve.serving.hermes_tools).
+HERMES_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+HERMES_TAGS = ["<tool_call>", "</tool_call>"]
+
+HERMES_CHAT_TEMPLATE = (  # no newline right after a block tag: trim_blocks would eat it
+    "{% set first = 1 if messages and messages[0].role == 'system' else 0 %}"
+    "{% if tools %}<|im_start|>system\n"
+    "{% if first %}{{ messages[0].content }}{{ '\\n\\n' }}{% endif %}"
+    "Functions you may call, one JSON signature a line:\n<tools>"
+    "{% for t in tools %}{{ '\\n' }}{{ t | tojson }}{% endfor %}{{ '\\n' }}</tools>\n"
+    "Answer a call as a block of its own:\n<tool_call>\n"
+    "{\"name\": the function, \"arguments\": an object of its arguments}\n</tool_call>"
+    "<|im_end|>\n"
+    "{% elif first %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}"
+    "{% for m in messages[first:] %}"
+    "{% if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}"
+    "\n</tool_response><|im_end|>\n"
+    "{% elif m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant\n"
+    "{{ m.content or '' }}{% for c in m.tool_calls %}"
+    "{% if m.content or not loop.first %}{{ '\\n' }}{% endif %}<tool_call>\n"
+    "{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}"
+    "\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def write_hermes_tokenizer(out_dir: Path, vocab_size: int = 1200) -> Path:
+    """A trained byte-level BPE tokenizer.json (Llama 3's split, as Qwen's is close to it)
+    with ChatML's special tokens and the <tool_call> tags, and its tokenizer_config.json."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    calls = [json.dumps({"name": f, "arguments": {"city": c, "days": d}})
+             for f in ("get_weather", "get_time") for c in ("Paris", "Oslo", "Lima")
+             for d in range(1, 4)]
+    tok.train_from_iterator(_llama3_corpus() + calls, trainer)
+    tok.add_special_tokens(HERMES_SPECIAL_TOKENS)
+    tok.add_tokens(HERMES_TAGS)
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.save(str(out_dir / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None,
+              "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+              "clean_up_tokenization_spaces": False, "model_max_length": 2048,
+              "chat_template": HERMES_CHAT_TEMPLATE}
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return out_dir
+
+
+def write_hermes_chat_checkpoint(out_dir: Path) -> Path:
+    """A random-weight ``LlamaForCausalLM`` (2 layers, hidden 64) with
+    ``write_hermes_tokenizer``'s tokenizer, EOS <|im_end|> and <|endoftext|>, the embedding
+    padded past the vocabulary."""
+    write_hermes_tokenizer(out_dir)
+    tok = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
+    n = tok.get_vocab_size(with_added_tokens=True)
+    eos = [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")]
+    config = transformers.LlamaConfig(**dict(
+        _COMMON, num_key_value_heads=2, vocab_size=(n // 64 + 1) * 64,
+        max_position_embeddings=2048, bos_token_id=None, eos_token_id=eos,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}))
+    torch.manual_seed(1)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = eos
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+@functools.cache
+def hermes_chat_dir() -> Path:
+    """Process-wide cached ``write_hermes_chat_checkpoint``. Read-only."""
+    return write_hermes_chat_checkpoint(_cache_root() / "hermes-chat")

@@ -6,6 +6,7 @@ whose program is not compiled yet waits for the background compile while the eng
 one at a time, and bursts on a tp=2 mesh give the one-device tokens."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import textwrap
 import threading
@@ -70,6 +71,25 @@ def test_bursts_give_the_tokens_of_one_step_at_a_time(reference, async_schedulin
     got, bursts = _run(burst, _params(stop_token, text))
     assert got == want
     assert bursts >= 3
+
+
+@pytest.mark.slow
+def test_bursts_apply_logit_bias(reference):
+    """``logit_bias`` rides in the step's sampling arrays, which every step of a burst
+    reads: bursts give the biased tokens of one step at a time (a banned greedy token never
+    comes, a +100 one always does, a seeded sampled row draws the same)."""
+    plain, _ = _run(reference, _params())
+    banned = plain[0][0][3]
+    params = _params()
+    params[0] = dataclasses.replace(params[0], logit_bias={banned: -100})
+    params[1] = dataclasses.replace(params[1], logit_bias={plain[1][0][0]: 3.0, 7: -50})
+    params[3] = dataclasses.replace(params[3], logit_bias={65: 100})
+    want, _ = _run(reference, params)
+    assert banned not in want[0][0] and len(want[0][0]) == len(plain[0][0])
+    assert want[3][0] == [65] * 9 and 7 not in want[1][0]
+    got, bursts = _run(small_llm(decode_burst=4), params)
+    assert got == want
+    assert bursts >= 1
 
 
 def test_an_abort_during_a_burst_frees_its_blocks_and_leaves_the_others_alone(reference):

@@ -130,7 +130,8 @@ def test_nothing_compiles_after_warmup_on_a_mixed_workload():
     llm = small_llm(warmup=True)
     eng = llm.engine
     warm = eng.compile_count
-    assert warm == len(eng.buckets.all_shapes()) + 1  # every step shape and the one sampler
+    # every step shape, the one sampler and the two swap programs (page_io)
+    assert warm == len(eng.buckets.all_shapes()) + 1 + 2
     params = [SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
               SamplingParams(temperature=0.9, top_p=0.8, top_k=20, seed=3, max_tokens=17,
                              ignore_eos=True, logprobs=2),

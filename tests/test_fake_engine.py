@@ -296,6 +296,17 @@ def test_intake_refuses_as_the_engine_does():
     assert fake.prepare([1, 2], SamplingParams(max_tokens=8)).prompt_ids == [1, 2]
 
 
+def test_prompt_logprobs_and_max_tokens_0_as_the_engine():
+    """Prompt logprobs: the first None, one (made-up) entry per later prompt token with its
+    alternatives; ``max_tokens=0`` scores the prompt and generates nothing."""
+    out = FakeEngine().generate([5, 6, 7], SamplingParams(max_tokens=0, prompt_logprobs=2))
+    assert (out.finish_reason, out.token_ids, out.text) == ("length", [], "")
+    assert out.prompt_logprobs[0] is None
+    assert [(e.token_id, len(e.top)) for e in out.prompt_logprobs[1:]] == [(6, 2), (7, 2)]
+    plain = FakeEngine().generate([5, 6, 7], SamplingParams(max_tokens=3))
+    assert plain.prompt_logprobs is None and len(plain.token_ids) == 3
+
+
 def test_tokenize_and_detokenize_through_the_interface():
     fake = FakeEngine()  # the byte tokenizer, a vocabulary of 320
     assert fake.tokenize("hi") == [256, 104, 105]

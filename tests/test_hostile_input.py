@@ -387,7 +387,7 @@ def _stages():
         ("stream delta", (EngineLoop, "_delta"),
          lambda self, out, lv, o, now: lv.holdback == 3, both),
         ("response formatting", (Formatter, "full"),
-         lambda self, choices: _victim(self.parsed.params), {"victim"}),
+         lambda self, choices, *a: _victim(self.parsed.params), {"victim"}),
         ("stream formatting", (Formatter, "events"),
          lambda self, c, *a: _victim(self.parsed.params), {"streamed"}),
     ]

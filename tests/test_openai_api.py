@@ -257,10 +257,15 @@ BAD_FIELDS = [  # (endpoint, extra body fields, the field the 400 must name)
     ("completions", {"prompt": ""}, "prompt"),
     ("completions", {"prompt": [1, 999]}, "prompt"),
     ("completions", {"stream_options": {"include_usage": True}}, "stream_options"),
-    ("completions", {"echo": True}, "echo"),
+    ("completions", {"echo": "yes"}, "echo"),
+    ("completions", {"prompt_logprobs": 21}, "prompt_logprobs"),
+    ("chat", {"prompt_logprobs": True}, "prompt_logprobs"),
+    ("chat", {"max_tokens": 0}, "max_tokens"),  # 0 only with prompt_logprobs
     ("completions", {"suffix": "x"}, "suffix"),
-    ("completions", {"best_of": 2}, "best_of"),
-    ("completions", {"logit_bias": {"5": 1}}, "logit_bias"),
+    ("completions", {"n": 2, "best_of": 1}, "best_of"),
+    ("completions", {"best_of": 2, "stream": True}, "best_of"),  # the best known at the end
+    ("completions", {"logit_bias": {"5": 101}}, "logit_bias"),
+    ("chat", {"logit_bias": {"99999": 1}}, "logit_bias"),  # outside the vocabulary
     ("completions", {"frobnicate": 1}, "frobnicate"),
     ("completions", {"no_stop_trim": True}, "no_stop_trim"),  # router-filled: only neutral
     ("completions", {"skip_special_tokens": False}, "skip_special_tokens"),

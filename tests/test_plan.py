@@ -49,12 +49,12 @@ _SCRIPT = textwrap.dedent("""
     import json, sys, time
     import jax
     from jserve.cli import main
-    from jserve.config import LlamaConfig
     from jserve.engine.config import EngineConfig
     from jserve.engine.memory_plan import describe_engine, plan
+    from jserve.model.families import read_config_file
 
     config_path, flags = sys.argv[1], json.loads(sys.argv[2])
-    cfg = LlamaConfig.from_json_file(config_path)
+    cfg = read_config_file(config_path)
     settings = dict(max_model_len=8192, max_num_seqs=8, max_num_batched_tokens=64,
                     max_prefill_seqs=2, warmup=False)
     out = {"devices": jax.device_count()}

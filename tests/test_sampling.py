@@ -13,6 +13,7 @@ from hypothesis import assume, given, settings, strategies as st
 
 from jserve.sampling.params import (
     MAX_BANNED_IDS,
+    MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
@@ -24,6 +25,7 @@ from jserve.sampling.sampler import (
     SamplerRow,
     SamplingBatch,
     allowed_mask,
+    apply_bias,
     apply_penalties,
     make_sampling_batch,
     row_argmax,
@@ -85,6 +87,18 @@ INVALID = [
     ({"logprobs": -1}, None, "logprobs"),
     ({"logprobs": MAX_LOGPROBS + 1}, None, "logprobs"),
     ({"logprobs": True}, None, "logprobs"),
+    ({"n": 0}, None, "n"),
+    ({"n": 17}, None, "n"),
+    ({"n": 2, "best_of": 1}, None, "best_of"),
+    ({"best_of": 17}, None, "best_of"),
+    ({"logit_bias": [5]}, None, "logit_bias"),
+    ({"logit_bias": {"five": 1}}, None, "logit_bias"),
+    ({"logit_bias": {-1: 1}}, None, "logit_bias"),
+    ({"logit_bias": {5: 100.5}}, None, "logit_bias"),
+    ({"logit_bias": {5: math.nan}}, None, "logit_bias"),
+    ({"logit_bias": {5: True}}, None, "logit_bias"),
+    ({"logit_bias": {i: 1 for i in range(MAX_LOGIT_BIAS + 1)}}, None, "logit_bias"),
+    ({"logit_bias": {100: 1}}, 100, "logit_bias"),
 ]
 
 
@@ -445,6 +459,40 @@ def test_banned_ids_are_never_sampled() -> None:
     assert set(tokens.tolist()) == set(range(vocab)) - {0, 3, 11}
 
 
+def test_logit_bias_moves_the_choice_and_leaves_logprobs_raw() -> None:
+    """``logit_bias`` is added to the logits before penalties and sampling: +100 on a token
+    makes greedy and sampled rows take it, -100 on the argmax moves greedy to the runner-up,
+    and the bias sits before the repetition penalty (which divides a positive logit). The
+    logprobs stay the raw model's; rows without a bias are bit-identical to no bias at all."""
+    vocab = 16
+    logits = np.tile(np.linspace(-1.0, 2.0, vocab, dtype=np.float32), (4, 1))  # argmax 15
+    rows = [SamplerRow(SamplingParams(temperature=0.0, logit_bias={3: 100}), 0, 0),
+            SamplerRow(SamplingParams(temperature=0.0, logit_bias={"15": -100}), 0, 0),
+            SamplerRow(SamplingParams(temperature=1.0, logit_bias={7: 100}), 5, 0),
+            SamplerRow(SamplingParams(temperature=0.0), 0, 0)]
+    res = run_sample(logits, make_sampling_batch(rows, 4), num_logprobs=2)
+    assert np.asarray(res.tokens).tolist() == [3, 14, 7, 15]
+    raw = np.asarray(jax.nn.log_softmax(logits[0]))
+    np.testing.assert_allclose(np.asarray(res.logprobs), raw[[3, 14, 7, 15]], rtol=1e-6)
+    assert np.asarray(res.top_ids)[:, 0].tolist() == [15] * 4  # the raw top, not biased
+    # The bias comes first: token 0 (-1.0, in the prompt, repetition penalty 2) biased by
+    # +2.5 is (-1.0 + 2.5) / 2 = 0.75 > token 1's 0.6; penalised first it would be
+    # -1.0 * 2 + 2.5 = 0.5 < 0.6.
+    one = np.full((1, vocab), -5.0, np.float32)
+    one[0, :2] = -1.0, 0.6
+    counts, prompt = no_history(1, vocab)
+    prompt[0, 0] = True
+    row = SamplerRow(SamplingParams(temperature=0.0, repetition_penalty=2.0,
+                                    logit_bias={0: 2.5}), 0, 0)
+    got = run_sample(one, make_sampling_batch([row], 1), counts=counts, prompt_mask=prompt)
+    assert int(np.asarray(got.tokens)[0]) == 0
+    # Rows without a bias (their ids all -1 padding): the logits bit for bit.
+    plain = make_sampling_batch(rows[3:], 1)
+    assert plain.bias_ids.shape == (1, MAX_LOGIT_BIAS)
+    out = np.asarray(jax.jit(apply_bias)(logits[:1], plain))
+    np.testing.assert_array_equal(out.view(np.uint32), logits[:1].view(np.uint32))
+
+
 def test_the_allowed_bitmask_is_obeyed_and_all_ones_rows_change_nothing() -> None:
     """Structured output's mask: bit t of a row allows token t; words past the mask's width
     allow everything, so all-ones (-1) rows sample exactly as without a mask."""
@@ -533,7 +581,8 @@ def test_make_sampling_batch_layout_and_padding() -> None:
     assert sb.banned_ids.shape == (4, MAX_BANNED_IDS)
     assert sb.banned_ids[0, :3].tolist() == [7, 8, -1] and np.all(sb.banned_ids[1:] == -1)
     expected_dtypes = ([np.float32, np.int32] + [np.float32] * 5
-                       + [np.uint32, np.int32, np.int32, np.int32, np.int32])
+                       + [np.uint32, np.int32, np.int32, np.int32, np.int32, np.int32,
+                          np.float32])
     assert [leaf.dtype for leaf in jax.tree.leaves(sb)] == expected_dtypes
     assert np.all(sb.draft == -1)  # no speculative draft to verify
     assert sb.allowed.shape == (4, 1) and np.all(sb.allowed == -1)  # no constraint: all ones

@@ -123,6 +123,19 @@ def test_opt_out_and_failing_drafts_pause_speculating():
 
 
 @pytest.mark.slow
+def test_logit_bias_holds_with_ngram_drafts():
+    """Drafts are verified against the biased distribution (``logit_bias`` is applied in the
+    sampler each verifying row runs), so speculating gives plain decoding's tokens under a
+    bias too, though the n-gram proposer is blind to it."""
+    biased = dataclasses.replace(GREEDY, logit_bias={ord("3"): -100, ord("9"): 2.0})
+    want = _drive(small_llm(MODEL).engine, PROMPTS[:2], [biased] * 2)
+    assert all(ord("3") not in o.token_ids for o in want)
+    llm = small_llm(MODEL, speculative_config=NGRAM)
+    _same(_drive(llm.engine, PROMPTS[:2], [biased] * 2), want)
+    assert llm.engine.scheduler.num_draft_tokens > 0
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("draft", ["tiny-tasks", "default"])
 def test_greedy_is_identical_with_a_draft_model(reference, draft):
     """A draft model with the target's vocabulary: the target itself (its drafts are what
@@ -167,12 +180,13 @@ def test_sampled_requests_speculate_reproducibly_and_metrics_count_drafts():
 
 @pytest.mark.slow
 def test_nothing_compiles_after_warmup_with_drafts():
-    """Warm-up compiles every widened decode bucket and both samplers (the plain decoding
-    rows' and the widest step's); a workload with drafts then compiles nothing."""
+    """Warm-up compiles every widened decode bucket, both samplers (the plain decoding
+    rows' and the widest step's) and the two swap programs; a workload with drafts then
+    compiles nothing."""
     llm = small_llm(MODEL, warmup=True, speculative_config=NGRAM)
     eng = llm.engine
     warm = eng.compile_count
-    assert warm == len(eng.buckets.all_shapes()) + 2
+    assert warm == len(eng.buckets.all_shapes()) + 2 + 2
     assert eng.buckets.decode_rows[-1] == 4 * (1 + NGRAM["num_speculative_tokens"])
     llm.generate(PROMPTS, [GREEDY, SamplingParams(temperature=0.9, seed=3, max_tokens=20)] * 2
                  + [GREEDY])

@@ -34,7 +34,8 @@ def reference(model_dir) -> list[list[int]]:
     """Every step shape compiled before the first request."""
     llm = small_llm(model_dir, warmup="all")
     runner = llm.engine.runner.programs
-    assert runner.compile_count == len(llm.engine.buckets.all_shapes()) + 1  # and the sampler
+    # and the sampler and the two swap programs (page_io)
+    assert runner.compile_count == len(llm.engine.buckets.all_shapes()) + 1 + 2
     out = _generate(llm)
     assert not runner.padded and runner.compile_count == runner.compiled_up_front
     return out
@@ -98,7 +99,7 @@ def test_none_warmup_compiles_each_shape_on_first_use_and_waits(model_dir, refer
 
 def test_warmup_modes_and_bools():
     from jserve.engine.config import EngineConfig
-    assert EngineConfig().warmup == "core"
+    assert EngineConfig().warmup == "all"
     assert EngineConfig(warmup=True).warmup == "all"
     assert EngineConfig(warmup=False).warmup == "none"
     with pytest.raises(ValueError, match="warmup must be one of"):
@@ -110,7 +111,16 @@ def test_startup_line_names_every_phase():
                      compiled=1, deferred=16)
     t.engine = 2.3
     assert t.line() == ("ready in 3.2 s: imports 0.9, weights 0.4, KV 0.1, programs 1.6 "
-                        "(2 cached, 1 compiled, 16 deferred)")
+                        "(3 programs: 2 cached, 1 compiled, 16 deferred)")
+    t = StartupTimes(before_engine=0.9, weights=0.4, kv=0.1, programs=1.6, cached=12,
+                     compiled=3, compile_seconds=2.04, threads=2, backend="gpu",
+                     devices="1 x NVIDIA H200", attention="pallas_gpu", layer_mode="sliced",
+                     dtype="bfloat16", dtype_reason="auto: bf16 checkpoint")
+    t.engine = 2.3
+    assert t.line() == (
+        "ready in 3.2 s on gpu (1 x NVIDIA H200), attention pallas_gpu, layers sliced, dtype "
+        "bfloat16 (auto: bf16 checkpoint): imports 0.9, weights 0.4, KV 0.1, programs 1.6 (15 "
+        "programs: 12 cached, 3 compiled; 2.0 s of compiles over 2 threads)")
     assert re.fullmatch(r"\d+\.\d+", f"{StartupTimes().before_engine:.1f}")  # Linux /proc
 
 
@@ -127,8 +137,8 @@ def test_a_pool_sized_from_free_memory_keeps_its_size_across_restarts():
 def test_a_cpu_pool_without_a_budget_takes_at_most_4_gib():
     """Every page is zeroed at start: the CPU default is bounded, an explicit budget is not."""
     from jserve.cache.pool import CPU_KV_BUDGET_BYTES, kv_bytes_per_page, num_pages_for_budget
-    from jserve.config import LlamaConfig
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=688,
+    from jserve.config import ModelConfig
+    cfg = ModelConfig(vocab_size=32000, hidden_size=256, intermediate_size=688,
                       num_hidden_layers=32, num_attention_heads=4, num_key_value_heads=2,
                       head_dim=64, max_position_embeddings=8192)
     per_page = kv_bytes_per_page(cfg, 16)

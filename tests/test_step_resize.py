@@ -41,7 +41,11 @@ def recorded():
     """Every step a mixed workload builds, each also built directly at every larger bucket
     shape (from the same request state), and one mixed step's samples at its own shape and
     at the largest one."""
-    eng = small_llm(max_num_seqs=8).engine  # mixed steps of 4 and 8 decode rows
+    eng = small_llm(max_num_seqs=8).engine
+    # The engine's mixed steps take all 8 decode rows (buckets.py); a pipeline tick resizes
+    # between any bucket shapes, so a grid with 4 too gives steps that grow both ways.
+    fine = dataclasses.replace(eng.buckets, decode_rows=(0, 4, 8))
+    eng.buckets = eng.builder.buckets = eng.runner.programs.lowering.buckets = fine
     build, runner = eng.builder.build, eng.runner
     steps, samples = [], {}
 
@@ -126,8 +130,8 @@ def test_a_tick_covers_every_batch_with_the_smallest_bucket():
 
     b = Buckets.for_limits(max_num_seqs=8, token_budget=32, max_prefill_seqs=2,
                            max_model_len=512, page_size=16)
-    assert b.decode_only_rows == (1, 2, 4, 8) and b.decode_rows == (0, 4, 8)
+    assert b.decode_only_rows == (1, 2, 4, 8) and b.decode_rows == (0, 8)
     assert b.covering([(1, 0), (2, 0)]) == (2, 0)      # decodes only: the fine ladder
-    assert b.covering([(2, 0), (0, 16)]) == (4, 16)    # beside a prefill: the mixed ladder
+    assert b.covering([(2, 0), (0, 16)]) == (8, 16)    # beside a prefill: every decode row
     assert b.covering([(8, 0), (4, 16), (0, 32)]) == (8, 32)
     assert b.covering([(0, 16)]) == (0, 16)

@@ -18,7 +18,8 @@ import pytest
 from safetensors.numpy import save_file
 
 from devices import run_on_devices
-from jserve.config import LlamaConfig
+from jserve.config import ModelConfig
+from jserve.model.families import read_config_file
 from jserve.model.weights import LazyCheckpoint, load_hf_runtime, load_hf_safetensors, load_model
 
 # 4 query / 2 KV heads, so tp=4 stores a copy of each KV head on two shards; 4 layers, so
@@ -29,10 +30,10 @@ CFG = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layer
 
 
 def write_checkpoint(model_dir: Path, dtype: str, tie: bool = False, files: int = 3,
-                     seed: int = 0) -> LlamaConfig:
+                     seed: int = 0) -> ModelConfig:
     """A random HF Llama checkpoint as index-sharded safetensors written with numpy (bf16 as
     ``ml_dtypes.bfloat16``), names spread round-robin over ``files`` files."""
-    cfg = LlamaConfig(**CFG, tie_word_embeddings=tie, dtype=dtype)
+    cfg = ModelConfig(**CFG, tie_word_embeddings=tie, dtype=dtype)
     rng = np.random.default_rng(seed)
     d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
@@ -70,7 +71,7 @@ _SCRIPT = textwrap.dedent("""
     from pathlib import Path
     import jax, numpy as np
     import jserve.model.weights as weights
-    from jserve.config import LlamaConfig
+    from jserve.model.families import read_config_file
     from jserve.model.llama import prepare_params
     from sharding.mesh import MeshConfig, make_mesh
     from sharding.specs import shard_params
@@ -96,7 +97,7 @@ _SCRIPT = textwrap.dedent("""
     result = {}
     for ckpt in ckpts:
         path = Path(ckpt)
-        cfg = LlamaConfig.from_json_file(path / "config.json")
+        cfg = read_config_file(path / "config.json")
         eager = prepare_params(weights.load_hf_safetensors(path, cfg))
         for mesh_text in meshes:
             mc = MeshConfig.parse(mesh_text)
@@ -196,7 +197,7 @@ def test_streamed_params_equal_eager_sharded(streamed, ckpt: str, mesh: str) -> 
 def test_reads_are_device_shards(streamed, ckpt: str) -> None:
     sizes = tensor_bytes(next(d for d in streamed["dirs"] if d.name == ckpt))
     largest = max(sizes.values())
-    cfg = LlamaConfig(**CFG)
+    cfg = ModelConfig(**CFG)
     kv_bytes = sum(sizes[f"model.layers.{i}.self_attn.{p}_proj.weight"]
                    for i in range(cfg.num_hidden_layers) for p in "kv")
     # The biggest array built from reads: the largest tensor, or one layer's fused w_gate_up
@@ -262,7 +263,7 @@ def test_lazy_checkpoint_checks_shapes_up_front(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="k_proj.*shape"):
         load_model(str(model_dir), lazy=True)
     with pytest.raises(ValueError, match="k_proj.*shape"):
-        load_hf_runtime(model_dir, LlamaConfig.from_json_file(model_dir / "config.json"))
+        load_hf_runtime(model_dir, read_config_file(model_dir / "config.json"))
     del tensors["model.layers.2.self_attn.k_proj.weight"]
     save_file(tensors, str(file))
     index = json.loads((model_dir / "model.safetensors.index.json").read_text())

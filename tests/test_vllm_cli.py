@@ -73,7 +73,7 @@ def test_vllm_values_jserve_cannot_honour_are_refused_before_loading(argv, named
 @pytest.mark.parametrize("argv, named", [
     (["--max-logprobs", "21"], "--max-logprobs"),
     (["--max-logprobs", "-1"], "--max-logprobs"),
-    (["--tool-call-parser", "hermes"], "--tool-call-parser"),
+    (["--tool-call-parser", "qwen3_coder"], "--tool-call-parser"),  # XML, not hermes
     (["--kv-cache-dtype", "fp8_inc"], "--kv-cache-dtype"),
     (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
     (["--tensor-parallel-size", "0"], "--tensor-parallel-size"),

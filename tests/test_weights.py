@@ -13,7 +13,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hf_models import CONFIGS, tiny_llama_dir, tiny_llama_model
-from jserve.config import LlamaConfig, RopeScaling
+from jserve.config import ModelConfig, RopeScaling
+from jserve.model.families import read_config_file
+from jserve.model.params import num_params
 from jserve.model.weights import (
     DEFAULT_CONFIG,
     init_params,
@@ -44,7 +46,7 @@ LAYER_NAMES = {"attn_norm": "input_layernorm", "wq": "self_attn.q_proj", "wk": "
                "w_up": "mlp.up_proj", "w_down": "mlp.down_proj"}
 
 
-def expected_params(state_dict: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict:
+def expected_params(state_dict: dict[str, torch.Tensor], cfg: ModelConfig) -> dict:
     """The params layout built straight from a torch state_dict, as float32 numpy."""
     def get(name: str) -> np.ndarray:
         t = state_dict[name].float().numpy()
@@ -71,7 +73,7 @@ def dtypes(params) -> set:
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_config_from_hf_json(name: str) -> None:
-    cfg = LlamaConfig.from_json_file(tiny_llama_dir(name) / "config.json")
+    cfg = read_config_file(tiny_llama_dir(name) / "config.json")
     for field, value in EXPECTED_CONFIG[name].items():
         assert getattr(cfg, field) == value, field
     assert (cfg.hidden_size, cfg.head_dim, cfg.vocab_size, cfg.dtype) == (64, 16, 512, "float32")
@@ -79,7 +81,7 @@ def test_config_from_hf_json(name: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_params_equal_state_dict(name: str) -> None:
-    cfg = LlamaConfig.from_json_file(tiny_llama_dir(name) / "config.json")
+    cfg = read_config_file(tiny_llama_dir(name) / "config.json")
     params = load_hf_safetensors(tiny_llama_dir(name), cfg)
     assert ("lm_head" in params) == (not cfg.tie_word_embeddings)
     assert dtypes(params) == {jnp.dtype(jnp.float32)}
@@ -90,14 +92,14 @@ def test_sharded_checkpoint_loads_identically() -> None:
     sharded = tiny_llama_dir("llama3", max_shard_size="50KB")
     assert (sharded / "model.safetensors.index.json").exists()
     assert len(list(sharded.glob("model-*.safetensors"))) >= 3
-    cfg = LlamaConfig.from_json_file(sharded / "config.json")
+    cfg = read_config_file(sharded / "config.json")
     assert_trees_equal(load_hf_safetensors(sharded, cfg),
                        load_hf_safetensors(tiny_llama_dir("llama3"), cfg))
 
 
 def test_bf16_checkpoint_loads_as_bf16() -> None:
     model_dir = tiny_llama_dir("llama31", dtype="bfloat16")
-    cfg = LlamaConfig.from_json_file(model_dir / "config.json")
+    cfg = read_config_file(model_dir / "config.json")
     assert cfg.dtype == "bfloat16"
     params = load_hf_safetensors(model_dir, cfg)
     assert dtypes(params) == {jnp.dtype(jnp.bfloat16)}
@@ -114,10 +116,10 @@ def test_dtype_override_casts_f32_checkpoint() -> None:
 @pytest.mark.parametrize("name,dtype", [("llama31", "float32"), ("llama32", "bfloat16")])
 def test_orbax_round_trip(tmp_path: Path, name: str, dtype: str) -> None:
     src = tiny_llama_dir(name, with_tokenizer=True)
-    cfg = LlamaConfig.from_json_file(src / "config.json", dtype=dtype)
+    cfg = read_config_file(src / "config.json", dtype=dtype)
     params = load_hf_safetensors(src, cfg)
     save_orbax(tmp_path / "ckpt", cfg, params, tokenizer_dir=src)
-    assert LlamaConfig.from_json_file(tmp_path / "ckpt" / "config.json") == cfg
+    assert read_config_file(tmp_path / "ckpt" / "config.json") == cfg
     for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (tmp_path / "ckpt" / f).read_bytes() == (src / f).read_bytes()
     restored = restore_orbax(tmp_path / "ckpt", cfg)
@@ -137,7 +139,7 @@ def test_init_params_seeded() -> None:
     a, b, c = init_params(cfg, seed=0), init_params(cfg, seed=0), init_params(cfg, seed=1)
     assert_trees_equal(a, b)
     assert not np.array_equal(np.asarray(a["embed"]), np.asarray(c["embed"]))
-    assert sum(leaf.size for leaf in jax.tree.leaves(a)) == cfg.num_params()
+    assert sum(leaf.size for leaf in jax.tree.leaves(a)) == num_params(cfg)
     assert np.all(np.asarray(a["layers"][0]["attn_norm"]) == 1.0)
     assert abs(float(np.std(np.asarray(a["layers"][0]["w_up"]))) - 0.02) < 1e-3
     bf16 = init_params(dataclasses.replace(cfg, dtype="bfloat16"))

@@ -12,14 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jserve.bench.host_probes import HostPhases
-from jserve.config import LlamaConfig
+from jserve.config import ModelConfig
 from jserve.engine import step_program as runner_module
 from jserve.engine.config import EngineConfig
 from jserve.engine.engine import LLMEngine
 from jserve.model.weights import init_params
 from jserve.sampling import sampler as sampler_module
 
-BENCH_MODEL = LlamaConfig(vocab_size=8192, hidden_size=512, intermediate_size=1536,
+BENCH_MODEL = ModelConfig(vocab_size=8192, hidden_size=512, intermediate_size=1536,
                           num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
                           head_dim=64, max_position_embeddings=4096, eos_token_ids=(2,))
 

@@ -8,8 +8,8 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import functools
 import gc
-import json
 import sys
 import tempfile
 import time
@@ -20,9 +20,11 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from jserve.bench import device_hf
+from jserve.bench.device_budget import Budget, Item
 from jserve.bench.device_profiles import FULL, SMOKE, Profile, llama_cfg, peak_figures, ratio
 from jserve.bench.device_report import error_text, fmt, render_markdown, say
-from jserve.bench.device_timings import timings
+from jserve.bench.device_timings import ModelTimings
 from jserve.bench.kernel_check import kernel_check, kv_write_check, quantized_kernel_check
 from jserve.bench.random_engine import free_memory, make_engine, serve
 from jserve.engine.config import EngineConfig
@@ -73,8 +75,10 @@ def plan(args: argparse.Namespace) -> Plan:
 
 def run(args: argparse.Namespace, command: str, docs_dir: Path) -> int:
     """The whole check: exit status 0 when every check passed, 1 when one failed, 2 when the
-    flags ask for no run. The report goes to ``--json`` / ``--md``, else ``docs_dir`` (full
-    mode or ``--write-docs``) or a temporary directory (smoke)."""
+    flags ask for no run, ``CUT_SHORT_EXIT`` when ``--budget`` ran out (the report says what
+    ran and what did not). The report goes to ``--json`` / ``--md``, else ``docs_dir`` (full
+    mode or ``--write-docs``) or a temporary directory (smoke); the JSON is rewritten after
+    every item, so a run killed from outside leaves what it measured."""
     t_start = time.perf_counter()
     try:
         pl = plan(args)
@@ -92,25 +96,91 @@ def run(args: argparse.Namespace, command: str, docs_dir: Path) -> int:
     say(f"device check ({p.name}): backend={jax.default_backend()} device={device_kind} "
         f"jax={jax.__version__} kernels={pl.kernel_impls} engine={pl.engine_impl} "
         f"timings={pl.timing_impl} peaks={fmt(ratio(peaks[0], 1e12))} TFLOP/s, "
-        f"{fmt(ratio(peaks[1], 1e12))} TB/s")
+        f"{fmt(ratio(peaks[1], 1e12))} TB/s"
+        + (f"; budget {args.budget:.0f} s" if args.budget else ""))
     res = _results(p, device_kind, command, peaks)
-    if not args.skip_kernels:
-        _kernel_checks(res, p, pl.kernel_impls, args.seed, peaks)
-    if not args.skip_engine:
-        _engine_check(res, p, pl.engine_impl, args.seed)
-    if not args.skip_timings:
-        _timings(res, p, pl, peaks, args.seed)
+
+    def write_md() -> None:
+        res["wall_s"] = time.perf_counter() - t_start
+        md_path.parent.mkdir(parents=True, exist_ok=True)
+        md_path.write_text(render_markdown(res))
+
+    budget = Budget(args.budget or None, json_path, res, on_cut=write_md)
+    budget.run_all(_items(res, pl, args, peaks, budget))
     checks = res["checks"]
     res["passed"] = all(c["status"] == "pass" for c in checks)
-    res["wall_s"] = time.perf_counter() - t_start
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    md_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(res, indent=1, default=str) + "\n")
-    md_path.write_text(render_markdown(res))
+    write_md()
+    budget.write()
     n_fail = sum(c["status"] == "fail" for c in checks)
-    say(f"{len(checks) - n_fail}/{len(checks)} checks passed in {res['wall_s']:.1f} s; "
-        f"wrote {json_path} and {md_path}")
+    skipped = [i["name"] for i in res["items"] if i["status"] == "skipped"]
+    say(f"{len(checks) - n_fail}/{len(checks)} checks passed in {res['wall_s']:.1f} s"
+        + (f"; skipped (budget): {', '.join(skipped)}" if skipped else "")
+        + f"; wrote {json_path} and {md_path}")
     return 0 if res["passed"] else 1
+
+
+def _items(res: dict, pl: Plan, args: argparse.Namespace, peaks, budget: Budget
+           ) -> list[Item]:
+    """The run's measurements, most valuable first: kernel correctness, the engine's
+    tokens, decode at each batch with and without bursts per model, the one-chunk prefill,
+    HF transformers' ``generate`` on the decode shapes, the chunked long prefill."""
+    p, seed, items = pl.profile, args.seed, []
+    if not args.skip_kernels:
+        items += [Item(f"kernels context {ctx}", functools.partial(
+            _kernel_checks, res, p, pl.kernel_impls, seed, peaks, [ctx], quantized=False))
+            for ctx in p.contexts]
+        items.append(Item("kernels over quantized KV pages", functools.partial(
+            _kernel_checks, res, p, pl.kernel_impls, seed, peaks, [], quantized=True)))
+    if not args.skip_engine:
+        items.append(Item("engine greedy tokens",
+                          functools.partial(_engine_check, res, p, pl.engine_impl, seed)))
+    models = {}
+    if not args.skip_timings:
+        t = res["timings"] = dict(impl=pl.timing_impl, decode=[], prefill=[], chunked=[],
+                                  errors=[])
+        for name in pl.models:
+            m = models[name] = ModelTimings(p, name, pl.timing_impl, peaks, seed, t)
+            items += [Item(f"decode {name} b={b}" + (f" bursts of {k}" if k > 1 else ""),
+                           functools.partial(m.decode, b, k), floor_s=30)
+                      for b in p.decode_batches for k in (1, p.decode_burst)]
+            items += [Item(f"prefill {name} {p.prefill_len} in one chunk", m.prefill),
+                      Item(f"release {name}", m.close, quiet=True)]
+    if not args.skip_hf:
+        res["hf"] = []
+        items += [Item(f"HF generate {name}", functools.partial(
+            _hf_baseline, res, p, name, seed, budget), floor_s=30) for name in pl.models]
+    for name, m in models.items():
+        items += [Item(f"prefill {name} {p.chunk_context} in chunks of "
+                       f"{'/'.join(map(str, p.chunk_sizes))}", m.chunked, floor_s=30),
+                  Item(f"release {name} (chunked)", m.close, quiet=True)]
+    if models:
+        items.append(Item("timings check", functools.partial(_timings_check, res, pl),
+                          quiet=True))
+    return items
+
+
+def _timings_check(res: dict, pl: Plan) -> None:
+    """The timings' check, once any of them ran (none: the budget skipped them all)."""
+    t = res["timings"]
+    if not (t["decode"] or t["prefill"] or t["errors"]):
+        return
+    record(res, f"engine timings ran ({', '.join(pl.models)}; {pl.timing_impl})",
+           not t["errors"], "; ".join(t["errors"][:3]) if t["errors"] else
+           "figures are not judged" + ("; in smoke mode they say nothing about speed"
+                                       if pl.smoke else ""))
+
+
+def _hf_baseline(res: dict, p: Profile, name: str, seed: int, budget: Budget) -> None:
+    """HF transformers' ``generate`` on ``name``'s decode shapes, in a child process given
+    the budget left (``device_hf``)."""
+    rows = device_hf.measure_in_child(p.timing_models[name], list(p.decode_batches),
+                                      p.decode_prompt, p.decode_tokens, seed,
+                                      timeout=min(budget.left() - 5, 3600))
+    for row in rows:
+        row["model"] = name
+        res["hf"].append(row)
+        say(f"  HF generate {name} b={row['batch']}: TPOT {row['tpot_ms']:.2f} ms, "
+            f"{row['tok_s']:.1f} tok/s ({row['device']}, {row['dtype']})")
 
 
 def _persistent_cache() -> None:
@@ -140,14 +210,18 @@ def record(res: dict, name: str, ok: bool, detail: str | None = None, **extra) -
     say(f"[{'pass' if ok else 'FAIL'}] {name}" + (f": {detail}" if detail else ""))
 
 
-def _kernel_checks(res: dict, p: Profile, kernel_impls: list[str], seed: int, peaks) -> None:
-    """Every kernel on every batch kind and context, its cache write, and the mixed batch
-    over quantized KV pages (docs/quantization.md) at the longest context."""
-    cases = [(impl, kind, ctx) for impl in kernel_impls for ctx in p.contexts
+def _kernel_checks(res: dict, p: Profile, kernel_impls: list[str], seed: int, peaks,
+                   contexts: list[int] | None = None, quantized: bool = True) -> None:
+    """Every kernel on every batch kind and context (default: the profile's), its cache
+    write, and with ``quantized`` the mixed batch over quantized KV pages
+    (docs/quantization.md) at the profile's longest context."""
+    contexts = p.contexts if contexts is None else contexts
+    cases = [(impl, kind, ctx) for impl in kernel_impls for ctx in contexts
              for kind in ("decode", "prefill", "mixed")]
-    cases += [(impl, "write_kv", ctx) for impl in kernel_impls for ctx in p.contexts]
-    cases += [(impl, f"mixed {kv}", max(p.contexts)) for impl in kernel_impls
-              for kv in ("int8", "fp8_e4m3")]
+    cases += [(impl, "write_kv", ctx) for impl in kernel_impls for ctx in contexts]
+    if quantized:
+        cases += [(impl, f"mixed {kv}", max(p.contexts)) for impl in kernel_impls
+                  for kv in ("int8", "fp8_e4m3")]
     for n, (impl, kind, ctx) in enumerate(tqdm(cases, desc="kernels", disable=None)):
         name = f"kernel {impl} {kind} context {ctx}"
         table = (res["kv_write"] if kind == "write_kv" else res["kernels_quantized"]
@@ -201,20 +275,6 @@ def _engine_check(res: dict, p: Profile, engine_impl: str, seed: int) -> None:
         traceback.print_exc()
         res["engine"] = dict(impl=engine_impl, error=error_text(e), tokens_compared=0)
         record(res, name, False, error_text(e), tokens_compared=0)
-    free_memory()
-
-
-def _timings(res: dict, p: Profile, pl: Plan, peaks, seed: int) -> None:
-    name = f"engine timings ran ({', '.join(pl.models)}; {pl.timing_impl})"
-    try:
-        t = res["timings"] = timings(p, pl.timing_impl, peaks, seed, pl.models)
-        record(res, name, not t["errors"],
-               "; ".join(t["errors"][:3]) if t["errors"] else
-               "figures are not judged" + ("; in smoke mode they say nothing about speed"
-                                           if pl.smoke else ""))
-    except Exception as e:  # noqa: BLE001
-        traceback.print_exc()
-        record(res, name, False, error_text(e))
     free_memory()
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jserve.config import LlamaConfig
+from jserve.config import ModelConfig
 
 # (substring of device_kind, dense bf16 FLOP/s, memory bytes/s), first match wins. Vendor
 # datasheet figures (SXM parts unless named); an H100 NVL is left unknown (n/a), not guessed.
@@ -57,10 +57,10 @@ class Profile:
     chunk_sizes: tuple[int, ...]
 
 
-def llama_cfg(**kw) -> LlamaConfig:
+def llama_cfg(**kw) -> ModelConfig:
     base = dict(rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
                 bos_token_id=1, eos_token_ids=(2,))
-    return LlamaConfig(**{**base, **kw})
+    return ModelConfig(**{**base, **kw})
 
 
 LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,

@@ -72,73 +72,113 @@ def prefill_timing(p: Profile, name: str, cfg, engine, impl: str, peaks, prompt_
     return row
 
 
-def model_timings(p: Profile, name: str, impl: str, peaks, seed: int, out: dict) -> None:
-    """Every figure of one model into ``out``; a failed measurement is recorded in
-    ``out["errors"]`` and the others still run."""
-    cfg = llama_cfg(**p.timing_models[name])
-    say(f"timings: {name} ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
-        f"{cfg.num_attention_heads}/{cfg.num_key_value_heads} heads, head_dim {cfg.head_dim}, "
-        f"{cfg.dtype}, attention {impl})")
+class ModelTimings:
+    """One timing model's measurements as separate steps (the budgeted run's items): its
+    random weights and engine are made on first use and kept for the next measurement until
+    ``close``; each measurement appends its row to ``out`` and, failing, its error to
+    ``out["errors"]`` before raising. The engine compiles its whole program set at start
+    (``warmup``, on a thread pool) unless ``warmup`` is "none"."""
 
-    def attempt(what, fn):
+    def __init__(self, p: Profile, name: str, impl: str, peaks, seed: int, out: dict,
+                 warmup: str = "all"):
+        self.p, self.name, self.impl, self.peaks, self.seed, self.out = (p, name, impl, peaks,
+                                                                         seed, out)
+        self.cfg = llama_cfg(**p.timing_models[name])
+        self.warmup = warmup
+        self.rng = np.random.default_rng(seed)
+        self.params = self.engine = None
+
+    def _pages(self, n: int) -> int:
+        return -(-n // self.p.page)
+
+    def _attempt(self, what: str, fn):
         try:
             return fn()
-        except Exception as e:  # noqa: BLE001 - the other figures still run
-            traceback.print_exc()
-            out["errors"].append(f"{name} {what}: {error_text(e)}")
-            say(f"  {name} {what} failed: {error_text(e)}")
-            return None
+        except Exception as e:
+            self.out["errors"].append(f"{self.name} {what}: {error_text(e)}")
+            say(f"  {self.name} {what} failed: {error_text(e)}")
+            raise
 
-    params = attempt("weights", lambda: random_params(cfg, seed))
-    if params is None:
-        return
-    rng = np.random.default_rng(seed)
-    pages = lambda n: -(-n // p.page)  # noqa: E731
-    long_len = p.chunk_context + p.page
-    # The decode engine (token budget prefill_len) also serves the big-chunk prefill at long
-    # context when its max_model_len allows: one engine, fewer compiles.
-    reuse = p.decode_max_model_len >= long_len
-    need = max(max(p.decode_batches) * pages(p.decode_prompt + p.decode_tokens),
-               pages(p.prefill_len) + 1, pages(long_len) + 1 if reuse else 0)
-    engine = attempt("engine", lambda: make_engine(
-        cfg, params, impl, max_num_seqs=max(p.decode_batches),
-        max_num_batched_tokens=p.prefill_len, max_prefill_seqs=4,
-        max_model_len=p.decode_max_model_len, page_size=p.page, num_kv_pages=need + 2))
-    if engine is not None:
-        for b in p.decode_batches:
-            for burst in (1, p.decode_burst):
-                row = attempt(f"decode b={b} burst {burst}", lambda b=b, burst=burst:
-                              decode_timing(p, name, cfg, engine, impl, peaks, b, rng, burst))
-                if row:
-                    out["decode"].append(row)
-        row = attempt(f"prefill {p.prefill_len}", lambda: prefill_timing(
-            p, name, cfg, engine, impl, peaks, p.prefill_len, p.prefill_len, rng))
-        if row:
-            out["prefill"].append(row)
-    chunks = {}
-    # The chunk the decode engine can serve first, then drop that engine.
-    for chunk in sorted(p.chunk_sizes, key=lambda c: not (reuse and c == p.prefill_len)):
-        def run(chunk=chunk):
-            # Reads `engine` when it runs, after it may have been dropped (so its pool is freed).
-            eng = (engine if reuse and engine is not None and chunk == p.prefill_len else  # noqa: B023
-                   make_engine(cfg, params, impl, max_num_seqs=1, max_num_batched_tokens=chunk,
-                               max_prefill_seqs=1, max_model_len=long_len, page_size=p.page,
-                               num_kv_pages=pages(long_len) + 3))
-            return prefill_timing(p, name, cfg, eng, impl, peaks, p.chunk_context, chunk, rng)
-        if chunk != p.prefill_len or not reuse:
-            engine = None  # the decode engine's pool goes before a new one is allocated
-            free_memory()
-        row = attempt(f"prefill {p.chunk_context} in chunks of {chunk}", run)
+    def _weights(self):
+        if self.params is None:
+            cfg = self.cfg
+            say(f"timings: {self.name} ({cfg.num_hidden_layers} layers, hidden "
+                f"{cfg.hidden_size}, {cfg.num_attention_heads}/{cfg.num_key_value_heads} "
+                f"heads, head_dim {cfg.head_dim}, {cfg.dtype}, attention {self.impl})")
+            self.params = self._attempt("weights", lambda: random_params(cfg, self.seed))
+        return self.params
+
+    def _engine(self):
+        """The decode engine (token budget ``prefill_len``: it serves the one-chunk prefill
+        too), built on first use."""
+        if self.engine is None:
+            p = self.p
+            need = max(max(p.decode_batches) * self._pages(p.decode_prompt + p.decode_tokens),
+                       self._pages(p.prefill_len) + 1)
+            params = self._weights()
+            self.engine = self._attempt("engine", lambda: make_engine(
+                self.cfg, params, self.impl, max_num_seqs=max(p.decode_batches),
+                max_num_batched_tokens=p.prefill_len, max_prefill_seqs=4,
+                max_model_len=p.decode_max_model_len, page_size=p.page,
+                num_kv_pages=need + 2, warmup=self.warmup))
+            say(f"  {self.name} engine: {self.engine.startup.line()}")
+        return self.engine
+
+    def decode(self, b: int, burst: int = 1) -> None:
+        row = self._attempt(f"decode b={b} burst {burst}", lambda: decode_timing(
+            self.p, self.name, self.cfg, self._engine(), self.impl, self.peaks, b, self.rng,
+            burst))
+        self.out["decode"].append(row)
+
+    def prefill(self) -> None:
+        n = self.p.prefill_len
+        self.out["prefill"].append(self._attempt(f"prefill {n}", lambda: prefill_timing(
+            self.p, self.name, self.cfg, self._engine(), self.impl, self.peaks, n, n,
+            self.rng)))
+
+    def close(self) -> None:
+        """Drops the engine and weights (their device memory goes before the next model)."""
+        self.engine = self.params = None
         free_memory()
-        if row:
-            out["prefill"].append(row)
-            chunks[chunk] = row
-    if len(chunks) >= 2:
+
+    def chunked(self) -> None:
+        """The long prompt prefilled in each chunk size, one engine each (the decode engine
+        is dropped first), and the small-against-large row."""
+        p, chunks = self.p, {}
+        self.engine = None
+        long_len = p.chunk_context + p.page
+        for chunk in p.chunk_sizes:
+            def run(chunk=chunk):
+                eng = make_engine(self.cfg, self._weights(), self.impl, max_num_seqs=1,
+                                  max_num_batched_tokens=chunk, max_prefill_seqs=1,
+                                  max_model_len=long_len, page_size=p.page,
+                                  num_kv_pages=self._pages(long_len) + 3)
+                return prefill_timing(p, self.name, self.cfg, eng, self.impl, self.peaks,
+                                      p.chunk_context, chunk, self.rng)
+            chunks[chunk] = self._attempt(f"prefill {p.chunk_context} in chunks of {chunk}",
+                                          run)
+            self.out["prefill"].append(chunks[chunk])
+            free_memory()
         lo, hi = min(chunks), max(chunks)
-        out["chunked"].append(dict(model=name, context=p.chunk_context, small_chunk=lo,
-                                   big_chunk=hi, small_s=chunks[lo]["seconds"],
-                                   big_s=chunks[hi]["seconds"],
-                                   slowdown=chunks[lo]["seconds"] / chunks[hi]["seconds"]))
+        self.out["chunked"].append(dict(
+            model=self.name, context=p.chunk_context, small_chunk=lo, big_chunk=hi,
+            small_s=chunks[lo]["seconds"], big_s=chunks[hi]["seconds"],
+            slowdown=chunks[lo]["seconds"] / chunks[hi]["seconds"]))
+
+
+def model_timings(p: Profile, name: str, impl: str, peaks, seed: int, out: dict) -> None:
+    """Every figure of one model into ``out`` (decode at each batch with and without
+    bursts, the one-chunk prefill, the chunked long prefill); a failed measurement is in
+    ``out["errors"]`` and the others still run."""
+    m = ModelTimings(p, name, impl, peaks, seed, out)
+    steps = [lambda b=b, burst=burst: m.decode(b, burst) for b in p.decode_batches
+             for burst in (1, p.decode_burst)] + [m.prefill, m.chunked]
+    for step in steps:
+        try:
+            step()
+        except Exception:  # noqa: BLE001 - recorded in out["errors"]; the others still run
+            traceback.print_exc()
+    m.close()
 
 
 def timings(p: Profile, impl: str, peaks, seed: int, models: list[str]) -> dict:

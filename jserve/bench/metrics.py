@@ -7,11 +7,15 @@ vLLM report it), the TTFT deadline-miss rate and completions; over the whole run
 
 Unfinished requests are not dropped: a TTFT or end-to-end latency that never happened is
 ``inf``, so a backlog shows in the percentiles instead of being averaged away.
+
+``serving_result`` gives vLLM ``bench serve``'s result keys instead, over finished requests as
+vLLM defines them (``jserve bench serve``: ``jserve.bench.serve_bench``).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from typing import Iterable, Sequence
 
 LONG_PROMPT_TOKENS = 32_768  # default split: prompts at least this long are long requests
@@ -148,3 +152,65 @@ def ratio(baseline: float, value: float) -> float:
     if math.isinf(baseline):
         return math.nan if math.isinf(value) else math.inf
     return baseline / value if value > 0 else math.inf
+
+
+# -- vLLM's ``bench serve`` figures ------------------------------------------------------------
+SERVING_METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+def _gaps(times: Sequence[float]) -> list[float]:
+    return [b - a for a, b in zip(times, times[1:])]
+
+
+def serving_result(records: Sequence[dict], duration_s: float, *,
+                   metrics: Sequence[str] = ("ttft", "tpot", "itl"),
+                   percentiles: Sequence[float] = (99,)) -> dict:
+    """vLLM ``bench serve``'s result keys from ``run_http``'s records, defined as vLLM does:
+    over the requests that finished (``completed``; the others ``failed``), TTFT is send to
+    first chunk, TPOT ``(last - first token) / (output tokens - 1)`` for requests of 2 tokens
+    or more (the first token left out), ITL every gap between consecutive chunks, E2EL send to
+    last chunk; throughputs are totals over ``duration_s``. Input tokens are the server's
+    ``usage.prompt_tokens`` where it reported them, else the prompt's length. Per metric in
+    ``metrics``: ``mean_/median_/std_{m}_ms`` (population std) and ``p{q}_{m}_ms`` per
+    percentile (linear interpolation, numpy's default); an empty series gives 0, as vLLM's."""
+    ok = [r for r in records if r["finish_s"] is not None]
+    out_tokens = sum(r["output_tokens"] for r in ok)
+    in_tokens = sum(r.get("usage_prompt_tokens") or r["prompt_tokens"] for r in ok)
+    res = {"duration": duration_s, "completed": len(ok), "failed": len(records) - len(ok),
+           "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
+           "request_throughput": len(ok) / duration_s, "request_goodput": None,
+           "output_throughput": out_tokens / duration_s,
+           "total_token_throughput": (in_tokens + out_tokens) / duration_s, **_peaks(ok)}
+    series = {"ttft": [ttft(r) for r in ok], "e2el": [e2e(r) for r in ok],
+              "tpot": [t for t in map(tpot, ok) if t is not None],
+              "itl": [g for r in ok for g in _gaps(r.get("chunk_times_s") or
+                                                   r["token_times_s"])]}
+    for m in metrics:
+        if m not in series:
+            raise ValueError(f"unknown metric {m!r}: choose from {', '.join(SERVING_METRICS)}")
+        xs = series[m] or [0.0]
+        res[f"mean_{m}_ms"] = sum(xs) / len(xs) * 1e3
+        res[f"median_{m}_ms"] = percentile(xs, 50) * 1e3
+        res[f"std_{m}_ms"] = statistics.pstdev(xs) * 1e3
+        for q in percentiles:
+            res[f"p{int(q) if int(q) == q else q}_{m}_ms"] = percentile(xs, q) * 1e3
+    return res
+
+
+def _peaks(ok: Sequence[dict]) -> dict:
+    """The most output tokens in one second (seconds counted from the first send) and the
+    most requests in flight at once (each from its send to its last token)."""
+    if not ok:
+        return {"max_output_tokens_per_s": 0.0, "max_concurrent_requests": 0}
+    start = min(r["arrival_s"] for r in ok)
+    per_second: dict[int, int] = {}
+    for r in ok:
+        for t in r["token_times_s"]:
+            per_second[int(t - start)] = per_second.get(int(t - start), 0) + 1
+    events = sorted([(r["arrival_s"], 1) for r in ok] + [(r["finish_s"], -1) for r in ok])
+    level = peak = 0
+    for _, d in events:  # at a tie an end comes first: [send, finish) intervals
+        level += d
+        peak = max(peak, level)
+    return {"max_output_tokens_per_s": float(max(per_second.values(), default=0)),
+            "max_concurrent_requests": peak}

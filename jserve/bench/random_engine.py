@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
-from jserve.config import LlamaConfig
+from jserve.config import ModelConfig
 from jserve.engine.config import EngineConfig
 from jserve.engine.engine import LLMEngine
 from jserve.model.params import param_shapes
@@ -24,7 +24,7 @@ def free_memory() -> None:
     jax.clear_caches()
 
 
-def random_params(cfg: LlamaConfig, seed: int):
+def random_params(cfg: ModelConfig, seed: int):
     """Random weights like ``init_params`` (normal(0, 0.02) matrices, unit norms) drawn on the
     device: numpy draws for an 8B model take minutes. ``param_shapes`` gives the layout; a
     tiny ``init_params`` of the same depth confirms it still is ``init_params``'s layout
@@ -54,10 +54,12 @@ def random_params(cfg: LlamaConfig, seed: int):
 
 
 def make_engine(cfg, params, impl: str, **kwargs) -> LLMEngine:
+    """No warm-up unless ``kwargs`` ask for one (``warmup="all"``: the whole program set,
+    compiled in parallel)."""
     # No prefix cache: ``twice`` serves the same prompts again, and a timed run that finds
     # them cached measures one short chunk (and its compile), not the prefill.
     return LLMEngine(cfg, params, None, EngineConfig(
-        attention_impl=impl, warmup=False, enable_prefix_caching=False, **kwargs))
+        attention_impl=impl, enable_prefix_caching=False, **{"warmup": False, **kwargs}))
 
 
 def serve(engine: LLMEngine, prompts, params, desc: str):

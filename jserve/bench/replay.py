@@ -36,11 +36,13 @@ def request_params(t: TraceRequest) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=t.output_tokens, ignore_eos=True)
 
 
-def _fill(rec: dict, token_times: list[float], finish_reason: str | None) -> None:
+def _fill(rec: dict, token_times: list[float], finish_reason: str | None,
+          tokens: int | None = None) -> None:
     """Token times (run-relative) and how the request ended; ``finish_s`` is the last token's
-    time for requests that ended normally, null for those the window cut."""
+    time for requests that ended normally, null for those the window cut. ``tokens``: the
+    output tokens the server reported (default: the token times')."""
     rec["token_times_s"] = token_times
-    rec["output_tokens"] = len(token_times)
+    rec["output_tokens"] = len(token_times) if tokens is None else tokens
     rec["first_token_s"] = token_times[0] if token_times else None
     rec["finish_reason"] = finish_reason
     rec["finish_s"] = token_times[-1] if finish_reason in ("stop", "length") else None
@@ -177,79 +179,119 @@ async def _all(one, trace, prompts, records, bar, concurrency: int | None = None
 
 
 HTTP_FALLBACK_VOCAB = 256  # ids every tokenizer has, for servers that do not say their vocab
+GREEDY_FIELDS = {"temperature": 0, "ignore_eos": True}  # run_http's default request fields
 
 
 async def run_http(url: str, trace: Sequence[TraceRequest], *, window_s: float | None = None,
                    seed: int = 0, progress: bool = True, auth_token: str | None = None,
-                   model: str | None = None, concurrency: int | None = None) -> list[dict]:
-    """The same through ``POST {url}/v1/completions`` with ``stream: true`` (token-id prompts,
-    greedy, ``ignore_eos``, ``max_tokens`` = the trace's output length). A chunk counts as one
-    token, or as its ``logprobs.tokens`` when the server sends them; tokens the final ``usage``
-    reports beyond the chunks (a server that coalesced) count at the last chunk's time. The
-    window becomes each request's client timeout (the connection is dropped, which aborts the
-    request on jserve). The model is ``model`` or the first of ``/v1/models``; prompts use the
-    model's ``vocab_size`` when /v1/models gives it (jserve does), so they equal the gRPC
-    run's, else ids below 256. ``concurrency`` as ``run_remote``'s."""
-    import json
+                   model: str | None = None, concurrency: int | None = None,
+                   prompts: dict[str, list[int] | str] | None = None,
+                   endpoint: str = "/v1/completions", fields: dict | None = None
+                   ) -> list[dict]:
+    """The same through ``POST {url}{endpoint}`` with ``stream: true``: ``/v1/completions``
+    (token-id or text prompts) or ``/v1/chat/completions`` (a text prompt as the user's
+    message), ``max_tokens`` = the trace's output length, and ``fields`` (default greedy,
+    ``ignore_eos``). ``prompts`` (by request id): default random token ids of the trace's
+    lengths, from the model's ``vocab_size`` when /v1/models gives it (jserve does, so they
+    equal the gRPC run's), else ids below 256. The model is ``model`` or the first of
+    /v1/models. The window becomes each request's client timeout (the connection is dropped,
+    which aborts the request on jserve). ``concurrency`` as ``run_remote``'s.
 
+    A chunk with a choice counts as one token, or as its logprobs' tokens when the server
+    sends them; the final ``usage`` (asked for) gives ``output_tokens`` when it came, and
+    tokens it reports beyond the chunks count at the last chunk's time. Each record also has
+    ``chunk_times_s`` (every chunk with a choice), ``usage_prompt_tokens`` (null without a
+    usage), ``done_s`` (its stream closed) and ``error`` (why it failed, else null)."""
     import httpx2 as httpx
 
     trace = _sorted(trace)
     headers = {"Authorization": f"Bearer {auth_token}"} if auth_token else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    fields = GREEDY_FIELDS if fields is None else fields
     async with httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, limits=limits,
                                  timeout=httpx.Timeout(None, connect=30)) as client:
         r = await client.get("/v1/models")
         r.raise_for_status()
         info = r.json()["data"][0]
         model = model or info["id"]
-        prompts = prompt_token_ids(trace, info.get("vocab_size", HTTP_FALLBACK_VOCAB), seed)
+        prompts = (prompt_token_ids(trace, info.get("vocab_size", HTTP_FALLBACK_VOCAB), seed)
+                   if prompts is None else [prompts[t.request_id] for t in trace])
         label = info.get("scheduler", model)
         records = {t.request_id: empty_record(t, label) for t in trace}
         bar = tqdm(total=len(trace), desc=label, unit="req", disable=not progress, leave=False)
         loop = asyncio.get_running_loop()
         t0 = loop.time()
 
-        async def stream(t: TraceRequest, ids: list[int], times: list[float]) -> str | None:
-            body = {"model": model, "prompt": ids, "max_tokens": t.output_tokens,
-                    "temperature": 0, "ignore_eos": True, "stream": True,
-                    "stream_options": {"include_usage": True}}
-            reason, usage = None, None
-            async with client.stream("POST", "/v1/completions", json=body) as resp:
-                if resp.status_code != 200:
-                    log.warning("request %s failed: HTTP %d %s", t.request_id,
-                                resp.status_code, (await resp.aread())[:200])
-                    return "abort"
-                async for line in _sse_data(resp):
-                    chunk = json.loads(line)
-                    if "error" in chunk:
-                        log.warning("request %s failed: %s", t.request_id, chunk["error"])
-                        return "abort"
-                    now = loop.time() - t0
-                    for c in chunk.get("choices") or ():
-                        lp = c.get("logprobs")
-                        times.extend([now] * (len(lp["tokens"]) if lp else 1))
-                        reason = c.get("finish_reason") or reason
-                    usage = chunk.get("usage") or usage
-            if usage and times and usage["completion_tokens"] > len(times):
-                times.extend([times[-1]] * (usage["completion_tokens"] - len(times)))
-            return reason
-
-        async def one(t: TraceRequest, ids: list[int]) -> None:
+        async def one(t: TraceRequest, prompt: list[int] | str) -> None:
             await asyncio.sleep(max(0.0, t0 + t.arrival_s - loop.time()))
             timeout = None if window_s is None else t0 + window_s - loop.time()
+            rec = records[t.request_id]
+            rec.update(chunk_times_s=[], usage_prompt_tokens=None, error=None)
             times: list[float] = []
-            reason = None
+            reason, tokens = None, None
             if timeout is None or timeout > 0:
+                body = _http_body(endpoint, model, prompt, t.output_tokens, fields)
                 try:
-                    reason = await asyncio.wait_for(stream(t, ids, times), timeout)
+                    reason, tokens = await asyncio.wait_for(
+                        _stream(client, endpoint, body, rec, times, lambda: loop.time() - t0),
+                        timeout)
                 except asyncio.TimeoutError:
                     pass
-            _fill(records[t.request_id], times, reason)
+                except httpx.HTTPError as e:
+                    reason, rec["error"] = "abort", f"{type(e).__name__}: {e}"
+            if rec["error"]:
+                log.warning("request %s failed: %s", t.request_id, rec["error"])
+            _fill(rec, times, reason, tokens)
+            rec["done_s"] = loop.time() - t0
             bar.update()
 
         return await _all(one, trace, prompts, records, bar, concurrency,
                           lambda: loop.time() - t0)
+
+
+def _http_body(endpoint: str, model: str, prompt: list[int] | str, max_tokens: int,
+               fields: dict) -> dict:
+    body = {"model": model, "max_tokens": max_tokens, **fields, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if endpoint.rstrip("/").endswith("/chat/completions"):
+        if not isinstance(prompt, str):
+            raise ValueError(f"{endpoint} takes text prompts, not token ids")
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    return body
+
+
+async def _stream(client, endpoint: str, body: dict, rec: dict, times: list[float], clock
+                  ) -> tuple[str | None, int | None]:
+    """One streamed request: fills ``times`` (a token's time each), the record's chunk times,
+    prompt usage and error; its finish reason ("abort" when it failed) and the completion
+    tokens the usage reported (None without one)."""
+    import json
+
+    reason, usage = None, None
+    async with client.stream("POST", endpoint, json=body) as resp:
+        if resp.status_code != 200:
+            rec["error"] = f"HTTP {resp.status_code} {(await resp.aread())[:200]!r}"
+            return "abort", None
+        async for line in _sse_data(resp):
+            chunk = json.loads(line)
+            if "error" in chunk:
+                rec["error"] = str(chunk["error"])
+                return "abort", None
+            now = clock()
+            for c in chunk.get("choices") or ():
+                rec["chunk_times_s"].append(now)
+                lp = c.get("logprobs") or {}
+                times.extend([now] * (len(lp.get("tokens") or lp.get("content") or ()) or 1))
+                reason = c.get("finish_reason") or reason
+            usage = chunk.get("usage") or usage
+    if not usage:
+        return reason, None
+    rec["usage_prompt_tokens"] = usage.get("prompt_tokens")
+    if times and usage["completion_tokens"] > len(times):
+        times.extend([times[-1]] * (usage["completion_tokens"] - len(times)))
+    return reason, usage["completion_tokens"]
 
 
 async def _sse_data(resp):

@@ -12,9 +12,9 @@ from jserve.bench.jax_events import EventRecorder
 
 
 def make_cfg(depth: int, hidden: int, vocab: int):
-    from jserve.config import LlamaConfig
+    from jserve.config import ModelConfig
     inter = 688 if hidden == 256 else int(hidden * 8 / 3 + 63) // 64 * 64
-    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+    return ModelConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
                        num_hidden_layers=depth, num_attention_heads=4, num_key_value_heads=2,
                        head_dim=64, max_position_embeddings=8192, eos_token_ids=(2,))
 

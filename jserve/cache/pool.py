@@ -5,7 +5,7 @@ import os
 
 import jax
 
-from jserve.config import LlamaConfig
+from jserve.config import ModelConfig
 from jserve.kernels import kv_quant
 
 # (k_pages, v_pages), each [layers, Hkv, P, S, D]: stacked like the runtime params, so the
@@ -14,7 +14,7 @@ from jserve.kernels import kv_quant
 KVCache = tuple[jax.Array | kv_quant.QuantizedPages, jax.Array | kv_quant.QuantizedPages]
 
 
-def kv_bytes_per_page(cfg: LlamaConfig, page_size: int, kv_heads: int | None = None,
+def kv_bytes_per_page(cfg: ModelConfig, page_size: int, kv_heads: int | None = None,
                       num_layers: int | None = None, kv_cache_dtype: str = "auto") -> int:
     """Stored bytes of one page over ``num_layers`` layers (K and V) holding ``kv_heads``
     heads (defaults: the model's; a tensor-parallel device stores its share of the heads, a
@@ -40,6 +40,20 @@ def available_device_bytes(device: jax.Device) -> int:
 CPU_KV_BUDGET_BYTES = 4 << 30
 
 
+def total_host_bytes() -> int:
+    """The host's physical RAM: fixed for the machine, unlike its free RAM."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def cpu_kv_budget(memory_fraction: float) -> int:
+    """The CPU pool's default budget: ``memory_fraction`` of the host's *total* RAM, at most
+    ``CPU_KV_BUDGET_BYTES``. Free RAM moves with whatever else runs, and with it the pool,
+    every step program's KV shape and the swap pressure; total RAM does not, so the pool,
+    the program set and the memory plan are the same on every start of a machine (and the
+    same 4 GiB on any host with 8 GiB or more at the default fraction)."""
+    return min(int(total_host_bytes() * memory_fraction), CPU_KV_BUDGET_BYTES)
+
+
 def stable_page_count(pages: int, steps_per_octave: int = 8) -> int:
     """``pages`` rounded down to one of ``steps_per_octave`` sizes per power of two (at most
     1/8 fewer). A pool sized from free memory, which moves with everything else on the
@@ -51,12 +65,13 @@ def stable_page_count(pages: int, steps_per_octave: int = 8) -> int:
     return pages // grain * grain
 
 
-def num_pages_for_budget(cfg: LlamaConfig, page_size: int, *, kv_cache_bytes: int | None,
+def num_pages_for_budget(cfg: ModelConfig, page_size: int, *, kv_cache_bytes: int | None,
                          memory_fraction: float, max_useful_pages: int,
                          kv_heads: int | None = None, num_layers: int | None = None,
                          kv_cache_dtype: str = "auto") -> int:
     """Pages that fit one device's budget: an explicit byte count, else a fraction of its free
-    memory (on CPU at most ``CPU_KV_BUDGET_BYTES``), rounded by ``stable_page_count``;
+    memory (on CPU of the host's total RAM, ``cpu_kv_budget``), rounded by
+    ``stable_page_count``;
     ``kv_heads`` and ``num_layers`` are what a device stores per page (``kv_bytes_per_page``).
 
     Capped at ``max_useful_pages`` (every sequence slot at full context) plus the reserved
@@ -69,9 +84,8 @@ def num_pages_for_budget(cfg: LlamaConfig, page_size: int, *, kv_cache_bytes: in
     fits = None
     if budget is None:
         device = jax.local_devices()[0]
-        budget = int(available_device_bytes(device) * memory_fraction)
-        if device.platform == "cpu":
-            budget = min(budget, CPU_KV_BUDGET_BYTES)
+        budget = (cpu_kv_budget(memory_fraction) if device.platform == "cpu"
+                  else int(available_device_bytes(device) * memory_fraction))
         fits = stable_page_count(budget // kv_bytes_per_page(cfg, page_size, kv_heads,
                                                              num_layers, kv_cache_dtype))
     if fits is None:
@@ -85,13 +99,13 @@ def num_pages_for_budget(cfg: LlamaConfig, page_size: int, *, kv_cache_bytes: in
     return int(pages)
 
 
-def kv_cache_shape(cfg: LlamaConfig, num_pages: int, page_size: int,
+def kv_cache_shape(cfg: ModelConfig, num_pages: int, page_size: int,
                    kv_heads: int | None = None) -> tuple[int, ...]:
     heads = cfg.num_key_value_heads if kv_heads is None else kv_heads
     return (cfg.num_hidden_layers, heads, num_pages, page_size, cfg.head_dim)
 
 
-def allocate_kv_cache(cfg: LlamaConfig, num_pages: int, page_size: int,
+def allocate_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int,
                       kv_cache_dtype: str = "auto") -> KVCache:
     shape = kv_cache_shape(cfg, num_pages, page_size)
     return (kv_quant.zeros(shape, kv_cache_dtype, cfg.np_dtype),

@@ -8,17 +8,17 @@ import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from jserve.cache.pool import kv_cache_shape
-from jserve.config import LlamaConfig
+from jserve.config import ModelConfig
 from jserve.kernels import kv_quant
 from jserve.model import quant
-from jserve.model.llama import Params, unstack_layers
-from jserve.model.params import runtime_param_shapes
+from jserve.model.llama import unstack_layers
+from jserve.model.params import Params, runtime_param_shapes
 from sharding.kv_parallel import STACKED_KV_SPEC
 from sharding.mesh import AXES
 from sharding.specs import kv_head_map, param_specs
 
 
-def abstract_params(cfg: LlamaConfig, mesh: jax.sharding.Mesh | None,
+def abstract_params(cfg: ModelConfig, mesh: jax.sharding.Mesh | None,
                     device: jax.Device | None = None) -> Params:
     """Runtime-layout params as ``ShapeDtypeStruct``s: split by ``param_specs`` on ``mesh``
     (``tp_layout`` reorders, it never reshapes), or on ``device`` without a mesh."""
@@ -40,7 +40,7 @@ def abstract_params(cfg: LlamaConfig, mesh: jax.sharding.Mesh | None,
     return params
 
 
-def abstract_kv_cache(cfg: LlamaConfig, num_pages: int, page_size: int,
+def abstract_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int,
                       mesh: jax.sharding.Mesh | None, device: jax.Device | None = None,
                       kv_cache_dtype: str = "auto"):
     """(k, v) pages as ``ShapeDtypeStruct``s, laid out as the engine allocates them:
@@ -57,7 +57,7 @@ def abstract_kv_cache(cfg: LlamaConfig, num_pages: int, page_size: int,
     return spec, spec
 
 
-def params_on_one_device(cfg: LlamaConfig, unroll: bool) -> Params:
+def params_on_one_device(cfg: ModelConfig, unroll: bool) -> Params:
     """The step's params on one device as ``ShapeDtypeStruct``s (``runtime_params``'s
     output), from the config alone."""
     device = jax.local_devices()[0]

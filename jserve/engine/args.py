@@ -9,11 +9,8 @@ import argparse
 
 from jserve.config import DTYPE_CHOICES, KV_CACHE_DTYPES, QUANTIZATIONS
 from jserve.engine.config import WARMUP_MODES, EngineConfig
+from jserve.engine.vllm_names import KV_CACHE_DTYPE_ALIASES, mesh_with_tp
 from jserve.speculative.config import SpeculativeConfig
-from sharding.mesh import AXES, MeshConfig
-
-# vLLM's names of jserve's KV cache storage (``--kv-cache-dtype fp8``: vLLM's fp8 is e4m3).
-KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
 
 
 def add_engine_args(p: argparse.ArgumentParser, warmup: str = "none", **defaults) -> None:
@@ -80,11 +77,12 @@ def _add_step_args(p: argparse.ArgumentParser, warmup: str) -> None:
                    help="vLLM's flag: the mesh's tp axis (--mesh's other axes kept; a --mesh "
                         "with another tp is an error); None: --mesh's tp")
     p.add_argument("--warmup", nargs="?", const="all", choices=WARMUP_MODES, default=warmup,
-                   help="step programs compiled before the engine is ready: core (the "
-                        "largest step and the one-row decode; other shapes compile in the "
-                        "background on first use, their steps padded up meanwhile), "
-                        "background (core, then all others in the background at once), all "
-                        "(every shape; --warmup alone), none (each on first use, waiting)")
+                   help="step programs compiled before the engine is ready: all (the "
+                        "whole fixed set, on a thread pool: nothing compiles while serving; "
+                        "--warmup alone), core (the largest step and the one-row decode; "
+                        "other shapes compile in the background on first use, their steps "
+                        "padded up meanwhile), background (core, then all others in the "
+                        "background at once), none (each on first use, waiting)")
     p.add_argument("--no-warmup", dest="warmup", action="store_const", const="none",
                    help="the same as --warmup none")
     p.add_argument("--prefix-caching", "--enable-prefix-caching", dest="prefix_caching",
@@ -129,19 +127,6 @@ def positive_int(text: str) -> int:
 def kv_cache_dtype(text: str) -> str:
     """``--kv-cache-dtype``'s type: vLLM's names mapped to jserve's (fp8 is fp8_e4m3)."""
     return KV_CACHE_DTYPE_ALIASES.get(text, text)
-
-
-def mesh_with_tp(mesh: str, tp: int | None) -> str:
-    """``--mesh`` with ``--tensor-parallel-size`` as its tp axis (``mesh`` as given when
-    ``tp`` is None); ValueError when the mesh already names another tp."""
-    if tp is None:
-        return mesh
-    m = MeshConfig.parse(mesh)
-    if m.tp not in (1, tp):
-        raise ValueError(f"--tensor-parallel-size {tp} and --mesh {mesh!r} (tp={m.tp}) "
-                         "disagree: give tp once")
-    sizes = {ax: getattr(m, ax) for ax in AXES} | {"tp": tp}
-    return ",".join(f"{ax}={n}" for ax, n in sizes.items() if n > 1 or ax == "tp")
 
 
 def speculative_config(text: str):

@@ -1,12 +1,22 @@
-"""Padding buckets: every device dimension takes one of a few sizes, so a workload of any mix
-compiles nothing once the buckets are warmed up.
+"""Padding buckets: every device dimension takes one of a few sizes, so the step programs
+are a small fixed set, all compiled before the engine is ready (``StepPrograms.warmup``), and
+a workload of any mix compiles nothing while serving (``tests/test_program_set.py``).
 
-The ladders grow by 4x, not 2x: each size is one compiled program at start-up, and 4x cuts
-the default engine from 41 step shapes to 15 (docs/startup.md) for at most 4x padding of a
-short prefill chunk or a mixed step's decodes. Steps with decodes only, the steady state of
-serving, get their own finer ladder (1, 2, 4, 8 rows, then 4x; a few more programs): on CPU a
-1-row step is a matrix-vector product and runs about twice as fast as the same step padded to
-4 rows."""
+What a step program needs static, and so what is bucketed: the decode rows (the kernels
+take ``AttentionMetadata.num_decodes`` as a static split: decodes and prefill chunks are
+separate launches), the prefill tokens after them, and from those the sequence rows (decode
+rows plus ``prefill_rows`` when there is a prefill: sampling and attention metadata); the
+page-table width is one size. Two families, each one ladder:
+
+- decode-only steps (the steady state of serving): 1, 2, 4, 8 rows, then 4x up to the most
+  decodes. On CPU a 1-row step is a matrix-vector product, about twice as fast as 4 rows.
+- steps with prefill tokens: the prefill tokens on a 4x ladder (16, 64, 256, ...), with
+  either no decode rows or all of them. A padded decode row costs its token's forward only
+  (its attention is skipped: its context length is 0), a few percent of a step that carries
+  a prefill chunk, so a finer grid of decode rows would buy little and cost a program each.
+
+The default engine (32 sequences, 256-token budget) has 6 + 2 x 3 = 12 step shapes
+(docs/startup.md)."""
 from __future__ import annotations
 
 import bisect
@@ -30,7 +40,7 @@ def _ladder(lo: int, hi: int, factor: int = LADDER_FACTOR) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class Buckets:
-    decode_rows: tuple[int, ...]      # sizes for the number of decode sequences (0 included)
+    decode_rows: tuple[int, ...]      # decode rows of a step with prefill tokens (0 included)
     prefill_tokens: tuple[int, ...]   # sizes for the number of prefill tokens (0 included)
     prefill_rows: int                 # prefill sequence rows when there is any prefill
     page_table_width: int             # pages per sequence row (max_model_len / page_size, padded)
@@ -58,7 +68,7 @@ class Buckets:
         width = -(-pages // block) * block
         decodes = min(max_num_seqs * (1 + draft_tokens), token_budget)
         return cls(
-            decode_rows=(0,) + _ladder(min(4, decodes), decodes),
+            decode_rows=(0, decodes),  # a step with prefill tokens: no decodes, or all
             prefill_tokens=(0,) + _ladder(min(16, token_budget), token_budget),
             prefill_rows=max_prefill_seqs,
             page_table_width=width * kvp,

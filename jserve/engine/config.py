@@ -1,5 +1,5 @@
 """Engine settings (frozen; built from ``LLM(...)`` keywords or CLI flags). The model's
-architecture is ``jserve.config.LlamaConfig``; this module is the serving side's."""
+architecture is ``jserve.config.ModelConfig``; this module is the serving side's."""
 from __future__ import annotations
 
 import dataclasses
@@ -25,8 +25,8 @@ class EngineConfig:
     max_prefill_seqs: int = 4          # prefill chunks per iteration at most
     max_model_len: int | None = None   # default: min(model's max positions, 8192)
     page_size: int = 16
-    # Explicit KV budget; else memory_fraction of free memory (on CPU at most 4 GiB:
-    # jserve.cache.pool.CPU_KV_BUDGET_BYTES, every page is zeroed at start).
+    # Explicit KV budget; else memory_fraction of free device memory (on CPU of the host's
+    # total RAM, at most 4 GiB: jserve.cache.pool.cpu_kv_budget, the same every start).
     kv_cache_bytes: int | None = None
     # Exact KV pool size in pages per device (one kvp group's pool; the reserved sink page
     # included), like vLLM's num_gpu_blocks_override; excludes kv_cache_bytes.
@@ -89,14 +89,16 @@ class EngineConfig:
     seed: int = 0                      # draws seeds for requests that give none
     # "tp=2,kvp=2,spp=2" (sharding.MeshConfig: dp, spp, kvp, tp); dp is not supported yet.
     mesh: str = "tp=1"
-    # Which step programs compile before the engine is ready (docs/startup.md): "core" (the
-    # largest step, which covers every other padded, the one-row decode and the sampler;
-    # any other bucket shape compiles in a background thread the first time a step needs
-    # it, and runs padded up to a compiled shape until then), "background" (core, then
-    # every other shape in the background right away), "all" (every shape before ready;
-    # True) or "none" (each shape compiles on first use, and its step waits; False).
+    # Which step programs compile before the engine is ready (docs/startup.md): "all" (the
+    # whole fixed set: every bucket shape's step, the samplers, decode bursts and swap
+    # programs when on, compiled on a thread pool with the persistent cache, so nothing
+    # compiles while serving; True), "core" (the largest step, which covers every other
+    # padded, and the one-row decode; any other shape compiles in a background thread the
+    # first time a step needs it and runs padded up to a compiled shape until then),
+    # "background" (core, then every other shape in the background right away) or "none"
+    # (each shape compiles on first use, and its step waits; False).
     # With spp > 1 or several processes, "core" and "background" mean "all".
-    warmup: str = "core"
+    warmup: str = "all"
     # Plan and build step N+1 on the host while step N runs on the device; sampled tokens
     # stay there and feed the next step, the host reads them one step later. False: every
     # step waits for its tokens (debugging, exact step timing).

@@ -20,7 +20,8 @@ from typing import Sequence
 
 import numpy as np
 
-from jserve.config import LlamaConfig
+from jserve.config import ModelConfig
+from jserve.engine import prompt_logprobs
 from jserve.engine.config import EngineConfig
 from jserve.engine.factory import build_engine_parts, enable_compilation_cache
 from jserve.engine.faults import RequestFaults
@@ -36,7 +37,7 @@ from jserve.engine.swap import HostKVStore
 from jserve.engine.tick_slots import TickSlots
 from jserve.engine.timing import StepClock
 from jserve.fields import check_slos, number
-from jserve.model.llama import Params
+from jserve.model.params import Params
 from jserve.sampling.params import SamplingParams
 from jserve.scheduler import BatchPlan, Request, RequestStatus
 from jserve.scheduler.predictor import CorrectedPredictor
@@ -48,13 +49,13 @@ log = logging.getLogger(__name__)
 _EMPTY_PLAN = BatchPlan((), ())
 
 
-def _draft_engine(cfg: LlamaConfig, params: Params, config: EngineConfig) -> LLMEngine:
+def _draft_engine(cfg: ModelConfig, params: Params, config: EngineConfig) -> LLMEngine:
     """The engine a draft model proposes from (``jserve.speculative.draft_model``)."""
     return LLMEngine(cfg, params, None, config)
 
 
 class LLMEngine:
-    def __init__(self, cfg: LlamaConfig, params: Params, tokenizer: Tokenizer | None,
+    def __init__(self, cfg: ModelConfig, params: Params, tokenizer: Tokenizer | None,
                  config: EngineConfig = EngineConfig(), startup: StartupTimes | None = None):
         self.startup = startup or StartupTimes()  # ``LLM`` starts it before reading the model
         enable_compilation_cache(config.compilation_cache_dir)
@@ -69,8 +70,11 @@ class LLMEngine:
         # The model's own EOS ids plus the tokenizer's (generation_config may add end-of-turn).
         self.eos_ids = tuple(dict.fromkeys(
             cfg.eos_token_ids + (tokenizer.eos_token_ids if tokenizer else ())))
-        self.intake = RequestIntake(tokenizer, cfg.vocab_size, self.max_model_len,
-                                    self.allocator, self.eos_ids)
+        self.intake = RequestIntake(
+            tokenizer, cfg.vocab_size, self.max_model_len, self.allocator, self.eos_ids,
+            no_prompt_logprobs=("stream pipeline parallelism (spp > 1)"
+                                if parts.mesh_config.spp > 1 else
+                                "multi-process serving" if parts.multi_process else None))
         self.outputs = OutputProcessor(self.eos_ids, self.max_model_len)
         self.host_kv = HostKVStore(self.runner)
         self.state_rows = StateRows(self.runner.state_sink)
@@ -197,6 +201,8 @@ class LLMEngine:
             out = self._execute(launched, lone)
             if launched is not None and self.length_tracker is not None:
                 launched.capture = self.runner.last_capture
+            if launched is not None and launched.built.arrays.want_prompt_logprobs:
+                launched.prompt_logprobs = self.runner.last_prompt_logprobs
         except Exception as e:  # noqa: BLE001 - a failed step must not strand its requests
             return self._step_failed(e, new_plan=plan)
         done = self._in_flight.push(launched, out, lone)
@@ -264,6 +270,10 @@ class LLMEngine:
             self.length_tracker.observe(done.plan, done.built, self.requests, done.capture)
         rows = [row for row, _ in done.built.sample_rows]
         sampled = (tokens[rows] if tokens.ndim == 1 else tokens[:, rows].T.ravel()).tolist()
+        if done.prompt_logprobs is not None:  # before the first token's output
+            prompt_logprobs.record(done.prompt_logprobs, done.built.shape[0],
+                                   done.plan.prefills, done.requests[len(done.plan.decodes):],
+                                   lambda r: self.requests.get(r.request_id) is r)
         appended = self.scheduler.update(done.plan, sampled)
         logprobs = StepLogprobs(done.out) if done.want_logprobs else None
         now = time.monotonic()

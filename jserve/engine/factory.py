@@ -13,7 +13,8 @@ import jax
 
 from jserve.cache.allocator import PageAllocator
 from jserve.cache.pool import allocate_kv_cache, kv_bytes_per_page, num_pages_for_budget
-from jserve.config import LlamaConfig
+from jserve.config import ModelConfig
+from jserve.engine import prompt_logprobs
 from jserve.engine.abstract import abstract_kv_cache, params_on_one_device
 from jserve.engine.buckets import Buckets
 from jserve.engine.burst import DecodeBursts
@@ -24,8 +25,8 @@ from jserve.engine.startup import StartupTimes
 from jserve.engine.step_builder import StepBuilder
 from jserve.engine.step_program import runtime_params
 from jserve.engine.timing import estimated_predictor, host_round_trip_seconds, load_predictor
-from jserve.kernels import ATTENTION_IMPLS
-from jserve.model.llama import Params
+from jserve.kernels import ATTENTION_IMPLS, resolve_impl
+from jserve.model.params import Params
 from jserve.probe.length_probe import LengthProbe
 from jserve.probe.tracker import LengthTracker
 from jserve.scheduler import BatchPlan, ScheduledChunk, build_scheduler, policy
@@ -71,7 +72,7 @@ class EngineParts:
     bursts: DecodeBursts                    # decode bursts (off unless configured)
 
 
-def check_config(cfg: LlamaConfig, config: EngineConfig) -> Geometry:
+def check_config(cfg: ModelConfig, config: EngineConfig) -> Geometry:
     """Every refusal that needs no device memory: names, the mesh against the model and the
     processes, the context length."""
     if config.attention_impl not in ATTENTION_IMPLS:
@@ -96,7 +97,7 @@ class Geometry:
     max_useful_pages: int    # every sequence slot at full context (the pool's cap, sink aside)
 
 
-def engine_geometry(cfg: LlamaConfig, config: EngineConfig) -> Geometry:
+def engine_geometry(cfg: ModelConfig, config: EngineConfig) -> Geometry:
     """The mesh, context length, buckets and pool cap ``LLMEngine`` would use."""
     mc = MeshConfig.parse(config.mesh)
     if mc.dp > 1:
@@ -122,7 +123,7 @@ def engine_geometry(cfg: LlamaConfig, config: EngineConfig) -> Geometry:
                     config.max_num_seqs * pages_per_seq)
 
 
-def length_tracker(cfg: LlamaConfig, config: EngineConfig) -> LengthTracker | None:
+def length_tracker(cfg: ModelConfig, config: EngineConfig) -> LengthTracker | None:
     """The probe's tracker when a probe or a capture layer is set (sprpt needs a probe)."""
     probe = LengthProbe.load(config.length_probe) if config.length_probe else None
     if probe is not None:
@@ -143,7 +144,7 @@ def length_tracker(cfg: LlamaConfig, config: EngineConfig) -> LengthTracker | No
     return LengthTracker(probe, layer)
 
 
-def _num_kv_pages(cfg: LlamaConfig, config: EngineConfig, geo: Geometry) -> int:
+def _num_kv_pages(cfg: ModelConfig, config: EngineConfig, geo: Geometry) -> int:
     """One kvp group's pool per device, sized by the heads a device stores under tp and the
     layers of its pipeline stage; a sequence keeps at most ``pages_per_group`` pages in one
     group, and the groups' pools sit side by side in the cache's page dimension (global id
@@ -156,7 +157,7 @@ def _num_kv_pages(cfg: LlamaConfig, config: EngineConfig, geo: Geometry) -> int:
         kv_cache_dtype=config.kv_cache_dtype)
 
 
-def _swap_policy(cfg: LlamaConfig, config: EngineConfig, mesh_config: MeshConfig,
+def _swap_policy(cfg: ModelConfig, config: EngineConfig, mesh_config: MeshConfig,
                  predictor: RuntimePredictor | None) -> SwapPolicy | None:
     """Swapping moves pages through the host memory of one process and not under a
     pipeline; elsewhere, and with ``preemption="recompute"``, victims recompute."""
@@ -190,7 +191,7 @@ def _scheduler(config: EngineConfig, allocator: PageAllocator, budget: int,
         sprpt_c=config.sprpt_c, fallback_remaining=probe.prior_mean if probe else None)
 
 
-def build_engine_parts(cfg: LlamaConfig, params: Params, config: EngineConfig,
+def build_engine_parts(cfg: ModelConfig, params: Params, config: EngineConfig,
                        times: StartupTimes | None = None,
                        new_engine: NewEngine | None = None) -> EngineParts:
     """``new_engine``: makes the engine a draft model proposes from (speculative decoding)."""
@@ -216,38 +217,70 @@ def build_engine_parts(cfg: LlamaConfig, params: Params, config: EngineConfig,
     # shapes) and no pipeline (a tick's shape covers its slots' own).
     defer = (config.warmup in ("core", "background") and mesh_config.spp == 1
              and jax.process_count() == 1)
+    # Bursts need one device and process, no KV-cache parallelism, no length probe and no
+    # speculative decoding (untested together).
+    burst_ok = (mesh_config.spp == 1 and mesh_config.kvp == 1 and jax.process_count() == 1
+                and tracker is None and config.speculative_config is None)
     runner, hits = _runner(cfg, params, config, mesh_config, buckets, num_pages, tracker,
-                           times, defer)
+                           times, defer, (config.decode_burst if burst_ok else 1,
+                                          scheduler.swap_policy is not None))
     programs = runner.programs
     times.deferred = len(programs.deferred_shapes()) + (programs.samplers_missing() if defer
                                                         else 0)
     if defer:  # counted first: the background thread starts on the sampler at once
         programs.defer(compile_rest=config.warmup == "background")
     speculator = build_speculator(config, cfg, context, scheduler, new_engine)
-    # Bursts need one device and process, no KV-cache parallelism, no length probe and no
-    # speculative decoding (untested together).
-    bursts = DecodeBursts(config.decode_burst, mesh_config.spp == 1 and mesh_config.kvp == 1
-                          and jax.process_count() == 1 and tracker is None
-                          and config.speculative_config is None,
-                          scheduler, runner, buckets, context)
+    bursts = DecodeBursts(config.decode_burst, burst_ok, scheduler, runner, buckets, context)
     return EngineParts(
         mesh_config, jax.process_count() > 1, context, buckets, allocator, scheduler,
         runner, StepBuilder(buckets, config.page_size, runner.state_sink, pool_pages=num_pages,
                             vocab_size=cfg.vocab_size,
                             ready=programs.ready_shape if defer else None,
-                            plain_row=plain_sampler_row),
+                            plain_row=plain_sampler_row,
+                            prompt_logprobs=prompt_logprobs.wanted),
         predictor, tracker, hits, speculator, bursts)
 
 
-def _runner(cfg: LlamaConfig, params: Params, config: EngineConfig, mesh_config: MeshConfig,
+def describe_run(times: StartupTimes, cfg: ModelConfig, config: EngineConfig,
+                 mesh_config: MeshConfig, layer_mode: str) -> None:
+    """What the start-up line says runs: backend, the engine's devices (count and kind),
+    the attention kernel ``attention_impl`` resolves to, the layer mode and the dtype."""
+    device = jax.devices()[0]
+    times.backend = jax.default_backend()
+    times.devices = f"{mesh_config.size} x {device.device_kind}"
+    times.attention = resolve_impl(config.attention_impl)
+    times.layer_mode, times.dtype = layer_mode, cfg.dtype
+
+
+def _warm(runner: ModelRunner, times: StartupTimes, core_only: bool,
+          wanted: tuple[int, bool]) -> int:
+    """``runner``'s warm-up (``StepPrograms.warmup``) timed into ``times``; returns the
+    persistent-cache hits."""
+    t0 = time.perf_counter()
+    programs = runner.programs
+    programs.burst_steps, programs.swaps = wanted
+    programs.warmup(core=core_only)
+    times.programs += time.perf_counter() - t0
+    times.cached = programs.cache_events["cache_hits"]
+    times.compiled = programs.compiled_up_front - times.cached
+    times.compile_seconds = sum(programs.compile_times.values())
+    times.threads = programs.threads
+    return times.cached
+
+
+def _runner(cfg: ModelConfig, params: Params, config: EngineConfig, mesh_config: MeshConfig,
             buckets: Buckets, num_pages: int, tracker: LengthTracker | None,
-            times: StartupTimes, core_only: bool) -> tuple[ModelRunner, int | None]:
+            times: StartupTimes, core_only: bool, wanted: tuple[int, bool] = (1, False)
+            ) -> tuple[ModelRunner, int | None]:
     """The runner, its programs warmed up (``config.warmup``), and how many came from the
     persistent cache (None: no warm-up). On one device the weights and KV pages load in a
-    thread while the programs compile against their specs; on a mesh they load first."""
+    thread while the programs compile against their specs; on a mesh they load first.
+    ``wanted``: the decode bursts' steps (1: none) and whether swapping happens, whose
+    programs compile with the steps (``StepPrograms.burst_steps``, ``swaps``)."""
     mesh = make_mesh(mesh_config) if mesh_config.size > 1 else None
     placed = hasattr(params, "place")  # a lazy checkpoint streams onto the mesh
     layer_mode = config.layer_mode(cfg.num_hidden_layers, mesh_config.spp)
+    describe_run(times, cfg, config, mesh_config, layer_mode)
     unroll = layer_mode == "unrolled"  # per-layer arrays; "sliced" keeps them stacked
     warm = config.warmup != "none"
 
@@ -269,14 +302,7 @@ def _runner(cfg: LlamaConfig, params: Params, config: EngineConfig, mesh_config:
         return kv
 
     def warmup(runner: ModelRunner) -> int | None:
-        if not warm:
-            return None
-        t0 = time.perf_counter()
-        runner.programs.warmup(core=core_only)
-        times.programs += time.perf_counter() - t0
-        times.cached = runner.programs.cache_events["cache_hits"]
-        times.compiled = runner.programs.compiled_up_front - times.cached
-        return times.cached
+        return _warm(runner, times, core_only, wanted) if warm else None
 
     make = functools.partial(ModelRunner, buckets=buckets, max_num_seqs=config.max_num_seqs,
                              attention_impl=config.attention_impl, mesh=mesh,

@@ -21,6 +21,7 @@ class Launched:
     built: BuiltStep
     want_logprobs: bool
     capture: object = None  # the length probe's captured layer state (device arrays)
+    prompt_logprobs: object = None  # its step's PromptLogprobs when it asked for them
     launched_at: float = 0.0  # time.perf_counter() when its step was launched
     out: object = None      # the SampleResult of the step it left the device in
     # (row, request) of structured outputs whose mask is sent after the forward

@@ -23,8 +23,12 @@ class PreparedRequest:
 
 class RequestIntake:
     def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int,
-                 allocator: PageAllocator, eos_ids: tuple[int, ...] = ()):
+                 allocator: PageAllocator, eos_ids: tuple[int, ...] = (),
+                 no_prompt_logprobs: str | None = None):
+        """``no_prompt_logprobs``: what this engine runs on that computes no prompt logprobs
+        (requests asking for them are refused, naming it); None: they are supported."""
         self.tokenizer = tokenizer
+        self.no_prompt_logprobs = no_prompt_logprobs
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.allocator = allocator
@@ -63,6 +67,11 @@ class RequestIntake:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         params.validate(vocab_size=self.vocab_size)
+        if params.prompt_logprobs is not None and self.no_prompt_logprobs is not None:
+            raise ValueError(f"prompt_logprobs is not supported with {self.no_prompt_logprobs}")
+        if params.sequences > 1:  # ``LLM.generate`` and the HTTP API run n, one a request
+            raise ValueError(f"n={params.n}, best_of={params.best_of}: the engine runs one "
+                             "sequence per request (LLM.generate runs several of a prompt)")
         if params.structured_output is not None:
             if self.tokenizer is None:
                 raise ValueError("structured_output needs a model with a tokenizer")

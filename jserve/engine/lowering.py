@@ -10,7 +10,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jserve.config import LlamaConfig
+from jserve.config import ModelConfig
 from jserve.engine.buckets import Buckets
 from jserve.engine.step_arrays import PackedLayout, StepArrays, arrays_spec, sample_inputs_spec
 from jserve.engine.step_program import jitted
@@ -28,7 +28,7 @@ class StepLowering:
     """The lowerings of one runner's programs. ``args``: (params, KV cache, penalty state)
     as ``ShapeDtypeStruct``s with their shardings (``step_arrays.abstract_of``)."""
 
-    def __init__(self, cfg: LlamaConfig, buckets: Buckets, max_num_seqs: int,
+    def __init__(self, cfg: ModelConfig, buckets: Buckets, max_num_seqs: int,
                  attention_impl: str, mesh: jax.sharding.Mesh | None, args: tuple,
                  capture_layer: int | None = None, slice_layers: bool = False):
         self.model_config, self.buckets, self.mesh, self.args = cfg, buckets, mesh, args

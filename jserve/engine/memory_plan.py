@@ -31,12 +31,13 @@ import numpy as np
 
 from jserve.cache.allocator import PageAllocator
 from jserve.cache.pool import available_device_bytes, kv_bytes_per_page
-from jserve.config import LlamaConfig
+from jserve.config import ModelConfig
 from jserve.engine.abstract import abstract_kv_cache, abstract_params
 from jserve.engine.config import EngineConfig
 from jserve.engine.factory import Geometry, engine_geometry
 from jserve.engine.runner import ModelRunner
 from jserve.engine.step_arrays import state_spec
+from jserve.model.params import num_params
 from sharding.mesh import MeshConfig, make_mesh
 from sharding.specs import kv_heads_per_device
 
@@ -279,7 +280,7 @@ def _num_pages(config: EngineConfig, geo: Geometry, per_page: int,
     return int(pages) if pages >= 2 else 0
 
 
-def _suggest_tp(cfg: LlamaConfig, mc: MeshConfig, split: int, repl: int, other: int,
+def _suggest_tp(cfg: ModelConfig, mc: MeshConfig, split: int, repl: int, other: int,
                 budget: int) -> int | None:
     """The smallest larger tp the model can be split by whose weights (split part scaled)
     plus ``other`` fit ``budget``: a first guess (activations shrink too)."""
@@ -299,7 +300,7 @@ def _suggest_tp(cfg: LlamaConfig, mc: MeshConfig, split: int, repl: int, other: 
 CHOICES = tuple((q, kv) for q in ("none", "int8", "fp8") for kv in ("auto", "int8", "fp8_e4m3"))
 
 
-def plan(cfg: LlamaConfig, engine_config: EngineConfig = EngineConfig(),
+def plan(cfg: ModelConfig, engine_config: EngineConfig = EngineConfig(),
          device_memory_bytes: int | None = None, devices: Sequence[jax.Device] | None = None,
          model_name: str | None = None, compile: bool = True) -> MemoryPlan:
     """The memory plan of serving ``cfg`` (weights stored as its ``quantization``) with
@@ -344,7 +345,7 @@ def plan(cfg: LlamaConfig, engine_config: EngineConfig = EngineConfig(),
     p = MemoryPlan(
         model=model_name or (f"Llama {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}"),
         mesh=engine_config.mesh, num_devices=mc.size, platform=devices[0].platform,
-        dtype=cfg.dtype, num_params=cfg.num_params(), weight_bytes=weights,
+        dtype=cfg.dtype, num_params=num_params(cfg), weight_bytes=weights,
         split_weight_bytes=split, kv_bytes_per_page=per_page, num_kv_pages=pages, kvp=mc.kvp,
         page_size=engine_config.page_size, max_model_len=geo.max_model_len,
         max_num_seqs=engine_config.max_num_seqs, max_useful_pages=geo.max_useful_pages,
@@ -359,7 +360,7 @@ def plan(cfg: LlamaConfig, engine_config: EngineConfig = EngineConfig(),
     return p
 
 
-def _choice(cfg: LlamaConfig, engine_config: EngineConfig, geo: Geometry, mesh, device,
+def _choice(cfg: ModelConfig, engine_config: EngineConfig, geo: Geometry, mesh, device,
             quantization: str, kv_cache_dtype: str, other_bytes: int, device_memory_bytes: int,
             source: str) -> StorageChoice:
     """What the plan's budget buys with weights stored as ``quantization`` and KV pages as
@@ -381,7 +382,7 @@ def _choice(cfg: LlamaConfig, engine_config: EngineConfig, geo: Geometry, mesh, 
                   pages, mc.kvp * max(pages - 1, 0) * engine_config.page_size)
 
 
-def _compile_largest_step(cfg: LlamaConfig, engine_config: EngineConfig, geo: Geometry,
+def _compile_largest_step(cfg: ModelConfig, engine_config: EngineConfig, geo: Geometry,
                           params, mesh, device) -> tuple:
     """(shape, step memory, sampler memory) of the largest bucket, compiled abstractly."""
     kv = abstract_kv_cache(cfg, 2, engine_config.page_size, mesh, device,
@@ -398,7 +399,7 @@ def _compile_largest_step(cfg: LlamaConfig, engine_config: EngineConfig, geo: Ge
             CompiledMemory.of(lowering.lower_sampler().compile(options)))
 
 
-def _check(p: MemoryPlan, cfg: LlamaConfig, mc: MeshConfig, split: int, repl: int) -> None:
+def _check(p: MemoryPlan, cfg: ModelConfig, mc: MeshConfig, split: int, repl: int) -> None:
     """Fills ``p.problems`` with what does not fit and what to change."""
     fixed = p.weight_bytes + p.state_bytes + p.activation_bytes
     share = int(p.device_memory_bytes * p.memory_fraction) if p.device_memory_bytes else None
@@ -454,7 +455,7 @@ def describe_engine(engine) -> str:
     split, _ = _split_bytes(runner.params)
     p = MemoryPlan(
         model=f"Llama {cfg.num_hidden_layers} layers", mesh=config.mesh, num_devices=mc.size,
-        platform=jax.devices()[0].platform, dtype=cfg.dtype, num_params=cfg.num_params(),
+        platform=jax.devices()[0].platform, dtype=cfg.dtype, num_params=num_params(cfg),
         weight_bytes=per_device_bytes(runner.params), split_weight_bytes=split,
         kv_bytes_per_page=kv_bytes_per_page(cfg, config.page_size,
                                             kv_heads_per_device(cfg, mc.tp),

@@ -1,4 +1,13 @@
-"""What the engine hands back: per-request outputs, incremental detokenization, stop checks."""
+"""What the engine hands back: per-request outputs, incremental detokenization, stop checks.
+
+``RequestOutput`` has vLLM's meaning: what one prompt has produced, its sequences in
+``outputs`` (``CompletionOutput``s, index 0..n-1, logprobs as vLLM's ``{token id:
+Logprob}`` per token). The engine runs one sequence per request, so its outputs hold one;
+``LLM.generate`` groups a prompt's ``n`` sequences into one (``group``). The flat fields
+(``text``, ``token_ids``, ``logprobs`` as ``TokenLogprob``s, ``finish_reason``,
+``num_tokens``) are the first sequence's: what the serving layer streams, and what code
+written before ``n`` reads.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -16,6 +25,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]  # (token id, logprob) best first; empty when logprobs=0
+    rank: int | None = None  # 1 + tokens more likely than it (prompt logprobs; else unknown)
 
 
 class StepLogprobs:
@@ -29,6 +39,36 @@ class StepLogprobs:
         """Row ``row``'s ``token_id`` with its ``n`` best alternatives."""
         return TokenLogprob(token_id, float(self.chosen[row]), tuple(
             zip(self.top_ids[row, :n].tolist(), self.top_lp[row, :n].tolist())))
+
+
+@dataclasses.dataclass(frozen=True)
+class Logprob:
+    """vLLM's per-token logprob entry: the logprob, its rank in the vocabulary (1: the most
+    likely; None for a chosen token outside the top ones, whose rank is not computed) and
+    the token's text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    """One sequence of a prompt, as vLLM's: ``cumulative_logprob`` and ``logprobs`` are
+    None unless logprobs were asked for; ``logprobs[i]`` maps the chosen token and the top
+    ones to their ``Logprob``; ``stop_reason`` is the stop token id or string that ended it
+    (None for EOS or a length limit)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclasses.dataclass
@@ -48,9 +88,10 @@ class RequestMetrics:
 
 @dataclasses.dataclass
 class RequestOutput:
-    """A request's state after a step. The generated ids and logprobs are views of the
-    request's growing lists cut at this output's length (``token_ids`` copies on access):
-    making an output every step costs O(1), not O(tokens so far)."""
+    """A prompt's outputs after a step (see the module's doc). The generated ids and
+    logprobs are views of the request's growing lists cut at this output's length
+    (``token_ids`` copies on access, ``outputs`` builds its objects on access): making an
+    output every step costs O(1), not O(tokens so far)."""
 
     request_id: str
     prompt: str | None
@@ -63,10 +104,44 @@ class RequestOutput:
     error: str | None = None   # set when the engine failed the request
     _ids: list[int] = dataclasses.field(default_factory=list, repr=False)
     _logprobs: list[TokenLogprob] | None = dataclasses.field(default=None, repr=False)
+    # SamplingParams.prompt_logprobs: entry i is prompt token i's given those before it (the
+    # first None); whole once the prompt is prefilled (the request's own list, do not edit).
+    prompt_logprobs: list[TokenLogprob | None] | None = dataclasses.field(default=None,
+                                                                           repr=False)
+    stop_reason: int | str | None = None  # the stop token id or string that ended it
+    _tokenizer: Tokenizer | None = dataclasses.field(default=None, repr=False)
+    _more: tuple[RequestOutput, ...] = dataclasses.field(default=(), repr=False)  # n > 1
 
     @property
     def token_ids(self) -> list[int]:
         return self._ids[:self.num_tokens]
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        return [seq.completion(i) for i, seq in enumerate((self, *self._more))]
+
+    @staticmethod
+    def group(sequences: list[RequestOutput]) -> RequestOutput:
+        """One output of a prompt's sequences (``outputs`` in this order; the flat fields,
+        id and metrics the first one's)."""
+        return dataclasses.replace(sequences[0], _more=tuple(sequences[1:]))
+
+    def completion(self, index: int) -> CompletionOutput:
+        """This sequence (its first, if grouped) as vLLM's ``CompletionOutput``."""
+        lps = self.logprobs
+        return CompletionOutput(
+            index, self.text, self.token_ids,
+            None if lps is None else sum(lp.logprob for lp in lps),
+            None if lps is None else [self._logprob_map(lp) for lp in lps],
+            self.finish_reason, self.stop_reason)
+
+    def _logprob_map(self, lp: TokenLogprob) -> dict[int, Logprob]:
+        """vLLM's entry of one token: the chosen one first, then the top ones (ranked)."""
+        decode = (lambda t: self._tokenizer.decode([t])) if self._tokenizer else lambda t: None
+        top = {t: Logprob(v, rank, decode(t)) for rank, (t, v) in enumerate(lp.top, 1)}
+        chosen = top.pop(lp.token_id, None) or Logprob(lp.logprob, lp.rank,
+                                                       decode(lp.token_id))
+        return {lp.token_id: chosen, **top}
 
     @property
     def logprobs(self) -> list[TokenLogprob] | None:
@@ -157,6 +232,8 @@ class OutputProcessor:
         which may already hold placeholders for tokens still on the device.)"""
         st = req.payload
         p = st.params
+        if p.max_tokens == 0:  # prompt scoring only: the prefill's sampled token is dropped
+            return "length"
         st.output_ids.append(tok)
         if logprob is not None:
             st.logprobs.append(logprob)
@@ -168,12 +245,14 @@ class OutputProcessor:
         reason = None
         if tok in p.stop_token_ids or (tok in self.eos_ids and not p.ignore_eos):
             reason = "stop"
+            st.stop_reason = tok if tok in p.stop_token_ids else None
             st.text += st.detok.flush()
         else:
             before = len(st.text)
             st.text += st.detok.add(tok)
             cut = find_stop(st.text, before, p.stop) if n_out >= p.min_tokens else None
             if cut is not None:
+                st.stop_reason = next(s for s in p.stop if st.text.startswith(s, cut))
                 st.text = st.text[:cut]
                 reason = "stop"
             elif st.constraint is not None and _completes(st.constraint, tok):
@@ -202,7 +281,8 @@ class OutputProcessor:
             text=st.text, finished=st.finish_reason is not None,
             finish_reason=st.finish_reason, metrics=st.metrics,
             num_tokens=len(st.output_ids), error=st.error, _ids=st.output_ids,
-            _logprobs=st.logprobs)
+            _logprobs=st.logprobs, prompt_logprobs=st.prompt_logprobs,
+            stop_reason=st.stop_reason, _tokenizer=st.detok.tokenizer)
 
 
 def _completes(constraint, tok: int) -> bool:

@@ -1,45 +1,94 @@
 """Moving KV pages between the device cache and host memory (swapping, ``HostKVStore``):
 pages move as stored (quantized pages with their scales: every leaf of the cache has the
-page axis third), their ids padded to a power of two with the reserved sink page 0, so
-swapping compiles one gather and one scatter per size class."""
+page axis third), ``SWAP_CHUNK`` pages per call, the last call's ids padded with the reserved
+sink page 0. So swapping has one gather and one scatter program whatever the page count (it
+had one per power of two, compiled in the foreground the first time a swap of that size
+came): ``StepPrograms.warmup`` compiles both with the step programs at start
+(``lower_movers``); without them the jitted functions compile once on first use."""
 from __future__ import annotations
 
-import functools
-from typing import Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jserve.cache.pool import KVCache
 
+# Pages per call of a swap program. Larger moves a long request's pages in fewer calls;
+# smaller wastes less on a short one (a call moves the whole chunk: at 8B, bf16, about 2 MB
+# a page).
+SWAP_CHUNK = 32
 
-def read_pages(kv_cache: KVCache, pages: Sequence[int]):
+
+class PageMovers(NamedTuple):
+    """The compiled gather (``read``: (kv, ids) -> pages) and scatter (``write``: (kv
+    donated, ids, pages) -> kv) of ``SWAP_CHUNK`` pages."""
+
+    read: Callable
+    write: Callable
+
+
+def _chunks(pages: Sequence[int]):
+    for lo in range(0, len(pages), SWAP_CHUNK):
+        part = list(pages[lo:lo + SWAP_CHUNK])
+        ids = np.zeros(SWAP_CHUNK, np.int32)
+        ids[:len(part)] = part
+        yield lo, len(part), ids
+
+
+def read_pages(kv_cache: KVCache, pages: Sequence[int], movers: PageMovers | None = None):
     """Host copies (k, v) of ``pages`` in every layer ([layers, Hkv, len(pages), S, D]),
     as stored (quantized pages: values and scales)."""
-    ids = _padded_page_ids(pages)
-    data = jax.device_get(_gather_pages(kv_cache, ids))
-    return jax.tree.map(lambda x: x[:, :, :len(pages)], data)
+    gather = movers.read if movers is not None else _gather_pages
+    parts = [(n, gather(kv_cache, ids)) for _, n, ids in _chunks(pages)]  # all dispatched
+    host = jax.device_get([p for _, p in parts])
+    trimmed = [jax.tree.map(lambda x, n=n: x[:, :, :n], h) for (n, _), h in zip(parts, host)]
+    return jax.tree.map(lambda *xs: np.concatenate(xs, axis=2), *trimmed)
 
 
-def write_pages(kv_cache: KVCache, pages: Sequence[int], data) -> KVCache:
+def write_pages(kv_cache: KVCache, pages: Sequence[int], data,
+                movers: PageMovers | None = None) -> KVCache:
     """``kv_cache`` (donated) with ``pages`` set to ``data`` (``read_pages``'s form)."""
-    ids = _padded_page_ids(pages)
-    widths = ((0, 0), (0, 0), (0, len(ids) - len(pages)), (0, 0), (0, 0))
-    data = jax.tree.map(lambda x: np.pad(x, widths), data)
-    return _scatter_pages(kv_cache, ids, data)
+    scatter = movers.write if movers is not None else _scatter_pages
+    def padded(x, lo: int, n: int):
+        return np.pad(np.asarray(x)[:, :, lo:lo + n],
+                      ((0, 0), (0, 0), (0, SWAP_CHUNK - n), (0, 0), (0, 0)))
+
+    for lo, n, ids in _chunks(pages):
+        kv_cache = scatter(kv_cache, ids, jax.tree.map(lambda x, lo=lo, n=n: padded(x, lo, n),
+                                                       data))
+    return kv_cache
 
 
-def _padded_page_ids(pages: Sequence[int]) -> np.ndarray:
-    ids = np.zeros(1 << max(len(pages) - 1, 0).bit_length(), np.int32)
-    ids[:len(pages)] = pages
-    return ids
-
-
-@jax.jit
-def _gather_pages(kv_cache: KVCache, ids: jax.Array) -> KVCache:
+def _gather(kv_cache: KVCache, ids: jax.Array) -> KVCache:
     return jax.tree.map(lambda pages: pages[:, :, ids], kv_cache)
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _scatter_pages(kv_cache: KVCache, ids: jax.Array, data: KVCache) -> KVCache:
+def _scatter(kv_cache: KVCache, ids: jax.Array, data: KVCache) -> KVCache:
     return jax.tree.map(lambda pages, new: pages.at[:, :, ids].set(new), kv_cache, data)
+
+
+_gather_pages = jax.jit(_gather)
+_scatter_pages = jax.jit(_scatter, donate_argnums=(0,))
+
+
+def lower_movers(kv_spec: KVCache, replicated) -> tuple[jax.stages.Lowered,
+                                                        Callable[[jax.stages.Compiled],
+                                                                 jax.stages.Lowered]]:
+    """The gather lowered against the KV cache's specs (``ShapeDtypeStruct``s with their
+    shardings), and a function lowering the scatter once the gather is compiled (its
+    pages input takes the gather's output shardings). ``replicated``: the ids' sharding
+    (None on one device)."""
+    ids = jax.ShapeDtypeStruct((SWAP_CHUNK,), jnp.int32, sharding=replicated)
+    gather = jax.jit(_gather).lower(kv_spec, ids)
+
+    def scatter(compiled_gather: jax.stages.Compiled) -> jax.stages.Lowered:
+        out = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape[:2] + (SWAP_CHUNK,) + x.shape[3:],
+                                              x.dtype, sharding=s),
+            kv_spec, compiled_gather.output_shardings)
+        return jax.jit(_scatter, donate_argnums=(0,)).lower(kv_spec, ids, out)
+
+    return gather, scatter
+

@@ -1,7 +1,9 @@
 """A runner's compiled programs and their cache: every bucket shape's step (spp > 1: tick),
-the passes, decode bursts and sampling executables, compiled ahead of time by ``warmup``, on
-first use, or in a background thread after ``defer`` (steps of a shape not compiled yet run
-padded up meanwhile), with the compile counters tests and the start-up summary read."""
+the passes, decode bursts, sampling executables and the swap programs. By default
+(``warmup="all"``) the whole set compiles before the engine is ready, on a thread pool with
+the persistent cache, so nothing compiles while serving; the other modes compile on first
+use, or in a background thread after ``defer`` (steps of a shape not compiled yet run padded
+up meanwhile). The compile counters are what tests and the start-up line read."""
 from __future__ import annotations
 
 import collections
@@ -16,6 +18,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from jserve.engine import page_io
 from jserve.engine.deferred import DeferredCompiles
 from jserve.engine.lowering import BurstKey, StepLowering
 from jserve.engine.step_arrays import PackedLayout
@@ -92,6 +95,13 @@ class StepPrograms:
         self.cache_events: collections.Counter = collections.Counter()  # cache_hits/_misses
         self.deferred: DeferredCompiles | None = None  # after ``defer()``
         self.padded: collections.Counter = collections.Counter()  # (needed, ran as) -> steps
+        self.compile_times: dict[str, float] = {}  # program -> seconds, from ``warmup``
+        self.threads = 0  # ``warmup``'s compile threads
+        # Set before ``warmup`` (``factory``): decode bursts of this many steps (1: none) and
+        # whether the swap programs (``page_io``) compile with the step programs.
+        self.burst_steps = 1
+        self.swaps = False
+        self.movers: page_io.PageMovers | None = None
         self._lock = threading.Lock()  # the caches and counters, shared with that thread
 
     # -- compiled on first use -----------------------------------------------------------
@@ -183,6 +193,7 @@ class StepPrograms:
                 self.steps.clear()
                 self.bursts.clear()
                 self.samplers.clear()
+                self.movers = None
         return same
 
     # -- compiled in the background after start ------------------------------------------
@@ -260,57 +271,98 @@ class StepPrograms:
         return [smallest_decode, largest] if smallest_decode != largest else [largest]
 
     def pass_warmup_shapes(self) -> list[tuple[int, int]]:
-        """The shapes whose pass ``warmup`` compiles (spp > 1): the decode-only ones, where a
-        lone batch's pass sets the time between tokens. Other shapes' passes (a lone
-        prefill) compile on first use, at most one per bucket shape."""
-        return [] if self.spp == 1 else [s for s in self.lowering.buckets.all_shapes()
-                                         if s[1] == 0]
+        """The shapes whose pass ``warmup`` compiles (spp > 1): every bucket shape's (a lone
+        batch runs as a pass when the pipeline is empty: a lone prefill, a lone decode), so
+        nothing compiles while serving."""
+        return [] if self.spp == 1 else self.lowering.buckets.all_shapes()
 
-    def warmup(self, threads: int | None = None, progress: bool | None = None,
-               core: bool = False) -> None:
-        """Compiles every bucket's step (spp: tick), or with ``core`` only ``core_shapes``,
-        the sampler (not with ``core`` when spp == 1: ``defer`` queues it) and, under spp,
-        the decode-only shapes' passes (``pass_warmup_shapes``).
-        Tracing and lowering run here one after another (the layer loop keeps them cheap at
-        any depth); XLA compiles, or reads the persistent cache, in ``threads`` worker
-        threads (default: one per two cores, at least 2), which release the GIL.
-        ``progress``: a tqdm bar (None: only on a terminal)."""
-        t0 = time.perf_counter()
+    def _warmup_jobs(self, core: bool):
+        """(name, key, lowered) of each program ``warmup`` compiles, lowered here as it is
+        asked for (the GIL gives nothing to lowering in threads, and the workers compile the
+        ones before meanwhile), longest first; the swap programs' key is ``"swap"`` and
+        their lowering is the worker's (the scatter takes the compiled gather's output
+        shardings)."""
         shapes = self.core_shapes() if core else self.lowering.buckets.all_shapes()
-        # A plain step samples in its own executable; the sampling executable serves only
-        # steps whose masks come late, so with ``core`` it compiles after start (``defer``).
-        samplers = self.spp > 1 or not core
         todo = [(s, False) for s in shapes if s not in self.steps]
         todo += [(s, True) for s in self.pass_warmup_shapes() if s not in self.passes]
         todo.sort(key=lambda job: -sum(job[0]))  # the longest compiles start first
-        big_sampler = samplers and self.sample_rows not in self.samplers
-        threads = threads or max(2, (os.cpu_count() or 2) // 2)
+        for s, lone in todo:
+            yield (f"{'pass' if lone else 'step'} {s[0]}x{s[1]}", (s, lone),
+                   self.lowering.lower(s, lone))
+        if not core and self.burst_steps > 1 and self.spp == 1:
+            for s in self.lowering.buckets.all_shapes():
+                key = BurstKey(s, self.burst_steps)
+                if s[1] == 0 and key not in self.bursts:
+                    yield (f"burst {key.steps} x step {s[0]}x0", key,
+                           self.lowering.lower_burst(key))
+        # A plain step samples in its own executable; the sampling executable serves only
+        # steps whose masks come late, so with ``core`` it compiles after start (``defer``).
+        if self.spp > 1 or not core:
+            for rows in self._sampler_rows():
+                if rows not in self.samplers:
+                    yield (f"sampler {rows} rows", _SamplerKey(rows),
+                           self.lowering.lower_sampler(rows))
+        if self.swaps and self.movers is None and not core:
+            yield f"swap read+write {page_io.SWAP_CHUNK} pages", "swap", None
+
+    def warmup(self, threads: int | None = None, progress: bool | None = None,
+               core: bool = False) -> None:
+        """Compiles the whole program set before the engine is ready: every bucket's step
+        (spp: tick, and each shape's pass), the sampling executables, decode bursts of
+        ``burst_steps`` for every decode-only shape and the swap programs (when ``swaps``);
+        with ``core`` only ``core_shapes`` (spp == 1: ``defer`` queues the rest).
+        Tracing and lowering run here one after another; XLA compiles, or reads the
+        persistent cache, in ``threads`` worker threads (default: one per two cores, at
+        least 2), which release the GIL. Each program's seconds (its lowering plus its
+        compile or cache read) land in ``compile_times``. ``progress``: a tqdm bar (None:
+        only on a terminal)."""
+        t0 = time.perf_counter()
+        self.threads = threads = threads or max(2, (os.cpu_count() or 2) // 2)
         with ThreadPoolExecutor(threads) as pool, \
-                tqdm(total=len(todo) + big_sampler, desc="compiling step shapes",
-                     unit="shape", disable=None if progress is None else not progress) as bar:
-            jobs = {pool.submit(_compile, lowered, self.cache_events): (shape, layout, lone)
-                    for shape, lone in todo
-                    for lowered, layout in [self.lowering.lower(shape, lone)]}
-            if big_sampler:
-                jobs[pool.submit(_compile, self.lowering.lower_sampler(),
-                                 self.cache_events)] = (None, None, False)
-            plain = self.lowering.plain_rows
-            if samplers and plain != self.sample_rows and plain not in self.samplers:
-                self.sampler(plain)
-            for fut in as_completed(jobs):
-                self._warmed(fut.result(), *jobs[fut])
+                tqdm(desc="compiling step programs", unit="program",
+                     disable=None if progress is None else not progress) as bar:
+            futures = {}
+            for name, key, lowered in self._warmup_jobs(core):
+                futures[pool.submit(self._compile_timed, key, lowered)] = name, key
+                bar.total = len(futures)
+            for fut in as_completed(futures):
+                name, key = futures[fut]
+                program, seconds = fut.result()
+                self._warmed(key, program)
+                self.compile_times[name] = seconds
                 bar.update()
         self.compile_seconds += time.perf_counter() - t0
         self.compiled_up_front = self.compile_count
-        log.info("compiled %d step shapes%s in %.1fs (%d threads)", len(todo),
-                 " and the sampler" if samplers else "", time.perf_counter() - t0, threads)
+        log.info("compiled %d programs in %.1f s (%d threads; %.1f s of compiles)",
+                 len(futures), time.perf_counter() - t0, threads,
+                 sum(self.compile_times.values()))
 
-    def _warmed(self, exe: jax.stages.Compiled, shape: tuple[int, int] | None,
-                layout: PackedLayout | None, lone: bool) -> None:
-        """Keeps a program ``warmup`` compiled (``shape`` None: the sampler) and counts it."""
+    def _compile_timed(self, key, lowered) -> tuple[object, float]:
+        """A worker's job: the compiled program of ``key`` and its seconds."""
+        t0 = time.perf_counter()
+        if key == "swap":
+            gather, lower_scatter = page_io.lower_movers(self.lowering.args[1],
+                                                         self.lowering.replicated)
+            read = _compile(gather, self.cache_events)
+            return (page_io.PageMovers(read, _compile(lower_scatter(read), self.cache_events)),
+                    time.perf_counter() - t0)
+        if isinstance(lowered, tuple):  # a step or pass: (lowered, its layout)
+            return ((_compile(lowered[0], self.cache_events), lowered[1]),
+                    time.perf_counter() - t0)
+        return _compile(lowered, self.cache_events), time.perf_counter() - t0
+
+    def _warmed(self, key, program) -> None:
+        """Keeps a program ``warmup`` compiled and counts it (the swap programs as two)."""
         with self._lock:
-            if shape is None:
-                self.samplers[self.sample_rows] = exe
+            if key == "swap":
+                self.movers = program
+                self.compile_count += 2
+                return
+            if isinstance(key, _SamplerKey):
+                self.samplers[key.rows] = program
+            elif isinstance(key, BurstKey):
+                self.bursts[key] = program
             else:
-                (self.passes if lone else self.steps)[shape] = (exe, layout)
+                shape, lone = key
+                (self.passes if lone else self.steps)[shape] = program
             self.compile_count += 1

@@ -27,8 +27,10 @@ class RequestState:
     output_ids: list[int] = dataclasses.field(default_factory=list)  # tokens the host has read
     text: str = ""
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # [None] + one per prompt token
     state_row: int | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop token id or string that ended it
     error: str | None = None
     constraint: Constraint | None = None  # structured output: where it is in its grammar
 
@@ -91,11 +93,13 @@ def new_request(prepared: PreparedRequest, request_id: str, seed: int, arrival_t
         params=p, seed=seed, prompt=prepared.prompt, metrics=RequestMetrics(arrival_time),
         detok=IncrementalDetokenizer(tokenizer), prompt_ids=list(prepared.prompt_ids),
         logprobs=[] if p.logprobs is not None else None,
+        prompt_logprobs=[None] if p.prompt_logprobs is not None else None,
         constraint=(grammars.start(p.structured_output)  # cached by prepare
                     if p.structured_output is not None else None))
     req = Request(request_id, prepared.prompt_ids, p.max_tokens, arrival_time, payload=state,
                   tpot_slo=tpot_slo, priority=priority,
-                  cacheable=not p.uses_penalties)  # penalties count every token
+                  cacheable=not p.uses_penalties,  # penalties count every token
+                  takes_cached=p.prompt_logprobs is None)  # each prompt token's logprob
     if ttft_slo is not None:
         req.ttft_deadline = arrival_time + ttft_slo
     return req

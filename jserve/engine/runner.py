@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from jserve.cache.pool import KVCache
-from jserve.config import LlamaConfig
+from jserve.config import ModelConfig
 from jserve.engine import page_io
 from jserve.engine.buckets import Buckets
 from jserve.engine.lowering import BurstKey, StepLowering
@@ -30,7 +30,7 @@ from jserve.engine.step_arrays import (
     state_spec,
 )
 from jserve.engine.step_program import runtime_params
-from jserve.model.llama import Params
+from jserve.model.params import Params
 from jserve.sampling.params import MAX_LOGPROBS
 from jserve.sampling.sampler import SampleResult
 from sharding import pipeline
@@ -38,7 +38,7 @@ from sharding import pipeline
 log = logging.getLogger(__name__)
 
 
-def _check_capture_layer(cfg: LlamaConfig, layer: int | None, mesh) -> None:
+def _check_capture_layer(cfg: ModelConfig, layer: int | None, mesh) -> None:
     if layer is None:
         return
     if mesh is not None:
@@ -57,7 +57,7 @@ class ModelRunner:
     (``sharding.pipeline``): params and pages are split by stage, swapping is unsupported.
     ``programs``: the compiled programs (``compiled``, ``warmup``, ``defer``, counters)."""
 
-    def __init__(self, cfg: LlamaConfig, params: Params, kv_cache: KVCache, buckets: Buckets,
+    def __init__(self, cfg: ModelConfig, params: Params, kv_cache: KVCache, buckets: Buckets,
                  max_num_seqs: int, attention_impl: str, mesh: jax.sharding.Mesh | None = None,
                  capture_layer: int | None = None, params_placed: bool = False,
                  abstract: bool = False, unroll_layers: bool = False,
@@ -76,6 +76,8 @@ class ModelRunner:
         self.model_config, self.mesh, self.attention_impl = cfg, mesh, attention_impl
         self.capture_layer, self.slice_layers = capture_layer, slice_layers
         self.last_capture = None  # the latest step's Capture (device arrays) when capturing
+        # The latest plain step's PromptLogprobs (device arrays; zeros unless it asked).
+        self.last_prompt_logprobs = None
         self._replicated = (None if mesh is None else
                             jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
         # Stream pipeline: every call of the step is one tick; ``start_pipeline`` fills the
@@ -152,7 +154,7 @@ class ModelRunner:
             inputs, self.kv_cache, self.state, self.carry = exe(
                 self.params, self.kv_cache, self.state, self.carry, ibuf, fbuf)
         else:  # the step samples too (``step_program._step``)
-            out, inputs, self.kv_cache, self.state, *capture = exe(
+            out, inputs, self.kv_cache, self.state, self.last_prompt_logprobs, *capture = exe(
                 self.params, self.kv_cache, self.state, ibuf, fbuf)
             if capture:
                 self.last_capture = capture[0]
@@ -185,8 +187,9 @@ class ModelRunner:
 
     # -- swapping KV pages to host memory and back ---------------------------------------
     def read_pages(self, pages: Sequence[int]):
-        """Host copies of ``pages`` (``page_io.read_pages``)."""
-        return page_io.read_pages(self.kv_cache, pages)
+        """Host copies of ``pages`` (``page_io.read_pages``; with the swap programs compiled
+        at start when there are)."""
+        return page_io.read_pages(self.kv_cache, pages, self.programs.movers)
 
     def write_pages(self, pages: Sequence[int], data) -> None:
-        self.kv_cache = page_io.write_pages(self.kv_cache, pages, data)
+        self.kv_cache = page_io.write_pages(self.kv_cache, pages, data, self.programs.movers)

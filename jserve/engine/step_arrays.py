@@ -11,11 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jserve.config import LlamaConfig
+from jserve.config import ModelConfig
 from jserve.engine.buckets import Buckets
 from jserve.kernels import AttentionMetadata
 from jserve.model.llama import StepInput
-from jserve.sampling.params import MAX_BANNED_IDS
+from jserve.sampling.params import MAX_BANNED_IDS, MAX_LOGIT_BIAS
 from jserve.sampling.sampler import SamplingBatch, mask_words
 
 
@@ -46,6 +46,11 @@ class StepArrays:
     token_state_rows: jax.Array  # [T]
     token_is_prompt: jax.Array   # [T]
     token_fed: jax.Array         # [T] bool: the token is its sequence's ``last_tokens`` entry
+    # Prompt logprobs (``jserve.engine.prompt_logprobs``): each token's next prompt token
+    # (-1: none), whether any token has one, and the most alternatives a request wants.
+    prompt_targets: jax.Array    # [T] int32
+    want_prompt_logprobs: jax.Array  # scalar bool
+    prompt_top: jax.Array        # scalar int32
     state_rows: jax.Array        # [S]
     reset_rows: jax.Array        # [S]
     sampled_state_rows: jax.Array  # [S] where the row's sampled token is kept (sink: nowhere)
@@ -53,6 +58,7 @@ class StepArrays:
     any_random: jax.Array        # scalar bool: some row samples (else argmax only)
     any_penalty: jax.Array       # scalar bool: some row uses penalties (else skip their work)
     want_logprobs: jax.Array     # scalar bool
+    any_bias: jax.Array          # scalar bool: some sampled row has a logit_bias
 
 
 class PackedLayout:
@@ -140,6 +146,7 @@ class SampleInputs:
     any_random: jax.Array
     any_penalty: jax.Array
     want_logprobs: jax.Array
+    any_bias: jax.Array
 
 
 def leaf_spec(shape, dtype, sharding=None) -> jax.ShapeDtypeStruct:
@@ -156,17 +163,18 @@ def sampling_spec(s: int, vocab_size: int, sharding=None) -> SamplingBatch:
         presence_penalty=spec((s,), f32), frequency_penalty=spec((s,), f32),
         seed=spec((s,), jnp.uint32), step=spec((s,), i32),
         banned_ids=spec((s, MAX_BANNED_IDS), i32),
-        allowed=spec((s, mask_words(vocab_size)), i32), draft=spec((s,), i32))
+        allowed=spec((s, mask_words(vocab_size)), i32), draft=spec((s,), i32),
+        bias_ids=spec((s, MAX_LOGIT_BIAS), i32), bias_values=spec((s, MAX_LOGIT_BIAS), f32))
 
 
-def state_spec(cfg: LlamaConfig, rows: int, sharding=None) -> SeqState:
+def state_spec(cfg: ModelConfig, rows: int, sharding=None) -> SeqState:
     """The abstract penalty state of ``rows`` rows (a runner built on specs, ``abstract=True``)."""
     return SeqState(leaf_spec((rows, cfg.vocab_size), jnp.int32, sharding),
                     leaf_spec((rows, cfg.vocab_size), jnp.bool_, sharding),
                     leaf_spec((rows,), jnp.int32, sharding))
 
 
-def new_state(cfg: LlamaConfig, rows: int, sharding=None) -> SeqState:
+def new_state(cfg: ModelConfig, rows: int, sharding=None) -> SeqState:
     """The zeroed penalty state of ``rows`` rows."""
     return jax.device_put(SeqState(jnp.zeros((rows, cfg.vocab_size), jnp.int32),
                                    jnp.zeros((rows, cfg.vocab_size), bool),
@@ -198,10 +206,12 @@ def arrays_spec(buckets: Buckets, vocab_size: int, num_decodes: int,
                         slot_groups=leaf_spec((t,), i32), start_groups=leaf_spec((s,), i32)),
         token_state_rows=leaf_spec((t,), i32), token_is_prompt=leaf_spec((t,), bool),
         token_fed=leaf_spec((t,), bool), state_rows=leaf_spec((s,), i32),
+        prompt_targets=leaf_spec((t,), i32), want_prompt_logprobs=leaf_spec((), bool),
+        prompt_top=leaf_spec((), i32),
         reset_rows=leaf_spec((s,), i32), sampled_state_rows=leaf_spec((s,), i32),
         sampling=sampling,
         any_random=leaf_spec((), bool), any_penalty=leaf_spec((), bool),
-        want_logprobs=leaf_spec((), bool))
+        want_logprobs=leaf_spec((), bool), any_bias=leaf_spec((), bool))
 
 
 def sample_inputs_spec(rows: int, vocab_size: int, sharding=None) -> SampleInputs:
@@ -212,4 +222,4 @@ def sample_inputs_spec(rows: int, vocab_size: int, sharding=None) -> SampleInput
                         sampled_state_rows=leaf_spec((rows,), jnp.int32, sharding),
                         sampling=sampling_spec(rows, vocab_size, sharding),
                         any_random=b(), any_penalty=b(),
-                        want_logprobs=b())
+                        want_logprobs=b(), any_bias=b())

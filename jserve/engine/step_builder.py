@@ -9,6 +9,7 @@ import jax
 import numpy as np
 
 from jserve.engine.buckets import Buckets
+from jserve.engine.prompt_logprobs import targets as prompt_targets
 from jserve.engine.step_arrays import StepArrays
 from jserve.kernels import AttentionMetadata
 from jserve.model.llama import StepInput
@@ -23,15 +24,22 @@ class StepFlags:
     any_random: bool     # some sampled row has temperature > 0
     any_penalty: bool    # some request in the step uses penalties
     want_logprobs: bool  # some sampled row asked for logprobs
+    want_prompt_logprobs: bool = False  # some prefill chunk's request wants prompt logprobs
+    prompt_top: int = 0  # the most alternatives such a request wants (its prompt_logprobs)
+    any_bias: bool = False  # some sampled row has a logit_bias
 
     @classmethod
     def of(cls, params: list, plan: BatchPlan) -> "StepFlags":
         """The switches ``plan`` needs (``params``: its chunks' requests'). Every chunk of a
         penalised request counts: its prompt tokens fill the penalty state."""
         sampled = [p for p, c in zip(params, plan.decodes + plan.prefills) if c.samples]
+        prompt = [p.prompt_logprobs for p in params[len(plan.decodes):]
+                  if p.prompt_logprobs is not None]
         return cls(any_random=any(p.temperature > 0 for p in sampled),
                    any_penalty=any(p.uses_penalties for p in params),
-                   want_logprobs=any(p.logprobs is not None for p in sampled))
+                   want_logprobs=any(p.logprobs is not None for p in sampled),
+                   want_prompt_logprobs=bool(prompt), prompt_top=max(prompt, default=0),
+                   any_bias=any(p.logit_bias for p in sampled))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +107,8 @@ class StepBuilder:
     def __init__(self, buckets: Buckets, page_size: int, state_sink: int,
                  pool_pages: int | None = None, vocab_size: int = 32,
                  ready: "callable[[tuple[int, int]], tuple[int, int]] | None" = None,
-                 plain_row: "callable[[Request], bool] | None" = None):
+                 plain_row: "callable[[Request], bool] | None" = None,
+                 prompt_logprobs: "callable[[Request], bool] | None" = None):
         """``ready``: the shape a step of a bucket shape is built at now
         (``StepPrograms.ready_shape``: a compiled one covering it while its own compiles in
         the background); None: the bucket shape itself. ``plain_row``: whether a request's
@@ -108,6 +117,8 @@ class StepBuilder:
         one's arrays (``_advance``)."""
         self.ready = ready or (lambda shape: shape)
         self.plain_row = plain_row
+        # Whether a request wants prompt logprobs: its prefill tokens get targets.
+        self.prompt_logprobs = prompt_logprobs or (lambda req: False)
         self._last: _LastDecodes | None = None
         if buckets.kvp > 1 and pool_pages is None:
             raise ValueError("kvp > 1 needs pool_pages (KV pages per group)")
@@ -225,10 +236,13 @@ class StepBuilder:
                             attn=attn, slot_groups=h.slot_groups, start_groups=h.start_groups),
             token_state_rows=h.token_state, token_is_prompt=h.token_is_prompt,
             token_fed=h.token_fed, state_rows=h.state_rows, reset_rows=h.reset_rows,
+            prompt_targets=h.prompt_targets,
+            want_prompt_logprobs=np.asarray(flags.want_prompt_logprobs),
+            prompt_top=np.asarray(flags.prompt_top, np.int32),
             sampled_state_rows=h.sampled_state_rows,
             sampling=make_sampling_batch(h.rows, pad_to=s, words=self.mask_words),
             any_random=np.asarray(flags.any_random), any_penalty=np.asarray(flags.any_penalty),
-            want_logprobs=np.asarray(flags.want_logprobs))
+            want_logprobs=np.asarray(flags.want_logprobs), any_bias=np.asarray(flags.any_bias))
         return BuiltStep((bd, padded_prefill_tokens), arrays, h.sample_rows)
 
     def empty(self, shape: tuple[int, int], neutral_row: SamplerRow) -> BuiltStep:
@@ -308,6 +322,8 @@ class StepBuilder:
             srow = state_row(req)
             h.token_state[start:end] = srow
             h.token_is_prompt[start:end] = pos < req.num_prompt_tokens
+            if self.prompt_logprobs(req):
+                h.prompt_targets[start:end] = prompt_targets(req.prompt_token_ids, c.start, n)
             h.kv_lens[row] = c.start + n
             h.logits_rows[row] = end - 1
             h.state_rows[row] = srow
@@ -349,6 +365,7 @@ class _HostArrays:
     token_state: np.ndarray
     token_is_prompt: np.ndarray
     token_fed: np.ndarray
+    prompt_targets: np.ndarray
     slot_groups: np.ndarray
     start_groups: np.ndarray
     kv_lens: np.ndarray
@@ -369,6 +386,7 @@ class _HostArrays:
             slots=np.zeros(t, np.int32), token_seq=np.full(t, s, np.int32),
             token_state=np.full(t, state_sink, np.int32),
             token_is_prompt=np.zeros(t, bool), token_fed=np.zeros(t, bool),
+            prompt_targets=np.full(t, -1, np.int32),
             slot_groups=np.zeros(t, np.int32),
             start_groups=np.zeros(s, np.int32), kv_lens=np.zeros(s, np.int32),
             page_table=np.zeros((s, page_table_width), np.int32),

@@ -12,13 +12,20 @@ import jax
 import jax.numpy as jnp
 
 from jserve.cache.pool import KVCache
-from jserve.config import LlamaConfig
-from jserve.engine import burst
+from jserve.config import ModelConfig
+from jserve.engine import burst, prompt_logprobs
 from jserve.engine.step_arrays import PackedLayout, SampleInputs, SeqState, StepArrays
-from jserve.model.llama import Params, final_logits, forward, prepare_params, unstack_layers
+from jserve.model.llama import (
+    Params,
+    final_logits,
+    forward_stream,
+    prepare_params,
+    unstack_layers,
+)
 from jserve.sampling.params import MAX_LOGPROBS
 from jserve.sampling.sampler import (
     SampleResult,
+    apply_bias,
     apply_penalties,
     choose_tokens,
     pad_rows,
@@ -59,7 +66,8 @@ def _sample_inputs(logits: jax.Array, state: SeqState, arrays: StepArrays, rows:
         state_rows=jnp.pad(arrays.state_rows, (0, pad), constant_values=sink),
         sampled_state_rows=jnp.pad(arrays.sampled_state_rows, (0, pad), constant_values=sink),
         sampling=pad_rows(arrays.sampling, rows), any_random=arrays.any_random,
-        any_penalty=arrays.any_penalty, want_logprobs=arrays.want_logprobs)
+        any_penalty=arrays.any_penalty, want_logprobs=arrays.want_logprobs,
+        any_bias=arrays.any_bias)
     if mesh is None:
         return inputs, state
     return jax.lax.with_sharding_constraint(
@@ -68,15 +76,16 @@ def _sample_inputs(logits: jax.Array, state: SeqState, arrays: StepArrays, rows:
 
 def _sample(state: SeqState, inp: SampleInputs) -> tuple[SampleResult, SeqState]:
     """Penalties, token choice and logprobs on the padded rows (one executable); the chosen
-    tokens are kept in ``state.last_tokens`` for the next step. Runtime choices: penalties
-    only when some row uses them, the sort only when some row samples, top-n logprobs only
-    when asked."""
+    tokens are kept in ``state.last_tokens`` for the next step. Runtime choices: the logit
+    bias only when some row has one, penalties only when some row uses them, the sort only
+    when some row samples, top-n logprobs only when asked (of the raw ``logits``)."""
     logits, sb = inp.logits, inp.sampling
+    biased = jax.lax.cond(inp.any_bias, lambda: apply_bias(logits, sb), lambda: logits)
     penalised = jax.lax.cond(
         inp.any_penalty,
-        lambda: apply_penalties(logits, state.output_counts[inp.state_rows],
+        lambda: apply_penalties(biased, state.output_counts[inp.state_rows],
                                 state.prompt_mask[inp.state_rows], sb),
-        lambda: logits)
+        lambda: biased)
     tokens = jax.lax.cond(inp.any_random,
                           lambda: choose_tokens(penalised, sb, all_greedy=False),
                           lambda: choose_tokens(penalised, sb, all_greedy=True))
@@ -92,34 +101,37 @@ def _sample(state: SeqState, inp: SampleInputs) -> tuple[SampleResult, SeqState]
 
 
 def _forward_step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array,
-                  fbuf: jax.Array, *, layout: PackedLayout, cfg: LlamaConfig,
+                  fbuf: jax.Array, *, layout: PackedLayout, cfg: ModelConfig,
                   attention_impl: str, mesh: jax.sharding.Mesh | None, rows: int,
                   capture_layer: int | None = None, slice_layers: bool = False):
     """The forward of one bucket and the penalty state update; returns (SampleInputs, KV
-    cache, state). With ``capture_layer`` set, a fourth output: the layer's ``Capture``
-    (prompt sums over the step's prompt tokens); ``None`` compiles exactly the step without
-    it. ``slice_layers``: stacked params, the layers unrolled over static slices of them
+    cache, state, PromptLogprobs: zeros unless the step asked, ``prompt_logprobs``). With
+    ``capture_layer`` set, a fifth output: the layer's ``Capture`` (prompt sums over the
+    step's prompt tokens); ``None`` compiles exactly the step without it.
+    ``slice_layers``: stacked params, the layers unrolled over static slices of them
     (``EngineConfig.layer_loop`` "sliced": on GPU neither the loop's weight copies nor an
     argument per layer weight)."""
     if slice_layers:
         params = unstack_layers(params)
     arrays = layout.unpack(layout.feed(ibuf, state.last_tokens), fbuf)
     if mesh is None:
-        logits, kv_cache, capture = forward(
+        x, kv_cache, capture = forward_stream(
             params, kv_cache, arrays.batch, cfg=cfg, attention_impl=attention_impl,
             capture_layer=capture_layer,
             prompt_mask=arrays.token_is_prompt if capture_layer is not None else None)
+        logits = final_logits(params, x, arrays.batch.logits_rows, cfg)
     else:  # tensor / KV-cache parallel; the rest of the step runs replicated on the logits
-        logits, kv_cache = tp_forward(params, kv_cache, arrays.batch, mesh=mesh, cfg=cfg,
-                                      attention_impl=attention_impl)
+        logits, kv_cache, x = tp_forward(params, kv_cache, arrays.batch, mesh=mesh, cfg=cfg,
+                                         attention_impl=attention_impl, stream=True)
+    prompt = prompt_logprobs.of_step(params, x, arrays, cfg)
     inputs, state = _sample_inputs(logits, state, arrays, rows, mesh)
     if capture_layer is not None:
-        return inputs, kv_cache, state, capture
-    return inputs, kv_cache, state
+        return inputs, kv_cache, state, prompt, capture
+    return inputs, kv_cache, state, prompt
 
 
 def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, fbuf: jax.Array,
-          *, layout: PackedLayout, cfg: LlamaConfig, attention_impl: str,
+          *, layout: PackedLayout, cfg: ModelConfig, attention_impl: str,
           mesh: jax.sharding.Mesh | None, rows: int, capture_layer: int | None = None,
           slice_layers: bool = False):
     """The plain step (spp == 1): ``_forward_step`` and the sampling in one executable, so
@@ -127,32 +139,34 @@ def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, f
     (SampleResult, SampleInputs, KV cache, state[, Capture]); the ``SampleInputs`` serve a
     step whose sampling waits for masks the host computes while it runs (``late_masks``):
     the sampling executable samples them again with those masks, overwriting the tokens
-    this one kept in ``state.last_tokens`` before anything reads them."""
-    inputs, kv_cache, state, *capture = _forward_step(
+    this one kept in ``state.last_tokens`` before anything reads them. The prompt logprobs
+    come after the state: (SampleResult, SampleInputs, KV cache, state, PromptLogprobs[,
+    Capture])."""
+    inputs, kv_cache, state, prompt, *capture = _forward_step(
         params, kv_cache, state, ibuf, fbuf, layout=layout, cfg=cfg,
         attention_impl=attention_impl, mesh=mesh, rows=rows, capture_layer=capture_layer,
         slice_layers=slice_layers)
     out, state = _sample(state, inputs)
-    return (out, inputs, kv_cache, state, *capture)
+    return (out, inputs, kv_cache, state, prompt, *capture)
 
 
 def _burst(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array,
-           fbuf: jax.Array, *, layout: PackedLayout, cfg: LlamaConfig, attention_impl: str,
+           fbuf: jax.Array, *, layout: PackedLayout, cfg: ModelConfig, attention_impl: str,
            mesh: jax.sharding.Mesh | None, rows: int, slice_layers: bool, steps: int,
            num_decodes: int, page_size: int):
     """``steps`` plain steps of an all-decode bucket in one program (``jserve.engine.burst``);
     returns (tokens [steps, rows], KV cache, state)."""
     def step(kv, st, buf):
-        out, _, kv, st = _step(params, kv, st, buf, fbuf, layout=layout, cfg=cfg,
-                               attention_impl=attention_impl, mesh=mesh, rows=rows,
-                               slice_layers=slice_layers)
+        out, _, kv, st, _ = _step(params, kv, st, buf, fbuf, layout=layout, cfg=cfg,
+                                  attention_impl=attention_impl, mesh=mesh, rows=rows,
+                                  slice_layers=slice_layers)
         return out, kv, st
     return burst.run_burst(step, ibuf, kv_cache, state, layout=layout, steps=steps, rows=rows,
                            num_decodes=num_decodes, page_size=page_size)
 
 
 def _tick(params: Params, kv_cache: KVCache, state: SeqState, carry: pipeline.PipelineCarry,
-          ibufs: jax.Array, fbufs: jax.Array, *, layout: PackedLayout, cfg: LlamaConfig,
+          ibufs: jax.Array, fbufs: jax.Array, *, layout: PackedLayout, cfg: ModelConfig,
           attention_impl: str, mesh: jax.sharding.Mesh, rows: int, decode_rows: int):
     """A stream-pipeline tick (``sharding.pipeline.tick``; ``ibufs``/``fbufs`` [spp, size]:
     every stage's batch at the tick's shape), then the plain step's tail on the batch that
@@ -173,7 +187,7 @@ def _tick(params: Params, kv_cache: KVCache, state: SeqState, carry: pipeline.Pi
 
 
 def _lone_pass(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array,
-               fbuf: jax.Array, *, layout: PackedLayout, cfg: LlamaConfig, attention_impl: str,
+               fbuf: jax.Array, *, layout: PackedLayout, cfg: ModelConfig, attention_impl: str,
                mesh: jax.sharding.Mesh, rows: int):
     """A batch alone in an empty pipeline through every stage at once
     (``sharding.pipeline.lone_pass``; ``ibuf``/``fbuf``: its own packed step, fed like the
@@ -238,7 +252,7 @@ def _fresh(fn):
     return run
 
 
-def runtime_params(cfg: LlamaConfig, params: Params, mesh: jax.sharding.Mesh | None, *,
+def runtime_params(cfg: ModelConfig, params: Params, mesh: jax.sharding.Mesh | None, *,
                    placed: bool, unroll: bool) -> Params:
     """``params`` as the step takes them: the runtime layout (``prepare_params``) split
     for tp on ``mesh`` unless ``placed`` already, with per-layer arrays if ``unroll``."""

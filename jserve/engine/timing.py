@@ -15,8 +15,9 @@ from pathlib import Path
 
 import jax
 
-from jserve.config import LlamaConfig
+from jserve.config import ModelConfig
 from jserve.engine.config import EngineConfig
+from jserve.model.params import num_params
 from jserve.scheduler.predictor import FEATURES, LinearPredictor
 from sharding.mesh import MeshConfig
 
@@ -36,25 +37,25 @@ def host_round_trip_seconds(num_bytes: int) -> float:
     return 2 * (latency + num_bytes / bandwidth)
 
 
-def predictor_key(cfg: LlamaConfig, mesh: str = "1") -> str:
+def predictor_key(cfg: ModelConfig, mesh: str = "1") -> str:
     """model + hardware + mesh."""
     model = hashlib.sha1(json.dumps(cfg.to_hf_dict(), sort_keys=True).encode())
     device = jax.devices()[0].device_kind.replace(" ", "_")
     return f"{model.hexdigest()[:12]}-{device}-mesh{mesh}"
 
 
-def default_predictor_path(cfg: LlamaConfig, config: EngineConfig) -> Path:
+def default_predictor_path(cfg: ModelConfig, config: EngineConfig) -> Path:
     return Path(config.compilation_cache_dir or ".").parent / "predictors" / (
         predictor_key(cfg, MeshConfig.parse(config.mesh).key()) + ".json")
 
 
-def estimated_predictor(cfg: LlamaConfig) -> LinearPredictor:
+def estimated_predictor(cfg: ModelConfig) -> LinearPredictor:
     """FLOPs and KV bytes at nominal platform rates, in ``plan_features`` terms."""
     flops, bandwidth, overhead = _NOMINAL_RATES.get(jax.devices()[0].platform,
                                                     _NOMINAL_RATES["gpu"])
     layers, q_dim = cfg.num_hidden_layers, cfg.num_attention_heads * cfg.head_dim
     kv_bytes = 2 * layers * cfg.num_key_value_heads * cfg.head_dim * cfg.np_dtype.itemsize
-    per_token = 2 * cfg.num_params() / flops
+    per_token = 2 * num_params(cfg) / flops
     attn_flop = 4 * layers * q_dim / flops       # QK^T and PV per (query, key) pair
     coef = dict(constant=overhead, tokens=per_token, decodes=0.0,
                 decode_context=kv_bytes / bandwidth + attn_flop,
@@ -63,7 +64,7 @@ def estimated_predictor(cfg: LlamaConfig) -> LinearPredictor:
     return LinearPredictor(tuple(coef[f] for f in FEATURES), {"estimated": True})
 
 
-def load_predictor(cfg: LlamaConfig, config: EngineConfig) -> LinearPredictor:
+def load_predictor(cfg: ModelConfig, config: EngineConfig) -> LinearPredictor:
     path = Path(config.predictor_path) if config.predictor_path else default_predictor_path(
         cfg, config)
     if path.exists():

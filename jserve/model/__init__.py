@@ -1,7 +1,8 @@
-"""The Llama model as pure functions over a params pytree.
+"""The model families as pure functions over a params pytree (``families/``: one module per
+family, keyed by its HF architecture; docs/models.md).
 
-Params layout (``jax.Array`` leaves, dtype = ``LlamaConfig.dtype``; matrices stored as
-``[in, out]`` so a layer is ``x @ w``)::
+Params layout (``jax.Array`` leaves, dtype = ``ModelConfig.dtype``; matrices stored as
+``[in, out]`` so a layer is ``x @ w``), Llama's::
 
     {
       "embed": [vocab, hidden],
@@ -16,8 +17,10 @@ Params layout (``jax.Array`` leaves, dtype = ``LlamaConfig.dtype``; matrices sto
       "lm_head": [hidden, vocab],       # absent when tie_word_embeddings (embed.T is used)
     }
 
-HF names map as: model.embed_tokens.weight -> embed; model.layers.i.input_layernorm ->
-attn_norm; self_attn.{q,k,v,o}_proj (transposed) -> wq/wk/wv/wo; post_attention_layernorm ->
-mlp_norm; mlp.{gate,up,down}_proj (transposed) -> w_gate/w_up/w_down; model.norm -> final_norm;
+Qwen2 layers add "bq" [n_heads*head_dim], "bk"/"bv" [n_kv_heads*head_dim]; Qwen3 layers add
+"q_norm"/"k_norm" [head_dim]. Each family's ``layer_tensors`` names the HF tensor of every
+leaf: model.embed_tokens.weight -> embed; model.layers.i.input_layernorm -> attn_norm;
+self_attn.{q,k,v,o}_proj (transposed) -> wq/wk/wv/wo; post_attention_layernorm -> mlp_norm;
+mlp.{gate,up,down}_proj (transposed) -> w_gate/w_up/w_down; model.norm -> final_norm;
 lm_head.weight (transposed) -> lm_head.
 """

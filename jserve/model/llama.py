@@ -1,7 +1,10 @@
-"""Pure-JAX Llama forward over a token-flattened ragged batch and a paged KV cache.
+"""The pure-JAX decoder stack every model family runs, over a token-flattened ragged batch
+and a paged KV cache: embedding, the layer loop (each layer the family's
+``decoder_layer``: ``jserve.model.families``), the final norm and the LM head.
 
 One call runs prefill chunks of several requests and single-token decodes together, writes
 their KV into the cache pages, and computes logits only for the rows that will be sampled.
+(The module keeps the name it had when Llama was the only family.)
 """
 from __future__ import annotations
 
@@ -12,11 +15,12 @@ import jax
 import jax.numpy as jnp
 
 from jserve.cache.pool import KVCache
-from jserve.config import LlamaConfig, inv_frequencies
+from jserve.config import ModelConfig
 from jserve.kernels import AttentionMetadata, attention, write_kv
 from jserve.kernels.kv_parallel import kvp_attention, owned_slots
+from jserve.model.families import family_of
+from jserve.model.layers import rms_norm, rope_tables
 from jserve.model.params import Params
-from jserve.model.quant import matmul
 
 
 @jax.tree_util.register_dataclass
@@ -40,30 +44,6 @@ class StepInput:
     attn: AttentionMetadata
     slot_groups: jax.Array | None = None
     start_groups: jax.Array | None = None
-
-
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """HF LlamaRMSNorm: normalise in float32, cast back, then scale."""
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return w * xf.astype(x.dtype)
-
-
-def rope_tables(cfg: LlamaConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos and sin [..., D] of RoPE at ``positions`` [...]."""
-    inv = jnp.asarray(inv_frequencies(cfg))
-    freqs = positions.astype(jnp.float32)[..., None] * inv
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate-half RoPE (HF layout). x [..., T, H, D]; cos/sin [..., T, D]."""
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    cos = cos[..., None, :].astype(x.dtype)
-    sin = sin[..., None, :].astype(x.dtype)
-    return x * cos + rotated * sin
 
 
 def is_runtime_layout(params: Params) -> bool:
@@ -126,40 +106,18 @@ def embed(params: Params, tokens: jax.Array) -> jax.Array:
 
 
 def decoder_layer(layer: Params, x: jax.Array, cos: jax.Array, sin: jax.Array,
-                  attend: Callable, *, cfg: LlamaConfig, tp_axis: str | None = None
+                  attend: Callable, *, cfg: ModelConfig, tp_axis: str | None = None
                   ) -> tuple[jax.Array, Any]:
-    """One transformer block on the residual stream ``x`` [..., hidden] (token-flattened
-    [T, hidden] when serving, [B, T, hidden] in training): pre-norm attention, then the MLP.
-
-    ``attend(q, k, v)`` is the attention core, q [..., Hq, D] and k, v [..., Hkv, D] with RoPE
-    applied -> (out [..., Hq, D], aux): the serving step's paged attention
-    (:func:`step_layer`, aux the updated KV pages) or the trainer's dense masked attention.
-    Returns (residual stream, aux). ``layer`` is one layer of either layout: the runtime one
-    (fused ``w_gate_up``) or the checkpoint's (``w_gate`` and ``w_up``).
-
-    Head counts come from the weights' shapes, so under ``shard_map`` the same code runs a
-    tensor-parallel shard's heads and MLP slice; ``tp_axis`` then names the mesh axis whose
-    partial attention and MLP outputs are summed (Megatron)."""
-    lead = x.shape[:-1]
-    hd = cfg.head_dim
-    hq, hkv = layer["wq"].shape[1] // hd, layer["wk"].shape[1] // hd
-    reduce = (lambda y: jax.lax.psum(y, tp_axis)) if tp_axis else (lambda y: y)
-    h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
-    q = apply_rope(matmul(h, layer["wq"]).reshape(*lead, hq, hd), cos, sin)
-    k = apply_rope(matmul(h, layer["wk"]).reshape(*lead, hkv, hd), cos, sin)
-    v = matmul(h, layer["wv"]).reshape(*lead, hkv, hd)
-    out, aux = attend(q, k, v)
-    x = x + reduce(matmul(out.reshape(*lead, hq * hd).astype(x.dtype), layer["wo"]))
-    h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
-    if "w_gate_up" in layer:
-        gate, up = jnp.split(matmul(h, layer["w_gate_up"]), 2, axis=-1)
-    else:
-        gate, up = matmul(h, layer["w_gate"]), matmul(h, layer["w_up"])
-    x = x + reduce(matmul(jax.nn.silu(gate) * up, layer["w_down"]))
-    return x, aux
+    """One decoder layer of ``cfg``'s family on the residual stream ``x`` [..., hidden]
+    (token-flattened [T, hidden] when serving, [B, T, hidden] in training) -> (residual
+    stream, aux); ``attend(q, k, v)`` is the attention core (:func:`step_layer`'s paged
+    attention, aux the updated KV pages, or the trainer's dense masked attention). ``layer``
+    is one layer of either layout; ``tp_axis`` names the mesh axis a tensor-parallel shard's
+    partial outputs are summed over (``jserve.model.layers.pre_norm_layer``)."""
+    return family_of(cfg).decoder_layer(layer, x, cos, sin, attend, cfg=cfg, tp_axis=tp_axis)
 
 
-def step_layer(batch: StepInput, cos: jax.Array, sin: jax.Array, *, cfg: LlamaConfig,
+def step_layer(batch: StepInput, cos: jax.Array, sin: jax.Array, *, cfg: ModelConfig,
                attention_impl: str, tp_axis: str | None = None,
                kvp_axis: str | None = None) -> Callable:
     """The serving step's ``layer_fn`` for :func:`layer_loop`, whose carry is the stacked KV
@@ -226,7 +184,7 @@ def layer_loop(layers: Params, x: jax.Array, carry: Any, layer_fn: Callable, sta
     return x, carry, None
 
 
-def head_logits(params: Params, x: jax.Array, cfg: LlamaConfig) -> jax.Array:
+def head_logits(params: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     """float32 logits [..., vocab] of the residual stream ``x`` [..., hidden]: final norm,
     then the LM head (the embedding's transpose when tied)."""
     h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
@@ -234,7 +192,7 @@ def head_logits(params: Params, x: jax.Array, cfg: LlamaConfig) -> jax.Array:
     return jnp.dot(h, head, preferred_element_type=jnp.float32)
 
 
-def final_logits(params: Params, x: jax.Array, rows: jax.Array, cfg: LlamaConfig) -> jax.Array:
+def final_logits(params: Params, x: jax.Array, rows: jax.Array, cfg: ModelConfig) -> jax.Array:
     """float32 logits [S, vocab] of the residual stream's ``rows``."""
     return head_logits(params, x[rows], cfg)
 
@@ -250,7 +208,7 @@ class Capture(NamedTuple):
     prompt_sum: jax.Array
 
 
-def forward(params: Params, kv_cache: KVCache, batch: StepInput, *, cfg: LlamaConfig,
+def forward(params: Params, kv_cache: KVCache, batch: StepInput, *, cfg: ModelConfig,
             attention_impl: str = "reference", tp_axis: str | None = None,
             kvp_axis: str | None = None, capture_layer: int | None = None,
             prompt_mask: jax.Array | None = None) -> tuple[jax.Array, KVCache, Capture | None]:
@@ -260,6 +218,19 @@ def forward(params: Params, kv_cache: KVCache, batch: StepInput, *, cfg: LlamaCo
     ``kvp_axis`` as in :func:`step_layer`. ``capture`` is the :class:`Capture` after layer
     ``capture_layer`` (0-based; ``None``: nothing captured and nothing extra computed);
     ``prompt_mask`` [T] picks the tokens its ``prompt_sum`` adds up."""
+    x, kv_cache, hidden = forward_stream(
+        params, kv_cache, batch, cfg=cfg, attention_impl=attention_impl, tp_axis=tp_axis,
+        kvp_axis=kvp_axis, capture_layer=capture_layer, prompt_mask=prompt_mask)
+    return final_logits(params, x, batch.logits_rows, cfg), kv_cache, hidden
+
+
+def forward_stream(params: Params, kv_cache: KVCache, batch: StepInput, *, cfg: ModelConfig,
+                   attention_impl: str = "reference", tp_axis: str | None = None,
+                   kvp_axis: str | None = None, capture_layer: int | None = None,
+                   prompt_mask: jax.Array | None = None
+                   ) -> tuple[jax.Array, KVCache, Capture | None]:
+    """``forward`` up to the residual stream of every token after the last layer [T, hidden]
+    (what prompt logprobs take the LM head of), before the final norm and head."""
     x = embed(params, batch.tokens)
     cos, sin = rope_tables(cfg, batch.attn.positions)
     layers = params["layers"]
@@ -279,4 +250,4 @@ def forward(params: Params, kv_cache: KVCache, batch: StepInput, *, cfg: LlamaCo
         hidden = Capture(x[batch.logits_rows].astype(jnp.float32), sums)
         x, kv_cache, _ = layer_loop(layers, x, kv_cache, layer_fn, capture_layer + 1,
                                     num_layers)
-    return final_logits(params, x, batch.logits_rows, cfg), kv_cache, hidden
+    return x, kv_cache, hidden

@@ -3,8 +3,9 @@
 Each of wq, wk, wv, wo, w_gate/w_up (fused: w_gate_up) and w_down is stored as a qwix
 ``QArray``: int8 or float8_e4m3 values [..., in, out] and one float32 scale per output
 channel [..., 1, out] (absmax calibration, ``qwix.quantize`` with the output axis, and the
-layer axis when stacked, channelwise). Embeddings, norms and the LM head stay in the model's
-dtype (the head's logits are what sampling reads; it is one matrix of the model's ~80).
+layer axis when stacked, channelwise). Embeddings, norms (q/k norms too), biases and the LM
+head stay in the model's dtype (the head's logits are what sampling reads; it is one matrix
+of the model's ~80). Leaf names are shared by every family (jserve/model/families/base.py).
 
 Why per output channel: its scale factors out of the dot product, so :func:`matmul`
 computes ``(x @ q) * scale`` with the scale applied to the [tokens, out] result, never to

@@ -19,13 +19,20 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from jserve.config import DTYPE_CHOICES, DTYPES, LlamaConfig, auto_dtype, stored_dtype
+from jserve.config import DTYPE_CHOICES, DTYPES, ModelConfig, auto_dtype, stored_dtype
 from jserve.model import quant, tp_layout
+from jserve.model.families import family_of, read_config_file
 from jserve.model.params import Params, param_shapes, runtime_param_shapes
-from jserve.tokenizer import TOKENIZER_FILES, ByteTokenizer, Tokenizer, load_tokenizer
+from jserve.tokenizer import (
+    TOKENIZER_FILES,
+    ByteTokenizer,
+    Tokenizer,
+    load_tokenizer,
+    load_tokenizer_dir,
+)
 
 # Sized so the whole engine can be exercised on a CPU; vocab covers ByteTokenizer's 259 ids.
-DEFAULT_CONFIG = LlamaConfig(
+DEFAULT_CONFIG = ModelConfig(
     vocab_size=320,
     hidden_size=256,
     intermediate_size=688,
@@ -46,42 +53,35 @@ def _is_shape(x: Any) -> bool:
     return isinstance(x, tuple)
 
 
-def init_params(cfg: LlamaConfig, seed: int = 0) -> Params:
-    """Random params (normal(0, 0.02) matrices, unit norms), drawn with numpy so a seed gives
-    the same weights on every backend."""
+def init_params(cfg: ModelConfig, seed: int = 0) -> Params:
+    """Random params (normal(0, 0.02) matrices and biases, unit norms), drawn with numpy so
+    a seed gives the same weights on every backend."""
     rng = np.random.default_rng(seed)
     dtype = cfg.np_dtype
 
-    def make(shape: tuple[int, ...]) -> jax.Array:
-        if len(shape) == 1:
+    def make(path, shape: tuple[int, ...]) -> jax.Array:
+        if str(getattr(path[-1], "key", "")).endswith("norm"):
             return jnp.ones(shape, dtype)
         return jnp.asarray(rng.normal(0.0, 0.02, size=shape).astype(np.float32), dtype=dtype)
 
-    return quant.quantize_params(jax.tree.map(make, param_shapes(cfg), is_leaf=_is_shape),
-                                 cfg.quantization)
+    params = jax.tree_util.tree_map_with_path(make, param_shapes(cfg), is_leaf=_is_shape)
+    return quant.quantize_params(params, cfg.quantization)
 
 
-def _hf_name_map(cfg: LlamaConfig) -> dict[str, tuple[tuple[str | int, ...], bool]]:
-    """HF tensor name -> (path into params, whether to transpose torch's [out, in])."""
-    names: dict[str, tuple[tuple[str | int, ...], bool]] = {
-        "model.embed_tokens.weight": (("embed",), False),
-        "model.norm.weight": (("final_norm",), False),
-    }
-    if not cfg.tie_word_embeddings:
-        names["lm_head.weight"] = (("lm_head",), True)
-    per_layer = {"input_layernorm.weight": ("attn_norm", False),
-                 "self_attn.q_proj.weight": ("wq", True), "self_attn.k_proj.weight": ("wk", True),
-                 "self_attn.v_proj.weight": ("wv", True), "self_attn.o_proj.weight": ("wo", True),
-                 "post_attention_layernorm.weight": ("mlp_norm", False),
-                 "mlp.gate_proj.weight": ("w_gate", True), "mlp.up_proj.weight": ("w_up", True),
-                 "mlp.down_proj.weight": ("w_down", True)}
+def _hf_name_map(cfg: ModelConfig) -> dict[str, tuple[tuple[str | int, ...], bool]]:
+    """HF tensor name -> (path into params, whether to transpose torch's [out, in]), from the
+    family's tensors (``jserve.model.families``)."""
+    family = family_of(cfg)
+    names = {t.hf: ((key,), t.transpose) for key, t in family.top_tensors(cfg).items()}
+    per_layer = family.layer_tensors(cfg)
     for i in range(cfg.num_hidden_layers):
-        for suffix, (key, transpose) in per_layer.items():
-            names[f"model.layers.{i}.{suffix}"] = (("layers", i, key), transpose)
+        pre = family.layer_prefix.format(i)
+        for key, t in per_layer.items():
+            names[pre + t.hf] = (("layers", i, key), t.transpose)
     return names
 
 
-def _ignorable(name: str, cfg: LlamaConfig) -> bool:
+def _ignorable(name: str, cfg: ModelConfig) -> bool:
     """Tensors some checkpoints store that we recompute or share instead of loading."""
     if name.endswith("rotary_emb.inv_freq"):  # recomputed from the config
         return True
@@ -104,8 +104,8 @@ def _safetensors_layout(model_dir: Path) -> dict[Path, list[str]]:
         return {single: list(f.keys())}
 
 
-def load_hf_safetensors(model_dir: str | Path, cfg: LlamaConfig) -> Params:
-    """Load a HF Llama safetensors checkpoint into the params layout.
+def load_hf_safetensors(model_dir: str | Path, cfg: ModelConfig) -> Params:
+    """Load a HF safetensors checkpoint into the params layout.
 
     Tensors are read one at a time (safetensors' flax framework, which handles bf16 where
     numpy cannot) and transposed/cast immediately, so at most one raw tensor is alive beside
@@ -157,7 +157,8 @@ class _LeafSource:
 
     ``names``: the source tensors (stacked along their first axis for ``w_gate_up``).
     ``transpose``: our ``[in, out]`` is torch's ``[out, in]``; then our column ``c`` is row
-    ``col_src[c]``, ``col_row[c]`` of the sources (the tp reordering in index space).
+    ``col_src[c]``, ``col_row[c]`` of the sources (the tp reordering in index space). A
+    vector (a bias) with ``col_row`` reads its element ``col_row[c]`` as our ``c``.
     """
     names: tuple[str, ...]
     transpose: bool
@@ -167,24 +168,28 @@ class _LeafSource:
     def read(self, files: dict[str, Any], index: tuple[slice, ...], shape: tuple[int, ...],
              dtype: np.dtype) -> np.ndarray:
         index = tuple(slice(*s.indices(n)) for s, n in zip(index, shape))
-        if not self.transpose:
+        if self.col_row is None:
             out = _read_slice(files[self.names[0]], self.names[0], index)
         else:
-            rows, cols = index
+            *rows, cols = index
             if cols.step != 1:
                 raise ValueError(f"strided column read {cols} of {self.names}")
             pieces = []
             for s, a, b in _runs(self.col_src[cols], self.col_row[cols]):
                 name = self.names[s]
-                # Our columns [a, b) are their rows; our rows are their columns.
-                pieces.append(_read_slice(files[name], name, (slice(a, b), rows)))
-            out = (pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=0)).T
+                # Our columns [a, b) are their rows (a vector's elements); our rows are
+                # their columns.
+                pieces.append(_read_slice(files[name], name, (slice(a, b), *rows)))
+            out = pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=0)
+            out = out.T if self.transpose else out
         return np.ascontiguousarray(out.astype(dtype, copy=False))
 
 
-def _leaf_sources(cfg: LlamaConfig, tp: int) -> dict[str, Any]:
+def _leaf_sources(cfg: ModelConfig, tp: int) -> dict[str, Any]:
     """Runtime leaf name -> ``_LeafSource`` (layer leaves: a function of the layer index),
-    with wk/wv and w_gate_up columns reordered as ``tp_layout.tp_layout_leaf`` does."""
+    from the family's tensors, with the KV-head columns (wk/wv, bk/bv) and w_gate_up columns
+    reordered as ``tp_layout.tp_layout_leaf`` does."""
+    family = family_of(cfg)
     hd, f = cfg.head_dim, cfg.intermediate_size
 
     def plain(n_cols: int) -> tuple[np.ndarray, np.ndarray]:
@@ -199,33 +204,29 @@ def _leaf_sources(cfg: LlamaConfig, tp: int) -> dict[str, Any]:
     width = f // tp
     shard, g, k = c // (2 * width), (c // width) % 2, c % width
     gate_up = (g, shard * width + k)
-    q, o = cfg.num_attention_heads * hd, cfg.hidden_size
+
+    def source(name: str, t) -> tuple:
+        if name in tp_layout.KV_HEAD_COLUMNS:
+            return kv
+        return plain(t.shape[-1]) if t.transpose else (None, None)
+
+    per_layer = family.layer_tensors(cfg)
 
     def layer(i: int) -> dict[str, _LeafSource]:
-        pre = f"model.layers.{i}."
-        return {
-            "attn_norm": _LeafSource((pre + "input_layernorm.weight",), False),
-            "mlp_norm": _LeafSource((pre + "post_attention_layernorm.weight",), False),
-            "wq": _LeafSource((pre + "self_attn.q_proj.weight",), True, *plain(q)),
-            "wk": _LeafSource((pre + "self_attn.k_proj.weight",), True, *kv),
-            "wv": _LeafSource((pre + "self_attn.v_proj.weight",), True, *kv),
-            "wo": _LeafSource((pre + "self_attn.o_proj.weight",), True, *plain(o)),
-            "w_gate_up": _LeafSource((pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight"),
-                                     True, *gate_up),
-            "w_down": _LeafSource((pre + "mlp.down_proj.weight",), True, *plain(o)),
-        }
+        pre = family.layer_prefix.format(i)
+        leaves = {name: _LeafSource((pre + t.hf,), t.transpose, *source(name, t))
+                  for name, t in per_layer.items() if name not in ("w_gate", "w_up")}
+        leaves["w_gate_up"] = _LeafSource((pre + per_layer["w_gate"].hf,
+                                           pre + per_layer["w_up"].hf), True, *gate_up)
+        return leaves
 
-    sources: dict[str, Any] = {
-        "embed": _LeafSource(("model.embed_tokens.weight",), False),
-        "final_norm": _LeafSource(("model.norm.weight",), False),
-        "layers": layer,
-    }
-    if not cfg.tie_word_embeddings:
-        sources["lm_head"] = _LeafSource(("lm_head.weight",), True, *plain(cfg.vocab_size))
+    sources: dict[str, Any] = {name: _LeafSource((t.hf,), t.transpose, *source(name, t))
+                               for name, t in family.top_tensors(cfg).items()}
+    sources["layers"] = layer
     return sources
 
 
-def _checked_layout(model_dir: Path, cfg: LlamaConfig) -> dict[Path, list[str]]:
+def _checked_layout(model_dir: Path, cfg: ModelConfig) -> dict[Path, list[str]]:
     """The file layout, after checking the checkpoint has exactly the tensors ``cfg`` needs."""
     layout = _safetensors_layout(model_dir)
     present = {name for names in layout.values() for name in names}
@@ -238,7 +239,7 @@ def _checked_layout(model_dir: Path, cfg: LlamaConfig) -> dict[Path, list[str]]:
     return layout
 
 
-def _mapped_tensors(layout: dict[Path, list[str]], cfg: LlamaConfig, framework: str):
+def _mapped_tensors(layout: dict[Path, list[str]], cfg: ModelConfig, framework: str):
     """(open file, tensor name, param path, transposed) of every tensor of ``layout`` (from
     ``_checked_layout``) that jserve maps, file by file."""
     name_map = _hf_name_map(cfg)
@@ -255,7 +256,7 @@ def _check_shape(name: str, got: tuple, want: tuple) -> None:
                          f"config.json implies {tuple(want)}")
 
 
-def _check_checkpoint(model_dir: Path, cfg: LlamaConfig) -> dict[Path, list[str]]:
+def _check_checkpoint(model_dir: Path, cfg: ModelConfig) -> dict[Path, list[str]]:
     """The file layout, after checking the tensor names and shapes match ``cfg`` (headers
     only; no tensor data is read)."""
     layout = _checked_layout(model_dir, cfg)
@@ -269,9 +270,9 @@ def _check_checkpoint(model_dir: Path, cfg: LlamaConfig) -> dict[Path, list[str]
     return layout
 
 
-def load_hf_runtime(model_dir: str | Path, cfg: LlamaConfig,
+def load_hf_runtime(model_dir: str | Path, cfg: ModelConfig,
                     mesh: jax.sharding.Mesh | None = None) -> Params:
-    """A HF Llama safetensors checkpoint streamed straight into the runtime layout
+    """A HF safetensors checkpoint streamed straight into the runtime layout
     (``prepare_params``), tp-laid-out and placed on ``mesh`` by :mod:`jserve.model.tp_layout`
     (the placement ``sharding.specs.shard_params`` gives; one device when ``mesh`` is None):
     equal to ``shard_params(prepare_params(load_hf_safetensors(...)), cfg, mesh)``, for
@@ -325,15 +326,14 @@ def load_hf_runtime(model_dir: str | Path, cfg: LlamaConfig,
     return params
 
 
-def _stored_shapes(cfg: LlamaConfig, tp: int) -> Params:
-    """The runtime layout's shapes as stored under ``tp``: wk/wv hold the stored KV heads
-    (copies when tp exceeds the KV heads)."""
+def _stored_shapes(cfg: ModelConfig, tp: int) -> Params:
+    """The runtime layout's shapes as stored under ``tp``: wk/wv (bk/bv) hold the stored KV
+    heads (copies when tp exceeds the KV heads)."""
     shapes = runtime_param_shapes(cfg)
     if tp > 1:
         stored = len(tp_layout.kv_head_map(cfg, tp)) * cfg.head_dim
-        for name in ("wk", "wv"):
-            n, d, _ = shapes["layers"][name]
-            shapes["layers"][name] = (n, d, stored)
+        for name in set(tp_layout.KV_HEAD_COLUMNS) & set(shapes["layers"]):
+            shapes["layers"][name] = (*shapes["layers"][name][:-1], stored)
     return shapes
 
 
@@ -357,7 +357,7 @@ def _build(source: _LeafSource, files: dict[str, Any], shape: tuple[int, ...], s
     return jax.make_array_from_callback(shape, sharding, callback, dtype=dtype)
 
 
-def _stream_layers(cfg: LlamaConfig, sources: list, files: dict[str, Any],
+def _stream_layers(cfg: ModelConfig, sources: list, files: dict[str, Any],
                    shape: tuple[int, ...], spec, sharding_of, bar):
     """One stacked layer leaf, each layer's slice built (``_build``) and written in place
     into the preallocated stacked array (``load_hf_runtime``)."""
@@ -375,7 +375,7 @@ def _stream_layers(cfg: LlamaConfig, sources: list, files: dict[str, Any],
     return buf
 
 
-def _stream_quantized(cfg: LlamaConfig, sources: list, files: dict[str, Any],
+def _stream_quantized(cfg: ModelConfig, sources: list, files: dict[str, Any],
                       shape: tuple[int, ...], spec, sharding_of, bar):
     """One stacked quantized layer leaf: each layer's matrix read whole on the host,
     quantized there, and its values' and scales' shards placed (``load_hf_runtime``)."""
@@ -406,12 +406,12 @@ class LazyCheckpoint:
     calls ``place(cfg, mesh)`` once it has built its mesh and gets the runtime params streamed
     onto it (:func:`load_hf_runtime`). Names and shapes are checked when it is made."""
     model_dir: Path
-    model_config: LlamaConfig
+    model_config: ModelConfig
 
     def __post_init__(self) -> None:
         _check_checkpoint(self.model_dir, self.model_config)
 
-    def place(self, cfg: LlamaConfig, mesh: jax.sharding.Mesh | None = None) -> Params:
+    def place(self, cfg: ModelConfig, mesh: jax.sharding.Mesh | None = None) -> Params:
         return load_hf_runtime(self.model_dir, cfg, mesh)
 
     def load(self) -> Params:
@@ -419,7 +419,7 @@ class LazyCheckpoint:
         return load_hf_safetensors(self.model_dir, self.model_config)
 
 
-def _abstract_params(cfg: LlamaConfig, stored: str = "none") -> Params:
+def _abstract_params(cfg: ModelConfig, stored: str = "none") -> Params:
     """Restore targets; the sharding makes orbax return jax arrays on the default device.
     ``stored``: the quantization the checkpoint was saved with."""
     sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
@@ -433,7 +433,7 @@ def _abstract_params(cfg: LlamaConfig, stored: str = "none") -> Params:
     return params
 
 
-def save_orbax(ckpt_dir: str | Path, cfg: LlamaConfig, params: Params,
+def save_orbax(ckpt_dir: str | Path, cfg: ModelConfig, params: Params,
                tokenizer_dir: str | Path | None = None,
                tokenizer: Tokenizer | None = None) -> None:
     """Write a self-describing checkpoint: config.json, orbax ``params/``, tokenizer files
@@ -454,7 +454,7 @@ def save_orbax(ckpt_dir: str | Path, cfg: LlamaConfig, params: Params,
                 shutil.copy2(src, ckpt_dir / name)
 
 
-def restore_orbax(ckpt_dir: str | Path, cfg: LlamaConfig) -> Params:
+def restore_orbax(ckpt_dir: str | Path, cfg: ModelConfig) -> Params:
     """Read ``params/`` from :func:`save_orbax`, cast to ``cfg.dtype``; a full-precision
     checkpoint asked for with ``cfg.quantization`` is quantized after reading."""
     ckpt_dir = Path(ckpt_dir).absolute()
@@ -499,7 +499,7 @@ def resolve_dtype(model: str, dtype: str | None = "auto",
 
 
 def load_config(model: str, dtype: str | None = None,
-                quantization: str | None = None) -> LlamaConfig:
+                quantization: str | None = None) -> ModelConfig:
     """The config ``load_model`` would use, without reading any weights. ``dtype``: auto
     (``resolve_dtype``: float32 on a CPU backend, else the checkpoint's), float32, bfloat16
     or None (as stored). ``quantization`` None: as stored (none, or a quantized orbax
@@ -515,22 +515,25 @@ def load_config(model: str, dtype: str | None = None,
                                 f"the random model, and {', '.join(map(repr, BUILTIN_MODELS))})")
     if not (path / "config.json").exists():
         raise ValueError(f"model directory {path} has no config.json")
-    return LlamaConfig.from_json_file(path / "config.json", dtype=dtype,
-                                      quantization=quantization)
+    return read_config_file(path / "config.json", dtype=dtype, quantization=quantization)
 
 
 def load_model(model: str, dtype: str | None = None, seed: int = 0, *, lazy: bool = False,
-               quantization: str | None = None
-               ) -> tuple[LlamaConfig, Params | LazyCheckpoint, Tokenizer | None]:
+               quantization: str | None = None, tokenizer: str | Path | None = None
+               ) -> tuple[ModelConfig, Params | LazyCheckpoint, Tokenizer | None]:
     """Resolve ``--model``: "default" (built-in random model), "tiny-tasks" (the packaged
     trained model), an orbax or a HF directory. ``lazy``: a HF safetensors directory gives a
     :class:`LazyCheckpoint` (nothing read yet) that ``LLMEngine`` streams onto its mesh.
     ``quantization`` (none | int8 | fp8): weight-only quantization of the layer matrices on
-    load (None: as stored)."""
+    load (None: as stored). ``tokenizer``: a directory to read the tokenizer from instead
+    of the model's (vLLM's ``tokenizer``; ``load_tokenizer_dir``: its vocabulary must fit the
+    embedding)."""
     cfg = load_config(model, dtype, quantization)
-    if model == "default":
-        return cfg, init_params(cfg, seed), ByteTokenizer()
-    path = resolve_model_dir(model)
+    path = None if model == "default" else resolve_model_dir(model)
+    own = tokenizer is None
+    tok = None if own else load_tokenizer_dir(tokenizer, cfg.vocab_size, path)
+    if path is None:
+        return cfg, init_params(cfg, seed), ByteTokenizer() if own else tok
     if (path / "params").is_dir():
         params = restore_orbax(path, cfg)
     elif (path / "model.safetensors").exists() or (path / "model.safetensors.index.json").exists():
@@ -538,4 +541,4 @@ def load_model(model: str, dtype: str | None = None, seed: int = 0, *, lazy: boo
     else:
         raise ValueError(f"model directory {path} has config.json but neither an orbax params/ "
                          "directory nor model.safetensors[.index.json]")
-    return cfg, params, load_tokenizer(path)
+    return cfg, params, load_tokenizer(path) if own else tok

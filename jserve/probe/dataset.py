@@ -15,24 +15,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from jserve.cache.pool import allocate_kv_cache
-from jserve.config import LlamaConfig
+from jserve.config import ModelConfig
 from jserve.kernels import AttentionMetadata
-from jserve.model.llama import (
-    Params,
-    StepInput,
-    embed,
-    layer_loop,
-    rope_tables,
-    stack_layers,
-    step_layer,
-)
+from jserve.model.layers import rope_tables
+from jserve.model.llama import StepInput, embed, layer_loop, stack_layers, step_layer
+from jserve.model.params import Params
 from jserve.probe.bins import LengthBins
 
 _PAGE = 16
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _all_layers(params: Params, tokens: jax.Array, n: jax.Array, *, cfg: LlamaConfig):
+def _all_layers(params: Params, tokens: jax.Array, n: jax.Array, *, cfg: ModelConfig):
     params = stack_layers(params)  # one scan over the layers instead of unrolling them
     t = tokens.shape[0]
     pos = jnp.arange(t, dtype=jnp.int32)
@@ -52,7 +46,7 @@ def _all_layers(params: Params, tokens: jax.Array, n: jax.Array, *, cfg: LlamaCo
     return out  # [layers, T, H]
 
 
-def sequence_pairs(cfg: LlamaConfig, params: Params, prompt_ids: list[int],
+def sequence_pairs(cfg: ModelConfig, params: Params, prompt_ids: list[int],
                    output_ids: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """For one finished request: embeddings [layers, 1 + L-1, H], remaining [L], generated
     count before each embedding's step [L] (row 0 is the mean prompt embedding).

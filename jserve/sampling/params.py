@@ -6,9 +6,9 @@ never has to deal with out-of-range values and every rejection names the offendi
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
-from jserve.fields import MAX_TOKEN_LOGPROBS, number
+from jserve.fields import MAX_INT, MAX_TOKEN_LOGPROBS, number
 from jserve.sampling.structured import StructuredOutput
 
 # Size limits keep the device-side arrays fixed-shape (no recompiles per request).
@@ -18,10 +18,15 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 16
 # stop ids + eos ids that are masked while ``min_tokens`` has not been reached.
 MAX_BANNED_IDS = 32
+# logit_bias entries per request: OpenAI's own cap, and the width of the sampler's sparse
+# per-row bias arrays (ids and values, [rows, MAX_LOGIT_BIAS], sent only as part of a step).
+MAX_LOGIT_BIAS = 300
 
 # The numeric fields, checked against jserve.fields.NUMBERS (type, finiteness, range).
 _NUMERIC = ("max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p",
-            "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "logprobs")
+            "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "logprobs",
+            "prompt_logprobs")
+_UNSET_OK = ("seed", "logprobs", "prompt_logprobs")  # numeric fields that may be None
 
 
 def _as_tuple(name: str, value: object) -> tuple:
@@ -54,15 +59,27 @@ class SamplingParams:
     stop_token_ids: Sequence[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: chosen token only; n: chosen + top-n
+    # Each prompt token's logprob given the tokens before it (vLLM's ``prompt_logprobs``;
+    # None: none; 0: the token's own; n: + the top n). With it ``max_tokens`` may be 0: the
+    # request is scored, nothing generated (lm-eval's loglikelihood, ``echo``).
+    prompt_logprobs: int | None = None
     # A JSON schema, regex, choice or grammar the output must follow (None: free text).
     structured_output: StructuredOutput | None = None
     # Speculative decoding, when the engine has a speculative_config: False opts this
     # request out (it decodes one token a step).
     speculative: bool = True
+    # Sequences per prompt (``LLM.generate``; the engine runs one per request): ``best_of``
+    # are sampled (None: ``n``) and the ``n`` of highest cumulative logprob returned.
+    n: int = 1
+    best_of: int | None = None
+    # Token id -> a bias in [-100, 100] added to its logit before penalties and sampling
+    # (OpenAI's ``logit_bias``; logprobs stay the model's own). Keys may be decimal strings.
+    logit_bias: Mapping[int, float] | None = None
 
     def __post_init__(self) -> None:
         self.stop = _as_tuple("stop", (self.stop,) if isinstance(self.stop, str) else self.stop)
         self.stop_token_ids = _as_tuple("stop_token_ids", self.stop_token_ids)
+        self.logit_bias = _bias_map(self.logit_bias)
         self.validate()
 
     @property
@@ -74,6 +91,11 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def sequences(self) -> int:
+        """How many sequences of a prompt run: ``best_of``, else ``n``."""
+        return self.best_of if self.best_of is not None else self.n
+
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ``ValueError`` naming the field for any invalid value.
 
@@ -82,7 +104,13 @@ class SamplingParams:
         """
         for name in _NUMERIC:
             value = getattr(self, name)
-            if value is not None or name not in ("seed", "logprobs"):  # these may be unset
+            if name == "max_tokens" and value == 0 and type(value) is int:
+                if self.prompt_logprobs is None:
+                    raise ValueError("max_tokens must be >= 1 (0 only with prompt_logprobs, "
+                                     "or echo over HTTP: a prompt scored, nothing generated), "
+                                     "got 0")
+                continue
+            if value is not None or name not in _UNSET_OK:
                 number(name, value)
         if self.min_tokens > self.max_tokens:
             raise ValueError(
@@ -92,6 +120,8 @@ class SamplingParams:
 
         self._validate_stop()
         self._validate_stop_token_ids(vocab_size)
+        self._validate_sequences()
+        self._validate_logit_bias(vocab_size)
 
         if not isinstance(self.speculative, bool):
             raise ValueError(f"speculative must be a bool, got {self.speculative!r}")
@@ -121,3 +151,42 @@ class SamplingParams:
             number("stop_token_ids", t)  # an int in the table's range
             if vocab_size is not None and t >= vocab_size:
                 raise ValueError(f"stop_token_ids must be ints in [0, {vocab_size}), got {t!r}")
+
+    def _validate_sequences(self) -> None:
+        number("n", self.n)
+        if self.best_of is not None:
+            number("best_of", self.best_of)
+            if self.best_of < self.n:
+                raise ValueError(f"best_of must be >= n ({self.n}), got {self.best_of}")
+
+    def _validate_logit_bias(self, vocab_size: int | None) -> None:
+        if self.logit_bias is None:
+            return
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias must have at most {MAX_LOGIT_BIAS} entries, "
+                             f"got {len(self.logit_bias)}")
+        for tok, bias in self.logit_bias.items():
+            if vocab_size is not None and tok >= vocab_size:
+                raise ValueError(f"logit_bias keys must be token ids in [0, {vocab_size}), "
+                                 f"got {tok}")
+            number("logit_bias", bias, name=f"logit_bias (token {tok})")
+
+
+def _bias_map(value: object) -> dict[int, float] | None:
+    """``logit_bias`` as {token id: bias}: keys ints or decimal strings (JSON's object keys),
+    values as given (``validate`` checks them); None when empty."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"logit_bias must be a map of token id to bias, got {value!r}"[:200])
+    if len(value) > MAX_LOGIT_BIAS:  # before converting every key of a huge map
+        raise ValueError(f"logit_bias must have at most {MAX_LOGIT_BIAS} entries, "
+                         f"got {len(value)}")
+    out = {}
+    for key, bias in value.items():
+        tok = key if isinstance(key, int) and not isinstance(key, bool) else (
+            int(key) if isinstance(key, str) and key.isdecimal() and key.isascii() else None)
+        if tok is None or not 0 <= tok <= MAX_INT:
+            raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {key!r}"[:200])
+        out[tok] = bias
+    return out or None

@@ -1,9 +1,9 @@
 """Batched token sampling on device (pure, jittable JAX; vLLM semantics).
 
-Pipeline per row: penalties -> banned ids -> structured-output mask -> (greedy: argmax) |
-(temperature -> top-k -> top-p -> min-p -> Gumbel-max). Randomness comes only from
-``fold_in(key(seed), step)`` of the row itself, so a seeded request draws the same tokens
-whatever else is in the batch.
+Pipeline per row: logit bias -> penalties -> banned ids -> structured-output mask ->
+(greedy: argmax) | (temperature -> top-k -> top-p -> min-p -> Gumbel-max). Randomness comes
+only from ``fold_in(key(seed), step)`` of the row itself, so a seeded request draws the same
+tokens whatever else is in the batch.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jserve.sampling.params import MAX_BANNED_IDS, SamplingParams
+from jserve.sampling.params import MAX_BANNED_IDS, MAX_LOGIT_BIAS, SamplingParams
 
 # Non-greedy temperatures are floored here so that ``logits / temperature`` stays finite.
 _MIN_TEMPERATURE = 1e-5
@@ -44,13 +44,17 @@ class SamplingBatch:
     # row then returns the draft if accepted, else a token from the residual distribution
     # (never the draft), so "returned == draft" is the acceptance.
     draft: jax.Array
+    # i32[B, MAX_LOGIT_BIAS] token ids (-1 padded) and f32[B, MAX_LOGIT_BIAS] biases added to
+    # their logits (``logit_bias``): sparse, so a step carries no [rows, vocab] array.
+    bias_ids: jax.Array
+    bias_values: jax.Array
 
 
 # What a padding row holds in each field: greedy, neutral penalties (bit-exact no-ops), no
 # banned ids, so it samples nothing that anyone reads and costs no random draws.
 NEUTRAL_ROW_VALUES = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
                           presence_penalty=0.0, frequency_penalty=0.0, seed=0, step=0,
-                          banned_ids=-1, allowed=-1, draft=-1)
+                          banned_ids=-1, allowed=-1, draft=-1, bias_ids=-1, bias_values=0.0)
 
 
 def pad_rows(sb: SamplingBatch, rows: int) -> SamplingBatch:
@@ -121,7 +125,13 @@ def make_sampling_batch(rows: Sequence[SamplerRow], pad_to: int, words: int = 1
     seed[:n] = [r.seed for r in rows]
     banned = np.full((pad_to, MAX_BANNED_IDS), -1, np.int32)
     allowed = np.full((pad_to, words), -1, np.int32)
+    bias_ids = np.full((pad_to, MAX_LOGIT_BIAS), -1, np.int32)
+    bias_values = np.zeros((pad_to, MAX_LOGIT_BIAS), np.float32)
     for j, r in enumerate(rows):
+        if r.params.logit_bias:
+            k = len(r.params.logit_bias)
+            bias_ids[j, :k] = list(r.params.logit_bias)
+            bias_values[j, :k] = list(r.params.logit_bias.values())
         if r.banned_ids:
             if len(r.banned_ids) > MAX_BANNED_IDS:
                 raise ValueError(f"banned_ids must have at most {MAX_BANNED_IDS} ids, "
@@ -130,7 +140,16 @@ def make_sampling_batch(rows: Sequence[SamplerRow], pad_to: int, words: int = 1
         if r.allowed is not None:
             allowed[j] = r.allowed
     return SamplingBatch(**dict(zip(_FLOAT_FIELDS, f)), top_k=i[0], step=i[1],
-                         draft=i[2], seed=seed, banned_ids=banned, allowed=allowed)
+                         draft=i[2], seed=seed, banned_ids=banned, allowed=allowed,
+                         bias_ids=bias_ids, bias_values=bias_values)
+
+
+def apply_bias(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
+    """``logit_bias``: each row's biases added to its logits (-1 ids, padding, dropped)."""
+    logits = logits.astype(jnp.float32)
+    rows = jnp.arange(logits.shape[0])[:, None]
+    cols = jnp.where(sb.bias_ids >= 0, sb.bias_ids, logits.shape[1])
+    return logits.at[rows, cols].add(sb.bias_values, mode="drop")
 
 
 def apply_penalties(logits: jax.Array, output_counts: jax.Array, prompt_mask: jax.Array,
@@ -273,9 +292,10 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, num_logprobs: int
 
 def sample(logits: jax.Array, output_counts: jax.Array, prompt_mask: jax.Array,
            sb: SamplingBatch, *, all_greedy: bool, num_logprobs: int) -> SampleResult:
-    """Penalties, then token choice, then logprobs; ``all_greedy`` and ``num_logprobs`` are
-    static. Logprobs are of the raw model distribution (before penalties / temperature)."""
-    penalised = apply_penalties(logits, output_counts, prompt_mask, sb)
+    """Logit bias, penalties, then token choice, then logprobs; ``all_greedy`` and
+    ``num_logprobs`` are static. Logprobs are of the raw model distribution (before bias,
+    penalties and temperature, as vLLM's default ``raw_logprobs``)."""
+    penalised = apply_penalties(apply_bias(logits, sb), output_counts, prompt_mask, sb)
     tokens = choose_tokens(penalised, sb, all_greedy=all_greedy)
     chosen, top_ids, top_logprobs = token_logprobs(logits, tokens, num_logprobs)
     return SampleResult(tokens=tokens, logprobs=chosen, top_ids=top_ids,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import json
 import re
 import threading
@@ -234,6 +235,25 @@ def llguidance_tokenizer(tokenizer, eos_ids: tuple[int, ...]):
     return llguidance.LLTokenizer(
         llguidance.TokenizerWrapper(_ByteTokens(tokenizer, eos[0] if eos else None)),
         eos_token=eos)
+
+
+def lark_literal(tokenizer, text: str) -> str:
+    """``text`` as a term of a Lark grammar for ``tokenizer``: ``<tool_call>`` (a special
+    token's name) when llguidance reads ``text`` as one special token, else the quoted text.
+    llguidance takes every added token written ``<...>`` for a special one (Qwen's
+    ``<tool_call>``, though tokenizer.json says it is not), and a quoted literal, matched on
+    bytes, never matches a special token. None: the quoted text."""
+    if tokenizer is not None and text.startswith("<") and text.endswith(">"):
+        ll = _lark_tokenizer(tokenizer)
+        ids = ll.tokenize_str(text, parse_special=True)
+        if len(ids) == 1 and ll.is_special_token(ids[0]):
+            return text
+    return json.dumps(text)
+
+
+@functools.lru_cache(maxsize=8)
+def _lark_tokenizer(tokenizer):
+    return llguidance_tokenizer(tokenizer, tuple(tokenizer.eos_token_ids))
 
 
 def hf_tokenizer_json(tokenizer) -> str | None:

@@ -254,7 +254,7 @@ class SchedulerBase(abc.ABC):
         """Cached blocks of ``req``'s leading full pages, leaving at least its last token to
         compute (its logits are needed)."""
         alloc = self.allocator
-        if not (alloc.prefix_caching and req.cacheable):
+        if not (alloc.prefix_caching and req.cacheable and req.takes_cached):
             return []
         pages = (len(req.token_ids) - 1) // alloc.page_size
         return alloc.lookup(extend_page_keys(req.page_keys, req.token_ids, alloc.page_size,
@@ -287,7 +287,7 @@ class SchedulerBase(abc.ABC):
 
     def _count_prefix(self, req: Request) -> None:
         """Counts an admission's lookup (prompt tokens asked for, found cached)."""
-        if self.allocator.prefix_caching and req.cacheable:
+        if self.allocator.prefix_caching and req.cacheable and req.takes_cached:
             self.prefix_queried_tokens += req.num_prompt_tokens
             self.prefix_hit_tokens += req.num_cached_tokens
 

@@ -173,7 +173,8 @@ class DeadlineScheduler(SchedulerBase):
         computed, blocks = req.num_computed, req.page_ids
         plain = not req.num_cached_tokens and bool(
             computed or blocks or req.swapped  # ``_claim_prefix`` returns at once
-            or req.cached_hint == 0 and not (self.allocator.prefix_caching and req.cacheable))
+            or req.cached_hint == 0 and not (self.allocator.prefix_caching and req.cacheable
+                                             and req.takes_cached))
         return self._parts(req) + (len(req.token_ids) - computed,
                                    computed - len(blocks) * self.allocator.page_size, plain)
 

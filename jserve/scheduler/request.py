@@ -55,6 +55,9 @@ class Request:
     # cached prompt tokens a lookup found when it was queued (what the policies rank a
     # waiting request by); and the tokens it took from the cache at its last admission.
     cacheable: bool = True
+    # False: it takes no cached pages, though its own full pages are offered (prompt
+    # logprobs: every prompt token must go through the model for its logprob).
+    takes_cached: bool = True
     page_keys: list = dataclasses.field(default_factory=list, repr=False)
     num_registered_pages: int = 0
     cached_hint: int = 0

@@ -14,67 +14,17 @@ import sys
 from typing import Callable
 
 from jserve.engine.config import EngineConfig
+from jserve.engine.vllm_names import VLLM_REFUSED, check_tokenizer
 from jserve.fields import MAX_TOKEN_LOGPROBS
 from jserve.log_setup import configure_logging
 from jserve.scheduler import ENGINE_POLICIES
 from jserve.serving.limits import ClientLimits
+from jserve.serving.tool_formats import DEFAULT_FORMAT, TOOL_FORMATS
 
 TOKEN_ENV = "JSERVE_AUTH_TOKEN"
 PRIORITY_TOKEN_ENV = "JSERVE_PRIORITY_TOKEN"
 
-# Well-known flags of `vllm serve` that jserve refuses, and why (docs/compatibility.md); any
-# other unknown flag gets argparse's "unrecognized arguments", which names it too.
-_FILES_ONLY = "jserve loads a local checkpoint directory (safetensors or orbax); nothing is " \
-              "downloaded"
-_NO_LORA = "LoRA adapters are not supported yet"
-VLLM_REFUSED = {
-    "--pipeline-parallel-size": "jserve's pipeline is stream pipeline parallel: --mesh spp=N "
-                                "(docs/mesh.md)",
-    "-pp": "jserve's pipeline is stream pipeline parallel: --mesh spp=N (docs/mesh.md)",
-    "--data-parallel-size": "dp is not supported yet; run replicas behind a router "
-                            "(--ray --replicas N, docs/scale_out.md)",
-    "-dp": "dp is not supported yet; run replicas behind a router (--ray --replicas N, "
-           "docs/scale_out.md)",
-    "--enable-expert-parallel": "jserve serves dense Llama-family models (no experts)",
-    "--distributed-executor-backend": "a multi-host engine is one process per host: "
-                                      "--coordinator, --num-processes (docs/multihost.md)",
-    "--enforce-eager": "jserve always runs compiled XLA step programs (--warmup none "
-                       "compiles each on first use instead of before serving)",
-    "--compilation-config": "jserve compiles a fixed set of step programs (--warmup, "
-                            "docs/startup.md)",
-    "--cuda-graph-sizes": "jserve compiles a fixed set of step programs (--warmup, "
-                          "docs/startup.md); no CUDA graphs",
-    "--enable-chunked-prefill": "jserve chunks every prefill (its schedulers are built on "
-                                "it): leave the flag out; --max-num-batched-tokens bounds a "
-                                "chunk",
-    "--no-enable-chunked-prefill": "jserve chunks every prefill (its schedulers are built on "
-                                   "it); --max-num-batched-tokens bounds a chunk",
-    "--block-size": "the KV page size is EngineConfig.page_size (16; no flag yet)",
-    "--swap-space": "the host swap pool is EngineConfig.swap_space_bytes (4 GiB; LLM("
-                    "swap_space_bytes=...), no flag yet)",
-    "--cpu-offload-gb": "weights stay on the device",
-    "--scheduling-policy": "jserve's policies are --scheduler (docs/scheduler.md); priority "
-                           "is a request field",
-    "--enable-lora": _NO_LORA, "--lora-modules": _NO_LORA, "--max-loras": _NO_LORA,
-    "--max-lora-rank": _NO_LORA,
-    "--load-format": _FILES_ONLY, "--download-dir": _FILES_ONLY, "--revision": _FILES_ONLY,
-    "--tokenizer-revision": _FILES_ONLY, "--code-revision": _FILES_ONLY,
-    "--hf-token": _FILES_ONLY,
-    "--tokenizer-mode": "jserve reads a fast tokenizer's tokenizer.json only",
-    "--speculative-model": "use --speculative-config (vLLM's dict, docs/speculative.md)",
-    "--guided-decoding-backend": "structured output has one backend, jserve's own "
-                                 "(docs/structured_output.md)",
-    "--structured-outputs-config": "structured output has one backend, jserve's own "
-                                   "(docs/structured_output.md)",
-    "--reasoning-parser": "reasoning output is not parsed yet",
-    "--limit-mm-per-prompt": "jserve serves text models only",
-    "--device": "JAX picks the backend (JAX_PLATFORMS=cpu|cuda|tpu)",
-    "--uvicorn-log-level": "--log-level sets jserve's log level",
-    "--disable-log-requests": "jserve logs no request (nothing to turn off): leave it out",
-    "--enable-log-requests": "jserve does not log requests",
-    "--disable-log-stats": "jserve logs no periodic stats (they are on /metrics): leave it out",
-}
-TOOL_CALL_PARSERS = ("llama3_json",)  # the format jserve.serving.tool_calls reads
+TOOL_CALL_PARSERS = tuple(TOOL_FORMATS)  # the formats jserve.serving.tool_formats reads
 _NUMBER = re.compile(r"-\d+(\.\d*)?")  # a negative value, not a flag
 
 
@@ -157,10 +107,9 @@ def max_logprobs(text: str) -> int:
 
 def tool_call_parser(text: str) -> str:
     if text not in TOOL_CALL_PARSERS:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not supported yet: jserve reads tool calls in one format, "
-            f"llama3_json (Llama 3.1's JSON, {{\"name\": ..., \"parameters\": ...}}, ';' "
-            "between calls)")
+        known = "; ".join(f"{f.name} ({f.summary})" for f in TOOL_FORMATS.values())
+        raise argparse.ArgumentTypeError(f"{text!r} is not supported yet: jserve reads tool "
+                                         f"calls in these formats: {known}")
     return text
 
 
@@ -170,7 +119,7 @@ def add_serve_parser(sub, add_engine_args: Callable, engine_kwargs: Callable) ->
     s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="the model, as --model takes it (vLLM's spelling: `jserve serve DIR`); "
                         "None: --model's")
-    add_engine_args(s, warmup="core")
+    add_engine_args(s, warmup="all")
     add_multihost_args(s)
     s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="names requests may give as `model` (the first is the one /v1/models "
@@ -264,9 +213,10 @@ def add_vllm_args(s: argparse.ArgumentParser) -> None:
                         f"a token, refused above it; requests may ask up to "
                         f"{MAX_TOKEN_LOGPROBS} whatever the value")
     g.add_argument("--tokenizer", default=None, metavar="DIR",
-                   help="the model's own directory (or name) only: a tokenizer from another "
-                        "directory is refused, not supported yet (jserve reads tokenizer.json "
-                        "beside the weights); None: the model's")
+                   help="read the tokenizer (tokenizer.json, tokenizer_config.json and its "
+                        "chat template) from DIR instead of the model's directory; refused if "
+                        "its vocabulary is larger than the model's embedding; None: the "
+                        "model's")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="accepted and changes nothing: jserve runs no code from a checkpoint "
                         "(chat templates render in a sandbox)")
@@ -274,12 +224,13 @@ def add_vllm_args(s: argparse.ArgumentParser) -> None:
                    help="a Jinja chat template (a file, or the template itself) instead of "
                         "the tokenizer's, for /v1/chat/completions (needs a tokenizer.json "
                         "model; not with --ray); None: the tokenizer's")
-    g.add_argument("--tool-call-parser", type=tool_call_parser, default=None,
-                   help="llama3_json only, the format jserve always reads tool calls in "
-                        "(jserve.serving.tool_calls); any other is refused")
+    g.add_argument("--tool-call-parser", type=tool_call_parser, default=DEFAULT_FORMAT,
+                   help=f"the format the model writes tool calls in, one of "
+                        f"{', '.join(TOOL_CALL_PARSERS)} (jserve.serving.tool_formats); any "
+                        f"other is refused (default: {DEFAULT_FORMAT})")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted and changes nothing: tool_choice auto is always on "
-                        "(calls read in llama3_json format)")
+                        "(calls read in --tool-call-parser's format)")
 
 
 class _OldTpotSlo(argparse.Action):
@@ -356,12 +307,14 @@ def ray_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
     from jserve.serving.ray_app import run  # Ray: only --ray loads it
 
     engine = dict(engine_kwargs, dtype=a.dtype, scheduler=a.scheduler,
-                  iteration_budget=a.iteration_budget, prefill_share=a.prefill_share)
+                  iteration_budget=a.iteration_budget, prefill_share=a.prefill_share,
+                  tokenizer=a.tokenizer)
     args = dict(model=a.model, replicas=a.replicas, router=a.router, engine=engine,
                 server=dict(served_model_names=served_model_names(a),
                             max_waiting=a.max_waiting, max_request_bytes=a.max_request_bytes,
                             auth_token=a.auth_token or os.environ.get(TOKEN_ENV) or None,
-                            metrics_open=a.metrics_open, limits=client_limits(a)),
+                            metrics_open=a.metrics_open, limits=client_limits(a),
+                            tool_call_parser=a.tool_call_parser),
                 num_gpus=a.gpus_per_replica, address=a.ray_address, grace_s=a.grace_period)
     if a.autoscale:
         args["autoscale"] = a.autoscale
@@ -401,22 +354,18 @@ def _has_tokenizer_json(model: str) -> bool:
 
 def vllm_args(a: argparse.Namespace) -> str | None:
     """The vLLM spellings that need more than argparse, checked before anything loads: the
-    positional model becomes ``a.model``; ``--tokenizer`` must be the model's own;
+    positional model becomes ``a.model``; ``--tokenizer`` must hold a tokenizer.json;
     ``--chat-template`` is read. Returns the chat template's text (None: the tokenizer's)."""
     if a.model_tag is not None:
         if a.model not in ("default", a.model_tag):
             raise ValueError(f"the model is given twice: {a.model_tag!r} and --model {a.model!r}")
         a.model = a.model_tag
-    if a.tokenizer is not None and a.tokenizer != a.model \
-            and os.path.realpath(a.tokenizer) != os.path.realpath(a.model):
-        raise ValueError(f"--tokenizer {a.tokenizer}: a tokenizer from another directory than "
-                         f"the model's ({a.model}) is not supported yet; jserve reads "
-                         "tokenizer.json and tokenizer_config.json beside the weights")
+    check_tokenizer(a.tokenizer, a.model)
     if a.chat_template is None:
         return None
     if a.ray:
         raise ValueError("--chat-template is not supported with --ray yet")
-    if not a.fake_engine and not _has_tokenizer_json(a.model):
+    if not a.fake_engine and not _has_tokenizer_json(a.tokenizer or a.model):
         raise ValueError(f"--chat-template: model {a.model!r} has no tokenizer.json, so no "
                          "chat template to replace")
     return read_chat_template(a.chat_template)
@@ -445,11 +394,11 @@ def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
         drain_notice=a.drain_notice, tls_cert=a.tls_cert, tls_key=a.tls_key,
         auth_token=a.auth_token or os.environ.get(TOKEN_ENV) or None,
         metrics_open=a.metrics_open, served_model_names=served_model_names(a),
-        limits=client_limits(a))
+        limits=client_limits(a), tool_call_parser=a.tool_call_parser)
     join_processes(a)
-    dtype_note = ""
     if a.fake_engine:
-        llm, engine = None, FakeEngine.for_model(a.model, max_model_len=a.max_model_len or 512,
+        llm, engine = None, FakeEngine.for_model(a.tokenizer or a.model,
+                                                 max_model_len=a.max_model_len or 512,
                                                  max_num_seqs=a.max_num_seqs or 8)
     else:
         from jserve.model.weights import resolve_dtype
@@ -458,10 +407,9 @@ def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
         llm = LLM(a.model, dtype=dtype, quantization=a.quantization, scheduler=a.scheduler,
                   length_probe=a.length_probe, sprpt_c=a.sprpt_c,
                   iteration_budget=a.iteration_budget, prefill_share=a.prefill_share,
-                  **engine_kwargs)
+                  tokenizer=a.tokenizer, **engine_kwargs)
         engine = llm.engine
-        dtype_note = f"; dtype {llm.engine.model_config.dtype} " \
-                     f"({why if a.dtype == 'auto' else '--dtype'})"
+        engine.startup.dtype_reason = why if a.dtype == "auto" else "--dtype"  # start-up line
     if chat_template is not None:
         if not hasattr(engine.tokenizer, "set_chat_template"):
             raise ValueError(f"--chat-template: model {a.model!r} has no tokenizer.json, so "
@@ -477,7 +425,7 @@ def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
             f"{config.model_name} (--model {a.model})"
         print(f"jserve: serving {name} on {a.host}:{server.port} "
               f"({'TLS' if a.tls_cert else 'plaintext'}; metrics {metrics}{http}); engine "
-              f"{llm.engine.startup.line() + dtype_note if llm else 'fake (scripted tokens)'}",
+              f"{llm.engine.startup.line() if llm else 'fake (scripted tokens)'}",
               flush=True)
         print(f"jserve: client limits: {server.gateway.limits.describe()}, requests <= "
               f"{config.max_request_bytes} bytes", flush=True)

@@ -44,6 +44,8 @@ class Delta:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     timings: dict[str, float] | None = None
+    # ``prompt_logprobs`` asked: the first delta's (entry i: prompt token i's; the first None)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def last(self) -> bool:

@@ -92,6 +92,7 @@ class _Live:
     sent_tokens: int = 0
     sent_text: int = 0
     sent_logprobs: int = 0
+    sent_prompt_logprobs: bool = False
     last_token_time: float | None = None
 
 
@@ -363,6 +364,9 @@ class EngineLoop(abc.ABC):
                 m.tpot.observe((now - lv.last_token_time) / len(ids))
             lv.last_token_time = now
         delta = Delta(ids, text, lps)
+        if o.prompt_logprobs is not None and not lv.sent_prompt_logprobs:
+            delta.prompt_logprobs = list(o.prompt_logprobs)  # whole: the prompt is prefilled
+            lv.sent_prompt_logprobs = True
         if o.finished:
             del self._live[o.request_id]
             if o.error is not None or o.finish_reason not in ("stop", "length"):

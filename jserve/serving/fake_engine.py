@@ -7,10 +7,11 @@ the admission queue, metrics, per-request fault isolation); only the core under 
 - tokens: ``script(prompt_ids, params, i)`` is the ``i``-th generated token; by default
   bytes of ``TEXT`` from an offset set by the prompt (and by the seed when sampling at a
   temperature), so the same request always gives the same text. Stop strings, stop token
-  ids, EOS (unless ``ignore_eos``), ``min_tokens``, ``max_tokens``, the context length and
-  logprobs (``logprobs`` alternatives, made up) apply as in the engine; other sampling fields
-  are validated, not applied, and a structured output's grammar is compiled (so its errors
-  are the engine's) but not enforced.
+  ids, EOS (unless ``ignore_eos``), ``min_tokens``, ``max_tokens`` (0: the prompt scored
+  alone), the context length, logprobs and prompt logprobs (values and alternatives made
+  up) apply as in the engine; other sampling fields are validated, not applied, and a
+  structured output's grammar is compiled (so its errors are the engine's) but not
+  enforced.
 - time: each step sleeps ``step_s`` seconds and gives every running request one token; a
   request is admitted (first-come first-served, at most ``max_num_seqs`` running) with KV
   blocks for its prompt and ``max_tokens``, and gets its first token in that step.
@@ -73,6 +74,7 @@ class FakeRequest:
     metrics: RequestMetrics
     ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     text: str = ""
     blocks: int = 0
     finish_reason: str | None = None
@@ -82,7 +84,8 @@ class FakeRequest:
         p = self.prepared
         return RequestOutput(self.request_id, p.prompt, p.prompt_ids, self.text,
                              self.finish_reason is not None, self.finish_reason, self.metrics,
-                             len(self.ids), self.error, self.ids, self.logprobs)
+                             len(self.ids), self.error, self.ids, self.logprobs,
+                             prompt_logprobs=self.prompt_logprobs)
 
 
 class _Core:
@@ -167,12 +170,17 @@ class _Core:
     def _next_token(self, req: FakeRequest, now: float) -> None:
         fake, p = self.fake, req.prepared.params
         n = len(req.ids)
+        if p.prompt_logprobs is not None and req.prompt_logprobs is None:
+            req.prompt_logprobs = [None] + [
+                TokenLogprob(t, -0.5, self._made_up(t, p.prompt_logprobs), 2)
+                for t in req.prepared.prompt_ids[1:]]
+        if p.max_tokens == 0:  # the prompt scored, nothing generated
+            req.finish_reason = "length"
+            return
         tok = fake.script(req.prepared.prompt_ids, p, n)
         req.ids.append(tok)
         if req.logprobs is not None:
-            top = tuple((t % fake.info.vocab_size, -0.25 - k) for k, t in
-                        enumerate(range(tok, tok + p.logprobs)))
-            req.logprobs.append(TokenLogprob(tok, -0.25, top))
+            req.logprobs.append(TokenLogprob(tok, -0.25, self._made_up(tok, p.logprobs)))
         m = req.metrics
         m.first_token_time = m.first_token_time or now
         m.token_times.append(now)
@@ -190,6 +198,11 @@ class _Core:
         elif n >= p.max_tokens or len(req.prepared.prompt_ids) + n >= fake.info.max_model_len:
             req.text += req.detok.flush()
             req.finish_reason = "length"
+
+    def _made_up(self, tok: int, n: int) -> tuple[tuple[int, float], ...]:
+        """``n`` alternatives of ``tok``: the ids after it, logprobs -0.25, -1.25, ..."""
+        return tuple((t % self.fake.info.vocab_size, -0.25 - k)
+                     for k, t in enumerate(range(tok, tok + n)))
 
     def _finish(self, req: FakeRequest, reason: str, error: str | None = None
                 ) -> RequestOutput:

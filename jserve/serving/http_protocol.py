@@ -2,8 +2,9 @@
 ``protocol``; no engine state, no event loop), and the request body read within its limit.
 
 Every body field is honoured or refused with a 400 naming it (``PARAMS``); none is dropped.
-A request carries at most ``max_choices`` prompts x ``n`` (``parse``): each choice is one
-engine request, so the cap bounds what one body can put in the queue.
+A request carries at most ``max_choices`` prompts x ``best_of`` (``n`` unless given;
+``parse``): each choice run is one engine request, so the cap bounds what one body can put
+in the queue.
 """
 from __future__ import annotations
 
@@ -24,14 +25,14 @@ from jserve.serving.tool_calls import (
     check_tool_calls,
     parse_tools,
     template_messages,
-    tool_constraint,
 )
+from jserve.serving.tool_formats import DEFAULT_FORMAT, constraint
 
 # Body fields per endpoint. Sampling fields map to SamplingParams of the same name unless
 # noted; the neutral-only ones are accepted only at the value that changes nothing.
 _SAMPLING = ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
              "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
-             "stop_token_ids", "speculative")
+             "stop_token_ids", "speculative", "logit_bias")
 # vLLM's older spelling of structured_outputs: guided_json is structured_outputs.json, ...
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
           "guided_grammar": "grammar"}
@@ -50,10 +51,10 @@ _ROUTER_FILLED = {"no_stop_trim": (False,), "skip_special_tokens": (True,),
 _CHAT_ROUTER_FILLED = {"separate_reasoning": (False, True),
                        "stream_reasoning": (False, True), "include_reasoning": (True,)}
 PARAMS = {
-    "completions": _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix", "logit_bias",
-                              *_ROUTER_FILLED},
+    "completions": _COMMON | {"prompt", "logprobs", "echo", "prompt_logprobs", "best_of",
+                              "suffix", *_ROUTER_FILLED},
     "chat": _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
-                       "logit_bias", "tools", "tool_choice", "parallel_tool_calls",
+                       "prompt_logprobs", "tools", "tool_choice", "parallel_tool_calls",
                        *_CHAT_TEMPLATE, *_ROUTER_FILLED, *_CHAT_ROUTER_FILLED},
 }
 # /tokenize (vLLM's TokenizeCompletionRequest or TokenizeChatRequest) and /detokenize.
@@ -61,11 +62,9 @@ TOKENIZE_PARAMS = {"model", "prompt", "messages", "add_special_tokens", "tools",
                    "return_token_strs", *_CHAT_TEMPLATE}
 DETOKENIZE_PARAMS = {"model", "tokens"}
 STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
-_NEUTRAL = {"echo": (False,), "suffix": (None, ""), "logit_bias": (None, {}), **_ROUTER_FILLED,
-            **_CHAT_ROUTER_FILLED}
+_NEUTRAL = {"suffix": (None, ""), **_ROUTER_FILLED, **_CHAT_ROUTER_FILLED}
 # Why a field is accepted only at its neutral value (the 400's message says it).
-_WHY_NEUTRAL = {"logit_bias": "biasing token logits needs sampler support jserve does not "
-                              "have yet"}
+_WHY_NEUTRAL: dict[str, str] = {}
 _STATUS = {el.INVALID: 400, UNAUTHENTICATED: 401, NOT_FOUND: 404, el.EXHAUSTED: 429,
            el.UNAVAILABLE: 503, el.DEADLINE: 504, el.INTERNAL: 500}
 _TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -157,6 +156,9 @@ class Parsed:
     tools: list[dict] | None = None      # chat: the functions the model may call
     tool_choice: ToolChoice | None = None
     chat: ChatTemplate = dataclasses.field(default_factory=lambda: ChatTemplate())
+    echo: bool = False                   # completions: the prompt before each choice's text
+    prompt_logprobs: int | None = None   # vLLM's prompt_logprobs field, as asked
+    best_of: int = 1                     # choices run per prompt; the n best returned
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,8 +261,10 @@ def _kind_check(body: dict, field: str, ok: bool, want: str) -> None:
         raise BadField(field, f"{field} must be {want}, got {fields.shown(body[field])}")
 
 
-def parse(body: Any, endpoint: str, max_choices: int = 256) -> Parsed:
-    """A request body -> what to run; ``BadField`` naming the field otherwise."""
+def parse(body: Any, endpoint: str, max_choices: int = 256,
+          tool_format: str = DEFAULT_FORMAT, tokenizer=None) -> Parsed:
+    """A request body -> what to run; ``BadField`` naming the field otherwise. The model
+    (its ``tokenizer``) writes tool calls in ``tool_format`` (``tool_formats``)."""
     if not isinstance(body, dict):
         raise BadField(None, "the request body must be a JSON object")
     unknown = sorted(set(body) - PARAMS[endpoint])
@@ -276,13 +280,10 @@ def parse(body: Any, endpoint: str, max_choices: int = 256) -> Parsed:
         raise BadField("model", "model is required")
     _kind_check(body, "model", isinstance(body["model"], str), "a string")
     n = _number(body, "n", 1)
-    if "best_of" in body and body["best_of"] != n:
-        raise BadField("best_of", f"best_of={fields.shown(body['best_of'])} is not supported "
-                                  f"by jserve (only equal to n: ranking extra candidates by "
-                                  f"their logprobs is not implemented; ask for n choices)")
     stream = body.get("stream", False)
     if "stream" in body:
         _kind_check(body, "stream", isinstance(stream, bool), "a bool")
+    best_of = _best_of(body, n, stream)
     include_usage, continuous_usage = _stream_options(body, stream)
     chat = ChatTemplate()
     if endpoint == "chat":
@@ -296,14 +297,15 @@ def parse(body: Any, endpoint: str, max_choices: int = 256) -> Parsed:
         prompts = _prompts(body)
         logprobs = body.get("logprobs")
         max_field = "max_tokens"
-    if len(prompts) * n > max_choices:
-        field = "prompt" if len(prompts) > max_choices else "n"
-        raise BadField(field, f"{len(prompts)} prompts x n={n} is over this server's limit of "
-                              f"{max_choices} choices per request")
+    if len(prompts) * best_of > max_choices:
+        field = "prompt" if len(prompts) > max_choices else "best_of" if best_of > n else "n"
+        raise BadField(field, f"{len(prompts)} prompts x {field}={best_of} is over this "
+                              f"server's limit of {max_choices} choices per request")
     kw = {k: body[k] for k in _SAMPLING if k in body}
     constraint_field, kw["structured_output"] = _structured_output(body)
-    tools, tool_choice = _tools(body) if endpoint == "chat" else (None, None)
-    if tools is not None and (c := tool_constraint(tools, tool_choice)) is not None:
+    tools, tool_choice = _tools(body, tool_format) if endpoint == "chat" else (None, None)
+    if tools is not None and (c := _tool_constraint(tools, tool_choice, tokenizer)) \
+            is not None:
         if constraint_field is not None:
             raise BadField("tool_choice", f"tool_choice={body['tool_choice']!r} constrains the "
                                           f"output: it cannot go with {constraint_field}")
@@ -312,12 +314,17 @@ def parse(body: Any, endpoint: str, max_choices: int = 256) -> Parsed:
         raise BadField("stop", f"stop must be a string or a list of strings, got {kw['stop']!r}")
     if max_field in body:
         kw["max_tokens"] = body[max_field]
+    echo, shown_prompt_logprobs, kw["prompt_logprobs"] = _prompt_logprobs(
+        body, logprobs if endpoint == "completions" else None)
     ttft_slo, tpot_slo = _number(body, "ttft_slo"), _number(body, "tpot_slo")
     priority = _number(body, "priority", 0)
     if "user" in body:
         _kind_check(body, "user", isinstance(body["user"], str), "a string")
     try:
-        params = SamplingParams(logprobs=logprobs, **kw)
+        # best_of > n ranks the choices by their tokens' logprobs: asked for if not given
+        # (the response shows them only when the client asked)
+        params = SamplingParams(logprobs=0 if logprobs is None and best_of > n else logprobs,
+                                **kw)
     except ValueError as e:
         message = str(e)
         field = message.split(" ", 1)[0]
@@ -327,7 +334,20 @@ def parse(body: Any, endpoint: str, max_choices: int = 256) -> Parsed:
         raise BadField(field, field_message(message, lambda f: field)) from None
     return Parsed(prompts, params, max_field in body, n, stream, include_usage,
                   continuous_usage, logprobs, ttft_slo, tpot_slo, priority, max_field,
-                  constraint_field, tools, tool_choice, chat)
+                  constraint_field, tools, tool_choice, chat, best_of=best_of, echo=echo,
+                  prompt_logprobs=shown_prompt_logprobs)
+
+
+def _best_of(body: dict, n: int, stream: bool) -> int:
+    """``best_of`` (completions): choices run per prompt, >= ``n`` (default ``n``); more
+    than ``n`` cannot stream (as OpenAI: the best are known only at the end)."""
+    best_of = _number(body, "best_of", n)
+    if best_of < n:
+        raise BadField("best_of", f"best_of must be >= n ({n}), got {best_of}")
+    if best_of > n and stream:
+        raise BadField("best_of", f"best_of={best_of} > n={n} cannot stream: the best "
+                                  f"choices are known only once all have finished")
+    return best_of
 
 
 def _number(body: dict, field: str, default: int | float | None = None
@@ -342,9 +362,34 @@ def _number(body: dict, field: str, default: int | float | None = None
         raise BadField(field, str(e)) from None
 
 
-def _tools(body: dict) -> tuple[list[dict] | None, ToolChoice | None]:
+def _prompt_logprobs(body: dict, logprobs: int | None) -> tuple[bool, int | None, int | None]:
+    """``echo`` (completions: each choice's text starts with the prompt, and its logprobs with
+    the prompt's tokens when ``logprobs`` is given) and vLLM's ``prompt_logprobs`` field:
+    (echo, prompt_logprobs as asked, the engine's prompt_logprobs: the most either needs; 0
+    for an echo of ``max_tokens: 0`` alone, a request only the prompt's prefill serves)."""
+    echo = body.get("echo", False)
+    if "echo" in body:
+        _kind_check(body, "echo", isinstance(echo, bool), "a bool")
+    shown = _number(body, "prompt_logprobs")
+    valid = isinstance(logprobs, int) and not isinstance(logprobs, bool)  # else refused later
+    need = [k for k in (shown, logprobs if echo and valid else None) if k is not None]
+    if echo and not need and body.get("max_tokens") == 0:
+        need = [0]
+    return echo, shown, max(need, default=None)
+
+
+def _tools(body: dict, fmt: str = DEFAULT_FORMAT
+           ) -> tuple[list[dict] | None, ToolChoice | None]:
     try:
-        return parse_tools(body)
+        return parse_tools(body, fmt)
+    except ToolError as e:
+        raise BadField(e.field, str(e)) from None
+
+
+def _tool_constraint(tools: list[dict], choice: ToolChoice, tokenizer
+                     ) -> StructuredOutput | None:
+    try:
+        return constraint(tools, choice, tokenizer)
     except ToolError as e:
         raise BadField(e.field, str(e)) from None
 

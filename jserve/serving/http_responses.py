@@ -19,10 +19,11 @@ import re
 import time
 
 from jserve.engine.output import TokenLogprob
-from jserve.serving import engine_api as el
+from jserve.serving import engine_api as el, http_echo
 from jserve.serving.gateway import Rejected, Stream
 from jserve.serving.http_protocol import Parsed
-from jserve.serving.tool_calls import ToolCallParser, read_tool_calls
+from jserve.serving.tool_calls import ToolCallParser
+from jserve.serving.tool_formats import call_parser, read_calls
 
 _SLOT = re.compile(r'"\\u000[01]"')  # the placeholders of a pre-serialized chunk frame
 
@@ -36,6 +37,11 @@ class Choice:
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     prompt_tokens: int = 0
+    # The prompt, for echo and prompt_logprobs (``http_echo``): its text when it came as
+    # text, its ids, and its logprobs once the engine sends them (with the first tokens).
+    prompt: str | None = None
+    prompt_ids: list[int] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class Formatter:
@@ -55,7 +61,15 @@ class Formatter:
     def _token(self, tid: int) -> str:
         return self.tok.decode([tid]) if self.tok is not None else str(tid)
 
-    def logprobs(self, lps: list[TokenLogprob], offset: int = 0) -> dict | None:
+    def echoed(self, c: Choice) -> str:
+        """The prompt text ``echo`` puts before ``c``'s text (kept as ``c.prompt``)."""
+        c.prompt = http_echo.prompt_text(c.prompt, c.prompt_ids,
+                                         self.tok.decode if self.tok is not None else None)
+        return c.prompt
+
+    def logprobs(self, lps: list[TokenLogprob], offset: int = 0, echo: Choice | None = None
+                 ) -> dict | None:
+        """``lps``' logprobs object; ``echo``: after the prompt tokens of that choice."""
         if self.parsed.logprobs is None:
             return None
         if self.chat:
@@ -66,26 +80,39 @@ class Formatter:
                                  "top_logprobs": [entry(t, v) for t, v in x.top]}
                                 for x in lps]}
         tokens = [self._token(x.token_id) for x in lps]
+        values = [x.logprob for x in lps]
+        tops = [{self._token(t): v for t, v in x.top} for x in lps]
+        if echo is not None:
+            head = http_echo.echo_logprobs(echo.prompt_ids, echo.prompt_logprobs,
+                                           self.parsed.logprobs, self._token)
+            tokens, values, tops = head[0] + tokens, head[1] + values, head[2] + tops
         offsets = []
         for s in tokens:
             offsets.append(offset)
             offset += len(s)
-        return {"tokens": tokens, "token_logprobs": [x.logprob for x in lps],
-                "top_logprobs": [{self._token(t): v for t, v in x.top} for x in lps],
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
                 "text_offset": offsets}
 
+    def prompt_logprobs(self, c: Choice) -> list[dict | None] | None:
+        """vLLM's ``prompt_logprobs`` of ``c``'s prompt, as the request asked."""
+        return http_echo.vllm_prompt_logprobs(c.prompt_logprobs, self.parsed.prompt_logprobs,
+                                              self._token)
+
     def usage(self, choices: list[Choice]) -> dict:
-        """The request's usage: every prompt once, every choice's tokens."""
-        return _usage(sum(c.prompt_tokens for c in choices[::self.parsed.n]),
+        """The request's usage: every prompt once, every choice's tokens (all ``best_of``
+        of them: each was generated)."""
+        return _usage(sum(c.prompt_tokens for c in choices[::self.parsed.best_of]),
                       sum(len(c.token_ids) for c in choices))
 
-    def full(self, choices: list[Choice]) -> dict:
+    def full(self, choices: list[Choice], generated: list[Choice] | None = None) -> dict:
+        """The response of ``choices``; its usage over ``generated`` (default: them)."""
         out = []
         for c in choices:
             item = {"index": c.index, "finish_reason": c.finish_reason,
-                    "logprobs": self.logprobs(c.logprobs)}
+                    "logprobs": self.logprobs(c.logprobs,
+                                              echo=c if self.parsed.echo else None)}
             if self.chat and self._tools is not None:
-                content, calls = read_tool_calls(self._tools, c.text)
+                content, calls = read_calls(self._tools, c.text)
                 item["message"] = {"role": "assistant", "content": content}
                 if calls:
                     item["message"]["tool_calls"] = calls
@@ -93,26 +120,39 @@ class Formatter:
             elif self.chat:
                 item["message"] = {"role": "assistant", "content": c.text}
             else:
-                item["text"] = c.text
+                item["text"] = (self.echoed(c) if self.parsed.echo else "") + c.text
+                if self.parsed.prompt_logprobs is not None:  # vLLM: per choice
+                    item["prompt_logprobs"] = self.prompt_logprobs(c)
             out.append(item)
-        return {"id": self.rid, "object": self.object, "created": self.created,
-                "model": self.model, "choices": out, "usage": self.usage(choices)}
+        response = {"id": self.rid, "object": self.object, "created": self.created,
+                    "model": self.model, "choices": out,
+                    "usage": self.usage(generated or choices)}
+        if self.chat and self.parsed.prompt_logprobs is not None:  # vLLM: once, at the top
+            response["prompt_logprobs"] = self.prompt_logprobs(choices[0])
+        return response
 
     def chunk(self, c: Choice, deltas: list[el.Delta], first: bool) -> dict:
         text = "".join(d.text for d in deltas)
         lps = [lp for d in deltas for lp in d.logprobs]
         finish = deltas[-1].finish_reason if deltas else None
+        # echo: the first chunk starts with the prompt (text, and tokens in its logprobs)
+        echo = c if first and self.parsed.echo else None
+        offset = len(c.text) - len(text) + (len(self.echoed(c)) if self.parsed.echo else 0)
         item: dict = {"index": c.index, "finish_reason": finish,
-                      "logprobs": self.logprobs(lps, len(c.text) - len(text))
-                      if lps else None}
+                      "logprobs": self.logprobs(lps, 0 if echo else offset, echo)
+                      if lps or echo else None}
         if self.chat and self._tools is not None:
             item["delta"], item["finish_reason"] = self._tool_delta(c, text, finish, first)
         elif self.chat:
             item["delta"] = ({"role": "assistant", "content": text} if first else
                              {"content": text} if text or not finish else {})
         else:
-            item["text"] = text
+            item["text"] = (self.echoed(c) if echo else "") + text
+            if first and self.parsed.prompt_logprobs is not None:
+                item["prompt_logprobs"] = self.prompt_logprobs(c)
         out = self._wrap([item])
+        if self.chat and first and self.parsed.prompt_logprobs is not None:
+            out["prompt_logprobs"] = self.prompt_logprobs(c)
         if self.parsed.continuous_usage:
             out["usage"] = _usage(c.prompt_tokens, len(c.token_ids))
         return out
@@ -121,7 +161,9 @@ class Formatter:
                     ) -> tuple[dict, str | None]:
         """A chat chunk's delta and finish reason when the output is read for tool calls:
         content as it is known to be content, calls as OpenAI streams them."""
-        parser = self._parsers.setdefault(c.index, ToolCallParser(self._tools))
+        parser = self._parsers.get(c.index)
+        if parser is None:
+            parser = self._parsers[c.index] = call_parser(self._tools)
         content, calls = parser.feed(text)
         if finish is not None:
             rest, more = parser.finish()
@@ -194,6 +236,20 @@ class Formatter:
         return out
 
 
+def best_choices(choices: list[Choice], parsed: Parsed) -> list[Choice]:
+    """Each prompt's ``n`` choices of its ``best_of`` (consecutive in ``choices``): those of
+    highest cumulative logprob, best first (ties: the earlier), numbered anew; all of them,
+    in order, when ``best_of`` is ``n``."""
+    if parsed.best_of == parsed.n:
+        return choices
+    out: list[Choice] = []
+    for at in range(0, len(choices), parsed.best_of):
+        group = choices[at:at + parsed.best_of]
+        ranked = sorted(group, key=lambda c: -sum(lp.logprob for lp in c.logprobs))
+        out += [dataclasses.replace(c, index=len(out) + k) for k, c in enumerate(ranked[:parsed.n])]
+    return out
+
+
 def _called(finish_reason: str | None) -> str | None:
     """A choice that called tools finished with ``tool_calls`` (unless it was cut short)."""
     return "tool_calls" if finish_reason == "stop" else finish_reason
@@ -210,6 +266,8 @@ def sse(obj: dict | str) -> bytes:
 
 def apply_deltas(c: Choice, deltas: list[el.Delta]) -> None:
     for d in deltas:
+        if d.prompt_logprobs is not None:
+            c.prompt_logprobs = d.prompt_logprobs
         c.text += d.text
         c.token_ids += d.token_ids
         c.logprobs += d.logprobs

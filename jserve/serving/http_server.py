@@ -58,7 +58,14 @@ from jserve.serving.http_protocol import (
     read_body,
     rejection,
 )
-from jserve.serving.http_responses import Choice, Formatter, apply_deltas, pump, sse
+from jserve.serving.http_responses import (
+    Choice,
+    Formatter,
+    apply_deltas,
+    best_choices,
+    pump,
+    sse,
+)
 from jserve.serving.router_endpoints import RouterEndpoints
 from jserve.tokenizer import chat_prompt_ids
 
@@ -317,7 +324,8 @@ class OpenAIServer:
         """Parses, templates and tokenizes a body (on an intake thread); ``Rejected``
         naming the field."""
         body = _loads(raw)
-        parsed = parse(body, endpoint, self.config.limits.max_choices)
+        parsed = parse(body, endpoint, self.config.limits.max_choices,
+                       self.config.tool_call_parser, self.gateway.engine.tokenizer)
         self._check_model(body["model"])
         prepared, context = [], self.gateway.engine.info.max_model_len
         for p in parsed.prompts:
@@ -362,6 +370,8 @@ class OpenAIServer:
             if field.startswith("structured_output") and parsed.constraint_field:
                 field = parsed.constraint_field
                 message = constraint_message(field, message)
+            elif field == "prompt_logprobs" and parsed.prompt_logprobs is None:
+                field = "echo"  # the engine's prompt logprobs are echo's
             elif field not in PARAMS[endpoint]:
                 field = "messages" if endpoint == "chat" else "prompt"
             raise BadField(field, message) from None
@@ -399,7 +409,7 @@ class OpenAIServer:
         gw = self.gateway
         for request in prepared:
             params = request.params
-            for i in range(parsed.n):
+            for i in range(parsed.best_of):
                 p = request if params.seed is None or i == 0 else dataclasses.replace(
                     request, params=dataclasses.replace(
                         params, seed=(params.seed + i) % 2**32))
@@ -407,7 +417,8 @@ class OpenAIServer:
                             ttft_slo=parsed.ttft_slo, tpot_slo=parsed.tpot_slo,
                             priority=parsed.priority)
                 choices.append(Choice(len(choices), s,
-                                      prompt_tokens=len(request.prompt_ids)))
+                                      prompt_tokens=len(request.prompt_ids),
+                                      prompt=request.prompt, prompt_ids=request.prompt_ids))
         # The first deltas of every choice decide the status code.
         firsts = await asyncio.gather(*(c.stream.next() for c in choices),
                                       return_exceptions=True)
@@ -427,7 +438,7 @@ class OpenAIServer:
             except Rejected as e:
                 status, body = error_body(e.kind, e.message)
                 return await _send_json(send, status, body)
-            await _send_json(send, 200, fmt.full(choices))
+            await _send_json(send, 200, fmt.full(best_choices(choices, parsed), choices))
 
     async def _stream(self, send, choices: list[Choice], firsts, fmt: Formatter) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": [

@@ -55,6 +55,7 @@ from jserve.serving.live_engine import LiveEngine
 from jserve.serving.metrics import ServerMetrics
 from jserve.serving.protocol import parse_request
 from jserve.serving.router_endpoints import export_vllm_names
+from jserve.serving.tool_formats import DEFAULT_FORMAT, TOOL_FORMATS
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,8 @@ class ServerConfig:
     # responses, GetModelInfo.model).
     served_model_names: tuple[str, ...] = ("default",)
     limits: ClientLimits = ClientLimits()  # SLO floors, priorities, choices per request
+    # The format the model writes tool calls in (vLLM's --tool-call-parser names).
+    tool_call_parser: str = DEFAULT_FORMAT
 
     @property
     def open_to_the_network(self) -> bool:
@@ -134,6 +137,9 @@ class ServerConfig:
             raise ValueError(f"grace_period must be >= 0, got {self.grace_period}")
         if not self.drain_notice >= 0:
             raise ValueError(f"drain_notice must be >= 0, got {self.drain_notice}")
+        if self.tool_call_parser not in TOOL_FORMATS:
+            raise ValueError(f"tool_call_parser must be one of {sorted(TOOL_FORMATS)}, got "
+                             f"{self.tool_call_parser!r}")
         names = self.served_model_names
         if isinstance(names, str) or not names or not all(isinstance(n, str) and n
                                                           for n in names):

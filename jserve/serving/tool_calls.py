@@ -2,9 +2,11 @@
 give, the constraint they put on the output, and the reading of the output back into
 ``tool_calls`` (docs/structured_output.md, "Tool calling").
 
-The model answers a call in Llama 3.1's JSON format, ``{"name": <function>, "parameters":
-<arguments>}`` (several separated by ``;``), which the chat templates ask for (the built-in
-models' template too, ``jserve.tokenizer.simple_chat_prompt``). ``tool_choice``:
+The format the model writes calls in is the server's choice (``--tool-call-parser``;
+``jserve.serving.tool_formats`` holds the formats, ``hermes_tools`` the Hermes one). This
+module is the request side and the default format, Llama 3.1's JSON, ``{"name": <function>,
+"parameters": <arguments>}`` (several separated by ``;``), which the chat templates ask for
+(the built-in models' template too, ``jserve.tokenizer.simple_chat_prompt``). ``tool_choice``:
 
 - ``auto`` (the default with tools): unconstrained; an output that starts with such an object
   is read as calls, any other output is the message's content;
@@ -45,11 +47,13 @@ class ToolError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ToolChoice:
-    """What a request's tools may do: ``mode`` none | auto | required | named (``name``)."""
+    """What a request's tools may do: ``mode`` none | auto | required | named (``name``);
+    ``format``: the tool-call format the output is read in (``tool_formats.TOOL_FORMATS``)."""
 
     mode: str
     name: str | None = None
     parallel: bool = True
+    format: str = "llama3_json"
 
     @property
     def parses(self) -> bool:
@@ -57,9 +61,10 @@ class ToolChoice:
         return self.mode != "none"
 
 
-def parse_tools(body: dict) -> tuple[list[dict] | None, ToolChoice | None]:
-    """A chat body's ``tools`` (checked, as given) and ``tool_choice``; ``ToolError``
-    naming the field otherwise. No tools: (None, None)."""
+def parse_tools(body: dict, fmt: str = "llama3_json"
+                ) -> tuple[list[dict] | None, ToolChoice | None]:
+    """A chat body's ``tools`` (checked, as given) and ``tool_choice``, its calls read in
+    format ``fmt``; ``ToolError`` naming the field otherwise. No tools: (None, None)."""
     tools = body.get("tools")
     choice = body.get("tool_choice")
     parallel = body.get("parallel_tool_calls", True)
@@ -99,7 +104,7 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, ToolChoice | None]:
                             f"{where}.function.description must be a string")
         names.append(name)
     if choice is None or choice in ("none", "auto", "required"):
-        return tools, ToolChoice(choice or "auto", parallel=parallel)
+        return tools, ToolChoice(choice or "auto", parallel=parallel, format=fmt)
     name = None
     if isinstance(choice, dict) and choice.get("type") == "function" and set(choice) == {
             "type", "function"} and isinstance(choice["function"], dict):
@@ -111,7 +116,7 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, ToolChoice | None]:
     if name not in names:
         raise ToolError("tool_choice", f"tool_choice names {name!r}, which is not in tools "
                                        f"({', '.join(names)})")
-    return tools, ToolChoice("named", name, parallel)
+    return tools, ToolChoice("named", name, parallel, fmt)
 
 
 def _parameters(tool: dict) -> dict:
@@ -174,24 +179,24 @@ def new_call_id() -> str:
 
 
 # -- reading calls out of the text ---------------------------------------------------------
-_WS = " \t\r\n"
-_PARTIAL = object()  # not decided yet: more text may complete it
+WS = " \t\r\n"
+PARTIAL = object()  # not decided yet: more text may complete it
 
 
-def _call_header(text: str, i: int):
+def call_header(text: str, i: int):
     """``{"name": "<f>", "parameters": `` (or ``"arguments"``) at ``text[i:]``: (end, name),
-    ``_PARTIAL`` if the text so far could still become one, None if it cannot."""
+    ``PARTIAL`` if the text so far could still become one, None if it cannot."""
     pieces = ("{", '"name"', ":", None, ",", ('"parameters"', '"arguments"'), ":")
     name = None
     for piece in pieces:
-        while i < len(text) and text[i] in _WS:
+        while i < len(text) and text[i] in WS:
             i += 1
         if i == len(text):
-            return _PARTIAL
+            return PARTIAL
         if piece is None:  # the name: a JSON string
             m = re.compile(r'"((?:[^"\\]|\\.)*)"').match(text, i)
             if m is None:
-                return _PARTIAL if text[i] == '"' else None
+                return PARTIAL if text[i] == '"' else None
             try:
                 name = json.loads(m.group(0))
             except ValueError:
@@ -205,10 +210,10 @@ def _call_header(text: str, i: int):
                 break
         else:
             rest = text[i:]
-            return _PARTIAL if any(lit.startswith(rest) for lit in options) else None
-    while i < len(text) and text[i] in _WS:
+            return PARTIAL if any(lit.startswith(rest) for lit in options) else None
+    while i < len(text) and text[i] in WS:
         i += 1
-    return (i, name) if i < len(text) else _PARTIAL
+    return (i, name) if i < len(text) else PARTIAL
 
 
 class ToolCallParser:
@@ -291,7 +296,7 @@ class ToolCallParser:
                 content += t[i:]
                 self._at = len(t)
             elif self._state == "start":  # auto: a call starts with '{' (or '[')
-                stripped = t[i:].lstrip(_WS)
+                stripped = t[i:].lstrip(WS)
                 if not stripped:
                     break
                 self._mark = len(t) - len(stripped)
@@ -304,7 +309,7 @@ class ToolCallParser:
                 else:
                     self._state = "content"
             elif self._state == "between":  # after a call: a separator, or the end
-                if t[i] in _WS or t[i] in ",;]":
+                if t[i] in WS or t[i] in ",;]":
                     self._at += 1
                 elif t[i] == "{":
                     self._state = "header"
@@ -312,8 +317,8 @@ class ToolCallParser:
                 else:
                     self._state = "content"
             elif self._state == "header":
-                h = _call_header(t, i)
-                if h is _PARTIAL:
+                h = call_header(t, i)
+                if h is PARTIAL:
                     break
                 if h is None or t[h[0]] != "{":  # not a call after all: all of it is content
                     self._state = "content"
@@ -329,7 +334,7 @@ class ToolCallParser:
                 self._arguments(t[i:j], deltas)
                 self._at = j
             elif self._state == "close":  # the call object's own '}'
-                if t[i] in _WS:
+                if t[i] in WS:
                     self._at += 1
                 elif t[i] == "}":
                     self._at += 1
@@ -357,10 +362,12 @@ class ToolCallParser:
         return True
 
 
-def read_tool_calls(choice: ToolChoice, text: str) -> tuple[str | None, list[dict]]:
-    """A whole output as (content, calls): an ``auto`` output whose calls do not parse is
+def read_tool_calls(choice: ToolChoice, text: str, parser_type: type = ToolCallParser
+                    ) -> tuple[str | None, list[dict]]:
+    """A whole output as (content, calls), read by the streaming reader ``parser_type`` (so
+    a stream's deltas add up to the same): an ``auto`` output whose calls do not parse is
     content."""
-    parser = ToolCallParser(choice)
+    parser = parser_type(choice)
     content, _ = parser.feed(text)
     rest, _ = parser.finish()
     content += rest

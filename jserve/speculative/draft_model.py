@@ -15,16 +15,16 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from jserve.config import LlamaConfig
+from jserve.config import ModelConfig
 from jserve.engine.config import EngineConfig
-from jserve.model.llama import Params
+from jserve.model.params import Params
 from jserve.model.weights import load_model
 from jserve.sampling.params import SamplingParams
 from jserve.scheduler import Request
 
 # (model config, params, engine config) -> an engine with ``add_request``,
 # ``has_unfinished`` and ``step`` (``LLMEngine``; its tokenizer is None).
-NewEngine = Callable[[LlamaConfig, Params, EngineConfig], Any]
+NewEngine = Callable[[ModelConfig, Params, EngineConfig], Any]
 
 
 class DraftModelProposer:
@@ -32,7 +32,7 @@ class DraftModelProposer:
         self.engine = engine
 
     @classmethod
-    def load(cls, model: str, target: LlamaConfig, config: EngineConfig, max_model_len: int,
+    def load(cls, model: str, target: ModelConfig, config: EngineConfig, max_model_len: int,
              new_engine: NewEngine) -> "DraftModelProposer":
         """Loads ``model`` (a path or a built-in name) into an engine from ``new_engine``;
         ValueError if its vocabulary is not the target's or its context is shorter."""

@@ -18,8 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jserve.config import LlamaConfig
-from jserve.model.llama import decoder_layer, embed, head_logits, layer_loop, rope_tables
+from jserve.config import ModelConfig
+from jserve.model.layers import rope_tables
+from jserve.model.llama import decoder_layer, embed, head_logits, layer_loop
 from jserve.model.params import Params
 from jserve.model.weights import init_params
 from jserve.tokenizer import ByteTokenizer
@@ -27,7 +28,7 @@ from jserve.train.length_task import Task, format_prompt, sample_task
 
 # Small enough to train on two CPU cores in minutes; 4 query / 2 KV heads and 4 layers so
 # tensor parallelism (up to 4) and stage pipelines (up to 4) can split it.
-TINY_TASKS_CONFIG = LlamaConfig(
+TINY_TASKS_CONFIG = ModelConfig(
     vocab_size=320,
     hidden_size=128,
     intermediate_size=344,
@@ -133,7 +134,7 @@ def batches(tc: TrainConfig) -> Iterator[Batch]:
 
 
 def dense_forward(params: Params, tokens: jax.Array, positions: jax.Array, segments: jax.Array,
-                  cfg: LlamaConfig) -> jax.Array:
+                  cfg: ModelConfig) -> jax.Array:
     """float32 logits [B, L, vocab] of a causal forward where a token attends only to earlier
     tokens of its own segment: the model's layer loop and blocks (``jserve.model.llama``) on
     [B, L] rows with dense masked attention in place of the paged cache. ``params`` in the
@@ -160,7 +161,7 @@ def dense_forward(params: Params, tokens: jax.Array, positions: jax.Array, segme
     return head_logits(params, x, cfg)
 
 
-def loss_fn(params: Params, batch: Batch, cfg: LlamaConfig) -> jax.Array:
+def loss_fn(params: Params, batch: Batch, cfg: ModelConfig) -> jax.Array:
     """Mean cross-entropy over the weighted (answer + EOS) targets."""
     logits = dense_forward(params, batch.tokens, batch.positions, batch.segments, cfg)
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch.targets)
@@ -175,7 +176,7 @@ def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
                        optax.adamw(schedule, b1=0.9, b2=0.98, weight_decay=tc.weight_decay))
 
 
-def make_train_step(cfg: LlamaConfig, opt: optax.GradientTransformation):
+def make_train_step(cfg: ModelConfig, opt: optax.GradientTransformation):
     @jax.jit
     def step(params, opt_state, batch: Batch):
         loss, grads = jax.value_and_grad(loss_fn)(params, batch, cfg)
@@ -188,7 +189,7 @@ def _as_jax(batch: Batch) -> Batch:
     return Batch(*(jnp.asarray(a) for a in dataclasses.astuple(batch)))
 
 
-def train(tc: TrainConfig, cfg: LlamaConfig = TINY_TASKS_CONFIG, params: Params | None = None,
+def train(tc: TrainConfig, cfg: ModelConfig = TINY_TASKS_CONFIG, params: Params | None = None,
           log=print, on_checkpoint=None, checkpoint_every: int = 0) -> tuple[Params, list[float]]:
     """Runs ``tc.steps`` AdamW steps from ``params`` (default: ``init_params(cfg, tc.seed)``);
     returns the final params and the loss of every step. ``on_checkpoint(step, params)`` is

@@ -1,0 +1,60 @@
+"""The model-family registry: HF ``architectures`` name -> :class:`Family` (``base.py``).
+
+Adding a family is one module here (its config reading, tensors and layer) and one line in
+``FAMILIES``; docs/models.md says what each family needed. Everything that depends on the
+family asks this registry through the model config (``family_of(cfg)``, by
+``cfg.architecture``): the params' shapes (``jserve.model.params``), the weight loaders' HF
+names (``jserve.model.weights``), the decoder layer the forward runs
+(``jserve.model.llama.decoder_layer``). Reading a ``config.json`` goes through
+:func:`read_config`, which refuses an architecture it has no family for.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from jserve.config import ModelConfig, hf_config_fields
+from jserve.model.families import llama, qwen2, qwen3
+from jserve.model.families.base import Family, Tensor
+
+FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY)
+BY_ARCHITECTURE: dict[str, Family] = {a: f for f in FAMILIES for a in f.architectures}
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(BY_ARCHITECTURE)
+
+
+def _unsupported(archs: Any) -> ValueError:
+    return ValueError(f"unsupported architecture {archs}; jserve serves "
+                      f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def family_of(cfg: ModelConfig) -> Family:
+    """The family of a model config (by ``cfg.architecture``)."""
+    family = BY_ARCHITECTURE.get(cfg.architecture)
+    if family is None:
+        raise _unsupported([cfg.architecture])
+    return family
+
+
+def read_config(hf: dict[str, Any], dtype: str | None = None,
+                quantization: str | None = None) -> ModelConfig:
+    """The model config of a ``config.json`` dict: the fields every family shares
+    (``jserve.config.hf_config_fields``; ``dtype`` and ``quantization`` as there) and its
+    family's own. No ``architectures`` reads as Llama."""
+    archs = hf.get("architectures") or ["LlamaForCausalLM"]
+    arch = next((a for a in archs if a in BY_ARCHITECTURE), None)
+    if arch is None:
+        raise _unsupported(archs)
+    family = BY_ARCHITECTURE[arch]
+    return ModelConfig(**hf_config_fields(hf, dtype, quantization), **family.read_config(hf),
+                       architecture=arch, model_type=family.model_type)
+
+
+def read_config_file(path: str | Path, dtype: str | None = None,
+                     quantization: str | None = None) -> ModelConfig:
+    """:func:`read_config` of a ``config.json`` file."""
+    return read_config(json.loads(Path(path).read_text()), dtype, quantization)
+
+
+__all__ = ["FAMILIES", "SUPPORTED_ARCHITECTURES", "Family", "Tensor", "family_of",
+           "read_config", "read_config_file"]

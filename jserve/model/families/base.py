@@ -1,0 +1,86 @@
+"""What a model family is (:class:`Family`) and the checks its config reading shares.
+
+A family says, in one module (``jserve/model/families/<name>.py``): how its ``config.json``
+reads beyond the fields every family shares (``read_config``), its per-layer tensors (our
+leaf name -> HF name, shape, whether stored transposed: ``layer_tensors``; the top-level
+embedding, final norm and LM head follow HF's usual names unless it says otherwise), and its
+decoder layer (``decoder_layer``, built from ``jserve.model.layers``).
+
+Leaf names are one vocabulary across families (``wq`` is a query projection wherever it
+appears), and a leaf's tensor-parallel split and whether it is quantized follow from what it
+is: ``jserve.model.tp_layout`` (column, row or KV-head split; everything else replicated)
+and ``jserve.model.quant.QUANTIZED_LEAVES`` (the projection matrices; biases and norms stay
+in the model's dtype). A family that brings a new kind of leaf adds it there once.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from jserve.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """One checkpoint tensor: its HF name (a layer's: after the layer prefix), our shape
+    (matrices ``[in, out]``), and whether HF stores it transposed (torch's ``[out, in]``)."""
+
+    hf: str
+    shape: tuple[int, ...]
+    transpose: bool = False
+
+
+def hf_top_tensors(cfg: ModelConfig) -> dict[str, Tensor]:
+    """The embedding, the final norm and the LM head (absent when tied) under HF's usual
+    names."""
+    d, v = cfg.hidden_size, cfg.vocab_size
+    top = {"embed": Tensor("model.embed_tokens.weight", (v, d)),
+           "final_norm": Tensor("model.norm.weight", (d,))}
+    if not cfg.tie_word_embeddings:
+        top["lm_head"] = Tensor("lm_head.weight", (d, v), True)
+    return top
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One model family, keyed in the registry by its HF ``architectures`` names.
+
+    ``read_config(config_json) -> dict``: the :class:`ModelConfig` fields this family sets
+    beyond ``jserve.config.hf_config_fields`` (raises ValueError on what it cannot serve).
+    ``layer_tensors(cfg)``: leaf -> :class:`Tensor` of one decoder layer (the checkpoint
+    layout; the runtime one stacks the layers and fuses ``w_gate``/``w_up``).
+    ``decoder_layer(layer, x, cos, sin, attend, *, cfg, tp_axis) -> (x, aux)``: its block."""
+
+    name: str
+    architectures: tuple[str, ...]
+    model_type: str
+    read_config: Callable[[dict[str, Any]], dict[str, Any]]
+    layer_tensors: Callable[[ModelConfig], dict[str, Tensor]]
+    decoder_layer: Callable
+    top_tensors: Callable[[ModelConfig], dict[str, Tensor]] = hf_top_tensors
+    layer_prefix: str = "model.layers.{}."
+
+
+def refuse_flags(hf: dict[str, Any], *flags: str) -> None:
+    """Raises ValueError naming the first of ``flags`` the config.json sets true."""
+    for flag in flags:
+        if hf.get(flag):
+            raise ValueError(f"config.json sets {flag}=true, which jserve does not support "
+                             f"for {hf.get('architectures')}")
+
+
+def require_act(hf: dict[str, Any], act: str, key: str = "hidden_act") -> None:
+    got = hf.get(key, act)
+    if got != act:
+        raise ValueError(f"unsupported {key} {got!r} (this family uses {act!r})")
+
+
+def refuse_sliding_window(hf: dict[str, Any]) -> None:
+    """Qwen2/Qwen3 configs carry ``sliding_window`` but use it only with
+    ``use_sliding_window`` (transformers 5: a ``layer_types`` entry other than
+    full_attention); jserve's attention has no window yet."""
+    kinds = set(hf.get("layer_types") or ())
+    if hf.get("use_sliding_window") or kinds - {"full_attention"}:
+        raise ValueError("config.json asks for sliding-window attention (use_sliding_window "
+                         f"or layer_types {sorted(kinds)}), which jserve does not serve yet")
+

@@ -1,0 +1,101 @@
+"""The pieces a family's decoder layer is built from (pure JAX): RMSNorm, RoPE, the q/k/v
+projections, the gated MLP, and the pre-norm block Llama, Qwen2 and Qwen3 share.
+
+A layer is a function ``(layer, x, cos, sin, attend, *, cfg, tp_axis) -> (x, aux)`` over one
+layer's params dict (``jserve.model.families``: each family names its layer). Optional parts
+are switched by the params a layer has, not by flags: q/k/v biases where ``bq``/``bk``/``bv``
+are present (Qwen2), per-head q/k RMSNorm where ``q_norm``/``k_norm`` are (Qwen3). Head
+counts come from the weights' shapes, so under ``shard_map`` the same code runs a
+tensor-parallel shard's heads and MLP slice.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from jserve.config import ModelConfig, inv_frequencies
+from jserve.model.quant import matmul
+
+# One layer's params (a dict of arrays); not ``jserve.model.params.Params``, whose module
+# reads the families' shapes, which name the layers here.
+Layer = dict[str, Any]
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """HF LlamaRMSNorm (and Qwen2's, Qwen3's): normalise in float32, cast back, then
+    scale."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return w * xf.astype(x.dtype)
+
+
+def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos and sin [..., D] of RoPE at ``positions`` [...]."""
+    inv = jnp.asarray(inv_frequencies(cfg))
+    freqs = positions.astype(jnp.float32)[..., None] * inv
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE (HF layout). x [..., T, H, D]; cos/sin [..., T, D]."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    cos = cos[..., None, :].astype(x.dtype)
+    sin = sin[..., None, :].astype(x.dtype)
+    return x * cos + rotated * sin
+
+
+def project_heads(layer: Layer, h: jax.Array, cfg: ModelConfig, w: str, bias: str,
+                  norm: str | None) -> jax.Array:
+    """``h @ layer[w]`` as heads [..., H, head_dim]: plus ``layer[bias]`` where the layer has
+    it, then RMSNorm over each head with ``layer[norm]`` where it has that (before RoPE)."""
+    y = matmul(h, layer[w])
+    if bias in layer:
+        y = y + layer[bias]
+    y = y.reshape(*h.shape[:-1], -1, cfg.head_dim)
+    if norm is not None and norm in layer:
+        y = rms_norm(y, layer[norm], cfg.rms_norm_eps)
+    return y
+
+
+def gated_mlp(layer: Layer, h: jax.Array, act: Callable = jax.nn.silu) -> jax.Array:
+    """``act(h @ w_gate) * (h @ w_up) @ w_down`` of either layout: the runtime one (fused
+    ``w_gate_up``) or the checkpoint's (``w_gate`` and ``w_up``); a tp shard's partial
+    output (the caller sums it over tp)."""
+    if "w_gate_up" in layer:
+        gate, up = jnp.split(matmul(h, layer["w_gate_up"]), 2, axis=-1)
+    else:
+        gate, up = matmul(h, layer["w_gate"]), matmul(h, layer["w_up"])
+    return matmul(act(gate) * up, layer["w_down"])
+
+
+def tp_sum(tp_axis: str | None) -> Callable[[jax.Array], jax.Array]:
+    """Sums a tp shard's partial output over ``tp_axis`` (Megatron); the identity without."""
+    return (lambda y: jax.lax.psum(y, tp_axis)) if tp_axis else (lambda y: y)
+
+
+def pre_norm_layer(layer: Layer, x: jax.Array, cos: jax.Array, sin: jax.Array,
+                   attend: Callable, *, cfg: ModelConfig, tp_axis: str | None = None
+                   ) -> tuple[jax.Array, Any]:
+    """One Llama-style block on the residual stream ``x`` [..., hidden] (token-flattened
+    [T, hidden] when serving, [B, T, hidden] in training): RMSNorm, attention, residual;
+    RMSNorm, gated SiLU MLP, residual.
+
+    ``attend(q, k, v)`` is the attention core, q [..., Hq, D] and k, v [..., Hkv, D] with RoPE
+    applied -> (out [..., Hq, D], aux): the serving step's paged attention
+    (``jserve.model.llama.step_layer``, aux the updated KV pages) or the trainer's dense
+    masked attention. Returns (residual stream, aux). ``tp_axis`` names the mesh axis whose
+    partial attention and MLP outputs are summed."""
+    lead = x.shape[:-1]
+    reduce = tp_sum(tp_axis)
+    h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
+    q = apply_rope(project_heads(layer, h, cfg, "wq", "bq", "q_norm"), cos, sin)
+    k = apply_rope(project_heads(layer, h, cfg, "wk", "bk", "k_norm"), cos, sin)
+    v = project_heads(layer, h, cfg, "wv", "bv", None)
+    out, aux = attend(q, k, v)
+    x = x + reduce(matmul(out.reshape(*lead, -1).astype(x.dtype), layer["wo"]))
+    h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
+    return x + reduce(gated_mlp(layer, h)), aux
