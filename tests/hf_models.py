@@ -241,17 +241,22 @@ def _llama3_corpus() -> list[str]:
     return docs
 
 
-def write_llama3_tokenizer(out_dir: Path, vocab_size: int = 1200) -> Path:
-    """A trained byte-level BPE tokenizer.json in Llama 3's layout, its tokenizer_config.json
-    (BOS, EOS <|eot_id|>, the chat template) beside it."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+def _byte_level_bpe(vocab_size: int):
+    """An untrained byte-level BPE with Llama 3's pre-tokenizer split, and its trainer."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    return tok, trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+                                    initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+
+
+def write_llama3_tokenizer(out_dir: Path, vocab_size: int = 1200) -> Path:
+    """A trained byte-level BPE tokenizer.json in Llama 3's layout, its tokenizer_config.json
+    (BOS, EOS <|eot_id|>, the chat template) beside it."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok, trainer = _byte_level_bpe(vocab_size)
     tok.train_from_iterator(_llama3_corpus(), trainer)
     tok.add_special_tokens(LLAMA3_SPECIAL_TOKENS)
     bos = "<|begin_of_text|>"
@@ -327,13 +332,7 @@ def write_hermes_tokenizer(out_dir: Path, vocab_size: int = 1200) -> Path:
     """A trained byte-level BPE tokenizer.json (Llama 3's split, as Qwen's is close to it)
     with ChatML's special tokens and the <tool_call> tags, and its tokenizer_config.json."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok, trainer = _byte_level_bpe(vocab_size)
     calls = [json.dumps({"name": f, "arguments": {"city": c, "days": d}})
              for f in ("get_weather", "get_time") for c in ("Paris", "Oslo", "Lima")
              for d in range(1, 4)]

@@ -66,7 +66,14 @@ class Budget:
         """``res`` as JSON at ``path``, whole or not at all (a reader never sees half)."""
         with self._lock:
             self.res["elapsed_s"] = time.monotonic() - self.start
-            text = json.dumps(self.res, indent=1, default=str) + "\n"
+            for attempt in range(3):  # the watchdog may write while an item adds a row
+                try:
+                    text = json.dumps(self.res, indent=1, default=str) + "\n"
+                    break
+                except RuntimeError:
+                    if attempt == 2:
+                        raise
+                    time.sleep(0.05)
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_suffix(self.path.suffix + ".tmp")
             tmp.write_text(text)

@@ -30,7 +30,9 @@ class PageMovers(NamedTuple):
 
 
 def _chunks(pages: Sequence[int]):
-    for lo in range(0, len(pages), SWAP_CHUNK):
+    """(offset, pages in the chunk, its ``SWAP_CHUNK`` ids padded with the sink page 0); no
+    pages: one chunk of padding (the moved data then has no pages, as asked)."""
+    for lo in range(0, max(len(pages), 1), SWAP_CHUNK):
         part = list(pages[lo:lo + SWAP_CHUNK])
         ids = np.zeros(SWAP_CHUNK, np.int32)
         ids[:len(part)] = part
