@@ -3,7 +3,7 @@ microbatch per stage, every stage busy on every tick.
 
 Layout. Layer ``s * L/spp + j`` is stage ``s``'s ``j``-th layer. The runtime params are
 already stacked ``[L, ...]`` and the KV cache ``[L, KV heads, pages, page_size, head_dim]``
-(:mod:`jserve.model.llama`); their leading layer dim is split on ``"spp"``
+(:mod:`jserve.model.decoder`); their leading layer dim is split on ``"spp"``
 (``sharding.specs.param_specs``, ``STACKED_KV_SPEC``), so a stage holds only its own layers
 and their pages and runs them through the model's layer loop (``layer_loop``), unrolled over
 per-layer arrays when the runner splits the stack by stage (``unstack_stages``: a tuple of
@@ -46,8 +46,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jserve.cache.pool import KVCache
 from jserve.config import ModelConfig
 from jserve.kernels.kv_parallel import local_page_table
+from jserve.model.decoder import embed, layer_loop, step_layer
 from jserve.model.layers import rope_tables
-from jserve.model.llama import embed, layer_loop, step_layer
 from jserve.model.params import Params
 from sharding.specs import kv_cache_specs, param_specs
 

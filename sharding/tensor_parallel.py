@@ -12,7 +12,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jserve.cache.pool import KVCache
 from jserve.config import ModelConfig
-from jserve.model.llama import Params, StepInput, final_logits, forward_stream
+from jserve.model.decoder import Params, StepInput, final_logits, forward_stream
 from sharding.kv_parallel import PAGE_TABLE_SPEC
 from sharding.specs import kv_cache_specs, param_specs
 

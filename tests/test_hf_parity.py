@@ -14,7 +14,7 @@ from hf_models import CONFIGS, DEEP_CONFIGS, tiny_llama_dir, tiny_llama_model
 from jserve import LLM, SamplingParams
 from jserve.cache.pool import allocate_kv_cache
 from jserve.kernels import AttentionMetadata
-from jserve.model.llama import StepInput, forward, prepare_params
+from jserve.model.decoder import StepInput, forward, prepare_params
 from jserve.model.weights import load_model
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,7 @@ import pytest
 
 from jserve.cache.pool import allocate_kv_cache
 from jserve.kernels import AttentionMetadata
-from jserve.model.llama import StepInput, forward
+from jserve.model.decoder import StepInput, forward
 from jserve.probe import (
     LengthBins,
     LengthProbe,

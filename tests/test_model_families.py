@@ -26,8 +26,8 @@ from devices import run_on_devices
 from hf_models import FAMILY_CONFIGS, tiny_llama_dir, tiny_llama_model
 from jserve import LLM, SamplingParams
 from jserve.model import quant
+from jserve.model.decoder import prepare_params
 from jserve.model.families import SUPPORTED_ARCHITECTURES, read_config_file
-from jserve.model.llama import prepare_params
 from jserve.model.params import num_params, param_shapes
 from jserve.model.weights import load_hf_safetensors, load_model, save_orbax
 from test_hf_parity import _all_position_logits

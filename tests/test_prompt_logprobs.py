@@ -22,7 +22,7 @@ from jserve.cache.pool import allocate_kv_cache
 from jserve.engine import prompt_logprobs
 from jserve.engine.output import TokenLogprob
 from jserve.kernels import AttentionMetadata
-from jserve.model.llama import StepInput, forward, prepare_params
+from jserve.model.decoder import StepInput, forward, prepare_params
 from jserve.model.weights import load_model
 from llm_helpers import check_blocks, small_llm
 

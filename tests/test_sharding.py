@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jserve.model.llama import prepare_params
+from jserve.model.decoder import prepare_params
 from jserve.model.weights import DEFAULT_CONFIG, init_params
 from llm_helpers import small_llm
 from sharding.mesh import MeshConfig

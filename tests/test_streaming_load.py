@@ -72,7 +72,7 @@ _SCRIPT = textwrap.dedent("""
     import jax, numpy as np
     import jserve.model.weights as weights
     from jserve.model.families import read_config_file
-    from jserve.model.llama import prepare_params
+    from jserve.model.decoder import prepare_params
     from sharding.mesh import MeshConfig, make_mesh
     from sharding.specs import shard_params
 
@@ -275,7 +275,7 @@ def test_lazy_checkpoint_checks_shapes_up_front(tmp_path: Path) -> None:
 
 def test_streamed_single_device_in_process(tmp_path: Path) -> None:
     """One device, in this process: equal to the eager runtime params, bf16 kept."""
-    from jserve.model.llama import prepare_params
+    from jserve.model.decoder import prepare_params
     cfg = write_checkpoint(tmp_path / "ckpt", "bfloat16")
     got = load_hf_runtime(tmp_path / "ckpt", cfg)
     want = prepare_params(load_hf_safetensors(tmp_path / "ckpt", cfg))

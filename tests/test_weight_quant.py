@@ -17,7 +17,7 @@ import pytest
 from devices import run_on_devices
 from jserve import LLM, SamplingParams
 from jserve.model import quant
-from jserve.model.llama import prepare_params
+from jserve.model.decoder import prepare_params
 from jserve.model.weights import load_hf_runtime, load_hf_safetensors, load_model, save_orbax
 from jserve.tokenizer import ByteTokenizer
 from llm_helpers import SMALL

@@ -91,9 +91,9 @@ def fused_step(runner, rec: EventRecorder, shape) -> dict:
 
 
 def decoder_layers(runner, cfg, shape) -> dict:
-    """``llama.forward`` (embed, every decoder layer, final norm and LM head) without the
+    """``decoder.forward`` (embed, every decoder layer, final norm and LM head) without the
     sampling tail, on the runner's params / KV cache layout."""
-    from jserve.model.llama import forward
+    from jserve.model.decoder import forward
     spec = runner.programs.lowering.arrays_spec(*shape)
 
     def f(params, kv_cache, batch):

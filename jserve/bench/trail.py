@@ -119,7 +119,7 @@ def latency_table(model, probe_path, prompts, arrivals, max_tokens, engine) -> d
 HOW_IT_WORKS = """- **Capture** (`EngineConfig(length_probe=..., probe_layer=...)`, off by default: the
   step compiles exactly as without it). The fused step also returns the chosen layer's float32
   residual stream at each sampled row and, per row, its sum over the step's prompt tokens
-  (`llama.forward(capture_layer=, prompt_mask=)`, a segment sum over `token_seq`); the host
+  (`decoder.forward(capture_layer=, prompt_mask=)`, a segment sum over `token_seq`); the host
   (`jserve.probe.tracker.LengthTracker`) adds the sums up across prefill chunks.
 - **Probe** (`jserve.probe.length_probe`): MLP hidden -> 512 -> bins (ReLU) on standardised
   embeddings, cross-entropy on the bin of the tokens still to generate, AdamW (optax). Bins

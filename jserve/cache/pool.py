@@ -9,7 +9,7 @@ from jserve.config import ModelConfig
 from jserve.kernels import kv_quant
 
 # (k_pages, v_pages), each [layers, Hkv, P, S, D]: stacked like the runtime params, so the
-# model's layer loop reads and writes layer i in place (jserve.model.llama.layer_loop). With
+# model's layer loop reads and writes layer i in place (jserve.model.decoder.layer_loop). With
 # kv_cache_dtype="int8" each is a kv_quant.QuantizedPages (values and per-row scales).
 KVCache = tuple[jax.Array | kv_quant.QuantizedPages, jax.Array | kv_quant.QuantizedPages]
 

@@ -11,7 +11,7 @@ from jserve.cache.pool import kv_cache_shape
 from jserve.config import ModelConfig
 from jserve.kernels import kv_quant
 from jserve.model import quant
-from jserve.model.llama import unstack_layers
+from jserve.model.decoder import unstack_layers
 from jserve.model.params import Params, runtime_param_shapes
 from sharding.kv_parallel import STACKED_KV_SPEC
 from sharding.mesh import AXES

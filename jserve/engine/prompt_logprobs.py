@@ -29,7 +29,7 @@ import numpy as np
 
 from jserve.config import ModelConfig
 from jserve.engine.output import TokenLogprob
-from jserve.model.llama import Params, head_logits
+from jserve.model.decoder import Params, head_logits
 from jserve.sampling.params import MAX_LOGPROBS
 
 BLOCK_LOGITS = 1 << 24  # float32 logits of one block of rows (64 MiB)

@@ -68,7 +68,7 @@ class ModelRunner:
         ``jax.ShapeDtypeStruct``s and so is the penalty state: the runner only lowers and
         compiles (``programs``), nothing is allocated, until ``attach``.
         ``unroll_layers``: run the layers unrolled over separate per-layer weight arrays
-        instead of one loop over stacked ones (``jserve.model.llama.unstack_layers``; with
+        instead of one loop over stacked ones (``jserve.model.decoder.unstack_layers``; with
         spp each stage's own layers, ``sharding.pipeline.unstack_stages``). ``slice_layers``
         (spp == 1): stacked params, the layers unrolled in the program over static slices of
         them (``EngineConfig.layer_loop`` "sliced")."""

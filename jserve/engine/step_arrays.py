@@ -14,7 +14,7 @@ import numpy as np
 from jserve.config import ModelConfig
 from jserve.engine.buckets import Buckets
 from jserve.kernels import AttentionMetadata
-from jserve.model.llama import StepInput
+from jserve.model.decoder import StepInput
 from jserve.sampling.params import MAX_BANNED_IDS, MAX_LOGIT_BIAS
 from jserve.sampling.sampler import SamplingBatch, mask_words
 

@@ -12,7 +12,7 @@ from jserve.engine.buckets import Buckets
 from jserve.engine.prompt_logprobs import targets as prompt_targets
 from jserve.engine.step_arrays import StepArrays
 from jserve.kernels import AttentionMetadata
-from jserve.model.llama import StepInput
+from jserve.model.decoder import StepInput
 from jserve.sampling.sampler import SamplerRow, make_sampling_batch, mask_words
 from jserve.scheduler import PLACEHOLDER, BatchPlan, Request, ScheduledChunk
 

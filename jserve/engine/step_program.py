@@ -15,7 +15,7 @@ from jserve.cache.pool import KVCache
 from jserve.config import ModelConfig
 from jserve.engine import burst, prompt_logprobs
 from jserve.engine.step_arrays import PackedLayout, SampleInputs, SeqState, StepArrays
-from jserve.model.llama import (
+from jserve.model.decoder import (
     Params,
     final_logits,
     forward_stream,

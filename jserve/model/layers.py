@@ -86,7 +86,7 @@ def pre_norm_layer(layer: Layer, x: jax.Array, cos: jax.Array, sin: jax.Array,
 
     ``attend(q, k, v)`` is the attention core, q [..., Hq, D] and k, v [..., Hkv, D] with RoPE
     applied -> (out [..., Hq, D], aux): the serving step's paged attention
-    (``jserve.model.llama.step_layer``, aux the updated KV pages) or the trainer's dense
+    (``jserve.model.decoder.step_layer``, aux the updated KV pages) or the trainer's dense
     masked attention. Returns (residual stream, aux). ``tp_axis`` names the mesh axis whose
     partial attention and MLP outputs are summed."""
     lead = x.shape[:-1]

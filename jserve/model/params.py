@@ -24,7 +24,7 @@ def param_shapes(cfg: ModelConfig) -> Params:
 
 
 def runtime_param_shapes(cfg: ModelConfig) -> dict:
-    """Shape tuples of the runtime layout (what ``llama.prepare_params`` returns): the
+    """Shape tuples of the runtime layout (what ``decoder.prepare_params`` returns): the
     checkpoint layout's per-layer shapes stacked, gate and up fused."""
     shapes = param_shapes(cfg)
     layer = dict(shapes["layers"][0])

@@ -17,8 +17,8 @@ import numpy as np
 from jserve.cache.pool import allocate_kv_cache
 from jserve.config import ModelConfig
 from jserve.kernels import AttentionMetadata
+from jserve.model.decoder import StepInput, embed, layer_loop, stack_layers, step_layer
 from jserve.model.layers import rope_tables
-from jserve.model.llama import StepInput, embed, layer_loop, stack_layers, step_layer
 from jserve.model.params import Params
 from jserve.probe.bins import LengthBins
 

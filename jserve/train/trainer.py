@@ -19,8 +19,8 @@ import numpy as np
 import optax
 
 from jserve.config import ModelConfig
+from jserve.model.decoder import decoder_layer, embed, head_logits, layer_loop
 from jserve.model.layers import rope_tables
-from jserve.model.llama import decoder_layer, embed, head_logits, layer_loop
 from jserve.model.params import Params
 from jserve.model.weights import init_params
 from jserve.tokenizer import ByteTokenizer
@@ -136,7 +136,7 @@ def batches(tc: TrainConfig) -> Iterator[Batch]:
 def dense_forward(params: Params, tokens: jax.Array, positions: jax.Array, segments: jax.Array,
                   cfg: ModelConfig) -> jax.Array:
     """float32 logits [B, L, vocab] of a causal forward where a token attends only to earlier
-    tokens of its own segment: the model's layer loop and blocks (``jserve.model.llama``) on
+    tokens of its own segment: the model's layer loop and blocks (``jserve.model.decoder``) on
     [B, L] rows with dense masked attention in place of the paged cache. ``params`` in the
     HF-shaped checkpoint layout."""
     t, hd = tokens.shape[1], cfg.head_dim

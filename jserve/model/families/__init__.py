@@ -5,7 +5,7 @@ Adding a family is one module here (its config reading, tensors and layer) and o
 family asks this registry through the model config (``family_of(cfg)``, by
 ``cfg.architecture``): the params' shapes (``jserve.model.params``), the weight loaders' HF
 names (``jserve.model.weights``), the decoder layer the forward runs
-(``jserve.model.llama.decoder_layer``). Reading a ``config.json`` goes through
+(``jserve.model.decoder.decoder_layer``). Reading a ``config.json`` goes through
 :func:`read_config`, which refuses an architecture it has no family for.
 """
 from __future__ import annotations
