@@ -49,8 +49,8 @@ def test_every_flag_says_what_it_does_and_its_default():
                 shown = formatter._get_help_string(action)
                 assert "%(default)" in shown or "(default: $JSERVE_" in shown, (name, action)
     serve, generate = sub.choices["serve"], sub.choices["generate"]
-    # --warmup MODE: core for a server, none for one completion; --warmup alone is all.
-    assert serve.parse_args([]).warmup == "core" and generate.parse_args(["x"]).warmup == "none"
+    # --warmup MODE: all for a server (every program before ready), none for one completion.
+    assert serve.parse_args([]).warmup == "all" and generate.parse_args(["x"]).warmup == "none"
     assert serve.parse_args(["--no-warmup"]).warmup == "none"
     assert serve.parse_args(["--warmup"]).warmup == "all"
     assert serve.format_help().count("--no-warmup") == 2  # the usage line and the flag's

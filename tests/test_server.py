@@ -243,11 +243,19 @@ def test_priority_and_slos_reach_the_schedulers_request(live_client, live):
     wait_idle(live)
 
 
+# Offline fields gRPC does not carry, and why: Generate runs one sequence (n and best_of are
+# the offline API's and HTTP's grouping of several); logit_bias and prompt_logprobs need new
+# proto fields (a map, and a repeated logprob message in the response), not added yet.
+NOT_ON_THE_WIRE = {"n", "best_of", "logit_bias", "prompt_logprobs"}
+
+
 def test_proto_sampling_params_carry_every_offline_field():
     import dataclasses
     offline = {f.name for f in dataclasses.fields(SamplingParams)}
     wire = set(pb.SamplingParams.DESCRIPTOR.fields_by_name)
-    assert offline == wire == set(SCALAR_FIELDS) | set(LIST_FIELDS) | set(MESSAGE_FIELDS)
+    assert NOT_ON_THE_WIRE <= offline and not NOT_ON_THE_WIRE & wire
+    assert offline - NOT_ON_THE_WIRE == wire == (set(SCALAR_FIELDS) | set(LIST_FIELDS)
+                                                 | set(MESSAGE_FIELDS))
 
 
 def test_generated_modules_are_current():
