@@ -149,23 +149,14 @@ def test_a_cached_prefix_is_still_scored_and_its_pages_are_offered():
 @pytest.mark.slow
 def test_beside_ordinary_requests(plain_tokens):
     """Scored and plain requests in the same steps: the plain ones' tokens are those they
-    get alone; pages conserved after every step (``run_checked``)."""
-    llm = small_llm()
-    eng = llm.engine
-    ids = [eng.add_request(p, SCORED if i % 2 else PLAIN) for i, p in enumerate(PROMPTS)]
-    done = {}
-    while eng.has_unfinished():
-        for o in eng.step():
-            if o.finished:
-                done[o.request_id] = o
-        check_blocks(eng)
-    for i, (rid, p, want) in enumerate(zip(ids, PROMPTS, plain_tokens)):
-        assert done[rid].token_ids == want
+    get alone; pages conserved after every step (``_run``)."""
+    outs = _run(small_llm(), PROMPTS, [SCORED if i % 2 else PLAIN for i in range(len(PROMPTS))])
+    for i, (out, p, want) in enumerate(zip(outs, PROMPTS, plain_tokens)):
+        assert out.token_ids == want
         if i % 2:
-            assert_scored(done[rid].prompt_logprobs, p)
+            assert_scored(out.prompt_logprobs, p)
         else:
-            assert done[rid].prompt_logprobs is None
-    assert eng.allocator.num_allocated == 0
+            assert out.prompt_logprobs is None
 
 
 @pytest.mark.slow
