@@ -83,17 +83,32 @@ class ModelConfig:
     quantization: str = "none"
     architecture: str = "LlamaForCausalLM"
     model_type: str = "llama"  # config.json's, written back to an orbax checkpoint
+    # Sliding-window attention, one entry per layer (0: full attention): a query at position
+    # p reads the keys at positions k with p - window < k <= p (HF's convention). Empty: no
+    # layer is windowed.
+    layer_windows: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.layer_windows and len(self.layer_windows) != self.num_hidden_layers:
+            raise ValueError(f"layer_windows has {len(self.layer_windows)} entries for "
+                             f"{self.num_hidden_layers} layers")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, "
                              f"got {self.quantization!r}")
+
+    @property
+    def kv_window(self) -> int | None:
+        """The most recent tokens any layer still reads when every layer is windowed (their
+        KV is all a request must hold), else None (some layer reads the whole context)."""
+        if self.layer_windows and all(self.layer_windows):
+            return max(self.layer_windows)
+        return None
 
     @property
     def np_dtype(self) -> np.dtype:
