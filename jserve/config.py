@@ -49,12 +49,15 @@ def auto_dtype(stored: str, backend: str, what: str = "checkpoint") -> tuple[str
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3.1 style frequency-dependent RoPE scaling (``rope_type == "llama3"``)."""
+    """RoPE scaling: Llama 3.1's frequency-dependent kind (``rope_type == "llama3"``), or
+    ``"linear"`` (every frequency divided by ``factor``: Gemma 3's global layers), which
+    uses only ``factor``."""
 
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    low_freq_factor: float = 0.0
+    high_freq_factor: float = 0.0
+    original_max_position_embeddings: int = 0
+    rope_type: str = "llama3"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +90,16 @@ class ModelConfig:
     # p reads the keys at positions k with p - window < k <= p (HF's convention). Empty: no
     # layer is windowed.
     layer_windows: tuple[int, ...] = ()
+    # Gemma 3's (jserve.model.families.gemma3; neutral defaults for the other families): the
+    # MLP's activation as config.json names it; the RoPE base of the windowed layers where it
+    # differs from ``rope_theta`` (HF keys RoPE by layer type, the type ``layer_windows``
+    # records: those layers read this unscaled table); the attention scale's denominator
+    # (scores * query_pre_attn_scalar ** -0.5; None: head_dim); a tanh cap on the logits
+    # (cap * tanh(logits / cap); None: none).
+    hidden_act: str = "silu"
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -134,13 +147,27 @@ class ModelConfig:
             "tie_word_embeddings": self.tie_word_embeddings,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids),
-            "hidden_act": "silu",
+            "hidden_act": self.hidden_act,
             "torch_dtype": self.dtype,
         }
         if self.quantization != "none":  # an orbax checkpoint of quantized weights
             d["jserve_quantization"] = self.quantization
-        if self.rope_scaling is not None:
-            d["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
+        s = self.rope_scaling
+        if s is not None:
+            d["rope_scaling"] = ({"rope_type": "linear", "factor": s.factor}
+                                 if s.rope_type == "linear" else dataclasses.asdict(s))
+        if self.layer_windows:  # HF's per-layer attention kinds
+            d["sliding_window"] = max(self.layer_windows)
+            d["layer_types"] = ["sliding_attention" if w else "full_attention"
+                                for w in self.layer_windows]
+            d["use_sliding_window"] = True  # what Qwen2/Qwen3 read the window under
+        elif self.model_type == "mistral":  # transformers reads a missing one as 4096
+            d["sliding_window"] = None
+        for key, value in (("rope_local_base_freq", self.rope_local_theta),
+                           ("query_pre_attn_scalar", self.query_pre_attn_scalar),
+                           ("final_logit_softcapping", self.final_logit_softcapping)):
+            if value is not None:
+                d[key] = value
         return d
 
 
@@ -168,8 +195,11 @@ def hf_config_fields(cfg: dict[str, Any], dtype: str | None = None,
                 high_freq_factor=float(raw_scaling["high_freq_factor"]),
                 original_max_position_embeddings=int(raw_scaling["original_max_position_embeddings"]),
             )
+        elif kind == "linear":
+            scaling = RopeScaling(factor=float(raw_scaling["factor"]), rope_type="linear")
         elif kind != "default":
-            raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: llama3)")
+            raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: llama3, "
+                             "linear)")
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     if dtype is None:
@@ -211,6 +241,8 @@ def inv_frequencies(cfg: ModelConfig) -> np.ndarray:
     s = cfg.rope_scaling
     if s is None:
         return inv
+    if s.rope_type == "linear":
+        return (inv / np.float32(s.factor)).astype(np.float32)
     old_len = np.float32(s.original_max_position_embeddings)
     low_wavelen = old_len / np.float32(s.low_freq_factor)
     high_wavelen = old_len / np.float32(s.high_freq_factor)

@@ -4,15 +4,17 @@
     python scripts/bench_engine.py --quick          # smoke version (about a minute)
     python scripts/bench_engine.py --reps 5 --out bench.json
     python scripts/bench_engine.py --threads 1      # torch threads (default: all cores)
+    python scripts/bench_engine.py --vocab 32768 --decode-only   # a realistic vocabulary
 
 What it measures (float32 everywhere; torch uses every core this process may run on, XLA
 does by default; every number is the median of ``--reps`` repetitions, and each repetition
 runs jserve and then HF back to back in the same process):
 
 1. Model: a seeded random ``LlamaForCausalLM`` (4 layers, hidden 512, 8 query / 2 KV heads,
-   head_dim 64, intermediate 1536, vocab 8192) written with ``save_pretrained`` to a temp dir
-   that jserve loads with ``LLM(dir)``. FLOPs per decoded token = 2 x matmul params touched
-   (the lm_head included, the embedding lookup not) plus attention, which grows with context.
+   head_dim 64, intermediate 1536, vocab 8192 or ``--vocab``) written with ``save_pretrained``
+   to a temp dir that jserve loads with ``LLM(dir)``. FLOPs per decoded token = 2 x matmul
+   params touched (the lm_head included, the embedding lookup not) plus attention, which grows
+   with context.
 2. Decode tokens/s at batch 1, 8, 32: random 128-token prompts, greedy, EOS ignored, N new
    tokens. HF: batch*(N-1) / (t[generate N] - t[generate 1]), from the medians of the two
    times. jserve, the same quantity from token timestamps: the tokens generated after the
@@ -36,6 +38,7 @@ torch (see below); ``OMP_WAIT_POLICY=ACTIVE python scripts/bench_engine.py`` to 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -78,6 +81,9 @@ def main() -> int:
                     "sharegpt4, azure-conv or a CSV/JSONL trace")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (default: every core this process may run on)")
+    ap.add_argument("--vocab", type=int, default=8192, help="the model's vocabulary size")
+    ap.add_argument("--decode-only", action="store_true",
+                    help="decode rates and the batch-32 ceiling only (no prefill, no offline)")
     ap.add_argument("--out", type=Path, default=None, help="write results as JSON here")
     args = ap.parse_args()
     args.reps_given, args.length_scale_given = args.reps is not None, args.length_scale is not None
@@ -85,7 +91,8 @@ def main() -> int:
     args.length_scale = 8.0 if args.length_scale is None else args.length_scale
     if args.reps < 1:
         ap.error("--reps must be >= 1")
-    s = settings_from_args(args)
+    s = dataclasses.replace(settings_from_args(args), vocab_size=args.vocab,
+                            decode_only=args.decode_only)
     return run(s, args.threads, args.quick, args.out)
 
 

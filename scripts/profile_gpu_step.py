@@ -28,6 +28,7 @@ import jax  # noqa: E402
 
 from jserve.bench.device_profiles import FULL, SMOKE, llama_cfg  # noqa: E402
 from jserve.bench.random_engine import make_engine, random_params, serve  # noqa: E402
+from jserve.engine.config import LAYER_LOOPS  # noqa: E402
 from jserve.sampling.params import SamplingParams  # noqa: E402
 
 
@@ -62,7 +63,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=1024, help="prompt tokens per sequence")
     ap.add_argument("--steps", type=int, default=8, help="decode steps traced")
     ap.add_argument("--impl", default="auto", help="attention_impl")
-    ap.add_argument("--layer-loop", default="auto", choices=("auto", "loop", "unrolled", "sliced"),
+    ap.add_argument("--layer-loop", default="auto", choices=LAYER_LOOPS,
                     help="EngineConfig.layer_loop")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
                     help="also run N more steps under cProfile and list the host's top "

@@ -1,6 +1,7 @@
 """Where the compiled decode step spends its time, op by op (XLA:CPU).
 
-    python scripts/profile_ops.py [--batch 32] [--steps 20] [--top 25]
+    python scripts/profile_ops.py [--model bench | bench-32k | NAME | DIR] [--batch 32]
+                                  [--steps 20] [--top 25]
 
 Builds the engine of ``profile_step.py`` (the bench model), captures one all-decode step at
 ``--batch`` rows, then traces ``--steps`` calls of the step executable and, separately, of
@@ -23,6 +24,9 @@ from jserve.bench.op_profile import profile_ops
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--model", default="bench",
+                    help="as profile_step.py's: bench, bench-32k, a built-in name or a "
+                         "checkpoint directory")
     ap.add_argument("--batch", type=int, default=32, help="decode rows of the profiled step")
     ap.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request")
     ap.add_argument("--new-tokens", type=int, default=40, help="greedy tokens per request")

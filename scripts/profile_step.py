@@ -1,10 +1,14 @@
 """A decode step against the f32 matmul ceiling of this machine, per batch size.
 
-    python scripts/profile_step.py [--batches 1,8,32 | --batch B] [--prompt-len 128] [--reps 5]
+    python scripts/profile_step.py [--model bench | bench-32k | NAME | DIR]
+                                   [--batches 1,8,32 | --batch B] [--prompt-len 128] [--reps 5]
                                    [--overlap] [--split-ab] [--host-phases]
 
-For each batch size B: ``B`` greedy requests on the bench model of ``bench_engine.py`` (4
-layers, hidden 512, GQA 8/2, vocab 8192, f32) through one engine, ``--reps`` times; the
+For each batch size B: ``B`` greedy requests on ``--model`` (default the bench model of
+``bench_engine.py``: 4 layers, hidden 512, GQA 8/2, vocab 8192, f32, random weights;
+``bench-32k``: the same shape with a 32,768-token vocabulary, a HF checkpoint transformers
+writes once into ~/.cache/jserve/bench; or any built-in name or checkpoint directory
+``jserve serve --model`` takes, read as f32) through one engine, ``--reps`` times; the
 median all-decode engine step (async scheduling, the default) is the *engine step*. The
 inputs of one all-decode step are captured and the engine's compiled step (forward and
 sampling in one executable) runs back to back on them (30 calls per repetition, KV cache fed
@@ -23,7 +27,8 @@ synchronous scheduling and reports how long the device waits for the host at eac
 ``--sampler-ab`` also times the device-only step with the sampler built on ``jnp.argmax``
 (before ``row_argmax``), alternated with the current one. ``--host-phases`` splits the
 engine thread's own CPU time (``time.thread_time``) of each all-decode step by phase
-(``HostPhases``): XLA's worker threads fill both cores, so this CPU adds onto the step.
+(``HostPhases``): XLA's worker threads fill both cores, so this CPU adds onto the step; with
+``--decode-burst K`` too, again with each engine step a burst of K tokens, per token.
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ import argparse
 import jax
 from tqdm import tqdm
 
+from jserve.bench.decode_step import bench_model
 from jserve.bench.machine import uptime
 from jserve.bench.step_profile import profile_batch, report
 from jserve.kernels import resolve_impl
@@ -40,6 +46,9 @@ from jserve.kernels import resolve_impl
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--model", default="bench",
+                    help="bench (the bench model), bench-32k (its shape, 32K vocabulary), or "
+                         "a built-in name or checkpoint directory")
     ap.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
     ap.add_argument("--batch", type=int, default=None, help="one batch size (overrides --batches)")
     ap.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request")
@@ -66,12 +75,15 @@ def main() -> int:
     a = ap.parse_args()
     batches = [a.batch] if a.batch else [int(b) for b in a.batches.split(",")]
     print(f"load at start: {uptime()}")
+    model = bench_model(a.model)
+    print(f"model {a.model}: vocab {model[0].vocab_size}, hidden {model[0].hidden_size}, "
+          f"{model[0].num_hidden_layers} layers, {model[0].dtype}")
     print(f"jax {jax.__version__} on {jax.default_backend()}; attention_impl {a.attention_impl}"
           f" ({resolve_impl(a.attention_impl)})")
     results = []
     with tqdm(total=len(batches) * (a.reps + 1), desc="profile", unit="run") as bar:
         for batch in batches:
-            results.append(profile_batch(batch, a, bar))
+            results.append(profile_batch(batch, a, bar, model))
     for r in results:
         report(r, a.overlap)
     print(f"load at end: {uptime()}")

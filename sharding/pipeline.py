@@ -158,7 +158,8 @@ def _stage_runner(mesh: Mesh, cfg: ModelConfig, attention_impl: str):
     def run(params, x, kv_cache, batch):
         cos, sin = rope_tables(cfg, batch.attn.positions)
         layer_fn = step_layer(batch, cos, sin, cfg=cfg, attention_impl=attention_impl,
-                              tp_axis=tp_axis, kvp_axis=kvp_axis)
+                              tp_axis=tp_axis, kvp_axis=kvp_axis,
+                              first_layer=jax.lax.axis_index("spp") * lps)
         x, kv_cache, _ = layer_loop(_stage_layers(params), x, kv_cache, layer_fn, 0, lps)
         return x, kv_cache
 
@@ -185,7 +186,7 @@ def tick(params: Params, kv_cache: KVCache, carry: PipelineCarry, ibufs: jax.Arr
                                                                  keepdims=False)).batch, kvp)
         decodes, tokens = batch.attn.num_decodes, batch.tokens.shape[0]
         held = carry.x[0]
-        x = jnp.where(first, embed(params, batch.tokens),
+        x = jnp.where(first, embed(params, batch.tokens, cfg),
                       stream_rows(held, decodes, tokens, decode_rows))
         x, kv_cache = run(params, x, kv_cache, batch)
         # Only the tick's rows travel; the slot's other rows keep stale values that no
@@ -215,7 +216,7 @@ def lone_pass(params: Params, kv_cache: KVCache, ibuf: jax.Array, fbuf: jax.Arra
     def local(params, kv_cache, ibuf, fbuf):
         stage = jax.lax.axis_index("spp")
         batch = _stage_batch(unpack(ibuf, fbuf).batch, kvp)
-        x = embed(params, batch.tokens)
+        x = embed(params, batch.tokens, cfg)
         for i in range(spp):
             # Stage i holds the batch this round; every other stage's work is discarded and
             # writes its KV to the sink slot.

@@ -64,16 +64,50 @@ DEEP_CONFIGS: dict[str, dict[str, Any]] = {
 # 24, tied embeddings, rope theta 1e6, q/k/v biases. Qwen3: 6 on 2, head_dim 40 (not
 # hidden / heads), q/k norms. Weights drawn 10x wider than HF's default: at 0.02 the tied
 # Qwen2 only repeats the prompt's last token, which a broken layer would do too.
+GEMMA3_WINDOW = 20  # shorter than the 45-token prompt, over a page boundary
 FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen2": dict(_COMMON, initializer_range=0.2, hidden_size=144, num_attention_heads=6,
                   num_key_value_heads=1, head_dim=24, tie_word_embeddings=True,
                   rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
     "qwen3": dict(_COMMON, initializer_range=0.2, num_attention_heads=6, num_key_value_heads=2,
                   head_dim=40, rope_parameters={"rope_type": "default", "rope_theta": 50000.0}),
+    # Gemma 3: 6 query heads on 2 KV heads, head_dim 20 beside hidden / heads = 16, scores
+    # scaled by 32 ** -0.5, local layers (window GEMMA3_WINDOW) and one global layer in
+    # four (the third: a pipeline stage's first layer is a local one in either stage), RoPE
+    # bases 1000 (local) and 50000 with linear scaling 4 (global), logits (up to ~0.8)
+    # capped at 0.6. HF's initializer_range: wider weights only repeat the last token.
+    "gemma3": dict(_COMMON, hidden_size=96, num_hidden_layers=4,
+                   num_attention_heads=6, num_key_value_heads=2, head_dim=20,
+                   query_pre_attn_scalar=32, sliding_window=GEMMA3_WINDOW,
+                   layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                "sliding_attention"],
+                   final_logit_softcapping=0.6, pad_token_id=0, bos_token_id=2,
+                   eos_token_id=1,
+                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                       "rope_theta": 50000.0},
+                                    "sliding_attention": {"rope_type": "default",
+                                                          "rope_theta": 1000.0}}),
+}
+# Sliding-window checkpoints (tests/test_sliding_window.py; not in FAMILY_CONFIGS, whose
+# every entry runs test_model_families' whole matrix). Mistral: 6 query heads on 2 KV heads,
+# head_dim 20 beside hidden / heads = 16, window 24 (under two pages of 16, shorter than the
+# 100-token prompt). Qwen2 with use_sliding_window: the layers from max_window_layers (1)
+# on are windowed, layer 0 is not.
+SWA_WINDOW = 24
+WINDOWED_CONFIGS: dict[str, dict[str, Any]] = {
+    "mistral": dict(_COMMON, initializer_range=0.2, hidden_size=96, num_attention_heads=6,
+                    num_key_value_heads=2, head_dim=20, sliding_window=SWA_WINDOW,
+                    max_position_embeddings=512,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    "qwen2-swa": dict(FAMILY_CONFIGS["qwen2"], use_sliding_window=True,
+                      sliding_window=SWA_WINDOW, max_window_layers=1),
 }
 # transformers (config, model) class names by config name; Llama where not listed.
-_HF_CLASSES = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-               "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+_HF_CLASSES = {"mistral": ("MistralConfig", "MistralForCausalLM"),
+               "qwen2-swa": ("Qwen2Config", "Qwen2ForCausalLM"),
+               "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+               "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+               "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|eot_id|>"]  # ids 0..3, matching the configs above
 
@@ -100,7 +134,7 @@ _TRAINING_TEXT = [
 
 
 def tiny_hf_config(name: str) -> transformers.PretrainedConfig:
-    known = CONFIGS | DEEP_CONFIGS | FAMILY_CONFIGS
+    known = CONFIGS | DEEP_CONFIGS | FAMILY_CONFIGS | WINDOWED_CONFIGS
     if name not in known:
         raise KeyError(f"unknown tiny config {name!r}; choose from {sorted(known)}")
     return getattr(transformers, _HF_CLASSES.get(name, ("LlamaConfig",))[0])(**known[name])
@@ -241,14 +275,16 @@ def _llama3_corpus() -> list[str]:
     return docs
 
 
-def _byte_level_bpe(vocab_size: int):
-    """An untrained byte-level BPE with Llama 3's pre-tokenizer split, and its trainer."""
+def _byte_level_bpe(vocab_size: int, special_tokens: tuple[str, ...] = ()):
+    """An untrained byte-level BPE with Llama 3's pre-tokenizer split, and its trainer
+    (``special_tokens`` take the first ids)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     return tok, trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+                                    special_tokens=list(special_tokens),
                                     initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
 
 
@@ -372,3 +408,100 @@ def write_hermes_chat_checkpoint(out_dir: Path) -> Path:
 def hermes_chat_dir() -> Path:
     """Process-wide cached ``write_hermes_chat_checkpoint``. Read-only."""
     return write_hermes_chat_checkpoint(_cache_root() / "hermes-chat")
+
+
+# -- a Mistral-style [INST] chat checkpoint (sliding-window attention) ----------------------
+# SentencePiece-era special tokens <unk>, <s>, </s> and the [INST] / [/INST] control tokens,
+# BOS from the template (not the post-processor), a template written for these tests in
+# Mistral's shape: a system message goes in front of the first user turn, an assistant turn
+# ends with EOS.
+MISTRAL_SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"]
+
+MISTRAL_CHAT_TEMPLATE = (
+    "{% set system = messages[0].content if messages and messages[0].role == 'system' "
+    "else none %}"
+    "{{ bos_token }}"
+    "{% for m in messages if m.role != 'system' %}"
+    "{% if m.role == 'user' %}[INST] "
+    "{% if system and loop.first %}{{ system }}{{ '\\n\\n' }}{% endif %}"
+    "{{ m.content | trim }} [/INST]"
+    "{% elif m.role == 'assistant' %} {{ m.content | trim }}{{ eos_token }}"
+    "{% else %}{{ raise_exception('roles are system, user and assistant') }}{% endif %}"
+    "{% endfor %}")
+
+
+def write_mistral_chat_checkpoint(out_dir: Path) -> Path:
+    """A random-weight ``MistralForCausalLM`` (``WINDOWED_CONFIGS["mistral"]``'s shape and
+    window, the embedding padded past the vocabulary) with a trained byte-level BPE,
+    Mistral's special tokens and ``MISTRAL_CHAT_TEMPLATE``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok, trainer = _byte_level_bpe(1200)
+    tok.train_from_iterator(_llama3_corpus(), trainer)
+    tok.add_special_tokens(MISTRAL_SPECIAL_TOKENS)
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+        "unk_token": "<unk>", "clean_up_tokenization_spaces": False, "model_max_length": 2048,
+        "chat_template": MISTRAL_CHAT_TEMPLATE}, indent=2))
+    n = tok.get_vocab_size(with_added_tokens=True)
+    config = transformers.MistralConfig(**dict(
+        WINDOWED_CONFIGS["mistral"], vocab_size=(n // 64 + 1) * 64,
+        bos_token_id=tok.token_to_id("<s>"), eos_token_id=tok.token_to_id("</s>")))
+    torch.manual_seed(2)
+    transformers.MistralForCausalLM(config).eval().save_pretrained(out_dir)
+    return out_dir
+
+
+@functools.cache
+def mistral_chat_dir() -> Path:
+    """Process-wide cached ``write_mistral_chat_checkpoint``. Read-only."""
+    return write_mistral_chat_checkpoint(_cache_root() / "mistral-chat")
+
+
+# -- a Gemma-3-style chat checkpoint -------------------------------------------------------
+# FAMILY_CONFIGS["gemma3"]'s model with a byte-level BPE whose first ids are Gemma's special
+# tokens (<pad> 0, <eos> 1, <bos> 2 as the config says, then the turn markers), a template
+# written for these tests in Gemma's turn format (<start_of_turn>user|model ... <end_of_turn>,
+# a system message folded into the first user turn, roles alternating), and EOS on <eos> and
+# <end_of_turn> in generation_config.json (config.json: <eos> only), as Gemma 3 instruct has.
+GEMMA_SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>")
+
+GEMMA_CHAT_TEMPLATE = (  # no newline right after a block tag: trim_blocks would eat it
+    "{{ bos_token }}"
+    "{% set first = 1 if messages and messages[0].role == 'system' else 0 %}"
+    "{% for m in messages[first:] %}"
+    "{% if (m.role == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}"
+    "<start_of_turn>{{ 'model' if m.role == 'assistant' else m.role }}\n"
+    "{% if loop.first and first %}{{ messages[0].content | trim }}\n\n{% endif %}"
+    "{{ m.content | trim }}<end_of_turn>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def write_gemma3_chat_checkpoint(out_dir: Path) -> Path:
+    """``tiny_llama_model("gemma3")`` saved with a Gemma-style tokenizer and chat template."""
+    write_tiny_llama("gemma3", out_dir)
+    tok, trainer = _byte_level_bpe(480, GEMMA_SPECIAL_TOKENS)
+    tok.train_from_iterator(_llama3_corpus(), trainer)
+    assert [tok.token_to_id(t) for t in GEMMA_SPECIAL_TOKENS] == list(range(6))
+    tok.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A <bos> $B",
+                                      special_tokens=[("<bos>", 2)])])
+    tok.save(str(out_dir / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>",
+              "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>",
+              "clean_up_tokenization_spaces": False, "model_max_length": 2048,
+              "chat_template": GEMMA_CHAT_TEMPLATE}
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    transformers.GenerationConfig(bos_token_id=2, pad_token_id=0,
+                                  eos_token_id=[1, 5]).save_pretrained(out_dir)
+    return out_dir
+
+
+@functools.cache
+def gemma3_chat_dir() -> Path:
+    """Process-wide cached ``write_gemma3_chat_checkpoint``. Read-only."""
+    return write_gemma3_chat_checkpoint(_cache_root() / "gemma3-chat")

@@ -15,10 +15,11 @@ def small_llm(model: str = "default", **overrides) -> LLM:
 
 def check_blocks(eng) -> None:
     """Blocks conserved and held exactly by running requests (a shared cached page once per
-    holder), waiting requests hold none, exactly the swapped ones have a host copy."""
+    holder), waiting requests hold none (a swapped windowed one keeps its dropped entries),
+    exactly the swapped ones have a host copy."""
     eng.allocator.check()
     eng.allocator.check_holders(eng.scheduler.page_holders())
-    assert all(not r.page_ids for r in eng.scheduler.waiting)
+    assert all(not r.held_page_ids for r in eng.scheduler.waiting)
     assert set(eng.host_kv.copies) == {r.request_id for r in eng.scheduler.waiting if r.swapped}
 
 

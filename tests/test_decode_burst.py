@@ -15,6 +15,9 @@ import pytest
 
 from devices import run_on_devices
 from jserve import SamplingParams
+from jserve.engine import burst
+from jserve.engine.config import AUTO_BURST_STEPS, EngineConfig
+from jserve.sampling.structured import StructuredOutput
 from llm_helpers import check_blocks, small_llm
 
 PROMPTS = [[1 + i, 5, 7, 9 + i] * (3 + i) for i in range(4)]
@@ -152,3 +155,48 @@ def test_bursts_on_a_tp2_mesh_give_the_one_device_tokens():
     assert result["tp=2"]["tokens"] == result["ref"]["tokens"]
     assert result["tp=2"]["leaked"] == 0 and result["tp=2"]["bursts"] >= 3
     assert result["ref"]["bursts"] == 0
+
+
+@pytest.mark.parametrize("setting,warmup,backend,steps", [
+    ("auto", "all", "gpu", AUTO_BURST_STEPS),   # an accelerator, programs compiled first
+    ("auto", "core", "tpu", AUTO_BURST_STEPS),
+    ("auto", "all", "cpu", 1),                  # the host fills XLA's idle cycles: off
+    ("auto", "none", "gpu", 1),                 # would compile while serving: off
+    (2, "none", "cpu", 2),                      # a number is taken as it is
+    (1, "all", "gpu", 1),
+])
+def test_auto_decode_burst_steps(setting, warmup, backend, steps):
+    assert EngineConfig(decode_burst=setting, warmup=warmup).burst_steps(backend) == steps
+
+
+@pytest.mark.parametrize("bad", ["fast", 0, -2])
+def test_decode_burst_setting_is_checked(bad):
+    with pytest.raises(ValueError, match="decode_burst must be 'auto' or >= 1"):
+        EngineConfig(decode_burst=bad)
+
+
+def test_which_requests_may_burst(reference):
+    """Per request (``burst.may_burst``, k = 4): stop strings and ids, penalties and seeded
+    sampling may (the host ends a request at a stop inside a burst and drops the tokens
+    after it); logprobs, a structured output, a pending ``min_tokens`` ban, or fewer than
+    k tokens left under ``max_tokens`` may not. On this CPU "auto" leaves bursts off, so
+    the engine steps one token at a time."""
+    eng = reference.engine
+    assert eng.bursts.steps == 1 and eng.bursts.supported
+    base = dict(max_tokens=20, ignore_eos=True)
+    cases = {"greedy": (SamplingParams(temperature=0.0, **base), True),
+             "stop string": (SamplingParams(stop=["xyz"], stop_token_ids=[9], **base), True),
+             "penalty, seed": (SamplingParams(temperature=0.8, seed=3, presence_penalty=0.5,
+                                              **base), True),
+             "logprobs": (SamplingParams(logprobs=2, **base), False),
+             "structured": (SamplingParams(structured_output=StructuredOutput(
+                 regex="[ab]{30}"), **base), False),
+             "min_tokens": (SamplingParams(min_tokens=8, max_tokens=20), False),
+             "3 left": (SamplingParams(max_tokens=3, ignore_eos=True), False)}
+    ids = {name: eng.add_request(PROMPTS[0], p) for name, (p, _) in cases.items()}
+    got = {name: burst.may_burst(eng.requests[rid], 4, eng.max_model_len)
+           for name, rid in ids.items()}
+    assert got == {name: want for name, (_, want) in cases.items()}
+    for rid in ids.values():
+        eng.abort(rid)
+    assert eng.allocator.num_free == eng.allocator.total

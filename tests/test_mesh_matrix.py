@@ -50,7 +50,7 @@ _SCRIPT = textwrap.dedent("""
         # its sink): a small pool, so every mesh preempts.
         llm = LLM("default", mesh=mesh, num_kv_pages=16 // mc.kvp + 1,
                   async_scheduling=mode != "sync",
-                  layer_loop="sliced" if mode == "sliced" else "auto", **settings)
+                  layer_loop=mode if mode in ("sliced", "indexed") else "auto", **settings)
         outs = llm.generate(prompts, params)
         eng = llm.engine
         eng.allocator.check()
@@ -67,18 +67,24 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_every_mesh_matches_one_device():
+def run_meshes(halves: list[list[str]]) -> dict:
+    """``_SCRIPT``'s results for the runs ("<mesh>[|sync|sliced|indexed]") of each list, the
+    lists in two processes side by side."""
     settings = dict(max_num_seqs=4, max_num_batched_tokens=64, max_prefill_seqs=2,
                     max_model_len=256, warmup=False, page_size=16)
-    halves = [["tp=1|sync"] + MESHES[0::2], MESHES[1::2]]
     with ThreadPoolExecutor(len(halves)) as pool:
         runs = pool.map(lambda meshes: run_on_devices(_SCRIPT, json.dumps(meshes),
                                                       json.dumps(settings), timeout=1200), halves)
-        result = {mesh: r for run in runs for mesh, r in run.result.items()}
-    base = result["tp=1|sync"]
+        return {mesh: r for run in runs for mesh, r in run.result.items()}
+
+
+def check_against_one_device(result: dict, meshes: list[str], base: str = "tp=1|sync"):
+    """Every run of ``meshes`` gave ``base``'s (one device) greedy tokens and top logprobs,
+    preempted, and leaked no page."""
+    base = result[base]
     assert base["devices"] == 1 and base["preemptions"] > 0 and base["pages"] == 16
     assert all(len(t) == 12 for t in base["tokens"])
-    for mesh in MESHES:
+    for mesh in meshes:
         got = result[mesh]
         size = MeshConfig.parse(mesh.partition("|")[0]).size
         assert got["devices"] == size and got["pages"] == 16, mesh
@@ -86,3 +92,8 @@ def test_every_mesh_matches_one_device():
         assert got["preemptions"] > 0 and got["leaked"] == 0, (mesh, got["preemptions"])
         np.testing.assert_allclose(np.array(got["top"]), np.array(base["top"]), atol=2e-4,
                                    rtol=0, err_msg=mesh)
+
+
+def test_every_mesh_matches_one_device():
+    result = run_meshes([["tp=1|sync"] + MESHES[0::2], MESHES[1::2]])
+    check_against_one_device(result, MESHES)

@@ -1,7 +1,9 @@
 """Model families beyond Llama (``jserve.model.families``) against HF transformers, on tiny
 random checkpoints of unusual shapes (``hf_models.FAMILY_CONFIGS``): Qwen2/Qwen2.5 (q/k/v
-biases, tied embeddings, GQA 6:1, head_dim 24) and Qwen3 (q/k norms, GQA 6:2, head_dim 40
-where hidden / heads is not an integer).
+biases, tied embeddings, GQA 6:1, head_dim 24), Qwen3 (q/k norms, GQA 6:2, head_dim 40
+where hidden / heads is not an integer) and Gemma 3 (GQA 6:2, head_dim 20 beside hidden 96,
+local layers of window 20 around a global one, two RoPE tables, capped logits: its prompts
+of 14 and 45 tokens run past the window; more in test_gemma3).
 
 The config reads as its family (parameter count equal to the torch model's, orbax round
 trip); logits at every position match; greedy tokens equal ``generate``'s on one device with
@@ -42,8 +44,12 @@ MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, max_prefill_seqs=2, max_model_len=128,
               warmup=False)
+# The quantized runs: Gemma 3's leaves quantize as Qwen3's (its norms never), and its windows
+# and second RoPE table are what its runs show.
+QUANTIZED_FAMILIES = [f for f in FAMILIES if f != "gemma3"]
 # Each family's own layer tensors beyond Llama's (and none of the other's).
-OWN_LEAVES = {"qwen2": {"bq", "bk", "bv"}, "qwen3": {"q_norm", "k_norm"}}
+OWN_LEAVES = {"qwen2": {"bq", "bk", "bv"}, "qwen3": {"q_norm", "k_norm"},
+              "gemma3": {"q_norm", "k_norm", "attn_out_norm", "mlp_out_norm"}}
 
 
 @functools.cache
@@ -60,12 +66,13 @@ def hf_tokens(family: str) -> list[list[int]]:
 def test_config_reads_as_its_family_and_round_trips(family, tmp_path):
     model_dir = tiny_llama_dir(family)
     cfg = read_config_file(model_dir / "config.json")
-    hf = FAMILY_CONFIGS[family]
-    assert (cfg.architecture, cfg.model_type) == (f"{family.title()}ForCausalLM", family)
+    hf, model = FAMILY_CONFIGS[family], tiny_llama_model(family)
+    assert (cfg.architecture, cfg.model_type) == (type(model).__name__, model.config.model_type)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (
         hf["num_attention_heads"], hf["num_key_value_heads"], hf["head_dim"])
-    assert cfg.rope_theta == hf["rope_parameters"]["rope_theta"]
-    assert cfg.tie_word_embeddings == hf.get("tie_word_embeddings", False)
+    rope = hf["rope_parameters"]  # Gemma 3's: per layer type
+    assert cfg.rope_theta == rope.get("full_attention", rope)["rope_theta"]
+    assert cfg.tie_word_embeddings == model.config.tie_word_embeddings
     leaves = set(param_shapes(cfg)["layers"][0])
     assert OWN_LEAVES[family] <= leaves and not (set().union(*OWN_LEAVES.values())
                                                  - OWN_LEAVES[family]) & leaves
@@ -80,18 +87,19 @@ def test_config_reads_as_its_family_and_round_trips(family, tmp_path):
 
 
 def test_an_architecture_without_a_family_is_refused_at_load(tmp_path):
-    config = dict(FAMILY_CONFIGS["qwen3"], architectures=["MistralForCausalLM"],
-                  model_type="mistral")
+    config = dict(FAMILY_CONFIGS["qwen3"], architectures=["FalconForCausalLM"],
+                  model_type="falcon")
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError) as err:
         LLM(str(tmp_path), **ENGINE)
-    assert "MistralForCausalLM" in str(err.value)
+    assert "FalconForCausalLM" in str(err.value)
     assert all(arch in str(err.value) for arch in SUPPORTED_ARCHITECTURES)
-    assert len(SUPPORTED_ARCHITECTURES) == 3
+    assert len(SUPPORTED_ARCHITECTURES) == 5
     # A family's config that asks for what it cannot serve is refused by name too.
     hf = json.loads((tiny_llama_dir("qwen2") / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps(dict(hf, use_sliding_window=True)))
-    with pytest.raises(ValueError, match="sliding-window"):
+    (tmp_path / "config.json").write_text(json.dumps(
+        dict(hf, layer_types=["full_attention", "chunked_attention"])))
+    with pytest.raises(ValueError, match="layer_types.*chunked_attention"):
         LLM(str(tmp_path), **ENGINE)
 
 
@@ -109,8 +117,11 @@ def test_logits_match_transformers(family):
 # Each family on the native CPU kernel (``auto`` here) and the reference; the interpreted
 # Pallas kernels (about a minute each here) paired crosswise, so that each family runs on one
 # and each kernel sees one family's head size and GQA ratio.
-IMPLS = [(family, impl) for family in FAMILIES for impl in ("auto", "reference")]
-IMPLS += [("qwen2", "pallas_gpu"), ("qwen3", "pallas_tpu")]
+# Gemma 3 on one Pallas kernel only: test_gemma3's chat runs it on the native CPU kernel
+# (a prompt of four windows), test_sliding_window every kernel's windows.
+IMPLS = [(family, impl) for family in FAMILIES if family != "gemma3"
+         for impl in ("auto", "reference")]
+IMPLS += [("qwen2", "pallas_gpu"), ("qwen3", "pallas_tpu"), ("gemma3", "pallas_gpu")]
 
 
 @pytest.mark.slow
@@ -129,7 +140,7 @@ def test_greedy_tokens_match_generate_also_from_the_prefix_cache(family, impl):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", QUANTIZED_FAMILIES)
 def test_quantized_weights_keep_biases_and_norms_stream_as_eager_and_stay_close(family):
     model_dir = tiny_llama_dir(family)
     cfg, lazy, _ = load_model(str(model_dir), quantization="int8", lazy=True)
@@ -180,10 +191,10 @@ QUANTIZED = dict(quantization="int8", kv_cache_dtype="int8")
 
 @pytest.mark.slow
 def test_meshes_match_generate_and_quantized_runs_match_one_device():
-    """Three engines per family in one 8-device process: a few minutes here."""
+    """Three engines per family (Gemma 3: one) in one 8-device process: a few minutes."""
     runs = {f"{family}|{MESH}": (str(tiny_llama_dir(family)), MESH, {}) for family in FAMILIES}
     runs |= {f"{family}|{mesh}|int8": (str(tiny_llama_dir(family)), mesh, QUANTIZED)
-             for family in FAMILIES for mesh in ("tp=1", MESH)}
+             for family in QUANTIZED_FAMILIES for mesh in ("tp=1", MESH)}
     result = run_on_devices(_SCRIPT, json.dumps(runs), json.dumps(PROMPTS), json.dumps(ENGINE),
                             str(MAX_TOKENS), timeout=1500).result
     assert all(r["leaked"] == 0 for r in result.values())
@@ -191,6 +202,7 @@ def test_meshes_match_generate_and_quantized_runs_match_one_device():
         got = result[f"{family}|{MESH}"]
         assert got["devices"] == 8
         assert got["tokens"] == hf_tokens(family), family
+    for family in QUANTIZED_FAMILIES:
         one, mesh = (result[f"{family}|{m}|int8"] for m in ("tp=1", MESH))
         assert (one["devices"], mesh["devices"]) == (1, 8)
         assert mesh["tokens"] == one["tokens"], family

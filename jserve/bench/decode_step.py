@@ -11,12 +11,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jserve.bench.bench_checkpoint import BENCH_CHECKPOINTS, bench_checkpoint
 from jserve.bench.host_probes import HostPhases
 from jserve.config import ModelConfig
 from jserve.engine import step_program as runner_module
 from jserve.engine.config import EngineConfig
 from jserve.engine.engine import LLMEngine
-from jserve.model.weights import init_params
+from jserve.model.params import Params
+from jserve.model.weights import init_params, load_model
 from jserve.sampling import sampler as sampler_module
 
 BENCH_MODEL = ModelConfig(vocab_size=8192, hidden_size=512, intermediate_size=1536,
@@ -33,18 +35,34 @@ def clocks() -> np.ndarray:
     return np.array([time.perf_counter(), time.process_time()])
 
 
-def bench_engine(batch: int, attention_impl: str = "auto") -> LLMEngine:
-    """The bench model's engine sized for ``batch`` decodes (buckets compile on first use)."""
-    cfg = BENCH_MODEL
-    return LLMEngine(cfg, init_params(cfg), None,
+def bench_model(name: str = "bench") -> tuple[ModelConfig, Params]:
+    """``scripts/profile_step.py --model``: "bench" (``BENCH_MODEL``, seeded random
+    weights), "bench-32k" (the bench model's shape with a 32,768-token vocabulary, a HF
+    checkpoint written once by transformers: ``bench_checkpoint``), or anything
+    ``load_model`` takes (a built-in name, a HF or orbax directory), read as float32."""
+    if name == "bench":
+        return BENCH_MODEL, init_params(BENCH_MODEL)
+    if name in BENCH_CHECKPOINTS:
+        name = str(bench_checkpoint(BENCH_CHECKPOINTS[name]))
+    cfg, params, _ = load_model(name, dtype="float32")
+    return cfg, params
+
+
+def bench_engine(batch: int, attention_impl: str = "auto",
+                 model: tuple[ModelConfig, Params] | None = None) -> LLMEngine:
+    """The bench model's engine (or ``model``'s: ``bench_model``) sized for ``batch``
+    decodes (buckets compile on first use)."""
+    cfg, params = model or (BENCH_MODEL, init_params(BENCH_MODEL))
+    return LLMEngine(cfg, params, None,
                      EngineConfig(max_num_seqs=batch, max_num_batched_tokens=512,
                                   max_model_len=2048, warmup=False,
                                   attention_impl=attention_impl))
 
 
-def bench_prompts(batch: int, prompt_len: int) -> list[list[int]]:
+def bench_prompts(batch: int, prompt_len: int, vocab: int = BENCH_MODEL.vocab_size
+                  ) -> list[list[int]]:
     rng = np.random.default_rng(0)
-    return [rng.integers(3, BENCH_MODEL.vocab_size, prompt_len).tolist() for _ in range(batch)]
+    return [rng.integers(3, vocab, prompt_len).tolist() for _ in range(batch)]
 
 
 def decode_steps(eng: LLMEngine, prompts, params, phases: HostPhases | None = None
@@ -137,9 +155,9 @@ class TwoExecutables:
         self.forward, self.sample = forward, sample
 
     def __call__(self, params, kv_cache, state, ibuf, fbuf):
-        inputs, kv_cache, state = self.forward(params, kv_cache, state, ibuf, fbuf)
+        inputs, kv_cache, state, prompt = self.forward(params, kv_cache, state, ibuf, fbuf)
         out, state = self.sample(state, inputs)
-        return out, inputs, kv_cache, state
+        return out, inputs, kv_cache, state, prompt
 
 
 class DeviceStep:
@@ -162,11 +180,11 @@ class DeviceStep:
         t = clocks()
         for _ in range(calls):
             if mode == "one":
-                out, _, r.kv_cache, r.state = self.exe(r.params, r.kv_cache, r.state,
-                                                       self.ibuf, self.fbuf)
+                out, _, r.kv_cache, r.state, _ = self.exe(r.params, r.kv_cache, r.state,
+                                                          self.ibuf, self.fbuf)
                 continue
-            inputs, r.kv_cache, r.state = self.forward(r.params, r.kv_cache, r.state,
-                                                       self.ibuf, self.fbuf)
+            inputs, r.kv_cache, r.state, _ = self.forward(r.params, r.kv_cache, r.state,
+                                                          self.ibuf, self.fbuf)
             out = inputs.logits
             if mode == "two":
                 out, r.state = self.sample(r.state, inputs)
@@ -224,8 +242,8 @@ def argmax_sampler(step: DeviceStep):
     """The sampling executable as it was built with ``jnp.argmax`` (XLA:CPU's variadic
     reduce) instead of ``row_argmax``: the baseline of ``--sampler-ab``."""
     r = step.runner
-    inputs, r.kv_cache, r.state = step.forward(r.params, r.kv_cache, r.state, step.ibuf,
-                                               step.fbuf)
+    inputs, r.kv_cache, r.state, _ = step.forward(r.params, r.kv_cache, r.state, step.ibuf,
+                                                  step.fbuf)
     kept = sampler_module.row_argmax
     sampler_module.row_argmax = lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32)
     try:

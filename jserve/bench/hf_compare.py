@@ -54,6 +54,8 @@ class Settings:
     engine: dict
     trace: str = "sharegpt4"  # the offline requests' lengths: a packaged trace or a file
     seed: int = 0
+    vocab_size: int = 8192  # the model's (``--vocab``)
+    decode_only: bool = False  # decode rates and the ceiling only (``--decode-only``)
 
 
 def build_model(model_dir: Path, seed: int) -> transformers.LlamaForCausalLM:
@@ -309,13 +311,16 @@ def print_table(results: dict) -> None:
         rows.append((f"decode tok/s, batch {d['batch']} ({d['prompt_len']}+{d['new_tokens']})",
                      d["jserve_tok_s"], d["hf_tok_s"]))
     p = results["prefill"]
-    rows.append((f"prefill tok/s, {p['batch']} x {p['prompt_len']}", p["jserve_tok_s"],
-                 p["hf_tok_s"]))
+    if p is not None:
+        rows.append((f"prefill tok/s, {p['batch']} x {p['prompt_len']}", p["jserve_tok_s"],
+                     p["hf_tok_s"]))
     o = results["offline"]
-    rows.append((f"offline useful output tok/s ({o['requests']} req)", o["jserve_tok_s"],
-                 o["hf_tok_s"]))
-    rows.append((f"offline requests/s ({o['requests']} req)", o["jserve_req_s"], o["hf_req_s"]))
-    rows.append(("offline wall time s (lower is better)", o["jserve_s"], o["hf_s"]))
+    if o is not None:
+        rows.append((f"offline useful output tok/s ({o['requests']} req)", o["jserve_tok_s"],
+                     o["hf_tok_s"]))
+        rows.append((f"offline requests/s ({o['requests']} req)", o["jserve_req_s"],
+                     o["hf_req_s"]))
+        rows.append(("offline wall time s (lower is better)", o["jserve_s"], o["hf_s"]))
     w = max(len(r[0]) for r in rows)
     print(f"\n{'metric':{w}s}  {'jserve':>10s}  {'HF':>10s}  {'jserve/HF':>9s}")
     for name, a, b in rows:
@@ -338,6 +343,7 @@ def run(s: Settings, threads: int | None, quick: bool, out: Path | None) -> int:
           f"{torch.__version__} ({threads} threads), float32 on CPU; median of {s.reps} reps"
           f"{' (quick)' if quick else ''}; OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}")
     print(f"load average at start: {load_average()} (other work on the machine skews timings)")
+    MODEL_KWARGS["vocab_size"] = s.vocab_size  # the model every function here builds and draws for
     params, attn = describe_model()
     rng = np.random.default_rng(s.seed)
     results: dict = {"settings": dataclasses.asdict(s), "threads": threads,
@@ -357,10 +363,12 @@ def run(s: Settings, threads: int | None, quick: bool, out: Path | None) -> int:
             print(f"decode batch {b}: jserve {decodes[-1]['jserve_tok_s']:.1f} tok/s, "
                   f"HF {decodes[-1]['hf_tok_s']:.1f} tok/s")
         results["decode"] = decodes
-        results["prefill"] = p = measure_prefill(js, model, s, rng)
-        print(f"prefill {p['batch']} x {p['prompt_len']}: jserve {p['jserve_tok_s']:.1f} tok/s, "
-              f"HF {p['hf_tok_s']:.1f} tok/s")
-        results["offline"] = measure_offline(js, model, s, rng)
+        results["prefill"] = results["offline"] = None
+        if not s.decode_only:
+            results["prefill"] = p = measure_prefill(js, model, s, rng)
+            print(f"prefill {p['batch']} x {p['prompt_len']}: jserve {p['jserve_tok_s']:.1f} "
+                  f"tok/s, HF {p['hf_tok_s']:.1f} tok/s")
+            results["offline"] = measure_offline(js, model, s, rng)
         results["ceiling"] = ceiling(decodes[-1], params, attn)
         results["jserve_recompiles_during_timing"] = js.recompiles
     results["load_average_end"] = load_average()

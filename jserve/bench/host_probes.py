@@ -100,14 +100,17 @@ class HostPhases:
             self.runs[-1].append(self._now)
         self._now = None
 
-    def report(self) -> None:
+    def report(self, per: int = 1) -> None:
         """Median per step of each phase over the kept steps (each run's ramp and tail
-        dropped, as ``decode_steps`` drops them)."""
+        dropped, as ``decode_steps`` drops them); ``per`` > 1: steps were decode bursts of
+        that many tokens, and the times are per token."""
         steps = [s for run in self.runs for s in run[2:-2]]
         labels = [label for label, _, _ in self.PHASES] + ["other"]
-        med = {k: 1e3 * float(np.median([s.get(k, 0.0) for s in steps])) for k in labels}
-        total = 1e3 * float(np.median([sum(s.values()) for s in steps]))
-        print(f"  engine thread CPU per all-decode step (median of {len(steps)} steps): "
+        med = {k: 1e3 / per * float(np.median([s.get(k, 0.0) for s in steps]))
+               for k in labels}
+        total = 1e3 / per * float(np.median([sum(s.values()) for s in steps]))
+        what = "step" if per == 1 else f"token in bursts of {per}"
+        print(f"  engine thread CPU per all-decode {what} (median of {len(steps)} steps): "
               f"{total:.3f} ms")
         for k in labels:
             print(f"    {k:24s} {med[k]:6.3f} ms")

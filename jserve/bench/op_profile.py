@@ -15,7 +15,13 @@ import jax
 from jax.profiler import ProfileData
 
 from jserve import SamplingParams
-from jserve.bench.decode_step import DeviceStep, bench_engine, bench_prompts, capture_decode
+from jserve.bench.decode_step import (
+    DeviceStep,
+    bench_engine,
+    bench_model,
+    bench_prompts,
+    capture_decode,
+)
 
 LAYOUT_OPS = {"parameter", "bitcast", "copy", "transpose", "pad", "slice", "concatenate",
               "broadcast", "reshape", "constant", "dynamic-slice", "dynamic-update-slice",
@@ -143,9 +149,10 @@ def breakdown(title: str, hlo: Hlo, times: dict[str, float], wall: float, top: i
 def profile_ops(a) -> None:
     """Both executables traced ``a.steps`` calls each, their breakdowns printed; the step's
     HLO written to ``a.hlo_out`` if given. ``a``: ``scripts/profile_ops.py``'s flags."""
-    eng = bench_engine(a.batch)
+    eng = bench_engine(a.batch, model=bench_model(a.model))
     params = SamplingParams(temperature=0.0, max_tokens=a.new_tokens, ignore_eos=True)
-    shape, packed = capture_decode(eng, bench_prompts(a.batch, a.prompt_len), params)
+    prompts = bench_prompts(a.batch, a.prompt_len, eng.runner.model_config.vocab_size)
+    shape, packed = capture_decode(eng, prompts, params)
     step = DeviceStep(eng, packed, shape)
     step_hlo_text = step.exe.as_text()
     if a.hlo_out:
@@ -158,8 +165,8 @@ def profile_ops(a) -> None:
               op_times(profile, step_hlo, a.steps), wall, a.top)
     sampler_hlo = Hlo(step.sample.as_text())
     r = eng.runner
-    inputs, r.kv_cache, r.state = step.forward(r.params, r.kv_cache, r.state, step.ibuf,
-                                               step.fbuf)
+    inputs, r.kv_cache, r.state, _ = step.forward(r.params, r.kv_cache, r.state, step.ibuf,
+                                                  step.fbuf)
 
     def run_sampler(n):
         out = None

@@ -10,7 +10,6 @@ from tqdm import tqdm
 
 from jserve import SamplingParams
 from jserve.bench.decode_step import (
-    BENCH_MODEL,
     DeviceStep,
     MatmulCeiling,
     TwoExecutables,
@@ -29,10 +28,12 @@ ONE, TWO, SYNC = "engine step (async)", "engine, two executables", "engine step 
 BURST = "engine, per token in bursts"
 
 
-def profile_batch(batch: int, a, bar: tqdm) -> dict:
-    eng = bench_engine(batch, a.attention_impl)
+def profile_batch(batch: int, a, bar: tqdm, model=None) -> dict:
+    """``model``: (ModelConfig, params) of ``bench_model`` (None: the bench model)."""
+    eng = bench_engine(batch, a.attention_impl, model)
+    cfg = eng.runner.model_config
     params = SamplingParams(temperature=0.0, max_tokens=a.new_tokens, ignore_eos=True)
-    prompts = bench_prompts(batch, a.prompt_len)
+    prompts = bench_prompts(batch, a.prompt_len, cfg.vocab_size)
     shape, packed = capture_decode(eng, prompts, params)
     step = DeviceStep(eng, packed, shape)
     fused = eng.runner.programs.steps[shape]
@@ -65,12 +66,19 @@ def profile_batch(batch: int, a, bar: tqdm) -> dict:
     eng.runner.programs.steps[shape] = fused
     if probe is not None:
         eng.runner.execute_packed, eng._read = probe._execute, probe._read
-    phases = None
+    phases = burst_phases = None
     if a.host_phases:  # runs of their own: the wrappers cost a little CPU each call
         eng.async_scheduling = True
         phases = HostPhases(eng)
         for _ in range(a.reps):
             decode_steps(eng, prompts, params, phases)
+        if a.decode_burst > 1:  # the same, each engine step a burst of that many tokens
+            burst_phases, phases.runs = phases.runs, []
+            eng.bursts.steps = a.decode_burst
+            for _ in range(a.reps):
+                decode_steps(eng, prompts, params, phases)
+            eng.bursts.steps = 1
+            burst_phases, phases.runs = phases.runs, burst_phases
     # Device step and ceiling alternate, so a change of machine load hits both alike.
     ceiling = MatmulCeiling(step_weights(eng.runner.params), batch)
     times: dict[str, list[np.ndarray]] = {"one": [], "two": [], "forward": [], "ceiling": []}
@@ -88,9 +96,10 @@ def profile_batch(batch: int, a, bar: tqdm) -> dict:
         times["ceiling"].append(ceiling.time())
     bar.update()
     t = {k: np.median(v, axis=0) for k, v in times.items()}
-    flops = ceiling.flops + attention_flops(BENCH_MODEL, batch, a.prompt_len + a.new_tokens // 2)
+    flops = ceiling.flops + attention_flops(cfg, batch, a.prompt_len + a.new_tokens // 2)
     return dict(batch=batch, device=t, steps=steps, gaps=gaps, flops=flops,
-                ceiling=ceiling.flops / t["ceiling"], ceiling_time=t["ceiling"], phases=phases)
+                ceiling=ceiling.flops / t["ceiling"], ceiling_time=t["ceiling"], phases=phases,
+                burst_phases=burst_phases, burst=a.decode_burst)
 
 
 def report(r: dict, overlap: bool) -> None:
@@ -124,6 +133,10 @@ def report(r: dict, overlap: bool) -> None:
               "before row_argmax, alternated with the two-call step)")
     if r["phases"] is not None:
         r["phases"].report()
+        if r["burst_phases"] is not None:
+            runs, r["phases"].runs = r["phases"].runs, r["burst_phases"]
+            r["phases"].report(per=r["burst"])
+            r["phases"].runs = runs
     if not overlap:
         return
     print(row(SYNC, engine[SYNC]) + f"  async / sync (wall) {engine[ONE][0] / engine[SYNC][0]:.3f}")

@@ -15,22 +15,55 @@ new sequence can take the longest cached run of its leading pages (``lookup`` + 
 instead of recomputing them. A cached page whose count drops to zero stays cached ("idle") and
 is evicted, least recently used first, only when a page is needed and none is free; idle pages
 count as available everywhere capacity is asked. Invariant: free + idle + in use == total.
+
+Sliding windows (``window``, the model's ``kv_window``: every layer windowed): a query at
+position p reads only keys after p - window, so a running sequence gives back its leading
+pages that no later query reads (``drop_dead``) and holds about one window plus one chunk
+(``pages_held``). Their entries in its page list become ``FREED_PAGE`` (the sink: the kernels
+skip out-of-window pages and never read those entries). One group only: with kvp a
+sequence's pages are placed by their logical index from its first page's group, and a
+model with some full-attention layer (Gemma 3's global layers: ``kv_window`` None) keeps
+every page (a pool per layer group would be needed to free only the local layers' pages).
 """
 from __future__ import annotations
 
 import collections
 from typing import Hashable, Sequence
 
+from jserve.cache.host_tier import HostTier
+
+# What a sequence's page list holds in place of a leading page the window has passed.
+FREED_PAGE = 0
+
 
 class OutOfPages(RuntimeError):
     pass
 
 
+def held_pages(num_tokens: int, page_size: int, window: int | None = None,
+               max_chunk: int = 1) -> int:
+    """The most pages a sequence of ``num_tokens`` tokens holds at once: all of them, or
+    with a ``window`` (pages dropped as ``PageAllocator.drop_dead`` does) the pages live
+    around a step of ``max_chunk`` tokens starting at any offset in a page,
+    ceil((window + max_chunk + page_size - 2) / page_size), whichever is fewer. What the
+    intake, the memory plan and the pool's cap count a request by."""
+    pages = -(-num_tokens // page_size)
+    if window is None:
+        return pages
+    return min(pages, -(-(window + max_chunk + page_size - 2) // page_size))
+
+
 class PageAllocator:
     def __init__(self, num_pages: int, page_size: int, *, groups: int = 1,
-                 pages_per_group: int | None = None, prefix_caching: bool = False):
+                 pages_per_group: int | None = None, prefix_caching: bool = False,
+                 window: int | None = None, max_chunk: int = 1):
         """``num_pages`` pages per group (sink included); ``pages_per_group`` logical pages of
-        a sequence per group (needed when ``groups > 1``)."""
+        a sequence per group (needed when ``groups > 1``); ``window``: the sliding window a
+        sequence's dead pages are dropped by (None: every page is kept), ``max_chunk`` the
+        most tokens one step computes for a sequence (what ``pages_held`` adds to it)."""
+        if window is not None and (groups > 1 or window < 1):
+            raise ValueError(f"a sliding window frees pages with one KV group and a window "
+                             f"of at least 1 token; got window={window}, groups={groups}")
         if num_pages < 2:
             raise ValueError(f"need at least 2 KV pages (one is reserved), got {num_pages}")
         if groups < 1:
@@ -52,6 +85,11 @@ class PageAllocator:
         self._idle: list[collections.OrderedDict[int, None]] = [
             collections.OrderedDict() for _ in range(groups)]
         self.num_evictions = 0
+        self.window = window
+        self.max_chunk = max_chunk
+        # The host tier (``jserve.cache.host_tier``): evicted cached pages are copied there
+        # instead of dropped. None: no tier.
+        self.host: HostTier | None = None
 
     @property
     def num_free(self) -> int:
@@ -78,6 +116,10 @@ class PageAllocator:
         """Tokens of a sequence each group holds (None: one group, no boundary)."""
         return None if self.pages_per_group is None else self.pages_per_group * self.page_size
 
+    def free_pages(self) -> list[int]:
+        """Pages on the free lists: held by no sequence and not cached."""
+        return [b for free in self._free for b in free]
+
     def num_free_in(self, group: int) -> int:
         return len(self._free[group]) + len(self._idle[group])
 
@@ -86,6 +128,17 @@ class PageAllocator:
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
+
+    def pages_held(self, num_tokens: int) -> int:
+        """The most pages a sequence of ``num_tokens`` holds at once (``held_pages``)."""
+        return held_pages(num_tokens, self.page_size, self.window, self.max_chunk)
+
+    def dead_pages(self, position: int) -> int:
+        """Leading pages of a sequence that no query at ``position`` or later reads (every
+        position in them <= position - window); 0 without a window."""
+        if self.window is None:
+            return 0
+        return max(0, (position - self.window + 1) // self.page_size)
 
     # -- per-sequence allocation -------------------------------------------------------
     def start_group(self, page_ids: Sequence[int]) -> int:
@@ -162,12 +215,16 @@ class PageAllocator:
 
     def _take(self, group: int) -> int:
         """A free page of ``group``, else its least recently used idle cached page (evicted:
-        its key is forgotten, so nothing can find the page before it is rewritten)."""
+        its key is forgotten, so nothing can find the page before it is rewritten; a host tier
+        keeps a copy)."""
         if self._free[group]:
             return self._free[group].pop()
         block, _ = self._idle[group].popitem(last=False)
-        del self._block_of[self._key_of.pop(block)]
+        key = self._key_of.pop(block)
+        del self._block_of[key]
         self.num_evictions += 1
+        if self.host is not None:  # its copy leaves before the plan reusing it runs
+            self.host.spill(key, block)
         return block
 
     # -- plain allocation (one group) -------------------------------------------------
@@ -204,6 +261,29 @@ class PageAllocator:
                 self._idle[self.group_of(b)][b] = None
             else:
                 self._free[self.group_of(b)].append(b)
+
+    def drop_dead(self, page_ids: list[int], dropped: int, position: int) -> int:
+        """A windowed sequence whose next query is at ``position`` gives back its pages the
+        window has passed: ``page_ids[dropped:dead]`` are released and become ``FREED_PAGE``
+        (``dropped`` leading entries already are); returns the new count. A page no one else
+        holds goes to the free list and is not kept in the prefix cache: a cached prefix is
+        only reusable whole (a lookup stops at its first missing page, and these go first),
+        so keeping them would hold a long windowed prefix's every page to save one window."""
+        dead = min(self.dead_pages(position), len(page_ids))
+        if dead <= dropped:
+            return dropped
+        for b in page_ids[dropped:dead]:
+            refs = self._refs[b]
+            if refs > 1:
+                self._refs[b] = refs - 1
+                continue
+            del self._refs[b]
+            key = self._key_of.pop(b, None)
+            if key is not None:
+                del self._block_of[key]
+            self._free[0].append(b)
+        page_ids[dropped:dead] = [FREED_PAGE] * (dead - dropped)
+        return dead
 
     # -- prefix cache ------------------------------------------------------------------
     def lookup(self, keys: Sequence[Hashable]) -> list[int]:
@@ -269,5 +349,7 @@ class PageAllocator:
         assert all(r >= 1 for r in self._refs.values())
         unheld = [b for free in self._free for b in free] + [b for i in self._idle for b in i]
         assert len(set(unheld)) == len(unheld) and not set(self._refs).intersection(unheld)
+        assert not any(b in self._key_of for free in self._free for b in free), \
+            "a free page is still cached"
         assert all(self._block_of[k] == b for b, k in self._key_of.items())
         assert len(self._block_of) == len(self._key_of)

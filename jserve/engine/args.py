@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 
 from jserve.config import DTYPE_CHOICES, KV_CACHE_DTYPES, QUANTIZATIONS
-from jserve.engine.config import WARMUP_MODES, EngineConfig
+from jserve.engine.config import LAYER_LOOPS, WARMUP_MODES, EngineConfig
 from jserve.engine.vllm_names import KV_CACHE_DTYPE_ALIASES, mesh_with_tp
 from jserve.speculative.config import SpeculativeConfig
 
@@ -60,6 +60,10 @@ def _add_memory_args(p: argparse.ArgumentParser) -> None:
                    help="how KV pages are stored: auto (the model's dtype), int8 (per token "
                         "and KV head scales) or fp8_e4m3 / fp8_e5m2 (fp8: vLLM's name of "
                         "fp8_e4m3; docs/quantization.md)")
+    p.add_argument("--kv-offload-bytes", type=int, default=d.kv_offload_bytes,
+                   help="host-memory tier of the prefix cache in bytes: cached KV pages the "
+                        "device evicts are copied to host RAM and restored by copy when a "
+                        "prompt asks for them again (0: off; docs/prefix_cache.md)")
     p.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                    help="weight-only quantization on load (docs/quantization.md); None: as "
                         "the checkpoint stores the weights")
@@ -93,10 +97,16 @@ def _add_step_args(p: argparse.ArgumentParser, warmup: str) -> None:
                    default=d.async_scheduling,
                    help="plan and launch step N+1 while step N runs on the device (tokens "
                         "read one step late); off: every step waits for its tokens")
-    p.add_argument("--decode-burst", type=int, default=d.decode_burst,
+    p.add_argument("--decode-burst", type=_burst_steps, default=d.decode_burst,
                    help="decode steps run in one device call while nothing waits and no "
-                        "running request needs the host between tokens (1: off); a request "
-                        "arriving meanwhile waits for the burst to end")
+                        "running request needs the host between tokens (1: off; auto: "
+                        "4 on a GPU or TPU, off on a CPU); a request arriving meanwhile "
+                        "waits for the burst to end")
+    p.add_argument("--layer-loop", choices=LAYER_LOOPS, default=d.layer_loop,
+                   help="how the decoder layers run: loop (over stacked weights), unrolled "
+                        "(per-layer arrays), sliced (unrolled over static slices), indexed "
+                        "(the loop, matmuls reading each layer in place: Pallas) or auto "
+                        "(docs/engine.md)")
     p.add_argument("--speculative-config", type=speculative_config, default=None,
                    help='speculative decoding as JSON, vLLM\'s dict: e.g. \'{"method": '
                         '"ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' '
@@ -124,6 +134,11 @@ def positive_int(text: str) -> int:
     return n
 
 
+def _burst_steps(text: str) -> int | str:
+    """``--decode-burst``'s type: "auto" or an integer >= 1."""
+    return text if text == "auto" else positive_int(text)
+
+
 def kv_cache_dtype(text: str) -> str:
     """``--kv-cache-dtype``'s type: vLLM's names mapped to jserve's (fp8 is fp8_e4m3)."""
     return KV_CACHE_DTYPE_ALIASES.get(text, text)
@@ -147,7 +162,9 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
               warmup=a.warmup, enable_prefix_caching=a.prefix_caching,
               mesh=mesh_with_tp(a.mesh, getattr(a, "tensor_parallel_size", None)),
               async_scheduling=a.async_scheduling, kv_cache_dtype=a.kv_cache_dtype,
-              speculative_config=a.speculative_config, decode_burst=a.decode_burst)
+              speculative_config=a.speculative_config, decode_burst=a.decode_burst,
+              layer_loop=a.layer_loop,
+              kv_offload_bytes=a.kv_offload_bytes)
     return {k: v for k, v in kw.items() if v is not None}
 
 

@@ -11,6 +11,10 @@ from jserve.speculative.config import SpeculativeConfig
 from sharding.mesh import MeshConfig
 
 WARMUP_MODES = ("core", "background", "all", "none")
+LAYER_LOOPS = ("auto", "loop", "unrolled", "sliced", "indexed")
+# Decode burst steps of ``decode_burst="auto"`` where bursts are on (``burst_steps``): a
+# request arriving during a burst waits at most 3 steps for it.
+AUTO_BURST_STEPS = 4
 
 
 def default_compilation_cache_dir() -> str:
@@ -77,14 +81,23 @@ class EngineConfig:
     # requests with the same leading tokens. Off under spp, for requests with penalties and
     # with a length probe (they need every prompt token to go through the model).
     enable_prefix_caching: bool = True
+    # The prefix cache's host tier (docs/prefix_cache.md): cached pages the device evicts are
+    # copied to a host pool of this many bytes (least recently used out first) and come
+    # back by copy, not by recompute. 0: off (the default: host RAM is the serving host's
+    # to give, shared with other processes and on CPU the device pool's own memory).
+    kv_offload_bytes: int = 0
     # Decoder layers as one loop over stacked weights ("loop": compile time independent of
     # depth), unrolled over per-layer weight arrays ("unrolled": XLA:CPU does not copy each
     # layer's weights every step, ~2x faster decode at small batches, compile time grows
     # with depth), or unrolled in the program over static slices of the stacked weights
     # ("sliced", spp == 1 only: XLA:GPU neither copies the weights, as it does for the
     # loop's dynamic slices, nor pays per-argument dispatch for hundreds of arrays;
-    # docs/device.md). "auto": sliced on GPU without spp; else unrolled up to 8 layers per
-    # pipeline stage (the whole model without spp), else the loop.
+    # docs/device.md). "indexed": the loop over stacked weights, each matmul reading its
+    # layer's tiles in place with a Pallas kernel (jserve.kernels.layer_matmul: compile time
+    # of the loop and no weight copy; any spp; interpreted, so slow, on CPU).
+    # "auto": sliced on GPU without spp; else unrolled up to 8 layers per pipeline stage
+    # (the whole model without spp), else the loop. (indexed is not auto's GPU choice until
+    # it is timed on a GPU: docs/device.md.)
     layer_loop: str = "auto"
     seed: int = 0                      # draws seeds for requests that give none
     # "tp=2,kvp=2,spp=2" (sharding.MeshConfig: dp, spp, kvp, tp); dp is not supported yet.
@@ -106,8 +119,10 @@ class EngineConfig:
     # Decode bursts (jserve.engine.burst): when nothing waits and every running request may
     # take this many tokens with no host decision between them, they run as that many decode
     # steps in one executable call, so the host's per-step work is paid once a burst. A
-    # request arriving meanwhile waits for the burst to end. 1: off.
-    decode_burst: int = 1
+    # request arriving meanwhile waits for the burst to end. 1: off. "auto"
+    # (``burst_steps``): AUTO_BURST_STEPS on a GPU or TPU whose programs compile before
+    # serving, else off.
+    decode_burst: int | str = "auto"
     compilation_cache_dir: str | None = dataclasses.field(
         default_factory=default_compilation_cache_dir)
     # Speculative decoding (docs/speculative.md): vLLM's dict, e.g. {"method": "ngram",
@@ -116,9 +131,29 @@ class EngineConfig:
     # (or its JSON text); parsed into a SpeculativeConfig. None: off.
     speculative_config: SpeculativeConfig | None = None
 
+    def burst_steps(self, backend: str | None = None) -> int:
+        """The steps of a decode burst (``decode_burst``; 1: none), before what the mesh and
+        the engine's other options allow (``factory``: one device and process, no KV-cache
+        or pipeline parallelism, no length probe or speculative decoding) and what each
+        request allows (``burst.may_burst``). "auto": ``AUTO_BURST_STEPS`` on a GPU or TPU
+        (``backend``, default JAX's), where the host's per-step work is as long as a small
+        model's step (docs/device.md), unless ``warmup`` is "none" (the burst's program
+        would compile in the foreground the first time it is wanted); off on a CPU, where
+        the host's Python mostly fills cycles XLA leaves idle and a burst program per
+        decode shape would double the decode programs to compile (docs/startup.md, "The
+        host under the device")."""
+        if self.decode_burst != "auto":
+            return int(self.decode_burst)
+        if self.warmup == "none":
+            return 1
+        if backend is None:
+            import jax  # this module is plain Python (the CLI reads it without JAX)
+            backend = jax.default_backend()
+        return AUTO_BURST_STEPS if backend in ("gpu", "tpu") else 1
+
     def layer_mode(self, num_layers: int, spp: int, backend: str | None = None) -> str:
         """What ``layer_loop`` means for this depth, pipeline and backend (default: JAX's):
-        "loop", "unrolled" or "sliced"."""
+        "loop", "unrolled", "sliced" or "indexed"."""
         if self.layer_loop == "sliced" and spp > 1:
             raise ValueError("layer_loop 'sliced' needs spp == 1 (a pipeline stage loops "
                              "over its own layers)")
@@ -137,16 +172,20 @@ class EngineConfig:
         if self.warmup not in WARMUP_MODES:
             raise ValueError(f"warmup must be one of {WARMUP_MODES} (or a bool), "
                              f"got {self.warmup!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_seqs", "page_size",
-                     "decode_burst"):
+        if self.decode_burst != "auto" and (isinstance(self.decode_burst, str)
+                                            or self.decode_burst < 1):
+            raise ValueError(f"decode_burst must be 'auto' or >= 1, got {self.decode_burst!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_seqs", "page_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.layer_loop not in ("auto", "loop", "unrolled", "sliced"):
-            raise ValueError(f"layer_loop must be 'auto', 'loop', 'unrolled' or 'sliced', "
+        if self.layer_loop not in LAYER_LOOPS:
+            raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, "
                              f"got {self.layer_loop!r}")
         if self.preemption not in ("auto", "swap", "recompute"):
             raise ValueError(f"preemption must be 'auto', 'swap' or 'recompute', "
                              f"got {self.preemption!r}")
+        if self.kv_offload_bytes < 0:
+            raise ValueError(f"kv_offload_bytes must be >= 0, got {self.kv_offload_bytes}")
         if self.swap_space_bytes < 0:
             raise ValueError(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
         for name in ("iteration_budget", "ttft_slo_factor"):

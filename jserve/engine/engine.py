@@ -27,6 +27,7 @@ from jserve.engine.factory import build_engine_parts, enable_compilation_cache
 from jserve.engine.faults import RequestFaults
 from jserve.engine.in_flight import InFlight, Launched
 from jserve.engine.intake import PreparedRequest, RequestIntake
+from jserve.engine.kv_tier import build_host_tier
 from jserve.engine.late_masks import late_bitmask, late_rows
 from jserve.engine.memory_plan import startup_summary
 from jserve.engine.output import OutputProcessor, RequestOutput, StepLogprobs
@@ -77,6 +78,7 @@ class LLMEngine:
                                 "multi-process serving" if parts.multi_process else None))
         self.outputs = OutputProcessor(self.eos_ids, self.max_model_len)
         self.host_kv = HostKVStore(self.runner)
+        self.kv_tier = build_host_tier(cfg, config, parts)  # None: no host tier
         self.state_rows = StateRows(self.runner.state_sink)
         self.faults = RequestFaults()  # per-request failures inside a step
         self.requests: dict[str, Request] = {}
@@ -188,7 +190,7 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         sched = self.scheduler
         plan = sched.schedule(*self.bursts.next()) if sched.has_schedulable() else _EMPTY_PLAN
-        self.host_kv.apply(plan)  # before anything can overwrite the pages it frees
+        self._move_pages(plan)  # before anything can overwrite the pages it frees
         for rid in plan.preempted:
             self.state_rows.release(self.requests[rid])
         if plan.is_empty and not self._in_flight.busy:
@@ -219,6 +221,15 @@ class LLMEngine:
                 return outputs + self._step_failed(e, reading=done)
         self._in_flight.unread = done
         return outputs
+
+    def _move_pages(self, plan: BatchPlan) -> None:
+        """The plan's page copies between the device and the host: every read of the device
+        (swap-outs, the host tier's offloads) before any write (swap-ins, restores)."""
+        if self.kv_tier is not None:
+            self.kv_tier.offload(plan)
+        self.host_kv.apply(plan)
+        if self.kv_tier is not None:
+            self.kv_tier.restore(plan)
 
     def _read_unread(self) -> list[RequestOutput]:
         done = self._in_flight.take_unread()

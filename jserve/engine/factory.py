@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import jax
 
-from jserve.cache.allocator import PageAllocator
+from jserve.cache.allocator import PageAllocator, held_pages
 from jserve.cache.pool import allocate_kv_cache, kv_bytes_per_page, num_pages_for_budget
 from jserve.config import ModelConfig
 from jserve.engine import prompt_logprobs
@@ -95,6 +95,10 @@ class Geometry:
     buckets: Buckets
     pages_per_seq: int       # pages of one sequence in one kvp group's pool at most
     max_useful_pages: int    # every sequence slot at full context (the pool's cap, sink aside)
+    # The sliding window a running sequence frees its passed pages by (``kv_window``, with
+    # one KV group; jserve.cache.allocator), and the most tokens a step computes for it.
+    window: int | None = None
+    max_chunk: int = 1
 
 
 def engine_geometry(cfg: ModelConfig, config: EngineConfig) -> Geometry:
@@ -117,10 +121,12 @@ def engine_geometry(cfg: ModelConfig, config: EngineConfig) -> Geometry:
         page_size=config.page_size, kvp=mc.kvp,
         draft_tokens=(config.speculative_config.num_speculative_tokens
                       if config.speculative_config else 0))
-    pages_per_seq = (-(-max_model_len // config.page_size) if mc.kvp == 1
-                     else buckets.pages_per_group)
+    window = cfg.kv_window if mc.kvp == 1 else None
+    max_chunk = max(budget, config.burst_steps())  # a step's tokens: a chunk, or a burst's
+    pages_per_seq = (held_pages(max_model_len, config.page_size, window, max_chunk)
+                     if mc.kvp == 1 else buckets.pages_per_group)
     return Geometry(mc, max_model_len, buckets, pages_per_seq,
-                    config.max_num_seqs * pages_per_seq)
+                    config.max_num_seqs * pages_per_seq, window, max_chunk)
 
 
 def length_tracker(cfg: ModelConfig, config: EngineConfig) -> LengthTracker | None:
@@ -175,6 +181,12 @@ def _swap_policy(cfg: ModelConfig, config: EngineConfig, mesh_config: MeshConfig
             "", 0, tokens, False),))))
 
 
+def _host_tier_on(config: EngineConfig, mesh_config: MeshConfig) -> bool:
+    """Whether the prefix cache's host tier may run (``kv_tier.build_host_tier`` has the
+    rest of the rule): its copies are the swap programs', compiled at start with the steps."""
+    return config.kv_offload_bytes > 0 and mesh_config.spp == 1 and jax.process_count() == 1
+
+
 def _scheduler(config: EngineConfig, allocator: PageAllocator, budget: int,
                context: int, predictor: RuntimePredictor | None,
                tracker: LengthTracker | None) -> SchedulerBase:
@@ -210,7 +222,8 @@ def build_engine_parts(cfg: ModelConfig, params: Params, config: EngineConfig,
         log.info("prefix caching is off: not supported with a length probe")
     allocator = PageAllocator(num_pages, config.page_size, groups=mesh_config.kvp,
                                pages_per_group=buckets.pages_per_group,
-                               prefix_caching=prefix_caching)
+                               prefix_caching=prefix_caching, window=geo.window,
+                               max_chunk=geo.max_chunk)
     scheduler = _scheduler(config, allocator, budget, context, predictor, tracker)
     scheduler.swap_policy = _swap_policy(cfg, config, mesh_config, predictor)
     # Padding a step up to a compiled shape needs one process (followers run the leader's
@@ -222,15 +235,16 @@ def build_engine_parts(cfg: ModelConfig, params: Params, config: EngineConfig,
     burst_ok = (mesh_config.spp == 1 and mesh_config.kvp == 1 and jax.process_count() == 1
                 and tracker is None and config.speculative_config is None)
     runner, hits = _runner(cfg, params, config, mesh_config, buckets, num_pages, tracker,
-                           times, defer, (config.decode_burst if burst_ok else 1,
-                                          scheduler.swap_policy is not None))
+                           times, defer, (config.burst_steps() if burst_ok else 1,
+                                          scheduler.swap_policy is not None
+                                          or _host_tier_on(config, mesh_config)))
     programs = runner.programs
     times.deferred = len(programs.deferred_shapes()) + (programs.samplers_missing() if defer
                                                         else 0)
     if defer:  # counted first: the background thread starts on the sampler at once
         programs.defer(compile_rest=config.warmup == "background")
     speculator = build_speculator(config, cfg, context, scheduler, new_engine)
-    bursts = DecodeBursts(config.decode_burst, burst_ok, scheduler, runner, buckets, context)
+    bursts = DecodeBursts(config.burst_steps(), burst_ok, scheduler, runner, buckets, context)
     return EngineParts(
         mesh_config, jax.process_count() > 1, context, buckets, allocator, scheduler,
         runner, StepBuilder(buckets, config.page_size, runner.state_sink, pool_pages=num_pages,
@@ -307,7 +321,8 @@ def _runner(cfg: ModelConfig, params: Params, config: EngineConfig, mesh_config:
     make = functools.partial(ModelRunner, buckets=buckets, max_num_seqs=config.max_num_seqs,
                              attention_impl=config.attention_impl, mesh=mesh,
                              capture_layer=tracker.layer if tracker else None,
-                             slice_layers=layer_mode == "sliced")
+                             slice_layers=layer_mode == "sliced",
+                             in_place_layers=layer_mode == "indexed")
     if mesh is not None or not warm:
         runner = make(cfg, load_weights(), allocate_kv(), params_placed=True)
         return runner, warmup(runner)

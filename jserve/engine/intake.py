@@ -83,7 +83,7 @@ class RequestIntake:
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                              f"context of {self.max_model_len} tokens")
         alloc = self.allocator
-        need = alloc.pages_for(n + params.max_tokens)
+        need = alloc.pages_held(n + params.max_tokens)  # a sliding window's: about one
         if not alloc.can_ever_hold(need):
             raise ValueError(f"request needs {need} KV pages; the pool has {alloc.total}"
                              + (f" ({alloc.groups} groups of {alloc.pool_pages - 1})"

@@ -30,10 +30,12 @@ class StepLowering:
 
     def __init__(self, cfg: ModelConfig, buckets: Buckets, max_num_seqs: int,
                  attention_impl: str, mesh: jax.sharding.Mesh | None, args: tuple,
-                 capture_layer: int | None = None, slice_layers: bool = False):
+                 capture_layer: int | None = None, slice_layers: bool = False,
+                 in_place_layers: bool = False):
         self.model_config, self.buckets, self.mesh, self.args = cfg, buckets, mesh, args
         self.attention_impl = attention_impl
         self.capture_layer, self.slice_layers = capture_layer, slice_layers
+        self.in_place_layers = in_place_layers  # ``layer_loop`` "indexed"
         self.replicated = (None if mesh is None else
                            jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
         # Stream pipeline: every call of the step is one tick. Params and pages are split by
@@ -89,13 +91,14 @@ class StepLowering:
             return self.jitted.lone.lower(
                 *args, ibuf, fbuf, layout=layout,
                 cfg=self.model_config, attention_impl=self.attention_impl, mesh=self.mesh,
-                rows=self.rows_for(shape)), layout
+                rows=self.rows_for(shape), in_place_layers=self.in_place_layers), layout
         carry = () if self.spp == 1 else (pipeline.carry_spec(
             self.mesh, self.model_config, sum(self.stream_shape)),)
         lowered = self.jitted.step.lower(*args, *carry, ibuf, fbuf,
                                          layout=layout, cfg=self.model_config,
                                          attention_impl=self.attention_impl, mesh=self.mesh,
                                          rows=self.rows_for(shape),
+                                         in_place_layers=self.in_place_layers,
                                          **({"decode_rows": self.stream_shape[0]}
                                             if self.spp > 1
                                             else {"capture_layer": self.capture_layer,
@@ -108,7 +111,8 @@ class StepLowering:
             *self.args, ibuf, fbuf,
             layout=layout, cfg=self.model_config, attention_impl=self.attention_impl,
             mesh=self.mesh,
-            rows=self.rows_for(key.shape), slice_layers=self.slice_layers, steps=key.steps,
+            rows=self.rows_for(key.shape), slice_layers=self.slice_layers,
+            in_place_layers=self.in_place_layers, steps=key.steps,
             num_decodes=key.shape[0], page_size=self.page_size)
 
     def lower_sampler(self, rows: int | None = None) -> jax.stages.Lowered:

@@ -16,6 +16,11 @@ as in the engine, at every sequence slot at full context; an explicit ``kv_cache
 ``memory_fraction`` of the memory still free once the weights are on the device and
 reserves nothing for activations, so the two agree exactly when the budget is explicit.)
 
+A sliding-window model (every layer windowed, one KV group) frees the pages a request's
+window has passed while it runs, so a request of any length holds at most
+``jserve.cache.allocator.held_pages`` (about one window plus one chunk): the pool's cap, the
+"requests at once" figure (``requests_at_once``) and the fit check count that.
+
 ``describe_engine(engine)`` gives the same numbers for a running ``LLMEngine``, one log line.
 """
 from __future__ import annotations
@@ -29,7 +34,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from jserve.cache.allocator import PageAllocator
+from jserve.cache.allocator import PageAllocator, held_pages
 from jserve.cache.pool import available_device_bytes, kv_bytes_per_page
 from jserve.config import ModelConfig
 from jserve.engine.abstract import abstract_kv_cache, abstract_params
@@ -159,6 +164,18 @@ class MemoryPlan:
     kv_cache_dtype: str = "auto"  # how pages are stored (jserve.kernels.kv_quant)
     quantization: str = "none"    # weight-only quantization (jserve.model.quant)
     choices: list["StorageChoice"] = dataclasses.field(default_factory=list)
+    window: int | None = None     # the sliding window pages are freed by (None: all kept)
+    max_chunk: int = 1            # the most tokens a step computes for one request
+
+    def pages_per_request(self, length: int) -> int:
+        """The most pages a request of ``length`` tokens holds at once (``held_pages``)."""
+        return held_pages(length, self.page_size, self.window, self.max_chunk)
+
+    def requests_at_once(self, length: int | None = None) -> int:
+        """How many requests of ``length`` tokens (default ``max_model_len``) the pool
+        holds at once, each at its most pages."""
+        per = self.pages_per_request(self.max_model_len if length is None else length)
+        return self.kvp * max(self.num_kv_pages - 1, 0) // per
 
     @property
     def fits(self) -> bool:
@@ -201,6 +218,11 @@ class MemoryPlan:
         seqs = self.max_cached_tokens / self.max_model_len
         row("max cached tokens", f"{self.max_cached_tokens:,}  ({seqs:.1f} sequences of "
                                  f"max_model_len {self.max_model_len:,})")
+        if self.window is not None:
+            per = self.pages_per_request(self.max_model_len)
+            row("sliding window", f"{self.window:,} tokens: a request holds at most {per:,} "
+                                  f"pages, so {self.requests_at_once():,} of max_model_len "
+                                  "fit at once")
         row("penalty state", _gb(self.state_bytes))
         if self.step is not None:
             d, p = self.step_shape
@@ -253,7 +275,10 @@ class MemoryPlan:
                 f"KV {self.num_kv_pages:,} pages x {self.kv_bytes_per_page:,} B "
                 f"({self.kv_cache_dtype}) = "
                 f"{_gb(self.kv_cache_bytes)}, max cached tokens {self.max_cached_tokens:,} "
-                f"(max_model_len {self.max_model_len:,}){temp}; total {_gb(self.total_bytes)}"
+                f"(max_model_len {self.max_model_len:,})"
+                + (f", sliding window {self.window:,}: {self.requests_at_once():,} requests "
+                   "of max_model_len at once" if self.window is not None else "")
+                + f"{temp}; total {_gb(self.total_bytes)}"
                 f"{mem}" + ("" if self.fits else "; DOES NOT FIT: " + " ".join(self.problems)))
 
 
@@ -353,7 +378,8 @@ def plan(cfg: ModelConfig, engine_config: EngineConfig = EngineConfig(),
         state_bytes=state, step_shape=shape, step=step, sampler=sampler,
         device_memory_bytes=device_memory_bytes, memory_fraction=engine_config.memory_fraction,
         kv_budget_source=source, compile_seconds=seconds,
-        kv_cache_dtype=engine_config.kv_cache_dtype, quantization=cfg.quantization)
+        kv_cache_dtype=engine_config.kv_cache_dtype, quantization=cfg.quantization,
+        window=geo.window, max_chunk=geo.max_chunk)
     p.choices = [_choice(cfg, engine_config, geo, mesh, devices[0], q, kv, state + act,
                          device_memory_bytes, source) for q, kv in CHOICES]
     _check(p, cfg, mc, split, repl)
@@ -391,7 +417,7 @@ def _compile_largest_step(cfg: ModelConfig, engine_config: EngineConfig, geo: Ge
     mode = engine_config.layer_mode(cfg.num_hidden_layers, spp, device.platform)
     runner = ModelRunner(cfg, params, kv, geo.buckets, engine_config.max_num_seqs,
                          engine_config.attention_impl, mesh, abstract=True,
-                         slice_layers=mode == "sliced")
+                         slice_layers=mode == "sliced", in_place_layers=mode == "indexed")
     shape = (geo.buckets.decode_rows[-1], geo.buckets.prefill_tokens[-1])
     options = _CPU_COMPILE_OPTIONS if device.platform == "cpu" else None
     lowering = runner.programs.lowering
@@ -421,7 +447,7 @@ def _check(p: MemoryPlan, cfg: ModelConfig, mc: MeshConfig, split: int, repl: in
             "bytes: use more tp, a larger memory_fraction, or smaller max_num_seqs / "
             "max_num_batched_tokens")
         return
-    need = -(-p.max_model_len // p.page_size)
+    need = p.pages_per_request(p.max_model_len)
     alloc = PageAllocator(p.num_kv_pages, p.page_size, groups=p.kvp,
                            pages_per_group=p.pages_per_group)
     if not alloc.can_ever_hold(need):
@@ -464,12 +490,12 @@ def describe_engine(engine) -> str:
         num_kv_pages=alloc.pool_pages, kvp=alloc.groups, page_size=config.page_size,
         max_model_len=engine.max_model_len, max_num_seqs=config.max_num_seqs,
         max_useful_pages=config.max_num_seqs * (alloc.pages_per_group or
-                                                -(-engine.max_model_len // config.page_size)),
+                                                alloc.pages_held(engine.max_model_len)),
         pages_per_group=alloc.pages_per_group,
         state_bytes=per_device_bytes(runner.state), step_shape=shape, step=step,
         sampler=sampler, device_memory_bytes=None, memory_fraction=config.memory_fraction,
         kv_budget_source="engine", kv_cache_dtype=config.kv_cache_dtype,
-        quantization=cfg.quantization)
+        quantization=cfg.quantization, window=alloc.window, max_chunk=alloc.max_chunk)
     return p.log_line()
 
 

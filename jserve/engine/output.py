@@ -81,6 +81,7 @@ class RequestMetrics:
     token_times: list[float] = dataclasses.field(default_factory=list)
     finished_time: float | None = None
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache (last admission)
+    restored_tokens: int = 0  # of them, tokens copied back from its host tier
     # Speculative decoding: draft tokens verified for this request, and accepted.
     draft_tokens: int = 0
     accepted_tokens: int = 0
@@ -271,6 +272,7 @@ class OutputProcessor:
         st.error = error
         st.metrics.finished_time = now
         st.metrics.cached_tokens = req.num_cached_tokens
+        st.metrics.restored_tokens = req.num_restored_tokens
         st.metrics.draft_tokens, st.metrics.accepted_tokens = req.num_drafted, req.num_accepted
 
     @staticmethod

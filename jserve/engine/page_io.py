@@ -42,25 +42,52 @@ def _chunks(pages: Sequence[int]):
 def read_pages(kv_cache: KVCache, pages: Sequence[int], movers: PageMovers | None = None):
     """Host copies (k, v) of ``pages`` in every layer ([layers, Hkv, len(pages), S, D]),
     as stored (quantized pages: values and scales)."""
+    return finish_read(start_read(kv_cache, pages, movers))
+
+
+def start_read(kv_cache: KVCache, pages: Sequence[int], movers: PageMovers | None = None):
+    """``read_pages`` without waiting: the gathers are dispatched and their copies to the
+    host started; ``finish_read`` waits for them (the prefix cache's host tier reads a
+    step later, so the copy overlaps the device's work)."""
     gather = movers.read if movers is not None else _gather_pages
     parts = [(n, gather(kv_cache, ids)) for _, n, ids in _chunks(pages)]  # all dispatched
+    for _, p in parts:
+        for x in jax.tree.leaves(p):
+            x.copy_to_host_async()
+    return parts
+
+
+def finish_read(parts):
+    """The host copies ``start_read`` began, as ``read_pages`` returns them."""
     host = jax.device_get([p for _, p in parts])
     trimmed = [jax.tree.map(lambda x, n=n: x[:, :, :n], h) for (n, _), h in zip(parts, host)]
     return jax.tree.map(lambda *xs: np.concatenate(xs, axis=2), *trimmed)
 
 
-def write_pages(kv_cache: KVCache, pages: Sequence[int], data,
-                movers: PageMovers | None = None) -> KVCache:
-    """``kv_cache`` (donated) with ``pages`` set to ``data`` (``read_pages``'s form)."""
-    scatter = movers.write if movers is not None else _scatter_pages
+def padded_chunks(pages: Sequence[int], data) -> list:
+    """(ids, ``data``'s pages of the chunk padded to ``SWAP_CHUNK``) per scatter call."""
     def padded(x, lo: int, n: int):
         return np.pad(np.asarray(x)[:, :, lo:lo + n],
                       ((0, 0), (0, 0), (0, SWAP_CHUNK - n), (0, 0), (0, 0)))
 
-    for lo, n, ids in _chunks(pages):
-        kv_cache = scatter(kv_cache, ids, jax.tree.map(lambda x, lo=lo, n=n: padded(x, lo, n),
-                                                       data))
+    return [(ids, jax.tree.map(lambda x, lo=lo, n=n: padded(x, lo, n), data))
+            for lo, n, ids in _chunks(pages)]
+
+
+def scatter_chunks(kv_cache: KVCache, chunks: list, movers: PageMovers | None = None
+                   ) -> KVCache:
+    """``kv_cache`` (donated) with each of ``padded_chunks``' chunks written (its data on
+    the host or already on the device)."""
+    scatter = movers.write if movers is not None else _scatter_pages
+    for ids, part in chunks:
+        kv_cache = scatter(kv_cache, ids, part)
     return kv_cache
+
+
+def write_pages(kv_cache: KVCache, pages: Sequence[int], data,
+                movers: PageMovers | None = None) -> KVCache:
+    """``kv_cache`` (donated) with ``pages`` set to ``data`` (``read_pages``'s form)."""
+    return scatter_chunks(kv_cache, padded_chunks(pages, data), movers)
 
 
 def _gather(kv_cache: KVCache, ids: jax.Array) -> KVCache:

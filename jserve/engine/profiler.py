@@ -69,7 +69,8 @@ def fit_predictor(engine: LLMEngine, samples) -> tuple[LinearPredictor, dict]:
     key = predictor_key(engine.model_config, MeshConfig.parse(engine.config.mesh).key())
     predictor = LinearPredictor.fit(train, meta={"key": key,
                                                  "samples": len(train),
-                                                 "max_context": profiled_context(samples)})
+                                                 "max_context": profiled_context(samples)},
+                                     window=engine.model_config.kv_window)
     err = predictor.relative_errors(held)
     report = {"train_steps": len(train), "held_out_steps": len(held),
               "held_out_median_rel_error": float(np.median(err)),

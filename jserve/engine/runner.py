@@ -61,7 +61,7 @@ class ModelRunner:
                  max_num_seqs: int, attention_impl: str, mesh: jax.sharding.Mesh | None = None,
                  capture_layer: int | None = None, params_placed: bool = False,
                  abstract: bool = False, unroll_layers: bool = False,
-                 slice_layers: bool = False):
+                 slice_layers: bool = False, in_place_layers: bool = False):
         """``params_placed``: ``params`` are already in the runtime layout, tp-laid-out and
         placed on ``mesh`` (a loader that streams them there, ``jserve.model.weights``).
         ``abstract``: ``params`` (runtime layout, placed) and ``kv_cache`` are
@@ -71,7 +71,8 @@ class ModelRunner:
         instead of one loop over stacked ones (``jserve.model.decoder.unstack_layers``; with
         spp each stage's own layers, ``sharding.pipeline.unstack_stages``). ``slice_layers``
         (spp == 1): stacked params, the layers unrolled in the program over static slices of
-        them (``EngineConfig.layer_loop`` "sliced")."""
+        them (``EngineConfig.layer_loop`` "sliced"). ``in_place_layers``: stacked params, the
+        loop's matmuls reading each layer in place (``layer_loop`` "indexed")."""
         _check_capture_layer(cfg, capture_layer, mesh)
         self.model_config, self.mesh, self.attention_impl = cfg, mesh, attention_impl
         self.capture_layer, self.slice_layers = capture_layer, slice_layers
@@ -96,7 +97,7 @@ class ModelRunner:
         self.programs = StepPrograms(StepLowering(
             cfg, buckets, max_num_seqs, attention_impl, mesh,
             abstract_of((self.params, self.kv_cache, self.state)), capture_layer,
-            slice_layers))
+            slice_layers, in_place_layers))
 
     def attach(self, params: Params, kv_cache: KVCache) -> bool:
         """The real weights (the step's layout, placed) and KV pages of a runner built on

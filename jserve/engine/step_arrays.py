@@ -94,6 +94,10 @@ class PackedLayout:
                            leaf(".batch.tokens"))
         return self.with_int_leaf(ibuf, ".batch.tokens", tokens)
 
+    def int_shape(self, name: str) -> tuple[int, ...]:
+        """The shape of the int leaf at path ``name``."""
+        return self._int_at[name][1]
+
     def int_leaf(self, ibuf: jax.Array, name: str) -> jax.Array:
         """The int leaf at path ``name`` (e.g. ".batch.tokens") of a packed buffer, as stored
         (int32; bools as 0/1)."""

@@ -22,6 +22,7 @@ from jserve.model.decoder import (
     prepare_params,
     unstack_layers,
 )
+from jserve.model.layer_weights import reading_in_place
 from jserve.sampling.params import MAX_LOGPROBS
 from jserve.sampling.sampler import (
     SampleResult,
@@ -29,6 +30,8 @@ from jserve.sampling.sampler import (
     apply_penalties,
     choose_tokens,
     pad_rows,
+    plain_greedy,
+    row_argmax,
     token_logprobs,
 )
 from sharding import pipeline
@@ -74,11 +77,9 @@ def _sample_inputs(logits: jax.Array, state: SeqState, arrays: StepArrays, rows:
         (inputs, state), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 
 
-def _sample(state: SeqState, inp: SampleInputs) -> tuple[SampleResult, SeqState]:
-    """Penalties, token choice and logprobs on the padded rows (one executable); the chosen
-    tokens are kept in ``state.last_tokens`` for the next step. Runtime choices: the logit
-    bias only when some row has one, penalties only when some row uses them, the sort only
-    when some row samples, top-n logprobs only when asked (of the raw ``logits``)."""
+def _choose(state: SeqState, inp: SampleInputs) -> jax.Array:
+    """The token of every row through the whole chain: the logit bias only when some row
+    has one, penalties only when some row uses them, the sort only when some row samples."""
     logits, sb = inp.logits, inp.sampling
     biased = jax.lax.cond(inp.any_bias, lambda: apply_bias(logits, sb), lambda: logits)
     penalised = jax.lax.cond(
@@ -86,9 +87,21 @@ def _sample(state: SeqState, inp: SampleInputs) -> tuple[SampleResult, SeqState]
         lambda: apply_penalties(biased, state.output_counts[inp.state_rows],
                                 state.prompt_mask[inp.state_rows], sb),
         lambda: biased)
-    tokens = jax.lax.cond(inp.any_random,
-                          lambda: choose_tokens(penalised, sb, all_greedy=False),
-                          lambda: choose_tokens(penalised, sb, all_greedy=True))
+    return jax.lax.cond(inp.any_random,
+                        lambda: choose_tokens(penalised, sb, all_greedy=False),
+                        lambda: choose_tokens(penalised, sb, all_greedy=True))
+
+
+def _sample(state: SeqState, inp: SampleInputs) -> tuple[SampleResult, SeqState]:
+    """Token choice and logprobs (one executable, or the tail of the plain step); the chosen
+    tokens are kept in ``state.last_tokens`` for the next step. Runtime choices: a plain
+    greedy batch (``plain_greedy``) takes the argmax of the logits in place, nothing else
+    touches them (each ``cond`` branch that passes them on copies [rows, vocab]); otherwise
+    ``_choose``. Top-n logprobs only when asked (of the raw ``logits``)."""
+    logits, sb = inp.logits, inp.sampling
+    tokens = jax.lax.cond(
+        plain_greedy(sb, inp.any_bias | inp.any_penalty | inp.any_random),
+        lambda: row_argmax(logits), lambda: _choose(state, inp))
     s = logits.shape[0]
     chosen, top_ids, top_lp = jax.lax.cond(
         inp.want_logprobs,
@@ -100,20 +113,45 @@ def _sample(state: SeqState, inp: SampleInputs) -> tuple[SampleResult, SeqState]
             dataclasses.replace(state, last_tokens=last))
 
 
+def _first_rows(inp: SampleInputs, s: int) -> SampleInputs:
+    """``inp`` cut to its first ``s`` rows (XLA folds the cut into the padding)."""
+    cut = lambda a: a[:s]
+    return dataclasses.replace(inp, logits=cut(inp.logits), state_rows=cut(inp.state_rows),
+                               sampled_state_rows=cut(inp.sampled_state_rows),
+                               sampling=jax.tree.map(cut, inp.sampling))
+
+
+def _padded(out: SampleResult, rows: int) -> SampleResult:
+    """``out`` padded with zero rows to ``rows`` (the shape the engine reads)."""
+    pad = lambda a: jnp.pad(a, [(0, rows - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
+    return jax.tree.map(pad, out)
+
+
 def _forward_step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array,
                   fbuf: jax.Array, *, layout: PackedLayout, cfg: ModelConfig,
                   attention_impl: str, mesh: jax.sharding.Mesh | None, rows: int,
-                  capture_layer: int | None = None, slice_layers: bool = False):
+                  capture_layer: int | None = None, slice_layers: bool = False,
+                  in_place_layers: bool = False):
     """The forward of one bucket and the penalty state update; returns (SampleInputs, KV
     cache, state, PromptLogprobs: zeros unless the step asked, ``prompt_logprobs``). With
     ``capture_layer`` set, a fifth output: the layer's ``Capture`` (prompt sums over the
     step's prompt tokens); ``None`` compiles exactly the step without it.
     ``slice_layers``: stacked params, the layers unrolled over static slices of them
     (``EngineConfig.layer_loop`` "sliced": on GPU neither the loop's weight copies nor an
-    argument per layer weight)."""
+    argument per layer weight). ``in_place_layers``: the loop's matmuls read each layer of
+    the stacked weights in place (``layer_loop`` "indexed", ``jserve.model.layer_weights``)."""
     if slice_layers:
         params = unstack_layers(params)
     arrays = layout.unpack(layout.feed(ibuf, state.last_tokens), fbuf)
+    with reading_in_place(in_place_layers):
+        return _forward_tail(params, kv_cache, state, arrays, cfg=cfg,
+                             attention_impl=attention_impl, mesh=mesh, rows=rows,
+                             capture_layer=capture_layer)
+
+
+def _forward_tail(params, kv_cache, state, arrays, *, cfg, attention_impl, mesh, rows,
+                  capture_layer):
+    """``_forward_step`` after unpacking the step's inputs."""
     if mesh is None:
         x, kv_cache, capture = forward_stream(
             params, kv_cache, arrays.batch, cfg=cfg, attention_impl=attention_impl,
@@ -133,7 +171,7 @@ def _forward_step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.
 def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, fbuf: jax.Array,
           *, layout: PackedLayout, cfg: ModelConfig, attention_impl: str,
           mesh: jax.sharding.Mesh | None, rows: int, capture_layer: int | None = None,
-          slice_layers: bool = False):
+          slice_layers: bool = False, in_place_layers: bool = False):
     """The plain step (spp == 1): ``_forward_step`` and the sampling in one executable, so
     the logits never leave it and the host dispatches one call a step. Returns
     (SampleResult, SampleInputs, KV cache, state[, Capture]); the ``SampleInputs`` serve a
@@ -145,21 +183,24 @@ def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, f
     inputs, kv_cache, state, prompt, *capture = _forward_step(
         params, kv_cache, state, ibuf, fbuf, layout=layout, cfg=cfg,
         attention_impl=attention_impl, mesh=mesh, rows=rows, capture_layer=capture_layer,
-        slice_layers=slice_layers)
-    out, state = _sample(state, inputs)
-    return (out, inputs, kv_cache, state, prompt, *capture)
+        slice_layers=slice_layers, in_place_layers=in_place_layers)
+    # Sampled on the step's own rows: the padding rows are there for the sampling
+    # executable (a deferred step's ``inputs``), not for this one.
+    s = layout.int_shape(".batch.logits_rows")[0]
+    out, state = _sample(state, _first_rows(inputs, s))
+    return (_padded(out, rows), inputs, kv_cache, state, prompt, *capture)
 
 
 def _burst(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array,
            fbuf: jax.Array, *, layout: PackedLayout, cfg: ModelConfig, attention_impl: str,
            mesh: jax.sharding.Mesh | None, rows: int, slice_layers: bool, steps: int,
-           num_decodes: int, page_size: int):
+           num_decodes: int, page_size: int, in_place_layers: bool = False):
     """``steps`` plain steps of an all-decode bucket in one program (``jserve.engine.burst``);
     returns (tokens [steps, rows], KV cache, state)."""
     def step(kv, st, buf):
         out, _, kv, st, _ = _step(params, kv, st, buf, fbuf, layout=layout, cfg=cfg,
                                   attention_impl=attention_impl, mesh=mesh, rows=rows,
-                                  slice_layers=slice_layers)
+                                  slice_layers=slice_layers, in_place_layers=in_place_layers)
         return out, kv, st
     return burst.run_burst(step, ibuf, kv_cache, state, layout=layout, steps=steps, rows=rows,
                            num_decodes=num_decodes, page_size=page_size)
@@ -167,7 +208,8 @@ def _burst(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array,
 
 def _tick(params: Params, kv_cache: KVCache, state: SeqState, carry: pipeline.PipelineCarry,
           ibufs: jax.Array, fbufs: jax.Array, *, layout: PackedLayout, cfg: ModelConfig,
-          attention_impl: str, mesh: jax.sharding.Mesh, rows: int, decode_rows: int):
+          attention_impl: str, mesh: jax.sharding.Mesh, rows: int, decode_rows: int,
+          in_place_layers: bool = False):
     """A stream-pipeline tick (``sharding.pipeline.tick``; ``ibufs``/``fbufs`` [spp, size]:
     every stage's batch at the tick's shape), then the plain step's tail on the batch that
     left the last stage (the last row; replicated, outside the shard_map). Every slot's fed
@@ -175,9 +217,10 @@ def _tick(params: Params, kv_cache: KVCache, state: SeqState, carry: pipeline.Pi
     ``last_tokens`` entry does not change while its batch is in flight (its sampled chunk is
     its only one in the pipeline)."""
     ibufs = jax.vmap(layout.feed, in_axes=(0, None))(ibufs, state.last_tokens)
-    kv_cache, carry = pipeline.tick(params, kv_cache, carry, ibufs, fbufs, unpack=layout.unpack,
-                                    decode_rows=decode_rows, mesh=mesh, cfg=cfg,
-                                    attention_impl=attention_impl)
+    with reading_in_place(in_place_layers):  # each stage's loop (``layer_loop`` "indexed")
+        kv_cache, carry = pipeline.tick(params, kv_cache, carry, ibufs, fbufs,
+                                        unpack=layout.unpack, decode_rows=decode_rows,
+                                        mesh=mesh, cfg=cfg, attention_impl=attention_impl)
     arrays = layout.unpack(ibufs[-1], fbufs[-1])
     x = pipeline.exiting(carry, arrays.batch.attn.num_decodes, arrays.batch.tokens.shape[0],
                          decode_rows)
@@ -188,14 +231,15 @@ def _tick(params: Params, kv_cache: KVCache, state: SeqState, carry: pipeline.Pi
 
 def _lone_pass(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array,
                fbuf: jax.Array, *, layout: PackedLayout, cfg: ModelConfig, attention_impl: str,
-               mesh: jax.sharding.Mesh, rows: int):
+               mesh: jax.sharding.Mesh, rows: int, in_place_layers: bool = False):
     """A batch alone in an empty pipeline through every stage at once
     (``sharding.pipeline.lone_pass``; ``ibuf``/``fbuf``: its own packed step, fed like the
     plain step's), then ``_tick``'s tail on the stream that left the last stage."""
     ibuf = layout.feed(ibuf, state.last_tokens)
     arrays = layout.unpack(ibuf, fbuf)
-    kv_cache, x = pipeline.lone_pass(params, kv_cache, ibuf, fbuf, unpack=layout.unpack,
-                                     mesh=mesh, cfg=cfg, attention_impl=attention_impl)
+    with reading_in_place(in_place_layers):
+        kv_cache, x = pipeline.lone_pass(params, kv_cache, ibuf, fbuf, unpack=layout.unpack,
+                                         mesh=mesh, cfg=cfg, attention_impl=attention_impl)
     logits = final_logits(params, x, arrays.batch.logits_rows, cfg)
     inputs, state = _sample_inputs(logits, state, arrays, rows, mesh)
     return inputs, kv_cache, state
@@ -229,7 +273,7 @@ def jitted(spp: int) -> Jitted:
     JAX's trace and compile caches are keyed weakly on the function, so a dropped engine's
     executables (hundreds of memory maps each on CPU) are freed with it instead of
     accumulating for the life of the process."""
-    static = ("layout", "cfg", "attention_impl", "mesh", "rows")
+    static = ("layout", "cfg", "attention_impl", "mesh", "rows", "in_place_layers")
     if spp > 1:
         step = jax.jit(_fresh(_tick), static_argnames=static + ("decode_rows",),
                        donate_argnums=(1, 2, 3))

@@ -18,7 +18,7 @@ import jax
 from jserve.config import ModelConfig
 from jserve.engine.config import EngineConfig
 from jserve.model.params import num_params
-from jserve.scheduler.predictor import FEATURES, LinearPredictor
+from jserve.scheduler.predictor import FEATURES, CopyRate, LinearPredictor
 from sharding.mesh import MeshConfig
 
 log = logging.getLogger(__name__)
@@ -35,6 +35,12 @@ def host_round_trip_seconds(num_bytes: int) -> float:
     """Swap out now and back in later."""
     bandwidth, latency = _HOST_COPY.get(jax.devices()[0].platform, _HOST_COPY["gpu"])
     return 2 * (latency + num_bytes / bandwidth)
+
+
+def host_copy_rate() -> CopyRate:
+    """The host tier's copy rate before it has timed a copy: the platform's nominal link."""
+    bandwidth, latency = _HOST_COPY.get(jax.devices()[0].platform, _HOST_COPY["gpu"])
+    return CopyRate(bandwidth, latency)
 
 
 def predictor_key(cfg: ModelConfig, mesh: str = "1") -> str:
@@ -61,7 +67,8 @@ def estimated_predictor(cfg: ModelConfig) -> LinearPredictor:
                 decode_context=kv_bytes / bandwidth + attn_flop,
                 prefill_attention=attn_flop / 2,  # causal: half the pairs
                 prefill_seqs=0.0)
-    return LinearPredictor(tuple(coef[f] for f in FEATURES), {"estimated": True})
+    return LinearPredictor(tuple(coef[f] for f in FEATURES), {"estimated": True},
+                           cfg.kv_window)  # a sliding window caps the keys a query reads
 
 
 def load_predictor(cfg: ModelConfig, config: EngineConfig) -> LinearPredictor:

@@ -40,19 +40,25 @@ def resolve_impl(impl: str, backend: str | None = None) -> str:
 
 
 def attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: AttentionMetadata,
-              impl: str = "reference", layer=None) -> tuple[jax.Array, jax.Array]:
+              impl: str = "reference", layer=None, window=None) -> tuple[jax.Array, jax.Array]:
     """Returns (output [T, Hq, D], log-sum-exp [T, Hq]). Pages are one layer's
     [Hkv, P, S, D], or with ``layer`` (may be traced) a stacked cache [layers, Hkv, P, S, D]
     read at that layer in place: every implementation addresses the layer itself, since a
-    slice of the stacked cache is a copy of the layer's whole pool (docs/device.md)."""
+    slice of the stacked cache is a copy of the layer's whole pool (docs/device.md).
+
+    ``window``: the layer's sliding window, an int32 scalar (may be traced; 0: full
+    attention): a query at position p reads the keys at p - window < k <= p, and every
+    implementation skips the pages wholly before its queries' windows without reading them
+    or their page-table entries' pages (they may be freed). None: no window code at all."""
     impl = resolve_impl(impl)
     if impl == "reference":
-        return ragged_paged_attention(q, k_pages, v_pages, meta, layer=layer)
+        return ragged_paged_attention(q, k_pages, v_pages, meta, layer=layer, window=window)
     if impl == "cpu":
-        return cpu.ragged_paged_attention(q, k_pages, v_pages, meta, layer=layer)
+        return cpu.ragged_paged_attention(q, k_pages, v_pages, meta, layer=layer,
+                                          window=window)
     backend, kernel, _ = _KERNELS[impl]
     return kernel(q, k_pages, v_pages, meta, interpret=jax.default_backend() != backend,
-                  layer=layer)
+                  layer=layer, window=window)
 
 
 def _write(pages: jax.Array, slots: jax.Array, new: jax.Array, impl: str, layer) -> jax.Array:

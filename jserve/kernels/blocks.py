@@ -25,7 +25,8 @@ class RowBlocks:
     """q [Hkv, NB, R, D]; seq/pos [NB, R] (seq -1 for padding rows); seq_lo/seq_hi [NB]: the
     live sequences each block touches. tok_pos [NB * tokens_per_block] and q_end [S] (one past
     each sequence's last token) let a kernel find, with scalar reads only, the last position
-    of sequence s inside block b: the causal end of its KV loop."""
+    of sequence s inside block b: the causal end of its KV loop; q_start [S] (each sequence's
+    first token) its first position there, where a sliding window's KV loop starts."""
 
     q: jax.Array
     seq: jax.Array
@@ -34,6 +35,7 @@ class RowBlocks:
     seq_hi: jax.Array
     tok_pos: jax.Array
     q_end: jax.Array
+    q_start: jax.Array
     tokens_per_block: int = dataclasses.field(metadata=dict(static=True))
 
 
@@ -64,10 +66,13 @@ def block_rows(q: jax.Array, positions: jax.Array, token_seq: jax.Array, num_liv
     blk_seq = seq.reshape(nb, bt)
     hi = jnp.where(blk_seq >= 0, blk_seq + 1, 0).max(axis=1)
     lo = jnp.minimum(jnp.where(blk_seq >= 0, blk_seq, num_seqs).min(axis=1), hi)
-    q_end = jnp.zeros(num_seqs, jnp.int32).at[jnp.where(seq >= 0, seq, num_seqs)].max(
+    at = jnp.where(seq >= 0, seq, num_seqs)
+    q_end = jnp.zeros(num_seqs, jnp.int32).at[at].max(
         jnp.arange(1, nb * bt + 1, dtype=jnp.int32), mode="drop")
+    q_start = jnp.full(num_seqs, nb * bt - 1, jnp.int32).at[at].min(
+        jnp.arange(nb * bt, dtype=jnp.int32), mode="drop")
     return RowBlocks(q=qg, seq=rows(seq), pos=rows(pos), seq_lo=lo, seq_hi=hi, tok_pos=pos,
-                     q_end=q_end, tokens_per_block=bt)
+                     q_end=q_end, q_start=q_start, tokens_per_block=bt)
 
 
 def unblock(x: jax.Array, num_tokens: int, group: int, tokens_per_block: int) -> jax.Array:
@@ -84,6 +89,21 @@ def causal_end(b, s, blocks_tok_pos, q_end, kv_len, tokens_per_block):
     (tokens of a sequence are consecutive with rising positions), capped by its context."""
     last = jnp.minimum((b + 1) * tokens_per_block, q_end[s]) - 1
     return jnp.minimum(kv_len, blocks_tok_pos[last] + 1)
+
+
+def window_start(pos, window):
+    """The first key position a query at ``pos`` reads under a sliding ``window`` (keys k with
+    pos - window < k <= pos, HF's convention; window 0: every key, so 0)."""
+    return jnp.where(window > 0, jnp.maximum(pos - window + 1, 0), 0)
+
+
+def window_first_page(b, s, blocks_tok_pos, q_start, window, page_size, tokens_per_block):
+    """The first KV page sequence ``s``'s rows in block ``b`` read under ``window``: the page
+    of its first row's first key (its rows' positions rise, so that row reads furthest
+    back)."""
+    first = jnp.maximum(b * tokens_per_block, q_start[s])
+    # lax.div (truncating; the start is >= 0): Mosaic lowers ``//``'s sign fix-up only on a TPU
+    return jax.lax.div(window_start(blocks_tok_pos[first], window), jnp.int32(page_size))
 
 
 def attend_block(carry, q, k, v, valid, scale):

@@ -108,24 +108,28 @@ def decode_supported(q: jax.Array, k_pages) -> bool:
 
 
 def _decode_attention(q, k_pages, v_pages, kv_lens, page_table, pages_per_block, scale,
-                      layer=None):
+                      layer=None, kv_starts=None):
     """The reference's ``_decode_attention`` contract (q [Hkv, B, G, D]; pages one layer's or
-    stacked with ``layer``) on the native kernel where it applies."""
+    stacked with ``layer``; ``kv_starts`` each row's sliding-window start) on the native
+    kernel where it applies."""
     if not decode_supported(q, k_pages):
         return reference._decode_attention(q, k_pages, v_pages, kv_lens, page_table,
-                                           pages_per_block, scale, layer)
+                                           pages_per_block, scale, layer, kv_starts)
+    if kv_starts is None:
+        kv_starts = jnp.zeros_like(kv_lens)
     (k_pages, at), (v_pages, _) = blocks.stacked(k_pages, layer), blocks.stacked(v_pages, layer)
     hkv, b, g, d = q.shape
     return jax.ffi.ffi_call(
         _TARGET, (jax.ShapeDtypeStruct((hkv, b, g, d), jnp.float32),
                   jax.ShapeDtypeStruct((hkv, b, g), jnp.float32)))(
         q.astype(jnp.float32), k_pages, v_pages, at, kv_lens.astype(jnp.int32),
-        page_table.astype(jnp.int32), scale=np.float32(scale))
+        kv_starts.astype(jnp.int32), page_table.astype(jnp.int32), scale=np.float32(scale))
 
 
 def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-                           meta: AttentionMetadata, *, layer=None
+                           meta: AttentionMetadata, *, layer=None, window=None
                            ) -> tuple[jax.Array, jax.Array]:
-    """``reference.ragged_paged_attention`` with its decode rows on the native kernel."""
+    """``reference.ragged_paged_attention`` with its decode rows on the native kernel (which
+    starts each row at its sliding ``window``'s first page)."""
     return reference.ragged_paged_attention(q, k_pages, v_pages, meta, layer=layer,
-                                            decode=_decode_attention)
+                                            decode=_decode_attention, window=window)

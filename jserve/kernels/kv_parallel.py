@@ -97,7 +97,7 @@ def merge_partials(out, lse, axis: str):
 
 def kvp_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: AttentionMetadata,
                   axis: str = "kvp", impl: str = "reference",
-                  start_groups: jax.Array | None = None, layer=None
+                  start_groups: jax.Array | None = None, layer=None, window=None
                   ) -> tuple[jax.Array, jax.Array]:
     """Ragged paged attention with the KV split by token range over ``axis``; call inside
     ``jax.shard_map`` with q and the metadata replicated over ``axis``, the pages and the page
@@ -107,7 +107,10 @@ def kvp_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: At
     ``start_groups`` [S]: the group holding each row's first tokens (the engine starts a
     sequence on the least-loaded group; its table's column block g then holds its logical
     chunk ``(g - start) % kvp``); None: every row starts in group 0. ``layer``: the pages
-    are a stacked cache read at that layer (``jserve.kernels.attention``). The tokens per group
+    are a stacked cache read at that layer (``jserve.kernels.attention``); ``window`` the
+    layer's sliding window, passed on as it is (shifting queries and keys by a group's offset
+    keeps p - window < k <= p, so each group skips its own pages before the window; a group
+    wholly before it reads nothing and weighs nothing in the merge). The tokens per group
     are implied by the layout: the local table width times the page size. Returns
     (out [T, Hq, D], lse [T, Hq]), replicated over ``axis``."""
     tokens_per_group = meta.page_table.shape[1] * k_pages.shape[-2]
@@ -117,7 +120,7 @@ def kvp_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: At
     else:
         offsets = row_offsets(start_groups, group, jax.lax.axis_size(axis), tokens_per_group)
     out, lse = attention(q, k_pages, v_pages, local_metadata(meta, offsets, tokens_per_group),
-                         impl=impl, layer=layer)
+                         impl=impl, layer=layer, window=window)
     return merge_partials(out, lse, axis)
 
 

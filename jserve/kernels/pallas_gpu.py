@@ -38,17 +38,20 @@ TARGET_PROGRAMS = 256
 MAX_SPLITS = 32
 
 
-def _kernel(layer_ref, seq_lo_ref, seq_hi_ref, tok_pos_ref, q_end_ref, kv_lens_ref, table_ref,
-            q_ref, seq_ref, pos_ref, k_ref, v_ref, *refs, pages_per_block, blocks_per_split,
-            tokens_per_block, scale):
+def _kernel(layer_ref, seq_lo_ref, seq_hi_ref, tok_pos_ref, q_end_ref, q_start_ref, kv_lens_ref,
+            table_ref, q_ref, seq_ref, pos_ref, k_ref, v_ref, *refs, pages_per_block,
+            blocks_per_split, tokens_per_block, scale, windowed):
     # k_ref, v_ref: the head's pages of every layer [L, P, S, D]; int8 pages bring their
-    # scales (ks_ref, vs_ref [L, P, S, 1]) before the outputs.
+    # scales (ks_ref, vs_ref [L, P, S, 1]) before the outputs. layer_ref: [layer] or, with
+    # ``windowed``, [layer, window].
     ks_ref, vs_ref, o_ref, lse_ref = refs if len(refs) == 4 else (None, None, *refs)
     b, split = pl.program_id(1), pl.program_id(2)
     rows, d = q_ref.shape
-    chunk = pages_per_block * k_ref.shape[2]
+    page_size = k_ref.shape[2]
+    chunk = pages_per_block * page_size
     layer = layer_ref[0]
     q, row_seq, row_pos = q_ref[...], seq_ref[...], pos_ref[...]
+    window = layer_ref[1] if windowed else None
 
     def load(ref, scale_ref, ids):
         """A KV page [chunk, D] in q's dtype, dequantized in registers."""
@@ -60,14 +63,23 @@ def _kernel(layer_ref, seq_lo_ref, seq_hi_ref, tok_pos_ref, q_end_ref, kv_lens_r
     def per_seq(s, carry):
         kv_end = blocks.causal_end(b, s, tok_pos_ref, q_end_ref, kv_lens_ref[s],
                                    tokens_per_block)
-        first = split * blocks_per_split
+        first_page = 0  # a window's loop starts at the block of its first page
+        if windowed:
+            first_page = blocks.window_first_page(b, s, tok_pos_ref, q_start_ref, window,
+                                                  page_size, tokens_per_block)
+        first = first_page // pages_per_block + split * blocks_per_split
         last = jnp.minimum(first + blocks_per_split, pl.cdiv(kv_end, chunk))
 
         def per_block(j, carry):
             ids = table_ref[s, pl.ds(j * pages_per_block, pages_per_block)]
+            if windowed:  # entries before the window's first page are not addresses
+                cols = j * pages_per_block + jnp.arange(pages_per_block)
+                ids = jnp.where(cols >= first_page, ids, table_ref[s, first_page])
             k, v = load(k_ref, ks_ref, ids), load(v_ref, vs_ref, ids)
             kv_pos = j * chunk + jnp.arange(chunk)
             valid = (row_seq[:, None] == s) & (kv_pos[None, :] <= row_pos[:, None])
+            if windowed:
+                valid &= kv_pos[None, :] >= blocks.window_start(row_pos, window)[:, None]
             return blocks.attend_block(carry, q, k, v, valid, scale)
 
         return jax.lax.fori_loop(first, jnp.maximum(first, last), per_block, carry)
@@ -80,9 +92,10 @@ def _kernel(layer_ref, seq_lo_ref, seq_hi_ref, tok_pos_ref, q_end_ref, kv_lens_r
 
 
 def _attend(rb: blocks.RowBlocks, k_pages, v_pages, layer, kv_lens, page_table, *, splits,
-            pages_per_block, interpret):
+            pages_per_block, interpret, windowed):
     """One launch over row blocks -> (out [Hkv, NB, R, D] f32, lse [Hkv, NB, R]); the pages
-    are stacked [L, Hkv, P, S, D], read at ``layer`` [1]."""
+    are stacked [L, Hkv, P, S, D], read at ``layer`` [1] ([layer, window] when
+    ``windowed``)."""
     hkv, nb, rows, d = rb.q.shape
     num_layers, _, num_pages, page_size, _ = k_pages.shape
     (k_values, k_scales), (v_values, v_scales) = map(kv_quant.split, (k_pages, v_pages))
@@ -90,12 +103,15 @@ def _attend(rb: blocks.RowBlocks, k_pages, v_pages, layer, kv_lens, page_table, 
     blocks_per_split = -(-(width // pages_per_block) // splits)
     kernel = functools.partial(_kernel, pages_per_block=pages_per_block,
                                blocks_per_split=blocks_per_split,
-                               tokens_per_block=rb.tokens_per_block, scale=d ** -0.5)
+                               tokens_per_block=rb.tokens_per_block, scale=d ** -0.5,
+                               windowed=windowed)
     whole = lambda x: pl.BlockSpec(x.shape, lambda h, b, k: (0,) * x.ndim)
     per_row = pl.BlockSpec((None, rows), lambda h, b, k: (b, 0))
     pages = pl.BlockSpec((num_layers, None, num_pages, page_size, d),
                          lambda h, b, k: (0, h, 0, 0, 0))
-    scalars = (layer, rb.seq_lo, rb.seq_hi, rb.tok_pos, rb.q_end, kv_lens, page_table)
+    # Without a window q_end stands in for q_start (unread), so nothing new is computed.
+    scalars = (layer, rb.seq_lo, rb.seq_hi, rb.tok_pos, rb.q_end,
+               rb.q_start if windowed else rb.q_end, kv_lens, page_table)
     kv, kv_specs = [k_values, v_values], [pages, pages]
     if k_scales is not None:
         kv += [k_scales, v_scales]
@@ -127,13 +143,18 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            meta: AttentionMetadata, *, interpret: bool = False,
                            pages_per_block: int = PAGES_PER_BLOCK,
                            prefill_block_rows: int = PREFILL_BLOCK_ROWS,
-                           splits: int | None = None, layer=None) -> tuple[jax.Array, jax.Array]:
+                           splits: int | None = None, layer=None, window=None
+                           ) -> tuple[jax.Array, jax.Array]:
     """Same contract as the reference: (out [T, Hq, D] in q's dtype, lse [T, Hq] float32).
     Pages are one layer's [Hkv, P, S, D], or with ``layer`` (may be traced) a stacked cache
-    [layers, Hkv, P, S, D] read at that layer in place.
+    [layers, Hkv, P, S, D] read at that layer in place. ``window``: the sliding window (as
+    the reference's): each (sequence, query block) starts its KV loop, and its split-K parts,
+    at the block of its first row's window, and never loads a page before that page.
 
     ``splits`` fixes the split-K factor of both launches (default: :func:`kv_splits`)."""
     (k_pages, v_pages), layer = blocks.stacked((k_pages, v_pages), layer)
+    if window is not None:
+        layer = jnp.concatenate([layer, jnp.asarray(window, jnp.int32).reshape(1)])
     t, hq, d = q.shape
     hkv = k_pages.shape[1]
     g = hq // hkv
@@ -147,7 +168,7 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     run = functools.partial(_attend, k_pages=k_pages, v_pages=v_pages, layer=layer,
                             kv_lens=meta.kv_lens,
                             page_table=meta.page_table, pages_per_block=pages_per_block,
-                            interpret=interpret)
+                            interpret=interpret, windowed=window is not None)
     outs, lses = [], []
     for lo, hi, bt in ((0, nd, 1), (nd, t, max(1, prefill_block_rows // g))):
         if hi == lo:

@@ -34,9 +34,10 @@ PAGES_PER_BLOCK = 4
 BLOCK_ROWS = 128
 
 
-def _kernel(layer_ref, seq_lo_ref, seq_hi_ref, tok_pos_ref, q_end_ref, kv_lens_ref,  # SMEM
-            table_ref, q_ref, seq_ref, pos_ref, k_hbm, v_hbm, *refs,
-            pages_per_block, width, tokens_per_block, scale):
+def _kernel(layer_ref, seq_lo_ref, seq_hi_ref, tok_pos_ref, q_end_ref, q_start_ref,  # SMEM
+            kv_lens_ref, table_ref, q_ref, seq_ref, pos_ref, k_hbm, v_hbm, *refs,
+            pages_per_block, width, tokens_per_block, scale, windowed):
+    # layer_ref: [layer] or, with ``windowed``, [layer, window]; q_start_ref is read only then.
     # refs: [ks_hbm, vs_hbm] (int8 pages' scales), o_ref, lse_ref (outputs), k_buf, v_buf,
     # [ks_buf, vs_buf], sem (scratch).
     quantized = len(refs) == 9
@@ -52,12 +53,15 @@ def _kernel(layer_ref, seq_lo_ref, seq_hi_ref, tok_pos_ref, q_end_ref, kv_lens_r
     page_size = k_hbm.shape[3]
     chunk = pages_per_block * page_size
     q, row_seq, row_pos = q_ref[...], seq_ref[...], pos_ref[...]
+    window = layer_ref[1] if windowed else None
 
-    def copies(s, j, slot):
-        """The DMAs bringing KV page j of sequence s into buffer ``slot``."""
+    def copies(s, j, slot, first_page):
+        """The DMAs bringing KV block j of sequence s into buffer ``slot``; a page before
+        ``first_page`` (the window's) is not read: that one is, again, in its place."""
         out = []
         for i in range(pages_per_block):
-            page = table_ref[s * width + j * pages_per_block + i]
+            col = j * pages_per_block + i
+            page = table_ref[s * width + (jnp.maximum(col, first_page) if windowed else col)]
             for src, dst in pairs:
                 out.append(pltpu.make_async_copy(
                     src.at[layer, h, page], dst.at[slot, pl.ds(i * page_size, page_size)],
@@ -68,10 +72,15 @@ def _kernel(layer_ref, seq_lo_ref, seq_hi_ref, tok_pos_ref, q_end_ref, kv_lens_r
         kv_end = blocks.causal_end(b, s, tok_pos_ref, q_end_ref, kv_lens_ref[s],
                                    tokens_per_block)
         n = pl.cdiv(kv_end, chunk)
+        first_page = j0 = 0  # a window's loop starts at the block of its first page
+        if windowed:
+            first_page = blocks.window_first_page(b, s, tok_pos_ref, q_start_ref, window,
+                                                  page_size, tokens_per_block)
+            j0 = jax.lax.div(first_page, jnp.int32(pages_per_block))
 
-        @pl.when(n > 0)
+        @pl.when(n > j0)
         def _():
-            for c in copies(s, 0, 0):
+            for c in copies(s, j0, j0 % 2, first_page):
                 c.start()
 
         def per_block(j, carry):
@@ -79,13 +88,15 @@ def _kernel(layer_ref, seq_lo_ref, seq_hi_ref, tok_pos_ref, q_end_ref, kv_lens_r
 
             @pl.when(j + 1 < n)
             def _():
-                for c in copies(s, j + 1, 1 - slot):
+                for c in copies(s, j + 1, 1 - slot, first_page):
                     c.start()
 
-            for c in copies(s, j, slot):
+            for c in copies(s, j, slot, first_page):
                 c.wait()
             kv_pos = j * chunk + jax.lax.broadcasted_iota(jnp.int32, (1, chunk), 1)
             valid = (row_seq == s) & (kv_pos <= row_pos)
+            if windowed:
+                valid &= kv_pos >= blocks.window_start(row_pos, window)
             if quantized:  # dequantized in VMEM, to q's dtype for the MXU
                 k = (k_buf[slot].astype(jnp.float32) * ks_buf[slot]).astype(q.dtype)
                 v = (v_buf[slot].astype(jnp.float32) * vs_buf[slot]).astype(q.dtype)
@@ -93,7 +104,7 @@ def _kernel(layer_ref, seq_lo_ref, seq_hi_ref, tok_pos_ref, q_end_ref, kv_lens_r
                 k, v = k_buf[slot].astype(q.dtype), v_buf[slot].astype(q.dtype)
             return blocks.attend_block(carry, q, k, v, valid, scale)
 
-        return jax.lax.fori_loop(0, n, per_block, carry)
+        return jax.lax.fori_loop(j0, n, per_block, carry)
 
     carry = jax.lax.fori_loop(seq_lo_ref[b], seq_hi_ref[b], per_seq,
                               blocks.init_carry(rows, d))
@@ -105,11 +116,16 @@ def _kernel(layer_ref, seq_lo_ref, seq_hi_ref, tok_pos_ref, q_end_ref, kv_lens_r
 def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            meta: AttentionMetadata, *, interpret: bool = False,
                            pages_per_block: int = PAGES_PER_BLOCK, block_rows: int = BLOCK_ROWS,
-                           layer=None) -> tuple[jax.Array, jax.Array]:
+                           layer=None, window=None) -> tuple[jax.Array, jax.Array]:
     """Same contract as the reference: (out [T, Hq, D] in q's dtype, lse [T, Hq] float32).
     Pages are one layer's [Hkv, P, S, D], or with ``layer`` (may be traced) a stacked cache
-    [layers, Hkv, P, S, D] read at that layer in place."""
+    [layers, Hkv, P, S, D] read at that layer in place. ``window``: the sliding window (as the
+    reference's): each (sequence, query block) starts its DMAs at its first row's window
+    block and never copies a page before the window's first page."""
     (k_pages, v_pages), layer = blocks.stacked((k_pages, v_pages), layer)
+    windowed = window is not None
+    if windowed:
+        layer = jnp.concatenate([layer, jnp.asarray(window, jnp.int32).reshape(1)])
     t, hq, d = q.shape
     _, hkv, _, page_size, _ = k_pages.shape
     (k_values, k_scales), (v_values, v_scales) = map(kv_quant.split, (k_pages, v_pages))
@@ -124,7 +140,7 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     _, nb, rows, _ = rb.q.shape
     chunk = pages_per_block * page_size
     kernel = functools.partial(_kernel, pages_per_block=pages_per_block, width=width,
-                               tokens_per_block=bt, scale=d ** -0.5)
+                               tokens_per_block=bt, scale=d ** -0.5, windowed=windowed)
     per_row = pl.BlockSpec((None, rows, 1), lambda h, b, *_: (b, 0, 0))
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     kv, kv_specs = [k_values, v_values], [hbm, hbm]
@@ -133,8 +149,9 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         kv += [k_scales, v_scales]
         kv_specs += [hbm, hbm]
         buffers += [pltpu.VMEM((2, chunk, 1), k_scales.dtype)] * 2
-    scalars = (layer, rb.seq_lo, rb.seq_hi, rb.tok_pos, rb.q_end, meta.kv_lens,
-               meta.page_table.reshape(-1))
+    # Without a window q_end stands in for q_start (unread), so nothing new is computed.
+    scalars = (layer, rb.seq_lo, rb.seq_hi, rb.tok_pos, rb.q_end,
+               rb.q_start if windowed else rb.q_end, meta.kv_lens, meta.page_table.reshape(-1))
     out, lse = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(

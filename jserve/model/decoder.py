@@ -13,13 +13,15 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jserve.cache.pool import KVCache
 from jserve.config import ModelConfig
 from jserve.kernels import AttentionMetadata, attention, write_kv
 from jserve.kernels.kv_parallel import kvp_attention, owned_slots
 from jserve.model.families import family_of
-from jserve.model.layers import rms_norm, rope_tables
+from jserve.model.layer_weights import in_place, layer_view
+from jserve.model.layers import layer_rope, rope_tables
 from jserve.model.params import Params
 
 
@@ -98,11 +100,18 @@ def layer_params(layers: Params, i) -> Params:
     list, ``i`` must be an int."""
     if isinstance(layers, list):
         return layers[i]
+    if in_place():  # the matrices read where they lie (jserve.model.layer_weights)
+        return layer_view(layers, i)
     return jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, i, keepdims=False), layers)
 
 
-def embed(params: Params, tokens: jax.Array) -> jax.Array:
-    return params["embed"][tokens]
+def embed(params: Params, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The embedding rows of ``tokens``; a Gemma family's scaled by sqrt(hidden), the factor
+    a float32 cast to the model's dtype first as HF does (bf16: sqrt(3072) is 55.5)."""
+    x = params["embed"][tokens]
+    if family_of(cfg).scaled_embedding:
+        x = x * jnp.asarray(np.float32(cfg.hidden_size ** 0.5)).astype(x.dtype)
+    return x
 
 
 def decoder_layer(layer: Params, x: jax.Array, cos: jax.Array, sin: jax.Array,
@@ -117,12 +126,25 @@ def decoder_layer(layer: Params, x: jax.Array, cos: jax.Array, sin: jax.Array,
     return family_of(cfg).decoder_layer(layer, x, cos, sin, attend, cfg=cfg, tp_axis=tp_axis)
 
 
+def layer_windows(cfg: ModelConfig) -> jax.Array | None:
+    """Each layer's sliding window, int32 [layers] (0: full attention), which the serving
+    step indexes by model layer to hand the attention its ``window``; None when no layer is
+    windowed (the attention then compiles without any window code)."""
+    if not any(cfg.layer_windows):
+        return None
+    return jnp.asarray(cfg.layer_windows, jnp.int32)
+
+
 def step_layer(batch: StepInput, cos: jax.Array, sin: jax.Array, *, cfg: ModelConfig,
                attention_impl: str, tp_axis: str | None = None,
-               kvp_axis: str | None = None) -> Callable:
+               kvp_axis: str | None = None, first_layer=0) -> Callable:
     """The serving step's ``layer_fn`` for :func:`layer_loop`, whose carry is the stacked KV
     cache (k_pages, v_pages) [layers, Hkv, P, S, D]: layer ``i`` writes this step's K/V into
-    its pages in place and attends over them (``jserve.kernels.attention``).
+    its pages in place and attends over them (``jserve.kernels.attention``). ``cos``/``sin``
+    from ``rope_tables`` (each layer reads its own: ``layer_rope``); ``first_layer`` (may be
+    traced): the model's index of the loop's layer 0 (a pipeline stage's first layer), for
+    what is per layer in the config: the RoPE tables and the sliding window
+    (:func:`layer_windows`).
 
     ``tp_axis`` as in :func:`decoder_layer`. ``kvp_axis`` names the mesh axis the KV pages are
     split over by token range (KV-cache parallelism, ``jserve.kernels.kv_parallel``): each
@@ -130,21 +152,25 @@ def step_layer(batch: StepInput, cos: jax.Array, sin: jax.Array, *, cfg: ModelCo
     merged by LSE."""
     slots = batch.slots if kvp_axis is None else owned_slots(batch.slots, batch.slot_groups,
                                                              kvp_axis)
+    windows = layer_windows(cfg)
 
     def layer_fn(layer: Params, i, x: jax.Array, kv: KVCache) -> tuple[jax.Array, KVCache]:
+        window = None if windows is None else windows[first_layer + i]
+
         def attend(q, k, v):
             k_pages = write_kv(kv[0], slots, k, impl=attention_impl, layer=i)
             v_pages = write_kv(kv[1], slots, v, impl=attention_impl, layer=i)
             if kvp_axis is None:
                 out, _ = attention(q, k_pages, v_pages, batch.attn, impl=attention_impl,
-                                   layer=i)
+                                   layer=i, window=window)
             else:
                 out, _ = kvp_attention(q, k_pages, v_pages, batch.attn, axis=kvp_axis,
                                        impl=attention_impl, start_groups=batch.start_groups,
-                                       layer=i)
+                                       layer=i, window=window)
             return out, (k_pages, v_pages)
 
-        return decoder_layer(layer, x, cos, sin, attend, cfg=cfg, tp_axis=tp_axis)
+        return decoder_layer(layer, x, *layer_rope(cos, sin, cfg, first_layer + i), attend,
+                             cfg=cfg, tp_axis=tp_axis)
 
     return layer_fn
 
@@ -185,11 +211,16 @@ def layer_loop(layers: Params, x: jax.Array, carry: Any, layer_fn: Callable, sta
 
 
 def head_logits(params: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """float32 logits [..., vocab] of the residual stream ``x`` [..., hidden]: final norm,
-    then the LM head (the embedding's transpose when tied)."""
-    h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    """float32 logits [..., vocab] of the residual stream ``x`` [..., hidden]: the family's
+    final norm, then the LM head (the embedding's transpose when tied), then the tanh cap
+    where the config sets ``final_logit_softcapping`` (Gemma): the one place logits are
+    made, so sampling, logprobs, prompt logprobs and speculative checks all see it."""
+    h = family_of(cfg).norm(x, params["final_norm"], cfg.rms_norm_eps)
     head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    return jnp.dot(h, head, preferred_element_type=jnp.float32)
+    logits = jnp.dot(h, head, preferred_element_type=jnp.float32)
+    if (cap := cfg.final_logit_softcapping) is not None:
+        logits = jnp.tanh(logits / cap) * cap
+    return logits
 
 
 def final_logits(params: Params, x: jax.Array, rows: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -231,7 +262,7 @@ def forward_stream(params: Params, kv_cache: KVCache, batch: StepInput, *, cfg: 
                    ) -> tuple[jax.Array, KVCache, Capture | None]:
     """``forward`` up to the residual stream of every token after the last layer [T, hidden]
     (what prompt logprobs take the LM head of), before the final norm and head."""
-    x = embed(params, batch.tokens)
+    x = embed(params, batch.tokens, cfg)
     cos, sin = rope_tables(cfg, batch.attn.positions)
     layers = params["layers"]
     layer_fn = step_layer(batch, cos, sin, cfg=cfg, attention_impl=attention_impl,

@@ -1,5 +1,6 @@
-"""The pieces a family's decoder layer is built from (pure JAX): RMSNorm, RoPE, the q/k/v
-projections, the gated MLP, and the pre-norm block Llama, Qwen2 and Qwen3 share.
+"""The pieces a family's decoder layer is built from (pure JAX): RMSNorm (Llama's and Gemma's
+1 + w kind), RoPE (one table, or a second for Gemma 3's local layers picked per layer), the
+q/k/v projections, the gated MLP, and the pre-norm block Llama, Qwen2 and Qwen3 share.
 
 A layer is a function ``(layer, x, cos, sin, attend, *, cfg, tp_axis) -> (x, aux)`` over one
 layer's params dict (``jserve.model.families``: each family names its layer). Optional parts
@@ -10,10 +11,12 @@ tensor-parallel shard's heads and MLP slice.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jserve.config import ModelConfig, inv_frequencies
 from jserve.model.quant import matmul
@@ -31,12 +34,51 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return w * xf.astype(x.dtype)
 
 
+def gemma_rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """HF Gemma3RMSNorm: the weight is an offset from 1 (scale by 1 + w), applied in float32
+    before the cast back (Llama's casts first, then scales)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
+
+
 def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos and sin [..., D] of RoPE at ``positions`` [...]."""
-    inv = jnp.asarray(inv_frequencies(cfg))
-    freqs = positions.astype(jnp.float32)[..., None] * inv
+    """cos and sin [..., D] of RoPE at ``positions`` [...]; with ``cfg.rope_local_theta``
+    (Gemma 3) both tables stacked [2, ..., D], the local layers' second, computed once per
+    step for every layer (``layer_rope`` picks a layer's)."""
+    invs = [inv_frequencies(cfg)]
+    if cfg.rope_local_theta is not None:
+        invs.append(inv_frequencies(dataclasses.replace(
+            cfg, rope_theta=cfg.rope_local_theta, rope_scaling=None)))
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(np.stack(invs))[
+        (slice(None),) + (None,) * positions.ndim]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
+    if len(invs) == 1:
+        emb = emb[0]
     return jnp.cos(emb), jnp.sin(emb)
+
+
+def rope_kinds(cfg: ModelConfig) -> tuple[int, ...]:
+    """Each layer's row of the stacked ``rope_tables``: 1 (local) for a windowed layer when
+    the config has a local RoPE base, else 0."""
+    if cfg.rope_local_theta is None:
+        return (0,) * cfg.num_hidden_layers
+    return tuple(int(w > 0) for w in cfg.layer_windows or (0,) * cfg.num_hidden_layers)
+
+
+def layer_rope(cos: jax.Array, sin: jax.Array, cfg: ModelConfig, i
+               ) -> tuple[jax.Array, jax.Array]:
+    """The RoPE tables of layer ``i`` (its index in the whole model: an int, or traced in a
+    layer loop or a pipeline stage) from ``rope_tables``: as they are with one RoPE (no work
+    added), else that layer's row (static for an int ``i``)."""
+    if cfg.rope_local_theta is None:
+        return cos, sin
+    kinds = rope_kinds(cfg)
+    if isinstance(i, int):
+        return cos[kinds[i]], sin[kinds[i]]
+    k = jnp.asarray(kinds, jnp.int32)[i]
+    pick = lambda t: jax.lax.dynamic_index_in_dim(t, k, keepdims=False)
+    return pick(cos), pick(sin)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jserve.config import QUANTIZATIONS
+from jserve.model.layer_weights import LayerOf, matmul as layer_matmul
 
 QUANTIZED_LEAVES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_gate_up", "w_down")
 _QTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
@@ -96,6 +97,8 @@ def matmul(x: jax.Array, w) -> jax.Array:
     """``x @ w`` for a plain or a per-output-channel quantized ``w``: the stored values are
     converted to x's dtype (exact: int8 and e4m3 values are bf16 numbers), multiplied with
     float32 accumulation, and the scales applied to the result."""
+    if isinstance(w, LayerOf):  # a layer of stacked weights, read in place
+        return layer_matmul(x, w)
     if not is_quantized(w):
         return x @ w
     y = jnp.dot(x, w.qvalue.astype(x.dtype), preferred_element_type=jnp.float32)

@@ -40,7 +40,7 @@ def _all_layers(params: Params, tokens: jax.Array, n: jax.Array, *, cfg: ModelCo
                       logits_rows=(n - 1)[None].astype(jnp.int32), attn=attn)
     cos, sin = rope_tables(cfg, pos)
     layer_fn = step_layer(batch, cos, sin, cfg=cfg, attention_impl="reference")
-    _, _, out = layer_loop(params["layers"], embed(params, tokens),
+    _, _, out = layer_loop(params["layers"], embed(params, tokens, cfg),
                            allocate_kv_cache(cfg, pages + 1, _PAGE), layer_fn, 0,
                            cfg.num_hidden_layers, collect=lambda x: x.astype(jnp.float32))
     return out  # [layers, T, H]

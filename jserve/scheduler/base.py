@@ -13,19 +13,30 @@ decode again before the host has read its token.
 
 Preemption frees a victim's blocks either by recompute (its KV is dropped and rebuilt by
 prefilling again) or by swap (the engine copies its KV to host memory and back when it is
-readmitted); ``swap_policy`` (jserve.scheduler.swap) picks per victim, recompute when None."""
+readmitted); ``swap_policy`` (jserve.scheduler.swap) picks per victim, recompute when None.
+
+With a sliding window (``allocator.window``) a running request gives back the pages its next
+chunk's first query no longer reads each time it is scheduled (``_drop_dead``); a claim on a
+cached prefix takes only its live pages, a swap moves only the held ones back to the same
+positions (docs/prefix_cache.md, "Sliding-window models")."""
 from __future__ import annotations
 
 import abc
 import collections
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
-from jserve.cache.allocator import PageAllocator
+from jserve.cache.allocator import FREED_PAGE, PageAllocator
 from jserve.cache.prefix import extend_page_keys
+from jserve.scheduler.host_prefix import claim_host, host_prefix, restore, unclaim_host
 from jserve.scheduler.plan import BatchPlan, PageMove, ScheduledChunk
 from jserve.scheduler.request import PLACEHOLDER, Request, RequestStatus
 from jserve.scheduler.swap import SwapPolicy
+
+
+def _no_copy(num_pages: int) -> float:
+    """No host tier: nothing to restore."""
+    return 0.0
 
 
 @dataclasses.dataclass(eq=False)
@@ -65,6 +76,11 @@ class SchedulerBase(abc.ABC):
         # Prefix cache counters: prompt tokens looked up at admission, and found cached.
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
+        # Of the hits, tokens restored from the host tier; and what restoring n pages costs
+        # in seconds (the engine's learned copy rate, the simulator's link): the deadline
+        # policies price a waiting request by it (``Request.restore_hint``).
+        self.prefix_host_hit_tokens = 0
+        self.restore_seconds: Callable[[int], float] = _no_copy
         # Speculative decoding counters: draft tokens verified, accepted, and the
         # speculating decodes that verified them.
         self.num_draft_tokens = 0
@@ -185,7 +201,7 @@ class SchedulerBase(abc.ABC):
         if full <= req.num_registered_pages:
             return
         keys = extend_page_keys(req.page_keys, req.token_ids, alloc.page_size, full)
-        for j in range(req.num_registered_pages, full):
+        for j in range(max(req.num_registered_pages, req.num_dropped_pages), full):
             alloc.register(req.page_ids[j], keys[j])
         req.num_registered_pages = full
 
@@ -200,8 +216,9 @@ class SchedulerBase(abc.ABC):
         elif req in self.waiting:
             self.waiting.remove(req)
         if req in self.pinned:
-            self._deferred[req] = req.page_ids
+            self._deferred[req] = req.held_page_ids
             req.page_ids = []
+            req.num_dropped_pages = 0
         else:
             self._release(req)
         req.status = status
@@ -212,7 +229,7 @@ class SchedulerBase(abc.ABC):
     def page_holders(self) -> list[list[int]]:
         """Every list of blocks in use: the running requests' block tables, and those of
         finished requests whose chunks are still in flight (freed when they are back)."""
-        return [r.page_ids for r in self.running] + list(self._deferred.values())
+        return [r.held_page_ids for r in self.running] + list(self._deferred.values())
 
     def _launch(self, plan: BatchPlan) -> None:
         """``plan`` leaves for the device: its chunks count as computed, its requests are
@@ -245,10 +262,20 @@ class SchedulerBase(abc.ABC):
         return bool(self.waiting) or len(self.running) > len(self.in_flight)
 
     # -- blocks ------------------------------------------------------------------------
-    def _release(self, req: Request) -> None:
-        self.allocator.free(req.page_ids)
-        req.page_ids = []
+    def _release(self, req: Request, keep_dropped: bool = False) -> None:
+        """Frees the pages ``req`` holds; ``keep_dropped``: its page list keeps the entries
+        of pages a window dropped (a swapped request's KV comes back after them)."""
+        self.allocator.free(req.held_page_ids)
+        req.num_dropped_pages = req.num_dropped_pages if keep_dropped else 0
+        req.page_ids = [FREED_PAGE] * req.num_dropped_pages
         req.num_registered_pages = 0
+
+    def _drop_dead(self, req: Request) -> None:
+        """A running request about to be scheduled from ``num_computed`` gives back the
+        pages its window has passed (nothing without a window)."""
+        if self.allocator.window is not None:
+            req.num_dropped_pages = self.allocator.drop_dead(
+                req.page_ids, req.num_dropped_pages, req.num_computed)
 
     def _cached_prefix(self, req: Request) -> list[int]:
         """Cached blocks of ``req``'s leading full pages, leaving at least its last token to
@@ -261,10 +288,13 @@ class SchedulerBase(abc.ABC):
                                              pages))
 
     def _peek_prefix(self, req: Request) -> None:
-        """Record how much of a newly queued request the cache holds (no pages taken): the
-        deadline-aware policies rank and time a waiting request by its uncached work."""
+        """Record how much of a newly queued request the cache holds (no pages taken), and
+        how many of those pages only the host tier holds: the deadline-aware policies rank
+        and time a waiting request by its uncached work plus its restore time."""
         if req.num_computed == 0 and not req.swapped:
-            req.cached_hint = len(self._cached_prefix(req)) * self.allocator.page_size
+            device = len(self._cached_prefix(req))
+            req.restore_hint = len(host_prefix(self.allocator, req, device))
+            req.cached_hint = (device + req.restore_hint) * self.allocator.page_size
 
     def _claim_prefix(self, req: Request) -> None:
         """Before admitting waiting ``req``: take its cached leading pages, so it starts
@@ -274,16 +304,22 @@ class SchedulerBase(abc.ABC):
         blocks = self._cached_prefix(req)
         req.cached_hint = 0
         if blocks:
-            self.allocator.acquire(blocks)
-            req.page_ids = blocks
-            req.num_computed = req.num_cached_tokens = len(blocks) * self.allocator.page_size
+            # With a window only the live pages are taken: the dead ones stay as they are.
+            computed = len(blocks) * self.allocator.page_size
+            dead = self.allocator.dead_pages(computed)
+            self.allocator.acquire(blocks[dead:])
+            req.page_ids = [FREED_PAGE] * dead + blocks[dead:]
+            req.num_dropped_pages = dead
+            req.num_computed = req.num_cached_tokens = computed
             req.num_registered_pages = len(blocks)
+        claim_host(self.allocator, req, len(blocks))
 
     def _unclaim_prefix(self, req: Request) -> None:
         if req.status is not RequestStatus.RUNNING and req.num_cached_tokens:
             req.cached_hint = req.num_cached_tokens
+            unclaim_host(self.allocator, req)
             req.num_computed = req.num_cached_tokens = 0
-            self._release(req)
+            self._release(req)  # a restore's fresh pages go back free: never registered
 
     def _count_prefix(self, req: Request) -> None:
         """Counts an admission's lookup (prompt tokens asked for, found cached)."""
@@ -305,15 +341,16 @@ class SchedulerBase(abc.ABC):
         """Free the victim's blocks (swapping its KV out or dropping it for recompute) and
         requeue it at the head of the waiting queue."""
         self.running.remove(req)
+        self._drop_dead(req)  # a swap moves only the pages still read
+        used, dropped = self.allocator.pages_for(req.num_computed), req.num_dropped_pages
         if req.num_computed and self.swap_policy is not None \
-                and self.swap_policy.swaps(req, self.allocator.pages_for(req.num_computed)):
-            used = self.allocator.pages_for(req.num_computed)
-            self._swap_out.append((req.request_id, tuple(req.page_ids[:used])))
+                and self.swap_policy.swaps(req, used - dropped):
+            self._swap_out.append((req.request_id, tuple(req.page_ids[dropped:used])))
             req.swapped = True
             self.num_swaps += 1
         else:
             req.num_computed = 0
-        self._release(req)
+        self._release(req, keep_dropped=req.swapped)
         req.num_cached_tokens = 0
         self._peek_prefix(req)
         req.status = RequestStatus.PREEMPTED
@@ -351,6 +388,7 @@ class SchedulerBase(abc.ABC):
             spans = self._spans_groups(req)
             if spans and spanning:
                 continue
+            self._drop_dead(req)
             chunk = self._fits(req, min(req.num_uncomputed, budget))
             if chunk == 0 or not self._grow(req, req.num_computed + chunk):
                 continue
@@ -392,6 +430,7 @@ class SchedulerBase(abc.ABC):
         preempted: list[str] = []
         page_size = self.allocator.page_size
         running = RequestStatus.RUNNING
+        windowed = self.allocator.window is not None
         for req in list(self.running):
             if len(decodes) == max_decodes:
                 break
@@ -399,6 +438,8 @@ class SchedulerBase(abc.ABC):
             if (req.status is not running or n - req.num_computed != 1
                     or n == len(req.prompt_token_ids)):
                 continue
+            if windowed:
+                self._drop_dead(req)
             if n > len(req.page_ids) * page_size:  # its token needs a new block
                 while not self._grow(req, n):
                     victim = self._pick_victim()
@@ -422,12 +463,14 @@ class SchedulerBase(abc.ABC):
         self.waiting.remove(req)
         if req.swapped:
             used = self.allocator.pages_for(req.num_computed)
-            self._swap_in.append((req.request_id, tuple(req.page_ids[:used])))
+            self._swap_in.append((req.request_id,
+                                  tuple(req.page_ids[req.num_dropped_pages:used])))
             if self.swap_policy is not None:
                 self.swap_policy.release(req.request_id)
             req.swapped = False
         req.status = RequestStatus.RUNNING
         self._count_prefix(req)
+        self.prefix_host_hit_tokens += restore(self.allocator, req)
         self.running.append(req)
 
     # -- speculative decoding ------------------------------------------------------------
@@ -485,6 +528,10 @@ class SchedulerBase(abc.ABC):
         plan = self._schedule_around_in_flight()
         if burst > 1:
             plan = self._as_burst(plan, burst, may_burst)
+        if self.allocator.host is not None:  # the host tier's copies go with the plan
+            offload, restores = self.allocator.host.take_moves()
+            if offload or restores:
+                plan = dataclasses.replace(plan, offload=offload, restore=restores)
         if not plan.is_empty:
             self._launch(plan)
         return plan

@@ -117,7 +117,8 @@ class DeadlineScheduler(SchedulerBase):
         self._tpot_slos |= req.tpot_slo is not None
         super().add(req)  # records the cached prefix, which shortens the isolated prefill
         if req.ttft_deadline is None:
-            isolated = self.cache.remaining(req.num_prompt_tokens, req.cached_hint)
+            isolated = (self.cache.remaining(req.num_prompt_tokens, req.cached_hint)
+                        + self.restore_seconds(req.restore_hint))
             req.ttft_deadline = req.arrival_time + max(self.config.ttft_k * isolated,
                                                        self.config.ttft_floor)
         self._queued.put(req, self._queued_parts(req), self.waiting)
@@ -151,11 +152,14 @@ class DeadlineScheduler(SchedulerBase):
     def _parts(self, req: Request) -> tuple[float, float, float, float, float]:
         """(deadline, arrival, remaining isolated prefill time, total isolated prefill time,
         priority): all a policy's key reads of a request, from its state now (no deadline
-        yet: NaN, which only fcfs, keyed by arrival, may meet)."""
+        yet: NaN, which only fcfs, keyed by arrival, may meet). A waiting request's remaining
+        work is its uncached prefill plus the copy of its host-tier pages back."""
         total, deadline = self.cache.lookup(len(req.token_ids)), req.ttft_deadline
         work = total - self.cache.lookup(req.num_done)
         if work > 0:  # a pipeline's last pass (``drain_s``), owed while any prompt is left
             work += self.cache.drain_s
+        if req.restore_hint and not req.num_computed:  # pages to copy back from the host
+            work += self.restore_seconds(req.restore_hint)
         return (math.nan if deadline is None else deadline, req.arrival_time, work, total,
                 req.priority)
 
@@ -294,7 +298,7 @@ class DeadlineScheduler(SchedulerBase):
         cached-prefix hint then reflects the cache now, and its cached parts follow."""
         if queued:
             self._unclaim_prefix(req)
-            if req.cached_hint != hint:
+            if req.cached_hint != hint or req.restore_hint:
                 self._queued.update(req, self._queued_parts(req))
 
     def _schedule_once(self, admit: bool) -> BatchPlan:
@@ -338,6 +342,8 @@ class DeadlineScheduler(SchedulerBase):
             if (long and has_long) or (spans and has_spanning):
                 self._unclaim(req, queued, hint)
                 continue
+            if not queued:
+                self._drop_dead(req)  # a window's dead pages go back before it grows
             cap = self._fits(req, min(req.num_uncomputed, tokens_left))
             if hopeless and cap >= granularity:
                 self._unclaim(req, queued, hint)

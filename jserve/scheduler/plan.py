@@ -37,6 +37,11 @@ class BatchPlan:
     # Decode steps the plan runs in one go (``jserve.engine.burst``): every chunk is a
     # decode, computes ``burst`` tokens and samples ``burst`` tokens, one a step.
     burst: int = 1
+    # The prefix cache's host tier (``jserve.cache.host_tier``): evicted cached pages copied
+    # out, (device block, host slot), and host copies restored, (host slot, device block).
+    # Every read of the device (swap_out, offload) comes before any write (swap_in, restore).
+    offload: tuple[tuple[int, int], ...] = ()
+    restore: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:

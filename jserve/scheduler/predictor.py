@@ -43,23 +43,34 @@ FEATURES = ("constant", "tokens", "decodes", "decode_context", "prefill_attentio
             "prefill_seqs")
 
 
-def _decode_context(decodes: tuple[ScheduledChunk, ...]) -> int:
-    """KV read by the decode rows: a speculating decode's row j reads start + j + 1."""
+def _decode_context(decodes: tuple[ScheduledChunk, ...], window: int | None = None) -> int:
+    """KV read by the decode rows: a speculating decode's row j reads start + j + 1, at most
+    ``window`` keys (a sliding window's kernels skip the pages before it)."""
+    if window is not None:
+        return sum(min(c.start + j + 1, window) for c in decodes for j in range(c.num_tokens))
     return sum(c.start + 1 if c.num_tokens == 1 else
                c.num_tokens * c.start + c.num_tokens * (c.num_tokens + 1) // 2
                for c in decodes)
 
 
-def _terms(plan: BatchPlan, decode_ctx: int) -> tuple[int, int, int, int, int]:
+def _chunk_attention(start: int, n: int, window: int | None) -> int:
+    """Chunk x context of a prefill chunk, its context at most ``window`` keys."""
+    return n * (start + n if window is None else min(start + n, window))
+
+
+def _terms(plan: BatchPlan, decode_ctx: int, window: int | None = None
+           ) -> tuple[int, int, int, int, int]:
     """The features after the constant, as exact integers."""
-    attention = sum(c.num_tokens * (c.start + c.num_tokens) for c in plan.prefills)
+    attention = sum(_chunk_attention(c.start, c.num_tokens, window) for c in plan.prefills)
     return plan.num_tokens, plan.num_decode_rows, decode_ctx, attention, len(plan.prefills)
 
 
-def plan_features(plan: BatchPlan) -> np.ndarray:
+def plan_features(plan: BatchPlan, window: int | None = None) -> np.ndarray:
     """The terms a step's time is linear in: a constant, tokens (matmuls), decode rows and
-    their context (KV reads), chunk x context of prefills (attention), prefill rows."""
-    return np.array([1.0, *_terms(plan, _decode_context(plan.decodes))], np.float64)
+    their context (KV reads), chunk x context of prefills (attention), prefill rows. With a
+    sliding ``window`` (the model's ``kv_window``) a query reads at most that many keys."""
+    return np.array([1.0, *_terms(plan, _decode_context(plan.decodes, window), window)],
+                    np.float64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +80,7 @@ class LinearPredictor:
 
     coef: tuple[float, ...]
     meta: dict = dataclasses.field(default_factory=dict, compare=False)
+    window: int | None = None  # the model's sliding window (``plan_features``)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "coef", tuple(float(c) for c in self.coef))
@@ -85,19 +97,19 @@ class LinearPredictor:
         """predict(plan + one prefill chunk) from the plan's features summed once: exactly
         ``predict``'s arithmetic (integer features, one order of summation)."""
         tokens, decodes, decode_ctx, attention, prefills = self._terms(plan)
-        seconds = self._seconds
+        seconds, window = self._seconds, self.window
 
         def time(request_id: str, start: int, n: int, samples: bool) -> float:
-            return seconds(tokens + n, decodes, decode_ctx, attention + n * (start + n),
-                           prefills + 1)
+            return seconds(tokens + n, decodes, decode_ctx,
+                           attention + _chunk_attention(start, n, window), prefills + 1)
         return time
 
     def _terms(self, plan: BatchPlan) -> tuple[int, int, int, int, int]:
         decodes, decode_ctx = self._last_decodes
         if plan.decodes is not decodes:
-            decode_ctx = _decode_context(plan.decodes)
+            decode_ctx = _decode_context(plan.decodes, self.window)
             object.__setattr__(self, "_last_decodes", (plan.decodes, decode_ctx))
-        return _terms(plan, decode_ctx)
+        return _terms(plan, decode_ctx, self.window)
 
     def _seconds(self, tokens: int, decodes: int, decode_ctx: int, attention: int,
                  prefills: int) -> float:
@@ -107,20 +119,21 @@ class LinearPredictor:
                 + c[5] * prefills)
 
     @classmethod
-    def fit(cls, samples: Sequence[tuple[BatchPlan, float]], meta: dict | None = None
-            ) -> "LinearPredictor":
+    def fit(cls, samples: Sequence[tuple[BatchPlan, float]], meta: dict | None = None,
+            window: int | None = None) -> "LinearPredictor":
         """Non-negative least squares on relative error (rows scaled by 1 / time), so short
-        decode steps count as much as long prefills."""
+        decode steps count as much as long prefills; ``window``: the model's sliding
+        window, which the features count context by."""
         if len(samples) < len(FEATURES):
             raise ValueError(f"need at least {len(FEATURES)} timed steps, got {len(samples)}")
-        x = np.stack([plan_features(p) for p, _ in samples])
+        x = np.stack([plan_features(p, window) for p, _ in samples])
         y = np.array([t for _, t in samples], np.float64)
         if np.any(y <= 0):
             raise ValueError("step times must be positive")
         from scipy.optimize import nnls  # 0.6 s of import: only when fitting a profile
 
         coef, _ = nnls(x / y[:, None], np.ones_like(y))
-        return cls(tuple(float(c) for c in coef), dict(meta or {}))
+        return cls(tuple(float(c) for c in coef), dict(meta or {}), window)
 
     def relative_errors(self, samples: Sequence[tuple[BatchPlan, float]]) -> np.ndarray:
         return np.array([abs(self.predict(p) - t) / t for p, t in samples])
@@ -128,14 +141,16 @@ class LinearPredictor:
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(
-            {"features": FEATURES, "coef": self.coef, "meta": self.meta}, indent=2) + "\n")
+            {"features": FEATURES, "coef": self.coef, "meta": self.meta,
+             **({"window": self.window} if self.window is not None else {})}, indent=2)
+            + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> "LinearPredictor":
         d = json.loads(Path(path).read_text())
         if tuple(d["features"]) != FEATURES:
             raise ValueError(f"{path} was fitted on features {d['features']}, expected {FEATURES}")
-        return cls(tuple(d["coef"]), d.get("meta", {}))
+        return cls(tuple(d["coef"]), d.get("meta", {}), d.get("window"))
 
 
 class CorrectedPredictor:
@@ -165,3 +180,28 @@ class CorrectedPredictor:
             ratio = seconds / predicted
             scale = (1 - self.alpha) * self.scale + self.alpha * ratio
             self.scale = min(self.hi, max(self.lo, scale))
+
+
+class CopyRate:
+    """Host <-> device copy time of the prefix cache's host tier, learned online:
+    ``seconds(n) = latency_s + n / bytes_per_s``, with ``observe(n, seconds)`` moving the
+    bandwidth toward each measured copy's (an exponential average with weight ``alpha``),
+    so the deadline policies price a restore by what copies really take on this link."""
+
+    def __init__(self, bytes_per_s: float, latency_s: float = 0.0, alpha: float = 0.2):
+        if bytes_per_s <= 0:
+            raise ValueError(f"bytes_per_s must be > 0, got {bytes_per_s}")
+        self.bytes_per_s, self.latency_s, self.alpha = float(bytes_per_s), latency_s, alpha
+        self.samples = 0
+
+    def seconds(self, num_bytes: int) -> float:
+        return self.latency_s + num_bytes / self.bytes_per_s if num_bytes else 0.0
+
+    def observe(self, num_bytes: int, seconds: float) -> None:
+        moving = seconds - self.latency_s
+        if num_bytes <= 0 or moving <= 0:
+            return
+        rate = num_bytes / moving
+        self.bytes_per_s = rate if self.samples == 0 else (
+            (1 - self.alpha) * self.bytes_per_s + self.alpha * rate)
+        self.samples += 1

@@ -60,8 +60,17 @@ class Request:
     takes_cached: bool = True
     page_keys: list = dataclasses.field(default_factory=list, repr=False)
     num_registered_pages: int = 0
+    # Sliding window: how many leading entries of ``page_ids`` are pages the window has
+    # passed, given back (``FREED_PAGE`` in the list; ``PageAllocator.drop_dead``).
+    num_dropped_pages: int = 0
     cached_hint: int = 0
     num_cached_tokens: int = 0
+    # The host tier: of ``cached_hint``, the pages only the host holds (what a restore
+    # costs); (host slot, device block) of a claim's pages to restore; and the tokens
+    # restored from the host at its last admission (part of ``num_cached_tokens``).
+    restore_hint: int = 0
+    restoring: list = dataclasses.field(default_factory=list, repr=False)
+    num_restored_tokens: int = 0
     # Speculative decoding: the draft tokens a proposer offers for the next decode (the
     # scheduler takes as many as the budget allows), and the request's running tally of
     # drafts verified and accepted (``jserve.speculative`` turns speculation off for a
@@ -85,6 +94,11 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def held_page_ids(self) -> list[int]:
+        """The pages it holds: its page list past the ones a sliding window dropped."""
+        return self.page_ids[self.num_dropped_pages:]
 
     @property
     def num_uncomputed(self) -> int:

@@ -77,6 +77,8 @@ class LiveEngine(EngineLoop):
         super().attach_metrics(metrics)
         metrics.watch_grammars(self.engine.intake.grammars)
         metrics.watch_speculation(self.engine.speculator)
+        if self.engine.kv_tier is not None:
+            metrics.watch_kv_tier(lambda: self.engine.kv_tier.stats(self.engine.scheduler))
 
     # -- engine thread ---------------------------------------------------------------------
     def _counters(self) -> EngineCounters:

@@ -9,7 +9,7 @@ import collections
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_asgi_app
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jserve.serving.auth import bearer_matches
 from jserve.serving.edge import EdgeLimits, EdgeServer
@@ -94,6 +94,7 @@ class ServerMetrics:
                                    "KV pages registered in the prefix cache (in use or idle)",
                                    registry=r)
         self._prefix_seen = (0, 0)
+        self.kv_tier_stats = None  # the host tier's totals (``watch_kv_tier``)
         for o in OUTCOMES:
             self.requests.labels(o)
         self._window = rate_window_s
@@ -152,6 +153,12 @@ class ServerMetrics:
         """Speculative decoding's counters, read at each scrape (``Speculator.stats``)."""
         self.registry.register(_SpeculationCollector(speculator))
 
+    def watch_kv_tier(self, stats) -> None:
+        """The prefix cache's host tier, read at each scrape (``stats()``:
+        ``HostKVTier.stats``); ``VllmNames`` reads it too."""
+        self.kv_tier_stats = stats
+        self.registry.register(_KVTierCollector(stats))
+
     def watch_grammars(self, compiler) -> None:
         """Structured output's grammar cache, read at each scrape: compilations and hits."""
         self.registry.register(_GrammarCollector(compiler))
@@ -202,3 +209,35 @@ class _SpeculationCollector:
         yield CounterMetricFamily("jserve_spec_decode_num_drafts", "Speculating decodes "
                                   "verified (mean accepted length: (accepted + drafts) / "
                                   "drafts tokens a step)", s["drafts"])
+
+
+class _KVTierCollector:
+    def __init__(self, stats):
+        self._stats = stats
+
+    def collect(self):
+        s = self._stats()
+        hits = CounterMetricFamily("jserve_prefix_cache_tier_hit_tokens", "Prompt tokens found "
+                                   "in the prefix cache, by the tier that held them",
+                                   labels=["tier"])
+        hits.add_metric(["device"], s["device_hit_tokens"])
+        hits.add_metric(["host"], s["host_hit_tokens"])
+        yield hits
+        for unit in ("pages", "bytes"):
+            moved = CounterMetricFamily(f"jserve_kv_offload_{unit}", f"KV {unit} copied "
+                                        "between the device and the host tier",
+                                        labels=["direction"])
+            moved.add_metric(["device_to_host"], s[f"offloaded_{unit}"])
+            moved.add_metric(["host_to_device"], s[f"restored_{unit}"])
+            yield moved
+        yield CounterMetricFamily("jserve_kv_restore_seconds", "Seconds of host-to-device "
+                                  "restore copies (timed transfers)", s["restore_seconds"])
+        yield CounterMetricFamily("jserve_kv_host_evictions", "Pages the host tier evicted "
+                                  "(least recently used)", s["host_evictions"])
+        yield GaugeMetricFamily("jserve_kv_host_blocks_used", "Host-tier pages holding a "
+                                "prefix page", s["host_pages_used"])
+        yield GaugeMetricFamily("jserve_kv_host_blocks_total", "Host-tier pages",
+                                s["host_pages_total"])
+        yield GaugeMetricFamily("jserve_kv_host_copy_bytes_per_second", "Host-to-device "
+                                "copy rate the scheduler prices restores by (learned)",
+                                s["copy_bytes_per_s"])

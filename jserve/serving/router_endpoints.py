@@ -116,6 +116,8 @@ class VllmNames:
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric(label, _value(metric))
             yield c
+        if m.kv_tier_stats is not None:
+            yield from _host_tier(m.kv_tier_stats(), label)
         outcomes = {s.labels["outcome"]: s.value for s in m.requests.collect()[0].samples
                     if s.name.endswith("_total")}
         c = CounterMetricFamily("vllm:request_success", "Finished requests by finished_reason",
@@ -128,6 +130,23 @@ class VllmNames:
             h = HistogramMetricFamily(name, doc, labels=["model_name"])
             h.add_metric(label, buckets, total)
             yield h
+
+
+def _host_tier(s: dict, label: list[str]):
+    """The host tier under vLLM's names: its hits as an external prefix cache's (a
+    connector's), its pool's use as the v0 engine's CPU swap space's."""
+    for name, doc, value in (
+            ("vllm:external_prefix_cache_queries", "Prompt tokens looked up in the host tier",
+             s["queried_tokens"]),
+            ("vllm:external_prefix_cache_hits", "Prompt tokens found in the host tier",
+             s["host_hit_tokens"])):
+        c = CounterMetricFamily(name, doc, labels=["model_name"])
+        c.add_metric(label, value)
+        yield c
+    g = GaugeMetricFamily("vllm:cpu_cache_usage_perc", "Host-tier KV usage, 1 = full",
+                          labels=["model_name"])
+    g.add_metric(label, s["host_pages_used"] / max(s["host_pages_total"], 1))
+    yield g
 
 
 def export_vllm_names(metrics: ServerMetrics, model_name: str) -> None:

@@ -392,12 +392,17 @@ class GpuTimeModel:
                                   + 3 * s.hidden * s.intermediate + 2 * s.hidden)
                   + 2 * s.vocab * s.hidden)
         free = self.hw.memory_bytes * memory_fraction - params * BF16 / (self.tp * self.spp)
-        kv_heads = max(s.num_kv_heads / self.tp, 1.0)
-        per_token = (2 * math.ceil(s.num_layers / self.spp) * kv_heads * s.head_dim * BF16
-                     / self.kvp)
         if free <= 0:
             raise ValueError(f"{self.describe()}: weights do not fit in memory")
-        return int(free / per_token)
+        return int(free / self.kv_token_bytes())
+
+    def kv_token_bytes(self) -> float:
+        """One token's KV on one GPU (its stage's layers, its KV heads, 1 / kvp of the
+        context): what each GPU moves over its own host link per token copied."""
+        s = self.shape
+        kv_heads = max(s.num_kv_heads / self.tp, 1.0)
+        return (2 * math.ceil(s.num_layers / self.spp) * kv_heads * s.head_dim * BF16
+                / self.kvp)
 
     def _attention(self, c: ScheduledChunk) -> float:
         return self._attention_at(c.start, c.num_tokens)

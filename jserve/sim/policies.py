@@ -16,6 +16,7 @@ import functools
 from typing import Sequence
 
 from jserve.cache.allocator import PageAllocator
+from jserve.cache.host_tier import HostTier
 from jserve.scheduler import registry
 from jserve.scheduler.base import SchedulerBase
 from jserve.scheduler.chunking import PrefillTimeCache, largest_chunk
@@ -51,6 +52,12 @@ class SimConfig:
     horizon_s: float | None = None      # stop the clock here; None: run until all finish
     prefix_caching: bool = False        # the engine's automatic prefix caching (TraceRequest
                                         # prefix ids say which prompts share what)
+    # The prefix cache's host tier (prefix caching on): tokens of host memory evicted cached
+    # pages go to (0: none), and each GPU's host link (GB/s) a restore crosses: restoring n
+    # pages costs n x page x one token's KV per GPU / that, priced by the deadline policies
+    # and added to the step that needs them (the simulator does not overlap copies).
+    host_tier_tokens: int = 0
+    host_gb_per_s: float = 25.0
     # Deadline policies' slack counts the pipeline's last pass (PrefillTimeCache.drain_s), and
     # lars ranks due and late requests first (DeadlineConfig.due_first); False: the behaviour
     # before either (scripts/lars_attainment.py compares them).
@@ -129,15 +136,20 @@ def build(policy: str, cfg: SimConfig, clock: VirtualClock, max_context: int
                               prefix_caching=cfg.prefix_caching)
 
     model = _time_model(cfg.model, cfg.hardware, cfg.tp, cfg.spp, cfg.kvp)
+    alloc = pool(cfg.kv_cache_tokens or model.kv_cache_tokens(cfg.memory_fraction))
+    if cfg.prefix_caching and cfg.host_tier_tokens:
+        alloc.host = HostTier(cfg.host_tier_tokens // cfg.page_size)
     if not entry.predictor:  # fixed chunks
         limits["max_num_batched_tokens"] = cfg.sarathi_chunk
     sched = registry.build_scheduler(
-        policy, pool(cfg.kv_cache_tokens or model.kv_cache_tokens(cfg.memory_fraction)),
-        **limits, predictor=model,
+        policy, alloc, **limits, predictor=model,
         deadline=DeadlineConfig(t_target=cfg.iteration_budget, space_sharing=False,
                                 due_first=cfg.due_first, quick_first=cfg.quick_first),
         clock=clock, prefill_cache=_prefill_cache(cfg, max_context) if entry.predictor else None,
         where="simulator")
+    if alloc.host is not None:
+        page_s = cfg.page_size * model.kv_token_bytes() / (cfg.host_gb_per_s * 1e9)
+        sched.restore_seconds = lambda pages: pages * page_s
     return sched, model
 
 
@@ -185,6 +197,12 @@ def run(trace: Sequence[TraceRequest], policy: str, cfg: SimConfig = SimConfig()
     if policy == "loongserve":
         return simulate_loongserve(trace, esp_costs(cfg), esp_instances(cfg),
                                    memory_fraction=cfg.memory_fraction, horizon_s=cfg.horizon_s)
+    return run_with_scheduler(trace, policy, cfg)[0]
+
+
+def run_with_scheduler(trace: Sequence[TraceRequest], policy: str, cfg: SimConfig = SimConfig()
+                       ) -> tuple[list[dict], SchedulerBase]:
+    """``run`` (not loongserve), and the scheduler after it (its counters)."""
     clock = VirtualClock()
     sched, predictor = build(policy, cfg, clock, _max_context(trace))
-    return simulate(sched, predictor, clock, trace, policy, horizon_s=cfg.horizon_s)
+    return simulate(sched, predictor, clock, trace, policy, horizon_s=cfg.horizon_s), sched

@@ -102,7 +102,9 @@ def simulate(scheduler: SchedulerBase, predictor: RuntimePredictor, clock: Virtu
             if scheduler.has_unfinished():
                 raise RuntimeError(f"{policy}: no progress possible at t={clock.now:.3f}s")
             break
-        arrives = clock.now + predictor.predict(plan)
+        # The host tier's restores go before the step that reads them (not overlapped).
+        copy = scheduler.restore_seconds(len(plan.restore)) if plan.restore else 0.0
+        arrives = clock.now + copy + predictor.predict(plan)
         in_flight.append((max(arrives, in_flight[-1][0]) if in_flight else arrives, plan))
-        clock.now += stage(plan)
+        clock.now += copy + stage(plan)
     return [records[t.request_id] for t in pending]

@@ -10,6 +10,7 @@ not to generate prompts.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Iterator, Sequence
 
@@ -20,7 +21,7 @@ import optax
 
 from jserve.config import ModelConfig
 from jserve.model.decoder import decoder_layer, embed, head_logits, layer_loop
-from jserve.model.layers import rope_tables
+from jserve.model.layers import layer_rope, rope_tables
 from jserve.model.params import Params
 from jserve.model.weights import init_params
 from jserve.tokenizer import ByteTokenizer
@@ -138,25 +139,31 @@ def dense_forward(params: Params, tokens: jax.Array, positions: jax.Array, segme
     """float32 logits [B, L, vocab] of a causal forward where a token attends only to earlier
     tokens of its own segment: the model's layer loop and blocks (``jserve.model.decoder``) on
     [B, L] rows with dense masked attention in place of the paged cache. ``params`` in the
-    HF-shaped checkpoint layout."""
+    HF-shaped checkpoint layout. A windowed layer (``cfg.layer_windows``) also masks the keys
+    at or before query position - window."""
     t, hd = tokens.shape[1], cfg.head_dim
     causal = jnp.tril(jnp.ones((t, t), bool))
     mask = causal[None] & (segments[:, :, None] == segments[:, None, :])  # [B, Lq, Lk]
 
-    def attend(q, k, v):  # q [B, L, Hq, D], k/v [B, L, Hkv, D]
+    def attend(q, k, v, window=0):  # q [B, L, Hq, D], k/v [B, L, Hkv, D]
         b, _, hq, _ = q.shape
+        keep = mask if not window else (
+            mask & (positions[:, None, :] > positions[:, :, None] - window))
         hkv = k.shape[2]
         q = q.reshape(b, t, hkv, hq // hkv, hd)
         s = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
         s = s / np.sqrt(hd)
-        s = jnp.where(mask[:, None, None], s, -1e30)
+        s = jnp.where(keep[:, None, None], s, -1e30)
         p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
         return jnp.einsum("bkgqs,bskd->bqkgd", p, v).reshape(b, t, hq, hd), None
 
     cos, sin = rope_tables(cfg, positions)                                # [B, L, D]
     layers = params["layers"]
-    x, _, _ = layer_loop(layers, embed(params, tokens), None,
-                         lambda layer, i, x, _: decoder_layer(layer, x, cos, sin, attend, cfg=cfg),
+    window_of = lambda i: cfg.layer_windows[i] if cfg.layer_windows else 0  # noqa: E731
+    x, _, _ = layer_loop(layers, embed(params, tokens, cfg), None,
+                         lambda layer, i, x, _: decoder_layer(
+                             layer, x, *layer_rope(cos, sin, cfg, i),
+                             functools.partial(attend, window=window_of(i)), cfg=cfg),
                          0, len(layers))
     return head_logits(params, x, cfg)
 

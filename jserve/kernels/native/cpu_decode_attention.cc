@@ -6,7 +6,9 @@
 // sequence) pairs spread over XLA's intra-op thread pool. q [Hkv, B, G, D] float32; pages
 // float32 or bfloat16; returns out [Hkv, B, G, D] and the log-sum-exp [Hkv, B, G] of the
 // scores scaled by ``scale`` (-inf, and a zero output, for a sequence with no keys), as the jnp reference
-// (jserve/kernels/reference.py) does.
+// (jserve/kernels/reference.py) does. kv_starts [B]: each row's first key position (a sliding
+// window; 0 without one): its loop starts at that key's page, and page-table entries before
+// it are never read (those pages may be freed).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -50,6 +52,7 @@ struct Problem {
   const T* k;
   const T* v;
   const int32_t* kv_lens;
+  const int32_t* kv_starts;
   const int32_t* page_table;
   float* out;
   float* lse;
@@ -70,21 +73,23 @@ void attend(const Problem<T>& p, int64_t h, int64_t row) {
   const float* q = p.q + (h * p.b + row) * g_n * d;
   const int64_t len = std::min<int64_t>(p.kv_lens[row], p.width * s_n);
   const int64_t base = (p.layer * p.hkv + h) * p.pages * s_n * d;
-  for (int64_t t0 = 0; t0 < len; t0 += s_n) {
+  const int64_t lo = std::max<int64_t>(0, p.kv_starts[row]);
+  for (int64_t t0 = lo / s_n * s_n; t0 < len; t0 += s_n) {
     const int64_t page = p.page_table[row * p.width + t0 / s_n];
     const T* kp = p.k + base + page * s_n * d;
     const T* vp = p.v + base + page * s_n * d;
     const int64_t n = std::min<int64_t>(s_n, len - t0);
+    const int64_t t_lo = std::max<int64_t>(0, lo - t0);  // keys before the window: skipped
     for (int64_t g = 0; g < g_n; ++g) {
       float top = m[g];
-      for (int64_t t = 0; t < n; ++t) {
+      for (int64_t t = t_lo; t < n; ++t) {
         s[g][t] = dot(q + g * d, kp + t * d, d) * p.scale;
         top = std::max(top, s[g][t]);
       }
       const float alpha = std::exp(m[g] - top);
       l[g] *= alpha;
       for (int64_t i = 0; i < d; ++i) acc[g][i] *= alpha;
-      for (int64_t t = 0; t < n; ++t) {
+      for (int64_t t = t_lo; t < n; ++t) {
         const float w = std::exp(s[g][t] - top);
         l[g] += w;
         const T* vr = vp + t * d;
@@ -139,7 +144,8 @@ void run(ffi::ThreadPool& pool, const Problem<T>& p) {
 
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
                            ffi::AnyBuffer v, ffi::Buffer<ffi::S32> layer,
-                           ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_table,
+                           ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> kv_starts,
+                           ffi::Buffer<ffi::S32> page_table,
                            float scale, ffi::ResultBuffer<ffi::F32> out,
                            ffi::ResultBuffer<ffi::F32> lse) {
   auto qd = q.dimensions();
@@ -155,7 +161,8 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
     return ffi::Error::InvalidArgument("layer out of range");
   auto make = [&](auto* kp, auto* vp) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
-    return Problem<T>{q.typed_data(), kp, vp, kv_lens.typed_data(), page_table.typed_data(),
+    return Problem<T>{q.typed_data(), kp, vp, kv_lens.typed_data(), kv_starts.typed_data(),
+                      page_table.typed_data(),
                       out->typed_data(), lse->typed_data(), qd[0], qd[1], qd[2], qd[3], kd[2],
                       kd[3], page_table.dimensions()[1], at_layer, scale};
   };
@@ -181,6 +188,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveCpuDecodeAttention, DecodeAttention,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

@@ -15,10 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from jserve.config import ModelConfig, hf_config_fields
-from jserve.model.families import llama, qwen2, qwen3
+from jserve.model.families import gemma3, llama, mistral, qwen2, qwen3
 from jserve.model.families.base import Family, Tensor
 
-FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY)
+FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma3.FAMILY,
+                               mistral.FAMILY)
 BY_ARCHITECTURE: dict[str, Family] = {a: f for f in FAMILIES for a in f.architectures}
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(BY_ARCHITECTURE)
 
@@ -46,8 +47,9 @@ def read_config(hf: dict[str, Any], dtype: str | None = None,
     if arch is None:
         raise _unsupported(archs)
     family = BY_ARCHITECTURE[arch]
-    return ModelConfig(**hf_config_fields(hf, dtype, quantization), **family.read_config(hf),
-                       architecture=arch, model_type=family.model_type)
+    # The family's fields win: a family may read a shared one its own way (Gemma 3's RoPE).
+    fields = {**hf_config_fields(hf, dtype, quantization), **family.read_config(hf)}
+    return ModelConfig(**fields, architecture=arch, model_type=family.model_type)
 
 
 def read_config_file(path: str | Path, dtype: str | None = None,

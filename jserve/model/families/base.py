@@ -18,6 +18,7 @@ import dataclasses
 from typing import Any, Callable
 
 from jserve.config import ModelConfig
+from jserve.model.layers import rms_norm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +50,9 @@ class Family:
     beyond ``jserve.config.hf_config_fields`` (raises ValueError on what it cannot serve).
     ``layer_tensors(cfg)``: leaf -> :class:`Tensor` of one decoder layer (the checkpoint
     layout; the runtime one stacks the layers and fuses ``w_gate``/``w_up``).
-    ``decoder_layer(layer, x, cos, sin, attend, *, cfg, tp_axis) -> (x, aux)``: its block."""
+    ``decoder_layer(layer, x, cos, sin, attend, *, cfg, tp_axis) -> (x, aux)``: its block.
+    ``norm(x, w, eps)``: its RMSNorm, the final one's too (Gemma's scales by 1 + w).
+    ``scaled_embedding``: the embedding's rows are multiplied by sqrt(hidden) (Gemma)."""
 
     name: str
     architectures: tuple[str, ...]
@@ -59,6 +62,8 @@ class Family:
     decoder_layer: Callable
     top_tensors: Callable[[ModelConfig], dict[str, Tensor]] = hf_top_tensors
     layer_prefix: str = "model.layers.{}."
+    norm: Callable = rms_norm
+    scaled_embedding: bool = False
 
 
 def refuse_flags(hf: dict[str, Any], *flags: str) -> None:
@@ -75,12 +80,26 @@ def require_act(hf: dict[str, Any], act: str, key: str = "hidden_act") -> None:
         raise ValueError(f"unsupported {key} {got!r} (this family uses {act!r})")
 
 
-def refuse_sliding_window(hf: dict[str, Any]) -> None:
-    """Qwen2/Qwen3 configs carry ``sliding_window`` but use it only with
-    ``use_sliding_window`` (transformers 5: a ``layer_types`` entry other than
-    full_attention); jserve's attention has no window yet."""
-    kinds = set(hf.get("layer_types") or ())
-    if hf.get("use_sliding_window") or kinds - {"full_attention"}:
-        raise ValueError("config.json asks for sliding-window attention (use_sliding_window "
-                         f"or layer_types {sorted(kinds)}), which jserve does not serve yet")
+def qwen_layer_windows(hf: dict[str, Any]) -> tuple[int, ...]:
+    """Qwen2/Qwen3's per-layer windows, as transformers reads them: ``sliding_window`` counts
+    only with ``use_sliding_window`` (default 4096 then); the layers are ``layer_types``
+    where given, else layer i slides when i >= ``max_window_layers`` (default 28). Raises
+    ValueError on a layer kind it has no attention for, or sliding layers without a window
+    (transformers would run them unwindowed under a sliding mask)."""
+    n = hf["num_hidden_layers"]
+    window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window") else None
+    kinds = hf.get("layer_types") or [
+        "sliding_attention" if window is not None and i >= hf.get("max_window_layers", 28)
+        else "full_attention" for i in range(n)]
+    unknown = set(kinds) - {"full_attention", "sliding_attention"}
+    if unknown or len(kinds) != n:
+        raise ValueError(f"config.json's layer_types {sorted(set(kinds))} ({len(kinds)} for "
+                         f"{n} layers): jserve serves full_attention and sliding_attention")
+    if "sliding_attention" not in kinds:
+        return ()
+    if not (isinstance(window, int) and window > 0):
+        raise ValueError("config.json's layer_types has sliding_attention layers but no "
+                         f"window (use_sliding_window={hf.get('use_sliding_window')}, "
+                         f"sliding_window={hf.get('sliding_window')!r})")
+    return tuple(window if kind == "sliding_attention" else 0 for kind in kinds)
 

@@ -1,21 +1,21 @@
 """Qwen2 and Qwen2.5 (``Qwen2ForCausalLM``): Llama's block with biases on the q, k and v
 projections (not on o); embeddings tied or not per config (the small Qwen2.5 models tie
 them), RoPE theta from the config. The config's ``sliding_window`` is used only with
-``use_sliding_window``, which is refused until windowed attention exists."""
+``use_sliding_window``, on the layers from ``max_window_layers`` on (or those ``layer_types``
+names): ``base.qwen_layer_windows``."""
 from __future__ import annotations
 
 from typing import Any
 
 from jserve.config import ModelConfig
 from jserve.model.families import llama
-from jserve.model.families.base import Family, Tensor, refuse_sliding_window, require_act
+from jserve.model.families.base import Family, Tensor, qwen_layer_windows, require_act
 from jserve.model.layers import pre_norm_layer
 
 
 def read_config(hf: dict[str, Any]) -> dict[str, Any]:
     require_act(hf, "silu")
-    refuse_sliding_window(hf)
-    return {}
+    return {"layer_windows": qwen_layer_windows(hf)}
 
 
 def layer_tensors(cfg: ModelConfig) -> dict[str, Tensor]:

@@ -1,6 +1,7 @@
 """Qwen3 (dense, ``Qwen3ForCausalLM``): Llama's block with an RMSNorm over each query and
 key head (``q_norm``/``k_norm`` [head_dim], before RoPE) and no biases; ``head_dim`` comes
-from the config and need not be hidden / heads."""
+from the config and need not be hidden / heads. Sliding windows as Qwen2's
+(``base.qwen_layer_windows``)."""
 from __future__ import annotations
 
 from typing import Any
@@ -10,8 +11,8 @@ from jserve.model.families import llama
 from jserve.model.families.base import (
     Family,
     Tensor,
+    qwen_layer_windows,
     refuse_flags,
-    refuse_sliding_window,
     require_act,
 )
 from jserve.model.layers import pre_norm_layer
@@ -20,8 +21,7 @@ from jserve.model.layers import pre_norm_layer
 def read_config(hf: dict[str, Any]) -> dict[str, Any]:
     refuse_flags(hf, "attention_bias")
     require_act(hf, "silu")
-    refuse_sliding_window(hf)
-    return {}
+    return {"layer_windows": qwen_layer_windows(hf)}
 
 
 def layer_tensors(cfg: ModelConfig) -> dict[str, Tensor]:

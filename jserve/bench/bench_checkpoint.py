@@ -1,0 +1,47 @@
+"""The bench model's shape with a realistic vocabulary, as a checkpoint a user brings: a
+seeded random ``LlamaForCausalLM`` written by transformers (``save_pretrained``) with the
+byte tokenizer (enough for profiling token ids), cached under ``~/.cache/jserve`` so the
+profiling scripts and the HF comparison load the same weights (``scripts/profile_step.py
+--model bench-32k``, ``scripts/bench_engine.py --vocab 32768``). Real vocabularies are
+32K-256K: what a step does per vocabulary entry shows here and not on the 8K bench model."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from jserve.tokenizer import ByteTokenizer
+
+# Built-in checkpoint names (``bench_model``) and their vocabulary sizes.
+BENCH_CHECKPOINTS = {"bench-32k": 32768}
+
+# The bench model's shape (``jserve.bench.decode_step.BENCH_MODEL``) in HF LlamaConfig terms.
+BENCH_KWARGS = dict(num_hidden_layers=4, hidden_size=512, num_attention_heads=8,
+                    num_key_value_heads=2, head_dim=64, intermediate_size=1536,
+                    max_position_embeddings=4096, tie_word_embeddings=False,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                    bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def write_checkpoint(out_dir: Path, vocab: int, seed: int = 0):
+    """Writes the seeded random model with ``vocab`` tokens to ``out_dir`` and returns it
+    (float32, eval mode) for a HF side to run."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=vocab, **BENCH_KWARGS)
+    model = transformers.LlamaForCausalLM(config).to(torch.float32).eval()
+    model.save_pretrained(out_dir)
+    ByteTokenizer().save(out_dir)
+    return model
+
+
+def bench_checkpoint(vocab: int, seed: int = 0) -> Path:
+    """The checkpoint's directory, written on first use (a complete one has config.json)."""
+    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jserve" / "bench"
+    out = root / f"llama-bench-v{vocab}-s{seed}"
+    if not (out / "config.json").exists():
+        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+        write_checkpoint(tmp, vocab, seed)
+        tmp.rename(out)
+    return out
