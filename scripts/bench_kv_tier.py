@@ -106,6 +106,8 @@ def main() -> int:
     ap.add_argument("--pcie-gb-per-s", type=float, default=SimTier.pcie_gb_per_s)
     ap.add_argument("--skip-live", action="store_true")
     ap.add_argument("--skip-sim", action="store_true")
+    ap.add_argument("--sim-modes", default="off,on",
+                    help="simulator runs: tier off, on (one may run in another process)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     a = ap.parse_args()
     res = {}
@@ -115,8 +117,11 @@ def main() -> int:
     if not a.skip_sim:
         s = SimTier(pcie_gb_per_s=a.pcie_gb_per_s)
         t0 = time.perf_counter()
-        res["sim"] = kv_tier.simulated(s)
-        _print_sim(res["sim"], s)
+        res["sim"] = kv_tier.simulated(s, modes=a.sim_modes.split(","))
+        if len(res["sim"]) == 2:
+            _print_sim(res["sim"], s)
+        else:
+            print(json.dumps(res["sim"], indent=1))
         print(f"(simulated in {time.perf_counter() - t0:.0f} s)")
     if a.out:
         with open(a.out, "w") as f:

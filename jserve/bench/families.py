@@ -91,7 +91,7 @@ def bench_family(family: str, w: Workload, root: Path) -> dict:
     ids, mask = unpadded(prompts)
     params = greedy(w.new_tokens)
     ours, theirs, same = [], [], None
-    for rep in range(w.reps + 1):  # the first of each side is untimed
+    for _ in range(w.reps + 1):  # the first of each side is untimed
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params)
         ours.append(time.perf_counter() - t0)

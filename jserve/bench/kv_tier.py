@@ -120,9 +120,9 @@ class SimTier:
     seed: int = 0
 
 
-def simulated(s: SimTier, policy: str = "lars") -> dict:
-    """The simulator's lars on Llama-3 8B, 16 A100 (TP8 x SPP2), caching on, with and
-    without the host tier: long and short TTFT and completion, hits per tier."""
+def simulated(s: SimTier, policy: str = "lars", modes: Sequence[str] = ("off", "on")) -> dict:
+    """The simulator's lars on Llama-3 8B, 16 A100 (TP8 x SPP2), caching on, without the
+    host tier ("off") and with it ("on"): repeat and short TTFT, hits per tier."""
     from jserve.sim.policies import SimConfig, run_with_scheduler
     from jserve.sim.trace import TraceRequest, poisson_arrivals
 
@@ -139,7 +139,8 @@ def simulated(s: SimTier, policy: str = "lars") -> dict:
                                       prefix_id=f"doc{d}", prefix_tokens=n))
     trace.sort(key=lambda t: t.arrival_s)
     out = {}
-    for name, host in (("off", 0), ("on", s.host_tokens)):
+    for name in modes:
+        host = s.host_tokens if name == "on" else 0
         cfg = SimConfig(tp=8, spp=2, prefix_caching=True, kv_cache_tokens=s.device_tokens,
                         host_tier_tokens=host,
                         host_gb_per_s=s.pcie_gb_per_s)

@@ -57,9 +57,11 @@ def make_engine(cfg, params, impl: str, **kwargs) -> LLMEngine:
     """No warm-up unless ``kwargs`` ask for one (``warmup="all"``: the whole program set,
     compiled in parallel)."""
     # No prefix cache: ``twice`` serves the same prompts again, and a timed run that finds
-    # them cached measures one short chunk (and its compile), not the prefill.
+    # them cached measures one short chunk (and its compile), not the prefill. No decode
+    # bursts but those a timing asks for (``bursts.steps``), whatever "auto" picks.
     return LLMEngine(cfg, params, None, EngineConfig(
-        attention_impl=impl, enable_prefix_caching=False, **{"warmup": False, **kwargs}))
+        attention_impl=impl, enable_prefix_caching=False,
+        **{"warmup": False, "decode_burst": 1, **kwargs}))
 
 
 def serve(engine: LLMEngine, prompts, params, desc: str):
