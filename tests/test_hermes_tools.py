@@ -242,7 +242,7 @@ def _calls(r) -> tuple:
 
 @pytest.mark.slow
 def test_sampled_required_calls_validate_and_stream_as_they_answer(served):
-    """24 sampled ``tool_choice: required`` answers are all calls (finish ``tool_calls``, no
+    """12 sampled ``tool_choice: required`` answers are all calls (finish ``tool_calls``, no
     content) naming given functions with arguments that validate against their schemas; the
     same requests streamed add up to the same calls; one call with ``parallel_tool_calls:
     false``, the named function's with a named choice; the prompt is the template's."""
@@ -252,12 +252,12 @@ def test_sampled_required_calls_validate_and_stream_as_they_answer(served):
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
     base = dict(model="qwen", tools=TOOLS, temperature=1.0, max_tokens=1000)
     asks = [dict(base, messages=[{"role": "user", "content": f"Case {i}"}], seed=i,
-                 tool_choice="required") for i in range(24)]
+                 tool_choice="required") for i in range(12)]
     single = [dict(a, parallel_tool_calls=False) for a in asks[:4]]
     named = [dict(a, tool_choice={"type": "function", "function": {"name": "get_time"}})
              for a in asks[:4]]
     rs = _ask(served, asks + [dict(a, stream=True) for a in asks[:6]] + single + named)
-    whole, streamed, single, named = rs[:24], rs[24:30], rs[30:34], rs[34:]
+    whole, streamed, single, named = rs[:12], rs[12:18], rs[18:22], rs[22:]
     names = set()
     for r in whole + single + named:
         content, calls, finish = _calls(r)

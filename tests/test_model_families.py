@@ -119,8 +119,9 @@ def test_logits_match_transformers(family):
 # and each kernel sees one family's head size and GQA ratio.
 # Gemma 3 on one Pallas kernel only: test_gemma3's chat runs it on the native CPU kernel
 # (a prompt of four windows), test_sliding_window every kernel's windows.
-IMPLS = [(family, impl) for family in FAMILIES if family != "gemma3"
-         for impl in ("auto", "reference")]
+# "auto" is the native CPU decode kernel with the reference's prefill; the reference's
+# decode, which reads nothing a family changes, is test_kernels' (held to the same tokens).
+IMPLS = [(family, "auto") for family in FAMILIES if family != "gemma3"]
 IMPLS += [("qwen2", "pallas_gpu"), ("qwen3", "pallas_tpu"), ("gemma3", "pallas_gpu")]
 
 
@@ -187,14 +188,18 @@ _SCRIPT = textwrap.dedent("""
 MESH = "spp=2,kvp=2,tp=2"
 # Quantized runs, int8 weights and int8 KV pages at once: on one device and on every axis.
 QUANTIZED = dict(quantization="int8", kv_cache_dtype="int8")
+# Qwen2's biases split on tp beside quantized matrices (they stay float): the one family whose
+# quantized leaves meet a new layout on a mesh (Llama's is test_weight_quant's).
+MESH_QUANTIZED = ["qwen2"]
 
 
 @pytest.mark.slow
 def test_meshes_match_generate_and_quantized_runs_match_one_device():
-    """Three engines per family (Gemma 3: one) in one 8-device process: a few minutes."""
+    """One engine per family on the mesh, and Qwen2 quantized on one device and on the mesh,
+    in one 8-device process."""
     runs = {f"{family}|{MESH}": (str(tiny_llama_dir(family)), MESH, {}) for family in FAMILIES}
     runs |= {f"{family}|{mesh}|int8": (str(tiny_llama_dir(family)), mesh, QUANTIZED)
-             for family in QUANTIZED_FAMILIES for mesh in ("tp=1", MESH)}
+             for family in MESH_QUANTIZED for mesh in ("tp=1", MESH)}
     result = run_on_devices(_SCRIPT, json.dumps(runs), json.dumps(PROMPTS), json.dumps(ENGINE),
                             str(MAX_TOKENS), timeout=1500).result
     assert all(r["leaked"] == 0 for r in result.values())
@@ -202,7 +207,7 @@ def test_meshes_match_generate_and_quantized_runs_match_one_device():
         got = result[f"{family}|{MESH}"]
         assert got["devices"] == 8
         assert got["tokens"] == hf_tokens(family), family
-    for family in QUANTIZED_FAMILIES:
+    for family in MESH_QUANTIZED:
         one, mesh = (result[f"{family}|{m}|int8"] for m in ("tp=1", MESH))
         assert (one["devices"], mesh["devices"]) == (1, 8)
         assert mesh["tokens"] == one["tokens"], family
