@@ -2,7 +2,8 @@
 by copy. Greedy tokens identical to a roomy device pool while pages go device -> host ->
 device several times, pages conserved on both tiers after every step, a host pool too small
 degrading to recompute, the issue's scenario (six long documents through a pool for two,
-then the first again: restored, not recomputed), LRU order on the host (a sequence's tail
+then the first again: restored, not recomputed), ngram speculative decoding over restored
+pages, LRU order on the host (a sequence's tail
 before its head) and lars pricing a host-tier document by its restore time."""
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ PAGE_BYTES = 2 * 4 * 2 * 16 * 64 * 4  # default model: 4 layers x 2 KV heads x 6
 # 10 usable pages: one 106-token request (7 pages) at a time, so each document's 6 full
 # cached pages are evicted by the next two.
 TINY = dict(num_kv_pages=11, max_model_len=160)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+         "prompt_lookup_min": 1}
 
 
 @pytest.fixture(scope="module")
@@ -39,11 +42,11 @@ def reference():
     return [o.token_ids for o in roomy.generate(PROMPTS, GREEDY)]
 
 
-def _run_in_turn(eng, prompts):
+def _run_in_turn(eng, prompts, params=GREEDY):
     """Each prompt once the last has finished; both tiers checked after every step."""
     outs, reqs = [], []
     for p in prompts:
-        rid = eng.add_request(p, GREEDY)
+        rid = eng.add_request(p, params)
         reqs.append(eng.requests[rid])
         while eng.has_unfinished():
             outs += [o for o in eng.step() if o.finished]
@@ -78,6 +81,28 @@ def test_round_trips_through_the_host_give_identical_greedy_tokens(host_pages, r
         assert all(r <= 3 * 16 for r in restored)
         assert host.num_evictions > 0 and host.num_used == 3
         assert eng.scheduler.prefix_host_hit_tokens == sum(restored)
+
+
+@pytest.mark.slow
+def test_speculative_decoding_drafts_over_restored_pages():
+    """ngram drafts on the tiny-tasks model (its count-downs repeat the prompt) while three
+    documents go to the host and back: greedy tokens as a roomy pool's without drafts,
+    drafts made and accepted, the repeats' pages restored, both tiers conserved."""
+    from jserve.cache.pool import kv_bytes_per_page
+
+    docs = [f"count down from {n}\n" + " ".join(str(k) for k in range(n, n - 25, -1))
+            for n in (90, 70, 50)]
+    prompts = [docs[i % 3] for i in range(5)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    roomy = small_llm("tiny-tasks", num_kv_pages=64, max_model_len=160)
+    want = [o.token_ids for o in roomy.generate(prompts, params)]
+    page = kv_bytes_per_page(roomy.engine.model_config, 16)
+    eng = small_llm("tiny-tasks", num_kv_pages=11, max_model_len=160,
+                    kv_offload_bytes=40 * page, speculative_config=NGRAM).engine
+    outs, _ = _run_in_turn(eng, prompts, params)
+    assert [o.token_ids for o in outs] == want
+    assert eng.scheduler.num_accepted_tokens > 0
+    assert [o.metrics.restored_tokens > 0 for o in outs] == [False] * 3 + [True] * 2
 
 
 @pytest.mark.slow
