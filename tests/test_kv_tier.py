@@ -3,8 +3,8 @@ by copy. Greedy tokens identical to a roomy device pool while pages go device ->
 device several times, pages conserved on both tiers after every step, a host pool too small
 degrading to recompute, the issue's scenario (six long documents through a pool for two,
 then the first again: restored, not recomputed), ngram speculative decoding over restored
-pages, LRU order on the host (a sequence's tail
-before its head) and lars pricing a host-tier document by its restore time."""
+pages, LRU order on the host (a sequence's tail before its head) and lars pricing a
+host-tier document by its restore time."""
 from __future__ import annotations
 
 import textwrap
