@@ -27,9 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jserve.config import QUANTIZATIONS
-from jserve.model.layer_weights import LayerOf, matmul as layer_matmul
+from jserve.model.layer_weights import MATRICES, LayerOf, matmul as layer_matmul
 
-QUANTIZED_LEAVES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_gate_up", "w_down")
+QUANTIZED_LEAVES = MATRICES  # the layer matrices are what is quantized
 _QTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 SCALE_DTYPE = np.dtype(np.float32)
 

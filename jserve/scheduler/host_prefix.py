@@ -11,7 +11,7 @@ def host_prefix(alloc: PageAllocator, req: Request, num_device: int) -> list[int
     """Host slots of ``req``'s leading pages after the device's ``num_device`` (its page keys
     are made by the device lookup). None under a sliding window (not supported yet: a
     windowed claim takes only live pages) or where the request takes no cached pages."""
-    if alloc.host is None or getattr(alloc, "window", None) is not None or not (
+    if alloc.host is None or alloc.window is not None or not (
             alloc.prefix_caching and req.cacheable and req.takes_cached):
         return []
     pages = (len(req.token_ids) - 1) // alloc.page_size
