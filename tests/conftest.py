@@ -4,9 +4,14 @@ and load only where a test uses them."""
 from __future__ import annotations
 
 import gc
+import os
 import sys
 
 import pytest
+
+from devices import xla_flags
+
+os.environ["XLA_FLAGS"] = xla_flags(None)  # before any test imports JAX (devices.py says why)
 
 from jserve.bench.served import SERVE_FLAGS, Served  # noqa: F401  (the tests import them from here)
 

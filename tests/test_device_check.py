@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from devices import xla_flags
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,7 +30,7 @@ def test_device_check_smoke_mode_passes(tmp_path):
     out = tmp_path / "device.json"
     docs = ROOT / "docs" / "device" / "check.md"
     before = docs.stat().st_mtime_ns if docs.exists() else None
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one plain CPU device
+    env = {**os.environ, "XLA_FLAGS": xla_flags()}  # one plain CPU device
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "device_check.py"),
                            "--smoke", "--json", str(out)],
                           capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
@@ -83,7 +85,7 @@ def test_a_tiny_budget_ends_the_run_in_time_and_says_what_was_skipped(tmp_path):
     skipped, either before it starts (too little time left) or by the deadline (the item
     in hand cut short, exit 3); the JSON and markdown say which."""
     out = tmp_path / "device.json"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags()}
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "device_check.py"),
                            "--smoke", "--budget", "20", "--json", str(out)],
                           capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
