@@ -236,8 +236,14 @@ def test_decode_steps_built_from_the_last_step_equal_fresh_builds(llm, reference
             fresh = b._build(plan, requests, lambda r: sampler_row(r, eng.eos_ids),
                              NEUTRAL_ROW, state_row, flags)
             assert built.shape == fresh.shape and built.sample_rows == fresh.sample_rows
+            # Built packed: the buffers are what packing the fresh build gives, bit for bit,
+            # and the arrays unpacked from them are the fresh ones, dtypes included.
+            want_i, want_f = built.layout.pack(fresh.arrays)
+            np.testing.assert_array_equal(built.packed[0], want_i)
+            np.testing.assert_array_equal(built.packed[1], want_f)
             for got, want in zip(jax.tree.leaves(built.arrays), jax.tree.leaves(fresh.arrays),
                                  strict=True):
+                assert got.dtype == want.dtype
                 np.testing.assert_array_equal(got, want)
             checked.append(len(plan.decodes))
         return built

@@ -23,7 +23,8 @@ pages that no later query reads (``drop_dead``) and holds about one window plus 
 skip out-of-window pages and never read those entries). One group only: with kvp a
 sequence's pages are placed by their logical index from its first page's group, and a
 model with some full-attention layer (Gemma 3's global layers: ``kv_window`` None) keeps
-every page (a pool per layer group would be needed to free only the local layers' pages).
+every page here; ``jserve.cache.hybrid`` gives such a model a pool per layer group and frees
+the windowed layers' pages.
 """
 from __future__ import annotations
 
@@ -90,6 +91,12 @@ class PageAllocator:
         # The host tier (``jserve.cache.host_tier``): evicted cached pages are copied there
         # instead of dropped. None: no tier.
         self.host: HostTier | None = None
+
+    @property
+    def frees_dead(self) -> bool:
+        """Whether a running sequence gives back pages its window has passed
+        (``drop_dead``; ``jserve.cache.hybrid`` frees the windowed layers' halves)."""
+        return self.window is not None
 
     @property
     def num_free(self) -> int:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import jax
 
@@ -12,6 +13,15 @@ from jserve.kernels import kv_quant
 # model's layer loop reads and writes layer i in place (jserve.model.decoder.layer_loop). With
 # kv_cache_dtype="int8" each is a kv_quant.QuantizedPages (values and per-row scales).
 KVCache = tuple[jax.Array | kv_quant.QuantizedPages, jax.Array | kv_quant.QuantizedPages]
+
+
+class HybridKV(NamedTuple):
+    """The KV pages of two layer groups (``jserve.cache.hybrid``), each its own
+    (k_pages, v_pages) [group's layers, Hkv, group's pages, S, D]: the full-attention
+    layers' and the windowed layers'. A step's programs take it where they take a KVCache."""
+
+    glob: KVCache
+    loc: KVCache
 
 
 def kv_bytes_per_page(cfg: ModelConfig, page_size: int, kv_heads: int | None = None,
@@ -106,7 +116,25 @@ def kv_cache_shape(cfg: ModelConfig, num_pages: int, page_size: int,
 
 
 def allocate_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int,
-                      kv_cache_dtype: str = "auto") -> KVCache:
-    shape = kv_cache_shape(cfg, num_pages, page_size)
+                      kv_cache_dtype: str = "auto", local_pages: int | None = None
+                      ) -> KVCache | HybridKV:
+    """The zeroed pages; ``local_pages``: two layer groups (``HybridKV``), ``num_pages``
+    for the full-attention layers and ``local_pages`` for the windowed ones."""
+    if local_pages is not None:
+        return HybridKV(*(_zeros(shape, cfg, kv_cache_dtype) for shape in
+                          hybrid_kv_shapes(cfg, num_pages, local_pages, page_size)))
+    return _zeros(kv_cache_shape(cfg, num_pages, page_size), cfg, kv_cache_dtype)
+
+
+def _zeros(shape: tuple[int, ...], cfg: ModelConfig, kv_cache_dtype: str) -> KVCache:
     return (kv_quant.zeros(shape, kv_cache_dtype, cfg.np_dtype),
             kv_quant.zeros(shape, kv_cache_dtype, cfg.np_dtype))
+
+
+def hybrid_kv_shapes(cfg: ModelConfig, num_pages: int, local_pages: int, page_size: int
+                     ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The (global, local) groups' stacked page shapes (one device)."""
+    num_local = sum(1 for w in cfg.layer_windows if w)
+    full = kv_cache_shape(cfg, num_pages, page_size)
+    return ((cfg.num_hidden_layers - num_local, *full[1:]),
+            (num_local, full[1], local_pages, *full[3:]))

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
-from jserve.cache.pool import kv_cache_shape
+from jserve.cache.pool import HybridKV, hybrid_kv_shapes, kv_cache_shape
 from jserve.config import ModelConfig
 from jserve.kernels import kv_quant
 from jserve.model import quant
@@ -42,10 +42,16 @@ def abstract_params(cfg: ModelConfig, mesh: jax.sharding.Mesh | None,
 
 def abstract_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int,
                       mesh: jax.sharding.Mesh | None, device: jax.Device | None = None,
-                      kv_cache_dtype: str = "auto"):
+                      kv_cache_dtype: str = "auto", local_pages: int | None = None):
     """(k, v) pages as ``ShapeDtypeStruct``s, laid out as the engine allocates them:
     ``num_pages`` per kvp group, stored heads split on tp (``allocate_sharded_kv_cache``),
-    stored as ``kv_cache_dtype`` (int8: values and scales)."""
+    stored as ``kv_cache_dtype`` (int8: values and scales). ``local_pages`` (one device):
+    two layer groups' (``jserve.cache.pool.HybridKV``)."""
+    if local_pages is not None:
+        sharding = SingleDeviceSharding(device or jax.devices()[0])
+        return HybridKV(*((spec, spec) for spec in (
+            kv_quant.abstract(shape, kv_cache_dtype, cfg.np_dtype, sharding)
+            for shape in hybrid_kv_shapes(cfg, num_pages, local_pages, page_size))))
     if mesh is None:
         shape = kv_cache_shape(cfg, num_pages, page_size)
         sharding = SingleDeviceSharding(device or jax.devices()[0])

@@ -36,6 +36,11 @@ def advance(layout, ibuf: jax.Array, j: jax.Array, tokens: jax.Array, num_decode
     page = layout.int_leaf(ibuf, ".batch.attn.page_table")[jnp.arange(nd),
                                                            positions // page_size]
     slots = jnp.where(live, page * page_size + positions % page_size, leaf(".batch.slots"))
+    if layout.has_int_leaf(".batch.local_slots"):  # two KV layer groups: the local slots too
+        local = layout.int_leaf(ibuf, ".batch.local_page_table")[jnp.arange(nd),
+                                                                 positions // page_size]
+        ibuf = layout.with_int_leaf(ibuf, ".batch.local_slots", jnp.where(
+            live, local * page_size + positions % page_size, leaf(".batch.local_slots")))
     fed = live & (j > 0)
     for name, value in ((".batch.attn.positions", positions), (".batch.slots", slots),
                         (".batch.attn.kv_lens", kv_lens + moved),

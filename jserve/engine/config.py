@@ -35,6 +35,10 @@ class EngineConfig:
     # Exact KV pool size in pages per device (one kvp group's pool; the reserved sink page
     # included), like vLLM's num_gpu_blocks_override; excludes kv_cache_bytes.
     num_kv_pages: int | None = None
+    # A model with windowed and full-attention layers (Gemma 3) keeps two pools
+    # (jserve.cache.hybrid): num_kv_pages sizes the full-attention layers' and this the
+    # windowed layers' (sink included; None: num_kv_pages scaled as jserve.engine.kv_groups).
+    num_local_kv_pages: int | None = None
     memory_fraction: float = 0.5
     # How KV pages are stored (jserve.kernels.kv_quant): auto (the model's dtype) | int8 (per
     # token and KV head scales) | fp8_e4m3 | fp8_e5m2 (one fixed scale). The budget above

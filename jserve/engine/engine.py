@@ -203,7 +203,8 @@ class LLMEngine:
             out = self._execute(launched, lone)
             if launched is not None and self.length_tracker is not None:
                 launched.capture = self.runner.last_capture
-            if launched is not None and launched.built.arrays.want_prompt_logprobs:
+            if (launched is not None and launched.plan.prefills  # (a packed step: no arrays)
+                    and launched.built.arrays.want_prompt_logprobs):
                 launched.prompt_logprobs = self.runner.last_prompt_logprobs
         except Exception as e:  # noqa: BLE001 - a failed step must not strand its requests
             return self._step_failed(e, new_plan=plan)

@@ -19,9 +19,11 @@ from jserve.engine.abstract import abstract_kv_cache, params_on_one_device
 from jserve.engine.buckets import Buckets
 from jserve.engine.burst import DecodeBursts
 from jserve.engine.config import EngineConfig
+from jserve.engine.kv_groups import KVGroups, kv_groups
 from jserve.engine.request_state import plain_sampler_row
 from jserve.engine.runner import ModelRunner
 from jserve.engine.startup import StartupTimes
+from jserve.engine.step_arrays import PackedLayout
 from jserve.engine.step_builder import StepBuilder
 from jserve.engine.step_program import runtime_params
 from jserve.engine.timing import estimated_predictor, host_round_trip_seconds, load_predictor
@@ -164,10 +166,13 @@ def _num_kv_pages(cfg: ModelConfig, config: EngineConfig, geo: Geometry) -> int:
 
 
 def _swap_policy(cfg: ModelConfig, config: EngineConfig, mesh_config: MeshConfig,
-                 predictor: RuntimePredictor | None) -> SwapPolicy | None:
+                 predictor: RuntimePredictor | None, groups: KVGroups | None = None
+                 ) -> SwapPolicy | None:
     """Swapping moves pages through the host memory of one process and not under a
-    pipeline; elsewhere, and with ``preemption="recompute"``, victims recompute."""
-    if config.preemption == "recompute" or jax.process_count() > 1 or mesh_config.spp > 1:
+    pipeline, nor with two KV layer groups (``preemption="auto"`` then recomputes);
+    elsewhere, and with ``preemption="recompute"``, victims recompute."""
+    if (config.preemption == "recompute" or jax.process_count() > 1 or mesh_config.spp > 1
+            or groups is not None):
         return None
     cost = predictor or estimated_predictor(cfg)
     return SwapPolicy(
@@ -211,7 +216,10 @@ def build_engine_parts(cfg: ModelConfig, params: Params, config: EngineConfig,
     geo = check_config(cfg, config)
     mesh_config, buckets, context = geo.mesh_config, geo.buckets, geo.max_model_len
     budget = min(config.max_num_batched_tokens, context)
-    num_pages = _num_kv_pages(cfg, config, geo)
+    groups = kv_groups(cfg, config, mesh_size=mesh_config.size, max_model_len=context,
+                       layer_mode=config.layer_mode(cfg.num_hidden_layers, mesh_config.spp),
+                       max_chunk=geo.max_chunk)
+    num_pages = groups.global_pages if groups else _num_kv_pages(cfg, config, geo)
     predictor = (load_predictor(cfg, config)
                  if policy(config.scheduler).predictor else None)
     if predictor is not None and config.predictor_correction:
@@ -220,12 +228,13 @@ def build_engine_parts(cfg: ModelConfig, params: Params, config: EngineConfig,
     prefix_caching = config.enable_prefix_caching and tracker is None
     if config.enable_prefix_caching and not prefix_caching:
         log.info("prefix caching is off: not supported with a length probe")
-    allocator = PageAllocator(num_pages, config.page_size, groups=mesh_config.kvp,
-                               pages_per_group=buckets.pages_per_group,
-                               prefix_caching=prefix_caching, window=geo.window,
-                               max_chunk=geo.max_chunk)
+    allocator = groups.allocator(config.page_size, prefix_caching, geo.max_chunk) if groups \
+        else PageAllocator(num_pages, config.page_size, groups=mesh_config.kvp,
+                           pages_per_group=buckets.pages_per_group,
+                           prefix_caching=prefix_caching, window=geo.window,
+                           max_chunk=geo.max_chunk)
     scheduler = _scheduler(config, allocator, budget, context, predictor, tracker)
-    scheduler.swap_policy = _swap_policy(cfg, config, mesh_config, predictor)
+    scheduler.swap_policy = _swap_policy(cfg, config, mesh_config, predictor, groups)
     # Padding a step up to a compiled shape needs one process (followers run the leader's
     # shapes) and no pipeline (a tick's shape covers its slots' own).
     defer = (config.warmup in ("core", "background") and mesh_config.spp == 1
@@ -235,9 +244,10 @@ def build_engine_parts(cfg: ModelConfig, params: Params, config: EngineConfig,
     burst_ok = (mesh_config.spp == 1 and mesh_config.kvp == 1 and jax.process_count() == 1
                 and tracker is None and config.speculative_config is None)
     runner, hits = _runner(cfg, params, config, mesh_config, buckets, num_pages, tracker,
-                           times, defer, (config.burst_steps() if burst_ok else 1,
-                                          scheduler.swap_policy is not None
-                                          or _host_tier_on(config, mesh_config)))
+                           times, defer, groups and groups.local_pages,
+                           (config.burst_steps() if burst_ok else 1,
+                            scheduler.swap_policy is not None
+                            or _host_tier_on(config, mesh_config)))
     programs = runner.programs
     times.deferred = len(programs.deferred_shapes()) + (programs.samplers_missing() if defer
                                                         else 0)
@@ -251,7 +261,10 @@ def build_engine_parts(cfg: ModelConfig, params: Params, config: EngineConfig,
                             vocab_size=cfg.vocab_size,
                             ready=programs.ready_shape if defer else None,
                             plain_row=plain_sampler_row,
-                            prompt_logprobs=prompt_logprobs.wanted),
+                            prompt_logprobs=prompt_logprobs.wanted,
+                            hybrid=groups is not None,
+                            layout=functools.cache(lambda shape: PackedLayout(
+                                programs.lowering.arrays_spec(*shape)))),
         predictor, tracker, hits, speculator, bursts)
 
 
@@ -284,13 +297,14 @@ def _warm(runner: ModelRunner, times: StartupTimes, core_only: bool,
 
 def _runner(cfg: ModelConfig, params: Params, config: EngineConfig, mesh_config: MeshConfig,
             buckets: Buckets, num_pages: int, tracker: LengthTracker | None,
-            times: StartupTimes, core_only: bool, wanted: tuple[int, bool] = (1, False)
-            ) -> tuple[ModelRunner, int | None]:
+            times: StartupTimes, core_only: bool, local_pages: int | None = None,
+            wanted: tuple[int, bool] = (1, False)) -> tuple[ModelRunner, int | None]:
     """The runner, its programs warmed up (``config.warmup``), and how many came from the
     persistent cache (None: no warm-up). On one device the weights and KV pages load in a
     thread while the programs compile against their specs; on a mesh they load first.
     ``wanted``: the decode bursts' steps (1: none) and whether swapping happens, whose
-    programs compile with the steps (``StepPrograms.burst_steps``, ``swaps``)."""
+    programs compile with the steps (``StepPrograms.burst_steps``, ``swaps``).
+    ``local_pages``: two KV layer groups, the windowed layers' pool (``KVGroups``)."""
     mesh = make_mesh(mesh_config) if mesh_config.size > 1 else None
     placed = hasattr(params, "place")  # a lazy checkpoint streams onto the mesh
     layer_mode = config.layer_mode(cfg.num_hidden_layers, mesh_config.spp)
@@ -308,7 +322,8 @@ def _runner(cfg: ModelConfig, params: Params, config: EngineConfig, mesh_config:
     def allocate_kv():
         t0 = time.perf_counter()
         kv = jax.block_until_ready(
-            allocate_kv_cache(cfg, num_pages, config.page_size, config.kv_cache_dtype)
+            allocate_kv_cache(cfg, num_pages, config.page_size, config.kv_cache_dtype,
+                              local_pages)
             if mesh is None else
             allocate_sharded_kv_cache(cfg, mesh_config.kvp * num_pages, config.page_size,
                                       mesh, config.kv_cache_dtype))
@@ -330,7 +345,8 @@ def _runner(cfg: ModelConfig, params: Params, config: EngineConfig, mesh_config:
     with ThreadPoolExecutor(1, thread_name_prefix="jserve-load") as loader:
         loaded = loader.submit(lambda: (load_weights(), allocate_kv()))
         runner = make(cfg, params_on_one_device(cfg, unroll), abstract_kv_cache(
-            cfg, num_pages, config.page_size, None, kv_cache_dtype=config.kv_cache_dtype),
+            cfg, num_pages, config.page_size, None, kv_cache_dtype=config.kv_cache_dtype,
+            local_pages=local_pages),
             abstract=True)
         hits = warmup(runner)
         weights, kv = loaded.result()

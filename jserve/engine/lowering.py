@@ -10,6 +10,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jserve.cache.pool import HybridKV
 from jserve.config import ModelConfig
 from jserve.engine.buckets import Buckets
 from jserve.engine.step_arrays import PackedLayout, StepArrays, arrays_spec, sample_inputs_spec
@@ -59,7 +60,7 @@ class StepLowering:
     def arrays_spec(self, num_decodes: int, num_prefill_tokens: int) -> StepArrays:
         """Abstract shapes of a bucket's inputs (what ``StepBuilder`` fills)."""
         return arrays_spec(self.buckets, self.model_config.vocab_size, num_decodes,
-                           num_prefill_tokens)
+                           num_prefill_tokens, isinstance(self.args[1], HybridKV))
 
     def rows_for(self, shape: tuple[int, int]) -> int:
         """The rows a step of ``shape`` pads its sampling inputs to."""

@@ -40,6 +40,7 @@ from jserve.config import ModelConfig
 from jserve.engine.abstract import abstract_kv_cache, abstract_params
 from jserve.engine.config import EngineConfig
 from jserve.engine.factory import Geometry, engine_geometry
+from jserve.engine.kv_groups import group_window, layer_counts, pool_sizes
 from jserve.engine.runner import ModelRunner
 from jserve.engine.step_arrays import state_spec
 from jserve.model.params import num_params
@@ -166,6 +167,18 @@ class MemoryPlan:
     choices: list["StorageChoice"] = dataclasses.field(default_factory=list)
     window: int | None = None     # the sliding window pages are freed by (None: all kept)
     max_chunk: int = 1            # the most tokens a step computes for one request
+    # Two KV layer groups (jserve.cache.hybrid): the windowed layers' pool, its page's bytes
+    # (``kv_bytes_per_page`` and ``num_kv_pages`` are then the full-attention layers') and
+    # the window their passed pages are freed by. None: one group.
+    local_kv_pages: int | None = None
+    local_kv_bytes_per_page: int = 0
+    local_window: int | None = None
+
+    def request_kv_bytes(self, length: int) -> int:
+        """KV bytes a request of ``length`` tokens holds at most (every group's pages)."""
+        local = (0 if self.local_window is None else self.local_kv_bytes_per_page
+                 * held_pages(length, self.page_size, self.local_window, self.max_chunk))
+        return self.pages_per_request(length) * self.kv_bytes_per_page + local
 
     def pages_per_request(self, length: int) -> int:
         """The most pages a request of ``length`` tokens holds at once (``held_pages``)."""
@@ -174,8 +187,13 @@ class MemoryPlan:
     def requests_at_once(self, length: int | None = None) -> int:
         """How many requests of ``length`` tokens (default ``max_model_len``) the pool
         holds at once, each at its most pages."""
-        per = self.pages_per_request(self.max_model_len if length is None else length)
-        return self.kvp * max(self.num_kv_pages - 1, 0) // per
+        length = self.max_model_len if length is None else length
+        per = self.pages_per_request(length)
+        fit = self.kvp * max(self.num_kv_pages - 1, 0) // per
+        if self.local_window is None:
+            return fit
+        local = held_pages(length, self.page_size, self.local_window, self.max_chunk)
+        return min(fit, max(self.local_kv_pages - 1, 0) // local)
 
     @property
     def fits(self) -> bool:
@@ -183,7 +201,8 @@ class MemoryPlan:
 
     @property
     def kv_cache_bytes(self) -> int:
-        return self.num_kv_pages * self.kv_bytes_per_page
+        return (self.num_kv_pages * self.kv_bytes_per_page
+                + (self.local_kv_pages or 0) * self.local_kv_bytes_per_page)
 
     @property
     def max_cached_tokens(self) -> int:
@@ -210,7 +229,8 @@ class MemoryPlan:
                        f"{_gb(self.split_weight_bytes)} of it split on tp; quantization "
                        f"{self.quantization})")
         row("KV bytes per page", f"{self.kv_bytes_per_page:,} ({self.page_size} tokens, "
-                                 f"kv_cache_dtype {self.kv_cache_dtype})")
+                                 f"kv_cache_dtype {self.kv_cache_dtype}"
+            + (")" if self.local_window is None else "; the full-attention layers')"))
         row("KV pages", f"{self.num_kv_pages:,}" + (f" per kvp group x {self.kvp}" if self.kvp > 1
                                                     else "")
             + f" = {_gb(self.kv_cache_bytes)}  (budget: {self.kv_budget_source}; "
@@ -223,6 +243,14 @@ class MemoryPlan:
             row("sliding window", f"{self.window:,} tokens: a request holds at most {per:,} "
                                   f"pages, so {self.requests_at_once():,} of max_model_len "
                                   "fit at once")
+        if self.local_window is not None:
+            every = self.kv_bytes_per_page + self.local_kv_bytes_per_page
+            row("windowed layers' pages", f"{self.local_kv_pages:,} x "
+                f"{self.local_kv_bytes_per_page:,} B, freed past the {self.local_window:,}-"
+                f"token window: a request of max_model_len holds "
+                f"{_gb(self.request_kv_bytes(self.max_model_len))} of KV (every page kept: "
+                f"{_gb(self.pages_per_request(self.max_model_len) * every)}), so "
+                f"{self.requests_at_once():,} fit at once")
         row("penalty state", _gb(self.state_bytes))
         if self.step is not None:
             d, p = self.step_shape
@@ -278,6 +306,10 @@ class MemoryPlan:
                 f"(max_model_len {self.max_model_len:,})"
                 + (f", sliding window {self.window:,}: {self.requests_at_once():,} requests "
                    "of max_model_len at once" if self.window is not None else "")
+                + (f", windowed layers {self.local_kv_pages:,} pages x "
+                   f"{self.local_kv_bytes_per_page:,} B (window {self.local_window:,}): "
+                   f"{self.requests_at_once():,} requests of max_model_len at once"
+                   if self.local_window is not None else "")
                 + f"{temp}; total {_gb(self.total_bytes)}"
                 f"{mem}" + ("" if self.fits else "; DOES NOT FIT: " + " ".join(self.problems)))
 
@@ -303,6 +335,27 @@ def _num_pages(config: EngineConfig, geo: Geometry, per_page: int,
         budget = config.kv_cache_bytes
     pages = min(max(budget, 0) // per_page, geo.max_useful_pages + 1)
     return int(pages) if pages >= 2 else 0
+
+
+def _pool(cfg: ModelConfig, config: EngineConfig, geo: Geometry, per_page: int,
+          budget: int | None, platform: str) -> dict:
+    """The plan's pool fields: one group's pages (``_num_pages``), or two KV layer groups'
+    (``jserve.engine.kv_groups``, where the engine would run them) from the same budget."""
+    mc = geo.mesh_config
+    mode = config.layer_mode(cfg.num_hidden_layers, mc.spp, platform)
+    window = group_window(cfg, config, mesh_size=mc.size, layer_mode=mode, warn=False)
+    if window is None:
+        return dict(kv_bytes_per_page=per_page,
+                    num_kv_pages=_num_pages(config, geo, per_page, budget))
+    num_global, num_local = layer_counts(cfg)
+    per_layer = per_page // cfg.num_hidden_layers
+    layer_pages = None if config.num_kv_pages is not None else max(
+        config.kv_cache_bytes if budget is None else budget, 0) // per_layer
+    glob, local = pool_sizes(cfg, config, window, geo.max_model_len, geo.max_chunk,
+                             layer_pages)
+    return dict(kv_bytes_per_page=num_global * per_layer, num_kv_pages=glob,
+                local_kv_pages=local, local_kv_bytes_per_page=num_local * per_layer,
+                local_window=window)
 
 
 def _suggest_tp(cfg: ModelConfig, mc: MeshConfig, split: int, repl: int, other: int,
@@ -366,12 +419,12 @@ def plan(cfg: ModelConfig, engine_config: EngineConfig = EngineConfig(),
     act = max(step.temp_bytes if step else 0, sampler.temp_bytes if sampler else 0)
     budget = (kv_budget_bytes(device_memory_bytes, engine_config.memory_fraction,
                               weights + state + act) if source == "device memory" else None)
-    pages = _num_pages(engine_config, geo, per_page, budget)
+    pool = _pool(cfg, engine_config, geo, per_page, budget, devices[0].platform)
     p = MemoryPlan(
         model=model_name or (f"Llama {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}"),
         mesh=engine_config.mesh, num_devices=mc.size, platform=devices[0].platform,
         dtype=cfg.dtype, num_params=num_params(cfg), weight_bytes=weights,
-        split_weight_bytes=split, kv_bytes_per_page=per_page, num_kv_pages=pages, kvp=mc.kvp,
+        split_weight_bytes=split, **pool, kvp=mc.kvp,
         page_size=engine_config.page_size, max_model_len=geo.max_model_len,
         max_num_seqs=engine_config.max_num_seqs, max_useful_pages=geo.max_useful_pages,
         pages_per_group=geo.buckets.pages_per_group if mc.kvp > 1 else None,
@@ -450,7 +503,8 @@ def _check(p: MemoryPlan, cfg: ModelConfig, mc: MeshConfig, split: int, repl: in
     need = p.pages_per_request(p.max_model_len)
     alloc = PageAllocator(p.num_kv_pages, p.page_size, groups=p.kvp,
                            pages_per_group=p.pages_per_group)
-    if not alloc.can_ever_hold(need):
+    if not alloc.can_ever_hold(need) or p.local_window is not None and held_pages(
+            p.max_model_len, p.page_size, p.local_window, p.max_chunk) > p.local_kv_pages - 1:
         p.problems.append(
             f"the KV pool caches {p.max_cached_tokens:,} tokens, fewer than one sequence of "
             f"max_model_len {p.max_model_len:,}: lower max_model_len, use more tp (or kvp), or "
@@ -479,15 +533,20 @@ def describe_engine(engine) -> str:
     big_sampler = programs.samplers.get(programs.sample_rows)
     sampler = CompiledMemory.of(big_sampler) if big_sampler is not None else None
     split, _ = _split_bytes(runner.params)
+    per_page = kv_bytes_per_page(cfg, config.page_size, kv_heads_per_device(cfg, mc.tp),
+                                 cfg.num_hidden_layers // mc.spp, config.kv_cache_dtype)
+    pool = dict(kv_bytes_per_page=per_page, num_kv_pages=alloc.pool_pages)
+    local = getattr(alloc, "local", None)  # two KV layer groups (jserve.cache.hybrid)
+    if local is not None:
+        (num_global, num_local), per_layer = layer_counts(cfg), per_page // cfg.num_hidden_layers
+        pool = dict(kv_bytes_per_page=num_global * per_layer, num_kv_pages=alloc.pool_pages,
+                    local_kv_pages=local.pool_pages, local_window=alloc.local_window,
+                    local_kv_bytes_per_page=num_local * per_layer)
     p = MemoryPlan(
         model=f"Llama {cfg.num_hidden_layers} layers", mesh=config.mesh, num_devices=mc.size,
         platform=jax.devices()[0].platform, dtype=cfg.dtype, num_params=num_params(cfg),
         weight_bytes=per_device_bytes(runner.params), split_weight_bytes=split,
-        kv_bytes_per_page=kv_bytes_per_page(cfg, config.page_size,
-                                            kv_heads_per_device(cfg, mc.tp),
-                                            cfg.num_hidden_layers // mc.spp,
-                                            config.kv_cache_dtype),
-        num_kv_pages=alloc.pool_pages, kvp=alloc.groups, page_size=config.page_size,
+        **pool, kvp=alloc.groups, page_size=config.page_size,
         max_model_len=engine.max_model_len, max_num_seqs=config.max_num_seqs,
         max_useful_pages=config.max_num_seqs * (alloc.pages_per_group or
                                                 alloc.pages_held(engine.max_model_len)),

@@ -94,9 +94,16 @@ class PackedLayout:
                            leaf(".batch.tokens"))
         return self.with_int_leaf(ibuf, ".batch.tokens", tokens)
 
+    def has_int_leaf(self, name: str) -> bool:
+        return name in self._int_at
+
     def int_shape(self, name: str) -> tuple[int, ...]:
         """The shape of the int leaf at path ``name``."""
         return self._int_at[name][1]
+
+    def int_offset(self, name: str) -> int:
+        """Where the int leaf at path ``name`` starts in the int32 buffer (row-major)."""
+        return self._int_at[name][0]
 
     def int_leaf(self, ibuf: jax.Array, name: str) -> jax.Array:
         """The int leaf at path ``name`` (e.g. ".batch.tokens") of a packed buffer, as stored
@@ -132,6 +139,16 @@ class PackedLayout:
                 flat = flat != 0
             elif dtype == np.uint32:
                 flat = jax.lax.bitcast_convert_type(flat, jnp.uint32)
+            leaves.append(flat.reshape(shape))
+        return jax.tree.unflatten(self.treedef, leaves)
+
+    def host_arrays(self, ibuf: np.ndarray, fbuf: np.ndarray) -> StepArrays:
+        """``pack``'s inverse on the host: the ``StepArrays`` of two packed numpy buffers,
+        each leaf a copy in its own dtype (a step built packed, ``StepBuilder._advance``)."""
+        leaves = []
+        for dtype, shape, is_float, offset in self.fields:
+            flat = (fbuf if is_float else ibuf)[offset:offset + int(np.prod(shape))]
+            flat = flat.view(dtype).copy() if dtype == np.uint32 else flat.astype(dtype)
             leaves.append(flat.reshape(shape))
         return jax.tree.unflatten(self.treedef, leaves)
 
@@ -193,8 +210,9 @@ def abstract_of(tree):
 
 
 def arrays_spec(buckets: Buckets, vocab_size: int, num_decodes: int,
-                num_prefill_tokens: int) -> StepArrays:
-    """Abstract shapes of a bucket's inputs (what ``StepBuilder`` fills)."""
+                num_prefill_tokens: int, hybrid: bool = False) -> StepArrays:
+    """Abstract shapes of a bucket's inputs (what ``StepBuilder`` fills); ``hybrid``: two
+    KV layer groups, the windowed layers' slots and page table too."""
     t = num_decodes + num_prefill_tokens
     s = num_decodes + (buckets.prefill_rows if num_prefill_tokens else 0)
     i32 = jnp.int32
@@ -207,7 +225,10 @@ def arrays_spec(buckets: Buckets, vocab_size: int, num_decodes: int,
     return StepArrays(
         batch=StepInput(tokens=leaf_spec((t,), i32), slots=leaf_spec((t,), i32),
                         logits_rows=leaf_spec((s,), i32), attn=attn,
-                        slot_groups=leaf_spec((t,), i32), start_groups=leaf_spec((s,), i32)),
+                        slot_groups=leaf_spec((t,), i32), start_groups=leaf_spec((s,), i32),
+                        **({"local_slots": leaf_spec((t,), i32),
+                            "local_page_table": leaf_spec((s, buckets.page_table_width), i32)}
+                           if hybrid else {})),
         token_state_rows=leaf_spec((t,), i32), token_is_prompt=leaf_spec((t,), bool),
         token_fed=leaf_spec((t,), bool), state_rows=leaf_spec((s,), i32),
         prompt_targets=leaf_spec((t,), i32), want_prompt_logprobs=leaf_spec((), bool),

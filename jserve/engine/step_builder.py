@@ -10,7 +10,7 @@ import numpy as np
 
 from jserve.engine.buckets import Buckets
 from jserve.engine.prompt_logprobs import targets as prompt_targets
-from jserve.engine.step_arrays import StepArrays
+from jserve.engine.step_arrays import PackedLayout, StepArrays
 from jserve.kernels import AttentionMetadata
 from jserve.model.decoder import StepInput
 from jserve.sampling.sampler import SamplerRow, make_sampling_batch, mask_words
@@ -44,10 +44,22 @@ class StepFlags:
 
 @dataclasses.dataclass(frozen=True)
 class BuiltStep:
+    """A step's host inputs: its ``arrays``, and, when the builder packed them, the two
+    buffers of ``layout`` (``PackedLayout.pack``). A step built packed (``StepBuilder._advance``)
+    has only the buffers: ``arrays`` unpacks them the first time something asks."""
+
     shape: tuple[int, int]
-    arrays: StepArrays
+    _arrays: StepArrays | None
     sample_rows: list[tuple[int, ScheduledChunk]]  # (row in the step, chunk) for sampled rows
     original: "BuiltStep | None" = None  # what ``resized`` padded (None: as built)
+    packed: tuple[np.ndarray, np.ndarray] | None = None  # never written once handed out
+    layout: PackedLayout | None = None
+
+    @property
+    def arrays(self) -> StepArrays:
+        if self._arrays is None:
+            object.__setattr__(self, "_arrays", self.layout.host_arrays(*self.packed))
+        return self._arrays
 
     def resized(self, empty: "BuiltStep") -> "BuiltStep":
         """The step as built, padded to the shape of ``empty`` (the all-padding step of a
@@ -108,15 +120,20 @@ class StepBuilder:
                  pool_pages: int | None = None, vocab_size: int = 32,
                  ready: "callable[[tuple[int, int]], tuple[int, int]] | None" = None,
                  plain_row: "callable[[Request], bool] | None" = None,
-                 prompt_logprobs: "callable[[Request], bool] | None" = None):
-        """``ready``: the shape a step of a bucket shape is built at now
-        (``StepPrograms.ready_shape``: a compiled one covering it while its own compiles in
-        the background); None: the bucket shape itself. ``plain_row``: whether a request's
-        sampler row has neither bans nor a mask (``request_state.plain_sampler_row``);
-        given, an all-decode step of the same requests as the last one is built from that
-        one's arrays (``_advance``)."""
+                 prompt_logprobs: "callable[[Request], bool] | None" = None,
+                 hybrid: bool = False,
+                 layout: "callable[[tuple[int, int]], PackedLayout] | None" = None):
+        """``hybrid``: two KV layer groups (``jserve.cache.hybrid``): a block id packs a
+        global page and a local one (``global + local * pool_pages``), split here into the
+        two page tables and slot arrays. ``ready``: the shape a step of a bucket shape is
+        built at now (``StepPrograms.ready_shape``: a compiled one covering it while its own
+        compiles in the background); None: the bucket shape itself. ``plain_row``: whether a
+        request's sampler row has neither bans nor a mask (``request_state.plain_sampler_row``);
+        given with ``layout`` (a bucket shape's ``PackedLayout``), an all-decode step of the
+        same requests as the last one is built packed, from that one's buffers
+        (``_advance``)."""
         self.ready = ready or (lambda shape: shape)
-        self.plain_row = plain_row
+        self.plain_row, self.layout = plain_row, layout
         # Whether a request wants prompt logprobs: its prefill tokens get targets.
         self.prompt_logprobs = prompt_logprobs or (lambda req: False)
         self._last: _LastDecodes | None = None
@@ -127,6 +144,7 @@ class StepBuilder:
         self.state_sink = state_sink
         self.kvp = buckets.kvp
         self.pool_pages = pool_pages
+        self.hybrid = hybrid
         self.mask_words = mask_words(vocab_size)  # structured-output bitmask width
 
     def _kvp_row(self, page_table: np.ndarray, row: int, page_ids) -> int:
@@ -140,13 +158,25 @@ class StepBuilder:
         page_table[row, ((start + j // ppg) % self.kvp) * ppg + j % ppg] = blocks % pool
         return start
 
+    def _hybrid_row(self, h: "_HostArrays", row: int, page_ids, pos: np.ndarray,
+                    tokens: slice) -> None:
+        """Row ``row``'s two page tables and its ``tokens``' slots at positions ``pos``
+        from packed ``page_ids`` (``hybrid``)."""
+        ps = self.page_size
+        glob, loc = _split_ids(page_ids, self.pool_pages)
+        h.page_table[row, :len(glob)] = glob
+        h.local_page_table[row, :len(loc)] = loc
+        h.slots[tokens] = glob[pos // ps] * ps + pos % ps
+        h.local_slots[tokens] = loc[pos // ps] * ps + pos % ps
+
     def build(self, plan: BatchPlan, requests: dict[str, Request],
               sampler_row: "callable[[Request], SamplerRow]", neutral_row: SamplerRow,
               state_row: "callable[[Request], int]", flags: StepFlags,
               shape: tuple[int, int] | None = None) -> BuiltStep:
         """``shape``: build at this bucket shape instead of the smallest one that fits."""
         decodes_only = (shape is None and self.plain_row is not None and self.kvp == 1
-                        and not plan.prefills and not plan.num_draft_tokens)
+                        and self.layout is not None and not self.hybrid and not plan.prefills
+                        and not plan.num_draft_tokens)
         if decodes_only:
             built = self._advance(plan, requests, state_row, flags)
             if built is not None:
@@ -155,7 +185,10 @@ class StepBuilder:
         self._last = None
         if decodes_only and plan.decodes:
             dec = [requests[c.request_id] for c in plan.decodes]
-            if all(map(self.plain_row, dec)):
+            if all(map(self.plain_row, dec)):  # packed now: the next step starts from it
+                layout = self.layout(built.shape)
+                built = BuiltStep(built.shape, built.arrays, built.sample_rows,
+                                  packed=layout.pack(built.arrays), layout=layout)
                 self._last = _LastDecodes(plan.decodes, dec, built, flags,
                                           [r.page_ids for r in dec],
                                           [len(r.page_ids) for r in dec], plan.burst)
@@ -166,11 +199,10 @@ class StepBuilder:
         """The steady state of decoding, cheaply: when the last step built was all decodes
         of the same requests in the same order, each as many tokens further as that step
         moved them (one, or a burst's), at the same shape and switches, every row plain (no
-        bans, no mask) then and now, this step's arrays
-        are a copy of that one's with the per-token fields rewritten (tokens, positions,
-        slots, KV lengths, state rows, sampling steps; page-table rows whose request took
-        a new block). None when it does not apply: ``_build`` then builds it (a test holds
-        the two equal)."""
+        bans, no mask) then and now, this step's int buffer is a copy of that one's with the
+        per-token entries rewritten (``_advance_packed``) and its float buffer is that one's
+        (no sampling parameter changes). None when it does not apply: ``_build`` then builds
+        it (a test holds the two equal, buffers and arrays)."""
         last = self._last
         if last is None or flags != last.flags or len(plan.decodes) != len(last.decodes):
             return None
@@ -185,30 +217,14 @@ class StepBuilder:
                     or not self.plain_row(r)):
                 return None
             dec.append(r)
-        nd, ps = len(dec), self.page_size
         pos = [c.start for c in plan.decodes]
-        leaves, treedef = jax.tree_util.tree_flatten(last.built.arrays)
-        arrays = treedef.unflatten([leaf.copy() for leaf in leaves])
-        b, sb = arrays.batch, arrays.sampling
-        srows = [state_row(r) for r in dec]
-        tokens = np.asarray([r.token_ids[p] for r, p in zip(dec, pos)], np.int32)
-        fed = tokens == PLACEHOLDER
-        b.tokens[:nd] = np.where(fed, 0, tokens)
-        arrays.token_fed[:nd] = fed
-        b.attn.positions[:nd] = pos
-        b.attn.kv_lens[:nd] = [p + 1 for p in pos]
-        b.slots[:nd] = _decode_slots(dec, pos, ps)
         lens = [len(r.page_ids) for r in dec]
-        for i, (n, was) in enumerate(zip(lens, last.lens)):
-            if n != was:
-                b.attn.page_table[i, :n] = dec[i].page_ids
-        arrays.token_state_rows[:nd] = srows
-        arrays.state_rows[:nd] = srows
-        arrays.sampled_state_rows[:nd] = srows
-        sb.step[:nd] = [r.num_output_tokens for r in dec]
-        built = BuiltStep(shape, arrays, list(enumerate(plan.decodes)))
-        self._last = _LastDecodes(plan.decodes, dec, built, flags, last.blocks, lens,
-                                  plan.burst)
+        ibuf = _advance_packed(last, dec, pos, [state_row(r) for r in dec], lens,
+                               self.page_size)
+        built = BuiltStep(shape, None, list(enumerate(plan.decodes)),
+                          packed=(ibuf, last.built.packed[1]), layout=last.built.layout)
+        self._last = last._replace(decodes=plan.decodes, built=built, lens=lens,
+                                   burst=plan.burst)
         return built
 
     def _build(self, plan: BatchPlan, requests: dict[str, Request],
@@ -220,7 +236,7 @@ class StepBuilder:
             plan.num_decode_rows, sum(c.num_tokens for c in plan.prefills)))
         s = bd + (self.buckets.prefill_rows if padded_prefill_tokens else 0)
         h = _HostArrays.empty(bd + padded_prefill_tokens, s, self.buckets.page_table_width,
-                              self.state_sink, neutral_row)
+                              self.state_sink, neutral_row, self.hybrid)
         h.token_seq[:bd] = np.arange(bd)
         if plan.decodes:
             self._fill_decodes(h, plan, requests, sampler_row, state_row)
@@ -233,7 +249,8 @@ class StepBuilder:
                                  num_decodes=bd)
         arrays = StepArrays(
             batch=StepInput(tokens=h.tokens, slots=h.slots, logits_rows=h.logits_rows,
-                            attn=attn, slot_groups=h.slot_groups, start_groups=h.start_groups),
+                            attn=attn, slot_groups=h.slot_groups, start_groups=h.start_groups,
+                            local_slots=h.local_slots, local_page_table=h.local_page_table),
             token_state_rows=h.token_state, token_is_prompt=h.token_is_prompt,
             token_fed=h.token_fed, state_rows=h.state_rows, reset_rows=h.reset_rows,
             prompt_targets=h.prompt_targets,
@@ -271,7 +288,10 @@ class StepBuilder:
         h.kv_lens[:nd] = [p + 1 for p in pos_d]
         h.logits_rows[:nd] = np.arange(nd)
         h.state_rows[:nd] = srows
-        if self.kvp == 1:
+        if self.hybrid:
+            for i, (r, p) in enumerate(zip(dec, pos_d)):
+                self._hybrid_row(h, i, r.page_ids, np.asarray([p]), slice(i, i + 1))
+        elif self.kvp == 1:
             h.slots[:nd] = _decode_slots(dec, pos_d, ps)
             # Every row's blocks in one store: a boolean mask over the table takes them in
             # row-major order, so the blocks of all rows, concatenated, fill it.
@@ -307,13 +327,16 @@ class StepBuilder:
             n = c.num_tokens
             end = start + n
             pos = np.arange(c.start, c.start + n, dtype=np.int32)
-            blocks = np.asarray(req.page_ids, np.int32)
             h.tokens[start:end] = req.token_ids[c.start:c.start + n]
             h.positions[start:end] = pos
-            if self.kvp == 1:
+            if self.hybrid:
+                self._hybrid_row(h, row, req.page_ids, pos, slice(start, end))
+            elif self.kvp == 1:
+                blocks = np.asarray(req.page_ids, np.int32)
                 h.slots[start:end] = blocks[pos // ps] * ps + pos % ps
                 h.page_table[row, :len(blocks)] = blocks
             else:
+                blocks = np.asarray(req.page_ids, np.int32)
                 pages = blocks[pos // ps]
                 h.slots[start:end] = pages % self.pool_pages * ps + pos % ps
                 h.slot_groups[start:end] = pages // self.pool_pages
@@ -334,6 +357,42 @@ class StepBuilder:
                 h.sample_rows.append((row, c))
                 h.sampled_state_rows[row] = srow
             start = end
+
+
+def _split_ids(page_ids, pool_pages: int) -> tuple[np.ndarray, np.ndarray]:
+    """Packed block ids (``jserve.cache.hybrid``) -> (global, local) page ids, int32."""
+    ids = np.asarray(page_ids, np.int64)
+    return (ids % pool_pages).astype(np.int32), (ids // pool_pages).astype(np.int32)
+
+
+def _advance_packed(last: "_LastDecodes", dec: list[Request], pos: list[int],
+                    srows: list[int], lens: list[int], page_size: int) -> np.ndarray:
+    """``last``'s int buffer with what moves from one decode step to the next rewritten for
+    ``dec`` at ``pos``: tokens (0 where fed), fed flags, positions, KV lengths, slots, state
+    rows, sampling steps, and the page-table rows of requests that took a block. A new
+    buffer: the last one may still be an input of a step on the device."""
+    layout, nd = last.built.layout, len(dec)
+    ibuf = last.built.packed[0].copy()
+
+    def put(name: str, values) -> None:
+        at = layout.int_offset(name)
+        ibuf[at:at + nd] = values
+
+    tokens = [r.token_ids[p] for r, p in zip(dec, pos)]
+    put(".batch.tokens", [0 if t == PLACEHOLDER else t for t in tokens])
+    put(".token_fed", [t == PLACEHOLDER for t in tokens])
+    put(".batch.attn.positions", pos)
+    put(".batch.attn.kv_lens", [p + 1 for p in pos])
+    put(".batch.slots", _decode_slots(dec, pos, page_size))
+    for name in (".token_state_rows", ".state_rows", ".sampled_state_rows"):
+        put(name, srows)
+    put(".sampling.step", [r.num_output_tokens for r in dec])
+    table = layout.int_offset(".batch.attn.page_table")
+    width = layout.int_shape(".batch.attn.page_table")[1]
+    for i, (n, was) in enumerate(zip(lens, last.lens)):
+        if n != was:
+            ibuf[table + i * width:table + i * width + n] = dec[i].page_ids
+    return ibuf
 
 
 def _decode_slots(requests: list[Request], positions: list[int], page_size: int) -> list[int]:
@@ -376,10 +435,12 @@ class _HostArrays:
     sampled_state_rows: np.ndarray
     rows: list[SamplerRow]
     sample_rows: list[tuple[int, ScheduledChunk]]
+    local_slots: np.ndarray | None = None  # two KV layer groups: the windowed layers'
+    local_page_table: np.ndarray | None = None
 
     @classmethod
     def empty(cls, t: int, s: int, page_table_width: int, state_sink: int,
-              neutral_row: SamplerRow) -> "_HostArrays":
+              neutral_row: SamplerRow, hybrid: bool = False) -> "_HostArrays":
         """Padding everywhere: tokens of row ``s`` (none), state sink rows, neutral sampling."""
         return cls(
             tokens=np.zeros(t, np.int32), positions=np.zeros(t, np.int32),
@@ -393,4 +454,7 @@ class _HostArrays:
             logits_rows=np.zeros(s, np.int32), state_rows=np.full(s, state_sink, np.int32),
             reset_rows=np.full(s, state_sink, np.int32),
             sampled_state_rows=np.full(s, state_sink, np.int32), rows=[neutral_row] * s,
-            sample_rows=[])
+            sample_rows=[],
+            **({"local_slots": np.zeros(t, np.int32),
+                "local_page_table": np.zeros((s, page_table_width), np.int32)}
+               if hybrid else {}))

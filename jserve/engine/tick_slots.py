@@ -48,6 +48,8 @@ class TickSlots:
         stages 1, 2, ... (None or missing: empty), each with a ``built`` step, which becomes
         the re-padded one; returns the tick's shape, its [spp, size] int32 and float32
         buffers, and whether the tick samples (a batch leaves the last stage)."""
+        if self.spp == 1 and new.packed is not None:  # the builder packed it
+            return new.shape, new.packed
         if self.spp == 1 or lone:
             packed = self.runner.programs.compiled(new.shape, lone)[1].pack(new.arrays)
             return new.shape, (packed + (True, True) if lone else packed)

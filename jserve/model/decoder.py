@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jserve.cache.pool import KVCache
+from jserve.cache.hybrid import group_layers
+from jserve.cache.pool import HybridKV, KVCache
 from jserve.config import ModelConfig
 from jserve.kernels import AttentionMetadata, attention, write_kv
 from jserve.kernels.kv_parallel import kvp_attention, owned_slots
@@ -38,6 +39,10 @@ class StepInput:
     owning group, slot_groups [T] names that group and start_groups [S] the group holding each
     row's first tokens; the engine always fills them (zeros on one group), other callers may
     leave them None when no ``kvp_axis`` is used.
+
+    Two KV layer groups (``jserve.cache.hybrid``): slots and ``attn.page_table`` address the
+    full-attention layers' pages, local_slots [T] and local_page_table [S, max_pages] the
+    windowed layers' (None without the groups).
     """
 
     tokens: jax.Array
@@ -46,6 +51,8 @@ class StepInput:
     attn: AttentionMetadata
     slot_groups: jax.Array | None = None
     start_groups: jax.Array | None = None
+    local_slots: jax.Array | None = None
+    local_page_table: jax.Array | None = None
 
 
 def is_runtime_layout(params: Params) -> bool:
@@ -156,6 +163,8 @@ def step_layer(batch: StepInput, cos: jax.Array, sin: jax.Array, *, cfg: ModelCo
 
     def layer_fn(layer: Params, i, x: jax.Array, kv: KVCache) -> tuple[jax.Array, KVCache]:
         window = None if windows is None else windows[first_layer + i]
+        if isinstance(kv, HybridKV):
+            return _group_layer(layer, i, x, kv, window)
 
         def attend(q, k, v):
             k_pages = write_kv(kv[0], slots, k, impl=attention_impl, layer=i)
@@ -171,6 +180,28 @@ def step_layer(batch: StepInput, cos: jax.Array, sin: jax.Array, *, cfg: ModelCo
 
         return decoder_layer(layer, x, *layer_rope(cos, sin, cfg, first_layer + i), attend,
                              cfg=cfg, tp_axis=tp_axis)
+
+    def _group_layer(layer: Params, i, x: jax.Array, kv: HybridKV, window):
+        """Layer ``i`` (a Python int: the layers unrolled) on its group's pages, slots and
+        page table (``jserve.cache.hybrid``)."""
+        if not isinstance(i, int) or kvp_axis is not None:
+            raise ValueError("two KV layer groups need the layers unrolled and no kvp")
+        local, j = group_layers(cfg)[first_layer + i]
+        pages = kv.loc if local else kv.glob
+        at = batch.local_slots if local else slots
+        meta = (dataclasses.replace(batch.attn, page_table=batch.local_page_table) if local
+                else batch.attn)
+
+        def attend(q, k, v):
+            k_pages = write_kv(pages[0], at, k, impl=attention_impl, layer=j)
+            v_pages = write_kv(pages[1], at, v, impl=attention_impl, layer=j)
+            out, _ = attention(q, k_pages, v_pages, meta, impl=attention_impl, layer=j,
+                               window=window)
+            return out, (k_pages, v_pages)
+
+        x, new = decoder_layer(layer, x, *layer_rope(cos, sin, cfg, first_layer + i), attend,
+                               cfg=cfg, tp_axis=tp_axis)
+        return x, kv._replace(**{"loc" if local else "glob": new})
 
     return layer_fn
 

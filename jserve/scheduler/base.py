@@ -272,8 +272,9 @@ class SchedulerBase(abc.ABC):
 
     def _drop_dead(self, req: Request) -> None:
         """A running request about to be scheduled from ``num_computed`` gives back the
-        pages its window has passed (nothing without a window)."""
-        if self.allocator.window is not None:
+        pages its window has passed (nothing without a window; with two layer groups,
+        ``jserve.cache.hybrid``, the windowed layers' halves of them)."""
+        if self.allocator.frees_dead:
             req.num_dropped_pages = self.allocator.drop_dead(
                 req.page_ids, req.num_dropped_pages, req.num_computed)
 
@@ -430,7 +431,7 @@ class SchedulerBase(abc.ABC):
         preempted: list[str] = []
         page_size = self.allocator.page_size
         running = RequestStatus.RUNNING
-        windowed = self.allocator.window is not None
+        windowed = self.allocator.frees_dead
         for req in list(self.running):
             if len(decodes) == max_decodes:
                 break
