@@ -10,10 +10,25 @@ import sys
 import pytest
 
 from devices import xla_flags
+from jserve.bench.served import SERVE_FLAGS, Served  # noqa: F401  (the tests import them from here)
 
 os.environ["XLA_FLAGS"] = xla_flags(None)  # before any test imports JAX (devices.py says why)
 
-from jserve.bench.served import SERVE_FLAGS, Served  # noqa: F401  (the tests import them from here)
+
+# The files that take minutes (mesh subprocesses, real tools, many engines), longest first:
+# collected first, so each of the two workers (``--dist loadfile``) starts on one and the
+# run does not end with one worker alone in a long file while the other idles.
+LONG_FILES = ("test_mesh_matrix.py", "test_model_families.py", "test_kv_quant_engine.py",
+              "test_multihost.py", "test_ray_app.py", "test_quantized_tiny_tasks.py",
+              "test_speculative_engine.py", "test_prefix_cache_engine.py",
+              "test_weight_quant.py", "test_hf_parity.py", "test_prompt_logprobs.py",
+              "test_device_check.py", "test_engine_lifecycle.py", "test_kvp_engine.py",
+              "test_long_prefill_live.py", "test_speculative_mesh.py", "test_spp_engine.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: else as found
 
 
 @pytest.fixture(scope="module")
