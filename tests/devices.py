@@ -19,21 +19,25 @@ ROOT = Path(__file__).resolve().parents[1]
 SUITE_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
 
 
-def xla_flags(devices: int | None = None) -> str:
-    """The suite's XLA flags (and the caller's own), with ``devices`` forced CPU devices."""
+def xla_flags(devices: int | None = None, suite: bool = True) -> str:
+    """The suite's XLA flags (``suite``; else none of them) and the caller's own, with
+    ``devices`` forced CPU devices."""
     flags = os.environ.get("XLA_FLAGS", "").split()
-    flags = [f for f in flags if not f.startswith("--xla_force_host_platform_device_count")]
-    flags += [f for f in SUITE_XLA_FLAGS if f not in flags]
+    flags = [f for f in flags if not f.startswith("--xla_force_host_platform_device_count")
+             and f not in SUITE_XLA_FLAGS]
+    flags += list(SUITE_XLA_FLAGS) if suite else []
     if devices is not None:
         flags.append(f"--xla_force_host_platform_device_count={devices}")
     return " ".join(flags)
 
 
-def run_on_devices(script: str, *args: str, devices: int = 8,
-                   timeout: float = 900) -> subprocess.CompletedProcess:
+def run_on_devices(script: str, *args: str, devices: int = 8, timeout: float = 900,
+                   suite_flags: bool = True) -> subprocess.CompletedProcess:
     """Runs ``python -c script *args`` from the repository root with ``devices`` CPU devices;
-    asserts it succeeded and sets ``.result`` to the JSON object it printed last."""
-    env = {**os.environ, "XLA_FLAGS": xla_flags(devices)}
+    asserts it succeeded and sets ``.result`` to the JSON object it printed last.
+    ``suite_flags`` False: XLA's default code generation, for a body whose time goes to
+    running its programs rather than compiling them."""
+    env = {**os.environ, "XLA_FLAGS": xla_flags(devices, suite_flags)}
     proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
                           env=env, timeout=timeout, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
