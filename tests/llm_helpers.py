@@ -3,6 +3,8 @@ simulator tests never import this module): small buckets so tests compile little
 same settings everywhere so the persistent compilation cache is shared between tests."""
 from __future__ import annotations
 
+import numpy as np
+
 from jserve import LLM
 
 SMALL = dict(max_num_seqs=4, max_num_batched_tokens=32, max_prefill_seqs=2, max_model_len=512,
@@ -39,3 +41,13 @@ def run_checked(llm: LLM, prompts, params) -> list[list[int]]:
         check_blocks(eng)
     assert eng.allocator.num_allocated == 0
     return [done[i] for i in ids]
+
+
+def assert_same_output(got, want) -> None:
+    """Two runs' (token ids, [(token, logprob, top)]) of one request: the same tokens and
+    top-k ids, logprobs within float32 noise."""
+    assert got[0] == want[0]
+    for (t1, l1, top1), (t2, l2, top2) in zip(got[1], want[1], strict=True):
+        assert t1 == t2 and [t for t, _ in top1] == [t for t, _ in top2]
+        np.testing.assert_allclose([l1, *(x for _, x in top1)], [l2, *(x for _, x in top2)],
+                                   rtol=1e-5, atol=1e-5)

@@ -28,6 +28,7 @@ from jserve.engine.engine import LLMEngine
 from jserve.engine.kv_groups import kv_groups
 from jserve.engine.memory_plan import plan
 from jserve.model.weights import load_model
+from llm_helpers import assert_same_output
 
 PS, W, CHUNK = 8, 20, 32
 L = 8 * W  # 160 prompt tokens: 20 pages, 22 with the 16 generated
@@ -106,14 +107,6 @@ def _run(eng: LLMEngine, prompts, hog=(0, 0), on_step=None, params=PARAMS) -> li
     return [outs[i] for i in ids]
 
 
-def _same(got, want):
-    assert got[0] == want[0]
-    for (t1, l1, top1), (t2, l2, top2) in zip(got[1], want[1], strict=True):
-        assert t1 == t2 and [t for t, _ in top1] == [t for t, _ in top2]
-        np.testing.assert_allclose([l1, *(x for _, x in top1)], [l2, *(x for _, x in top2)],
-                                   rtol=1e-5, atol=1e-5)
-
-
 def _held(eng: LLMEngine, seen: list) -> None:
     """(computed, global pages held, local pages held) of the running requests."""
     alloc = eng.allocator
@@ -132,7 +125,7 @@ def test_a_long_request_frees_local_pages_with_the_tokens_of_generate(engine):
     ref = _run(_switch(engine, free=False), [LONG], on_step=lambda e: _held(e, kept))[0]
     got = _run(_switch(engine, free=True), [LONG], on_step=lambda e: _held(e, freed))[0]
     assert ref[0] == want
-    _same(got, ref)
+    assert_same_output(got, ref)
     # Without logprobs the decodes run in bursts of 4 (the local slots advance on the
     # device too): the same tokens.
     engine.step_log = []
@@ -163,7 +156,7 @@ def test_prefix_hits_and_preemption_keep_the_tokens(engine):
     # 148: pages 18-20; 18 dropped by the first's last query, idle in the cache since).
     assert engine.scheduler.prefix_hit_tokens - hits == 21 * PS
     alone = _run(_switch(engine, free=False), [turn])[0]
-    _same(got, alone)
+    assert_same_output(got, alone)
     # Three requests, roomy, then with 88 of the 99 local pages taken out (11 left, under
     # the three's 8 + 8 + 8 in prefill; every page of one request alone would be 24).
     roomy = _run(_switch(engine, free=True), THREE)
@@ -171,13 +164,13 @@ def test_prefix_hits_and_preemption_keep_the_tokens(engine):
     small = _run(engine, THREE, hog=(0, POOL - 12))
     assert engine.scheduler.num_preemptions > preemptions
     for a, b in zip(small, roomy):
-        _same(a, b)
+        assert_same_output(a, b)
     # And with the global pool short instead (30 of 99 left: one request needs 22-24).
     preemptions = engine.scheduler.num_preemptions
     small = _run(engine, THREE, hog=(POOL - 31, 0))
     assert engine.scheduler.num_preemptions > preemptions
     for a, b in zip(small, roomy):
-        _same(a, b)
+        assert_same_output(a, b)
 
 
 # -- sizing (no engine) --------------------------------------------------------------------

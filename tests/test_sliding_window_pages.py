@@ -31,6 +31,7 @@ from jserve.scheduler.predictor import LinearPredictor, plan_features
 from jserve.scheduler.request import Request, RequestStatus
 from jserve.scheduler.sarathi import SarathiScheduler
 from jserve.scheduler.swap import SwapPolicy
+from llm_helpers import assert_same_output
 
 PS, W, CHUNK = 16, 24, 32
 L = 8 * W  # 192 tokens: 12 pages without freeing
@@ -138,14 +139,6 @@ def reference(engine):
     return {p: _run(eng, [list(p)])[0] for p in prompts}
 
 
-def _same(got, want):
-    assert got[0] == want[0]
-    for (t1, l1, top1), (t2, l2, top2) in zip(got[1], want[1], strict=True):
-        assert t1 == t2 and [t for t, _ in top1] == [t for t, _ in top2]
-        np.testing.assert_allclose([l1, *(x for _, x in top1)], [l2, *(x for _, x in top2)],
-                                   rtol=1e-5, atol=1e-5)
-
-
 def _held_as_formula(eng: LLMEngine, seen: list) -> None:
     """The long request alone, prefilled in whole chunks: it holds the pages up to its
     computed tokens but those dead for its latest chunk's first query."""
@@ -173,7 +166,7 @@ def test_windowed_requests_free_pages_with_identical_tokens(engine, reference, c
                hogged=HOGGED if case in ("recompute", "swap") else 0,
                on_step=watch and (lambda e: watch(e, seen)))
     for p, out in zip(CASES[case], got):
-        _same(out, reference[tuple(p)])
+        assert_same_output(out, reference[tuple(p)])
     if case == "long":
         # At the end of its prefill: 12 pages of KV written, 4 held (those dead for the last
         # chunk's first query, at 160, are positions <= 136: pages 0-7).
@@ -182,7 +175,7 @@ def test_windowed_requests_free_pages_with_identical_tokens(engine, reference, c
         assert sched.prefix_hit_tokens - hits == 32  # the third took the first's 2 pages
         # The third again, alone: it finds nothing, as every page of the prefix went back
         # free once the window had passed it (a passed prefix is not kept in the cache).
-        _same(_run(eng, CASES[case][2:])[0], reference[tuple(CASES[case][2])])
+        assert_same_output(_run(eng, CASES[case][2:])[0], reference[tuple(CASES[case][2])])
         assert sched.prefix_hit_tokens - hits == 32
     if case in ("recompute", "swap"):
         assert sched.num_preemptions > preemptions
