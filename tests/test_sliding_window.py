@@ -212,11 +212,9 @@ def test_logits_match_transformers_past_the_window():
                                rtol=1e-4)
 
 
-# "auto" is the native CPU decode kernel with the reference's prefill. The reference's decode
-# and the Pallas kernels are held to the window by the kernel test above, through the same
-# dispatcher the engine calls: each passed this test too (interpreted Pallas: 2 minutes an
-# engine here), left out for the suite's time.
-ENGINE_IMPLS = ["auto"]
+# "auto" is the native CPU decode kernel with the reference's prefill; the Pallas kernels
+# run interpreted (9 s an engine with the suite's XLA settings, tests/devices.py).
+ENGINE_IMPLS = ["auto", "pallas_gpu", "pallas_tpu"]
 
 
 @pytest.mark.slow
