@@ -23,7 +23,6 @@ from jserve.engine.kv_groups import KVGroups, kv_groups
 from jserve.engine.request_state import plain_sampler_row
 from jserve.engine.runner import ModelRunner
 from jserve.engine.startup import StartupTimes
-from jserve.engine.step_arrays import PackedLayout
 from jserve.engine.step_builder import StepBuilder
 from jserve.engine.step_program import runtime_params
 from jserve.engine.timing import estimated_predictor, host_round_trip_seconds, load_predictor
@@ -263,8 +262,9 @@ def build_engine_parts(cfg: ModelConfig, params: Params, config: EngineConfig,
                             plain_row=plain_sampler_row,
                             prompt_logprobs=prompt_logprobs.wanted,
                             hybrid=groups is not None,
-                            layout=functools.cache(lambda shape: PackedLayout(
-                                programs.lowering.arrays_spec(*shape)))),
+                            # spp > 1: a tick packs its slots itself
+                            layout=programs.lowering.layout if mesh_config.spp == 1
+                            else None),
         predictor, tracker, hits, speculator, bursts)
 
 

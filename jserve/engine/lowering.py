@@ -49,6 +49,7 @@ class StepLowering:
         self.plain_rows = min(max_num_seqs + buckets.prefill_rows, buckets.max_rows)
         self.page_size = jax.tree.leaves(args[1])[0].shape[3]
         self.jitted = jitted(self.spp)
+        self._layouts: dict[tuple[int, int], PackedLayout] = {}
 
     @property
     def stream_shape(self) -> tuple[int, int]:
@@ -75,10 +76,17 @@ class StepLowering:
         lead = (self.spp,) if self.spp > 1 and not lone else ()
         return lead + (layout.int_size,), lead + (layout.float_size,)
 
+    def layout(self, shape: tuple[int, int]) -> PackedLayout:
+        """A bucket's ``PackedLayout``, made once (the builder packs steps with it)."""
+        layout = self._layouts.get(shape)
+        if layout is None:  # the compile thread and the engine's may both ask
+            layout = self._layouts.setdefault(shape, PackedLayout(self.arrays_spec(*shape)))
+        return layout
+
     def _buffer_specs(self, shape: tuple[int, int], lone: bool = False
                       ) -> tuple[PackedLayout, jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
         """A bucket's layout and its packed int32 and float32 buffers, abstract."""
-        layout = PackedLayout(self.arrays_spec(*shape))
+        layout = self.layout(shape)
         ishape, fshape = self.buffer_shapes(layout, lone)
         return (layout, jax.ShapeDtypeStruct(ishape, jnp.int32, sharding=self.replicated),
                 jax.ShapeDtypeStruct(fshape, jnp.float32, sharding=self.replicated))
