@@ -25,19 +25,20 @@ def batch_specs(batch: StepInput) -> StepInput:
 
 
 def tp_forward(params: Params, kv_cache: KVCache, batch: StepInput, *, mesh: Mesh,
-               cfg: ModelConfig, attention_impl: str = "reference", stream: bool = False
-               ) -> tuple[jax.Array, ...]:
+               cfg: ModelConfig, attention_impl: str = "reference", stream: bool = False,
+               vocab_major: bool = False) -> tuple[jax.Array, ...]:
     """``forward`` over params from ``shard_params`` and pages from
     ``allocate_sharded_kv_cache``; the batch is replicated but for the page table's
     columns, split over ``kvp``. Returns (logits, KV cache), and with ``stream`` the
-    residual stream after the last layer too (replicated: prompt logprobs)."""
+    residual stream after the last layer too (replicated: prompt logprobs). ``vocab_major``:
+    the logits [vocab, S] (``decoder.head_logits``)."""
     kv_specs = kv_cache_specs()
     kvp_axis = "kvp" if mesh.shape["kvp"] > 1 else None
     def local(params, kv_cache, batch):
         x, kv_cache, _ = forward_stream(params, kv_cache, batch, cfg=cfg,
                                         attention_impl=attention_impl, tp_axis="tp",
                                         kvp_axis=kvp_axis)
-        logits = final_logits(params, x, batch.logits_rows, cfg)
+        logits = final_logits(params, x, batch.logits_rows, cfg, vocab_major)
         return (logits, kv_cache, x) if stream else (logits, kv_cache)
     # check_vma off: the attention kernels' loop carries start as invariant constants and
     # turn varying over tp; the outputs' replication is by construction (psum, then replicated

@@ -23,6 +23,7 @@ from jserve.sampling.sampler import (
     mask_words,
     plain_greedy,
     row_argmax,
+    vocab_argmax,
 )
 
 ROWS, VOCAB = 5, 96
@@ -40,7 +41,7 @@ def _inputs(rows: list[SamplerRow], flags: dict) -> tuple[SeqState, SampleInputs
     state = SeqState(jnp.asarray(counts), jnp.zeros((ROWS + 1, VOCAB), bool),
                      jnp.zeros(ROWS + 1, jnp.int32))
     sb = make_sampling_batch(rows, ROWS, words=mask_words(VOCAB))
-    inp = SampleInputs(logits=jnp.asarray(logits), state_rows=jnp.arange(ROWS),
+    inp = SampleInputs(logits=jnp.asarray(logits.T), state_rows=jnp.arange(ROWS),
                        sampled_state_rows=jnp.arange(ROWS), sampling=jax.tree.map(jnp.asarray, sb),
                        any_random=jnp.asarray(flags.get("any_random", False)),
                        any_penalty=jnp.asarray(flags.get("any_penalty", False)),
@@ -81,7 +82,7 @@ def test_plain_greedy_decision_and_tokens_equal_the_whole_chain(name, rows, flag
     got, _ = jax.jit(step_program._sample)(state, inp)
     chain = np.asarray(jax.jit(step_program._choose)(state, inp))
     np.testing.assert_array_equal(np.asarray(got.tokens), chain)
-    argmax = np.asarray(jnp.argmax(inp.logits, axis=-1))
+    argmax = np.asarray(jnp.argmax(inp.logits, axis=0))
     np.testing.assert_array_equal(np.delete(chain, 3), np.delete(argmax, 3))
     if token is not None:
         assert chain[3] == token
@@ -123,7 +124,9 @@ def test_chunked_row_argmax_equals_argmax_on_ties_and_infinities():
     x[3, :] = 3.0                                                  # all equal: id 0
     x[4, vocab - 1] = np.inf                                       # +inf in the last chunk
     x[5, [7 * ARGMAX_CHUNK + 3, 7 * ARGMAX_CHUNK + 2]] = 50.0      # a tie inside a chunk
+    want = [ARGMAX_CHUNK - 1, 0, 0, vocab - 1, 7 * ARGMAX_CHUNK + 2]
     got = np.asarray(jax.jit(row_argmax)(x))
     np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
-    np.testing.assert_array_equal(got[1:], [ARGMAX_CHUNK - 1, 0, 0, vocab - 1,
-                                            7 * ARGMAX_CHUNK + 2])
+    np.testing.assert_array_equal(got[1:], want)
+    # The same logits vocabulary-major, as the step's sampling reads them.
+    np.testing.assert_array_equal(np.asarray(jax.jit(vocab_argmax)(x.T.copy())), got)

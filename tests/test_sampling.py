@@ -30,6 +30,7 @@ from jserve.sampling.sampler import (
     make_sampling_batch,
     row_argmax,
     sample,
+    vocab_argmax,
 )
 
 sample_jit = jax.jit(sample, static_argnames=("all_greedy", "num_logprobs"))
@@ -334,6 +335,8 @@ def test_row_argmax_matches_argmax_on_ties_infinities_and_nans() -> None:
     got = np.asarray(jax.jit(row_argmax)(x))
     np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
     np.testing.assert_array_equal(got[1:], [5, 0, 10, 0, 299, 0])
+    # vocabulary-major (the step's logits): the same ids
+    np.testing.assert_array_equal(np.asarray(jax.jit(vocab_argmax)(x.T.copy())), got)
 
 
 @pytest.mark.slow

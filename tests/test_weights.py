@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 from pathlib import Path
 
@@ -18,9 +19,11 @@ from jserve.model.families import read_config_file
 from jserve.model.params import num_params
 from jserve.model.weights import (
     DEFAULT_CONFIG,
+    LM_HEAD_KEY,
     init_params,
     load_hf_safetensors,
     load_model,
+    resolve_model_dir,
     restore_orbax,
     save_orbax,
 )
@@ -50,7 +53,8 @@ def expected_params(state_dict: dict[str, torch.Tensor], cfg: ModelConfig) -> di
     """The params layout built straight from a torch state_dict, as float32 numpy."""
     def get(name: str) -> np.ndarray:
         t = state_dict[name].float().numpy()
-        return t.T if t.ndim == 2 and name != "model.embed_tokens.weight" else t
+        vocab_rows = ("model.embed_tokens.weight", "lm_head.weight")  # [vocab, hidden] kept
+        return t.T if t.ndim == 2 and name not in vocab_rows else t
 
     params = {"embed": get("model.embed_tokens.weight"), "final_norm": get("model.norm.weight"),
               "layers": [{k: get(f"model.layers.{i}.{v}.weight") for k, v in LAYER_NAMES.items()}
@@ -132,6 +136,22 @@ def test_orbax_round_trip(tmp_path: Path, name: str, dtype: str) -> None:
     assert_trees_equal(loaded, params)
     cast_cfg, cast, _ = load_model(str(tmp_path / "ckpt"), dtype="bfloat16")
     assert cast_cfg.dtype == "bfloat16" and dtypes(cast) == {jnp.dtype(jnp.bfloat16)}
+
+
+def test_orbax_checkpoint_with_the_older_lm_head_layout(tmp_path: Path) -> None:
+    """A checkpoint saved while the LM head was stored [hidden, vocab] (its config.json
+    without ``LM_HEAD_KEY``, as the built-in tiny-tasks model's) restores to [vocab, hidden]."""
+    src = tiny_llama_dir("llama31")
+    cfg = read_config_file(src / "config.json")
+    params = load_hf_safetensors(src, cfg)
+    assert params["lm_head"].shape == (cfg.vocab_size, cfg.hidden_size) != (64, 64)
+    save_orbax(tmp_path / "ckpt", cfg, {**params, "lm_head": params["lm_head"].T})
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    del config[LM_HEAD_KEY]
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
+    assert_trees_equal(restore_orbax(tmp_path / "ckpt", cfg), params)
+    shipped = json.loads((resolve_model_dir("tiny-tasks") / "config.json").read_text())
+    assert LM_HEAD_KEY not in shipped and not shipped["tie_word_embeddings"]
 
 
 def test_init_params_seeded() -> None:

@@ -202,7 +202,7 @@ def step_weights(params) -> list[jax.Array]:
     else:
         ws = [layer[n] for layer in layers for n in names]
     head = params.get("lm_head")
-    return ws + [params["embed"].T if head is None else head]
+    return ws + [(params["embed"] if head is None else head).T]
 
 
 class MatmulCeiling:

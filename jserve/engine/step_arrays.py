@@ -160,7 +160,7 @@ class SampleInputs:
     row count: one sampling program (the full-vocabulary sort, top-k logprobs) serves every
     step shape instead of being compiled into each."""
 
-    logits: jax.Array          # [R, vocab] float32
+    logits: jax.Array          # [vocab, R] float32: vocabulary-major (``decoder.head_logits``)
     state_rows: jax.Array      # [R]
     sampled_state_rows: jax.Array  # [R]
     sampling: SamplingBatch    # [R] rows
@@ -242,7 +242,7 @@ def arrays_spec(buckets: Buckets, vocab_size: int, num_decodes: int,
 def sample_inputs_spec(rows: int, vocab_size: int, sharding=None) -> SampleInputs:
     """Abstract ``SampleInputs`` of ``rows`` padded rows, every leaf on ``sharding``."""
     b = lambda: leaf_spec((), bool, sharding)
-    return SampleInputs(logits=leaf_spec((rows, vocab_size), jnp.float32, sharding),
+    return SampleInputs(logits=leaf_spec((vocab_size, rows), jnp.float32, sharding),
                         state_rows=leaf_spec((rows,), jnp.int32, sharding),
                         sampled_state_rows=leaf_spec((rows,), jnp.int32, sharding),
                         sampling=sampling_spec(rows, vocab_size, sharding),

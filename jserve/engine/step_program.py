@@ -31,8 +31,8 @@ from jserve.sampling.sampler import (
     choose_tokens,
     pad_rows,
     plain_greedy,
-    row_argmax,
     token_logprobs,
+    vocab_argmax,
 )
 from sharding import pipeline
 from sharding.specs import param_specs, shard_params
@@ -62,10 +62,10 @@ def _sample_inputs(logits: jax.Array, state: SeqState, arrays: StepArrays, rows:
         lambda: _update_state(state, arrays.batch.tokens, arrays.token_state_rows,
                               arrays.token_is_prompt, arrays.reset_rows),
         lambda: state)
-    pad = rows - logits.shape[0]
+    pad = rows - logits.shape[1]
     sink = state.output_counts.shape[0] - 1
     inputs = SampleInputs(
-        logits=jnp.pad(logits, ((0, pad), (0, 0))),
+        logits=jnp.pad(logits, ((0, 0), (0, pad))),
         state_rows=jnp.pad(arrays.state_rows, (0, pad), constant_values=sink),
         sampled_state_rows=jnp.pad(arrays.sampled_state_rows, (0, pad), constant_values=sink),
         sampling=pad_rows(arrays.sampling, rows), any_random=arrays.any_random,
@@ -80,7 +80,7 @@ def _sample_inputs(logits: jax.Array, state: SeqState, arrays: StepArrays, rows:
 def _choose(state: SeqState, inp: SampleInputs) -> jax.Array:
     """The token of every row through the whole chain: the logit bias only when some row
     has one, penalties only when some row uses them, the sort only when some row samples."""
-    logits, sb = inp.logits, inp.sampling
+    logits, sb = inp.logits.T, inp.sampling  # the chain reads rows
     biased = jax.lax.cond(inp.any_bias, lambda: apply_bias(logits, sb), lambda: logits)
     penalised = jax.lax.cond(
         inp.any_penalty,
@@ -95,17 +95,18 @@ def _choose(state: SeqState, inp: SampleInputs) -> jax.Array:
 def _sample(state: SeqState, inp: SampleInputs) -> tuple[SampleResult, SeqState]:
     """Token choice and logprobs (one executable, or the tail of the plain step); the chosen
     tokens are kept in ``state.last_tokens`` for the next step. Runtime choices: a plain
-    greedy batch (``plain_greedy``) takes the argmax of the logits in place, nothing else
-    touches them (each ``cond`` branch that passes them on copies [rows, vocab]); otherwise
-    ``_choose``. Top-n logprobs only when asked (of the raw ``logits``)."""
+    greedy batch (``plain_greedy``) takes the argmax of the vocabulary-major logits in place,
+    nothing else touches them (each ``cond`` branch that passes them on copies them);
+    otherwise ``_choose``, which reads them transposed to rows, as the logprobs do. Top-n
+    logprobs only when asked (of the raw ``logits``)."""
     logits, sb = inp.logits, inp.sampling
     tokens = jax.lax.cond(
         plain_greedy(sb, inp.any_bias | inp.any_penalty | inp.any_random),
-        lambda: row_argmax(logits), lambda: _choose(state, inp))
-    s = logits.shape[0]
+        lambda: vocab_argmax(logits), lambda: _choose(state, inp))
+    s = logits.shape[1]
     chosen, top_ids, top_lp = jax.lax.cond(
         inp.want_logprobs,
-        lambda: token_logprobs(logits, tokens, MAX_LOGPROBS),
+        lambda: token_logprobs(logits.T, tokens, MAX_LOGPROBS),
         lambda: (jnp.zeros((s,), jnp.float32), jnp.zeros((s, MAX_LOGPROBS), jnp.int32),
                  jnp.zeros((s, MAX_LOGPROBS), jnp.float32)))
     last = state.last_tokens.at[inp.sampled_state_rows].set(tokens)
@@ -116,7 +117,7 @@ def _sample(state: SeqState, inp: SampleInputs) -> tuple[SampleResult, SeqState]
 def _first_rows(inp: SampleInputs, s: int) -> SampleInputs:
     """``inp`` cut to its first ``s`` rows (XLA folds the cut into the padding)."""
     cut = lambda a: a[:s]
-    return dataclasses.replace(inp, logits=cut(inp.logits), state_rows=cut(inp.state_rows),
+    return dataclasses.replace(inp, logits=inp.logits[:, :s], state_rows=cut(inp.state_rows),
                                sampled_state_rows=cut(inp.sampled_state_rows),
                                sampling=jax.tree.map(cut, inp.sampling))
 
@@ -157,10 +158,11 @@ def _forward_tail(params, kv_cache, state, arrays, *, cfg, attention_impl, mesh,
             params, kv_cache, arrays.batch, cfg=cfg, attention_impl=attention_impl,
             capture_layer=capture_layer,
             prompt_mask=arrays.token_is_prompt if capture_layer is not None else None)
-        logits = final_logits(params, x, arrays.batch.logits_rows, cfg)
+        logits = final_logits(params, x, arrays.batch.logits_rows, cfg, vocab_major=True)
     else:  # tensor / KV-cache parallel; the rest of the step runs replicated on the logits
         logits, kv_cache, x = tp_forward(params, kv_cache, arrays.batch, mesh=mesh, cfg=cfg,
-                                         attention_impl=attention_impl, stream=True)
+                                         attention_impl=attention_impl, stream=True,
+                                         vocab_major=True)
     prompt = prompt_logprobs.of_step(params, x, arrays, cfg)
     inputs, state = _sample_inputs(logits, state, arrays, rows, mesh)
     if capture_layer is not None:
@@ -224,7 +226,7 @@ def _tick(params: Params, kv_cache: KVCache, state: SeqState, carry: pipeline.Pi
     arrays = layout.unpack(ibufs[-1], fbufs[-1])
     x = pipeline.exiting(carry, arrays.batch.attn.num_decodes, arrays.batch.tokens.shape[0],
                          decode_rows)
-    logits = final_logits(params, x, arrays.batch.logits_rows, cfg)
+    logits = final_logits(params, x, arrays.batch.logits_rows, cfg, vocab_major=True)
     inputs, state = _sample_inputs(logits, state, arrays, rows, mesh)
     return inputs, kv_cache, state, carry
 
@@ -240,7 +242,7 @@ def _lone_pass(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Arr
     with reading_in_place(in_place_layers):
         kv_cache, x = pipeline.lone_pass(params, kv_cache, ibuf, fbuf, unpack=layout.unpack,
                                          mesh=mesh, cfg=cfg, attention_impl=attention_impl)
-    logits = final_logits(params, x, arrays.batch.logits_rows, cfg)
+    logits = final_logits(params, x, arrays.batch.logits_rows, cfg, vocab_major=True)
     inputs, state = _sample_inputs(logits, state, arrays, rows, mesh)
     return inputs, kv_cache, state
 

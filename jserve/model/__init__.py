@@ -14,7 +14,7 @@ Params layout (``jax.Array`` leaves, dtype = ``ModelConfig.dtype``; matrices sto
         ...
       ],
       "final_norm": [hidden],
-      "lm_head": [hidden, vocab],       # absent when tie_word_embeddings (embed.T is used)
+      "lm_head": [vocab, hidden],       # absent when tie_word_embeddings (embed is used)
     }
 
 Qwen2 layers add "bq" [n_heads*head_dim], "bk"/"bv" [n_kv_heads*head_dim]; Qwen3 layers add
@@ -22,5 +22,7 @@ Qwen2 layers add "bq" [n_heads*head_dim], "bk"/"bv" [n_kv_heads*head_dim]; Qwen3
 leaf: model.embed_tokens.weight -> embed; model.layers.i.input_layernorm -> attn_norm;
 self_attn.{q,k,v,o}_proj (transposed) -> wq/wk/wv/wo; post_attention_layernorm -> mlp_norm;
 mlp.{gate,up,down}_proj (transposed) -> w_gate/w_up/w_down; model.norm -> final_norm;
-lm_head.weight (transposed) -> lm_head.
+lm_head.weight -> lm_head. The two vocabulary matrices keep HF's [vocab, hidden] (the LM
+head is a row per token, like the embedding, tied or not): on XLA:CPU the head's product
+with the vocabulary on the major side ran 1.4x as fast at 32 rows (``decoder.head_logits``).
 """

@@ -60,8 +60,13 @@ def init_params(cfg: ModelConfig, seed: int = 0) -> Params:
     dtype = cfg.np_dtype
 
     def make(path, shape: tuple[int, ...]) -> jax.Array:
-        if str(getattr(path[-1], "key", "")).endswith("norm"):
+        name = str(getattr(path[-1], "key", ""))
+        if name.endswith("norm"):
             return jnp.ones(shape, dtype)
+        if name == "lm_head":  # drawn [hidden, vocab] as before its layout changed: a seed
+            # keeps its weights
+            return jnp.asarray(rng.normal(0.0, 0.02, size=shape[::-1]).astype(np.float32).T,
+                               dtype=dtype)
         return jnp.asarray(rng.normal(0.0, 0.02, size=shape).astype(np.float32), dtype=dtype)
 
     params = jax.tree_util.tree_map_with_path(make, param_shapes(cfg), is_leaf=_is_shape)
@@ -433,6 +438,10 @@ def _abstract_params(cfg: ModelConfig, stored: str = "none") -> Params:
     return params
 
 
+# config.json key of a checkpoint whose LM head is [vocab, hidden] (``save_orbax``).
+LM_HEAD_KEY = "jserve_lm_head"
+
+
 def save_orbax(ckpt_dir: str | Path, cfg: ModelConfig, params: Params,
                tokenizer_dir: str | Path | None = None,
                tokenizer: Tokenizer | None = None) -> None:
@@ -441,7 +450,8 @@ def save_orbax(ckpt_dir: str | Path, cfg: ModelConfig, params: Params,
     params (``cfg.quantization``) are saved as stored: values and scales."""
     ckpt_dir = Path(ckpt_dir).absolute()
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    (ckpt_dir / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
+    config = {**cfg.to_hf_dict(), LM_HEAD_KEY: "vocab_major"}
+    (ckpt_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     import orbax.checkpoint as ocp  # 0.35 s of import: only for orbax checkpoints
 
     with ocp.StandardCheckpointer() as ckptr:  # leaving the block waits for the async save
@@ -458,12 +468,21 @@ def restore_orbax(ckpt_dir: str | Path, cfg: ModelConfig) -> Params:
     """Read ``params/`` from :func:`save_orbax`, cast to ``cfg.dtype``; a full-precision
     checkpoint asked for with ``cfg.quantization`` is quantized after reading."""
     ckpt_dir = Path(ckpt_dir).absolute()
-    stored = json.loads((ckpt_dir / "config.json").read_text()).get("jserve_quantization",
-                                                                   "none")
+    config = json.loads((ckpt_dir / "config.json").read_text())
+    stored = config.get("jserve_quantization", "none")
+    target = _abstract_params(cfg, stored)
+    # Written before the LM head kept HF's [vocab, hidden] (no marker): [hidden, vocab].
+    old_head = "lm_head" in target and config.get(LM_HEAD_KEY) != "vocab_major"
+    if old_head:
+        head = target["lm_head"]
+        target["lm_head"] = jax.ShapeDtypeStruct(head.shape[::-1], head.dtype,
+                                                 sharding=head.sharding)
     import orbax.checkpoint as ocp  # 0.35 s of import: only for orbax checkpoints
 
     with ocp.StandardCheckpointer() as ckptr:
-        params = ckptr.restore(ckpt_dir / "params", _abstract_params(cfg, stored))
+        params = ckptr.restore(ckpt_dir / "params", target)
+    if old_head:
+        params["lm_head"] = params["lm_head"].T
     return quant.quantize_params(params, cfg.quantization)
 
 

@@ -227,12 +227,13 @@ def unpack_allowed(allowed: jax.Array, vocab: int) -> jax.Array:
     return jnp.pad(flat, ((0, 0), (0, vocab - flat.shape[1])), constant_values=True)
 
 
-def _first_hit(x: jax.Array, top: jax.Array) -> jax.Array:
-    """The first index along the last axis where ``x`` equals ``top`` (or is NaN where
-    ``top`` is), int32; the axis length where none does."""
+def _first_hit(x: jax.Array, top: jax.Array, axis: int = -1) -> jax.Array:
+    """The first index along ``axis`` where ``x`` equals ``top`` (or is NaN where ``top``
+    is), int32; the axis length where none does."""
+    axis %= x.ndim
     hit = (x == top) | (jnp.isnan(top) & jnp.isnan(x))
-    ids = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-    return jnp.where(hit, ids, x.shape[-1]).min(axis=-1)
+    ids = lax.broadcasted_iota(jnp.int32, x.shape, axis)
+    return jnp.where(hit, ids, x.shape[axis]).min(axis=axis)
 
 
 # ``row_argmax``'s chunk: rows of a vocabulary it divides are read once, as chunk maxima.
@@ -250,17 +251,30 @@ def row_argmax(x: jax.Array) -> jax.Array:
     Other vocabularies: the maximum, then the lowest index holding it. (XLA:CPU's
     vectorized max drops NaNs, so a row with a NaN gets its largest number's index rather
     than the first NaN's as ``jnp.argmax`` would.) Other backends keep ``jnp.argmax``."""
+    return _argmax(x, 1)
+
+
+def vocab_argmax(x: jax.Array) -> jax.Array:
+    """``row_argmax`` of vocabulary-major logits [vocab, rows] (``SampleInputs.logits``):
+    each column's first maximum, read the same way, without transposing them."""
+    return _argmax(x, 0)
+
+
+def _argmax(x: jax.Array, axis: int) -> jax.Array:
+    """``row_argmax`` along ``axis`` (1: [rows, vocab], 0: [vocab, rows])."""
     if jax.default_backend() != "cpu":
-        return jnp.argmax(x, axis=-1).astype(jnp.int32)
-    rows, vocab = x.shape[0], x.shape[-1]
+        return jnp.argmax(x, axis=axis).astype(jnp.int32)
+    vocab = x.shape[axis]
     if x.ndim != 2 or vocab % ARGMAX_CHUNK or vocab < 8 * ARGMAX_CHUNK:
-        return _first_hit(x, x.max(axis=-1, keepdims=True))
-    chunks = x.reshape(rows, vocab // ARGMAX_CHUNK, ARGMAX_CHUNK)
-    chunk_max = chunks.max(axis=-1)
-    top = chunk_max.max(axis=-1, keepdims=True)
-    chunk = _first_hit(chunk_max, top)
-    part = jnp.take_along_axis(chunks, chunk[:, None, None], axis=1)[:, 0]
-    return chunk * ARGMAX_CHUNK + _first_hit(part, top)
+        return _first_hit(x, x.max(axis=axis, keepdims=True), axis)
+    rows, per = x.shape[1 - axis], vocab // ARGMAX_CHUNK
+    chunks = x.reshape((rows, per, ARGMAX_CHUNK) if axis else (per, ARGMAX_CHUNK, rows))
+    chunk_max = chunks.max(axis=axis + 1)  # [rows, per] or [per, rows]
+    top = chunk_max.max(axis=axis, keepdims=True)
+    chunk = _first_hit(chunk_max, top, axis)
+    part = jnp.take_along_axis(chunks, jnp.expand_dims(chunk, (axis, axis + 1)),
+                               axis=axis).squeeze(axis)  # the chunk: [rows, C] or [C, rows]
+    return chunk * ARGMAX_CHUNK + _first_hit(part, top, axis)
 
 
 def plain_greedy(sb: SamplingBatch, any_modifier: jax.Array) -> jax.Array:

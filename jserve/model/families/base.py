@@ -33,12 +33,12 @@ class Tensor:
 
 def hf_top_tensors(cfg: ModelConfig) -> dict[str, Tensor]:
     """The embedding, the final norm and the LM head (absent when tied) under HF's usual
-    names."""
+    names; the LM head as HF stores it, [vocab, hidden] like the embedding."""
     d, v = cfg.hidden_size, cfg.vocab_size
     top = {"embed": Tensor("model.embed_tokens.weight", (v, d)),
            "final_norm": Tensor("model.norm.weight", (d,))}
     if not cfg.tie_word_embeddings:
-        top["lm_head"] = Tensor("lm_head.weight", (d, v), True)
+        top["lm_head"] = Tensor("lm_head.weight", (v, d))
     return top
 
 
