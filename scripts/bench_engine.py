@@ -5,6 +5,7 @@
     python scripts/bench_engine.py --reps 5 --out bench.json
     python scripts/bench_engine.py --threads 1      # torch threads (default: all cores)
     python scripts/bench_engine.py --vocab 32768 --decode-only   # a realistic vocabulary
+    python scripts/bench_engine.py --decode-burst 4  # jserve with decode bursts of 4 steps
 
 What it measures (float32 everywhere; torch uses every core this process may run on, XLA
 does by default; every number is the median of ``--reps`` repetitions, and each repetition
@@ -84,6 +85,8 @@ def main() -> int:
     ap.add_argument("--vocab", type=int, default=8192, help="the model's vocabulary size")
     ap.add_argument("--decode-only", action="store_true",
                     help="decode rates and the batch-32 ceiling only (no prefill, no offline)")
+    ap.add_argument("--decode-burst", default=None, type=lambda v: v if v == "auto" else int(v),
+                    help="jserve's decode_burst (default: the engine's own, \"auto\")")
     ap.add_argument("--out", type=Path, default=None, help="write results as JSON here")
     args = ap.parse_args()
     args.reps_given, args.length_scale_given = args.reps is not None, args.length_scale is not None
@@ -91,8 +94,10 @@ def main() -> int:
     args.length_scale = 8.0 if args.length_scale is None else args.length_scale
     if args.reps < 1:
         ap.error("--reps must be >= 1")
-    s = dataclasses.replace(settings_from_args(args), vocab_size=args.vocab,
-                            decode_only=args.decode_only)
+    s = settings_from_args(args)
+    burst = {} if args.decode_burst is None else {"decode_burst": args.decode_burst}
+    s = dataclasses.replace(s, vocab_size=args.vocab, decode_only=args.decode_only,
+                            engine={**s.engine, **burst})
     return run(s, args.threads, args.quick, args.out)
 
 

@@ -163,6 +163,10 @@ def profile_ops(a) -> None:
     profile, wall = trace(lambda n: step.time("one", calls=n), a.steps)
     breakdown(f"step executable, batch {a.batch}", step_hlo,
               op_times(profile, step_hlo, a.steps), wall, a.top)
+    forward_hlo = Hlo(step.forward.as_text())  # the step without its sampling tail
+    profile, wall = trace(lambda n: step.time("forward", calls=n), a.steps)
+    breakdown("its forward alone", forward_hlo, op_times(profile, forward_hlo, a.steps),
+              wall, a.top)
     sampler_hlo = Hlo(step.sample.as_text())
     r = eng.runner
     inputs, r.kv_cache, r.state, _ = step.forward(r.params, r.kv_cache, r.state, step.ibuf,
