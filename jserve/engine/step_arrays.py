@@ -90,9 +90,20 @@ class PackedLayout:
         sampled token (on device: the host has not read it yet). Works on the packed buffer,
         so the plain step and the pipeline tick feed the same way."""
         leaf = functools.partial(self.int_leaf, ibuf)
-        tokens = jnp.where(leaf(".token_fed") != 0, last_tokens[leaf(".token_state_rows")],
-                           leaf(".batch.tokens"))
+        tokens = _fed(leaf(".token_fed") != 0, leaf(".token_state_rows"),
+                      leaf(".batch.tokens"), last_tokens)
         return self.with_int_leaf(ibuf, ".batch.tokens", tokens)
+
+    def unpack_fed(self, ibuf: jax.Array, fbuf: jax.Array, last_tokens: jax.Array
+                   ) -> StepArrays:
+        """``unpack(feed(ibuf, last_tokens), fbuf)`` with only the tokens made anew: writing
+        them into the buffer made XLA copy all of it every step (the structured-output
+        bitmask, vocab/32 words a row, is most of it)."""
+        arrays = self.unpack(ibuf, fbuf)
+        tokens = _fed(arrays.token_fed, arrays.token_state_rows, arrays.batch.tokens,
+                      last_tokens)
+        return dataclasses.replace(arrays, batch=dataclasses.replace(arrays.batch,
+                                                                     tokens=tokens))
 
     def has_int_leaf(self, name: str) -> bool:
         return name in self._int_at
@@ -151,6 +162,12 @@ class PackedLayout:
             flat = flat.view(dtype).copy() if dtype == np.uint32 else flat.astype(dtype)
             leaves.append(flat.reshape(shape))
         return jax.tree.unflatten(self.treedef, leaves)
+
+
+def _fed(token_fed: jax.Array, state_rows: jax.Array, tokens: jax.Array,
+         last_tokens: jax.Array) -> jax.Array:
+    """``tokens`` with each fed one (``token_fed``) replaced by its sequence's last sample."""
+    return jnp.where(token_fed, last_tokens[state_rows], tokens)
 
 
 @jax.tree_util.register_dataclass

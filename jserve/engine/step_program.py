@@ -143,7 +143,7 @@ def _forward_step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.
     the stacked weights in place (``layer_loop`` "indexed", ``jserve.model.layer_weights``)."""
     if slice_layers:
         params = unstack_layers(params)
-    arrays = layout.unpack(layout.feed(ibuf, state.last_tokens), fbuf)
+    arrays = layout.unpack_fed(ibuf, fbuf, state.last_tokens)
     with reading_in_place(in_place_layers):
         return _forward_tail(params, kv_cache, state, arrays, cfg=cfg,
                              attention_impl=attention_impl, mesh=mesh, rows=rows,
