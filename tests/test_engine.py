@@ -289,5 +289,6 @@ def test_decode_step_writes_the_kv_cache_in_place_and_samples_without_a_variadic
     # The step samples in its own executable, so its argmax is held to the same rule.
     for program in (hlo, runner.programs.sampler().as_text()):
         variadic = [line.strip()[:120] for shape, op, line in _instructions(program)
-                    if re.fullmatch(r"\(f32\[\d+\]\{0\}, s32\[\d+\]\{0\}\)", shape)]
+                    if op == "reduce"
+                    and re.fullmatch(r"\(f32\[\d+\]\{0\}, s32\[\d+\]\{0\}\)", shape)]
         assert not variadic, variadic

@@ -21,6 +21,7 @@ from jserve.sampling.params import (
     SamplingParams,
 )
 from jserve.sampling.sampler import (
+    FILTER_PREFIX,
     SampleResult,
     SamplerRow,
     SamplingBatch,
@@ -273,6 +274,39 @@ def test_allowed_mask_matches_reference(logits: list[float], top_k: int, top_p: 
     assume(np.all(np.abs(probs / probs[0] - min_p) > 1e-4))
     assert mask_set(logits, top_k=top_k, top_p=top_p, min_p=min_p) == reference_support(
         arr, top_k, top_p, min_p)
+
+
+def test_allowed_mask_reads_a_prefix_and_sorts_only_the_rows_it_does_not_decide() -> None:
+    """On a vocabulary four prefixes wide, every kind of row gives the whole sort's support:
+    those the first FILTER_PREFIX tokens decide (a narrow nucleus, top-k inside them, min-p,
+    a tie at the cutoff) and those they do not (a nucleus wider than them, top-k past them)
+    beside unfiltered rows; and the program sorts no [rows, vocab] array, only one row at a
+    time where it must."""
+    vocab = 4 * FILTER_PREFIX
+    rng = np.random.default_rng(7)
+    peaked = rng.normal(size=vocab) * 6
+    flat = rng.normal(size=vocab) * 0.01
+    tied = peaked.copy()
+    tied[[3, 9]] = tied.max() + 1.0  # the two top tokens tie: top-k 1 keeps the lower id
+    cases = [(peaked, dict(top_p=0.9)), (peaked, dict(top_k=40)), (peaked, dict(min_p=0.05)),
+             (tied, dict(top_k=1)), (flat, dict(top_p=0.9)),
+             (flat, dict(top_k=FILTER_PREFIX + 10, top_p=0.99)), (flat, {}), (peaked, {})]
+    logits = np.asarray([c[0] for c in cases], np.float32)
+    rows = [SamplerRow(SamplingParams(temperature=1.0, **kw), seed=i, step=0)
+            for i, (_, kw) in enumerate(cases)]
+    sb = make_sampling_batch(rows, len(rows))
+    mask = np.asarray(allowed_mask_jit(logits, sb))
+    for row, (arr, kw) in enumerate(cases):
+        want = (reference_support(arr.astype(np.float32).astype(np.float64),
+                                  kw.get("top_k", 0), kw.get("top_p", 1.0), kw.get("min_p", 0.0))
+                if kw else set(range(vocab)))  # top_p 1 keeps all (the reference's float sum
+        # can reach 1 before the row's end)
+        assert set(np.flatnonzero(mask[row]).tolist()) == want, (row, kw)
+    assert len(want) == vocab and 1 < mask[0].sum() < FILTER_PREFIX < mask[4].sum()
+    assert mask[3].sum() == 1 and mask[3, 3]
+    hlo = allowed_mask_jit.lower(logits, sb).compile().as_text()
+    sorts = [line for line in hlo.splitlines() if " sort(" in line]
+    assert sorts and all(f"[{len(rows)},{vocab}]" not in line for line in sorts), sorts
 
 
 # ---------------------------------------------------------------------------------------------

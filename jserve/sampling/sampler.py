@@ -175,36 +175,91 @@ def _ban(logits: jax.Array, banned_ids: jax.Array) -> jax.Array:
     return logits.at[rows, cols].set(-jnp.inf, mode="drop")
 
 
+# ``allowed_mask`` reads the first this many tokens of each row (``lax.top_k``) and sorts
+# only a row they do not decide: XLA:CPU sorted 36 x 32768 float32 logits in 254 ms, against
+# 5 ms for their top 256.
+FILTER_PREFIX = 256
+
+
 def allowed_mask(scaled_logits: jax.Array, sb: SamplingBatch) -> jax.Array:
     """Tokens that survive top-k, then top-p (on the renormalised top-k), then min-p.
 
     All three filters keep a prefix of the descending order (ties: lower id first), so the
     result is "the first n sorted tokens" and is mapped back to vocab order by comparing
     against the n-th token (value, id) instead of scattering. The argmax is always kept.
+    A row with no filter keeps every finite token. Otherwise the row's first
+    ``FILTER_PREFIX`` tokens decide n when it falls inside them (and top-k is off, or
+    within them); a row they do not decide (a nucleus wider than the prefix) is sorted
+    whole, alone (``_sorted_cutoff``).
     """
-    # Canonicalise -0.0 so the sort order and the == comparison below agree.
+    # Canonicalise -0.0 so the order and the == comparison below agree.
     logits = jnp.where(scaled_logits == 0, 0.0, scaled_logits.astype(jnp.float32))
     batch, vocab = logits.shape
     ids = lax.broadcasted_iota(jnp.int32, (batch, vocab), 1)
-    neg_sorted, order = lax.sort((-logits, ids), dimension=1, is_stable=True, num_keys=1)
-    sorted_logits = -neg_sorted
-    rank = ids
+    top_k = jnp.where(sb.top_k > 0, jnp.minimum(sb.top_k, vocab), vocab)
+    unfiltered = (top_k == vocab) & (sb.top_p >= 1.0) & (sb.min_p <= 0.0)
+    finite = logits > -jnp.inf
+    every = finite | ((ids == 0) & ~jnp.any(finite, axis=-1, keepdims=True))
 
-    top_k = jnp.where(sb.top_k > 0, jnp.minimum(sb.top_k, vocab), vocab)[:, None]
-    in_top_k = rank < top_k
-    probs = jax.nn.softmax(jnp.where(in_top_k, sorted_logits, -jnp.inf), axis=-1)
-    cumulative = jnp.cumsum(probs, axis=-1)
+    def filtered() -> jax.Array:
+        width = min(FILTER_PREFIX, vocab)
+        # Descending, ties by lower id. The barrier keeps XLA:CPU's top-k (a partial sort)
+        # from being folded, through the reads below, into a sort of the whole row.
+        values, order = lax.optimization_barrier(lax.top_k(logits, width))
+        # Top-p renormalises over the top-k tokens: all in the prefix, or the whole row.
+        whole = (top_k == vocab) & (width < vocab)
+        full_mass = jnp.sum(jnp.exp(logits - values[:, :1]), axis=-1)
+        n_keep, decided = _kept_prefix(values, top_k, sb.top_p, sb.min_p,
+                                       jnp.where(whole, full_mass, jnp.nan))
+        decided = (decided & ((top_k <= width) | (top_k == vocab))) | unfiltered
+        rows = jnp.arange(batch)
+        cut = values[rows, n_keep - 1], order[rows, n_keep - 1]
+
+        def sort_undecided():
+            def one(i):
+                return lax.cond(decided[i], lambda: (cut[0][i], cut[1][i]),
+                                lambda: _sorted_cutoff(logits[i], top_k[i], sb.top_p[i],
+                                                       sb.min_p[i]))
+            return lax.map(one, rows)
+
+        value, last = lax.cond(jnp.all(decided), lambda: cut, sort_undecided)
+        kept = (logits > value[:, None]) | ((logits == value[:, None])
+                                            & (ids <= last[:, None]))
+        return jnp.where(unfiltered[:, None], every, kept)
+
+    return lax.cond(jnp.all(unfiltered), lambda: every, filtered)
+
+
+def _kept_prefix(values: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array,
+                 mass: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The filters on rows of descending ``values`` [B, n] (a row's first n tokens, or all
+    of them): how many tokens lead the kept run (>= 1), and whether the run ends inside
+    them. ``mass``: the softmax normaliser, where the top-k tokens reach past the n (NaN:
+    the n hold them all)."""
+    n = values.shape[1]
+    rank = lax.broadcasted_iota(jnp.int32, values.shape, 1)
+    in_top_k = rank < top_k[:, None]
+    shifted = jnp.where(in_top_k, values - values[:, :1], -jnp.inf)
+    exp = jnp.exp(shifted)
+    mass = jnp.where(jnp.isnan(mass), jnp.sum(exp, axis=-1), mass)
+    cumulative = jnp.cumsum(exp / mass[:, None], axis=-1)
     mass_before = jnp.pad(cumulative[:, :-1], ((0, 0), (1, 0)))
-    top_p = sb.top_p[:, None]
-    in_top_p = (mass_before < top_p) | (top_p >= 1.0)
-    in_min_p = jnp.exp(sorted_logits - sorted_logits[:, :1]) >= sb.min_p[:, None]
-    keep = in_top_k & in_top_p & in_min_p & (sorted_logits > -jnp.inf)
+    in_top_p = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
+    in_min_p = jnp.exp(values - values[:, :1]) >= min_p[:, None]
+    keep = in_top_k & in_top_p & in_min_p & (values > -jnp.inf)
+    # Length of the leading run of kept tokens (robust to rounding in the cumsum).
+    run = jnp.min(jnp.where(keep, n, rank), axis=-1)
+    return jnp.maximum(run, 1), run < n
 
-    # Length of the leading run of kept tokens (robust to rounding in the cumsum), >= 1.
-    n_keep = jnp.maximum(jnp.min(jnp.where(keep, vocab, rank), axis=-1), 1)[:, None]
-    cutoff_logit = jnp.take_along_axis(sorted_logits, n_keep - 1, axis=1)
-    cutoff_id = jnp.take_along_axis(order, n_keep - 1, axis=1)
-    return (logits > cutoff_logit) | ((logits == cutoff_logit) & (ids <= cutoff_id))
+
+def _sorted_cutoff(row: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array
+                   ) -> tuple[jax.Array, jax.Array]:
+    """The last kept token (value, id) of one row [vocab], from its whole stable sort."""
+    ids = lax.broadcasted_iota(jnp.int32, row.shape, 0)
+    neg_sorted, order = lax.sort((-row, ids), is_stable=True, num_keys=1)
+    n_keep, _ = _kept_prefix(-neg_sorted[None], top_k[None], top_p[None], min_p[None],
+                             jnp.full((1,), jnp.nan))
+    return -neg_sorted[n_keep[0] - 1], order[n_keep[0] - 1]
 
 
 def _row_gumbel(seed: jax.Array, step: jax.Array, vocab: int) -> jax.Array:
