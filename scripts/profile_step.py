@@ -4,7 +4,7 @@
                                    [--batches 1,8,32 | --batch B] [--prompt-len 128] [--reps 5]
                                    [--overlap] [--split-ab] [--host-phases]
 
-For each batch size B: ``B`` greedy requests on ``--model`` (default the bench model of
+For each batch size B: ``B`` requests (greedy unless ``--temperature``) on ``--model`` (default the bench model of
 ``bench_engine.py``: 4 layers, hidden 512, GQA 8/2, vocab 8192, f32, random weights;
 ``bench-32k``: the same shape with a 32,768-token vocabulary, a HF checkpoint transformers
 writes once into ~/.cache/jserve/bench; or any built-in name or checkpoint directory
@@ -52,7 +52,10 @@ def main() -> int:
     ap.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
     ap.add_argument("--batch", type=int, default=None, help="one batch size (overrides --batches)")
     ap.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request")
-    ap.add_argument("--new-tokens", type=int, default=40, help="greedy tokens per request")
+    ap.add_argument("--new-tokens", type=int, default=40, help="new tokens per request")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="the requests' temperature (0: greedy, the plain argmax)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="the requests' top_p")
     ap.add_argument("--reps", type=int, default=5, help="repetitions (medians are taken)")
     ap.add_argument("--sampler-ab", action="store_true",
                     help="also time the two-call device-only step with the sampler built on "

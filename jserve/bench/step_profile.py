@@ -32,7 +32,8 @@ def profile_batch(batch: int, a, bar: tqdm, model=None) -> dict:
     """``model``: (ModelConfig, params) of ``bench_model`` (None: the bench model)."""
     eng = bench_engine(batch, a.attention_impl, model)
     cfg = eng.runner.model_config
-    params = SamplingParams(temperature=0.0, max_tokens=a.new_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=a.temperature, top_p=a.top_p,
+                            max_tokens=a.new_tokens, ignore_eos=True)
     prompts = bench_prompts(batch, a.prompt_len, cfg.vocab_size)
     shape, packed = capture_decode(eng, prompts, params)
     step = DeviceStep(eng, packed, shape)
