@@ -4,7 +4,8 @@
                                    [--batches 1,8,32 | --batch B] [--prompt-len 128] [--reps 5]
                                    [--overlap] [--split-ab] [--host-phases]
 
-For each batch size B: ``B`` requests (greedy unless ``--temperature``) on ``--model`` (default the bench model of
+For each batch size B: ``B`` requests (greedy unless ``--temperature``) on ``--model``
+(default the bench model of
 ``bench_engine.py``: 4 layers, hidden 512, GQA 8/2, vocab 8192, f32, random weights;
 ``bench-32k``: the same shape with a 32,768-token vocabulary, a HF checkpoint transformers
 writes once into ~/.cache/jserve/bench; or any built-in name or checkpoint directory
