@@ -203,17 +203,18 @@ def allowed_mask(scaled_logits: jax.Array, sb: SamplingBatch) -> jax.Array:
 
     def filtered() -> jax.Array:
         width = min(FILTER_PREFIX, vocab)
-        # Descending, ties by lower id. The barrier keeps XLA:CPU's top-k (a partial sort)
-        # from being folded, through the reads below, into a sort of the whole row.
-        values, order = lax.optimization_barrier(lax.top_k(logits, width))
+        values, order = lax.top_k(logits, width)  # descending, ties by lower id
         # Top-p renormalises over the top-k tokens: all in the prefix, or the whole row.
         whole = (top_k == vocab) & (width < vocab)
-        full_mass = jnp.sum(jnp.exp(logits - values[:, :1]), axis=-1)
+        full_mass = jnp.sum(jnp.exp(logits - logits.max(axis=-1, keepdims=True)), axis=-1)
         n_keep, decided = _kept_prefix(values, top_k, sb.top_p, sb.min_p,
                                        jnp.where(whole, full_mass, jnp.nan))
         decided = (decided & ((top_k <= width) | (top_k == vocab))) | unfiltered
+        # The last kept token, read by a reduction (so is the first, in ``_kept_prefix``).
+        last = lax.broadcasted_iota(jnp.int32, values.shape, 1) == (n_keep - 1)[:, None]
+        cut = (jnp.max(jnp.where(last, values, -jnp.inf), axis=-1),
+               jnp.max(jnp.where(last, order, -1), axis=-1))
         rows = jnp.arange(batch)
-        cut = values[rows, n_keep - 1], order[rows, n_keep - 1]
 
         def sort_undecided():
             def one(i):
@@ -239,13 +240,16 @@ def _kept_prefix(values: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: j
     n = values.shape[1]
     rank = lax.broadcasted_iota(jnp.int32, values.shape, 1)
     in_top_k = rank < top_k[:, None]
-    shifted = jnp.where(in_top_k, values - values[:, :1], -jnp.inf)
+    # The first value as a reduction: a slice of XLA:CPU's top-k output (a partial sort)
+    # besides the prefix made XLA fold it into a sort of the whole row.
+    first = values.max(axis=-1, keepdims=True)
+    shifted = jnp.where(in_top_k, values - first, -jnp.inf)
     exp = jnp.exp(shifted)
     mass = jnp.where(jnp.isnan(mass), jnp.sum(exp, axis=-1), mass)
     cumulative = jnp.cumsum(exp / mass[:, None], axis=-1)
     mass_before = jnp.pad(cumulative[:, :-1], ((0, 0), (1, 0)))
     in_top_p = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
-    in_min_p = jnp.exp(values - values[:, :1]) >= min_p[:, None]
+    in_min_p = jnp.exp(values - first) >= min_p[:, None]
     keep = in_top_k & in_top_p & in_min_p & (values > -jnp.inf)
     # Length of the leading run of kept tokens (robust to rounding in the cumsum).
     run = jnp.min(jnp.where(keep, n, rank), axis=-1)
