@@ -26,7 +26,7 @@ def late_bitmask(done: Launched, requests: dict[str, Request], faults: RequestFa
     that token finished, or whose grammar it completed, keeps all ones: its token is
     dropped; so does one whose grammar failed, noted in ``faults``)."""
     built = done.built.arrays.sampling.allowed
-    allowed = np.full((done.out.logits.shape[1], built.shape[1]), -1, np.int32)
+    allowed = np.full((done.out.rows, built.shape[1]), -1, np.int32)
     allowed[:len(built)] = built
     for row, req in done.late:
         c = req.payload.constraint

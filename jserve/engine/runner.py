@@ -172,7 +172,7 @@ class ModelRunner:
             sb = inputs.sampling
             inputs = dataclasses.replace(inputs, sampling=dataclasses.replace(
                 sb, allowed=allowed))  # the executable's own transfer: the cheapest
-        out, self.state = self.programs.sampler(inputs.logits.shape[1])(self.state, inputs)
+        out, self.state = self.programs.sampler(inputs.rows)(self.state, inputs)
         return out
 
     def _nothing_sampled(self) -> SampleResult:

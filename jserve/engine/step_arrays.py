@@ -186,6 +186,11 @@ class SampleInputs:
     want_logprobs: jax.Array
     any_bias: jax.Array
 
+    @property
+    def rows(self) -> int:
+        """The padded rows (the logits' second axis: they are vocabulary-major)."""
+        return self.state_rows.shape[0]
+
 
 def leaf_spec(shape, dtype, sharding=None) -> jax.ShapeDtypeStruct:
     """One abstract array."""

@@ -204,24 +204,20 @@ def allowed_mask(scaled_logits: jax.Array, sb: SamplingBatch) -> jax.Array:
     def filtered() -> jax.Array:
         width = min(FILTER_PREFIX, vocab)
         values, order = lax.top_k(logits, width)  # descending, ties by lower id
-        # Top-p renormalises over the top-k tokens: all in the prefix, or the whole row.
-        whole = (top_k == vocab) & (width < vocab)
-        full_mass = jnp.sum(jnp.exp(logits - logits.max(axis=-1, keepdims=True)), axis=-1)
-        n_keep, decided = _kept_prefix(values, top_k, sb.top_p, sb.min_p,
-                                       jnp.where(whole, full_mass, jnp.nan))
+        row_mass = jnp.sum(jnp.exp(logits - logits.max(axis=-1, keepdims=True)), axis=-1)
+        n_keep, decided = _kept_prefix(values, top_k, sb.top_p, sb.min_p, row_mass)
         decided = (decided & ((top_k <= width) | (top_k == vocab))) | unfiltered
         # The last kept token, read by a reduction (so is the first, in ``_kept_prefix``).
         last = lax.broadcasted_iota(jnp.int32, values.shape, 1) == (n_keep - 1)[:, None]
         cut = (jnp.max(jnp.where(last, values, -jnp.inf), axis=-1),
                jnp.max(jnp.where(last, order, -1), axis=-1))
-        rows = jnp.arange(batch)
 
         def sort_undecided():
             def one(i):
                 return lax.cond(decided[i], lambda: (cut[0][i], cut[1][i]),
                                 lambda: _sorted_cutoff(logits[i], top_k[i], sb.top_p[i],
                                                        sb.min_p[i]))
-            return lax.map(one, rows)
+            return lax.map(one, jnp.arange(batch))
 
         value, last = lax.cond(jnp.all(decided), lambda: cut, sort_undecided)
         kept = (logits > value[:, None]) | ((logits == value[:, None])
@@ -232,11 +228,11 @@ def allowed_mask(scaled_logits: jax.Array, sb: SamplingBatch) -> jax.Array:
 
 
 def _kept_prefix(values: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array,
-                 mass: jax.Array) -> tuple[jax.Array, jax.Array]:
+                 row_mass: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """The filters on rows of descending ``values`` [B, n] (a row's first n tokens, or all
     of them): how many tokens lead the kept run (>= 1), and whether the run ends inside
-    them. ``mass``: the softmax normaliser, where the top-k tokens reach past the n (NaN:
-    the n hold them all)."""
+    them. Top-p renormalises over the top-k tokens: where they reach past the n, over
+    ``row_mass`` (the whole row's softmax normaliser: given when the n are a prefix)."""
     n = values.shape[1]
     rank = lax.broadcasted_iota(jnp.int32, values.shape, 1)
     in_top_k = rank < top_k[:, None]
@@ -245,7 +241,9 @@ def _kept_prefix(values: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: j
     first = values.max(axis=-1, keepdims=True)
     shifted = jnp.where(in_top_k, values - first, -jnp.inf)
     exp = jnp.exp(shifted)
-    mass = jnp.where(jnp.isnan(mass), jnp.sum(exp, axis=-1), mass)
+    mass = jnp.sum(exp, axis=-1)
+    if row_mass is not None:
+        mass = jnp.where(top_k > n, row_mass, mass)
     cumulative = jnp.cumsum(exp / mass[:, None], axis=-1)
     mass_before = jnp.pad(cumulative[:, :-1], ((0, 0), (1, 0)))
     in_top_p = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
@@ -261,8 +259,7 @@ def _sorted_cutoff(row: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: ja
     """The last kept token (value, id) of one row [vocab], from its whole stable sort."""
     ids = lax.broadcasted_iota(jnp.int32, row.shape, 0)
     neg_sorted, order = lax.sort((-row, ids), is_stable=True, num_keys=1)
-    n_keep, _ = _kept_prefix(-neg_sorted[None], top_k[None], top_p[None], min_p[None],
-                             jnp.full((1,), jnp.nan))
+    n_keep, _ = _kept_prefix(-neg_sorted[None], top_k[None], top_p[None], min_p[None])
     return -neg_sorted[n_keep[0] - 1], order[n_keep[0] - 1]
 
 
