@@ -36,6 +36,23 @@ def test_seeded_sampling_is_reproducible_across_batch_compositions(llm):
     assert other_seed != alone
 
 
+def test_filtered_rows_are_sampled_by_the_executable_with_the_filters(llm, greedy_ref):
+    # The fused step compiles no top-k/p or min-p filter; a step with a filtered row is
+    # sampled again by the sampling executable. Filters that keep only the top token must
+    # give the greedy tokens, beside an unfiltered sampled row and a greedy one.
+    sampled = dict(temperature=1.0, seed=7, max_tokens=16, ignore_eos=True)
+    keep_top = [dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)]
+    params = [SamplingParams(**sampled, **f) for f in keep_top]
+    outs = llm.generate([PROMPT] * 5, params + [SamplingParams(**sampled), GREEDY])
+    assert [o.token_ids for o in outs[:3]] == [greedy_ref.token_ids] * 3
+    assert outs[3].token_ids != greedy_ref.token_ids
+    assert outs[4].token_ids == greedy_ref.token_ids
+    programs = llm.engine.runner.programs
+    step = programs.compiled(llm.engine.buckets.shape_for(2, 0))[0].as_text()
+    # the filters' per-row fallback is the programs' only sort
+    assert " sort(" not in step and " sort(" in programs.sampler().as_text()
+
+
 def test_stop_string_ends_text_exactly_before_it(llm, greedy_ref):
     text = greedy_ref.text
     stop = text[5:8]

@@ -59,6 +59,9 @@ class StepArrays:
     any_penalty: jax.Array       # scalar bool: some row uses penalties (else skip their work)
     want_logprobs: jax.Array     # scalar bool
     any_bias: jax.Array          # scalar bool: some sampled row has a logit_bias
+    # scalar bool: some sampled row filters (top-k/p, min-p); read on the host
+    # (``ModelRunner.execute_packed``): the fused step compiles no filter
+    any_filter: jax.Array
 
 
 class PackedLayout:
@@ -258,7 +261,8 @@ def arrays_spec(buckets: Buckets, vocab_size: int, num_decodes: int,
         reset_rows=leaf_spec((s,), i32), sampled_state_rows=leaf_spec((s,), i32),
         sampling=sampling,
         any_random=leaf_spec((), bool), any_penalty=leaf_spec((), bool),
-        want_logprobs=leaf_spec((), bool), any_bias=leaf_spec((), bool))
+        want_logprobs=leaf_spec((), bool), any_bias=leaf_spec((), bool),
+        any_filter=leaf_spec((), bool))
 
 
 def sample_inputs_spec(rows: int, vocab_size: int, sharding=None) -> SampleInputs:

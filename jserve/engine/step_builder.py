@@ -27,6 +27,7 @@ class StepFlags:
     want_prompt_logprobs: bool = False  # some prefill chunk's request wants prompt logprobs
     prompt_top: int = 0  # the most alternatives such a request wants (its prompt_logprobs)
     any_bias: bool = False  # some sampled row has a logit_bias
+    any_filter: bool = False  # some sampled row filters (the sampling executable samples)
 
     @classmethod
     def of(cls, params: list, plan: BatchPlan) -> "StepFlags":
@@ -39,7 +40,8 @@ class StepFlags:
                    any_penalty=any(p.uses_penalties for p in params),
                    want_logprobs=any(p.logprobs is not None for p in sampled),
                    want_prompt_logprobs=bool(prompt), prompt_top=max(prompt, default=0),
-                   any_bias=any(p.logit_bias for p in sampled))
+                   any_bias=any(p.logit_bias for p in sampled),
+                   any_filter=any(p.uses_filters for p in sampled))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,7 +261,8 @@ class StepBuilder:
             sampled_state_rows=h.sampled_state_rows,
             sampling=make_sampling_batch(h.rows, pad_to=s, words=self.mask_words),
             any_random=np.asarray(flags.any_random), any_penalty=np.asarray(flags.any_penalty),
-            want_logprobs=np.asarray(flags.want_logprobs), any_bias=np.asarray(flags.any_bias))
+            want_logprobs=np.asarray(flags.want_logprobs), any_bias=np.asarray(flags.any_bias),
+            any_filter=np.asarray(flags.any_filter))
         return BuiltStep((bd, padded_prefill_tokens), arrays, h.sample_rows)
 
     def empty(self, shape: tuple[int, int], neutral_row: SamplerRow) -> BuiltStep:

@@ -342,9 +342,13 @@ def plain_greedy(sb: SamplingBatch, any_modifier: jax.Array) -> jax.Array:
     return ~any_modifier & ~jnp.any(sb.banned_ids >= 0) & ~jnp.any(sb.allowed != -1)
 
 
-def choose_tokens(penalised: jax.Array, sb: SamplingBatch, *, all_greedy: bool) -> jax.Array:
+def choose_tokens(penalised: jax.Array, sb: SamplingBatch, *, all_greedy: bool,
+                  filters: bool = True) -> jax.Array:
     """Pick one token per row from penalised logits; ``all_greedy`` (static) skips the sort
-    and the random draws when every row has temperature 0."""
+    and the random draws when every row has temperature 0. ``filters`` False (static)
+    compiles no top-k / top-p / min-p filter (``allowed_mask``): the fused step's chain,
+    whose batches with a filtered row the sampling executable samples
+    (``SamplingParams.uses_filters``)."""
     penalised = _ban(penalised.astype(jnp.float32), sb.banned_ids)
     vocab = penalised.shape[1]
     # Run-time choice: unpacking the bitmask is vocab x rows of work, done only when some
@@ -360,7 +364,7 @@ def choose_tokens(penalised: jax.Array, sb: SamplingBatch, *, all_greedy: bool) 
     temperature = jnp.where(greedy, 1.0, jnp.maximum(sb.temperature, _MIN_TEMPERATURE))
     scaled = penalised / temperature[:, None]
     gumbel = jax.vmap(_row_gumbel, in_axes=(0, 0, None))(sb.seed, sb.step, vocab)
-    allowed = allowed_mask(scaled, sb)
+    allowed = allowed_mask(scaled, sb) if filters else jnp.ones(scaled.shape, bool)
     # Speculative rows (rejection sampling against a draft d proposed with certainty):
     # accept d with probability p(d), else draw from p with d removed, renormalised; the
     # token returned is then distributed exactly as p. Rows without a draft are untouched.
