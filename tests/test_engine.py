@@ -2,6 +2,7 @@
 no compilation after warm-up, orbax round trip."""
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -199,9 +200,11 @@ def test_the_layer_mode_follows_backend_depth_and_pipeline():
 
 
 def test_a_plain_step_is_one_executable_call_with_the_same_tokens(llm, reference, monkeypatch):
-    """Each step samples inside its own executable (the logits never leave it): a run with
-    greedy, seeded random, penalised and logprob rows dispatches one call a step and never
-    the sampling executable, and its greedy tokens are the reference's."""
+    """Each step samples greedy and temperature rows inside its own executable (the logits
+    never leave it): a run of greedy and seeded random rows dispatches one call a step and
+    never the sampling executable, and its greedy tokens are the reference's. Rows with
+    logprobs or penalties (``StepArrays.whole_chain``) take the sampling executable too,
+    on their steps only."""
     runner = llm.engine.runner
     calls = {"sampler": 0, "steps": 0}
     sample, execute = runner.sample, runner.execute_packed
@@ -209,12 +212,18 @@ def test_a_plain_step_is_one_executable_call_with_the_same_tokens(llm, reference
         calls.__setitem__("sampler", calls["sampler"] + 1), sample(*a, **k))[1])
     monkeypatch.setattr(runner, "execute_packed", lambda *a, **k: (
         calls.__setitem__("steps", calls["steps"] + 1), execute(*a, **k))[1])
-    mixed = [SamplingParams(temperature=0.8, seed=5, max_tokens=6, logprobs=2),
-             SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=6)]
-    outs = llm.generate(PROMPTS + PROMPTS[:2], [GREEDY] * len(PROMPTS) + mixed)
+    seeded = SamplingParams(temperature=0.8, seed=5, max_tokens=6)
+    outs = llm.generate(PROMPTS + PROMPTS[:1], [GREEDY] * len(PROMPTS) + [seeded])
     assert [o.token_ids for o in outs[:len(PROMPTS)]] == reference
-    assert len(outs[-2].logprobs) == 6 and all(len(o.token_ids) == 6 for o in outs[-2:])
     assert calls["steps"] > 0 and calls["sampler"] == 0
+    mixed = [dataclasses.replace(seeded, logprobs=2),
+             SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=6)]
+    steps = calls["steps"]
+    outs = llm.generate(PROMPTS[:2], mixed)
+    assert len(outs[0].logprobs) == 6 and all(len(o.token_ids) == 6 for o in outs)
+    assert calls["sampler"] == calls["steps"] - steps > 0
+    # The sampling executable's tokens of a temperature row are the step's own.
+    assert outs[0].token_ids == llm.generate(PROMPTS[:1], seeded)[0].token_ids
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])

@@ -36,10 +36,11 @@ def test_seeded_sampling_is_reproducible_across_batch_compositions(llm):
     assert other_seed != alone
 
 
-def test_filtered_rows_are_sampled_by_the_executable_with_the_filters(llm, greedy_ref):
-    # The fused step compiles no top-k/p or min-p filter; a step with a filtered row is
-    # sampled again by the sampling executable. Filters that keep only the top token must
-    # give the greedy tokens, beside an unfiltered sampled row and a greedy one.
+def test_filtered_rows_are_sampled_by_the_executable_with_the_whole_chain(llm, greedy_ref):
+    # The fused step samples greedy and temperature rows only; a step with a filtered row
+    # (or a bias, penalty, ban, mask, logprobs) is sampled again by the sampling
+    # executable. Filters that keep only the top token must give the greedy tokens, beside
+    # an unfiltered sampled row and a greedy one.
     sampled = dict(temperature=1.0, seed=7, max_tokens=16, ignore_eos=True)
     keep_top = [dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)]
     params = [SamplingParams(**sampled, **f) for f in keep_top]
@@ -47,10 +48,13 @@ def test_filtered_rows_are_sampled_by_the_executable_with_the_filters(llm, greed
     assert [o.token_ids for o in outs[:3]] == [greedy_ref.token_ids] * 3
     assert outs[3].token_ids != greedy_ref.token_ids
     assert outs[4].token_ids == greedy_ref.token_ids
+    # Alone, the temperature row is sampled by the step itself: the same tokens.
+    assert llm.generate(PROMPT, SamplingParams(**sampled))[0].token_ids == outs[3].token_ids
     programs = llm.engine.runner.programs
     step = programs.compiled(llm.engine.buckets.shape_for(2, 0))[0].as_text()
-    # the filters' per-row fallback is the programs' only sort
-    assert " sort(" not in step and " sort(" in programs.sampler().as_text()
+    whole = programs.sampler().as_text()
+    # the filters' per-row fallback: the programs' only sort
+    assert " sort(" not in step and " sort(" in whole
 
 
 def test_stop_string_ends_text_exactly_before_it(llm, greedy_ref):

@@ -140,9 +140,9 @@ class ModelRunner:
         empty): one batch's buffers [size] through every stage in one pass; the carry is
         left as it is. ``defer``: the forward only; the result is its ``SampleInputs``, which
         the caller hands to ``sample`` (with the masks it could not know at launch). One
-        executable call when spp == 1 (the step samples too, unless a row filters: then
-        the sampling executable again), two under spp > 1 (the tick or pass, then the
-        sampling executable). ``burst`` > 1 (spp == 1, an all-decode step,
+        executable call when spp == 1 (the step samples too; a row that needs more than
+        greedy or temperature: the sampling executable again), two under spp > 1 (the
+        tick or pass, then the sampling executable). ``burst`` > 1 (spp == 1, an all-decode step,
         ``programs.burst_ready`` said yes): that many decode steps in one call; the result's
         ``tokens`` are [burst, rows], its logprobs fields None (bursts carry none)."""
         if burst > 1:
@@ -162,8 +162,8 @@ class ModelRunner:
                 self.last_capture = capture[0]
             if defer:
                 return inputs
-            # A filtered row: the step's chain has no filters (``step_program._sample``).
-            return self.sample(inputs) if ibuf[layout.int_offset(".any_filter")] else out
+            # Beyond greedy and temperature: the sampling executable (``step_program._step``).
+            return self.sample(inputs) if ibuf[layout.int_offset(".whole_chain")] else out
         if not sample:
             return self._nothing_sampled()
         return inputs if defer else self.sample(inputs)

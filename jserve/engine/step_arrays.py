@@ -59,9 +59,10 @@ class StepArrays:
     any_penalty: jax.Array       # scalar bool: some row uses penalties (else skip their work)
     want_logprobs: jax.Array     # scalar bool
     any_bias: jax.Array          # scalar bool: some sampled row has a logit_bias
-    # scalar bool: some sampled row filters (top-k/p, min-p); read on the host
-    # (``ModelRunner.execute_packed``): the fused step compiles no filter
-    any_filter: jax.Array
+    # scalar bool, read on the host (``ModelRunner.execute_packed``): some sampled row needs
+    # more than greedy or temperature (a filter, bias, penalty, ban, mask, logprobs, a
+    # sampled draft), which the fused step does not compile (``step_program._step``)
+    whole_chain: jax.Array
 
 
 class PackedLayout:
@@ -262,7 +263,7 @@ def arrays_spec(buckets: Buckets, vocab_size: int, num_decodes: int,
         sampling=sampling,
         any_random=leaf_spec((), bool), any_penalty=leaf_spec((), bool),
         want_logprobs=leaf_spec((), bool), any_bias=leaf_spec((), bool),
-        any_filter=leaf_spec((), bool))
+        whole_chain=leaf_spec((), bool))
 
 
 def sample_inputs_spec(rows: int, vocab_size: int, sharding=None) -> SampleInputs:

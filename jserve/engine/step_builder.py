@@ -13,7 +13,7 @@ from jserve.engine.prompt_logprobs import targets as prompt_targets
 from jserve.engine.step_arrays import PackedLayout, StepArrays
 from jserve.kernels import AttentionMetadata
 from jserve.model.decoder import StepInput
-from jserve.sampling.sampler import SamplerRow, make_sampling_batch, mask_words
+from jserve.sampling.sampler import SamplerRow, SamplingBatch, make_sampling_batch, mask_words
 from jserve.scheduler import PLACEHOLDER, BatchPlan, Request, ScheduledChunk
 
 
@@ -42,6 +42,14 @@ class StepFlags:
                    want_prompt_logprobs=bool(prompt), prompt_top=max(prompt, default=0),
                    any_bias=any(p.logit_bias for p in sampled),
                    any_filter=any(p.uses_filters for p in sampled))
+
+
+def _whole_chain(flags: StepFlags, sb: SamplingBatch) -> bool:
+    """``StepArrays.whole_chain``: some row of the step needs more than greedy or
+    temperature sampling (padding rows are neutral)."""
+    return bool(flags.any_filter or flags.any_bias or flags.any_penalty or flags.want_logprobs
+                or np.any(sb.banned_ids >= 0) or np.any(sb.allowed != -1)
+                or np.any((sb.draft >= 0) & (sb.temperature > 0)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,6 +257,7 @@ class StepBuilder:
                                  kv_lens=h.kv_lens, page_table=h.page_table,
                                  num_prefills=np.asarray(len(plan.prefills), np.int32),
                                  num_decodes=bd)
+        sampling = make_sampling_batch(h.rows, pad_to=s, words=self.mask_words)
         arrays = StepArrays(
             batch=StepInput(tokens=h.tokens, slots=h.slots, logits_rows=h.logits_rows,
                             attn=attn, slot_groups=h.slot_groups, start_groups=h.start_groups,
@@ -259,10 +268,10 @@ class StepBuilder:
             want_prompt_logprobs=np.asarray(flags.want_prompt_logprobs),
             prompt_top=np.asarray(flags.prompt_top, np.int32),
             sampled_state_rows=h.sampled_state_rows,
-            sampling=make_sampling_batch(h.rows, pad_to=s, words=self.mask_words),
+            sampling=sampling,
             any_random=np.asarray(flags.any_random), any_penalty=np.asarray(flags.any_penalty),
             want_logprobs=np.asarray(flags.want_logprobs), any_bias=np.asarray(flags.any_bias),
-            any_filter=np.asarray(flags.any_filter))
+            whole_chain=np.asarray(_whole_chain(flags, sampling)))
         return BuiltStep((bd, padded_prefill_tokens), arrays, h.sample_rows)
 
     def empty(self, shape: tuple[int, int], neutral_row: SamplerRow) -> BuiltStep:

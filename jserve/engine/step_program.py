@@ -31,6 +31,7 @@ from jserve.sampling.sampler import (
     choose_tokens,
     pad_rows,
     plain_greedy,
+    temperature_tokens,
     token_logprobs,
     vocab_argmax,
 )
@@ -77,10 +78,9 @@ def _sample_inputs(logits: jax.Array, state: SeqState, arrays: StepArrays, rows:
         (inputs, state), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 
 
-def _choose(state: SeqState, inp: SampleInputs, filters: bool) -> jax.Array:
+def _choose(state: SeqState, inp: SampleInputs) -> jax.Array:
     """The token of every row through the whole chain: the logit bias only when some row
-    has one, penalties only when some row uses them, the random draws only when some row
-    samples; top-k/p and min-p only if ``filters`` (static, ``choose_tokens``)."""
+    has one, penalties only when some row uses them, the sort only when some row samples."""
     logits, sb = inp.logits.T, inp.sampling  # the chain reads rows
     biased = jax.lax.cond(inp.any_bias, lambda: apply_bias(logits, sb), lambda: logits)
     penalised = jax.lax.cond(
@@ -89,18 +89,13 @@ def _choose(state: SeqState, inp: SampleInputs, filters: bool) -> jax.Array:
                                 state.prompt_mask[inp.state_rows], sb),
         lambda: biased)
     return jax.lax.cond(inp.any_random,
-                        lambda: choose_tokens(penalised, sb, all_greedy=False,
-                                              filters=filters),
+                        lambda: choose_tokens(penalised, sb, all_greedy=False),
                         lambda: choose_tokens(penalised, sb, all_greedy=True))
 
 
-def _sample(state: SeqState, inp: SampleInputs, filters: bool = True
-            ) -> tuple[SampleResult, SeqState]:
+def _sample(state: SeqState, inp: SampleInputs) -> tuple[SampleResult, SeqState]:
     """Token choice and logprobs (one executable, or the tail of the plain step); the chosen
-    tokens are kept in ``state.last_tokens`` for the next step. ``filters`` (static): with
-    the top-k/p and min-p filters, 25-40% of a CPU step program's compile time; the plain
-    step compiles without them and a batch with a filtered row is sampled again by the
-    sampling executable (``ModelRunner.execute_packed``). Runtime choices: a plain
+    tokens are kept in ``state.last_tokens`` for the next step. Runtime choices: a plain
     greedy batch (``plain_greedy``) takes the argmax of the vocabulary-major logits in place,
     nothing else touches them (each ``cond`` branch that passes them on copies them);
     otherwise ``_choose``, which reads them transposed to rows, as the logprobs do. Top-n
@@ -108,7 +103,7 @@ def _sample(state: SeqState, inp: SampleInputs, filters: bool = True
     logits, sb = inp.logits, inp.sampling
     tokens = jax.lax.cond(
         plain_greedy(sb, inp.any_bias | inp.any_penalty | inp.any_random),
-        lambda: vocab_argmax(logits), lambda: _choose(state, inp, filters))
+        lambda: vocab_argmax(logits), lambda: _choose(state, inp))
     s = logits.shape[1]
     chosen, top_ids, top_lp = jax.lax.cond(
         inp.want_logprobs,
@@ -117,6 +112,17 @@ def _sample(state: SeqState, inp: SampleInputs, filters: bool = True
                  jnp.zeros((s, MAX_LOGPROBS), jnp.float32)))
     last = state.last_tokens.at[inp.sampled_state_rows].set(tokens)
     return (SampleResult(tokens, chosen, top_ids, top_lp),
+            dataclasses.replace(state, last_tokens=last))
+
+
+def _common_tokens(state: SeqState, inp: SampleInputs) -> tuple[SampleResult, SeqState]:
+    """``_sample`` of a batch whose rows are all greedy or sample at a temperature with
+    nothing else (``StepArrays.whole_chain`` false): the same tokens, no logprobs."""
+    tokens = jax.lax.cond(inp.any_random,
+                          lambda: temperature_tokens(inp.logits.T, inp.sampling),
+                          lambda: vocab_argmax(inp.logits))
+    last = state.last_tokens.at[inp.sampled_state_rows].set(tokens)
+    return (SampleResult(tokens, None, None, None),
             dataclasses.replace(state, last_tokens=last))
 
 
@@ -179,16 +185,18 @@ def _forward_tail(params, kv_cache, state, arrays, *, cfg, attention_impl, mesh,
 def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, fbuf: jax.Array,
           *, layout: PackedLayout, cfg: ModelConfig, attention_impl: str,
           mesh: jax.sharding.Mesh | None, rows: int, capture_layer: int | None = None,
-          slice_layers: bool = False, in_place_layers: bool = False, filters: bool = False):
+          slice_layers: bool = False, in_place_layers: bool = False, whole_chain: bool = False):
     """The plain step (spp == 1): ``_forward_step`` and the sampling in one executable, so
-    the logits never leave it and the host dispatches one call a step. Its sampling has no
-    top-k/p or min-p filter unless ``filters`` (a burst's steps: ``_sample``). Returns
+    the logits never leave it and the host dispatches one call a step. Returns
     (SampleResult, SampleInputs, KV cache, state[, Capture]); the ``SampleInputs`` serve a
-    step whose sampling waits for masks the host computes while it runs (``late_masks``):
-    the sampling executable samples them again with those masks, overwriting the tokens
-    this one kept in ``state.last_tokens`` before anything reads them. The prompt logprobs
-    come after the state: (SampleResult, SampleInputs, KV cache, state, PromptLogprobs[,
-    Capture])."""
+    step whose sampling waits for masks the host computes while it runs (``late_masks``),
+    or needs more than greedy and temperature (``StepArrays.whole_chain``): the sampling
+    executable samples them again, overwriting the tokens this one kept in
+    ``state.last_tokens`` before anything reads them. The step's own sampling is
+    ``_common_tokens`` (no logprobs: its SampleResult's other fields are None) unless
+    ``whole_chain`` (static: a burst's steps, ``_sample``): the rest of the chain was half
+    of a CPU step program's compile time. The prompt logprobs come after the state:
+    (SampleResult, SampleInputs, KV cache, state, PromptLogprobs[, Capture])."""
     inputs, kv_cache, state, prompt, *capture = _forward_step(
         params, kv_cache, state, ibuf, fbuf, layout=layout, cfg=cfg,
         attention_impl=attention_impl, mesh=mesh, rows=rows, capture_layer=capture_layer,
@@ -196,7 +204,7 @@ def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, f
     # Sampled on the step's own rows: the padding rows are there for the sampling
     # executable (a deferred step's ``inputs``), not for this one.
     s = layout.int_shape(".batch.logits_rows")[0]
-    out, state = _sample(state, _first_rows(inputs, s), filters)
+    out, state = (_sample if whole_chain else _common_tokens)(state, _first_rows(inputs, s))
     return (_padded(out, rows), inputs, kv_cache, state, prompt, *capture)
 
 
@@ -210,7 +218,7 @@ def _burst(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array,
         out, _, kv, st, _ = _step(params, kv, st, buf, fbuf, layout=layout, cfg=cfg,
                                   attention_impl=attention_impl, mesh=mesh, rows=rows,
                                   slice_layers=slice_layers, in_place_layers=in_place_layers,
-                                  filters=True)
+                                  whole_chain=True)
         return out, kv, st
     return burst.run_burst(step, ibuf, kv_cache, state, layout=layout, steps=steps, rows=rows,
                            num_decodes=num_decodes, page_size=page_size)
