@@ -17,6 +17,7 @@ from jserve.config import ModelConfig
 from jserve.engine import step_program as runner_module
 from jserve.engine.config import EngineConfig
 from jserve.engine.engine import LLMEngine
+from jserve.model.decoder import head_product
 from jserve.model.params import Params
 from jserve.model.weights import init_params, load_model
 from jserve.sampling import sampler as sampler_module
@@ -194,7 +195,7 @@ class DeviceStep:
 
 def step_weights(params) -> list[jax.Array]:
     """Every weight matrix a decode step multiplies by (runtime layout, stacked or
-    unrolled): the layers' projections, then the LM head."""
+    unrolled): the layers' projections ([in, out]), then the LM head ([vocab, hidden])."""
     layers = params["layers"]
     names = ("wq", "wk", "wv", "wo", "w_gate_up", "w_down")
     if isinstance(layers, dict):
@@ -202,27 +203,29 @@ def step_weights(params) -> list[jax.Array]:
     else:
         ws = [layer[n] for layer in layers for n in names]
     head = params.get("lm_head")
-    return ws + [(params["embed"] if head is None else head).T]
+    return ws + [params["embed"] if head is None else head]
 
 
 class MatmulCeiling:
-    """One jitted program doing ``rows`` x W for every W in ``weights``, one after the other
-    as in the step (an optimization barrier ties each input to the previous product, so
-    XLA neither runs them side by side nor drops one)."""
+    """One jitted program doing ``rows`` x W for every W in ``weights`` (``step_weights``:
+    the last one the LM head, multiplied in the step's orientation, ``head_product``), one
+    after the other as in the step (an optimization barrier ties each input to the
+    previous product, so XLA neither runs them side by side nor drops one)."""
 
     def __init__(self, weights: list[jax.Array], rows: int):
         rng = np.random.default_rng(1)
-        self.xs = [jnp.asarray(rng.standard_normal((rows, w.shape[0]), np.float32))
-                   for w in weights]
+        ins = [w.shape[0] for w in weights[:-1]] + [weights[-1].shape[1]]
+        self.xs = [jnp.asarray(rng.standard_normal((rows, n), np.float32)) for n in ins]
         self.weights = weights
         self.flops = float(sum(2 * rows * w.shape[0] * w.shape[1] for w in weights))
 
         def chain(xs, ws):
             outs, prev = [], None
-            for x, w in zip(xs, ws):
+            for i, (x, w) in enumerate(zip(xs, ws)):
                 if prev is not None:
                     x, _ = jax.lax.optimization_barrier((x, prev))
-                prev = jnp.dot(x, w, preferred_element_type=jnp.float32)
+                prev = (head_product(w, x, vocab_major=True) if i == len(ws) - 1
+                        else jnp.dot(x, w, preferred_element_type=jnp.float32))
                 outs.append(prev)
             return outs
 

@@ -255,15 +255,19 @@ def head_logits(params: Params, x: jax.Array, cfg: ModelConfig,
     same memory either way; it keeps the [1, vocab] product, XLA:CPU's faster one there."""
     h = family_of(cfg).norm(x, params["final_norm"], cfg.rms_norm_eps)
     head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]  # [vocab, d]
-    if vocab_major and h.shape[0] > 1:
-        logits = jnp.einsum("vd,sd->vs", head, h, preferred_element_type=jnp.float32)
-    else:
-        logits = jnp.einsum("...d,vd->...v", h, head, preferred_element_type=jnp.float32)
-        if vocab_major:
-            logits = logits.reshape(-1, 1)
+    logits = head_product(head, h, vocab_major)
     if (cap := cfg.final_logit_softcapping) is not None:
         logits = jnp.tanh(logits / cap) * cap
     return logits
+
+
+def head_product(head: jax.Array, h: jax.Array, vocab_major: bool) -> jax.Array:
+    """The LM head's matmul in ``head_logits``' orientation (``head`` [vocab, d]); the
+    matmul ceiling of ``jserve.bench.decode_step`` times the same product."""
+    if vocab_major and h.shape[0] > 1:
+        return jnp.einsum("vd,sd->vs", head, h, preferred_element_type=jnp.float32)
+    logits = jnp.einsum("...d,vd->...v", h, head, preferred_element_type=jnp.float32)
+    return logits.reshape(-1, 1) if vocab_major else logits
 
 
 def final_logits(params: Params, x: jax.Array, rows: jax.Array, cfg: ModelConfig,
