@@ -17,6 +17,7 @@ from jserve.config import ModelConfig
 from jserve.engine import step_program as runner_module
 from jserve.engine.config import EngineConfig
 from jserve.engine.engine import LLMEngine
+from jserve.engine.step_arrays import SampleInputs, sample_inputs
 from jserve.model.decoder import head_product
 from jserve.model.params import Params
 from jserve.model.weights import init_params, load_model
@@ -152,13 +153,13 @@ class TwoExecutables:
     the one-executable step's signature and results: installed in the runner for a shape,
     the engine runs the way it did before (``--split-ab``)."""
 
-    def __init__(self, forward, sample):
-        self.forward, self.sample = forward, sample
+    def __init__(self, step: "DeviceStep"):
+        self.forward, self.sample, self.inputs = step.forward, step.sample, step.inputs
 
     def __call__(self, params, kv_cache, state, ibuf, fbuf):
-        inputs, kv_cache, state, prompt = self.forward(params, kv_cache, state, ibuf, fbuf)
-        out, state = self.sample(state, inputs)
-        return out, inputs, kv_cache, state, prompt
+        logits, kv_cache, state, prompt = self.forward(params, kv_cache, state, ibuf, fbuf)
+        out, state = self.sample(state, self.inputs(logits, ibuf, fbuf))
+        return out, logits, kv_cache, state, prompt
 
 
 class DeviceStep:
@@ -168,11 +169,19 @@ class DeviceStep:
 
     def __init__(self, eng: LLMEngine, packed, shape):
         self.runner = eng.runner
-        self.exe, _ = self.runner.programs.compiled(shape)
+        self.exe, self.layout = self.runner.programs.compiled(shape)
         self.forward = forward_executable(self.runner, shape)
+        self.packed = packed
         self.ibuf, self.fbuf = map(jax.device_put, packed)
         programs = self.runner.programs
-        self.sample = programs.sampler(programs.lowering.rows_for(shape))
+        self.rows = programs.lowering.rows_for(shape)
+        self.sample = programs.sampler(self.rows)
+
+    def inputs(self, logits, ibuf=None, fbuf=None) -> SampleInputs:
+        """The sampling executable's inputs: the forward's ``logits`` and what the packed
+        buffers (default: the captured step's) say of the rows, as the runner makes them."""
+        arrays = self.layout.host_arrays(*((ibuf, fbuf) if ibuf is not None else self.packed))
+        return sample_inputs(arrays, logits, self.rows, self.runner.state_sink)
 
     def time(self, mode: str, calls: int = CALLS) -> np.ndarray:
         """(wall, CPU) seconds per call over ``calls`` calls; ``mode``: "one" (the
@@ -184,11 +193,10 @@ class DeviceStep:
                 out, _, r.kv_cache, r.state, _ = self.exe(r.params, r.kv_cache, r.state,
                                                           self.ibuf, self.fbuf)
                 continue
-            inputs, r.kv_cache, r.state, _ = self.forward(r.params, r.kv_cache, r.state,
-                                                          self.ibuf, self.fbuf)
-            out = inputs.logits
+            out, r.kv_cache, r.state, _ = self.forward(r.params, r.kv_cache, r.state,
+                                                       self.ibuf, self.fbuf)
             if mode == "two":
-                out, r.state = self.sample(r.state, inputs)
+                out, r.state = self.sample(r.state, self.inputs(out))
         jax.block_until_ready(out)
         return (clocks() - t) / calls
 
@@ -245,8 +253,9 @@ def argmax_sampler(step: DeviceStep):
     """The sampling executable as it was built with ``jnp.argmax`` (XLA:CPU's variadic
     reduce) instead of ``row_argmax``: the baseline of ``--sampler-ab``."""
     r = step.runner
-    inputs, r.kv_cache, r.state, _ = step.forward(r.params, r.kv_cache, r.state, step.ibuf,
+    logits, r.kv_cache, r.state, _ = step.forward(r.params, r.kv_cache, r.state, step.ibuf,
                                                   step.fbuf)
+    inputs = step.inputs(logits)
     kept = sampler_module.row_argmax
     sampler_module.row_argmax = lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32)
     try:

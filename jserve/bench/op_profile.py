@@ -169,8 +169,9 @@ def profile_ops(a) -> None:
               wall, a.top)
     sampler_hlo = Hlo(step.sample.as_text())
     r = eng.runner
-    inputs, r.kv_cache, r.state, _ = step.forward(r.params, r.kv_cache, r.state, step.ibuf,
+    logits, r.kv_cache, r.state, _ = step.forward(r.params, r.kv_cache, r.state, step.ibuf,
                                                   step.fbuf)
+    inputs = step.inputs(logits)
 
     def run_sampler(n):
         out = None

@@ -38,7 +38,7 @@ def profile_batch(batch: int, a, bar: tqdm, model=None) -> dict:
     shape, packed = capture_decode(eng, prompts, params)
     step = DeviceStep(eng, packed, shape)
     fused = eng.runner.programs.steps[shape]
-    two = (TwoExecutables(step.forward, step.sample), fused[1])
+    two = (TwoExecutables(step), fused[1])
     # Engine variants, alternated within each repetition: (label, async, step program).
     variants = [(ONE, True, fused)]
     if a.split_ab:

@@ -27,6 +27,7 @@ from jserve.engine.step_arrays import (
     StepArrays,
     abstract_of,
     new_state,
+    sample_inputs,
     state_spec,
 )
 from jserve.engine.step_program import runtime_params
@@ -138,11 +139,12 @@ class ModelRunner:
         False (an empty slot leaves the pipeline): no sampling, and the result is host
         zeros, so the caller does not wait for the tick. ``lone`` (spp > 1, the pipeline
         empty): one batch's buffers [size] through every stage in one pass; the carry is
-        left as it is. ``defer``: the forward only; the result is its ``SampleInputs``, which
-        the caller hands to ``sample`` (with the masks it could not know at launch). One
-        executable call when spp == 1 (the step samples too; a row that needs more than
-        greedy or temperature: the sampling executable again), two under spp > 1 (the
-        tick or pass, then the sampling executable). ``burst`` > 1 (spp == 1, an all-decode step,
+        left as it is. ``defer``: the forward only; the result is its ``SampleInputs`` (the
+        step's logits, the rest made here from its buffers), which the caller hands to
+        ``sample`` (with the masks it could not know at launch). One executable call when
+        spp == 1 (the step samples too; a row that needs more than greedy or temperature:
+        the sampling executable again), two under spp > 1 (the tick or pass, then the
+        sampling executable). ``burst`` > 1 (spp == 1, an all-decode step,
         ``programs.burst_ready`` said yes): that many decode steps in one call; the result's
         ``tokens`` are [burst, rows], its logprobs fields None (bursts carry none)."""
         if burst > 1:
@@ -150,22 +152,24 @@ class ModelRunner:
         exe, layout = self.programs.compiled(shape, lone)
         (self.passed if lone else self.executed)[shape] += 1
         if lone:
-            inputs, self.kv_cache, self.state = exe(self.params, self.kv_cache, self.state,
+            logits, self.kv_cache, self.state = exe(self.params, self.kv_cache, self.state,
                                                     ibuf, fbuf)
         elif self.spp > 1:
-            inputs, self.kv_cache, self.state, self.carry = exe(
+            logits, self.kv_cache, self.state, self.carry = exe(
                 self.params, self.kv_cache, self.state, self.carry, ibuf, fbuf)
+            ibuf, fbuf = ibuf[-1], fbuf[-1]  # the batch leaving the last stage samples
         else:  # the step samples too (``step_program._step``)
-            out, inputs, self.kv_cache, self.state, self.last_prompt_logprobs, *capture = exe(
+            out, logits, self.kv_cache, self.state, self.last_prompt_logprobs, *capture = exe(
                 self.params, self.kv_cache, self.state, ibuf, fbuf)
             if capture:
                 self.last_capture = capture[0]
-            if defer:
-                return inputs
             # Beyond greedy and temperature: the sampling executable (``step_program._step``).
-            return self.sample(inputs) if ibuf[layout.int_offset(".whole_chain")] else out
+            if not defer and not ibuf[layout.int_offset(".whole_chain")]:
+                return out
         if not sample:
             return self._nothing_sampled()
+        inputs = sample_inputs(layout.host_arrays(ibuf, fbuf), logits,
+                               self.programs.lowering.rows_for(shape), self.state_sink)
         return inputs if defer else self.sample(inputs)
 
     def sample(self, inputs: SampleInputs, allowed: np.ndarray | None = None) -> SampleResult:

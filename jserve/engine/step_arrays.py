@@ -16,7 +16,7 @@ from jserve.engine.buckets import Buckets
 from jserve.kernels import AttentionMetadata
 from jserve.model.decoder import StepInput
 from jserve.sampling.params import MAX_BANNED_IDS, MAX_LOGIT_BIAS
-from jserve.sampling.sampler import SamplingBatch, mask_words
+from jserve.sampling.sampler import SamplingBatch, mask_words, pad_rows
 
 
 @jax.tree_util.register_dataclass
@@ -177,9 +177,10 @@ def _fed(token_fed: jax.Array, state_rows: jax.Array, tokens: jax.Array,
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SampleInputs:
-    """What the step hands the sampling executable, every row padded to the engine's largest
-    row count: one sampling program (the full-vocabulary sort, top-k logprobs) serves every
-    step shape instead of being compiled into each."""
+    """What the sampling executable takes, every row padded to the engine's largest row
+    count: one sampling program (the filters' top-k and sort, top-k logprobs) serves every
+    step shape instead of being compiled into each. The step hands on the logits; the rest
+    the host makes from the step's buffers (``sample_inputs``)."""
 
     logits: jax.Array          # [vocab, R] float32: vocabulary-major (``decoder.head_logits``)
     state_rows: jax.Array      # [R]
@@ -194,6 +195,24 @@ class SampleInputs:
     def rows(self) -> int:
         """The padded rows (the logits' second axis: they are vocabulary-major)."""
         return self.state_rows.shape[0]
+
+
+def sample_inputs(arrays: StepArrays, logits: jax.Array, rows: int | None = None,
+                  sink: int = 0) -> SampleInputs:
+    """A step's ``SampleInputs``: its ``logits`` and what ``arrays`` say of its rows. On
+    the device (the fused step's own rows), or on the host with ``rows`` (numpy
+    ``arrays``, ``PackedLayout.host_arrays``): every row field padded to ``rows``, the
+    padding rows neutral and their state rows ``sink``, as the sampling executable takes
+    them (the step hands on only the logits, padded itself)."""
+    if rows is None:
+        pad, sampling = (lambda a: a), arrays.sampling
+    else:
+        pad = lambda a: np.pad(a, (0, rows - a.shape[0]), constant_values=sink)
+        sampling = pad_rows(arrays.sampling, rows)
+    return SampleInputs(logits=logits, state_rows=pad(arrays.state_rows),
+                        sampled_state_rows=pad(arrays.sampled_state_rows), sampling=sampling,
+                        any_random=arrays.any_random, any_penalty=arrays.any_penalty,
+                        want_logprobs=arrays.want_logprobs, any_bias=arrays.any_bias)
 
 
 def leaf_spec(shape, dtype, sharding=None) -> jax.ShapeDtypeStruct:

@@ -14,7 +14,13 @@ import jax.numpy as jnp
 from jserve.cache.pool import KVCache
 from jserve.config import ModelConfig
 from jserve.engine import burst, prompt_logprobs
-from jserve.engine.step_arrays import PackedLayout, SampleInputs, SeqState, StepArrays
+from jserve.engine.step_arrays import (
+    PackedLayout,
+    SampleInputs,
+    SeqState,
+    StepArrays,
+    sample_inputs,
+)
 from jserve.model.decoder import (
     Params,
     final_logits,
@@ -29,7 +35,6 @@ from jserve.sampling.sampler import (
     apply_bias,
     apply_penalties,
     choose_tokens,
-    pad_rows,
     plain_greedy,
     temperature_tokens,
     token_logprobs,
@@ -49,33 +54,27 @@ def _update_state(state: SeqState, tokens, rows, is_prompt, reset_rows) -> SeqSt
     return dataclasses.replace(state, output_counts=counts, prompt_mask=mask)
 
 
-def _sample_inputs(logits: jax.Array, state: SeqState, arrays: StepArrays, rows: int,
-                   mesh: jax.sharding.Mesh | None) -> tuple[SampleInputs, SeqState]:
+def _handed_on(logits: jax.Array, state: SeqState, arrays: StepArrays, rows: int,
+               mesh: jax.sharding.Mesh | None) -> tuple[jax.Array, SeqState]:
     """The step's tail after the forward (shared by the plain step, the pipeline tick and
     the lone pass): the penalty state update, which reads the step's tokens, then the
-    sampling inputs padded to ``rows``, replicated over ``mesh`` as the sampling executable
-    takes them (multi-process leaders read their own copy; the donated state keeps its
-    input sharding). Runtime choice (no recompile): penalty bookkeeping only when some row
-    uses penalties (a row is reset at its sequence's first chunk, so skipped steps leave
-    nothing stale that a penalised request reads)."""
+    logits padded to ``rows`` for the sampling executable (the rest of its
+    ``SampleInputs`` the host makes from the step's buffers, ``step_arrays.sample_inputs``:
+    21 fewer outputs a step), replicated over ``mesh`` as that executable takes them
+    (multi-process leaders read their own copy; the donated state keeps its input
+    sharding). Runtime choice (no recompile): penalty bookkeeping only when some row uses
+    penalties (a row is reset at its sequence's first chunk, so skipped steps leave nothing
+    stale that a penalised request reads)."""
     state = jax.lax.cond(
         arrays.any_penalty,
         lambda: _update_state(state, arrays.batch.tokens, arrays.token_state_rows,
                               arrays.token_is_prompt, arrays.reset_rows),
         lambda: state)
-    pad = rows - logits.shape[1]
-    sink = state.output_counts.shape[0] - 1
-    inputs = SampleInputs(
-        logits=jnp.pad(logits, ((0, 0), (0, pad))),
-        state_rows=jnp.pad(arrays.state_rows, (0, pad), constant_values=sink),
-        sampled_state_rows=jnp.pad(arrays.sampled_state_rows, (0, pad), constant_values=sink),
-        sampling=pad_rows(arrays.sampling, rows), any_random=arrays.any_random,
-        any_penalty=arrays.any_penalty, want_logprobs=arrays.want_logprobs,
-        any_bias=arrays.any_bias)
+    padded = jnp.pad(logits, ((0, 0), (0, rows - logits.shape[1])))
     if mesh is None:
-        return inputs, state
+        return padded, state
     return jax.lax.with_sharding_constraint(
-        (inputs, state), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+        (padded, state), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 
 
 def _choose(state: SeqState, inp: SampleInputs) -> jax.Array:
@@ -126,14 +125,6 @@ def _common_tokens(state: SeqState, inp: SampleInputs) -> tuple[SampleResult, Se
             dataclasses.replace(state, last_tokens=last))
 
 
-def _first_rows(inp: SampleInputs, s: int) -> SampleInputs:
-    """``inp`` cut to its first ``s`` rows (XLA folds the cut into the padding)."""
-    cut = lambda a: a[:s]
-    return dataclasses.replace(inp, logits=inp.logits[:, :s], state_rows=cut(inp.state_rows),
-                               sampled_state_rows=cut(inp.sampled_state_rows),
-                               sampling=jax.tree.map(cut, inp.sampling))
-
-
 def _padded(out: SampleResult, rows: int) -> SampleResult:
     """``out`` padded with zero rows to ``rows`` (the shape the engine reads)."""
     pad = lambda a: jnp.pad(a, [(0, rows - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
@@ -145,41 +136,44 @@ def _forward_step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.
                   attention_impl: str, mesh: jax.sharding.Mesh | None, rows: int,
                   capture_layer: int | None = None, slice_layers: bool = False,
                   in_place_layers: bool = False):
-    """The forward of one bucket and the penalty state update; returns (SampleInputs, KV
-    cache, state, PromptLogprobs: zeros unless the step asked, ``prompt_logprobs``). With
-    ``capture_layer`` set, a fifth output: the layer's ``Capture`` (prompt sums over the
-    step's prompt tokens); ``None`` compiles exactly the step without it.
-    ``slice_layers``: stacked params, the layers unrolled over static slices of them
-    (``EngineConfig.layer_loop`` "sliced": on GPU neither the loop's weight copies nor an
-    argument per layer weight). ``in_place_layers``: the loop's matmuls read each layer of
-    the stacked weights in place (``layer_loop`` "indexed", ``jserve.model.layer_weights``)."""
+    """The forward of one bucket and the penalty state update; returns (logits [vocab,
+    ``rows``] for the sampling executable, KV cache, state, PromptLogprobs: zeros unless
+    the step asked, ``prompt_logprobs``). With ``capture_layer`` set, a fifth output: the
+    layer's ``Capture`` (prompt sums over the step's prompt tokens); ``None`` compiles
+    exactly the step without it. ``slice_layers``: stacked params, the layers unrolled over
+    static slices of them (``EngineConfig.layer_loop`` "sliced": on GPU neither the loop's
+    weight copies nor an argument per layer weight). ``in_place_layers``: the loop's
+    matmuls read each layer of the stacked weights in place (``layer_loop`` "indexed",
+    ``jserve.model.layer_weights``)."""
+    arrays, logits, kv_cache, state, prompt, *capture = _forward(
+        params, kv_cache, state, ibuf, fbuf, layout=layout, cfg=cfg,
+        attention_impl=attention_impl, mesh=mesh, capture_layer=capture_layer,
+        slice_layers=slice_layers, in_place_layers=in_place_layers)
+    padded, state = _handed_on(logits, state, arrays, rows, mesh)
+    return (padded, kv_cache, state, prompt, *capture)
+
+
+def _forward(params, kv_cache, state, ibuf, fbuf, *, layout, cfg, attention_impl, mesh,
+             capture_layer, slice_layers, in_place_layers):
+    """``_forward_step`` before its tail: (the step's arrays, its logits [vocab, S], KV
+    cache, state, PromptLogprobs[, Capture])."""
     if slice_layers:
         params = unstack_layers(params)
     arrays = layout.unpack_fed(ibuf, fbuf, state.last_tokens)
     with reading_in_place(in_place_layers):
-        return _forward_tail(params, kv_cache, state, arrays, cfg=cfg,
-                             attention_impl=attention_impl, mesh=mesh, rows=rows,
-                             capture_layer=capture_layer)
-
-
-def _forward_tail(params, kv_cache, state, arrays, *, cfg, attention_impl, mesh, rows,
-                  capture_layer):
-    """``_forward_step`` after unpacking the step's inputs."""
-    if mesh is None:
-        x, kv_cache, capture = forward_stream(
-            params, kv_cache, arrays.batch, cfg=cfg, attention_impl=attention_impl,
-            capture_layer=capture_layer,
-            prompt_mask=arrays.token_is_prompt if capture_layer is not None else None)
-        logits = final_logits(params, x, arrays.batch.logits_rows, cfg, vocab_major=True)
-    else:  # tensor / KV-cache parallel; the rest of the step runs replicated on the logits
-        logits, kv_cache, x = tp_forward(params, kv_cache, arrays.batch, mesh=mesh, cfg=cfg,
-                                         attention_impl=attention_impl, stream=True,
-                                         vocab_major=True)
+        if mesh is None:
+            x, kv_cache, capture = forward_stream(
+                params, kv_cache, arrays.batch, cfg=cfg, attention_impl=attention_impl,
+                capture_layer=capture_layer,
+                prompt_mask=arrays.token_is_prompt if capture_layer is not None else None)
+            logits = final_logits(params, x, arrays.batch.logits_rows, cfg, vocab_major=True)
+        else:  # tensor / KV-cache parallel; the rest runs replicated on the logits
+            logits, kv_cache, x = tp_forward(params, kv_cache, arrays.batch, mesh=mesh,
+                                             cfg=cfg, attention_impl=attention_impl,
+                                             stream=True, vocab_major=True)
     prompt = prompt_logprobs.of_step(params, x, arrays, cfg)
-    inputs, state = _sample_inputs(logits, state, arrays, rows, mesh)
-    if capture_layer is not None:
-        return inputs, kv_cache, state, prompt, capture
-    return inputs, kv_cache, state, prompt
+    capture = (capture,) if capture_layer is not None else ()
+    return (arrays, logits, kv_cache, state, prompt, *capture)
 
 
 def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, fbuf: jax.Array,
@@ -188,24 +182,23 @@ def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, f
           slice_layers: bool = False, in_place_layers: bool = False, whole_chain: bool = False):
     """The plain step (spp == 1): ``_forward_step`` and the sampling in one executable, so
     the logits never leave it and the host dispatches one call a step. Returns
-    (SampleResult, SampleInputs, KV cache, state[, Capture]); the ``SampleInputs`` serve a
-    step whose sampling waits for masks the host computes while it runs (``late_masks``),
-    or needs more than greedy and temperature (``StepArrays.whole_chain``): the sampling
-    executable samples them again, overwriting the tokens this one kept in
-    ``state.last_tokens`` before anything reads them. The step's own sampling is
-    ``_common_tokens`` (no logprobs: its SampleResult's other fields are None) unless
-    ``whole_chain`` (static: a burst's steps, ``_sample``): the rest of the chain was half
-    of a CPU step program's compile time. The prompt logprobs come after the state:
-    (SampleResult, SampleInputs, KV cache, state, PromptLogprobs[, Capture])."""
-    inputs, kv_cache, state, prompt, *capture = _forward_step(
+    (SampleResult, logits, KV cache, state, PromptLogprobs[, Capture]); the logits (with
+    the ``SampleInputs`` the host makes, ``step_arrays.sample_inputs``) serve a step whose
+    sampling waits for masks the host computes while it runs (``late_masks``), or needs
+    more than greedy and temperature (``StepArrays.whole_chain``): the sampling executable
+    samples them again, overwriting the tokens this one kept in ``state.last_tokens``
+    before anything reads them. The step's own sampling, on its own rows (the padding rows
+    are the sampling executable's), is ``_common_tokens`` (no logprobs: its SampleResult's
+    other fields are None) unless ``whole_chain`` (static: a burst's steps, ``_sample``):
+    the rest of the chain was half of a CPU step program's compile time."""
+    arrays, logits, kv_cache, state, prompt, *capture = _forward(
         params, kv_cache, state, ibuf, fbuf, layout=layout, cfg=cfg,
-        attention_impl=attention_impl, mesh=mesh, rows=rows, capture_layer=capture_layer,
+        attention_impl=attention_impl, mesh=mesh, capture_layer=capture_layer,
         slice_layers=slice_layers, in_place_layers=in_place_layers)
-    # Sampled on the step's own rows: the padding rows are there for the sampling
-    # executable (a deferred step's ``inputs``), not for this one.
-    s = layout.int_shape(".batch.logits_rows")[0]
-    out, state = (_sample if whole_chain else _common_tokens)(state, _first_rows(inputs, s))
-    return (_padded(out, rows), inputs, kv_cache, state, prompt, *capture)
+    padded, state = _handed_on(logits, state, arrays, rows, mesh)
+    own = sample_inputs(arrays, logits)
+    out, state = (_sample if whole_chain else _common_tokens)(state, own)
+    return (_padded(out, rows), padded, kv_cache, state, prompt, *capture)
 
 
 def _burst(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array,
@@ -243,8 +236,8 @@ def _tick(params: Params, kv_cache: KVCache, state: SeqState, carry: pipeline.Pi
     x = pipeline.exiting(carry, arrays.batch.attn.num_decodes, arrays.batch.tokens.shape[0],
                          decode_rows)
     logits = final_logits(params, x, arrays.batch.logits_rows, cfg, vocab_major=True)
-    inputs, state = _sample_inputs(logits, state, arrays, rows, mesh)
-    return inputs, kv_cache, state, carry
+    logits, state = _handed_on(logits, state, arrays, rows, mesh)
+    return logits, kv_cache, state, carry
 
 
 def _lone_pass(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array,
@@ -259,8 +252,8 @@ def _lone_pass(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Arr
         kv_cache, x = pipeline.lone_pass(params, kv_cache, ibuf, fbuf, unpack=layout.unpack,
                                          mesh=mesh, cfg=cfg, attention_impl=attention_impl)
     logits = final_logits(params, x, arrays.batch.logits_rows, cfg, vocab_major=True)
-    inputs, state = _sample_inputs(logits, state, arrays, rows, mesh)
-    return inputs, kv_cache, state
+    logits, state = _handed_on(logits, state, arrays, rows, mesh)
+    return logits, kv_cache, state
 
 
 def _unstacked(params: Params, mesh: jax.sharding.Mesh | None) -> Params:

@@ -58,11 +58,11 @@ NEUTRAL_ROW_VALUES = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repeti
 
 
 def pad_rows(sb: SamplingBatch, rows: int) -> SamplingBatch:
-    """``sb`` (jax arrays, any row count <= ``rows``) padded with neutral rows to ``rows``,
-    so one sampling executable serves every step shape."""
-    def pad(name: str, a: jax.Array) -> jax.Array:
+    """``sb`` (numpy arrays, any row count <= ``rows``) padded with neutral rows to
+    ``rows``, so one sampling executable serves every step shape."""
+    def pad(name: str, a: np.ndarray) -> np.ndarray:
         widths = [(0, rows - a.shape[0])] + [(0, 0)] * (a.ndim - 1)
-        return jnp.pad(a, widths, constant_values=jnp.asarray(NEUTRAL_ROW_VALUES[name], a.dtype))
+        return np.pad(a, widths, constant_values=np.asarray(NEUTRAL_ROW_VALUES[name], a.dtype))
     return SamplingBatch(**{f.name: pad(f.name, getattr(sb, f.name))
                             for f in dataclasses.fields(SamplingBatch)})
 
