@@ -57,6 +57,31 @@ def test_filtered_rows_are_sampled_by_the_executable_with_the_whole_chain(llm, g
     assert " sort(" not in step and " sort(" in whole
 
 
+def test_whole_chain_decision_on_each_kind_of_row():
+    # Which steps the fused step samples alone and which the sampling executable samples
+    # again (``StepArrays.whole_chain``): one row of each kind beside a plain one.
+    from jserve.engine.step_builder import _whole_chain
+    from jserve.sampling.sampler import SamplerRow, make_sampling_batch
+    hot = dict(temperature=0.7, max_tokens=4)
+    row = lambda **kw: SamplerRow(SamplingParams(**{**hot, **kw}), seed=1, step=0)
+    plain = [row(), row(temperature=0.0)]
+    decide = lambda extra, logprobs=False: _whole_chain(
+        logprobs, make_sampling_batch(plain + extra, pad_to=8, words=2))
+    assert not decide([])
+    # Filters on a greedy row change nothing: it takes the argmax either way.
+    assert not decide([row(temperature=0.0, top_k=5, top_p=0.5, min_p=0.2)])
+    for kind in (dict(top_k=5), dict(top_p=0.9), dict(min_p=0.1)):
+        assert decide([row(**kind)]), kind
+    for kind in (dict(repetition_penalty=1.2), dict(presence_penalty=0.5),
+                 dict(frequency_penalty=-0.5), dict(logit_bias={3: 2.0})):
+        assert decide([row(**kind)]) and decide([row(temperature=0.0, **kind)]), kind
+    assert decide([row()._replace(banned_ids=(7,))])
+    assert decide([row()._replace(allowed=np.array([5, -1], np.int32))])
+    assert decide([row()._replace(draft=9)])
+    assert not decide([row(temperature=0.0)._replace(draft=9)])  # greedy verify: the argmax
+    assert decide([], logprobs=True)
+
+
 def test_stop_string_ends_text_exactly_before_it(llm, greedy_ref):
     text = greedy_ref.text
     stop = text[5:8]

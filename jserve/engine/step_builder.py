@@ -27,7 +27,6 @@ class StepFlags:
     want_prompt_logprobs: bool = False  # some prefill chunk's request wants prompt logprobs
     prompt_top: int = 0  # the most alternatives such a request wants (its prompt_logprobs)
     any_bias: bool = False  # some sampled row has a logit_bias
-    any_filter: bool = False  # some sampled row filters (the sampling executable samples)
 
     @classmethod
     def of(cls, params: list, plan: BatchPlan) -> "StepFlags":
@@ -40,16 +39,20 @@ class StepFlags:
                    any_penalty=any(p.uses_penalties for p in params),
                    want_logprobs=any(p.logprobs is not None for p in sampled),
                    want_prompt_logprobs=bool(prompt), prompt_top=max(prompt, default=0),
-                   any_bias=any(p.logit_bias for p in sampled),
-                   any_filter=any(p.uses_filters for p in sampled))
+                   any_bias=any(p.logit_bias for p in sampled))
 
 
-def _whole_chain(flags: StepFlags, sb: SamplingBatch) -> bool:
+def _whole_chain(want_logprobs: bool, sb: SamplingBatch) -> bool:
     """``StepArrays.whole_chain``: some row of the step needs more than greedy or
-    temperature sampling (padding rows are neutral)."""
-    return bool(flags.any_filter or flags.any_bias or flags.any_penalty or flags.want_logprobs
-                or np.any(sb.banned_ids >= 0) or np.any(sb.allowed != -1)
-                or np.any((sb.draft >= 0) & (sb.temperature > 0)))
+    temperature sampling (padding rows are neutral; so are the rows of chunks that do not
+    sample, whatever their request asks)."""
+    sampled = sb.temperature > 0
+    filtered = sampled & ((sb.top_k > 0) | (sb.top_p < 1.0) | (sb.min_p > 0.0))
+    penalised = ((sb.repetition_penalty != 1.0) | (sb.presence_penalty != 0.0)
+                 | (sb.frequency_penalty != 0.0))
+    return bool(want_logprobs or filtered.any() or penalised.any() or (sb.bias_ids >= 0).any()
+                or (sb.banned_ids >= 0).any() or (sb.allowed != -1).any()
+                or ((sb.draft >= 0) & sampled).any())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,7 +274,7 @@ class StepBuilder:
             sampling=sampling,
             any_random=np.asarray(flags.any_random), any_penalty=np.asarray(flags.any_penalty),
             want_logprobs=np.asarray(flags.want_logprobs), any_bias=np.asarray(flags.any_bias),
-            whole_chain=np.asarray(_whole_chain(flags, sampling)))
+            whole_chain=np.asarray(_whole_chain(flags.want_logprobs, sampling)))
         return BuiltStep((bd, padded_prefill_tokens), arrays, h.sample_rows)
 
     def empty(self, shape: tuple[int, int], neutral_row: SamplerRow) -> BuiltStep:

@@ -88,13 +88,6 @@ class SamplingParams:
                 or self.frequency_penalty != 0.0)
 
     @property
-    def uses_filters(self) -> bool:
-        """A sampled row with a top-k, top-p or min-p filter: its step's tokens come from
-        the sampling executable, the one chain compiled with the filters."""
-        return self.temperature > 0 and (self.top_k > 0 or self.top_p < 1.0
-                                         or self.min_p > 0.0)
-
-    @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
 
