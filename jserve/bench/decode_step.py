@@ -156,10 +156,10 @@ class TwoExecutables:
     def __init__(self, step: "DeviceStep"):
         self.forward, self.sample, self.inputs = step.forward, step.sample, step.inputs
 
-    def __call__(self, params, kv_cache, state, ibuf, fbuf):
+    def __call__(self, params, kv_cache, state, ibuf, fbuf, spare):
         logits, kv_cache, state, prompt = self.forward(params, kv_cache, state, ibuf, fbuf)
         out, state = self.sample(state, self.inputs(logits, ibuf, fbuf))
-        return out, logits, kv_cache, state, prompt
+        return out, spare, kv_cache, state, prompt
 
 
 class DeviceStep:
@@ -176,11 +176,14 @@ class DeviceStep:
         programs = self.runner.programs
         self.rows = programs.lowering.rows_for(shape)
         self.sample = programs.sampler(self.rows)
+        self.spare = self.runner._spare(self.rows)  # the step's logits buffer, passed along
 
     def inputs(self, logits, ibuf=None, fbuf=None) -> SampleInputs:
-        """The sampling executable's inputs: the forward's ``logits`` and what the packed
-        buffers (default: the captured step's) say of the rows, as the runner makes them."""
+        """The sampling executable's inputs: the forward's ``logits`` [vocab, S], padded to
+        the sampler's rows, and what the packed buffers (default: the captured step's) say
+        of the rows, as the runner makes them."""
         arrays = self.layout.host_arrays(*((ibuf, fbuf) if ibuf is not None else self.packed))
+        logits = jnp.pad(logits, ((0, 0), (0, self.rows - logits.shape[1])))
         return sample_inputs(arrays, logits, self.rows, self.runner.state_sink)
 
     def time(self, mode: str, calls: int = CALLS) -> np.ndarray:
@@ -190,8 +193,8 @@ class DeviceStep:
         t = clocks()
         for _ in range(calls):
             if mode == "one":
-                out, _, r.kv_cache, r.state, _ = self.exe(r.params, r.kv_cache, r.state,
-                                                          self.ibuf, self.fbuf)
+                out, self.spare, r.kv_cache, r.state, _ = self.exe(
+                    r.params, r.kv_cache, r.state, self.ibuf, self.fbuf, self.spare)
                 continue
             out, r.kv_cache, r.state, _ = self.forward(r.params, r.kv_cache, r.state,
                                                        self.ibuf, self.fbuf)

@@ -69,6 +69,12 @@ class StepLowering:
         return self.plain_rows if self.spp == 1 and rows <= self.plain_rows \
             else self.sample_rows
 
+    def spare_spec(self, shape: tuple[int, int]) -> jax.ShapeDtypeStruct:
+        """The logits buffer a plain step of ``shape`` writes for the sampling executable
+        when it samples the step again (``step_program._handed_on``)."""
+        return jax.ShapeDtypeStruct((self.model_config.vocab_size, self.rows_for(shape)),
+                                    jnp.float32, sharding=self.replicated)
+
     def buffer_shapes(self, layout: PackedLayout, lone: bool = False
                       ) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The packed int32 and float32 buffers of a step laid out by ``layout``: one step's,
@@ -96,22 +102,19 @@ class StepLowering:
         """The step (spp > 1: tick; ``lone``: pass) of bucket ``shape``, and its layout."""
         layout, ibuf, fbuf = self._buffer_specs(shape, lone)
         args = self.args
+        common = dict(layout=layout, cfg=self.model_config,
+                      attention_impl=self.attention_impl, mesh=self.mesh,
+                      rows=self.rows_for(shape), in_place_layers=self.in_place_layers)
         if lone:
-            return self.jitted.lone.lower(
-                *args, ibuf, fbuf, layout=layout,
-                cfg=self.model_config, attention_impl=self.attention_impl, mesh=self.mesh,
-                rows=self.rows_for(shape), in_place_layers=self.in_place_layers), layout
-        carry = () if self.spp == 1 else (pipeline.carry_spec(
-            self.mesh, self.model_config, sum(self.stream_shape)),)
-        lowered = self.jitted.step.lower(*args, *carry, ibuf, fbuf,
-                                         layout=layout, cfg=self.model_config,
-                                         attention_impl=self.attention_impl, mesh=self.mesh,
-                                         rows=self.rows_for(shape),
-                                         in_place_layers=self.in_place_layers,
-                                         **({"decode_rows": self.stream_shape[0]}
-                                            if self.spp > 1
-                                            else {"capture_layer": self.capture_layer,
-                                                  "slice_layers": self.slice_layers}))
+            lowered = self.jitted.lone.lower(*args, ibuf, fbuf, **common)
+        elif self.spp == 1:
+            lowered = self.jitted.step.lower(*args, ibuf, fbuf, self.spare_spec(shape),
+                                             capture_layer=self.capture_layer,
+                                             slice_layers=self.slice_layers, **common)
+        else:
+            carry = pipeline.carry_spec(self.mesh, self.model_config, sum(self.stream_shape))
+            lowered = self.jitted.step.lower(*args, carry, ibuf, fbuf,
+                                             decode_rows=self.stream_shape[0], **common)
         return lowered, layout
 
     def lower_burst(self, key: BurstKey) -> jax.stages.Lowered:

@@ -93,6 +93,7 @@ class ModelRunner:
         self.state = (state_spec(cfg, rows, self._replicated) if abstract
                       else new_state(cfg, rows, self._replicated))
         self.state_sink = rows - 1
+        self._spares: dict[int, jax.Array] = {}  # rows -> the plain step's logits buffer
         self.executed: collections.Counter = collections.Counter()  # steps run per shape
         self.passed: collections.Counter = collections.Counter()  # lone passes per shape
         self.programs = StepPrograms(StepLowering(
@@ -159,18 +160,33 @@ class ModelRunner:
                 self.params, self.kv_cache, self.state, self.carry, ibuf, fbuf)
             ibuf, fbuf = ibuf[-1], fbuf[-1]  # the batch leaving the last stage samples
         else:  # the step samples too (``step_program._step``)
+            at = layout.int_offset(".whole_chain")
+            if defer and not ibuf[at]:  # late masks: the step hands on its logits too
+                ibuf = ibuf.copy()
+                ibuf[at] = 1
+            rows = self.programs.lowering.rows_for(shape)
             out, logits, self.kv_cache, self.state, self.last_prompt_logprobs, *capture = exe(
-                self.params, self.kv_cache, self.state, ibuf, fbuf)
+                self.params, self.kv_cache, self.state, ibuf, fbuf, self._spare(rows))
+            self._spares[rows] = logits
             if capture:
                 self.last_capture = capture[0]
             # Beyond greedy and temperature: the sampling executable (``step_program._step``).
-            if not defer and not ibuf[layout.int_offset(".whole_chain")]:
+            if not ibuf[at]:
                 return out
         if not sample:
             return self._nothing_sampled()
         inputs = sample_inputs(layout.host_arrays(ibuf, fbuf), logits,
                                self.programs.lowering.rows_for(shape), self.state_sink)
         return inputs if defer else self.sample(inputs)
+
+    def _spare(self, rows: int) -> jax.Array:
+        """The logits buffer [vocab, rows] the plain step writes for the sampling executable
+        (donated, handed back each step; ``step_program._handed_on``)."""
+        spare = self._spares.pop(rows, None)
+        if spare is None:  # a transfer, not a program: nothing compiles while serving
+            spare = jax.device_put(np.zeros((self.model_config.vocab_size, rows), np.float32),
+                                   self._replicated)
+        return spare
 
     def sample(self, inputs: SampleInputs, allowed: np.ndarray | None = None) -> SampleResult:
         """The sampling executable on a forward's ``inputs``; ``allowed``: the bitmask of

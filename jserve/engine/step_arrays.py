@@ -59,9 +59,11 @@ class StepArrays:
     any_penalty: jax.Array       # scalar bool: some row uses penalties (else skip their work)
     want_logprobs: jax.Array     # scalar bool
     any_bias: jax.Array          # scalar bool: some sampled row has a logit_bias
-    # scalar bool, read on the host (``ModelRunner.execute_packed``): some sampled row needs
-    # more than greedy or temperature (a filter, bias, penalty, ban, mask, logprobs, a
-    # sampled draft), which the fused step does not compile (``step_program._step``)
+    # scalar bool: the sampling executable samples the step again, so the step hands on
+    # its logits (``step_program._step``): some sampled row needs more than greedy or
+    # temperature (a filter, bias, penalty, ban, mask, logprobs, a sampled draft), which
+    # the fused step does not compile; or, set by ``ModelRunner.execute_packed``, masks
+    # come late
     whole_chain: jax.Array
 
 

@@ -54,27 +54,41 @@ def _update_state(state: SeqState, tokens, rows, is_prompt, reset_rows) -> SeqSt
     return dataclasses.replace(state, output_counts=counts, prompt_mask=mask)
 
 
-def _handed_on(logits: jax.Array, state: SeqState, arrays: StepArrays, rows: int,
-               mesh: jax.sharding.Mesh | None) -> tuple[jax.Array, SeqState]:
-    """The step's tail after the forward (shared by the plain step, the pipeline tick and
-    the lone pass): the penalty state update, which reads the step's tokens, then the
-    logits padded to ``rows`` for the sampling executable (the rest of its
-    ``SampleInputs`` the host makes from the step's buffers, ``step_arrays.sample_inputs``:
-    21 fewer outputs a step), replicated over ``mesh`` as that executable takes them
-    (multi-process leaders read their own copy; the donated state keeps its input
-    sharding). Runtime choice (no recompile): penalty bookkeeping only when some row uses
-    penalties (a row is reset at its sequence's first chunk, so skipped steps leave nothing
-    stale that a penalised request reads)."""
-    state = jax.lax.cond(
+def _penalty_state(state: SeqState, arrays: StepArrays) -> SeqState:
+    """``_update_state`` when some row of the step uses penalties (a runtime choice)."""
+    return jax.lax.cond(
         arrays.any_penalty,
         lambda: _update_state(state, arrays.batch.tokens, arrays.token_state_rows,
                               arrays.token_is_prompt, arrays.reset_rows),
         lambda: state)
-    padded = jnp.pad(logits, ((0, 0), (0, rows - logits.shape[1])))
+
+
+def _handed_on(logits: jax.Array, state: SeqState, arrays: StepArrays, rows: int,
+               mesh: jax.sharding.Mesh | None, spare: jax.Array | None = None
+               ) -> tuple[jax.Array, SeqState]:
+    """The step's tail after the forward (shared by the plain step, the pipeline tick and
+    the lone pass): the penalty state update, which reads the step's tokens, then the
+    logits [vocab, ``rows``] for the sampling executable (the rest of its ``SampleInputs``
+    the host makes from the step's buffers, ``step_arrays.sample_inputs``), replicated over
+    ``mesh`` as that executable takes them (multi-process leaders read their own copy; the
+    donated state keeps its input sharding). The plain step passes ``spare``, the donated
+    buffer of its last call, and writes its logits into it only when the sampling
+    executable will read them (``StepArrays.whole_chain``): padding them to ``rows`` every
+    step was 5% of a batch-32 step on a 32K vocabulary, vocab x rows floats written.
+    Penalty bookkeeping only when some row uses penalties (a row is reset at its
+    sequence's first chunk, so skipped steps leave nothing stale that a penalised request
+    reads)."""
+    state = _penalty_state(state, arrays)
+    if spare is None:
+        handed = jnp.pad(logits, ((0, 0), (0, rows - logits.shape[1])))
+    else:
+        handed = jax.lax.cond(
+            arrays.whole_chain, lambda b: jax.lax.dynamic_update_slice(b, logits, (0, 0)),
+            lambda b: b, spare)
     if mesh is None:
-        return padded, state
+        return handed, state
     return jax.lax.with_sharding_constraint(
-        (padded, state), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+        (handed, state), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 
 
 def _choose(state: SeqState, inp: SampleInputs) -> jax.Array:
@@ -136,21 +150,21 @@ def _forward_step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.
                   attention_impl: str, mesh: jax.sharding.Mesh | None, rows: int,
                   capture_layer: int | None = None, slice_layers: bool = False,
                   in_place_layers: bool = False):
-    """The forward of one bucket and the penalty state update; returns (logits [vocab,
-    ``rows``] for the sampling executable, KV cache, state, PromptLogprobs: zeros unless
-    the step asked, ``prompt_logprobs``). With ``capture_layer`` set, a fifth output: the
-    layer's ``Capture`` (prompt sums over the step's prompt tokens); ``None`` compiles
-    exactly the step without it. ``slice_layers``: stacked params, the layers unrolled over
-    static slices of them (``EngineConfig.layer_loop`` "sliced": on GPU neither the loop's
-    weight copies nor an argument per layer weight). ``in_place_layers``: the loop's
-    matmuls read each layer of the stacked weights in place (``layer_loop`` "indexed",
-    ``jserve.model.layer_weights``)."""
+    """The forward of one bucket and the penalty state update (the step without its
+    sampling, for benchmarks); returns (logits [vocab, S], KV cache, state, PromptLogprobs:
+    zeros unless the step asked, ``prompt_logprobs``). With ``capture_layer`` set, a fifth
+    output: the layer's ``Capture`` (prompt sums over the step's prompt tokens); ``None``
+    compiles exactly the step without it. ``slice_layers``: stacked params, the layers
+    unrolled over static slices of them (``EngineConfig.layer_loop`` "sliced": on GPU
+    neither the loop's weight copies nor an argument per layer weight).
+    ``in_place_layers``: the loop's matmuls read each layer of the stacked weights in place
+    (``layer_loop`` "indexed", ``jserve.model.layer_weights``)."""
     arrays, logits, kv_cache, state, prompt, *capture = _forward(
         params, kv_cache, state, ibuf, fbuf, layout=layout, cfg=cfg,
         attention_impl=attention_impl, mesh=mesh, capture_layer=capture_layer,
         slice_layers=slice_layers, in_place_layers=in_place_layers)
-    padded, state = _handed_on(logits, state, arrays, rows, mesh)
-    return (padded, kv_cache, state, prompt, *capture)
+    state = _penalty_state(state, arrays)
+    return (logits, kv_cache, state, prompt, *capture)
 
 
 def _forward(params, kv_cache, state, ibuf, fbuf, *, layout, cfg, attention_impl, mesh,
@@ -177,13 +191,16 @@ def _forward(params, kv_cache, state, ibuf, fbuf, *, layout, cfg, attention_impl
 
 
 def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, fbuf: jax.Array,
-          *, layout: PackedLayout, cfg: ModelConfig, attention_impl: str,
-          mesh: jax.sharding.Mesh | None, rows: int, capture_layer: int | None = None,
-          slice_layers: bool = False, in_place_layers: bool = False, whole_chain: bool = False):
+          spare: jax.Array | None, *, layout: PackedLayout, cfg: ModelConfig,
+          attention_impl: str, mesh: jax.sharding.Mesh | None, rows: int,
+          capture_layer: int | None = None, slice_layers: bool = False,
+          in_place_layers: bool = False, whole_chain: bool = False):
     """The plain step (spp == 1): ``_forward_step`` and the sampling in one executable, so
     the logits never leave it and the host dispatches one call a step. Returns
-    (SampleResult, logits, KV cache, state, PromptLogprobs[, Capture]); the logits (with
-    the ``SampleInputs`` the host makes, ``step_arrays.sample_inputs``) serve a step whose
+    (SampleResult, logits, KV cache, state, PromptLogprobs[, Capture]): the logits are
+    ``spare`` (donated, [vocab, rows]; ``_handed_on``), written only when the step's
+    ``whole_chain`` is set; they (with the ``SampleInputs`` the host makes,
+    ``step_arrays.sample_inputs``) serve a step whose
     sampling waits for masks the host computes while it runs (``late_masks``), or needs
     more than greedy and temperature (``StepArrays.whole_chain``): the sampling executable
     samples them again, overwriting the tokens this one kept in ``state.last_tokens``
@@ -195,10 +212,11 @@ def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, f
         params, kv_cache, state, ibuf, fbuf, layout=layout, cfg=cfg,
         attention_impl=attention_impl, mesh=mesh, capture_layer=capture_layer,
         slice_layers=slice_layers, in_place_layers=in_place_layers)
-    padded, state = _handed_on(logits, state, arrays, rows, mesh)
+    handed, state = (_handed_on(logits, state, arrays, rows, mesh, spare) if spare is not None
+                     else (None, _penalty_state(state, arrays)))
     own = sample_inputs(arrays, logits)
     out, state = (_sample if whole_chain else _common_tokens)(state, own)
-    return (_padded(out, rows), padded, kv_cache, state, prompt, *capture)
+    return (_padded(out, rows), handed, kv_cache, state, prompt, *capture)
 
 
 def _burst(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array,
@@ -208,7 +226,7 @@ def _burst(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array,
     """``steps`` plain steps of an all-decode bucket in one program (``jserve.engine.burst``);
     returns (tokens [steps, rows], KV cache, state)."""
     def step(kv, st, buf):
-        out, _, kv, st, _ = _step(params, kv, st, buf, fbuf, layout=layout, cfg=cfg,
+        out, _, kv, st, _ = _step(params, kv, st, buf, fbuf, None, layout=layout, cfg=cfg,
                                   attention_impl=attention_impl, mesh=mesh, rows=rows,
                                   slice_layers=slice_layers, in_place_layers=in_place_layers,
                                   whole_chain=True)
@@ -292,7 +310,7 @@ def jitted(spp: int) -> Jitted:
         burst_step = None
     else:
         step = jax.jit(_fresh(_step), static_argnames=static + ("capture_layer", "slice_layers"),
-                       donate_argnums=(1, 2))
+                       donate_argnums=(1, 2, 5))
         lone = None
         burst_step = jax.jit(_fresh(_burst), static_argnames=static + (
             "slice_layers", "steps", "num_decodes", "page_size"), donate_argnums=(1, 2))
