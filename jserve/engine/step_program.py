@@ -128,12 +128,16 @@ def _sample(state: SeqState, inp: SampleInputs) -> tuple[SampleResult, SeqState]
             dataclasses.replace(state, last_tokens=last))
 
 
-def _common_tokens(state: SeqState, inp: SampleInputs) -> tuple[SampleResult, SeqState]:
+def _common_tokens(state: SeqState, inp: SampleInputs, whole_chain: jax.Array
+                   ) -> tuple[SampleResult, SeqState]:
     """``_sample`` of a batch whose rows are all greedy or sample at a temperature with
-    nothing else (``StepArrays.whole_chain`` false): the same tokens, no logprobs."""
-    tokens = jax.lax.cond(inp.any_random,
-                          lambda: temperature_tokens(inp.logits.T, inp.sampling),
-                          lambda: vocab_argmax(inp.logits))
+    nothing else: the same tokens, no logprobs. With ``whole_chain`` (the sampling
+    executable samples the step again) zeros, not a second set of random draws."""
+    tokens = jax.lax.cond(
+        whole_chain, lambda: jnp.zeros(inp.state_rows.shape, jnp.int32),
+        lambda: jax.lax.cond(inp.any_random,
+                             lambda: temperature_tokens(inp.logits.T, inp.sampling),
+                             lambda: vocab_argmax(inp.logits)))
     last = state.last_tokens.at[inp.sampled_state_rows].set(tokens)
     return (SampleResult(tokens, None, None, None),
             dataclasses.replace(state, last_tokens=last))
@@ -215,7 +219,8 @@ def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, f
     handed, state = (_handed_on(logits, state, arrays, rows, mesh, spare) if spare is not None
                      else (None, _penalty_state(state, arrays)))
     own = sample_inputs(arrays, logits)
-    out, state = (_sample if whole_chain else _common_tokens)(state, own)
+    out, state = (_sample(state, own) if whole_chain
+                  else _common_tokens(state, own, arrays.whole_chain))
     return (_padded(out, rows), handed, kv_cache, state, prompt, *capture)
 
 
