@@ -152,6 +152,7 @@ class ModelRunner:
             return self._execute_burst(shape, ibuf, fbuf, burst)
         exe, layout = self.programs.compiled(shape, lone)
         (self.passed if lone else self.executed)[shape] += 1
+        rows = self.programs.lowering.rows_for(shape)  # the sampling executable's
         if lone:
             logits, self.kv_cache, self.state = exe(self.params, self.kv_cache, self.state,
                                                     ibuf, fbuf)
@@ -164,7 +165,6 @@ class ModelRunner:
             if defer and not ibuf[at]:  # late masks: the step hands on its logits too
                 ibuf = ibuf.copy()
                 ibuf[at] = 1
-            rows = self.programs.lowering.rows_for(shape)
             out, logits, self.kv_cache, self.state, self.last_prompt_logprobs, *capture = exe(
                 self.params, self.kv_cache, self.state, ibuf, fbuf, self._spare(rows))
             self._spares[rows] = logits
@@ -175,8 +175,7 @@ class ModelRunner:
                 return out
         if not sample:
             return self._nothing_sampled()
-        inputs = sample_inputs(layout.host_arrays(ibuf, fbuf), logits,
-                               self.programs.lowering.rows_for(shape), self.state_sink)
+        inputs = sample_inputs(layout.host_arrays(ibuf, fbuf), logits, rows, self.state_sink)
         return inputs if defer else self.sample(inputs)
 
     def _spare(self, rows: int) -> jax.Array:

@@ -199,19 +199,17 @@ def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, f
           attention_impl: str, mesh: jax.sharding.Mesh | None, rows: int,
           capture_layer: int | None = None, slice_layers: bool = False,
           in_place_layers: bool = False, whole_chain: bool = False):
-    """The plain step (spp == 1): ``_forward_step`` and the sampling in one executable, so
-    the logits never leave it and the host dispatches one call a step. Returns
-    (SampleResult, logits, KV cache, state, PromptLogprobs[, Capture]): the logits are
-    ``spare`` (donated, [vocab, rows]; ``_handed_on``), written only when the step's
-    ``whole_chain`` is set; they (with the ``SampleInputs`` the host makes,
-    ``step_arrays.sample_inputs``) serve a step whose
-    sampling waits for masks the host computes while it runs (``late_masks``), or needs
-    more than greedy and temperature (``StepArrays.whole_chain``): the sampling executable
-    samples them again, overwriting the tokens this one kept in ``state.last_tokens``
-    before anything reads them. The step's own sampling, on its own rows (the padding rows
-    are the sampling executable's), is ``_common_tokens`` (no logprobs: its SampleResult's
-    other fields are None) unless ``whole_chain`` (static: a burst's steps, ``_sample``):
-    the rest of the chain was half of a CPU step program's compile time."""
+    """The plain step (spp == 1): the forward and the sampling in one executable, so the
+    logits never leave it and the host dispatches one call a step. Returns (SampleResult,
+    logits, KV cache, state, PromptLogprobs[, Capture]). Its own sampling, on its own rows,
+    is ``_common_tokens`` (greedy and temperature; no logprobs, the SampleResult's other
+    fields None) unless ``whole_chain`` (static: a burst's steps take ``_sample``): the
+    rest of the chain was half of a CPU step program's compile time. A step that needs
+    more (``StepArrays.whole_chain``: filters, bias, penalties, bans, masks, logprobs, or
+    masks that come late, ``late_masks``) writes its logits into ``spare`` (donated,
+    [vocab, rows], ``_handed_on``) and the sampling executable samples it again, with the
+    ``SampleInputs`` the host makes (``step_arrays.sample_inputs``), overwriting the
+    tokens this one kept in ``state.last_tokens`` before anything reads them."""
     arrays, logits, kv_cache, state, prompt, *capture = _forward(
         params, kv_cache, state, ibuf, fbuf, layout=layout, cfg=cfg,
         attention_impl=attention_impl, mesh=mesh, capture_layer=capture_layer,

@@ -351,10 +351,10 @@ def _draws(logits: jax.Array, sb: SamplingBatch) -> tuple[jax.Array, jax.Array, 
 
 
 def temperature_tokens(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
-    """``choose_tokens`` of rows that are greedy or sample at a temperature with nothing
-    else (no ban, mask, filter or draft; ``logits`` [B, vocab] unbiased, unpenalised), bit
-    for bit: the fused step's whole chain (``step_program._common_tokens``), without the
-    filters' top-k and sort that made up a quarter to two fifths of its compile time."""
+    """The tokens ``choose_tokens`` gives rows that are greedy or sample at a temperature
+    with nothing else (no ban, mask, filter or draft; ``logits`` [B, vocab] unbiased,
+    unpenalised), bit for bit: the fused step's sampling (``step_program._common_tokens``),
+    without the filters' top-k and sort, a quarter to two fifths of its compile time."""
     logits = logits.astype(jnp.float32)
     greedy, scaled, gumbel = _draws(logits, sb)
     return jnp.where(greedy, row_argmax(logits), row_argmax(scaled + gumbel))
