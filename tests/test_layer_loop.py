@@ -90,7 +90,7 @@ def exported_step(engine: LLMEngine, platform: str) -> str:
     export = jax.export.export(
         low.jitted.step, platforms=[platform],
         disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TARGETS[platform])])
-    return export(*low.args, ibuf, fbuf, low.spare_spec(SHAPE), layout=layout,
+    return export(*low.args, ibuf, fbuf, low.spare_spec(low.rows_for(SHAPE)), layout=layout,
                   cfg=low.model_config,
                   attention_impl=low.attention_impl, mesh=None, rows=low.rows_for(SHAPE),
                   capture_layer=None, slice_layers=False,

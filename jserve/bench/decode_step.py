@@ -176,7 +176,7 @@ class DeviceStep:
         programs = self.runner.programs
         self.rows = programs.lowering.rows_for(shape)
         self.sample = programs.sampler(self.rows)
-        self.spare = self.runner._spare(self.rows)  # the step's logits buffer, passed along
+        self.spare = self.runner.spare_logits(self.rows)  # passed along, call to call
 
     def inputs(self, logits, ibuf=None, fbuf=None) -> SampleInputs:
         """The sampling executable's inputs: the forward's ``logits`` [vocab, S], padded to

@@ -69,11 +69,11 @@ class StepLowering:
         return self.plain_rows if self.spp == 1 and rows <= self.plain_rows \
             else self.sample_rows
 
-    def spare_spec(self, shape: tuple[int, int]) -> jax.ShapeDtypeStruct:
-        """The logits buffer a plain step of ``shape`` writes for the sampling executable
-        when it samples the step again (``step_program._handed_on``)."""
-        return jax.ShapeDtypeStruct((self.model_config.vocab_size, self.rows_for(shape)),
-                                    jnp.float32, sharding=self.replicated)
+    def spare_spec(self, rows: int) -> jax.ShapeDtypeStruct:
+        """The logits buffer [vocab, ``rows``] a plain step writes for the sampling
+        executable when it samples the step again (``step_program._handed_on``)."""
+        return jax.ShapeDtypeStruct((self.model_config.vocab_size, rows), jnp.float32,
+                                    sharding=self.replicated)
 
     def buffer_shapes(self, layout: PackedLayout, lone: bool = False
                       ) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -108,7 +108,8 @@ class StepLowering:
         if lone:
             lowered = self.jitted.lone.lower(*args, ibuf, fbuf, **common)
         elif self.spp == 1:
-            lowered = self.jitted.step.lower(*args, ibuf, fbuf, self.spare_spec(shape),
+            lowered = self.jitted.step.lower(*args, ibuf, fbuf,
+                                             self.spare_spec(self.rows_for(shape)),
                                              capture_layer=self.capture_layer,
                                              slice_layers=self.slice_layers, **common)
         else:

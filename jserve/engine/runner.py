@@ -166,7 +166,7 @@ class ModelRunner:
                 ibuf = ibuf.copy()
                 ibuf[at] = 1
             out, logits, self.kv_cache, self.state, self.last_prompt_logprobs, *capture = exe(
-                self.params, self.kv_cache, self.state, ibuf, fbuf, self._spare(rows))
+                self.params, self.kv_cache, self.state, ibuf, fbuf, self.spare_logits(rows))
             self._spares[rows] = logits
             if capture:
                 self.last_capture = capture[0]
@@ -178,13 +178,14 @@ class ModelRunner:
         inputs = sample_inputs(layout.host_arrays(ibuf, fbuf), logits, rows, self.state_sink)
         return inputs if defer else self.sample(inputs)
 
-    def _spare(self, rows: int) -> jax.Array:
-        """The logits buffer [vocab, rows] the plain step writes for the sampling executable
-        (donated, handed back each step; ``step_program._handed_on``)."""
+    def spare_logits(self, rows: int) -> jax.Array:
+        """The logits buffer the plain step writes for the sampling executable (donated,
+        handed back each step; ``StepLowering.spare_spec``, ``step_program._handed_on``),
+        taken from the runner: a caller that runs the step itself keeps the one it returns."""
         spare = self._spares.pop(rows, None)
         if spare is None:  # a transfer, not a program: nothing compiles while serving
-            spare = jax.device_put(np.zeros((self.model_config.vocab_size, rows), np.float32),
-                                   self._replicated)
+            spec = self.programs.lowering.spare_spec(rows)
+            spare = jax.device_put(np.zeros(spec.shape, spec.dtype), spec.sharding)
         return spare
 
     def sample(self, inputs: SampleInputs, allowed: np.ndarray | None = None) -> SampleResult:

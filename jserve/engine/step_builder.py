@@ -42,15 +42,15 @@ class StepFlags:
                    any_bias=any(p.logit_bias for p in sampled))
 
 
-def _whole_chain(want_logprobs: bool, sb: SamplingBatch) -> bool:
+def _whole_chain(flags: StepFlags, sb: SamplingBatch) -> bool:
     """``StepArrays.whole_chain``: some row of the step needs more than greedy or
     temperature sampling (padding rows are neutral; so are the rows of chunks that do not
-    sample, whatever their request asks)."""
+    sample, whatever their request asks). Logprobs and biases: as ``flags`` has them."""
     sampled = sb.temperature > 0
     filtered = sampled & ((sb.top_k > 0) | (sb.top_p < 1.0) | (sb.min_p > 0.0))
     penalised = ((sb.repetition_penalty != 1.0) | (sb.presence_penalty != 0.0)
                  | (sb.frequency_penalty != 0.0))
-    return bool(want_logprobs or filtered.any() or penalised.any() or (sb.bias_ids >= 0).any()
+    return bool(flags.want_logprobs or flags.any_bias or filtered.any() or penalised.any()
                 or (sb.banned_ids >= 0).any() or (sb.allowed != -1).any()
                 or ((sb.draft >= 0) & sampled).any())
 
@@ -274,7 +274,7 @@ class StepBuilder:
             sampling=sampling,
             any_random=np.asarray(flags.any_random), any_penalty=np.asarray(flags.any_penalty),
             want_logprobs=np.asarray(flags.want_logprobs), any_bias=np.asarray(flags.any_bias),
-            whole_chain=np.asarray(_whole_chain(flags.want_logprobs, sampling)))
+            whole_chain=np.asarray(_whole_chain(flags, sampling)))
         return BuiltStep((bd, padded_prefill_tokens), arrays, h.sample_rows)
 
     def empty(self, shape: tuple[int, int], neutral_row: SamplerRow) -> BuiltStep:
