@@ -107,18 +107,24 @@ def test_abort_mid_stream_keeps_exactly_the_streamed_tokens(workload):
         assert got[i].finish_reason == "abort" and got[i].token_ids == full[i].token_ids[:n]
 
 
-def test_the_host_plans_the_next_step_before_reading_this_one():
-    """While decoding, each step leaves the newest token on the device: the request's last
-    id is a placeholder the next step feeds from there (synchronous: never)."""
+@pytest.mark.parametrize("burst", [1, 4])
+def test_the_host_plans_the_next_step_before_reading_this_one(burst):
+    """While decoding, each step (one token, or a decode burst's) leaves the newest token
+    on the device: the request's last id is a placeholder the next step feeds from there
+    (synchronous: never)."""
     for mode in (False, True):
-        eng = small_llm(async_scheduling=mode).engine
+        eng = small_llm(async_scheduling=mode, decode_burst=burst).engine
         rid = eng.add_request(PROMPTS[0], GREEDY)
         req = eng.requests[rid]
         fed = []
+        eng.step_log = []
         while eng.has_unfinished():
             eng.step()
             fed.append(req.token_ids[-1] == PLACEHOLDER)
-        # Async: after each of the first 11 steps (the prompt is one chunk); the 12th
-        # token ends the request by length, so it is held until read by a 13th step.
+        # Async: after each step but the last (the prompt is one chunk); the 12th token
+        # ends the request by length, so it is held until read by one more step.
         n = GREEDY.max_tokens
-        assert fed == ([True] * (n - 1) + [False, False] if mode else [False] * n), mode
+        steps = [plan.burst for plan, _ in eng.step_log]
+        assert sum(steps) == n and (max(steps) == burst > 1 or steps == [1] * n)
+        assert fed == ([True] * (len(steps) - 1) + [False, False] if mode
+                       else [False] * len(steps)), mode

@@ -1,9 +1,11 @@
-"""Decode bursts (``EngineConfig.decode_burst``): several decode steps in one executable call.
-The tokens are exactly those of one step at a time (greedy, seeded sampling, penalties, stop
-ids and strings, async and sync scheduling), KV pages are conserved after every step and
-all free at the end, an abort while a burst is on the device frees its blocks, a burst
-whose program is not compiled yet waits for the background compile while the engine steps
-one at a time, and bursts on a tp=2 mesh give the one-device tokens."""
+"""Decode bursts (``EngineConfig.decode_burst``): several decode steps in one executable call,
+the all-decode shape's own step program looping over a runtime count. The tokens are
+exactly those of one step at a time (greedy, seeded sampling, stop ids and strings, async
+and sync scheduling; a batch with a penalised, filtered or biased request steps one at a
+time, with its tokens), KV pages are conserved after every step and all free at the end, an
+abort while a burst is on the device frees its blocks, a burst whose shape is not compiled
+yet waits for the background compile while the engine steps one at a time, bursts add no
+program, and bursts on a tp=2 mesh give the one-device tokens."""
 from __future__ import annotations
 
 import dataclasses
@@ -27,8 +29,7 @@ def _params(stop_token: int | None = None, stop: str | None = None) -> list[Samp
     return [SamplingParams(temperature=0.0, max_tokens=23, ignore_eos=True,
                            stop_token_ids=[stop_token] if stop_token is not None else None),
             SamplingParams(temperature=0.9, seed=7, max_tokens=18, ignore_eos=True),
-            SamplingParams(temperature=0.0, max_tokens=21, repetition_penalty=1.3,
-                           frequency_penalty=0.4, ignore_eos=True,
+            SamplingParams(temperature=0.0, max_tokens=21, ignore_eos=True,
                            stop=[stop] if stop else None),
             SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)]
 
@@ -57,7 +58,7 @@ def _run(llm, params, abort_in_burst: str | None = None):
 @pytest.fixture(scope="module")
 def reference():
     """One step at a time."""
-    return small_llm()
+    return small_llm(decode_burst=1)
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
@@ -77,22 +78,23 @@ def test_bursts_give_the_tokens_of_one_step_at_a_time(reference, async_schedulin
 
 
 @pytest.mark.slow
-def test_bursts_apply_logit_bias(reference):
-    """``logit_bias`` rides in the step's sampling arrays, which every step of a burst
-    reads: bursts give the biased tokens of one step at a time (a banned greedy token never
-    comes, a +100 one always does, a seeded sampled row draws the same)."""
+def test_a_batch_beyond_temperature_steps_one_at_a_time_with_its_tokens(reference):
+    """A burst's steps sample as the fused step does (greedy, temperature): a batch holding
+    a request with a logit bias, a penalty or a top-p filter takes no burst, and its tokens
+    are one step at a time's (a banned greedy token never comes, a +100 one always does)."""
     plain, _ = _run(reference, _params())
     banned = plain[0][0][3]
     params = _params()
     params[0] = dataclasses.replace(params[0], logit_bias={banned: -100})
-    params[1] = dataclasses.replace(params[1], logit_bias={plain[1][0][0]: 3.0, 7: -50})
+    params[1] = dataclasses.replace(params[1], top_p=0.8)
+    params[2] = dataclasses.replace(params[2], repetition_penalty=1.3, frequency_penalty=0.4)
     params[3] = dataclasses.replace(params[3], logit_bias={65: 100})
     want, _ = _run(reference, params)
     assert banned not in want[0][0] and len(want[0][0]) == len(plain[0][0])
-    assert want[3][0] == [65] * 9 and 7 not in want[1][0]
+    assert want[3][0] == [65] * 9
     got, bursts = _run(small_llm(decode_burst=4), params)
     assert got == want
-    assert bursts >= 1
+    assert bursts == 0
 
 
 def test_an_abort_during_a_burst_frees_its_blocks_and_leaves_the_others_alone(reference):
@@ -108,18 +110,21 @@ def test_a_burst_not_compiled_yet_compiles_in_the_background_meanwhile_single_st
         reference):
     want, _ = _run(reference, _params())
     llm = small_llm(decode_burst=4, warmup="core")
-    runner = llm.engine.runner.programs
-    gate, compile_burst = threading.Event(), runner._compile_burst
+    programs = llm.engine.runner.programs
+    shape = llm.engine.buckets.shape_for(len(PROMPTS), 0)
+    assert shape not in programs.steps  # ``core``: the smallest decode and the largest step
+    gate, compile_one = threading.Event(), programs._compile_in_background
 
-    def held_back(key):  # the background compile of the burst waits until the test says
-        assert gate.wait(120)
-        compile_burst(key)
+    def held_back(key):  # the background compile of the 4-decode step waits for the test
+        if key == shape:
+            assert gate.wait(120)
+        compile_one(key)
 
-    runner._compile_burst = held_back
+    programs._compile_in_background = held_back
     got, bursts = _run(llm, _params())
     assert got == want and bursts == 0
     gate.set()
-    assert runner.wait_compiles(120)
+    assert programs.wait_compiles(120)
     got, bursts = _run(llm, _params())  # the same requests: now in bursts
     assert got == want and bursts >= 3
 
@@ -157,16 +162,28 @@ def test_bursts_on_a_tp2_mesh_give_the_one_device_tokens():
     assert result["ref"]["bursts"] == 0
 
 
-@pytest.mark.parametrize("setting,warmup,backend,steps", [
-    ("auto", "all", "gpu", AUTO_BURST_STEPS),   # an accelerator, programs compiled first
-    ("auto", "core", "tpu", AUTO_BURST_STEPS),
-    ("auto", "all", "cpu", 1),                  # the host fills XLA's idle cycles: off
-    ("auto", "none", "gpu", 1),                 # would compile while serving: off
-    (2, "none", "cpu", 2),                      # a number is taken as it is
-    (1, "all", "gpu", 1),
-])
-def test_auto_decode_burst_steps(setting, warmup, backend, steps):
-    assert EngineConfig(decode_burst=setting, warmup=warmup).burst_steps(backend) == steps
+@pytest.mark.parametrize("setting,steps", [("auto", AUTO_BURST_STEPS), (2, 2), (1, 1)])
+def test_auto_decode_burst_steps(setting, steps):
+    """"auto" is on everywhere (a burst compiles nothing of its own); a number is taken as
+    it is."""
+    for warmup in ("all", "none"):
+        assert EngineConfig(decode_burst=setting, warmup=warmup).burst_steps() == steps
+
+
+def test_bursts_add_no_program_and_change_no_other_shape():
+    """The program count is the same with and without bursts (each all-decode shape's step
+    runs them), and a mixed shape's program is the same HLO either way."""
+    counts, hlo = {}, {}
+    for k in (1, 4):
+        programs = small_llm(decode_burst=k, warmup="all").engine.runner.programs
+        counts[k] = programs.compile_count
+        mixed = max(programs.steps)
+        assert mixed[1] > 0
+        decode = programs.lowering.buckets.shape_for(2, 0)
+        hlo[k] = [programs.lowering.lower(s)[0].as_text() for s in (mixed, decode)]
+    assert counts[1] == counts[4] > 0
+    assert hlo[1][0] == hlo[4][0]
+    assert hlo[4][1].count("stablehlo.while") == hlo[1][1].count("stablehlo.while") + 1
 
 
 @pytest.mark.parametrize("bad", ["fast", 0, -2])
@@ -176,18 +193,27 @@ def test_decode_burst_setting_is_checked(bad):
 
 
 def test_which_requests_may_burst(reference):
-    """Per request (``burst.may_burst``, k = 4): stop strings and ids, penalties and seeded
-    sampling may (the host ends a request at a stop inside a burst and drops the tokens
-    after it); logprobs, a structured output, a pending ``min_tokens`` ban, or fewer than
-    k tokens left under ``max_tokens`` may not. On this CPU "auto" leaves bursts off, so
-    the engine steps one token at a time."""
+    """Per request (``burst.may_burst``, k = 4): greedy, stop strings and ids and seeded
+    temperature sampling may (the host ends a request at a stop inside a burst and drops
+    the tokens after it); logprobs, a structured output, a pending ``min_tokens`` ban,
+    fewer than k tokens left under ``max_tokens``, or sampling beyond a temperature
+    (penalty, filter, bias: the fused step's chain has none) may not. A top-p filter on a
+    greedy request filters nothing: it may."""
     eng = reference.engine
     assert eng.bursts.steps == 1 and eng.bursts.supported
     base = dict(max_tokens=20, ignore_eos=True)
     cases = {"greedy": (SamplingParams(temperature=0.0, **base), True),
              "stop string": (SamplingParams(stop=["xyz"], stop_token_ids=[9], **base), True),
-             "penalty, seed": (SamplingParams(temperature=0.8, seed=3, presence_penalty=0.5,
-                                              **base), True),
+             "seed": (SamplingParams(temperature=0.8, seed=3, **base), True),
+             "greedy, top_p": (SamplingParams(temperature=0.0, top_p=0.5, **base), True),
+             "penalty": (SamplingParams(temperature=0.8, seed=3, presence_penalty=0.5,
+                                        **base), False),
+             "greedy penalty": (SamplingParams(temperature=0.0, repetition_penalty=1.2,
+                                               **base), False),
+             "top_p": (SamplingParams(temperature=0.8, top_p=0.9, **base), False),
+             "top_k": (SamplingParams(temperature=0.8, top_k=5, **base), False),
+             "min_p": (SamplingParams(temperature=0.8, min_p=0.1, **base), False),
+             "bias": (SamplingParams(temperature=0.0, logit_bias={3: 1.0}, **base), False),
              "logprobs": (SamplingParams(logprobs=2, **base), False),
              "structured": (SamplingParams(structured_output=StructuredOutput(
                  regex="[ab]{30}"), **base), False),

@@ -51,14 +51,18 @@ def bench_model(name: str = "bench") -> tuple[ModelConfig, Params]:
 
 
 def bench_engine(batch: int, attention_impl: str = "auto",
-                 model: tuple[ModelConfig, Params] | None = None) -> LLMEngine:
+                 model: tuple[ModelConfig, Params] | None = None,
+                 decode_burst: int | str = "auto") -> LLMEngine:
     """The bench model's engine (or ``model``'s: ``bench_model``) sized for ``batch``
-    decodes (buckets compile on first use)."""
+    decodes (buckets compile on first use), its step programs built for decode bursts of
+    up to ``decode_burst`` steps, none taken until a timing asks (``bursts.steps``)."""
     cfg, params = model or (BENCH_MODEL, init_params(BENCH_MODEL))
-    return LLMEngine(cfg, params, None,
-                     EngineConfig(max_num_seqs=batch, max_num_batched_tokens=512,
-                                  max_model_len=2048, warmup=False,
-                                  attention_impl=attention_impl))
+    eng = LLMEngine(cfg, params, None,
+                    EngineConfig(max_num_seqs=batch, max_num_batched_tokens=512,
+                                 max_model_len=2048, warmup=False,
+                                 attention_impl=attention_impl, decode_burst=decode_burst))
+    eng.bursts.steps = 1
+    return eng
 
 
 def bench_prompts(batch: int, prompt_len: int, vocab: int = BENCH_MODEL.vocab_size

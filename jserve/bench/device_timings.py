@@ -120,7 +120,7 @@ class ModelTimings:
                 self.cfg, params, self.impl, max_num_seqs=max(p.decode_batches),
                 max_num_batched_tokens=p.prefill_len, max_prefill_seqs=4,
                 max_model_len=p.decode_max_model_len, page_size=p.page,
-                num_kv_pages=need + 2, warmup=self.warmup))
+                num_kv_pages=need + 2, warmup=self.warmup, decode_burst=p.decode_burst))
             say(f"  {self.name} engine: {self.engine.startup.line()}")
         return self.engine
 

@@ -161,14 +161,17 @@ def sweep(s: SweepSettings, *, log=print) -> list[dict]:
 def _measure_engine(s: SweepSettings, label: str, devices: int | None, chunk: int, cfg, params,
                     tokenizer, prompts: dict, kv_bytes: int, rows: list, log) -> None:
     """One engine: warm-up, then every context timed. Appends to ``rows`` as it goes so a
-    failure part way keeps the contexts already measured."""
+    failure part way keeps the contexts already measured. No decode bursts: they run on
+    some meshes only (not under kvp or spp), and they hand several tokens over at once, so
+    the time between tokens would compare the bursts, not the meshes."""
     from jserve.engine.config import EngineConfig
     from jserve.engine.engine import LLMEngine
 
     ec = EngineConfig(max_num_seqs=1, max_prefill_seqs=1, max_num_batched_tokens=chunk,
                       max_model_len=s.max_model_len, page_size=s.page_size,
                       kv_cache_bytes=kv_bytes, attention_impl=s.attention_impl,
-                      mesh=engine_mesh(label), scheduler="sarathi", warmup=False, seed=s.seed)
+                      mesh=engine_mesh(label), scheduler="sarathi", warmup=False, seed=s.seed,
+                      decode_burst=1)
     engine = LLMEngine(cfg, params, tokenizer, ec)
     # Warm-up: each context once, untimed, compiles exactly the shapes timed below.
     t0 = time.perf_counter()

@@ -58,10 +58,12 @@ def make_engine(cfg, params, impl: str, **kwargs) -> LLMEngine:
     compiled in parallel)."""
     # No prefix cache: ``twice`` serves the same prompts again, and a timed run that finds
     # them cached measures one short chunk (and its compile), not the prefill. No decode
-    # bursts but those a timing asks for (``bursts.steps``), whatever "auto" picks.
-    return LLMEngine(cfg, params, None, EngineConfig(
-        attention_impl=impl, enable_prefix_caching=False,
-        **{"warmup": False, "decode_burst": 1, **kwargs}))
+    # bursts but those a timing asks for (``bursts.steps``, up to the ``decode_burst`` the
+    # programs are built for, "auto" unless ``kwargs`` say).
+    engine = LLMEngine(cfg, params, None, EngineConfig(
+        attention_impl=impl, enable_prefix_caching=False, **{"warmup": False, **kwargs}))
+    engine.bursts.steps = 1
+    return engine
 
 
 def serve(engine: LLMEngine, prompts, params, desc: str):

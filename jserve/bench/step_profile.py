@@ -30,7 +30,8 @@ BURST = "engine, per token in bursts"
 
 def profile_batch(batch: int, a, bar: tqdm, model=None) -> dict:
     """``model``: (ModelConfig, params) of ``bench_model`` (None: the bench model)."""
-    eng = bench_engine(batch, a.attention_impl, model)
+    eng = bench_engine(batch, a.attention_impl, model,
+                       a.decode_burst if a.decode_burst > 1 else "auto")
     cfg = eng.runner.model_config
     params = SamplingParams(temperature=a.temperature, top_p=a.top_p,
                             max_tokens=a.new_tokens, ignore_eos=True)

@@ -5,12 +5,18 @@ request) shares the cores the step runs on, or where it is longer than the step 
 small model on a GPU), that work is paid once a burst instead of once a token. The scheduler
 makes a plan a burst of ``k`` steps only when nothing else is waiting and every request in
 it may take ``k`` more tokens without a host decision in between (no structured output, no
-logprobs, no pending ``min_tokens`` ban, room under ``max_tokens`` and the context): then the
-tokens of step ``j`` are exactly the inputs of step ``j + 1``, and what changes between the
-steps (position, KV slot, context length, sampler step) is computed on the device from the
-first step's buffers. A stop token or string inside a burst ends the request there on the
-host; the tokens after it are dropped, as an async step's extra token is. (vLLM's
-"multi-step scheduling" is the same idea.)
+logprobs, no pending ``min_tokens`` ban, room under ``max_tokens`` and the context) and is
+sampled greedily or at a temperature with nothing else (what the fused step samples
+itself, ``SamplingParams.beyond_temperature``): then the tokens of step ``j`` are exactly
+the inputs of step ``j + 1``, and what changes between the steps (position, KV slot,
+context length, sampler step) is computed on the device from the first step's buffers
+(``advance``). A stop token or string inside a burst ends the request there on the host;
+the tokens after it are dropped, as an async step's extra token is. (vLLM's "multi-step
+scheduling" is the same idea.)
+
+There is no program of its own: each all-decode shape's step program loops over a runtime
+count of steps, 1 to ``EngineConfig.burst_steps`` (``step_program._step``), so bursts add
+nothing to compile and a single step and a burst of that shape run the same executable.
 """
 from __future__ import annotations
 
@@ -51,42 +57,27 @@ def advance(layout, ibuf: jax.Array, j: jax.Array, tokens: jax.Array, num_decode
     return ibuf
 
 
-def run_burst(step, ibuf: jax.Array, kv_cache, state, *, layout, steps: int, rows: int,
-              num_decodes: int, page_size: int):
-    """``steps`` calls of ``step(kv_cache, state, ibuf) -> (SampleResult, kv_cache, state)``
-    in one loop, each on the buffer ``advance``d from the first; returns (tokens [steps,
-    rows], kv_cache, state). The state's ``last_tokens`` end as the last step left them, so
-    the step after the burst feeds from there as after any step."""
-    def one(j, carry):
-        kv, st, out = carry
-        prev = out[jnp.maximum(j - 1, 0)]
-        sampled, kv, st = step(kv, st, advance(layout, ibuf, j, prev, num_decodes, page_size))
-        return kv, st, out.at[j].set(sampled.tokens)
-
-    init = (kv_cache, state, jnp.zeros((steps, rows), jnp.int32))
-    kv_cache, state, tokens = jax.lax.fori_loop(0, steps, one, init)
-    return tokens, kv_cache, state
-
-
 def may_burst(req, steps: int, max_model_len: int) -> bool:
     """Whether ``req`` may decode ``steps`` tokens with no host decision between them: no
-    structured output or logprobs, no ``min_tokens`` ban left, and the ``steps`` tokens fit
-    under ``max_tokens`` and the context (the last one may end it by length)."""
+    structured output or logprobs, no ``min_tokens`` ban left, nothing beyond greedy or
+    temperature sampling (a burst's steps sample as the fused step does), and the ``steps``
+    tokens fit under ``max_tokens`` and the context (the last one may end it by length)."""
     st = req.payload
     p = st.params
     total = len(req.token_ids) + steps
-    return (st.constraint is None and p.logprobs is None
+    return (st.constraint is None and p.logprobs is None and not p.beyond_temperature
             and req.num_output_tokens >= p.min_tokens
             and total - len(req.prompt_token_ids) <= p.max_tokens and total <= max_model_len)
 
 
 class DecodeBursts:
     """Whether the engine's next plan may be a burst, and of how many steps: ``steps``
-    (``EngineConfig.decode_burst``; settable between steps, 1: off) where bursts are
-    ``supported`` (one device and process, no KV-cache parallelism, no length probe), while
-    nothing waits, once the burst's program for the running requests' step is compiled
-    (``StepPrograms.burst_ready``: until then it compiles in the background and the engine
-    steps one at a time)."""
+    (``EngineConfig.decode_burst``; settable between steps from 1, off, to the steps the
+    programs were built for, ``StepLowering.burst_steps``) where bursts are ``supported``
+    (one device and process, no KV-cache parallelism, no length probe or speculative
+    decoding), while nothing waits, once the step program of the running requests'
+    all-decode shape is compiled (``StepPrograms.burst_ready``: until then the step runs
+    padded up to a compiled shape, one at a time)."""
 
     def __init__(self, steps: int, supported: bool, scheduler, runner, buckets,
                  max_model_len: int):
@@ -99,5 +90,9 @@ class DecodeBursts:
         sched, k = self.scheduler, self.steps
         if k == 1 or not self.supported or sched.waiting or not sched.running:
             return 1, None
-        ready = self.runner.programs.burst_ready(self.buckets.shape_for(len(sched.running), 0), k)
+        programs = self.runner.programs
+        if k > programs.lowering.burst_steps:
+            raise ValueError(f"decode bursts of {k} steps: the step programs were built for "
+                             f"at most {programs.lowering.burst_steps} (decode_burst)")
+        ready = programs.burst_ready(self.buckets.shape_for(len(sched.running), 0))
         return (k, self.may_burst) if ready else (1, None)

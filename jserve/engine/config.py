@@ -12,8 +12,8 @@ from sharding.mesh import MeshConfig
 
 WARMUP_MODES = ("core", "background", "all", "none")
 LAYER_LOOPS = ("auto", "loop", "unrolled", "sliced", "indexed")
-# Decode burst steps of ``decode_burst="auto"`` where bursts are on (``burst_steps``): a
-# request arriving during a burst waits at most 3 steps for it.
+# Decode burst steps of ``decode_burst="auto"`` (``burst_steps``): a request arriving during
+# a burst waits at most 3 steps for it.
 AUTO_BURST_STEPS = 4
 
 
@@ -123,9 +123,8 @@ class EngineConfig:
     # Decode bursts (jserve.engine.burst): when nothing waits and every running request may
     # take this many tokens with no host decision between them, they run as that many decode
     # steps in one executable call, so the host's per-step work is paid once a burst. A
-    # request arriving meanwhile waits for the burst to end. 1: off. "auto"
-    # (``burst_steps``): AUTO_BURST_STEPS on a GPU or TPU whose programs compile before
-    # serving, else off.
+    # request arriving meanwhile waits for the burst to end. 1: off. "auto":
+    # AUTO_BURST_STEPS (``burst_steps``).
     decode_burst: int | str = "auto"
     compilation_cache_dir: str | None = dataclasses.field(
         default_factory=default_compilation_cache_dir)
@@ -135,26 +134,15 @@ class EngineConfig:
     # (or its JSON text); parsed into a SpeculativeConfig. None: off.
     speculative_config: SpeculativeConfig | None = None
 
-    def burst_steps(self, backend: str | None = None) -> int:
-        """The steps of a decode burst (``decode_burst``; 1: none), before what the mesh and
-        the engine's other options allow (``factory``: one device and process, no KV-cache
-        or pipeline parallelism, no length probe or speculative decoding) and what each
-        request allows (``burst.may_burst``). "auto": ``AUTO_BURST_STEPS`` on a GPU or TPU
-        (``backend``, default JAX's), where the host's per-step work is as long as a small
-        model's step (docs/device.md), unless ``warmup`` is "none" (the burst's program
-        would compile in the foreground the first time it is wanted); off on a CPU, where
-        they pay less (on a quiet 2-core machine bursts of 4 cut the batch-32 step 7.5%
-        and batch 1's 4%) than they cost: a burst program per decode shape to compile at
-        start (6 more on the default ladder: 21 programs, not 15) and arrivals waiting up
-        to ``k - 1`` steps (docs/startup.md, "The LM head, vocabulary-major")."""
-        if self.decode_burst != "auto":
-            return int(self.decode_burst)
-        if self.warmup == "none":
-            return 1
-        if backend is None:
-            import jax  # this module is plain Python (the CLI reads it without JAX)
-            backend = jax.default_backend()
-        return AUTO_BURST_STEPS if backend in ("gpu", "tpu") else 1
+    def burst_steps(self) -> int:
+        """The most steps of a decode burst (``decode_burst``; 1: none), before what the mesh
+        and the engine's other options allow (``factory``: one device and process, no
+        KV-cache or pipeline parallelism, no length probe or speculative decoding) and what
+        each request allows (``burst.may_burst``). "auto": ``AUTO_BURST_STEPS`` on every
+        backend: a burst is a runtime count in each all-decode shape's step program
+        (``step_program._step``), so it adds no program to compile, and the host's per-step
+        work is paid once a burst (docs/startup.md, "Decode bursts in the step program")."""
+        return AUTO_BURST_STEPS if self.decode_burst == "auto" else int(self.decode_burst)
 
     def layer_mode(self, num_layers: int, spp: int, backend: str | None = None) -> str:
         """What ``layer_loop`` means for this depth, pipeline and backend (default: JAX's):

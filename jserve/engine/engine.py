@@ -272,16 +272,17 @@ class LLMEngine:
         shape, bufs = self._slots.buffers(built, self._in_flight.slots, lone)
         if self._multi_process:
             return distributed.leader_execute(self.runner, shape, *bufs)
-        return self.runner.execute_packed(shape, *bufs, defer=bool(launched and launched.late),
-                                          burst=launched.plan.burst if launched else 1)
+        return self.runner.execute_packed(shape, *bufs, defer=bool(launched and launched.late))
 
     def _complete(self, done: Launched, tokens: np.ndarray) -> list[RequestOutput]:
-        """The plan ``done`` is back with its sampled tokens (a burst's: [steps, rows]): the
+        """The plan ``done`` is back with its sampled tokens (an all-decode step built for
+        bursts: [burst steps, rows], the plan's first ``burst`` rows its steps'): the
         scheduler updates request state, output processing makes the outputs."""
         if self.length_tracker is not None and self._in_flight.depth == 1:
             self.length_tracker.observe(done.plan, done.built, self.requests, done.capture)
         rows = [row for row, _ in done.built.sample_rows]
-        sampled = (tokens[rows] if tokens.ndim == 1 else tokens[:, rows].T.ravel()).tolist()
+        sampled = (tokens[rows] if tokens.ndim == 1
+                   else tokens[:done.plan.burst, rows].T.ravel()).tolist()
         if done.prompt_logprobs is not None:  # before the first token's output
             prompt_logprobs.record(done.prompt_logprobs, done.built.shape[0],
                                    done.plan.prefills, done.requests[len(done.plan.decodes):],

@@ -285,7 +285,7 @@ def _warm(runner: ModelRunner, times: StartupTimes, core_only: bool,
     persistent-cache hits."""
     t0 = time.perf_counter()
     programs = runner.programs
-    programs.burst_steps, programs.swaps = wanted
+    programs.swaps = wanted[1]
     programs.warmup(core=core_only)
     times.programs += time.perf_counter() - t0
     times.cached = programs.cache_events["cache_hits"]
@@ -303,7 +303,7 @@ def _runner(cfg: ModelConfig, params: Params, config: EngineConfig, mesh_config:
     persistent cache (None: no warm-up). On one device the weights and KV pages load in a
     thread while the programs compile against their specs; on a mesh they load first.
     ``wanted``: the decode bursts' steps (1: none) and whether swapping happens, whose
-    programs compile with the steps (``StepPrograms.burst_steps``, ``swaps``).
+    programs compile with the steps (``StepLowering.burst_steps``, ``StepPrograms.swaps``).
     ``local_pages``: two KV layer groups, the windowed layers' pool (``KVGroups``)."""
     mesh = make_mesh(mesh_config) if mesh_config.size > 1 else None
     placed = hasattr(params, "place")  # a lazy checkpoint streams onto the mesh
@@ -337,7 +337,7 @@ def _runner(cfg: ModelConfig, params: Params, config: EngineConfig, mesh_config:
                              attention_impl=config.attention_impl, mesh=mesh,
                              capture_layer=tracker.layer if tracker else None,
                              slice_layers=layer_mode == "sliced",
-                             in_place_layers=layer_mode == "indexed")
+                             in_place_layers=layer_mode == "indexed", burst_steps=wanted[0])
     if mesh is not None or not warm:
         runner = make(cfg, load_weights(), allocate_kv(), params_placed=True)
         return runner, warmup(runner)

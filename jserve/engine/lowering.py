@@ -1,11 +1,9 @@
-"""Lowering a runner's programs: a bucket shape's step (spp > 1: tick) or pass, a decode
-burst, or the sampling executable, traced and lowered against abstract arguments (the
+"""Lowering a runner's programs: a bucket shape's step (spp > 1: tick) or pass, or the
+sampling executable, traced and lowered against abstract arguments (the
 params, KV pages and penalty state as ``jax.ShapeDtypeStruct``s, so a lowering never reads
 an array, and a background lowering never touches arrays a step donates). Compiling them
 and keeping the executables is ``programs.StepPrograms``'s job."""
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -18,13 +16,6 @@ from jserve.engine.step_program import jitted
 from sharding import pipeline
 
 
-class BurstKey(NamedTuple):
-    """A decode burst's executable (``steps`` steps of an all-decode ``shape``)."""
-
-    shape: tuple[int, int]
-    steps: int
-
-
 class StepLowering:
     """The lowerings of one runner's programs. ``args``: (params, KV cache, penalty state)
     as ``ShapeDtypeStruct``s with their shardings (``step_arrays.abstract_of``)."""
@@ -32,7 +23,7 @@ class StepLowering:
     def __init__(self, cfg: ModelConfig, buckets: Buckets, max_num_seqs: int,
                  attention_impl: str, mesh: jax.sharding.Mesh | None, args: tuple,
                  capture_layer: int | None = None, slice_layers: bool = False,
-                 in_place_layers: bool = False):
+                 in_place_layers: bool = False, burst_steps: int = 1):
         self.model_config, self.buckets, self.mesh, self.args = cfg, buckets, mesh, args
         self.attention_impl = attention_impl
         self.capture_layer, self.slice_layers = capture_layer, slice_layers
@@ -49,6 +40,9 @@ class StepLowering:
         self.plain_rows = min(max_num_seqs + buckets.prefill_rows, buckets.max_rows)
         self.page_size = jax.tree.leaves(args[1])[0].shape[3]
         self.jitted = jitted(self.spp)
+        # The most decode steps an all-decode shape's step runs in one call (a decode burst,
+        # ``jserve.engine.burst``; 1: none; not with a length probe's capture).
+        self.burst_steps = burst_steps if capture_layer is None else 1
         self._layouts: dict[tuple[int, int], PackedLayout] = {}
 
     @property
@@ -108,25 +102,17 @@ class StepLowering:
         if lone:
             lowered = self.jitted.lone.lower(*args, ibuf, fbuf, **common)
         elif self.spp == 1:
+            bursts = dict(burst_steps=self.burst_steps, page_size=self.page_size) \
+                if self.burst_steps > 1 and shape[1] == 0 else {}
             lowered = self.jitted.step.lower(*args, ibuf, fbuf,
                                              self.spare_spec(self.rows_for(shape)),
                                              capture_layer=self.capture_layer,
-                                             slice_layers=self.slice_layers, **common)
+                                             slice_layers=self.slice_layers, **bursts, **common)
         else:
             carry = pipeline.carry_spec(self.mesh, self.model_config, sum(self.stream_shape))
             lowered = self.jitted.step.lower(*args, carry, ibuf, fbuf,
                                              decode_rows=self.stream_shape[0], **common)
         return lowered, layout
-
-    def lower_burst(self, key: BurstKey) -> jax.stages.Lowered:
-        layout, ibuf, fbuf = self._buffer_specs(key.shape)
-        return self.jitted.burst.lower(
-            *self.args, ibuf, fbuf,
-            layout=layout, cfg=self.model_config, attention_impl=self.attention_impl,
-            mesh=self.mesh,
-            rows=self.rows_for(key.shape), slice_layers=self.slice_layers,
-            in_place_layers=self.in_place_layers, steps=key.steps,
-            num_decodes=key.shape[0], page_size=self.page_size)
 
     def lower_sampler(self, rows: int | None = None) -> jax.stages.Lowered:
         """The sampling program, on the padded rows every step hands it (the largest step's

@@ -1,5 +1,6 @@
-"""A runner's compiled programs and their cache: every bucket shape's step (spp > 1: tick),
-the passes, decode bursts, sampling executables and the swap programs. By default
+"""A runner's compiled programs and their cache: every bucket shape's step (spp > 1: tick;
+an all-decode shape's runs decode bursts too), the passes, sampling executables and the swap
+programs. By default
 (``warmup="all"``) the whole set compiles before the engine is ready, on a thread pool with
 the persistent cache, so nothing compiles while serving; the other modes compile on first
 use, or in a background thread after ``defer`` (steps of a shape not compiled yet run padded
@@ -20,7 +21,7 @@ from tqdm.auto import tqdm
 
 from jserve.engine import page_io
 from jserve.engine.deferred import DeferredCompiles
-from jserve.engine.lowering import BurstKey, StepLowering
+from jserve.engine.lowering import StepLowering
 from jserve.engine.step_arrays import PackedLayout
 
 log = logging.getLogger(__name__)
@@ -80,14 +81,13 @@ Program = tuple[jax.stages.Compiled, PackedLayout]
 
 class StepPrograms:
     """The executables of one runner, compiled from ``lowering`` and kept by key: ``steps``
-    and ``passes`` by bucket shape, ``bursts`` by ``BurstKey``, ``samplers`` by rows."""
+    and ``passes`` by bucket shape, ``samplers`` by rows."""
 
     def __init__(self, lowering: StepLowering):
         self.lowering = lowering
         self.spp, self.sample_rows = lowering.spp, lowering.sample_rows
         self.steps: dict[tuple[int, int], Program] = {}
         self.passes: dict[tuple[int, int], Program] = {}
-        self.bursts: dict[BurstKey, jax.stages.Compiled] = {}
         self.samplers: dict[int, jax.stages.Compiled] = {}
         self.compile_count = 0
         self.compile_seconds = 0.0  # wall time spent lowering and compiling
@@ -97,9 +97,8 @@ class StepPrograms:
         self.padded: collections.Counter = collections.Counter()  # (needed, ran as) -> steps
         self.compile_times: dict[str, float] = {}  # program -> seconds, from ``warmup``
         self.threads = 0  # ``warmup``'s compile threads
-        # Set before ``warmup`` (``factory``): decode bursts of this many steps (1: none) and
-        # whether the swap programs (``page_io``) compile with the step programs.
-        self.burst_steps = 1
+        # Set before ``warmup`` (``factory``): whether the swap programs (``page_io``)
+        # compile with the step programs.
         self.swaps = False
         self.movers: page_io.PageMovers | None = None
         self._lock = threading.Lock()  # the caches and counters, shared with that thread
@@ -144,25 +143,18 @@ class StepPrograms:
                 self.compile_seconds += time.perf_counter() - t0
         return exe
 
-    def burst_ready(self, shape: tuple[int, int], steps: int) -> bool:
-        """Whether a burst of ``steps`` decode steps of the all-decode ``shape`` can run now
-        (spp == 1): its program and the shape's step are compiled. If not, with background
-        compiles (``defer``) the burst's is queued and the caller steps one at a time
-        meanwhile; without, it compiles now."""
-        key = BurstKey(shape, steps)
-        if key in self.bursts and shape in self.steps:
+    def burst_ready(self, shape: tuple[int, int]) -> bool:
+        """Whether a decode burst of the all-decode ``shape`` can run now (spp == 1): its
+        step program, which runs the bursts too (``StepLowering.burst_steps``), is compiled.
+        If not, with background compiles (``defer``) it is queued and the caller steps one
+        at a time meanwhile, padded up; without, it compiles now."""
+        if shape in self.steps:
             return True
         if self.deferred is not None:
-            self.deferred.request(key)
+            self.deferred.request(shape)
             return False
-        self._compile_burst(key)
         self.compiled(shape)
         return True
-
-    def _compile_burst(self, key: BurstKey) -> None:
-        t0 = time.perf_counter()
-        self._keep(self.bursts, key, _compile(self.lowering.lower_burst(key),
-                                              self.cache_events), t0)
 
     def _keep(self, cache: dict, key, program, t0: float) -> None:
         """Stores a program compiled since ``t0`` unless another thread stored one first,
@@ -191,7 +183,6 @@ class StepPrograms:
             if not same:
                 self.lowering.args = args
                 self.steps.clear()
-                self.bursts.clear()
                 self.samplers.clear()
                 self.movers = None
         return same
@@ -215,14 +206,9 @@ class StepPrograms:
         with self._lock:
             return [s for s in self.lowering.buckets.all_shapes() if s not in self.steps]
 
-    def _compile_in_background(self, shape: "tuple[int, int] | _SamplerKey | BurstKey"
-                               ) -> None:
+    def _compile_in_background(self, shape: "tuple[int, int] | _SamplerKey") -> None:
         if isinstance(shape, _SamplerKey):
             self.sampler(shape.rows, wait=False)
-            return
-        if isinstance(shape, BurstKey):
-            self._compile_burst(shape)
-            self.deferred.request(shape.shape)  # its step too, if not compiled yet
             return
         t0 = time.perf_counter()
         lowered, layout = self.lowering.lower(shape)
@@ -289,12 +275,6 @@ class StepPrograms:
         for s, lone in todo:
             yield (f"{'pass' if lone else 'step'} {s[0]}x{s[1]}", (s, lone),
                    self.lowering.lower(s, lone))
-        if not core and self.burst_steps > 1 and self.spp == 1:
-            for s in self.lowering.buckets.all_shapes():
-                key = BurstKey(s, self.burst_steps)
-                if s[1] == 0 and key not in self.bursts:
-                    yield (f"burst {key.steps} x step {s[0]}x0", key,
-                           self.lowering.lower_burst(key))
         # A plain step samples in its own executable; the sampling executable serves only
         # steps whose masks come late, so with ``core`` it compiles after start (``defer``).
         if self.spp > 1 or not core:
@@ -308,8 +288,8 @@ class StepPrograms:
     def warmup(self, threads: int | None = None, progress: bool | None = None,
                core: bool = False) -> None:
         """Compiles the whole program set before the engine is ready: every bucket's step
-        (spp: tick, and each shape's pass), the sampling executables, decode bursts of
-        ``burst_steps`` for every decode-only shape and the swap programs (when ``swaps``);
+        (spp: tick, and each shape's pass), the sampling executables and the swap programs
+        (when ``swaps``);
         with ``core`` only ``core_shapes`` (spp == 1: ``defer`` queues the rest).
         Tracing and lowering run here one after another; XLA compiles, or reads the
         persistent cache, in ``threads`` worker threads (default: one per two cores, at
@@ -360,8 +340,6 @@ class StepPrograms:
                 return
             if isinstance(key, _SamplerKey):
                 self.samplers[key.rows] = program
-            elif isinstance(key, BurstKey):
-                self.bursts[key] = program
             else:
                 shape, lone = key
                 (self.passes if lone else self.steps)[shape] = program

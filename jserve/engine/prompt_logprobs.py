@@ -53,7 +53,8 @@ def block_rows(tokens: int, vocab_size: int) -> int:
     return min(tokens, rows)
 
 
-def _zeros(t: int) -> PromptLogprobs:
+def zeros(t: int) -> PromptLogprobs:
+    """A step of ``t`` tokens with no prompt logprobs."""
     k = MAX_LOGPROBS
     return PromptLogprobs(jnp.zeros((t,), jnp.float32), jnp.zeros((t,), jnp.int32),
                           jnp.zeros((t, k), jnp.int32), jnp.zeros((t, k), jnp.float32))
@@ -67,19 +68,19 @@ def _block(params: Params, x: jax.Array, targets: jax.Array, top: jax.Array,
     lse = jax.nn.logsumexp(logits, axis=-1)
     target = jnp.take_along_axis(logits, jnp.maximum(targets, 0)[:, None], axis=1)[:, 0]
     rank = 1 + jnp.sum(logits > target[:, None], axis=1, dtype=jnp.int32)
-    zeros = _zeros(x.shape[0])
+    empty = zeros(x.shape[0])
 
     def best():  # the first id at the max (as argmax; a plain min reduces faster on CPU)
         high = jnp.max(logits, axis=-1)
         vocab = jnp.arange(logits.shape[1], dtype=jnp.int32)
         ids = jnp.min(jnp.where(logits == high[:, None], vocab, logits.shape[1]), axis=-1)
-        return (zeros.top_ids.at[:, 0].set(ids), zeros.top_logprobs.at[:, 0].set(high - lse))
+        return (empty.top_ids.at[:, 0].set(ids), empty.top_logprobs.at[:, 0].set(high - lse))
 
     def top_k():
         values, ids = jax.lax.top_k(logits, MAX_LOGPROBS)
         return ids.astype(jnp.int32), values - lse[:, None]
     top_ids, top_lp = jax.lax.switch(jnp.minimum(top, 2), [
-        lambda: (zeros.top_ids, zeros.top_logprobs), best, top_k])
+        lambda: (empty.top_ids, empty.top_logprobs), best, top_k])
     return PromptLogprobs(target - lse, rank, top_ids, top_lp)
 
 
@@ -93,7 +94,7 @@ def compute(params: Params, x: jax.Array, targets: jax.Array, top: jax.Array,
     def one(xb, tb):
         return jax.lax.cond(jnp.any(tb >= 0),
                             lambda: _block(params, xb, tb, top, cfg),
-                            lambda: _zeros(xb.shape[0]))
+                            lambda: zeros(xb.shape[0]))
     if b == t:
         return one(x, targets)
     n = -(-t // b)
@@ -109,7 +110,7 @@ def of_step(params: Params, x: jax.Array, arrays, cfg: ModelConfig) -> PromptLog
     return jax.lax.cond(
         arrays.want_prompt_logprobs,
         lambda: compute(params, x, arrays.prompt_targets, arrays.prompt_top, cfg),
-        lambda: _zeros(x.shape[0]))
+        lambda: zeros(x.shape[0]))
 
 
 # -- host side ---------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from jserve.cache.pool import KVCache
 from jserve.config import ModelConfig
 from jserve.engine import page_io
 from jserve.engine.buckets import Buckets
-from jserve.engine.lowering import BurstKey, StepLowering
+from jserve.engine.lowering import StepLowering
 from jserve.engine.programs import StepPrograms
 from jserve.engine.step_arrays import (
     SampleInputs,
@@ -62,7 +62,8 @@ class ModelRunner:
                  max_num_seqs: int, attention_impl: str, mesh: jax.sharding.Mesh | None = None,
                  capture_layer: int | None = None, params_placed: bool = False,
                  abstract: bool = False, unroll_layers: bool = False,
-                 slice_layers: bool = False, in_place_layers: bool = False):
+                 slice_layers: bool = False, in_place_layers: bool = False,
+                 burst_steps: int = 1):
         """``params_placed``: ``params`` are already in the runtime layout, tp-laid-out and
         placed on ``mesh`` (a loader that streams them there, ``jserve.model.weights``).
         ``abstract``: ``params`` (runtime layout, placed) and ``kv_cache`` are
@@ -73,7 +74,9 @@ class ModelRunner:
         spp each stage's own layers, ``sharding.pipeline.unstack_stages``). ``slice_layers``
         (spp == 1): stacked params, the layers unrolled in the program over static slices of
         them (``EngineConfig.layer_loop`` "sliced"). ``in_place_layers``: stacked params, the
-        loop's matmuls reading each layer in place (``layer_loop`` "indexed")."""
+        loop's matmuls reading each layer in place (``layer_loop`` "indexed").
+        ``burst_steps``: the most decode steps an all-decode shape's step runs in one call
+        (``StepLowering.burst_steps``; 1: no bursts)."""
         _check_capture_layer(cfg, capture_layer, mesh)
         self.model_config, self.mesh, self.attention_impl = cfg, mesh, attention_impl
         self.capture_layer, self.slice_layers = capture_layer, slice_layers
@@ -99,7 +102,7 @@ class ModelRunner:
         self.programs = StepPrograms(StepLowering(
             cfg, buckets, max_num_seqs, attention_impl, mesh,
             abstract_of((self.params, self.kv_cache, self.state)), capture_layer,
-            slice_layers, in_place_layers))
+            slice_layers, in_place_layers, burst_steps))
 
     def attach(self, params: Params, kv_cache: KVCache) -> bool:
         """The real weights (the step's layout, placed) and KV pages of a runner built on
@@ -124,15 +127,8 @@ class ModelRunner:
         """One unpipelined step (spp == 1) of ``arrays``."""
         return self.execute_packed(shape, *self.programs.compiled(shape)[1].pack(arrays))
 
-    def _execute_burst(self, shape: tuple[int, int], ibuf, fbuf, steps: int) -> SampleResult:
-        exe = self.programs.bursts[BurstKey(shape, steps)]
-        self.executed[shape] += steps
-        tokens, self.kv_cache, self.state = exe(self.params, self.kv_cache, self.state, ibuf,
-                                                fbuf)
-        return SampleResult(tokens, None, None, None)
-
     def execute_packed(self, shape: tuple[int, int], ibuf, fbuf, sample: bool = True,
-                       lone: bool = False, defer: bool = False, burst: int = 1
+                       lone: bool = False, defer: bool = False
                        ) -> SampleResult | SampleInputs:
         """The step on already packed buffers (what multi-process followers receive); with
         spp > 1 one pipeline tick, ``ibuf``/``fbuf`` [spp, size] (``buffer_shapes``): row
@@ -145,13 +141,16 @@ class ModelRunner:
         ``sample`` (with the masks it could not know at launch). One executable call when
         spp == 1 (the step samples too; a row that needs more than greedy or temperature:
         the sampling executable again), two under spp > 1 (the tick or pass, then the
-        sampling executable). ``burst`` > 1 (spp == 1, an all-decode step,
-        ``programs.burst_ready`` said yes): that many decode steps in one call; the result's
-        ``tokens`` are [burst, rows], its logprobs fields None (bursts carry none)."""
-        if burst > 1:
-            return self._execute_burst(shape, ibuf, fbuf, burst)
+        sampling executable). An all-decode shape's step built for decode bursts
+        (``StepLowering.burst_steps`` > 1) runs ``StepArrays.burst`` decode steps in the one
+        call: its result's ``tokens`` are [burst_steps, rows] (row j: step j's; the rows
+        past the burst zeros), its logprobs fields None (bursts carry none)."""
         exe, layout = self.programs.compiled(shape, lone)
-        (self.passed if lone else self.executed)[shape] += 1
+        if lone:
+            self.passed[shape] += 1
+        else:
+            self.executed[shape] += (int(ibuf[layout.int_offset(".burst")])
+                                     if self.spp == 1 else 1)
         rows = self.programs.lowering.rows_for(shape)  # the sampling executable's
         if lone:
             logits, self.kv_cache, self.state = exe(self.params, self.kv_cache, self.state,

@@ -65,6 +65,9 @@ class StepArrays:
     # the fused step does not compile; or, set by ``ModelRunner.execute_packed``, masks
     # come late
     whole_chain: jax.Array
+    # scalar int32: the decode steps an all-decode shape's program runs in this call, 1 or a
+    # decode burst's (``BatchPlan.burst``; other shapes ignore it)
+    burst: jax.Array
 
 
 class PackedLayout:
@@ -284,7 +287,7 @@ def arrays_spec(buckets: Buckets, vocab_size: int, num_decodes: int,
         sampling=sampling,
         any_random=leaf_spec((), bool), any_penalty=leaf_spec((), bool),
         want_logprobs=leaf_spec((), bool), any_bias=leaf_spec((), bool),
-        whole_chain=leaf_spec((), bool))
+        whole_chain=leaf_spec((), bool), burst=leaf_spec((), i32))
 
 
 def sample_inputs_spec(rows: int, vocab_size: int, sharding=None) -> SampleInputs:

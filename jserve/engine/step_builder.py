@@ -233,7 +233,7 @@ class StepBuilder:
         pos = [c.start for c in plan.decodes]
         lens = [len(r.page_ids) for r in dec]
         ibuf = _advance_packed(last, dec, pos, [state_row(r) for r in dec], lens,
-                               self.page_size)
+                               self.page_size, plan.burst)
         built = BuiltStep(shape, None, list(enumerate(plan.decodes)),
                           packed=(ibuf, last.built.packed[1]), layout=last.built.layout)
         self._last = last._replace(decodes=plan.decodes, built=built, lens=lens,
@@ -274,7 +274,8 @@ class StepBuilder:
             sampling=sampling,
             any_random=np.asarray(flags.any_random), any_penalty=np.asarray(flags.any_penalty),
             want_logprobs=np.asarray(flags.want_logprobs), any_bias=np.asarray(flags.any_bias),
-            whole_chain=np.asarray(_whole_chain(flags, sampling)))
+            whole_chain=np.asarray(_whole_chain(flags, sampling)),
+            burst=np.asarray(plan.burst, np.int32))
         return BuiltStep((bd, padded_prefill_tokens), arrays, h.sample_rows)
 
     def empty(self, shape: tuple[int, int], neutral_row: SamplerRow) -> BuiltStep:
@@ -381,10 +382,12 @@ def _split_ids(page_ids, pool_pages: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _advance_packed(last: "_LastDecodes", dec: list[Request], pos: list[int],
-                    srows: list[int], lens: list[int], page_size: int) -> np.ndarray:
+                    srows: list[int], lens: list[int], page_size: int, burst: int
+                    ) -> np.ndarray:
     """``last``'s int buffer with what moves from one decode step to the next rewritten for
     ``dec`` at ``pos``: tokens (0 where fed), fed flags, positions, KV lengths, slots, state
-    rows, sampling steps, and the page-table rows of requests that took a block. A new
+    rows, sampling steps, the steps of this call (``burst``) and the page-table rows of
+    requests that took a block. A new
     buffer: the last one may still be an input of a step on the device."""
     layout, nd = last.built.layout, len(dec)
     ibuf = last.built.packed[0].copy()
@@ -402,6 +405,7 @@ def _advance_packed(last: "_LastDecodes", dec: list[Request], pos: list[int],
     for name in (".token_state_rows", ".state_rows", ".sampled_state_rows"):
         put(name, srows)
     put(".sampling.step", [r.num_output_tokens for r in dec])
+    ibuf[layout.int_offset(".burst")] = burst
     table = layout.int_offset(".batch.attn.page_table")
     width = layout.int_shape(".batch.attn.page_table")[1]
     for i, (n, was) in enumerate(zip(lens, last.lens)):

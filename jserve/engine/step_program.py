@@ -1,7 +1,7 @@
 """The device side of a step, as pure functions jitted per runner (``jitted``): the fused
-plain step (forward, penalty state, sampling), a decode burst, a stream-pipeline tick and
-lone pass, and the sampling executable every shape shares; ``runtime_params`` puts the
-params in the layout they take."""
+plain step (forward, penalty state, sampling; an all-decode shape's runs decode bursts
+too), a stream-pipeline tick and lone pass, and the sampling executable every shape
+shares; ``runtime_params`` puts the params in the layout they take."""
 from __future__ import annotations
 
 import dataclasses
@@ -198,44 +198,51 @@ def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, f
           spare: jax.Array | None, *, layout: PackedLayout, cfg: ModelConfig,
           attention_impl: str, mesh: jax.sharding.Mesh | None, rows: int,
           capture_layer: int | None = None, slice_layers: bool = False,
-          in_place_layers: bool = False, whole_chain: bool = False):
+          in_place_layers: bool = False, burst_steps: int = 1, page_size: int = 0):
     """The plain step (spp == 1): the forward and the sampling in one executable, so the
     logits never leave it and the host dispatches one call a step. Returns (SampleResult,
     logits, KV cache, state, PromptLogprobs[, Capture]). Its own sampling, on its own rows,
     is ``_common_tokens`` (greedy and temperature; no logprobs, the SampleResult's other
-    fields None) unless ``whole_chain`` (static: a burst's steps take ``_sample``): the
-    rest of the chain was half of a CPU step program's compile time. A step that needs
-    more (``StepArrays.whole_chain``: filters, bias, penalties, bans, masks, logprobs, or
-    masks that come late, ``late_masks``) writes its logits into ``spare`` (donated,
-    [vocab, rows], ``_handed_on``) and the sampling executable samples it again, with the
-    ``SampleInputs`` the host makes (``step_arrays.sample_inputs``), overwriting the
-    tokens this one kept in ``state.last_tokens`` before anything reads them."""
-    arrays, logits, kv_cache, state, prompt, *capture = _forward(
-        params, kv_cache, state, ibuf, fbuf, layout=layout, cfg=cfg,
-        attention_impl=attention_impl, mesh=mesh, capture_layer=capture_layer,
-        slice_layers=slice_layers, in_place_layers=in_place_layers)
-    handed, state = (_handed_on(logits, state, arrays, rows, mesh, spare) if spare is not None
-                     else (None, _penalty_state(state, arrays)))
-    own = sample_inputs(arrays, logits)
-    out, state = (_sample(state, own) if whole_chain
-                  else _common_tokens(state, own, arrays.whole_chain))
-    return (_padded(out, rows), handed, kv_cache, state, prompt, *capture)
+    fields None): the rest of the chain was half of a CPU step program's compile time. A
+    step that needs more (``StepArrays.whole_chain``: filters, bias, penalties, bans, masks,
+    logprobs, or masks that come late, ``late_masks``) writes its logits into ``spare``
+    (donated, [vocab, rows], ``_handed_on``) and the sampling executable samples it again,
+    with the ``SampleInputs`` the host makes (``step_arrays.sample_inputs``), overwriting
+    the tokens this one kept in ``state.last_tokens`` before anything reads them.
 
+    ``burst_steps`` > 1 (an all-decode shape, ``jserve.engine.burst``): the program loops
+    over ``StepArrays.burst`` steps (1 to ``burst_steps``, a runtime count), each on the
+    buffers ``burst.advance``d from the first; the tokens are [burst_steps, rows], row j
+    step j's (rows past the count: zeros), and the other outputs the last step's (a
+    decode-only step has no prompt logprobs: zeros). One program serves the shape's single
+    steps and its bursts."""
+    def one(kv, st, buf, handed_in):
+        arrays, logits, kv, st, prompt, *capture = _forward(
+            params, kv, st, buf, fbuf, layout=layout, cfg=cfg,
+            attention_impl=attention_impl, mesh=mesh, capture_layer=capture_layer,
+            slice_layers=slice_layers, in_place_layers=in_place_layers)
+        handed, st = (_handed_on(logits, st, arrays, rows, mesh, handed_in)
+                      if handed_in is not None else (None, _penalty_state(st, arrays)))
+        out, st = _common_tokens(st, sample_inputs(arrays, logits), arrays.whole_chain)
+        return _padded(out, rows), handed, kv, st, prompt, *capture
 
-def _burst(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array,
-           fbuf: jax.Array, *, layout: PackedLayout, cfg: ModelConfig, attention_impl: str,
-           mesh: jax.sharding.Mesh | None, rows: int, slice_layers: bool, steps: int,
-           num_decodes: int, page_size: int, in_place_layers: bool = False):
-    """``steps`` plain steps of an all-decode bucket in one program (``jserve.engine.burst``);
-    returns (tokens [steps, rows], KV cache, state)."""
-    def step(kv, st, buf):
-        out, _, kv, st, _ = _step(params, kv, st, buf, fbuf, None, layout=layout, cfg=cfg,
-                                  attention_impl=attention_impl, mesh=mesh, rows=rows,
-                                  slice_layers=slice_layers, in_place_layers=in_place_layers,
-                                  whole_chain=True)
-        return out, kv, st
-    return burst.run_burst(step, ibuf, kv_cache, state, layout=layout, steps=steps, rows=rows,
-                           num_decodes=num_decodes, page_size=page_size)
+    if burst_steps == 1:
+        return one(kv_cache, state, ibuf, spare)
+    assert capture_layer is None and spare is not None, "a burst captures nothing"
+    n = jnp.clip(layout.int_leaf(ibuf, ".burst"), 1, burst_steps)
+    num_decodes = layout.int_shape(".batch.tokens")[0]
+
+    def body(j, carry):
+        kv, st, tokens, handed = carry
+        buf = burst.advance(layout, ibuf, j, tokens[jnp.maximum(j - 1, 0)], num_decodes,
+                            page_size)
+        out, handed, kv, st, _ = one(kv, st, buf, handed)
+        return kv, st, tokens.at[j].set(out.tokens), handed
+
+    init = (kv_cache, state, jnp.zeros((burst_steps, rows), jnp.int32), spare)
+    kv_cache, state, tokens, handed = jax.lax.fori_loop(0, n, body, init)
+    return (SampleResult(tokens, None, None, None), handed, kv_cache, state,
+            prompt_logprobs.zeros(num_decodes))
 
 
 def _tick(params: Params, kv_cache: KVCache, state: SeqState, carry: pipeline.PipelineCarry,
@@ -294,14 +301,12 @@ class Jitted(NamedTuple):
 
     step: Callable             # spp > 1: the pipeline tick
     lone: Callable | None      # spp > 1: a batch alone through every stage; else None
-    burst: Callable | None     # spp == 1: a decode burst; else None
     sample: Callable           # the sampling executable
 
 
 def jitted(spp: int) -> Jitted:
     """The runner's jitted step (spp > 1: tick), pass (spp > 1: a batch alone in an empty
-    pipeline through every stage; else None), decode burst (spp == 1; else None) and
-    sampler. Fresh function objects per runner:
+    pipeline through every stage; else None) and sampler. Fresh function objects per runner:
     JAX's trace and compile caches are keyed weakly on the function, so a dropped engine's
     executables (hundreds of memory maps each on CPU) are freed with it instead of
     accumulating for the life of the process."""
@@ -310,14 +315,12 @@ def jitted(spp: int) -> Jitted:
         step = jax.jit(_fresh(_tick), static_argnames=static + ("decode_rows",),
                        donate_argnums=(1, 2, 3))
         lone = jax.jit(_fresh(_lone_pass), static_argnames=static, donate_argnums=(1, 2))
-        burst_step = None
     else:
-        step = jax.jit(_fresh(_step), static_argnames=static + ("capture_layer", "slice_layers"),
-                       donate_argnums=(1, 2, 5))
+        step = jax.jit(_fresh(_step), static_argnames=static + (
+            "capture_layer", "slice_layers", "burst_steps", "page_size"),
+            donate_argnums=(1, 2, 5))
         lone = None
-        burst_step = jax.jit(_fresh(_burst), static_argnames=static + (
-            "slice_layers", "steps", "num_decodes", "page_size"), donate_argnums=(1, 2))
-    return Jitted(step, lone, burst_step, jax.jit(_fresh(_sample), donate_argnums=(0,)))
+    return Jitted(step, lone, jax.jit(_fresh(_sample), donate_argnums=(0,)))
 
 
 def _fresh(fn):

@@ -92,6 +92,16 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
+    def beyond_temperature(self) -> bool:
+        """Whether choosing a token takes more than greedy or temperature sampling: a filter
+        (top-k, top-p, min-p) when sampling, a penalty or a logit bias: the sampling
+        executable's whole chain, not the fused step's (``step_builder._whole_chain``
+        decides the same per step)."""
+        filtered = not self.is_greedy and (self.top_k > 0 or self.top_p < 1.0
+                                           or self.min_p > 0.0)
+        return filtered or self.uses_penalties or bool(self.logit_bias)
+
+    @property
     def sequences(self) -> int:
         """How many sequences of a prompt run: ``best_of``, else ``n``."""
         return self.best_of if self.best_of is not None else self.n
