@@ -28,8 +28,9 @@ runs jserve and then HF back to back in the same process):
    left-padded, each batch running to its longest output. Only each request's own output
    tokens count as useful.
 5. Batch-32 decode against a compute ceiling: jserve's steady-state step time (all 32
-   sequences decoding) against FLOPs per step / 110 GFLOP/s (the f32 matmul rate assumed for
-   this CPU).
+   sequences decoding) against FLOPs per step at the f32 matmul rate of this machine,
+   measured in the same run (the step's weight matrices at batch 32, one after another:
+   ``decode_step.MatmulCeiling``, as ``scripts/profile_step.py`` measures it).
 
 jserve compiles every bucket before timing (``warmup=True``; not timed) and each measurement
 runs once untimed on both sides first. Timings move with whatever else runs on the machine

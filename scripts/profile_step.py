@@ -74,6 +74,9 @@ def main() -> int:
                     help="also run the engine with decode bursts of this many steps "
                          "(EngineConfig.decode_burst) and report its time per token inside "
                          "bursts, alternated with the plain engine step")
+    ap.add_argument("--loop-ab", action="store_true",
+                    help="also time the device-only all-decode step compiled without the "
+                         "decode-burst loop (decode_burst 1), alternated with the engine's")
     ap.add_argument("--overlap", action="store_true",
                     help="also run synchronous scheduling and probe the dispatch gaps")
     a = ap.parse_args()

@@ -172,7 +172,7 @@ class DeviceStep:
     the forward and the sampling executable (two calls), and the forward alone."""
 
     def __init__(self, eng: LLMEngine, packed, shape):
-        self.runner = eng.runner
+        self.runner, self.shape = eng.runner, shape
         self.exe, self.layout = self.runner.programs.compiled(shape)
         self.forward = forward_executable(self.runner, shape)
         self.packed = packed
@@ -190,14 +190,26 @@ class DeviceStep:
         logits = jnp.pad(logits, ((0, 0), (0, self.rows - logits.shape[1])))
         return sample_inputs(arrays, logits, self.rows, self.runner.state_sink)
 
-    def time(self, mode: str, calls: int = CALLS) -> np.ndarray:
+    def without_bursts(self) -> jax.stages.Compiled:
+        """The captured shape's step compiled without the decode-burst loop
+        (``StepLowering.burst_steps`` 1), for the same buffers: ``time("plain", ...)``."""
+        lowering = self.runner.programs.lowering
+        steps, lowering.burst_steps = lowering.burst_steps, 1
+        try:
+            return lowering.lower(self.shape)[0].compile()
+        finally:
+            lowering.burst_steps = steps
+
+    def time(self, mode: str, calls: int = CALLS, exe: jax.stages.Compiled | None = None
+             ) -> np.ndarray:
         """(wall, CPU) seconds per call over ``calls`` calls; ``mode``: "one" (the
-        engine's step), "two" (forward, then ``self.sample``) or "forward"."""
+        engine's step, or ``exe`` in its place: ``without_bursts``), "two" (forward, then
+        ``self.sample``) or "forward"."""
         r = self.runner
         t = clocks()
         for _ in range(calls):
             if mode == "one":
-                out, self.spare, r.kv_cache, r.state, _ = self.exe(
+                out, self.spare, r.kv_cache, r.state, _ = (exe or self.exe)(
                     r.params, r.kv_cache, r.state, self.ibuf, self.fbuf, self.spare)
                 continue
             out, r.kv_cache, r.state, _ = self.forward(r.params, r.kv_cache, r.state,

@@ -51,7 +51,7 @@ def profile_batch(batch: int, a, bar: tqdm, model=None) -> dict:
     probe = DispatchProbe(eng) if a.overlap else None
     if a.decode_burst > 1:
         steps[BURST] = []
-        burst_token_times(eng, prompts, params, a.decode_burst)  # compiles the burst
+        burst_token_times(eng, prompts, params, a.decode_burst)  # warms the burst path up
         eng.runner.programs.wait_compiles()
     for _ in range(a.reps):
         for label, mode, program in variants:
@@ -84,12 +84,17 @@ def profile_batch(batch: int, a, bar: tqdm, model=None) -> dict:
     # Device step and ceiling alternate, so a change of machine load hits both alike.
     ceiling = MatmulCeiling(step_weights(eng.runner.params), batch)
     times: dict[str, list[np.ndarray]] = {"one": [], "two": [], "forward": [], "ceiling": []}
+    plain = step.without_bursts() if a.loop_ab else None
+    if plain is not None:
+        times["no burst loop"] = []
     samplers = {"two": step.sample}
     if a.sampler_ab:
         samplers["two, jnp.argmax sampler"] = argmax_sampler(step)
         times["two, jnp.argmax sampler"] = []
     for _ in range(a.reps):
         times["one"].append(step.time("one"))
+        if plain is not None:
+            times["no burst loop"].append(step.time("one", exe=plain))
         times["forward"].append(step.time("forward"))
         for name, sample in samplers.items():
             step.sample = sample
@@ -128,6 +133,10 @@ def report(r: dict, overlap: bool) -> None:
               f", CPU {engine[ONE][1] / engine[TWO][1]:.3f}")
     d = r["device"]
     print(row("device-only step", d["one"]) + "  (the engine's one executable)")
+    if "no burst loop" in d:
+        loop = d["one"][0] / d["no burst loop"][0]
+        print(row("device-only, no burst loop", d["no burst loop"]) + "  (compiled with "
+              f"decode_burst 1, alternated; loop / no loop {loop:.3f})")
     print(row("device-only, two calls", d["two"]) + "  (forward, then the sampling executable)")
     print(row("forward executable alone", d["forward"]))
     if "two, jnp.argmax sampler" in d:

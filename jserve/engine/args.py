@@ -98,10 +98,10 @@ def _add_step_args(p: argparse.ArgumentParser, warmup: str) -> None:
                    help="plan and launch step N+1 while step N runs on the device (tokens "
                         "read one step late); off: every step waits for its tokens")
     p.add_argument("--decode-burst", type=_burst_steps, default=d.decode_burst,
-                   help="decode steps run in one device call while nothing waits and no "
-                        "running request needs the host between tokens (1: off; auto: "
-                        "4 on a GPU or TPU, off on a CPU); a request arriving meanwhile "
-                        "waits for the burst to end")
+                   help="at most this many decode steps run in one device call while "
+                        "nothing waits and no running request needs the host between tokens "
+                        "(1: off; auto: 4); a request arriving meanwhile waits for the "
+                        "burst to end")
     p.add_argument("--layer-loop", choices=LAYER_LOOPS, default=d.layer_loop,
                    help="how the decoder layers run: loop (over stacked weights), unrolled "
                         "(per-layer arrays), sliced (unrolled over static slices), indexed "
