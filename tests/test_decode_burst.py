@@ -19,6 +19,7 @@ from devices import run_on_devices
 from jserve import SamplingParams
 from jserve.engine import burst
 from jserve.engine.config import AUTO_BURST_STEPS, EngineConfig
+from jserve.engine.request_state import NEUTRAL_ROW
 from jserve.sampling.structured import StructuredOutput
 from llm_helpers import check_blocks, small_llm
 
@@ -184,6 +185,29 @@ def test_bursts_add_no_program_and_change_no_other_shape():
     assert counts[1] == counts[4] > 0
     assert hlo[1][0] == hlo[4][0]
     assert hlo[4][1].count("stablehlo.while") == hlo[1][1].count("stablehlo.while") + 1
+
+
+def test_bursts_beyond_the_programs_are_refused_before_any_step(reference):
+    """``bursts.steps`` takes 1 to the steps the programs were built for; a burst the
+    runner is handed at a shape without the loop, or longer, fails that step (its requests
+    end with an error) instead of reading one token as several."""
+    eng = reference.engine  # built with decode_burst=1
+    with pytest.raises(ValueError, match="run 1 to 1"):
+        eng.bursts.steps = 2
+    assert eng.bursts.steps == 1
+    four = small_llm(decode_burst=4).engine
+    four.bursts.steps = 2  # fewer than built: fine
+    with pytest.raises(ValueError, match="run 1 to 4"):
+        four.bursts.steps = 5
+    runner = four.runner
+    shape = four.buckets.shape_for(1, 0)
+    layout = runner.programs.compiled(shape)[1]
+    empty = four.builder.empty(shape, NEUTRAL_ROW)
+    ibuf, fbuf = layout.pack(empty.arrays)
+    ibuf[layout.int_offset(".burst")] = 5
+    with pytest.raises(ValueError, match="a decode burst of 5 steps"):
+        runner.execute_packed(shape, ibuf, fbuf)
+    assert runner.executed[shape] == 0
 
 
 @pytest.mark.parametrize("bad", ["fast", 0, -2])

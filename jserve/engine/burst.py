@@ -81,18 +81,27 @@ class DecodeBursts:
 
     def __init__(self, steps: int, supported: bool, scheduler, runner, buckets,
                  max_model_len: int):
-        self.steps, self.supported = steps, supported
+        self.supported = supported
         self.scheduler, self.runner, self.buckets = scheduler, runner, buckets
+        self.steps = steps
         self.may_burst = functools.partial(may_burst, max_model_len=max_model_len)
+
+    @property
+    def steps(self) -> int:
+        return self._steps
+
+    @steps.setter
+    def steps(self, k: int) -> None:
+        most = self.runner.programs.lowering.burst_steps
+        if self.supported and not 1 <= k <= most:
+            raise ValueError(f"decode bursts of {k} steps: the step programs run 1 to {most} "
+                             "(decode_burst)")
+        self._steps = k
 
     def next(self) -> tuple[int, object]:
         """``scheduler.schedule``'s arguments for the next plan: (burst, may_burst)."""
         sched, k = self.scheduler, self.steps
         if k == 1 or not self.supported or sched.waiting or not sched.running:
             return 1, None
-        programs = self.runner.programs
-        if k > programs.lowering.burst_steps:
-            raise ValueError(f"decode bursts of {k} steps: the step programs were built for "
-                             f"at most {programs.lowering.burst_steps} (decode_burst)")
-        ready = programs.burst_ready(self.buckets.shape_for(len(sched.running), 0))
+        ready = self.runner.programs.burst_ready(self.buckets.shape_for(len(sched.running), 0))
         return (k, self.may_burst) if ready else (1, None)

@@ -149,8 +149,12 @@ class ModelRunner:
         if lone:
             self.passed[shape] += 1
         else:
-            self.executed[shape] += (int(ibuf[layout.int_offset(".burst")])
-                                     if self.spp == 1 else 1)
+            steps = int(ibuf[layout.int_offset(".burst")]) if self.spp == 1 else 1
+            if steps > 1 and (shape[1] or steps > self.programs.lowering.burst_steps):
+                raise ValueError(f"a decode burst of {steps} steps at shape {shape}: only an "
+                                 "all-decode shape's step runs bursts, of at most "
+                                 f"{self.programs.lowering.burst_steps} steps")
+            self.executed[shape] += steps
         rows = self.programs.lowering.rows_for(shape)  # the sampling executable's
         if lone:
             logits, self.kv_cache, self.state = exe(self.params, self.kv_cache, self.state,
