@@ -80,22 +80,64 @@ def test_bursts_give_the_tokens_of_one_step_at_a_time(reference, async_schedulin
 
 @pytest.mark.slow
 def test_a_batch_beyond_temperature_steps_one_at_a_time_with_its_tokens(reference):
-    """A burst's steps sample as the fused step does (greedy, temperature): a batch holding
-    a request with a logit bias, a penalty or a top-p filter takes no burst, and its tokens
-    are one step at a time's (a banned greedy token never comes, a +100 one always does)."""
+    """On a CPU a burst's steps sample as the fused step does (greedy, temperature): a
+    batch holding a request with a logit bias, a penalty or a top-p filter takes no burst,
+    and its tokens are one step at a time's (a banned greedy token never comes, a +100 one
+    always does)."""
     plain, _ = _run(reference, _params())
     banned = plain[0][0][3]
-    params = _params()
-    params[0] = dataclasses.replace(params[0], logit_bias={banned: -100})
-    params[1] = dataclasses.replace(params[1], top_p=0.8)
-    params[2] = dataclasses.replace(params[2], repetition_penalty=1.3, frequency_penalty=0.4)
-    params[3] = dataclasses.replace(params[3], logit_bias={65: 100})
+    params = _beyond_temperature(plain)
     want, _ = _run(reference, params)
     assert banned not in want[0][0] and len(want[0][0]) == len(plain[0][0])
     assert want[3][0] == [65] * 9
     got, bursts = _run(small_llm(decode_burst=4), params)
     assert got == want
     assert bursts == 0
+
+
+def _beyond_temperature(plain) -> list[SamplingParams]:
+    """``_params`` with a logit bias (a ban of ``plain``'s 4th greedy token, a +100 on 65),
+    a top-p filter and penalties."""
+    params = _params()
+    params[0] = dataclasses.replace(params[0], logit_bias={plain[0][0][3]: -100})
+    params[1] = dataclasses.replace(params[1], top_p=0.8)
+    params[2] = dataclasses.replace(params[2], repetition_penalty=1.3, frequency_penalty=0.4)
+    params[3] = dataclasses.replace(params[3], logit_bias={65: 100})
+    return params
+
+
+@pytest.mark.slow
+def test_whole_chain_decodes_burst_filtered_penalised_and_biased_requests(reference,
+                                                                          monkeypatch):
+    """Where the all-decode steps sample with the whole chain (a GPU or TPU:
+    ``factory.whole_chain_decodes``, forced here), a batch with a bias, a top-p filter and
+    penalties bursts, with exactly the tokens of one step at a time; its all-decode steps
+    need no sampling executable (only mixed steps call it)."""
+    from jserve.engine import factory
+
+    plain, _ = _run(reference, _params())
+    params = _beyond_temperature(plain)
+    want, _ = _run(reference, params)
+    monkeypatch.setattr(factory, "whole_chain_decodes", lambda backend: True)
+    llm = small_llm(decode_burst=4)
+    runner = llm.engine.runner
+    assert runner.programs.lowering.whole_chain_decodes
+    sampled, sample = [], runner.sample
+    monkeypatch.setattr(runner, "sample", lambda *a, **k: sampled.append(1) or sample(*a, **k))
+    got, bursts = _run(llm, params)
+    assert got == want
+    assert bursts >= 3
+    mixed = sum(bool(p.prefills) for p, _ in llm.engine.step_log)
+    assert 0 < len(sampled) <= mixed
+    # Logprobs still go to the sampling executable (the step's program returns tokens
+    # only): the same tokens and logprobs as one step at a time.
+    logprobs = SamplingParams(temperature=0.0, max_tokens=6, logprobs=2, ignore_eos=True)
+    got, want = (x.generate(PROMPTS[:2], logprobs) for x in (llm, reference))
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids and len(g.logprobs) == 6
+        for a, b in zip(g.logprobs, w.logprobs):
+            assert a.token_id == b.token_id and [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
 
 
 def test_an_abort_during_a_burst_frees_its_blocks_and_leaves_the_others_alone(reference):

@@ -5,14 +5,15 @@ request) shares the cores the step runs on, or where it is longer than the step 
 small model on a GPU), that work is paid once a burst instead of once a token. The scheduler
 makes a plan a burst of ``k`` steps only when nothing else is waiting and every request in
 it may take ``k`` more tokens without a host decision in between (no structured output, no
-logprobs, no pending ``min_tokens`` ban, room under ``max_tokens`` and the context) and is
-sampled greedily or at a temperature with nothing else (what the fused step samples
-itself, ``SamplingParams.beyond_temperature``): then the tokens of step ``j`` are exactly
-the inputs of step ``j + 1``, and what changes between the steps (position, KV slot,
-context length, sampler step) is computed on the device from the first step's buffers
-(``advance``). A stop token or string inside a burst ends the request there on the host;
-the tokens after it are dropped, as an async step's extra token is. (vLLM's "multi-step
-scheduling" is the same idea.)
+logprobs, no pending ``min_tokens`` ban, room under ``max_tokens`` and the context) and,
+on a CPU, is sampled greedily or at a temperature with nothing else (what the fused step
+samples itself, ``SamplingParams.beyond_temperature``; a GPU or TPU's all-decode steps
+sample with the whole chain, ``StepLowering.whole_chain_decodes``): then the tokens of
+step ``j`` are exactly the inputs of step ``j + 1``, and what changes between the steps
+(position, KV slot, context length, sampler step) is computed on the device from the
+first step's buffers (``advance``). A stop token or string inside a burst ends the request
+there on the host; the tokens after it are dropped, as an async step's extra token is.
+(vLLM's "multi-step scheduling" is the same idea.)
 
 There is no program of its own: each all-decode shape's step program loops over a runtime
 count of steps, 1 to ``EngineConfig.burst_steps`` (``step_program._step``), so bursts add
@@ -57,15 +58,17 @@ def advance(layout, ibuf: jax.Array, j: jax.Array, tokens: jax.Array, num_decode
     return ibuf
 
 
-def may_burst(req, steps: int, max_model_len: int) -> bool:
+def may_burst(req, steps: int, max_model_len: int, whole_chain: bool = False) -> bool:
     """Whether ``req`` may decode ``steps`` tokens with no host decision between them: no
     structured output or logprobs, no ``min_tokens`` ban left, nothing beyond greedy or
-    temperature sampling (a burst's steps sample as the fused step does), and the ``steps``
-    tokens fit under ``max_tokens`` and the context (the last one may end it by length)."""
+    temperature sampling unless the all-decode steps sample with the whole chain
+    (``whole_chain``; else they sample as the fused step does), and the ``steps`` tokens
+    fit under ``max_tokens`` and the context (the last one may end it by length)."""
     st = req.payload
     p = st.params
     total = len(req.token_ids) + steps
-    return (st.constraint is None and p.logprobs is None and not p.beyond_temperature
+    return (st.constraint is None and p.logprobs is None
+            and (whole_chain or not p.beyond_temperature)
             and req.num_output_tokens >= p.min_tokens
             and total - len(req.prompt_token_ids) <= p.max_tokens and total <= max_model_len)
 
@@ -84,7 +87,9 @@ class DecodeBursts:
         self.supported = supported
         self.scheduler, self.runner, self.buckets = scheduler, runner, buckets
         self.steps = steps
-        self.may_burst = functools.partial(may_burst, max_model_len=max_model_len)
+        self.may_burst = functools.partial(
+            may_burst, max_model_len=max_model_len,
+            whole_chain=runner.programs.lowering.whole_chain_decodes)
 
     @property
     def steps(self) -> int:

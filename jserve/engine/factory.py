@@ -264,8 +264,18 @@ def build_engine_parts(cfg: ModelConfig, params: Params, config: EngineConfig,
                             hybrid=groups is not None,
                             # spp > 1: a tick packs its slots itself
                             layout=programs.lowering.layout if mesh_config.spp == 1
-                            else None),
+                            else None,
+                            whole_chain_decodes=programs.lowering.whole_chain_decodes),
         predictor, tracker, hits, speculator, bursts)
+
+
+def whole_chain_decodes(backend: str) -> bool:
+    """Whether the all-decode steps (with bursts) sample with the whole chain, so that
+    requests with filters, penalties or a bias burst too: on a GPU or TPU, where the host's
+    per-step work is what bursts save and the programs compile in parallel on many cores;
+    not on a CPU, where the chain was half of each step program's compile on 2 cores and
+    bursts buy little (docs/startup.md, "Decode bursts in the step program")."""
+    return backend in ("gpu", "tpu")
 
 
 def describe_run(times: StartupTimes, cfg: ModelConfig, config: EngineConfig,
@@ -337,7 +347,8 @@ def _runner(cfg: ModelConfig, params: Params, config: EngineConfig, mesh_config:
                              attention_impl=config.attention_impl, mesh=mesh,
                              capture_layer=tracker.layer if tracker else None,
                              slice_layers=layer_mode == "sliced",
-                             in_place_layers=layer_mode == "indexed", burst_steps=wanted[0])
+                             in_place_layers=layer_mode == "indexed", burst_steps=wanted[0],
+                             whole_chain_decodes=whole_chain_decodes(jax.default_backend()))
     if mesh is not None or not warm:
         runner = make(cfg, load_weights(), allocate_kv(), params_placed=True)
         return runner, warmup(runner)

@@ -23,7 +23,8 @@ class StepLowering:
     def __init__(self, cfg: ModelConfig, buckets: Buckets, max_num_seqs: int,
                  attention_impl: str, mesh: jax.sharding.Mesh | None, args: tuple,
                  capture_layer: int | None = None, slice_layers: bool = False,
-                 in_place_layers: bool = False, burst_steps: int = 1):
+                 in_place_layers: bool = False, burst_steps: int = 1,
+                 whole_chain_decodes: bool = False):
         self.model_config, self.buckets, self.mesh, self.args = cfg, buckets, mesh, args
         self.attention_impl = attention_impl
         self.capture_layer, self.slice_layers = capture_layer, slice_layers
@@ -43,6 +44,10 @@ class StepLowering:
         # The most decode steps an all-decode shape's step runs in one call (a decode burst,
         # ``jserve.engine.burst``; 1: none; not with a length probe's capture).
         self.burst_steps = burst_steps if capture_layer is None else 1
+        # With bursts: the all-decode steps sample with the whole chain, so requests with
+        # filters, penalties or a bias burst too (``factory.whole_chain_decodes``: a GPU or
+        # TPU, where compiles run in parallel on many cores and the host is the bottleneck).
+        self.whole_chain_decodes = whole_chain_decodes and self.burst_steps > 1
         self._layouts: dict[tuple[int, int], PackedLayout] = {}
 
     @property
@@ -102,7 +107,8 @@ class StepLowering:
         if lone:
             lowered = self.jitted.lone.lower(*args, ibuf, fbuf, **common)
         elif self.spp == 1:
-            bursts = dict(burst_steps=self.burst_steps, page_size=self.page_size) \
+            bursts = dict(burst_steps=self.burst_steps, page_size=self.page_size,
+                          whole_chain=self.whole_chain_decodes) \
                 if self.burst_steps > 1 and shape[1] == 0 else {}
             lowered = self.jitted.step.lower(*args, ibuf, fbuf,
                                              self.spare_spec(self.rows_for(shape)),

@@ -63,7 +63,7 @@ class ModelRunner:
                  capture_layer: int | None = None, params_placed: bool = False,
                  abstract: bool = False, unroll_layers: bool = False,
                  slice_layers: bool = False, in_place_layers: bool = False,
-                 burst_steps: int = 1):
+                 burst_steps: int = 1, whole_chain_decodes: bool = False):
         """``params_placed``: ``params`` are already in the runtime layout, tp-laid-out and
         placed on ``mesh`` (a loader that streams them there, ``jserve.model.weights``).
         ``abstract``: ``params`` (runtime layout, placed) and ``kv_cache`` are
@@ -76,7 +76,8 @@ class ModelRunner:
         them (``EngineConfig.layer_loop`` "sliced"). ``in_place_layers``: stacked params, the
         loop's matmuls reading each layer in place (``layer_loop`` "indexed").
         ``burst_steps``: the most decode steps an all-decode shape's step runs in one call
-        (``StepLowering.burst_steps``; 1: no bursts)."""
+        (``StepLowering.burst_steps``; 1: no bursts); ``whole_chain_decodes``: those steps
+        sample with the whole chain (``StepLowering.whole_chain_decodes``)."""
         _check_capture_layer(cfg, capture_layer, mesh)
         self.model_config, self.mesh, self.attention_impl = cfg, mesh, attention_impl
         self.capture_layer, self.slice_layers = capture_layer, slice_layers
@@ -102,7 +103,7 @@ class ModelRunner:
         self.programs = StepPrograms(StepLowering(
             cfg, buckets, max_num_seqs, attention_impl, mesh,
             abstract_of((self.params, self.kv_cache, self.state)), capture_layer,
-            slice_layers, in_place_layers, burst_steps))
+            slice_layers, in_place_layers, burst_steps, whole_chain_decodes))
 
     def attach(self, params: Params, kv_cache: KVCache) -> bool:
         """The real weights (the step's layout, placed) and KV pages of a runner built on

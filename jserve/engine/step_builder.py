@@ -135,7 +135,8 @@ class StepBuilder:
                  plain_row: "callable[[Request], bool] | None" = None,
                  prompt_logprobs: "callable[[Request], bool] | None" = None,
                  hybrid: bool = False,
-                 layout: "callable[[tuple[int, int]], PackedLayout] | None" = None):
+                 layout: "callable[[tuple[int, int]], PackedLayout] | None" = None,
+                 whole_chain_decodes: bool = False):
         """``hybrid``: two KV layer groups (``jserve.cache.hybrid``): a block id packs a
         global page and a local one (``global + local * pool_pages``), split here into the
         two page tables and slot arrays. ``ready``: the shape a step of a bucket shape is
@@ -144,7 +145,9 @@ class StepBuilder:
         request's sampler row has neither bans nor a mask (``request_state.plain_sampler_row``);
         given with ``layout`` (a bucket shape's ``PackedLayout``), an all-decode step of the
         same requests as the last one is built packed, from that one's buffers
-        (``_advance``)."""
+        (``_advance``). ``whole_chain_decodes``: the all-decode steps' programs sample with
+        the whole chain (``StepLowering.whole_chain_decodes``), so only logprobs send such a
+        step to the sampling executable (``StepArrays.whole_chain``)."""
         self.ready = ready or (lambda shape: shape)
         self.plain_row, self.layout = plain_row, layout
         # Whether a request wants prompt logprobs: its prefill tokens get targets.
@@ -158,6 +161,7 @@ class StepBuilder:
         self.kvp = buckets.kvp
         self.pool_pages = pool_pages
         self.hybrid = hybrid
+        self.whole_chain_decodes = whole_chain_decodes
         self.mask_words = mask_words(vocab_size)  # structured-output bitmask width
 
     def _kvp_row(self, page_table: np.ndarray, row: int, page_ids) -> int:
@@ -274,7 +278,9 @@ class StepBuilder:
             sampling=sampling,
             any_random=np.asarray(flags.any_random), any_penalty=np.asarray(flags.any_penalty),
             want_logprobs=np.asarray(flags.want_logprobs), any_bias=np.asarray(flags.any_bias),
-            whole_chain=np.asarray(_whole_chain(flags, sampling)),
+            whole_chain=np.asarray(flags.want_logprobs
+                                   if self.whole_chain_decodes and not padded_prefill_tokens
+                                   else _whole_chain(flags, sampling)),
             burst=np.asarray(plan.burst, np.int32))
         return BuiltStep((bd, padded_prefill_tokens), arrays, h.sample_rows)
 

@@ -198,7 +198,8 @@ def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, f
           spare: jax.Array | None, *, layout: PackedLayout, cfg: ModelConfig,
           attention_impl: str, mesh: jax.sharding.Mesh | None, rows: int,
           capture_layer: int | None = None, slice_layers: bool = False,
-          in_place_layers: bool = False, burst_steps: int = 1, page_size: int = 0):
+          in_place_layers: bool = False, burst_steps: int = 1, page_size: int = 0,
+          whole_chain: bool = False):
     """The plain step (spp == 1): the forward and the sampling in one executable, so the
     logits never leave it and the host dispatches one call a step. Returns (SampleResult,
     logits, KV cache, state, PromptLogprobs[, Capture]). Its own sampling, on its own rows,
@@ -215,7 +216,11 @@ def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, f
     buffers ``burst.advance``d from the first; the tokens are [burst_steps, rows], row j
     step j's (rows past the count: zeros), and the other outputs the last step's (a
     decode-only step has no prompt logprobs: zeros). One program serves the shape's single
-    steps and its bursts."""
+    steps and its bursts. ``whole_chain`` (static; a GPU or TPU's all-decode shapes,
+    ``StepLowering.whole_chain_decodes``): its steps sample with the whole chain
+    (``_sample``: filters, penalties, bias, bans, masks packed with the step), so bursts
+    take such requests too; only logprobs and late masks still need the sampling
+    executable."""
     def one(kv, st, buf, handed_in):
         arrays, logits, kv, st, prompt, *capture = _forward(
             params, kv, st, buf, fbuf, layout=layout, cfg=cfg,
@@ -223,7 +228,9 @@ def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, f
             slice_layers=slice_layers, in_place_layers=in_place_layers)
         handed, st = (_handed_on(logits, st, arrays, rows, mesh, handed_in)
                       if handed_in is not None else (None, _penalty_state(st, arrays)))
-        out, st = _common_tokens(st, sample_inputs(arrays, logits), arrays.whole_chain)
+        own = sample_inputs(arrays, logits)
+        out, st = (_sample(st, own) if whole_chain
+                   else _common_tokens(st, own, arrays.whole_chain))
         return _padded(out, rows), handed, kv, st, prompt, *capture
 
     if burst_steps == 1:
@@ -317,7 +324,7 @@ def jitted(spp: int) -> Jitted:
         lone = jax.jit(_fresh(_lone_pass), static_argnames=static, donate_argnums=(1, 2))
     else:
         step = jax.jit(_fresh(_step), static_argnames=static + (
-            "capture_layer", "slice_layers", "burst_steps", "page_size"),
+            "capture_layer", "slice_layers", "burst_steps", "page_size", "whole_chain"),
             donate_argnums=(1, 2, 5))
         lone = None
     return Jitted(step, lone, jax.jit(_fresh(_sample), donate_argnums=(0,)))
