@@ -186,6 +186,25 @@ def test_a_burst_needs_every_running_request_decoding_and_takes_its_tokens_back(
     s.allocator.check_holders(s.page_holders())
 
 
+def test_a_burst_shortens_to_what_every_request_may_take():
+    """A request that may take only 2 more tokens with no host decision (near its
+    ``max_tokens``, say) makes the plan a burst of 2, not a single step: the most steps every
+    request may take, the blocks grown for those."""
+    s = _sched(blocks=16, budget=16, seqs=4, page_size=4)
+    a, b = _req("a", 4, 0, max_tokens=20), _req("b", 3, 1, max_tokens=20)
+    for r in (a, b):
+        s.add(r)
+    apply_plan(s, s.schedule())
+    starts = {r.request_id: r.num_computed for r in (a, b)}
+    asked = []
+    plan = s.schedule(4, lambda r, k: asked.append(k) or r is not b or k <= 2)
+    assert plan.burst == 2 and [d.request_id for d in plan.decodes] == ["a", "b"]
+    assert sorted(set(asked), reverse=True) == [4, 3, 2]
+    for r in (a, b):
+        assert r.num_computed == starts[r.request_id] + 2
+    s.allocator.check_holders(s.page_holders())
+
+
 def test_a_burst_the_pool_cannot_hold_is_one_step_and_takes_no_block():
     s = _sched(blocks=4, budget=16, seqs=4, page_size=4)  # 4 usable blocks of 4 tokens
     a, b = _req("a", 4, 0, max_tokens=20), _req("b", 3, 1, max_tokens=20)

@@ -74,7 +74,7 @@ def may_burst(req, steps: int, max_model_len: int, whole_chain: bool = False) ->
 
 
 class DecodeBursts:
-    """Whether the engine's next plan may be a burst, and of how many steps: ``steps``
+    """Whether the engine's next plan may be a burst, and of at most how many steps: ``steps``
     (``EngineConfig.decode_burst``; settable between steps from 1, off, to the steps the
     programs were built for, ``StepLowering.burst_steps``) where bursts are ``supported``
     (one device and process, no KV-cache parallelism, no length probe or speculative

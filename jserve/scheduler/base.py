@@ -522,8 +522,9 @@ class SchedulerBase(abc.ABC):
         """The next batch, now in flight until ``update`` takes it back. Requests holding a
         sampled token in flight are out of the running queue while the policy plans (so none
         schedules or preempts them) and go back at their places in admission order after it,
-        with new admissions after them. ``burst`` > 1: the plan becomes a burst of that many
-        decode steps (``_as_burst``) where ``may_burst(request, burst)`` holds for all of it."""
+        with new admissions after them. ``burst`` > 1: the plan becomes a burst of up to that
+        many decode steps (``_as_burst``): the most ``n`` for which ``may_burst(request, n)``
+        holds for all of it."""
         if self.proposer is not None:
             self.proposer(self)
         plan = self._schedule_around_in_flight()
@@ -538,17 +539,22 @@ class SchedulerBase(abc.ABC):
         return plan
 
     def _as_burst(self, plan: BatchPlan, burst: int, may_burst) -> BatchPlan:
-        """``plan`` as a burst of ``burst`` decode steps when it decodes every running
-        request and nothing else (no prefill, draft, preemption or swap, nobody waiting), every
-        request may take ``burst`` tokens without the host in between, and the blocks of all
-        of them grow to hold those; else ``plan`` unchanged, and so are their blocks."""
+        """``plan`` as a burst of up to ``burst`` decode steps when it decodes every running
+        request and nothing else (no prefill, draft, preemption or swap, nobody waiting):
+        the most steps, from ``burst`` down to 2, that every request may take without the
+        host in between (``may_burst``: a request near its ``max_tokens`` or the context
+        shortens the burst; one that may take none prevents it), once the blocks of all of
+        them grow to hold those; else ``plan`` unchanged, and so are their blocks."""
         if (self.waiting or plan.prefills or not plan.decodes or plan.num_draft_tokens
                 or plan.preempted or plan.swap_out or plan.swap_in
                 or len(plan.decodes) != len(self.running)):
             return plan
         by_id = {r.request_id: r for r in self.running}
         reqs = [by_id.get(c.request_id) for c in plan.decodes]
-        if not all(r is not None and may_burst(r, burst) for r in reqs):
+        if any(r is None for r in reqs):
+            return plan
+        burst = next((n for n in range(burst, 1, -1) if all(may_burst(r, n) for r in reqs)), 1)
+        if burst == 1:
             return plan
         had = [len(r.page_ids) for r in reqs]
         if all(self._grow(r, c.start + burst) for r, c in zip(reqs, plan.decodes)):
