@@ -68,7 +68,8 @@ def test_whole_chain_decision_on_each_kind_of_row():
     def decide(extra, logprobs=False):
         rows = plain + extra
         flags = StepFlags(any_random=True, any_penalty=False, want_logprobs=logprobs,
-                          any_bias=any(r.params.logit_bias for r in rows))
+                          any_bias=any(r.params.logit_bias for r in rows),
+                          beyond_temperature=any(r.params.beyond_temperature for r in rows))
         return _whole_chain(flags, make_sampling_batch(rows, pad_to=8, words=2))
     assert not decide([])
     # Filters on a greedy row change nothing: it takes the argmax either way.

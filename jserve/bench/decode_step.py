@@ -191,14 +191,9 @@ class DeviceStep:
         return sample_inputs(arrays, logits, self.rows, self.runner.state_sink)
 
     def without_bursts(self) -> jax.stages.Compiled:
-        """The captured shape's step compiled without the decode-burst loop
-        (``StepLowering.burst_steps`` 1), for the same buffers: ``time("plain", ...)``."""
-        lowering = self.runner.programs.lowering
-        steps, lowering.burst_steps = lowering.burst_steps, 1
-        try:
-            return lowering.lower(self.shape)[0].compile()
-        finally:
-            lowering.burst_steps = steps
+        """The captured shape's step compiled without the decode-burst loop (as with
+        ``decode_burst`` 1), for the same buffers: ``time("one", exe=...)``."""
+        return self.runner.programs.lowering.lower(self.shape, burst_steps=1)[0].compile()
 
     def time(self, mode: str, calls: int = CALLS, exe: jax.stages.Compiled | None = None
              ) -> np.ndarray:

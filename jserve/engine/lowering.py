@@ -96,9 +96,11 @@ class StepLowering:
         return (layout, jax.ShapeDtypeStruct(ishape, jnp.int32, sharding=self.replicated),
                 jax.ShapeDtypeStruct(fshape, jnp.float32, sharding=self.replicated))
 
-    def lower(self, shape: tuple[int, int], lone: bool = False
-              ) -> tuple[jax.stages.Lowered, PackedLayout]:
-        """The step (spp > 1: tick; ``lone``: pass) of bucket ``shape``, and its layout."""
+    def lower(self, shape: tuple[int, int], lone: bool = False,
+              burst_steps: int | None = None) -> tuple[jax.stages.Lowered, PackedLayout]:
+        """The step (spp > 1: tick; ``lone``: pass) of bucket ``shape``, and its layout;
+        ``burst_steps``: in place of the runner's (a benchmark's plain decode step: 1)."""
+        burst_steps = self.burst_steps if burst_steps is None else burst_steps
         layout, ibuf, fbuf = self._buffer_specs(shape, lone)
         args = self.args
         common = dict(layout=layout, cfg=self.model_config,
@@ -107,9 +109,9 @@ class StepLowering:
         if lone:
             lowered = self.jitted.lone.lower(*args, ibuf, fbuf, **common)
         elif self.spp == 1:
-            bursts = dict(burst_steps=self.burst_steps, page_size=self.page_size,
+            bursts = dict(burst_steps=burst_steps, page_size=self.page_size,
                           whole_chain=self.whole_chain_decodes) \
-                if self.burst_steps > 1 and shape[1] == 0 else {}
+                if burst_steps > 1 and shape[1] == 0 else {}
             lowered = self.jitted.step.lower(*args, ibuf, fbuf,
                                              self.spare_spec(self.rows_for(shape)),
                                              capture_layer=self.capture_layer,

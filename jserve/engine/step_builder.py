@@ -27,6 +27,9 @@ class StepFlags:
     want_prompt_logprobs: bool = False  # some prefill chunk's request wants prompt logprobs
     prompt_top: int = 0  # the most alternatives such a request wants (its prompt_logprobs)
     any_bias: bool = False  # some sampled row has a logit_bias
+    # some sampled row's request samples beyond greedy or temperature (a filter, penalty or
+    # bias: ``SamplingParams.beyond_temperature``)
+    beyond_temperature: bool = False
 
     @classmethod
     def of(cls, params: list, plan: BatchPlan) -> "StepFlags":
@@ -39,20 +42,18 @@ class StepFlags:
                    any_penalty=any(p.uses_penalties for p in params),
                    want_logprobs=any(p.logprobs is not None for p in sampled),
                    want_prompt_logprobs=bool(prompt), prompt_top=max(prompt, default=0),
-                   any_bias=any(p.logit_bias for p in sampled))
+                   any_bias=any(p.logit_bias for p in sampled),
+                   beyond_temperature=any(p.beyond_temperature for p in sampled))
 
 
 def _whole_chain(flags: StepFlags, sb: SamplingBatch) -> bool:
-    """``StepArrays.whole_chain``: some row of the step needs more than greedy or
-    temperature sampling (padding rows are neutral; so are the rows of chunks that do not
-    sample, whatever their request asks). Logprobs and biases: as ``flags`` has them."""
-    sampled = sb.temperature > 0
-    filtered = sampled & ((sb.top_k > 0) | (sb.top_p < 1.0) | (sb.min_p > 0.0))
-    penalised = ((sb.repetition_penalty != 1.0) | (sb.presence_penalty != 0.0)
-                 | (sb.frequency_penalty != 0.0))
-    return bool(flags.want_logprobs or flags.any_bias or filtered.any() or penalised.any()
+    """``StepArrays.whole_chain``: some sampled row of the step needs more than greedy or
+    temperature sampling (the rows of chunks that do not sample are neutral, whatever their
+    request asks). Logprobs, filters, penalties and biases: as ``flags`` has them (from the
+    requests); bans, masks and sampled drafts: from the rows, which alone know them."""
+    return bool(flags.want_logprobs or flags.beyond_temperature
                 or (sb.banned_ids >= 0).any() or (sb.allowed != -1).any()
-                or ((sb.draft >= 0) & sampled).any())
+                or ((sb.draft >= 0) & (sb.temperature > 0)).any())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -195,7 +195,7 @@ def _forward(params, kv_cache, state, ibuf, fbuf, *, layout, cfg, attention_impl
 
 
 def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, fbuf: jax.Array,
-          spare: jax.Array | None, *, layout: PackedLayout, cfg: ModelConfig,
+          spare: jax.Array, *, layout: PackedLayout, cfg: ModelConfig,
           attention_impl: str, mesh: jax.sharding.Mesh | None, rows: int,
           capture_layer: int | None = None, slice_layers: bool = False,
           in_place_layers: bool = False, burst_steps: int = 1, page_size: int = 0,
@@ -221,13 +221,12 @@ def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, f
     (``_sample``: filters, penalties, bias, bans, masks packed with the step), so bursts
     take such requests too; only logprobs and late masks still need the sampling
     executable."""
-    def one(kv, st, buf, handed_in):
+    def one(kv, st, buf, handed):
         arrays, logits, kv, st, prompt, *capture = _forward(
             params, kv, st, buf, fbuf, layout=layout, cfg=cfg,
             attention_impl=attention_impl, mesh=mesh, capture_layer=capture_layer,
             slice_layers=slice_layers, in_place_layers=in_place_layers)
-        handed, st = (_handed_on(logits, st, arrays, rows, mesh, handed_in)
-                      if handed_in is not None else (None, _penalty_state(st, arrays)))
+        handed, st = _handed_on(logits, st, arrays, rows, mesh, handed)
         own = sample_inputs(arrays, logits)
         out, st = (_sample(st, own) if whole_chain
                    else _common_tokens(st, own, arrays.whole_chain))
@@ -235,7 +234,7 @@ def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, f
 
     if burst_steps == 1:
         return one(kv_cache, state, ibuf, spare)
-    assert capture_layer is None and spare is not None, "a burst captures nothing"
+    assert capture_layer is None, "a burst captures nothing"
     n = jnp.clip(layout.int_leaf(ibuf, ".burst"), 1, burst_steps)
     num_decodes = layout.int_shape(".batch.tokens")[0]
 

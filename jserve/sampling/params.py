@@ -95,8 +95,9 @@ class SamplingParams:
     def beyond_temperature(self) -> bool:
         """Whether choosing a token takes more than greedy or temperature sampling: a filter
         (top-k, top-p, min-p) when sampling, a penalty or a logit bias: the sampling
-        executable's whole chain, not the fused step's (``step_builder._whole_chain``
-        decides the same per step)."""
+        executable's whole chain, not the fused step's (a step holding such a sampled row
+        is sampled by it, ``step_builder.StepFlags``; on a CPU such a request takes no
+        decode burst, ``burst.may_burst``)."""
         filtered = not self.is_greedy and (self.top_k > 0 or self.top_p < 1.0
                                            or self.min_p > 0.0)
         return filtered or self.uses_penalties or bool(self.logit_bias)

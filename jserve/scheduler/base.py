@@ -553,9 +553,11 @@ class SchedulerBase(abc.ABC):
         reqs = [by_id.get(c.request_id) for c in plan.decodes]
         if any(r is None for r in reqs):
             return plan
-        burst = next((n for n in range(burst, 1, -1) if all(may_burst(r, n) for r in reqs)), 1)
-        if burst == 1:
-            return plan
+        for r in reqs:  # one pass: ``may_burst`` holds for fewer steps where it holds for more
+            while burst > 1 and not may_burst(r, burst):
+                burst -= 1
+            if burst == 1:
+                return plan
         had = [len(r.page_ids) for r in reqs]
         if all(self._grow(r, c.start + burst) for r, c in zip(reqs, plan.decodes)):
             return dataclasses.replace(plan, burst=burst)
