@@ -89,18 +89,19 @@ def test_a_batch_beyond_temperature_steps_one_at_a_time_with_its_tokens(referenc
     params = _beyond_temperature(plain)
     want, _ = _run(reference, params)
     assert banned not in want[0][0] and len(want[0][0]) == len(plain[0][0])
-    assert want[3][0] == [65] * 9
+    assert want[3][0] == [65] * 9 and 7 not in want[1][0]
     got, bursts = _run(small_llm(decode_burst=4), params)
     assert got == want
     assert bursts == 0
 
 
 def _beyond_temperature(plain) -> list[SamplingParams]:
-    """``_params`` with a logit bias (a ban of ``plain``'s 4th greedy token, a +100 on 65),
-    a top-p filter and penalties."""
+    """``_params`` with logit biases (a ban of ``plain``'s 4th greedy token, a +100 on 65,
+    a -50 on 7 beside a top-p filter) and penalties."""
     params = _params()
     params[0] = dataclasses.replace(params[0], logit_bias={plain[0][0][3]: -100})
-    params[1] = dataclasses.replace(params[1], top_p=0.8)
+    params[1] = dataclasses.replace(params[1], top_p=0.8,
+                                    logit_bias={plain[1][0][0]: 3.0, 7: -50})
     params[2] = dataclasses.replace(params[2], repetition_penalty=1.3, frequency_penalty=0.4)
     params[3] = dataclasses.replace(params[3], logit_bias={65: 100})
     return params
