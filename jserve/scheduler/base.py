@@ -551,10 +551,8 @@ class SchedulerBase(abc.ABC):
             return plan
         by_id = {r.request_id: r for r in self.running}
         reqs = [by_id.get(c.request_id) for c in plan.decodes]
-        if any(r is None for r in reqs):
-            return plan
         for r in reqs:  # one pass: ``may_burst`` holds for fewer steps where it holds for more
-            while burst > 1 and not may_burst(r, burst):
+            while burst > 1 and (r is None or not may_burst(r, burst)):
                 burst -= 1
             if burst == 1:
                 return plan
