@@ -4,8 +4,9 @@ A jitted computation on a multi-process mesh runs only when every process launch
 the same inputs, but only process 0 (the leader) has requests, a scheduler and a tokenizer.
 So the leader plans each step as usual and broadcasts what the device step needs: a small
 header (the bucket shape, whether it samples, whether it is a lone pass through every
-pipeline stage) and the step's two packed buffers (one row per pipeline slot under spp, one
-step's for a pass; ``StepRunner.buffer_shapes``). Followers
+pipeline stage, whether it has a structured-output bitmask) and the step's two packed
+buffers (one row per pipeline slot under spp, one step's for a pass;
+``StepRunner.buffer_shapes``), then the bitmask if it has one. Followers
 (``follow``) sit in a loop receiving those and launching the same compiled step, until the
 leader broadcasts a stop. Step outputs are replicated; only the leader reads them.
 
@@ -30,14 +31,16 @@ class StepRunner(Protocol):
     mesh: Mesh
 
     def buffer_shapes(self, shape: tuple[int, int], lone: bool = False
-                      ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """The shapes of the int32 and float32 buffers a step (``lone``: a pass) of
-        ``shape`` takes."""
+                      ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """The shapes of the int32 and float32 buffers and the bitmask a step (``lone``: a
+        pass) of ``shape`` takes."""
 
     def execute_packed(self, shape: tuple[int, int], ibuf: jax.Array, fbuf: jax.Array,
-                       sample: bool = True, lone: bool = False) -> SampleResult:
-        """Runs the step for ``shape`` on packed buffers (``sample`` False: no sampling,
-        host zeros back; ``lone``: a pass through every pipeline stage)."""
+                       masks: jax.Array | None = None, sample: bool = True,
+                       lone: bool = False) -> SampleResult:
+        """Runs the step for ``shape`` on packed buffers and bitmask (None: no row has
+        one; ``sample`` False: no sampling, host zeros back; ``lone``: a pass through every
+        pipeline stage)."""
 
 
 def initialize(coordinator: str, num_processes: int, process_id: int,
@@ -56,28 +59,33 @@ def is_leader() -> bool:
 
 
 def _header(kind: int, shape: tuple[int, int] = (0, 0), sample: bool = True,
-            lone: bool = False) -> np.ndarray:
-    return np.array([kind, *shape, sample, lone], np.int32)
+            lone: bool = False, masked: bool = False) -> np.ndarray:
+    return np.array([kind, *shape, sample, lone, masked], np.int32)
 
 
 def _run(runner: StepRunner, shape: tuple[int, int], ibuf: np.ndarray, fbuf: np.ndarray,
-         sample: bool, lone: bool) -> SampleResult:
+         masks: np.ndarray | None, sample: bool, lone: bool) -> SampleResult:
     """Every process calls this with the same buffers; the result is this process's copy of
     the replicated outputs."""
     replicated = NamedSharding(runner.mesh, P())
-    ibuf, fbuf = (jax.make_array_from_process_local_data(replicated, b) for b in (ibuf, fbuf))
-    out = runner.execute_packed(shape, ibuf, fbuf, sample, lone)
+    ibuf, fbuf, masks = (None if b is None else
+                         jax.make_array_from_process_local_data(replicated, b)
+                         for b in (ibuf, fbuf, masks))
+    out = runner.execute_packed(shape, ibuf, fbuf, masks, sample, lone)
     return jax.tree.map(lambda x: x.addressable_data(0) if isinstance(x, jax.Array) else x,
                         out)
 
 
 def leader_execute(runner: StepRunner, shape: tuple[int, int], ibuf: np.ndarray,
-                   fbuf: np.ndarray, sample: bool = True, lone: bool = False) -> SampleResult:
+                   fbuf: np.ndarray, masks: np.ndarray | None = None, sample: bool = True,
+                   lone: bool = False) -> SampleResult:
     """The leader's ``runner.execute_packed``: broadcast the step, then run it like the
     followers."""
-    broadcast_one_to_all(_header(_STEP, shape, sample, lone))
+    broadcast_one_to_all(_header(_STEP, shape, sample, lone, masks is not None))
     ibuf, fbuf = broadcast_one_to_all((ibuf, fbuf))
-    return _run(runner, shape, ibuf, fbuf, sample, lone)
+    if masks is not None:
+        masks = broadcast_one_to_all(masks)
+    return _run(runner, shape, ibuf, fbuf, masks, sample, lone)
 
 
 def stop_followers() -> None:
@@ -90,12 +98,13 @@ def follow(runner: StepRunner) -> int:
     Returns the number of steps run."""
     steps = 0
     while True:
-        kind, bd, tp, sample, lone = broadcast_one_to_all(_header(_STOP)).tolist()
+        kind, bd, tp, sample, lone, masked = broadcast_one_to_all(_header(_STOP)).tolist()
         if kind == _STOP:
             return steps
         shape = (bd, tp)
-        ishape, fshape = runner.buffer_shapes(shape, bool(lone))
+        ishape, fshape, mshape = runner.buffer_shapes(shape, bool(lone))
         ibuf, fbuf = broadcast_one_to_all((np.zeros(ishape, np.int32),
                                            np.zeros(fshape, np.float32)))
-        _run(runner, shape, ibuf, fbuf, bool(sample), bool(lone))
+        masks = broadcast_one_to_all(np.zeros(mshape, np.int32)) if masked else None
+        _run(runner, shape, ibuf, fbuf, masks, bool(sample), bool(lone))
         steps += 1

@@ -246,7 +246,8 @@ def test_bursts_beyond_the_programs_are_refused_before_any_step(reference):
     shape = four.buckets.shape_for(1, 0)
     layout = runner.programs.compiled(shape)[1]
     empty = four.builder.empty(shape, NEUTRAL_ROW)
-    ibuf, fbuf = layout.pack(empty.arrays)
+    ibuf, fbuf, masks = layout.pack(empty.arrays)
+    assert masks is None  # no row has a bitmask: none is sent
     ibuf[layout.int_offset(".burst")] = 5
     with pytest.raises(ValueError, match="a decode burst of 5 steps"):
         runner.execute_packed(shape, ibuf, fbuf)

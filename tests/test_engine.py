@@ -248,9 +248,10 @@ def test_decode_steps_built_from_the_last_step_equal_fresh_builds(llm, reference
             assert built.shape == fresh.shape and built.sample_rows == fresh.sample_rows
             # Built packed: the buffers are what packing the fresh build gives, bit for bit,
             # and the arrays unpacked from them are the fresh ones, dtypes included.
-            want_i, want_f = built.layout.pack(fresh.arrays)
+            want_i, want_f, want_masks = built.layout.pack(fresh.arrays)
             np.testing.assert_array_equal(built.packed[0], want_i)
             np.testing.assert_array_equal(built.packed[1], want_f)
+            assert built.packed[2] is None and want_masks is None and not fresh.masked
             for got, want in zip(jax.tree.leaves(built.arrays), jax.tree.leaves(fresh.arrays),
                                  strict=True):
                 assert got.dtype == want.dtype

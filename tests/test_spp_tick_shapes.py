@@ -122,7 +122,7 @@ _SCRIPT = textwrap.dedent("""
                 out = buffers(new, in_flight, lone)
                 ticks.append({"tick": list(out[0]), "own": own, "exits": exits, "lone": lone,
                               "buffers": [list(b.shape) for b in out[1][:2]],
-                              "samples": out[1][2]})
+                              "masks": out[1][2], "samples": out[1][3]})
                 return out
 
             eng._slots.buffers = record
@@ -234,6 +234,8 @@ def test_mixed_traffic_matches_one_device(result):
         assert [b[0] for b in t["buffers"]] == [2, 2], t
         assert t["samples"] == t["exits"], t
     assert any(t["samples"] for t in ticks) and not all(t["samples"] for t in ticks)
+    # No request has structured output: no tick or pass sends a bitmask.
+    assert all(t["masks"] is None for t in spp["ticks"])
     # ... and decode batches were re-padded to a prefill batch's tick.
     assert any(p == 0 and t["tick"][1] > 0 for t in ticks for _, p in t["own"]), ticks
     # Small ticks as well as the largest ones.

@@ -10,6 +10,7 @@ import json
 import re
 
 import jsonschema
+import numpy as np
 import pytest
 
 from jserve.sampling.params import SamplingParams
@@ -466,3 +467,49 @@ def test_constrained_requests_survive_preemption_prefix_hits_and_stop_strings(pr
     stop = text[10:12]
     cut = roomy.generate(prompts[0], dataclasses.replace(greedy, stop=[stop]))[0]
     assert cut.finish_reason == "stop" and cut.text == text[:text.index(stop)]
+
+
+@pytest.mark.slow
+def test_a_step_sends_its_bitmask_only_when_a_row_is_constrained(llm, monkeypatch):
+    """The structured-output bitmask ([rows, vocab/32]) is not in a step's packed buffers: a
+    synchronous step sends it exactly when one of its rows is constrained, the rows it sends
+    are the built ones, and the constrained outputs still follow their regex beside free
+    requests whose tokens are those of a run without them."""
+    eng = llm.engine
+    built, sent = [], []
+    build, execute = eng.builder.build, eng.runner.execute_packed
+    monkeypatch.setattr(eng.builder, "build", lambda *a, **k: built.append(
+        build(*a, **k)) or built[-1])
+    monkeypatch.setattr(eng.runner, "execute_packed", lambda shape, i, f, masks=None, *a, **k: (
+        sent.append(masks), execute(shape, i, f, masks, *a, **k))[1])
+    free = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)] * 2
+    constrained = SamplingParams(temperature=0.0, max_tokens=30,
+                                 structured_output=StructuredOutput(regex=REGEX))
+    eng.async_scheduling = False
+    try:
+        alone = [o.token_ids for o in llm.generate(["alpha", "beta"], free)]
+        assert built and not any(b.masked for b in built) and sent == [None] * len(built)
+        built.clear(), sent.clear()
+        mixed = llm.generate(["x", "alpha", "beta"], [constrained, *free])
+    finally:
+        eng.async_scheduling = True
+    assert [o.token_ids for o in mixed[1:]] == alone and re.fullmatch(REGEX, mixed[0].text)
+    assert len(sent) == len(built) and any(b.masked for b in built)
+    assert not all(b.masked for b in built)  # the constrained one ends first
+    for b, masks in zip(built, sent):
+        assert (masks is not None) == b.masked
+        if b.masked:
+            np.testing.assert_array_equal(masks, b.arrays.sampling.allowed)
+            assert (masks != -1).any()
+
+
+def test_what_a_step_packs_does_not_grow_with_the_vocabulary():
+    """The packed buffers of a bucket are the same size for a 320-token vocabulary and a
+    128K one: only the bitmask, sent apart, has a row of vocab/32 words."""
+    from jserve.engine.buckets import Buckets
+    from jserve.engine.step_arrays import PackedLayout, arrays_spec
+    buckets = Buckets(decode_rows=(0, 8), prefill_tokens=(0, 64), prefill_rows=2,
+                      page_table_width=4)
+    small, large = (PackedLayout(arrays_spec(buckets, v, 8, 64)) for v in (320, 128256))
+    assert (small.int_size, small.float_size) == (large.int_size, large.float_size)
+    assert (small.mask_shape, large.mask_shape) == ((10, 10), (10, 4008))

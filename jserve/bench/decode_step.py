@@ -143,7 +143,7 @@ def forward_executable(runner, shape: tuple[int, int]) -> jax.stages.Compiled:
     jitted = jax.jit(runner_module._fresh(runner_module._forward_step),
                      static_argnames=("layout", "cfg", "attention_impl", "mesh", "rows",
                                       "capture_layer"), donate_argnums=(1, 2))
-    ishape, fshape = runner.buffer_shapes(shape)
+    ishape, fshape, _ = runner.buffer_shapes(shape)
     return jitted.lower(*runner.programs.lowering.args, jax.ShapeDtypeStruct(ishape, jnp.int32),
                         jax.ShapeDtypeStruct(fshape, jnp.float32),
                         layout=runner.programs.compiled(shape)[1], cfg=runner.model_config,
@@ -160,7 +160,7 @@ class TwoExecutables:
     def __init__(self, step: "DeviceStep"):
         self.forward, self.sample, self.inputs = step.forward, step.sample, step.inputs
 
-    def __call__(self, params, kv_cache, state, ibuf, fbuf, spare):
+    def __call__(self, params, kv_cache, state, ibuf, fbuf, masks, spare):
         logits, kv_cache, state, prompt = self.forward(params, kv_cache, state, ibuf, fbuf)
         out, state = self.sample(state, self.inputs(logits, ibuf, fbuf))
         return out, spare, kv_cache, state, prompt
@@ -177,6 +177,7 @@ class DeviceStep:
         self.forward = forward_executable(self.runner, shape)
         self.packed = packed
         self.ibuf, self.fbuf = map(jax.device_put, packed)
+        self.masks = self.runner.all_allowed(self.layout.mask_shape)  # a decode step's
         programs = self.runner.programs
         self.rows = programs.lowering.rows_for(shape)
         self.sample = programs.sampler(self.rows)
@@ -205,7 +206,8 @@ class DeviceStep:
         for _ in range(calls):
             if mode == "one":
                 out, self.spare, r.kv_cache, r.state, _ = (exe or self.exe)(
-                    r.params, r.kv_cache, r.state, self.ibuf, self.fbuf, self.spare)
+                    r.params, r.kv_cache, r.state, self.ibuf, self.fbuf, self.masks,
+                    self.spare)
                 continue
             out, r.kv_cache, r.state, _ = self.forward(r.params, r.kv_cache, r.state,
                                                        self.ibuf, self.fbuf)

@@ -75,11 +75,12 @@ class StepLowering:
                                     sharding=self.replicated)
 
     def buffer_shapes(self, layout: PackedLayout, lone: bool = False
-                      ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+                      ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
         """The packed int32 and float32 buffers of a step laid out by ``layout``: one step's,
-        or with spp > 1 one per pipeline slot ([spp, size]) unless ``lone``."""
+        or with spp > 1 one per pipeline slot ([spp, size]) unless ``lone``; and its bitmask
+        (a tick's: the batch leaving the last stage's)."""
         lead = (self.spp,) if self.spp > 1 and not lone else ()
-        return lead + (layout.int_size,), lead + (layout.float_size,)
+        return lead + (layout.int_size,), lead + (layout.float_size,), layout.mask_shape
 
     def layout(self, shape: tuple[int, int]) -> PackedLayout:
         """A bucket's ``PackedLayout``, made once (the builder packs steps with it)."""
@@ -92,7 +93,7 @@ class StepLowering:
                       ) -> tuple[PackedLayout, jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
         """A bucket's layout and its packed int32 and float32 buffers, abstract."""
         layout = self.layout(shape)
-        ishape, fshape = self.buffer_shapes(layout, lone)
+        ishape, fshape, _ = self.buffer_shapes(layout, lone)
         return (layout, jax.ShapeDtypeStruct(ishape, jnp.int32, sharding=self.replicated),
                 jax.ShapeDtypeStruct(fshape, jnp.float32, sharding=self.replicated))
 
@@ -112,7 +113,9 @@ class StepLowering:
             bursts = dict(burst_steps=burst_steps, page_size=self.page_size,
                           whole_chain=self.whole_chain_decodes) \
                 if burst_steps > 1 and shape[1] == 0 else {}
-            lowered = self.jitted.step.lower(*args, ibuf, fbuf,
+            masks = jax.ShapeDtypeStruct(layout.mask_shape, jnp.int32,
+                                         sharding=self.replicated)
+            lowered = self.jitted.step.lower(*args, ibuf, fbuf, masks,
                                              self.spare_spec(self.rows_for(shape)),
                                              capture_layer=self.capture_layer,
                                              slice_layers=self.slice_layers, **bursts, **common)

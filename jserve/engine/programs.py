@@ -166,9 +166,10 @@ class StepPrograms:
                 self.compile_seconds += time.perf_counter() - t0
 
     def buffer_shapes(self, shape: tuple[int, int], lone: bool = False
-                      ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+                      ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
         """The packed int32 and float32 buffers a step of ``shape`` takes: one step's, or with
-        spp > 1 one per pipeline slot ([spp, size]) unless ``lone`` (a pass: one step's)."""
+        spp > 1 one per pipeline slot ([spp, size]) unless ``lone`` (a pass: one step's);
+        and its bitmask (``PackedLayout``)."""
         return self.lowering.buffer_shapes(self.compiled(shape, lone)[1], lone)
 
     def reset(self, args: tuple) -> bool:

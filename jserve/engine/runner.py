@@ -98,6 +98,7 @@ class ModelRunner:
                       else new_state(cfg, rows, self._replicated))
         self.state_sink = rows - 1
         self._spares: dict[int, jax.Array] = {}  # rows -> the plain step's logits buffer
+        self._no_masks: dict[tuple[int, int], jax.Array] = {}  # ``all_allowed``
         self.executed: collections.Counter = collections.Counter()  # steps run per shape
         self.passed: collections.Counter = collections.Counter()  # lone passes per shape
         self.programs = StepPrograms(StepLowering(
@@ -119,8 +120,9 @@ class ModelRunner:
         return same
 
     def buffer_shapes(self, shape: tuple[int, int], lone: bool = False
-                      ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """The packed buffers ``execute_packed`` takes for ``shape`` (``StepPrograms``)."""
+                      ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """The packed buffers and bitmask ``execute_packed`` takes for ``shape``
+        (``StepPrograms``)."""
         return self.programs.buffer_shapes(shape, lone)
 
     # -- running steps -------------------------------------------------------------------
@@ -128,12 +130,14 @@ class ModelRunner:
         """One unpipelined step (spp == 1) of ``arrays``."""
         return self.execute_packed(shape, *self.programs.compiled(shape)[1].pack(arrays))
 
-    def execute_packed(self, shape: tuple[int, int], ibuf, fbuf, sample: bool = True,
-                       lone: bool = False, defer: bool = False
+    def execute_packed(self, shape: tuple[int, int], ibuf, fbuf, masks=None,
+                       sample: bool = True, lone: bool = False, defer: bool = False
                        ) -> SampleResult | SampleInputs:
         """The step on already packed buffers (what multi-process followers receive); with
         spp > 1 one pipeline tick, ``ibuf``/``fbuf`` [spp, size] (``buffer_shapes``): row
-        ``s`` the batch stage ``s`` runs, the result the last row's samples. ``sample``
+        ``s`` the batch stage ``s`` runs, the result the last row's samples. ``masks``: the
+        step's bitmask (a tick's: the last row's batch's), None when no row has one
+        (``PackedLayout.pack``): then nothing vocabulary-sized is sent. ``sample``
         False (an empty slot leaves the pipeline): no sampling, and the result is host
         zeros, so the caller does not wait for the tick. ``lone`` (spp > 1, the pipeline
         empty): one batch's buffers [size] through every stage in one pass; the carry is
@@ -170,7 +174,9 @@ class ModelRunner:
                 ibuf = ibuf.copy()
                 ibuf[at] = 1
             out, logits, self.kv_cache, self.state, self.last_prompt_logprobs, *capture = exe(
-                self.params, self.kv_cache, self.state, ibuf, fbuf, self.spare_logits(rows))
+                self.params, self.kv_cache, self.state, ibuf, fbuf,
+                self.all_allowed(layout.mask_shape) if masks is None else masks,
+                self.spare_logits(rows))
             self._spares[rows] = logits
             if capture:
                 self.last_capture = capture[0]
@@ -179,7 +185,8 @@ class ModelRunner:
                 return out
         if not sample:
             return self._nothing_sampled()
-        inputs = sample_inputs(layout.host_arrays(ibuf, fbuf), logits, rows, self.state_sink)
+        inputs = sample_inputs(layout.host_arrays(ibuf, fbuf, masks), logits, rows,
+                               self.state_sink)
         return inputs if defer else self.sample(inputs)
 
     def spare_logits(self, rows: int) -> jax.Array:
@@ -191,6 +198,15 @@ class ModelRunner:
             spec = self.programs.lowering.spare_spec(rows)
             spare = jax.device_put(np.zeros(spec.shape, spec.dtype), spec.sharding)
         return spare
+
+    def all_allowed(self, shape: tuple[int, int]) -> jax.Array:
+        """The step's bitmask when no row has one: every token allowed, kept on the device
+        (made once per shape, a transfer)."""
+        masks = self._no_masks.get(shape)
+        if masks is None:
+            masks = self._no_masks[shape] = jax.device_put(np.full(shape, -1, np.int32),
+                                                           self._replicated)
+        return masks
 
     def sample(self, inputs: SampleInputs, allowed: np.ndarray | None = None) -> SampleResult:
         """The sampling executable on a forward's ``inputs``; ``allowed``: the bitmask of

@@ -70,12 +70,19 @@ class StepArrays:
     burst: jax.Array
 
 
+# The leaf of ``StepArrays`` that is not packed: the structured-output bitmask.
+MASKS = ".sampling.allowed"
+
+
 class PackedLayout:
     """Where each leaf of a bucket's ``StepArrays`` sits in two flat buffers (int32, float32).
 
     One host-to-device copy per buffer instead of one per leaf: with ~25 small leaves the
     per-transfer cost was over a tenth of a decode step on CPU. Bools travel as int32, uint32
-    seeds as their int32 bit pattern.
+    seeds as their int32 bit pattern. The structured-output bitmask (``MASKS``, [rows,
+    vocab/32]) is not in them: it is a third array, sent only by a step where some row has
+    one (None: every token allowed; the step program then reads a copy the device keeps),
+    so what a step sends does not grow with the vocabulary.
     """
 
     def __init__(self, spec: StepArrays):
@@ -84,7 +91,10 @@ class PackedLayout:
         # leaf path -> (offset in ints, shape) of every int leaf
         self._int_at: dict[str, tuple[int, tuple[int, ...]]] = {}
         sizes = [0, 0]
-        for path, leaf in leaves:
+        for i, (path, leaf) in enumerate(leaves):
+            if jax.tree_util.keystr(path) == MASKS:
+                self.mask_at, self.mask_shape = i, tuple(leaf.shape)
+                continue
             dtype = np.dtype(leaf.dtype)
             is_float = dtype == np.float32
             n = int(np.prod(leaf.shape))
@@ -103,12 +113,11 @@ class PackedLayout:
                       leaf(".batch.tokens"), last_tokens)
         return self.with_int_leaf(ibuf, ".batch.tokens", tokens)
 
-    def unpack_fed(self, ibuf: jax.Array, fbuf: jax.Array, last_tokens: jax.Array
-                   ) -> StepArrays:
-        """``unpack(feed(ibuf, last_tokens), fbuf)`` with only the tokens made anew: writing
-        them into the buffer made XLA copy all of it every step (the structured-output
-        bitmask, vocab/32 words a row, is most of it)."""
-        arrays = self.unpack(ibuf, fbuf)
+    def unpack_fed(self, ibuf: jax.Array, fbuf: jax.Array, masks: jax.Array | None,
+                   last_tokens: jax.Array) -> StepArrays:
+        """``unpack(feed(ibuf, last_tokens), fbuf, masks)`` with only the tokens made anew:
+        writing them into the buffer made XLA copy all of it every step."""
+        arrays = self.unpack(ibuf, fbuf, masks)
         tokens = _fed(arrays.token_fed, arrays.token_state_rows, arrays.batch.tokens,
                       last_tokens)
         return dataclasses.replace(arrays, batch=dataclasses.replace(arrays.batch,
@@ -138,19 +147,30 @@ class PackedLayout:
         return jax.lax.dynamic_update_slice_in_dim(ibuf, value.astype(jnp.int32).ravel(),
                                                    offset, 0)
 
-    def pack(self, arrays: StepArrays) -> tuple[np.ndarray, np.ndarray]:
-        """The two buffers; ``np.concatenate`` casts as it copies (bools to int32), so a
-        leaf is copied once."""
+    def pack(self, arrays: StepArrays, masked: bool | None = None
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """The two buffers and the bitmask, or None for it when no row has one
+        (``masked``: whether some row has one, if the caller knows; else it is looked
+        at). ``np.concatenate`` casts as it copies (bools to int32), so a leaf is copied
+        once."""
         ints, floats = [], []
-        for (dtype, _, is_float, _), leaf in zip(self.fields, jax.tree.leaves(arrays)):
+        leaves = jax.tree.leaves(arrays)
+        masks = np.asarray(leaves.pop(self.mask_at), np.int32)
+        for (dtype, _, is_float, _), leaf in zip(self.fields, leaves, strict=True):
             flat = np.asarray(leaf, dtype).ravel()
             if is_float:
                 floats.append(flat)
             else:
                 ints.append(flat.view(np.int32) if dtype == np.uint32 else flat)
-        return np.concatenate(ints, dtype=np.int32), np.concatenate(floats)
+        if masked is None:
+            masked = bool((masks != -1).any())
+        return (np.concatenate(ints, dtype=np.int32), np.concatenate(floats),
+                masks if masked else None)
 
-    def unpack(self, ibuf: jax.Array, fbuf: jax.Array) -> StepArrays:
+    def unpack(self, ibuf: jax.Array, fbuf: jax.Array, masks: jax.Array | None = None
+               ) -> StepArrays:
+        """The step's arrays from its buffers; ``masks`` None: every token allowed (a
+        forward that does not sample, as a pipeline stage's)."""
         leaves = []
         for dtype, shape, is_float, offset in self.fields:
             n = int(np.prod(shape))
@@ -160,16 +180,22 @@ class PackedLayout:
             elif dtype == np.uint32:
                 flat = jax.lax.bitcast_convert_type(flat, jnp.uint32)
             leaves.append(flat.reshape(shape))
+        leaves.insert(self.mask_at, jnp.full(self.mask_shape, -1, jnp.int32)
+                      if masks is None else masks)
         return jax.tree.unflatten(self.treedef, leaves)
 
-    def host_arrays(self, ibuf: np.ndarray, fbuf: np.ndarray) -> StepArrays:
-        """``pack``'s inverse on the host: the ``StepArrays`` of two packed numpy buffers,
-        each leaf a copy in its own dtype (a step built packed, ``StepBuilder._advance``)."""
+    def host_arrays(self, ibuf: np.ndarray, fbuf: np.ndarray,
+                    masks: np.ndarray | None = None) -> StepArrays:
+        """``pack``'s inverse on the host: the ``StepArrays`` of two packed numpy buffers
+        and the bitmask (None: every token allowed), each leaf a copy in its own dtype (a
+        step built packed, ``StepBuilder._advance``)."""
         leaves = []
         for dtype, shape, is_float, offset in self.fields:
             flat = (fbuf if is_float else ibuf)[offset:offset + int(np.prod(shape))]
             flat = flat.view(dtype).copy() if dtype == np.uint32 else flat.astype(dtype)
             leaves.append(flat.reshape(shape))
+        leaves.insert(self.mask_at, np.full(self.mask_shape, -1, np.int32) if masks is None
+                      else np.array(masks, np.int32))
         return jax.tree.unflatten(self.treedef, leaves)
 
 

@@ -46,28 +46,32 @@ class StepFlags:
                    beyond_temperature=any(p.beyond_temperature for p in sampled))
 
 
-def _whole_chain(flags: StepFlags, sb: SamplingBatch) -> bool:
+def _whole_chain(flags: StepFlags, sb: SamplingBatch, masked: bool) -> bool:
     """``StepArrays.whole_chain``: some sampled row of the step needs more than greedy or
     temperature sampling (the rows of chunks that do not sample are neutral, whatever their
     request asks). Logprobs, filters, penalties and biases: as ``flags`` has them (from the
-    requests); bans, masks and sampled drafts: from the rows, which alone know them."""
-    return bool(flags.want_logprobs or flags.beyond_temperature
-                or (sb.banned_ids >= 0).any() or (sb.allowed != -1).any()
+    requests); bans, masks (``masked``) and sampled drafts: from the rows, which alone know
+    them."""
+    return bool(flags.want_logprobs or flags.beyond_temperature or masked
+                or (sb.banned_ids >= 0).any()
                 or ((sb.draft >= 0) & (sb.temperature > 0)).any())
 
 
 @dataclasses.dataclass(frozen=True)
 class BuiltStep:
     """A step's host inputs: its ``arrays``, and, when the builder packed them, the two
-    buffers of ``layout`` (``PackedLayout.pack``). A step built packed (``StepBuilder._advance``)
-    has only the buffers: ``arrays`` unpacks them the first time something asks."""
+    buffers of ``layout`` and the bitmask (``PackedLayout.pack``). A step built packed
+    (``StepBuilder._advance``) has only those: ``arrays`` unpacks them the first time
+    something asks. ``masked``: some row has a structured-output bitmask."""
 
     shape: tuple[int, int]
     _arrays: StepArrays | None
     sample_rows: list[tuple[int, ScheduledChunk]]  # (row in the step, chunk) for sampled rows
     original: "BuiltStep | None" = None  # what ``resized`` padded (None: as built)
-    packed: tuple[np.ndarray, np.ndarray] | None = None  # never written once handed out
+    # never written once handed out
+    packed: tuple[np.ndarray, np.ndarray, np.ndarray | None] | None = None
     layout: PackedLayout | None = None
+    masked: bool | None = None  # None: not known (``PackedLayout.pack`` looks)
 
     @property
     def arrays(self) -> StepArrays:
@@ -121,7 +125,8 @@ class BuiltStep:
             arrays.batch, logits_rows=logits_rows,
             attn=dataclasses.replace(attn, token_seq=seq)))
         return BuiltStep(empty.shape, arrays,
-                         [(r if r < bd else r + shift, c) for r, c in self.sample_rows], self)
+                         [(r if r < bd else r + shift, c) for r, c in self.sample_rows], self,
+                         masked=self.masked)
 
 
 class StepBuilder:
@@ -206,7 +211,8 @@ class StepBuilder:
             if all(map(self.plain_row, dec)):  # packed now: the next step starts from it
                 layout = self.layout(built.shape)
                 built = BuiltStep(built.shape, built.arrays, built.sample_rows,
-                                  packed=layout.pack(built.arrays), layout=layout)
+                                  packed=layout.pack(built.arrays, masked=False),
+                                  layout=layout, masked=False)
                 self._last = _LastDecodes(plan.decodes, dec, built, flags,
                                           [r.page_ids for r in dec],
                                           [len(r.page_ids) for r in dec], plan.burst)
@@ -240,7 +246,8 @@ class StepBuilder:
         ibuf = _advance_packed(last, dec, pos, [state_row(r) for r in dec], lens,
                                self.page_size, plan.burst)
         built = BuiltStep(shape, None, list(enumerate(plan.decodes)),
-                          packed=(ibuf, last.built.packed[1]), layout=last.built.layout)
+                          packed=(ibuf, last.built.packed[1], None), layout=last.built.layout,
+                          masked=False)
         self._last = last._replace(decodes=plan.decodes, built=built, lens=lens,
                                    burst=plan.burst)
         return built
@@ -266,6 +273,7 @@ class StepBuilder:
                                  num_prefills=np.asarray(len(plan.prefills), np.int32),
                                  num_decodes=bd)
         sampling = make_sampling_batch(h.rows, pad_to=s, words=self.mask_words)
+        masked = any(r.allowed is not None for r in h.rows)
         arrays = StepArrays(
             batch=StepInput(tokens=h.tokens, slots=h.slots, logits_rows=h.logits_rows,
                             attn=attn, slot_groups=h.slot_groups, start_groups=h.start_groups,
@@ -281,9 +289,9 @@ class StepBuilder:
             want_logprobs=np.asarray(flags.want_logprobs), any_bias=np.asarray(flags.any_bias),
             whole_chain=np.asarray(flags.want_logprobs
                                    if self.whole_chain_decodes and not padded_prefill_tokens
-                                   else _whole_chain(flags, sampling)),
+                                   else _whole_chain(flags, sampling, masked)),
             burst=np.asarray(plan.burst, np.int32))
-        return BuiltStep((bd, padded_prefill_tokens), arrays, h.sample_rows)
+        return BuiltStep((bd, padded_prefill_tokens), arrays, h.sample_rows, masked=masked)
 
     def empty(self, shape: tuple[int, int], neutral_row: SamplerRow) -> BuiltStep:
         """The all-padding step of ``shape``: writes go to the sink page 0, no row samples

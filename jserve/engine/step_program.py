@@ -172,12 +172,13 @@ def _forward_step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.
 
 
 def _forward(params, kv_cache, state, ibuf, fbuf, *, layout, cfg, attention_impl, mesh,
-             capture_layer, slice_layers, in_place_layers):
+             capture_layer, slice_layers, in_place_layers, masks=None):
     """``_forward_step`` before its tail: (the step's arrays, its logits [vocab, S], KV
-    cache, state, PromptLogprobs[, Capture])."""
+    cache, state, PromptLogprobs[, Capture]); ``masks``: the step's bitmask
+    (``PackedLayout``; None: every token allowed)."""
     if slice_layers:
         params = unstack_layers(params)
-    arrays = layout.unpack_fed(ibuf, fbuf, state.last_tokens)
+    arrays = layout.unpack_fed(ibuf, fbuf, masks, state.last_tokens)
     with reading_in_place(in_place_layers):
         if mesh is None:
             x, kv_cache, capture = forward_stream(
@@ -195,7 +196,7 @@ def _forward(params, kv_cache, state, ibuf, fbuf, *, layout, cfg, attention_impl
 
 
 def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, fbuf: jax.Array,
-          spare: jax.Array, *, layout: PackedLayout, cfg: ModelConfig,
+          masks: jax.Array, spare: jax.Array, *, layout: PackedLayout, cfg: ModelConfig,
           attention_impl: str, mesh: jax.sharding.Mesh | None, rows: int,
           capture_layer: int | None = None, slice_layers: bool = False,
           in_place_layers: bool = False, burst_steps: int = 1, page_size: int = 0,
@@ -210,6 +211,8 @@ def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, f
     (donated, [vocab, rows], ``_handed_on``) and the sampling executable samples it again,
     with the ``SampleInputs`` the host makes (``step_arrays.sample_inputs``), overwriting
     the tokens this one kept in ``state.last_tokens`` before anything reads them.
+    ``masks``: the structured-output bitmask [S, vocab/32] (``PackedLayout``: all -1, kept on
+    the device, when no row has one).
 
     ``burst_steps`` > 1 (an all-decode shape, ``jserve.engine.burst``): the program loops
     over ``StepArrays.burst`` steps (1 to ``burst_steps``, a runtime count), each on the
@@ -225,7 +228,7 @@ def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, f
         arrays, logits, kv, st, prompt, *capture = _forward(
             params, kv, st, buf, fbuf, layout=layout, cfg=cfg,
             attention_impl=attention_impl, mesh=mesh, capture_layer=capture_layer,
-            slice_layers=slice_layers, in_place_layers=in_place_layers)
+            slice_layers=slice_layers, in_place_layers=in_place_layers, masks=masks)
         handed, st = _handed_on(logits, st, arrays, rows, mesh, handed)
         own = sample_inputs(arrays, logits)
         out, st = (_sample(st, own) if whole_chain
@@ -324,7 +327,7 @@ def jitted(spp: int) -> Jitted:
     else:
         step = jax.jit(_fresh(_step), static_argnames=static + (
             "capture_layer", "slice_layers", "burst_steps", "page_size", "whole_chain"),
-            donate_argnums=(1, 2, 5))
+            donate_argnums=(1, 2, 6))
         lone = None
     return Jitted(step, lone, jax.jit(_fresh(_sample), donate_argnums=(0,)))
 

@@ -24,7 +24,7 @@ class TickSlots:
     def __init__(self, runner, builder: StepBuilder, neutral_row: SamplerRow, spp: int):
         self.runner, self.builder, self.neutral_row, self.spp = runner, builder, neutral_row, spp
         self._empty: dict[tuple[int, int], BuiltStep] = {}
-        self._empty_packed: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        self._empty_packed: dict[tuple[int, int], tuple] = {}
         # The previous tick's packed slots, (step, shape) -> buffers: a batch is packed once
         # per tick shape it meets, not once per tick (the step is held, so ids stay unique).
         self._packed: dict[tuple[int, tuple[int, int]], tuple] = {}
@@ -42,16 +42,18 @@ class TickSlots:
     def buffers(self, new: BuiltStep | None, in_flight: Sequence, lone: bool = False
                 ) -> tuple[tuple[int, int], tuple]:
         """The step's shape and ``ModelRunner.execute_packed``'s buffer arguments. With
-        spp == 1: ``new``'s shape and packed buffers. ``lone`` (spp > 1): ``new``'s shape,
-        its packed buffers, and that it samples and is a pass. A tick: ``new`` is the batch entering
-        stage 0 (None: an empty slot), ``in_flight`` the records of the batches entering
-        stages 1, 2, ... (None or missing: empty), each with a ``built`` step, which becomes
-        the re-padded one; returns the tick's shape, its [spp, size] int32 and float32
-        buffers, and whether the tick samples (a batch leaves the last stage)."""
+        spp == 1: ``new``'s shape and packed buffers and bitmask (``PackedLayout.pack``).
+        ``lone`` (spp > 1): ``new``'s shape, those, and that it samples and is a pass. A
+        tick: ``new`` is the batch entering stage 0 (None: an empty slot), ``in_flight`` the
+        records of the batches entering stages 1, 2, ... (None or missing: empty), each with
+        a ``built`` step, which becomes the re-padded one; returns the tick's shape, its
+        [spp, size] int32 and float32 buffers, the bitmask of the batch leaving the last
+        stage, and whether the tick samples (a batch leaves it)."""
         if self.spp == 1 and new.packed is not None:  # the builder packed it
             return new.shape, new.packed
         if self.spp == 1 or lone:
-            packed = self.runner.programs.compiled(new.shape, lone)[1].pack(new.arrays)
+            packed = self.runner.programs.compiled(new.shape, lone)[1].pack(new.arrays,
+                                                                            new.masked)
             return new.shape, (packed + (True, True) if lone else packed)
         records = [None] + list(in_flight)
         records += [None] * (self.spp - len(records))
@@ -69,11 +71,11 @@ class TickSlots:
             held = self._packed.get(key) or packed.get(key)
             if held is None:
                 resized = step.resized(self.empty(shape))
-                held = (resized, layout.pack(resized.arrays))
+                held = (resized, layout.pack(resized.arrays, resized.masked))
             packed[key] = held
             rows.append(held[1])
             if record is not None:
                 record.built = held[0]
         self._packed = packed
-        return shape, (np.stack([i for i, _ in rows]), np.stack([f for _, f in rows]),
-                       steps[-1] is not None)
+        return shape, (np.stack([i for i, _, _ in rows]), np.stack([f for _, f, _ in rows]),
+                       rows[-1][2], steps[-1] is not None)
