@@ -9,6 +9,8 @@ import sys
 
 import jax
 
+CONSTRAINT = r"[0-9]{3}-[a-z]{2,4}"
+
 
 def main(coordinator: str, num_processes: int, process_id: int, devices: int, mesh: str,
          out: str, kv_cache_dtype: str = "auto") -> None:
@@ -18,18 +20,30 @@ def main(coordinator: str, num_processes: int, process_id: int, devices: int, me
     else:
         jax.config.update("jax_num_cpu_devices", devices)
     from jserve import LLM, SamplingParams
+    from jserve.sampling.structured import StructuredOutput
     from tests.llm_helpers import SMALL
 
     llm = LLM("default", mesh=mesh, kv_cache_dtype=kv_cache_dtype, **SMALL)
     if not distributed.is_leader():
         distributed.follow(llm.engine.runner)
         return
+    masked = []  # per broadcast step: whether a structured-output bitmask followed
+    broadcast = distributed.leader_execute
+
+    def counted(runner, shape, ibuf, fbuf, masks=None, *args):
+        masked.append(masks is not None)
+        return broadcast(runner, shape, ibuf, fbuf, masks, *args)
+    distributed.leader_execute = counted
     prompts = [[1, 2, 3, 4, 5], list(range(10, 50)), [7] * 3, list(range(100, 119))]
     try:
         params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
         outs = llm.generate(prompts, params)
         # Then one request alone: under spp its batches are lone passes.
         outs += llm.generate([[11, 12, 13]], params)
+        # A constrained request beside a free one: its steps send their bitmask too.
+        shaped = llm.generate([[5, 6, 7], [20, 21, 22, 23]], [SamplingParams(
+            temperature=0.0, max_tokens=16, structured_output=StructuredOutput(
+                regex=CONSTRAINT)), params])
     finally:
         if num_processes > 1:
             distributed.stop_followers()
@@ -37,7 +51,9 @@ def main(coordinator: str, num_processes: int, process_id: int, devices: int, me
         json.dump({"tokens": [o.token_ids for o in outs], "processes": jax.process_count(),
                    "devices": jax.device_count(),
                    # spp: batches that ran alone as one pass (the followers ran them too)
-                   "passes": sum(llm.engine.runner.passed.values())}, f)
+                   "passes": sum(llm.engine.runner.passed.values()),
+                   "constrained": [o.token_ids for o in shaped], "text": shaped[0].text,
+                   "masked_steps": sum(masked)}, f)
 
 
 if __name__ == "__main__":

@@ -86,11 +86,12 @@ def engines():
 def exported_step(engine: LLMEngine, platform: str) -> str:
     """The MLIR text of ``engine``'s decode step exported for ``platform``."""
     low = engine.runner.programs.lowering
-    layout, ibuf, fbuf = low._buffer_specs(SHAPE)
+    layout, ibuf, fbuf, masks = low._buffer_specs(SHAPE)
     export = jax.export.export(
         low.jitted.step, platforms=[platform],
         disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TARGETS[platform])])
-    return export(*low.args, ibuf, fbuf, low.spare_spec(low.rows_for(SHAPE)), layout=layout,
+    return export(*low.args, ibuf, fbuf, masks, low.spare_spec(low.rows_for(SHAPE)),
+                  layout=layout,
                   cfg=low.model_config,
                   attention_impl=low.attention_impl, mesh=None, rows=low.rows_for(SHAPE),
                   capture_layer=None, slice_layers=False,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from devices import xla_flags
+from multihost_worker import CONSTRAINT
 
 pytestmark = pytest.mark.slow
 
@@ -73,3 +75,7 @@ def test_two_processes_match_one_device(tmp_path, devices, mesh, kv_cache_dtype)
     # Under spp the decodes that end the run are batches alone in the pipeline: passes,
     # whose header and one-step buffers the followers must replay.
     assert (m["passes"] > 0) == ("spp" in mesh), m["passes"]
+    # A constrained request's steps broadcast their bitmask (one process: none to send),
+    # and its greedy tokens are the one-process run's, which masks them after the forward.
+    assert m["constrained"] == s["constrained"] and re.fullmatch(CONSTRAINT, m["text"])
+    assert m["masked_steps"] > 0 == s["masked_steps"]

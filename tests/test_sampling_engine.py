@@ -60,7 +60,7 @@ def test_filtered_rows_are_sampled_by_the_executable_with_the_whole_chain(llm, g
 def test_whole_chain_decision_on_each_kind_of_row():
     # Which steps the fused step samples alone and which the sampling executable samples
     # again (``StepArrays.whole_chain``): one row of each kind beside a plain one.
-    from jserve.engine.step_builder import StepFlags, _whole_chain
+    from jserve.engine.step_builder import StepFlags, _masked, _whole_chain
     from jserve.sampling.sampler import SamplerRow, make_sampling_batch
     hot = dict(temperature=0.7, max_tokens=4)
     row = lambda **kw: SamplerRow(SamplingParams(**{**hot, **kw}), seed=1, step=0)
@@ -70,7 +70,8 @@ def test_whole_chain_decision_on_each_kind_of_row():
         flags = StepFlags(any_random=True, any_penalty=False, want_logprobs=logprobs,
                           any_bias=any(r.params.logit_bias for r in rows),
                           beyond_temperature=any(r.params.beyond_temperature for r in rows))
-        return _whole_chain(flags, make_sampling_batch(rows, pad_to=8, words=2))
+        return _whole_chain(flags, make_sampling_batch(rows, pad_to=8, words=2),
+                            _masked(rows))
     assert not decide([])
     # Filters on a greedy row change nothing: it takes the argmax either way.
     assert not decide([row(temperature=0.0, top_k=5, top_p=0.5, min_p=0.2)])

@@ -90,19 +90,21 @@ class StepLowering:
         return layout
 
     def _buffer_specs(self, shape: tuple[int, int], lone: bool = False
-                      ) -> tuple[PackedLayout, jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
-        """A bucket's layout and its packed int32 and float32 buffers, abstract."""
+                      ) -> tuple[PackedLayout, jax.ShapeDtypeStruct, jax.ShapeDtypeStruct,
+                                 jax.ShapeDtypeStruct]:
+        """A bucket's layout, its packed int32 and float32 buffers and its bitmask (the
+        plain step's argument), abstract."""
         layout = self.layout(shape)
-        ishape, fshape, _ = self.buffer_shapes(layout, lone)
-        return (layout, jax.ShapeDtypeStruct(ishape, jnp.int32, sharding=self.replicated),
-                jax.ShapeDtypeStruct(fshape, jnp.float32, sharding=self.replicated))
+        return (layout, *(jax.ShapeDtypeStruct(s, dtype, sharding=self.replicated)
+                          for s, dtype in zip(self.buffer_shapes(layout, lone),
+                                              (jnp.int32, jnp.float32, jnp.int32))))
 
     def lower(self, shape: tuple[int, int], lone: bool = False,
               burst_steps: int | None = None) -> tuple[jax.stages.Lowered, PackedLayout]:
         """The step (spp > 1: tick; ``lone``: pass) of bucket ``shape``, and its layout;
         ``burst_steps``: in place of the runner's (a benchmark's plain decode step: 1)."""
         burst_steps = self.burst_steps if burst_steps is None else burst_steps
-        layout, ibuf, fbuf = self._buffer_specs(shape, lone)
+        layout, ibuf, fbuf, masks = self._buffer_specs(shape, lone)
         args = self.args
         common = dict(layout=layout, cfg=self.model_config,
                       attention_impl=self.attention_impl, mesh=self.mesh,
@@ -113,8 +115,6 @@ class StepLowering:
             bursts = dict(burst_steps=burst_steps, page_size=self.page_size,
                           whole_chain=self.whole_chain_decodes) \
                 if burst_steps > 1 and shape[1] == 0 else {}
-            masks = jax.ShapeDtypeStruct(layout.mask_shape, jnp.int32,
-                                         sharding=self.replicated)
             lowered = self.jitted.step.lower(*args, ibuf, fbuf, masks,
                                              self.spare_spec(self.rows_for(shape)),
                                              capture_layer=self.capture_layer,

@@ -46,6 +46,11 @@ class StepFlags:
                    beyond_temperature=any(p.beyond_temperature for p in sampled))
 
 
+def _masked(rows: list[SamplerRow]) -> bool:
+    """Some row has a structured-output bitmask (``BuiltStep.masked``)."""
+    return any(r.allowed is not None for r in rows)
+
+
 def _whole_chain(flags: StepFlags, sb: SamplingBatch, masked: bool) -> bool:
     """``StepArrays.whole_chain``: some sampled row of the step needs more than greedy or
     temperature sampling (the rows of chunks that do not sample are neutral, whatever their
@@ -273,7 +278,7 @@ class StepBuilder:
                                  num_prefills=np.asarray(len(plan.prefills), np.int32),
                                  num_decodes=bd)
         sampling = make_sampling_batch(h.rows, pad_to=s, words=self.mask_words)
-        masked = any(r.allowed is not None for r in h.rows)
+        masked = _masked(h.rows)
         arrays = StepArrays(
             batch=StepInput(tokens=h.tokens, slots=h.slots, logits_rows=h.logits_rows,
                             attn=attn, slot_groups=h.slot_groups, start_groups=h.start_groups,
