@@ -19,7 +19,7 @@ from typing import Protocol
 import jax
 import numpy as np
 from jax.experimental.multihost_utils import broadcast_one_to_all
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
 from jserve.sampling.sampler import SampleResult
 
@@ -35,12 +35,12 @@ class StepRunner(Protocol):
         """The shapes of the int32 and float32 buffers and the bitmask a step (``lone``: a
         pass) of ``shape`` takes."""
 
-    def execute_packed(self, shape: tuple[int, int], ibuf: jax.Array, fbuf: jax.Array,
-                       masks: jax.Array | None = None, sample: bool = True,
+    def execute_packed(self, shape: tuple[int, int], ibuf: np.ndarray, fbuf: np.ndarray,
+                       masks: np.ndarray | None = None, sample: bool = True,
                        lone: bool = False) -> SampleResult:
-        """Runs the step for ``shape`` on packed buffers and bitmask (None: no row has
-        one; ``sample`` False: no sampling, host zeros back; ``lone``: a pass through every
-        pipeline stage)."""
+        """Runs the step for ``shape`` on packed host buffers and bitmask (None: no row
+        has one; ``sample`` False: no sampling, host zeros back; ``lone``: a pass through
+        every pipeline stage), the same on every process."""
 
 
 def initialize(coordinator: str, num_processes: int, process_id: int,
@@ -65,12 +65,9 @@ def _header(kind: int, shape: tuple[int, int] = (0, 0), sample: bool = True,
 
 def _run(runner: StepRunner, shape: tuple[int, int], ibuf: np.ndarray, fbuf: np.ndarray,
          masks: np.ndarray | None, sample: bool, lone: bool) -> SampleResult:
-    """Every process calls this with the same buffers; the result is this process's copy of
-    the replicated outputs."""
-    replicated = NamedSharding(runner.mesh, P())
-    ibuf, fbuf, masks = (None if b is None else
-                         jax.make_array_from_process_local_data(replicated, b)
-                         for b in (ibuf, fbuf, masks))
+    """Every process calls this with the same host buffers (the runner makes the global
+    arrays its programs take); the result is this process's copy of the replicated
+    outputs."""
     out = runner.execute_packed(shape, ibuf, fbuf, masks, sample, lone)
     return jax.tree.map(lambda x: x.addressable_data(0) if isinstance(x, jax.Array) else x,
                         out)

@@ -4,12 +4,14 @@ OUT [KV_CACHE_DTYPE]``. Process 0 generates greedy outputs for fixed prompts and
 reference."""
 from __future__ import annotations
 
+import faulthandler
 import json
 import sys
 
 import jax
 
 CONSTRAINT = r"[0-9]{3}-[a-z]{2,4}"
+TIMEOUT = 300  # seconds the test waits for every worker
 
 
 def main(coordinator: str, num_processes: int, process_id: int, devices: int, mesh: str,
@@ -57,5 +59,8 @@ def main(coordinator: str, num_processes: int, process_id: int, devices: int, me
 
 
 if __name__ == "__main__":
+    # A worker still running near the test's timeout prints every thread's stack (the test
+    # reports the tail of its output): a hang says where it is.
+    faulthandler.dump_traceback_later(TIMEOUT - 30, exit=False)
     c, n, i, d, m, o, *kv = sys.argv[1:]
     main(c, int(n), int(i), int(d), m, o, *kv)

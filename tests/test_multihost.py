@@ -20,12 +20,11 @@ from pathlib import Path
 import pytest
 
 from devices import xla_flags
-from multihost_worker import CONSTRAINT
+from multihost_worker import CONSTRAINT, TIMEOUT
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-TIMEOUT = 300
 
 
 def _free_port() -> int:
@@ -52,7 +51,7 @@ def _wait_all(procs: list[subprocess.Popen]) -> None:
         for p in procs:
             p.kill()
         raise AssertionError("multi-host worker timed out:\n" + "\n---\n".join(
-            (p.communicate()[0] or "")[-3000:] for p in procs)) from None
+            (p.communicate()[0] or "")[-8000:] for p in procs)) from None
     failed = [(p.returncode, log[-3000:]) for p, log in zip(procs, logs) if p.returncode]
     assert not failed, failed
 

@@ -86,6 +86,7 @@ class ModelRunner:
         self.last_prompt_logprobs = None
         self._replicated = (None if mesh is None else
                             jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+        self._multi_process = mesh is not None and mesh.is_multi_process
         # Stream pipeline: every call of the step is one tick; ``start_pipeline`` fills the
         # carry.
         self.spp = mesh.shape["spp"] if mesh is not None else 1
@@ -161,12 +162,13 @@ class ModelRunner:
                                  f"{self.programs.lowering.burst_steps} steps")
             self.executed[shape] += steps
         rows = self.programs.lowering.rows_for(shape)  # the sampling executable's
+        put = self._global
         if lone:
             logits, self.kv_cache, self.state = exe(self.params, self.kv_cache, self.state,
-                                                    ibuf, fbuf)
+                                                    put(ibuf), put(fbuf))
         elif self.spp > 1:
             logits, self.kv_cache, self.state, self.carry = exe(
-                self.params, self.kv_cache, self.state, self.carry, ibuf, fbuf)
+                self.params, self.kv_cache, self.state, self.carry, put(ibuf), put(fbuf))
             ibuf, fbuf = ibuf[-1], fbuf[-1]  # the batch leaving the last stage samples
         else:  # the step samples too (``step_program._step``)
             at = layout.int_offset(".whole_chain")
@@ -174,8 +176,8 @@ class ModelRunner:
                 ibuf = ibuf.copy()
                 ibuf[at] = 1
             out, logits, self.kv_cache, self.state, self.last_prompt_logprobs, *capture = exe(
-                self.params, self.kv_cache, self.state, ibuf, fbuf,
-                self.all_allowed(layout.mask_shape) if masks is None else masks,
+                self.params, self.kv_cache, self.state, put(ibuf), put(fbuf),
+                self.all_allowed(layout.mask_shape) if masks is None else put(masks),
                 self.spare_logits(rows))
             self._spares[rows] = logits
             if capture:
@@ -199,6 +201,17 @@ class ModelRunner:
             spare = jax.device_put(np.zeros(spec.shape, spec.dtype), spec.sharding)
         return spare
 
+    def _global(self, buf):
+        """A host buffer as the step takes it. On a mesh spanning several processes, the
+        global array every process makes from its copy of the same buffer: the runner keeps
+        the host copies for what it reads itself (flags, the sampling inputs): indexing a
+        global array runs a small program on every process's devices, and two processes
+        each waiting inside one hung the multi-host test now and then. Else the buffer
+        itself (the call transfers it)."""
+        if not self._multi_process or not isinstance(buf, np.ndarray):
+            return buf
+        return jax.make_array_from_process_local_data(self._replicated, buf)
+
     def all_allowed(self, shape: tuple[int, int]) -> jax.Array:
         """The step's bitmask when no row has one: every token allowed, kept on the device
         (made once per shape, a transfer)."""
@@ -216,7 +229,8 @@ class ModelRunner:
             sb = inputs.sampling
             inputs = dataclasses.replace(inputs, sampling=dataclasses.replace(
                 sb, allowed=allowed))  # the executable's own transfer: the cheapest
-        out, self.state = self.programs.sampler(inputs.rows)(self.state, inputs)
+        out, self.state = self.programs.sampler(inputs.rows)(
+            self.state, jax.tree.map(self._global, inputs))
         return out
 
     def _nothing_sampled(self) -> SampleResult:
