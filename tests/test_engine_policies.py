@@ -108,8 +108,9 @@ def test_the_engine_feeds_every_step_time_to_the_corrected_predictor():
             continue  # a decode burst's time covers several steps: not fed
         ratio = seconds / pred.base.predict(plan)
         scale = min(pred.hi, max(pred.lo, (1 - pred.alpha) * scale + pred.alpha * ratio))
-    singles = sum(plan.burst == 1 for plan, _ in eng.step_log)
-    assert singles >= 6 and pred.scale == pytest.approx(scale, rel=1e-12)
+    # Eight single steps, all fed, then one burst of 2 (the last two decode steps), not.
+    assert [plan.burst for plan, _ in eng.step_log] == [1] * 8 + [2]
+    assert pred.scale == pytest.approx(scale, rel=1e-12)
     assert pred.scale != 1.0
     off = small_llm(scheduler="lars", predictor_correction=False).engine
     assert not isinstance(off.scheduler.predictor, CorrectedPredictor)

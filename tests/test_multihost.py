@@ -74,7 +74,9 @@ def test_two_processes_match_one_device(tmp_path, devices, mesh, kv_cache_dtype)
     # Under spp the decodes that end the run are batches alone in the pipeline: passes,
     # whose header and one-step buffers the followers must replay.
     assert (m["passes"] > 0) == ("spp" in mesh), m["passes"]
-    # A constrained request's steps broadcast their bitmask (one process: none to send),
-    # and its greedy tokens are the one-process run's, which masks them after the forward.
+    # Exactly the steps that sample the constrained request's tokens broadcast a bitmask
+    # (one per token: several processes mask in the step, no bursts; one process: nothing
+    # to send), and its greedy tokens are the one-process run's, which masks them after
+    # the forward.
     assert m["constrained"] == s["constrained"] and re.fullmatch(CONSTRAINT, m["text"])
-    assert m["masked_steps"] > 0 == s["masked_steps"]
+    assert (m["masked_steps"], s["masked_steps"]) == (len(m["constrained"][0]), 0), m

@@ -229,8 +229,9 @@ class ModelRunner:
             sb = inputs.sampling
             inputs = dataclasses.replace(inputs, sampling=dataclasses.replace(
                 sb, allowed=allowed))  # the executable's own transfer: the cheapest
-        out, self.state = self.programs.sampler(inputs.rows)(
-            self.state, jax.tree.map(self._global, inputs))
+        if self._multi_process:
+            inputs = jax.tree.map(self._global, inputs)
+        out, self.state = self.programs.sampler(inputs.rows)(self.state, inputs)
         return out
 
     def _nothing_sampled(self) -> SampleResult:

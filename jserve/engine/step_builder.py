@@ -76,7 +76,7 @@ class BuiltStep:
     # never written once handed out
     packed: tuple[np.ndarray, np.ndarray, np.ndarray | None] | None = None
     layout: PackedLayout | None = None
-    masked: bool | None = None  # None: not known (``PackedLayout.pack`` looks)
+    masked: bool = False
 
     @property
     def arrays(self) -> StepArrays:
@@ -217,7 +217,7 @@ class StepBuilder:
                 layout = self.layout(built.shape)
                 built = BuiltStep(built.shape, built.arrays, built.sample_rows,
                                   packed=layout.pack(built.arrays, masked=False),
-                                  layout=layout, masked=False)
+                                  layout=layout)
                 self._last = _LastDecodes(plan.decodes, dec, built, flags,
                                           [r.page_ids for r in dec],
                                           [len(r.page_ids) for r in dec], plan.burst)
@@ -251,8 +251,7 @@ class StepBuilder:
         ibuf = _advance_packed(last, dec, pos, [state_row(r) for r in dec], lens,
                                self.page_size, plan.burst)
         built = BuiltStep(shape, None, list(enumerate(plan.decodes)),
-                          packed=(ibuf, last.built.packed[1], None), layout=last.built.layout,
-                          masked=False)
+                          packed=(ibuf, last.built.packed[1], None), layout=last.built.layout)
         self._last = last._replace(decodes=plan.decodes, built=built, lens=lens,
                                    burst=plan.burst)
         return built
