@@ -23,7 +23,7 @@ import grpc
 from jserve.engine.output import TokenLogprob
 from jserve.proto import generate_pb2 as pb, generate_pb2_grpc as pb_grpc
 from jserve.sampling.params import SamplingParams
-from jserve.serving.protocol import build_request
+from jserve.serving.protocol import build_request, logprob_from_proto
 
 FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
 
@@ -38,11 +38,14 @@ class Completion:
     completion_tokens: int
     timings: dict[str, float]            # queue_seconds, time_to_first_token, ...
     logprobs: list[TokenLogprob] | None  # when the request asked for them
+    # SamplingParams.prompt_logprobs asked: as offline, entry i prompt token i's (0: None)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class _Collector:
-    def __init__(self) -> None:
-        self.c = Completion("", [], "", None, 0, 0, {}, None)
+    def __init__(self, request: pb.GenerateRequest) -> None:
+        asked = request.sampling_params.HasField("prompt_logprobs")
+        self.c = Completion("", [], "", None, 0, 0, {}, None, [None] if asked else None)
 
     def add(self, r: pb.GenerateResponse) -> None:
         c = self.c
@@ -50,10 +53,9 @@ class _Collector:
         c.token_ids.extend(r.token_ids)
         c.text += r.text
         if r.logprobs:
-            c.logprobs = (c.logprobs or []) + [
-                TokenLogprob(lp.token_id, lp.logprob,
-                             tuple(zip(lp.top_token_ids, lp.top_logprobs)))
-                for lp in r.logprobs]
+            c.logprobs = (c.logprobs or []) + [logprob_from_proto(lp) for lp in r.logprobs]
+        if r.prompt_logprobs:  # the first message's
+            c.prompt_logprobs += [logprob_from_proto(lp) for lp in r.prompt_logprobs]
         if r.finish_reason:
             c.finish_reason = FINISH_REASONS[r.finish_reason]
             c.prompt_tokens = r.usage.prompt_tokens
@@ -102,8 +104,9 @@ class Client(_Base):
 
     def generate(self, prompt, params: SamplingParams | None = None, *,
                  timeout: float | None = None, **kw) -> Completion:
-        col = _Collector()
-        for r in self.stream(prompt, params, timeout=timeout, **kw):
+        request = self._request(prompt, params, **kw)
+        col = _Collector(request)
+        for r in self.stream(request, timeout=timeout):
             col.add(r)
         return col.c
 
@@ -140,8 +143,9 @@ class AsyncClient(_Base):
 
     async def generate(self, prompt, params: SamplingParams | None = None, *,
                        timeout: float | None = None, **kw) -> Completion:
-        col = _Collector()
-        async for r in self.stream(prompt, params, timeout=timeout, **kw):
+        request = self._request(prompt, params, **kw)
+        col = _Collector(request)
+        async for r in self.stream(request, timeout=timeout):
             col.add(r)
         return col.c
 

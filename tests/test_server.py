@@ -47,7 +47,13 @@ from jserve.serving.fake_engine import FakeEngine
 from jserve.serving.limits import ClientLimits
 from jserve.serving.live_engine import LiveEngine
 from jserve.serving.metrics import OUTCOMES
-from jserve.serving.protocol import LIST_FIELDS, MESSAGE_FIELDS, SCALAR_FIELDS, parse_request
+from jserve.serving.protocol import (
+    LIST_FIELDS,
+    MAP_FIELDS,
+    MESSAGE_FIELDS,
+    SCALAR_FIELDS,
+    parse_request,
+)
 from jserve.serving.server import BackgroundServer, ServerConfig
 from llm_helpers import small_llm
 
@@ -136,9 +142,16 @@ def test_streamed_results_equal_the_offline_api(live_client, llm, live):
                                             seed=7, max_tokens=10, repetition_penalty=1.2,
                                             presence_penalty=0.5, frequency_penalty=0.3,
                                             min_tokens=2, ignore_eos=True)),
+        ("Hello, jserve", SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,
+                                         logit_bias={base[0].token_ids[0]: -100.0})),
+        ("Hello, jserve", SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=3,
+                                         logprobs=0, ignore_eos=True)),
         ("Hello, jserve", SamplingParams(temperature=0.0, max_tokens=30, stop=[stop, "zzz"],
                                          ignore_eos=True)),
     ]
+    # The bias changes the greedy tokens (the first one is banned), so equality means it came.
+    banned = llm.generate(*cases[3])[0].token_ids
+    assert banned[0] != base[0].token_ids[0] and banned != base[0].token_ids[:10]
     for prompt, params in cases:
         want = llm.generate(prompt, params)[0]
         msgs, text = stream(client, prompt, params)
@@ -160,7 +173,42 @@ def test_streamed_results_equal_the_offline_api(live_client, llm, live):
                 assert g.logprob == pytest.approx(w.logprob, abs=1e-4)
                 assert list(g.top_token_ids) == [i for i, _ in w.top]
                 assert list(g.top_logprobs) == pytest.approx([v for _, v in w.top], abs=1e-4)
+        assert not any(m.prompt_logprobs for m in msgs[1:])
+        if params.prompt_logprobs is None:
+            assert not msgs[0].prompt_logprobs
+        else:  # the first message: prompt tokens 1.. (token 0 has nothing before it)
+            assert want.prompt_logprobs[0] is None
+            assert_prompt_logprobs(msgs[0].prompt_logprobs, want.prompt_logprobs[1:])
     assert llm.generate(*cases[-1])[0].finish_reason == "stop"
+    wait_idle(live)
+
+
+def assert_prompt_logprobs(got, want) -> None:
+    """gRPC's prompt logprobs equal the offline API's: ids and ranks exactly, values to 1e-4
+    (the server's engine and the offline one run the same model, other batches)."""
+    assert [(g.token_id, g.rank, list(g.top_token_ids)) for g in got] == [
+        (w.token_id, w.rank, [i for i, _ in w.top]) for w in want]
+    for g, w in zip(got, want):
+        assert g.logprob == pytest.approx(w.logprob, abs=1e-4)
+        assert list(g.top_logprobs) == pytest.approx([v for _, v in w.top], abs=1e-4)
+
+
+def test_a_prompt_scored_over_grpc_generates_nothing(live_client, llm, live):
+    """``max_tokens`` 0 with ``prompt_logprobs`` (lm-eval's loglikelihood over gRPC): one
+    message, no tokens, the prompt's logprobs as offline; the client's ``Completion`` has
+    them in the offline API's layout (entry 0 None)."""
+    params = SamplingParams(max_tokens=0, prompt_logprobs=2)
+    want = llm.generate([256, 72, 105, 33, 10], params)[0]
+    got = live_client.generate([256, 72, 105, 33, 10], params)
+    assert (got.token_ids, got.finish_reason, got.completion_tokens, got.prompt_tokens) == (
+        [], "length", 0, 5)
+    assert got.prompt_logprobs[0] is None and len(got.prompt_logprobs) == 5
+    assert_prompt_logprobs([pb.TokenLogprob(token_id=e.token_id, logprob=e.logprob,
+                                            rank=e.rank, top_token_ids=[t for t, _ in e.top],
+                                            top_logprobs=[v for _, v in e.top])
+                            for e in got.prompt_logprobs[1:]], want.prompt_logprobs[1:])
+    one = live_client.generate([256], params)  # a one-token prompt: nothing to score
+    assert (one.prompt_logprobs, one.token_ids) == ([None], [])
     wait_idle(live)
 
 
@@ -244,9 +292,8 @@ def test_priority_and_slos_reach_the_schedulers_request(live_client, live):
 
 
 # Offline fields gRPC does not carry, and why: Generate runs one sequence (n and best_of are
-# the offline API's and HTTP's grouping of several); logit_bias and prompt_logprobs need new
-# proto fields (a map, and a repeated logprob message in the response), not added yet.
-NOT_ON_THE_WIRE = {"n", "best_of", "logit_bias", "prompt_logprobs"}
+# the offline API's and HTTP's grouping of several).
+NOT_ON_THE_WIRE = {"n", "best_of"}
 
 
 def test_proto_sampling_params_carry_every_offline_field():
@@ -255,7 +302,7 @@ def test_proto_sampling_params_carry_every_offline_field():
     wire = set(pb.SamplingParams.DESCRIPTOR.fields_by_name)
     assert NOT_ON_THE_WIRE <= offline and not NOT_ON_THE_WIRE & wire
     assert offline - NOT_ON_THE_WIRE == wire == (set(SCALAR_FIELDS) | set(LIST_FIELDS)
-                                                 | set(MESSAGE_FIELDS))
+                                                 | set(MAP_FIELDS) | set(MESSAGE_FIELDS))
 
 
 def test_generated_modules_are_current():
@@ -310,6 +357,13 @@ BAD = [  # (request, words the status message must contain)
     (_req(seed=-1), ["seed"]),
     (_req(seed=2**32), ["seed"]),
     (_req(logprobs=21), ["logprobs"]),
+    (_req(prompt_logprobs=21), ["prompt_logprobs"]),
+    (_req(prompt_logprobs=-1), ["prompt_logprobs"]),
+    (_req(logit_bias={320: 1.0}), ["logit_bias", "[0, 320)"]),
+    (_req(logit_bias={-1: 1.0}), ["logit_bias", "token ids"]),
+    (_req(logit_bias={5: 100.5}), ["logit_bias", "100"]),
+    (_req(logit_bias={5: math.nan}), ["logit_bias"]),
+    (_req(logit_bias=dict.fromkeys(range(301), 1.0)), ["logit_bias", "300"]),
     (_req(stop=["x"] * 17), ["stop", "at most 16"]),
     (_req(stop=["x" * 257]), ["stop", "256"]),
     (_req(stop=[""]), ["stop"]),
@@ -861,6 +915,8 @@ VALID = {
     "stop_token_ids": st.lists(st.integers(0, 319), max_size=3),
     "ignore_eos": st.none() | st.booleans(),
     "logprobs": st.none() | st.integers(0, 20),
+    "prompt_logprobs": st.none() | st.integers(0, 20),
+    "logit_bias": st.dictionaries(st.integers(0, 319), st.floats(-100.0, 100.0), max_size=3),
     "speculative": st.none() | st.booleans(),
     "prompt": st.text(min_size=1, max_size=30) | st.lists(st.integers(0, 319), min_size=1,
                                                           max_size=30),
@@ -886,6 +942,12 @@ INVALID = {
                                | st.integers(I64["min_value"], -1), min_size=1, max_size=2)
     | st.lists(st.integers(0, 319), min_size=17, max_size=17),
     "logprobs": st.integers(I64["min_value"], -1) | st.integers(21, I64["max_value"]),
+    "prompt_logprobs": st.integers(I64["min_value"], -1) | st.integers(21, I64["max_value"]),
+    "logit_bias": st.dictionaries(st.integers(320, I64["max_value"])
+                                  | st.integers(I64["min_value"], -1), st.floats(-1.0, 1.0),
+                                  min_size=1, max_size=2)
+    | st.dictionaries(st.integers(0, 319), st.floats(min_value=100.0, exclude_min=True) | NAN,
+                      min_size=1, max_size=2),
     "prompt": st.just("") | st.just([]) | st.none()
     | st.lists(st.integers(320, I64["max_value"]) | st.integers(I64["min_value"], -1),
                min_size=1, max_size=3)
@@ -917,6 +979,8 @@ def _to_wire(f: dict) -> pb.GenerateRequest:
             setattr(r.sampling_params, k, f[k])
     for k in LIST_FIELDS:
         getattr(r.sampling_params, k).extend(f[k])
+    for k in MAP_FIELDS:
+        getattr(r.sampling_params, k).update(f[k])
     if f["ttft_slo"] is not None:
         r.ttft_slo_seconds = f["ttft_slo"]
     if f["tpot_slo"] is not None:
@@ -928,7 +992,7 @@ def _offline_verdict(llm, f: dict) -> SamplingParams | None:
     """The offline API's answer: SamplingParams or None when it raises ValueError."""
     try:
         params = SamplingParams(**{k: f[k] for k in SCALAR_FIELDS if f[k] is not None},
-                                **{k: f[k] for k in LIST_FIELDS if f[k]})
+                                **{k: f[k] for k in LIST_FIELDS + MAP_FIELDS if f[k]})
         if f["prompt"] is None:
             raise ValueError("no prompt")
         rid = llm.engine.add_request(f["prompt"], params, ttft_slo=f["ttft_slo"],
@@ -1090,10 +1154,11 @@ def test_cancel_heavy_load_ends_streams_quietly(bg, caplog):
 
 def test_validation_names_sampling_fields_the_same_way_everywhere(bg):
     """``top_k=-2`` said ``sampling_params.top_k``, ``top_k=1000`` only ``top_k``."""
-    fields = set(SCALAR_FIELDS) | set(LIST_FIELDS)
+    fields = set(SCALAR_FIELDS) | set(LIST_FIELDS) | set(MAP_FIELDS)
     cases = [(r, next(w for w in words if w in fields)) for r, words in BAD
              if any(w in fields for w in words)]
-    assert {f for _, f in cases} >= {"top_k", "stop_token_ids", "max_tokens", "seed"}
+    assert {f for _, f in cases} >= {"top_k", "stop_token_ids", "max_tokens", "seed",
+                                     "logit_bias", "prompt_logprobs"}
     with Client(bg.target) as c:
         for r, field in cases:
             with pytest.raises(grpc.RpcError) as e:

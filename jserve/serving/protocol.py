@@ -8,6 +8,7 @@ import json
 from collections.abc import Sequence
 
 from jserve import fields
+from jserve.engine.output import TokenLogprob
 from jserve.proto import generate_pb2 as pb
 from jserve.sampling.params import SamplingParams
 from jserve.sampling.structured import StructuredOutput
@@ -15,8 +16,9 @@ from jserve.sampling.structured import StructuredOutput
 # Scalar SamplingParams fields carried as proto3 ``optional`` (unset: the offline default).
 SCALAR_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p",
                  "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
-                 "ignore_eos", "logprobs", "speculative")
+                 "ignore_eos", "logprobs", "speculative", "prompt_logprobs")
 LIST_FIELDS = ("stop", "stop_token_ids")
+MAP_FIELDS = ("logit_bias",)
 MESSAGE_FIELDS = ("structured_output",)
 MAX_REQUEST_ID_CHARS = 256
 
@@ -27,6 +29,9 @@ def params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     for name in LIST_FIELDS:
         if len(getattr(msg, name)):
             kw[name] = list(getattr(msg, name))
+    for name in MAP_FIELDS:  # as the map itself: SamplingParams counts it before copying
+        if len(getattr(msg, name)):
+            kw[name] = getattr(msg, name)
     if msg.HasField("structured_output"):
         kw["structured_output"] = structured_from_proto(msg.structured_output)
     return SamplingParams(**kw)
@@ -58,7 +63,8 @@ def structured_to_proto(so: StructuredOutput) -> pb.StructuredOutput:
 
 def params_to_proto(p: SamplingParams) -> pb.SamplingParams:
     """Every field, so the server samples exactly as the offline API would."""
-    msg = pb.SamplingParams(stop=list(p.stop), stop_token_ids=list(p.stop_token_ids))
+    msg = pb.SamplingParams(stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
+                            logit_bias=dict(p.logit_bias or {}))
     if p.structured_output is not None:
         msg.structured_output.CopyFrom(structured_to_proto(p.structured_output))
     for name in SCALAR_FIELDS:
@@ -66,6 +72,18 @@ def params_to_proto(p: SamplingParams) -> pb.SamplingParams:
         if value is not None:
             setattr(msg, name, value)
     return msg
+
+
+def logprob_to_proto(lp: TokenLogprob) -> pb.TokenLogprob:
+    return pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
+                           top_token_ids=[t for t, _ in lp.top],
+                           top_logprobs=[v for _, v in lp.top])
+
+
+def logprob_from_proto(msg: pb.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(msg.token_id, msg.logprob, tuple(zip(msg.top_token_ids,
+                                                             msg.top_logprobs)),
+                        msg.rank if msg.HasField("rank") else None)
 
 
 def build_request(prompt: str | Sequence[int], params: SamplingParams | None = None, *,

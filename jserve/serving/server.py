@@ -53,7 +53,7 @@ from jserve.serving.http_server import OpenAIServer
 from jserve.serving.limits import ClientLimits
 from jserve.serving.live_engine import LiveEngine
 from jserve.serving.metrics import ServerMetrics
-from jserve.serving.protocol import parse_request
+from jserve.serving.protocol import logprob_to_proto, parse_request
 from jserve.serving.router_endpoints import export_vllm_names
 from jserve.serving.tool_formats import DEFAULT_FORMAT, TOOL_FORMATS
 
@@ -497,10 +497,9 @@ def _response(rid: str, deltas: list[el.Delta]) -> pb.GenerateResponse:
     r = pb.GenerateResponse(request_id=rid, text="".join(d.text for d in deltas))
     for d in deltas:
         r.token_ids.extend(d.token_ids)
-        for lp in d.logprobs:
-            r.logprobs.add(token_id=lp.token_id, logprob=lp.logprob,
-                           top_token_ids=[t for t, _ in lp.top],
-                           top_logprobs=[v for _, v in lp.top])
+        r.logprobs.extend(map(logprob_to_proto, d.logprobs))
+        if d.prompt_logprobs is not None:  # the first delta's; entry 0 (no context) is None
+            r.prompt_logprobs.extend(map(logprob_to_proto, d.prompt_logprobs[1:]))
     last = deltas[-1]
     if last.finish_reason is not None:
         r.finish_reason = _FINISH[last.finish_reason]
