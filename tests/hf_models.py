@@ -505,3 +505,50 @@ def write_gemma3_chat_checkpoint(out_dir: Path) -> Path:
 def gemma3_chat_dir() -> Path:
     """Process-wide cached ``write_gemma3_chat_checkpoint``. Read-only."""
     return write_gemma3_chat_checkpoint(_cache_root() / "gemma3-chat")
+
+
+# -- a Qwen3 thinking checkpoint: ChatML, <think> and </think> as added tokens -----------------
+# As Qwen3's: the tags are added tokens that are not special (they decode into the text the
+# reasoning parser reads), the template's enable_thinking=false closes an empty block at the
+# end of the generation prompt; this template's own open_thinking=true leaves one open there
+# instead (as DeepSeek-R1's and QwQ's templates do).
+THINK_TAGS = ["<think>", "</think>"]
+THINKING_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% elif open_thinking is defined and open_thinking %}<think>\n{% endif %}{% endif %}")
+
+
+def write_qwen3_thinking_checkpoint(out_dir: Path) -> Path:
+    """A random-weight ``Qwen3ForCausalLM`` (FAMILY_CONFIGS' shape) with a trained byte-level
+    BPE, ChatML's special tokens, the think tags and ``THINKING_CHAT_TEMPLATE``; EOS
+    <|im_end|> and <|endoftext|>."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok, trainer = _byte_level_bpe(1200)
+    tok.train_from_iterator(_llama3_corpus(), trainer)
+    tok.add_special_tokens(HERMES_SPECIAL_TOKENS)
+    tok.add_tokens(THINK_TAGS)
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None,
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "clean_up_tokenization_spaces": False, "model_max_length": 2048,
+        "chat_template": THINKING_CHAT_TEMPLATE}, indent=2))
+    n = tok.get_vocab_size(with_added_tokens=True)
+    eos = [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")]
+    config = transformers.Qwen3Config(**dict(
+        FAMILY_CONFIGS["qwen3"], vocab_size=(n // 64 + 1) * 64, max_position_embeddings=2048,
+        bos_token_id=None, eos_token_id=eos))
+    torch.manual_seed(3)
+    model = transformers.Qwen3ForCausalLM(config).eval()
+    model.generation_config.eos_token_id = eos
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+@functools.cache
+def qwen3_thinking_dir() -> Path:
+    """Process-wide cached ``write_qwen3_thinking_checkpoint``. Read-only."""
+    return write_qwen3_thinking_checkpoint(_cache_root() / "qwen3-thinking")

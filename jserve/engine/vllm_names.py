@@ -53,7 +53,6 @@ VLLM_REFUSED = {
                                  "(docs/structured_output.md)",
     "--structured-outputs-config": "structured output has one backend, jserve's own "
                                    "(docs/structured_output.md)",
-    "--reasoning-parser": "reasoning output is not parsed yet",
     "--limit-mm-per-prompt": "jserve serves text models only",
     "--device": "JAX picks the backend (JAX_PLATFORMS=cpu|cuda|tpu)",
     "--uvicorn-log-level": "--log-level sets jserve's log level",

@@ -19,6 +19,7 @@ from jserve.fields import MAX_TOKEN_LOGPROBS
 from jserve.log_setup import configure_logging
 from jserve.scheduler import ENGINE_POLICIES
 from jserve.serving.limits import ClientLimits
+from jserve.serving.reasoning import FORMATS as REASONING
 from jserve.serving.tool_formats import DEFAULT_FORMAT, TOOL_FORMATS
 
 TOKEN_ENV = "JSERVE_AUTH_TOKEN"
@@ -110,6 +111,13 @@ def tool_call_parser(text: str) -> str:
         known = "; ".join(f"{f.name} ({f.summary})" for f in TOOL_FORMATS.values())
         raise argparse.ArgumentTypeError(f"{text!r} is not supported yet: jserve reads tool "
                                          f"calls in these formats: {known}")
+    return text
+
+
+def reasoning_parser(text: str) -> str:
+    if text not in REASONING:
+        raise argparse.ArgumentTypeError(f"{text!r} is not supported yet: jserve reads "
+                                         f"reasoning in the formats {', '.join(REASONING)}")
     return text
 
 
@@ -228,6 +236,11 @@ def add_vllm_args(s: argparse.ArgumentParser) -> None:
                    help=f"the format the model writes tool calls in, one of "
                         f"{', '.join(TOOL_CALL_PARSERS)} (jserve.serving.tool_formats); any "
                         f"other is refused (default: {DEFAULT_FORMAT})")
+    g.add_argument("--reasoning-parser", type=reasoning_parser, default=None,
+                   help=f"how a thinking model's chat replies split into reasoning and answer "
+                        f"(message.reasoning and .content): one of {', '.join(REASONING)} "
+                        f"(jserve.serving.reasoning); any other is refused (default: none, "
+                        f"replies are all content)")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted and changes nothing: tool_choice auto is always on "
                         "(calls read in --tool-call-parser's format)")
@@ -314,7 +327,8 @@ def ray_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
                             max_waiting=a.max_waiting, max_request_bytes=a.max_request_bytes,
                             auth_token=a.auth_token or os.environ.get(TOKEN_ENV) or None,
                             metrics_open=a.metrics_open, limits=client_limits(a),
-                            tool_call_parser=a.tool_call_parser),
+                            tool_call_parser=a.tool_call_parser,
+                            reasoning_parser=a.reasoning_parser),
                 num_gpus=a.gpus_per_replica, address=a.ray_address, grace_s=a.grace_period)
     if a.autoscale:
         args["autoscale"] = a.autoscale
@@ -394,7 +408,8 @@ def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
         drain_notice=a.drain_notice, tls_cert=a.tls_cert, tls_key=a.tls_key,
         auth_token=a.auth_token or os.environ.get(TOKEN_ENV) or None,
         metrics_open=a.metrics_open, served_model_names=served_model_names(a),
-        limits=client_limits(a), tool_call_parser=a.tool_call_parser)
+        limits=client_limits(a), tool_call_parser=a.tool_call_parser,
+        reasoning_parser=a.reasoning_parser)
     join_processes(a)
     if a.fake_engine:
         llm, engine = None, FakeEngine.for_model(a.tokenizer or a.model,

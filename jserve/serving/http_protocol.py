@@ -44,12 +44,16 @@ _CHAT_TEMPLATE = {"add_generation_prompt", "continue_final_message", "chat_templ
 # Template variables jserve sets itself (chat_template_kwargs may not).
 _TEMPLATE_OWN = ("messages", "tools", "add_generation_prompt", "continue_final_message")
 # Fields routers fill in with their defaults (vllm-router sends every one on every request):
-# accepted at the value that is what jserve does anyway. jserve has no reasoning parser, so
-# separating or streaming reasoning changes nothing; dropping it cannot be honoured.
+# accepted at the value that is what jserve does anyway. Without a reasoning parser,
+# separating or streaming reasoning changes nothing and dropping it cannot be honoured; with
+# one (``REASONING_FIELDS``) reasoning can be dropped or left in the content, and it streams
+# as it comes.
 _ROUTER_FILLED = {"no_stop_trim": (False,), "skip_special_tokens": (True,),
                   "return_hidden_states": (False,)}
 _CHAT_ROUTER_FILLED = {"separate_reasoning": (False, True),
                        "stream_reasoning": (False, True), "include_reasoning": (True,)}
+REASONING_FIELDS = {"separate_reasoning": (False, True), "stream_reasoning": (True,),
+                    "include_reasoning": (False, True)}
 PARAMS = {
     "completions": _COMMON | {"prompt", "logprobs", "echo", "prompt_logprobs", "best_of",
                               "suffix", *_ROUTER_FILLED},
@@ -159,6 +163,8 @@ class Parsed:
     echo: bool = False                   # completions: the prompt before each choice's text
     prompt_logprobs: int | None = None   # vLLM's prompt_logprobs field, as asked
     best_of: int = 1                     # choices run per prompt; the n best returned
+    reasoning: str | None = None         # chat: the reply's reasoning format, if split
+    include_reasoning: bool = True       # the split reasoning is returned (else dropped)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,16 +268,19 @@ def _kind_check(body: dict, field: str, ok: bool, want: str) -> None:
 
 
 def parse(body: Any, endpoint: str, max_choices: int = 256,
-          tool_format: str = DEFAULT_FORMAT, tokenizer=None) -> Parsed:
+          tool_format: str = DEFAULT_FORMAT, tokenizer=None, reasoning: str | None = None
+          ) -> Parsed:
     """A request body -> what to run; ``BadField`` naming the field otherwise. The model
-    (its ``tokenizer``) writes tool calls in ``tool_format`` (``tool_formats``)."""
+    (its ``tokenizer``) writes tool calls in ``tool_format`` (``tool_formats``) and its
+    reasoning in ``reasoning``'s format (``jserve.serving.reasoning``; None: no parser)."""
     if not isinstance(body, dict):
         raise BadField(None, "the request body must be a JSON object")
     unknown = sorted(set(body) - PARAMS[endpoint])
     if unknown:
         raise BadField(unknown[0], f"{unknown[0]} is not supported by jserve")
     body = {k: v for k, v in body.items() if v is not None}
-    for field, neutral in _NEUTRAL.items():
+    reasoning = reasoning if endpoint == "chat" else None
+    for field, neutral in (_NEUTRAL | REASONING_FIELDS if reasoning else _NEUTRAL).items():
         if field in body and body[field] not in neutral:
             why = f": {_WHY_NEUTRAL[field]}" if field in _WHY_NEUTRAL else ""
             raise BadField(field, f"{field}={fields.shown(body[field])} is not supported by "
@@ -335,7 +344,9 @@ def parse(body: Any, endpoint: str, max_choices: int = 256,
     return Parsed(prompts, params, max_field in body, n, stream, include_usage,
                   continuous_usage, logprobs, ttft_slo, tpot_slo, priority, max_field,
                   constraint_field, tools, tool_choice, chat, best_of=best_of, echo=echo,
-                  prompt_logprobs=shown_prompt_logprobs)
+                  prompt_logprobs=shown_prompt_logprobs,
+                  reasoning=reasoning if body.get("separate_reasoning", True) else None,
+                  include_reasoning=body.get("include_reasoning", True))
 
 
 def _best_of(body: dict, n: int, stream: bool) -> int:

@@ -22,6 +22,12 @@ from jserve.engine.output import TokenLogprob
 from jserve.serving import engine_api as el, http_echo
 from jserve.serving.gateway import Rejected, Stream
 from jserve.serving.http_protocol import Parsed
+from jserve.serving.reasoning import (
+    FORMATS as REASONING,
+    PROMPT_TAIL_TOKENS,
+    ReasoningStream,
+    prompt_leaves_open,
+)
 from jserve.serving.tool_calls import ToolCallParser
 from jserve.serving.tool_formats import call_parser, read_calls
 
@@ -57,6 +63,11 @@ class Formatter:
         self._tools = parsed.tool_choice if self.chat and parsed.tool_choice is not None \
             and parsed.tool_choice.parses else None
         self._parsers: dict[int, ToolCallParser] = {}
+        # Chat with a reasoning parser: each choice's reply split into reasoning and answer.
+        self._reasoning = REASONING[parsed.reasoning] if self.chat and parsed.reasoning \
+            else None
+        self._reasoners: dict[int, ReasoningStream] = {}
+        self._splits = self._tools is not None or self._reasoning is not None
 
     def _token(self, tid: int) -> str:
         return self.tok.decode([tid]) if self.tok is not None else str(tid)
@@ -111,14 +122,10 @@ class Formatter:
             item = {"index": c.index, "finish_reason": c.finish_reason,
                     "logprobs": self.logprobs(c.logprobs,
                                               echo=c if self.parsed.echo else None)}
-            if self.chat and self._tools is not None:
-                content, calls = read_calls(self._tools, c.text)
-                item["message"] = {"role": "assistant", "content": content}
-                if calls:
-                    item["message"]["tool_calls"] = calls
+            if self.chat:
+                item["message"], called = self._message(c)
+                if called:
                     item["finish_reason"] = _called(c.finish_reason)
-            elif self.chat:
-                item["message"] = {"role": "assistant", "content": c.text}
             else:
                 item["text"] = (self.echoed(c) if self.parsed.echo else "") + c.text
                 if self.parsed.prompt_logprobs is not None:  # vLLM: per choice
@@ -131,6 +138,36 @@ class Formatter:
             response["prompt_logprobs"] = self.prompt_logprobs(choices[0])
         return response
 
+    def _reasoner(self, c: Choice) -> ReasoningStream:
+        """A new reader of ``c``'s reply: inside a thinking block from the start when the
+        prompt (its last tokens) left one open; all answer when a grammar rules the reply."""
+        tail = self.tok.decode(c.prompt_ids[-PROMPT_TAIL_TOKENS:]) if self.tok else ""
+        return ReasoningStream(self._reasoning, prompt_leaves_open(tail),
+                               constrained=self.parsed.constraint_field is not None)
+
+    def _with_reasoning(self, out: dict, reasoning: str | None) -> dict:
+        """``out`` with the reply's reasoning, under vLLM's name and the older one."""
+        if self.parsed.include_reasoning:
+            out["reasoning"] = out["reasoning_content"] = reasoning
+        return out
+
+    def _message(self, c: Choice) -> tuple[dict, bool]:
+        """A chat choice's whole message, and whether it called tools."""
+        text, reasoning = c.text, None
+        if self._reasoning is not None:
+            r = self._reasoner(c)
+            (r1, t1), (r2, t2) = r.feed(text), r.finish()
+            reasoning, text = (r1 + r2) or None, t1 + t2
+        message, calls = {"role": "assistant", "content": text}, None
+        if self._tools is not None:
+            message["content"], calls = read_calls(self._tools, text)
+            if calls:
+                message["tool_calls"] = calls
+        if self._reasoning is not None:
+            message["content"] = message["content"] or None  # vLLM's: no answer, null
+            self._with_reasoning(message, reasoning)
+        return message, bool(calls)
+
     def chunk(self, c: Choice, deltas: list[el.Delta], first: bool) -> dict:
         text = "".join(d.text for d in deltas)
         lps = [lp for d in deltas for lp in d.logprobs]
@@ -141,8 +178,8 @@ class Formatter:
         item: dict = {"index": c.index, "finish_reason": finish,
                       "logprobs": self.logprobs(lps, 0 if echo else offset, echo)
                       if lps or echo else None}
-        if self.chat and self._tools is not None:
-            item["delta"], item["finish_reason"] = self._tool_delta(c, text, finish, first)
+        if self.chat and self._splits:
+            item["delta"], item["finish_reason"] = self._split_delta(c, text, finish, first)
         elif self.chat:
             item["delta"] = ({"role": "assistant", "content": text} if first else
                              {"content": text} if text or not finish else {})
@@ -156,6 +193,29 @@ class Formatter:
         if self.parsed.continuous_usage:
             out["usage"] = _usage(c.prompt_tokens, len(c.token_ids))
         return out
+
+    def _split_delta(self, c: Choice, text: str, finish: str | None, first: bool
+                     ) -> tuple[dict, str | None]:
+        """A chat chunk's delta and finish reason when the reply is split: into reasoning
+        and answer (the reasoning parser), the answer into content and calls (tools)."""
+        reasoning = ""
+        if self._reasoning is not None:
+            r = self._reasoners.get(c.index)
+            if r is None:
+                r = self._reasoners[c.index] = self._reasoner(c)
+            reasoning, text = r.feed(text)
+            if finish is not None:
+                r2, t2 = r.finish()
+                reasoning, text = reasoning + r2, text + t2
+        if self._tools is not None:
+            delta, finish = self._tool_delta(c, text, finish, first)
+        else:
+            delta = {"role": "assistant"} if first else {}
+            if text or (first and not reasoning):
+                delta["content"] = text
+        if reasoning:
+            self._with_reasoning(delta, reasoning)
+        return delta, finish
 
     def _tool_delta(self, c: Choice, text: str, finish: str | None, first: bool
                     ) -> tuple[dict, str | None]:
@@ -196,7 +256,7 @@ class Formatter:
         """``chunk`` (``c`` already has ``deltas`` applied) as an SSE event; the common chunk
         (not the first, no logprobs) is spliced into a pre-serialized frame, which keeps the
         event loop's share of the GIL (and so the engine thread's slowdown) small."""
-        if self._tools is not None:  # text held back as a possible call makes no chunk
+        if self._splits:  # text held back (a possible call or tag) makes no chunk
             out = self.chunk(c, deltas, first)
             item = out["choices"][0]
             empty = not (first or item["delta"] or item["finish_reason"] or item["logprobs"])

@@ -325,7 +325,8 @@ class OpenAIServer:
         naming the field."""
         body = _loads(raw)
         parsed = parse(body, endpoint, self.config.limits.max_choices,
-                       self.config.tool_call_parser, self.gateway.engine.tokenizer)
+                       self.config.tool_call_parser, self.gateway.engine.tokenizer,
+                       self.config.reasoning_parser)
         self._check_model(body["model"])
         prepared, context = [], self.gateway.engine.info.max_model_len
         for p in parsed.prompts:

@@ -54,6 +54,7 @@ from jserve.serving.limits import ClientLimits
 from jserve.serving.live_engine import LiveEngine
 from jserve.serving.metrics import ServerMetrics
 from jserve.serving.protocol import logprob_to_proto, parse_request
+from jserve.serving.reasoning import FORMATS as REASONING
 from jserve.serving.router_endpoints import export_vllm_names
 from jserve.serving.tool_formats import DEFAULT_FORMAT, TOOL_FORMATS
 
@@ -102,6 +103,9 @@ class ServerConfig:
     limits: ClientLimits = ClientLimits()  # SLO floors, priorities, choices per request
     # The format the model writes tool calls in (vLLM's --tool-call-parser names).
     tool_call_parser: str = DEFAULT_FORMAT
+    # How chat replies' reasoning is told from their answer (vLLM's --reasoning-parser names,
+    # ``jserve.serving.reasoning``); None: the reply is all content.
+    reasoning_parser: str | None = None
 
     @property
     def open_to_the_network(self) -> bool:
@@ -140,6 +144,9 @@ class ServerConfig:
         if self.tool_call_parser not in TOOL_FORMATS:
             raise ValueError(f"tool_call_parser must be one of {sorted(TOOL_FORMATS)}, got "
                              f"{self.tool_call_parser!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING:
+            raise ValueError(f"reasoning_parser must be one of {sorted(REASONING)} or None, "
+                             f"got {self.reasoning_parser!r}")
         names = self.served_model_names
         if isinstance(names, str) or not names or not all(isinstance(n, str) and n
                                                           for n in names):

@@ -1,0 +1,103 @@
+"""Reasoning output (vLLM's ``--reasoning-parser``): a thinking model's chat reply split into
+its reasoning, written between ``<think>`` and ``</think>``, and its answer, the rest. The
+chat endpoint returns the reasoning as ``reasoning`` (vLLM's name) and ``reasoning_content``
+(DeepSeek's API and older vLLM), the answer as ``content``, whole or as they stream.
+
+Where a reply starts decides how it is read: inside a thinking block when the prompt left one
+open (the chat template ended with ``<think>``, as DeepSeek-R1's and QwQ's do) or the reply
+opens one first thing; otherwise as the format says (``deepseek_r1``: reasoning, the model
+always thinks first; ``qwen3``: the answer, thinking switched off). Inside the block,
+everything up to ``</think>`` is reasoning (a reply cut short there is reasoning alone);
+everything after it is the answer. ``ReasoningStream`` reads a reply in pieces and holds back
+only what could still be the start of a tag, so the pieces it returns add up to what it
+returns for the whole reply in one piece.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+THINK_START, THINK_END = "<think>", "</think>"
+# How many prompt tokens to read back for an open thinking block: templates open it at the
+# very end of the generation prompt ("<think>\n", or "<think>\n\n</think>\n\n" closed).
+PROMPT_TAIL_TOKENS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class ReasoningFormat:
+    name: str
+    thinks_by_default: bool  # a reply that opens no block is reasoning (else the answer)
+
+
+FORMATS = {f.name: f for f in (ReasoningFormat("deepseek_r1", True),
+                               ReasoningFormat("qwen3", False))}
+
+
+def prompt_leaves_open(tail: str) -> bool:
+    """Whether a prompt ending in ``tail`` leaves a thinking block open."""
+    return tail.rfind(THINK_START) > tail.rfind(THINK_END)
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """The length of the longest end of ``text`` that begins ``tag`` (held back: the tag may
+    be arriving)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ReasoningStream:
+    """One reply read piece by piece: ``feed`` returns the (reasoning, content) text each
+    piece adds, ``finish`` what was held back. ``thinking``: the prompt left a block open;
+    ``constrained``: the reply follows a grammar from its first token (a structured output
+    or a forced tool call), so it is all content."""
+
+    def __init__(self, fmt: ReasoningFormat, thinking: bool = False,
+                 constrained: bool = False):
+        self.fmt = fmt
+        self._phase = "content" if constrained else "reasoning" if thinking else "start"
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        text, self._held = self._held + text, ""
+        reasoning = content = ""
+        if self._phase == "start":
+            lead = text.lstrip()
+            if lead.startswith(THINK_START):
+                self._phase, text = "reasoning", lead[len(THINK_START):]
+            elif THINK_START.startswith(lead):  # nothing yet, or a tag arriving
+                self._held = text
+                return "", ""
+            else:
+                self._phase = "reasoning" if self.fmt.thinks_by_default else "content"
+        if self._phase == "reasoning":
+            before, tag, after = text.partition(THINK_END)
+            if tag:
+                reasoning, self._phase, text = before, "content", after
+            else:
+                keep = _partial_suffix(text, THINK_END)
+                self._held = text[len(text) - keep:] if keep else ""
+                return text[:len(text) - keep], ""
+        content = text
+        return reasoning, content
+
+    def finish(self) -> tuple[str, str]:
+        """What was held back, as what it turned out to be (the reply ended)."""
+        held, self._held = self._held, ""
+        if self._phase == "start":
+            self._phase = "reasoning" if self.fmt.thinks_by_default else "content"
+        return (held, "") if self._phase == "reasoning" else ("", held)
+
+    @property
+    def answering(self) -> bool:
+        """Whether the reply has reached its answer."""
+        return self._phase == "content"
+
+
+def split(fmt: ReasoningFormat, text: str, thinking: bool = False,
+          constrained: bool = False) -> tuple[str | None, str | None]:
+    """A whole reply as (reasoning, content), None for a part that is empty."""
+    s = ReasoningStream(fmt, thinking, constrained)
+    r, c = s.feed(text)
+    r2, c2 = s.finish()
+    return (r + r2) or None, (c + c2) or None
