@@ -20,29 +20,27 @@ from jserve.serving.reasoning import (
 R1, QWEN3 = FORMATS["deepseek_r1"], FORMATS["qwen3"]
 
 
-@pytest.mark.parametrize("fmt, text, thinking, constrained, want", [
+@pytest.mark.parametrize("fmt, text, thinking, want", [
     # deepseek_r1: the model thinks first, so a reply without a tag is reasoning.
-    (R1, "a plan</think>\n\nthe answer", False, False, ("a plan", "\n\nthe answer")),
-    (R1, "<think>a plan</think>answer", False, False, ("a plan", "answer")),
-    (R1, "  <think>cut short", False, False, ("cut short", None)),
-    (R1, "no tags at all", False, False, ("no tags at all", None)),
-    (R1, "</think>only an answer", False, False, (None, "only an answer")),
-    (R1, "", False, False, (None, None)),
+    (R1, "a plan</think>\n\nthe answer", False, ("a plan", "\n\nthe answer")),
+    (R1, "<think>a plan</think>answer", False, ("a plan", "answer")),
+    (R1, "  <think>cut short", False, ("cut short", None)),
+    (R1, "no tags at all", False, ("no tags at all", None)),
+    (R1, "</think>only an answer", False, (None, "only an answer")),
+    (R1, "", False, (None, None)),
     # qwen3: thinking can be off, so a reply that opens no block is the answer.
-    (QWEN3, "just the answer", False, False, (None, "just the answer")),
-    (QWEN3, "\n<think>\nsteps\n</think>\n\nanswer", False, False, ("\nsteps\n", "\n\nanswer")),
-    (QWEN3, "<think>steps cut short", False, False, ("steps cut short", None)),
-    (QWEN3, "answer with a </think> in it", False, False, (None, "answer with a </think> in it")),
-    (QWEN3, "<thi", False, False, (None, "<thi")),  # a reply that ended inside a would-be tag
-    (R1, "<thi", False, False, ("<thi", None)),
+    (QWEN3, "just the answer", False, (None, "just the answer")),
+    (QWEN3, "\n<think>\nsteps\n</think>\n\nanswer", False, ("\nsteps\n", "\n\nanswer")),
+    (QWEN3, "<think>steps cut short", False, ("steps cut short", None)),
+    (QWEN3, "answer with a </think> in it", False, (None, "answer with a </think> in it")),
+    (QWEN3, "<thi", False, (None, "<thi")),  # a reply that ended inside a would-be tag
+    (R1, "<thi", False, ("<thi", None)),
     # The prompt left a block open: the reply starts inside it, whatever the format.
-    (QWEN3, "steps</think>answer</think>more", True, False, ("steps", "answer</think>more")),
-    (QWEN3, "steps</thi", True, False, ("steps</thi", None)),
-    # A grammar rules the reply from its first token: all of it is the answer.
-    (R1, "<think>x</think>y", True, True, (None, "<think>x</think>y")),
+    (QWEN3, "steps</think>answer</think>more", True, ("steps", "answer</think>more")),
+    (QWEN3, "steps</thi", True, ("steps</thi", None)),
 ])
-def test_each_format_reads_a_reply(fmt, text, thinking, constrained, want):
-    assert split(fmt, text, thinking, constrained) == want
+def test_each_format_reads_a_reply(fmt, text, thinking, want):
+    assert split(fmt, text, thinking) == want
 
 
 def test_an_open_block_is_read_from_the_prompts_end():
@@ -58,20 +56,18 @@ _PIECES = st.sampled_from(["<think>", "</think>", "<", "</", "<thi", "nk>", "k>"
 
 @settings(max_examples=400, deadline=None)
 @given(fmt=st.sampled_from([R1, QWEN3]), parts=st.lists(_PIECES, max_size=12),
-       cuts=st.lists(st.integers(0, 60), max_size=6), thinking=st.booleans(),
-       constrained=st.booleans())
-def test_a_reply_streamed_in_any_pieces_splits_as_it_does_whole(fmt, parts, cuts, thinking,
-                                                               constrained):
+       cuts=st.lists(st.integers(0, 60), max_size=6), thinking=st.booleans())
+def test_a_reply_streamed_in_any_pieces_splits_as_it_does_whole(fmt, parts, cuts, thinking):
     text = "".join(parts)
     bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
-    s = ReasoningStream(fmt, thinking, constrained)
+    s = ReasoningStream(fmt, thinking)
     reasoning = content = ""
     for a, b in zip(bounds, bounds[1:]):
         r, c = s.feed(text[a:b])
         reasoning, content = reasoning + r, content + c
     r, c = s.finish()
     reasoning, content = reasoning + r, content + c
-    assert ((reasoning or None), (content or None)) == split(fmt, text, thinking, constrained)
+    assert ((reasoning or None), (content or None)) == split(fmt, text, thinking)
     # Nothing is lost but the tags that delimit the reasoning.
     if reasoning:
         assert reasoning in text and content in text
@@ -164,9 +160,9 @@ def test_served_replies_split_against_their_raw_text(served, tags):
     """Greedy replies of the real model, each asked also with ``separate_reasoning: false``
     (its raw text, all content): in a block the prompt left open, everything up to
     ``</think>`` is the reasoning; a prompt that closed the block, or opened none, gives all
-    content; a reply that opens a block (forced by ``logit_bias``) is reasoning; a grammar
-    (json_object) makes the reply all content even in an open block. The streamed chunks
-    add up to the message, reasoning under both names (and neither when not split)."""
+    content; a reply that opens a block (forced by ``logit_bias``) is reasoning. The
+    streamed chunks add up to the message, reasoning under both names (and neither when
+    not split)."""
     think, end = ({"logit_bias": {str(tags[t]): 100}, "max_tokens": 3}
                   for t in ("<think>", "</think>"))
     cases = [  # (extra body fields, the (reasoning, content) of the raw text)
@@ -175,7 +171,6 @@ def test_served_replies_split_against_their_raw_text(served, tags):
         ({}, lambda text: (None, text)),
         ({**OPEN, **end}, lambda text: (None, text[len("</think>"):])),
         (think, lambda text: (text[len("<think>"):], None)),
-        ({**OPEN, "response_format": {"type": "json_object"}}, lambda text: (None, text)),
     ]
     got = _chat(served, [extra for extra, _ in cases])
     raws = _chat(served, [{**extra, "separate_reasoning": False} for extra, _ in cases])
@@ -191,6 +186,55 @@ def test_served_replies_split_against_their_raw_text(served, tags):
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_a_constrained_reply_thinks_first_and_answers_in_its_grammar(served, tags):
+    """A guided choice in a block the prompt left open: the reply is free up to ``</think>``
+    (the random model thinks until max_tokens), then held to the choice; forced to end its
+    block at once (``logit_bias``), it answers one of the choices and stops."""
+    choice = {"guided_choice": ["yes", "no"]}
+    forced = {"logit_bias": {str(tags["</think>"]): 100}}
+    (free, free_streamed, _), (ended, ended_streamed, _) = _chat(
+        served, [{**OPEN, **choice, "max_tokens": 12}, {**OPEN, **choice, **forced}])
+    assert free == free_streamed and ended == ended_streamed
+    assert free[0] and free[2] is None  # thought to max_tokens, in no grammar
+    assert ended[:2] == (None, None) and ended[2].lstrip("\n") in ("yes", "no")
+
+
+def test_a_constraint_holds_after_the_thinking_block_the_format_allows():
+    """The grammar of a structured output behind each kind of block, on the Qwen3
+    checkpoint's tokenizer (the tags its tokens): free text up to the end tag, at most two
+    newlines, then the constraint; an output it refuses is refused where it goes wrong."""
+    from hf_models import qwen3_thinking_dir
+    from jserve.sampling.structured import GrammarCompiler, StructuredOutput
+    from jserve.tokenizer import load_tokenizer
+    tok = load_tokenizer(qwen3_thinking_dir())
+    compiler = GrammarCompiler(tok, 1216, tuple(tok.eos_token_ids))
+
+    def verdict(so, text):
+        c = compiler.compile(so)
+        for t in tok.encode(text, add_special_tokens=False):
+            if not c.advance(t):
+                return "refused"
+        return "done" if c.done else "open"
+    yes_no = lambda mode: StructuredOutput(choice=["yes", "no"], think=mode)  # noqa: E731
+    schema = StructuredOutput(json={"type": "object", "properties": {"a": {"type": "integer"}},
+                                    "required": ["a"]}, think="first")
+    cases = [(yes_no("open"), "x</think>yes", "done"), (yes_no("open"), "x</think>\n\nno", "done"),
+             (yes_no("open"), "yes", "open"),  # still thinking: "yes" is a thought
+             (yes_no("open"), "x</think>\n\n\nno", "refused"),
+             (yes_no("open"), "x</think>maybe", "refused"),
+             (yes_no("first"), "<think>x</think>no", "done"),
+             (yes_no("first"), "x</think>no", "done"),
+             (yes_no("optional"), "<think>\nx\n</think>\n\nno", "done"),
+             (yes_no("optional"), "no", "done"), (yes_no("optional"), "x</think>no", "refused"),
+             (schema, '<think>hm</think>\n\n{"a":4}', "done"),
+             (schema, '<think>hm</think>{ "a":4}', "refused"),  # compact JSON, as without
+             (StructuredOutput(grammar='start: "A" | "B"', think="optional"), "B", "done")]
+    assert [verdict(so, text) for so, text, _ in cases] == [want for _, _, want in cases]
+    with pytest.raises(ValueError, match="think"):
+        StructuredOutput(regex="a", think="later")
+
+
 def test_reasoning_can_be_dropped_and_must_stream(served):
     import openai
     with openai.OpenAI(base_url=served.url + "/v1", api_key="x", max_retries=0) as client:

@@ -29,13 +29,18 @@ def test_vllm_spellings_parse_to_jserve_settings():
                     "--enable-prefix-caching", "--kv-cache-dtype", "fp8", "--max-logprobs", "20",
                     "--trust-remote-code", "--tool-call-parser", "llama3_json",
                     "--enable-auto-tool-choice", "--num-gpu-blocks-override", "64",
-                    "--ssl-certfile", "c.pem", "--ssl-keyfile", "k.pem")
+                    "--ssl-certfile", "c.pem", "--ssl-keyfile", "k.pem", "--block-size", "32",
+                    "--swap-space", "2.5", "--reasoning-parser", "deepseek_r1")
     assert (a.http_port, a.grpc_port, a.auth_token, a.seed) == (8123, 50051, KEY, 7)
     assert (a.tls_cert, a.tls_key, a.dtype) == ("c.pem", "k.pem", "auto")
     kw = engine_kwargs(a)
     assert kw["mesh"] == "tp=2" and kw["memory_fraction"] == 0.5
     assert kw["kv_cache_dtype"] == "fp8_e4m3" and kw["num_kv_pages"] == 64
     assert kw["enable_prefix_caching"] is True
+    assert (kw["page_size"], kw["swap_space_bytes"], a.reasoning_parser) == (
+        32, 5 << 29, "deepseek_r1")
+    unset = engine_kwargs(_serve_args())  # EngineConfig's own defaults then hold
+    assert "page_size" not in unset and "swap_space_bytes" not in unset
     assert engine_kwargs(_serve_args("--no-enable-prefix-caching"))["enable_prefix_caching"] \
         is False
     assert vllm_args(a) is None and a.model == "some/dir"  # the positional model
@@ -93,9 +98,9 @@ def test_every_refused_vllm_flag_is_named(argv, named, capsys):
 
 def test_refused_flags_and_other_unknown_ones_are_all_named(capsys):
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["serve", "--enforce-eager", "--swap-space=4", "--bogus"])
+        build_parser().parse_args(["serve", "--enforce-eager", "--cpu-offload-gb=4", "--bogus"])
     err = capsys.readouterr().err
-    assert "--enforce-eager: vLLM's flag" in err and "--swap-space: vLLM's flag" in err
+    assert "--enforce-eager: vLLM's flag" in err and "--cpu-offload-gb: vLLM's flag" in err
     assert "unrecognized arguments: --bogus" in err
 
 

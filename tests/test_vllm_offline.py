@@ -177,16 +177,34 @@ def test_constructor_aliases_reach_the_engine_config():
     assert llm.get_tokenizer() is llm.engine.tokenizer
 
 
+def test_block_size_pages_the_cache_and_keeps_the_tokens(chat_llm):
+    """``block_size`` (vLLM's KV block) is the page size: 32-token pages hold the same
+    greedy tokens as the default 16 on the chat checkpoint, over several pages."""
+    llm = LLM(model=str(llama3_chat_dir()), block_size=32, swap_space=1, **SMALL_VLLM)
+    assert (llm.engine.config.page_size, llm.engine.config.swap_space_bytes) == (32, 1 << 30)
+    prompt = "Paged attention keeps the key value cache in fixed size blocks. " * 4
+    want = chat_llm.generate(prompt, greedy(40))[0]
+    assert len(want.prompt_token_ids) + 40 > 2 * 32  # over more than two pages of 32
+    assert llm.generate(prompt, greedy(40))[0].token_ids == want.token_ids
+
+
 def test_vllm_names_map_or_are_refused_naming_themselves():
     assert llm_engine_kwargs("m", {"tensor_parallel_size": 2, "mesh": "kvp=2,spp=2"}) == {
         "mesh": "spp=2,kvp=2,tp=2"}
     assert llm_engine_kwargs("m", {"num_gpu_blocks_override": 64, "seed": None}) == {
         "num_kv_pages": 64}
+    assert llm_engine_kwargs("m", {"block_size": 32, "swap_space": 0.5}) == {
+        "page_size": 32, "swap_space_bytes": 1 << 29}
+    with pytest.raises(TypeError, match="swap_space or swap_space_bytes"):
+        llm_engine_kwargs("m", {"swap_space": 1, "swap_space_bytes": 1})
+    with pytest.raises(ValueError, match="swap_space must be"):
+        llm_engine_kwargs("m", {"swap_space": -1})
     with pytest.raises(ValueError, match="tensor_parallel_size 2 and mesh"):
         llm_engine_kwargs("m", {"tensor_parallel_size": 2, "mesh": "tp=4"})
     for kw, name in [({"enforce_eager": True}, "enforce_eager"),
                      ({"pipeline_parallel_size": 2}, "pipeline_parallel_size"),
-                     ({"swap_space": 4}, "swap_space"), ({"frobnicate": 1}, "frobnicate"),
+                     ({"cpu_offload_gb": 4}, "cpu_offload_gb"),
+                     ({"frobnicate": 1}, "frobnicate"),
                      ({"gpu_memory_utilization": 0.5, "memory_fraction": 0.5},
                       "gpu_memory_utilization")]:
         with pytest.raises(TypeError, match=name):

@@ -9,7 +9,13 @@ import argparse
 
 from jserve.config import DTYPE_CHOICES, KV_CACHE_DTYPES, QUANTIZATIONS
 from jserve.engine.config import LAYER_LOOPS, WARMUP_MODES, EngineConfig
-from jserve.engine.vllm_names import KV_CACHE_DTYPE_ALIASES, mesh_with_tp
+from jserve.engine.vllm_names import (
+    BLOCK_SIZES,
+    GIB,
+    KV_CACHE_DTYPE_ALIASES,
+    mesh_with_tp,
+    swap_space_bytes,
+)
 from jserve.speculative.config import SpeculativeConfig
 
 
@@ -60,6 +66,14 @@ def _add_memory_args(p: argparse.ArgumentParser) -> None:
                    help="how KV pages are stored: auto (the model's dtype), int8 (per token "
                         "and KV head scales) or fp8_e4m3 / fp8_e5m2 (fp8: vLLM's name of "
                         "fp8_e4m3; docs/quantization.md)")
+    p.add_argument("--page-size", "--block-size", dest="page_size", type=int,
+                   choices=BLOCK_SIZES, default=None,
+                   help=f"tokens a KV page (--block-size: vLLM's name); None: "
+                        f"{d.page_size}")
+    p.add_argument("--swap-space", type=swap_gib, default=None, metavar="GIB",
+                   help=f"host memory in GiB that preempted sequences' KV pages are swapped "
+                        f"to (EngineConfig.swap_space_bytes); None: "
+                        f"{d.swap_space_bytes / GIB:g}")
     p.add_argument("--kv-offload-bytes", type=int, default=d.kv_offload_bytes,
                    help="host-memory tier of the prefix cache in bytes: cached KV pages the "
                         "device evicts are copied to host RAM and restored by copy when a "
@@ -113,6 +127,14 @@ def _add_step_args(p: argparse.ArgumentParser, warmup: str) -> None:
                         "(docs/speculative.md)")
 
 
+def swap_gib(text: str) -> int:
+    """``--swap-space``'s type: GiB (vLLM's unit) >= 0, as bytes."""
+    try:
+        return swap_space_bytes(float(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def fraction(text: str) -> float:
     """``--memory-fraction``'s type: a number in (0, 1]."""
     try:
@@ -164,7 +186,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
               async_scheduling=a.async_scheduling, kv_cache_dtype=a.kv_cache_dtype,
               speculative_config=a.speculative_config, decode_burst=a.decode_burst,
               layer_loop=a.layer_loop,
-              kv_offload_bytes=a.kv_offload_bytes)
+              kv_offload_bytes=a.kv_offload_bytes, page_size=a.page_size,
+              swap_space_bytes=a.swap_space)
     return {k: v for k, v in kw.items() if v is not None}
 
 

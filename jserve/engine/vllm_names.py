@@ -36,9 +36,6 @@ VLLM_REFUSED = {
                                 "chunk",
     "--no-enable-chunked-prefill": "jserve chunks every prefill (its schedulers are built on "
                                    "it); --max-num-batched-tokens bounds a chunk",
-    "--block-size": "the KV page size is EngineConfig.page_size (16; no flag yet)",
-    "--swap-space": "the host swap pool is EngineConfig.swap_space_bytes (4 GiB; LLM("
-                    "swap_space_bytes=...), no flag yet)",
     "--cpu-offload-gb": "weights stay on the device",
     "--scheduling-policy": "jserve's policies are --scheduler (docs/scheduler.md); priority "
                            "is a request field",
@@ -65,7 +62,10 @@ KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
 # ``LLM(...)`` keywords under vLLM's names -> the ``EngineConfig`` field each sets (the CLI's
 # flags of the same names are aliases of the same fields).
 LLM_ALIASES = {"gpu_memory_utilization": "memory_fraction",
-               "num_gpu_blocks_override": "num_kv_pages"}
+               "num_gpu_blocks_override": "num_kv_pages", "block_size": "page_size"}
+# vLLM's KV block sizes (tokens a page): the page sizes ``--block-size`` takes.
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+GIB = 1 << 30  # vLLM's swap_space is in GiB
 
 
 def mesh_with_tp(mesh: str, tp: int | None,
@@ -100,6 +100,13 @@ def check_tokenizer(tokenizer: str | None, model: str, name: str = "--tokenizer"
                          "tokenizer's tokenizer.json and tokenizer_config.json)")
 
 
+def swap_space_bytes(gib: object) -> int:
+    """vLLM's ``swap_space`` (GiB of host memory for preempted sequences' KV) in bytes."""
+    if not isinstance(gib, (int, float)) or isinstance(gib, bool) or not 0 <= gib < 1 << 20:
+        raise ValueError(f"swap_space must be a number of GiB >= 0, got {gib!r}")
+    return int(gib * GIB)
+
+
 def refused_why(name: str) -> str | None:
     """Why ``LLM(name=...)`` is refused: the reason of the flag ``--name`` (None: not one)."""
     return VLLM_REFUSED.get("--" + name.replace("_", "-"))
@@ -109,6 +116,7 @@ def llm_engine_kwargs(model: str, kwargs: dict) -> dict:
     """``LLM``'s keyword arguments with vLLM's names turned into jserve's:
     ``tensor_parallel_size`` -> the mesh's tp, ``gpu_memory_utilization`` ->
     ``memory_fraction`` (in (0, 1]), ``num_gpu_blocks_override`` -> ``num_kv_pages``,
+    ``block_size`` -> ``page_size``, ``swap_space`` (GiB) -> ``swap_space_bytes``,
     ``kv_cache_dtype="fp8"`` -> ``fp8_e4m3``, ``tokenizer`` (checked; ``LLM`` loads it) and
     ``trust_remote_code`` (no code runs from a checkpoint) dropped, ``seed=None`` (vLLM's
     "unseeded") as the engine's default. TypeError for a vLLM name jserve refuses (saying
@@ -129,6 +137,10 @@ def llm_engine_kwargs(model: str, kwargs: dict) -> dict:
             if field in kw:
                 raise TypeError(f"LLM: give {vllm_name} or {field}, not both")
             kw[field] = kw.pop(vllm_name)
+    if "swap_space" in kw:
+        if "swap_space_bytes" in kw:
+            raise TypeError("LLM: give swap_space or swap_space_bytes, not both")
+        kw["swap_space_bytes"] = swap_space_bytes(kw.pop("swap_space"))
     fraction = kw.get("memory_fraction")
     if fraction is not None and not (isinstance(fraction, (int, float)) and 0 < fraction <= 1):
         raise ValueError(f"gpu_memory_utilization (memory_fraction) must be in (0, 1], "

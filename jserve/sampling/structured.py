@@ -20,18 +20,28 @@ from typing import Any
 import numpy as np
 
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
+# How a thinking block may come before a constrained output (``StructuredOutput.think``):
+# "open" the output starts inside one (the prompt opened it), "first" it starts with one (its
+# opening tag optional: DeepSeek-R1), "optional" it may start with one (Qwen3). The block's
+# text is free; the constraint holds from the end tag on.
+THINK_MODES = ("open", "first", "optional")
+THINK_START, THINK_END = "<think>", "</think>"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class StructuredOutput:
     """Exactly one of: ``json`` (a JSON schema as a dict, or True for any JSON object),
     ``regex`` (the whole output matches it), ``choice`` (the output is one of the strings),
-    ``grammar`` (a Lark grammar, llguidance's dialect; its ``start`` rule is the output)."""
+    ``grammar`` (a Lark grammar, llguidance's dialect; its ``start`` rule is the output).
+    ``think`` (``THINK_MODES``, the server's reasoning parser sets it): the output may reason
+    between ``<think>`` and ``</think>`` first, and only what follows is held to the
+    constraint (None: all of it)."""
 
     json: dict | bool | None = None
     regex: str | None = None
     choice: tuple[str, ...] | list[str] | None = None
     grammar: str | None = None
+    think: str | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in STRUCTURED_KINDS if getattr(self, k) is not None]
@@ -51,13 +61,35 @@ class StructuredOutput:
                 raise ValueError("structured_output.choice must be a non-empty list of "
                                  "non-empty strings")
             object.__setattr__(self, "choice", tuple(value))
+        if self.think is not None and self.think not in THINK_MODES:
+            raise ValueError(f"structured_output.think must be one of {THINK_MODES} or None, "
+                             f"got {self.think!r}")
 
     @property
     def kind(self) -> str:
         return next(k for k in STRUCTURED_KINDS if getattr(self, k) is not None)
 
-    def grammar_text(self) -> str:
-        """The llguidance grammar (a JSON document naming one grammar): also the cache key."""
+    def grammar_text(self, tokenizer=None) -> str:
+        """The llguidance grammar (a JSON document naming its grammars): also the cache key.
+        With ``think``, the constraint's grammar follows a free block, whose tags are tokens
+        of ``tokenizer`` where it has them as one (``lark_literal``)."""
+        if self.think is None:
+            return self._constraint_text()
+        inner = self._constraint_text()
+        try:
+            grammars = json.loads(inner)["grammars"]
+        except ValueError:  # a bare Lark grammar
+            grammars = [{"lark_grammar": inner}]
+        start, end = (lark_literal(tokenizer, t) for t in (THINK_START, THINK_END))
+        block = {"open": f"THOUGHT {end}", "first": f"{start}? THOUGHT {end}",
+                 "optional": f"({start} THOUGHT {end})?"}[self.think]
+        # A newline or two may follow the end tag, as thinking models write it.
+        head = (f"start: thinking @answer\nthinking: {block} GAP\n"
+                f"THOUGHT: /(?s:.*)/\nGAP: /\\n{{0,2}}/\n")
+        return json.dumps({"grammars": [{"lark_grammar": head},
+                                        dict(grammars[0], name="answer"), *grammars[1:]]})
+
+    def _constraint_text(self) -> str:
         from llguidance import LLMatcher
         if self.json is not None:
             schema = {"type": "object"} if self.json is True else ascii_schema(self.json)
@@ -167,7 +199,7 @@ class GrammarCompiler:
 
     def _template(self, so: StructuredOutput, count: bool):
         from llguidance import LLMatcher
-        text = so.grammar_text()
+        text = so.grammar_text(self._tokenizer)
         with self._lock:
             template = self._cache.get(text)
             if template is not None:

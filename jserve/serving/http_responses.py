@@ -22,12 +22,7 @@ from jserve.engine.output import TokenLogprob
 from jserve.serving import engine_api as el, http_echo
 from jserve.serving.gateway import Rejected, Stream
 from jserve.serving.http_protocol import Parsed
-from jserve.serving.reasoning import (
-    FORMATS as REASONING,
-    PROMPT_TAIL_TOKENS,
-    ReasoningStream,
-    prompt_leaves_open,
-)
+from jserve.serving.reasoning import FORMATS as REASONING, ReasoningStream, opens_thinking
 from jserve.serving.tool_calls import ToolCallParser
 from jserve.serving.tool_formats import call_parser, read_calls
 
@@ -140,10 +135,8 @@ class Formatter:
 
     def _reasoner(self, c: Choice) -> ReasoningStream:
         """A new reader of ``c``'s reply: inside a thinking block from the start when the
-        prompt (its last tokens) left one open; all answer when a grammar rules the reply."""
-        tail = self.tok.decode(c.prompt_ids[-PROMPT_TAIL_TOKENS:]) if self.tok else ""
-        return ReasoningStream(self._reasoning, prompt_leaves_open(tail),
-                               constrained=self.parsed.constraint_field is not None)
+        prompt (its last tokens) left one open."""
+        return ReasoningStream(self._reasoning, opens_thinking(self.tok, c.prompt_ids))
 
     def _with_reasoning(self, out: dict, reasoning: str | None) -> dict:
         """``out`` with the reply's reasoning, under vLLM's name and the older one."""

@@ -66,6 +66,7 @@ from jserve.serving.http_responses import (
     pump,
     sse,
 )
+from jserve.serving.reasoning import FORMATS as REASONING, opens_thinking, thinking_first
 from jserve.serving.router_endpoints import RouterEndpoints
 from jserve.tokenizer import chat_prompt_ids
 
@@ -334,6 +335,10 @@ class OpenAIServer:
             if endpoint == "chat" and not parsed.max_tokens_given:  # up to the context
                 params = dataclasses.replace(
                     params, max_tokens=max(1, context - len(prompt), params.min_tokens))
+            if parsed.reasoning is not None and params.structured_output is not None:
+                params = dataclasses.replace(params, structured_output=thinking_first(
+                    REASONING[parsed.reasoning], params.structured_output,
+                    opens_thinking(self.gateway.engine.tokenizer, prompt)))
             prepared.append(self._prepare(prompt, params, parsed, endpoint, trusted))
         return parsed, prepared
 

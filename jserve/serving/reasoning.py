@@ -11,12 +11,18 @@ everything up to ``</think>`` is reasoning (a reply cut short there is reasoning
 everything after it is the answer. ``ReasoningStream`` reads a reply in pieces and holds back
 only what could still be the start of a tag, so the pieces it returns add up to what it
 returns for the whole reply in one piece.
+
+A constrained reply (a structured output, or calls a tool choice forces) may think first,
+as the format lets it, and its constraint holds from ``</think>`` on (``thinking_first``:
+the grammar is the structured output's behind a free thinking block).
 """
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
-THINK_START, THINK_END = "<think>", "</think>"
+from jserve.sampling.structured import THINK_END, THINK_START, StructuredOutput
+
 # How many prompt tokens to read back for an open thinking block: templates open it at the
 # very end of the generation prompt ("<think>\n", or "<think>\n\n</think>\n\n" closed).
 PROMPT_TAIL_TOKENS = 16
@@ -26,15 +32,29 @@ PROMPT_TAIL_TOKENS = 16
 class ReasoningFormat:
     name: str
     thinks_by_default: bool  # a reply that opens no block is reasoning (else the answer)
+    think: str  # a constrained reply's block (``StructuredOutput.think``) unless opened
 
 
-FORMATS = {f.name: f for f in (ReasoningFormat("deepseek_r1", True),
-                               ReasoningFormat("qwen3", False))}
+FORMATS = {f.name: f for f in (ReasoningFormat("deepseek_r1", True, "first"),
+                               ReasoningFormat("qwen3", False, "optional"))}
 
 
 def prompt_leaves_open(tail: str) -> bool:
     """Whether a prompt ending in ``tail`` leaves a thinking block open."""
     return tail.rfind(THINK_START) > tail.rfind(THINK_END)
+
+
+def opens_thinking(tokenizer, prompt_ids: Sequence[int]) -> bool:
+    """Whether the prompt ``prompt_ids`` (its last tokens) leaves a thinking block open."""
+    return tokenizer is not None and prompt_leaves_open(
+        tokenizer.decode(list(prompt_ids[-PROMPT_TAIL_TOKENS:])))
+
+
+def thinking_first(fmt: ReasoningFormat, so: StructuredOutput, opened: bool
+                   ) -> StructuredOutput:
+    """``so`` held only after the reply's thinking block: one the prompt ``opened``, else
+    the block the format lets the reply open."""
+    return dataclasses.replace(so, think="open" if opened else fmt.think)
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -48,14 +68,11 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 class ReasoningStream:
     """One reply read piece by piece: ``feed`` returns the (reasoning, content) text each
-    piece adds, ``finish`` what was held back. ``thinking``: the prompt left a block open;
-    ``constrained``: the reply follows a grammar from its first token (a structured output
-    or a forced tool call), so it is all content."""
+    piece adds, ``finish`` what was held back. ``thinking``: the prompt left a block open."""
 
-    def __init__(self, fmt: ReasoningFormat, thinking: bool = False,
-                 constrained: bool = False):
+    def __init__(self, fmt: ReasoningFormat, thinking: bool = False):
         self.fmt = fmt
-        self._phase = "content" if constrained else "reasoning" if thinking else "start"
+        self._phase = "reasoning" if thinking else "start"
         self._held = ""
 
     def feed(self, text: str) -> tuple[str, str]:
@@ -94,10 +111,10 @@ class ReasoningStream:
         return self._phase == "content"
 
 
-def split(fmt: ReasoningFormat, text: str, thinking: bool = False,
-          constrained: bool = False) -> tuple[str | None, str | None]:
+def split(fmt: ReasoningFormat, text: str, thinking: bool = False
+          ) -> tuple[str | None, str | None]:
     """A whole reply as (reasoning, content), None for a part that is empty."""
-    s = ReasoningStream(fmt, thinking, constrained)
+    s = ReasoningStream(fmt, thinking)
     r, c = s.feed(text)
     r2, c2 = s.finish()
     return (r + r2) or None, (c + c2) or None
