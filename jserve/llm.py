@@ -21,6 +21,7 @@ from jserve.engine.startup import StartupTimes
 from jserve.engine.vllm_names import llm_engine_kwargs, separate_tokenizer
 from jserve.model.weights import load_model
 from jserve.probe.length_probe import default_probe_path
+from jserve.sampling.generation_config import default_params, generation_defaults
 from jserve.sampling.params import SamplingParams
 from jserve.scheduler.registry import POLICIES
 from jserve.serving.tool_calls import template_messages
@@ -41,15 +42,21 @@ class LLM:
     vLLM's names are taken too (``tensor_parallel_size``, ``gpu_memory_utilization``,
     ``kv_cache_dtype="fp8"``, ``tokenizer``, ``trust_remote_code``: ``llm_engine_kwargs``);
     a name vLLM has and jserve refuses, or an unknown one, raises TypeError naming it.
+    ``generation_config`` ("auto": the model directory's generation_config.json, "vllm":
+    none, or a directory) and ``override_generation_config`` give the sampling defaults of
+    ``generate`` and ``chat`` called without params (``get_default_sampling_params``).
     """
 
     def __init__(self, model: str = "default", *, dtype: str | None = None,
-                 quantization: str | None = None, **engine_kwargs):
+                 quantization: str | None = None, generation_config: str = "auto",
+                 override_generation_config: dict | None = None, **engine_kwargs):
         startup = StartupTimes()  # imports: process start to here
         if "tpot_slo" in engine_kwargs:  # the iteration budget's name before
             warnings.warn("LLM(tpot_slo=...) is deprecated: use iteration_budget=...",
                           DeprecationWarning, stacklevel=2)
             engine_kwargs["iteration_budget"] = engine_kwargs.pop("tpot_slo")
+        self.sampling_defaults = generation_defaults(generation_config, model,
+                                                     override_generation_config)
         tokenizer = engine_kwargs.get("tokenizer")  # checked and dropped from the engine's
         engine_kwargs = llm_engine_kwargs(model, engine_kwargs)
         fields = {f.name for f in dataclasses.fields(EngineConfig)}
@@ -73,6 +80,11 @@ class LLM:
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` samples with when given no params: the model's defaults
+        (``generation_config``), else ``SamplingParams()``'s."""
+        return default_params(self.sampling_defaults)
 
     def get_tokenizer(self):
         """The model's tokenizer (vLLM's name; None for a model without one)."""
@@ -128,7 +140,7 @@ class LLM:
             prompts = [prompts]
         prompts = [_prompt(p) for p in prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):

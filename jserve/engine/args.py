@@ -6,6 +6,7 @@ No JAX here: the CLI's parser and the benchmarks import this before anything sta
 from __future__ import annotations
 
 import argparse
+import json
 
 from jserve.config import DTYPE_CHOICES, KV_CACHE_DTYPES, QUANTIZATIONS
 from jserve.engine.config import LAYER_LOOPS, WARMUP_MODES, EngineConfig
@@ -125,6 +126,25 @@ def _add_step_args(p: argparse.ArgumentParser, warmup: str) -> None:
                    help='speculative decoding as JSON, vLLM\'s dict: e.g. \'{"method": '
                         '"ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' '
                         "(docs/speculative.md)")
+    p.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="the sampling defaults of requests that leave the fields unset: auto "
+                        "reads the model directory's generation_config.json (temperature, "
+                        "top_p, top_k, min_p, repetition_penalty; max_new_tokens also caps "
+                        "every served request's max_tokens), vllm uses none, DIR reads DIR's")
+    p.add_argument("--override-generation-config", type=json_object, default=None,
+                   metavar="JSON", help='generation_config keys over those it read, e.g. '
+                                        '\'{"temperature": 0.5}\'')
+
+
+def json_object(text: str) -> dict:
+    """A flag's JSON object, or an argparse error."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def swap_gib(text: str) -> int:
@@ -194,7 +214,9 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
 def llm_kwargs(a: argparse.Namespace) -> dict:
     """``LLM``'s keyword arguments from the flags: ``engine_kwargs`` plus the load-time
     ``dtype`` and ``quantization`` (left out when unset)."""
-    load = {k: v for k, v in (("dtype", a.dtype), ("quantization", a.quantization))
+    load = {k: v for k, v in (("dtype", a.dtype), ("quantization", a.quantization),
+                              ("generation_config", a.generation_config),
+                              ("override_generation_config", a.override_generation_config))
             if v is not None}
     return {**load, **engine_kwargs(a)}
 

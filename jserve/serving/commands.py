@@ -17,6 +17,7 @@ from jserve.engine.config import EngineConfig
 from jserve.engine.vllm_names import VLLM_REFUSED, check_tokenizer
 from jserve.fields import MAX_TOKEN_LOGPROBS
 from jserve.log_setup import configure_logging
+from jserve.sampling.generation_config import describe, generation_defaults
 from jserve.scheduler import ENGINE_POLICIES
 from jserve.serving.limits import ClientLimits
 from jserve.serving.reasoning import FORMATS as REASONING
@@ -328,7 +329,9 @@ def ray_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
                             auth_token=a.auth_token or os.environ.get(TOKEN_ENV) or None,
                             metrics_open=a.metrics_open, limits=client_limits(a),
                             tool_call_parser=a.tool_call_parser,
-                            reasoning_parser=a.reasoning_parser),
+                            reasoning_parser=a.reasoning_parser,
+                            sampling_defaults=generation_defaults(
+                                a.generation_config, a.model, a.override_generation_config)),
                 num_gpus=a.gpus_per_replica, address=a.ray_address, grace_s=a.grace_period)
     if a.autoscale:
         args["autoscale"] = a.autoscale
@@ -385,20 +388,11 @@ def vllm_args(a: argparse.Namespace) -> str | None:
     return read_chat_template(a.chat_template)
 
 
-def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
-    chat_template = vllm_args(a)
-    engine_kwargs = dict(engine_kwargs, seed=a.seed)
-    if a.ray:
-        return ray_command(a, engine_kwargs)
+def server_config(a: argparse.Namespace, sampling_defaults: dict):
+    """The ``ServerConfig`` of ``jserve serve``'s flags."""
+    from jserve.serving.server import ServerConfig
 
-    # Imported here: the model loads JAX and the server gRPC, which `jserve simulate` and
-    # `--help` never need.
-    from jserve import LLM
-    from jserve.serving.fake_engine import FakeEngine
-    from jserve.serving.server import ServerConfig, serve
-
-    configure_logging(a.log_level)
-    config = ServerConfig(
+    return ServerConfig(
         host=a.host, port=a.grpc_port,
         metrics_port=None if a.metrics_port < 0 else a.metrics_port,
         http_port=None if a.http_port < 0 else a.http_port,
@@ -409,7 +403,24 @@ def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
         auth_token=a.auth_token or os.environ.get(TOKEN_ENV) or None,
         metrics_open=a.metrics_open, served_model_names=served_model_names(a),
         limits=client_limits(a), tool_call_parser=a.tool_call_parser,
-        reasoning_parser=a.reasoning_parser)
+        reasoning_parser=a.reasoning_parser, sampling_defaults=sampling_defaults)
+
+
+def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
+    chat_template = vllm_args(a)
+    engine_kwargs = dict(engine_kwargs, seed=a.seed)
+    if a.ray:
+        return ray_command(a, engine_kwargs)
+
+    # Imported here: the model loads JAX and the server gRPC, which `jserve simulate` and
+    # `--help` never need.
+    from jserve import LLM
+    from jserve.serving.fake_engine import FakeEngine
+    from jserve.serving.server import serve
+
+    configure_logging(a.log_level)
+    defaults = generation_defaults(a.generation_config, a.model, a.override_generation_config)
+    config = server_config(a, defaults)
     join_processes(a)
     if a.fake_engine:
         llm, engine = None, FakeEngine.for_model(a.tokenizer or a.model,
@@ -422,7 +433,8 @@ def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
         llm = LLM(a.model, dtype=dtype, quantization=a.quantization, scheduler=a.scheduler,
                   length_probe=a.length_probe, sprpt_c=a.sprpt_c,
                   iteration_budget=a.iteration_budget, prefill_share=a.prefill_share,
-                  tokenizer=a.tokenizer, **engine_kwargs)
+                  tokenizer=a.tokenizer, generation_config=a.generation_config,
+                  override_generation_config=a.override_generation_config, **engine_kwargs)
         engine = llm.engine
         engine.startup.dtype_reason = why if a.dtype == "auto" else "--dtype"  # start-up line
     if chat_template is not None:
@@ -444,6 +456,9 @@ def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
               flush=True)
         print(f"jserve: client limits: {server.gateway.limits.describe()}, requests <= "
               f"{config.max_request_bytes} bytes", flush=True)
+        if defaults:  # vLLM says so too: the model's creator changed the sampling defaults
+            print(f"jserve: sampling defaults from the model's generation_config.json: "
+                  f"{describe(defaults)} (--generation-config vllm: none)", flush=True)
         if config.open_to_the_network:
             print(f"jserve: WARNING: listening on {a.host} with no --auth-token: anyone who "
                   f"can reach this host can use the server", file=sys.stderr, flush=True)

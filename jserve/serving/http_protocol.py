@@ -267,12 +267,24 @@ def _kind_check(body: dict, field: str, ok: bool, want: str) -> None:
         raise BadField(field, f"{field} must be {want}, got {fields.shown(body[field])}")
 
 
+def _check_neutral(body: dict, neutral: dict) -> None:
+    """Fields accepted only at the values of ``neutral``: another is a ``BadField``."""
+    for field, values in neutral.items():
+        if field in body and body[field] not in values:
+            why = f": {_WHY_NEUTRAL[field]}" if field in _WHY_NEUTRAL else ""
+            raise BadField(field, f"{field}={fields.shown(body[field])} is not supported by "
+                                  f"jserve (only {values[-1]!r}){why}")
+
+
 def parse(body: Any, endpoint: str, max_choices: int = 256,
-          tool_format: str = DEFAULT_FORMAT, tokenizer=None, reasoning: str | None = None
-          ) -> Parsed:
+          tool_format: str = DEFAULT_FORMAT, tokenizer=None, reasoning: str | None = None,
+          defaults: dict | None = None) -> Parsed:
     """A request body -> what to run; ``BadField`` naming the field otherwise. The model
     (its ``tokenizer``) writes tool calls in ``tool_format`` (``tool_formats``) and its
-    reasoning in ``reasoning``'s format (``jserve.serving.reasoning``; None: no parser)."""
+    reasoning in ``reasoning``'s format (``jserve.serving.reasoning``; None: no parser).
+    ``defaults``: the server's sampling fields for those the body leaves out (the model's
+    generation_config.json; their ``max_tokens`` is a cap, applied once the prompt is
+    known)."""
     if not isinstance(body, dict):
         raise BadField(None, "the request body must be a JSON object")
     unknown = sorted(set(body) - PARAMS[endpoint])
@@ -280,11 +292,7 @@ def parse(body: Any, endpoint: str, max_choices: int = 256,
         raise BadField(unknown[0], f"{unknown[0]} is not supported by jserve")
     body = {k: v for k, v in body.items() if v is not None}
     reasoning = reasoning if endpoint == "chat" else None
-    for field, neutral in (_NEUTRAL | REASONING_FIELDS if reasoning else _NEUTRAL).items():
-        if field in body and body[field] not in neutral:
-            why = f": {_WHY_NEUTRAL[field]}" if field in _WHY_NEUTRAL else ""
-            raise BadField(field, f"{field}={fields.shown(body[field])} is not supported by "
-                                  f"jserve (only {neutral[-1]!r}){why}")
+    _check_neutral(body, _NEUTRAL | REASONING_FIELDS if reasoning else _NEUTRAL)
     if "model" not in body:
         raise BadField("model", "model is required")
     _kind_check(body, "model", isinstance(body["model"], str), "a string")
@@ -310,7 +318,8 @@ def parse(body: Any, endpoint: str, max_choices: int = 256,
         field = "prompt" if len(prompts) > max_choices else "best_of" if best_of > n else "n"
         raise BadField(field, f"{len(prompts)} prompts x {field}={best_of} is over this "
                               f"server's limit of {max_choices} choices per request")
-    kw = {k: body[k] for k in _SAMPLING if k in body}
+    kw = {k: v for k, v in (defaults or {}).items() if k != "max_tokens"}
+    kw.update({k: body[k] for k in _SAMPLING if k in body})
     constraint_field, kw["structured_output"] = _structured_output(body)
     tools, tool_choice = _tools(body, tool_format) if endpoint == "chat" else (None, None)
     if tools is not None and (c := _tool_constraint(tools, tool_choice, tokenizer)) \

@@ -37,6 +37,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from jserve import __version__, fields
+from jserve.sampling.generation_config import capped
 from jserve.sampling.params import SamplingParams
 from jserve.serving import engine_api as el
 from jserve.serving.auth import bearer_matches
@@ -327,7 +328,7 @@ class OpenAIServer:
         body = _loads(raw)
         parsed = parse(body, endpoint, self.config.limits.max_choices,
                        self.config.tool_call_parser, self.gateway.engine.tokenizer,
-                       self.config.reasoning_parser)
+                       self.config.reasoning_parser, self.config.sampling_defaults)
         self._check_model(body["model"])
         prepared, context = [], self.gateway.engine.info.max_model_len
         for p in parsed.prompts:
@@ -335,6 +336,7 @@ class OpenAIServer:
             if endpoint == "chat" and not parsed.max_tokens_given:  # up to the context
                 params = dataclasses.replace(
                     params, max_tokens=max(1, context - len(prompt), params.min_tokens))
+            params = capped(params, self.config.sampling_defaults)
             if parsed.reasoning is not None and params.structured_output is not None:
                 params = dataclasses.replace(params, structured_output=thinking_first(
                     REASONING[parsed.reasoning], params.structured_output,

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from jserve import fields
 from jserve.engine.output import TokenLogprob
 from jserve.proto import generate_pb2 as pb
+from jserve.sampling.generation_config import capped
 from jserve.sampling.params import SamplingParams
 from jserve.sampling.structured import StructuredOutput
 
@@ -23,9 +24,12 @@ MESSAGE_FIELDS = ("structured_output",)
 MAX_REQUEST_ID_CHARS = 256
 
 
-def params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
-    """Raises ValueError naming the field (SamplingParams' own validation)."""
-    kw: dict = {name: getattr(msg, name) for name in SCALAR_FIELDS if msg.HasField(name)}
+def params_from_proto(msg: pb.SamplingParams, defaults: dict | None = None
+                      ) -> SamplingParams:
+    """Raises ValueError naming the field (SamplingParams' own validation). ``defaults``:
+    the server's for fields left unset (``ServerConfig.sampling_defaults``)."""
+    kw: dict = dict(defaults or {})
+    kw.update({name: getattr(msg, name) for name in SCALAR_FIELDS if msg.HasField(name)})
     for name in LIST_FIELDS:
         if len(getattr(msg, name)):
             kw[name] = list(getattr(msg, name))
@@ -34,7 +38,7 @@ def params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
             kw[name] = getattr(msg, name)
     if msg.HasField("structured_output"):
         kw["structured_output"] = structured_from_proto(msg.structured_output)
-    return SamplingParams(**kw)
+    return capped(SamplingParams(**kw), defaults)
 
 
 def structured_from_proto(msg: pb.StructuredOutput) -> StructuredOutput:
@@ -112,8 +116,9 @@ class ParsedRequest:
     tpot_slo: float | None
 
 
-def parse_request(req: pb.GenerateRequest) -> ParsedRequest:
-    """The checks that need no model; the engine's tokenize/validate do the rest."""
+def parse_request(req: pb.GenerateRequest, defaults: dict | None = None) -> ParsedRequest:
+    """The checks that need no model; the engine's tokenize/validate do the rest.
+    ``defaults``: the server's sampling defaults (``params_from_proto``)."""
     if len(req.request_id) > MAX_REQUEST_ID_CHARS:
         raise ValueError(f"request_id must be at most {MAX_REQUEST_ID_CHARS} chars, "
                          f"got {len(req.request_id)}")
@@ -122,7 +127,7 @@ def parse_request(req: pb.GenerateRequest) -> ParsedRequest:
         raise ValueError("prompt is empty: set text or token_ids")
     prompt = req.text if kind == "text" else list(req.token_ids.ids)
     try:
-        params = params_from_proto(req.sampling_params)
+        params = params_from_proto(req.sampling_params, defaults)
     except ValueError as e:
         raise ValueError(f"sampling_params.{e}") from None
     slos = {f: getattr(req, f) if req.HasField(f) else None

@@ -106,6 +106,9 @@ class ServerConfig:
     # How chat replies' reasoning is told from their answer (vLLM's --reasoning-parser names,
     # ``jserve.serving.reasoning``); None: the reply is all content.
     reasoning_parser: str | None = None
+    # The model's default sampling fields for requests that leave them unset, max_tokens
+    # also a cap (``jserve.sampling.generation_config``: its generation_config.json).
+    sampling_defaults: dict = dataclasses.field(default_factory=dict)
 
     @property
     def open_to_the_network(self) -> bool:
@@ -423,7 +426,7 @@ class GenerationServer:
             raise Rejected(request.kind, request.reason)
         gw.check_open()
         try:
-            parsed = parse_request(request)
+            parsed = parse_request(request, self.config.sampling_defaults)
         except ValueError as e:
             raise Rejected(el.INVALID, str(e)) from None
         trusted = gw.trusted(dict(context.invocation_metadata() or ()).get("authorization"))
