@@ -249,7 +249,7 @@ class Formatter:
         """``chunk`` (``c`` already has ``deltas`` applied) as an SSE event; the common chunk
         (not the first, no logprobs) is spliced into a pre-serialized frame, which keeps the
         event loop's share of the GIL (and so the engine thread's slowdown) small."""
-        if self._splits:  # text held back (a possible call or tag) makes no chunk
+        if self._splits and not self._answering(c, first):  # held text makes no chunk
             out = self.chunk(c, deltas, first)
             item = out["choices"][0]
             empty = not (first or item["delta"] or item["finish_reason"] or item["logprobs"])
@@ -276,6 +276,12 @@ class Formatter:
         p, n = c.prompt_tokens, len(c.token_ids)
         usage = f'{{"prompt_tokens": {p}, "completion_tokens": {n}, "total_tokens": {p + n}}}'
         return f"data: {f[0]}{item}{f[1]}{usage}{f[2]}\n\n".encode()
+
+    def _answering(self, c: Choice, first: bool) -> bool:
+        """Whether ``c``'s split reply has reached a plain answer: past its reasoning, no
+        tools to read. Its chunks are then plain content, and go by the frame below."""
+        r = self._reasoners.get(c.index)
+        return not first and self._tools is None and r is not None and r.answering
 
     def usage_chunk(self, choices: list[Choice]) -> dict:
         return {**self._wrap([]), "usage": self.usage(choices)}
