@@ -19,7 +19,7 @@ from jserve.engine.intake import PreparedRequest
 from jserve.engine.output import RequestOutput
 from jserve.engine.startup import StartupTimes
 from jserve.engine.vllm_names import llm_engine_kwargs, separate_tokenizer
-from jserve.model.weights import load_model
+from jserve.model.weights import load_model, model_dir
 from jserve.probe.length_probe import default_probe_path
 from jserve.sampling.generation_config import default_params, generation_defaults
 from jserve.sampling.params import SamplingParams
@@ -55,8 +55,8 @@ class LLM:
             warnings.warn("LLM(tpot_slo=...) is deprecated: use iteration_budget=...",
                           DeprecationWarning, stacklevel=2)
             engine_kwargs["iteration_budget"] = engine_kwargs.pop("tpot_slo")
-        self.sampling_defaults = generation_defaults(generation_config, model,
-                                                     override_generation_config)
+        self.sampling_defaults = generation_defaults(
+            generation_config, model_dir(model), override_generation_config)
         tokenizer = engine_kwargs.get("tokenizer")  # checked and dropped from the engine's
         engine_kwargs = llm_engine_kwargs(model, engine_kwargs)
         fields = {f.name for f in dataclasses.fields(EngineConfig)}

@@ -34,9 +34,9 @@ def test_the_sampling_keys_are_read_as_the_request_fields_they_default(tmp_path)
     assert read_generation_config(d) == want  # EOS ids, do_sample: not sampling defaults
     assert generation_defaults("auto", d) == want
     assert generation_defaults("vllm", d) == {}
-    assert generation_defaults("auto", "default") == {}  # a built-in model has none
+    assert generation_defaults("auto", None) == {}  # the built-in random model has none
     assert generation_defaults("vllm", d, {"temperature": 0.2}) == {"temperature": 0.2}
-    assert generation_defaults(d, "default", {"max_new_tokens": 8}) == {**want, "max_tokens": 8}
+    assert generation_defaults(d, None, {"max_new_tokens": 8}) == {**want, "max_tokens": 8}
     with pytest.raises(ValueError, match="'seed' is not one of the sampling keys"):
         generation_defaults("auto", d, {"seed": 1})
     with pytest.raises(ValueError, match="must be 'auto', 'vllm' or a directory"):

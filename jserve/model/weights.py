@@ -495,6 +495,11 @@ def resolve_model_dir(model: str) -> Path:
     return BUILTIN_MODELS.get(model, Path(model))
 
 
+def model_dir(model: str) -> Path | None:
+    """``--model``'s directory; None for the built-in random model, which has none."""
+    return None if model == "default" else resolve_model_dir(model)
+
+
 def resolve_dtype(model: str, dtype: str | None = "auto",
                   backend: str | None = None) -> tuple[str, str]:
     """The dtype ``model`` computes in for ``dtype`` (auto | float32 | bfloat16 | None: as
@@ -548,7 +553,7 @@ def load_model(model: str, dtype: str | None = None, seed: int = 0, *, lazy: boo
     of the model's (vLLM's ``tokenizer``; ``load_tokenizer_dir``: its vocabulary must fit the
     embedding)."""
     cfg = load_config(model, dtype, quantization)
-    path = None if model == "default" else resolve_model_dir(model)
+    path = model_dir(model)
     own = tokenizer is None
     tok = None if own else load_tokenizer_dir(tokenizer, cfg.vocab_size, path)
     if path is None:

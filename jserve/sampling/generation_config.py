@@ -4,7 +4,7 @@ unset. Qwen2.5's, say, asks for temperature 0.7, top_p 0.8, top_k 20 and a repet
 penalty of 1.05; a server that ignored them would sample the same model differently from
 vLLM for every client that sends no sampling fields.
 
-``generation_defaults(setting, model, overrides)`` gives the defaults as ``SamplingParams``
+``generation_defaults(setting, model_dir, overrides)`` gives the defaults as ``SamplingParams``
 fields: ``setting`` "auto" reads the model directory's file, "vllm" none (the API's own
 defaults), any other value is a directory to read one from; ``overrides`` (vLLM's
 ``--override-generation-config``) are merged on top. ``max_new_tokens`` becomes
@@ -56,14 +56,16 @@ def read_generation_config(directory: str | Path) -> dict:
     return _checked(config, str(path))
 
 
-def generation_defaults(setting: str, model: str, overrides: Mapping | None = None) -> dict:
-    """The requests' default ``SamplingParams`` fields: from ``model``'s directory
-    ("auto"; a built-in model has none), from none ("vllm"), or from the directory
-    ``setting``; then ``overrides`` (generation_config keys), checked the same way."""
+def generation_defaults(setting: str, model_dir: str | Path | None,
+                        overrides: Mapping | None = None) -> dict:
+    """The requests' default ``SamplingParams`` fields: from the model's directory
+    ``model_dir`` ("auto"; None, the built-in random model, has none), from none ("vllm"),
+    or from the directory ``setting``; then ``overrides`` (generation_config keys), checked
+    the same way."""
     if setting == "vllm":
         found = {}
     elif setting == "auto":
-        found = read_generation_config(model) if Path(model).is_dir() else {}
+        found = read_generation_config(model_dir) if model_dir is not None else {}
     elif Path(setting).is_dir():
         found = read_generation_config(setting)
     else:

@@ -291,6 +291,14 @@ def add_limit_args(s: argparse.ArgumentParser) -> None:
                    help="prompts x n of one HTTP request at most")
 
 
+def sampling_defaults(a: argparse.Namespace) -> dict:
+    """The served requests' sampling defaults (``--generation-config``)."""
+    from jserve.model.weights import model_dir  # the model package loads JAX
+
+    return generation_defaults(a.generation_config, model_dir(a.model),
+                               a.override_generation_config)
+
+
 def served_model_names(a: argparse.Namespace) -> tuple[str, ...]:
     """``--served-model-name``, or the default: a built-in model's name as given, a
     checkpoint directory's own name (not its path on the server's disk)."""
@@ -330,8 +338,7 @@ def ray_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
                             metrics_open=a.metrics_open, limits=client_limits(a),
                             tool_call_parser=a.tool_call_parser,
                             reasoning_parser=a.reasoning_parser,
-                            sampling_defaults=generation_defaults(
-                                a.generation_config, a.model, a.override_generation_config)),
+                            sampling_defaults=sampling_defaults(a)),
                 num_gpus=a.gpus_per_replica, address=a.ray_address, grace_s=a.grace_period)
     if a.autoscale:
         args["autoscale"] = a.autoscale
@@ -419,7 +426,7 @@ def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
     from jserve.serving.server import serve
 
     configure_logging(a.log_level)
-    defaults = generation_defaults(a.generation_config, a.model, a.override_generation_config)
+    defaults = sampling_defaults(a)
     config = server_config(a, defaults)
     join_processes(a)
     if a.fake_engine:
