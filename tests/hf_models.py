@@ -364,44 +364,62 @@ HERMES_CHAT_TEMPLATE = (  # no newline right after a block tag: trim_blocks woul
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def write_hermes_tokenizer(out_dir: Path, vocab_size: int = 1200) -> Path:
+def write_chatml_tokenizer(out_dir: Path, tags: list[str], template: str,
+                           extra_corpus: list[str] = (), vocab_size: int = 1200) -> Tokenizer:
     """A trained byte-level BPE tokenizer.json (Llama 3's split, as Qwen's is close to it)
-    with ChatML's special tokens and the <tool_call> tags, and its tokenizer_config.json."""
+    with ChatML's special tokens and ``tags`` as added tokens that are not special, and its
+    tokenizer_config.json (EOS <|im_end|>, ``template``); returns the tokenizer."""
     out_dir.mkdir(parents=True, exist_ok=True)
     tok, trainer = _byte_level_bpe(vocab_size)
-    calls = [json.dumps({"name": f, "arguments": {"city": c, "days": d}})
-             for f in ("get_weather", "get_time") for c in ("Paris", "Oslo", "Lima")
-             for d in range(1, 4)]
-    tok.train_from_iterator(_llama3_corpus() + calls, trainer)
+    tok.train_from_iterator(_llama3_corpus() + list(extra_corpus), trainer)
     tok.add_special_tokens(HERMES_SPECIAL_TOKENS)
-    tok.add_tokens(HERMES_TAGS)
+    tok.add_tokens(tags)
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     tok.save(str(out_dir / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None,
               "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
               "clean_up_tokenization_spaces": False, "model_max_length": 2048,
-              "chat_template": HERMES_CHAT_TEMPLATE}
+              "chat_template": template}
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return tok
+
+
+def write_hermes_tokenizer(out_dir: Path, vocab_size: int = 1200) -> Path:
+    """``write_chatml_tokenizer`` with the <tool_call> tags and ``HERMES_CHAT_TEMPLATE``,
+    trained on some calls too."""
+    calls = [json.dumps({"name": f, "arguments": {"city": c, "days": d}})
+             for f in ("get_weather", "get_time") for c in ("Paris", "Oslo", "Lima")
+             for d in range(1, 4)]
+    write_chatml_tokenizer(out_dir, HERMES_TAGS, HERMES_CHAT_TEMPLATE, calls, vocab_size)
+    return out_dir
+
+
+def save_chatml_model(out_dir: Path, tok: Tokenizer, family: str, seed: int,
+                      **config) -> Path:
+    """A random-weight model of ``_HF_CLASSES``' ``family`` (Llama where not listed) for
+    ``tok``'s vocabulary (the embedding padded past it), EOS <|im_end|> and <|endoftext|>,
+    no BOS, saved beside the tokenizer."""
+    n = tok.get_vocab_size(with_added_tokens=True)
+    eos = [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")]
+    config_cls, model_cls = _HF_CLASSES.get(family, ("LlamaConfig", "LlamaForCausalLM"))
+    hf_config = getattr(transformers, config_cls)(**dict(
+        config, vocab_size=(n // 64 + 1) * 64, max_position_embeddings=2048,
+        bos_token_id=None, eos_token_id=eos))
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(hf_config).eval()
+    model.generation_config.eos_token_id = eos
+    model.save_pretrained(out_dir)
     return out_dir
 
 
 def write_hermes_chat_checkpoint(out_dir: Path) -> Path:
     """A random-weight ``LlamaForCausalLM`` (2 layers, hidden 64) with
-    ``write_hermes_tokenizer``'s tokenizer, EOS <|im_end|> and <|endoftext|>, the embedding
-    padded past the vocabulary."""
+    ``write_hermes_tokenizer``'s tokenizer (``save_chatml_model``)."""
     write_hermes_tokenizer(out_dir)
-    tok = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
-    n = tok.get_vocab_size(with_added_tokens=True)
-    eos = [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")]
-    config = transformers.LlamaConfig(**dict(
-        _COMMON, num_key_value_heads=2, vocab_size=(n // 64 + 1) * 64,
-        max_position_embeddings=2048, bos_token_id=None, eos_token_id=eos,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}))
-    torch.manual_seed(1)
-    model = transformers.LlamaForCausalLM(config).eval()
-    model.generation_config.eos_token_id = eos
-    model.save_pretrained(out_dir)
-    return out_dir
+    return save_chatml_model(
+        out_dir, Tokenizer.from_file(str(out_dir / "tokenizer.json")), "llama", 1,
+        **dict(_COMMON, num_key_value_heads=2,
+               rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}))
 
 
 @functools.cache
@@ -521,31 +539,11 @@ THINKING_CHAT_TEMPLATE = (
 
 
 def write_qwen3_thinking_checkpoint(out_dir: Path) -> Path:
-    """A random-weight ``Qwen3ForCausalLM`` (FAMILY_CONFIGS' shape) with a trained byte-level
-    BPE, ChatML's special tokens, the think tags and ``THINKING_CHAT_TEMPLATE``; EOS
-    <|im_end|> and <|endoftext|>."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tok, trainer = _byte_level_bpe(1200)
-    tok.train_from_iterator(_llama3_corpus(), trainer)
-    tok.add_special_tokens(HERMES_SPECIAL_TOKENS)
-    tok.add_tokens(THINK_TAGS)
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    tok.save(str(out_dir / "tokenizer.json"))
-    (out_dir / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None,
-        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-        "clean_up_tokenization_spaces": False, "model_max_length": 2048,
-        "chat_template": THINKING_CHAT_TEMPLATE}, indent=2))
-    n = tok.get_vocab_size(with_added_tokens=True)
-    eos = [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")]
-    config = transformers.Qwen3Config(**dict(
-        FAMILY_CONFIGS["qwen3"], vocab_size=(n // 64 + 1) * 64, max_position_embeddings=2048,
-        bos_token_id=None, eos_token_id=eos))
-    torch.manual_seed(3)
-    model = transformers.Qwen3ForCausalLM(config).eval()
-    model.generation_config.eos_token_id = eos
-    model.save_pretrained(out_dir)
-    return out_dir
+    """A random-weight ``Qwen3ForCausalLM`` (FAMILY_CONFIGS' shape) with a ChatML tokenizer
+    (``write_chatml_tokenizer``) whose added tokens are the think tags, and
+    ``THINKING_CHAT_TEMPLATE``."""
+    tok = write_chatml_tokenizer(out_dir, THINK_TAGS, THINKING_CHAT_TEMPLATE)
+    return save_chatml_model(out_dir, tok, "qwen3", 3, **FAMILY_CONFIGS["qwen3"])
 
 
 @functools.cache
