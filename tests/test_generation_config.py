@@ -66,6 +66,19 @@ def test_max_new_tokens_caps_max_tokens_below_min_tokens_only():
         .max_tokens == 80
 
 
+def test_grpc_unset_fields_take_the_defaults_and_max_tokens_is_capped():
+    from jserve.proto import generate_pb2 as pb
+    from jserve.serving.protocol import params_from_proto
+    d = {"top_k": 1, "temperature": 0.7, "max_tokens": 5}
+    unset = params_from_proto(pb.SamplingParams(), d)
+    assert (unset.top_k, unset.temperature, unset.max_tokens) == (1, 0.7, 5)
+    given = params_from_proto(pb.SamplingParams(temperature=0.0, top_k=0, max_tokens=50), d)
+    assert (given.top_k, given.temperature, given.max_tokens) == (0, 0.0, 5)
+    assert params_from_proto(pb.SamplingParams(max_tokens=3), d).max_tokens == 3
+    assert params_from_proto(pb.SamplingParams(min_tokens=9), d).max_tokens == 9
+    assert params_from_proto(pb.SamplingParams()).max_tokens == 16  # no defaults: offline's
+
+
 # top_k 1 samples the argmax after the penalty: the same tokens as greedy with it, so the
 # defaults' effect is exact.
 ARGMAX = dict(do_sample=True, top_k=1, repetition_penalty=1.3, max_new_tokens=5)

@@ -28,8 +28,11 @@ def params_from_proto(msg: pb.SamplingParams, defaults: dict | None = None
                       ) -> SamplingParams:
     """Raises ValueError naming the field (SamplingParams' own validation). ``defaults``:
     the server's for fields left unset (``ServerConfig.sampling_defaults``)."""
-    kw: dict = dict(defaults or {})
+    defaults = defaults or {}
+    kw: dict = {k: v for k, v in defaults.items() if k != "max_tokens"}
     kw.update({name: getattr(msg, name) for name in SCALAR_FIELDS if msg.HasField(name)})
+    if "max_tokens" in defaults and "max_tokens" not in kw:  # at least a given min_tokens
+        kw["max_tokens"] = max(defaults["max_tokens"], kw.get("min_tokens", 0))
     for name in LIST_FIELDS:
         if len(getattr(msg, name)):
             kw[name] = list(getattr(msg, name))
