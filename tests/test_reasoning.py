@@ -235,6 +235,47 @@ def test_a_constraint_holds_after_the_thinking_block_the_format_allows():
         StructuredOutput(regex="a", think="later")
 
 
+def test_a_constraint_holds_after_a_block_whose_tags_are_text():
+    """Where the tags are no tokens of the vocabulary (the byte tokenizer; the Hermes
+    checkpoint, whose own tokens are the <tool_call> tags), the free text is a lazy rule
+    that ends at the first ``</think>`` text, however it is cut into tokens; a forced
+    Hermes call follows its block as it would alone."""
+    import dataclasses
+
+    from hf_models import hermes_chat_dir
+    from jserve.sampling.structured import GrammarCompiler, StructuredOutput
+    from jserve.serving.tool_calls import parse_tools
+    from jserve.serving.tool_formats import constraint
+    from jserve.tokenizer import ByteTokenizer, load_tokenizer
+
+    def verdict(compiler, tok, so, text):
+        c = compiler.compile(so)
+        for t in tok.encode(text, add_special_tokens=False):
+            if not c.advance(t):
+                return "refused"
+        return "done" if c.done else "open"
+    byte = ByteTokenizer()
+    compiler = GrammarCompiler(byte, 320, tuple(byte.eos_token_ids))
+    yes_no = lambda mode: StructuredOutput(choice=["yes", "no"], think=mode)  # noqa: E731
+    cases = [("optional", "<think>a </thi b</think>\n\nno", "done"),
+             ("optional", "no", "done"), ("optional", "x</think>no", "refused"),
+             ("first", "a</think>yes", "done"), ("open", "a < / b</think>yes", "done"),
+             ("open", "a</think>maybe", "refused")]
+    assert [verdict(compiler, byte, yes_no(m), t) for m, t, _ in cases] == \
+        [want for _, _, want in cases]
+    tok = load_tokenizer(hermes_chat_dir())
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    forced = constraint(*parse_tools({"tools": tools, "tool_choice": "required"}, "hermes"),
+                        tok)
+    call = '<tool_call>\n{"name":"get_time","arguments":{"city":"Oslo"}}\n</tool_call>'
+    hermes = GrammarCompiler(tok, 1280, tuple(tok.eos_token_ids))
+    assert verdict(hermes, tok, dataclasses.replace(forced, think="first"),
+                   "<think>Oslo</think>\n" + call) == verdict(hermes, tok, forced, call) == "open"
+    assert verdict(hermes, tok, dataclasses.replace(forced, think="first"),
+                   "<think>Oslo</think>\nno call") == "refused"
+
+
 def test_reasoning_can_be_dropped_and_must_stream(served):
     import openai
     with openai.OpenAI(base_url=served.url + "/v1", api_key="x", max_retries=0) as client:

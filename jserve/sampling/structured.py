@@ -81,11 +81,15 @@ class StructuredOutput:
         except ValueError:  # a bare Lark grammar
             grammars = [{"lark_grammar": inner}]
         start, end = (lark_literal(tokenizer, t) for t in (THINK_START, THINK_END))
-        block = {"open": f"THOUGHT {end}", "first": f"{start}? THOUGHT {end}",
-                 "optional": f"({start} THOUGHT {end})?"}[self.think]
+        if end.startswith('"'):  # the tag is text: free text up to it (a lazy rule)
+            thought, closed = f"thought[stop={end}]: /(?s:.*)/", "thought"
+        else:  # a token of the vocabulary, which no text lexeme can cross
+            thought, closed = "THOUGHT: /(?s:.*)/", f"THOUGHT {end}"
+        block = {"open": closed, "first": f"{start}? {closed}",
+                 "optional": f"({start} {closed})?"}[self.think]
         # A newline or two may follow the end tag, as thinking models write it.
-        head = (f"start: thinking @answer\nthinking: {block} GAP\n"
-                f"THOUGHT: /(?s:.*)/\nGAP: /\\n{{0,2}}/\n")
+        head = (f"start: thinking @answer\nthinking: {block} GAP\n{thought}\n"
+                f"GAP: /\\n{{0,2}}/\n")
         return json.dumps({"grammars": [{"lark_grammar": head},
                                         dict(grammars[0], name="answer"), *grammars[1:]]})
 
