@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from jserve.bench import device_hf
+from jserve.bench import device_flags, device_hf
 from jserve.bench.device_budget import Budget, Item
 from jserve.bench.device_profiles import FULL, SMOKE, Profile, llama_cfg, peak_figures, ratio
 from jserve.bench.device_report import error_text, fmt, render_markdown, say
@@ -149,6 +149,11 @@ def _items(res: dict, pl: Plan, args: argparse.Namespace, peaks, budget: Budget
         res["hf"] = []
         items += [Item(f"HF generate {name}", functools.partial(
             _hf_baseline, res, p, name, seed, budget), floor_s=30) for name in pl.models]
+    if models:  # the first model's batch-1 decode again with control flow in CUDA graphs
+        first = next(iter(models))
+        items.append(Item(f"decode {first} b=1, loops and conditionals in command buffers",
+                          functools.partial(_flags_ab, res, p, first, pl.timing_impl, peaks,
+                                            seed, budget), floor_s=60))
     for name, m in models.items():
         items += [Item(f"prefill {name} {p.chunk_context} in chunks of "
                        f"{'/'.join(map(str, p.chunk_sizes))}", m.chunked, floor_s=30),
@@ -181,6 +186,20 @@ def _hf_baseline(res: dict, p: Profile, name: str, seed: int, budget: Budget) ->
         res["hf"].append(row)
         say(f"  HF generate {name} b={row['batch']}: TPOT {row['tpot_ms']:.2f} ms, "
             f"{row['tok_s']:.1f} tok/s ({row['device']}, {row['dtype']})")
+
+
+def _flags_ab(res: dict, p: Profile, name: str, impl: str, peaks, seed: int,
+              budget: Budget) -> None:
+    """``name``'s batch-1 decode (plain steps and bursts) in a child process whose XLA
+    flags put ``while`` loops and conditionals in command buffers (``device_flags``): the
+    A/B against the same rows of this process."""
+    flags = device_flags.CONTROL_FLOW_GRAPHS
+    rows = device_flags.measure_in_child(p, name, impl, peaks, seed, flags,
+                                         timeout=min(budget.left() - 5, 3600))
+    res["timings"]["decode"] += rows
+    for row in rows:
+        say(f"  decode {name} b=1 burst {row['burst']} under {flags}: "
+            f"{row['step_ms']:.2f} ms/step")
 
 
 def _persistent_cache() -> None:

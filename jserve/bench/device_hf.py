@@ -8,11 +8,10 @@ the process with JAX's device memory pool, and the parent bounds it by the budge
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import time
-from pathlib import Path
+
+from jserve.bench.child_rows import child_rows
 
 
 def measure(shape: dict, batches: list[int], prompt: int, new_tokens: int, seed: int
@@ -64,23 +63,9 @@ def measure_in_child(shape: dict, batches: list[int], prompt: int, new_tokens: i
                      timeout: float) -> list[dict]:
     """``measure`` in a fresh process, killed after ``timeout`` seconds (the rows it printed
     by then are kept); RuntimeError when it printed none."""
-    args = json.dumps(dict(shape=shape, batches=batches, prompt=prompt, new_tokens=new_tokens,
-                           seed=seed))
-    root = str(Path(__file__).resolve().parents[2])  # this jserve, installed or not
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [root] + [x for x in [os.environ.get("PYTHONPATH")] if x])}
-    try:
-        proc = subprocess.run([sys.executable, "-m", "jserve.bench.device_hf", args],
-                              capture_output=True, text=True, timeout=max(timeout, 1.0),
-                              env=env)
-        out, err, code = proc.stdout, proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        err, code = f"timed out after {timeout:.0f} s", None
-    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    if not rows:
-        raise RuntimeError(f"HF baseline printed nothing (exit {code}): {err.strip()[-500:]}")
-    return rows
+    return child_rows("jserve.bench.device_hf", dict(
+        shape=shape, batches=batches, prompt=prompt, new_tokens=new_tokens, seed=seed),
+        timeout, "HF baseline")
 
 
 if __name__ == "__main__":
