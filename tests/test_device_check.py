@@ -24,7 +24,9 @@ ROOT = Path(__file__).resolve().parent.parent
 SMOKE_ITEMS = ["kernels context 64", "kernels context 256", "kernels over quantized KV pages",
                "engine greedy tokens", "decode tiny b=1", "decode tiny b=1 bursts of 4",
                "decode tiny b=2", "decode tiny b=2 bursts of 4", "prefill tiny 32 in one chunk",
-               "HF generate tiny", "decode tiny b=1, loops and conditionals in command buffers",
+               "HF generate tiny", "decode tiny b=1 layer_loop=indexed",
+               "decode tiny b=1 layer_loop=indexed bursts of 4",
+               "decode tiny b=1, loops and conditionals in command buffers",
                "prefill tiny 128 in chunks of 16/32"]
 
 
@@ -65,11 +67,14 @@ def test_device_check_smoke_mode_passes(tmp_path):
     # The timing paths ran and produced figures (not judged on a CPU).
     t = res["timings"]
     assert not t["errors"]
-    plain = [r for r in t["decode"] if "xla_flags" not in r]
+    plain = [r for r in t["decode"] if not {"xla_flags", "layer_loop"} & set(r)]
     assert {(r["batch"], r["burst"]) for r in plain} == {(1, 1), (1, 4), (2, 1), (2, 4)}
-    # The same batch-1 rows from a child process with control flow in command buffers.
-    assert [(r["batch"], r["burst"], r["xla_flags"]) for r in t["decode"][len(plain):]] == [
-        (1, 1, CONTROL_FLOW_GRAPHS), (1, 4, CONTROL_FLOW_GRAPHS)]
+    # The same batch-1 rows with the layers as one indexed loop, then from a child process
+    # with control flow in command buffers.
+    assert [(r["batch"], r["burst"], r.get("layer_loop"), r.get("xla_flags"))
+            for r in t["decode"][len(plain):]] == [
+        (1, 1, "indexed", None), (1, 4, "indexed", None), (1, 1, None, CONTROL_FLOW_GRAPHS),
+        (1, 4, None, CONTROL_FLOW_GRAPHS)]
     assert all(r["step_ms"] > 0 and r["tok_s"] > 0 for r in t["decode"])
     assert len(t["prefill"]) == 3 and len(t["chunked"]) == 1
     assert res["peaks"] == {"tflops": None, "tbps": None} or res["backend"] != "cpu"

@@ -149,8 +149,17 @@ def _items(res: dict, pl: Plan, args: argparse.Namespace, peaks, budget: Budget
         res["hf"] = []
         items += [Item(f"HF generate {name}", functools.partial(
             _hf_baseline, res, p, name, seed, budget), floor_s=30) for name in pl.models]
-    if models:  # the first model's batch-1 decode again with control flow in CUDA graphs
+    if models:  # the first model's batch-1 decode again: the layers as one indexed loop, ...
         first = next(iter(models))
+        indexed = ModelTimings(dataclasses.replace(p, decode_batches=(1,)), first,
+                               pl.timing_impl, peaks, seed, res["timings"],
+                               layer_loop="indexed")
+        items += [Item(f"decode {first} b=1 layer_loop=indexed" +
+                       (f" bursts of {k}" if k > 1 else ""),
+                       functools.partial(indexed.decode, 1, k), floor_s=30)
+                  for k in (1, p.decode_burst)]
+        items.append(Item(f"release {first} (indexed)", indexed.close, quiet=True))
+        # ... and with control flow in CUDA graphs
         items.append(Item(f"decode {first} b=1, loops and conditionals in command buffers",
                           functools.partial(_flags_ab, res, p, first, pl.timing_impl, peaks,
                                             seed, budget), floor_s=60))

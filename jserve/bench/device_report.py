@@ -153,7 +153,8 @@ def _timing_sections(res: dict) -> list[str]:
         out.append(md_table(
             ["model", "batch", "burst", "prompt", "new tokens", "max_model_len",
              "mean context", "step ms", "tok/s", "weights GB", "KV GB/step", "TB/s", "MBU"],
-            [[r["model"] + (f" (XLA_FLAGS {r['xla_flags']})" if r.get("xla_flags") else ""),
+            [[r["model"] + "".join(f" ({k} {r[k]})" for k in ("layer_loop", "xla_flags")
+                                   if r.get(k)),
               r["batch"], r.get("burst", 1), r["prompt"], r["new_tokens"],
               r["max_model_len"],
               r["mean_context"], r["step_ms"], r["tok_s"], r["weight_gb"], r["kv_gb"],

@@ -80,11 +80,11 @@ class ModelTimings:
     (``warmup``, on a thread pool) unless ``warmup`` is "none"."""
 
     def __init__(self, p: Profile, name: str, impl: str, peaks, seed: int, out: dict,
-                 warmup: str = "all"):
+                 warmup: str = "all", layer_loop: str = "auto"):
         self.p, self.name, self.impl, self.peaks, self.seed, self.out = (p, name, impl, peaks,
                                                                          seed, out)
         self.cfg = llama_cfg(**p.timing_models[name])
-        self.warmup = warmup
+        self.warmup, self.layer_loop = warmup, layer_loop
         self.rng = np.random.default_rng(seed)
         self.params = self.engine = None
 
@@ -120,7 +120,8 @@ class ModelTimings:
                 self.cfg, params, self.impl, max_num_seqs=max(p.decode_batches),
                 max_num_batched_tokens=p.prefill_len, max_prefill_seqs=4,
                 max_model_len=p.decode_max_model_len, page_size=p.page,
-                num_kv_pages=need + 2, warmup=self.warmup, decode_burst=p.decode_burst))
+                num_kv_pages=need + 2, warmup=self.warmup, decode_burst=p.decode_burst,
+                layer_loop=self.layer_loop))
             say(f"  {self.name} engine: {self.engine.startup.line()}")
         return self.engine
 
@@ -128,6 +129,8 @@ class ModelTimings:
         row = self._attempt(f"decode b={b} burst {burst}", lambda: decode_timing(
             self.p, self.name, self.cfg, self._engine(), self.impl, self.peaks, b, self.rng,
             burst))
+        if self.layer_loop != "auto":
+            row["layer_loop"] = self.layer_loop
         self.out["decode"].append(row)
 
     def prefill(self) -> None:
