@@ -448,20 +448,48 @@ MISTRAL_CHAT_TEMPLATE = (
     "{% endfor %}")
 
 
-def write_mistral_chat_checkpoint(out_dir: Path) -> Path:
+# Mistral 7B v0.3's tool calling: its control tokens and a template in its shape (the tools
+# before the last user turn, calls as [TOOL_CALLS] and a JSON array, results as
+# [TOOL_RESULTS]), which refuses call ids that are not nine characters, as Mistral's do.
+MISTRAL_TOOL_TOKENS = ["[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
+                       "[TOOL_RESULTS]", "[/TOOL_RESULTS]"]
+_NINE = ("{% if {id} is not defined or {id} | length != 9 %}"
+         "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}"
+         "{% endif %}")
+MISTRAL_TOOLS_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for m in messages %}"
+    "{% if m.role == 'user' %}"
+    "{% if tools and loop.last %}[AVAILABLE_TOOLS] {{ tools | tojson }}[/AVAILABLE_TOOLS]"
+    "{% endif %}[INST] {{ m.content }}[/INST]"
+    "{% elif m.role == 'assistant' and m.tool_calls %}[TOOL_CALLS] ["
+    "{% for c in m.tool_calls %}" + _NINE.replace("{id}", "c.id") +
+    "{{ {'name': c.function.name, 'arguments': c.function.arguments, 'id': c.id} | tojson }}"
+    "{% if not loop.last %}, {% endif %}{% endfor %}]{{ eos_token }}"
+    "{% elif m.role == 'assistant' %} {{ m.content }}{{ eos_token }}"
+    "{% elif m.role == 'tool' %}" + _NINE.replace("{id}", "m.tool_call_id") +
+    "[TOOL_RESULTS] {{ {'content': m.content, 'call_id': m.tool_call_id} | tojson }}"
+    "[/TOOL_RESULTS]"
+    "{% else %}{{ raise_exception('roles are user, assistant and tool') }}{% endif %}"
+    "{% endfor %}")
+
+
+def write_mistral_chat_checkpoint(out_dir: Path, tool_tokens: bool = False) -> Path:
     """A random-weight ``MistralForCausalLM`` (``WINDOWED_CONFIGS["mistral"]``'s shape and
     window, the embedding padded past the vocabulary) with a trained byte-level BPE,
-    Mistral's special tokens and ``MISTRAL_CHAT_TEMPLATE``."""
+    Mistral's special tokens and ``MISTRAL_CHAT_TEMPLATE``; ``tool_tokens``: also its tool
+    control tokens and ``MISTRAL_TOOLS_TEMPLATE``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     tok, trainer = _byte_level_bpe(1200)
     tok.train_from_iterator(_llama3_corpus(), trainer)
-    tok.add_special_tokens(MISTRAL_SPECIAL_TOKENS)
+    tok.add_special_tokens(MISTRAL_SPECIAL_TOKENS + (MISTRAL_TOOL_TOKENS if tool_tokens else []))
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     tok.save(str(out_dir / "tokenizer.json"))
     (out_dir / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
         "unk_token": "<unk>", "clean_up_tokenization_spaces": False, "model_max_length": 2048,
-        "chat_template": MISTRAL_CHAT_TEMPLATE}, indent=2))
+        "chat_template": MISTRAL_TOOLS_TEMPLATE if tool_tokens else MISTRAL_CHAT_TEMPLATE},
+        indent=2))
     n = tok.get_vocab_size(with_added_tokens=True)
     config = transformers.MistralConfig(**dict(
         WINDOWED_CONFIGS["mistral"], vocab_size=(n // 64 + 1) * 64,
@@ -475,6 +503,12 @@ def write_mistral_chat_checkpoint(out_dir: Path) -> Path:
 def mistral_chat_dir() -> Path:
     """Process-wide cached ``write_mistral_chat_checkpoint``. Read-only."""
     return write_mistral_chat_checkpoint(_cache_root() / "mistral-chat")
+
+
+@functools.cache
+def mistral_tools_dir() -> Path:
+    """Process-wide cached ``write_mistral_chat_checkpoint(tool_tokens=True)``. Read-only."""
+    return write_mistral_chat_checkpoint(_cache_root() / "mistral-tools", tool_tokens=True)
 
 
 # -- a Gemma-3-style chat checkpoint -------------------------------------------------------

@@ -30,14 +30,14 @@ from __future__ import annotations
 
 import json
 
-from jserve.sampling.structured import StructuredOutput, ascii_schema, lark_literal
+from jserve.sampling.structured import StructuredOutput, lark_literal
 from jserve.serving.tool_calls import (
     PARTIAL,
     WS,
     ToolCallParser,
     ToolChoice,
-    ToolError,
     call_header,
+    call_schemas,
 )
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -55,16 +55,7 @@ def hermes_constraint(tools: list[dict], choice: ToolChoice, tokenizer=None
         given, one = list(enumerate(tools)), not choice.parallel
     else:
         return None
-    calls = []
-    for i, t in given:
-        try:
-            arguments = ascii_schema(t["function"].get("parameters") or {"type": "object"})
-        except ValueError as e:
-            raise ToolError(f"tools[{i}].function.parameters", str(e)) from None
-        calls.append({"type": "object", "additionalProperties": False,
-                      "required": ["name", "arguments"],
-                      "properties": {"name": {"const": t["function"]["name"]},
-                                     "arguments": arguments}})
+    calls = call_schemas(given)
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     # Compact JSON, as the other constraints (structured.py): no padding with whitespace.
     schema = {**schema, "x-guidance": {"whitespace_flexible": False}}

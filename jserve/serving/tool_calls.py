@@ -30,7 +30,7 @@ import secrets
 from typing import Any
 
 from jserve import fields
-from jserve.sampling.structured import StructuredOutput
+from jserve.sampling.structured import StructuredOutput, ascii_schema
 
 _FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _TOOL_KEYS = {"type", "function"}
@@ -141,6 +141,23 @@ def tool_constraint(tools: list[dict], choice: ToolChoice) -> StructuredOutput |
     return StructuredOutput(json=schema)
 
 
+def call_schemas(given: list[tuple[int, dict]]) -> list[dict]:
+    """The JSON schema of a call of each ``(index, tool)``: ``{"name": <its name>,
+    "arguments": <its parameters>}`` (\\d, \\w, \\s as ASCII classes, for a grammar that
+    embeds the schema); ``ToolError`` naming a tool whose parameters hold a bad pattern."""
+    calls = []
+    for i, t in given:
+        try:
+            arguments = ascii_schema(_parameters(t))
+        except ValueError as e:
+            raise ToolError(f"tools[{i}].function.parameters", str(e)) from None
+        calls.append({"type": "object", "additionalProperties": False,
+                      "required": ["name", "arguments"],
+                      "properties": {"name": {"const": t["function"]["name"]},
+                                     "arguments": arguments}})
+    return calls
+
+
 def template_messages(messages: list[dict]) -> list[dict]:
     """Messages as chat templates read them (transformers' convention): an assistant's
     ``tool_calls`` carry their arguments as objects, not the JSON strings of the API."""
@@ -222,6 +239,8 @@ class ToolCallParser:
     has its index, id, type and name with empty arguments; later ones add argument text).
     The calls' full form is ``calls``."""
 
+    new_id = staticmethod(new_call_id)  # a call's id (a format may want its own shape)
+
     def __init__(self, choice: ToolChoice):
         self.choice = choice
         self.calls: list[dict] = []   # {"id", "type", "function": {"name", "arguments"}}
@@ -238,7 +257,7 @@ class ToolCallParser:
         return bool(self.calls)
 
     def _open_call(self, name: str, deltas: list[dict]) -> None:
-        call = {"id": new_call_id(), "type": "function",
+        call = {"id": self.new_id(), "type": "function",
                 "function": {"name": name, "arguments": ""}}
         deltas.append({"index": len(self.calls), "id": call["id"], "type": "function",
                        "function": {"name": name, "arguments": ""}})

@@ -5,7 +5,7 @@ a named function holds the output to. The chat template (the checkpoint's, or
 ``--chat-template``) decides what the model is told; a format only reads what it writes.
 
 vLLM's other parsers write other formats (``qwen3_coder`` and ``qwen3_xml``: XML parameters,
-``mistral``: ``[TOOL_CALLS]``, ...): none is an alias of these two.
+``pythonic``: Python calls, ...): none is an alias of these three.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Callable
 
 from jserve.sampling.structured import StructuredOutput
 from jserve.serving.hermes_tools import HermesCallParser, hermes_constraint
+from jserve.serving.mistral_tools import MistralCallParser, mistral_constraint
 from jserve.serving.tool_calls import (
     ToolCallParser,
     ToolChoice,
@@ -37,6 +38,8 @@ TOOL_FORMATS = {f.name: f for f in (
                lambda tools, choice, tokenizer: tool_constraint(tools, choice)),
     ToolFormat("hermes", "<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call> blocks "
                          "(Qwen2.5, Qwen3, Hermes)", HermesCallParser, hermes_constraint),
+    ToolFormat("mistral", "[TOOL_CALLS] [{\"name\": ..., \"arguments\": ...}] (Mistral 7B "
+                          "v0.3, Nemo, Small 24B)", MistralCallParser, mistral_constraint),
 )}
 DEFAULT_FORMAT = "llama3_json"
 
