@@ -83,20 +83,26 @@ def _stream(choice: ToolChoice, text: str, cuts: list[int]) -> tuple[str, list]:
     return content, [tuple(calls[i]) for i in sorted(calls)]
 
 
-@pytest.mark.parametrize("mode, text, content, want", CASES)
-def test_outputs_read_into_calls_the_same_whole_and_streamed_in_any_split(mode, text, content,
-                                                                         want):
-    choice = ToolChoice(mode, "get_time" if mode == "named" else None, format="hermes")
+def assert_read(choice: ToolChoice, text: str, content, want, stream_want, good_id) -> None:
+    """``text`` read whole gives ``content`` and the calls ``want`` (each id ``good_id``),
+    and streamed in 31 splits (30 random, one per character) ``stream_want``."""
     got_content, calls = read_calls(choice, text)
     assert got_content == content
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == want
-    assert all(c["id"].startswith("call_") and c["type"] == "function" for c in calls)
-    stream_want = STREAMED.get(text, (content or "", want))
+    assert all(good_id(c["id"]) and c["type"] == "function" for c in calls)
     rng = random.Random(text)
     splits = [sorted(rng.sample(range(1, len(text)), rng.randint(0, min(8, len(text) - 1))))
               for _ in range(30)] + [list(range(1, len(text)))]
     for cuts in splits:
         assert _stream(choice, text, cuts) == stream_want, cuts
+
+
+@pytest.mark.parametrize("mode, text, content, want", CASES)
+def test_outputs_read_into_calls_the_same_whole_and_streamed_in_any_split(mode, text, content,
+                                                                         want):
+    choice = ToolChoice(mode, "get_time" if mode == "named" else None, format="hermes")
+    assert_read(choice, text, content, want, STREAMED.get(text, (content or "", want)),
+                lambda i: i.startswith("call_"))
 
 
 def test_a_stream_sends_a_name_first_call_as_it_comes():

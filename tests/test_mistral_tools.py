@@ -7,7 +7,6 @@ the official ``openai`` client for a call and then with the call's result."""
 from __future__ import annotations
 
 import json
-import random
 import re
 
 import jsonschema
@@ -15,9 +14,9 @@ import pytest
 
 from jserve.sampling.structured import GrammarCompiler
 from jserve.serving.tool_calls import ToolChoice
-from jserve.serving.tool_formats import constraint, read_calls
+from jserve.serving.tool_formats import constraint
 from jserve.tokenizer import ByteTokenizer
-from test_hermes_tools import _stream
+from test_hermes_tools import assert_read
 from test_tool_calling import TOOLS, WEATHER
 
 W = '{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}'
@@ -44,15 +43,7 @@ CASES = [  # (mode, output, content, [(name, arguments)])
 def test_outputs_read_into_calls_the_same_whole_and_streamed_in_any_split(mode, text, content,
                                                                          want):
     choice = ToolChoice(mode, "get_time" if mode == "named" else None, format="mistral")
-    got_content, calls = read_calls(choice, text)
-    assert got_content == content
-    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == want
-    assert all(NINE.fullmatch(c["id"]) and c["type"] == "function" for c in calls)
-    rng = random.Random(text)
-    splits = [sorted(rng.sample(range(1, len(text)), rng.randint(0, min(8, len(text) - 1))))
-              for _ in range(30)] + [list(range(1, len(text)))]
-    for cuts in splits:
-        assert _stream(choice, text, cuts) == (content or "", want), cuts
+    assert_read(choice, text, content, want, (content or "", want), NINE.fullmatch)
 
 
 def test_required_holds_the_output_to_an_array_of_the_given_functions():
