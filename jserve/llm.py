@@ -21,7 +21,7 @@ from jserve.engine.startup import StartupTimes
 from jserve.engine.vllm_names import llm_engine_kwargs, separate_tokenizer
 from jserve.model.weights import load_model, model_dir
 from jserve.probe.length_probe import default_probe_path
-from jserve.sampling.generation_config import default_params, generation_defaults
+from jserve.sampling.generation_config import generation_defaults
 from jserve.sampling.params import SamplingParams
 from jserve.scheduler.registry import POLICIES
 from jserve.serving.tool_calls import template_messages
@@ -84,7 +84,7 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` samples with when given no params: the model's defaults
         (``generation_config``), else ``SamplingParams()``'s."""
-        return default_params(self.sampling_defaults)
+        return SamplingParams(**self.sampling_defaults)
 
     def get_tokenizer(self):
         """The model's tokenizer (vLLM's name; None for a model without one)."""

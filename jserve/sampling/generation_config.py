@@ -88,11 +88,6 @@ def capped(params: SamplingParams, defaults: Mapping | None) -> SamplingParams:
     return dataclasses.replace(params, max_tokens=max(cap, params.min_tokens))
 
 
-def default_params(defaults: Mapping) -> SamplingParams:
-    """``SamplingParams`` with the defaults set (vLLM's ``get_default_sampling_params``)."""
-    return SamplingParams(**defaults)
-
-
 def describe(defaults: Mapping) -> str:
     return ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
                      for k, v in defaults.items())

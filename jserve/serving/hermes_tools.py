@@ -36,6 +36,7 @@ from jserve.serving.tool_calls import (
     WS,
     ToolCallParser,
     ToolChoice,
+    any_of,
     call_header,
     call_schemas,
 )
@@ -56,7 +57,7 @@ def hermes_constraint(tools: list[dict], choice: ToolChoice, tokenizer=None
     else:
         return None
     calls = call_schemas(given)
-    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    schema = any_of(calls)
     # Compact JSON, as the other constraints (structured.py): no padding with whitespace.
     schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
     gap = json.dumps("\n")

@@ -22,7 +22,12 @@ from jserve.engine.output import TokenLogprob
 from jserve.serving import engine_api as el, http_echo
 from jserve.serving.gateway import Rejected, Stream
 from jserve.serving.http_protocol import Parsed
-from jserve.serving.reasoning import FORMATS as REASONING, ReasoningStream, opens_thinking
+from jserve.serving.reasoning import (
+    FORMATS as REASONING,
+    ReasoningStream,
+    opens_thinking,
+    split,
+)
 from jserve.serving.tool_calls import ToolCallParser
 from jserve.serving.tool_formats import call_parser, read_calls
 
@@ -138,19 +143,18 @@ class Formatter:
         prompt (its last tokens) left one open."""
         return ReasoningStream(self._reasoning, opens_thinking(self.tok, c.prompt_ids))
 
-    def _with_reasoning(self, out: dict, reasoning: str | None) -> dict:
-        """``out`` with the reply's reasoning, under vLLM's name and the older one."""
+    def _with_reasoning(self, out: dict, reasoning: str | None) -> None:
+        """Puts the reply's reasoning in ``out``, under vLLM's name and the older one."""
         if self.parsed.include_reasoning:
             out["reasoning"] = out["reasoning_content"] = reasoning
-        return out
 
     def _message(self, c: Choice) -> tuple[dict, bool]:
         """A chat choice's whole message, and whether it called tools."""
         text, reasoning = c.text, None
         if self._reasoning is not None:
-            r = self._reasoner(c)
-            (r1, t1), (r2, t2) = r.feed(text), r.finish()
-            reasoning, text = (r1 + r2) or None, t1 + t2
+            reasoning, text = split(self._reasoning, text,
+                                    opens_thinking(self.tok, c.prompt_ids))
+            text = text or ""
         message, calls = {"role": "assistant", "content": text}, None
         if self._tools is not None:
             message["content"], calls = read_calls(self._tools, text)

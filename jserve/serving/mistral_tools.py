@@ -25,6 +25,7 @@ from jserve.serving.tool_calls import (
     WS,
     ToolCallParser,
     ToolChoice,
+    call_array,
     call_schemas,
     tool_constraint,
 )
@@ -45,11 +46,8 @@ def mistral_constraint(tools: list[dict], choice: ToolChoice, tokenizer=None
     arguments (``tool_constraint``); None otherwise."""
     if choice.mode != "required":
         return tool_constraint(tools, choice)
-    calls = call_schemas(list(enumerate(tools)))
-    schema = {"type": "array", "minItems": 1, "maxItems": None if choice.parallel else 1,
-              "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
+    schema = {**call_array(call_schemas(list(enumerate(tools))), choice.parallel),
               "x-guidance": {"whitespace_flexible": False}}  # compact, as the others
-    schema = {k: v for k, v in schema.items() if v is not None}
     mark = lark_literal(tokenizer, MARK)
     return StructuredOutput(grammar=f'%llguidance {{}}\nstart: ({mark} " "?)? '
                                     f"%json {json.dumps(schema)}\n")

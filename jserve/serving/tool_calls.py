@@ -134,11 +134,20 @@ def tool_constraint(tools: list[dict], choice: ToolChoice) -> StructuredOutput |
               "required": ["name", "parameters"],
               "properties": {"name": {"const": t["function"]["name"]},
                              "parameters": _parameters(t)}} for t in tools]
-    schema: dict[str, Any] = {"type": "array", "minItems": 1,
-                              "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
-    if not choice.parallel:
+    return StructuredOutput(json=call_array(calls, choice.parallel))
+
+
+def any_of(schemas: list[dict]) -> dict:
+    """One of ``schemas`` (the schema itself when it is the only one)."""
+    return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+
+
+def call_array(calls: list[dict], parallel: bool) -> dict[str, Any]:
+    """A JSON array of one or more of the ``calls`` schemas (one with ``parallel`` off)."""
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": any_of(calls)}
+    if not parallel:
         schema["maxItems"] = 1
-    return StructuredOutput(json=schema)
+    return schema
 
 
 def call_schemas(given: list[tuple[int, dict]]) -> list[dict]:
