@@ -252,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     ``--help`` shows its default."""
     from jserve.bench.serve_bench import add_bench_parser
     from jserve.serving.commands import add_multihost_args, add_remote_args, add_serve_parser
+    from jserve.targets.command import add_compile_parser
 
     parser = _Parser(prog="jserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -289,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub, add_engine_args, engine_kwargs)
     _add_simulate_parser(sub)
     _add_plan_parser(sub)
+    add_compile_parser(sub)  # jserve compile --target: jserve.targets.command
     add_bench_parser(sub)  # jserve bench serve: jserve.bench.serve_bench
     for p in sub.choices.values():  # every subcommand's --help shows its defaults
         p.formatter_class = _HelpWithDefaults

@@ -13,6 +13,10 @@ from devices import xla_flags
 from jserve.bench.served import SERVE_FLAGS, Served  # noqa: F401  (the tests import them from here)
 
 os.environ["XLA_FLAGS"] = xla_flags(None)  # before any test imports JAX (devices.py says why)
+# The CPU is the suite's platform. With the accelerator plugins installed (the compile-only
+# GPU and TPU targets, jserve.targets) JAX would otherwise try each at start in every
+# process, and libtpu prints warnings; their topologies still answer with this set.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 # The files that take minutes (mesh subprocesses, real tools, many engines), longest first:

@@ -63,12 +63,25 @@ def abstract_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int,
     return spec, spec
 
 
-def params_on_one_device(cfg: ModelConfig, unroll: bool) -> Params:
-    """The step's params on one device as ``ShapeDtypeStruct``s (``runtime_params``'s
-    output), from the config alone."""
-    device = jax.local_devices()[0]
+def params_on_one_device(cfg: ModelConfig, unroll: bool,
+                         device: jax.Device | None = None) -> Params:
+    """The step's params on one device (default: the first local one) as
+    ``ShapeDtypeStruct``s (``runtime_params``'s output), from the config alone."""
+    device = device or jax.local_devices()[0]
     one = jax.sharding.SingleDeviceSharding(device)
     spec = abstract_params(cfg, None, device)
     if unroll:
         spec = jax.eval_shape(unstack_layers, spec)
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), spec)
+
+
+def params_on_mesh(cfg: ModelConfig, mesh: jax.sharding.Mesh, unroll: bool) -> Params:
+    """The step's params split on ``mesh`` as ``ShapeDtypeStruct``s: with ``unroll`` each
+    layer's arrays keep their tp split (``step_program._unstacked``'s output)."""
+    spec = abstract_params(cfg, mesh)
+    if not unroll:
+        return spec
+    target = jax.eval_shape(unstack_layers, spec)
+    return jax.tree.map(lambda x, p: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                          sharding=NamedSharding(mesh, p)),
+                        target, param_specs(target))

@@ -153,8 +153,8 @@ class EngineConfig:
         if self.layer_loop != "auto":
             return self.layer_loop
         if spp == 1 and backend is None:
-            import jax  # this module is plain Python (the CLI reads it without JAX)
-            backend = jax.default_backend()
+            from jserve import backend as jserve_backend  # JAX only when asked
+            backend = jserve_backend.current()
         if spp == 1 and backend == "gpu":
             return "sliced"
         return "unrolled" if num_layers // spp <= 8 else "loop"

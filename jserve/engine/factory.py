@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import jax
 
+from jserve import backend as jserve_backend
 from jserve.cache.allocator import PageAllocator, held_pages
 from jserve.cache.pool import allocate_kv_cache, kv_bytes_per_page, num_pages_for_budget
 from jserve.config import ModelConfig
@@ -238,10 +239,7 @@ def build_engine_parts(cfg: ModelConfig, params: Params, config: EngineConfig,
     # shapes) and no pipeline (a tick's shape covers its slots' own).
     defer = (config.warmup in ("core", "background") and mesh_config.spp == 1
              and jax.process_count() == 1)
-    # Bursts need one device and process, no KV-cache parallelism, no length probe and no
-    # speculative decoding (untested together).
-    burst_ok = (mesh_config.spp == 1 and mesh_config.kvp == 1 and jax.process_count() == 1
-                and tracker is None and config.speculative_config is None)
+    burst_ok = bursts_allowed(config, mesh_config, tracker)
     runner, hits = _runner(cfg, params, config, mesh_config, buckets, num_pages, tracker,
                            times, defer, groups and groups.local_pages,
                            (config.burst_steps() if burst_ok else 1,
@@ -305,6 +303,26 @@ def _warm(runner: ModelRunner, times: StartupTimes, core_only: bool,
     return times.cached
 
 
+def runner_options(config: EngineConfig, buckets: Buckets, mesh: jax.sharding.Mesh | None,
+                   layer_mode: str, tracker: LengthTracker | None, burst_steps: int) -> dict:
+    """``ModelRunner``'s arguments beside the model, params and pages: the same for the
+    engine's runner and for one compiled for a target (``jserve.targets.programs``)."""
+    return dict(buckets=buckets, max_num_seqs=config.max_num_seqs,
+                attention_impl=config.attention_impl, mesh=mesh,
+                capture_layer=tracker.layer if tracker else None,
+                slice_layers=layer_mode == "sliced", in_place_layers=layer_mode == "indexed",
+                burst_steps=burst_steps,
+                whole_chain_decodes=whole_chain_decodes(jserve_backend.current()))
+
+
+def bursts_allowed(config: EngineConfig, mesh_config: MeshConfig,
+                   tracker: LengthTracker | None) -> bool:
+    """Bursts need one device and process, no KV-cache parallelism, no length probe and no
+    speculative decoding (untested together)."""
+    return (mesh_config.spp == 1 and mesh_config.kvp == 1 and jax.process_count() == 1
+            and tracker is None and config.speculative_config is None)
+
+
 def _runner(cfg: ModelConfig, params: Params, config: EngineConfig, mesh_config: MeshConfig,
             buckets: Buckets, num_pages: int, tracker: LengthTracker | None,
             times: StartupTimes, core_only: bool, local_pages: int | None = None,
@@ -343,12 +361,8 @@ def _runner(cfg: ModelConfig, params: Params, config: EngineConfig, mesh_config:
     def warmup(runner: ModelRunner) -> int | None:
         return _warm(runner, times, core_only, wanted) if warm else None
 
-    make = functools.partial(ModelRunner, buckets=buckets, max_num_seqs=config.max_num_seqs,
-                             attention_impl=config.attention_impl, mesh=mesh,
-                             capture_layer=tracker.layer if tracker else None,
-                             slice_layers=layer_mode == "sliced",
-                             in_place_layers=layer_mode == "indexed", burst_steps=wanted[0],
-                             whole_chain_decodes=whole_chain_decodes(jax.default_backend()))
+    make = functools.partial(ModelRunner, **runner_options(config, buckets, mesh, layer_mode,
+                                                           tracker, wanted[0]))
     if mesh is not None or not warm:
         runner = make(cfg, load_weights(), allocate_kv(), params_placed=True)
         return runner, warmup(runner)

@@ -128,6 +128,8 @@ class StepLowering:
     def lower_sampler(self, rows: int | None = None) -> jax.stages.Lowered:
         """The sampling program, on the padded rows every step hands it (the largest step's
         unless ``rows``)."""
+        # One device: the KV pages' (so a target's compile-only device, not JAX's default).
+        placed = self.replicated or jax.tree.leaves(self.args[1])[0].sharding
         spec = sample_inputs_spec(rows or self.sample_rows, self.model_config.vocab_size,
-                                  self.replicated)
+                                  placed)
         return self.jitted.sample.lower(self.args[2], spec)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import jax
 
+from jserve import backend as jserve_backend
 from jserve.kernels import cpu, kv_quant, kv_write, pallas_gpu, pallas_tpu
 from jserve.kernels.metadata import AttentionMetadata
 from jserve.kernels.reference import ragged_paged_attention
@@ -33,7 +34,7 @@ def resolve_impl(impl: str, backend: str | None = None) -> str:
         raise ValueError(f"unknown attention_impl {impl!r}; choose from {ATTENTION_IMPLS}")
     if impl != "auto":
         return impl
-    backend = backend or jax.default_backend()
+    backend = backend or jserve_backend.current()
     if backend == "cpu":
         return "cpu" if cpu.available() else "reference"
     return "pallas_gpu" if backend == "gpu" else "reference"
@@ -57,7 +58,7 @@ def attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: Attent
         return cpu.ragged_paged_attention(q, k_pages, v_pages, meta, layer=layer,
                                           window=window)
     backend, kernel, _ = _KERNELS[impl]
-    return kernel(q, k_pages, v_pages, meta, interpret=jax.default_backend() != backend,
+    return kernel(q, k_pages, v_pages, meta, interpret=jserve_backend.current() != backend,
                   layer=layer, window=window)
 
 
@@ -65,7 +66,8 @@ def _write(pages: jax.Array, slots: jax.Array, new: jax.Array, impl: str, layer)
     if impl in ("reference", "cpu"):
         return kv_write.write_kv(pages, slots, new, layer=layer)
     backend, _, kernel = _KERNELS[impl]
-    return kernel(pages, slots, new, interpret=jax.default_backend() != backend, layer=layer)
+    return kernel(pages, slots, new, interpret=jserve_backend.current() != backend,
+                  layer=layer)
 
 
 def write_kv(pages, slots: jax.Array, new: jax.Array, impl: str = "reference", layer=None):

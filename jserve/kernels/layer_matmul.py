@@ -29,6 +29,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu, triton as plgpu
 
+from jserve import backend as jserve_backend
+
 FLAVOURS = ("gpu", "tpu")
 # Tile caps: Triton's tiles must be powers of two (>= 16 for its dot); Mosaic's last two
 # block dims multiples of (8, 128) or the whole dimension.
@@ -192,7 +194,7 @@ def layer_matmul(x: jax.Array, w, layer, *, flavour: str | None = None,
     x2 = x.reshape(-1, k)
     run = functools.partial(_product, x2, values, layer, out_dtype)
     if flavour is not None:
-        y = run(flavour, jax.default_backend() != flavour if interpret is None else interpret)
+        y = run(flavour, jserve_backend.current() != flavour if interpret is None else interpret)
     else:
         y = jax.lax.platform_dependent(cuda=lambda: run("gpu", False),
                                        tpu=lambda: run("tpu", False),

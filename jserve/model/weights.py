@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from jserve import backend as jserve_backend
 from jserve.config import DTYPE_CHOICES, DTYPES, ModelConfig, auto_dtype, stored_dtype
 from jserve.model import quant, tp_layout
 from jserve.model.families import family_of, read_config_file
@@ -519,7 +520,7 @@ def resolve_dtype(model: str, dtype: str | None = "auto",
         stored = load_config(model).dtype  # raises what a missing model or config.json raises
     if dtype is None:
         return load_config(model).dtype, f"the {what}'s own"
-    return auto_dtype(stored, backend or jax.default_backend(), what)
+    return auto_dtype(stored, backend or jserve_backend.current(), what)
 
 
 def load_config(model: str, dtype: str | None = None,

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jserve import backend as jserve_backend
 from jserve.sampling.params import MAX_BANNED_IDS, MAX_LOGIT_BIAS, SamplingParams
 
 # Non-greedy temperatures are floored here so that ``logits / temperature`` stays finite.
@@ -318,7 +319,7 @@ def vocab_argmax(x: jax.Array) -> jax.Array:
 
 def _argmax(x: jax.Array, axis: int) -> jax.Array:
     """``row_argmax`` along ``axis`` (1: [rows, vocab], 0: [vocab, rows])."""
-    if jax.default_backend() != "cpu":
+    if jserve_backend.current() != "cpu":
         return jnp.argmax(x, axis=axis).astype(jnp.int32)
     vocab = x.shape[axis]
     if x.ndim != 2 or vocab % ARGMAX_CHUNK or vocab < 8 * ARGMAX_CHUNK:

@@ -1,0 +1,128 @@
+"""``jserve compile --target NAME [--model M] [engine flags]``: the engine's programs compiled
+for an accelerator this host does not have, and a table of what each does there (how each
+column is counted: ``jserve.targets.hlo``). Exit 0 when every program compiled and the
+configuration fits the target's memory, 1 when it does not fit, 2 on a refusal."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from jserve.engine.args import add_engine_args, engine_kwargs
+
+
+def add_compile_parser(sub) -> None:
+    from jserve.targets.specs import TARGETS
+
+    s = sub.add_parser("compile", help="compile the engine's programs for a GPU or TPU this "
+                                       "host does not have, and say what each does there")
+    s.add_argument("--target", required=True, choices=sorted(TARGETS),
+                   help="the accelerator (one device; --mesh for more of the same host)")
+    add_engine_args(s, warmup="all")
+    s.add_argument("--model-config", default=None,
+                   help="a config.json to compile for instead of --model (nothing read "
+                        "beside it: the shapes are all a compile needs)")
+    s.add_argument("--json", default=None, help="also write the table as JSON to this file")
+    s.add_argument("--dump-hlo", default=None,
+                   help="write each program's optimized HLO into this directory")
+    s.add_argument("--threads", type=int, default=None, help="compile threads (default: "
+                                                             "one per two cores, at least 2)")
+    s.set_defaults(func=run)
+
+
+def _model_config(a: argparse.Namespace, platform: str):
+    """The model's config in the dtype the engine would compute in on ``platform``."""
+    from jserve.model.families import read_config_file
+    from jserve.model.weights import load_config, resolve_dtype
+
+    q = a.quantization
+    if a.model_config:
+        return read_config_file(a.model_config, dtype=None if a.dtype == "auto" else a.dtype,
+                                quantization=q)
+    dtype, _ = resolve_dtype(a.model, a.dtype, platform)
+    return load_config(a.model, dtype=dtype, quantization=q)
+
+
+def run(a: argparse.Namespace) -> int:
+    from jserve.engine.config import EngineConfig
+    from jserve.targets.programs import compile_for
+    from jserve.targets.specs import target
+
+    t = target(a.target)
+    cfg = _model_config(a, t.platform)
+    config = EngineConfig(**engine_kwargs(a))
+    report = compile_for(t.name, cfg, config, threads=a.threads)
+    print(table(report))
+    if a.json:
+        Path(a.json).write_text(json.dumps(as_dict(report), indent=1))
+    if a.dump_hlo:
+        out = Path(a.dump_hlo)
+        out.mkdir(parents=True, exist_ok=True)
+        for p in report.programs:
+            (out / f"{p.name.replace(' ', '_')}.hlo.txt").write_text(p.text)
+    return 0 if report.plan.fits else 1
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
+
+
+def rows(report) -> list[dict]:
+    """One dict per program: the table's columns, as numbers."""
+    out = []
+    for p in report.programs:
+        a, m = p.analysis, p.memory
+        out.append(dict(
+            program=p.name, compile_s=round(p.seconds, 2), launches=a.launches,
+            kernels=dict(a.kernels), whiles=a.whiles, unknown_trip_whiles=a.unknown_trip_whiles,
+            conditionals=a.conditionals, host_syncs=a.host_syncs,
+            weight_copy_bytes=a.copy_bytes("weight"), kv_copy_bytes=a.copy_bytes("kv"),
+            bytes_hlo=a.bytes, bytes_xla=p.cost_bytes, flops=p.cost_flops or a.flops,
+            memory_bytes=None if m is None else m.argument_bytes + m.temp_bytes
+            + m.output_bytes - m.alias_bytes,
+            temp_bytes=None if m is None else m.temp_bytes,
+            roofline_us=round(p.roofline_seconds(report.target) * 1e6, 1)))
+    return out
+
+
+def as_dict(report) -> dict:
+    t = report.target
+    return dict(target=t.name, device_kind=t.device_kind, layer_mode=report.layer_mode,
+                attention=report.attention, weight_bytes=report.weight_bytes,
+                kv_pool_bytes=report.kv_pool_bytes, plan_fits=report.plan.fits,
+                plan_problems=report.plan.problems, seconds=round(report.seconds, 1),
+                programs=rows(report))
+
+
+def table(report) -> str:
+    """The report as a markdown table, with a header line saying what was compiled."""
+    t = report.target
+    lines = [f"jserve compile: {len(report.programs)} programs for {t.name} "
+             f"({t.device_kind}, {t.bandwidth / 1e12:.2f} TB/s, "
+             f"{t.peak_flops / 1e12:.0f} TFLOP/s bf16) in {report.seconds:.0f} s; layers "
+             f"{report.layer_mode}, attention {report.attention}; weights "
+             f"{_gb(report.weight_bytes)}, KV pool {_gb(report.kv_pool_bytes)} a device"
+             + ("" if report.plan.fits else "; DOES NOT FIT: "
+                + "; ".join(report.plan.problems)),
+             "",
+             "| program | compile s | launches (fusions/GEMMs/Pallas/copies/other) | while "
+             "(no trip count) | cond | host syncs | weight copies | KV copies | bytes "
+             "(XLA / HLO) | memory | roofline |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows(report):
+        k = r["kernels"]
+        kinds = "/".join(str(int(k.get(x, 0))) for x in ("fusion", "gemm", "pallas"))
+        kinds += f"/{int(k.get('copy', 0) + k.get('copy-start', 0))}"
+        kinds += f"/{int(k.get('custom-call', 0) + k.get('other', 0))}"
+        xla = "-" if r["bytes_xla"] is None else _gb(r["bytes_xla"])
+        mem = "-" if r["memory_bytes"] is None else _gb(r["memory_bytes"])
+        lines.append(
+            f"| {r['program']} | {r['compile_s']:.1f} | {r['launches']} ({kinds}) | "
+            f"{r['whiles']} ({r['unknown_trip_whiles']}) | {r['conditionals']} | "
+            f"{r['host_syncs']} | {_gb(r['weight_copy_bytes'])} | {_gb(r['kv_copy_bytes'])} | "
+            f"{xla} / {_gb(r['bytes_hlo'])} | {mem} | {r['roofline_us']} us |")
+    plan = report.plan
+    lines += ["", f"plan: {_gb(plan.weight_bytes)} weights + {plan.num_kv_pages} KV pages "
+                  f"of {plan.kv_bytes_per_page} B a device; the largest step's XLA memory "
+                  "is its row's memory column"]
+    return "\n".join(lines)

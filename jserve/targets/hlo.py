@@ -1,0 +1,335 @@
+"""What an optimized HLO module (``compiled.as_text()``) does when it runs once: the kernels
+it launches, the ``while`` loops and conditionals (on XLA:GPU each conditional, and each
+iteration of a ``while`` whose trip count is not known when compiling, copies a predicate to
+the host and waits for the device outside a CUDA graph; XLA's default command buffers take
+neither), the copies of weights or KV pages it makes, and the bytes it moves.
+
+How it counts: the computations reached from the entry through ``while``, ``conditional``
+and ``call`` are walked (fusion bodies and reducers are inside their kernel); every
+instruction there that is not bookkeeping (parameter, constant, tuple, get-tuple-element,
+bitcast, ...) is one kernel: a fusion, a custom call (Triton GEMM fusions, Pallas kernels,
+cuBLAS), a copy or another op XLA left unfused. A ``while`` body counts times its known trip
+count, or once when it has none (a decode burst's loop: then the figures are one decode step
+of the burst); a conditional counts its largest branch. Bytes: each kernel's output plus its
+operands, where a fusion that only slices an operand reads the slices, an in-place update
+(a dynamic-update-slice or scatter root, a custom call aliasing its operand) moves only the
+update, and a custom call's KV pages operand counts nothing (paged attention reads the pages
+its sequences own, which the program does not say: ``Geometry`` prices them apart).
+XLA's own ``cost_analysis`` counts custom calls as nothing and a ``while`` body once."""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1,
+          "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
+          "f64": 8, "s64": 8, "u64": 8, "c64": 8, "s4": 0.5, "u4": 0.5}
+_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([\d,]*)\]")
+_BOOKKEEPING = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
+                "after-all", "partition-id", "replica-id", "opt-barrier", "add-dependency",
+                "domain", "iota"}
+_MATERIALISING = {"copy", "copy-start", "dynamic-slice", "slice", "gather", "fusion",
+                  "transpose", "concatenate", "pad"}
+_SLICING = {"dynamic-slice", "slice", "gather", "bitcast"}
+_IN_PLACE_ROOTS = {"dynamic-update-slice", "scatter"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    name: str
+    shape: str
+    opcode: str
+    operands: tuple[str, ...]
+    attrs: str
+    root: bool
+    args: str = ""  # the text between the parentheses (a parameter's index)
+
+    @property
+    def arrays(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(dtype, dims) of each array in the shape (one, or a tuple's)."""
+        return [(d, tuple(int(x) for x in dims.split(",") if x))
+                for d, dims in _ARRAY.findall(self.shape)]
+
+    @property
+    def bytes(self) -> float:
+        return sum(_BYTES.get(d, 0) * math.prod(dims) for d, dims in self.arrays)
+
+    def attr(self, key: str) -> list[str]:
+        """The computations named by ``key=%a`` or ``key={%a, %b}``."""
+        m = re.search(rf"\b{key}=(\{{[^}}]*\}}|%[\w.\-]+)", self.attrs)
+        return re.findall(r"%([\w.\-]+)", m.group(1)) if m else []
+
+
+def _balanced(text: str, start: int) -> int:
+    """The index just past the parenthesis group opening at ``text[start]``."""
+    depth = 0
+    for i in range(start, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        if depth == 0:
+            return i + 1
+    return len(text)
+
+
+def _instruction(line: str) -> Instruction | None:
+    m = re.match(r"\s*(ROOT\s+)?%([\w.\-]+)\s*=\s*", line)
+    if m is None:
+        return None
+    rest = line[m.end():]
+    if rest.startswith("("):
+        end = _balanced(rest, 0)
+    else:
+        end = rest.index(" ") if " " in rest else len(rest)
+    shape, rest = rest[:end], rest[end:].lstrip()
+    op = re.match(r"([\w\-]+)\(", rest)
+    if op is None:
+        return None
+    close = _balanced(rest, op.end() - 1)
+    operands = tuple(re.findall(r"%([\w.\-]+)", rest[op.end():close - 1]))
+    return Instruction(m.group(2), shape, op.group(1), operands, rest[close:], bool(m.group(1)),
+                       rest[op.end():close - 1])
+
+
+def parse(text: str) -> tuple[dict[str, list[Instruction]], str]:
+    """The module's computations (name -> instructions) and its entry's name."""
+    comps: dict[str, list[Instruction]] = {}
+    entry, current = "", None
+    for line in text.splitlines():
+        head = re.match(r"\s*(ENTRY\s+)?%([\w.\-]+)\s*\(.*\{\s*$", line)
+        if head and " = " not in line.split("(")[0]:
+            current = comps.setdefault(head.group(2), [])
+            entry = head.group(2) if head.group(1) else entry
+            continue
+        if line.strip() == "}":
+            current = None
+            continue
+        if current is not None and (ins := _instruction(line)) is not None:
+            current.append(ins)
+    return comps, entry
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """The shapes that say an array is a layer's weight matrix or the KV pages, with 1s
+    dropped (a reshape keeps them): each layer matrix [in, out], the stacked [L, in, out],
+    the pool [L, Hkv, P, S, D], one layer's [Hkv, P, S, D] and their flat-slot forms."""
+
+    weights: frozenset
+    kv: frozenset
+
+    @classmethod
+    def of(cls, cfg, kv_cache) -> "Geometry":
+        import jax
+
+        h, d, n = cfg.hidden_size, cfg.head_dim, cfg.num_hidden_layers
+        mats = {(h, cfg.num_attention_heads * d), (h, cfg.num_key_value_heads * d),
+                (h, 2 * cfg.num_key_value_heads * d), (cfg.num_attention_heads * d, h),
+                (h, 2 * cfg.intermediate_size), (cfg.intermediate_size, h),
+                (h, (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d)}
+        weights = {_squeeze(m) for m in mats} | {_squeeze((n, *m)) for m in mats}
+        kv = set()
+        for leaf in jax.tree.leaves(kv_cache):
+            shape = tuple(leaf.shape)
+            if len(shape) == 5:
+                ln, hkv, p, s, dd = shape
+                kv |= {shape, (hkv, p, s, dd), (ln, hkv, p * s, dd), (hkv, p * s, dd)}
+        return cls(frozenset(weights), frozenset(_squeeze(s) for s in kv))
+
+    def kind(self, dims: tuple[int, ...]) -> str | None:
+        s = _squeeze(dims)
+        return "kv" if s in self.kv else "weight" if s in self.weights else None
+
+
+def _squeeze(dims) -> tuple[int, ...]:
+    return tuple(x for x in dims if x != 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Copy:
+    """A kernel that materialises a weight matrix or KV pages: its name, op, kind and the
+    bytes it writes each time the program runs (times its loop's trips)."""
+
+    name: str
+    opcode: str
+    kind: str
+    bytes: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Analysis:
+    """One program's run, counted as the module docstring says."""
+
+    kernels: collections.Counter  # kind ("fusion", "gemm", "custom-call", "copy", ...) -> n
+    whiles: int  # while ops executed
+    unknown_trip_whiles: int  # of which without a known trip count (host sync per trip)
+    conditionals: int  # conditionals executed (each a host sync outside command buffers)
+    copies: tuple[Copy, ...]
+    bytes: float
+    flops: float
+
+    @property
+    def launches(self) -> int:
+        return sum(self.kernels.values())
+
+    @property
+    def host_syncs(self) -> int:
+        """Predicate reads that wait for the device on XLA:GPU outside CUDA graphs."""
+        return self.conditionals + self.unknown_trip_whiles
+
+    @property
+    def launches_outside_graphs(self) -> int:
+        """Launches XLA:GPU's default command buffers leave out: every kernel between two
+        host syncs runs as one graph, so a sync costs about one launch more."""
+        return self.host_syncs
+
+    def copy_bytes(self, kind: str) -> float:
+        return sum(c.bytes for c in self.copies if c.kind == kind)
+
+
+class _Walk:
+    def __init__(self, comps: dict[str, list[Instruction]], geometry: Geometry):
+        self.comps, self.geometry = comps, geometry
+        self.by_name = {i.name: i for instrs in comps.values() for i in instrs}
+        self.kernels: collections.Counter = collections.Counter()
+        self.whiles = self.unknown = self.conditionals = 0
+        self.copies: list[Copy] = []
+        self.bytes = self.flops = 0.0
+
+    def run(self, comp: str, trips: float = 1) -> None:
+        for ins in self.comps.get(comp, []):
+            self.instruction(ins, trips)
+
+    def instruction(self, ins: Instruction, trips: float) -> None:
+        op = ins.opcode
+        if op in _BOOKKEEPING:
+            return
+        if op == "while":
+            n = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.attrs)
+            self.whiles += trips
+            if n is None:
+                self.unknown += trips
+            inner = trips * (int(n.group(1)) if n else 1)
+            for comp in ins.attr("condition") + ins.attr("body"):
+                self.run(comp, inner)
+            return
+        if op == "conditional":
+            self.conditionals += trips
+            branches = ins.attr("branch_computations") or (
+                ins.attr("true_computation") + ins.attr("false_computation"))
+            best = max((self._alone(b) for b in branches), key=lambda w: w.launches(),
+                       default=None)
+            if best is not None:
+                self._add(best, trips)
+            return
+        if op == "call":
+            for comp in ins.attr("to_apply"):
+                self.run(comp, trips)
+            return
+        self.kernels[self._kind(ins)] += trips
+        self.bytes += trips * self._moved(ins)
+        self.flops += trips * self._flops(ins)
+        self._copy(ins, trips)
+
+    def _alone(self, comp: str) -> "_Walk":
+        w = _Walk(self.comps, self.geometry)
+        w.by_name = self.by_name
+        w.run(comp)
+        return w
+
+    def launches(self) -> float:
+        return sum(self.kernels.values())
+
+    def _add(self, w: "_Walk", trips: float) -> None:
+        for k, v in w.kernels.items():
+            self.kernels[k] += trips * v
+        self.whiles += trips * w.whiles
+        self.unknown += trips * w.unknown
+        self.conditionals += trips * w.conditionals
+        self.copies += [dataclasses.replace(c, bytes=c.bytes * trips) for c in w.copies]
+        self.bytes += trips * w.bytes
+        self.flops += trips * w.flops
+
+    @staticmethod
+    def _kind(ins: Instruction) -> str:
+        if ins.opcode == "fusion":
+            return "gemm" if ("gemm" in ins.attrs or "kind=kOutput" in ins.attrs
+                              and "dot" in ins.name) else "fusion"
+        if ins.opcode == "custom-call":
+            return "pallas" if "pallas" in ins.name or "tpu_custom_call" in ins.attrs \
+                or "triton" in ins.attrs else "custom-call"
+        return ins.opcode if ins.opcode in ("copy", "copy-start") else "other"
+
+    def _fused(self, ins: Instruction) -> list[Instruction]:
+        return self.comps.get(next(iter(ins.attr("calls")), ""), [])
+
+    def _moved(self, ins: Instruction) -> float:
+        operands = [self.by_name[o] for o in ins.operands if o in self.by_name]
+        if ins.opcode == "custom-call":
+            aliased = "output_to_operand_aliasing" in ins.attrs
+            return sum(0 if self._is_kv(o) else o.bytes for o in operands) + sum(
+                _BYTES.get(d, 0) * math.prod(dims) for d, dims in ins.arrays
+                if not (aliased and self.geometry.kind(dims) == "kv"))
+        if ins.opcode != "fusion":
+            return ins.bytes + sum(o.bytes for o in operands)
+        body = self._fused(ins)
+        root = next((i for i in body if i.root), None)
+        if root is not None and root.opcode in _IN_PLACE_ROOTS:
+            big = max(operands, key=lambda o: o.bytes, default=None)
+            return 2 * sum(o.bytes for o in operands if o is not big)
+        return ins.bytes + sum(self._read(body, i, o) for i, o in enumerate(operands))
+
+    def _read(self, body: list[Instruction], index: int, operand: Instruction) -> float:
+        """Bytes a fusion reads of its ``index``-th operand: the slices it takes of it when
+        it only slices it, else all of it."""
+        param = next((i for i in body if i.opcode == "parameter" and i.args == str(index)),
+                     None)
+        if param is None:
+            return operand.bytes
+        users = [i for i in body if param.name in i.operands]
+        if users and all(u.opcode in _SLICING and u.operands[0] == param.name
+                         for u in users):
+            return sum(u.bytes for u in users)
+        return operand.bytes
+
+    def _is_kv(self, ins: Instruction) -> bool:
+        arrays = ins.arrays
+        return len(arrays) == 1 and self.geometry.kind(arrays[0][1]) == "kv"
+
+    def _flops(self, ins: Instruction) -> float:
+        body = self._fused(ins) if ins.opcode == "fusion" else [ins]
+        total = 0.0
+        for i in body:
+            if i.opcode != "dot" or not i.operands:
+                continue
+            lhs = next((x for x in body if x.name == i.operands[0]),
+                       self.by_name.get(i.operands[0]))
+            dims = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", i.attrs)
+            if lhs is None or dims is None or not lhs.arrays:
+                continue
+            k = math.prod(lhs.arrays[0][1][int(x)] for x in dims.group(1).split(",") if x)
+            total += 2 * k * sum(math.prod(d) for _, d in i.arrays)
+        return total
+
+    def _copy(self, ins: Instruction, trips: float) -> None:
+        if ins.opcode not in _MATERIALISING:
+            return
+        if ins.opcode == "fusion":
+            body = self._fused(ins)
+            root = next((i for i in body if i.root), None)
+            if root is not None and root.opcode in _IN_PLACE_ROOTS | {"dot"}:
+                return
+        for dtype, dims in ins.arrays:
+            kind = self.geometry.kind(dims)
+            if kind is not None:
+                self.copies.append(Copy(ins.name, ins.opcode, kind,
+                                        trips * _BYTES.get(dtype, 0) * math.prod(dims)))
+
+
+def analyse(text: str, geometry: Geometry) -> Analysis:
+    """The run of the module ``text`` (``compiled.as_text()``), read as the module says."""
+    comps, entry = parse(text)
+    w = _Walk(comps, geometry)
+    w.run(entry)
+    return Analysis(w.kernels, int(w.whiles), int(w.unknown), int(w.conditionals),
+                    tuple(w.copies), w.bytes, w.flops)

@@ -1,0 +1,130 @@
+"""The engine's program set for a target, compiled on its compile-only devices through the
+engine's own code (``factory.runner_options``, ``ModelRunner(abstract=True)``,
+``StepPrograms.warmup``: the programs the engine would compile there, not copies), each
+read by ``hlo.analyse`` and priced by the target's roofline."""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+
+from jserve import backend
+from jserve.config import ModelConfig
+from jserve.engine.abstract import abstract_kv_cache, params_on_mesh, params_on_one_device
+from jserve.engine.config import EngineConfig
+from jserve.engine.factory import bursts_allowed, check_config, runner_options
+from jserve.engine.memory_plan import CompiledMemory, MemoryPlan, per_device_bytes, plan
+from jserve.engine.runner import ModelRunner
+from jserve.targets import hlo
+from jserve.targets.specs import Target, devices, target
+from sharding.mesh import make_mesh
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramReport:
+    """One compiled program: its name ("step 1x0", "sampler 33 rows", ...), the seconds its
+    lowering and compile took here, what its optimized HLO does, XLA's memory analysis, and
+    the bytes XLA's cost analysis says it accesses (None where the backend has none)."""
+
+    name: str
+    seconds: float
+    analysis: hlo.Analysis
+    memory: CompiledMemory | None
+    cost_bytes: float | None
+    cost_flops: float | None
+    text: str = dataclasses.field(repr=False, default="")  # the optimized HLO
+
+    def roofline_seconds(self, t: Target) -> float:
+        """max(bytes / bandwidth, FLOPs / peak) plus the launches outside CUDA graphs."""
+        moved = self.cost_bytes if self.cost_bytes is not None else self.analysis.bytes
+        flops = self.cost_flops if self.cost_flops is not None else self.analysis.flops
+        return max(moved / t.bandwidth, flops / t.peak_flops) \
+            + self.analysis.launches_outside_graphs * t.launch_seconds
+
+
+@dataclasses.dataclass
+class TargetReport:
+    """A configuration's programs compiled for one target, with the plan they were sized by."""
+
+    target: Target
+    layer_mode: str
+    attention: str
+    weight_bytes: int
+    kv_pool_bytes: int
+    plan: MemoryPlan
+    programs: list[ProgramReport]
+    seconds: float
+
+
+def _cost(compiled) -> tuple[float | None, float | None]:
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:  # noqa: BLE001 - some backends raise rather than return None
+        cost = None
+    if isinstance(cost, list):
+        cost = cost[0] if cost else None
+    if not cost:
+        return None, None
+    return cost.get("bytes accessed"), cost.get("flops")
+
+
+def _runner(cfg: ModelConfig, config: EngineConfig, t: Target, p: MemoryPlan
+            ) -> tuple[ModelRunner, str, bool]:
+    """The abstract runner the engine would build on ``t``'s devices, its layer mode and
+    whether it compiles the swap programs."""
+    geo = check_config(cfg, config)
+    mc = geo.mesh_config
+    devs = devices(t.name, mc.size)
+    mesh = make_mesh(mc, devs) if mc.size > 1 else None
+    mode = config.layer_mode(cfg.num_hidden_layers, mc.spp, t.platform)
+    unroll = mode == "unrolled"
+    params = (params_on_one_device(cfg, unroll, devs[0]) if mesh is None
+              else params_on_mesh(cfg, mesh, unroll))
+    kv = abstract_kv_cache(cfg, p.num_kv_pages, config.page_size, mesh, devs[0],
+                           config.kv_cache_dtype, p.local_kv_pages)
+    bursts = config.burst_steps() if bursts_allowed(config, mc, None) else 1
+    runner = ModelRunner(cfg, params, kv, abstract=True,
+                         **runner_options(config, geo.buckets, mesh, mode, None, bursts))
+    return runner, mode, config.kv_offload_bytes > 0 and mc.spp == 1
+
+
+def compile_for(name: str, cfg: ModelConfig, config: EngineConfig,
+                threads: int | None = None, progress: bool | None = None) -> TargetReport:
+    """Every program the engine would compile for ``cfg`` and ``config`` on target
+    ``name``, compiled here for it and read. The KV pool is the one ``jserve plan`` sizes
+    for the target's memory (or ``config``'s explicit pool)."""
+    from jserve.kernels import resolve_impl
+
+    t = target(name)
+    t0 = time.perf_counter()
+    with backend.compiling_for(t.platform):
+        mc_size = check_config(cfg, config).mesh_config.size
+        p = plan(cfg, config, device_memory_bytes=t.memory_bytes,
+                 devices=devices(t.name, mc_size))
+        if p.num_kv_pages < 2:
+            raise ValueError(f"{name}: no room for a KV pool ({p.summary()})")
+        runner, mode, swaps = _runner(cfg, config, t, p)
+        programs = runner.programs
+        programs.swaps = swaps
+        programs.warmup(threads=threads, progress=progress)
+        attention = resolve_impl(config.attention_impl)
+    geometry = hlo.Geometry.of(cfg, runner.kv_cache)
+    reports = []
+    for pname, compiled in _compiled(programs):
+        cost_bytes, flops = _cost(compiled)
+        text = compiled.as_text()
+        reports.append(ProgramReport(
+            pname, programs.compile_times.get(pname, 0.0), hlo.analyse(text, geometry),
+            CompiledMemory.of(compiled), cost_bytes, flops, text))
+    return TargetReport(t, mode, attention, per_device_bytes(runner.params),
+                        per_device_bytes(runner.kv_cache), p, reports,
+                        time.perf_counter() - t0)
+
+
+def _compiled(programs) -> list[tuple[str, jax.stages.Compiled]]:
+    """(name, executable) of each compiled program, in ``warmup``'s names."""
+    out = [(f"step {s[0]}x{s[1]}", exe) for s, (exe, _) in sorted(programs.steps.items())]
+    out += [(f"pass {s[0]}x{s[1]}", exe) for s, (exe, _) in sorted(programs.passes.items())]
+    out += [(f"sampler {rows} rows", exe) for rows, exe in sorted(programs.samplers.items())]
+    return out
