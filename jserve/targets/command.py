@@ -25,9 +25,23 @@ def add_compile_parser(sub) -> None:
     s.add_argument("--json", default=None, help="also write the table as JSON to this file")
     s.add_argument("--dump-hlo", default=None,
                    help="write each program's optimized HLO into this directory")
+    s.add_argument("--steps", default=None, type=_steps,
+                   help="only the step programs of these buckets, as DECODESxPREFILL_TOKENS "
+                        "separated by commas (1x0: batch-1 decode; 32x256: a mixed step); "
+                        "default: every program the engine compiles")
     s.add_argument("--threads", type=int, default=None, help="compile threads (default: "
                                                              "one per two cores, at least 2)")
     s.set_defaults(func=run)
+
+
+def _steps(text: str) -> list[tuple[int, int]]:
+    try:
+        out = [tuple(int(x) for x in s.split("x")) for s in text.split(",")]
+    except ValueError:
+        out = []
+    if not out or any(len(s) != 2 or min(s) < 0 or sum(s) == 0 for s in out):
+        raise argparse.ArgumentTypeError(f"steps: DECODESxPREFILL_TOKENS[,...], got {text!r}")
+    return out
 
 
 def _model_config(a: argparse.Namespace, platform: str):
@@ -51,7 +65,7 @@ def run(a: argparse.Namespace) -> int:
     t = target(a.target)
     cfg = _model_config(a, t.platform)
     config = EngineConfig(**engine_kwargs(a))
-    report = compile_for(t.name, cfg, config, threads=a.threads)
+    report = compile_for(t.name, cfg, config, threads=a.threads, steps=a.steps)
     print(table(report))
     if a.json:
         Path(a.json).write_text(json.dumps(as_dict(report), indent=1))

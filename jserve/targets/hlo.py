@@ -13,8 +13,9 @@ count, or once when it has none (a decode burst's loop: then the figures are one
 of the burst); a conditional counts its largest branch. Bytes: each kernel's output plus its
 operands, where a fusion that only slices an operand reads the slices, an in-place update
 (a dynamic-update-slice or scatter root, a custom call aliasing its operand) moves only the
-update, and a custom call's KV pages operand counts nothing (paged attention reads the pages
-its sequences own, which the program does not say: ``Geometry`` prices them apart).
+update, a custom call's KV pages operand counts nothing (paged attention reads the pages its
+sequences own, which the program does not say) and its stacked weight operand one layer (the
+indexed layer kernels read theirs in place).
 XLA's own ``cost_analysis`` counts custom calls as nothing and a ``while`` body once."""
 from __future__ import annotations
 
@@ -117,6 +118,7 @@ class Geometry:
 
     weights: frozenset
     kv: frozenset
+    layers: int = 0  # the stacked weights' leading dimension (0: none stacked)
 
     @classmethod
     def of(cls, cfg, kv_cache) -> "Geometry":
@@ -134,7 +136,7 @@ class Geometry:
             if len(shape) == 5:
                 ln, hkv, p, s, dd = shape
                 kv |= {shape, (hkv, p, s, dd), (ln, hkv, p * s, dd), (hkv, p * s, dd)}
-        return cls(frozenset(weights), frozenset(_squeeze(s) for s in kv))
+        return cls(frozenset(weights), frozenset(_squeeze(s) for s in kv), n)
 
     def kind(self, dims: tuple[int, ...]) -> str | None:
         s = _squeeze(dims)
@@ -205,11 +207,11 @@ class _Walk:
         if op in _BOOKKEEPING:
             return
         if op == "while":
-            n = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.attrs)
+            n = self._trip_count(ins)
             self.whiles += trips
             if n is None:
                 self.unknown += trips
-            inner = trips * (int(n.group(1)) if n else 1)
+            inner = trips * (n or 1)
             for comp in ins.attr("condition") + ins.attr("body"):
                 self.run(comp, inner)
             return
@@ -230,6 +232,37 @@ class _Walk:
         self.bytes += trips * self._moved(ins)
         self.flops += trips * self._flops(ins)
         self._copy(ins, trips)
+
+    def _trip_count(self, ins: Instruction) -> int | None:
+        """XLA:GPU's ``known_trip_count``, or (libtpu does not write it) a counted loop's:
+        its condition compares a tuple element with a constant N, ``LT``, and the loop
+        starts that element at a constant."""
+        n = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.attrs)
+        if n is not None:
+            return int(n.group(1))
+        cond = self.comps.get(next(iter(ins.attr("condition")), ""), [])
+        local = {i.name: i for i in cond}
+        root = next((i for i in cond if i.root), None)
+        if root is None or root.opcode != "compare" or "direction=LT" not in root.attrs \
+                or len(root.operands) != 2:
+            return None
+        index, bound = (local.get(o) for o in root.operands)
+        if index is None or bound is None or index.opcode != "get-tuple-element" \
+                or bound.opcode != "constant":
+            return None
+        k = re.search(r"index=(\d+)", index.attrs)
+        init = self.by_name.get(ins.operands[0]) if ins.operands else None
+        if k is None or init is None or init.opcode != "tuple":
+            return None
+        start = self.by_name.get(init.operands[int(k.group(1))])
+        while start is not None and start.opcode == "copy" and start.operands:
+            start = self.by_name.get(start.operands[0])  # libtpu copies the constant in
+        if start is None or start.opcode != "constant":
+            return None
+        try:
+            return max(int(bound.args) - int(start.args), 0)
+        except ValueError:
+            return None
 
     def _alone(self, comp: str) -> "_Walk":
         w = _Walk(self.comps, self.geometry)
@@ -267,7 +300,7 @@ class _Walk:
         operands = [self.by_name[o] for o in ins.operands if o in self.by_name]
         if ins.opcode == "custom-call":
             aliased = "output_to_operand_aliasing" in ins.attrs
-            return sum(0 if self._is_kv(o) else o.bytes for o in operands) + sum(
+            return sum(self._custom_read(o) for o in operands) + sum(
                 _BYTES.get(d, 0) * math.prod(dims) for d, dims in ins.arrays
                 if not (aliased and self.geometry.kind(dims) == "kv"))
         if ins.opcode != "fusion":
@@ -292,9 +325,20 @@ class _Walk:
             return sum(u.bytes for u in users)
         return operand.bytes
 
-    def _is_kv(self, ins: Instruction) -> bool:
-        arrays = ins.arrays
-        return len(arrays) == 1 and self.geometry.kind(arrays[0][1]) == "kv"
+    def _custom_read(self, operand: Instruction) -> float:
+        """Bytes a custom call reads of ``operand``: none of the KV pages (paged: the
+        sequences' own, priced apart), one layer of a stacked weight (the indexed layer
+        kernels address their layer), else all of it."""
+        arrays = operand.arrays
+        if len(arrays) != 1:
+            return operand.bytes
+        dims = arrays[0][1]
+        kind = self.geometry.kind(dims)
+        if kind == "kv":
+            return 0.0
+        if kind == "weight" and len(dims) == 3 and dims[0] == self.geometry.layers > 1:
+            return operand.bytes / dims[0]
+        return operand.bytes
 
     def _flops(self, ins: Instruction) -> float:
         body = self._fused(ins) if ins.opcode == "fusion" else [ins]
@@ -319,6 +363,8 @@ class _Walk:
             root = next((i for i in body if i.root), None)
             if root is not None and root.opcode in _IN_PLACE_ROOTS | {"dot"}:
                 return
+        if ins.opcode == "copy-start" and "S(1)" in ins.shape:
+            return  # a TPU prefetch into VMEM: a read, not a copy in HBM
         for dtype, dims in ins.arrays:
             kind = self.geometry.kind(dims)
             if kind is not None:

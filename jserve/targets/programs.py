@@ -90,10 +90,12 @@ def _runner(cfg: ModelConfig, config: EngineConfig, t: Target, p: MemoryPlan
 
 
 def compile_for(name: str, cfg: ModelConfig, config: EngineConfig,
-                threads: int | None = None, progress: bool | None = None) -> TargetReport:
+                threads: int | None = None, progress: bool | None = None,
+                steps: list[tuple[int, int]] | None = None) -> TargetReport:
     """Every program the engine would compile for ``cfg`` and ``config`` on target
-    ``name``, compiled here for it and read. The KV pool is the one ``jserve plan`` sizes
-    for the target's memory (or ``config``'s explicit pool)."""
+    ``name``, compiled here for it and read; ``steps``: only the step programs of the
+    buckets these (decodes, prefill tokens) fall in. The KV pool is the one ``jserve plan``
+    sizes for the target's memory (or ``config``'s explicit pool)."""
     from jserve.kernels import resolve_impl
 
     t = target(name)
@@ -107,7 +109,10 @@ def compile_for(name: str, cfg: ModelConfig, config: EngineConfig,
         runner, mode, swaps = _runner(cfg, config, t, p)
         programs = runner.programs
         programs.swaps = swaps
-        programs.warmup(threads=threads, progress=progress)
+        if steps is None:
+            programs.warmup(threads=threads, progress=progress)
+        else:
+            _compile_steps(programs, steps)
         attention = resolve_impl(config.attention_impl)
     geometry = hlo.Geometry.of(cfg, runner.kv_cache)
     reports = []
@@ -120,6 +125,15 @@ def compile_for(name: str, cfg: ModelConfig, config: EngineConfig,
     return TargetReport(t, mode, attention, per_device_bytes(runner.params),
                         per_device_bytes(runner.kv_cache), p, reports,
                         time.perf_counter() - t0)
+
+
+def _compile_steps(programs, steps: list[tuple[int, int]]) -> None:
+    """The step programs of the buckets ``steps`` fall in, one after another, timed."""
+    buckets = programs.lowering.buckets
+    for shape in dict.fromkeys(buckets.shape_for(*s) for s in steps):
+        t0 = time.perf_counter()
+        programs.compiled(shape)
+        programs.compile_times[f"step {shape[0]}x{shape[1]}"] = time.perf_counter() - t0
 
 
 def _compiled(programs) -> list[tuple[str, jax.stages.Compiled]]:

@@ -90,8 +90,14 @@ def devices(name: str, count: int = 1) -> tuple:
     """``count`` compile-only devices of target ``name`` (its plugin must be installed:
     ``jax[cuda13]`` for GPUs, ``jax[tpu]`` for TPUs). Programs compiled on them are XLA's
     real ones for that target; none can run here."""
+    import os
+
     from jax.experimental import topologies
 
+    # No TPU is opened: let several processes (the suite's workers) load libtpu at once,
+    # and tell it it is not on a TPU VM (it asks the metadata server otherwise).
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
     t = target(name)
     if not 1 <= count <= t.max_devices:
         raise ValueError(f"{name}: 1 to {t.max_devices} devices, not {count}")
