@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from jserve.bench.layer_copies import layer_matrix_copies, layer_matrix_shapes
-from jserve.engine.config import EngineConfig
+from jserve.engine.config import EngineConfig, layer_flags
 from jserve.engine.engine import LLMEngine
 from jserve.kernels.layer_matmul import gpu_splits, layer_matmul
 from jserve.model import quant
@@ -139,7 +139,14 @@ def test_cpu_loop_step_copies_every_layer_matrix(engines):
 def test_layer_loop_option_is_wired():
     from jserve.engine.args import add_engine_args, engine_kwargs
     assert EngineConfig(layer_loop="indexed").layer_mode(32, 2, "gpu") == "indexed"
-    assert EngineConfig().layer_mode(32, 1, "gpu") == "sliced"  # auto on GPU, until timed
+    # auto on GPU: decode-only steps indexed, the rest sliced; sliced for a model whose KV
+    # layer groups need every step's layers unrolled (tests/test_targets.py: what each does)
+    assert EngineConfig().layer_mode(32, 1, "gpu") == "sliced-indexed"
+    assert EngineConfig().layer_mode(32, 1, "gpu", windowed=True) == "sliced"
+    assert EngineConfig().layer_mode(32, 1, "tpu") == "loop"
+    assert layer_flags("sliced-indexed") == dict(slice_layers=True, in_place_layers="decode")
+    with pytest.raises(ValueError, match="spp == 1"):
+        EngineConfig(layer_loop="sliced-indexed").layer_mode(32, 2, "gpu")
     with pytest.raises(ValueError, match="layer_loop"):
         EngineConfig(layer_loop="scan")
     import argparse

@@ -11,7 +11,7 @@ from jserve.speculative.config import SpeculativeConfig
 from sharding.mesh import MeshConfig
 
 WARMUP_MODES = ("core", "background", "all", "none")
-LAYER_LOOPS = ("auto", "loop", "unrolled", "sliced", "indexed")
+LAYER_LOOPS = ("auto", "loop", "unrolled", "sliced", "indexed", "sliced-indexed")
 # Decode burst steps of ``decode_burst="auto"`` (``burst_steps``): a request arriving during
 # a burst waits at most 3 steps for it.
 AUTO_BURST_STEPS = 4
@@ -20,6 +20,14 @@ AUTO_BURST_STEPS = 4
 def default_compilation_cache_dir() -> str:
     return os.environ.get("JSERVE_COMPILATION_CACHE",
                           str(Path.home() / ".cache" / "jserve" / "xla"))
+
+
+def layer_flags(mode: str) -> dict:
+    """``ModelRunner``'s layer arguments for a ``layer_mode``: stacked weights unrolled over
+    static slices (``slice_layers``), or read in place (``in_place_layers``: True, or
+    "decode" for the decode-only steps alone)."""
+    return dict(slice_layers=mode in ("sliced", "sliced-indexed"),
+                in_place_layers={"indexed": True, "sliced-indexed": "decode"}.get(mode, False))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,9 +107,12 @@ class EngineConfig:
     # docs/device.md). "indexed": the loop over stacked weights, each matmul reading its
     # layer's tiles in place with a Pallas kernel (jserve.kernels.layer_matmul: compile time
     # of the loop and no weight copy; any spp; interpreted, so slow, on CPU).
-    # "auto": sliced on GPU without spp; else unrolled up to 8 layers per pipeline stage
-    # (the whole model without spp), else the loop. (indexed is not auto's GPU choice until
-    # it is timed on a GPU: docs/device.md.)
+    # "sliced-indexed" (spp == 1): the decode-only steps indexed (their burst loop would
+    # copy sliced layers: 1.41 GB a step at 1B on an H100, ``jserve compile``), the steps
+    # with prefill tokens sliced (XLA's GEMMs for the large matmuls).
+    # "auto": sliced-indexed on GPU without spp (sliced for a model whose KV layer groups
+    # need every step's layers unrolled); else unrolled up to 8 layers per pipeline stage
+    # (the whole model without spp), else the loop. (docs/device.md, "Compiled for".)
     layer_loop: str = "auto"
     seed: int = 0                      # draws seeds for requests that give none
     # "tp=2,kvp=2,spp=2" (sharding.MeshConfig: dp, spp, kvp, tp); dp is not supported yet.
@@ -144,19 +155,22 @@ class EngineConfig:
         work is paid once a burst (docs/startup.md, "Decode bursts in the step program")."""
         return AUTO_BURST_STEPS if self.decode_burst == "auto" else int(self.decode_burst)
 
-    def layer_mode(self, num_layers: int, spp: int, backend: str | None = None) -> str:
-        """What ``layer_loop`` means for this depth, pipeline and backend (default: JAX's):
-        "loop", "unrolled", "sliced" or "indexed"."""
-        if self.layer_loop == "sliced" and spp > 1:
-            raise ValueError("layer_loop 'sliced' needs spp == 1 (a pipeline stage loops "
-                             "over its own layers)")
+    def layer_mode(self, num_layers: int, spp: int, backend: str | None = None,
+                   windowed: bool = False) -> str:
+        """What ``layer_loop`` means for this depth, pipeline and backend (default: the one
+        programs are built for): "loop", "unrolled", "sliced", "indexed" or
+        "sliced-indexed"; ``windowed``: the model has sliding-window layers beside full ones
+        (its KV layer groups need sliced or unrolled layers in every step)."""
+        if self.layer_loop in ("sliced", "sliced-indexed") and spp > 1:
+            raise ValueError(f"layer_loop {self.layer_loop!r} needs spp == 1 (a pipeline "
+                             "stage loops over its own layers)")
         if self.layer_loop != "auto":
             return self.layer_loop
         if spp == 1 and backend is None:
             from jserve import backend as jserve_backend  # JAX only when asked
             backend = jserve_backend.current()
         if spp == 1 and backend == "gpu":
-            return "sliced"
+            return "sliced" if windowed else "sliced-indexed"
         return "unrolled" if num_layers // spp <= 8 else "loop"
 
     def __post_init__(self) -> None:

@@ -13,13 +13,14 @@ import jax
 
 from jserve import backend as jserve_backend
 from jserve.cache.allocator import PageAllocator, held_pages
+from jserve.cache.hybrid import local_window
 from jserve.cache.pool import allocate_kv_cache, kv_bytes_per_page, num_pages_for_budget
 from jserve.config import ModelConfig
 from jserve.engine import prompt_logprobs
 from jserve.engine.abstract import abstract_kv_cache, params_on_one_device
 from jserve.engine.buckets import Buckets
 from jserve.engine.burst import DecodeBursts
-from jserve.engine.config import EngineConfig
+from jserve.engine.config import EngineConfig, layer_flags
 from jserve.engine.kv_groups import KVGroups, kv_groups
 from jserve.engine.request_state import plain_sampler_row
 from jserve.engine.runner import ModelRunner
@@ -217,7 +218,8 @@ def build_engine_parts(cfg: ModelConfig, params: Params, config: EngineConfig,
     mesh_config, buckets, context = geo.mesh_config, geo.buckets, geo.max_model_len
     budget = min(config.max_num_batched_tokens, context)
     groups = kv_groups(cfg, config, mesh_size=mesh_config.size, max_model_len=context,
-                       layer_mode=config.layer_mode(cfg.num_hidden_layers, mesh_config.spp),
+                       layer_mode=config.layer_mode(cfg.num_hidden_layers, mesh_config.spp,
+                                    windowed=local_window(cfg) is not None),
                        max_chunk=geo.max_chunk)
     num_pages = groups.global_pages if groups else _num_kv_pages(cfg, config, geo)
     predictor = (load_predictor(cfg, config)
@@ -310,7 +312,7 @@ def runner_options(config: EngineConfig, buckets: Buckets, mesh: jax.sharding.Me
     return dict(buckets=buckets, max_num_seqs=config.max_num_seqs,
                 attention_impl=config.attention_impl, mesh=mesh,
                 capture_layer=tracker.layer if tracker else None,
-                slice_layers=layer_mode == "sliced", in_place_layers=layer_mode == "indexed",
+                **layer_flags(layer_mode),
                 burst_steps=burst_steps,
                 whole_chain_decodes=whole_chain_decodes(jserve_backend.current()))
 
@@ -335,7 +337,8 @@ def _runner(cfg: ModelConfig, params: Params, config: EngineConfig, mesh_config:
     ``local_pages``: two KV layer groups, the windowed layers' pool (``KVGroups``)."""
     mesh = make_mesh(mesh_config) if mesh_config.size > 1 else None
     placed = hasattr(params, "place")  # a lazy checkpoint streams onto the mesh
-    layer_mode = config.layer_mode(cfg.num_hidden_layers, mesh_config.spp)
+    layer_mode = config.layer_mode(cfg.num_hidden_layers, mesh_config.spp,
+                                    windowed=local_window(cfg) is not None)
     describe_run(times, cfg, config, mesh_config, layer_mode)
     unroll = layer_mode == "unrolled"  # per-layer arrays; "sliced" keeps them stacked
     warm = config.warmup != "none"

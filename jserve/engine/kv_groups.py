@@ -43,7 +43,7 @@ def why_not(config: EngineConfig, mesh_size: int, layer_mode: str) -> str | None
         return "the prefix cache's host tier (kv_offload_bytes)"
     if config.speculative_config is not None:
         return "speculative decoding"
-    if layer_mode in ("loop", "indexed"):
+    if layer_mode in ("loop", "indexed", "sliced-indexed"):
         return f"layer_loop {layer_mode!r} (the groups need the layers unrolled or sliced)"
     return None
 

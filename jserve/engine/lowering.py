@@ -23,12 +23,14 @@ class StepLowering:
     def __init__(self, cfg: ModelConfig, buckets: Buckets, max_num_seqs: int,
                  attention_impl: str, mesh: jax.sharding.Mesh | None, args: tuple,
                  capture_layer: int | None = None, slice_layers: bool = False,
-                 in_place_layers: bool = False, burst_steps: int = 1,
+                 in_place_layers: bool | str = False, burst_steps: int = 1,
                  whole_chain_decodes: bool = False):
         self.model_config, self.buckets, self.mesh, self.args = cfg, buckets, mesh, args
         self.attention_impl = attention_impl
         self.capture_layer, self.slice_layers = capture_layer, slice_layers
-        self.in_place_layers = in_place_layers  # ``layer_loop`` "indexed"
+        # ``layer_loop`` "indexed" (True) or "sliced-indexed" ("decode": only the
+        # decode-only shapes' steps read their layers in place, the others are sliced).
+        self.in_place_layers = in_place_layers
         self.replicated = (None if mesh is None else
                            jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
         # Stream pipeline: every call of the step is one tick. Params and pages are split by
@@ -106,9 +108,11 @@ class StepLowering:
         burst_steps = self.burst_steps if burst_steps is None else burst_steps
         layout, ibuf, fbuf, masks = self._buffer_specs(shape, lone)
         args = self.args
+        in_place = self.in_place_layers is True or (self.in_place_layers == "decode"
+                                                    and shape[1] == 0)
         common = dict(layout=layout, cfg=self.model_config,
                       attention_impl=self.attention_impl, mesh=self.mesh,
-                      rows=self.rows_for(shape), in_place_layers=self.in_place_layers)
+                      rows=self.rows_for(shape), in_place_layers=in_place)
         if lone:
             lowered = self.jitted.lone.lower(*args, ibuf, fbuf, **common)
         elif self.spp == 1:
@@ -118,7 +122,8 @@ class StepLowering:
             lowered = self.jitted.step.lower(*args, ibuf, fbuf, masks,
                                              self.spare_spec(self.rows_for(shape)),
                                              capture_layer=self.capture_layer,
-                                             slice_layers=self.slice_layers, **bursts, **common)
+                                             slice_layers=self.slice_layers and not in_place,
+                                             **bursts, **common)
         else:
             carry = pipeline.carry_spec(self.mesh, self.model_config, sum(self.stream_shape))
             lowered = self.jitted.step.lower(*args, carry, ibuf, fbuf,

@@ -35,10 +35,11 @@ import jax
 import numpy as np
 
 from jserve.cache.allocator import PageAllocator, held_pages
+from jserve.cache.hybrid import local_window
 from jserve.cache.pool import available_device_bytes, kv_bytes_per_page
 from jserve.config import ModelConfig
 from jserve.engine.abstract import abstract_kv_cache, abstract_params
-from jserve.engine.config import EngineConfig
+from jserve.engine.config import EngineConfig, layer_flags
 from jserve.engine.factory import Geometry, engine_geometry
 from jserve.engine.kv_groups import group_window, layer_counts, pool_sizes
 from jserve.engine.runner import ModelRunner
@@ -342,7 +343,8 @@ def _pool(cfg: ModelConfig, config: EngineConfig, geo: Geometry, per_page: int,
     """The plan's pool fields: one group's pages (``_num_pages``), or two KV layer groups'
     (``jserve.engine.kv_groups``, where the engine would run them) from the same budget."""
     mc = geo.mesh_config
-    mode = config.layer_mode(cfg.num_hidden_layers, mc.spp, platform)
+    mode = config.layer_mode(cfg.num_hidden_layers, mc.spp, platform,
+                                    windowed=local_window(cfg) is not None)
     window = group_window(cfg, config, mesh_size=mc.size, layer_mode=mode, warn=False)
     if window is None:
         return dict(kv_bytes_per_page=per_page,
@@ -467,10 +469,11 @@ def _compile_largest_step(cfg: ModelConfig, engine_config: EngineConfig, geo: Ge
     kv = abstract_kv_cache(cfg, 2, engine_config.page_size, mesh, device,
                            engine_config.kv_cache_dtype)
     spp = 1 if mesh is None else mesh.shape["spp"]
-    mode = engine_config.layer_mode(cfg.num_hidden_layers, spp, device.platform)
+    mode = engine_config.layer_mode(cfg.num_hidden_layers, spp, device.platform,
+                                    windowed=local_window(cfg) is not None)
     runner = ModelRunner(cfg, params, kv, geo.buckets, engine_config.max_num_seqs,
                          engine_config.attention_impl, mesh, abstract=True,
-                         slice_layers=mode == "sliced", in_place_layers=mode == "indexed")
+                         **layer_flags(mode))
     shape = (geo.buckets.decode_rows[-1], geo.buckets.prefill_tokens[-1])
     options = _CPU_COMPILE_OPTIONS if device.platform == "cpu" else None
     lowering = runner.programs.lowering

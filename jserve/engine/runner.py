@@ -62,7 +62,7 @@ class ModelRunner:
                  max_num_seqs: int, attention_impl: str, mesh: jax.sharding.Mesh | None = None,
                  capture_layer: int | None = None, params_placed: bool = False,
                  abstract: bool = False, unroll_layers: bool = False,
-                 slice_layers: bool = False, in_place_layers: bool = False,
+                 slice_layers: bool = False, in_place_layers: bool | str = False,
                  burst_steps: int = 1, whole_chain_decodes: bool = False):
         """``params_placed``: ``params`` are already in the runtime layout, tp-laid-out and
         placed on ``mesh`` (a loader that streams them there, ``jserve.model.weights``).
@@ -74,7 +74,8 @@ class ModelRunner:
         spp each stage's own layers, ``sharding.pipeline.unstack_stages``). ``slice_layers``
         (spp == 1): stacked params, the layers unrolled in the program over static slices of
         them (``EngineConfig.layer_loop`` "sliced"). ``in_place_layers``: stacked params, the
-        loop's matmuls reading each layer in place (``layer_loop`` "indexed").
+        loop's matmuls reading each layer in place (``layer_loop`` "indexed"; "decode": only
+        in the decode-only shapes' steps, the others sliced: "sliced-indexed").
         ``burst_steps``: the most decode steps an all-decode shape's step runs in one call
         (``StepLowering.burst_steps``; 1: no bursts); ``whole_chain_decodes``: those steps
         sample with the whole chain (``StepLowering.whole_chain_decodes``)."""

@@ -10,6 +10,7 @@ import time
 import jax
 
 from jserve import backend
+from jserve.cache.hybrid import local_window
 from jserve.config import ModelConfig
 from jserve.engine.abstract import abstract_kv_cache, params_on_mesh, params_on_one_device
 from jserve.engine.config import EngineConfig
@@ -77,7 +78,8 @@ def _runner(cfg: ModelConfig, config: EngineConfig, t: Target, p: MemoryPlan
     mc = geo.mesh_config
     devs = devices(t.name, mc.size)
     mesh = make_mesh(mc, devs) if mc.size > 1 else None
-    mode = config.layer_mode(cfg.num_hidden_layers, mc.spp, t.platform)
+    mode = config.layer_mode(cfg.num_hidden_layers, mc.spp, t.platform,
+                                    windowed=local_window(cfg) is not None)
     unroll = mode == "unrolled"
     params = (params_on_one_device(cfg, unroll, devs[0]) if mesh is None
               else params_on_mesh(cfg, mesh, unroll))
