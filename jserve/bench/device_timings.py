@@ -48,11 +48,24 @@ def decode_timing(p: Profile, name: str, cfg, engine, impl: str, peaks, b: int,
                steps_timed=len(steps), mean_context=ctx / b, step_ms=step * 1e3,
                tok_s=b / step, weight_gb=w_bytes / 1e9, kv_gb=kv / 1e9,
                tbps=(w_bytes + kv) / step / 1e12, mbu=ratio((w_bytes + kv) / step, peaks[1]),
-               compiles_while_timed=compiles)
-    say(f"  decode {name} b={b} burst {burst}: {row['step_ms']:.2f} ms/step, "
-        f"{row['tok_s']:.1f} tok/s, "
+               compiles_while_timed=compiles, **_prediction(engine, cfg, b, kv, peaks))
+    say(f"  decode {name} b={b} burst {burst}: {row['step_ms']:.2f} ms/step "
+        f"(predicted {row.get('predicted_ms', float('nan')):.2f}: {row.get('launches')} "
+        f"launches, {row.get('host_syncs')} host syncs), {row['tok_s']:.1f} tok/s, "
         f"{row['tbps']:.3g} TB/s, MBU {fmt_pct(row['mbu'])}")
     return row
+
+
+def _prediction(engine, cfg, b: int, kv_read: float, peaks) -> dict:
+    """The decode step's roofline from its compiled program (``jserve.targets``), before
+    the timing confirms or refutes it; {} when the step was not compiled up front."""
+    from jserve.targets.programs import predict
+
+    programs = engine.runner.programs
+    entry = programs.steps.get(engine.buckets.shape_for(b, 0))
+    if entry is None:
+        return {}
+    return predict(entry[0], cfg, engine.runner.kv_cache, peaks[1], peaks[0], kv_read)
 
 
 def prefill_timing(p: Profile, name: str, cfg, engine, impl: str, peaks, prompt_len: int,

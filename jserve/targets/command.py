@@ -22,6 +22,9 @@ def add_compile_parser(sub) -> None:
     s.add_argument("--model-config", default=None,
                    help="a config.json to compile for instead of --model (nothing read "
                         "beside it: the shapes are all a compile needs)")
+    s.add_argument("--attention-impl", default="auto",
+                   help="the step's attention kernels: auto (what the engine picks on the "
+                        "target), reference, pallas_gpu, pallas_tpu")
     s.add_argument("--json", default=None, help="also write the table as JSON to this file")
     s.add_argument("--dump-hlo", default=None,
                    help="write each program's optimized HLO into this directory")
@@ -64,7 +67,7 @@ def run(a: argparse.Namespace) -> int:
 
     t = target(a.target)
     cfg = _model_config(a, t.platform)
-    config = EngineConfig(**engine_kwargs(a))
+    config = EngineConfig(**engine_kwargs(a), attention_impl=a.attention_impl)
     report = compile_for(t.name, cfg, config, threads=a.threads, steps=a.steps)
     print(table(report))
     if a.json:

@@ -40,8 +40,29 @@ class ProgramReport:
         """max(bytes / bandwidth, FLOPs / peak) plus the launches outside CUDA graphs."""
         moved = self.cost_bytes if self.cost_bytes is not None else self.analysis.bytes
         flops = self.cost_flops if self.cost_flops is not None else self.analysis.flops
-        return max(moved / t.bandwidth, flops / t.peak_flops) \
-            + self.analysis.launches_outside_graphs * t.launch_seconds
+        return roofline(moved, flops, self.analysis.launches_outside_graphs, t.bandwidth,
+                        t.peak_flops, t.launch_seconds)
+
+
+def roofline(moved: float, flops: float, launches: int, bandwidth: float, peak_flops: float,
+             launch_seconds: float) -> float:
+    """A program's floor: its bytes at the bandwidth or its FLOPs at the peak, whichever is
+    longer, plus ``launches`` that each cost ``launch_seconds`` more."""
+    return max(moved / bandwidth, flops / peak_flops) + launches * launch_seconds
+
+
+def predict(compiled, cfg: ModelConfig, kv_cache, bandwidth: float, peak_flops: float,
+            kv_read: float = 0.0) -> dict:
+    """What a compiled step should take on the device it was compiled for (the device
+    check's prediction beside each timing): its HLO read (``hlo.analyse``), ``kv_read``
+    bytes of KV pages its sequences attend to added (the program does not say them)."""
+    a = hlo.analyse(compiled.as_text(), hlo.Geometry.of(cfg, kv_cache))
+    launch = 4e-6 if backend.current() == "gpu" else 0.0
+    seconds = roofline(a.bytes + kv_read, a.flops, a.launches_outside_graphs, bandwidth,
+                       peak_flops, launch)
+    return dict(predicted_ms=seconds * 1e3, launches=a.launches, host_syncs=a.host_syncs,
+                hlo_gb=a.bytes / 1e9, weight_copy_gb=a.copy_bytes("weight") / 1e9,
+                kv_copy_gb=a.copy_bytes("kv") / 1e9)
 
 
 @dataclasses.dataclass
