@@ -49,9 +49,11 @@ def decode_timing(p: Profile, name: str, cfg, engine, impl: str, peaks, b: int,
                tok_s=b / step, weight_gb=w_bytes / 1e9, kv_gb=kv / 1e9,
                tbps=(w_bytes + kv) / step / 1e12, mbu=ratio((w_bytes + kv) / step, peaks[1]),
                compiles_while_timed=compiles, **_prediction(engine, cfg, b, kv, peaks))
+    predicted = row.get("predicted_ms")
     say(f"  decode {name} b={b} burst {burst}: {row['step_ms']:.2f} ms/step "
-        f"(predicted {row.get('predicted_ms', float('nan')):.2f}: {row.get('launches')} "
-        f"launches, {row.get('host_syncs')} host syncs), {row['tok_s']:.1f} tok/s, "
+        f"(predicted {'-' if predicted is None else f'{predicted:.2f}'}: "
+        f"{row.get('launches')} launches, {row.get('host_syncs')} host syncs), "
+        f"{row['tok_s']:.1f} tok/s, "
         f"{row['tbps']:.3g} TB/s, MBU {fmt_pct(row['mbu'])}")
     return row
 

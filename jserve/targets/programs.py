@@ -51,16 +51,18 @@ def roofline(moved: float, flops: float, launches: int, bandwidth: float, peak_f
     return max(moved / bandwidth, flops / peak_flops) + launches * launch_seconds
 
 
-def predict(compiled, cfg: ModelConfig, kv_cache, bandwidth: float, peak_flops: float,
-            kv_read: float = 0.0) -> dict:
+def predict(compiled, cfg: ModelConfig, kv_cache, bandwidth: float | None,
+            peak_flops: float | None, kv_read: float = 0.0) -> dict:
     """What a compiled step should take on the device it was compiled for (the device
     check's prediction beside each timing): its HLO read (``hlo.analyse``), ``kv_read``
-    bytes of KV pages its sequences attend to added (the program does not say them)."""
+    bytes of KV pages its sequences attend to added (the program does not say them); no
+    time where the device's peaks are unknown (a CPU)."""
     a = hlo.analyse(compiled.as_text(), hlo.Geometry.of(cfg, kv_cache))
     launch = 4e-6 if backend.current() == "gpu" else 0.0
-    seconds = roofline(a.bytes + kv_read, a.flops, a.launches_outside_graphs, bandwidth,
-                       peak_flops, launch)
-    return dict(predicted_ms=seconds * 1e3, launches=a.launches, host_syncs=a.host_syncs,
+    seconds = None if not (bandwidth and peak_flops) else roofline(
+        a.bytes + kv_read, a.flops, a.launches_outside_graphs, bandwidth, peak_flops, launch)
+    return dict(predicted_ms=None if seconds is None else seconds * 1e3,
+                launches=a.launches, host_syncs=a.host_syncs,
                 hlo_gb=a.bytes / 1e9, weight_copy_gb=a.copy_bytes("weight") / 1e9,
                 kv_copy_gb=a.copy_bytes("kv") / 1e9)
 
