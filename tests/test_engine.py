@@ -187,13 +187,16 @@ def test_looped_and_unrolled_layers_give_the_same_tokens(reference, layer_loop, 
 
 
 def test_the_layer_mode_follows_backend_depth_and_pipeline():
-    """GPU: sliced (measured on an H100, docs/device.md); elsewhere unrolled up to 8 layers a
-    stage, else the loop; an explicit choice stands, but sliced cannot split into stages."""
+    """GPU: sliced-indexed (docs/device.md, "Compiled for"); TPU: unrolled up to 8 layers a
+    stage, else indexed (the loop copies every layer's weights there); CPU: unrolled up to
+    8 layers a stage, else the loop; an explicit choice stands, but sliced cannot split into
+    stages."""
     auto = EngineConfig()
-    assert auto.layer_mode(32, 1, "gpu") == "sliced"
-    assert auto.layer_mode(32, 2, "gpu") == "loop"
+    assert auto.layer_mode(32, 1, "gpu") == "sliced-indexed"
+    assert auto.layer_mode(32, 2, "gpu") == "indexed"
     assert auto.layer_mode(8, 1, "cpu") == "unrolled" and auto.layer_mode(16, 1, "cpu") == "loop"
-    assert auto.layer_mode(16, 2, "tpu") == "unrolled"
+    assert auto.layer_mode(16, 2, "tpu") == "unrolled" and auto.layer_mode(16, 1, "tpu") == \
+        "indexed"
     assert EngineConfig(layer_loop="loop").layer_mode(4, 1, "gpu") == "loop"
     with pytest.raises(ValueError, match="spp == 1"):
         EngineConfig(layer_loop="sliced").layer_mode(4, 2, "gpu")

@@ -169,7 +169,7 @@ def test_kernels_lower_for_their_accelerator(platform, attend, writer, target):
 
 def test_auto_picks_the_backends_kernel():
     assert resolve_impl("auto", "gpu") == "pallas_gpu"
-    assert resolve_impl("auto", "tpu") == "reference"  # until pallas_tpu has run on a TPU
+    assert resolve_impl("auto", "tpu") == "pallas_tpu"  # compiled for v5e/v6e (test_targets)
     assert resolve_impl("auto", "cpu") == "cpu"  # the native decode kernel (test_cpu_kernel)
     assert resolve_impl("pallas_tpu", "cpu") == "pallas_tpu"  # interpreted, see the engine test
     with pytest.raises(ValueError, match="attention_impl"):

@@ -67,7 +67,8 @@ def _prediction(engine, cfg, b: int, kv_read: float, peaks) -> dict:
     entry = programs.steps.get(engine.buckets.shape_for(b, 0))
     if entry is None:
         return {}
-    return predict(entry[0], cfg, engine.runner.kv_cache, peaks[1], peaks[0], kv_read)
+    return predict(entry[0], cfg, engine.runner.kv_cache, peaks[1], peaks[0], kv_read,
+                   engine.runner.params)
 
 
 def prefill_timing(p: Profile, name: str, cfg, engine, impl: str, peaks, prompt_len: int,

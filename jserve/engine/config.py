@@ -112,7 +112,8 @@ class EngineConfig:
     # with prefill tokens sliced (XLA's GEMMs for the large matmuls).
     # "auto": sliced-indexed on GPU without spp (sliced for a model whose KV layer groups
     # need every step's layers unrolled); else unrolled up to 8 layers per pipeline stage
-    # (the whole model without spp), else the loop. (docs/device.md, "Compiled for".)
+    # (the whole model without spp), else indexed on GPU and TPU and the loop on CPU.
+    # (docs/device.md, "Compiled for".)
     layer_loop: str = "auto"
     seed: int = 0                      # draws seeds for requests that give none
     # "tp=2,kvp=2,spp=2" (sharding.MeshConfig: dp, spp, kvp, tp); dp is not supported yet.
@@ -166,12 +167,15 @@ class EngineConfig:
                              "stage loops over its own layers)")
         if self.layer_loop != "auto":
             return self.layer_loop
-        if spp == 1 and backend is None:
+        if backend is None:
             from jserve import backend as jserve_backend  # JAX only when asked
             backend = jserve_backend.current()
         if spp == 1 and backend == "gpu":
             return "sliced" if windowed else "sliced-indexed"
-        return "unrolled" if num_layers // spp <= 8 else "loop"
+        if num_layers // spp <= 8:
+            return "unrolled"
+        # XLA:GPU and libtpu copy every layer's weights out of the loop's stack each step
+        return "indexed" if backend in ("gpu", "tpu") else "loop"
 
     def __post_init__(self) -> None:
         if isinstance(self.warmup, bool):

@@ -14,7 +14,12 @@ import jax
 from jserve import backend as jserve_backend
 from jserve.cache.allocator import PageAllocator, held_pages
 from jserve.cache.hybrid import local_window
-from jserve.cache.pool import allocate_kv_cache, kv_bytes_per_page, num_pages_for_budget
+from jserve.cache.pool import (
+    allocate_kv_cache,
+    kv_bytes_per_page,
+    num_pages_for_budget,
+    row_major,
+)
 from jserve.config import ModelConfig
 from jserve.engine import prompt_logprobs
 from jserve.engine.abstract import abstract_kv_cache, params_on_one_device
@@ -22,6 +27,7 @@ from jserve.engine.buckets import Buckets
 from jserve.engine.burst import DecodeBursts
 from jserve.engine.config import EngineConfig, layer_flags
 from jserve.engine.kv_groups import KVGroups, kv_groups
+from jserve.engine.lowering import pinned_pages
 from jserve.engine.request_state import plain_sampler_row
 from jserve.engine.runner import ModelRunner
 from jserve.engine.startup import StartupTimes
@@ -325,6 +331,22 @@ def bursts_allowed(config: EngineConfig, mesh_config: MeshConfig,
             and tracker is None and config.speculative_config is None)
 
 
+def _allocate_kv(cfg: ModelConfig, config: EngineConfig, mesh, num_pages: int,
+                 local_pages: int | None, tracker: LengthTracker | None):
+    """The zeroed pool: on one device, split on ``mesh``, or made in the steps' pinned
+    layout (``lowering.pinned_pages``)."""
+    spp = mesh.shape["spp"] if mesh is not None else 1
+    if pinned_pages(config.attention_impl, spp, tracker.layer if tracker else None):
+        return row_major(abstract_kv_cache(cfg, num_pages, config.page_size, mesh,
+                                           kv_cache_dtype=config.kv_cache_dtype,
+                                           local_pages=local_pages), zeros=True)
+    if mesh is None:
+        return allocate_kv_cache(cfg, num_pages, config.page_size, config.kv_cache_dtype,
+                                 local_pages)
+    return allocate_sharded_kv_cache(cfg, mesh.shape["kvp"] * num_pages, config.page_size,
+                                     mesh, config.kv_cache_dtype)
+
+
 def _runner(cfg: ModelConfig, params: Params, config: EngineConfig, mesh_config: MeshConfig,
             buckets: Buckets, num_pages: int, tracker: LengthTracker | None,
             times: StartupTimes, core_only: bool, local_pages: int | None = None,
@@ -352,12 +374,8 @@ def _runner(cfg: ModelConfig, params: Params, config: EngineConfig, mesh_config:
 
     def allocate_kv():
         t0 = time.perf_counter()
-        kv = jax.block_until_ready(
-            allocate_kv_cache(cfg, num_pages, config.page_size, config.kv_cache_dtype,
-                              local_pages)
-            if mesh is None else
-            allocate_sharded_kv_cache(cfg, mesh_config.kvp * num_pages, config.page_size,
-                                      mesh, config.kv_cache_dtype))
+        kv = jax.block_until_ready(_allocate_kv(cfg, config, mesh, num_pages, local_pages,
+                                                tracker))
         times.kv = time.perf_counter() - t0
         return kv
 

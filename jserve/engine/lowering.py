@@ -8,12 +8,23 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jserve.cache.pool import HybridKV
+from jserve import backend
+from jserve.cache.pool import HybridKV, formats, pages_row_major, row_major
 from jserve.config import ModelConfig
 from jserve.engine.buckets import Buckets
 from jserve.engine.step_arrays import PackedLayout, StepArrays, arrays_spec, sample_inputs_spec
 from jserve.engine.step_program import jitted
 from sharding import pipeline
+
+
+def pinned_pages(attention_impl: str, spp: int, capture_layer: int | None) -> bool:
+    """Whether a runner's KV pool is pinned row-major (``pool.pages_row_major``: a TPU under
+    the Pallas kernels), where its programs return the pages in that layout too; not with a
+    pipeline or a length probe's capture (their programs' outputs are laid out otherwise)."""
+    from jserve.kernels import resolve_impl
+
+    return spp == 1 and capture_layer is None and pages_row_major(
+        backend.current(), resolve_impl(attention_impl))
 
 
 class StepLowering:
@@ -25,8 +36,13 @@ class StepLowering:
                  capture_layer: int | None = None, slice_layers: bool = False,
                  in_place_layers: bool | str = False, burst_steps: int = 1,
                  whole_chain_decodes: bool = False):
-        self.model_config, self.buckets, self.mesh, self.args = cfg, buckets, mesh, args
+        self.model_config, self.buckets, self.mesh = cfg, buckets, mesh
         self.attention_impl = attention_impl
+        spp = mesh.shape["spp"] if mesh is not None else 1
+        if pinned_pages(attention_impl, spp, capture_layer):
+            args = (args[0], row_major(args[1]), args[2])
+        self.args = args
+        self.page_formats = formats(args[1])  # the steps return the pages as they take them
         self.capture_layer, self.slice_layers = capture_layer, slice_layers
         # ``layer_loop`` "indexed" (True) or "sliced-indexed" ("decode": only the
         # decode-only shapes' steps read their layers in place, the others are sliced).
@@ -42,7 +58,7 @@ class StepLowering:
         # nothing for the option. Without drafts both sizes are the same.
         self.plain_rows = min(max_num_seqs + buckets.prefill_rows, buckets.max_rows)
         self.page_size = jax.tree.leaves(args[1])[0].shape[3]
-        self.jitted = jitted(self.spp)
+        self.jitted = jitted(self.spp, self.page_formats)
         # The most decode steps an all-decode shape's step runs in one call (a decode burst,
         # ``jserve.engine.burst``; 1: none; not with a length probe's capture).
         self.burst_steps = burst_steps if capture_layer is None else 1

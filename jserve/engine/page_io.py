@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jserve.cache.pool import KVCache
+from jserve.cache.pool import KVCache, formats
 
 # Pages per call of a swap program. Larger moves a long request's pages in fewer calls;
 # smaller wastes less on a short one (a call moves the whole chunk: at 8B, bf16, about 2 MB
@@ -117,7 +117,10 @@ def lower_movers(kv_spec: KVCache, replicated) -> tuple[jax.stages.Lowered,
             lambda x, s: jax.ShapeDtypeStruct(x.shape[:2] + (SWAP_CHUNK,) + x.shape[3:],
                                               x.dtype, sharding=s),
             kv_spec, compiled_gather.output_shardings)
-        return jax.jit(_scatter, donate_argnums=(0,)).lower(kv_spec, ids, out)
+        pinned = formats(kv_spec)  # a pinned pool comes back in its layout
+        return jax.jit(_scatter, donate_argnums=(0,),
+                       **({} if pinned is None else dict(out_shardings=pinned))
+                       ).lower(kv_spec, ids, out)
 
     return gather, scatter
 

@@ -313,21 +313,24 @@ class Jitted(NamedTuple):
     sample: Callable           # the sampling executable
 
 
-def jitted(spp: int) -> Jitted:
+def jitted(spp: int, page_formats=None) -> Jitted:
     """The runner's jitted step (spp > 1: tick), pass (spp > 1: a batch alone in an empty
     pipeline through every stage; else None) and sampler. Fresh function objects per runner:
     JAX's trace and compile caches are keyed weakly on the function, so a dropped engine's
     executables (hundreds of memory maps each on CPU) are freed with it instead of
-    accumulating for the life of the process."""
+    accumulating for the life of the process. ``page_formats`` (spp == 1, no capture): the
+    pinned layouts the step returns the KV pages in (``lowering.pinned_pages``)."""
     static = ("layout", "cfg", "attention_impl", "mesh", "rows", "in_place_layers")
     if spp > 1:
         step = jax.jit(_fresh(_tick), static_argnames=static + ("decode_rows",),
                        donate_argnums=(1, 2, 3))
         lone = jax.jit(_fresh(_lone_pass), static_argnames=static, donate_argnums=(1, 2))
     else:
+        pinned = {} if page_formats is None else dict(
+            out_shardings=(None, None, page_formats, None, None))
         step = jax.jit(_fresh(_step), static_argnames=static + (
             "capture_layer", "slice_layers", "burst_steps", "page_size", "whole_chain"),
-            donate_argnums=(1, 2, 6))
+            donate_argnums=(1, 2, 6), **pinned)
         lone = None
     return Jitted(step, lone, jax.jit(_fresh(_sample), donate_argnums=(0,)))
 

@@ -121,7 +121,10 @@ class Geometry:
     layers: int = 0  # the stacked weights' leading dimension (0: none stacked)
 
     @classmethod
-    def of(cls, cfg, kv_cache) -> "Geometry":
+    def of(cls, cfg, kv_cache, params=None) -> "Geometry":
+        """From the model's shapes, the pool's and (``params``: the step's, maybe split on
+        a mesh) each layer leaf's one-device shard: a mesh program's HLO holds its
+        device's shapes."""
         import jax
 
         h, d, n = cfg.hidden_size, cfg.head_dim, cfg.num_hidden_layers
@@ -129,18 +132,31 @@ class Geometry:
                 (h, 2 * cfg.num_key_value_heads * d), (cfg.num_attention_heads * d, h),
                 (h, 2 * cfg.intermediate_size), (cfg.intermediate_size, h),
                 (h, (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d)}
-        weights = {_squeeze(m) for m in mats} | {_squeeze((n, *m)) for m in mats}
+        mats |= {(n, *m) for m in mats}
+        layers = params["layers"] if params is not None else {}
+        for leaf in jax.tree.leaves(layers):
+            shard = _shard_shape(leaf)
+            if len(shard) >= 2:
+                mats |= {shard, shard[1:]} if len(shard) == 3 else {shard}
         kv = set()
         for leaf in jax.tree.leaves(kv_cache):
-            shape = tuple(leaf.shape)
+            shape = _shard_shape(leaf)
             if len(shape) == 5:
                 ln, hkv, p, s, dd = shape
                 kv |= {shape, (hkv, p, s, dd), (ln, hkv, p * s, dd), (hkv, p * s, dd)}
-        return cls(frozenset(weights), frozenset(_squeeze(s) for s in kv), n)
+        return cls(frozenset(_squeeze(m) for m in mats), frozenset(_squeeze(s) for s in kv),
+                   n)
 
     def kind(self, dims: tuple[int, ...]) -> str | None:
         s = _squeeze(dims)
         return "kv" if s in self.kv else "weight" if s in self.weights else None
+
+
+def _shard_shape(leaf) -> tuple[int, ...]:
+    """One device's part of ``leaf`` (an array or a spec; its whole shape without one)."""
+    sharding = getattr(leaf, "sharding", None)
+    shape = tuple(leaf.shape)
+    return tuple(sharding.shard_shape(shape)) if sharding is not None else shape
 
 
 def _squeeze(dims) -> tuple[int, ...]:

@@ -52,12 +52,12 @@ def roofline(moved: float, flops: float, launches: int, bandwidth: float, peak_f
 
 
 def predict(compiled, cfg: ModelConfig, kv_cache, bandwidth: float | None,
-            peak_flops: float | None, kv_read: float = 0.0) -> dict:
+            peak_flops: float | None, kv_read: float = 0.0, params=None) -> dict:
     """What a compiled step should take on the device it was compiled for (the device
     check's prediction beside each timing): its HLO read (``hlo.analyse``), ``kv_read``
     bytes of KV pages its sequences attend to added (the program does not say them); no
     time where the device's peaks are unknown (a CPU)."""
-    a = hlo.analyse(compiled.as_text(), hlo.Geometry.of(cfg, kv_cache))
+    a = hlo.analyse(compiled.as_text(), hlo.Geometry.of(cfg, kv_cache, params))
     launch = 4e-6 if backend.current() == "gpu" else 0.0
     seconds = None if not (bandwidth and peak_flops) else roofline(
         a.bytes + kv_read, a.flops, a.launches_outside_graphs, bandwidth, peak_flops, launch)
@@ -139,7 +139,7 @@ def compile_for(name: str, cfg: ModelConfig, config: EngineConfig,
         else:
             _compile_steps(programs, steps)
         attention = resolve_impl(config.attention_impl)
-    geometry = hlo.Geometry.of(cfg, runner.kv_cache)
+    geometry = hlo.Geometry.of(cfg, runner.kv_cache, runner.params)
     reports = []
     for pname, compiled in _compiled(programs):
         cost_bytes, flops = _cost(compiled)
