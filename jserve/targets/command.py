@@ -94,7 +94,8 @@ def rows(report) -> list[dict]:
             kernels=dict(a.kernels), whiles=a.whiles, unknown_trip_whiles=a.unknown_trip_whiles,
             conditionals=a.conditionals, host_syncs=a.host_syncs,
             weight_copy_bytes=a.copy_bytes("weight"), kv_copy_bytes=a.copy_bytes("kv"),
-            bytes_hlo=a.bytes, bytes_xla=p.cost_bytes, flops=p.cost_flops or a.flops,
+            bytes_hlo=a.bytes, bytes_hlo_least=a.least_bytes, bytes_xla=p.cost_bytes,
+            flops=p.cost_flops or a.flops,
             memory_bytes=None if m is None else m.argument_bytes + m.temp_bytes
             + m.output_bytes - m.alias_bytes,
             temp_bytes=None if m is None else m.temp_bytes,
@@ -124,7 +125,7 @@ def table(report) -> str:
              "",
              "| program | compile s | launches (fusions/GEMMs/Pallas/copies/other) | while "
              "(no trip count) | cond | host syncs | weight copies | KV copies | bytes "
-             "(XLA / HLO) | memory | roofline |",
+             "(XLA / HLO / HLO cheapest branches) | memory | roofline |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows(report):
         k = r["kernels"]
@@ -137,7 +138,8 @@ def table(report) -> str:
             f"| {r['program']} | {r['compile_s']:.1f} | {r['launches']} ({kinds}) | "
             f"{r['whiles']} ({r['unknown_trip_whiles']}) | {r['conditionals']} | "
             f"{r['host_syncs']} | {_gb(r['weight_copy_bytes'])} | {_gb(r['kv_copy_bytes'])} | "
-            f"{xla} / {_gb(r['bytes_hlo'])} | {mem} | {r['roofline_us']} us |")
+            f"{xla} / {_gb(r['bytes_hlo'])} / {_gb(r['bytes_hlo_least'])} | {mem} | "
+            f"{r['roofline_us']} us |")
     plan = report.plan
     lines += ["", f"plan: {_gb(plan.weight_bytes)} weights + {plan.num_kv_pages} KV pages "
                   f"of {plan.kv_bytes_per_page} B a device; the largest step's XLA memory "

@@ -10,7 +10,8 @@ instruction there that is not bookkeeping (parameter, constant, tuple, get-tuple
 bitcast, ...) is one kernel: a fusion, a custom call (Triton GEMM fusions, Pallas kernels,
 cuBLAS), a copy or another op XLA left unfused. A ``while`` body counts times its known trip
 count, or once when it has none (a decode burst's loop: then the figures are one decode step
-of the burst); a conditional counts its largest branch. Bytes: each kernel's output plus its
+of the burst); a conditional counts its largest branch (``least_bytes``: its cheapest).
+Bytes: each kernel's output plus its
 operands, where a fusion that only slices an operand reads the slices, an in-place update
 (a dynamic-update-slice or scatter root, a custom call aliasing its operand) moves only the
 update, a custom call's KV pages operand counts nothing (paged attention reads the pages its
@@ -183,8 +184,9 @@ class Analysis:
     unknown_trip_whiles: int  # of which without a known trip count (host sync per trip)
     conditionals: int  # conditionals executed (each a host sync outside command buffers)
     copies: tuple[Copy, ...]
-    bytes: float
+    bytes: float  # with each conditional's largest branch (the one counted)
     flops: float
+    least_bytes: float = 0.0  # with each conditional's cheapest branch (a plain greedy step)
 
     @property
     def launches(self) -> int:
@@ -213,6 +215,7 @@ class _Walk:
         self.whiles = self.unknown = self.conditionals = 0
         self.copies: list[Copy] = []
         self.bytes = self.flops = 0.0
+        self.least = 0.0  # bytes with each conditional's cheapest branch
 
     def run(self, comp: str, trips: float = 1) -> None:
         for ins in self.comps.get(comp, []):
@@ -235,17 +238,20 @@ class _Walk:
             self.conditionals += trips
             branches = ins.attr("branch_computations") or (
                 ins.attr("true_computation") + ins.attr("false_computation"))
-            best = max((self._alone(b) for b in branches), key=lambda w: w.launches(),
-                       default=None)
-            if best is not None:
+            walks = [self._alone(b) for b in branches]
+            if walks:
+                best = max(walks, key=lambda w: w.launches())
                 self._add(best, trips)
+                self.least += trips * (min(w.least for w in walks) - best.least)
             return
         if op == "call":
             for comp in ins.attr("to_apply"):
                 self.run(comp, trips)
             return
         self.kernels[self._kind(ins)] += trips
-        self.bytes += trips * self._moved(ins)
+        moved = trips * self._moved(ins)
+        self.bytes += moved
+        self.least += moved
         self.flops += trips * self._flops(ins)
         self._copy(ins, trips)
 
@@ -297,6 +303,7 @@ class _Walk:
         self.conditionals += trips * w.conditionals
         self.copies += [dataclasses.replace(c, bytes=c.bytes * trips) for c in w.copies]
         self.bytes += trips * w.bytes
+        self.least += trips * w.least
         self.flops += trips * w.flops
 
     @staticmethod
@@ -394,4 +401,4 @@ def analyse(text: str, geometry: Geometry) -> Analysis:
     w = _Walk(comps, geometry)
     w.run(entry)
     return Analysis(w.kernels, int(w.whiles), int(w.unknown), int(w.conditionals),
-                    tuple(w.copies), w.bytes, w.flops)
+                    tuple(w.copies), w.bytes, w.flops, w.least)
