@@ -60,6 +60,7 @@ def main() -> int:
     ap.add_argument("--layer-loops", default="auto")
     ap.add_argument("--steps", default="1x0,32x0,32x256")
     ap.add_argument("--kv-pages", type=int, default=2176)
+    ap.add_argument("--attention", default="auto", help="attention_impl (auto: the target's)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "device" / "compiled_for.md"))
     a = ap.parse_args()
     steps = [tuple(int(x) for x in s.split("x")) for s in a.steps.split(",")]
@@ -69,15 +70,26 @@ def main() -> int:
             name, shape = MODELS[key]
             cfg = llama_cfg(**shape)
             for mode in a.layer_loops.split(","):
-                config = EngineConfig(layer_loop=mode, num_kv_pages=a.kv_pages or None,
-                                      max_model_len=8192)
-                try:
-                    r = compile_for(target, cfg, config, steps=steps)
-                except Exception as e:  # noqa: BLE001 - a refusal is a result here
-                    refused.append(f"{target} {name} {mode}: {str(e).splitlines()[0][:300]}")
-                    print(refused[-1], flush=True)
+                r, mesh = None, "tp=1"
+                for mesh in ("tp=1", "tp=4"):  # a model one chip cannot hold: the 2x2's four
+                    config = EngineConfig(layer_loop=mode, num_kv_pages=a.kv_pages or None,
+                                          max_model_len=8192, mesh=mesh,
+                                          attention_impl=a.attention)
+                    try:
+                        r = compile_for(target, cfg, config, steps=steps)
+                    except Exception as e:  # noqa: BLE001 - a refusal is a result here
+                        refused.append(f"{target} {name} {mode} {mesh}: "
+                                       f"{str(e).splitlines()[0][:300]}")
+                        print(refused[-1], flush=True)
+                        continue
+                    if r.fits:
+                        break
+                    refused.append(f"{target} {name} {mode} {mesh}: does not fit "
+                                   f"({r.largest_memory / 1e9:.1f} GB a program)")
+                if r is None:
                     continue
-                entries.append(dict(target=target, model=name, layer_mode=r.layer_mode,
+                entries.append(dict(target=target, model=f"{name} {mesh}",
+                                    layer_mode=r.layer_mode,
                                     attention=r.attention, layers=cfg.num_hidden_layers,
                                     weight_bytes=r.weight_bytes, kv_pool_bytes=r.kv_pool_bytes,
                                     rows=rows(r)))

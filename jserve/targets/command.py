@@ -77,7 +77,7 @@ def run(a: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
         for p in report.programs:
             (out / f"{p.name.replace(' ', '_')}.hlo.txt").write_text(p.text)
-    return 0 if report.plan.fits else 1
+    return 0 if report.fits else 1
 
 
 def _gb(n: float) -> str:
@@ -107,7 +107,8 @@ def as_dict(report) -> dict:
     t = report.target
     return dict(target=t.name, device_kind=t.device_kind, layer_mode=report.layer_mode,
                 attention=report.attention, weight_bytes=report.weight_bytes,
-                kv_pool_bytes=report.kv_pool_bytes, plan_fits=report.plan.fits,
+                kv_pool_bytes=report.kv_pool_bytes, fits=report.fits,
+                largest_memory_bytes=report.largest_memory,
                 plan_problems=report.plan.problems, seconds=round(report.seconds, 1),
                 programs=rows(report))
 
@@ -120,8 +121,9 @@ def table(report) -> str:
              f"{t.peak_flops / 1e12:.0f} TFLOP/s bf16) in {report.seconds:.0f} s; layers "
              f"{report.layer_mode}, attention {report.attention}; weights "
              f"{_gb(report.weight_bytes)}, KV pool {_gb(report.kv_pool_bytes)} a device"
-             + ("" if report.plan.fits else "; DOES NOT FIT: "
-                + "; ".join(report.plan.problems)),
+             + ("" if report.fits else f"; DOES NOT FIT in {_gb(t.memory_bytes)}: "
+                + "; ".join(report.plan.problems
+                            or [f"a program needs {_gb(report.largest_memory)}"])),
              "",
              "| program | compile s | launches (fusions/GEMMs/Pallas/copies/other) | while "
              "(no trip count) | cond | host syncs | weight copies | KV copies | bytes "

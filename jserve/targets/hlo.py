@@ -135,10 +135,13 @@ class Geometry:
                 (h, (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d)}
         mats |= {(n, *m) for m in mats}
         layers = params["layers"] if params is not None else {}
+        stacked = not isinstance(layers, (list, tuple))  # else per-layer arrays (unrolled)
         for leaf in jax.tree.leaves(layers):
-            shard = _shard_shape(leaf)
-            if len(shard) >= 2:
-                mats |= {shard, shard[1:]} if len(shard) == 3 else {shard}
+            shard = _shard_shape(leaf)  # matrices only: [L, H] norms look like activations
+            if stacked and len(shard) == 3:
+                mats |= {shard, shard[1:]}
+            elif not stacked and len(shard) == 2:
+                mats.add(shard)
         kv = set()
         for leaf in jax.tree.leaves(kv_cache):
             shape = _shard_shape(leaf)

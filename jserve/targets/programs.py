@@ -80,6 +80,17 @@ class TargetReport:
     programs: list[ProgramReport]
     seconds: float
 
+    @property
+    def largest_memory(self) -> int:
+        """The most device memory one program needs (XLA's memory analysis: arguments,
+        temporaries and outputs not aliased to an argument)."""
+        return max((m.argument_bytes + m.temp_bytes + m.output_bytes - m.alias_bytes
+                    for m in (p.memory for p in self.programs) if m is not None), default=0)
+
+    @property
+    def fits(self) -> bool:
+        return self.plan.fits and self.largest_memory <= self.target.memory_bytes
+
 
 def _cost(compiled) -> tuple[float | None, float | None]:
     try:
@@ -127,17 +138,26 @@ def compile_for(name: str, cfg: ModelConfig, config: EngineConfig,
     t0 = time.perf_counter()
     with backend.compiling_for(t.platform):
         mc_size = check_config(cfg, config).mesh_config.size
+        # The plan compiles the largest step for its activations only when they size the
+        # pool (no explicit pool); the programs' own memory analyses say whether it fits.
+        explicit = config.num_kv_pages is not None or config.kv_cache_bytes is not None
         p = plan(cfg, config, device_memory_bytes=t.memory_bytes,
-                 devices=devices(t.name, mc_size))
+                 devices=devices(t.name, mc_size), compile=not explicit)
         if p.num_kv_pages < 2:
             raise ValueError(f"{name}: no room for a KV pool ({p.summary()})")
         runner, mode, swaps = _runner(cfg, config, t, p)
         programs = runner.programs
         programs.swaps = swaps
-        if steps is None:
-            programs.warmup(threads=threads, progress=progress)
-        else:
-            _compile_steps(programs, steps)
+        try:
+            if steps is None:
+                programs.warmup(threads=threads, progress=progress)
+            else:
+                _compile_steps(programs, steps)
+        except jax.errors.JaxRuntimeError as e:
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            raise ValueError(f"{name}: does not fit ({str(e).splitlines()[0]}); more "
+                             "devices (--mesh tp=N) or a smaller pool") from None
         attention = resolve_impl(config.attention_impl)
     geometry = hlo.Geometry.of(cfg, runner.kv_cache, runner.params)
     reports = []
