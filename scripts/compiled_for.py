@@ -36,7 +36,7 @@ def _gb(n) -> str:
 
 
 def table(entries: list[dict]) -> list[str]:
-    lines = ["| model | layers | program | compile s | launches (a layer) | while / cond / "
+    lines = ["| model | layer mode | program | compile s | launches (a layer) | while / cond / "
              "host syncs | weight copies GB | KV copies GB | bytes GB (XLA / HLO / HLO cheapest "
              "branches) | weights GB | cheapest / weights | memory GB | roofline ms |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -97,11 +97,14 @@ def main() -> int:
                       f"{r.seconds:.0f} s", flush=True)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    shown = " ".join(x for x in sys.argv[1:] if not x.startswith("/"))
     lines = [f"# Compiled for (generated {datetime.date.today()}, "
-             f"`python scripts/compiled_for.py {' '.join(sys.argv[1:])}`)", "",
+             f"`python scripts/compiled_for.py {shown}`)".replace(" `)", "`)"), "",
              "Each program compiled on this CPU host for the target's compile-only device; "
              "how each column is counted: `jserve/targets/hlo.py` (a `while` without a known "
-             "trip count counts once: a decode burst's figures are one decode step of it). "
+             "trip count counts once: a decode burst's figures are one decode step of it; a TPU "
+             "program's launches count every op libtpu leaves unfused, its prefetches into VMEM "
+             "among them, so they do not compare with a GPU's kernel launches). "
              f"KV pool: {a.kv_pages or 'planned'} pages a device.", ""]
     for target in a.targets.split(","):
         mine = [e for e in entries if e["target"] == target]

@@ -25,6 +25,10 @@ def add_compile_parser(sub) -> None:
     s.add_argument("--attention-impl", default="auto",
                    help="the step's attention kernels: auto (what the engine picks on the "
                         "target), reference, pallas_gpu, pallas_tpu")
+    s.add_argument("--write-cache", nargs="?", const="", default=None, metavar="DIR",
+                   help="write the executables into this persistent compilation cache (no "
+                        "DIR: the engine's, ~/.cache/jserve/xla), for the target's engine "
+                        "to read at start (not yet shown to load on a real device)")
     s.add_argument("--json", default=None, help="also write the table as JSON to this file")
     s.add_argument("--dump-hlo", default=None,
                    help="write each program's optimized HLO into this directory")
@@ -68,8 +72,19 @@ def run(a: argparse.Namespace) -> int:
     t = target(a.target)
     cfg = _model_config(a, t.platform)
     config = EngineConfig(**engine_kwargs(a), attention_impl=a.attention_impl)
+    cache = None
+    if a.write_cache is not None:
+        from jserve.engine.config import default_compilation_cache_dir
+        from jserve.engine.factory import enable_compilation_cache
+
+        cache = Path(a.write_cache or default_compilation_cache_dir())
+        cache.mkdir(parents=True, exist_ok=True)
+        before = set(cache.iterdir())
+        enable_compilation_cache(str(cache))
     report = compile_for(t.name, cfg, config, threads=a.threads, steps=a.steps)
     print(table(report))
+    if cache is not None:
+        print(f"wrote {len(set(cache.iterdir()) - before)} executables into {cache}")
     if a.json:
         Path(a.json).write_text(json.dumps(as_dict(report), indent=1))
     if a.dump_hlo:
