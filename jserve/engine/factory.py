@@ -193,7 +193,7 @@ def _swap_policy(cfg: ModelConfig, config: EngineConfig, mesh_config: MeshConfig
             "", 0, tokens, False),))))
 
 
-def _host_tier_on(config: EngineConfig, mesh_config: MeshConfig) -> bool:
+def host_tier_on(config: EngineConfig, mesh_config: MeshConfig) -> bool:
     """Whether the prefix cache's host tier may run (``kv_tier.build_host_tier`` has the
     rest of the rule): its copies are the swap programs', compiled at start with the steps."""
     return config.kv_offload_bytes > 0 and mesh_config.spp == 1 and jax.process_count() == 1
@@ -225,7 +225,7 @@ def build_engine_parts(cfg: ModelConfig, params: Params, config: EngineConfig,
     budget = min(config.max_num_batched_tokens, context)
     groups = kv_groups(cfg, config, mesh_size=mesh_config.size, max_model_len=context,
                        layer_mode=config.layer_mode(cfg.num_hidden_layers, mesh_config.spp,
-                                    windowed=local_window(cfg) is not None),
+                                                    windowed=local_window(cfg) is not None),
                        max_chunk=geo.max_chunk)
     num_pages = groups.global_pages if groups else _num_kv_pages(cfg, config, geo)
     predictor = (load_predictor(cfg, config)
@@ -252,7 +252,7 @@ def build_engine_parts(cfg: ModelConfig, params: Params, config: EngineConfig,
                            times, defer, groups and groups.local_pages,
                            (config.burst_steps() if burst_ok else 1,
                             scheduler.swap_policy is not None
-                            or _host_tier_on(config, mesh_config)))
+                            or host_tier_on(config, mesh_config)))
     programs = runner.programs
     times.deferred = len(programs.deferred_shapes()) + (programs.samplers_missing() if defer
                                                         else 0)
@@ -360,7 +360,7 @@ def _runner(cfg: ModelConfig, params: Params, config: EngineConfig, mesh_config:
     mesh = make_mesh(mesh_config) if mesh_config.size > 1 else None
     placed = hasattr(params, "place")  # a lazy checkpoint streams onto the mesh
     layer_mode = config.layer_mode(cfg.num_hidden_layers, mesh_config.spp,
-                                    windowed=local_window(cfg) is not None)
+                                   windowed=local_window(cfg) is not None)
     describe_run(times, cfg, config, mesh_config, layer_mode)
     unroll = layer_mode == "unrolled"  # per-layer arrays; "sliced" keeps them stacked
     warm = config.warmup != "none"

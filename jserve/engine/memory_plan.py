@@ -344,7 +344,7 @@ def _pool(cfg: ModelConfig, config: EngineConfig, geo: Geometry, per_page: int,
     (``jserve.engine.kv_groups``, where the engine would run them) from the same budget."""
     mc = geo.mesh_config
     mode = config.layer_mode(cfg.num_hidden_layers, mc.spp, platform,
-                                    windowed=local_window(cfg) is not None)
+                             windowed=local_window(cfg) is not None)
     window = group_window(cfg, config, mesh_size=mc.size, layer_mode=mode, warn=False)
     if window is None:
         return dict(kv_bytes_per_page=per_page,

@@ -14,7 +14,7 @@ from jserve.cache.hybrid import local_window
 from jserve.config import ModelConfig
 from jserve.engine.abstract import abstract_kv_cache, params_on_mesh, params_on_one_device
 from jserve.engine.config import EngineConfig
-from jserve.engine.factory import bursts_allowed, check_config, runner_options
+from jserve.engine.factory import bursts_allowed, check_config, host_tier_on, runner_options
 from jserve.engine.memory_plan import CompiledMemory, MemoryPlan, per_device_bytes, plan
 from jserve.engine.runner import ModelRunner
 from jserve.targets import hlo
@@ -113,7 +113,7 @@ def _runner(cfg: ModelConfig, config: EngineConfig, t: Target, p: MemoryPlan
     devs = devices(t.name, mc.size)
     mesh = make_mesh(mc, devs) if mc.size > 1 else None
     mode = config.layer_mode(cfg.num_hidden_layers, mc.spp, t.platform,
-                                    windowed=local_window(cfg) is not None)
+                             windowed=local_window(cfg) is not None)
     unroll = mode == "unrolled"
     params = (params_on_one_device(cfg, unroll, devs[0]) if mesh is None
               else params_on_mesh(cfg, mesh, unroll))
@@ -122,7 +122,7 @@ def _runner(cfg: ModelConfig, config: EngineConfig, t: Target, p: MemoryPlan
     bursts = config.burst_steps() if bursts_allowed(config, mc, None) else 1
     runner = ModelRunner(cfg, params, kv, abstract=True,
                          **runner_options(config, geo.buckets, mesh, mode, None, bursts))
-    return runner, mode, config.kv_offload_bytes > 0 and mc.spp == 1
+    return runner, mode, host_tier_on(config, mc)
 
 
 def compile_for(name: str, cfg: ModelConfig, config: EngineConfig,
