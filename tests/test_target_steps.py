@@ -27,9 +27,9 @@ def test_tpu_steps_compile_with_the_pallas_kernels_and_copy_nothing():
     """The 1B-shaped decode steps (batch 1 and 32) and a mixed step, compiled for a v5e with
     TPU's defaults (Pallas attention and KV writes, the indexed layer loop, the pool pinned
     row-major): Mosaic compiles them (the KV write refused before), no program copies a
-    layer's weights or the KV pool (the loop copied 1.4 GB of weights, the reference
-    attention relaid 20.5 GB of pages a step), and a greedy decode step moves within 1.2x
-    of the weights' bytes (12.7 GB for 2.47 GB before)."""
+    layer's weights or the KV pool (the reference attention relaid 20.5 GB of pages a step,
+    the loop copied 0.4 GB of weights at batch 32), and a greedy decode step moves within
+    1.2x of the weights' bytes (12.6 GB by XLA's count for 2.47 GB before)."""
     r = _decode_steps("v5e", [(1, 0), (32, 0), (32, 256)])
     assert (r.attention, r.layer_mode) == ("pallas_tpu", "indexed")
     assert [p.name for p in r.programs] == ["step 1x0", "step 32x0", "step 32x256"]

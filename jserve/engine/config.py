@@ -174,7 +174,8 @@ class EngineConfig:
             return "sliced" if windowed else "sliced-indexed"
         if num_layers // spp <= 8:
             return "unrolled"
-        # XLA:GPU and libtpu copy every layer's weights out of the loop's stack each step
+        # XLA:GPU copies each layer's weights out of the loop's stack, libtpu at batch 32
+        # (docs/device.md, "Compiled for"); the indexed loop reads them in place
         return "indexed" if backend in ("gpu", "tpu") else "loop"
 
     def __post_init__(self) -> None:
