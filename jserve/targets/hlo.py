@@ -233,7 +233,7 @@ class _Walk:
             self.whiles += trips
             if n is None:
                 self.unknown += trips
-            inner = trips * (n or 1)
+            inner = trips * (1 if n is None else n)
             for comp in ins.attr("condition") + ins.attr("body"):
                 self.run(comp, inner)
             return
@@ -261,7 +261,7 @@ class _Walk:
     def _trip_count(self, ins: Instruction) -> int | None:
         """XLA:GPU's ``known_trip_count``, or (libtpu does not write it) a counted loop's:
         its condition compares a tuple element with a constant N, ``LT``, and the loop
-        starts that element at a constant."""
+        starts that element at a constant (a ``fori_loop``: it steps by one)."""
         n = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.attrs)
         if n is not None:
             return int(n.group(1))
