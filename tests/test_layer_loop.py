@@ -143,7 +143,7 @@ def test_layer_loop_option_is_wired():
     # layer groups need every step's layers unrolled (tests/test_targets.py: what each does)
     assert EngineConfig().layer_mode(32, 1, "gpu") == "sliced-indexed"
     assert EngineConfig().layer_mode(32, 1, "gpu", windowed=True) == "sliced"
-    assert EngineConfig().layer_mode(32, 1, "tpu") == "loop"
+    assert EngineConfig().layer_mode(32, 1, "tpu") == "indexed"
     assert layer_flags("sliced-indexed") == dict(slice_layers=True, in_place_layers="decode")
     with pytest.raises(ValueError, match="spp == 1"):
         EngineConfig(layer_loop="sliced-indexed").layer_mode(32, 2, "gpu")
