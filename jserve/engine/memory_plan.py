@@ -111,6 +111,12 @@ class CompiledMemory:
     temp_bytes: int
     generated_code_bytes: int
 
+    @property
+    def needed_bytes(self) -> int:
+        """Device memory the executable needs: arguments, temporaries and the outputs not
+        aliased to an argument."""
+        return self.argument_bytes + self.temp_bytes + self.output_bytes - self.alias_bytes
+
     @classmethod
     def of(cls, compiled: jax.stages.Compiled) -> "CompiledMemory | None":
         m = compiled.memory_analysis()

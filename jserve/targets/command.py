@@ -111,8 +111,7 @@ def rows(report) -> list[dict]:
             weight_copy_bytes=a.copy_bytes("weight"), kv_copy_bytes=a.copy_bytes("kv"),
             bytes_hlo=a.bytes, bytes_hlo_least=a.least_bytes, bytes_xla=p.cost_bytes,
             flops=p.cost_flops or a.flops,
-            memory_bytes=None if m is None else m.argument_bytes + m.temp_bytes
-            + m.output_bytes - m.alias_bytes,
+            memory_bytes=None if m is None else m.needed_bytes,
             temp_bytes=None if m is None else m.temp_bytes,
             roofline_us=round(p.roofline_seconds(report.target) * 1e6, 1)))
     return out

@@ -84,8 +84,8 @@ class TargetReport:
     def largest_memory(self) -> int:
         """The most device memory one program needs (XLA's memory analysis: arguments,
         temporaries and outputs not aliased to an argument)."""
-        return max((m.argument_bytes + m.temp_bytes + m.output_bytes - m.alias_bytes
-                    for m in (p.memory for p in self.programs) if m is not None), default=0)
+        return max((p.memory.needed_bytes for p in self.programs if p.memory is not None),
+                   default=0)
 
     @property
     def fits(self) -> bool:
@@ -104,11 +104,10 @@ def _cost(compiled) -> tuple[float | None, float | None]:
     return cost.get("bytes accessed"), cost.get("flops")
 
 
-def _runner(cfg: ModelConfig, config: EngineConfig, t: Target, p: MemoryPlan
+def _runner(cfg: ModelConfig, config: EngineConfig, geo, t: Target, p: MemoryPlan
             ) -> tuple[ModelRunner, str, bool]:
-    """The abstract runner the engine would build on ``t``'s devices, its layer mode and
-    whether it compiles the swap programs."""
-    geo = check_config(cfg, config)
+    """The abstract runner the engine would build on ``t``'s devices (``geo``: the
+    engine's ``check_config``), its layer mode and whether it compiles the swap programs."""
     mc = geo.mesh_config
     devs = devices(t.name, mc.size)
     mesh = make_mesh(mc, devs) if mc.size > 1 else None
@@ -137,15 +136,15 @@ def compile_for(name: str, cfg: ModelConfig, config: EngineConfig,
     t = target(name)
     t0 = time.perf_counter()
     with backend.compiling_for(t.platform):
-        mc_size = check_config(cfg, config).mesh_config.size
+        geo = check_config(cfg, config)
         # The plan compiles the largest step for its activations only when they size the
         # pool (no explicit pool); the programs' own memory analyses say whether it fits.
         explicit = config.num_kv_pages is not None or config.kv_cache_bytes is not None
         p = plan(cfg, config, device_memory_bytes=t.memory_bytes,
-                 devices=devices(t.name, mc_size), compile=not explicit)
+                 devices=devices(t.name, geo.mesh_config.size), compile=not explicit)
         if p.num_kv_pages < 2:
             raise ValueError(f"{name}: no room for a KV pool ({p.summary()})")
-        runner, mode, swaps = _runner(cfg, config, t, p)
+        runner, mode, swaps = _runner(cfg, config, geo, t, p)
         programs = runner.programs
         programs.swaps = swaps
         try:
