@@ -5,6 +5,7 @@ model for an H100 and a v5e, the engine's whole program set."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -99,14 +100,16 @@ def test_every_target_gives_its_compile_only_device():
 
 
 def _compile_default(tmp_path, target: str) -> dict:
-    """``jserve compile`` run as a user runs it (its own process: JAX reads the persistent
-    cache's directory once a process)."""
+    """``jserve compile`` run as a user runs it: its own process (JAX reads the persistent
+    cache's directory once a process), no ``JAX_PLATFORMS`` (the GPU plugin finds no GPU
+    here; the start failed on that before)."""
     out = tmp_path / f"{target}.json"
     flags = ["--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--max-model-len", "256",
              "--write-cache", str(tmp_path / "cache")]
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}  # as a user's shell
     proc = subprocess.run([sys.executable, "-m", "jserve.cli", "compile", "--target", target,
                            *flags, "--json", str(out)], capture_output=True, text=True,
-                          timeout=900)
+                          timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"executables into {tmp_path / 'cache'}" in proc.stdout
     return json.loads(out.read_text())

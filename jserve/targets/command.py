@@ -65,10 +65,18 @@ def _model_config(a: argparse.Namespace, platform: str):
 
 
 def run(a: argparse.Namespace) -> int:
+    import os
+
+    import jax
+
     from jserve.engine.config import EngineConfig
     from jserve.targets.programs import compile_for
     from jserve.targets.specs import target
 
+    if "JAX_PLATFORMS" not in os.environ:
+        # The compile-only devices need no backend of this host's, and a plugin that finds
+        # no device of its own (jax[cuda] on a host without a GPU) would fail the start.
+        jax.config.update("jax_platforms", "cpu")
     t = target(a.target)
     cfg = _model_config(a, t.platform)
     config = EngineConfig(**engine_kwargs(a), attention_impl=a.attention_impl)
