@@ -15,6 +15,8 @@ scales, fp8); every implementation dequantizes the KV pages it reads, inside the
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 
 from jserve import backend as jserve_backend
@@ -64,6 +66,23 @@ def attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: Attent
                   layer=layer, window=window)
 
 
+def with_row_layouts(meta: AttentionMetadata, impl: str, group: int) -> AttentionMetadata:
+    """``meta`` carrying its Pallas kernel's query blocking (``AttentionMetadata.row_layouts``)
+    for ``group`` query heads a KV head, made here once so a layer loop does not make it in
+    every layer (XLA kept it in the loop's body); unchanged for the other kernels."""
+    impl = resolve_impl(impl)
+    make = {"pallas_gpu": pallas_gpu.row_layouts, "pallas_tpu": pallas_tpu.row_layouts}.get(impl)
+    if make is None:
+        return meta
+    return dataclasses.replace(meta, row_layouts=make(meta, group))
+
+
+def write_slots(slots: jax.Array, impl: str) -> jax.Array:
+    """``slots`` as ``impl``'s cache write takes them, for a step to make once before its
+    layer loop (the GPU kernel's are padded to its blocks)."""
+    return kv_write.gpu_slots(slots) if resolve_impl(impl) == "pallas_gpu" else slots
+
+
 def _write(pages: jax.Array, slots: jax.Array, new: jax.Array, impl: str, layer) -> jax.Array:
     if impl in ("reference", "cpu"):
         return kv_write.write_kv(pages, slots, new, layer=layer)
@@ -72,18 +91,46 @@ def _write(pages: jax.Array, slots: jax.Array, new: jax.Array, impl: str, layer)
                   layer=layer)
 
 
+def _write_all(pairs, slots: jax.Array, impl: str, layer) -> list:
+    """Each (pages, new rows) of ``pairs`` written at ``slots``: the rows quantized to the
+    pages' stored dtype first (``kv_quant``), int8 pages' scales written to the same slots.
+    The GPU kernel writes every array in one launch; the others, each in turn."""
+    impl = resolve_impl(impl)
+    leaves = []  # (stored array, its new rows), a pair's values then its scales
+    for pages, new in pairs:
+        values, scales = kv_quant.split(pages)
+        stored, new_scales = kv_quant.quantize(new, values.dtype)
+        leaves += [(values, stored)] + ([] if scales is None else [(scales, new_scales)])
+    if impl == "pallas_gpu":
+        written = list(kv_write.write_kv_gpu(
+            tuple(a for a, _ in leaves), slots, tuple(b for _, b in leaves), layer=layer,
+            interpret=jserve_backend.current() != "gpu"))
+    else:
+        written = [_write(a, slots, b, impl, layer) for a, b in leaves]
+    out = []
+    for pages, _ in pairs:
+        if isinstance(pages, kv_quant.QuantizedPages):
+            out.append(kv_quant.QuantizedPages(written.pop(0), written.pop(0)))
+        else:
+            out.append(written.pop(0))
+    return out
+
+
 def write_kv(pages, slots: jax.Array, new: jax.Array, impl: str = "reference", layer=None):
     """Writes new [T, Hkv, D] into pages [Hkv, P, S, D] at flat slots [T]; with ``layer``,
     into layer ``layer`` of a stacked cache [layers, Hkv, P, S, D] (returned whole). The rows
     are quantized to the pages' stored dtype first (``kv_quant``); int8 pages get their rows'
     scales written to the same slots."""
-    impl = resolve_impl(impl)
-    values, scales = kv_quant.split(pages)
-    stored, new_scales = kv_quant.quantize(new, values.dtype)
-    out = _write(values, slots, stored, impl, layer)
-    if scales is None:
-        return out
-    return kv_quant.QuantizedPages(out, _write(scales, slots, new_scales, impl, layer))
+    return _write_all([(pages, new)], slots, impl, layer)[0]
 
 
-__all__ = ["AttentionMetadata", "attention", "write_kv", "resolve_impl", "ATTENTION_IMPLS"]
+def write_kv_pair(k_pages, v_pages, slots: jax.Array, k: jax.Array, v: jax.Array,
+                  impl: str = "reference", layer=None):
+    """``write_kv`` of a layer's K and V at the same slots -> (k_pages, v_pages); on a GPU in
+    one launch (a launch a layer fewer in every step)."""
+    k_pages, v_pages = _write_all([(k_pages, k), (v_pages, v)], slots, impl, layer)
+    return k_pages, v_pages
+
+
+__all__ = ["AttentionMetadata", "attention", "write_kv", "write_kv_pair", "write_slots",
+           "resolve_impl", "with_row_layouts", "ATTENTION_IMPLS"]

@@ -21,14 +21,16 @@ MIN_ROWS = 16
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class RowBlocks:
-    """q [Hkv, NB, R, D]; seq/pos [NB, R] (seq -1 for padding rows); seq_lo/seq_hi [NB]: the
-    live sequences each block touches. tok_pos [NB * tokens_per_block] and q_end [S] (one past
-    each sequence's last token) let a kernel find, with scalar reads only, the last position
-    of sequence s inside block b: the causal end of its KV loop; q_start [S] (each sequence's
-    first token) its first position there, where a sliding window's KV loop starts."""
+class RowLayout:
+    """Where tokens ``start .. stop - 1`` of a step sit in blocks of ``tokens_per_block``
+    tokens, each ``group`` rows (what a kernel needs besides q, the same in every layer, so a
+    step computes it once before its layer loop: ``attention_layouts``). seq/pos [NB, R]
+    (seq -1 for padding rows); seq_lo/seq_hi [NB]: the live sequences each block touches.
+    tok_pos [NB * tokens_per_block] and q_end [S] (one past each sequence's last token) let a
+    kernel find, with scalar reads only, the last position of sequence s inside block b: the
+    causal end of its KV loop; q_start [S] (each sequence's first token) its first position
+    there, where a sliding window's KV loop starts."""
 
-    q: jax.Array
     seq: jax.Array
     pos: jax.Array
     seq_lo: jax.Array
@@ -36,28 +38,29 @@ class RowBlocks:
     tok_pos: jax.Array
     q_end: jax.Array
     q_start: jax.Array
+    start: int = dataclasses.field(metadata=dict(static=True))
+    stop: int = dataclasses.field(metadata=dict(static=True))
     tokens_per_block: int = dataclasses.field(metadata=dict(static=True))
+    group: int = dataclasses.field(metadata=dict(static=True))
 
 
 def rows_per_block(tokens_per_block: int, group: int) -> int:
     return max(MIN_ROWS, 1 << (tokens_per_block * group - 1).bit_length())
 
 
-def block_rows(q: jax.Array, positions: jax.Array, token_seq: jax.Array, num_live: jax.Array,
-               num_seqs: int, num_kv_heads: int, tokens_per_block: int) -> RowBlocks:
-    """Tiles tokens q [T, Hq, D] owned by ``token_seq`` (live when ``< num_live``; ``num_seqs``
-    sequence rows in all)."""
-    t, hq, d = q.shape
-    g = hq // num_kv_heads
-    bt = tokens_per_block
-    nb = -(-t // bt)
+def row_layout(positions: jax.Array, token_seq: jax.Array, num_live: jax.Array, num_seqs: int,
+               group: int, tokens_per_block: int, start: int = 0,
+               stop: int | None = None) -> RowLayout:
+    """The layout of tokens ``start .. stop - 1`` of positions/token_seq [T] (a token is live
+    when its sequence is ``< num_live``; ``num_seqs`` sequence rows in all)."""
+    stop = positions.shape[0] if stop is None else stop
+    g, bt = group, tokens_per_block
+    nb = -(-(stop - start) // bt)
     r = rows_per_block(bt, g)
-    pad = nb * bt - t
+    pad = nb * bt - (stop - start)
+    token_seq, positions = token_seq[start:stop], positions[start:stop]
     seq = jnp.pad(jnp.where(token_seq < num_live, token_seq, -1), (0, pad), constant_values=-1)
     pos = jnp.pad(positions, (0, pad))
-    qg = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(nb, bt, num_kv_heads, g, d)
-    qg = qg.transpose(2, 0, 1, 3, 4).reshape(num_kv_heads, nb, bt * g, d)
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, r - bt * g), (0, 0)))
 
     def rows(x):  # per token [NB * bt] -> per row [NB, R]
         x = jnp.repeat(x.reshape(nb, bt), g, axis=1)
@@ -71,8 +74,31 @@ def block_rows(q: jax.Array, positions: jax.Array, token_seq: jax.Array, num_liv
         jnp.arange(1, nb * bt + 1, dtype=jnp.int32), mode="drop")
     q_start = jnp.full(num_seqs, nb * bt - 1, jnp.int32).at[at].min(
         jnp.arange(nb * bt, dtype=jnp.int32), mode="drop")
-    return RowBlocks(q=qg, seq=rows(seq), pos=rows(pos), seq_lo=lo, seq_hi=hi, tok_pos=pos,
-                     q_end=q_end, q_start=q_start, tokens_per_block=bt)
+    return RowLayout(seq=rows(seq), pos=rows(pos), seq_lo=lo, seq_hi=hi, tok_pos=pos,
+                     q_end=q_end, q_start=q_start, start=start, stop=stop,
+                     tokens_per_block=bt, group=g)
+
+
+def find_layout(layouts, start: int, stop: int, group: int, tokens_per_block: int
+                ) -> RowLayout | None:
+    """The one of ``layouts`` (a step's, made before its layer loop) for these tokens and
+    blocking, or None."""
+    for lay in layouts or ():
+        if (lay.start, lay.stop, lay.group, lay.tokens_per_block) == \
+                (start, stop, group, tokens_per_block):
+            return lay
+    return None
+
+
+def block_rows(q: jax.Array, layout: RowLayout) -> jax.Array:
+    """Tokens q [T, Hq, D] (the layout's tokens) tiled into its blocks: [Hkv, NB, R, D]."""
+    t, hq, d = q.shape
+    g, bt = layout.group, layout.tokens_per_block
+    hkv = hq // g
+    nb, r = layout.seq.shape
+    qg = jnp.pad(q, ((0, nb * bt - t), (0, 0), (0, 0))).reshape(nb, bt, hkv, g, d)
+    qg = qg.transpose(2, 0, 1, 3, 4).reshape(hkv, nb, bt * g, d)
+    return jnp.pad(qg, ((0, 0), (0, 0), (0, r - bt * g), (0, 0)))
 
 
 def unblock(x: jax.Array, num_tokens: int, group: int, tokens_per_block: int) -> jax.Array:

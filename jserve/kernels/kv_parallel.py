@@ -64,7 +64,9 @@ def local_metadata(meta: AttentionMetadata, offsets, tokens_per_group: int) -> A
     rows = meta.kv_lens.shape[0]
     token_offsets = offsets[jnp.clip(meta.token_seq, 0, rows - 1)]  # padding: any row's
     kv_lens = jnp.clip(meta.kv_lens - offsets, 0, tokens_per_group)
-    return dataclasses.replace(meta, positions=meta.positions - token_offsets, kv_lens=kv_lens)
+    # The kernels' query blocking read the global positions: each call makes its own.
+    return dataclasses.replace(meta, positions=meta.positions - token_offsets, kv_lens=kv_lens,
+                               row_layouts=())
 
 
 def group_write_slots(positions, token_seq, kv_lens, page_table, group,

@@ -47,37 +47,51 @@ def write_kv(pages: jax.Array, slots: jax.Array, new: jax.Array, layer=None) -> 
     return flat.reshape(pages.shape)
 
 
-def _gpu_kernel(layer_ref, slots_ref, new_ref, _, pages_ref):
-    pages_ref[layer_ref[0], slots_ref[...]] = new_ref[...].astype(pages_ref.dtype)
+def gpu_slots(slots: jax.Array) -> jax.Array:
+    """``slots`` padded to the GPU kernel's blocks of tokens, the extra rows to the sink page
+    0 (a step pads them once for every layer's write)."""
+    return jnp.pad(slots, (0, -slots.shape[0] % GPU_BLOCK_TOKENS))
 
 
-def write_kv_gpu(pages: jax.Array, slots: jax.Array, new: jax.Array, *,
-                 interpret: bool = False, layer=None) -> jax.Array:
+def _gpu_kernel(layer_ref, slots_ref, *refs):
+    m = len(refs) // 3  # new rows, the pages as passed (aliased, unread), the pages written
+    for new_ref, pages_ref in zip(refs[:m], refs[2 * m:]):
+        pages_ref[layer_ref[0], slots_ref[...]] = new_ref[...].astype(pages_ref.dtype)
+
+
+def write_kv_gpu(pages, slots: jax.Array, new, *, interpret: bool = False, layer=None):
     """Pages [Hkv, P, S, D], or with ``layer`` (may be traced) stacked [L, Hkv, P, S, D]
     written at that layer in place (returned whole): the kernel indexes the layer itself,
-    since a slice of the stacked cache would copy the layer's whole pool."""
-    pages5, layer = blocks.stacked(pages, layer)
-    n, hkv, p, s, d = pages5.shape
+    since a slice of the stacked cache would copy the layer's whole pool. ``pages`` and
+    ``new`` may be tuples of as many arrays (K and V, their scales: each its own last dim),
+    written at the same slots in one launch. ``slots`` may run past the new rows (to the
+    sink page: ``gpu_slots``)."""
+    if not isinstance(pages, tuple):
+        return write_kv_gpu((pages,), slots, (new,), interpret=interpret, layer=layer)[0]
+    stacked, layer = blocks.stacked(pages, layer)
+    n, hkv, p, s, _ = stacked[0].shape
+    slots = gpu_slots(slots)
     t = slots.shape[0]
     bt = GPU_BLOCK_TOKENS
-    pad = -t % bt
-    slots = jnp.pad(slots, (0, pad))  # the extra rows go to the sink page 0
-    new = jnp.pad(new.transpose(1, 0, 2), ((0, 0), (0, pad), (0, 0)))
+    new = [jnp.pad(x.transpose(1, 0, 2), ((0, 0), (0, t - x.shape[0]), (0, 0))) for x in new]
+    flat = [x.reshape(n, hkv, p * s, x.shape[-1]) for x in stacked]
+    m = len(flat)
     out = pl.pallas_call(
         _gpu_kernel,
-        grid=(hkv, (t + pad) // bt),
+        grid=(hkv, t // bt),
         in_specs=[pl.BlockSpec((1,), lambda h, i: (0,)),
                   pl.BlockSpec((bt,), lambda h, i: (i,)),
-                  pl.BlockSpec((None, bt, d), lambda h, i: (h, i, 0)),
-                  pl.BlockSpec(memory_space=pl.ANY)],
-        out_specs=pl.BlockSpec((n, None, p * s, d), lambda h, i: (0, h, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((n, hkv, p * s, d), pages.dtype),
-        input_output_aliases={3: 0},
+                  *[pl.BlockSpec((None, bt, x.shape[-1]), lambda h, i: (h, i, 0)) for x in new],
+                  *[pl.BlockSpec(memory_space=pl.ANY)] * m],
+        out_specs=[pl.BlockSpec((n, None, p * s, x.shape[-1]), lambda h, i: (0, h, 0, 0))
+                   for x in flat],
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat],
+        input_output_aliases={2 + m + i: i for i in range(m)},
         compiler_params=plgpu.CompilerParams(num_warps=1),  # Triton, not Mosaic GPU
         interpret=interpret,
         name="kv_write_gpu",
-    )(layer, slots, new, pages5.reshape(n, hkv, p * s, d))
-    return out.reshape(pages.shape)
+    )(layer, slots, *new, *flat)
+    return tuple(o.reshape(x.shape) for o, x in zip(out, pages))
 
 
 # The TPU kernels address the cache as it is stored, [L, Hkv, P, S, D] or [Hkv, P, S, D]

@@ -16,7 +16,10 @@ class AttentionMetadata:
     (padding tokens point at a row with kv_len 0 or beyond ``num_prefills``). kv_lens [S]: the
     sequence's context length including this step's tokens (0 for padding rows).
     page_table [S, max_pages]: page ids of each sequence. num_prefills: live prefill rows
-    (a traced scalar, so the count never triggers a compile).
+    (a traced scalar, so the count never triggers a compile). row_layouts: the Pallas
+    kernels' query blocking (``blocks.RowLayout``s), the same in every layer: a step makes
+    them once before its layer loop (``jserve.kernels.with_row_layouts``), else each
+    kernel call makes its own (inside the loop on XLA:GPU: six more launches a layer).
     """
 
     positions: jax.Array
@@ -25,3 +28,4 @@ class AttentionMetadata:
     page_table: jax.Array
     num_prefills: jax.Array
     num_decodes: int = dataclasses.field(metadata=dict(static=True))
+    row_layouts: tuple = ()

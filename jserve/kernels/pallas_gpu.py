@@ -91,27 +91,27 @@ def _kernel(layer_ref, seq_lo_ref, seq_hi_ref, tok_pos_ref, q_end_ref, q_start_r
     lse_ref[...] = lse.reshape(rows)
 
 
-def _attend(rb: blocks.RowBlocks, k_pages, v_pages, layer, kv_lens, page_table, *, splits,
-            pages_per_block, interpret, windowed):
-    """One launch over row blocks -> (out [Hkv, NB, R, D] f32, lse [Hkv, NB, R]); the pages
-    are stacked [L, Hkv, P, S, D], read at ``layer`` [1] ([layer, window] when
-    ``windowed``)."""
-    hkv, nb, rows, d = rb.q.shape
+def _attend(q: jax.Array, lay: blocks.RowLayout, k_pages, v_pages, layer, kv_lens, page_table,
+            *, splits, pages_per_block, interpret, windowed):
+    """One launch over q's row blocks [Hkv, NB, R, D] laid out by ``lay`` -> (out
+    [Hkv, NB, R, D] f32, lse [Hkv, NB, R]); the pages are stacked [L, Hkv, P, S, D], read at
+    ``layer`` [1] ([layer, window] when ``windowed``)."""
+    hkv, nb, rows, d = q.shape
     num_layers, _, num_pages, page_size, _ = k_pages.shape
     (k_values, k_scales), (v_values, v_scales) = map(kv_quant.split, (k_pages, v_pages))
     width = page_table.shape[1]
     blocks_per_split = -(-(width // pages_per_block) // splits)
     kernel = functools.partial(_kernel, pages_per_block=pages_per_block,
                                blocks_per_split=blocks_per_split,
-                               tokens_per_block=rb.tokens_per_block, scale=d ** -0.5,
+                               tokens_per_block=lay.tokens_per_block, scale=d ** -0.5,
                                windowed=windowed)
     whole = lambda x: pl.BlockSpec(x.shape, lambda h, b, k: (0,) * x.ndim)
     per_row = pl.BlockSpec((None, rows), lambda h, b, k: (b, 0))
     pages = pl.BlockSpec((num_layers, None, num_pages, page_size, d),
                          lambda h, b, k: (0, h, 0, 0, 0))
     # Without a window q_end stands in for q_start (unread), so nothing new is computed.
-    scalars = (layer, rb.seq_lo, rb.seq_hi, rb.tok_pos, rb.q_end,
-               rb.q_start if windowed else rb.q_end, kv_lens, page_table)
+    scalars = (layer, lay.seq_lo, lay.seq_hi, lay.tok_pos, lay.q_end,
+               lay.q_start if windowed else lay.q_end, kv_lens, page_table)
     kv, kv_specs = [k_values, v_values], [pages, pages]
     if k_scales is not None:
         kv += [k_scales, v_scales]
@@ -130,8 +130,27 @@ def _attend(rb: blocks.RowBlocks, k_pages, v_pages, layer, kv_lens, page_table, 
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="ragged_paged_attention_gpu",
-    )(*scalars, rb.q, rb.seq, rb.pos, *kv)
+    )(*scalars, q, lay.seq, lay.pos, *kv)
     return blocks.merge_partials(out, lse) if splits > 1 else (out[0], lse[0])
+
+
+def _segments(meta: AttentionMetadata, group: int, prefill_block_rows: int):
+    """(start, stop, tokens per block) of each launch: the decodes a token a block, the
+    prefill chunks ``prefill_block_rows / G``."""
+    nd, t = meta.num_decodes, meta.positions.shape[0]
+    return [(lo, hi, bt) for lo, hi, bt in ((0, nd, 1),
+                                           (nd, t, max(1, prefill_block_rows // group)))
+            if hi > lo]
+
+
+def row_layouts(meta: AttentionMetadata, group: int,
+                prefill_block_rows: int = PREFILL_BLOCK_ROWS) -> tuple[blocks.RowLayout, ...]:
+    """The layouts of this kernel's launches (``blocks.RowLayout``), for a step to make once
+    before its layer loop (``meta.row_layouts``)."""
+    num_live = meta.num_decodes + meta.num_prefills
+    return tuple(blocks.row_layout(meta.positions, meta.token_seq, num_live,
+                                   meta.page_table.shape[0], group, bt, lo, hi)
+                 for lo, hi, bt in _segments(meta, group, prefill_block_rows))
 
 
 def kv_splits(programs: int, kv_blocks: int) -> int:
@@ -158,25 +177,24 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     t, hq, d = q.shape
     hkv = k_pages.shape[1]
     g = hq // hkv
-    nd = meta.num_decodes
     width = meta.page_table.shape[1]
     pages_per_block = min(pages_per_block, width)
     if width % pages_per_block:
         raise ValueError(f"page table width {width} is not a multiple of {pages_per_block}")
-    num_seqs = meta.page_table.shape[0]
-    num_live = nd + meta.num_prefills
     run = functools.partial(_attend, k_pages=k_pages, v_pages=v_pages, layer=layer,
                             kv_lens=meta.kv_lens,
                             page_table=meta.page_table, pages_per_block=pages_per_block,
                             interpret=interpret, windowed=window is not None)
+    layouts = meta.row_layouts
     outs, lses = [], []
-    for lo, hi, bt in ((0, nd, 1), (nd, t, max(1, prefill_block_rows // g))):
-        if hi == lo:
-            continue
-        rb = blocks.block_rows(q[lo:hi], meta.positions[lo:hi], meta.token_seq[lo:hi],
-                               num_live, num_seqs, hkv, bt)
-        n = splits or kv_splits(hkv * rb.q.shape[1], width // pages_per_block)
-        out, lse = run(rb, splits=n)
+    for lo, hi, bt in _segments(meta, g, prefill_block_rows):
+        lay = blocks.find_layout(layouts, lo, hi, g, bt)
+        if lay is None:  # the step made none for this blocking: made here
+            layouts = row_layouts(meta, g, prefill_block_rows)
+            lay = blocks.find_layout(layouts, lo, hi, g, bt)
+        qb = blocks.block_rows(q[lo:hi], lay)
+        n = splits or kv_splits(hkv * qb.shape[1], width // pages_per_block)
+        out, lse = run(qb, lay, splits=n)
         outs.append(blocks.unblock(out, hi - lo, g, bt))
         lses.append(blocks.unblock(lse, hi - lo, g, bt))
     return jnp.concatenate(outs).astype(q.dtype), jnp.concatenate(lses)

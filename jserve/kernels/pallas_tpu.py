@@ -113,6 +113,15 @@ def _kernel(layer_ref, seq_lo_ref, seq_hi_ref, tok_pos_ref, q_end_ref, q_start_r
     lse_ref[...] = lse
 
 
+def row_layouts(meta: AttentionMetadata, group: int, block_rows: int = BLOCK_ROWS
+                ) -> tuple[blocks.RowLayout, ...]:
+    """The layout of this kernel's one launch (``blocks.RowLayout``), for a step to make once
+    before its layer loop (``meta.row_layouts``)."""
+    return (blocks.row_layout(meta.positions, meta.token_seq,
+                              meta.num_decodes + meta.num_prefills, meta.page_table.shape[0],
+                              group, max(1, block_rows // group)),)
+
+
 def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            meta: AttentionMetadata, *, interpret: bool = False,
                            pages_per_block: int = PAGES_PER_BLOCK, block_rows: int = BLOCK_ROWS,
@@ -130,14 +139,15 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     _, hkv, _, page_size, _ = k_pages.shape
     (k_values, k_scales), (v_values, v_scales) = map(kv_quant.split, (k_pages, v_pages))
     g = hq // hkv
-    num_seqs, width = meta.page_table.shape
+    width = meta.page_table.shape[1]
     pages_per_block = min(pages_per_block, width)
     if width % pages_per_block:
         raise ValueError(f"page table width {width} is not a multiple of {pages_per_block}")
     bt = max(1, block_rows // g)
-    rb = blocks.block_rows(q, meta.positions, meta.token_seq,
-                           meta.num_decodes + meta.num_prefills, num_seqs, hkv, bt)
-    _, nb, rows, _ = rb.q.shape
+    lay = blocks.find_layout(meta.row_layouts, 0, t, g, bt) or \
+        row_layouts(meta, g, block_rows)[0]
+    qb = blocks.block_rows(q, lay)
+    _, nb, rows, _ = qb.shape
     chunk = pages_per_block * page_size
     kernel = functools.partial(_kernel, pages_per_block=pages_per_block, width=width,
                                tokens_per_block=bt, scale=d ** -0.5, windowed=windowed)
@@ -150,8 +160,9 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         kv_specs += [hbm, hbm]
         buffers += [pltpu.VMEM((2, chunk, 1), k_scales.dtype)] * 2
     # Without a window q_end stands in for q_start (unread), so nothing new is computed.
-    scalars = (layer, rb.seq_lo, rb.seq_hi, rb.tok_pos, rb.q_end,
-               rb.q_start if windowed else rb.q_end, meta.kv_lens, meta.page_table.reshape(-1))
+    scalars = (layer, lay.seq_lo, lay.seq_hi, lay.tok_pos, lay.q_end,
+               lay.q_start if windowed else lay.q_end, meta.kv_lens,
+               meta.page_table.reshape(-1))
     out, lse = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -167,5 +178,5 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=interpret,
         name="ragged_paged_attention_tpu",
-    )(*scalars, rb.q, rb.seq[..., None], rb.pos[..., None], *kv)
+    )(*scalars, qb, lay.seq[..., None], lay.pos[..., None], *kv)
     return blocks.unblock(out, t, g, bt), blocks.unblock(lse[..., 0], t, g, bt)

@@ -18,7 +18,13 @@ import numpy as np
 from jserve.cache.hybrid import group_layers
 from jserve.cache.pool import HybridKV, KVCache
 from jserve.config import ModelConfig
-from jserve.kernels import AttentionMetadata, attention, write_kv
+from jserve.kernels import (
+    AttentionMetadata,
+    attention,
+    with_row_layouts,
+    write_kv_pair,
+    write_slots,
+)
 from jserve.kernels.kv_parallel import kvp_attention, owned_slots
 from jserve.model.families import family_of
 from jserve.model.layer_weights import in_place, layer_view
@@ -160,6 +166,10 @@ def step_layer(batch: StepInput, cos: jax.Array, sin: jax.Array, *, cfg: ModelCo
     slots = batch.slots if kvp_axis is None else owned_slots(batch.slots, batch.slot_groups,
                                                              kvp_axis)
     windows = layer_windows(cfg)
+    # Made once here, not in every layer of the loop (XLA left them in its body).
+    slots = write_slots(slots, attention_impl)
+    attn = with_row_layouts(batch.attn, attention_impl,
+                            cfg.num_attention_heads // cfg.num_key_value_heads)
 
     def layer_fn(layer: Params, i, x: jax.Array, kv: KVCache) -> tuple[jax.Array, KVCache]:
         window = None if windows is None else windows[first_layer + i]
@@ -167,13 +177,13 @@ def step_layer(batch: StepInput, cos: jax.Array, sin: jax.Array, *, cfg: ModelCo
             return _group_layer(layer, i, x, kv, window)
 
         def attend(q, k, v):
-            k_pages = write_kv(kv[0], slots, k, impl=attention_impl, layer=i)
-            v_pages = write_kv(kv[1], slots, v, impl=attention_impl, layer=i)
+            k_pages, v_pages = write_kv_pair(kv[0], kv[1], slots, k, v, impl=attention_impl,
+                                             layer=i)
             if kvp_axis is None:
-                out, _ = attention(q, k_pages, v_pages, batch.attn, impl=attention_impl,
+                out, _ = attention(q, k_pages, v_pages, attn, impl=attention_impl,
                                    layer=i, window=window)
             else:
-                out, _ = kvp_attention(q, k_pages, v_pages, batch.attn, axis=kvp_axis,
+                out, _ = kvp_attention(q, k_pages, v_pages, attn, axis=kvp_axis,
                                        impl=attention_impl, start_groups=batch.start_groups,
                                        layer=i, window=window)
             return out, (k_pages, v_pages)
@@ -188,13 +198,13 @@ def step_layer(batch: StepInput, cos: jax.Array, sin: jax.Array, *, cfg: ModelCo
             raise ValueError("two KV layer groups need the layers unrolled and no kvp")
         local, j = group_layers(cfg)[first_layer + i]
         pages = kv.loc if local else kv.glob
-        at = batch.local_slots if local else slots
-        meta = (dataclasses.replace(batch.attn, page_table=batch.local_page_table) if local
-                else batch.attn)
+        at = write_slots(batch.local_slots, attention_impl) if local else slots
+        meta = (dataclasses.replace(attn, page_table=batch.local_page_table) if local
+                else attn)
 
         def attend(q, k, v):
-            k_pages = write_kv(pages[0], at, k, impl=attention_impl, layer=j)
-            v_pages = write_kv(pages[1], at, v, impl=attention_impl, layer=j)
+            k_pages, v_pages = write_kv_pair(pages[0], pages[1], at, k, v,
+                                             impl=attention_impl, layer=j)
             out, _ = attention(q, k_pages, v_pages, meta, impl=attention_impl, layer=j,
                                window=window)
             return out, (k_pages, v_pages)
