@@ -23,22 +23,28 @@ def _decode_steps(target: str, steps, **engine):
 
 
 @pytest.mark.slow
-def test_tpu_steps_compile_with_the_pallas_kernels_and_copy_nothing():
-    """The 1B-shaped decode steps (batch 1 and 32) and a mixed step, compiled for a v5e with
-    TPU's defaults (Pallas attention and KV writes, the indexed layer loop, the pool pinned
-    row-major): Mosaic compiles them (the KV write refused before), no program copies a
-    layer's weights or the KV pool (the reference attention relaid 20.5 GB of pages a step,
-    the loop copied 0.4 GB of weights at batch 32), and a greedy decode step moves within
-    1.2x of the weights' bytes (12.6 GB by XLA's count for 2.47 GB before)."""
-    r = _decode_steps("v5e", [(1, 0), (32, 0), (32, 256)])
+@pytest.mark.parametrize("target, steps", [("v5e", [(1, 0), (32, 0), (32, 256)]),
+                                           ("v6e", [(32, 256)])])
+def test_tpu_steps_compile_with_the_pallas_kernels_and_copy_nothing(target, steps):
+    """The 1B-shaped decode steps (batch 1 and 32) and a mixed step, compiled for a v5e (and
+    a v6e, whose Mosaic refused the KV write as v5e's did) with TPU's defaults (Pallas
+    attention and KV writes, the indexed layer loop, the pool pinned row-major): Mosaic
+    compiles them, no program copies a layer's weights or the KV pool (the reference
+    attention relaid 20.5 GB of pages a step, the loop copied 0.4 GB of weights at batch
+    32), and a greedy decode step moves within 1.2x of the weights' bytes (12.6 GB by XLA's
+    count for 2.47 GB before). (v6e's batch-32 decode step: XLA counts 2.56 GB, jserve's
+    module walk 18.4 GB, an overcount of libtpu's v6e ops not yet found; not asserted.)"""
+    r = _decode_steps(target, steps)
     assert (r.attention, r.layer_mode) == ("pallas_tpu", "indexed")
-    assert [p.name for p in r.programs] == ["step 1x0", "step 32x0", "step 32x256"]
+    assert [p.name for p in r.programs] == [f"step {d}x{t}" for d, t in steps]
     for p in r.programs:
         a = p.analysis
         assert a.kernels["pallas"] == 16 * (6 + 1 + 2), p.name  # matmuls, attention, writes
         assert (a.copy_bytes("weight"), a.copy_bytes("kv")) == (0, 0), (p.name, a.copies)
-    for p in r.programs[:2]:
-        assert p.analysis.least_bytes <= 1.2 * r.weight_bytes, (p.name, p.analysis.least_bytes)
+    for (_, prefill), p in zip(steps, r.programs):
+        if prefill == 0:
+            assert p.analysis.least_bytes <= 1.2 * r.weight_bytes, (p.name,
+                                                                    p.analysis.least_bytes)
 
 
 @pytest.mark.slow
@@ -81,3 +87,21 @@ def test_the_plan_is_what_xla_allocates(target, mesh):
     assert r.plan.fits and r.fits
     planned, compiled = r.plan.total_bytes, r.largest_memory
     assert abs(planned - compiled) <= 0.05 * compiled, (planned, compiled)
+
+
+@pytest.mark.slow
+def test_gpu_mixed_step_copies_no_kv_and_syncs_as_counted():
+    """The 1B-shaped mixed step (32 decodes beside 256 prompt tokens) compiled for an H100:
+    its layers sliced (XLA's GEMMs for the prompt's matmuls), the Pallas attention and one
+    K/V write a layer, no KV copy, no loop around the layers (so no slice of a layer is
+    copied per trip). Kept exactly, not yet met: 0.20 GB of weight copies (XLA
+    materialises a slice of some layers' matrices; goal none) and its host syncs (goal
+    none), so a change to either shows here."""
+    r = _decode_steps("h100", [(32, 256)])
+    (p,) = r.programs
+    a = p.analysis
+    assert r.layer_mode == "sliced-indexed"
+    assert a.kernels["pallas"] == 16 * (2 + 1)  # attention's decode and prompt launches, the write
+    assert a.copy_bytes("kv") == 0
+    assert round(a.copy_bytes("weight") / 1e9, 2) == 0.20
+    assert (a.whiles, a.host_syncs) == (1, 11)
