@@ -57,6 +57,27 @@ def test_a_while_without_a_known_trip_count_counts_once_and_syncs():
     assert a.kernels["gemm"] == 1 and a.copy_bytes("weight") == 2 * 256
 
 
+ASYNC = """HloModule a
+
+ENTRY %main (p: s8[1024]) -> s8[128] {
+  %p = s8[1024]{0} parameter(0)
+  %slice-start = ((s8[1024]{0}), s8[128]{0}, s32[]) slice-start(%p), slice={[0:128]}
+  %slice-done = s8[128]{0} slice-done(%slice-start)
+  %copy-start = (s8[128]{0:S(1)}, s8[128]{0}, u32[]) copy-start(%slice-done)
+  ROOT %copy-done = s8[128]{0:S(1)} copy-done(%copy-start)
+}
+"""
+
+
+def test_libtpus_asynchronous_slices_and_copies_move_their_result_once():
+    """A ``slice-start``'s shape echoes its whole operand (1,024 bytes here) beside the slice
+    (128): each start reads and writes its result once, the done moves nothing (counted
+    whole, a v6e decode step's bytes were 7x XLA's)."""
+    a = hlo.analyse(ASYNC, GEOMETRY)
+    assert a.bytes == 2 * 128 + 2 * 128
+    assert dict(a.kernels) == {"other": 2 + 1, "copy-start": 1}
+
+
 def _on(target: str, f, *specs):
     """``f`` compiled for ``target``'s first compile-only device."""
     one = jax.sharding.SingleDeviceSharding(devices(target)[0])

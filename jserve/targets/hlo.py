@@ -28,6 +28,9 @@ import re
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1,
           "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
           "f64": 8, "s64": 8, "u64": 8, "c64": 8, "s4": 0.5, "u4": 0.5}
+# libtpu's asynchronous slices and copies (v6e splits a large slice into several): the
+# start's shape echoes its operand beside the result.
+_ASYNC_STARTS, _ASYNC_DONES = {"slice-start", "copy-start"}, {"slice-done", "copy-done"}
 _ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([\d,]*)\]")
 _BOOKKEEPING = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
                 "after-all", "partition-id", "replica-id", "opt-barrier", "add-dependency",
@@ -329,6 +332,11 @@ class _Walk:
             return sum(self._custom_read(o) for o in operands) + sum(
                 _BYTES.get(d, 0) * math.prod(dims) for d, dims in ins.arrays
                 if not (aliased and self.geometry.kind(dims) == "kv"))
+        if ins.opcode in _ASYNC_STARTS:  # shape (operand, result, context): the result
+            d, dims = ins.arrays[1]           # read and written once
+            return 2 * _BYTES.get(d, 0) * math.prod(dims)
+        if ins.opcode in _ASYNC_DONES:  # counted at the start
+            return 0.0
         if ins.opcode != "fusion":
             return ins.bytes + sum(o.bytes for o in operands)
         body = self._fused(ins)
