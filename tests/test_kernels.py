@@ -118,6 +118,41 @@ def test_kv_write_kernel_matches_the_scatter_outside_the_sink_page(writer):
                                   np.asarray(ref[:, 1:], np.float32))
 
 
+@pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.int8])
+def test_a_layers_k_and_v_written_in_one_gpu_launch_equal_two_scatters(kv_dtype):
+    """``write_kv_pair`` on the GPU kernel (one launch for K, V and int8 pages' scales, at
+    slots padded once a step: ``write_slots``) stores what the reference's two writes
+    store, outside the sink page, in one layer of a stacked cache; the other layers are
+    untouched."""
+    from jserve import kernels
+    from jserve.kernels import kv_quant
+
+    rng = np.random.default_rng(11)
+    pages, slots, k = kv_write_case(rng)
+    v = jnp.asarray(rng.normal(size=k.shape), jnp.float32)
+    stack = lambda x: jnp.stack([x, x + 1, x - 1])
+    k_pages, v_pages = stack(pages), stack(-pages)
+    if kv_dtype == jnp.int8:
+        k_pages, v_pages = (kv_quant.QuantizedPages(*kv_quant.quantize(x, jnp.int8))
+                            for x in (k_pages, v_pages))
+    else:
+        k_pages, v_pages = k_pages.astype(kv_dtype), v_pages.astype(kv_dtype)
+
+    def write(impl):
+        return jax.jit(lambda kp, vp, k, v, i: kernels.write_kv_pair(
+            kp, vp, kernels.write_slots(slots, impl), k, v, impl=impl, layer=i))(
+                k_pages, v_pages, k, v, jnp.int32(1))
+
+    got, want = write("pallas_gpu"), write("reference")
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert g.dtype == w.dtype
+        np.testing.assert_array_equal(np.asarray(g[:, :, 1:], np.float32),
+                                      np.asarray(w[:, :, 1:], np.float32))
+    for g, before in zip(jax.tree.leaves(got), jax.tree.leaves((k_pages, v_pages))):
+        np.testing.assert_array_equal(np.asarray(g[::2], np.float32),
+                                      np.asarray(before[::2], np.float32))
+
+
 @pytest.mark.parametrize("attend, writer", [
     (FLAVOURS["gpu"], kv_write.write_kv_gpu), (FLAVOURS["tpu"], kv_write.write_kv_tpu)])
 def test_kernels_read_and_write_one_layer_of_a_stacked_cache_in_place(attend, writer):
