@@ -168,9 +168,11 @@ def merge_partials(out: jax.Array, lse: jax.Array, reduce_max=lambda x: x.max(ax
     (lse -inf) weigh nothing; a row no part saw comes out 0 with lse -inf, never NaN."""
     top = reduce_max(lse)
     safe_top = jnp.where(jnp.isfinite(top), top, 0.0)
-    w = jnp.where(jnp.isfinite(lse), jnp.exp(lse - safe_top), 0.0)
-    total = reduce_sum(w)
-    merged = reduce_sum(w[..., None] * out.astype(jnp.float32))
+    w = jnp.where(jnp.isfinite(lse), jnp.exp(lse - safe_top), 0.0)[..., None]
+    # The weights' sum rides as one more channel of the weighted sum: one reduction (one
+    # launch on XLA:GPU, one collective under kv-parallelism) where two were.
+    both = reduce_sum(jnp.concatenate([w * out.astype(jnp.float32), w], axis=-1))
+    merged, total = both[..., :-1], both[..., -1]
     merged = merged / jnp.where(total > 0, total, 1.0)[..., None]
     return merged, jnp.where(total > 0, safe_top + jnp.log(total), -jnp.inf)
 
