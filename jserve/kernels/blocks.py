@@ -24,7 +24,7 @@ MIN_ROWS = 16
 class RowLayout:
     """Where tokens ``start .. stop - 1`` of a step sit in blocks of ``tokens_per_block``
     tokens, each ``group`` rows (what a kernel needs besides q, the same in every layer, so a
-    step computes it once before its layer loop: ``attention_layouts``). seq/pos [NB, R]
+    step computes it once before its layer loop: ``kernels.with_row_layouts``). seq/pos [NB, R]
     (seq -1 for padding rows); seq_lo/seq_hi [NB]: the live sequences each block touches.
     tok_pos [NB * tokens_per_block] and q_end [S] (one past each sequence's last token) let a
     kernel find, with scalar reads only, the last position of sequence s inside block b: the
