@@ -48,8 +48,10 @@ def measure(shape: dict, batches: list[int], prompt: int, new_tokens: int, seed:
             return time.perf_counter() - t0
 
         run(4)  # warm-up
-        t1 = min(run(1) for _ in range(2))
-        tn = min(run(new_tokens + 1) for _ in range(2))
+        # Minimums of five: load only adds time, and with two each a loaded host's prefill
+        # timing once came out above the whole run's (a TPOT below zero, smoke mode in CI).
+        t1 = min(run(1) for _ in range(5))
+        tn = min(run(new_tokens + 1) for _ in range(5))
         rows.append(dict(batch=b, prompt=prompt, new_tokens=new_tokens, device=device,
                          dtype=str(dtype).removeprefix("torch."), prefill_s=t1,
                          tpot_ms=(tn - t1) / new_tokens * 1e3,
