@@ -166,10 +166,13 @@ def step_layer(batch: StepInput, cos: jax.Array, sin: jax.Array, *, cfg: ModelCo
     slots = batch.slots if kvp_axis is None else owned_slots(batch.slots, batch.slot_groups,
                                                              kvp_axis)
     windows = layer_windows(cfg)
-    # Made once here, not in every layer of the loop (XLA left them in its body).
+    # Made once here, not in every layer of the loop (XLA left them in its body); kv-parallel
+    # groups shift the positions, so their kernels make their own layouts.
     slots = write_slots(slots, attention_impl)
-    attn = with_row_layouts(batch.attn, attention_impl,
-                            cfg.num_attention_heads // cfg.num_key_value_heads)
+    local_slots = (None if batch.local_slots is None
+                   else write_slots(batch.local_slots, attention_impl))
+    attn = batch.attn if kvp_axis is not None else with_row_layouts(
+        batch.attn, attention_impl, cfg.num_attention_heads // cfg.num_key_value_heads)
 
     def layer_fn(layer: Params, i, x: jax.Array, kv: KVCache) -> tuple[jax.Array, KVCache]:
         window = None if windows is None else windows[first_layer + i]
@@ -198,7 +201,7 @@ def step_layer(batch: StepInput, cos: jax.Array, sin: jax.Array, *, cfg: ModelCo
             raise ValueError("two KV layer groups need the layers unrolled and no kvp")
         local, j = group_layers(cfg)[first_layer + i]
         pages = kv.loc if local else kv.glob
-        at = write_slots(batch.local_slots, attention_impl) if local else slots
+        at = local_slots if local else slots
         meta = (dataclasses.replace(attn, page_table=batch.local_page_table) if local
                 else attn)
 
