@@ -36,3 +36,15 @@ def compiling_for(platform: str):
         yield
     finally:
         _target = before
+
+
+def branches_cheap() -> bool:
+    """Whether a run-time branch (``lax.cond``) is cheap on the platform. XLA:CPU runs a
+    conditional in line and aliases what a branch passes on unchanged; a TPU branches on
+    the device (and its scatters, which an unconditional update would need, are loops).
+    XLA:GPU reads the predicate on the host, waiting for the device (outside CUDA graphs),
+    and copies each buffer a branch passes on (the 1B shape's decode step copied its 24 MB
+    penalty state and 37 MB of handed-on logits so every step). Where branches are not
+    cheap a program does cheap work unconditionally (writes dropped or in place, no-ops
+    bit for bit) and keeps branches for work worth a sync."""
+    return current() != "gpu"

@@ -36,16 +36,18 @@ def _gb(n) -> str:
 
 
 def table(entries: list[dict]) -> list[str]:
-    lines = ["| model | layer mode | program | compile s | launches (a layer) | while / cond / "
-             "host syncs | weight copies GB | KV copies GB | bytes GB (XLA / HLO / HLO cheapest "
+    lines = ["| model | layer mode | program | compile s | launches (a layer; cheapest branches) | while / cond / "
+             "host syncs (largest / cheapest branches) | weight copies GB | KV copies GB | bytes GB (XLA / HLO / HLO cheapest "
              "branches) | weights GB | cheapest / weights | memory GB | roofline ms |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in entries:
         for r in e["rows"]:
             lines.append(
                 f"| {e['model']} | {e['layer_mode']} | {r['program']} | {r['compile_s']:.0f} "
-                f"| {r['launches']} ({r['launches'] / e['layers']:.1f}) | {r['whiles']} / "
-                f"{r['conditionals']} / {r['host_syncs']} | {_gb(r['weight_copy_bytes'])} | "
+                f"| {r['launches']} ({r['launches'] / e['layers']:.1f}; {r['launches_least']}) "
+                f"| {r['whiles']} / "
+                f"{r['conditionals']} / {r['host_syncs']} / {r['host_syncs_least']} | "
+                f"{_gb(r['weight_copy_bytes'])} | "
                 f"{_gb(r['kv_copy_bytes'])} | {_gb(r['bytes_xla'])} / {_gb(r['bytes_hlo'])} / "
                 f"{_gb(r['bytes_hlo_least'])} | {_gb(e['weight_bytes'])} | "
                 f"{r['bytes_hlo_least'] / e['weight_bytes']:.2f} | "

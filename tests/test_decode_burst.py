@@ -108,18 +108,24 @@ def _beyond_temperature(plain) -> list[SamplingParams]:
 
 
 @pytest.mark.slow
-def test_whole_chain_decodes_burst_filtered_penalised_and_biased_requests(reference,
-                                                                          monkeypatch):
+@pytest.mark.parametrize("branches_cheap", [True, False])
+def test_whole_chain_decodes_burst_filtered_penalised_and_biased_requests(
+        reference, monkeypatch, branches_cheap):
     """Where the all-decode steps sample with the whole chain (a GPU or TPU:
     ``factory.whole_chain_decodes``, forced here), a batch with a bias, a top-p filter and
     penalties bursts, with exactly the tokens of one step at a time; its all-decode steps
-    need no sampling executable (only mixed steps call it)."""
+    need no sampling executable (only mixed steps call it). Also as a GPU's programs are
+    built (``backend.branches_cheap`` false, forced): the penalty state and the handed-on
+    logits written unconditionally, the bias, penalties, mask and draws of the chain run
+    for every row: the same tokens and logprobs."""
+    from jserve import backend
     from jserve.engine import factory
 
     plain, _ = _run(reference, _params())
     params = _beyond_temperature(plain)
     want, _ = _run(reference, params)
     monkeypatch.setattr(factory, "whole_chain_decodes", lambda backend: True)
+    monkeypatch.setattr(backend, "branches_cheap", lambda: branches_cheap)
     llm = small_llm(decode_burst=4)
     runner = llm.engine.runner
     assert runner.programs.lowering.whole_chain_decodes

@@ -1,6 +1,8 @@
 """Tests for SamplingParams validation and the batched device sampler."""
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import math
 import re
@@ -31,6 +33,8 @@ from jserve.sampling.sampler import (
     make_sampling_batch,
     row_argmax,
     sample,
+    temperature_only,
+    temperature_tokens,
     vocab_argmax,
 )
 
@@ -308,6 +312,38 @@ def test_allowed_mask_reads_a_prefix_and_sorts_only_the_rows_it_does_not_decide(
     hlo = allowed_mask_jit.lower(logits, sb).compile().as_text()
     sorts = [line for line in hlo.splitlines() if " sort(" in line]
     assert sorts and all(f"[{len(rows)},{vocab}]" not in line for line in sorts), sorts
+
+
+def test_temperature_only_batches_are_those_temperature_tokens_samples_as_the_chain_does():
+    """``temperature_only`` (the step's branch to ``temperature_tokens``): a batch of
+    greedy rows and unfiltered sampled rows is one, whatever a greedy row asks; a sampled
+    row's filter or draft, or any row's ban or mask, is not. Where it says yes, the tokens
+    are the whole chain's, bit for bit."""
+    vocab = 64
+    greedy, hot = SamplingParams(temperature=0.0), SamplingParams(temperature=0.8)
+
+    def batch(*rows: SamplerRow):
+        return make_sampling_batch(list(rows), len(rows) + 1, words=2)  # and a padding row
+
+    def row(params, **kw):
+        return SamplerRow(params, seed=3, step=2, **kw)
+
+    filtered = [dict(top_k=5), dict(top_p=0.9), dict(min_p=0.1)]
+    yes = [batch(row(greedy), row(hot)),
+           batch(row(hot), *(row(dataclasses.replace(greedy, **f)) for f in filtered)),
+           batch(row(dataclasses.replace(hot, top_k=vocab)), row(greedy, draft=4))]
+    no = [*(batch(row(greedy), row(dataclasses.replace(hot, **f))) for f in filtered),
+          batch(row(hot, draft=4)), batch(row(greedy, banned_ids=(2,)), row(hot)),
+          batch(row(greedy, allowed=np.zeros(2, np.int32)))]
+    assert [bool(temperature_only(sb, vocab)) for sb in yes] == [True] * 3
+    assert [bool(temperature_only(sb, vocab)) for sb in no] == [False] * 6
+    rng = np.random.default_rng(0)
+    for sb in yes:
+        n = sb.temperature.shape[0]
+        logits = rng.normal(size=(n, vocab)).astype(np.float32)
+        chain = sample_jit(logits, np.zeros((n, vocab), np.int32), np.zeros((n, vocab), bool),
+                           sb, all_greedy=False, num_logprobs=0).tokens
+        assert np.array_equal(jax.jit(temperature_tokens)(logits, sb), chain)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -51,20 +51,25 @@ def test_tpu_steps_compile_with_the_pallas_kernels_and_copy_nothing(target, step
 def test_gpu_decode_step_reads_its_weights_once():
     """The 1B-shaped batch-1 decode step compiled for an H100 with GPU's defaults (Triton
     kernels, decode steps indexed): no weight or KV copy (the sliced layers in the burst loop
-    copied 1.41 GB a step), within 1.3x of the weights' bytes, a layer's K and V written in
-    one launch. Kept exactly, not yet met: a burst step's host syncs (its conditionals,
-    outside CUDA graphs; goal none) and its launches (28 a layer, 21 of them in the layer
-    loop's body, since the query blocking and the write slots are made once a step and the
-    split-K merge reduces once: 36 and 29 before; goal 12), so a change to either shows
-    here."""
+    copied 1.41 GB a step), a greedy step within 1.2x of the weights' bytes (1.24x while
+    XLA copied the penalty state and the handed-on logits in the branches that passed them
+    on), a layer's K and V written in one launch, and a greedy step's host syncs two: the
+    burst loop's trip and the sampling's one branch (11 when each switch of the chain was
+    a branch of its own; the whole chain's branches, for its filters' sort, stay in the
+    largest). Kept exactly, not yet met: the host syncs (outside CUDA graphs; goal none)
+    and the launches (a greedy step 393, 24.6 a layer, 21 of them in the layer loop's
+    body; 28 before the sampling took one branch, 36 before the query blocking and the
+    write slots were made once a step and the split-K merge reduced once; goal 12), so a
+    change to either shows here."""
     r = _decode_steps("h100", [(1, 0)])
     (p,) = r.programs
     a = p.analysis
     assert (r.attention, r.layer_mode) == ("pallas_gpu", "sliced-indexed")
     assert (a.copy_bytes("weight"), a.copy_bytes("kv")) == (0, 0), a.copies
-    assert a.least_bytes <= 1.3 * r.weight_bytes
+    assert a.least_bytes <= 1.2 * r.weight_bytes
     assert a.kernels["pallas"] == 16 * (6 + 1 + 1)  # matmuls, attention, the K/V write
-    assert (a.host_syncs, a.launches) == (11, 452)
+    assert (a.least_host_syncs, a.least_launches) == (2, 393)
+    assert (a.host_syncs, a.launches) == (5, 437)
 
 
 @pytest.mark.slow
@@ -96,8 +101,10 @@ def test_gpu_mixed_step_copies_no_kv_and_syncs_as_counted():
     its layers sliced (XLA's GEMMs for the prompt's matmuls), the Pallas attention and one
     K/V write a layer, no KV copy, no loop around the layers (so no slice of a layer is
     copied per trip). Kept exactly, not yet met: 0.20 GB of weight copies (XLA
-    materialises a slice of some layers' matrices; goal none) and its host syncs (goal
-    none), so a change to either shows here."""
+    materialises a slice of some layers' matrices; goal none) and a greedy step's host
+    syncs (goal none): two, the prompt logprobs' branch and the sampling's (11 before the
+    penalty state and the handed-on logits were written unconditionally and the sampling
+    took one branch), so a change to either shows here."""
     r = _decode_steps("h100", [(32, 256)])
     (p,) = r.programs
     a = p.analysis
@@ -105,4 +112,4 @@ def test_gpu_mixed_step_copies_no_kv_and_syncs_as_counted():
     assert a.kernels["pallas"] == 16 * (2 + 1)  # attention's decode and prompt launches, the write
     assert a.copy_bytes("kv") == 0
     assert round(a.copy_bytes("weight") / 1e9, 2) == 0.20
-    assert (a.whiles, a.host_syncs) == (1, 11)
+    assert (a.whiles, a.least_host_syncs, a.host_syncs) == (1, 2, 8)

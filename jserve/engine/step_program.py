@@ -11,6 +11,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jserve import backend as jserve_backend
 from jserve.cache.pool import KVCache
 from jserve.config import ModelConfig
 from jserve.engine import burst, prompt_logprobs
@@ -36,6 +37,7 @@ from jserve.sampling.sampler import (
     apply_penalties,
     choose_tokens,
     plain_greedy,
+    temperature_only,
     temperature_tokens,
     token_logprobs,
     vocab_argmax,
@@ -45,22 +47,27 @@ from sharding.specs import param_specs, shard_params
 from sharding.tensor_parallel import tp_forward
 
 
-def _update_state(state: SeqState, tokens, rows, is_prompt, reset_rows) -> SeqState:
-    sink = state.output_counts.shape[0] - 1
-    counts = state.output_counts.at[reset_rows].set(0)
-    mask = state.prompt_mask.at[reset_rows].set(False)
-    counts = counts.at[rows, tokens].add(jnp.where(is_prompt, 0, 1).astype(counts.dtype))
-    mask = mask.at[jnp.where(is_prompt, rows, sink), tokens].set(True)
+def _update_state(state: SeqState, tokens, rows, is_prompt, reset_rows, on=True) -> SeqState:
+    """The penalty state after a step's fed ``tokens``; ``on`` false (traced): every write
+    dropped (its row index past the rows), the state unchanged."""
+    n = state.output_counts.shape[0]
+    sink = n - 1
+    row = lambda r: jnp.where(on, r, n)
+    counts = state.output_counts.at[row(reset_rows)].set(0, mode="drop")
+    mask = state.prompt_mask.at[row(reset_rows)].set(False, mode="drop")
+    counts = counts.at[row(rows), tokens].add(
+        jnp.where(is_prompt, 0, 1).astype(counts.dtype), mode="drop")
+    mask = mask.at[row(jnp.where(is_prompt, rows, sink)), tokens].set(True, mode="drop")
     return dataclasses.replace(state, output_counts=counts, prompt_mask=mask)
 
 
 def _penalty_state(state: SeqState, arrays: StepArrays) -> SeqState:
     """``_update_state`` when some row of the step uses penalties (a runtime choice)."""
-    return jax.lax.cond(
-        arrays.any_penalty,
-        lambda: _update_state(state, arrays.batch.tokens, arrays.token_state_rows,
-                              arrays.token_is_prompt, arrays.reset_rows),
-        lambda: state)
+    args = (state, arrays.batch.tokens, arrays.token_state_rows, arrays.token_is_prompt,
+            arrays.reset_rows)
+    if not jserve_backend.branches_cheap():
+        return _update_state(*args, on=arrays.any_penalty)
+    return jax.lax.cond(arrays.any_penalty, lambda: _update_state(*args), lambda: state)
 
 
 def _handed_on(logits: jax.Array, state: SeqState, arrays: StepArrays, rows: int,
@@ -81,6 +88,8 @@ def _handed_on(logits: jax.Array, state: SeqState, arrays: StepArrays, rows: int
     state = _penalty_state(state, arrays)
     if spare is None:
         handed = jnp.pad(logits, ((0, 0), (0, rows - logits.shape[1])))
+    elif not jserve_backend.branches_cheap():  # in place, where a branch would copy the spare
+        handed = jax.lax.dynamic_update_slice(spare, logits, (0, 0))
     else:
         handed = jax.lax.cond(
             arrays.whole_chain, lambda b: jax.lax.dynamic_update_slice(b, logits, (0, 0)),
@@ -92,15 +101,17 @@ def _handed_on(logits: jax.Array, state: SeqState, arrays: StepArrays, rows: int
 
 
 def _choose(state: SeqState, inp: SampleInputs) -> jax.Array:
-    """The token of every row through the whole chain: the logit bias only when some row
-    has one, penalties only when some row uses them, the sort only when some row samples."""
+    """The token of every row through the whole chain. Where branches are cheap the logit
+    bias only when some row has one, penalties only when some row uses them, the sort only
+    when some row samples; elsewhere each step of the chain runs (a no-op, bit for bit, on
+    a row that does not use it: ``apply_penalties``, ``choose_tokens``)."""
     logits, sb = inp.logits.T, inp.sampling  # the chain reads rows
+    penalties = lambda x: apply_penalties(x, state.output_counts[inp.state_rows],
+                                          state.prompt_mask[inp.state_rows], sb)
+    if not jserve_backend.branches_cheap():
+        return choose_tokens(penalties(apply_bias(logits, sb)), sb, all_greedy=False)
     biased = jax.lax.cond(inp.any_bias, lambda: apply_bias(logits, sb), lambda: logits)
-    penalised = jax.lax.cond(
-        inp.any_penalty,
-        lambda: apply_penalties(biased, state.output_counts[inp.state_rows],
-                                state.prompt_mask[inp.state_rows], sb),
-        lambda: biased)
+    penalised = jax.lax.cond(inp.any_penalty, lambda: penalties(biased), lambda: biased)
     return jax.lax.cond(inp.any_random,
                         lambda: choose_tokens(penalised, sb, all_greedy=False),
                         lambda: choose_tokens(penalised, sb, all_greedy=True))
@@ -108,21 +119,29 @@ def _choose(state: SeqState, inp: SampleInputs) -> jax.Array:
 
 def _sample(state: SeqState, inp: SampleInputs) -> tuple[SampleResult, SeqState]:
     """Token choice and logprobs (one executable, or the tail of the plain step); the chosen
-    tokens are kept in ``state.last_tokens`` for the next step. Runtime choices: a plain
-    greedy batch (``plain_greedy``) takes the argmax of the vocabulary-major logits in place,
-    nothing else touches them (each ``cond`` branch that passes them on copies them);
-    otherwise ``_choose``, which reads them transposed to rows, as the logprobs do. Top-n
-    logprobs only when asked (of the raw ``logits``)."""
+    tokens are kept in ``state.last_tokens`` for the next step. One run-time branch (on
+    XLA:GPU one host sync) of four: a plain greedy batch (``plain_greedy``) takes the
+    argmax of the vocabulary-major logits in place; a batch of greedy and temperature rows
+    with nothing else ``temperature_tokens``; any other the whole chain (``_choose``,
+    which reads them transposed to rows, as the logprobs do); and with logprobs (of the raw
+    ``logits``) the whole chain and them. Each branch returns only its [S] results."""
     logits, sb = inp.logits, inp.sampling
-    tokens = jax.lax.cond(
-        plain_greedy(sb, inp.any_bias | inp.any_penalty | inp.any_random),
-        lambda: vocab_argmax(logits), lambda: _choose(state, inp))
     s = logits.shape[1]
-    chosen, top_ids, top_lp = jax.lax.cond(
-        inp.want_logprobs,
-        lambda: token_logprobs(logits.T, tokens, MAX_LOGPROBS),
-        lambda: (jnp.zeros((s,), jnp.float32), jnp.zeros((s, MAX_LOGPROBS), jnp.int32),
-                 jnp.zeros((s, MAX_LOGPROBS), jnp.float32)))
+    zeros = (jnp.zeros((s,), jnp.float32), jnp.zeros((s, MAX_LOGPROBS), jnp.int32),
+             jnp.zeros((s, MAX_LOGPROBS), jnp.float32))
+    plain = plain_greedy(sb, inp.any_bias | inp.any_penalty | inp.any_random)
+    temperature = ~(inp.any_bias | inp.any_penalty) & temperature_only(sb, logits.shape[0])
+
+    def with_logprobs():
+        tokens = _choose(state, inp)
+        return tokens, *token_logprobs(logits.T, tokens, MAX_LOGPROBS)
+
+    branch = jnp.where(inp.want_logprobs, 3, jnp.where(plain, 0, jnp.where(temperature, 1, 2)))
+    tokens, chosen, top_ids, top_lp = jax.lax.switch(branch, (
+        lambda: (vocab_argmax(logits), *zeros),
+        lambda: (temperature_tokens(logits.T, sb), *zeros),
+        lambda: (_choose(state, inp), *zeros),
+        with_logprobs))
     last = state.last_tokens.at[inp.sampled_state_rows].set(tokens)
     return (SampleResult(tokens, chosen, top_ids, top_lp),
             dataclasses.replace(state, last_tokens=last))
@@ -131,13 +150,14 @@ def _sample(state: SeqState, inp: SampleInputs) -> tuple[SampleResult, SeqState]
 def _common_tokens(state: SeqState, inp: SampleInputs, whole_chain: jax.Array
                    ) -> tuple[SampleResult, SeqState]:
     """``_sample`` of a batch whose rows are all greedy or sample at a temperature with
-    nothing else: the same tokens, no logprobs. With ``whole_chain`` (the sampling
-    executable samples the step again) zeros, not a second set of random draws."""
-    tokens = jax.lax.cond(
-        whole_chain, lambda: jnp.zeros(inp.state_rows.shape, jnp.int32),
-        lambda: jax.lax.cond(inp.any_random,
-                             lambda: temperature_tokens(inp.logits.T, inp.sampling),
-                             lambda: vocab_argmax(inp.logits)))
+    nothing else: the same tokens, no logprobs, in one run-time branch. With
+    ``whole_chain`` (the sampling executable samples the step again) zeros, not a second
+    set of random draws."""
+    branch = jnp.where(whole_chain, 0, jnp.where(inp.any_random, 2, 1))
+    tokens = jax.lax.switch(branch, (
+        lambda: jnp.zeros(inp.state_rows.shape, jnp.int32),
+        lambda: vocab_argmax(inp.logits),
+        lambda: temperature_tokens(inp.logits.T, inp.sampling)))
     last = state.last_tokens.at[inp.sampled_state_rows].set(tokens)
     return (SampleResult(tokens, None, None, None),
             dataclasses.replace(state, last_tokens=last))

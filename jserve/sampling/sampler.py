@@ -343,6 +343,18 @@ def plain_greedy(sb: SamplingBatch, any_modifier: jax.Array) -> jax.Array:
     return ~any_modifier & ~jnp.any(sb.banned_ids >= 0) & ~jnp.any(sb.allowed != -1)
 
 
+def temperature_only(sb: SamplingBatch, vocab: int) -> jax.Array:
+    """Whether ``temperature_tokens`` gives every row of ``sb`` its token, as
+    ``choose_tokens`` would (a traced bool; logit biases and penalties are the caller's to
+    rule out): no ban or structured-output mask, and no row that samples has a filter or
+    a draft (a greedy row takes its argmax whatever it asks)."""
+    samples = sb.temperature > 0
+    beyond = (((sb.top_k > 0) & (sb.top_k < vocab)) | (sb.top_p < 1.0) | (sb.min_p > 0.0)
+              | (sb.draft >= 0))
+    return (~jnp.any(samples & beyond) & ~jnp.any(sb.banned_ids >= 0)
+            & ~jnp.any(sb.allowed != -1))
+
+
 def _draws(logits: jax.Array, sb: SamplingBatch) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(greedy rows [B], logits / temperature, each row's Gumbel noise [B, vocab])."""
     greedy = sb.temperature == 0
@@ -366,12 +378,13 @@ def choose_tokens(penalised: jax.Array, sb: SamplingBatch, *, all_greedy: bool) 
     and the random draws when every row has temperature 0."""
     penalised = _ban(penalised.astype(jnp.float32), sb.banned_ids)
     vocab = penalised.shape[1]
-    # Run-time choice: unpacking the bitmask is vocab x rows of work, done only when some
-    # row is constrained (a free row's words are all ones).
-    penalised = lax.cond(
-        jnp.any(sb.allowed != -1),
-        lambda x: jnp.where(unpack_allowed(sb.allowed, vocab), x, -jnp.inf),
-        lambda x: x, penalised)
+    # Unpacking the bitmask is vocab x rows of work, done only when some row is constrained
+    # (a free row's words are all ones) where a branch is cheap.
+    mask = lambda x: jnp.where(unpack_allowed(sb.allowed, vocab), x, -jnp.inf)
+    if jserve_backend.branches_cheap():
+        penalised = lax.cond(jnp.any(sb.allowed != -1), mask, lambda x: x, penalised)
+    else:  # a free row's mask keeps every token
+        penalised = mask(penalised)
     tokens = row_argmax(penalised)
     if all_greedy:
         return tokens

@@ -114,8 +114,10 @@ def rows(report) -> list[dict]:
         a, m = p.analysis, p.memory
         out.append(dict(
             program=p.name, compile_s=round(p.seconds, 2), launches=a.launches,
+            launches_least=a.least_launches,
             kernels=dict(a.kernels), whiles=a.whiles, unknown_trip_whiles=a.unknown_trip_whiles,
             conditionals=a.conditionals, host_syncs=a.host_syncs,
+            host_syncs_least=a.least_host_syncs,
             weight_copy_bytes=a.copy_bytes("weight"), kv_copy_bytes=a.copy_bytes("kv"),
             bytes_hlo=a.bytes, bytes_hlo_least=a.least_bytes, bytes_xla=p.cost_bytes,
             flops=p.cost_flops or a.flops,
@@ -147,8 +149,9 @@ def table(report) -> str:
                 + "; ".join(report.plan.problems
                             or [f"a program needs {_gb(report.largest_memory)}"])),
              "",
-             "| program | compile s | launches (fusions/GEMMs/Pallas/copies/other) | while "
-             "(no trip count) | cond | host syncs | weight copies | KV copies | bytes "
+             "| program | compile s | launches (fusions/GEMMs/Pallas/copies/other; cheapest "
+             "branches) | while "
+             "(no trip count) | cond | host syncs (largest / cheapest branches) | weight copies | KV copies | bytes "
              "(XLA / HLO / HLO cheapest branches) | memory | roofline |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows(report):
@@ -159,9 +162,11 @@ def table(report) -> str:
         xla = "-" if r["bytes_xla"] is None else _gb(r["bytes_xla"])
         mem = "-" if r["memory_bytes"] is None else _gb(r["memory_bytes"])
         lines.append(
-            f"| {r['program']} | {r['compile_s']:.1f} | {r['launches']} ({kinds}) | "
+            f"| {r['program']} | {r['compile_s']:.1f} | {r['launches']} ({kinds}; "
+            f"{r['launches_least']}) | "
             f"{r['whiles']} ({r['unknown_trip_whiles']}) | {r['conditionals']} | "
-            f"{r['host_syncs']} | {_gb(r['weight_copy_bytes'])} | {_gb(r['kv_copy_bytes'])} | "
+            f"{r['host_syncs']} / {r['host_syncs_least']} | "
+            f"{_gb(r['weight_copy_bytes'])} | {_gb(r['kv_copy_bytes'])} | "
             f"{xla} / {_gb(r['bytes_hlo'])} / {_gb(r['bytes_hlo_least'])} | {mem} | "
             f"{r['roofline_us']} us |")
     plan = report.plan

@@ -10,7 +10,8 @@ instruction there that is not bookkeeping (parameter, constant, tuple, get-tuple
 bitcast, ...) is one kernel: a fusion, a custom call (Triton GEMM fusions, Pallas kernels,
 cuBLAS), a copy or another op XLA left unfused. A ``while`` body counts times its known trip
 count, or once when it has none (a decode burst's loop: then the figures are one decode step
-of the burst); a conditional counts its largest branch (``least_bytes``: its cheapest).
+of the burst); a conditional counts its largest branch (the ``least_`` figures: its
+cheapest by bytes, the branch a plain greedy step takes).
 Bytes: each kernel's output plus its
 operands, where a fusion that only slices an operand reads the slices, an in-place update
 (a dynamic-update-slice or scatter root, a custom call aliasing its operand) moves only the
@@ -193,6 +194,8 @@ class Analysis:
     bytes: float  # with each conditional's largest branch (the one counted)
     flops: float
     least_bytes: float = 0.0  # with each conditional's cheapest branch (a plain greedy step)
+    least_host_syncs: int = 0  # host syncs along those branches
+    least_launches: int = 0  # kernels launched along them
 
     @property
     def launches(self) -> int:
@@ -205,9 +208,10 @@ class Analysis:
 
     @property
     def launches_outside_graphs(self) -> int:
-        """Launches XLA:GPU's default command buffers leave out: every kernel between two
-        host syncs runs as one graph, so a sync costs about one launch more."""
-        return self.host_syncs
+        """Launches XLA:GPU's default command buffers leave out on a greedy step (the
+        cheapest branches): every kernel between two host syncs runs as one graph, so a
+        sync costs about one launch more."""
+        return self.least_host_syncs
 
     def copy_bytes(self, kind: str) -> float:
         return sum(c.bytes for c in self.copies if c.kind == kind)
@@ -222,6 +226,8 @@ class _Walk:
         self.copies: list[Copy] = []
         self.bytes = self.flops = 0.0
         self.least = 0.0  # bytes with each conditional's cheapest branch
+        self.least_syncs = 0.0  # host syncs along those branches
+        self.least_launches = 0.0  # kernels along them
 
     def run(self, comp: str, trips: float = 1) -> None:
         for ins in self.comps.get(comp, []):
@@ -236,6 +242,7 @@ class _Walk:
             self.whiles += trips
             if n is None:
                 self.unknown += trips
+                self.least_syncs += trips
             inner = trips * (1 if n is None else n)
             for comp in ins.attr("condition") + ins.attr("body"):
                 self.run(comp, inner)
@@ -245,16 +252,21 @@ class _Walk:
             branches = ins.attr("branch_computations") or (
                 ins.attr("true_computation") + ins.attr("false_computation"))
             walks = [self._alone(b) for b in branches]
+            self.least_syncs += trips
             if walks:
                 best = max(walks, key=lambda w: w.launches())
+                cheapest = min(walks, key=lambda w: w.least)
                 self._add(best, trips)
-                self.least += trips * (min(w.least for w in walks) - best.least)
+                self.least += trips * (cheapest.least - best.least)
+                self.least_syncs += trips * (cheapest.least_syncs - best.least_syncs)
+                self.least_launches += trips * (cheapest.least_launches - best.least_launches)
             return
         if op == "call":
             for comp in ins.attr("to_apply"):
                 self.run(comp, trips)
             return
         self.kernels[self._kind(ins)] += trips
+        self.least_launches += trips
         moved = trips * self._moved(ins)
         self.bytes += moved
         self.least += moved
@@ -310,6 +322,8 @@ class _Walk:
         self.copies += [dataclasses.replace(c, bytes=c.bytes * trips) for c in w.copies]
         self.bytes += trips * w.bytes
         self.least += trips * w.least
+        self.least_syncs += trips * w.least_syncs
+        self.least_launches += trips * w.least_launches
         self.flops += trips * w.flops
 
     @staticmethod
@@ -412,4 +426,5 @@ def analyse(text: str, geometry: Geometry) -> Analysis:
     w = _Walk(comps, geometry)
     w.run(entry)
     return Analysis(w.kernels, int(w.whiles), int(w.unknown), int(w.conditionals),
-                    tuple(w.copies), w.bytes, w.flops, w.least)
+                    tuple(w.copies), w.bytes, w.flops, w.least, int(w.least_syncs),
+                    int(w.least_launches))

@@ -37,8 +37,9 @@ class ProgramReport:
     text: str = dataclasses.field(repr=False, default="")  # the optimized HLO
 
     def roofline_seconds(self, t: Target) -> float:
-        """max(bytes / bandwidth, FLOPs / peak) plus the launches outside CUDA graphs."""
-        moved = self.cost_bytes if self.cost_bytes is not None else self.analysis.bytes
+        """max(bytes / bandwidth, FLOPs / peak) plus the launches outside CUDA graphs, of a
+        greedy step (the cheapest branches, where XLA's cost analysis says nothing)."""
+        moved = self.cost_bytes if self.cost_bytes is not None else self.analysis.least_bytes
         flops = self.cost_flops if self.cost_flops is not None else self.analysis.flops
         return roofline(moved, flops, self.analysis.launches_outside_graphs, t.bandwidth,
                         t.peak_flops, t.launch_seconds)
@@ -54,16 +55,18 @@ def roofline(moved: float, flops: float, launches: int, bandwidth: float, peak_f
 def predict(compiled, cfg: ModelConfig, kv_cache, bandwidth: float | None,
             peak_flops: float | None, kv_read: float = 0.0, params=None) -> dict:
     """What a compiled step should take on the device it was compiled for (the device
-    check's prediction beside each timing): its HLO read (``hlo.analyse``), ``kv_read``
-    bytes of KV pages its sequences attend to added (the program does not say them); no
-    time where the device's peaks are unknown (a CPU)."""
+    check's prediction beside each timing, of greedy steps): its HLO read (``hlo.analyse``,
+    the cheapest branches), ``kv_read`` bytes of KV pages its sequences attend to added
+    (the program does not say them); no time where the device's peaks are unknown (a
+    CPU)."""
     a = hlo.analyse(compiled.as_text(), hlo.Geometry.of(cfg, kv_cache, params))
     launch = 4e-6 if backend.current() == "gpu" else 0.0
     seconds = None if not (bandwidth and peak_flops) else roofline(
-        a.bytes + kv_read, a.flops, a.launches_outside_graphs, bandwidth, peak_flops, launch)
+        a.least_bytes + kv_read, a.flops, a.launches_outside_graphs, bandwidth, peak_flops,
+        launch)
     return dict(predicted_ms=None if seconds is None else seconds * 1e3,
-                launches=a.launches, host_syncs=a.host_syncs,
-                hlo_gb=a.bytes / 1e9, weight_copy_gb=a.copy_bytes("weight") / 1e9,
+                launches=a.launches, host_syncs=a.least_host_syncs,
+                hlo_gb=a.least_bytes / 1e9, weight_copy_gb=a.copy_bytes("weight") / 1e9,
                 kv_copy_gb=a.copy_bytes("kv") / 1e9)
 
 
