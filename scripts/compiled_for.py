@@ -36,9 +36,10 @@ def _gb(n) -> str:
 
 
 def table(entries: list[dict]) -> list[str]:
-    lines = ["| model | layer mode | program | compile s | launches (a layer; cheapest branches) | while / cond / "
-             "host syncs (largest / cheapest branches) | weight copies GB | KV copies GB | bytes GB (XLA / HLO / HLO cheapest "
-             "branches) | weights GB | cheapest / weights | memory GB | roofline ms |",
+    lines = ["| model | layer mode | program | compile s | launches (a layer; cheapest "
+             "branches) | while / cond / host syncs (largest / cheapest branches) | weight "
+             "copies GB | KV copies GB | bytes GB (XLA / HLO / HLO cheapest branches) | "
+             "weights GB | cheapest / weights | memory GB | roofline ms |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in entries:
         for r in e["rows"]:

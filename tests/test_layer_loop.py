@@ -12,7 +12,7 @@ whose matmuls read each layer's tiles in place (``jserve.kernels.layer_matmul``)
   its operands (it is exact, not fast), and XLA:CPU has no kernel that reads a slice in
   place. What the CPU's optimized HLO does show is the copies this mode removes: the plain
   loop's step materialises every layer matrix (the counter ``jserve.bench.layer_copies``
-  finds all six), unrolled layers none.
+  finds all four), unrolled layers none.
 - The kernel itself: both flavours, interpreted, equal ``x @ w[i]`` for plain and quantized
   weights at every layer.
 """
@@ -119,21 +119,21 @@ def stacked_operand_calls(mlir: str, target: str) -> int:
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 def test_exported_indexed_step_reads_stacked_weights_in_place(engines, platform):
     indexed = exported_step(engines["indexed"], platform)
-    # Six matmuls in the loop body (wq, wk, wv, wo, w_gate_up, w_down), each one kernel
-    # call on its stacked weight, and no layer matrix sliced out.
-    assert stacked_operand_calls(indexed, TARGETS[platform]) == 6
+    # Four matmuls in the loop body (wqkv, wo, w_gate_up, w_down), each one kernel call on
+    # its stacked weight, and no layer matrix sliced out.
+    assert stacked_operand_calls(indexed, TARGETS[platform]) == 4
     assert layer_slices(indexed) == 0
-    # The plain loop slices every matrix: one slice function per distinct shape (StableHLO
-    # shares ``dynamic_index_in_dim`` between wq and wo, and between wk and wv).
+    # The plain loop slices every matrix: one slice function per distinct shape (the
+    # built-in model's four are all distinct).
     assert layer_slices(exported_step(engines["loop"], platform)) == 4
 
 
 def test_cpu_loop_step_copies_every_layer_matrix(engines):
     """The copies the indexed mode exists to remove, in the optimized CPU HLO of the step:
-    each of the loop body's six matrices materialised (unrolled layers copy none:
+    each of the loop body's four matrices materialised (unrolled layers copy none:
     ``scripts/bench_layer_loop.py`` counts every mode)."""
     hlo = engines["loop"].runner.programs.lowering.lower(SHAPE)[0].compile().as_text()
-    assert layer_matrix_copies(hlo, DEFAULT_CONFIG) == 6
+    assert layer_matrix_copies(hlo, DEFAULT_CONFIG) == 4
 
 
 def test_layer_loop_option_is_wired():

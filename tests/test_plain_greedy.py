@@ -95,8 +95,9 @@ def _cond_branches(jaxpr) -> list:
 def test_plain_branch_reads_the_logits_only_by_reductions():
     state, inp = _inputs(_rows(), {})
     jaxpr = jax.make_jaxpr(step_program._sample)(state, inp).jaxpr
-    token_cond = _cond_branches(jaxpr)[0]  # (chain, plain): the first cond picks the tokens
-    plain, chain = token_cond[1].jaxpr, token_cond[0].jaxpr
+    # The first cond picks the tokens: plain greedy, temperature, the chain, and with
+    # logprobs (``step_program._sample``).
+    plain, temperature, chain, _ = (b.jaxpr for b in _cond_branches(jaxpr)[0])
 
     def primitives(j) -> set[str]:
         names = set()
@@ -111,6 +112,7 @@ def test_plain_branch_reads_the_logits_only_by_reductions():
     assert not primitives(plain) & heavy, primitives(plain)
     assert {"reduce_max", "reduce_min"} <= primitives(plain)
     assert primitives(chain) & heavy  # the whole chain does that work, when it must
+    assert "random_bits" in primitives(temperature) and "sort" not in primitives(temperature)
     assert dataclasses.fields(SampleInputs)[0].name == "logits"
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -51,8 +50,13 @@ def test_engine_rejects_axes_not_implemented():
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_tp_layout_gives_each_shard_its_gate_up_and_kv_heads(tp):
+    """A contiguous tp split of the fused leaves gives each shard its own pieces: its gate
+    and up columns; its query heads, then the KV heads they read (split at tp <= the KV
+    heads, one copy each at tp=4) of k and of v."""
     cfg = DEFAULT_CONFIG
-    params = prepare_params(init_params(cfg, seed=0))
+    raw = init_params(cfg, seed=0)
+    params = prepare_params(raw)
+    ref = raw["layers"][0]
     layer = {k: w[0] for k, w in params["layers"].items()}
     laid = {k: w[0] for k, w in tp_layout(params, cfg, tp)["layers"].items()}
     i, hd = cfg.intermediate_size, cfg.head_dim
@@ -64,8 +68,10 @@ def test_tp_layout_gives_each_shard_its_gate_up_and_kv_heads(tp):
     heads = kv_head_map(cfg, tp)  # 2 KV heads: split at tp<=2, one copy per shard at tp=4
     assert list(heads) == {1: [0, 1], 2: [0, 1], 4: [0, 0, 1, 1]}[tp]
     group = cfg.num_attention_heads // cfg.num_key_value_heads
-    for s, wk in enumerate(np.split(np.asarray(laid["wk"]), tp, axis=1)):
+    head = lambda w, h: np.asarray(w)[:, h * hd:(h + 1) * hd]
+    for s, qkv in enumerate(np.split(np.asarray(laid["wqkv"]), tp, axis=1)):
         q_heads = range(s * cfg.num_attention_heads // tp, (s + 1) * cfg.num_attention_heads // tp)
         kv = sorted({h // group for h in q_heads})
-        np.testing.assert_array_equal(
-            wk, jnp.concatenate([layer["wk"][:, h * hd:(h + 1) * hd] for h in kv], axis=1))
+        want = [head(ref["wq"], h) for h in q_heads]
+        want += [head(ref[w], h) for w in ("wk", "wv") for h in kv]
+        np.testing.assert_array_equal(qkv, np.concatenate(want, axis=1))

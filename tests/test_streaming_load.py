@@ -182,7 +182,7 @@ def test_streamed_params_equal_eager_sharded(streamed, ckpt: str, mesh: str) -> 
     leaves = streamed[f"{ckpt}|{mesh}"]["leaves"]
     want_dtype = "float32" if ckpt == "f32" else "bfloat16"
     assert ("['lm_head']" in leaves) == (ckpt != "tied")
-    assert len(leaves) == (11 if ckpt != "tied" else 10)
+    assert len(leaves) == (9 if ckpt != "tied" else 8)  # wqkv and w_gate_up fused
     for name, leaf in leaves.items():
         assert leaf["equal"], (name, leaf)
         assert leaf["dtype"] == leaf["want_dtype"] == want_dtype, (name, leaf)  # bf16 stays bf16
@@ -201,8 +201,10 @@ def test_reads_are_device_shards(streamed, ckpt: str) -> None:
     kv_bytes = sum(sizes[f"model.layers.{i}.self_attn.{p}_proj.weight"]
                    for i in range(cfg.num_hidden_layers) for p in "kv")
     # The biggest array built from reads: the largest tensor, or one layer's fused w_gate_up
-    # (its gate and up tensors side by side).
-    one_tensor = max(largest, 2 * sizes["model.layers.0.mlp.gate_proj.weight"])
+    # (its gate and up tensors side by side) or wqkv.
+    layer0 = lambda *names: sum(sizes[f"model.layers.0.{n}.weight"] for n in names)
+    one_tensor = max(largest, layer0("mlp.gate_proj", "mlp.up_proj"),
+                     layer0(*(f"self_attn.{p}_proj" for p in "qkv")))
     for mesh in MESHES:
         run = streamed[f"{ckpt}|{mesh}"]
         reads, builds = run["reads"], run["builds"]
@@ -211,14 +213,14 @@ def test_reads_are_device_shards(streamed, ckpt: str) -> None:
         assert max(b for _, b in reads) <= largest, mesh
         assert max(builds) <= one_tensor, mesh
         # One build per non-layer leaf and per layer of each layer leaf: never a stacked one.
-        assert len(builds) == (3 if ckpt != "tied" else 2) + 8 * cfg.num_hidden_layers, mesh
+        assert len(builds) == (3 if ckpt != "tied" else 2) + 6 * cfg.num_hidden_layers, mesh
         # Every tensor is read exactly once in total (replicated shards are read once, not
         # once per device), except the KV heads tp=4 stores twice (2 KV heads, 4 shards).
         total = sum(b for _, b in reads)
         assert total == sum(sizes.values()) + (kv_bytes if "tp=4" in mesh else 0), mesh
-    # tp=4: a column- or row-split leaf reads a quarter of each tensor per call (wq, wo,
-    # w_down; w_gate_up: each shard's gate piece and its up piece), wk/wv one KV head of the
-    # two (copied to two shards).
+    # tp=4: a column- or row-split leaf reads a quarter of each tensor per call (wo, w_down;
+    # wqkv: each shard's query heads, and one KV head of the two (copied to two shards) of
+    # k and of v; w_gate_up: each shard's gate piece and its up piece).
     tp4 = streamed[f"{ckpt}|tp=4"]["reads"]
     for proj, part in (("self_attn.q_proj", 4), ("self_attn.k_proj", 2),
                        ("self_attn.v_proj", 2), ("self_attn.o_proj", 4), ("mlp.gate_proj", 4),
@@ -249,7 +251,8 @@ def test_load_model_lazy(tmp_path: Path) -> None:
     assert isinstance(default, dict)
     placed = lazy.place(cfg)  # one device, runtime layout
     assert placed["layers"]["w_gate_up"].shape == (4, 32, 128)
-    assert placed["layers"]["wq"].dtype == np.dtype(cfg.np_dtype)
+    assert placed["layers"]["wqkv"].shape == (4, 32, 64)  # 4 query heads, 2 KV, of 8
+    assert placed["layers"]["wqkv"].dtype == np.dtype(cfg.np_dtype)
 
 
 def test_lazy_checkpoint_checks_shapes_up_front(tmp_path: Path) -> None:

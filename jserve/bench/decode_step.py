@@ -19,6 +19,7 @@ from jserve.engine.config import EngineConfig
 from jserve.engine.engine import LLMEngine
 from jserve.engine.step_arrays import SampleInputs, sample_inputs
 from jserve.model.decoder import head_product
+from jserve.model.layer_weights import MATRICES
 from jserve.model.params import Params
 from jserve.model.weights import init_params, load_model
 from jserve.sampling import sampler as sampler_module
@@ -221,9 +222,9 @@ def step_weights(params) -> list[jax.Array]:
     """Every weight matrix a decode step multiplies by (runtime layout, stacked or
     unrolled): the layers' projections ([in, out]), then the LM head ([vocab, hidden])."""
     layers = params["layers"]
-    names = ("wq", "wk", "wv", "wo", "w_gate_up", "w_down")
+    names = [n for n in MATRICES if n in (layers if isinstance(layers, dict) else layers[0])]
     if isinstance(layers, dict):
-        ws = [layers[n][i] for i in range(layers["wq"].shape[0]) for n in names]
+        ws = [layers[n][i] for i in range(layers[names[0]].shape[0]) for n in names]
     else:
         ws = [layer[n] for layer in layers for n in names]
     head = params.get("lm_head")

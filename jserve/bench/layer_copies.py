@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 
 from jserve.config import ModelConfig
+from jserve.model import params
 
 _COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*\w+\[([\d,]*)\]\S*\s+([\w\-]+)\(")
@@ -17,12 +18,9 @@ _MATERIALISING = ("copy", "dynamic-slice", "slice", "fusion", "gather")
 
 
 def layer_matrix_shapes(cfg: ModelConfig) -> set[tuple[int, ...]]:
-    """The [in, out] shapes of a layer's matrices on one device (runtime layout: fused
-    ``w_gate_up``), and their [1, in, out] forms."""
-    h, d = cfg.hidden_size, cfg.head_dim
-    shapes = {(h, cfg.num_attention_heads * d), (h, cfg.num_key_value_heads * d),
-              (cfg.num_attention_heads * d, h), (h, 2 * cfg.intermediate_size),
-              (cfg.intermediate_size, h)}
+    """The [in, out] shapes of a layer's matrices on one device (``params``, either layout),
+    and their [1, in, out] forms."""
+    shapes = params.layer_matrix_shapes(cfg)
     return shapes | {(1, *s) for s in shapes}
 
 

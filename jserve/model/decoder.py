@@ -30,6 +30,7 @@ from jserve.model.families import family_of
 from jserve.model.layer_weights import in_place, layer_view
 from jserve.model.layers import layer_rope, rope_tables
 from jserve.model.params import Params
+from jserve.model.tp_layout import FUSED
 
 
 @jax.tree_util.register_dataclass
@@ -71,20 +72,22 @@ def is_runtime_layout(params: Params) -> bool:
 def prepare_params(params: Params) -> Params:
     """The runtime layout ``forward`` takes: the layers stacked, one leaf ``[layers, ...]``
     per weight, so the layer loop is one ``fori_loop`` body whatever the depth (compile time
-    does not grow with it), and each layer's gate and up projections fused into one
-    ``w_gate_up`` [hidden, 2 * inter] matrix (one matmul instead of two: 1.8x faster MLP at
-    32 rows on this CPU). Checkpoints keep the HF-shaped per-layer list of
-    :mod:`jserve.model`; params already in the runtime layout are returned as they are."""
+    does not grow with it), and each layer's matrices of one input side by side in one
+    leaf (``tp_layout.FUSED``: ``wqkv``, ``w_gate_up``; one matmul instead of several).
+    Checkpoints keep the HF-shaped per-layer list of :mod:`jserve.model`; params already in
+    the runtime layout are returned as they are."""
     if is_runtime_layout(params):
         return params
     layers = params["layers"]
     stack = lambda ws: jax.tree.map(lambda *a: jnp.stack(a), *ws)  # quantized: both leaves
+    fused = {name: parts for name, parts in FUSED.items()
+             if all(p in layers[0] for p in parts)}
+    taken = {p for parts in fused.values() for p in parts}
     stacked = {name: stack([layer[name] for layer in layers])
-               for name in layers[0] if name not in ("w_gate", "w_up")}
-    # Gate and up side by side on the output axis (per-output-channel scales follow it).
-    stacked["w_gate_up"] = stack([jax.tree.map(lambda g, u: jnp.concatenate([g, u], axis=-1),
-                                               layer["w_gate"], layer["w_up"])
-                                  for layer in layers])
+               for name in layers[0] if name not in taken}
+    for name, parts in fused.items():  # on the output axis (per-column scales follow it)
+        stacked[name] = stack([jax.tree.map(lambda *ws: jnp.concatenate(ws, axis=-1),
+                                            *(layer[p] for p in parts)) for layer in layers])
     return {**params, "layers": stacked}
 
 

@@ -20,7 +20,7 @@ import jax
 
 # The layer matrices (every family's names, jserve.model.families.base); other leaves
 # (norms, biases) are a few vectors a layer and are sliced as before.
-MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_gate_up", "w_down")
+MATRICES = ("wq", "wk", "wv", "wqkv", "wo", "w_gate", "w_up", "w_gate_up", "w_down")
 
 _state = threading.local()
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from jserve.config import ModelConfig, inv_frequencies
 from jserve.model.quant import matmul
+from jserve.model.tp_layout import part_widths
 
 # One layer's params (a dict of arrays); not ``jserve.model.params.Params``, whose module
 # reads the families' shapes, which name the layers here.
@@ -90,17 +91,24 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos + rotated * sin
 
 
-def project_heads(layer: Layer, h: jax.Array, cfg: ModelConfig, w: str, bias: str,
-                  norm: str | None) -> jax.Array:
-    """``h @ layer[w]`` as heads [..., H, head_dim]: plus ``layer[bias]`` where the layer has
-    it, then RMSNorm over each head with ``layer[norm]`` where it has that (before RoPE)."""
-    y = matmul(h, layer[w])
-    if bias in layer:
-        y = y + layer[bias]
-    y = y.reshape(*h.shape[:-1], -1, cfg.head_dim)
-    if norm is not None and norm in layer:
-        y = rms_norm(y, layer[norm], cfg.rms_norm_eps)
-    return y
+def qkv_heads(layer: Layer, h: jax.Array, cfg: ModelConfig, tp_axis: str | None = None
+              ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The query, key and value heads [..., H, head_dim] of ``h``: one matmul of the fused
+    ``wqkv`` (on a tp shard over ``tp_axis`` its own heads' columns, ``tp_layout``) or
+    three of the checkpoint's ``wq``, ``wk``, ``wv``; plus ``bq``, ``bk``, ``bv`` where the
+    layer has them (norms and RoPE are the caller's)."""
+    if "wqkv" in layer:
+        tp = 1 if tp_axis is None else jax.lax.axis_size(tp_axis)
+        widths = [w // tp for w in part_widths("wqkv", cfg, tp)]
+        parts = jnp.split(matmul(h, layer["wqkv"]), np.cumsum(widths)[:-1].tolist(), axis=-1)
+    else:
+        parts = [matmul(h, layer[w]) for w in ("wq", "wk", "wv")]
+    heads = []
+    for y, bias in zip(parts, ("bq", "bk", "bv")):
+        if bias in layer:
+            y = y + layer[bias]
+        heads.append(y.reshape(*h.shape[:-1], -1, cfg.head_dim))
+    return tuple(heads)
 
 
 def gated_mlp(layer: Layer, h: jax.Array, act: Callable = jax.nn.silu) -> jax.Array:
@@ -134,9 +142,10 @@ def pre_norm_layer(layer: Layer, x: jax.Array, cos: jax.Array, sin: jax.Array,
     lead = x.shape[:-1]
     reduce = tp_sum(tp_axis)
     h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
-    q = apply_rope(project_heads(layer, h, cfg, "wq", "bq", "q_norm"), cos, sin)
-    k = apply_rope(project_heads(layer, h, cfg, "wk", "bk", "k_norm"), cos, sin)
-    v = project_heads(layer, h, cfg, "wv", "bv", None)
+    q, k, v = qkv_heads(layer, h, cfg, tp_axis)
+    norm = lambda y, name: rms_norm(y, layer[name], cfg.rms_norm_eps) if name in layer else y
+    q = apply_rope(norm(q, "q_norm"), cos, sin)  # per head, before RoPE (Qwen3)
+    k = apply_rope(norm(k, "k_norm"), cos, sin)
     out, aux = attend(q, k, v)
     x = x + reduce(matmul(out.reshape(*lead, -1).astype(x.dtype), layer["wo"]))
     h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)

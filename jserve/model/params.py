@@ -1,7 +1,7 @@
 """The params pytree's type and shapes (the layout :mod:`jserve.model` describes), from the
 model's family (``jserve.model.families``): the checkpoint layout (``param_shapes``:
 HF-shaped, one dict per layer) and the runtime layout the step takes
-(``runtime_param_shapes``: the layers stacked, gate and up fused). The loaders
+(``runtime_param_shapes``: the layers stacked, some matrices fused). The loaders
 (``weights``), the model and the memory planner read them."""
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 
 from jserve.config import ModelConfig
 from jserve.model.families import family_of
+from jserve.model.tp_layout import FUSED
 
 Params = dict[str, Any]
 
@@ -25,14 +26,24 @@ def param_shapes(cfg: ModelConfig) -> Params:
 
 def runtime_param_shapes(cfg: ModelConfig) -> dict:
     """Shape tuples of the runtime layout (what ``decoder.prepare_params`` returns): the
-    checkpoint layout's per-layer shapes stacked, gate and up fused."""
+    checkpoint layout's per-layer shapes stacked, the ``tp_layout.FUSED`` matrices fused."""
     shapes = param_shapes(cfg)
     layer = dict(shapes["layers"][0])
-    d, f = layer.pop("w_gate")
-    layer.pop("w_up")
-    layer["w_gate_up"] = (d, 2 * f)
+    for name, parts in FUSED.items():
+        if all(p in layer for p in parts):
+            shapes_in = [layer.pop(p) for p in parts]
+            layer[name] = (shapes_in[0][0], sum(s[-1] for s in shapes_in))
     n = cfg.num_hidden_layers
     return {**shapes, "layers": {name: (n, *shape) for name, shape in layer.items()}}
+
+
+def layer_matrix_shapes(cfg: ModelConfig) -> set[tuple[int, int]]:
+    """The [in, out] shape of each layer matrix of either layout (the checkpoint's and the
+    runtime's, fused), one device's at tp=1: what a compiled program's weights look like."""
+    checkpoint = param_shapes(cfg)["layers"][0].values()
+    runtime = runtime_param_shapes(cfg)["layers"].values()
+    return ({s for s in checkpoint if len(s) == 2}
+            | {s[1:] for s in runtime if len(s) == 3})
 
 
 def num_params(cfg: ModelConfig) -> int:

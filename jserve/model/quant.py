@@ -1,7 +1,7 @@
 """Weight-only quantization of the decoder layers' matrices (``quantization`` = int8 | fp8).
 
-Each of wq, wk, wv, wo, w_gate/w_up (fused: w_gate_up) and w_down is stored as a qwix
-``QArray``: int8 or float8_e4m3 values [..., in, out] and one float32 scale per output
+Each of wq/wk/wv (fused: wqkv), wo, w_gate/w_up (fused: w_gate_up) and w_down is stored
+as a qwix ``QArray``: int8 or float8_e4m3 values [..., in, out] and one float32 scale per output
 channel [..., 1, out] (absmax calibration, ``qwix.quantize`` with the output axis, and the
 layer axis when stacked, channelwise). Embeddings, norms (q/k norms too), biases and the LM
 head stay in the model's dtype (the head's logits are what sampling reads; it is one matrix

@@ -193,37 +193,33 @@ class _LeafSource:
 
 def _leaf_sources(cfg: ModelConfig, tp: int) -> dict[str, Any]:
     """Runtime leaf name -> ``_LeafSource`` (layer leaves: a function of the layer index),
-    from the family's tensors, with the KV-head columns (wk/wv, bk/bv) and w_gate_up columns
-    reordered as ``tp_layout.tp_layout_leaf`` does."""
+    from the family's tensors, with the columns of the KV-head leaves (wk/wv, bk/bv) and of
+    the fused ones (``tp_layout.FUSED``) in ``tp_layout.column_sources``'s order."""
     family = family_of(cfg)
-    hd, f = cfg.head_dim, cfg.intermediate_size
 
     def plain(n_cols: int) -> tuple[np.ndarray, np.ndarray]:
         return np.zeros(n_cols, np.int64), np.arange(n_cols)
 
-    # wk/wv: stored slot j holds global KV head kv_head_map[j] (copies when tp > kv heads).
-    heads = tp_layout.kv_head_map(cfg, tp) if tp > 1 else np.arange(cfg.num_key_value_heads)
-    kv_cols = np.arange(len(heads) * hd)
-    kv = (np.zeros_like(kv_cols), heads[kv_cols // hd] * hd + kv_cols % hd)
-    # w_gate_up shard-major: column (shard s, half g, k) is gate/up row s * f/tp + k.
-    c = np.arange(2 * f)
-    width = f // tp
-    shard, g, k = c // (2 * width), (c // width) % 2, c % width
-    gate_up = (g, shard * width + k)
+    columns = {name: tp_layout.column_sources(name, cfg, tp)
+               for name in (*tp_layout.KV_HEAD_COLUMNS, *tp_layout.FUSED)}
 
     def source(name: str, t) -> tuple:
         if name in tp_layout.KV_HEAD_COLUMNS:
-            return kv
+            return columns[name]
         return plain(t.shape[-1]) if t.transpose else (None, None)
 
     per_layer = family.layer_tensors(cfg)
+    fused = {name: parts for name, parts in tp_layout.FUSED.items()
+             if all(p in per_layer for p in parts)}
+    taken = {p for parts in fused.values() for p in parts}
 
     def layer(i: int) -> dict[str, _LeafSource]:
         pre = family.layer_prefix.format(i)
         leaves = {name: _LeafSource((pre + t.hf,), t.transpose, *source(name, t))
-                  for name, t in per_layer.items() if name not in ("w_gate", "w_up")}
-        leaves["w_gate_up"] = _LeafSource((pre + per_layer["w_gate"].hf,
-                                           pre + per_layer["w_up"].hf), True, *gate_up)
+                  for name, t in per_layer.items() if name not in taken}
+        for name, parts in fused.items():
+            leaves[name] = _LeafSource(tuple(pre + per_layer[p].hf for p in parts), True,
+                                       *columns[name])
         return leaves
 
     sources: dict[str, Any] = {name: _LeafSource((t.hf,), t.transpose, *source(name, t))
@@ -333,12 +329,13 @@ def load_hf_runtime(model_dir: str | Path, cfg: ModelConfig,
 
 
 def _stored_shapes(cfg: ModelConfig, tp: int) -> Params:
-    """The runtime layout's shapes as stored under ``tp``: wk/wv (bk/bv) hold the stored KV
-    heads (copies when tp exceeds the KV heads)."""
+    """The runtime layout's shapes as stored under ``tp``: wk/wv (bk/bv) and the fused
+    leaves holding them hold the stored KV heads (copies when tp exceeds the KV heads)."""
     shapes = runtime_param_shapes(cfg)
     if tp > 1:
-        stored = len(tp_layout.kv_head_map(cfg, tp)) * cfg.head_dim
-        for name in set(tp_layout.KV_HEAD_COLUMNS) & set(shapes["layers"]):
+        laid = set(tp_layout.KV_HEAD_COLUMNS) | set(tp_layout.FUSED)
+        for name in laid & set(shapes["layers"]):
+            stored = len(tp_layout.column_sources(name, cfg, tp)[0])
             shapes["layers"][name] = (*shapes["layers"][name][:-1], stored)
     return shapes
 

@@ -150,9 +150,9 @@ def table(report) -> str:
                             or [f"a program needs {_gb(report.largest_memory)}"])),
              "",
              "| program | compile s | launches (fusions/GEMMs/Pallas/copies/other; cheapest "
-             "branches) | while "
-             "(no trip count) | cond | host syncs (largest / cheapest branches) | weight copies | KV copies | bytes "
-             "(XLA / HLO / HLO cheapest branches) | memory | roofline |",
+             "branches) | while (no trip count) | cond | host syncs (largest / cheapest "
+             "branches) | weight copies | KV copies | bytes (XLA / HLO / HLO cheapest "
+             "branches) | memory | roofline |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows(report):
         k = r["kernels"]

@@ -132,11 +132,10 @@ class Geometry:
         device's shapes."""
         import jax
 
-        h, d, n = cfg.hidden_size, cfg.head_dim, cfg.num_hidden_layers
-        mats = {(h, cfg.num_attention_heads * d), (h, cfg.num_key_value_heads * d),
-                (h, 2 * cfg.num_key_value_heads * d), (cfg.num_attention_heads * d, h),
-                (h, 2 * cfg.intermediate_size), (cfg.intermediate_size, h),
-                (h, (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d)}
+        from jserve.model.params import layer_matrix_shapes
+
+        n = cfg.num_hidden_layers
+        mats = set(layer_matrix_shapes(cfg))
         mats |= {(n, *m) for m in mats}
         layers = params["layers"] if params is not None else {}
         stacked = not isinstance(layers, (list, tuple))  # else per-layer arrays (unrolled)

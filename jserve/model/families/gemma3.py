@@ -32,7 +32,7 @@ from jserve.model.layers import (
     apply_rope,
     gated_mlp,
     gemma_rms_norm,
-    project_heads,
+    qkv_heads,
     tp_sum,
 )
 from jserve.model.quant import matmul
@@ -146,9 +146,9 @@ def decoder_layer(layer: Layer, x: jax.Array, cos: jax.Array, sin: jax.Array,
     reduce = tp_sum(tp_axis)
     norm = lambda y, name: gemma_rms_norm(y, layer[name], cfg.rms_norm_eps)  # noqa: E731
     h = norm(x, "attn_norm")
-    q = apply_rope(norm(project_heads(layer, h, cfg, "wq", "bq", None), "q_norm"), cos, sin)
-    k = apply_rope(norm(project_heads(layer, h, cfg, "wk", "bk", None), "k_norm"), cos, sin)
-    v = project_heads(layer, h, cfg, "wv", "bv", None)
+    q, k, v = qkv_heads(layer, h, cfg, tp_axis)
+    q = apply_rope(norm(q, "q_norm"), cos, sin)
+    k = apply_rope(norm(k, "k_norm"), cos, sin)
     # Scores are scaled by query_pre_attn_scalar ** -0.5; the kernels scale by head_dim ** -0.5.
     factor = (cfg.head_dim / (cfg.query_pre_attn_scalar or cfg.head_dim)) ** 0.5
     if factor != 1.0:
