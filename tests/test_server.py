@@ -155,7 +155,11 @@ def test_streamed_results_equal_the_offline_api(live_client, llm, live):
     for prompt, params in cases:
         want = llm.generate(prompt, params)[0]
         msgs, text = stream(client, prompt, params)
-        assert len(msgs) > 1  # streamed, not one message at the end
+        # Streamed, not one message at the end. The handler sends what piled up while it
+        # was away as one message (``Stream.next``), so the 4-token request, a few ms of
+        # engine steps, can arrive whole on a loaded 2-core host (it did in CI): asked of
+        # the requests of 10 tokens and more.
+        assert len(msgs) > 1 or params.max_tokens < 10
         assert [t for m in msgs for t in m.token_ids] == want.token_ids
         assert text == want.text
         last = msgs[-1]

@@ -65,18 +65,18 @@ _SCRIPT = textwrap.dedent("""
                 # what one device holds: stage-local layers and pages
                 # [stage layers, KV heads / tp, pages, page, head_dim]
                 "kv_shard": list(eng.runner.kv_cache[0].addressable_shards[0].data.shape),
-                # [stage layers, hidden, heads / tp]: under spp each stage's layers as
+                # [stage layers, hidden, (q + k + v heads) / tp]: under spp each stage's layers as
                 # separate [1, ...] shards (unstack_stages), stacked with layer_loop="loop"
                 # (one device may run the unrolled per-layer form)
-                "wq_shard": wq_shard(eng.runner.params["layers"])}
+                "wqkv_shard": wqkv_shard(eng.runner.params["layers"])}
 
-    def wq_shard(layers):
+    def wqkv_shard(layers):
         if isinstance(layers, tuple):
-            shards = [list(layer["wq"].addressable_shards[0].data.shape) for layer in layers]
+            shards = [list(layer["wqkv"].addressable_shards[0].data.shape) for layer in layers]
             assert all(s[0] == 1 for s in shards), shards
             return [len(shards)] + shards[0][1:]
         if isinstance(layers, dict):
-            return list(layers["wq"].addressable_shards[0].data.shape)
+            return list(layers["wqkv"].addressable_shards[0].data.shape)
         return None
 
     def run_abort():
@@ -130,7 +130,7 @@ def test_pipeline_matches_one_device_engine(result, mesh, spp, devices):
     layers, tp = 4, devices // spp
     assert base["kv_shard"][0] == layers
     assert run["kv_shard"][:2] == [layers // spp, base["kv_shard"][1] // tp]
-    assert run["wq_shard"] == [layers // spp, 256, 256 // tp]
+    assert run["wqkv_shard"] == [layers // spp, 256, 512 // tp]  # 4 + 2 + 2 heads of 64
     np.testing.assert_allclose(np.array(run["top"]), np.array(base["top"]), atol=1e-4, rtol=0)
 
 
