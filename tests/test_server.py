@@ -43,7 +43,7 @@ from jserve.client import AsyncClient, Client
 from jserve.proto import generate_pb2 as pb
 from jserve.sampling.structured import StructuredOutput
 from jserve.serving.engine_api import DEADLINE, EngineClient
-from jserve.serving.fake_engine import FakeEngine
+from jserve.serving.fake_engine import FakeEngine, text_script
 from jserve.serving.limits import ClientLimits
 from jserve.serving.live_engine import LiveEngine
 from jserve.serving.metrics import OUTCOMES
@@ -128,6 +128,32 @@ def stream(client: Client, prompt, params, **kw) -> tuple[list[pb.GenerateRespon
 
 
 # -- results -----------------------------------------------------------------------------
+def test_each_token_is_sent_as_it_is_made():
+    """The stream sends a token before the next is made: the engine makes each token after
+    the first only once the client holds the messages so far (its script waits), so
+    nothing can pile up and every message is one token, the whole the offline result."""
+    received = threading.Semaphore(0)
+
+    def gated(prompt_ids, params, i):
+        assert received.acquire(timeout=30), f"the client never got token {i - 1}"
+        return text_script(prompt_ids, params, i)
+
+    received.release()  # the first token needs nothing before it
+    fake = FakeEngine(script=gated)
+    server = BackgroundServer(fake, CONFIG)
+    try:
+        with Client(server.target) as c:
+            msgs = []
+            for m in c.stream("Hello, jserve", GREEDY):
+                msgs.append(m)
+                received.release()
+    finally:
+        server.stop(grace=0)
+    assert [len(m.token_ids) for m in msgs] == [1] * GREEDY.max_tokens
+    want = FakeEngine().generate("Hello, jserve", GREEDY)
+    assert [t for m in msgs for t in m.token_ids] == want.token_ids
+
+
 def test_streamed_results_equal_the_offline_api(live_client, llm, live):
     client = live_client
     base = llm.generate("Hello, jserve", SamplingParams(temperature=0.0, max_tokens=30,
@@ -158,7 +184,8 @@ def test_streamed_results_equal_the_offline_api(live_client, llm, live):
         # Streamed, not one message at the end. The handler sends what piled up while it
         # was away as one message (``Stream.next``), so the 4-token request, a few ms of
         # engine steps, can arrive whole on a loaded 2-core host (it did in CI): asked of
-        # the requests of 10 tokens and more.
+        # the requests of 10 tokens and more here, of every token, whatever the timing, in
+        # ``test_each_token_is_sent_as_it_is_made``.
         assert len(msgs) > 1 or params.max_tokens < 10
         assert [t for m in msgs for t in m.token_ids] == want.token_ids
         assert text == want.text

@@ -30,7 +30,7 @@ from jserve.model.families import family_of
 from jserve.model.layer_weights import in_place, layer_view
 from jserve.model.layers import layer_rope, rope_tables
 from jserve.model.params import Params
-from jserve.model.tp_layout import FUSED
+from jserve.model.tp_layout import fused_in
 
 
 @jax.tree_util.register_dataclass
@@ -80,8 +80,7 @@ def prepare_params(params: Params) -> Params:
         return params
     layers = params["layers"]
     stack = lambda ws: jax.tree.map(lambda *a: jnp.stack(a), *ws)  # quantized: both leaves
-    fused = {name: parts for name, parts in FUSED.items()
-             if all(p in layers[0] for p in parts)}
+    fused = fused_in(layers[0])
     taken = {p for parts in fused.values() for p in parts}
     stacked = {name: stack([layer[name] for layer in layers])
                for name in layers[0] if name not in taken}

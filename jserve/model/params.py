@@ -10,7 +10,7 @@ from typing import Any
 
 from jserve.config import ModelConfig
 from jserve.model.families import family_of
-from jserve.model.tp_layout import FUSED
+from jserve.model.tp_layout import fused_in
 
 Params = dict[str, Any]
 
@@ -29,10 +29,9 @@ def runtime_param_shapes(cfg: ModelConfig) -> dict:
     checkpoint layout's per-layer shapes stacked, the ``tp_layout.FUSED`` matrices fused."""
     shapes = param_shapes(cfg)
     layer = dict(shapes["layers"][0])
-    for name, parts in FUSED.items():
-        if all(p in layer for p in parts):
-            shapes_in = [layer.pop(p) for p in parts]
-            layer[name] = (shapes_in[0][0], sum(s[-1] for s in shapes_in))
+    for name, parts in fused_in(layer).items():
+        shapes_in = [layer.pop(p) for p in parts]
+        layer[name] = (shapes_in[0][0], sum(s[-1] for s in shapes_in))
     n = cfg.num_hidden_layers
     return {**shapes, "layers": {name: (n, *shape) for name, shape in layer.items()}}
 

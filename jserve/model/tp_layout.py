@@ -61,6 +61,12 @@ def kv_head_map(cfg: ModelConfig, tp: int) -> np.ndarray:
     return np.arange(tp) * hkv // tp
 
 
+def fused_in(names) -> dict[str, tuple[str, ...]]:
+    """The entries of ``FUSED`` whose parts are all among ``names`` (a family's layer
+    leaves: a family without one of them keeps its matrices apart)."""
+    return {name: parts for name, parts in FUSED.items() if all(p in names for p in parts)}
+
+
 def part_widths(name: str, cfg: ModelConfig, tp: int = 1) -> tuple[int, ...]:
     """The columns of each part of the fused leaf ``name`` as stored for ``tp`` (wk/wv: the
     stored KV heads, ``kv_head_map``), whole (a shard holds 1/tp of each)."""
@@ -80,13 +86,11 @@ def column_sources(name: str, cfg: ModelConfig, tp: int) -> tuple[np.ndarray, np
     out for ``tp`` (a leaf that is not fused is its own part 0): wk/wv (bk/bv) columns
     follow ``kv_head_map``; a fused leaf is each part's columns (so reordered), shard-major."""
     if name not in FUSED:
-        width = (len(kv_head_map(cfg, tp)) * cfg.head_dim if name in KV_HEAD_COLUMNS
-                 else None)
-        if width is None:
+        if name not in KV_HEAD_COLUMNS:
             raise ValueError(f"{name}: no column layout (not fused, not KV heads)")
-        cols = np.arange(width)
-        heads = kv_head_map(cfg, tp) if tp > 1 else np.arange(cfg.num_key_value_heads)
-        return np.zeros_like(cols), heads[cols // cfg.head_dim] * cfg.head_dim + cols % cfg.head_dim
+        heads, hd = kv_head_map(cfg, tp), cfg.head_dim
+        cols = np.arange(len(heads) * hd)
+        return np.zeros_like(cols), heads[cols // hd] * hd + cols % hd
     pieces = []  # per part: [tp, columns a shard] of (part, source column)
     for p, part in enumerate(FUSED[name]):
         width = _width(part, cfg, tp)

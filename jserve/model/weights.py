@@ -209,8 +209,7 @@ def _leaf_sources(cfg: ModelConfig, tp: int) -> dict[str, Any]:
         return plain(t.shape[-1]) if t.transpose else (None, None)
 
     per_layer = family.layer_tensors(cfg)
-    fused = {name: parts for name, parts in tp_layout.FUSED.items()
-             if all(p in per_layer for p in parts)}
+    fused = tp_layout.fused_in(per_layer)
     taken = {p for parts in fused.values() for p in parts}
 
     def layer(i: int) -> dict[str, _LeafSource]:
