@@ -10,7 +10,8 @@
         print(done.token_ids, done.finish_reason, done.timings)
 
 ``AsyncClient`` is the same on ``grpc.aio``. Failures raise ``grpc.RpcError`` (``.code()`` is
-the status, ``.details()`` names the bad field). ``auth_token`` sends ``authorization: Bearer
+the status, ``.details()`` the message; ``bad_field(error)`` the refused field, as the server's
+``BadRequest`` detail names it, e.g. ``sampling_params.top_k``). ``auth_token`` sends ``authorization: Bearer
 <token>``; ``root_certificates`` (PEM bytes) or ``tls=True`` (system roots) use TLS.
 """
 from __future__ import annotations
@@ -23,8 +24,9 @@ import grpc
 from jserve.engine.output import TokenLogprob
 from jserve.proto import generate_pb2 as pb, generate_pb2_grpc as pb_grpc
 from jserve.sampling.params import SamplingParams
-from jserve.serving.protocol import build_request, logprob_from_proto
+from jserve.serving.protocol import bad_field, build_request, logprob_from_proto
 
+__all__ = ["AsyncClient", "Client", "Completion", "bad_field"]
 FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
 
 

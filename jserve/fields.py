@@ -8,6 +8,10 @@ size, and ``arrival + 10**400`` or ``math.isfinite(10**400)`` raise ``OverflowEr
 no ``ValueError``; here an integer is compared with its bounds exactly (Python compares ints
 and floats without converting), and only a value already in range becomes a float.
 
+A refusal of one field is a ``FieldError``: it carries the field, so each front end names it
+as its wire does (HTTP's ``error.param``, gRPC's ``BadRequest`` detail) without reading the
+message.
+
 ``loads`` parses client JSON with its nesting bounded (``MAX_JSON_DEPTH``): Python's parser
 raises ``RecursionError`` a thousand levels down, and everything that walks a parsed value
 (schemas, templates, our own checks) recurses too.
@@ -24,6 +28,27 @@ MAX_INT = 2**31 - 1
 MAX_SECONDS = 1e6            # an SLO of eleven days is as good as none
 MAX_JSON_DEPTH = 64          # objects and arrays inside each other, in any client JSON
 MAX_TOKEN_LOGPROBS = 20
+
+
+class FieldError(ValueError):
+    """A client's value of ``field`` (a dotted path in ``SamplingParams`` terms, e.g.
+    ``structured_output.regex``) refused. The message always starts with the field (it is
+    prefixed when the raiser's does not), so a front end renames the field by position."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        self.message = message if message.startswith(field) else f"{field}: {message}"
+        super().__init__(self.message)
+
+    @property
+    def top(self) -> str:
+        """The top-level field (``structured_output`` of ``structured_output.regex``)."""
+        return self.field.partition(".")[0]
+
+    def renamed(self, wire: str) -> FieldError:
+        """The same refusal with its top-level field called ``wire`` (the caller's name)."""
+        rest = self.field[len(self.top):]
+        return FieldError(wire + rest, wire + rest + self.message[len(self.field):])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,14 +117,14 @@ def shown(value: object) -> str:
 def number(field: str, value: object, name: str | None = None, rule: str | None = None
            ) -> int | float:
     """``value`` checked against ``NUMBERS[rule or field]``: an int for an int field, a float
-    for a real one; ValueError naming the field (as ``name``, default ``field``) otherwise."""
+    for a real one; ``FieldError`` naming the field (as ``name``, default ``field``) otherwise."""
     spec = NUMBERS[rule or field]
     name = name or field
     ok_type = (isinstance(value, numbers.Integral) if spec.integer
                else isinstance(value, numbers.Real)) and not isinstance(value, bool)
     if (not ok_type or (isinstance(value, float) and not math.isfinite(value))
             or not spec.holds(value)):
-        raise ValueError(f"{name} must be {spec.describe()}, got {shown(value)}")
+        raise FieldError(name, f"{name} must be {spec.describe()}, got {shown(value)}")
     return int(value) if spec.integer else float(value)
 
 

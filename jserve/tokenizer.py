@@ -16,6 +16,8 @@ import jinja2.ext
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from jserve.fields import FieldError
+
 # Files that make up a tokenizer directory; copied along when a checkpoint is converted.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
                    "chat_template.jinja")
@@ -139,14 +141,15 @@ def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict[str, Any]],
 def continued(text: str, message: dict[str, Any]) -> str:
     """A rendered chat cut right after ``message``'s content (its last occurrence), as
     transformers' ``continue_final_message`` does (the content stripped if the template
-    trimmed it); ValueError if the template did not write it."""
+    trimmed it); ``FieldError`` if the template did not write it."""
     content = message.get("content") or ""
     for c in (content, content.strip()):
         at = text.rfind(c) if c else -1
         if at >= 0:
             return text[:at + len(c)]
-    raise ValueError("continue_final_message: the chat template does not write the final "
-                     "message's content as given, so the reply cannot continue it")
+    raise FieldError("continue_final_message", "continue_final_message: the chat template does "
+                     "not write the final message's content as given, so the reply cannot "
+                     "continue it")
 
 
 def _token_content(token: str | dict[str, Any] | None) -> str | None:

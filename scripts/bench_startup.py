@@ -13,7 +13,7 @@ process start to the engine's construction, weights, KV, programs with cached / 
 deferred counts), process start to first token and to the 4th token, JAX's trace / lower /
 backend-compile split (monitoring events), and the machine's load before and after.
 
-``--setup engine``: the study of docs/startup.md's earlier sections (``LLMEngine`` on
+``--setup engine``: the study in docs/notes/startup.md, "Earlier measurements" (``LLMEngine`` on
 ``init_params``, every bucket compiled, plus per-component AOT compiles).
 """
 from __future__ import annotations

@@ -39,7 +39,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from conftest import Served, wait_idle
 from jserve import SamplingParams
 from jserve.cli import main
-from jserve.client import AsyncClient, Client
+from jserve.client import AsyncClient, Client, bad_field
 from jserve.proto import generate_pb2 as pb
 from jserve.sampling.structured import StructuredOutput
 from jserve.serving.engine_api import DEADLINE, EngineClient
@@ -1202,6 +1202,7 @@ def test_validation_names_sampling_fields_the_same_way_everywhere(bg):
             with pytest.raises(grpc.RpcError) as e:
                 c.generate(r, timeout=30)
             assert e.value.details().startswith(f"sampling_params.{field}"), e.value.details()
+            assert bad_field(e.value) == f"sampling_params.{field}", e.value.details()
 
 
 def test_default_bind_is_loopback_and_an_open_server_says_so():

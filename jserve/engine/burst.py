@@ -66,11 +66,9 @@ def may_burst(req, steps: int, max_model_len: int, whole_chain: bool = False) ->
     fit under ``max_tokens`` and the context (the last one may end it by length)."""
     st = req.payload
     p = st.params
-    total = len(req.token_ids) + steps
     return (st.constraint is None and p.logprobs is None
             and (whole_chain or not p.beyond_temperature)
-            and req.num_output_tokens >= p.min_tokens
-            and total - len(req.prompt_token_ids) <= p.max_tokens and total <= max_model_len)
+            and req.num_output_tokens >= p.min_tokens and req.room(max_model_len, steps) >= 0)
 
 
 class DecodeBursts:

@@ -9,6 +9,7 @@ import dataclasses
 from typing import Sequence
 
 from jserve.cache.allocator import PageAllocator
+from jserve.fields import FieldError
 from jserve.sampling.params import SamplingParams
 from jserve.sampling.structured import GrammarCompiler
 from jserve.tokenizer import Tokenizer
@@ -38,7 +39,7 @@ class RequestIntake:
 
     def prepare(self, prompt: str | Sequence[int], params: SamplingParams | None = None
                 ) -> PreparedRequest:
-        """Tokenized and validated; ValueError says what is wrong."""
+        """Tokenized and validated; ``FieldError`` says which field is wrong and why."""
         params = params if params is not None else SamplingParams()
         text, ids = self.tokenize(prompt)
         self.validate(ids, params)
@@ -48,19 +49,20 @@ class RequestIntake:
                  ) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("prompt is empty")
+                raise FieldError("prompt", "prompt is empty")
             if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass the prompt as token ids")
+                raise FieldError("prompt", "this model has no tokenizer: pass the prompt as "
+                                           "token ids")
             if not add_special_tokens:  # (``/tokenize``'s option; a request always adds them)
                 return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=False))
             return prompt, self.tokenizer.encode(prompt)
         ids = [int(t) for t in prompt]
         if not ids:
-            raise ValueError("prompt is empty")
+            raise FieldError("prompt", "prompt is empty")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"prompt token ids outside the vocabulary [0, {self.vocab_size}): "
-                             f"{bad[:5]}")
+            raise FieldError("prompt", f"prompt token ids outside the vocabulary "
+                                       f"[0, {self.vocab_size}): {bad[:5]}")
         return None, ids
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -68,23 +70,27 @@ class RequestIntake:
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         params.validate(vocab_size=self.vocab_size)
         if params.prompt_logprobs is not None and self.no_prompt_logprobs is not None:
-            raise ValueError(f"prompt_logprobs is not supported with {self.no_prompt_logprobs}")
+            raise FieldError("prompt_logprobs",
+                             f"prompt_logprobs is not supported with {self.no_prompt_logprobs}")
         if params.sequences > 1:  # ``LLM.generate`` and the HTTP API run n, one a request
-            raise ValueError(f"n={params.n}, best_of={params.best_of}: the engine runs one "
+            raise FieldError("n", f"n={params.n}, best_of={params.best_of}: the engine runs one "
                              "sequence per request (LLM.generate runs several of a prompt)")
         if params.structured_output is not None:
             if self.tokenizer is None:
-                raise ValueError("structured_output needs a model with a tokenizer")
-            self.grammars.check(params.structured_output)  # ValueError if invalid
+                raise FieldError("structured_output",
+                                 "structured_output needs a model with a tokenizer")
+            self.grammars.check(params.structured_output)  # FieldError if invalid
         n = len(prompt_ids)
         if n >= self.max_model_len:
-            raise ValueError(f"prompt has {n} tokens; the context holds {self.max_model_len}")
+            raise FieldError("prompt",
+                             f"prompt has {n} tokens; the context holds {self.max_model_len}")
         if n + params.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                             f"context of {self.max_model_len} tokens")
+            raise FieldError("max_tokens", f"max_tokens ({params.max_tokens}) + prompt ({n} "
+                                           f"tokens) exceeds the context of {self.max_model_len} "
+                                           "tokens")
         alloc = self.allocator
         need = alloc.pages_held(n + params.max_tokens)  # a sliding window's: about one
         if not alloc.can_ever_hold(need):
-            raise ValueError(f"request needs {need} KV pages; the pool has {alloc.total}"
+            raise FieldError("prompt", f"request needs {need} KV pages; the pool has {alloc.total}"
                              + (f" ({alloc.groups} groups of {alloc.pool_pages - 1})"
                                 if alloc.groups > 1 else ""))

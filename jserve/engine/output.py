@@ -15,6 +15,7 @@ import logging
 
 import numpy as np
 
+from jserve.lengths import length_room
 from jserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -217,14 +218,12 @@ class OutputProcessor:
         st = req.payload
         if st.constraint is not None and not late_masks:
             return False
-        total = len(req.token_ids) + new_tokens  # ``_by_length`` inlined: runs every decode
-        return (total - len(req.prompt_token_ids) < st.params.max_tokens
-                and total < self.max_model_len)
+        return req.room(self.max_model_len, new_tokens) > 0
 
     def _by_length(self, req, n_out: int) -> bool:
-        """Whether ``n_out`` generated tokens end ``req`` by length."""
-        return (n_out >= req.payload.params.max_tokens
-                or req.num_prompt_tokens + n_out >= self.max_model_len)
+        """Whether ``n_out`` generated tokens (read by the host) end ``req`` by length."""
+        return length_room(req.max_tokens, req.num_prompt_tokens, n_out,
+                           self.max_model_len) <= 0
 
     def add_token(self, req, tok: int, now: float, logprob: TokenLogprob | None = None
                   ) -> str | None:
@@ -279,7 +278,7 @@ class OutputProcessor:
     def output(req) -> RequestOutput:
         st = req.payload
         return RequestOutput(
-            request_id=req.request_id, prompt=st.prompt, prompt_token_ids=st.prompt_ids,
+            request_id=req.request_id, prompt=st.prompt, prompt_token_ids=req.prompt_token_ids,
             text=st.text, finished=st.finish_reason is not None,
             finish_reason=st.finish_reason, metrics=st.metrics,
             num_tokens=len(st.output_ids), error=st.error, _ids=st.output_ids,

@@ -23,7 +23,6 @@ class RequestState:
     prompt: str | None
     metrics: RequestMetrics
     detok: IncrementalDetokenizer
-    prompt_ids: list[int]  # what outputs show: one copy per request, not one per step
     output_ids: list[int] = dataclasses.field(default_factory=list)  # tokens the host has read
     text: str = ""
     logprobs: list[TokenLogprob] | None = None
@@ -91,12 +90,14 @@ def new_request(prepared: PreparedRequest, request_id: str, seed: int, arrival_t
     p = prepared.params
     state = RequestState(
         params=p, seed=seed, prompt=prepared.prompt, metrics=RequestMetrics(arrival_time),
-        detok=IncrementalDetokenizer(tokenizer), prompt_ids=list(prepared.prompt_ids),
+        detok=IncrementalDetokenizer(tokenizer),
         logprobs=[] if p.logprobs is not None else None,
         prompt_logprobs=[None] if p.prompt_logprobs is not None else None,
         constraint=(grammars.start(p.structured_output)  # cached by prepare
                     if p.structured_output is not None else None))
-    req = Request(request_id, prepared.prompt_ids, p.max_tokens, arrival_time, payload=state,
+    # The prompt held once: ``Request.prompt_token_ids`` (outputs show it; ``token_ids`` starts
+    # as its copy and grows).
+    req = Request(request_id, list(prepared.prompt_ids), p.max_tokens, arrival_time, payload=state,
                   tpot_slo=tpot_slo, priority=priority,
                   cacheable=not p.uses_penalties,  # penalties count every token
                   takes_cached=p.prompt_logprobs is None)  # each prompt token's logprob

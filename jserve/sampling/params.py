@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 
-from jserve.fields import MAX_INT, MAX_TOKEN_LOGPROBS, number
+from jserve.fields import MAX_INT, MAX_TOKEN_LOGPROBS, FieldError, number
 from jserve.sampling.structured import StructuredOutput
 
 # Size limits keep the device-side arrays fixed-shape (no recompiles per request).
@@ -33,7 +33,7 @@ def _as_tuple(name: str, value: object) -> tuple:
     if value is None:
         return ()
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-        raise ValueError(f"{name} must be a list, got {value!r}")
+        raise FieldError(name, f"{name} must be a list, got {value!r}")
     return tuple(value)
 
 
@@ -108,7 +108,7 @@ class SamplingParams:
         return self.best_of if self.best_of is not None else self.n
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """Raise ``ValueError`` naming the field for any invalid value.
+        """Raise ``FieldError`` (a ``ValueError``) naming the field for any invalid value.
 
         Called without ``vocab_size`` at construction; the engine calls it again with the
         model's vocabulary size to also check token-id ranges.
@@ -117,17 +117,18 @@ class SamplingParams:
             value = getattr(self, name)
             if name == "max_tokens" and value == 0 and type(value) is int:
                 if self.prompt_logprobs is None:
-                    raise ValueError("max_tokens must be >= 1 (0 only with prompt_logprobs, "
-                                     "or echo over HTTP: a prompt scored, nothing generated), "
-                                     "got 0")
+                    raise FieldError("max_tokens", "max_tokens must be >= 1 (0 only with "
+                                     "prompt_logprobs, or echo over HTTP: a prompt scored, "
+                                     "nothing generated), got 0")
                 continue
             if value is not None or name not in _UNSET_OK:
                 number(name, value)
         if self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+            raise FieldError("min_tokens", f"min_tokens must be in [0, max_tokens="
+                                           f"{self.max_tokens}], got {self.min_tokens}")
         if vocab_size is not None and self.top_k > vocab_size:
-            raise ValueError(f"top_k must be <= vocab_size={vocab_size}, got {self.top_k}")
+            raise FieldError("top_k",
+                             f"top_k must be <= vocab_size={vocab_size}, got {self.top_k}")
 
         self._validate_stop()
         self._validate_stop_token_ids(vocab_size)
@@ -135,52 +136,58 @@ class SamplingParams:
         self._validate_logit_bias(vocab_size)
 
         if not isinstance(self.speculative, bool):
-            raise ValueError(f"speculative must be a bool, got {self.speculative!r}")
+            raise FieldError("speculative",
+                             f"speculative must be a bool, got {self.speculative!r}")
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+            raise FieldError("ignore_eos",
+                             f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.structured_output is not None and not isinstance(self.structured_output,
                                                                  StructuredOutput):
-            raise ValueError(f"structured_output must be a StructuredOutput, "
-                             f"got {self.structured_output!r}")
+            raise FieldError("structured_output", f"structured_output must be a "
+                             f"StructuredOutput, got {self.structured_output!r}")
 
     def _validate_stop(self) -> None:
         if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(
-                f"stop must have at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+            raise FieldError("stop", f"stop must have at most {MAX_STOP_STRINGS} strings, "
+                                     f"got {len(self.stop)}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop strings must be non-empty str, got {s!r}")
+                raise FieldError("stop", f"stop strings must be non-empty str, got {s!r}")
             if len(s) > MAX_STOP_STRING_CHARS:
-                raise ValueError(
-                    f"stop strings must be at most {MAX_STOP_STRING_CHARS} chars, got {len(s)}")
+                raise FieldError("stop", f"stop strings must be at most "
+                                         f"{MAX_STOP_STRING_CHARS} chars, got {len(s)}")
 
     def _validate_stop_token_ids(self, vocab_size: int | None) -> None:
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids must have at most {MAX_STOP_TOKEN_IDS} ids, "
-                             f"got {len(self.stop_token_ids)}")
+            raise FieldError("stop_token_ids", f"stop_token_ids must have at most "
+                             f"{MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
         for t in self.stop_token_ids:
             number("stop_token_ids", t)  # an int in the table's range
             if vocab_size is not None and t >= vocab_size:
-                raise ValueError(f"stop_token_ids must be ints in [0, {vocab_size}), got {t!r}")
+                raise FieldError("stop_token_ids", f"stop_token_ids must be ints in "
+                                                   f"[0, {vocab_size}), got {t!r}")
 
     def _validate_sequences(self) -> None:
         number("n", self.n)
         if self.best_of is not None:
             number("best_of", self.best_of)
             if self.best_of < self.n:
-                raise ValueError(f"best_of must be >= n ({self.n}), got {self.best_of}")
+                raise FieldError("best_of", f"best_of must be >= n ({self.n}), got {self.best_of}")
 
     def _validate_logit_bias(self, vocab_size: int | None) -> None:
         if self.logit_bias is None:
             return
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
-            raise ValueError(f"logit_bias must have at most {MAX_LOGIT_BIAS} entries, "
-                             f"got {len(self.logit_bias)}")
+            raise FieldError("logit_bias", f"logit_bias must have at most {MAX_LOGIT_BIAS} "
+                                           f"entries, got {len(self.logit_bias)}")
         for tok, bias in self.logit_bias.items():
             if vocab_size is not None and tok >= vocab_size:
-                raise ValueError(f"logit_bias keys must be token ids in [0, {vocab_size}), "
-                                 f"got {tok}")
-            number("logit_bias", bias, name=f"logit_bias (token {tok})")
+                raise FieldError("logit_bias", f"logit_bias keys must be token ids in "
+                                               f"[0, {vocab_size}), got {tok}")
+            try:
+                number("logit_bias", bias, name=f"logit_bias (token {tok})")
+            except FieldError as e:
+                raise FieldError("logit_bias", e.message) from None
 
 
 def _bias_map(value: object) -> dict[int, float] | None:
@@ -189,15 +196,17 @@ def _bias_map(value: object) -> dict[int, float] | None:
     if value is None:
         return None
     if not isinstance(value, Mapping):
-        raise ValueError(f"logit_bias must be a map of token id to bias, got {value!r}"[:200])
+        raise FieldError("logit_bias", f"logit_bias must be a map of token id to bias, "
+                                       f"got {value!r}"[:200])
     if len(value) > MAX_LOGIT_BIAS:  # before converting every key of a huge map
-        raise ValueError(f"logit_bias must have at most {MAX_LOGIT_BIAS} entries, "
-                         f"got {len(value)}")
+        raise FieldError("logit_bias", f"logit_bias must have at most {MAX_LOGIT_BIAS} "
+                                       f"entries, got {len(value)}")
     out = {}
     for key, bias in value.items():
         tok = key if isinstance(key, int) and not isinstance(key, bool) else (
             int(key) if isinstance(key, str) and key.isdecimal() and key.isascii() else None)
         if tok is None or not 0 <= tok <= MAX_INT:
-            raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {key!r}"[:200])
+            raise FieldError("logit_bias", f"logit_bias keys must be token ids (ints >= 0), "
+                                           f"got {key!r}"[:200])
         out[tok] = bias
     return out or None

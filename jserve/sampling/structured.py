@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from jserve.fields import FieldError
+
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
 # How a thinking block may come before a constrained output (``StructuredOutput.think``):
 # "open" the output starts inside one (the prompt opened it), "first" it starts with one (its
@@ -46,24 +48,25 @@ class StructuredOutput:
     def __post_init__(self) -> None:
         given = [k for k in STRUCTURED_KINDS if getattr(self, k) is not None]
         if len(given) != 1:
-            raise ValueError(f"structured_output must set exactly one of {STRUCTURED_KINDS}, "
-                             f"got {given or 'none'}")
+            raise FieldError("structured_output", f"structured_output must set exactly one of "
+                             f"{STRUCTURED_KINDS}, got {given or 'none'}")
         kind = given[0]
         value = getattr(self, kind)
         if kind == "json" and not (isinstance(value, dict) or value is True):
-            raise ValueError(f"structured_output.json must be a JSON schema object or true, "
-                             f"got {value!r}")
+            raise FieldError("structured_output.json", f"structured_output.json must be a JSON "
+                             f"schema object or true, got {value!r}")
         if kind in ("regex", "grammar") and not (isinstance(value, str) and value):
-            raise ValueError(f"structured_output.{kind} must be a non-empty string")
+            raise FieldError(f"structured_output.{kind}",
+                             f"structured_output.{kind} must be a non-empty string")
         if kind == "choice":
             if isinstance(value, str) or not isinstance(value, (list, tuple)) or not value \
                     or not all(isinstance(c, str) and c for c in value):
-                raise ValueError("structured_output.choice must be a non-empty list of "
-                                 "non-empty strings")
+                raise FieldError("structured_output.choice", "structured_output.choice must be a "
+                                 "non-empty list of non-empty strings")
             object.__setattr__(self, "choice", tuple(value))
         if self.think is not None and self.think not in THINK_MODES:
-            raise ValueError(f"structured_output.think must be one of {THINK_MODES} or None, "
-                             f"got {self.think!r}")
+            raise FieldError("structured_output.think", f"structured_output.think must be one "
+                             f"of {THINK_MODES} or None, got {self.think!r}")
 
     @property
     def kind(self) -> str:
@@ -131,8 +134,8 @@ def ascii_regex(pattern: str, kind: str = "regex") -> str:
     class the class nests (``[\\d_]`` becomes ``[[0-9]_]``, a union in Rust's syntax). It
     would drop a trailing lone backslash (an invalid pattern), so that is refused here."""
     if (len(pattern) - len(pattern.rstrip("\\"))) % 2:
-        raise ValueError(f"structured_output.{kind} is not a valid constraint: the pattern "
-                         f"{pattern!r} ends with a lone backslash")
+        raise FieldError(f"structured_output.{kind}", f"structured_output.{kind} is not a valid "
+                         f"constraint: the pattern {pattern!r} ends with a lone backslash")
     from llguidance import regex_to_lark
     return regex_to_lark(pattern, ASCII_CLASSES)
 
@@ -213,11 +216,13 @@ class GrammarCompiler:
             ll = self._lltokenizer()
             error = LLMatcher.validate_grammar(text, ll)
             if error:
-                raise ValueError(f"structured_output.{so.kind} is not a valid constraint: "
+                raise FieldError(f"structured_output.{so.kind}",
+                                 f"structured_output.{so.kind} is not a valid constraint: "
                                  + " ".join(line.strip() for line in error.splitlines()[:3]))
             template = LLMatcher(ll, text)
             if template.is_error():
-                raise ValueError(f"structured_output.{so.kind} is not a valid constraint: "
+                raise FieldError(f"structured_output.{so.kind}",
+                                 f"structured_output.{so.kind} is not a valid constraint: "
                                  f"{template.get_error()}")
             self.compiles += 1
             self._cache[text] = template

@@ -5,6 +5,8 @@ import dataclasses
 import enum
 from typing import Any
 
+from jserve.lengths import length_room
+
 # A token sampled by a step that is still on the device (async scheduling): it stands in
 # ``token_ids`` until ``SchedulerBase.update`` writes the real id; the step builder marks it
 # to be fed from the device.
@@ -94,6 +96,12 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids):]
+
+    def room(self, max_model_len: int, ahead: int = 0) -> int:
+        """``length_room`` once ``ahead`` more tokens are out, counting every token it holds
+        (placeholders of tokens still on the device too)."""
+        return length_room(self.max_tokens, self.num_prompt_tokens,
+                           self.num_output_tokens + ahead, max_model_len)
 
     @property
     def held_page_ids(self) -> list[int]:

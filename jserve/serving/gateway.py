@@ -25,6 +25,7 @@ import secrets
 import time
 from typing import Callable, TypeVar
 
+from jserve.fields import FieldError
 from jserve.sampling.params import SamplingParams
 from jserve.serving import engine_api as el
 from jserve.serving.auth import bearer_matches
@@ -47,24 +48,21 @@ T = TypeVar("T")
 
 class Rejected(Exception):
     """A request refused before it reached the engine (``kind``: an engine_api error kind or
-    one of this module's)."""
+    one of this module's; ``field``: the wire's name of the field at fault, if one is)."""
 
-    def __init__(self, kind: str, message: str):
+    def __init__(self, kind: str, message: str, field: str | None = None):
         super().__init__(message)
         self.kind = kind
         self.message = message
+        self.field = field
 
 
-def field_message(message: str, name: Callable[[str], str]) -> str:
-    """``SamplingParams`` messages start with the field's name: rename it as the wire does
-    (``top_k must ...`` -> ``sampling_params.top_k must ...``)."""
-    head, sep, rest = message.partition(" ")
-    field, dot, sub = head.partition(".")  # structured_output.regex ...
-    if field in _PARAM_FIELDS:
-        return f"{name(field)}{dot}{sub}{sep}{rest}"
-    if " + max_tokens (" in message:  # the engine's context check: too many tokens asked for
-        return f"{name('max_tokens')}: {message}"
-    return message
+def invalid(e: FieldError, name: Callable[[str], str] = lambda f: f) -> Rejected:
+    """A field's refusal as the wire says it: a ``SamplingParams`` field renamed by ``name``
+    (``top_k`` -> ``sampling_params.top_k``), any other as raised."""
+    if e.top in _PARAM_FIELDS:
+        e = e.renamed(name(e.top))
+    return Rejected(el.INVALID, e.message, e.field)
 
 
 class Gateway:
@@ -120,12 +118,11 @@ class Gateway:
         ``name`` (``slo_names``) does. Any thread; tokenizes, so not on the event loop."""
         try:
             prepared = self.engine.prepare(prompt, params)
-        except ValueError as e:
-            raise Rejected(el.INVALID, field_message(str(e), name)) from None
-        try:
             self.limits.check(len(prepared.prompt_ids), ttft_slo, tpot_slo, priority, trusted,
                               slo_names)
-        except ValueError as e:
+        except FieldError as e:
+            raise invalid(e, name) from None
+        except ValueError as e:  # a refusal of no one field
             raise Rejected(el.INVALID, str(e)) from None
         return prepared
 
@@ -142,7 +139,8 @@ class Gateway:
         """Accepts the request (``Rejected`` ALREADY_EXISTS if its id is in flight) and queues
         it on the engine loop. Use as ``async with``: leaving the block ends the request."""
         if request_id in self._in_flight:
-            raise Rejected(ALREADY_EXISTS, f"request_id {request_id!r} is already in flight")
+            raise Rejected(ALREADY_EXISTS, f"request_id {request_id!r} is already in flight",
+                           "request_id")
         sink = self.engine.submit(request_id, prepared, arrival_time=arrival,
                                   deadline=deadline, ttft_slo=ttft_slo, tpot_slo=tpot_slo,
                                   priority=priority)

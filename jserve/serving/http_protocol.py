@@ -18,7 +18,7 @@ from jserve import fields
 from jserve.sampling.params import SamplingParams
 from jserve.sampling.structured import STRUCTURED_KINDS, StructuredOutput
 from jserve.serving import engine_api as el
-from jserve.serving.gateway import NOT_FOUND, UNAUTHENTICATED, Rejected, field_message
+from jserve.serving.gateway import NOT_FOUND, UNAUTHENTICATED, Rejected
 from jserve.serving.tool_calls import (
     ToolChoice,
     ToolError,
@@ -77,9 +77,10 @@ _TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_fo
 
 
 class BadField(Rejected):
+    """A body refused (400) for ``field`` (None: for no one field)."""
+
     def __init__(self, field: str | None, message: str):
-        super().__init__(el.INVALID, message)
-        self.field = field
+        super().__init__(el.INVALID, message, field)
 
 
 class BodyTooLarge(Rejected):
@@ -343,13 +344,12 @@ def parse(body: Any, endpoint: str, max_choices: int = 256,
         # (the response shows them only when the client asked)
         params = SamplingParams(logprobs=0 if logprobs is None and best_of > n else logprobs,
                                 **kw)
-    except ValueError as e:
-        message = str(e)
-        field = message.split(" ", 1)[0]
-        field = max_field if field == "max_tokens" else field
-        if endpoint == "chat" and field == "logprobs":
-            field = "top_logprobs"
-        raise BadField(field, field_message(message, lambda f: field)) from None
+    except fields.FieldError as e:
+        field = {"max_tokens": max_field, "logprobs": "top_logprobs" if endpoint == "chat"
+                 else "logprobs"}.get(e.top, e.top)
+        raise BadField(field, e.renamed(field).message) from None
+    except ValueError as e:  # a refusal of no one field
+        raise BadField(None, str(e)) from None
     return Parsed(prompts, params, max_field in body, n, stream, include_usage,
                   continuous_usage, logprobs, ttft_slo, tpot_slo, priority, max_field,
                   constraint_field, tools, tool_choice, chat, best_of=best_of, echo=echo,
@@ -378,8 +378,8 @@ def _number(body: dict, field: str, default: int | float | None = None
         return default
     try:
         return fields.number(field, body[field])
-    except ValueError as e:
-        raise BadField(field, str(e)) from None
+    except fields.FieldError as e:
+        raise BadField(field, e.message) from None
 
 
 def _prompt_logprobs(body: dict, logprobs: int | None) -> tuple[bool, int | None, int | None]:

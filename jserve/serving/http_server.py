@@ -37,6 +37,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from jserve import __version__, fields
+from jserve.lengths import context_room
 from jserve.sampling.generation_config import capped
 from jserve.sampling.params import SamplingParams
 from jserve.serving import engine_api as el
@@ -277,9 +278,8 @@ class OpenAIServer:
         else:
             try:
                 ids = self.gateway.engine.tokenize(t.prompt, t.add_special_tokens is not False)
-            except ValueError as e:
-                raise BadField("prompt", str(e) if str(e).startswith("prompt")
-                               else f"prompt: {e}") from None
+            except fields.FieldError as e:
+                raise BadField(e.field, e.message) from None
         return {"count": len(ids), "max_model_len": self.gateway.engine.info.max_model_len,
                 "tokens": ids, "token_strs": None}
 
@@ -333,9 +333,9 @@ class OpenAIServer:
         prepared, context = [], self.gateway.engine.info.max_model_len
         for p in parsed.prompts:
             prompt, params = self._prompt(p, parsed.tools, parsed.chat), parsed.params
-            if endpoint == "chat" and not parsed.max_tokens_given:  # up to the context
-                params = dataclasses.replace(
-                    params, max_tokens=max(1, context - len(prompt), params.min_tokens))
+            if endpoint == "chat" and not parsed.max_tokens_given:  # what the context leaves
+                params = dataclasses.replace(params, max_tokens=max(
+                    1, context_room(len(prompt), context), params.min_tokens))
             params = capped(params, self.config.sampling_defaults)
             if parsed.reasoning is not None and params.structured_output is not None:
                 params = dataclasses.replace(params, structured_output=thinking_first(
@@ -356,10 +356,10 @@ class OpenAIServer:
                     tok, p, tools, add_generation_prompt=chat.add_generation_prompt,
                     continue_final_message=chat.continue_final_message,
                     template_kwargs=chat.template_kwargs, add_special_tokens=add_special_tokens)
+            except fields.FieldError as e:
+                raise BadField(e.field, e.message) from None
             except (jinja2.TemplateError, ValueError, TypeError) as e:
                 # (TypeError: a template variable that is a name of render()'s own)
-                if str(e).startswith("continue_final_message"):
-                    raise BadField("continue_final_message", str(e)) from None
                 given = f" (given chat_template_kwargs {sorted(chat.template_kwargs)})" \
                     if chat.template_kwargs else ""
                 raise BadField("messages", f"messages: the chat template failed{given}: "
@@ -374,7 +374,7 @@ class OpenAIServer:
                 priority=parsed.priority, trusted=trusted,
                 name=lambda f: parsed.max_tokens_field if f == "max_tokens" else f)
         except Rejected as e:
-            field, message = e.message.split(" ", 1)[0].rstrip(":").split("=", 1)[0], e.message
+            field, message = e.field or "", e.message
             if field.startswith("structured_output") and parsed.constraint_field:
                 field = parsed.constraint_field
                 message = constraint_message(field, message)

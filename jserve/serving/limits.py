@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from jserve.fields import check_slos, number
+from jserve.fields import FieldError, check_slos, number
 
 if TYPE_CHECKING:
     from jserve.serving.engine_api import EngineClient
@@ -62,7 +62,7 @@ class RequestLimits:
     def check(self, prompt_tokens: int, ttft_slo: float | None, tpot_slo: float | None,
               priority: int, trusted: bool,
               names: tuple[str, str, str] = ("ttft_slo", "tpot_slo", "priority")) -> None:
-        """ValueError naming the field (as ``names`` spells it) and the bound it missed."""
+        """``FieldError`` naming the field (as ``names`` spells it) and the bound it missed."""
         ttft_name, tpot_name, priority_name = names
         check_slos(ttft_slo, tpot_slo, (ttft_name, tpot_name))
         number("priority", priority, priority_name)
@@ -71,16 +71,17 @@ class RequestLimits:
             if slo is None:
                 continue
             if slo < floor:
-                raise ValueError(f"{name}={slo:g} s is below this server's floor of "
-                                 f"{floor:.4g} s" + (f" for a {prompt_tokens}-token prompt"
-                                                     if name == ttft_name else ""))
+                raise FieldError(name, f"{name}={slo:g} s is below this server's floor of "
+                                       f"{floor:.4g} s" + (f" for a {prompt_tokens}-token "
+                                                           "prompt" if name == ttft_name else ""))
         lo, hi = self.limits.priority_range
         if not lo <= priority <= hi:
-            raise ValueError(f"{priority_name}={priority} is outside this server's range "
-                             f"[{lo}, {hi}]")
+            raise FieldError(priority_name, f"{priority_name}={priority} is outside this "
+                                            f"server's range [{lo}, {hi}]")
         if priority < 0 and not (trusted or self.limits.trust_priority):
-            raise ValueError(f"{priority_name}={priority} would run ahead of the default 0; "
-                             f"only a client with the priority token may (0 and up: yield)")
+            raise FieldError(priority_name, f"{priority_name}={priority} would run ahead of "
+                                            "the default 0; only a client with the priority "
+                                            "token may (0 and up: yield)")
 
     def describe(self) -> str:
         """The start-up line's part."""

@@ -7,6 +7,10 @@ import dataclasses
 import json
 from collections.abc import Sequence
 
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
 from jserve import fields
 from jserve.engine.output import TokenLogprob
 from jserve.proto import generate_pb2 as pb
@@ -24,9 +28,30 @@ MESSAGE_FIELDS = ("structured_output",)
 MAX_REQUEST_ID_CHARS = 256
 
 
+def field_status(code: int, message: str, field: str) -> tuple[tuple[str, bytes]]:
+    """The trailing metadata that carries a refused field as gRPC's rich error model does
+    (a ``google.rpc.Status`` with a ``BadRequest`` field violation): a client reads the field
+    from ``bad_field``, never from the message."""
+    detail = any_pb2.Any()
+    detail.Pack(error_details_pb2.BadRequest(field_violations=[
+        error_details_pb2.BadRequest.FieldViolation(field=field, description=message)]))
+    status = status_pb2.Status(code=code, message=message, details=[detail])
+    return ((rpc_status.GRPC_DETAILS_METADATA_KEY, status.SerializeToString()),)
+
+
+def bad_field(error) -> str | None:
+    """The field a failed call (a ``grpc.RpcError``) was refused for, if it names one."""
+    status = rpc_status.from_call(error)
+    for detail in status.details if status is not None else ():
+        violation = error_details_pb2.BadRequest()
+        if detail.Unpack(violation) and violation.field_violations:
+            return violation.field_violations[0].field
+    return None
+
+
 def params_from_proto(msg: pb.SamplingParams, defaults: dict | None = None
                       ) -> SamplingParams:
-    """Raises ValueError naming the field (SamplingParams' own validation). ``defaults``:
+    """Raises ``FieldError`` (SamplingParams' own validation). ``defaults``:
     the server's for fields left unset (``ServerConfig.sampling_defaults``)."""
     defaults = defaults or {}
     kw: dict = {k: v for k, v in defaults.items() if k != "max_tokens"}
@@ -47,14 +72,18 @@ def params_from_proto(msg: pb.SamplingParams, defaults: dict | None = None
 def structured_from_proto(msg: pb.StructuredOutput) -> StructuredOutput:
     kind = msg.WhichOneof("kind")
     if kind == "json_schema":
-        return StructuredOutput(json=fields.loads(msg.json_schema,
-                                                  "structured_output.json_schema"))
+        try:
+            schema = fields.loads(msg.json_schema, "structured_output.json_schema")
+        except ValueError as e:
+            raise fields.FieldError("structured_output.json_schema", str(e)) from None
+        return StructuredOutput(json=schema)
     if kind == "json_object":
         return StructuredOutput(json=True)
     if kind == "choice":
         return StructuredOutput(choice=list(msg.choice.choices))
     if kind is None:
-        raise ValueError("structured_output is empty: set one of its fields")
+        raise fields.FieldError("structured_output",
+                                "structured_output is empty: set one of its fields")
     return StructuredOutput(**{kind: getattr(msg, kind)})
 
 
@@ -120,19 +149,21 @@ class ParsedRequest:
 
 
 def parse_request(req: pb.GenerateRequest, defaults: dict | None = None) -> ParsedRequest:
-    """The checks that need no model; the engine's tokenize/validate do the rest.
+    """The checks that need no model (``FieldError``, the field named as this wire does); the
+    engine's tokenize/validate do the rest.
     ``defaults``: the server's sampling defaults (``params_from_proto``)."""
     if len(req.request_id) > MAX_REQUEST_ID_CHARS:
-        raise ValueError(f"request_id must be at most {MAX_REQUEST_ID_CHARS} chars, "
-                         f"got {len(req.request_id)}")
+        raise fields.FieldError("request_id", f"request_id must be at most "
+                                              f"{MAX_REQUEST_ID_CHARS} chars, got "
+                                              f"{len(req.request_id)}")
     kind = req.WhichOneof("prompt")
     if kind is None:
-        raise ValueError("prompt is empty: set text or token_ids")
+        raise fields.FieldError("prompt", "prompt is empty: set text or token_ids")
     prompt = req.text if kind == "text" else list(req.token_ids.ids)
     try:
         params = params_from_proto(req.sampling_params, defaults)
-    except ValueError as e:
-        raise ValueError(f"sampling_params.{e}") from None
+    except fields.FieldError as e:
+        raise e.renamed(f"sampling_params.{e.top}") from None
     slos = {f: getattr(req, f) if req.HasField(f) else None
             for f in ("ttft_slo_seconds", "tpot_slo_seconds")}
     fields.check_slos(*slos.values(), tuple(slos))

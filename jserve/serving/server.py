@@ -8,7 +8,8 @@ the request's deltas to the stream as they arrive, coalescing whatever piled up 
 client was slow. A cancelled or disconnected client, or a passed gRPC deadline, aborts the
 request on the engine thread at the next iteration.
 
-Status codes: INVALID_ARGUMENT (the message names the field), ALREADY_EXISTS (request_id in
+Status codes: INVALID_ARGUMENT (the field in a ``BadRequest`` detail: ``client.bad_field``,
+and named in the message), ALREADY_EXISTS (request_id in
 flight), RESOURCE_EXHAUSTED (admission queue full, or a message over ``max_request_bytes``),
 DEADLINE_EXCEEDED, UNAVAILABLE (draining or stopped), UNAUTHENTICATED (bearer token), INTERNAL
 (engine failure).
@@ -30,6 +31,7 @@ from grpc._cython.cygrpc import ExecuteBatchError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from jserve.fields import FieldError
 from jserve.proto import generate_pb2 as pb
 from jserve.sampling.params import (
     MAX_LOGPROBS,
@@ -48,12 +50,13 @@ from jserve.serving.gateway import (
     Gateway,
     Rejected,
     Stream,
+    invalid,
 )
 from jserve.serving.http_server import OpenAIServer
 from jserve.serving.limits import ClientLimits
 from jserve.serving.live_engine import LiveEngine
 from jserve.serving.metrics import ServerMetrics
-from jserve.serving.protocol import logprob_to_proto, parse_request
+from jserve.serving.protocol import field_status, logprob_to_proto, parse_request
 from jserve.serving.reasoning import FORMATS as REASONING
 from jserve.serving.router_endpoints import export_vllm_names
 from jserve.serving.tool_formats import DEFAULT_FORMAT, TOOL_FORMATS
@@ -427,7 +430,9 @@ class GenerationServer:
         gw.check_open()
         try:
             parsed = parse_request(request, self.config.sampling_defaults)
-        except ValueError as e:
+        except FieldError as e:
+            raise invalid(e) from None
+        except ValueError as e:  # a refusal of no one field
             raise Rejected(el.INVALID, str(e)) from None
         trusted = gw.trusted(dict(context.invocation_metadata() or ()).get("authorization"))
         prepared = await gw.off_loop(functools.partial(
@@ -469,7 +474,7 @@ class GenerationServer:
             stream = await self._accept(request, context, arrival, deadline)
         except Rejected as e:
             self.gateway.refused(e.kind)
-            await context.abort(_CODES[e.kind], e.message)
+            await _abort(context, e)
         except asyncio.CancelledError:  # the call ended while its prompt was tokenized
             self.gateway.refused(el.DEADLINE if expired() else "cancelled")
             raise
@@ -483,7 +488,7 @@ class GenerationServer:
                     deltas = await stream.next()
                     await context.write(_response(stream.request_id, deltas))
             except Rejected as e:
-                await _quietly(context.abort(_CODES[e.kind], e.message))
+                await _quietly(_abort(context, e))
             except ExecuteBatchError:
                 # The client went away while a message was on its way: the request is
                 # cancelled (the block's exit aborts it), and the stream ends quietly.
@@ -492,6 +497,13 @@ class GenerationServer:
                 log.exception("request %s failed", stream.request_id)
                 stream.close(el.INTERNAL)
                 await _quietly(context.abort(_CODES[el.INTERNAL], f"the request failed: {e}"))
+
+
+async def _abort(context, e: Rejected) -> None:
+    """Ends the call with ``e``'s status, its field (if any) as a ``BadRequest`` detail."""
+    code = _CODES[e.kind]
+    await context.abort(code, e.message, () if e.field is None else
+                        field_status(code.value[0], e.message, e.field))
 
 
 async def _quietly(abort) -> None:

@@ -16,6 +16,7 @@ decode before). Without a ``stage_time`` the two coincide and batches run one at
 from __future__ import annotations
 
 import collections
+import math
 from typing import Callable, Iterable
 
 from jserve.scheduler.base import SchedulerBase
@@ -46,7 +47,7 @@ def deliver_tokens(scheduler: SchedulerBase, records: dict, plan: BatchPlan, at:
         rec["token_times_s"].append(at)
         if rec["first_token_s"] is None:
             rec["first_token_s"] = at
-        if req.num_output_tokens >= req.max_tokens:
+        if req.room(math.inf) <= 0:  # (the simulator's requests fit any context)
             scheduler.finish(req, RequestStatus.FINISHED_LENGTH)
             rec["finish_s"] = at
             rec["finish_reason"] = RequestStatus.FINISHED_LENGTH.value

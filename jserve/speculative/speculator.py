@@ -130,9 +130,8 @@ class Speculator:
                 if self.draft is None and req.is_decode:
                     self._shadow(req)
                 continue
-            k = min(self.config.num_speculative_tokens,
-                    req.max_tokens - req.num_output_tokens - 1,
-                    self.max_model_len - len(req.token_ids) - 1)
+            # (the step appends the k drafts and one token more)
+            k = min(self.config.num_speculative_tokens, req.room(self.max_model_len) - 1)
             if k > 0:
                 reqs.append(req)
                 ks.append(k)
