@@ -1,13 +1,13 @@
 """Host-side KV page allocator (pure Python: the scheduler and simulator use it without JAX).
 
 With ``groups > 1`` (KV-cache parallelism) the pool is split into one pool per kvp group of
-``num_pages`` pages each; global block id = ``group * num_pages + local id``, and local id 0
+``num_pages`` pages each; global page id = ``group * num_pages + local id``, and local id 0
 of every group is that group's sink (padding tokens write there), never handed out. A
 sequence's logical page ``j`` lives in group ``(start + j // pages_per_group) % groups`` where
 ``start`` is the group of its first page, chosen as the least-loaded group when the first page
-is allocated; so blocks are allocated per sequence through ``extend`` (the next pages of a
+is allocated; so pages are allocated per sequence through ``extend`` (the next pages of a
 sequence), and every capacity check asks about the groups those pages go to. ``groups == 1``
-is one pool with block 0 as the sink.
+is one pool with page 0 as the sink.
 
 Prefix caching (``prefix_caching=True``): a full page whose KV has been computed is
 registered under its content key (``jserve.cache.prefix``); pages are reference-counted, so a
@@ -79,9 +79,9 @@ class PageAllocator:
         self._free: list[list[int]] = [
             list(range(g * num_pages + num_pages - 1, g * num_pages, -1)) for g in range(groups)]
         self.prefix_caching = prefix_caching
-        self._refs: dict[int, int] = {}  # in-use block -> number of sequences holding it
-        # Cached pages: key <-> block, and per group the idle ones (count 0), LRU first.
-        self._block_of: dict[Hashable, int] = {}
+        self._refs: dict[int, int] = {}  # in-use page -> number of sequences holding it
+        # Cached pages: key <-> page, and per group the idle ones (count 0), LRU first.
+        self._page_of: dict[Hashable, int] = {}
         self._key_of: dict[int, Hashable] = {}
         self._idle: list[collections.OrderedDict[int, None]] = [
             collections.OrderedDict() for _ in range(groups)]
@@ -130,8 +130,8 @@ class PageAllocator:
     def num_free_in(self, group: int) -> int:
         return len(self._free[group]) + len(self._idle[group])
 
-    def group_of(self, block: int) -> int:
-        return block // self.pool_pages
+    def group_of(self, page: int) -> int:
+        return page // self.pool_pages
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -197,7 +197,7 @@ class PageAllocator:
 
     def extend(self, page_ids: Sequence[int], n: int) -> list[int]:
         """The sequence's next ``n`` pages (global ids, logical order); the caller appends
-        them to its block list. All or nothing: ValueError past a sequence's maximum,
+        them to its page list. All or nothing: ValueError past a sequence's maximum,
         OutOfPages when one of its groups is short."""
         if self.groups == 1:  # the common case, a page at a time only past the free list
             if n > self.num_free_in(0):
@@ -226,13 +226,13 @@ class PageAllocator:
         keeps a copy)."""
         if self._free[group]:
             return self._free[group].pop()
-        block, _ = self._idle[group].popitem(last=False)
-        key = self._key_of.pop(block)
-        del self._block_of[key]
+        page, _ = self._idle[group].popitem(last=False)
+        key = self._key_of.pop(page)
+        del self._page_of[key]
         self.num_evictions += 1
         if self.host is not None:  # its copy leaves before the plan reusing it runs
-            self.host.spill(key, block)
-        return block
+            self.host.spill(key, page)
+        return page
 
     # -- plain allocation (one group) -------------------------------------------------
     def can_allocate(self, n: int) -> bool:
@@ -250,16 +250,16 @@ class PageAllocator:
             return False
         return min(num_pages, self.pages_per_group) <= self.pool_pages - 1
 
-    def free(self, blocks: list[int]) -> None:
-        """Drop one hold on each block: a block no sequence holds goes back to the free pool,
-        or, if it is cached, becomes idle (most recently used end of the LRU). ``blocks`` is a
+    def free(self, pages: list[int]) -> None:
+        """Drop one hold on each page: a page no sequence holds goes back to the free pool,
+        or, if it is cached, becomes idle (most recently used end of the LRU). ``pages`` is a
         sequence's pages in order; they go idle last page first, so eviction takes a
         sequence's tail before its head (a head evicted first would leave its cached tail
         unreachable, as a lookup stops at the first missing page)."""
-        for b in reversed(blocks):
+        for b in reversed(pages):
             refs = self._refs.get(b)
             if refs is None:
-                raise ValueError(f"block {b} is not allocated (double free?)")
+                raise ValueError(f"page {b} is not allocated (double free?)")
             if refs > 1:
                 self._refs[b] = refs - 1
                 continue
@@ -287,61 +287,61 @@ class PageAllocator:
             del self._refs[b]
             key = self._key_of.pop(b, None)
             if key is not None:
-                del self._block_of[key]
+                del self._page_of[key]
             self._free[0].append(b)
         page_ids[dropped:dead] = [FREED_PAGE] * (dead - dropped)
         return dead
 
     # -- prefix cache ------------------------------------------------------------------
     def lookup(self, keys: Sequence[Hashable]) -> list[int]:
-        """The cached blocks of the longest run of leading pages whose ``keys`` are cached
+        """The cached pages of the longest run of leading pages whose ``keys`` are cached
         (with kvp groups, only as far as each page sits in the group its logical position
         needs, counted from the first page's group). Changes nothing."""
-        blocks: list[int] = []
+        pages: list[int] = []
         if not self.prefix_caching:
-            return blocks
+            return pages
         for j, key in enumerate(keys):
-            b = self._block_of.get(key)
+            b = self._page_of.get(key)
             if b is None:
                 break
-            if self.groups > 1 and blocks and self.group_of(b) != (
-                    self.group_of(blocks[0]) + j // self.pages_per_group) % self.groups:
+            if self.groups > 1 and pages and self.group_of(b) != (
+                    self.group_of(pages[0]) + j // self.pages_per_group) % self.groups:
                 break
-            blocks.append(b)
-        return blocks
+            pages.append(b)
+        return pages
 
-    def acquire(self, blocks: Sequence[int]) -> None:
-        """One more hold on each of ``blocks`` (cached pages from ``lookup``)."""
-        for b in blocks:
+    def acquire(self, pages: Sequence[int]) -> None:
+        """One more hold on each of ``pages`` (cached pages from ``lookup``)."""
+        for b in pages:
             if b in self._refs:
                 self._refs[b] += 1
             else:
                 del self._idle[self.group_of(b)][b]  # KeyError: not a cached page
                 self._refs[b] = 1
 
-    def register(self, block: int, key: Hashable) -> None:
-        """``block`` (in use) now holds the computed KV of the full page ``key``. A key
-        already cached keeps its block (this one stays uncached, freed normally)."""
-        if not self.prefix_caching or key in self._block_of or block in self._key_of:
+    def register(self, page: int, key: Hashable) -> None:
+        """``page`` (in use) now holds the computed KV of the full page ``key``. A key
+        already cached keeps its page (this one stays uncached, freed normally)."""
+        if not self.prefix_caching or key in self._page_of or page in self._key_of:
             return
-        if block not in self._refs:
-            raise ValueError(f"block {block} is not allocated; only a held page is registered")
-        self._block_of[key] = block
-        self._key_of[block] = key
+        if page not in self._refs:
+            raise ValueError(f"page {page} is not allocated; only a held page is registered")
+        self._page_of[key] = page
+        self._key_of[page] = key
 
     def check_holders(self, page_lists: Sequence[Sequence[int]]) -> None:
-        """Every in-use block is held exactly as many times as ``page_lists`` (the block
-        tables of every sequence holding blocks) list it, and no other block is in use."""
+        """Every in-use page is held exactly as many times as ``page_lists`` (the page
+        tables of every sequence holding pages) list it, and no other page is in use."""
         counts: dict[int, int] = {}
-        for blocks in page_lists:
-            for b in blocks:
+        for pages in page_lists:
+            for b in pages:
                 counts[b] = counts.get(b, 0) + 1
-        assert counts == self._refs, "block reference counts differ from the holders"
+        assert counts == self._refs, "page reference counts differ from the holders"
 
     def check(self) -> None:
         """The conservation invariant, per group and overall: free + idle cached + in use ==
-        total, no block in two of them, every free or idle block in its own group's pool and
-        never a sink; every idle block cached; the key maps each other's inverse."""
+        total, no page in two of them, every free or idle page in its own group's pool and
+        never a sink; every idle page cached; the key maps each other's inverse."""
         assert self.num_allocated + self.num_free == self.total, (
             self.num_allocated, self.num_free, self.total)
         for g, (free, idle) in enumerate(zip(self._free, self._idle)):
@@ -358,5 +358,5 @@ class PageAllocator:
         assert len(set(unheld)) == len(unheld) and not set(self._refs).intersection(unheld)
         assert not any(b in self._key_of for free in self._free for b in free), \
             "a free page is still cached"
-        assert all(self._block_of[k] == b for b, k in self._key_of.items())
-        assert len(self._block_of) == len(self._key_of)
+        assert all(self._page_of[k] == b for b, k in self._key_of.items())
+        assert len(self._page_of) == len(self._key_of)

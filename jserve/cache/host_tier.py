@@ -1,9 +1,9 @@
 """The prefix cache's host tier (pure Python: the scheduler and the simulator use it without
 JAX): a bounded pool of host page slots holding copies of prefix pages the device evicted.
 
-When ``PageAllocator`` evicts an idle cached page to reuse its block, it hands the page's key
-and block here (``spill``): the key gets a host slot and the block a pending copy to it (an
-*offload*, carried out by the engine before the plan that reuses the block runs). A prompt
+When ``PageAllocator`` evicts an idle cached page to reuse its page, it hands the page's key
+and page here (``spill``): the key gets a host slot and the page a pending copy to it (an
+*offload*, carried out by the engine before the plan that reuses the page runs). A prompt
 whose leading pages the device no longer holds finds them here (``lookup``) and takes them
 back by copy (a *restore* into fresh device pages) instead of recomputing them.
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 import collections
 from typing import Hashable, Sequence
 
-HostMove = tuple[int, int]  # an offload (device block, host slot) or restore (slot, block)
+HostMove = tuple[int, int]  # an offload (device page, host slot) or restore (slot, page)
 
 
 class HostTier:
@@ -32,7 +32,7 @@ class HostTier:
         self._slot_of: collections.OrderedDict[Hashable, int] = collections.OrderedDict()
         self._key_of: dict[int, Hashable] = {}
         self._pinned: set[int] = set()
-        # Copies the next plan carries out (``take_moves``): offloads (slot -> block: one
+        # Copies the next plan carries out (``take_moves``): offloads (slot -> page: one
         # per slot, the last page given it) before restores.
         self.offloads: dict[int, int] = {}
         self.restores: list[HostMove] = []
@@ -44,8 +44,8 @@ class HostTier:
     def num_used(self) -> int:
         return len(self._slot_of)
 
-    def spill(self, key: Hashable, block: int) -> None:
-        """The device evicts cached page ``key`` from ``block``: keep a copy (a page already
+    def spill(self, key: Hashable, page: int) -> None:
+        """The device evicts cached page ``key`` from ``page``: keep a copy (a page already
         here only becomes most recently used), evicting the least recently used unpinned
         slot when none is free; with none to evict the page is dropped."""
         if key in self._slot_of:
@@ -57,7 +57,7 @@ class HostTier:
             return
         self._slot_of[key] = slot
         self._key_of[slot] = key
-        self.offloads[slot] = block
+        self.offloads[slot] = page
         self.num_offloaded += 1
 
     def _evict(self) -> int | None:
@@ -90,10 +90,10 @@ class HostTier:
     def unpin(self, slots: Sequence[int]) -> None:
         self._pinned.difference_update(slots)
 
-    def restore(self, slots: Sequence[int], blocks: Sequence[int]) -> None:
+    def restore(self, slots: Sequence[int], pages: Sequence[int]) -> None:
         """Copy ``slots`` (pinned: most recently used already, the run's head last) into
-        device ``blocks`` before the next plan runs."""
-        self.restores.extend(zip(slots, blocks))
+        device ``pages`` before the next plan runs."""
+        self.restores.extend(zip(slots, pages))
         self.num_restored += len(slots)
 
     def take_moves(self) -> tuple[tuple[HostMove, ...], tuple[HostMove, ...]]:

@@ -87,10 +87,10 @@ class HybridAllocator(PageAllocator):
     def pack(self, glob: int, loc: int) -> int:
         return glob + loc * self.pool_pages
 
-    def split(self, blocks: Sequence[int]) -> tuple[list[int], list[int]]:
-        """(global ids, local ids) of packed ``blocks`` (a dropped local half is 0)."""
+    def split(self, pages: Sequence[int]) -> tuple[list[int], list[int]]:
+        """(global ids, local ids) of packed ``pages`` (a dropped local half is 0)."""
         n = self.pool_pages
-        return [b % n for b in blocks], [b // n for b in blocks]
+        return [b % n for b in pages], [b // n for b in pages]
 
     def dead_pages(self, position: int) -> int:
         """No entry of a page list becomes a sink: the global half is always held."""
@@ -118,8 +118,8 @@ class HybridAllocator(PageAllocator):
         return (num_pages <= self.total and self.local.pages_held(num_pages * self.page_size)
                 <= self.local.total)
 
-    def free(self, blocks: list[int]) -> None:
-        glob, loc = self.split(blocks)
+    def free(self, pages: list[int]) -> None:
+        glob, loc = self.split(pages)
         super().free(glob)
         self.local.free([b for b in loc if b])
 
@@ -147,7 +147,7 @@ class HybridAllocator(PageAllocator):
         a query after it still reads (the window's) are too; the local halves before those
         are 0 (a claim takes only the global ones)."""
         glob = super().lookup(keys)
-        cached = [self.local._block_of.get(k) for k in keys[:len(glob)]]
+        cached = [self.local._page_of.get(k) for k in keys[:len(glob)]]
         missing = -1  # the last index before j whose local page is not cached
         best = 0
         for j in range(1, len(glob) + 1):
@@ -158,20 +158,20 @@ class HybridAllocator(PageAllocator):
         dead = self.local.dead_pages(best * self.page_size)
         return [g if j < dead else self.pack(g, cached[j]) for j, g in enumerate(glob[:best])]
 
-    def acquire(self, blocks: Sequence[int]) -> None:
-        glob, loc = self.split(blocks)
+    def acquire(self, pages: Sequence[int]) -> None:
+        glob, loc = self.split(pages)
         super().acquire(glob)
         self.local.acquire([b for b in loc if b])
 
-    def register(self, block: int, key: Hashable) -> None:
-        glob, loc = divmod(block, self.pool_pages)[::-1]
+    def register(self, page: int, key: Hashable) -> None:
+        glob, loc = divmod(page, self.pool_pages)[::-1]
         super().register(glob, key)
         if loc:
             self.local.register(loc, key)
 
     # -- invariants --------------------------------------------------------------------
     def check_holders(self, page_lists: Sequence[Sequence[int]]) -> None:
-        split = [self.split(blocks) for blocks in page_lists]
+        split = [self.split(pages) for pages in page_lists]
         super().check_holders([glob for glob, _ in split])
         self.local.check_holders([[b for b in loc if b] for _, loc in split])
 

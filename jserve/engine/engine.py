@@ -153,7 +153,7 @@ class LLMEngine:
         return rid
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Abort between steps; blocks are freed at once (or once its chunks in flight are
+        """Abort between steps; pages are freed at once (or once its chunks in flight are
         back). None if the id is unknown or done."""
         req = self.requests.get(request_id)
         return None if req is None else self._finish(req, "abort")
@@ -314,7 +314,7 @@ class LLMEngine:
 
     def cancel_in_flight(self, reason: str) -> list[RequestOutput]:
         """Drops every plan on the device unread (a stopping server, a crashed loop): the
-        requests they hold end with ``abort`` and ``reason``; their blocks are freed."""
+        requests they hold end with ``abort`` and ``reason``; their pages are freed."""
         return self._fail_in_flight(reason)
 
     def _fail_in_flight(self, error: str, reading: Launched | None = None,

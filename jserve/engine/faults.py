@@ -5,7 +5,7 @@ forward, its token's output processing (detokenization, stop strings, grammar ad
 logprobs) after. A failure in one request's part is that request's, not the step's: the
 engine runs each such part through ``RequestFaults.run``, which logs the traceback, notes the
 request, and hands back a neutral value so the step goes on for the others; the engine then
-finishes every noted request with an error (its blocks freed, its output carrying the
+finishes every noted request with an error (its pages freed, its output carrying the
 message) before the step returns. What is not per request (scheduling, the device step) still
 fails the step as a whole (``LLMEngine._step_failed``).
 """

@@ -135,7 +135,7 @@ class BuiltStep:
 
 
 class StepBuilder:
-    """With ``buckets.kvp`` > 1 block ids are global (``group * pool_pages + local``, see
+    """With ``buckets.kvp`` > 1 page ids are global (``group * pool_pages + local``, see
     ``jserve.cache.allocator``): each row's page table gets, in column block g, the local ids
     of its logical chunk ``(g - start) % kvp``; each token its local slot and owning group;
     each row its start group. On one group those are the plain ids, slots and zeros."""
@@ -148,7 +148,7 @@ class StepBuilder:
                  hybrid: bool = False,
                  layout: "callable[[tuple[int, int]], PackedLayout] | None" = None,
                  whole_chain_decodes: bool = False):
-        """``hybrid``: two KV layer groups (``jserve.cache.hybrid``): a block id packs a
+        """``hybrid``: two KV layer groups (``jserve.cache.hybrid``): a page id packs a
         global page and a local one (``global + local * pool_pages``), split here into the
         two page tables and slot arrays. ``ready``: the shape a step of a bucket shape is
         built at now (``StepPrograms.ready_shape``: a compiled one covering it while its own
@@ -177,13 +177,13 @@ class StepBuilder:
 
     def _kvp_row(self, page_table: np.ndarray, row: int, page_ids) -> int:
         """Fills ``row`` of the page table from global ``page_ids``; returns the start group."""
-        blocks = np.asarray(page_ids, np.int32)
-        if not len(blocks):
+        ids = np.asarray(page_ids, np.int32)
+        if not len(ids):
             return 0
         ppg, pool = self.buckets.pages_per_group, self.pool_pages
-        start = int(blocks[0]) // pool
-        j = np.arange(len(blocks))
-        page_table[row, ((start + j // ppg) % self.kvp) * ppg + j % ppg] = blocks % pool
+        start = int(ids[0]) // pool
+        j = np.arange(len(ids))
+        page_table[row, ((start + j // ppg) % self.kvp) * ppg + j % ppg] = ids % pool
         return start
 
     def _hybrid_row(self, h: "_HostArrays", row: int, page_ids, pos: np.ndarray,
@@ -239,10 +239,10 @@ class StepBuilder:
         if shape != last.built.shape:
             return None
         dec = []
-        for c, old, req, blocks in zip(plan.decodes, last.decodes, last.requests,
-                                       last.blocks):
+        for c, old, req, pages in zip(plan.decodes, last.decodes, last.requests,
+                                      last.page_lists):
             r = requests.get(c.request_id)
-            if (r is not req or c.start != old.start + last.burst or r.page_ids is not blocks
+            if (r is not req or c.start != old.start + last.burst or r.page_ids is not pages
                     or not self.plain_row(r)):
                 return None
             dec.append(r)
@@ -328,8 +328,8 @@ class StepBuilder:
                 self._hybrid_row(h, i, r.page_ids, np.asarray([p]), slice(i, i + 1))
         elif self.kvp == 1:
             h.slots[:nd] = _decode_slots(dec, pos_d, ps)
-            # Every row's blocks in one store: a boolean mask over the table takes them in
-            # row-major order, so the blocks of all rows, concatenated, fill it.
+            # Every row's pages in one store: a boolean mask over the table takes them in
+            # row-major order, so the pages of all rows, concatenated, fill it.
             tables = [r.page_ids for r in dec]
             lens = np.fromiter(map(len, tables), np.int32, nd)
             h.page_table[:nd][np.arange(h.page_table.shape[1]) < lens[:, None]] = \
@@ -367,15 +367,15 @@ class StepBuilder:
             if self.hybrid:
                 self._hybrid_row(h, row, req.page_ids, pos, slice(start, end))
             elif self.kvp == 1:
-                blocks = np.asarray(req.page_ids, np.int32)
-                h.slots[start:end] = blocks[pos // ps] * ps + pos % ps
-                h.page_table[row, :len(blocks)] = blocks
+                ids = np.asarray(req.page_ids, np.int32)
+                h.slots[start:end] = ids[pos // ps] * ps + pos % ps
+                h.page_table[row, :len(ids)] = ids
             else:
-                blocks = np.asarray(req.page_ids, np.int32)
-                pages = blocks[pos // ps]
+                ids = np.asarray(req.page_ids, np.int32)
+                pages = ids[pos // ps]
                 h.slots[start:end] = pages % self.pool_pages * ps + pos % ps
                 h.slot_groups[start:end] = pages // self.pool_pages
-                h.start_groups[row] = self._kvp_row(h.page_table, row, blocks)
+                h.start_groups[row] = self._kvp_row(h.page_table, row, ids)
             h.token_seq[start:end] = row
             srow = state_row(req)
             h.token_state[start:end] = srow
@@ -395,7 +395,7 @@ class StepBuilder:
 
 
 def _split_ids(page_ids, pool_pages: int) -> tuple[np.ndarray, np.ndarray]:
-    """Packed block ids (``jserve.cache.hybrid``) -> (global, local) page ids, int32."""
+    """Packed page ids (``jserve.cache.hybrid``) -> (global, local) page ids, int32."""
     ids = np.asarray(page_ids, np.int64)
     return (ids % pool_pages).astype(np.int32), (ids // pool_pages).astype(np.int32)
 
@@ -406,7 +406,7 @@ def _advance_packed(last: "_LastDecodes", dec: list[Request], pos: list[int],
     """``last``'s int buffer with what moves from one decode step to the next rewritten for
     ``dec`` at ``pos``: tokens (0 where fed), fed flags, positions, KV lengths, slots, state
     rows, sampling steps, the steps of this call (``burst``) and the page-table rows of
-    requests that took a block. A new
+    requests that took a page. A new
     buffer: the last one may still be an input of a step on the device."""
     layout, nd = last.built.layout, len(dec)
     ibuf = last.built.packed[0].copy()
@@ -446,8 +446,8 @@ class _LastDecodes(NamedTuple):
     requests: list[Request]
     built: BuiltStep
     flags: StepFlags
-    blocks: list[list[int]]  # each request's block list (the same list while it runs)
-    lens: list[int]  # how many blocks each held then
+    page_lists: list[list[int]]  # each request's page list (the same list while it runs)
+    lens: list[int]  # how many pages each held then
     burst: int  # the tokens each decode moved on (``BatchPlan.burst``)
 
 

@@ -5,13 +5,13 @@ memory. Pure Python, so the simulator drives the same objects as the live engine
 One iteration is ``plan = schedule()``, the step runs, ``update(plan, sampled)``. Between the
 two the plan is in flight: its chunks count as computed (so a stream pipeline can take a
 prefill's next chunk before this one's results are back), its requests are pinned (never
-preempted; a finish defers freeing their blocks) and those awaiting a sampled token are held
+preempted; a finish defers freeing their pages) and those awaiting a sampled token are held
 out of scheduling. With one plan in flight at a time this is the plain engine step; a
 pipeline keeps up to ``spp`` in flight and updates them in launch order. Async scheduling
 lifts a hold early (``sampled_on_device``): the request gets a ``PLACEHOLDER`` token and may
 decode again before the host has read its token.
 
-Preemption frees a victim's blocks either by recompute (its KV is dropped and rebuilt by
+Preemption frees a victim's pages either by recompute (its KV is dropped and rebuilt by
 prefilling again) or by swap (the engine copies its KV to host memory and back when it is
 readmitted); ``swap_policy`` (jserve.scheduler.swap) picks per victim, recompute when None.
 
@@ -69,8 +69,8 @@ class SchedulerBase(abc.ABC):
         # ``update`` brings it.
         self.in_flight: set[Request] = set()
         # Requests with chunks in flight (count of them): those chunks may still write KV
-        # into the request's blocks, so it is never preempted and a finish defers freeing its
-        # blocks (``_deferred``) until its last chunk is updated.
+        # into the request's pages, so it is never preempted and a finish defers freeing its
+        # pages (``_deferred``) until its last chunk is updated.
         self.pinned: dict[Request, int] = {}
         self._deferred: dict[Request, list[int]] = {}
         # Prefix cache counters: prompt tokens looked up at admission, and found cached.
@@ -206,7 +206,7 @@ class SchedulerBase(abc.ABC):
         req.num_registered_pages = full
 
     def finish(self, req: Request, status: RequestStatus) -> None:
-        """Retire a request (done, failed or aborted) and free its blocks at once (once its
+        """Retire a request (done, failed or aborted) and free its pages at once (once its
         last chunk in flight is updated, if it has one)."""
         if self.swap_policy is not None:
             self.swap_policy.release(req.request_id)
@@ -227,7 +227,7 @@ class SchedulerBase(abc.ABC):
         return bool(self.waiting or self.running)
 
     def page_holders(self) -> list[list[int]]:
-        """Every list of blocks in use: the running requests' block tables, and those of
+        """Every list of pages in use: the running requests' page tables, and those of
         finished requests whose chunks are still in flight (freed when they are back)."""
         return [r.held_page_ids for r in self.running] + list(self._deferred.values())
 
@@ -250,7 +250,7 @@ class SchedulerBase(abc.ABC):
         self._launched.append(_Outstanding(plan, reqs, held))
 
     def _unpin(self, req: Request) -> None:
-        """One chunk of ``req`` is back; the last one frees deferred blocks."""
+        """One chunk of ``req`` is back; the last one frees deferred pages."""
         left = self.pinned.pop(req) - 1
         if left:
             self.pinned[req] = left
@@ -261,7 +261,7 @@ class SchedulerBase(abc.ABC):
         """Something a plan could contain: a waiting request or a running one not in flight."""
         return bool(self.waiting) or len(self.running) > len(self.in_flight)
 
-    # -- blocks ------------------------------------------------------------------------
+    # -- pages ------------------------------------------------------------------------
     def _release(self, req: Request, keep_dropped: bool = False) -> None:
         """Frees the pages ``req`` holds; ``keep_dropped``: its page list keeps the entries
         of pages a window dropped (a swapped request's KV comes back after them)."""
@@ -279,7 +279,7 @@ class SchedulerBase(abc.ABC):
                 req.page_ids, req.num_dropped_pages, req.num_computed)
 
     def _cached_prefix(self, req: Request) -> list[int]:
-        """Cached blocks of ``req``'s leading full pages, leaving at least its last token to
+        """Cached pages of ``req``'s leading full pages, leaving at least its last token to
         compute (its logits are needed)."""
         alloc = self.allocator
         if not (alloc.prefix_caching and req.cacheable and req.takes_cached):
@@ -302,18 +302,18 @@ class SchedulerBase(abc.ABC):
         prefilling after them. ``_unclaim_prefix`` undoes it if the admission fails."""
         if req.num_computed or req.page_ids or req.swapped:
             return
-        blocks = self._cached_prefix(req)
+        cached = self._cached_prefix(req)
         req.cached_hint = 0
-        if blocks:
+        if cached:
             # With a window only the live pages are taken: the dead ones stay as they are.
-            computed = len(blocks) * self.allocator.page_size
+            computed = len(cached) * self.allocator.page_size
             dead = self.allocator.dead_pages(computed)
-            self.allocator.acquire(blocks[dead:])
-            req.page_ids = [FREED_PAGE] * dead + blocks[dead:]
+            self.allocator.acquire(cached[dead:])
+            req.page_ids = [FREED_PAGE] * dead + cached[dead:]
             req.num_dropped_pages = dead
             req.num_computed = req.num_cached_tokens = computed
-            req.num_registered_pages = len(blocks)
-        claim_host(self.allocator, req, len(blocks))
+            req.num_registered_pages = len(cached)
+        claim_host(self.allocator, req, len(cached))
 
     def _unclaim_prefix(self, req: Request) -> None:
         if req.status is not RequestStatus.RUNNING and req.num_cached_tokens:
@@ -329,7 +329,7 @@ class SchedulerBase(abc.ABC):
             self.prefix_hit_tokens += req.num_cached_tokens
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
-        """Make ``req`` own enough blocks for ``num_tokens`` KV entries."""
+        """Make ``req`` own enough pages for ``num_tokens`` KV entries."""
         need = self.allocator.pages_for(num_tokens) - len(req.page_ids)
         if need <= 0:
             return True
@@ -339,7 +339,7 @@ class SchedulerBase(abc.ABC):
         return True
 
     def _preempt(self, req: Request) -> None:
-        """Free the victim's blocks (swapping its KV out or dropping it for recompute) and
+        """Free the victim's pages (swapping its KV out or dropping it for recompute) and
         requeue it at the head of the waiting queue."""
         self.running.remove(req)
         self._drop_dead(req)  # a swap moves only the pages still read
@@ -360,7 +360,7 @@ class SchedulerBase(abc.ABC):
         self.waiting.appendleft(req)
 
     def _fits(self, req: Request, max_chunk: int) -> int:
-        """Largest chunk <= max_chunk whose KV fits in req's blocks plus the free pages of
+        """Largest chunk <= max_chunk whose KV fits in req's pages plus the free pages of
         the groups it grows into; with kvp groups it also stops at the next group boundary
         (a multiple of the tokens per group), so a chunk's new KV goes to one group."""
         alloc = self.allocator
@@ -441,7 +441,7 @@ class SchedulerBase(abc.ABC):
                 continue
             if windowed:
                 self._drop_dead(req)
-            if n > len(req.page_ids) * page_size:  # its token needs a new block
+            if n > len(req.page_ids) * page_size:  # its token needs a new page
                 while not self._grow(req, n):
                     victim = self._pick_victim()
                     if victim is None:  # every candidate is pinned: the decode waits
@@ -460,7 +460,7 @@ class SchedulerBase(abc.ABC):
 
     def _admit(self, req: Request) -> None:
         """Callers have grown ``req`` to hold its computed KV plus its first chunk; a swapped
-        request's KV goes back into the leading blocks."""
+        request's KV goes back into the leading pages."""
         self.waiting.remove(req)
         if req.swapped:
             used = self.allocator.pages_for(req.num_computed)
@@ -543,8 +543,8 @@ class SchedulerBase(abc.ABC):
         request and nothing else (no prefill, draft, preemption or swap, nobody waiting):
         the most steps, from ``burst`` down to 2, that every request may take without the
         host in between (``may_burst``: a request near its ``max_tokens`` or the context
-        shortens the burst; one that may take none prevents it), once the blocks of all of
-        them grow to hold those; else ``plan`` unchanged, and so are their blocks."""
+        shortens the burst; one that may take none prevents it), once the pages of all of
+        them grow to hold those; else ``plan`` unchanged, and so are their pages."""
         if (self.waiting or plan.prefills or not plan.decodes or plan.num_draft_tokens
                 or plan.preempted or plan.swap_out or plan.swap_in
                 or len(plan.decodes) != len(self.running)):
@@ -583,7 +583,7 @@ class SchedulerBase(abc.ABC):
         plan = self._schedule_once(admit=True)
         preempted = list(plan.preempted)
         while plan.is_empty and self.running:
-            # Running prefills hold blocks none of them can grow into: free the newest.
+            # Running prefills hold pages none of them can grow into: free the newest.
             victim = self._pick_victim()
             if victim is None:  # all pinned: their chunks leave the pipeline first
                 break

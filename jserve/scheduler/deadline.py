@@ -174,13 +174,13 @@ class DeadlineScheduler(SchedulerBase):
         tokens, its KV past its pages (to hold a chunk the free pages must hold this plus
         the chunk), and whether claiming and unclaiming its prefix would change nothing (no
         cached pages held, none to look up)."""
-        computed, blocks = req.num_computed, req.page_ids
+        computed, pages = req.num_computed, req.page_ids
         plain = not req.num_cached_tokens and bool(
-            computed or blocks or req.swapped  # ``_claim_prefix`` returns at once
+            computed or pages or req.swapped  # ``_claim_prefix`` returns at once
             or req.cached_hint == 0 and not (self.allocator.prefix_caching and req.cacheable
                                              and req.takes_cached))
         return self._parts(req) + (len(req.token_ids) - computed,
-                                   computed - len(blocks) * self.allocator.page_size, plain)
+                                   computed - len(pages) * self.allocator.page_size, plain)
 
     def _keys(self, reqs: Sequence[Request], now: float) -> np.ndarray:
         """The policy's order (lower first) of each request at ``now``."""

@@ -49,12 +49,12 @@ def restore(alloc: PageAllocator, req: Request) -> int:
     req.num_restored_tokens = 0
     if not req.restoring:
         return 0
-    slots, blocks = zip(*req.restoring)
-    alloc.host.restore(slots, blocks)
+    slots, pages = zip(*req.restoring)
+    alloc.host.restore(slots, pages)
     first = req.num_registered_pages
-    for j in range(first, first + len(blocks)):
+    for j in range(first, first + len(pages)):
         alloc.register(req.page_ids[j], req.page_keys[j])
-    req.num_registered_pages = first + len(blocks)
-    req.num_restored_tokens = len(blocks) * alloc.page_size
+    req.num_registered_pages = first + len(pages)
+    req.num_restored_tokens = len(pages) * alloc.page_size
     req.restoring = []
     return req.num_restored_tokens

@@ -25,9 +25,9 @@ PageMove = tuple[str, tuple[int, ...]]  # (request id, KV pages in token order)
 
 @dataclasses.dataclass(frozen=True)
 class BatchPlan:
-    """One iteration. Before running it the engine copies ``swap_out`` blocks to host memory
+    """One iteration. Before running it the engine copies ``swap_out`` pages to host memory
     (their ids may be reused by this very plan), then ``swap_in`` host copies into their new
-    blocks."""
+    pages."""
 
     decodes: tuple[ScheduledChunk, ...]
     prefills: tuple[ScheduledChunk, ...]
@@ -38,7 +38,7 @@ class BatchPlan:
     # decode, computes ``burst`` tokens and samples ``burst`` tokens, one a step.
     burst: int = 1
     # The prefix cache's host tier (``jserve.cache.host_tier``): evicted cached pages copied
-    # out, (device block, host slot), and host copies restored, (host slot, device block).
+    # out, (device page, host slot), and host copies restored, (host slot, device page).
     # Every read of the device (swap_out, offload) comes before any write (swap_in, restore).
     offload: tuple[tuple[int, int], ...] = ()
     restore: tuple[tuple[int, int], ...] = ()

@@ -16,7 +16,7 @@ PLACEHOLDER = -1
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"          # prefilling or decoding; holds KV pages
-    PREEMPTED = "preempted"      # blocks released; KV swapped to host or to be recomputed
+    PREEMPTED = "preempted"      # pages released; KV swapped to host or to be recomputed
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -68,7 +68,7 @@ class Request:
     cached_hint: int = 0
     num_cached_tokens: int = 0
     # The host tier: of ``cached_hint``, the pages only the host holds (what a restore
-    # costs); (host slot, device block) of a claim's pages to restore; and the tokens
+    # costs); (host slot, device page) of a claim's pages to restore; and the tokens
     # restored from the host at its last admission (part of ``num_cached_tokens``).
     restore_hint: int = 0
     restoring: list = dataclasses.field(default_factory=list, repr=False)
