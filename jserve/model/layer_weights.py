@@ -18,9 +18,9 @@ from typing import Any, Iterator
 
 import jax
 
-# The layer matrices (every family's names, jserve.model.families.base); other leaves
-# (norms, biases) are a few vectors a layer and are sliced as before.
-MATRICES = ("wq", "wk", "wv", "wqkv", "wo", "w_gate", "w_up", "w_gate_up", "w_down")
+# The layer matrices (``tp_layout.LEAVES``) are read in place; other leaves (norms, biases)
+# are a few vectors a layer and are sliced as before.
+from jserve.model.tp_layout import MATRICES
 
 _state = threading.local()
 

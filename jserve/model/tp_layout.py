@@ -1,5 +1,6 @@
-"""The runtime params' column layout: which checkpoint matrices are fused into one runtime
-leaf (``FUSED``: one matmul for several), and the tensor-parallel layout (Megatron): which
+"""The layer leaves' vocabulary (``LEAVES``: what each kind of leaf is), the runtime params'
+column layout: which checkpoint matrices are fused into one runtime leaf (``FUSED``: one
+matmul for several), and the tensor-parallel layout (Megatron): which
 layer weights a ``tp``-way split cuts by columns and which by rows, and how the columns of
 wk/wv and of the fused leaves are ordered so a contiguous split gives each shard its own
 pieces (``column_sources``, the one authority the loaders and ``tp_layout_leaf`` read).
@@ -23,20 +24,55 @@ import numpy as np
 
 from jserve.config import ModelConfig
 
-# Runtime-layout layer leaves split on tp, by what they are in any family (leaf names are one
-# vocabulary: jserve/model/families/base.py): matrices column-split on the last axis or
-# row-split on the first (of one layer), biases [out] split like their matrix's columns;
-# everything else (norms, q/k norms, embed, lm_head) is replicated. KV_HEAD_COLUMNS' columns
-# are KV heads, stored in ``kv_head_map`` order.
-COLUMN_SPLIT = ("wq", "wk", "wv", "wqkv", "w_gate_up")
-ROW_SPLIT = ("wo", "w_down")
-BIAS_SPLIT = ("bq", "bk", "bv")
-KV_HEAD_COLUMNS = ("wk", "wv", "bk", "bv")
-# Runtime layer leaves made of checkpoint ones side by side on the output axis, in order:
-# the query, key and value projections (one launch for three on a GPU decode step), gate
-# and up (1.8x faster MLP at 32 rows on a CPU). Under tp shard-major: [parts of shard 0,
-# parts of shard 1, ...].
-FUSED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
+@dataclasses.dataclass(frozen=True)
+class LeafKind:
+    """What a layer leaf is, wherever it appears (leaf names are one vocabulary across
+    families: jserve/model/families/base.py). ``split``: how tp cuts it, "columns" (the last
+    axis), "rows" (the first of a layer), "bias" (an [out] vector split like its matrix's
+    columns) or None (replicated); ``matrix``: a projection (quantized, and read in place by
+    the indexed layer loop); ``kv_heads``: its columns are KV heads, stored in
+    ``kv_head_map`` order; ``parts``: the checkpoint leaves a fused runtime leaf is made of,
+    side by side on the output axis, in order (under tp shard-major: [parts of shard 0,
+    parts of shard 1, ...])."""
+
+    split: str | None = None
+    matrix: bool = False
+    kv_heads: bool = False
+    parts: tuple[str, ...] = ()
+
+
+# The one table of layer leaf kinds: a new kind of leaf (an expert stack, a router) is
+# declared here once, and the tp layout, quantization and the layer loop read it. Norms (and
+# any leaf not listed) are replicated vectors. The fused leaves: the query, key and value
+# projections (one launch for three on a GPU decode step), gate and up (1.8x faster MLP at
+# 32 rows on a CPU); gate and up alone stay whole (a family always has both: they fuse).
+LEAVES: dict[str, LeafKind] = {
+    "wq": LeafKind("columns", True),
+    "wk": LeafKind("columns", True, kv_heads=True),
+    "wv": LeafKind("columns", True, kv_heads=True),
+    "wqkv": LeafKind("columns", True, parts=("wq", "wk", "wv")),
+    "wo": LeafKind("rows", True),
+    "w_gate": LeafKind(None, True),
+    "w_up": LeafKind(None, True),
+    "w_gate_up": LeafKind("columns", True, parts=("w_gate", "w_up")),
+    "w_down": LeafKind("rows", True),
+    "bq": LeafKind("bias"),
+    "bk": LeafKind("bias", kv_heads=True),
+    "bv": LeafKind("bias", kv_heads=True),
+}
+
+
+def _kinds(**want) -> tuple[str, ...]:
+    return tuple(n for n, k in LEAVES.items()
+                 if all(getattr(k, f) == v for f, v in want.items()))
+
+
+COLUMN_SPLIT = _kinds(split="columns")
+ROW_SPLIT = _kinds(split="rows")
+BIAS_SPLIT = _kinds(split="bias")
+KV_HEAD_COLUMNS = _kinds(kv_heads=True)
+MATRICES = _kinds(matrix=True)
+FUSED = {n: k.parts for n, k in LEAVES.items() if k.parts}
 
 
 def check_tp(cfg: ModelConfig, tp: int) -> None:

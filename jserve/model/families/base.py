@@ -7,10 +7,10 @@ embedding, final norm and LM head follow HF's usual names unless it says otherwi
 decoder layer (``decoder_layer``, built from ``jserve.model.layers``).
 
 Leaf names are one vocabulary across families (``wq`` is a query projection wherever it
-appears), and a leaf's tensor-parallel split and whether it is quantized follow from what it
-is: ``jserve.model.tp_layout`` (column, row or KV-head split; everything else replicated)
-and ``jserve.model.quant.QUANTIZED_LEAVES`` (the projection matrices; biases and norms stay
-in the model's dtype). A family that brings a new kind of leaf adds it there once.
+appears), and a leaf's tensor-parallel split, whether it is quantized and which checkpoint
+leaves a runtime leaf fuses follow from what it is: ``jserve.model.tp_layout.LEAVES``, the
+one table of leaf kinds (a leaf it does not list is a replicated vector in the model's
+dtype). A family that brings a new kind of leaf adds it there once.
 """
 from __future__ import annotations
 
