@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from devices import xla_flags
+from devices import harness_env, xla_flags
 from harness.device_flags import CONTROL_FLOW_GRAPHS
 
 pytestmark = pytest.mark.slow
@@ -134,7 +134,7 @@ def test_the_deadline_ends_an_item_in_hand_and_keeps_the_results(tmp_path):
         print("returned")
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT)
+                          timeout=120, cwd=ROOT, env=harness_env())
     assert proc.returncode == 3 and "returned" not in proc.stdout, proc.stderr[-2000:]
     res = json.loads((tmp_path / "cut.json").read_text())
     assert res["cut_short"] and res["quick"] == 1 and "never" not in res
