@@ -51,7 +51,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach the hub
 # small shared machine; passive waits kept HF's times steady. Override by setting it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from jserve.bench.hf_compare import Settings, run  # noqa: E402  (imports torch)
+from harness.hf_compare import Settings, run  # noqa: E402  (imports torch)
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:

@@ -4,7 +4,7 @@ pages a 32K-token request holds (windowed families against full attention).
     python scripts/bench_families.py                         # every family, 3 repetitions
     python scripts/bench_families.py --families mistral,gemma3 --reps 5 --out fam.json
 
-Each family's seeded random checkpoint (the same body for all: jserve/bench/families.py) is
+Each family's seeded random checkpoint (the same body for all: scripts/harness/families.py) is
 written by transformers; 8 prompts of 128 tokens, 32 greedy new tokens each, EOS ignored, run
 by jserve (every program compiled first, not timed) and by HF ``generate`` back to back in
 each repetition; tokens/s from the medians. The KV pages are the allocator's own count
@@ -22,7 +22,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenM
 
 
 def main() -> int:
-    from jserve.bench.families import FAMILIES, Workload, run
+    from harness.families import FAMILIES, Workload, run
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--families", default=",".join(FAMILIES))

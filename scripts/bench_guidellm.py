@@ -1,7 +1,7 @@
 """guidellm (vLLM's benchmark tool) next to jserve's own harness, for the same load: one
 ``jserve serve`` of a Hugging Face checkpoint with its tokenizer, then for each profile
 (synchronous: one request at a time; concurrent: ``--streams`` at a time) guidellm on
-synthetic data (``jserve.bench.guidellm``) and the harness (``jserve.bench.replay.run_http``:
+synthetic data (``harness.guidellm``) and the harness (``jserve.bench.replay.run_http``:
 the same OpenAI API, streaming completions) with the same prompt and output lengths, the same
 number of requests and the same concurrency. Each run also gets the engine's own figures
 from the server's metrics (TTFT and TPOT as the engine thread observed them, tokens per step
@@ -27,8 +27,8 @@ import httpx2 as httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this checkout; tests/hf_models.py
 
-from jserve.bench.guidellm_compare import compare, render_report  # noqa: E402
-from jserve.bench.served import Served  # noqa: E402
+from harness.guidellm_compare import compare, render_report  # noqa: E402
+from harness.served import Served  # noqa: E402
 
 
 def main() -> None:

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jserve.bench.kernel_check import timed
+from harness.kernel_check import timed
 from jserve.kernels import AttentionMetadata, attention, resolve_impl
 from jserve.kernels.reference import PAGES_PER_BLOCK
 

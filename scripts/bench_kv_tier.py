@@ -26,8 +26,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jserve.bench import kv_tier  # noqa: E402
-from jserve.bench.kv_tier import SimTier  # noqa: E402
+from harness import kv_tier  # noqa: E402
+from harness.kv_tier import SimTier  # noqa: E402
 
 
 def _engine(tier: bool, doc_tokens: int):

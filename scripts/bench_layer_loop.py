@@ -7,7 +7,7 @@ For each depth the built-in ``default`` model's shape (hidden 256, intermediate 
 heads of 64, vocab 320, float32 random weights) with that many layers; for each mode an
 ``LLMEngine`` (no warm-up, reference attention) lowers and compiles its decode step of
 ``--rows`` rows, timed apart: trace + lower, then XLA's compile. Also counted in the compiled
-HLO: the ops that materialise a whole layer matrix of the stack (``jserve.bench.
+HLO: the ops that materialise a whole layer matrix of the stack (``harness.
 layer_copies``), i.e. the weight copies the loop makes every layer. "loop" and "indexed"
 should stay flat with depth, "unrolled" and "sliced" grow. On CPU "indexed" runs its Pallas
 kernel interpreted, so its figures there say how the program grows, not how fast it is.
@@ -22,7 +22,7 @@ import time
 
 
 def measure(depth: int, mode: str, rows: int) -> dict:
-    from jserve.bench.layer_copies import layer_matrix_copies
+    from harness.layer_copies import layer_matrix_copies
     from jserve.engine.config import EngineConfig
     from jserve.engine.engine import LLMEngine
     from jserve.model.weights import DEFAULT_CONFIG, init_params

@@ -6,12 +6,12 @@ and start-up with an empty and a warm persistent cache (docs/startup.md).
     python scripts/bench_program_set.py --before /tmp/before   # and another tree first
     python scripts/bench_program_set.py --engine-kwargs '{"warmup": "all"}' --label all
 
-The trace (``jserve.bench.mixed_trace.mixed_trace``): 120 requests, prompts 1-6,000 tokens
+The trace (``harness.mixed_trace.mixed_trace``): 120 requests, prompts 1-6,000 tokens
 log-normal (median 200), 1-200 output tokens, in 4 waves 3 s apart, greedy, EOS ignored, on
 the built-in ``default`` model with default engine settings. Every start is a fresh process;
 "cold" uses a new cache directory, "warm" the same one again. ``--before DIR``: a jserve tree
-(e.g. ``git archive`` of an older commit) measured the same way first; this script copies
-``jserve/bench/mixed_trace.py`` into it if it lacks one.
+(e.g. ``git archive`` of an older commit) measured the same way first, by this checkout's
+``harness.mixed_trace``.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from jserve.bench import mixed_trace
+from harness import mixed_trace
 
 
 def main() -> None:
@@ -43,9 +43,6 @@ def main() -> None:
     caches = tempfile.mkdtemp(prefix="bench-program-set-")
     rows = []
     if a.before:
-        target = Path(a.before) / "jserve" / "bench" / "mixed_trace.py"
-        if not target.exists():
-            shutil.copy(mixed_trace.__file__, target)
         rows += mixed_trace.study("before", a.before, trace, a.before_kwargs, caches)
     rows += mixed_trace.study(a.label, None, trace, a.engine_kwargs, caches)
     print(mixed_trace.table(rows))

@@ -1,5 +1,5 @@
 """What prompt logprobs add to a prefill, on the same engine in one run
-(``jserve.bench.prompt_logprobs``: the method and what is timed).
+(``harness.prompt_logprobs``: the method and what is timed).
 
     python scripts/bench_prompt_logprobs.py [--model default --model DIR ...]
         [--prompt-len 1536] [--reps 9] [--tops 0 1 5] [--json out.json]
@@ -17,7 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jserve.bench.prompt_logprobs import measure, table  # noqa: E402
+from harness.prompt_logprobs import measure, table  # noqa: E402
 
 
 def main() -> None:

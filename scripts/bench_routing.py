@@ -19,7 +19,7 @@ the replicas' ``vllm:prefix_cache_*`` counters).
 (``jserve.sim.cluster``), once per replica scheduler (``--replica-policies``: ``lars-ss``, and
 ``sarathi``, the FIFO chunked prefill of vLLM-like replicas) and share of long documents
 (``--long-fractions``: 5%, the Medha-scale trace, and 1%); the trace is
-``jserve.bench.workload``'s ShareGPT4 chats with Medha-SWE-like 128K-1M documents, with half
+``harness.workload``'s ShareGPT4 chats with Medha-SWE-like 128K-1M documents, with half
 of every chat of 256+ tokens a shared system prompt (8 of them; prefix caching on). Each
 router's goodput: the highest QPS (geometric bisection to ``--rel-tol``) at which 90% of short
 requests meet their TTFT deadline (the deadline policies' default, max(1.5 x isolated prefill,
@@ -37,8 +37,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from jserve.bench.routing_live import live  # noqa: E402
-from jserve.bench.routing_sim import sim, table  # noqa: E402
+from harness.routing_live import live  # noqa: E402
+from harness.routing_sim import sim, table  # noqa: E402
 from jserve.routing import ROUTERS  # noqa: E402
 
 

@@ -31,7 +31,7 @@ is the figure to trust.
 """
 from __future__ import annotations
 
-from jserve.bench.schedule_time import build_parser, run
+from harness.schedule_time import build_parser, run
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 """``jserve bench serve`` and aiperf against the same ``jserve serve``, one after the other, the
-same workload (``jserve.bench.serve_vs_aiperf``), on the built-in model (aiperf counting with
+same workload (``harness.serve_vs_aiperf``), on the built-in model (aiperf counting with
 an HF copy of its byte tokenizer) and on the tests' trained-BPE Llama-3 checkpoint
 (``tests/hf_models.py``; needs the ``test`` extra):
 
@@ -21,10 +21,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this checkout; tests/hf_models.py
 
-from jserve.bench import aiperf  # noqa: E402
-from jserve.bench.machine import cores, cpu_model, uptime  # noqa: E402
-from jserve.bench.serve_vs_aiperf import compare, render  # noqa: E402
-from jserve.bench.served import Served  # noqa: E402
+from harness import aiperf  # noqa: E402
+from harness.machine import cores, cpu_model, uptime  # noqa: E402
+from harness.serve_vs_aiperf import compare, render  # noqa: E402
+from harness.served import Served  # noqa: E402
 
 
 def main() -> None:

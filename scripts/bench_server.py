@@ -23,9 +23,9 @@ import time
 import httpx2 as httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.served import Served
 from jserve.bench.metrics import percentile, tpot, ttft
 from jserve.bench.replay import run_http, run_remote
-from jserve.bench.served import Served
 from jserve.sim.trace import TraceRequest
 
 

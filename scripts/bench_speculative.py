@@ -32,8 +32,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from jserve.bench.machine import uptime
-from jserve.bench.spec_decode import WORKLOADS, bench
+from harness.machine import uptime
+from harness.spec_decode import WORKLOADS, bench
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ import argparse
 
 # Parent and children import the jserve installed here (this checkout's, in its venv) unless
 # PYTHONPATH names another; the children get this checkout's root as PYTHONPATH by default.
-from jserve.bench.startup import run_child, run_engine_study, run_first_token
+from harness.startup import run_child, run_engine_study, run_first_token
 
 
 def main() -> None:

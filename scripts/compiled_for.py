@@ -23,7 +23,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from jserve.bench.device_profiles import LLAMA_1B, LLAMA_8B, llama_cfg  # noqa: E402
+from harness.device_profiles import LLAMA_1B, LLAMA_8B, llama_cfg  # noqa: E402
 from jserve.engine.config import EngineConfig  # noqa: E402
 from jserve.targets.command import rows  # noqa: E402
 from jserve.targets.programs import compile_for  # noqa: E402

@@ -21,7 +21,7 @@ import fractions
 import sys
 from pathlib import Path
 
-from jserve.bench.convoy import (
+from harness.convoy import (
     CPU,
     CPU_ENGINE,
     POLICIES,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from jserve.bench.convoy_real import POLICIES, run
+from harness.convoy_real import POLICIES, run
 
 
 def main() -> None:

@@ -70,8 +70,8 @@ sys.path.insert(0, str(ROOT))  # this checkout's jserve, installed (maybe elsewh
 # process finds room on the same GPU (set it to "true" to measure with preallocation).
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-from jserve.bench.device_check import run  # noqa: E402
-from jserve.bench.device_profiles import FULL, SMOKE  # noqa: E402
+from harness.device_check import run  # noqa: E402
+from harness.device_profiles import FULL, SMOKE  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

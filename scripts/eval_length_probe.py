@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jserve.bench.trail import run
+from harness.trail import run
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,9 +24,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from jserve.bench.medha import attainment_rows, load
-from jserve.bench.medha_page import write
-from jserve.bench.medha_tables import attainment_table
+from harness.medha import attainment_rows, load
+from harness.medha_page import write
+from harness.medha_tables import attainment_table
 
 
 def main() -> None:

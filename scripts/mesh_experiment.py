@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     args = _args(argv)
     _force_host_devices(args.cpu_devices)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from jserve.bench.mesh_sweep import SweepSettings, parse_list, run
+    from harness.mesh_sweep import SweepSettings, parse_list, run
 
     try:
         settings = SweepSettings(

@@ -1,5 +1,5 @@
 """Offline evaluation of scheduling policies on the live engine: a ShareGPT4 + synthetic
-Medha-SWE workload (``jserve.bench.workload``) replayed with wall-clock arrivals against each
+Medha-SWE workload (``harness.workload``) replayed with wall-clock arrivals against each
 policy, in process or against a running ``jserve serve``; per-request records, summaries,
 TTFT CDF / TPOT / QPS-sweep plots and ratios against a baseline, all under --out-dir.
 
@@ -16,9 +16,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from jserve.bench.evaluate import evaluate, local_runner, ratio_table, remote_runner, write_plots
+from harness.evaluate import evaluate, local_runner, ratio_table, remote_runner, write_plots
+from harness.workload import WorkloadSpec
 from jserve.bench.metrics import Slo
-from jserve.bench.workload import WorkloadSpec
 from jserve.engine.args import add_engine_args, llm_kwargs
 from jserve.engine.config import EngineConfig
 from jserve.scheduler import POLICIES

@@ -26,8 +26,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's jserve
 import jax  # noqa: E402
 
-from jserve.bench.device_profiles import FULL, SMOKE, llama_cfg  # noqa: E402
-from jserve.bench.random_engine import make_engine, random_params, serve  # noqa: E402
+from harness.device_profiles import FULL, SMOKE, llama_cfg  # noqa: E402
+from harness.random_engine import make_engine, random_params, serve  # noqa: E402
 from jserve.engine.config import LAYER_LOOPS  # noqa: E402
 from jserve.sampling.params import SamplingParams  # noqa: E402
 

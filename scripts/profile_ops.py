@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import argparse
 
-from jserve.bench.machine import uptime
-from jserve.bench.op_profile import profile_ops
+from harness.machine import uptime
+from harness.op_profile import profile_ops
 
 
 def main() -> int:

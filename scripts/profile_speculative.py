@@ -17,9 +17,9 @@ from __future__ import annotations
 import argparse
 import os
 
-from jserve.bench.machine import uptime
-from jserve.bench.spec_decode import WORKLOADS
-from jserve.bench.spec_profile import profile
+from harness.machine import uptime
+from harness.spec_decode import WORKLOADS
+from harness.spec_profile import profile
 
 
 def main() -> None:

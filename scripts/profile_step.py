@@ -38,9 +38,9 @@ import argparse
 import jax
 from tqdm import tqdm
 
-from jserve.bench.decode_step import bench_model
-from jserve.bench.machine import uptime
-from jserve.bench.step_profile import profile_batch, report
+from harness.decode_step import bench_model
+from harness.machine import uptime
+from harness.step_profile import profile_batch, report
 from jserve.kernels import resolve_impl
 
 

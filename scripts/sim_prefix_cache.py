@@ -3,7 +3,7 @@
     python scripts/sim_prefix_cache.py [--requests 400] [--asks 4] [--gap-s 60] [--load 0.8]
 
 Llama-3 8B on 16 A100 (TP8 x SPP2, the time model of jserve.sim), ShareGPT4 short requests
-with 5% Medha-SWE-like long documents (``jserve.bench.workload``); each document is asked
+with 5% Medha-SWE-like long documents (``harness.workload``); each document is asked
 about ``--asks`` times (the first ask, then one every ``--gap-s`` seconds), each ask being the
 document plus a 50-200-token question. lars with prefix caching off and on, at ``--load`` x
 the time model's saturation QPS without caching. Prints short-request TTFT, long-request
@@ -20,8 +20,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from harness.workload import WorkloadSpec, build_workload  # noqa: E402
 from jserve.bench.metrics import LONG_PROMPT_TOKENS, percentile  # noqa: E402
-from jserve.bench.workload import WorkloadSpec, build_workload  # noqa: E402
 from jserve.sim.policies import SimConfig, run, saturation  # noqa: E402
 from jserve.sim.trace import TraceRequest  # noqa: E402
 

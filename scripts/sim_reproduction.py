@@ -21,9 +21,9 @@ import multiprocessing
 import time
 from pathlib import Path
 
+from harness.plots import qps_sweep
+from harness.workload import WorkloadSpec, build_workload
 from jserve.bench.metrics import summarize
-from jserve.bench.plots import qps_sweep
-from jserve.bench.workload import WorkloadSpec, build_workload
 from jserve.scheduler.registry import SIMULATED_POLICIES as POLICIES
 from jserve.serving.commands import add_budget_arg
 from jserve.sim.policies import SimConfig, run

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from devices import xla_flags
-from jserve.bench.served import SERVE_FLAGS, Served  # noqa: F401  (the tests import them from here)
+from harness.served import SERVE_FLAGS, Served  # noqa: F401  (the tests import them from here)
 
 os.environ["XLA_FLAGS"] = xla_flags(None)  # before any test imports JAX (devices.py says why)
 # The CPU is the suite's platform. With the accelerator plugins installed (the compile-only

@@ -31,13 +31,20 @@ def xla_flags(devices: int | None = None, suite: bool = True) -> str:
     return " ".join(flags)
 
 
+def harness_env() -> dict[str, str]:
+    """The environment with ``scripts/`` first on ``PYTHONPATH``: a ``python -c`` body can
+    ``import harness`` as the tests do (pytest's ``pythonpath``) and the scripts do."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT / "scripts")] + [x for x in [os.environ.get("PYTHONPATH")] if x])}
+
+
 def run_on_devices(script: str, *args: str, devices: int = 8, timeout: float = 900,
                    suite_flags: bool = True) -> subprocess.CompletedProcess:
-    """Runs ``python -c script *args`` from the repository root with ``devices`` CPU devices;
-    asserts it succeeded and sets ``.result`` to the JSON object it printed last.
-    ``suite_flags`` False: XLA's default code generation, for a body whose time goes to
-    running its programs rather than compiling them."""
-    env = {**os.environ, "XLA_FLAGS": xla_flags(devices, suite_flags)}
+    """Runs ``python -c script *args`` from the repository root with ``devices`` CPU devices
+    (``harness`` importable); asserts it succeeded and sets ``.result`` to the JSON object it
+    printed last. ``suite_flags`` False: XLA's default code generation, for a body whose time
+    goes to running its programs rather than compiling them."""
+    env = {**harness_env(), "XLA_FLAGS": xla_flags(devices, suite_flags)}
     proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
                           env=env, timeout=timeout, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]

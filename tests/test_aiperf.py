@@ -1,6 +1,6 @@
 """aiperf (NVIDIA's serving benchmark, the ``test`` extra) runs unchanged against a real
 ``jserve serve`` of the trained-BPE Llama-3 checkpoint: its CLI in a subprocess, offline
-(``jserve.bench.aiperf`` says what that takes), a streaming profile on the chat and the
+(``harness.aiperf`` says what that takes), a streaming profile on the chat and the
 completions endpoints; 0 errors, and the requests and tokens of its exports are exactly what
 the server's /metrics counted. Also: the HF byte tokenizer written for the built-in model
 encodes as jserve's own."""
@@ -11,8 +11,8 @@ import json
 import pytest
 
 from conftest import Served, gauges
+from harness import aiperf
 from hf_models import llama3_chat_dir
-from jserve.bench import aiperf
 from jserve.tokenizer import ByteTokenizer, HFTokenizer
 
 REQUESTS, CONCURRENCY, ISL, OSL = 20, 4, 64, 16

@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from harness.workload import WorkloadSpec, build_workload
 from jserve.bench.metrics import Slo, format_summary, ratio, summarize
 from jserve.bench.replay import run_http, run_local, run_remote
-from jserve.bench.workload import WorkloadSpec, build_workload
 from jserve.data import trace_path
 from jserve.serving.server import BackgroundServer, ServerConfig
 from jserve.sim.trace import (
@@ -245,7 +245,7 @@ def test_convoy_benchmark_script_end_to_end(tmp_path, capsys):
 
 
 def test_sweep_results_make_every_plot_and_a_ratio_table(tmp_path):
-    from jserve.bench.evaluate import PolicyResult, ratio_table, write_plots
+    from harness.evaluate import PolicyResult, ratio_table, write_plots
 
     results = []
     for qps in (1.0, 2.0):

@@ -182,7 +182,7 @@ def test_a_burst_not_compiled_yet_compiles_in_the_background_meanwhile_single_st
 _TP_SCRIPT = textwrap.dedent("""
     import json, sys
     from jserve import LLM, SamplingParams
-    from jserve.bench.evaluate import release_executables
+    from harness.evaluate import release_executables
     settings = json.loads(sys.argv[1])
     prompts = ["count down from 40", "list fruits", "count down from 33"]
     params = SamplingParams(max_tokens=30, temperature=0.0)

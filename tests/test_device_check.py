@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from devices import xla_flags
-from jserve.bench.device_flags import CONTROL_FLOW_GRAPHS
+from devices import harness_env, xla_flags
+from harness.device_flags import CONTROL_FLOW_GRAPHS
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
-# The smoke run's items, most valuable first (jserve.bench.device_check._items).
+# The smoke run's items, most valuable first (harness.device_check._items).
 SMOKE_ITEMS = ["kernels context 64", "kernels context 256", "kernels over quantized KV pages",
                "engine greedy tokens", "decode tiny b=1", "decode tiny b=1 bursts of 4",
                "decode tiny b=2", "decode tiny b=2 bursts of 4", "prefill tiny 32 in one chunk",
@@ -125,7 +125,7 @@ def test_the_deadline_ends_an_item_in_hand_and_keeps_the_results(tmp_path):
     script = textwrap.dedent(f"""
         import time
         from pathlib import Path
-        from jserve.bench.device_budget import Budget, Item
+        from harness.device_budget import Budget, Item
         res = {{"checks": []}}
         Budget(3, Path({str(tmp_path / "cut.json")!r}), res).run_all([
             Item("quick", lambda: res.update(quick=1), floor_s=0),
@@ -134,7 +134,7 @@ def test_the_deadline_ends_an_item_in_hand_and_keeps_the_results(tmp_path):
         print("returned")
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT)
+                          timeout=120, cwd=ROOT, env=harness_env())
     assert proc.returncode == 3 and "returned" not in proc.stdout, proc.stderr[-2000:]
     res = json.loads((tmp_path / "cut.json").read_text())
     assert res["cut_short"] and res["quick"] == 1 and "never" not in res
@@ -147,7 +147,7 @@ def test_budget_skips_what_does_not_fit_and_keeps_going_after_a_failure(tmp_path
     """In process, items that finish within the budget: the JSON on disk is whole at every
     item, an item with more floor than time left is skipped, a failure is recorded and the
     next item still runs."""
-    from jserve.bench.device_budget import Budget, Item
+    from harness.device_budget import Budget, Item
 
     path = tmp_path / "partial.json"
     res: dict = {"checks": []}

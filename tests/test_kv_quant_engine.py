@@ -56,7 +56,7 @@ _SCRIPT = textwrap.dedent("""
     import json, sys
     import jax
     from jserve import LLM, SamplingParams
-    from jserve.bench.evaluate import release_executables
+    from harness.evaluate import release_executables
     runs = json.loads(sys.argv[1])
     settings = json.loads(sys.argv[2])
     prompts = [[3 + (7 * i + j) % 300 for j in range(n)]

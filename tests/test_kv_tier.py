@@ -184,7 +184,7 @@ def jax_leaves(tree):
 def test_a_long_document_evicted_from_a_two_document_pool_comes_back_from_the_host():
     """The issue's scenario, its mechanism exactly (the timing is scripts/bench_kv_tier.py's):
     six 1,500-token documents through a pool for about two, then the first again."""
-    from jserve.bench.kv_tier import ask_in_turn, document_prompts
+    from harness.kv_tier import ask_in_turn, document_prompts
 
     docs = document_prompts(6, 1500)
     settings = dict(num_kv_pages=2 * 94 + 4, max_model_len=1536, max_num_batched_tokens=512)

@@ -11,7 +11,7 @@ whose matmuls read each layer's tiles in place (``jserve.kernels.layer_matmul``)
   step on CPU cannot show it: there the kernel runs in Pallas interpret mode, which copies
   its operands (it is exact, not fast), and XLA:CPU has no kernel that reads a slice in
   place. What the CPU's optimized HLO does show is the copies this mode removes: the plain
-  loop's step materialises every layer matrix (the counter ``jserve.bench.layer_copies``
+  loop's step materialises every layer matrix (the counter ``harness.layer_copies``
   finds all four), unrolled layers none.
 - The kernel itself: both flavours, interpreted, equal ``x @ w[i]`` for plain and quantized
   weights at every layer.
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jserve.bench.layer_copies import layer_matrix_copies, layer_matrix_shapes
+from harness.layer_copies import layer_matrix_copies, layer_matrix_shapes
 from jserve.engine.config import EngineConfig, layer_flags
 from jserve.engine.engine import LLMEngine
 from jserve.kernels.layer_matmul import gpu_splits, layer_matmul

@@ -1,8 +1,9 @@
 """The shape of the code, read from the source with ``ast`` (no JAX, nothing imported): the
 import layers (the mesh layer ``sharding/`` sits under the engine and never imports
 ``jserve.engine``; the model and the kernels sit under the mesh layer and never import
-``sharding``), no import cycle in ``jserve`` and ``sharding`` (imports inside functions
-count), and the size bounds of modules and functions."""
+``sharding``; nothing in ``jserve`` imports torch, transformers, matplotlib or the benchmark
+harness ``scripts/harness``), no import cycle in ``jserve``, ``sharding`` and the harness
+(imports inside functions count), and the size bounds of modules and functions."""
 from __future__ import annotations
 
 import ast
@@ -42,6 +43,40 @@ def test_lower_layers_do_not_import_higher_ones(package, forbidden):
     assert _violations(package, forbidden) == []
 
 
+# -- what the package imports: jserve runs without torch, transformers and matplotlib (the
+# benchmark harness that uses them, scripts/harness, stays out of the package and imports
+# jserve, never the reverse) ------------------------------------------------------------------
+HARNESS_ONLY = ("torch", "transformers", "matplotlib")
+
+
+@pytest.mark.parametrize("forbidden", HARNESS_ONLY)
+def test_the_package_imports_no_torch_transformers_or_matplotlib(forbidden):
+    assert _violations("jserve", forbidden) == []
+
+
+def test_the_package_does_not_import_the_harness():
+    assert _violations("jserve", "harness") == []
+    assert _violations("sharding", "harness") == []
+
+
+def test_the_package_keeps_only_the_bench_modules_it_runs():
+    """``jserve/bench`` holds what ``jserve bench serve`` (the CLI) and the simulator import:
+    the command, its request sets, the replay clients and the metrics; the rest of the
+    harness lives in ``scripts/harness``."""
+    kept = sorted(p.stem for p in (ROOT / "jserve" / "bench").glob("*.py"))
+    assert kept == ["__init__", "datasets", "metrics", "replay", "serve_bench"]
+    assert (ROOT / "scripts" / "harness" / "__init__.py").exists()
+    # and each is reached from outside jserve.bench (jserve.cli, jserve.sim), through other
+    # bench modules or directly
+    graph = import_graph()
+    reached, frontier = set(), {m for name, deps in graph.items()
+                                if not name.startswith("jserve.bench") for m in deps}
+    while frontier:
+        reached |= frontier
+        frontier = {m for name in frontier for m in graph[name]} - reached
+    assert sorted(m for m in graph if m.startswith("jserve.bench.") and m not in reached) == []
+
+
 def test_the_check_sees_imports_inside_functions(tmp_path):
     pkg = tmp_path / "pkg"
     pkg.mkdir()
@@ -76,10 +111,11 @@ def _oversized(root: Path, packages: tuple[str, ...]) -> list[str]:
 
 
 def test_modules_and_functions_stay_small():
-    """No module of ``jserve`` or ``sharding`` over 600 lines and no function over 80 (over
-    60 in ``jserve/engine``, whose construction, intake, output processing, programs, step
-    execution and page I/O each live in their own module)."""
-    over = _oversized(ROOT, ("jserve", "sharding"))
+    """No module of ``jserve``, ``sharding`` or the harness (``scripts/harness``) over 600
+    lines and no function over 80 (over 60 in ``jserve/engine``, whose construction,
+    intake, output processing, programs, step execution and page I/O each live in their own
+    module)."""
+    over = _oversized(ROOT, ("jserve", "sharding", "scripts/harness"))
     assert not over, "over the size bounds:\n" + "\n".join(over)
 
 
@@ -174,9 +210,10 @@ def test_the_import_graph_sees_every_kind_of_import(tmp_path):
 
 
 def test_no_import_cycles():
-    """No module of ``jserve`` or ``sharding`` imports, through any chain of imports
-    (including those inside functions), a module that imports it: an import inside a
+    """No module of ``jserve``, ``sharding`` or ``harness`` imports, through any chain of
+    imports (including those inside functions), a module that imports it: an import inside a
     function is for keeping a heavy optional dependency off the start-up path, not for
     hiding a cycle."""
-    cycles = import_cycles(import_graph())
+    graph = {**import_graph(), **import_graph(ROOT / "scripts", ("harness",))}
+    cycles = import_cycles(graph)
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)

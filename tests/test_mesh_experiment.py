@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from jserve.bench.mesh_sweep import SweepSettings, compare_outputs, digest, make_prompt, parse_list
+from harness.mesh_sweep import SweepSettings, compare_outputs, digest, make_prompt, parse_list
 from jserve.model.weights import DEFAULT_CONFIG
 from jserve.sampling.params import SamplingParams
 from llm_helpers import small_llm

@@ -32,7 +32,7 @@ MESHES += ["spp=1,kvp=2,tp=2|sliced"]
 _SCRIPT = textwrap.dedent("""
     import json, sys
     from jserve import LLM, SamplingParams
-    from jserve.bench.evaluate import release_executables
+    from harness.evaluate import release_executables
     from sharding.mesh import MeshConfig
     meshes = json.loads(sys.argv[1])
     settings = json.loads(sys.argv[2])

@@ -167,7 +167,7 @@ def test_quantized_weights_keep_biases_and_norms_stream_as_eager_and_stay_close(
 _SCRIPT = textwrap.dedent("""
     import json, sys
     from jserve import LLM, SamplingParams
-    from jserve.bench.evaluate import release_executables
+    from harness.evaluate import release_executables
     runs, prompts, engine = (json.loads(a) for a in sys.argv[1:4])
     params = SamplingParams(temperature=0.0, max_tokens=int(sys.argv[4]), ignore_eos=True)
     result = {}

@@ -16,8 +16,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import Served
+from harness import guidellm
 from hf_models import tiny_llama_dir
-from jserve.bench import guidellm
 from jserve.client import Client
 from jserve.engine.config import AUTO_BURST_STEPS
 from jserve.serving.commands import served_model_names

@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from harness.jax_events import EventRecorder
+from harness.mixed_trace import mixed_trace
 from jserve import LLM, SamplingParams
-from jserve.bench.jax_events import EventRecorder
-from jserve.bench.mixed_trace import mixed_trace
 from jserve.kernels import resolve_impl
 from llm_helpers import run_checked, small_llm
 

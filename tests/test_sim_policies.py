@@ -7,7 +7,7 @@ import functools
 
 import pytest
 
-from jserve.bench.workload import WorkloadSpec, build_workload
+from harness.workload import WorkloadSpec, build_workload
 from jserve.scheduler.registry import SIMULATED_POLICIES as POLICIES
 from jserve.sim.loongserve import simulate_loongserve, tipping_point_s
 from jserve.sim.loongserve_manager import GlobalManager
@@ -85,7 +85,7 @@ def test_an_explicit_kv_pool_replaces_the_one_memory_leaves():
 def test_a_missed_request_counts_as_behind_documents_only_if_every_replica_had_one():
     """bench_routing's diagnostic: a short request that missed while every replica had a
     document between arrival and first token could not have been routed around one."""
-    from jserve.bench.routing_sim import long_everywhere_share
+    from harness.routing_sim import long_everywhere_share
     doc = lambda k, a, f: dict(replica=k, prompt_tokens=200_000, arrival_s=a,  # noqa: E731
                                first_token_s=f)
     short = lambda k, a: dict(replica=k, prompt_tokens=100, arrival_s=a,  # noqa: E731

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 _SCRIPT = textwrap.dedent("""
     import json, sys
     from jserve import LLM, SamplingParams
-    from jserve.bench.evaluate import release_executables
+    from harness.evaluate import release_executables
     settings = json.loads(sys.argv[1])
     prompts = ["count down from 40", "list fruits", "count down from 33",
                "list fruits, then count down from 50 " * 3]

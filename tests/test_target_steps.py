@@ -7,7 +7,7 @@ import pytest
 
 
 def _llama_1b():
-    from jserve.bench.device_profiles import LLAMA_1B, llama_cfg
+    from harness.device_profiles import LLAMA_1B, llama_cfg
 
     return llama_cfg(**LLAMA_1B)
 
@@ -81,7 +81,7 @@ def test_the_plan_is_what_xla_allocates(target, mesh):
     widths at 2 of its 32 layers and a small step (the compile time is the suite's: 8
     layers and the default step took 4 minutes on a v5e); on a v5e over four chips, as an
     8B model needs (16 GB of weights for 16 GB of HBM)."""
-    from jserve.bench.device_profiles import LLAMA_8B, llama_cfg
+    from harness.device_profiles import LLAMA_8B, llama_cfg
     from jserve.engine.config import EngineConfig
     from jserve.targets.programs import compile_for
 

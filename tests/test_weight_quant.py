@@ -93,7 +93,7 @@ _MESH_SCRIPT = textwrap.dedent("""
     import json, sys
     import jax
     from jserve import LLM, SamplingParams
-    from jserve.bench.evaluate import release_executables
+    from harness.evaluate import release_executables
     ckpt, prompts = sys.argv[1], json.loads(sys.argv[2])
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     settings = dict(max_num_seqs=4, max_num_batched_tokens=32, max_prefill_seqs=2,

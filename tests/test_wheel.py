@@ -40,6 +40,11 @@ def test_a_wheel_installs_alone_and_simulates(tmp_path):
     for f in ("README.md", "LICENSE-vidur-MIT.txt", "LICENSE-sarathi-serve-Apache-2.0.txt",
               "traces/azure_conv_2023.csv", "profiles/network/a100_dgx/all_reduce.csv"):
         assert f"jserve/data/{f}" in names, f
+    # the benchmark harness (scripts/harness) stays out of the wheel
+    assert not [n for n in names if n.startswith(("harness/", "scripts/"))]
+    assert sorted(n for n in names if n.startswith("jserve/bench/")) == [
+        f"jserve/bench/{m}.py" for m in ("__init__", "datasets", "metrics", "replay",
+                                         "serve_bench")]
 
     venv = tmp_path / "venv"
     _run(sys.executable, "-m", "venv", "--without-pip", venv)

@@ -278,7 +278,7 @@ def head_logits(params: Params, x: jax.Array, cfg: ModelConfig,
 
 def head_product(head: jax.Array, h: jax.Array, vocab_major: bool) -> jax.Array:
     """The LM head's matmul in ``head_logits``' orientation (``head`` [vocab, d]); the
-    matmul ceiling of ``jserve.bench.decode_step`` times the same product."""
+    matmul ceiling of ``scripts/harness/decode_step.py`` times the same product."""
     if vocab_major and h.shape[0] > 1:
         return jnp.einsum("vd,sd->vs", head, h, preferred_element_type=jnp.float32)
     logits = jnp.einsum("...d,vd->...v", h, head, preferred_element_type=jnp.float32)

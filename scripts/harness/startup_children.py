@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-from jserve.bench.jax_events import EventRecorder
+from harness.jax_events import EventRecorder
 
 
 def make_cfg(depth: int, hidden: int, vocab: int):

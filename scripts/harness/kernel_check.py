@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jserve.bench.device_profiles import Profile, ratio
+from harness.device_profiles import Profile, ratio
 from jserve.kernels import AttentionMetadata, attention, kv_quant, write_kv
 
 

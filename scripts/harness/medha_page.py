@@ -1,4 +1,4 @@
-"""The Medha reproduction page (docs/reproduction.md): the runs of ``jserve.bench.medha``
+"""The Medha reproduction page (docs/reproduction.md): the runs of ``harness.medha``
 written out as tables beside the paper's numbers, with the hand-written model description of
 the baselines and a section marked commentary; every other sentence with a number comes from
 the run."""
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from jserve.bench.medha import (
+from harness.medha import (
     GOODPUT,
     GOODPUT_TOL,
     LONG,
@@ -22,7 +22,7 @@ from jserve.bench.medha import (
     short_floors,
     spp_scaling,
 )
-from jserve.bench.medha_tables import (
+from harness.medha_tables import (
     attainment_table,
     comparison_table,
     fmt,

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from jserve.bench import aiperf
-from jserve.bench.guidellm_compare import children_cpu, engine, engine_figures
+from harness import aiperf
+from harness.guidellm_compare import children_cpu, engine, engine_figures
 from jserve.bench.metrics import serving_result
 from jserve.bench.serve_bench import bench_serve
 

@@ -1,6 +1,6 @@
 """Decode at batch 1 under other XLA flags, for the device check (``scripts/device_check.py``):
 XLA reads its flags once per process, so each set runs in a child process
-(``python -m jserve.bench.device_flags``) that builds the timing model's engine anew and
+(``python -m harness.device_flags``) that builds the timing model's engine anew and
 times its plain steps and its bursts, as the parent does without the flags.
 
 The one set measured: command buffers (CUDA graphs) that also take ``while`` loops and
@@ -16,7 +16,7 @@ import json
 import os
 import sys
 
-from jserve.bench.child_rows import child_rows
+from harness.child_rows import child_rows
 
 CONTROL_FLOW_GRAPHS = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,"
                        "CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL")
@@ -26,8 +26,8 @@ def measure(profile: dict, model: str, impl: str, peaks: list, seed: int, flags:
             ) -> None:
     """Prints one decode row per burst length (1, the profile's), batch 1, tagged with
     ``flags``."""
-    from jserve.bench.device_profiles import Profile
-    from jserve.bench.device_timings import ModelTimings
+    from harness.device_profiles import Profile
+    from harness.device_timings import ModelTimings
     p = Profile(**profile)
     out = dict(decode=[], errors=[])
     m = ModelTimings(p, model, impl, tuple(peaks), seed, out)
@@ -41,7 +41,7 @@ def measure_in_child(profile, model: str, impl: str, peaks, seed: int, flags: st
     """``measure`` in a fresh process with ``flags`` added to ``XLA_FLAGS``, killed after
     ``timeout`` seconds (the rows printed by then are kept)."""
     env = {"XLA_FLAGS": " ".join(filter(None, (os.environ.get("XLA_FLAGS"), flags)))}
-    return child_rows("jserve.bench.device_flags", dict(
+    return child_rows("harness.device_flags", dict(
         profile=dataclasses.asdict(profile), model=model, impl=impl, peaks=list(peaks),
         seed=seed, flags=flags), timeout, f"decode under {flags}", env)
 

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 import transformers
 
-from jserve.bench import flops as model_flops
-from jserve.bench.decode_step import MatmulCeiling, step_weights
+from harness import flops as model_flops
+from harness.decode_step import MatmulCeiling, step_weights
 from jserve.llm import LLM
 from jserve.sampling.params import SamplingParams
 from jserve.sim.trace import read_lengths
@@ -71,7 +71,7 @@ def build_model(model_dir: Path, seed: int) -> transformers.LlamaForCausalLM:
 
 def matmul_params_per_token(c: dict) -> int:
     """Matmul parameters one token touches, the lm_head included (the embedding is a
-    lookup): ``jserve.bench.flops.matmul_params_per_token`` plus the head."""
+    lookup): ``harness.flops.matmul_params_per_token`` plus the head."""
     head = c["hidden_size"] * c["vocab_size"]
     return model_flops.matmul_params_per_token(SimpleNamespace(**c)) + head
 

@@ -18,7 +18,7 @@ from typing import Callable
 
 import jax
 
-from jserve.bench.device_report import error_text, say
+from harness.device_report import error_text, say
 
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 PRINT_COMPILES_OVER_S = 0.5  # smaller compiles are summed in one line per item

@@ -12,7 +12,7 @@ import statistics
 import time
 from pathlib import Path
 
-from jserve.bench.evaluate import (
+from harness.evaluate import (
     ensure_predictor,
     evaluate,
     local_runner,
@@ -21,8 +21,8 @@ from jserve.bench.evaluate import (
     remote_runner,
     write_plots,
 )
+from harness.workload import WorkloadSpec, build_workload, model_len_for
 from jserve.bench.metrics import Slo, ratio, summarize
-from jserve.bench.workload import WorkloadSpec, build_workload, model_len_for
 from jserve.sim.trace import write_records
 
 POLICIES = ("fcfs", "sarathi", "edf", "lars")

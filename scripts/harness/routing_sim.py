@@ -14,7 +14,7 @@ from jserve.bench.metrics import LONG_PROMPT_TOKENS, percentile
 
 
 def sim_trace(n: int, qps: float, seed: int, long_fraction: float = 0.05):
-    from jserve.bench.workload import WorkloadSpec, build_workload
+    from harness.workload import WorkloadSpec, build_workload
     out = []
     for t in build_workload(WorkloadSpec(num_requests=n, long_fraction=long_fraction, qps=qps,
                                          seed=seed)):

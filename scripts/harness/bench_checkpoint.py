@@ -14,7 +14,7 @@ from jserve.tokenizer import ByteTokenizer
 # Built-in checkpoint names (``bench_model``) and their vocabulary sizes.
 BENCH_CHECKPOINTS = {"bench-32k": 32768}
 
-# The bench model's shape (``jserve.bench.decode_step.BENCH_MODEL``) in HF LlamaConfig terms.
+# The bench model's shape (``harness.decode_step.BENCH_MODEL``) in HF LlamaConfig terms.
 BENCH_KWARGS = dict(num_hidden_layers=4, hidden_size=512, num_attention_heads=8,
                     num_key_value_heads=2, head_dim=64, intermediate_size=1536,
                     max_position_embeddings=4096, tie_word_embeddings=False,

@@ -1,5 +1,5 @@
 """The markdown tables of the Medha reproduction page (docs/reproduction.md) from its runs'
-result dicts (``jserve.bench.medha``)."""
+result dicts (``harness.medha``)."""
 from __future__ import annotations
 
 import math

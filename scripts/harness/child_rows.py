@@ -13,12 +13,14 @@ from pathlib import Path
 
 def child_rows(module: str, payload: dict, timeout: float, what: str,
                env: dict[str, str] | None = None) -> list[dict]:
-    """``python -m module '<payload as JSON>'`` with this jserve first on the path (and
-    ``env`` over the environment), killed after ``timeout`` seconds; the rows it printed.
-    RuntimeError naming ``what`` when it printed none."""
-    root = str(Path(__file__).resolve().parents[2])  # this jserve, installed or not
+    """``python -m module '<payload as JSON>'`` (a ``harness`` module) with this checkout's
+    jserve and harness first on the path (and ``env`` over the environment), killed after
+    ``timeout`` seconds; the rows it printed. RuntimeError naming ``what`` when it printed
+    none."""
+    scripts = Path(__file__).resolve().parents[1]  # this harness's scripts/
     full_env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(
-        [root] + [x for x in [os.environ.get("PYTHONPATH")] if x])}
+        [str(scripts.parent), str(scripts)]  # this jserve, installed or not; ``harness``
+        + [x for x in [os.environ.get("PYTHONPATH")] if x])}
     try:
         proc = subprocess.run([sys.executable, "-m", module, json.dumps(payload)],
                               capture_output=True, text=True, timeout=max(timeout, 1.0),

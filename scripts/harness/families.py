@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import transformers
 
-from jserve.bench.hf_compare import greedy, hf_generate, load_average, median, unpadded
+from harness.hf_compare import greedy, hf_generate, load_average, median, unpadded
 from jserve.cache.allocator import held_pages
 from jserve.llm import LLM
 

@@ -13,8 +13,8 @@ import sys
 import tempfile
 import time
 
-from jserve.bench.compile_components import child_components, parse_shape
-from jserve.bench.startup_children import child_first_token, child_lower_all, child_start
+from harness.compile_components import child_components, parse_shape
+from harness.startup_children import child_first_token, child_lower_all, child_start
 
 CHILDREN = {"start": child_start, "lower_all": child_lower_all,
             "components": child_components, "first_token": child_first_token}

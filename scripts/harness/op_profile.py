@@ -1,6 +1,6 @@
 """Where the compiled decode step spends its time, op by op, on XLA:CPU
 (``scripts/profile_ops.py``): ``jax.profiler`` traces of the bench model's step executable
-and sampling executable (``jserve.bench.decode_step``), each traced op joined with its
+and sampling executable (``harness.decode_step``), each traced op joined with its
 executable's optimized HLO and put in a group (matmul by weight, the attention loop and its
 inner ops, KV write, layout ops, elementwise fusions)."""
 from __future__ import annotations
@@ -14,14 +14,14 @@ import time
 import jax
 from jax.profiler import ProfileData
 
-from jserve import SamplingParams
-from jserve.bench.decode_step import (
+from harness.decode_step import (
     DeviceStep,
     bench_engine,
     bench_model,
     bench_prompts,
     capture_decode,
 )
+from jserve import SamplingParams
 
 LAYOUT_OPS = {"parameter", "bitcast", "copy", "transpose", "pad", "slice", "concatenate",
               "broadcast", "reshape", "constant", "dynamic-slice", "dynamic-update-slice",

@@ -20,13 +20,13 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from jserve.bench import device_flags, device_hf
-from jserve.bench.device_budget import Budget, Item
-from jserve.bench.device_profiles import FULL, SMOKE, Profile, llama_cfg, peak_figures, ratio
-from jserve.bench.device_report import error_text, fmt, render_markdown, say
-from jserve.bench.device_timings import ModelTimings
-from jserve.bench.kernel_check import kernel_check, kv_write_check, quantized_kernel_check
-from jserve.bench.random_engine import free_memory, make_engine, serve
+from harness import device_flags, device_hf
+from harness.device_budget import Budget, Item
+from harness.device_profiles import FULL, SMOKE, Profile, llama_cfg, peak_figures, ratio
+from harness.device_report import error_text, fmt, render_markdown, say
+from harness.device_timings import ModelTimings
+from harness.kernel_check import kernel_check, kv_write_check, quantized_kernel_check
+from harness.random_engine import free_memory, make_engine, serve
 from jserve.engine.config import EngineConfig
 from jserve.kernels import resolve_impl
 from jserve.model.weights import init_params

@@ -3,7 +3,7 @@ of the same run (``scripts/device_check.py``): a random-weight ``LlamaForCausalL
 timing model's shape, greedy, a batch of random prompts; time per output token TPOT =
 (t(n + 1) - t(1)) / n, each the best of two runs after a warm-up.
 
-It runs in a child process (``python -m jserve.bench.device_hf``): torch then never shares
+It runs in a child process (``python -m harness.device_hf``): torch then never shares
 the process with JAX's device memory pool, and the parent bounds it by the budget left."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import json
 import sys
 import time
 
-from jserve.bench.child_rows import child_rows
+from harness.child_rows import child_rows
 
 
 def measure(shape: dict, batches: list[int], prompt: int, new_tokens: int, seed: int
@@ -65,7 +65,7 @@ def measure_in_child(shape: dict, batches: list[int], prompt: int, new_tokens: i
                      timeout: float) -> list[dict]:
     """``measure`` in a fresh process, killed after ``timeout`` seconds (the rows it printed
     by then are kept); RuntimeError when it printed none."""
-    return child_rows("jserve.bench.device_hf", dict(
+    return child_rows("harness.device_hf", dict(
         shape=shape, batches=batches, prompt=prompt, new_tokens=new_tokens, seed=seed),
         timeout, "HF baseline")
 

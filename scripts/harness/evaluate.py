@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-from jserve.bench import plots
+from harness import plots
+from harness.workload import WorkloadSpec, build_workload, model_len_for
 from jserve.bench.metrics import Slo, format_summary, ratio, summarize
-from jserve.bench.workload import WorkloadSpec, build_workload, model_len_for
 from jserve.sim.trace import TraceRequest, write_records, write_trace
 
 Runner = Callable[[str, Sequence[TraceRequest]], list[dict]]  # (policy, trace) -> records

@@ -14,10 +14,10 @@ import time
 
 import numpy as np
 
+from harness.served import Served
+from harness.workload import WorkloadSpec, build_workload
 from jserve.bench.metrics import summarize, tpot, ttft
 from jserve.bench.replay import run_http
-from jserve.bench.served import Served
-from jserve.bench.workload import WorkloadSpec, build_workload
 from jserve.sim.trace import TraceRequest, write_records
 
 POLICIES = ("fcfs", "sarathi", "lars")

@@ -13,8 +13,8 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from harness.spec_decode import SETTINGS, workloads
 from jserve import LLM
-from jserve.bench.spec_decode import SETTINGS, workloads
 
 PHASES = ("propose", "schedule", "build", "dispatch", "readback", "update+output", "step")
 

@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jserve.bench.bench_checkpoint import BENCH_CHECKPOINTS, bench_checkpoint
-from jserve.bench.host_probes import HostPhases
+from harness.bench_checkpoint import BENCH_CHECKPOINTS, bench_checkpoint
+from harness.host_probes import HostPhases
 from jserve.config import ModelConfig
 from jserve.engine import step_program as runner_module
 from jserve.engine.config import EngineConfig

@@ -16,7 +16,7 @@ from typing import Callable
 import httpx2 as httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from jserve.bench import guidellm
+from harness import guidellm
 from jserve.bench.metrics import summarize
 from jserve.bench.replay import run_http
 from jserve.sim.trace import TraceRequest, write_records

@@ -130,7 +130,7 @@ def _row(label, devices, chunk, context, **kw) -> dict:
 
 def sweep(s: SweepSettings, *, log=print) -> list[dict]:
     """Every mesh x chunk x context as a CSV row (error rows name the reason)."""
-    from jserve.bench.evaluate import release_executables
+    from harness.evaluate import release_executables
     from jserve.cache.pool import kv_bytes_per_page
     from jserve.model.weights import load_model
 
@@ -215,7 +215,7 @@ def write_csv(rows: Sequence[dict], path: Path) -> None:
 
 def plot(rows: Sequence[dict], path: Path, *, title: str) -> None:
     """Rows: TTFT and TBT against context; one column per chunk size, one line per mesh."""
-    from jserve.bench.plots import _pyplot
+    from harness.plots import _pyplot
     plt = _pyplot()
     chunks = sorted({int(r["chunk"]) for r in rows})
     meshes = list(dict.fromkeys(r["mesh"] for r in rows))

@@ -25,8 +25,8 @@ import time
 import jax
 import numpy as np
 
+from harness.flops import prefill_flops
 from jserve import LLM, SamplingParams
-from jserve.bench.flops import prefill_flops
 
 
 def _request(eng, prompt: list[int], params: SamplingParams) -> tuple[float, float]:

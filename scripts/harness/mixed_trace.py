@@ -93,14 +93,16 @@ def child(args) -> dict:
 
 
 def spawn(args_list: list[str], timeout: float = 3600, pythonpath: str | None = None) -> dict:
-    """Runs ``child`` in a fresh Python process (``python -m jserve.bench.mixed_trace``) and
+    """Runs ``child`` in a fresh Python process (``python -m harness.mixed_trace``) and
     returns its JSON result. ``pythonpath``: the jserve tree to measure (another checkout,
-    e.g. ``git archive`` of an older commit, with this module copied in); the child runs in
-    the temporary directory, so the current directory never shadows it."""
+    e.g. ``git archive`` of an older commit), ahead of this module's ``scripts/`` (whose
+    ``harness`` the child runs whatever the tree); the child runs in the temporary
+    directory, so the current directory never shadows it."""
     env = dict(os.environ)
-    if pythonpath:
-        env["PYTHONPATH"] = pythonpath
-    proc = subprocess.run([sys.executable, "-m", "jserve.bench.mixed_trace", *args_list],
+    scripts = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    jserve_path = pythonpath or os.environ.get("PYTHONPATH")
+    env["PYTHONPATH"] = os.pathsep.join([x for x in [jserve_path] if x] + [scripts])
+    proc = subprocess.run([sys.executable, "-m", "harness.mixed_trace", *args_list],
                           capture_output=True, text=True, timeout=timeout, env=env,
                           cwd=tempfile.gettempdir())
     if proc.returncode != 0:

@@ -18,13 +18,13 @@ from tqdm import tqdm
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from harness.workload import WorkloadSpec, build_workload  # noqa: E402
 from jserve.bench.metrics import (  # noqa: E402
     LONG_PROMPT_TOKENS as LONG,  # noqa: E402
     Slo,
     summarize,
     ttft,
 )
-from jserve.bench.workload import WorkloadSpec, build_workload  # noqa: E402
 from jserve.data import profiles_root  # noqa: E402
 from jserve.scheduler.chunking import PrefillTimeCache  # noqa: E402
 from jserve.scheduler.plan import BatchPlan, ScheduledChunk  # noqa: E402

@@ -8,10 +8,10 @@ import traceback
 
 import numpy as np
 
-from jserve.bench.device_profiles import Profile, llama_cfg, ratio
-from jserve.bench.device_report import error_text, fmt_pct, say
-from jserve.bench.flops import kv_bytes_per_token, prefill_flops, weight_bytes_read
-from jserve.bench.random_engine import free_memory, make_engine, random_params, twice
+from harness.device_profiles import Profile, llama_cfg, ratio
+from harness.device_report import error_text, fmt_pct, say
+from harness.flops import kv_bytes_per_token, prefill_flops, weight_bytes_read
+from harness.random_engine import free_memory, make_engine, random_params, twice
 from jserve.sampling.params import SamplingParams
 
 

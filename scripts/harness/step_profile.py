@@ -8,8 +8,7 @@ from __future__ import annotations
 import numpy as np
 from tqdm import tqdm
 
-from jserve import SamplingParams
-from jserve.bench.decode_step import (
+from harness.decode_step import (
     DeviceStep,
     MatmulCeiling,
     TwoExecutables,
@@ -21,8 +20,9 @@ from jserve.bench.decode_step import (
     decode_steps,
     step_weights,
 )
-from jserve.bench.flops import attention_flops
-from jserve.bench.host_probes import DispatchProbe, HostPhases
+from harness.flops import attention_flops
+from harness.host_probes import DispatchProbe, HostPhases
+from jserve import SamplingParams
 
 ONE, TWO, SYNC = "engine step (async)", "engine, two executables", "engine step (sync)"
 BURST = "engine, per token in bursts"

@@ -7,8 +7,8 @@ import sys
 import time
 import traceback
 
-from jserve.bench.jax_events import EventRecorder
-from jserve.bench.startup_children import uncached_engine
+from harness.jax_events import EventRecorder
+from harness.startup_children import uncached_engine
 
 
 def _abstract(tree):
