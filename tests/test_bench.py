@@ -18,7 +18,7 @@ from harness.workload import WorkloadSpec, build_workload
 from jserve.bench.metrics import Slo, format_summary, ratio, summarize
 from jserve.bench.replay import run_http, run_local, run_remote
 from jserve.data import trace_path
-from jserve.serving.server import BackgroundServer, ServerConfig
+from jserve.serving.app import BackgroundServer, ServerConfig
 from jserve.sim.trace import (
     MEDHA_SWE_PROMPT_RANGE,
     TraceRequest,

@@ -34,7 +34,7 @@ class NoJax:
             raise ImportError(f"{name} imported where no JAX is allowed")
 
 sys.meta_path.insert(0, NoJax())
-import jserve.serving.fake_engine, jserve.serving.server, jserve.serving.http_server
+import jserve.serving.fake_engine, jserve.serving.app, jserve.serving.http_server
 from jserve import SamplingParams
 from jserve.serving.fake_engine import FakeEngine
 print(FakeEngine().generate("Hi", SamplingParams(temperature=0.0, max_tokens=5)).text)

@@ -12,12 +12,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from jserve import SamplingParams
-from jserve import serving
+from jserve import SamplingParams, serving
 from jserve.client import Client, bad_field
 from jserve.fields import FieldError
+from jserve.serving.app import BackgroundServer, ServerConfig
 from jserve.serving.fake_engine import FakeEngine
-from jserve.serving.server import BackgroundServer, ServerConfig
 
 # Each message starts with a word that is another field and holds the context check's old
 # wording, so a front end that looked at the text would name the wrong field.

@@ -395,7 +395,7 @@ def _stages():
 
 @pytest.fixture(scope="module")
 def inproc():
-    from jserve.serving.server import BackgroundServer, ServerConfig
+    from jserve.serving.app import BackgroundServer, ServerConfig
     from llm_helpers import small_llm
     llm = small_llm()
     server = BackgroundServer(llm.engine, ServerConfig(host="127.0.0.1", port=0, http_port=0,

@@ -26,8 +26,8 @@ import conftest
 from conftest import Served
 from jserve import SamplingParams
 from jserve.client import Client
+from jserve.serving.app import BackgroundServer, ServerConfig
 from jserve.serving.fake_engine import FakeEngine
-from jserve.serving.server import BackgroundServer, ServerConfig
 
 TOKEN = "s3cret"
 

@@ -20,8 +20,8 @@ from harness import guidellm
 from hf_models import tiny_llama_dir
 from jserve.client import Client
 from jserve.engine.config import AUTO_BURST_STEPS
+from jserve.serving.app import ServerConfig
 from jserve.serving.commands import served_model_names
-from jserve.serving.server import ServerConfig
 
 pytestmark = pytest.mark.slow  # a server of its own, and guidellm's own start-up
 

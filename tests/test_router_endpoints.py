@@ -13,8 +13,8 @@ import httpx2 as httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from jserve.serving.app import BackgroundServer, ServerConfig
 from jserve.serving.fake_engine import FakeEngine
-from jserve.serving.server import BackgroundServer, ServerConfig
 
 
 def _samples(url: str) -> dict[str, float]:

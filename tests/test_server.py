@@ -42,6 +42,7 @@ from jserve.cli import main
 from jserve.client import AsyncClient, Client, bad_field
 from jserve.proto import generate_pb2 as pb
 from jserve.sampling.structured import StructuredOutput
+from jserve.serving.app import BackgroundServer, ServerConfig
 from jserve.serving.engine_api import DEADLINE, EngineClient
 from jserve.serving.fake_engine import FakeEngine, text_script
 from jserve.serving.limits import ClientLimits
@@ -54,7 +55,6 @@ from jserve.serving.protocol import (
     SCALAR_FIELDS,
     parse_request,
 )
-from jserve.serving.server import BackgroundServer, ServerConfig
 from llm_helpers import small_llm
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -15,8 +15,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import jserve
+from jserve.serving.app import BackgroundServer, ServerConfig
 from jserve.serving.fake_engine import FakeEngine
-from jserve.serving.server import BackgroundServer, ServerConfig
 from jserve.tokenizer import ByteTokenizer, HFTokenizer, simple_chat_prompt
 
 TOKEN = "s3cret"

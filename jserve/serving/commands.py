@@ -397,7 +397,7 @@ def vllm_args(a: argparse.Namespace) -> str | None:
 
 def server_config(a: argparse.Namespace, sampling_defaults: dict):
     """The ``ServerConfig`` of ``jserve serve``'s flags."""
-    from jserve.serving.server import ServerConfig
+    from jserve.serving.app import ServerConfig
 
     return ServerConfig(
         host=a.host, port=a.grpc_port,
@@ -422,8 +422,8 @@ def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
     # Imported here: the model loads JAX and the server gRPC, which `jserve simulate` and
     # `--help` never need.
     from jserve import LLM
+    from jserve.serving.app import serve
     from jserve.serving.fake_engine import FakeEngine
-    from jserve.serving.server import serve
 
     configure_logging(a.log_level)
     defaults = sampling_defaults(a)

@@ -244,7 +244,7 @@ class _Core:
 
 class FakeEngine(EngineLoop):
     """An engine with ``info`` as given and tokens from ``script``; start and use it as any
-    ``EngineClient`` (``GenerationServer(FakeEngine(), config)``)."""
+    ``EngineClient`` (``Server(FakeEngine(), config)``)."""
 
     def __init__(self, *, script: Script = text_script, step_s: float = 0.002,
                  vocab_size: int = 320, max_model_len: int = 512, page_size: int = 16,

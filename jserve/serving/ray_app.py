@@ -40,8 +40,7 @@ from jserve.engine.config import EngineConfig
 from jserve.routing import ROUTERS, ReplicaLoad, ReplicaView, RouteRequest, choose
 from jserve.routing.load import FIFO, PrefillTable, QueuedPrefill, default_deadline
 from jserve.routing.prefix_memory import PrefixMemory
-from jserve.serving.http_server import OpenAIServer
-from jserve.serving.server import GenerationServer, ServerConfig
+from jserve.serving.app import Server, ServerConfig
 from jserve.tokenizer import ByteTokenizer, chat_prompt_ids, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -149,9 +148,10 @@ class JServeReplica:
         from jserve import LLM
 
         self.llm = LLM(model, **engine_kwargs)
-        self.config = ServerConfig(port=0, http_port=None, metrics_port=None, **server_kwargs)
-        self.server = GenerationServer(self.llm.engine, self.config)
-        self.http = OpenAIServer(self.server.gateway, self.config)
+        self.config = ServerConfig(port=None, http_port=None, metrics_port=None,
+                                   **server_kwargs)
+        self.server = Server(self.llm.engine, self.config)
+        self.http = self.server.http
         self.name = serve.get_replica_context().replica_id.unique_id
         self._started = False
 
