@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from jserve.serving.app import BackgroundServer, ServerConfig
-from jserve.serving.fake_engine import FakeEngine
+from jserve.serving.fake_engine import FakeEngine, text_script
 
 
 def _samples(url: str) -> dict[str, float]:
@@ -104,7 +104,8 @@ def test_vllm_names_and_load_endpoints_report_the_engine():
 
 def test_health_fails_during_the_drain_notice_while_requests_are_served():
     # A notice far longer than the checks, ended by ``hurry`` once they are done: the checks
-    # do not race the notice's clock (with 1.5 s, a loaded machine ran out of it).
+    # do not race the notice's clock (with 1.5 s, a loaded machine ran out of it). ``hurry``
+    # cuts the grace too, so what the drain refuses is the next test's.
     server = BackgroundServer(FakeEngine(), ServerConfig(port=0, metrics_port=None, http_port=0,
                                                    drain_notice=60.0))
     url = server.http_url
@@ -123,11 +124,47 @@ def test_health_fails_during_the_drain_notice_while_requests_are_served():
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
         assert not server.server.draining
         server._loop.call_soon_threadsafe(hurry.set)
+        stopping.join(10)
+        assert server.server.draining and not stopping.is_alive()
+    finally:
+        server.stop(grace=0)
+
+
+def test_the_drain_refuses_new_requests_and_lets_those_in_flight_finish():
+    """A request held in the engine keeps the drain open (within the grace) while a new one
+    is refused with 503; released, it finishes. (With none in flight the server closes its
+    ports at once: a request then finds them closed, so one is held.)"""
+    held, entered, release = [7, 7, 7], threading.Event(), threading.Event()
+
+    def script(prompt_ids, params, i):
+        if list(prompt_ids) == held and i >= 1:
+            entered.set()
+            assert release.wait(30), "never released"
+        return text_script(prompt_ids, params, i)
+
+    server = BackgroundServer(FakeEngine(script=script),
+                              ServerConfig(port=0, metrics_port=None, http_port=0))
+    url = server.http_url
+    try:
+        done = []
+        holder = threading.Thread(target=lambda: done.append(_complete(url, held, 3)))
+        holder.start()
+        assert entered.wait(30)
+        stopping = threading.Thread(target=server.run, args=(server.server.stop(30.0),))
+        stopping.start()
         while not server.server.draining:
             time.sleep(0.005)
-        assert _complete(url, [3, 4, 5], 2).status_code == 503
+        refused = _complete(url, [3, 4, 5], 2)
+        assert refused.status_code == 503, refused.text
+        assert httpx.get(url + "/health", timeout=10).status_code == 503
+        release.set()
+        holder.join(30)
+        assert done[0].status_code == 200 and done[0].json()["choices"][0]["finish_reason"] \
+            == "length"
         stopping.join(10)
+        assert not stopping.is_alive()
     finally:
+        release.set()
         server.stop(grace=0)
 
 
