@@ -11,8 +11,9 @@
 
 ``AsyncClient`` is the same on ``grpc.aio``. Failures raise ``grpc.RpcError`` (``.code()`` is
 the status, ``.details()`` the message; ``bad_field(error)`` the refused field, as the server's
-``BadRequest`` detail names it, e.g. ``sampling_params.top_k``). ``auth_token`` sends ``authorization: Bearer
-<token>``; ``root_certificates`` (PEM bytes) or ``tls=True`` (system roots) use TLS.
+``BadRequest`` detail names it, e.g. ``sampling_params.top_k``). ``auth_token`` sends
+``authorization: Bearer <token>``; ``root_certificates`` (PEM bytes) or ``tls=True`` (system
+roots) use TLS.
 """
 from __future__ import annotations
 

@@ -24,6 +24,7 @@ import numpy as np
 
 from jserve.config import ModelConfig
 
+
 @dataclasses.dataclass(frozen=True)
 class LeafKind:
     """What a layer leaf is, wherever it appears (leaf names are one vocabulary across
