@@ -345,8 +345,7 @@ def parse(body: Any, endpoint: str, max_choices: int = 256,
         params = SamplingParams(logprobs=0 if logprobs is None and best_of > n else logprobs,
                                 **kw)
     except fields.FieldError as e:
-        field = {"max_tokens": max_field, "logprobs": "top_logprobs" if endpoint == "chat"
-                 else "logprobs"}.get(e.top, e.top)
+        field = wire_field(e.top, max_field, endpoint)
         raise BadField(field, e.renamed(field).message) from None
     except ValueError as e:  # a refusal of no one field
         raise BadField(None, str(e)) from None
@@ -356,6 +355,14 @@ def parse(body: Any, endpoint: str, max_choices: int = 256,
                   prompt_logprobs=shown_prompt_logprobs,
                   reasoning=reasoning if body.get("separate_reasoning", True) else None,
                   include_reasoning=body.get("include_reasoning", True))
+
+
+def wire_field(field: str, max_field: str, endpoint: str) -> str:
+    """A ``SamplingParams`` field as this body names it: ``max_tokens`` as the body gave its
+    length (``max_field``), chat's ``logprobs`` count as ``top_logprobs``."""
+    if field == "max_tokens":
+        return max_field
+    return "top_logprobs" if field == "logprobs" and endpoint == "chat" else field
 
 
 def _best_of(body: dict, n: int, stream: bool) -> int:

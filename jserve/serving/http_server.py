@@ -59,6 +59,7 @@ from jserve.serving.http_protocol import (
     parse_tokenize,
     read_body,
     rejection,
+    wire_field,
 )
 from jserve.serving.http_responses import (
     Choice,
@@ -372,7 +373,7 @@ class OpenAIServer:
             return self.gateway.prepare(
                 prompt, params, ttft_slo=parsed.ttft_slo, tpot_slo=parsed.tpot_slo,
                 priority=parsed.priority, trusted=trusted,
-                name=lambda f: parsed.max_tokens_field if f == "max_tokens" else f)
+                name=lambda f: wire_field(f, parsed.max_tokens_field, endpoint))
         except Rejected as e:
             field, message = e.field or "", e.message
             if field.startswith("structured_output") and parsed.constraint_field:
