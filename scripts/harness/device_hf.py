@@ -1,7 +1,10 @@
 """HF transformers' plain ``generate`` on the device check's decode shapes, as the baseline
 of the same run (``scripts/device_check.py``): a random-weight ``LlamaForCausalLM`` of a
-timing model's shape, greedy, a batch of random prompts; time per output token TPOT =
-(t(n + 1) - t(1)) / n, each the best of two runs after a warm-up.
+timing model's shape, greedy, a batch of random prompts. Each token's time is stamped inside
+one ``generate`` call (a stopping criterion sees every new token): prefill is the time to the
+first token, TPOT the mean gap between the first and the last, the best of five runs after a
+warm-up. (TPOT was once the difference of two separately timed runs, t(n + 1) - t(1); on a
+loaded CI host that difference came out at or below zero.)
 
 It runs in a child process (``python -m harness.device_hf``): torch then never shares
 the process with JAX's device memory pool, and the parent bounds it by the budget left."""
@@ -38,24 +41,32 @@ def measure(shape: dict, batches: list[int], prompt: int, new_tokens: int, seed:
     for b in batches:
         ids = torch.randint(3, shape["vocab_size"], (b, prompt), device=device)
 
-        def run(n: int, ids=ids) -> float:
+        def run(n: int, ids=ids) -> tuple[float, float]:
+            """(seconds to the first token, seconds per token after it) of one generate."""
+            stamps: list[float] = []
+
+            def stamp(input_ids, scores, **kw):
+                sync()
+                stamps.append(time.perf_counter())
+                return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
             sync()
             t0 = time.perf_counter()
             with torch.no_grad():
                 model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                               min_new_tokens=n, do_sample=False, pad_token_id=0)
-            sync()
-            return time.perf_counter() - t0
+                               min_new_tokens=n, do_sample=False, pad_token_id=0,
+                               stopping_criteria=transformers.StoppingCriteriaList([stamp]))
+            if len(stamps) != n:
+                raise RuntimeError(f"generate stamped {len(stamps)} tokens of {n}")
+            return stamps[0] - t0, (stamps[-1] - stamps[0]) / (n - 1)
 
         run(4)  # warm-up
-        # Minimums of five: load only adds time, and with two each a loaded host's prefill
-        # timing once came out above the whole run's (a TPOT below zero, smoke mode in CI).
-        t1 = min(run(1) for _ in range(5))
-        tn = min(run(new_tokens + 1) for _ in range(5))
+        runs = [run(new_tokens + 1) for _ in range(5)]
+        # Minimums: load only adds time.
+        t1, tpot = min(r[0] for r in runs), min(r[1] for r in runs)
         rows.append(dict(batch=b, prompt=prompt, new_tokens=new_tokens, device=device,
                          dtype=str(dtype).removeprefix("torch."), prefill_s=t1,
-                         tpot_ms=(tn - t1) / new_tokens * 1e3,
-                         tok_s=b * new_tokens / (tn - t1), torch=torch.__version__,
+                         tpot_ms=tpot * 1e3, tok_s=b / tpot, torch=torch.__version__,
                          transformers=transformers.__version__))
         print(json.dumps(rows[-1]), flush=True)
     return rows
