@@ -100,6 +100,11 @@ class ModelConfig:
     rope_local_theta: float | None = None
     query_pre_attn_scalar: float | None = None
     final_logit_softcapping: float | None = None
+    # Mixture of experts (jserve/model/moe.py; 0: a dense MLP): each layer's MLP is
+    # ``num_experts`` experts of ``intermediate_size`` of which each token's router picks
+    # ``num_experts_per_tok``, their weights renormalised to sum to one (Mixtral's rule).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -114,6 +119,12 @@ class ModelConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, "
                              f"got {self.quantization!r}")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be in 1..{self.num_experts}, got "
+                             f"{self.num_experts_per_tok}")
+        if self.num_experts and self.quantization != "none":
+            raise ValueError(f"quantization={self.quantization!r}: jserve does not quantize "
+                             "MoE experts yet; serve this model unquantized")
 
     @property
     def kv_window(self) -> int | None:
@@ -163,6 +174,9 @@ class ModelConfig:
             d["use_sliding_window"] = True  # what Qwen2/Qwen3 read the window under
         elif self.model_type == "mistral":  # transformers reads a missing one as 4096
             d["sliding_window"] = None
+        if self.num_experts:
+            d["num_local_experts"] = self.num_experts
+            d["num_experts_per_tok"] = self.num_experts_per_tok
         for key, value in (("rope_local_base_freq", self.rope_local_theta),
                            ("query_pre_attn_scalar", self.query_pre_attn_scalar),
                            ("final_logit_softcapping", self.final_logit_softcapping)):

@@ -87,6 +87,12 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
                                                        "rope_theta": 50000.0},
                                     "sliding_attention": {"rope_type": "default",
                                                           "rope_theta": 1000.0}}),
+    # Mixtral: 4 experts, top-2, the experts' MLPs 96 wide, 6 query heads on 2 KV heads;
+    # weights drawn wide like Qwen's so that the router's choices vary from token to token.
+    "mixtral": dict(_COMMON, initializer_range=0.2, intermediate_size=96,
+                    num_attention_heads=6, num_key_value_heads=2, head_dim=16,
+                    num_local_experts=4, num_experts_per_tok=2,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
 }
 # Sliding-window checkpoints (tests/test_sliding_window.py; not in FAMILY_CONFIGS, whose
 # every entry runs test_model_families' whole matrix). Mistral: 6 query heads on 2 KV heads,
@@ -107,7 +113,8 @@ _HF_CLASSES = {"mistral": ("MistralConfig", "MistralForCausalLM"),
                "qwen2-swa": ("Qwen2Config", "Qwen2ForCausalLM"),
                "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
                "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-               "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
+               "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+               "mixtral": ("MixtralConfig", "MixtralForCausalLM")}
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|eot_id|>"]  # ids 0..3, matching the configs above
 

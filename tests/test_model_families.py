@@ -46,10 +46,12 @@ ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, max_prefill_seqs=2, max
               warmup=False)
 # The quantized runs: Gemma 3's leaves quantize as Qwen3's (its norms never), and its windows
 # and second RoPE table are what its runs show.
-QUANTIZED_FAMILIES = [f for f in FAMILIES if f != "gemma3"]
+# Mixtral's experts are not quantized yet (refused: test_moe).
+QUANTIZED_FAMILIES = [f for f in FAMILIES if f not in ("gemma3", "mixtral")]
 # Each family's own layer tensors beyond Llama's (and none of the other's).
 OWN_LEAVES = {"qwen2": {"bq", "bk", "bv"}, "qwen3": {"q_norm", "k_norm"},
-              "gemma3": {"q_norm", "k_norm", "attn_out_norm", "mlp_out_norm"}}
+              "gemma3": {"q_norm", "k_norm", "attn_out_norm", "mlp_out_norm"},
+              "mixtral": {"router", "we_gate", "we_up", "we_down"}}
 
 
 @functools.cache

@@ -30,7 +30,7 @@ from jserve.model.families import family_of
 from jserve.model.layer_weights import in_place, layer_view
 from jserve.model.layers import layer_rope, rope_tables
 from jserve.model.params import Params
-from jserve.model.tp_layout import fused_in
+from jserve.model.tp_layout import FUSED, fused_in
 
 
 @jax.tree_util.register_dataclass
@@ -64,9 +64,9 @@ class StepInput:
 
 def is_runtime_layout(params: Params) -> bool:
     """Stacked layers (a dict of ``[layers, ...]`` leaves), or the unrolled form of them
-    (:func:`unstack_layers`: a list of per-layer dicts with the fused ``w_gate_up``)."""
+    (:func:`unstack_layers`: a list of per-layer dicts with fused leaves, ``tp_layout.FUSED``)."""
     layers = params["layers"]
-    return isinstance(layers, dict) or bool(layers) and "w_gate_up" in layers[0]
+    return isinstance(layers, dict) or bool(layers) and any(n in layers[0] for n in FUSED)
 
 
 def prepare_params(params: Params) -> Params:

@@ -5,7 +5,8 @@ q/k/v projections, the gated MLP, and the pre-norm block Llama, Qwen2 and Qwen3 
 A layer is a function ``(layer, x, cos, sin, attend, *, cfg, tp_axis) -> (x, aux)`` over one
 layer's params dict (``jserve.model.families``: each family names its layer). Optional parts
 are switched by the params a layer has, not by flags: q/k/v biases where ``bq``/``bk``/``bv``
-are present (Qwen2), per-head q/k RMSNorm where ``q_norm``/``k_norm`` are (Qwen3). Head
+are present (Qwen2), per-head q/k RMSNorm where ``q_norm``/``k_norm`` are (Qwen3), the
+mixture-of-experts block in place of the MLP where a ``router`` is (Mixtral). Head
 counts come from the weights' shapes, so under ``shard_map`` the same code runs a
 tensor-parallel shard's heads and MLP slice.
 """
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jserve.config import ModelConfig, inv_frequencies
+from jserve.model.moe import moe_mlp
 from jserve.model.quant import matmul
 from jserve.model.tp_layout import part_widths
 
@@ -132,7 +134,7 @@ def pre_norm_layer(layer: Layer, x: jax.Array, cos: jax.Array, sin: jax.Array,
                    ) -> tuple[jax.Array, Any]:
     """One Llama-style block on the residual stream ``x`` [..., hidden] (token-flattened
     [T, hidden] when serving, [B, T, hidden] in training): RMSNorm, attention, residual;
-    RMSNorm, gated SiLU MLP, residual.
+    RMSNorm, gated SiLU MLP (or the MoE block), residual.
 
     ``attend(q, k, v)`` is the attention core, q [..., Hq, D] and k, v [..., Hkv, D] with RoPE
     applied -> (out [..., Hq, D], aux): the serving step's paged attention
@@ -149,4 +151,6 @@ def pre_norm_layer(layer: Layer, x: jax.Array, cos: jax.Array, sin: jax.Array,
     out, aux = attend(q, k, v)
     x = x + reduce(matmul(out.reshape(*lead, -1).astype(x.dtype), layer["wo"]))
     h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
-    return x + reduce(gated_mlp(layer, h)), aux
+    mlp = (moe_mlp(layer, h, cfg.num_experts_per_tok) if "router" in layer
+           else gated_mlp(layer, h))
+    return x + reduce(mlp), aux

@@ -31,18 +31,19 @@ def runtime_param_shapes(cfg: ModelConfig) -> dict:
     layer = dict(shapes["layers"][0])
     for name, parts in fused_in(layer).items():
         shapes_in = [layer.pop(p) for p in parts]
-        layer[name] = (shapes_in[0][0], sum(s[-1] for s in shapes_in))
+        layer[name] = (*shapes_in[0][:-1], sum(s[-1] for s in shapes_in))
     n = cfg.num_hidden_layers
     return {**shapes, "layers": {name: (n, *shape) for name, shape in layer.items()}}
 
 
 def layer_matrix_shapes(cfg: ModelConfig) -> set[tuple[int, int]]:
     """The [in, out] shape of each layer matrix of either layout (the checkpoint's and the
-    runtime's, fused), one device's at tp=1: what a compiled program's weights look like."""
+    runtime's, fused), one device's at tp=1: what a compiled program's weights look like
+    (an expert stack's matrices are one expert's)."""
     checkpoint = param_shapes(cfg)["layers"][0].values()
     runtime = runtime_param_shapes(cfg)["layers"].values()
-    return ({s for s in checkpoint if len(s) == 2}
-            | {s[1:] for s in runtime if len(s) == 3})
+    return ({s[-2:] for s in checkpoint if len(s) >= 2}
+            | {s[-2:] for s in runtime if len(s) >= 3})
 
 
 def num_params(cfg: ModelConfig) -> int:

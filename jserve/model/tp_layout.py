@@ -34,19 +34,25 @@ class LeafKind:
     the indexed layer loop); ``kv_heads``: its columns are KV heads, stored in
     ``kv_head_map`` order; ``parts``: the checkpoint leaves a fused runtime leaf is made of,
     side by side on the output axis, in order (under tp shard-major: [parts of shard 0,
-    parts of shard 1, ...])."""
+    parts of shard 1, ...]); ``experts``: a stack of one matrix per expert ([experts, in,
+    out] a layer), split by tp like one expert's matrix (every shard holds every expert's
+    slice: the MoE block's output is then a partial sum like the dense MLP's)."""
 
     split: str | None = None
     matrix: bool = False
     kv_heads: bool = False
     parts: tuple[str, ...] = ()
+    experts: bool = False
 
 
-# The one table of layer leaf kinds: a new kind of leaf (an expert stack, a router) is
-# declared here once, and the tp layout, quantization and the layer loop read it. Norms (and
-# any leaf not listed) are replicated vectors. The fused leaves: the query, key and value
-# projections (one launch for three on a GPU decode step), gate and up (1.8x faster MLP at
-# 32 rows on a CPU); gate and up alone stay whole (a family always has both: they fuse).
+# The one table of layer leaf kinds: a new kind of leaf is declared here once, and the tp
+# layout, quantization and the layer loop read it. Norms (and any leaf not listed) are
+# replicated vectors. The fused leaves: the query, key and value projections (one launch for
+# three on a GPU decode step), gate and up (1.8x faster MLP at 32 rows on a CPU); gate and
+# up alone stay whole (a family always has both: they fuse). The MoE block's leaves
+# (jserve/model/moe.py): the router, replicated and never quantized (a rounding there moves
+# tokens to other experts), and the experts' gate, up and down stacks, not quantized yet
+# (``ModelConfig`` refuses quantization with experts) and so not ``matrix``.
 LEAVES: dict[str, LeafKind] = {
     "wq": LeafKind("columns", True),
     "wk": LeafKind("columns", True, kv_heads=True),
@@ -57,6 +63,11 @@ LEAVES: dict[str, LeafKind] = {
     "w_up": LeafKind(None, True),
     "w_gate_up": LeafKind("columns", True, parts=("w_gate", "w_up")),
     "w_down": LeafKind("rows", True),
+    "router": LeafKind(None),
+    "we_gate": LeafKind(None, experts=True),
+    "we_up": LeafKind(None, experts=True),
+    "we_gate_up": LeafKind("columns", parts=("we_gate", "we_up"), experts=True),
+    "we_down": LeafKind("rows", experts=True),
     "bq": LeafKind("bias"),
     "bk": LeafKind("bias", kv_heads=True),
     "bv": LeafKind("bias", kv_heads=True),
@@ -73,6 +84,7 @@ ROW_SPLIT = _kinds(split="rows")
 BIAS_SPLIT = _kinds(split="bias")
 KV_HEAD_COLUMNS = _kinds(kv_heads=True)
 MATRICES = _kinds(matrix=True)
+EXPERTS = _kinds(experts=True)
 FUSED = {n: k.parts for n, k in LEAVES.items() if k.parts}
 
 
@@ -115,7 +127,7 @@ def _width(part: str, cfg: ModelConfig, tp: int) -> int:
              "wv": len(kv_head_map(cfg, tp))}
     if part in heads:
         return heads[part] * cfg.head_dim
-    return cfg.intermediate_size  # w_gate, w_up
+    return cfg.intermediate_size  # w_gate, w_up and the experts' we_gate, we_up
 
 
 def column_sources(name: str, cfg: ModelConfig, tp: int) -> tuple[np.ndarray, np.ndarray]:
@@ -165,11 +177,13 @@ def tp_layout(params: dict[str, Any], cfg: ModelConfig, tp: int) -> dict[str, An
 def layer_axes(name: str) -> tuple[str | None, ...]:
     """The mesh axes a stacked layer leaf ``[layers, ...]`` is split over, dim by dim: layers
     by pipeline stage (``"spp"``), then columns or rows on ``"tp"`` (``COLUMN_SPLIT``,
-    ``ROW_SPLIT``, ``BIAS_SPLIT``); a ``PartitionSpec(*layer_axes(name))``."""
+    ``ROW_SPLIT``, ``BIAS_SPLIT``; an expert stack keeps its experts whole, ``EXPERTS``); a
+    ``PartitionSpec(*layer_axes(name))``."""
+    experts = (None,) if name in EXPERTS else ()
     if name in COLUMN_SPLIT:
-        return ("spp", None, "tp")
+        return ("spp", *experts, None, "tp")
     if name in BIAS_SPLIT:
         return ("spp", "tp")
     if name in ROW_SPLIT:
-        return ("spp", "tp", None)
+        return ("spp", *experts, "tp", None)
     return ("spp",)

@@ -76,15 +76,27 @@ def init_params(cfg: ModelConfig, seed: int = 0) -> Params:
 
 def _hf_name_map(cfg: ModelConfig) -> dict[str, tuple[tuple[str | int, ...], bool]]:
     """HF tensor name -> (path into params, whether to transpose torch's [out, in]), from the
-    family's tensors (``jserve.model.families``)."""
+    family's tensors (``jserve.model.families``); an expert's path ends with its index into
+    the stacked leaf."""
     family = family_of(cfg)
     names = {t.hf: ((key,), t.transpose) for key, t in family.top_tensors(cfg).items()}
     per_layer = family.layer_tensors(cfg)
     for i in range(cfg.num_hidden_layers):
         pre = family.layer_prefix.format(i)
         for key, t in per_layer.items():
-            names[pre + t.hf] = (("layers", i, key), t.transpose)
+            for e, name in enumerate(t.names()):
+                names[pre + name] = (("layers", i, key, *((e,) if t.experts else ())),
+                                     t.transpose)
     return names
+
+
+def _leaf_shape(shapes: Params, path: tuple[str | int, ...]) -> tuple[int, ...]:
+    """The checkpoint tensor's shape at ``path`` (``_hf_name_map``) in ``param_shapes``: an
+    expert's is its stack's without the expert axis."""
+    node = shapes
+    for key in path[:3] if path[0] == "layers" else path:
+        node = node[key]
+    return node[1:] if len(path) > 3 else node
 
 
 def _ignorable(name: str, cfg: ModelConfig) -> bool:
@@ -119,19 +131,26 @@ def load_hf_safetensors(model_dir: str | Path, cfg: ModelConfig) -> Params:
     as it is read (``jserve.model.quant``).
     """
     dtype = cfg.np_dtype
-    # Fresh containers holding expected shapes; every leaf is replaced by its tensor below.
-    params = jax.tree.map(lambda s: s, param_shapes(cfg), is_leaf=_is_shape)
+    shapes = param_shapes(cfg)
+    # Fresh containers holding expected shapes; every leaf is replaced by its tensor below
+    # (an expert stack is filled expert by expert).
+    params = jax.tree.map(lambda s: s, shapes, is_leaf=_is_shape)
+    experts = [n for n, t in family_of(cfg).layer_tensors(cfg).items() if t.experts]
+    for layer in params["layers"]:
+        layer.update({name: np.empty(layer[name], dtype) for name in experts})
     layout = _checked_layout(Path(model_dir), cfg)
     for f, name, path, transpose in _mapped_tensors(layout, cfg, "flax"):
         tensor = f.get_tensor(name)
         tensor = (tensor.T if transpose else tensor).astype(dtype)
+        _check_shape(name, tensor.shape, _leaf_shape(shapes, path))
         node = params
         for key in path[:-1]:
             node = node[key]
-        _check_shape(name, tensor.shape, node[path[-1]])
         if cfg.quantization != "none" and path[-1] in quant.QUANTIZED_LEAVES:
             tensor = quant.quantize_weight(tensor, cfg.quantization)
         node[path[-1]] = tensor
+    for layer in params["layers"]:
+        layer.update({name: jnp.asarray(layer[name]) for name in experts})
     return params
 
 
@@ -191,6 +210,18 @@ class _LeafSource:
         return np.ascontiguousarray(out.astype(dtype, copy=False))
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class _ExpertStack:
+    """A runtime leaf stacked from one source per expert (``Tensor.experts``): the first
+    axis of a read picks the experts, each read as its own ``_LeafSource``."""
+    experts: tuple[_LeafSource, ...]
+
+    def read(self, files: dict[str, Any], index: tuple[slice, ...], shape: tuple[int, ...],
+             dtype: np.dtype) -> np.ndarray:
+        return np.stack([self.experts[e].read(files, index[1:], shape[1:], dtype)
+                         for e in range(*index[0].indices(shape[0]))])
+
+
 def _leaf_sources(cfg: ModelConfig, tp: int) -> dict[str, Any]:
     """Runtime leaf name -> ``_LeafSource`` (layer leaves: a function of the layer index),
     from the family's tensors, with the columns of the KV-head leaves (wk/wv, bk/bv) and of
@@ -212,13 +243,19 @@ def _leaf_sources(cfg: ModelConfig, tp: int) -> dict[str, Any]:
     fused = tp_layout.fused_in(per_layer)
     taken = {p for parts in fused.values() for p in parts}
 
-    def layer(i: int) -> dict[str, _LeafSource]:
+    stacked = lambda sources, experts: _ExpertStack(tuple(sources)) if experts else sources[0]
+
+    def layer(i: int) -> dict[str, _LeafSource | _ExpertStack]:
         pre = family.layer_prefix.format(i)
-        leaves = {name: _LeafSource((pre + t.hf,), t.transpose, *source(name, t))
+        leaves = {name: stacked([_LeafSource((pre + n,), t.transpose, *source(name, t))
+                                 for n in t.names()], t.experts)
                   for name, t in per_layer.items() if name not in taken}
         for name, parts in fused.items():
-            leaves[name] = _LeafSource(tuple(pre + per_layer[p].hf for p in parts), True,
-                                       *columns[name])
+            tensors = [per_layer[p] for p in parts]  # per expert: one name of each part
+            leaves[name] = stacked([_LeafSource(tuple(pre + n for n in names), True,
+                                                *columns[name])
+                                    for names in zip(*(t.names() for t in tensors))],
+                                   tensors[0].experts)
         return leaves
 
     sources: dict[str, Any] = {name: _LeafSource((t.hf,), t.transpose, *source(name, t))
@@ -263,11 +300,8 @@ def _check_checkpoint(model_dir: Path, cfg: ModelConfig) -> dict[Path, list[str]
     layout = _checked_layout(model_dir, cfg)
     shapes = param_shapes(cfg)
     for f, name, path, transpose in _mapped_tensors(layout, cfg, "numpy"):
-        want = shapes
-        for key in path:
-            want = want[key]
         got = tuple(f.get_slice(name).get_shape())
-        _check_shape(name, got[::-1] if transpose else got, want)
+        _check_shape(name, got[::-1] if transpose else got, _leaf_shape(shapes, path))
     return layout
 
 

@@ -24,11 +24,21 @@ from jserve.model.layers import rms_norm
 @dataclasses.dataclass(frozen=True)
 class Tensor:
     """One checkpoint tensor: its HF name (a layer's: after the layer prefix), our shape
-    (matrices ``[in, out]``), and whether HF stores it transposed (torch's ``[out, in]``)."""
+    (matrices ``[in, out]``), and whether HF stores it transposed (torch's ``[out, in]``).
+    ``experts``: one tensor per expert in the checkpoint (``hf`` holds ``{e}``, the expert's
+    index), stacked at load on the first axis of ``shape`` ([experts, in, out]);
+    ``transpose`` is then each expert's."""
 
     hf: str
     shape: tuple[int, ...]
     transpose: bool = False
+    experts: bool = False
+
+    def names(self) -> tuple[str, ...]:
+        """The checkpoint names this tensor is read from: one, or one per expert in order."""
+        if not self.experts:
+            return (self.hf,)
+        return tuple(self.hf.format(e=e) for e in range(self.shape[0]))
 
 
 def hf_top_tensors(cfg: ModelConfig) -> dict[str, Tensor]:

@@ -1,0 +1,130 @@
+"""The mixture-of-experts block (jserve/model/moe.py) against a plain numpy reference: both
+ways of running the experts (gathered for a few tokens, grouped for many), routing ties,
+every token on one expert; that a decode-sized step reads only the chosen experts'
+weights; and what MoE models refuse. Mixtral's tokens against transformers, on one device
+and on a mesh, are test_model_families' (it is one of ``hf_models.FAMILY_CONFIGS``)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jserve.model import moe
+from jserve.model.weights import DEFAULT_CONFIG
+
+E, D, F, K = 8, 32, 48, 2
+
+
+def _layer(seed: int = 0, router_scale: float = 1.0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    w = lambda *s: rng.normal(0, 0.3, s).astype(np.float32)
+    return {"router": w(D, E) * router_scale, "we_gate": w(E, D, F), "we_up": w(E, D, F),
+            "we_down": w(E, F, D)}
+
+
+def _reference(layer: dict[str, np.ndarray], x: np.ndarray, k: int = K) -> np.ndarray:
+    """Per token: softmax over the experts, the top k (ties to the lower index),
+    renormalised, the weighted sum of those experts' SiLU-gated MLPs."""
+    out = np.zeros_like(x)
+    for t, row in enumerate(x):
+        logits = row @ layer["router"]
+        p = np.exp(logits - logits.max())
+        p /= p.sum()
+        chosen = np.argsort(-p, kind="stable")[:k]
+        w = p[chosen] / p[chosen].sum()
+        for e, we in zip(chosen, w):
+            g, u = row @ layer["we_gate"][e], row @ layer["we_up"][e]
+            out[t] += we * ((g / (1 + np.exp(-g)) * u) @ layer["we_down"][e])
+    return out
+
+
+def _fused(layer: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The runtime layout: gate and up side by side (``tp_layout.FUSED``)."""
+    return {"router": layer["router"], "we_down": layer["we_down"],
+            "we_gate_up": np.concatenate([layer["we_gate"], layer["we_up"]], axis=-1)}
+
+
+def _run(way, layer, x):
+    w, experts = moe.route(jnp.asarray(x) @ jnp.asarray(layer["router"]), K)
+    layer = jax.tree.map(jnp.asarray, layer)
+    return np.asarray(jax.jit(way, static_argnums=4)(layer, jnp.asarray(x), w, experts,
+                                                    jax.nn.silu))
+
+
+@pytest.mark.parametrize("way", [moe.gathered_experts, moe.grouped_experts])
+@pytest.mark.parametrize("fused", [False, True])
+def test_both_ways_equal_the_reference(way, fused):
+    layer = _layer()
+    x = np.random.default_rng(1).normal(0, 1, (13, D)).astype(np.float32)
+    want = _reference(layer, x)
+    got = _run(way, _fused(layer) if fused else layer, x)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+    # The tokens spread over the experts (the case where grouping matters).
+    _, experts = moe.route(jnp.asarray(x @ layer["router"]), K)
+    assert len(set(np.asarray(experts).ravel().tolist())) >= E // 2
+
+
+def test_routing_ties_go_to_the_lower_experts_and_one_hot_batches_are_exact():
+    """A zero router ties every expert (each token takes experts 0 and 1 at half weight);
+    a router that favours expert 5 for every token sends the whole batch to it (one group
+    holds every row, the others none)."""
+    x = np.random.default_rng(2).normal(0, 1, (9, D)).astype(np.float32)
+    tied = _layer(router_scale=0.0)
+    w, experts = moe.route(jnp.asarray(x @ tied["router"]), K)
+    assert np.asarray(experts).tolist() == [[0, 1]] * 9
+    np.testing.assert_array_equal(np.asarray(w), 0.5)
+    one = _layer(3)
+    one["router"][:, 5] += 50.0 * np.sign(x.mean(axis=0))  # logit 5 far above the rest
+    _, experts = moe.route(jnp.asarray(x @ one["router"]), K)
+    assert (np.asarray(experts)[:, 0] == 5).all()
+    for layer in (tied, one):
+        want = _reference(layer, x)
+        for way in (moe.gathered_experts, moe.grouped_experts):
+            np.testing.assert_allclose(_run(way, layer, x), want, atol=2e-5, rtol=1e-5)
+
+
+def test_a_decode_step_gathers_and_a_prefill_groups():
+    assert moe.gathers(1, 2, 8) and moe.gathers(3, 2, 8)
+    assert not moe.gathers(4, 2, 8) and not moe.gathers(512, 8, 128)
+    assert moe.gathers(15, 8, 128) and not moe.gathers(16, 8, 128)
+
+
+def _dot_operand_sizes(hlo: str) -> list[int]:
+    """The element count of every operand of every dot in a compiled HLO module's text
+    (instruction names are unique in a module: the operands are looked up by name)."""
+    sizes = {m[1]: math.prod(int(n) for n in m[2].split(",") if n)
+             for m in re.finditer(r"(%[\w.\-]+) = \w+\[([\d,]*)\]", hlo)}
+    return [sizes[name] for m in re.finditer(r" dot\((%[\w.\-]+), (%[\w.\-]+)\)", hlo)
+            for name in m.groups()]
+
+
+def test_a_one_token_step_reads_only_its_experts_weights():
+    """The compiled CPU program of the block at one token: no dot reads more than the k=2
+    chosen experts' matrices (cost analysis counts a gather's whole operand as accessed,
+    so the dots' operands are what is checked); the grouped way on the same token has a
+    dot over every expert (XLA:CPU expands ragged_dot into a masked dot over all of them),
+    which is why one token does not take it."""
+    layer = jax.tree.map(jnp.asarray, _fused(_layer()))
+    all_experts = layer["we_gate_up"].size  # E * D * 2F
+    x = jnp.zeros((1, D), jnp.float32)
+
+    def largest_dot_operand(f) -> int:
+        return max(_dot_operand_sizes(jax.jit(f).lower(layer, x).compile().as_text()))
+
+    assert largest_dot_operand(lambda l, h: moe.moe_mlp(l, h, K)) == K * D * 2 * F
+    grouped = lambda l, h: moe.grouped_experts(l, h, *moe.route(h @ l["router"], K),
+                                               jax.nn.silu)
+    assert largest_dot_operand(grouped) >= all_experts
+
+
+def test_moe_models_refuse_weight_quantization_by_name():
+    with pytest.raises(ValueError, match="does not quantize MoE experts"):
+        dataclasses.replace(DEFAULT_CONFIG, architecture="MixtralForCausalLM",
+                            num_experts=4, num_experts_per_tok=2, quantization="int8")
+    with pytest.raises(ValueError, match="num_experts_per_tok must be in 1..4"):
+        dataclasses.replace(DEFAULT_CONFIG, num_experts=4, num_experts_per_tok=5)
