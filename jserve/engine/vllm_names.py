@@ -22,7 +22,8 @@ VLLM_REFUSED = {
                             "(--ray --replicas N, docs/scale_out.md)",
     "-dp": "dp is not supported yet; run replicas behind a router (--ray --replicas N, "
            "docs/scale_out.md)",
-    "--enable-expert-parallel": "jserve serves dense Llama-family models (no experts)",
+    "--enable-expert-parallel": "no expert-parallel axis yet: an MoE model (Mixtral) runs its "
+                                "experts split by tp (--mesh tp=N)",
     "--distributed-executor-backend": "a multi-host engine is one process per host: "
                                       "--coordinator, --num-processes (docs/multihost.md)",
     "--enforce-eager": "jserve always runs compiled XLA step programs (--warmup none "
