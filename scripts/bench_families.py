@@ -3,6 +3,7 @@ pages a 32K-token request holds (windowed families against full attention).
 
     python scripts/bench_families.py                         # every family, 3 repetitions
     python scripts/bench_families.py --families mistral,gemma3 --reps 5 --out fam.json
+    python scripts/bench_families.py --families dense-active,mixtral --prompts 1
 
 Each family's seeded random checkpoint (the same body for all: scripts/harness/families.py) is
 written by transformers; 8 prompts of 128 tokens, 32 greedy new tokens each, EOS ignored, run
@@ -27,10 +28,12 @@ def main() -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--families", default=",".join(FAMILIES))
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--prompts", type=int, default=8, help="the batch (8 prompts of 128 tokens)")
     p.add_argument("--long-tokens", type=int, default=32768)
     p.add_argument("--out", type=Path)
     a = p.parse_args()
-    results = run(a.families.split(","), Workload(reps=a.reps, long_tokens=a.long_tokens))
+    results = run(a.families.split(","), Workload(prompts=a.prompts, reps=a.reps,
+                                                      long_tokens=a.long_tokens))
     if a.out:
         a.out.write_text(json.dumps(results, indent=1))
     return 0

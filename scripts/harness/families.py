@@ -5,7 +5,8 @@ model of the same size.
 
 Every family gets the same body (hidden 256, 4 layers, 8 query / 2 KV heads of 32, MLP 768,
 vocab 8192, float32) plus what it is: Qwen2's q/k/v biases, Qwen3's q/k norms, Mistral's
-sliding window, Gemma 3's local/global layers, (1 + w) norms, GeGLU and soft-capped logits.
+sliding window, Gemma 3's local/global layers, (1 + w) norms, GeGLU and soft-capped logits,
+Mixtral's experts (beside a dense Llama of its active parameters).
 
 Import this after setting ``OMP_WAIT_POLICY`` (the script does: torch starts OpenMP here)."""
 from __future__ import annotations
@@ -41,6 +42,12 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
                     layer_types=["sliding_attention"] * 3 + ["full_attention"],
                     rope_parameters={"full_attention": dict(ROPE, rope_theta=1e6),
                                      "sliding_attention": ROPE})),
+    # Mixture of experts: 8 experts of BODY's MLP, top 2; and the dense model of the same
+    # active parameters (one MLP twice as wide) it is measured against.
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(rope_parameters=ROPE, num_local_experts=8, num_experts_per_tok=2)),
+    "dense-active": ("LlamaConfig", "LlamaForCausalLM",
+                     dict(rope_parameters=ROPE, intermediate_size=2 * BODY["intermediate_size"])),
 }
 
 
@@ -60,7 +67,7 @@ def write_checkpoint(family: str, out: Path, seed: int = 0) -> torch.nn.Module:
     decode exactly ``max_new_tokens`` (no EOS), as jserve's ``ignore_eos``."""
     config_cls, model_cls, extra = FAMILIES[family]
     torch.manual_seed(seed)
-    config = getattr(transformers, config_cls)(**BODY, **extra)
+    config = getattr(transformers, config_cls)(**{**BODY, **extra})
     model = getattr(transformers, model_cls)(config).to(torch.float32).eval()
     model.save_pretrained(out)
     model.generation_config.eos_token_id = None
