@@ -23,10 +23,13 @@ def _decode_steps(target: str, steps, **engine):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("target, steps", [("v5e", [(1, 0), (32, 0), (32, 256)]),
+# v5e's batch-1 decode step is left out (35 s of the suite's compile time, the same
+# structure as batch 32's, whose KV reads make the 1.2x bound the harder one); the device
+# check compiles and runs it where a TPU is lent.
+@pytest.mark.parametrize("target, steps", [("v5e", [(32, 0), (32, 256)]),
                                            ("v6e", [(32, 256)])])
 def test_tpu_steps_compile_with_the_pallas_kernels_and_copy_nothing(target, steps):
-    """The 1B-shaped decode steps (batch 1 and 32) and a mixed step, compiled for a v5e (and
+    """The 1B-shaped decode step (batch 32) and a mixed step, compiled for a v5e (and
     a v6e, whose Mosaic refused the KV write as v5e's did) with TPU's defaults (Pallas
     attention and KV writes, the indexed layer loop, the pool pinned row-major): Mosaic
     compiles them, no program copies a layer's weights or the KV pool (the reference
