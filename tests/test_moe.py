@@ -1,5 +1,5 @@
-"""The mixture-of-experts block (jserve/model/moe.py) against a plain numpy reference: both
-ways of running the experts (gathered for a few tokens, grouped for many), routing ties,
+"""The mixture-of-experts block (jserve/model/moe.py) against a plain numpy reference: its
+three ways of running the experts (gathered, all experts zeroed, grouped), routing ties,
 every token on one expert; that a decode-sized step reads only the chosen experts'
 weights; and what MoE models refuse. Mixtral's tokens against transformers, on one device
 and on a mesh, are test_model_families' (it is one of ``hf_models.FAMILY_CONFIGS``)."""
@@ -44,9 +44,10 @@ def _reference(layer: dict[str, np.ndarray], x: np.ndarray, k: int = K) -> np.nd
 
 
 def _fused(layer: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The runtime layout: gate and up side by side (``tp_layout.FUSED``)."""
+    """The runtime layout: every expert's gate and up side by side (``tp_layout``)."""
+    gate_up = np.concatenate([layer["we_gate"], layer["we_up"]], axis=-1)
     return {"router": layer["router"], "we_down": layer["we_down"],
-            "we_gate_up": np.concatenate([layer["we_gate"], layer["we_up"]], axis=-1)}
+            "we_gate_up": np.asarray(moe.side_by_side(jnp.asarray(gate_up)))}
 
 
 def _run(way, layer, x):
@@ -56,7 +57,10 @@ def _run(way, layer, x):
                                                     jax.nn.silu))
 
 
-@pytest.mark.parametrize("way", [moe.gathered_experts, moe.grouped_experts])
+WAYS = [moe.gathered_experts, moe.all_experts, moe.grouped_experts]
+
+
+@pytest.mark.parametrize("way", WAYS)
 @pytest.mark.parametrize("fused", [False, True])
 def test_both_ways_equal_the_reference(way, fused):
     layer = _layer()
@@ -64,6 +68,10 @@ def test_both_ways_equal_the_reference(way, fused):
     want = _reference(layer, x)
     got = _run(way, _fused(layer) if fused else layer, x)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+    # The block as the layer calls it (13 tokens on a CPU: every expert, zeroed).
+    block = jax.jit(moe.moe_mlp, static_argnums=2)(
+        jax.tree.map(jnp.asarray, _fused(layer) if fused else layer), jnp.asarray(x), K)
+    np.testing.assert_allclose(np.asarray(block), want, atol=2e-5, rtol=1e-5)
     # The tokens spread over the experts (the case where grouping matters).
     _, experts = moe.route(jnp.asarray(x @ layer["router"]), K)
     assert len(set(np.asarray(experts).ravel().tolist())) >= E // 2
@@ -84,7 +92,7 @@ def test_routing_ties_go_to_the_lower_experts_and_one_hot_batches_are_exact():
     assert (np.asarray(experts)[:, 0] == 5).all()
     for layer in (tied, one):
         want = _reference(layer, x)
-        for way in (moe.gathered_experts, moe.grouped_experts):
+        for way in WAYS:
             np.testing.assert_allclose(_run(way, layer, x), want, atol=2e-5, rtol=1e-5)
 
 

@@ -29,8 +29,9 @@ from jserve.kernels.kv_parallel import kvp_attention, owned_slots
 from jserve.model.families import family_of
 from jserve.model.layer_weights import in_place, layer_view
 from jserve.model.layers import layer_rope, rope_tables
+from jserve.model.moe import side_by_side
 from jserve.model.params import Params
-from jserve.model.tp_layout import FUSED, fused_in
+from jserve.model.tp_layout import EXPERTS, FUSED, fused_in
 
 
 @jax.tree_util.register_dataclass
@@ -85,9 +86,16 @@ def prepare_params(params: Params) -> Params:
     stacked = {name: stack([layer[name] for layer in layers])
                for name in layers[0] if name not in taken}
     for name, parts in fused.items():  # on the output axis (per-column scales follow it)
-        stacked[name] = stack([jax.tree.map(lambda *ws: jnp.concatenate(ws, axis=-1),
+        stacked[name] = stack([jax.tree.map(lambda *ws, name=name: _fuse(name, ws),
                                             *(layer[p] for p in parts)) for layer in layers])
     return {**params, "layers": stacked}
+
+
+def _fuse(name: str, parts) -> jax.Array:
+    """One layer's fused leaf from its parts: side by side on the output axis; expert
+    stacks [E, in, out] as every expert's parts in turn, [in, E * outs] (``tp_layout``)."""
+    w = jnp.concatenate(parts, axis=-1)
+    return side_by_side(w) if name in EXPERTS else w
 
 
 def unstack_layers(params: Params) -> Params:

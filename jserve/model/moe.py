@@ -1,16 +1,20 @@
 """The mixture-of-experts MLP block (pure JAX): a router picks ``k`` of ``E`` experts per
-token, and only the chosen experts run.
+token, and each token's output is its experts' gated MLPs weighted by the router.
 
-Two ways, picked by the step's static token count (:func:`gathers`): a few tokens gather
-their chosen experts' matrices (a decode step reads k experts' weights, not E); more
-tokens are sorted by expert and each expert's rows go through its matrices as one grouped
-matmul (``jax.lax.ragged_dot``). Each pair's output is scaled by its routing weight and
-summed onto its token. Under tensor parallelism every shard holds every expert's slice of
-the intermediate axis (``tp_layout``: ``we_gate_up`` by columns, ``we_down`` by rows), so the
-block's output is a partial sum like the dense MLP's, summed by the caller.
+Three ways, picked statically (:func:`moe_mlp`): a few tokens (a decode step: fewer
+token-expert pairs than experts, :func:`gathers`) gather their chosen experts' matrices, so
+a step reads k experts' weights, not E; more tokens on a CPU run every expert as two plain
+matmuls with the unchosen experts' activations zeroed (XLA:CPU has no grouped matmul: its
+``ragged_dot`` is a masked dot over every expert, k times these FLOPs, after relaying the
+weights; ``scripts/bench_moe.py``); elsewhere the token-expert pairs are sorted by expert
+and run as one grouped matmul (``jax.lax.ragged_dot``).
 
-Leaves of one layer: ``router`` [hidden, E], ``we_gate_up`` [E, hidden, 2 * inter] (or the
-checkpoint's ``we_gate`` and ``we_up``) and ``we_down`` [E, inter, hidden].
+Leaves of one layer: ``router`` [hidden, E]; ``we_gate_up`` [hidden, E * 2 * inter], every
+expert's gate and up columns in turn (``tp_layout``: one plain matmul reads them all), or
+the checkpoint's stacks ``we_gate`` and ``we_up`` [E, hidden, inter]; ``we_down`` [E,
+inter, hidden]. Under tensor parallelism every shard holds every expert's slice of the
+intermediate axis, so the block's output is a partial sum like the dense MLP's, summed by
+the caller.
 """
 from __future__ import annotations
 
@@ -29,33 +33,56 @@ def route(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     return weights / jnp.sum(weights, axis=-1, keepdims=True), experts.astype(jnp.int32)
 
 
-def _gate_up(layer: dict[str, Any], dot: Callable) -> tuple[jax.Array, jax.Array]:
+def side_by_side(gate_up: jax.Array) -> jax.Array:
+    """[E, in, 2 * inter] (each expert's gate and up) as the runtime ``we_gate_up``,
+    [in, E * 2 * inter]."""
+    return jnp.transpose(gate_up, (1, 0, 2)).reshape(gate_up.shape[1], -1)
+
+
+def _gate_up(layer: dict[str, Any]) -> jax.Array:
     if "we_gate_up" in layer:
-        return jnp.split(dot(layer["we_gate_up"]), 2, axis=-1)
-    return dot(layer["we_gate"]), dot(layer["we_up"])
+        return layer["we_gate_up"]
+    return side_by_side(jnp.concatenate([layer["we_gate"], layer["we_up"]], axis=-1))
+
+
+def _per_expert(layer: dict[str, Any]) -> jax.Array:
+    """The gate/up matrices [in, E, 2 * inter] (a view of ``we_gate_up``)."""
+    w = _gate_up(layer)
+    return w.reshape(w.shape[0], layer["router"].shape[-1], -1)
 
 
 def gathered_experts(layer: dict[str, Any], x: jax.Array, weights: jax.Array,
                      experts: jax.Array, act: Callable) -> jax.Array:
-    """Few tokens (a decode step): each token's ``k`` experts' matrices gathered and applied
-    to it alone, so only the chosen experts' weights are read."""
-    dot = lambda w: jnp.einsum("td,tkdf->tkf", x, w[experts])
-    gate, up = _gate_up(layer, dot)
+    """Few tokens: each token's ``k`` experts' matrices gathered and applied to it alone."""
+    gate, up = jnp.split(jnp.einsum("td,dtkf->tkf", x, _per_expert(layer)[:, experts]), 2,
+                         axis=-1)
     y = jnp.einsum("tkf,tkfd->tkd", act(gate) * up, layer["we_down"][experts])
     return jnp.einsum("tkd,tk->td", y, weights.astype(y.dtype))
 
 
+def all_experts(layer: dict[str, Any], x: jax.Array, weights: jax.Array,
+                experts: jax.Array, act: Callable) -> jax.Array:
+    """Every expert on every token, as two plain matmuls; an unchosen expert's activations
+    are zeroed before the down projection, so it adds nothing."""
+    t, n_experts = x.shape[0], layer["router"].shape[-1]
+    gate, up = jnp.split((x @ _gate_up(layer)).reshape(t, n_experts, -1), 2, axis=-1)
+    picked = jnp.zeros((t, n_experts), weights.dtype).at[
+        jnp.arange(t)[:, None], experts].set(weights)  # top_k's experts are distinct
+    h = act(gate) * up * picked[..., None].astype(x.dtype)
+    return h.reshape(t, -1) @ layer["we_down"].reshape(-1, x.shape[-1])
+
+
 def grouped_experts(layer: dict[str, Any], x: jax.Array, weights: jax.Array,
                     experts: jax.Array, act: Callable) -> jax.Array:
-    """Many tokens (a prefill): the token-expert pairs sorted by expert and each expert's
-    rows multiplied by its matrices as one grouped matmul (``lax.ragged_dot``)."""
+    """The token-expert pairs sorted by expert and each expert's rows multiplied by its
+    matrices as one grouped matmul (``lax.ragged_dot``, on [E, in, out] stacks)."""
     k, n_experts = experts.shape[-1], layer["router"].shape[-1]
     flat = experts.reshape(-1)  # [T * k] token-major
     order = jnp.argsort(flat, stable=True)  # the pairs grouped by expert
     token = order // k
     sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
-    xs = x[token]
-    gate, up = _gate_up(layer, lambda w: jax.lax.ragged_dot(xs, w, sizes))
+    stacks = jnp.transpose(_per_expert(layer), (1, 0, 2))
+    gate, up = jnp.split(jax.lax.ragged_dot(x[token], stacks, sizes), 2, axis=-1)
     y = jax.lax.ragged_dot(act(gate) * up, layer["we_down"], sizes)
     y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
     return jnp.zeros_like(x).at[token].add(y)
@@ -63,8 +90,7 @@ def grouped_experts(layer: dict[str, Any], x: jax.Array, weights: jax.Array,
 
 def gathers(tokens: int, k: int, n_experts: int) -> bool:
     """Whether ``tokens`` rows take :func:`gathered_experts`: while their pairs are fewer
-    than the experts, gathering reads less than any grouped matmul that touches every
-    expert (XLA:CPU expands ``ragged_dot`` into a masked dot over all of them)."""
+    than the experts, gathering reads less than any way that touches every expert."""
     return tokens * k < n_experts
 
 
@@ -75,6 +101,10 @@ def moe_mlp(layer: dict[str, Any], h: jax.Array, k: int, act: Callable = jax.nn.
     lead, d = h.shape[:-1], h.shape[-1]
     x = h.reshape(-1, d)
     weights, experts = route(x @ layer["router"].astype(x.dtype), k)
-    run = (gathered_experts if gathers(x.shape[0], k, layer["router"].shape[-1])
-           else grouped_experts)
-    return run(layer, x, weights, experts, act).reshape(*lead, d)
+    args = (layer, x, weights, experts)
+    if gathers(x.shape[0], k, layer["router"].shape[-1]):
+        out = gathered_experts(*args, act)
+    else:  # by the platform the program is lowered for (a target's, compiled on a CPU host)
+        out = jax.lax.platform_dependent(*args, cpu=lambda *a: all_experts(*a, act),
+                                         default=lambda *a: grouped_experts(*a, act))
+    return out.reshape(*lead, d)

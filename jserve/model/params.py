@@ -10,7 +10,7 @@ from typing import Any
 
 from jserve.config import ModelConfig
 from jserve.model.families import family_of
-from jserve.model.tp_layout import fused_in
+from jserve.model.tp_layout import EXPERTS, fused_in
 
 Params = dict[str, Any]
 
@@ -26,12 +26,15 @@ def param_shapes(cfg: ModelConfig) -> Params:
 
 def runtime_param_shapes(cfg: ModelConfig) -> dict:
     """Shape tuples of the runtime layout (what ``decoder.prepare_params`` returns): the
-    checkpoint layout's per-layer shapes stacked, the ``tp_layout.FUSED`` matrices fused."""
+    checkpoint layout's per-layer shapes stacked, the ``tp_layout.FUSED`` matrices fused
+    (an expert stack's [in, experts * widths], ``tp_layout.LeafKind``)."""
     shapes = param_shapes(cfg)
     layer = dict(shapes["layers"][0])
     for name, parts in fused_in(layer).items():
         shapes_in = [layer.pop(p) for p in parts]
-        layer[name] = (*shapes_in[0][:-1], sum(s[-1] for s in shapes_in))
+        width = sum(s[-1] for s in shapes_in)
+        layer[name] = ((shapes_in[0][1], shapes_in[0][0] * width) if name in EXPERTS
+                       else (*shapes_in[0][:-1], width))
     n = cfg.num_hidden_layers
     return {**shapes, "layers": {name: (n, *shape) for name, shape in layer.items()}}
 

@@ -36,7 +36,10 @@ class LeafKind:
     side by side on the output axis, in order (under tp shard-major: [parts of shard 0,
     parts of shard 1, ...]); ``experts``: a stack of one matrix per expert ([experts, in,
     out] a layer), split by tp like one expert's matrix (every shard holds every expert's
-    slice: the MoE block's output is then a partial sum like the dense MLP's)."""
+    slice: the MoE block's output is then a partial sum like the dense MLP's). A fused
+    expert leaf holds every expert's parts side by side on the output axis, [in, experts *
+    parts' widths], expert-major ([e0 gate, e0 up, e1 gate, ...]; under tp shard-major):
+    one plain matmul reads them all, which XLA:CPU runs without relaying the weights."""
 
     split: str | None = None
     matrix: bool = False
@@ -116,6 +119,13 @@ def fused_in(names) -> dict[str, tuple[str, ...]]:
     return {name: parts for name, parts in FUSED.items() if all(p in names for p in parts)}
 
 
+def source_widths(name: str, cfg: ModelConfig, tp: int = 1) -> tuple[int, ...]:
+    """The columns of each source of the fused leaf ``name`` (``column_sources``' first
+    array indexes them): its parts, or for an expert leaf each expert's parts in turn."""
+    widths = part_widths(name, cfg, tp)
+    return widths * cfg.num_experts if name in EXPERTS else widths
+
+
 def part_widths(name: str, cfg: ModelConfig, tp: int = 1) -> tuple[int, ...]:
     """The columns of each part of the fused leaf ``name`` as stored for ``tp`` (wk/wv: the
     stored KV heads, ``kv_head_map``), whole (a shard holds 1/tp of each)."""
@@ -131,9 +141,10 @@ def _width(part: str, cfg: ModelConfig, tp: int) -> int:
 
 
 def column_sources(name: str, cfg: ModelConfig, tp: int) -> tuple[np.ndarray, np.ndarray]:
-    """(part, column of that part at tp=1) of each column of the layer leaf ``name`` as laid
-    out for ``tp`` (a leaf that is not fused is its own part 0): wk/wv (bk/bv) columns
-    follow ``kv_head_map``; a fused leaf is each part's columns (so reordered), shard-major."""
+    """(source, column of that source at tp=1) of each column of the layer leaf ``name`` as
+    laid out for ``tp`` (a leaf that is not fused is its own source 0): wk/wv (bk/bv)
+    columns follow ``kv_head_map``; a fused leaf is each part's columns (so reordered),
+    shard-major; a fused expert leaf's sources are expert e's part p at e * parts + p."""
     if name not in FUSED:
         if name not in KV_HEAD_COLUMNS:
             raise ValueError(f"{name}: no column layout (not fused, not KV heads)")
@@ -146,7 +157,12 @@ def column_sources(name: str, cfg: ModelConfig, tp: int) -> tuple[np.ndarray, np
         src = (column_sources(part, cfg, tp)[1] if part in KV_HEAD_COLUMNS
                else np.arange(width))
         pieces.append(np.stack([np.full(width, p), src]).reshape(2, tp, width // tp))
-    order = np.concatenate(pieces, axis=-1).reshape(2, -1)
+    order = np.concatenate(pieces, axis=-1)  # [2, tp, a shard's columns of every part]
+    if name in EXPERTS:  # every expert's parts in turn within each shard
+        n = len(FUSED[name])
+        order = np.concatenate([order + np.array([e * n, 0])[:, None, None]
+                                for e in range(cfg.num_experts)], axis=-1)
+    order = order.reshape(2, -1)
     return order[0], order[1]
 
 
@@ -163,8 +179,8 @@ def tp_layout_leaf(name: str, w, cfg: ModelConfig, tp: int):
     if tp == 1 or (name not in FUSED and name not in KV_HEAD_COLUMNS):
         return w
     part, col = column_sources(name, cfg, tp)
-    if name in FUSED:  # the parts' offsets in the concatenation (widths at tp=1)
-        col = col + np.concatenate([[0], np.cumsum(part_widths(name, cfg))])[part]
+    if name in FUSED:  # the sources' offsets in the concatenation (widths at tp=1)
+        col = col + np.concatenate([[0], np.cumsum(source_widths(name, cfg))])[part]
     return w[..., col]
 
 
@@ -177,9 +193,10 @@ def tp_layout(params: dict[str, Any], cfg: ModelConfig, tp: int) -> dict[str, An
 def layer_axes(name: str) -> tuple[str | None, ...]:
     """The mesh axes a stacked layer leaf ``[layers, ...]`` is split over, dim by dim: layers
     by pipeline stage (``"spp"``), then columns or rows on ``"tp"`` (``COLUMN_SPLIT``,
-    ``ROW_SPLIT``, ``BIAS_SPLIT``; an expert stack keeps its experts whole, ``EXPERTS``); a
+    ``ROW_SPLIT``, ``BIAS_SPLIT``; an expert stack keeps its expert axis whole; a fused
+    expert leaf has none); a
     ``PartitionSpec(*layer_axes(name))``."""
-    experts = (None,) if name in EXPERTS else ()
+    experts = (None,) if name in EXPERTS and name not in FUSED else ()
     if name in COLUMN_SPLIT:
         return ("spp", *experts, None, "tp")
     if name in BIAS_SPLIT:

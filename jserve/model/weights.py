@@ -180,7 +180,7 @@ def _runs(src: np.ndarray, rows: np.ndarray) -> list[tuple[int, int, int]]:
 class _LeafSource:
     """How one runtime leaf (one layer's, for layer leaves) is read from HF tensors.
 
-    ``names``: the source tensors (stacked along their first axis for ``w_gate_up``).
+    ``names``: the source tensors (their rows side by side for a fused leaf, ``w_gate_up``).
     ``transpose``: our ``[in, out]`` is torch's ``[out, in]``; then our column ``c`` is row
     ``col_src[c]``, ``col_row[c]`` of the sources (the tp reordering in index space). A
     vector (a bias) with ``col_row`` reads its element ``col_row[c]`` as our ``c``.
@@ -231,31 +231,28 @@ def _leaf_sources(cfg: ModelConfig, tp: int) -> dict[str, Any]:
     def plain(n_cols: int) -> tuple[np.ndarray, np.ndarray]:
         return np.zeros(n_cols, np.int64), np.arange(n_cols)
 
+    per_layer = family.layer_tensors(cfg)
+    fused = tp_layout.fused_in(per_layer)
+    taken = {p for parts in fused.values() for p in parts}
     columns = {name: tp_layout.column_sources(name, cfg, tp)
-               for name in (*tp_layout.KV_HEAD_COLUMNS, *tp_layout.FUSED)}
+               for name in (*tp_layout.KV_HEAD_COLUMNS, *fused)}
 
     def source(name: str, t) -> tuple:
         if name in tp_layout.KV_HEAD_COLUMNS:
             return columns[name]
         return plain(t.shape[-1]) if t.transpose else (None, None)
 
-    per_layer = family.layer_tensors(cfg)
-    fused = tp_layout.fused_in(per_layer)
-    taken = {p for parts in fused.values() for p in parts}
-
     stacked = lambda sources, experts: _ExpertStack(tuple(sources)) if experts else sources[0]
+
 
     def layer(i: int) -> dict[str, _LeafSource | _ExpertStack]:
         pre = family.layer_prefix.format(i)
         leaves = {name: stacked([_LeafSource((pre + n,), t.transpose, *source(name, t))
                                  for n in t.names()], t.experts)
                   for name, t in per_layer.items() if name not in taken}
-        for name, parts in fused.items():
-            tensors = [per_layer[p] for p in parts]  # per expert: one name of each part
-            leaves[name] = stacked([_LeafSource(tuple(pre + n for n in names), True,
-                                                *columns[name])
-                                    for names in zip(*(t.names() for t in tensors))],
-                                   tensors[0].experts)
+        for name, parts in fused.items():  # an expert leaf's sources: e0's parts, e1's, ...
+            names = [n for each in zip(*(per_layer[p].names() for p in parts)) for n in each]
+            leaves[name] = _LeafSource(tuple(pre + n for n in names), True, *columns[name])
         return leaves
 
     sources: dict[str, Any] = {name: _LeafSource((t.hf,), t.transpose, *source(name, t))
