@@ -4,11 +4,10 @@ the dense gated MLP of the same active parameters, one layer alone, float32:
     python scripts/bench_moe.py                       # 8 experts, top 2, hidden 256, MLP 768
     python scripts/bench_moe.py --experts 128 --top-k 8 --tokens 1,16,256
 
-``gathered`` and ``grouped`` are the block's two ways (``moe.gathers`` picks by token count);
-``all-experts`` is a candidate not in the package: every expert on every token as two plain
-2D matmuls, the gate/up stack laid out [hidden, experts * 2 * MLP] (a load-time layout) and
-the unchosen experts' activations zeroed before the down projection. Medians of ``--reps``
-timed calls after one untimed, in ms."""
+``gathered``, ``all-experts`` and ``grouped`` are the block's three ways (``moe.moe_mlp``
+picks one by the token count and the platform; ``picked`` says which it takes here), on the
+runtime layout (``we_gate_up`` [hidden, experts * 2 * MLP]). Medians of ``--reps`` timed
+calls after one untimed, in ms."""
 from __future__ import annotations
 
 import argparse
@@ -47,30 +46,20 @@ def main() -> int:
     e, k, d, f = a.experts, a.top_k, a.hidden, a.mlp
     rng = np.random.default_rng(0)
     w = lambda *s: jnp.asarray(rng.normal(0, 0.05, s), jnp.float32)
-    layer = {"router": w(d, e), "we_gate_up": w(e, d, 2 * f), "we_down": w(e, f, d)}
+    gate_up = moe.side_by_side(w(e, d, 2 * f))
+    layer = {"router": w(d, e), "we_gate_up": gate_up, "we_down": w(e, f, d)}
     dense = {"w_gate_up": w(d, 2 * k * f), "w_down": w(k * f, d)}  # the active parameters
-    gate_up_2d = jnp.transpose(layer["we_gate_up"], (1, 0, 2)).reshape(d, -1)
-
-    def all_experts(layer, x, weights, experts, act):
-        g, u = jnp.split((x @ gate_up_2d).reshape(x.shape[0], e, 2 * f), 2, axis=-1)
-        picked = jnp.zeros((x.shape[0], e), jnp.float32).at[
-            jnp.arange(x.shape[0])[:, None], experts].set(weights)
-        h = act(g) * u * picked[..., None].astype(x.dtype)
-        return h.reshape(x.shape[0], -1) @ layer["we_down"].reshape(-1, d)
-
-    ways = {"gathered": moe.gathered_experts, "grouped": moe.grouped_experts,
-            "all-experts": all_experts}
-    rows = []
+    ways = {"gathered": moe.gathered_experts, "all-experts": moe.all_experts,
+            "grouped": moe.grouped_experts}
     for t in map(int, a.tokens.split(",")):
         x = w(t, d) * 20
-        row = {"tokens": t, "picked_by_moe_mlp": "gathered" if moe.gathers(t, k, e)
-               else "grouped",
+        row = {"tokens": t, "picked": "gathered" if moe.gathers(t, k, e) else
+               "all-experts" if jax.default_backend() == "cpu" else "grouped",
                "dense_active_ms": _median_ms(jax.jit(gated_mlp), dense, x, reps=a.reps)}
         for name, way in ways.items():
             run = jax.jit(lambda l, x, way=way: way(l, x, *moe.route(x @ l["router"], k),
                                                     jax.nn.silu))
             row[f"{name}_ms"] = _median_ms(run, layer, x, reps=a.reps)
-        rows.append(row)
         print(json.dumps({key: round(v, 3) if isinstance(v, float) else v
                           for key, v in row.items()}), flush=True)
     return 0

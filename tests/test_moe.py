@@ -1,8 +1,9 @@
 """The mixture-of-experts block (jserve/model/moe.py) against a plain numpy reference: its
 three ways of running the experts (gathered, all experts zeroed, grouped), routing ties,
-every token on one expert; that a decode-sized step reads only the chosen experts'
-weights; and what MoE models refuse. Mixtral's tokens against transformers, on one device
-and on a mesh, are test_model_families' (it is one of ``hf_models.FAMILY_CONFIGS``)."""
+every token on one expert; that a decode-sized step compiled for a GPU and a TPU reads only
+the chosen experts' weights; and what MoE models refuse. Mixtral's tokens against
+transformers, on one device and on a mesh, are test_model_families' (it is one of
+``hf_models.FAMILY_CONFIGS``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -111,23 +112,29 @@ def _dot_operand_sizes(hlo: str) -> list[int]:
             for name in m.groups()]
 
 
-def test_a_one_token_step_reads_only_its_experts_weights():
-    """The compiled CPU program of the block at one token: no dot reads more than the k=2
-    chosen experts' matrices (cost analysis counts a gather's whole operand as accessed,
-    so the dots' operands are what is checked); the grouped way on the same token has a
-    dot over every expert (XLA:CPU expands ragged_dot into a masked dot over all of them),
-    which is why one token does not take it."""
-    layer = jax.tree.map(jnp.asarray, _fused(_layer()))
-    all_experts = layer["we_gate_up"].size  # E * D * 2F
-    x = jnp.zeros((1, D), jnp.float32)
+@pytest.mark.parametrize("target", ["h100", "v5e"])
+def test_a_one_token_step_reads_only_its_experts_weights_on_gpu_and_tpu(target):
+    """The block compiled for an H100 and a v5e (compile-only devices, ``jserve.targets``):
+    at one token it gathers its k=2 experts' matrices and no dot reads all 8 experts'; at
+    64 tokens a v5e runs XLA:TPU's own grouped matmul (ragged-dot). On a CPU the grouped
+    way at one token has a dot over every expert (XLA:CPU expands ragged_dot into a masked
+    dot), which is why a CPU never takes it."""
+    from jserve.targets.specs import devices
 
-    def largest_dot_operand(f) -> int:
-        return max(_dot_operand_sizes(jax.jit(f).lower(layer, x).compile().as_text()))
+    on = jax.sharding.SingleDeviceSharding(devices(target)[0])
+    s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=on)
+    layer = {"router": s(D, E), "we_gate_up": s(D, E * 2 * F), "we_down": s(E, F, D)}
+    block = jax.jit(lambda l, h: moe.moe_mlp(l, h, K))
+    one = block.lower(layer, s(1, D)).compile().as_text()
+    assert "gather" in one and max(_dot_operand_sizes(one), default=0) < E * D * 2 * F
+    many = block.lower(layer, s(64, D)).compile().as_text()
+    assert ("ragged-dot" in many) == (target == "v5e")
 
-    assert largest_dot_operand(lambda l, h: moe.moe_mlp(l, h, K)) == K * D * 2 * F
+    cpu = jax.tree.map(jnp.asarray, _fused(_layer()))
     grouped = lambda l, h: moe.grouped_experts(l, h, *moe.route(h @ l["router"], K),
                                                jax.nn.silu)
-    assert largest_dot_operand(grouped) >= all_experts
+    text = jax.jit(grouped).lower(cpu, jnp.zeros((1, D), jnp.float32)).compile().as_text()
+    assert max(_dot_operand_sizes(text)) >= cpu["we_gate_up"].size
 
 
 def test_moe_models_refuse_weight_quantization_by_name():

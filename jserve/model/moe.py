@@ -1,13 +1,15 @@
 """The mixture-of-experts MLP block (pure JAX): a router picks ``k`` of ``E`` experts per
 token, and each token's output is its experts' gated MLPs weighted by the router.
 
-Three ways, picked statically (:func:`moe_mlp`): a few tokens (a decode step: fewer
-token-expert pairs than experts, :func:`gathers`) gather their chosen experts' matrices, so
-a step reads k experts' weights, not E; more tokens on a CPU run every expert as two plain
-matmuls with the unchosen experts' activations zeroed (XLA:CPU has no grouped matmul: its
-``ragged_dot`` is a masked dot over every expert, k times these FLOPs, after relaying the
-weights; ``scripts/bench_moe.py``); elsewhere the token-expert pairs are sorted by expert
-and run as one grouped matmul (``jax.lax.ragged_dot``).
+Three ways, picked statically by the platform the program is lowered for and its token
+count (:func:`moe_mlp`): on a GPU or TPU a few tokens (a decode step: fewer token-expert
+pairs than experts, :func:`gathers`) gather their chosen experts' matrices, so a step reads
+k experts' weights, not E. More tokens on a TPU are sorted by expert and run as one grouped
+matmul (``jax.lax.ragged_dot``, which XLA:TPU compiles to its own). On a CPU (any count)
+and for more tokens on a GPU every expert runs as two plain matmuls with the unchosen
+experts' activations zeroed: XLA:CPU and XLA:GPU expand ``ragged_dot`` into a masked dot
+over every expert for every pair, k times these FLOPs, and XLA:CPU's gather of weight rows
+is slower than reading every expert (``scripts/bench_moe.py``).
 
 Leaves of one layer: ``router`` [hidden, E]; ``we_gate_up`` [hidden, E * 2 * inter], every
 expert's gate and up columns in turn (``tp_layout``: one plain matmul reads them all), or
@@ -101,10 +103,13 @@ def moe_mlp(layer: dict[str, Any], h: jax.Array, k: int, act: Callable = jax.nn.
     lead, d = h.shape[:-1], h.shape[-1]
     x = h.reshape(-1, d)
     weights, experts = route(x @ layer["router"].astype(x.dtype), k)
-    args = (layer, x, weights, experts)
-    if gathers(x.shape[0], k, layer["router"].shape[-1]):
-        out = gathered_experts(*args, act)
-    else:  # by the platform the program is lowered for (a target's, compiled on a CPU host)
-        out = jax.lax.platform_dependent(*args, cpu=lambda *a: all_experts(*a, act),
-                                         default=lambda *a: grouped_experts(*a, act))
+    run = lambda way: lambda *a: way(*a, act)
+    # By the platform the program is lowered for (a target's, when compiled on a CPU host):
+    # XLA:CPU and XLA:GPU expand ragged_dot into a masked dot over every expert per pair,
+    # k times all_experts' FLOPs; XLA:TPU has a grouped matmul of its own.
+    few = gathers(x.shape[0], k, layer["router"].shape[-1])
+    out = jax.lax.platform_dependent(
+        layer, x, weights, experts, cpu=run(all_experts),
+        cuda=run(gathered_experts if few else all_experts),
+        default=run(gathered_experts if few else grouped_experts))
     return out.reshape(*lead, d)
