@@ -53,8 +53,10 @@ def main() -> int:
             "grouped": moe.grouped_experts}
     for t in map(int, a.tokens.split(",")):
         x = w(t, d) * 20
-        row = {"tokens": t, "picked": "gathered" if moe.gathers(t, k, e) else
-               "all-experts" if jax.default_backend() == "cpu" else "grouped",
+        backend, few = jax.default_backend(), moe.gathers(t, k, e)
+        picked = ("all-experts" if backend == "cpu" else "gathered" if few else
+                  "all-experts" if backend == "gpu" else "grouped")  # as moe.moe_mlp picks
+        row = {"tokens": t, "picked": picked,
                "dense_active_ms": _median_ms(jax.jit(gated_mlp), dense, x, reps=a.reps)}
         for name, way in ways.items():
             run = jax.jit(lambda l, x, way=way: way(l, x, *moe.route(x @ l["router"], k),
