@@ -193,9 +193,8 @@ def tp_layout(params: dict[str, Any], cfg: ModelConfig, tp: int) -> dict[str, An
 def layer_axes(name: str) -> tuple[str | None, ...]:
     """The mesh axes a stacked layer leaf ``[layers, ...]`` is split over, dim by dim: layers
     by pipeline stage (``"spp"``), then columns or rows on ``"tp"`` (``COLUMN_SPLIT``,
-    ``ROW_SPLIT``, ``BIAS_SPLIT``; an expert stack keeps its expert axis whole; a fused
-    expert leaf has none); a
-    ``PartitionSpec(*layer_axes(name))``."""
+    ``ROW_SPLIT``, ``BIAS_SPLIT``; an expert stack keeps its expert axis whole, a fused
+    expert leaf has none); a ``PartitionSpec(*layer_axes(name))``."""
     experts = (None,) if name in EXPERTS and name not in FUSED else ()
     if name in COLUMN_SPLIT:
         return ("spp", *experts, None, "tp")
