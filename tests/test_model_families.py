@@ -96,7 +96,7 @@ def test_an_architecture_without_a_family_is_refused_at_load(tmp_path):
         LLM(str(tmp_path), **ENGINE)
     assert "FalconForCausalLM" in str(err.value)
     assert all(arch in str(err.value) for arch in SUPPORTED_ARCHITECTURES)
-    assert len(SUPPORTED_ARCHITECTURES) == 5
+    assert len(SUPPORTED_ARCHITECTURES) == 6
     # A family's config that asks for what it cannot serve is refused by name too.
     hf = json.loads((tiny_llama_dir("qwen2") / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(
