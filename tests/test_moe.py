@@ -143,3 +143,15 @@ def test_moe_models_refuse_weight_quantization_by_name():
                             num_experts=4, num_experts_per_tok=2, quantization="int8")
     with pytest.raises(ValueError, match="num_experts_per_tok must be in 1..4"):
         dataclasses.replace(DEFAULT_CONFIG, num_experts=4, num_experts_per_tok=5)
+
+
+def test_the_memory_plan_of_an_moe_model_offers_only_unquantized_weights():
+    from jserve.engine.memory_plan import plan
+
+    cfg = dataclasses.replace(DEFAULT_CONFIG, architecture="MixtralForCausalLM",
+                              model_type="mixtral", num_experts=4, num_experts_per_tok=2)
+    p = plan(cfg, device_memory_bytes=2**30, compile=False)
+    assert {c.quantization for c in p.choices} == {"none"}
+    assert {c.kv_cache_dtype for c in p.choices} == {"auto", "int8", "fp8_e4m3"}
+    dense = plan(DEFAULT_CONFIG, device_memory_bytes=2**30, compile=False)
+    assert {c.quantization for c in dense.choices} == {"none", "int8", "fp8"}
