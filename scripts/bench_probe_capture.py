@@ -5,6 +5,7 @@ the capture off and on (alternating, twice each) and the host-side tracker's sha
 """
 from __future__ import annotations
 
+import argparse
 import time
 
 from jserve import LLM, SamplingParams
@@ -40,10 +41,14 @@ def measure(probe: str | None, steps: int = 150) -> tuple[float, float]:
 
 
 def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=150, help="timed decode steps a run")
+    a = p.parse_args()
     probe = str(default_probe_path("tiny-tasks"))
-    for p in (None, probe, None, probe):
-        step, tracker = measure(p)
-        print(f"capture {'on ' if p else 'off'}: step {step * 1e3:.2f} ms, "
+    for path in (None, probe, None, probe):
+        step, tracker = measure(path, a.steps)
+        print(f"capture {'on ' if path else 'off'}: step {step * 1e3:.2f} ms, "
               f"tracker {tracker * 1e3:.2f} ms")
 
 
