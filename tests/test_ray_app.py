@@ -9,6 +9,7 @@ reports the live router saw."""
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import socket
 import threading
 import time
@@ -36,25 +37,66 @@ def _args(replicas: int) -> dict:
     return {"replicas": replicas, "engine": ENGINE, "num_cpus": 0, "stats_period_s": 0.1}
 
 
+# A loaded 2-core host can take over a minute to start Serve's proxy (a worker process that
+# imports Ray Serve). Two of Serve's limits then fail the fixture, both seen in CI: the
+# controller gives a new proxy 5 s to say it is ready and then kills it (ActorDiedError,
+# "cancelled before it started running"), and serve.start waits 60 s for it (TimeoutError,
+# a constant). The first is read from the environment when the controller starts, which the
+# local cluster inherits from this process; past the second, the controller goes on starting
+# the proxy and the fixture waits for the ingress itself.
+SERVE_TIMEOUTS = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "240",
+                  "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}
+START_S = 300  # the most the fixture waits for the ingress to answer
+
+
+def _start_serve(port: int) -> None:
+    from ray import serve
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    except TimeoutError:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})  # connects to it
+
+
+def _wait_for_ingress(url: str) -> None:
+    deadline = time.monotonic() + START_S
+    while True:
+        try:
+            if httpx.get(url + "/v1/models", timeout=30).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"the ingress did not answer in {START_S} s"
+        time.sleep(0.5)
+
+
 @pytest.fixture(scope="module")
 def ray_app():
     import ray
     from ray import serve
 
     from jserve.serving.ray_app import build_app
+    saved = {k: os.environ.get(k) for k in SERVE_TIMEOUTS}
+    os.environ.update(SERVE_TIMEOUTS)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"JAX_PLATFORMS": "cpu"}})
+             runtime_env={"env_vars": {"JAX_PLATFORMS": "cpu", **SERVE_TIMEOUTS}})
     try:
         port = _free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        _start_serve(port)
         # external_scaler_enabled: the last test scales down the way Ray's external-scaler
         # REST API does, without redeploying (which would restart the ingress too).
         serve.run(build_app(_args(2)), name="jserve", route_prefix="/",
                   external_scaler_enabled=True)
-        yield f"http://127.0.0.1:{port}"
+        url = f"http://127.0.0.1:{port}"
+        _wait_for_ingress(url)
+        yield url
     finally:
         serve.shutdown()
         ray.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _ask(url: str, prompt: str, max_tokens: int) -> tuple[int, dict, str | None]:
