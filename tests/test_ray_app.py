@@ -9,7 +9,6 @@ reports the live router saw."""
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import socket
 import threading
 import time
@@ -44,6 +43,7 @@ def _args(replicas: int) -> dict:
 # a constant). The first is read from the environment when the controller starts, which the
 # local cluster inherits from this process; past the second, the controller goes on starting
 # the proxy and the fixture waits for the ingress itself.
+# (The health check's limit too: a proxy that misses three kept 10 s checks is killed.)
 SERVE_TIMEOUTS = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "240",
                   "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}
 START_S = 300  # the most the fixture waits for the ingress to answer
@@ -75,28 +75,24 @@ def ray_app():
     from ray import serve
 
     from jserve.serving.ray_app import build_app
-    saved = {k: os.environ.get(k) for k in SERVE_TIMEOUTS}
-    os.environ.update(SERVE_TIMEOUTS)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"JAX_PLATFORMS": "cpu", **SERVE_TIMEOUTS}})
-    try:
-        port = _free_port()
-        _start_serve(port)
-        # external_scaler_enabled: the last test scales down the way Ray's external-scaler
-        # REST API does, without redeploying (which would restart the ingress too).
-        serve.run(build_app(_args(2)), name="jserve", route_prefix="/",
-                  external_scaler_enabled=True)
-        url = f"http://127.0.0.1:{port}"
-        _wait_for_ingress(url)
-        yield url
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with pytest.MonkeyPatch.context() as env:
+        for k, v in SERVE_TIMEOUTS.items():
+            env.setenv(k, v)
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"JAX_PLATFORMS": "cpu", **SERVE_TIMEOUTS}})
+        try:
+            port = _free_port()
+            _start_serve(port)
+            # external_scaler_enabled: the last test scales down the way Ray's external-scaler
+            # REST API does, without redeploying (which would restart the ingress too).
+            serve.run(build_app(_args(2)), name="jserve", route_prefix="/",
+                      external_scaler_enabled=True)
+            url = f"http://127.0.0.1:{port}"
+            _wait_for_ingress(url)
+            yield url
+        finally:
+            serve.shutdown()
+            ray.shutdown()
 
 
 def _ask(url: str, prompt: str, max_tokens: int) -> tuple[int, dict, str | None]:
