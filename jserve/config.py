@@ -101,10 +101,16 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     final_logit_softcapping: float | None = None
     # Mixture of experts (jserve/model/moe.py; 0: a dense MLP): each layer's MLP is
-    # ``num_experts`` experts of ``intermediate_size`` of which each token's router picks
-    # ``num_experts_per_tok``, their weights renormalised to sum to one (Mixtral's rule).
+    # ``num_experts`` experts ``moe_intermediate_size`` wide (0: ``intermediate_size``,
+    # Mixtral's) of which each token's router picks ``num_experts_per_tok``, their softmax
+    # weights renormalised to sum to one when ``norm_topk_prob`` (Mixtral always; Qwen's
+    # MoE families as their config says), plus a shared expert ``shared_expert_size`` wide
+    # (0: none) gated per token by a sigmoid (Qwen2-MoE's).
     num_experts: int = 0
     num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    shared_expert_size: int = 0
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -131,6 +137,20 @@ class ModelConfig:
         """The weight quantizations this model can be stored as: none for MoE models (their
         experts are not quantized yet)."""
         return ("none",) if self.num_experts else QUANTIZATIONS
+
+    @property
+    def expert_size(self) -> int:
+        """Each routed expert's intermediate width."""
+        return self.moe_intermediate_size or self.intermediate_size
+
+    @property
+    def mlp_widths(self) -> tuple[int, ...]:
+        """The intermediate width of every MLP a layer has (what tp must divide): the dense
+        one, or the routed experts' and the shared expert's."""
+        if not self.num_experts:
+            return (self.intermediate_size,)
+        return (self.expert_size,) + ((self.shared_expert_size,) if self.shared_expert_size
+                                      else ())
 
     @property
     def kv_window(self) -> int | None:
@@ -180,9 +200,12 @@ class ModelConfig:
             d["use_sliding_window"] = True  # what Qwen2/Qwen3 read the window under
         elif self.model_type == "mistral":  # transformers reads a missing one as 4096
             d["sliding_window"] = None
-        if self.num_experts:
-            d["num_local_experts"] = self.num_experts
-            d["num_experts_per_tok"] = self.num_experts_per_tok
+        if self.num_experts:  # under each MoE family's own names (each reads its own)
+            d.update(num_local_experts=self.num_experts, num_experts=self.num_experts,
+                     num_experts_per_tok=self.num_experts_per_tok,
+                     moe_intermediate_size=self.expert_size,
+                     norm_topk_prob=self.norm_topk_prob,
+                     shared_expert_intermediate_size=self.shared_expert_size)
         for key, value in (("rope_local_base_freq", self.rope_local_theta),
                            ("query_pre_attn_scalar", self.query_pre_attn_scalar),
                            ("final_logit_softcapping", self.final_logit_softcapping)):

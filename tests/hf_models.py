@@ -93,6 +93,18 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
                     num_attention_heads=6, num_key_value_heads=2, head_dim=16,
                     num_local_experts=4, num_experts_per_tok=2,
                     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    # Qwen2-MoE: 4 experts 48 wide, top-2 not renormalised (its default), a shared expert 80
+    # wide under its sigmoid gate, q/k/v biases, 6 query heads on 2 KV heads. Qwen3-MoE: 8
+    # experts 32 wide, top-3 renormalised (what the released models set), q/k norms,
+    # head_dim 40. Wide weights as Mixtral's.
+    "qwen2_moe": dict(_COMMON, initializer_range=0.2, num_attention_heads=6,
+                      num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=48, shared_expert_intermediate_size=80,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    "qwen3_moe": dict(_COMMON, initializer_range=0.2, num_attention_heads=6,
+                      num_key_value_heads=2, head_dim=40, num_experts=8, num_experts_per_tok=3,
+                      moe_intermediate_size=32, norm_topk_prob=True,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
 }
 # Sliding-window checkpoints (tests/test_sliding_window.py; not in FAMILY_CONFIGS, whose
 # every entry runs test_model_families' whole matrix). Mistral: 6 query heads on 2 KV heads,
@@ -114,7 +126,9 @@ _HF_CLASSES = {"mistral": ("MistralConfig", "MistralForCausalLM"),
                "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
                "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
                "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
-               "mixtral": ("MixtralConfig", "MixtralForCausalLM")}
+               "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+               "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+               "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|eot_id|>"]  # ids 0..3, matching the configs above
 

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from jserve.model import moe
+from jserve.model.params import active_params, num_params
 from jserve.model.weights import DEFAULT_CONFIG
 
 E, D, F, K = 8, 32, 48, 2
@@ -28,19 +29,31 @@ def _layer(seed: int = 0, router_scale: float = 1.0) -> dict[str, np.ndarray]:
             "we_down": w(E, F, D)}
 
 
-def _reference(layer: dict[str, np.ndarray], x: np.ndarray, k: int = K) -> np.ndarray:
+def _silu_mlp(row: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray
+              ) -> np.ndarray:
+    g, u = row @ gate, row @ up
+    return (g / (1 + np.exp(-g)) * u) @ down
+
+
+def _reference(layer: dict[str, np.ndarray], x: np.ndarray, k: int = K,
+               normalize: bool = True) -> np.ndarray:
     """Per token: softmax over the experts, the top k (ties to the lower index),
-    renormalised, the weighted sum of those experts' SiLU-gated MLPs."""
+    renormalised when ``normalize``, the weighted sum of those experts' SiLU-gated MLPs;
+    plus, where the layer has one, the shared expert's MLP times sigmoid(row @
+    shared_gate)."""
     out = np.zeros_like(x)
     for t, row in enumerate(x):
         logits = row @ layer["router"]
         p = np.exp(logits - logits.max())
         p /= p.sum()
         chosen = np.argsort(-p, kind="stable")[:k]
-        w = p[chosen] / p[chosen].sum()
+        w = p[chosen] / p[chosen].sum() if normalize else p[chosen]
         for e, we in zip(chosen, w):
-            g, u = row @ layer["we_gate"][e], row @ layer["we_up"][e]
-            out[t] += we * ((g / (1 + np.exp(-g)) * u) @ layer["we_down"][e])
+            out[t] += we * _silu_mlp(row, layer["we_gate"][e], layer["we_up"][e],
+                                     layer["we_down"][e])
+        if "ws_down" in layer:
+            gate = 1 / (1 + np.exp(-(row @ layer["shared_gate"])))
+            out[t] += gate * _silu_mlp(row, layer["ws_gate"], layer["ws_up"], layer["ws_down"])
     return out
 
 
@@ -95,6 +108,62 @@ def test_routing_ties_go_to_the_lower_experts_and_one_hot_batches_are_exact():
         want = _reference(layer, x)
         for way in WAYS:
             np.testing.assert_allclose(_run(way, layer, x), want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [2, 13])  # gathered at 2 tokens on a GPU/TPU; every expert
+def test_unnormalised_routing_and_a_shared_expert_equal_the_reference(tokens):
+    """Qwen2-MoE's block: the top-k softmax weights as they are (``norm_topk_prob`` false)
+    and a shared expert under a per-token sigmoid gate, through the layer's ``moe_block``
+    on the runtime layout (the shared expert's gate and up fused like a dense MLP's)."""
+    from jserve.model.layers import moe_block
+
+    rng = np.random.default_rng(4)
+    w = lambda *s: rng.normal(0, 0.3, s).astype(np.float32)
+    layer = {**_layer(5), "ws_gate": w(D, 40), "ws_up": w(D, 40), "ws_down": w(40, D),
+             "shared_gate": w(D, 1) * 3}
+    x = rng.normal(0, 1, (tokens, D)).astype(np.float32)
+    want = _reference(layer, x, normalize=False)
+    assert np.abs(want - _reference(layer, x)).max() > 0.1  # renormalising would show
+    runtime = {**_fused(layer), "ws_down": layer["ws_down"], "shared_gate": layer["shared_gate"],
+               "ws_gate_up": np.concatenate([layer["ws_gate"], layer["ws_up"]], axis=-1)}
+    cfg = dataclasses.replace(DEFAULT_CONFIG, num_experts=E, num_experts_per_tok=K,
+                              moe_intermediate_size=F, norm_topk_prob=False,
+                              shared_expert_size=40)
+    for params in (runtime, layer):
+        got = jax.jit(lambda l, h: moe_block(l, h, cfg))(jax.tree.map(jnp.asarray, params),
+                                                         jnp.asarray(x))
+        np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=1e-5)
+    for way in WAYS:  # each way with the weights unnormalised
+        weights, experts = moe.route(jnp.asarray(x @ layer["router"]), K, normalize=False)
+        got = jax.jit(way, static_argnums=4)(jax.tree.map(jnp.asarray, _fused(layer)),
+                                             jnp.asarray(x), weights, experts, jax.nn.silu)
+        np.testing.assert_allclose(np.asarray(got), _reference(
+            {k: v for k, v in layer.items() if not k.startswith(("ws_", "shared"))}, x,
+            normalize=False), atol=2e-5, rtol=1e-5)
+
+
+def test_qwen_moe_configs_with_dense_layers_are_refused_by_name():
+    """A Qwen MoE config whose ``decoder_sparse_step`` or ``mlp_only_layers`` leaves a layer
+    dense is refused, naming the layers; every layer sparse reads."""
+    from jserve.model.families import read_config
+
+    hf = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=512, hidden_size=64,
+              intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+              moe_intermediate_size=32, norm_topk_prob=True)
+    cfg = read_config(hf)
+    assert (cfg.num_experts, cfg.expert_size, cfg.norm_topk_prob) == (8, 32, True)
+    assert cfg.mlp_widths == (32,)
+    with pytest.raises(ValueError, match=r"layers \[0, 2\] dense.*decoder_sparse_step=2"):
+        read_config(dict(hf, decoder_sparse_step=2))
+    with pytest.raises(ValueError, match=r"layers \[3\] dense.*mlp_only_layers=\[3\]"):
+        read_config(dict(hf, mlp_only_layers=[3]))
+    with pytest.raises(ValueError, match="num_experts must be a positive integer"):
+        read_config(dict(hf, num_experts=0))
+    two = dict(hf, architectures=["Qwen2MoeForCausalLM"], shared_expert_intermediate_size=48)
+    assert read_config(two).mlp_widths == (32, 48)
+    with pytest.raises(ValueError, match="qkv_bias=false"):
+        read_config(dict(two, qkv_bias=False))
 
 
 def test_a_decode_step_gathers_and_a_prefill_groups():
@@ -152,6 +221,18 @@ def test_the_memory_plan_of_an_moe_model_offers_only_unquantized_weights():
                               model_type="mixtral", num_experts=4, num_experts_per_tok=2)
     p = plan(cfg, device_memory_bytes=2**30, compile=False)
     assert {c.quantization for c in p.choices} == {"none"}
+    # Total and active parameters: a token reads 2 of the 4 experts' three matrices.
+    d, f, n = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    assert p.num_params - p.active_params == n * 3 * d * f * 2
+    assert p.num_params == num_params(cfg) and p.active_params == active_params(cfg)
+    assert f"{p.active_params / 1e6:.2f} M active a token" in p.summary()
+    assert active_params(DEFAULT_CONFIG) == num_params(DEFAULT_CONFIG)
+    assert "active" not in plan(DEFAULT_CONFIG, device_memory_bytes=2**30,
+                                compile=False).summary().split("\n")[1]
+    # The estimated predictor prices a token by its active parameters.
+    from jserve.engine.timing import estimated_predictor
+    ratio = estimated_predictor(cfg).coef[1] / estimated_predictor(DEFAULT_CONFIG).coef[1]
+    assert ratio == pytest.approx(active_params(cfg) / num_params(DEFAULT_CONFIG))
     assert {c.kv_cache_dtype for c in p.choices} == {"auto", "int8", "fp8_e4m3"}
     dense = plan(DEFAULT_CONFIG, device_memory_bytes=2**30, compile=False)
     assert {c.quantization for c in dense.choices} == {"none", "int8", "fp8"}

@@ -130,3 +130,24 @@ def test_empty_plan_and_bad_names(a100_tp8: GpuTimeModel) -> None:
     with pytest.raises(ValueError, match="tp=16"):
         GpuTimeModel("llama3-8b", "a100", tp=16)
     assert math.isfinite(a100_tp8.predict(decodes(1, 1)))
+
+
+def test_an_moe_model_computes_by_its_active_experts_and_stores_them_all(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen3-30B-A3B's shape (128 experts 768 wide, top 8) against the dense model of its
+    active MLP width (one MLP of 8 x 768): the same step times, while the weights the GPU
+    holds (and so the KV room left) are every expert's."""
+    import dataclasses
+
+    moe = MODEL_SHAPES["qwen3-30b-a3b"]
+    dense = dataclasses.replace(moe, name="dense-active", intermediate=8 * 768, num_experts=0,
+                                experts_per_token=0)
+    monkeypatch.setitem(MODEL_SHAPES, "dense-active", dense)
+    a, b = (GpuTimeModel(name, "h100") for name in ("qwen3-30b-a3b", "dense-active"))
+    assert a.profile_name == b.profile_name
+    for plan in (prefill(4096), decodes(32, 4096), decodes(1, 100)):
+        assert a.predict(plan) == pytest.approx(b.predict(plan), rel=1e-12)
+    # 48 layers x 3 x 2048 x 768 x (128 - 8) more weights, in bf16 on the one GPU.
+    extra = 48 * 3 * 2048 * 768 * 120 * 2
+    assert (b.kv_cache_tokens() - a.kv_cache_tokens()) * a.kv_token_bytes() == pytest.approx(
+        extra, rel=1e-4)

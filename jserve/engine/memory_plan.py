@@ -44,7 +44,7 @@ from jserve.engine.factory import Geometry, engine_geometry
 from jserve.engine.kv_groups import group_window, layer_counts, pool_sizes
 from jserve.engine.runner import ModelRunner
 from jserve.engine.step_arrays import state_spec
-from jserve.model.params import num_params
+from jserve.model.params import active_params, num_params
 from sharding.mesh import MeshConfig, make_mesh
 from sharding.specs import kv_heads_per_device
 
@@ -149,6 +149,7 @@ class MemoryPlan:
     platform: str
     dtype: str
     num_params: int
+    active_params: int           # what one token reads (MoE: its k experts; else all)
     weight_bytes: int            # per device, from the shardings
     split_weight_bytes: int      # of which split on tp (more tp divides it further)
     kv_bytes_per_page: int       # one page on one device (its KV heads and layers)
@@ -232,7 +233,9 @@ class MemoryPlan:
                  f"({self.num_devices} {self.platform} device"
                  f"{'s' if self.num_devices > 1 else ''}), per device:"]
         row = lambda k, v: lines.append(f"  {k:<26}{v}")
-        row("weights", f"{_gb(self.weight_bytes)}  ({_count(self.num_params)} params, "
+        active = ("" if self.active_params == self.num_params
+                  else f", {_count(self.active_params)} active a token")
+        row("weights", f"{_gb(self.weight_bytes)}  ({_count(self.num_params)} params{active}, "
                        f"{_gb(self.split_weight_bytes)} of it split on tp; quantization "
                        f"{self.quantization})")
         row("KV bytes per page", f"{self.kv_bytes_per_page:,} ({self.page_size} tokens, "
@@ -431,8 +434,8 @@ def plan(cfg: ModelConfig, engine_config: EngineConfig = EngineConfig(),
     p = MemoryPlan(
         model=model_name or (f"Llama {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}"),
         mesh=engine_config.mesh, num_devices=mc.size, platform=devices[0].platform,
-        dtype=cfg.dtype, num_params=num_params(cfg), weight_bytes=weights,
-        split_weight_bytes=split, **pool, kvp=mc.kvp,
+        dtype=cfg.dtype, num_params=num_params(cfg), active_params=active_params(cfg),
+        weight_bytes=weights, split_weight_bytes=split, **pool, kvp=mc.kvp,
         page_size=engine_config.page_size, max_model_len=geo.max_model_len,
         max_num_seqs=engine_config.max_num_seqs, max_useful_pages=geo.max_useful_pages,
         pages_per_group=geo.buckets.pages_per_group if mc.kvp > 1 else None,
@@ -555,7 +558,8 @@ def describe_engine(engine) -> str:
     p = MemoryPlan(
         model=f"Llama {cfg.num_hidden_layers} layers", mesh=config.mesh, num_devices=mc.size,
         platform=jax.devices()[0].platform, dtype=cfg.dtype, num_params=num_params(cfg),
-        weight_bytes=per_device_bytes(runner.params), split_weight_bytes=split,
+        active_params=active_params(cfg), weight_bytes=per_device_bytes(runner.params),
+        split_weight_bytes=split,
         **pool, kvp=alloc.groups, page_size=config.page_size,
         max_model_len=engine.max_model_len, max_num_seqs=config.max_num_seqs,
         max_useful_pages=config.max_num_seqs * (alloc.pages_per_group or

@@ -17,7 +17,7 @@ import jax
 
 from jserve.config import ModelConfig
 from jserve.engine.config import EngineConfig
-from jserve.model.params import num_params
+from jserve.model.params import active_params
 from jserve.scheduler.predictor import FEATURES, CopyRate, LinearPredictor
 from sharding.mesh import MeshConfig
 
@@ -61,7 +61,7 @@ def estimated_predictor(cfg: ModelConfig) -> LinearPredictor:
                                                     _NOMINAL_RATES["gpu"])
     layers, q_dim = cfg.num_hidden_layers, cfg.num_attention_heads * cfg.head_dim
     kv_bytes = 2 * layers * cfg.num_key_value_heads * cfg.head_dim * cfg.np_dtype.itemsize
-    per_token = 2 * num_params(cfg) / flops
+    per_token = 2 * active_params(cfg) / flops  # an MoE token: its k experts'
     attn_flop = 4 * layers * q_dim / flops       # QK^T and PV per (query, key) pair
     coef = dict(constant=overhead, tokens=per_token, decodes=0.0,
                 decode_context=kv_bytes / bandwidth + attn_flop,

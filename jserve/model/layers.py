@@ -124,6 +124,20 @@ def gated_mlp(layer: Layer, h: jax.Array, act: Callable = jax.nn.silu) -> jax.Ar
     return matmul(act(gate) * up, layer["w_down"])
 
 
+def moe_block(layer: Layer, h: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The MoE MLP (``jserve.model.moe``): the routed experts, plus a shared expert where the
+    layer has one (Qwen2-MoE: a gated MLP on every token, scaled per token by
+    sigmoid(h @ ``shared_gate``); a per-token scalar, so a tp shard's partial sum stays
+    one)."""
+    out = moe_mlp(layer, h, cfg.num_experts_per_tok, normalize=cfg.norm_topk_prob)
+    if "ws_down" not in layer:
+        return out
+    shared = gated_mlp({"w" + name[2:]: w for name, w in layer.items()
+                        if name.startswith("ws_")}, h)
+    gate = jax.nn.sigmoid(h @ layer["shared_gate"].astype(h.dtype))
+    return out + gate * shared
+
+
 def tp_sum(tp_axis: str | None) -> Callable[[jax.Array], jax.Array]:
     """Sums a tp shard's partial output over ``tp_axis`` (Megatron); the identity without."""
     return (lambda y: jax.lax.psum(y, tp_axis)) if tp_axis else (lambda y: y)
@@ -151,6 +165,5 @@ def pre_norm_layer(layer: Layer, x: jax.Array, cos: jax.Array, sin: jax.Array,
     out, aux = attend(q, k, v)
     x = x + reduce(matmul(out.reshape(*lead, -1).astype(x.dtype), layer["wo"]))
     h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
-    mlp = (moe_mlp(layer, h, cfg.num_experts_per_tok) if "router" in layer
-           else gated_mlp(layer, h))
+    mlp = moe_block(layer, h, cfg) if "router" in layer else gated_mlp(layer, h)
     return x + reduce(mlp), aux

@@ -14,9 +14,10 @@ is slower than reading every expert (``scripts/bench_moe.py``).
 Leaves of one layer: ``router`` [hidden, E]; ``we_gate_up`` [hidden, E * 2 * inter], every
 expert's gate and up columns in turn (``tp_layout``: one plain matmul reads them all), or
 the checkpoint's stacks ``we_gate`` and ``we_up`` [E, hidden, inter]; ``we_down`` [E,
-inter, hidden]. Under tensor parallelism every shard holds every expert's slice of the
-intermediate axis, so the block's output is a partial sum like the dense MLP's, summed by
-the caller.
+inter, hidden]. A shared expert (Qwen2-MoE's ``ws_`` leaves and its sigmoid gate) is a
+dense gated MLP the layer adds (``jserve.model.layers.moe_block``). Under tensor
+parallelism every shard holds every expert's slice of the intermediate axis, so the block's
+output is a partial sum like the dense MLP's, summed by the caller.
 """
 from __future__ import annotations
 
@@ -26,13 +27,17 @@ import jax
 import jax.numpy as jnp
 
 
-def route(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+def route(logits: jax.Array, k: int, normalize: bool = True
+          ) -> tuple[jax.Array, jax.Array]:
     """(weights [T, k] float32, experts [T, k] int32) of router ``logits`` [T, E]: softmax in
-    float32, the top ``k``, renormalised to sum to one (Mixtral's router; ties go to the lower
-    expert index, ``lax.top_k``'s order)."""
+    float32, the top ``k`` (ties go to the lower expert index, ``lax.top_k``'s order),
+    renormalised to sum to one when ``normalize`` (Mixtral's router always; Qwen's MoE
+    families by ``norm_topk_prob``)."""
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     weights, experts = jax.lax.top_k(probs, k)
-    return weights / jnp.sum(weights, axis=-1, keepdims=True), experts.astype(jnp.int32)
+    if normalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts.astype(jnp.int32)
 
 
 def side_by_side(gate_up: jax.Array) -> jax.Array:
@@ -96,13 +101,13 @@ def gathers(tokens: int, k: int, n_experts: int) -> bool:
     return tokens * k < n_experts
 
 
-def moe_mlp(layer: dict[str, Any], h: jax.Array, k: int, act: Callable = jax.nn.silu
-            ) -> jax.Array:
-    """The MoE block on ``h`` [..., hidden]: each token through its ``k`` routed experts'
-    gated MLPs, weighted by the router (a tp shard's partial output)."""
+def moe_mlp(layer: dict[str, Any], h: jax.Array, k: int, act: Callable = jax.nn.silu,
+            normalize: bool = True) -> jax.Array:
+    """The routed experts on ``h`` [..., hidden]: each token through its ``k`` routed
+    experts' gated MLPs, weighted by the router (``route``; a tp shard's partial output)."""
     lead, d = h.shape[:-1], h.shape[-1]
     x = h.reshape(-1, d)
-    weights, experts = route(x @ layer["router"].astype(x.dtype), k)
+    weights, experts = route(x @ layer["router"].astype(x.dtype), k, normalize)
     run = lambda way: lambda *a: way(*a, act)
     # By the platform the program is lowered for (a target's, when compiled on a CPU host):
     # XLA:CPU and XLA:GPU expand ragged_dot into a masked dot over every expert per pair,

@@ -54,3 +54,15 @@ def num_params(cfg: ModelConfig) -> int:
     shapes = param_shapes(cfg)
     top = sum(math.prod(s) for name, s in shapes.items() if name != "layers")
     return top + sum(math.prod(s) for layer in shapes["layers"] for s in layer.values())
+
+
+def active_params(cfg: ModelConfig) -> int:
+    """The parameters one token's forward reads: ``num_params`` less the routed experts it
+    does not pick (each expert stack counts k of its E experts); what a token's FLOPs
+    follow. ``num_params`` for a dense model."""
+    if not cfg.num_experts:
+        return num_params(cfg)
+    stacks = [t for t in family_of(cfg).layer_tensors(cfg).values() if t.experts]
+    unpicked = sum(math.prod(t.shape) for t in stacks) * (
+        cfg.num_experts - cfg.num_experts_per_tok) // cfg.num_experts
+    return num_params(cfg) - cfg.num_hidden_layers * unpicked

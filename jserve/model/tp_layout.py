@@ -55,7 +55,9 @@ class LeafKind:
 # up alone stay whole (a family always has both: they fuse). The MoE block's leaves
 # (jserve/model/moe.py): the router, replicated and never quantized (a rounding there moves
 # tokens to other experts), and the experts' gate, up and down stacks, not quantized yet
-# (``ModelConfig`` refuses quantization with experts) and so not ``matrix``.
+# (``ModelConfig`` refuses quantization with experts) and so not ``matrix``; Qwen2-MoE's
+# shared expert (``ws_``: a dense gated MLP beside the routed ones) and its per-token sigmoid
+# gate (``shared_gate``, replicated like the router).
 LEAVES: dict[str, LeafKind] = {
     "wq": LeafKind("columns", True),
     "wk": LeafKind("columns", True, kv_heads=True),
@@ -71,6 +73,11 @@ LEAVES: dict[str, LeafKind] = {
     "we_up": LeafKind(None, experts=True),
     "we_gate_up": LeafKind("columns", parts=("we_gate", "we_up"), experts=True),
     "we_down": LeafKind("rows", experts=True),
+    "ws_gate": LeafKind(None, True),
+    "ws_up": LeafKind(None, True),
+    "ws_gate_up": LeafKind("columns", True, parts=("ws_gate", "ws_up")),
+    "ws_down": LeafKind("rows", True),
+    "shared_gate": LeafKind(None),
     "bq": LeafKind("bias"),
     "bk": LeafKind("bias", kv_heads=True),
     "bv": LeafKind("bias", kv_heads=True),
@@ -96,8 +103,9 @@ def check_tp(cfg: ModelConfig, tp: int) -> None:
     hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
     if hq % tp:
         raise ValueError(f"tp={tp} does not divide num_attention_heads={hq}")
-    if cfg.intermediate_size % tp:
-        raise ValueError(f"tp={tp} does not divide intermediate_size={cfg.intermediate_size}")
+    for width in cfg.mlp_widths:
+        if width % tp:
+            raise ValueError(f"tp={tp} does not divide the MLP's intermediate size {width}")
     # Each shard's query heads must share whole KV heads: split them (hkv % tp == 0) or
     # give every shard one copy of the head its group reads (tp % hkv == 0).
     if hkv % tp and tp % hkv:
@@ -137,7 +145,11 @@ def _width(part: str, cfg: ModelConfig, tp: int) -> int:
              "wv": len(kv_head_map(cfg, tp))}
     if part in heads:
         return heads[part] * cfg.head_dim
-    return cfg.intermediate_size  # w_gate, w_up and the experts' we_gate, we_up
+    if part in ("we_gate", "we_up"):
+        return cfg.expert_size
+    if part in ("ws_gate", "ws_up"):
+        return cfg.shared_expert_size
+    return cfg.intermediate_size  # w_gate, w_up
 
 
 def column_sources(name: str, cfg: ModelConfig, tp: int) -> tuple[np.ndarray, np.ndarray]:

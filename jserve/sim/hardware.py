@@ -31,7 +31,10 @@ GPUS_PER_NODE = 8  # DGX A100 / H100: collectives among up to 8 GPUs stay on NVL
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
     """The dimensions the time model needs. ``num_layers`` is 0 for shapes read from a profile
-    (profiles are per layer)."""
+    (profiles are per layer). A mixture-of-experts layer has ``num_experts`` MLPs
+    ``intermediate`` wide of which a token runs ``experts_per_token``: its compute follows
+    the active width, its memory every expert (the router's small matmul and the dispatch
+    are not modelled)."""
 
     name: str
     num_layers: int
@@ -41,11 +44,24 @@ class ModelShape:
     head_dim: int
     intermediate: int
     vocab: int
+    num_experts: int = 0
+    experts_per_token: int = 0
+
+    @property
+    def active_intermediate(self) -> int:
+        """The MLP width one token's FLOPs run through."""
+        return self.intermediate * (self.experts_per_token if self.num_experts else 1)
+
+    @property
+    def stored_intermediate(self) -> int:
+        """The MLP width the weights hold (every expert)."""
+        return self.intermediate * (self.num_experts or 1)
 
 
 MODEL_SHAPES: dict[str, ModelShape] = {
     "llama3-8b": ModelShape("llama3-8b", 32, 4096, 32, 8, 128, 14336, 128256),
     "llama3-70b": ModelShape("llama3-70b", 80, 8192, 64, 8, 128, 28672, 128256),
+    "qwen3-30b-a3b": ModelShape("qwen3-30b-a3b", 48, 2048, 32, 4, 128, 768, 151936, 128, 8),
 }
 
 
@@ -81,9 +97,9 @@ def _op_work(s: ModelShape) -> dict[str, float]:
         "attn_rope": q_dim + kv_dim,
         "attn_post_proj": q_dim * s.hidden,
         "post_attention_layernorm": s.hidden,
-        "mlp_up_proj": s.hidden * 2 * s.intermediate,  # gate and up, fused in the profile
-        "mlp_act": s.intermediate,
-        "mlp_down_proj": s.intermediate * s.hidden,
+        "mlp_up_proj": s.hidden * 2 * s.active_intermediate,  # gate and up, fused
+        "mlp_act": s.active_intermediate,
+        "mlp_down_proj": s.active_intermediate * s.hidden,
         "add": s.hidden,
     }
 
@@ -242,7 +258,7 @@ class GpuTimeModel:
         # lm_head (hidden -> vocab) is a matmul like the profiled up projection
         # (hidden -> 2 * intermediate): scale that by the output widths.
         self._lm_head = curve({"mlp_up_proj": target["mlp_up_proj"] / source["mlp_up_proj"]
-                               * self.shape.vocab / (2 * self.shape.intermediate)})
+                               * self.shape.vocab / (2 * self.shape.active_intermediate)})
 
         net = data / "profiles" / "network" / f"{hardware}_dgx"
         all_reduce = _load_network(net / "all_reduce.csv")
@@ -389,7 +405,7 @@ class GpuTimeModel:
         s = self.shape
         q_dim, kv_dim = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         params = (s.num_layers * (s.hidden * (q_dim + 2 * kv_dim) + q_dim * s.hidden
-                                  + 3 * s.hidden * s.intermediate + 2 * s.hidden)
+                                  + 3 * s.hidden * s.stored_intermediate + 2 * s.hidden)
                   + 2 * s.vocab * s.hidden)
         free = self.hw.memory_bytes * memory_fraction - params * BF16 / (self.tp * self.spp)
         if free <= 0:

@@ -15,11 +15,21 @@ from pathlib import Path
 from typing import Any
 
 from jserve.config import ModelConfig, hf_config_fields
-from jserve.model.families import gemma3, llama, mistral, mixtral, qwen2, qwen3
+from jserve.model.families import (
+    gemma3,
+    llama,
+    mistral,
+    mixtral,
+    qwen2,
+    qwen2_moe,
+    qwen3,
+    qwen3_moe,
+)
 from jserve.model.families.base import Family, Tensor
 
 FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma3.FAMILY,
-                               mistral.FAMILY, mixtral.FAMILY)
+                               mistral.FAMILY, mixtral.FAMILY, qwen2_moe.FAMILY,
+                               qwen3_moe.FAMILY)
 BY_ARCHITECTURE: dict[str, Family] = {a: f for f in FAMILIES for a in f.architectures}
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(BY_ARCHITECTURE)
 

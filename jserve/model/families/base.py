@@ -113,3 +113,41 @@ def qwen_layer_windows(hf: dict[str, Any]) -> tuple[int, ...]:
                          f"sliding_window={hf.get('sliding_window')!r})")
     return tuple(window if kind == "sliding_attention" else 0 for kind in kinds)
 
+
+
+MLP_LEAVES = ("w_gate", "w_up", "w_down")
+
+
+def moe_tensors(cfg: ModelConfig, block: str, gate: str, up: str, down: str
+                ) -> dict[str, Tensor]:
+    """The router (``<block>gate.weight``) and the routed experts (``<block>experts.{e}.``
+    ``gate``/``up``/``down`` ``.weight``, one tensor per expert, stacked at load): the MoE
+    leaves in place of a dense layer's ``MLP_LEAVES``."""
+    d, f, e = cfg.hidden_size, cfg.expert_size, cfg.num_experts
+    expert = block + "experts.{e}."
+    return {"router": Tensor(block + "gate.weight", (d, e), True),
+            "we_gate": Tensor(f"{expert}{gate}.weight", (e, d, f), True, True),
+            "we_up": Tensor(f"{expert}{up}.weight", (e, d, f), True, True),
+            "we_down": Tensor(f"{expert}{down}.weight", (e, f, d), True, True)}
+
+
+def qwen_moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """Qwen2-MoE/Qwen3-MoE's expert fields. Every layer must be sparse: a layer that
+    ``decoder_sparse_step`` or ``mlp_only_layers`` makes dense would need a second layer
+    kind in the stacked layers (the released Qwen MoE models have none)."""
+    n, step = hf["num_hidden_layers"], hf.get("decoder_sparse_step", 1)
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    if not (isinstance(experts, int) and experts > 0):
+        raise ValueError(f"config.json's num_experts must be a positive integer, got "
+                         f"{experts!r}")
+    if not (isinstance(step, int) and step > 0):
+        raise ValueError(f"decoder_sparse_step must be a positive integer, got {step!r}")
+    only = hf.get("mlp_only_layers") or []
+    dense = sorted(set(only) | {i for i in range(n) if (i + 1) % step})
+    if dense:
+        raise ValueError(f"config.json makes layers {dense} dense (decoder_sparse_step={step}, "
+                         f"mlp_only_layers={only}): jserve serves MoE models whose every "
+                         "layer is sparse")
+    return {"num_experts": experts, "num_experts_per_tok": hf["num_experts_per_tok"],
+            "moe_intermediate_size": hf["moe_intermediate_size"],
+            "norm_topk_prob": bool(hf.get("norm_topk_prob", False))}

@@ -10,7 +10,14 @@ from typing import Any
 
 from jserve.config import ModelConfig
 from jserve.model.families import llama
-from jserve.model.families.base import Family, Tensor, refuse_flags, require_act
+from jserve.model.families.base import (
+    MLP_LEAVES,
+    Family,
+    Tensor,
+    moe_tensors,
+    refuse_flags,
+    require_act,
+)
 from jserve.model.layers import pre_norm_layer
 
 
@@ -29,15 +36,8 @@ def read_config(hf: dict[str, Any]) -> dict[str, Any]:
 
 def layer_tensors(cfg: ModelConfig) -> dict[str, Tensor]:
     """Llama's norms and attention; the router and the experts in place of the MLP."""
-    d, f, e = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts
-    moe = "block_sparse_moe."
-    attention = {k: t for k, t in llama.layer_tensors(cfg).items()
-                 if k not in ("w_gate", "w_up", "w_down")}
-    return {**attention,
-            "router": Tensor(moe + "gate.weight", (d, e), True),
-            "we_gate": Tensor(moe + "experts.{e}.w1.weight", (e, d, f), True, True),
-            "we_up": Tensor(moe + "experts.{e}.w3.weight", (e, d, f), True, True),
-            "we_down": Tensor(moe + "experts.{e}.w2.weight", (e, f, d), True, True)}
+    attention = {k: t for k, t in llama.layer_tensors(cfg).items() if k not in MLP_LEAVES}
+    return {**attention, **moe_tensors(cfg, "block_sparse_moe.", "w1", "w3", "w2")}
 
 
 FAMILY = Family(name="mixtral", architectures=("MixtralForCausalLM",), model_type="mixtral",
