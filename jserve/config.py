@@ -144,13 +144,17 @@ class ModelConfig:
         return self.moe_intermediate_size or self.intermediate_size
 
     @property
-    def mlp_widths(self) -> tuple[int, ...]:
-        """The intermediate width of every MLP a layer has (what tp must divide): the dense
-        one, or the routed experts' and the shared expert's."""
+    def mlp_widths(self) -> dict[str, int]:
+        """The intermediate width of every MLP a layer has (what tp must divide), by the
+        config.json name of its size: the dense one, or the routed experts' and the shared
+        expert's."""
         if not self.num_experts:
-            return (self.intermediate_size,)
-        return (self.expert_size,) + ((self.shared_expert_size,) if self.shared_expert_size
-                                      else ())
+            return {"intermediate_size": self.intermediate_size}
+        widths = {"moe_intermediate_size" if self.moe_intermediate_size
+                  else "intermediate_size": self.expert_size}
+        if self.shared_expert_size:
+            widths["shared_expert_intermediate_size"] = self.shared_expert_size
+        return widths
 
     @property
     def kv_window(self) -> int | None:

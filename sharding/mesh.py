@@ -1,4 +1,4 @@
-"""The mesh config ``dp x spp x kvp x tp`` and the ``jax.sharding.Mesh`` built from it.
+"""The mesh config ``dp x spp x kvp x ep x tp`` and the ``jax.sharding.Mesh`` built from it.
 
 One string (``"tp=2,kvp=2"``) names the whole layout so ``LLM(mesh=...)``, the CLI and the
 predictor key all agree on it. ``MeshConfig`` is plain Python (the CLI parses and checks a
@@ -15,7 +15,10 @@ from jserve.model.tp_layout import check_tp
 if TYPE_CHECKING:
     import jax
 
-AXES = ("dp", "spp", "kvp", "tp")  # data, stream-pipeline, KV-cache and tensor parallel
+# Data, stream-pipeline, KV-cache, expert and tensor parallel. ``ep`` splits an MoE model's
+# experts (whole experts a shard; everything else is replicated over it, so each ep shard
+# runs the same tokens and the experts' outputs are summed over ep: jserve/model/moe.py).
+AXES = ("dp", "spp", "kvp", "ep", "tp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,6 +26,7 @@ class MeshConfig:
     dp: int = 1
     spp: int = 1
     kvp: int = 1
+    ep: int = 1
     tp: int = 1
 
     def __post_init__(self) -> None:
@@ -66,6 +70,11 @@ class MeshConfig:
     def validate(self, cfg: ModelConfig) -> None:
         """Raises ValueError when the model cannot be split this way."""
         check_tp(cfg, self.tp)
+        if self.ep > 1 and not cfg.num_experts:
+            raise ValueError(f"ep={self.ep} splits experts, and this model has none (dense "
+                             f"{cfg.architecture}); split it with tp")
+        if self.ep > 1 and cfg.num_experts % self.ep:
+            raise ValueError(f"ep={self.ep} does not divide num_experts={cfg.num_experts}")
 
 
 def make_mesh(mc: MeshConfig, devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh:

@@ -593,6 +593,21 @@ THINKING_CHAT_TEMPLATE = (
     "{% elif open_thinking is defined and open_thinking %}<think>\n{% endif %}{% endif %}")
 
 
+def write_qwen3_moe_chat_checkpoint(out_dir: Path) -> Path:
+    """A random-weight ``Qwen3MoeForCausalLM`` (FAMILY_CONFIGS' shape) with
+    ``write_hermes_tokenizer``'s tokenizer: what a Qwen3-30B-A3B is served as (ChatML, Hermes
+    tool calls)."""
+    write_hermes_tokenizer(out_dir)
+    return save_chatml_model(out_dir, Tokenizer.from_file(str(out_dir / "tokenizer.json")),
+                             "qwen3_moe", 5, **FAMILY_CONFIGS["qwen3_moe"])
+
+
+@functools.cache
+def qwen3_moe_chat_dir() -> Path:
+    """Process-wide cached ``write_qwen3_moe_chat_checkpoint``. Read-only."""
+    return write_qwen3_moe_chat_checkpoint(_cache_root() / "qwen3-moe-chat")
+
+
 def write_qwen3_thinking_checkpoint(out_dir: Path) -> Path:
     """A random-weight ``Qwen3ForCausalLM`` (FAMILY_CONFIGS' shape) with a ChatML tokenizer
     (``write_chatml_tokenizer``) whose added tokens are the think tags, and

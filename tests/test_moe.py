@@ -7,6 +7,7 @@ transformers, on one device and on a mesh, are test_model_families' (it is one o
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 
@@ -15,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from devices import run_on_devices
+from hf_models import tiny_llama_dir
 from jserve.model import moe
 from jserve.model.params import active_params, num_params
 from jserve.model.weights import DEFAULT_CONFIG
@@ -153,7 +156,7 @@ def test_qwen_moe_configs_with_dense_layers_are_refused_by_name():
               moe_intermediate_size=32, norm_topk_prob=True)
     cfg = read_config(hf)
     assert (cfg.num_experts, cfg.expert_size, cfg.norm_topk_prob) == (8, 32, True)
-    assert cfg.mlp_widths == (32,)
+    assert cfg.mlp_widths == {"moe_intermediate_size": 32}
     with pytest.raises(ValueError, match=r"layers \[0, 2\] dense.*decoder_sparse_step=2"):
         read_config(dict(hf, decoder_sparse_step=2))
     with pytest.raises(ValueError, match=r"layers \[3\] dense.*mlp_only_layers=\[3\]"):
@@ -161,7 +164,8 @@ def test_qwen_moe_configs_with_dense_layers_are_refused_by_name():
     with pytest.raises(ValueError, match="num_experts must be a positive integer"):
         read_config(dict(hf, num_experts=0))
     two = dict(hf, architectures=["Qwen2MoeForCausalLM"], shared_expert_intermediate_size=48)
-    assert read_config(two).mlp_widths == (32, 48)
+    assert read_config(two).mlp_widths == {"moe_intermediate_size": 32,
+                                           "shared_expert_intermediate_size": 48}
     with pytest.raises(ValueError, match="qkv_bias=false"):
         read_config(dict(two, qkv_bias=False))
 
@@ -236,3 +240,133 @@ def test_the_memory_plan_of_an_moe_model_offers_only_unquantized_weights():
     assert {c.kv_cache_dtype for c in p.choices} == {"auto", "int8", "fp8_e4m3"}
     dense = plan(DEFAULT_CONFIG, device_memory_bytes=2**30, compile=False)
     assert {c.quantization for c in dense.choices} == {"none", "int8", "fp8"}
+
+
+@pytest.mark.slow
+def test_a_served_qwen3_moe_chat_answers_with_transformers_tokens_and_calls_tools():
+    """A real ``jserve serve`` of a Qwen3-MoE ChatML checkpoint (trained BPE tokenizer,
+    Hermes tool template) through the official ``openai`` client: a greedy chat's prompt is
+    ``apply_chat_template``'s and its text is the decoding of transformers' ``generate``;
+    ``tool_choice: required`` answers with calls whose arguments validate."""
+    import jsonschema
+    import openai
+    import torch
+    import transformers
+
+    from conftest import Served
+    from hf_models import qwen3_moe_chat_dir
+    from test_tool_calling import TOOLS
+
+    path = qwen3_moe_chat_dir()
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    messages = [{"role": "user", "content": "What is the weather in Oslo for two days?"}]
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                     return_dict=False)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    want = tok.decode(out, skip_special_tokens=True)
+    assert len(set(out)) > 4  # the experts' choices vary: not one repeated token
+    s = Served(str(path), "--served-model-name", "qwen3-moe", "--tool-call-parser", "hermes",
+               "--max-model-len", "1024", "--max-num-batched-tokens", "128")
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0,
+                               timeout=300)
+        r = client.chat.completions.create(model="qwen3-moe", messages=messages,
+                                           temperature=0.0, max_tokens=16,
+                                           extra_body={"ignore_eos": True})
+        assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == 16
+        assert r.choices[0].message.content == want
+        call = client.chat.completions.create(model="qwen3-moe", messages=messages,
+                                              tools=TOOLS, tool_choice="required",
+                                              temperature=1.0, seed=3, max_tokens=400)
+        assert call.choices[0].finish_reason == "tool_calls"
+        schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+        for c in call.choices[0].message.tool_calls:
+            jsonschema.validate(json.loads(c.function.arguments), schemas[c.function.name])
+    finally:
+        s.close()
+
+
+_EP_BLOCK = """
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import PartitionSpec as P
+from jserve.model import moe
+from jserve.model.tp_layout import layer_axes, tp_layout_leaf
+from jserve.model.weights import DEFAULT_CONFIG
+from sharding.mesh import MeshConfig, make_mesh
+meshes, k, out = sys.argv[1].split(";"), 2, {}
+for path in sys.argv[2:]:
+    arrays = np.load(path)
+    (d, e), f = arrays["router"].shape, arrays["we_down"].shape[1]
+    cfg = DEFAULT_CONFIG.__class__(**{**DEFAULT_CONFIG.__dict__, "hidden_size": d,
+                                      "num_experts": e, "num_experts_per_tok": k,
+                                      "moe_intermediate_size": f})
+    for mesh in meshes:
+        mc = MeshConfig.parse(mesh)
+        # The tp layout of the fused gate/up columns (each tp shard's slice of every expert).
+        layer = {n: jnp.asarray(tp_layout_leaf(n, arrays[n][None], cfg, mc.tp)[0])
+                 for n in arrays.files if n != "x"}
+        specs = {n: P(*layer_axes(n)[1:]) for n in layer}  # less the stacked layer axis
+        f = jax.shard_map(lambda l, h: jax.lax.psum(moe.moe_mlp(l, h, k), "tp"),
+                          mesh=make_mesh(mc), in_specs=(specs, P()), out_specs=P(),
+                          check_vma=False)
+        out[f"{path}|{mesh}"] = np.asarray(jax.jit(f)(layer, jnp.asarray(arrays["x"]))).tolist()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_experts_split_over_ep_give_the_reference_block(tmp_path):
+    """The block with its experts split over ``ep`` (whole experts a shard, each shard's
+    output summed over ep) beside tp, on 8 CPU devices: equal to the reference for spread
+    tokens and for a batch that all picks expert 5 (on ep=4 three shards hold none of its
+    pairs, on ep=8 every shard holds one expert), at 13 tokens and at 1."""
+    spread, one = _layer(), _layer(3)
+    x = np.random.default_rng(2).normal(0, 1, (13, D)).astype(np.float32)
+    one["router"][:, 5] += 50.0 * np.sign(x.mean(axis=0))
+    meshes = ["ep=2", "ep=2,tp=2", "ep=4,tp=2", "ep=8"]
+    cases = {}
+    for name, layer in (("spread", spread), ("one", one)):
+        for rows in (x, x[:1]):
+            path = str(tmp_path / f"{name}{len(rows)}.npz")
+            np.savez(path, x=rows, **_fused(layer))
+            cases[path] = _reference(layer, rows)
+    got = run_on_devices(_EP_BLOCK, ";".join(meshes), *cases).result
+    for path, want in cases.items():
+        for mesh in meshes:
+            np.testing.assert_allclose(np.asarray(got[f"{path}|{mesh}"]), want, atol=3e-5,
+                                       rtol=1e-5, err_msg=f"{path} {mesh}")
+
+
+@pytest.mark.slow
+def test_moe_families_on_ep_meshes_match_generate():
+    """Each MoE family's greedy tokens on meshes with ``ep`` (8 CPU devices, one process):
+    Qwen2-MoE on ep=2,tp=2 (its shared expert split by tp, its experts by ep and tp),
+    Qwen3-MoE on ep=4 (two of its eight experts a shard, top-3), Mixtral on
+    ep=2,kvp=2,spp=2 (ep beside the KV-cache and pipeline axes)."""
+    from test_model_families import _SCRIPT, ENGINE, MAX_TOKENS, PROMPTS, hf_tokens
+
+    runs = {"qwen2_moe": "ep=2,tp=2", "qwen3_moe": "ep=4", "mixtral": "ep=2,kvp=2,spp=2"}
+    result = run_on_devices(_SCRIPT, json.dumps({
+        f: (str(tiny_llama_dir(f)), mesh, {}) for f, mesh in runs.items()}),
+        json.dumps(PROMPTS), json.dumps(ENGINE), str(MAX_TOKENS), timeout=1500).result
+    for family, mesh in runs.items():
+        got = result[family]
+        assert got["leaked"] == 0
+        assert got["devices"] == {"ep=2,tp=2": 4, "ep=4": 4, "ep=2,kvp=2,spp=2": 8}[mesh]
+        assert got["tokens"] == hf_tokens(family), family
+
+
+def test_ep_is_refused_for_dense_models_and_experts_it_does_not_divide():
+    from sharding.mesh import MeshConfig
+
+    moe_cfg = dataclasses.replace(DEFAULT_CONFIG, architecture="MixtralForCausalLM",
+                                  num_experts=6, num_experts_per_tok=2)
+    MeshConfig.parse("ep=3,tp=2").validate(moe_cfg)
+    with pytest.raises(ValueError, match="ep=4 does not divide num_experts=6"):
+        MeshConfig.parse("ep=4").validate(moe_cfg)
+    with pytest.raises(ValueError, match="ep=2 splits experts, and this model has none"):
+        MeshConfig.parse("ep=2").validate(DEFAULT_CONFIG)

@@ -16,10 +16,12 @@ from sharding.specs import kv_head_map, tp_layout
 
 def test_parse_names_every_axis():
     assert MeshConfig.parse("tp=2,kvp=2") == MeshConfig(kvp=2, tp=2)
-    assert MeshConfig.parse(" dp=2 , spp=3,kvp=1,tp=4 ").shape == (2, 3, 1, 4)
+    assert MeshConfig.parse(" dp=2 , spp=3,kvp=1,tp=4 ").shape == (2, 3, 1, 1, 4)
+    assert MeshConfig.parse("ep=2,tp=2").shape == (1, 1, 1, 2, 2)
     assert MeshConfig.parse("tp=2,kvp=2").size == 4
     assert MeshConfig.parse(None) == MeshConfig.parse("") == MeshConfig()
     assert MeshConfig().key() == "1" and MeshConfig.parse("tp=2,kvp=2").key() == "kvp2xtp2"
+    assert MeshConfig.parse("tp=2,ep=4").key() == "ep4xtp2"
 
 
 @pytest.mark.parametrize("text, message", [

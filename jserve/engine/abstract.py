@@ -25,7 +25,7 @@ def abstract_params(cfg: ModelConfig, mesh: jax.sharding.Mesh | None,
     shapes = runtime_param_shapes(cfg)
     is_shape = lambda x: isinstance(x, tuple)
     if mesh is None:  # one device: a 1-device mesh's specs, so the tp-split leaves are known
-        mesh = jax.sharding.Mesh(np.array([device or jax.devices()[0]]).reshape(1, 1, 1, 1),
+        mesh = jax.sharding.Mesh(np.array([device or jax.devices()[0]]).reshape((1,) * len(AXES)),
                                  AXES)
     specs = param_specs(shapes)
     params = jax.tree.map(lambda s, p: jax.ShapeDtypeStruct(s, cfg.np_dtype,

@@ -116,7 +116,7 @@ class EngineConfig:
     # (docs/device.md, "Compiled for".)
     layer_loop: str = "auto"
     seed: int = 0                      # draws seeds for requests that give none
-    # "tp=2,kvp=2,spp=2" (sharding.MeshConfig: dp, spp, kvp, tp); dp is not supported yet.
+    # "tp=2,kvp=2,spp=2" (sharding.MeshConfig: dp, spp, kvp, ep, tp); dp is not supported yet.
     mesh: str = "tp=1"
     # Which step programs compile before the engine is ready (docs/startup.md): "all" (the
     # whole fixed set: every bucket shape's step, the samplers, decode bursts and swap

@@ -93,8 +93,8 @@ def _split_bytes(tree) -> tuple[int, int]:
     for leaf in jax.tree.leaves(tree):
         shard = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
         n = math.prod(shard) * np.dtype(leaf.dtype).itemsize
-        spec = getattr(leaf.sharding, "spec", None)
-        if spec is not None and "tp" in tuple(spec):
+        spec = tuple(getattr(leaf.sharding, "spec", None) or ())
+        if "tp" in spec or any(isinstance(e, tuple) and "tp" in e for e in spec):
             split += n
         else:
             rest += n

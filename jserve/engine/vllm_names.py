@@ -22,8 +22,10 @@ VLLM_REFUSED = {
                             "(--ray --replicas N, docs/scale_out.md)",
     "-dp": "dp is not supported yet; run replicas behind a router (--ray --replicas N, "
            "docs/scale_out.md)",
-    "--enable-expert-parallel": "no expert-parallel axis yet: an MoE model (Mixtral) runs its "
-                                "experts split by tp (--mesh tp=N)",
+    "--enable-expert-parallel": "jserve's expert parallelism is a mesh axis of its own: "
+                                "--mesh ep=N splits the experts N ways (attention is "
+                                "replicated over ep; add tp=M to split it, "
+                                "sharding/README.md)",
     "--distributed-executor-backend": "a multi-host engine is one process per host: "
                                       "--coordinator, --num-processes (docs/multihost.md)",
     "--enforce-eager": "jserve always runs compiled XLA step programs (--warmup none "

@@ -26,6 +26,11 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+# The mesh axis experts are split over (``sharding.mesh.AXES``; ``tp_layout.layer_axes``):
+# an ep shard holds whole experts, runs every token (replicated over ep) through the pairs
+# routed to its experts, and the shards' outputs are summed over it.
+EP_AXIS = "ep"
+
 
 def route(logits: jax.Array, k: int, normalize: bool = True
           ) -> tuple[jax.Array, jax.Array]:
@@ -53,9 +58,28 @@ def _gate_up(layer: dict[str, Any]) -> jax.Array:
 
 
 def _per_expert(layer: dict[str, Any]) -> jax.Array:
-    """The gate/up matrices [in, E, 2 * inter] (a view of ``we_gate_up``)."""
+    """The gate/up matrices [in, E, 2 * inter] (a view of ``we_gate_up``; an ep shard's E)."""
     w = _gate_up(layer)
-    return w.reshape(w.shape[0], layer["router"].shape[-1], -1)
+    return w.reshape(w.shape[0], local_experts(layer), -1)
+
+
+def local_experts(layer: dict[str, Any]) -> int:
+    """The experts this device holds: every one, or an ``ep`` shard's E / ep."""
+    return layer["we_down"].shape[0]
+
+
+def to_local(layer: dict[str, Any], weights: jax.Array, experts: jax.Array
+             ) -> tuple[jax.Array, jax.Array]:
+    """(weights, experts) with the global expert ids as indices into this device's experts:
+    on an ``ep`` shard (fewer local experts than the router's) the pairs of other shards'
+    experts get weight 0 and index 0, so they add nothing (the shards' outputs are summed
+    over ep); unchanged on a device holding every expert."""
+    n_local, n_experts = local_experts(layer), layer["router"].shape[-1]
+    if n_local == n_experts:
+        return weights, experts
+    local = experts - jax.lax.axis_index(EP_AXIS) * n_local
+    mine = (local >= 0) & (local < n_local)
+    return jnp.where(mine, weights, 0), jnp.where(mine, local, 0)
 
 
 def gathered_experts(layer: dict[str, Any], x: jax.Array, weights: jax.Array,
@@ -71,10 +95,11 @@ def all_experts(layer: dict[str, Any], x: jax.Array, weights: jax.Array,
                 experts: jax.Array, act: Callable) -> jax.Array:
     """Every expert on every token, as two plain matmuls; an unchosen expert's activations
     are zeroed before the down projection, so it adds nothing."""
-    t, n_experts = x.shape[0], layer["router"].shape[-1]
+    t, n_experts = x.shape[0], local_experts(layer)
     gate, up = jnp.split((x @ _gate_up(layer)).reshape(t, n_experts, -1), 2, axis=-1)
+    # top_k's experts are distinct; on an ep shard other shards' pairs add 0 at index 0.
     picked = jnp.zeros((t, n_experts), weights.dtype).at[
-        jnp.arange(t)[:, None], experts].set(weights)  # top_k's experts are distinct
+        jnp.arange(t)[:, None], experts].add(weights)
     h = act(gate) * up * picked[..., None].astype(x.dtype)
     return h.reshape(t, -1) @ layer["we_down"].reshape(-1, x.shape[-1])
 
@@ -83,7 +108,7 @@ def grouped_experts(layer: dict[str, Any], x: jax.Array, weights: jax.Array,
                     experts: jax.Array, act: Callable) -> jax.Array:
     """The token-expert pairs sorted by expert and each expert's rows multiplied by its
     matrices as one grouped matmul (``lax.ragged_dot``, on [E, in, out] stacks)."""
-    k, n_experts = experts.shape[-1], layer["router"].shape[-1]
+    k, n_experts = experts.shape[-1], local_experts(layer)
     flat = experts.reshape(-1)  # [T * k] token-major
     order = jnp.argsort(flat, stable=True)  # the pairs grouped by expert
     token = order // k
@@ -107,14 +132,17 @@ def moe_mlp(layer: dict[str, Any], h: jax.Array, k: int, act: Callable = jax.nn.
     experts' gated MLPs, weighted by the router (``route``; a tp shard's partial output)."""
     lead, d = h.shape[:-1], h.shape[-1]
     x = h.reshape(-1, d)
-    weights, experts = route(x @ layer["router"].astype(x.dtype), k, normalize)
+    weights, experts = to_local(layer, *route(x @ layer["router"].astype(x.dtype), k,
+                                              normalize))
     run = lambda way: lambda *a: way(*a, act)
     # By the platform the program is lowered for (a target's, when compiled on a CPU host):
     # XLA:CPU and XLA:GPU expand ragged_dot into a masked dot over every expert per pair,
     # k times all_experts' FLOPs; XLA:TPU has a grouped matmul of its own.
-    few = gathers(x.shape[0], k, layer["router"].shape[-1])
+    few = gathers(x.shape[0], k, local_experts(layer))
     out = jax.lax.platform_dependent(
         layer, x, weights, experts, cpu=run(all_experts),
         cuda=run(gathered_experts if few else all_experts),
         default=run(gathered_experts if few else grouped_experts))
+    if local_experts(layer) < layer["router"].shape[-1]:  # an ep shard's share
+        out = jax.lax.psum(out, EP_AXIS)
     return out.reshape(*lead, d)

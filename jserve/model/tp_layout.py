@@ -103,9 +103,9 @@ def check_tp(cfg: ModelConfig, tp: int) -> None:
     hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
     if hq % tp:
         raise ValueError(f"tp={tp} does not divide num_attention_heads={hq}")
-    for width in cfg.mlp_widths:
+    for name, width in cfg.mlp_widths.items():
         if width % tp:
-            raise ValueError(f"tp={tp} does not divide the MLP's intermediate size {width}")
+            raise ValueError(f"tp={tp} does not divide {name}={width}")
     # Each shard's query heads must share whole KV heads: split them (hkv % tp == 0) or
     # give every shard one copy of the head its group reads (tp % hkv == 0).
     if hkv % tp and tp % hkv:
@@ -202,16 +202,21 @@ def tp_layout(params: dict[str, Any], cfg: ModelConfig, tp: int) -> dict[str, An
     return {**params, "layers": layers}
 
 
-def layer_axes(name: str) -> tuple[str | None, ...]:
+def layer_axes(name: str) -> tuple[str | tuple[str, ...] | None, ...]:
     """The mesh axes a stacked layer leaf ``[layers, ...]`` is split over, dim by dim: layers
     by pipeline stage (``"spp"``), then columns or rows on ``"tp"`` (``COLUMN_SPLIT``,
-    ``ROW_SPLIT``, ``BIAS_SPLIT``; an expert stack keeps its expert axis whole, a fused
-    expert leaf has none); a ``PartitionSpec(*layer_axes(name))``."""
-    experts = (None,) if name in EXPERTS and name not in FUSED else ()
+    ``ROW_SPLIT``, ``BIAS_SPLIT``); an expert stack's expert axis on ``"ep"`` (whole experts
+    a shard). A fused expert leaf has no expert axis: its columns are tp-shard-major with
+    every expert in turn within a shard (``column_sources``), so splitting them over
+    ("tp", "ep"), ep the minor axis, gives ep shard j of each tp shard experts j * E / ep
+    on, as ``we_down``'s split gives it (and at ep=1 the plain tp split). A
+    ``PartitionSpec(*layer_axes(name))``."""
+    experts = ("ep",) if name in EXPERTS and name not in FUSED else ()
+    columns = ("tp", "ep") if name in EXPERTS and name in FUSED else "tp"
     if name in COLUMN_SPLIT:
-        return ("spp", *experts, None, "tp")
+        return ("spp", *experts, None, columns)
     if name in BIAS_SPLIT:
         return ("spp", "tp")
     if name in ROW_SPLIT:
         return ("spp", *experts, "tp", None)
-    return ("spp",)
+    return ("spp", *experts)
