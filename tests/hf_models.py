@@ -106,6 +106,12 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
                       moe_intermediate_size=32, norm_topk_prob=True,
                       rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
 }
+# Qwen2-MoE on 4 query heads (2 KV heads): tp=4 splits it (tests/test_multihost.py; not in
+# FAMILY_CONFIGS' matrix, whose 6 heads tp=4 cannot split).
+EXTRA_CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen2_moe-4heads": dict(FAMILY_CONFIGS["qwen2_moe"], num_attention_heads=4,
+                             num_key_value_heads=2),
+}
 # Sliding-window checkpoints (tests/test_sliding_window.py; not in FAMILY_CONFIGS, whose
 # every entry runs test_model_families' whole matrix). Mistral: 6 query heads on 2 KV heads,
 # head_dim 20 beside hidden / heads = 16, window 24 (under two pages of 16, shorter than the
@@ -128,6 +134,7 @@ _HF_CLASSES = {"mistral": ("MistralConfig", "MistralForCausalLM"),
                "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
                "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
                "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+               "qwen2_moe-4heads": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
                "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|eot_id|>"]  # ids 0..3, matching the configs above
@@ -155,7 +162,7 @@ _TRAINING_TEXT = [
 
 
 def tiny_hf_config(name: str) -> transformers.PretrainedConfig:
-    known = CONFIGS | DEEP_CONFIGS | FAMILY_CONFIGS | WINDOWED_CONFIGS
+    known = CONFIGS | DEEP_CONFIGS | FAMILY_CONFIGS | EXTRA_CONFIGS | WINDOWED_CONFIGS
     if name not in known:
         raise KeyError(f"unknown tiny config {name!r}; choose from {sorted(known)}")
     return getattr(transformers, _HF_CLASSES.get(name, ("LlamaConfig",))[0])(**known[name])

@@ -1,7 +1,7 @@
 """One process of the multi-host test: ``python -m tests.multihost_worker COORD N I DEVICES MESH
-OUT [KV_CACHE_DTYPE]``. Process 0 generates greedy outputs for fixed prompts and writes them
-(JSON) to OUT; the others follow. ``N=1`` runs the same engine in one process, the
-reference."""
+OUT KV_CACHE_DTYPE MODEL``. Process 0 generates greedy outputs for fixed prompts and writes
+them (JSON) to OUT; the others follow. ``N=1`` runs the same engine in one process, the
+reference. MODEL: ``default`` (the built-in random Llama) or a checkpoint directory."""
 from __future__ import annotations
 
 import faulthandler
@@ -15,7 +15,7 @@ TIMEOUT = 300  # seconds the test waits for every worker
 
 
 def main(coordinator: str, num_processes: int, process_id: int, devices: int, mesh: str,
-         out: str, kv_cache_dtype: str = "auto") -> None:
+         out: str, kv_cache_dtype: str, model: str) -> None:
     from sharding import distributed
     if num_processes > 1:
         distributed.initialize(coordinator, num_processes, process_id, devices)
@@ -25,7 +25,7 @@ def main(coordinator: str, num_processes: int, process_id: int, devices: int, me
     from jserve.sampling.structured import StructuredOutput
     from tests.llm_helpers import SMALL
 
-    llm = LLM("default", mesh=mesh, kv_cache_dtype=kv_cache_dtype, **SMALL)
+    llm = LLM(model, mesh=mesh, kv_cache_dtype=kv_cache_dtype, **SMALL)
     if not distributed.is_leader():
         distributed.follow(llm.engine.runner)
         return
@@ -62,5 +62,5 @@ if __name__ == "__main__":
     # A worker still running near the test's timeout prints every thread's stack (the test
     # reports the tail of its output): a hang says where it is.
     faulthandler.dump_traceback_later(TIMEOUT - 30, exit=False)
-    c, n, i, d, m, o, *kv = sys.argv[1:]
-    main(c, int(n), int(i), int(d), m, o, *kv)
+    c, n, i, d, m, o, kv, model = sys.argv[1:]
+    main(c, int(n), int(i), int(d), m, o, kv, model)

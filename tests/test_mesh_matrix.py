@@ -2,8 +2,10 @@
 kvp=4 and spp=4, runs one mixed workload (multi-chunk prefills beside decodes, a prompt
 spanning every KV-cache-parallel group, and preemptions from a small KV pool) and must give
 the 1-device engine's greedy tokens, with top logprobs within float32 reduction-order noise.
-Every mesh runs with async scheduling (the default); the reference and a few meshes (one per
-axis, and all three) run synchronously too ("<mesh>|sync"), and one runs its layers unrolled
+Every mesh runs with async scheduling (the default); the reference and the mesh of all three
+axes run synchronously too ("<mesh>|sync"; one axis at a time synchronously was dropped for
+the suite's time: async against sync on one device is tests/test_async_scheduling.py's, and
+the three-axis mesh holds each axis's sync path), and one runs its layers unrolled
 over slices of the stacked weights, as on a GPU ("<mesh>|sliced").
 
 Two subprocesses with 8 forced host devices each run half of the meshes side by side (XLA
@@ -25,8 +27,7 @@ pytestmark = pytest.mark.slow
 
 MESHES = [f"spp={s},kvp={k},tp={t}" for s in (1, 2) for k in (1, 2) for t in (1, 2)]
 MESHES += ["tp=4", "kvp=4", "spp=4"]
-MESHES += [f"{m}|sync" for m in ("tp=1", "spp=2,kvp=1,tp=1", "spp=1,kvp=2,tp=1",
-                                 "spp=1,kvp=1,tp=2", "spp=2,kvp=2,tp=2")]
+MESHES += [f"{m}|sync" for m in ("tp=1", "spp=2,kvp=2,tp=2")]
 MESHES += ["spp=1,kvp=2,tp=2|sliced"]
 
 _SCRIPT = textwrap.dedent("""

@@ -4,7 +4,8 @@ mesh give the greedy tokens of one process on one device.
 Two layouts: 2 x 4 devices as spp=2 x kvp=2 x tp=2 (pipeline stages on different processes,
 so activations and step buffers cross processes by ppermute; the leader broadcasts every
 tick, empty drain ticks included, and every lone pass), and 2 x 2 devices as tp=4 with an
-int8 KV cache (the tensor-parallel psums cross processes). Each process
+int8 KV cache on a Qwen2-MoE checkpoint (the tensor-parallel psums of attention, of the
+routed experts' slices and of the shared expert cross processes). Each process
 runs ``tests/multihost_worker.py`` under a hard timeout, so a hang fails the test instead of
 stalling the suite."""
 from __future__ import annotations
@@ -34,12 +35,12 @@ def _free_port() -> int:
 
 
 def _launch(coordinator: str, n: int, i: int, devices: int, mesh: str,
-            out: Path, kv_cache_dtype: str) -> subprocess.Popen:
+            out: Path, kv_cache_dtype: str, model: str) -> subprocess.Popen:
     # The worker sets its device count itself.
     env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": xla_flags()}
     return subprocess.Popen(
         [sys.executable, "-m", "tests.multihost_worker", coordinator, str(n), str(i),
-         str(devices), mesh, str(out), kv_cache_dtype],
+         str(devices), mesh, str(out), kv_cache_dtype, model],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -56,16 +57,22 @@ def _wait_all(procs: list[subprocess.Popen]) -> None:
     assert not failed, failed
 
 
-@pytest.mark.parametrize("devices, mesh, kv_cache_dtype", [
-    (4, "spp=2,kvp=2,tp=2", "auto"),
+@pytest.mark.parametrize("devices, mesh, kv_cache_dtype, model", [
+    (4, "spp=2,kvp=2,tp=2", "auto", "default"),
     # tp's psums across processes, with quantized pages (values and scales) on the mesh: the
-    # same psums a float-page run makes, and more (a float-page tp=4 run here took 90 s).
-    (2, "tp=4", "int8")])
-def test_two_processes_match_one_device(tmp_path, devices, mesh, kv_cache_dtype):
+    # same psums a float-page run makes, and more (a float-page tp=4 run here took 90 s);
+    # an MoE model's, its experts sliced by tp (ep's psum is the same collective on
+    # another axis: tests/test_moe.py runs ep in one process).
+    (2, "tp=4", "int8", "qwen2_moe-4heads")])
+def test_two_processes_match_one_device(tmp_path, devices, mesh, kv_cache_dtype, model):
+    if model != "default":
+        from hf_models import tiny_llama_dir
+        model = str(tiny_llama_dir(model, with_tokenizer=True))  # for the constrained request
     coordinator = f"127.0.0.1:{_free_port()}"
     multi, single = tmp_path / "multi.json", tmp_path / "single.json"
-    procs = [_launch(coordinator, 2, i, devices, mesh, multi, kv_cache_dtype) for i in (0, 1)]
-    procs.append(_launch("", 1, 0, 1, "tp=1", single, kv_cache_dtype))
+    procs = [_launch(coordinator, 2, i, devices, mesh, multi, kv_cache_dtype, model)
+             for i in (0, 1)]
+    procs.append(_launch("", 1, 0, 1, "tp=1", single, kv_cache_dtype, model))
     _wait_all(procs)
     m, s = json.loads(multi.read_text()), json.loads(single.read_text())
     assert (m["processes"], m["devices"], s["processes"], s["devices"]) == (2, 2 * devices, 1, 1)
