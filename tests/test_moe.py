@@ -192,6 +192,7 @@ def test_a_one_token_step_reads_only_its_experts_weights_on_gpu_and_tpu(target):
     64 tokens a v5e runs XLA:TPU's own grouped matmul (ragged-dot). On a CPU the grouped
     way at one token has a dot over every expert (XLA:CPU expands ragged_dot into a masked
     dot), which is why a CPU never takes it."""
+    from jserve.model.layer_weights import layer_view, reading_in_place
     from jserve.targets.specs import devices
 
     on = jax.sharding.SingleDeviceSharding(devices(target)[0])
@@ -202,6 +203,23 @@ def test_a_one_token_step_reads_only_its_experts_weights_on_gpu_and_tpu(target):
     assert "gather" in one and max(_dot_operand_sizes(one), default=0) < E * D * 2 * F
     many = block.lower(layer, s(64, D)).compile().as_text()
     assert ("ragged-dot" in many) == (target == "v5e")
+    if target != "h100":
+        return
+    # On an H100, read in place from 4 stacked layers (the indexed layer loop's): no
+    # instruction makes anything as large as one layer's gate/up experts. (A v5e relays
+    # the whole stack out, layer axis minor, for the column-block gather: a gap,
+    # docs/models.md.)
+    stacked = {n: s(4, *w.shape) for n, w in layer.items()}
+
+    def in_place(layers, i, h):
+        with reading_in_place():
+            return moe.moe_mlp(layer_view(layers, i), h, K)
+    text = jax.jit(in_place).lower(stacked, jax.ShapeDtypeStruct((), jnp.int32, sharding=on),
+                                   s(1, D)).compile().as_text()
+    made = re.findall(r"^\s+(?:ROOT )?%\S+ = \(?bf16\[([\d,]*)\]\S* (?!parameter\()",
+                      text, re.M)  # every instruction's (first) result but the parameters
+    sizes = [math.prod(int(n) for n in dims.split(",") if n) for dims in made]
+    assert sizes and max(sizes) < D * E * 2 * F, max(sizes)
 
     cpu = jax.tree.map(jnp.asarray, _fused(_layer()))
     grouped = lambda l, h: moe.grouped_experts(l, h, *moe.route(h @ l["router"], K),

@@ -18,9 +18,13 @@ from typing import Any, Iterator
 
 import jax
 
-# The layer matrices (``tp_layout.LEAVES``) are read in place; other leaves (norms, biases)
-# are a few vectors a layer and are sliced as before.
-from jserve.model.tp_layout import MATRICES
+# The layer matrices, the MoE router and expert stacks (``tp_layout.LEAVES``) are read in
+# place (a stack's chosen experts by one gather: jserve/model/moe.py; the router by the
+# layer matmul kernel, which XLA:GPU ran as a materialised product of a sliced layer); other
+# leaves (norms, biases) are a few vectors a layer and are sliced as before.
+from jserve.model.tp_layout import EXPERTS, MATRICES
+
+IN_PLACE = frozenset(MATRICES) | frozenset(EXPERTS) | {"router"}
 
 _state = threading.local()
 
@@ -50,9 +54,10 @@ def in_place() -> bool:
 
 
 def layer_view(layers: dict, i) -> dict:
-    """Layer ``i`` of stacked ``layers``: matrices as :class:`LayerOf`, the rest sliced."""
+    """Layer ``i`` of stacked ``layers``: matrices and expert stacks as :class:`LayerOf`,
+    the rest sliced."""
     def one(name, w):
-        if name in MATRICES:
+        if name in IN_PLACE:
             return LayerOf(w, i)
         return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), w)
     return {name: one(name, w) for name, w in layers.items()}

@@ -26,6 +26,9 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from jserve.model.layer_weights import LayerOf
+from jserve.model.quant import matmul
+
 # The mesh axis experts are split over (``sharding.mesh.AXES``; ``tp_layout.layer_axes``):
 # an ep shard holds whole experts, runs every token (replicated over ep) through the pairs
 # routed to its experts, and the shards' outputs are summed over it.
@@ -57,15 +60,51 @@ def _gate_up(layer: dict[str, Any]) -> jax.Array:
     return side_by_side(jnp.concatenate([layer["we_gate"], layer["we_up"]], axis=-1))
 
 
-def _per_expert(layer: dict[str, Any]) -> jax.Array:
-    """The gate/up matrices [in, E, 2 * inter] (a view of ``we_gate_up``; an ep shard's E)."""
-    w = _gate_up(layer)
-    return w.reshape(w.shape[0], local_experts(layer), -1)
+def _stacked(w) -> tuple[jax.Array, Any]:
+    """(the stack with a leading layer axis, the layer to read) of an expert leaf: a layer
+    of the stacked weights read in place (``layer_weights.LayerOf``: the indexed layer
+    loop's), or a plain leaf as a stack of one."""
+    return (w.stacked, w.layer) if isinstance(w, LayerOf) else (w[None], 0)
+
+
+def _whole(w) -> jax.Array:
+    """An expert leaf as one plain array (a layer of stacked weights sliced out)."""
+    if isinstance(w, LayerOf):
+        return jax.lax.dynamic_index_in_dim(w.stacked, w.layer, keepdims=False)
+    return w
+
+
+def _chosen_gate_up(layer: dict[str, Any], experts: jax.Array) -> jax.Array:
+    """The gate/up matrices of each pair's expert, [T, k, in, 2 * inter]: one gather of
+    column blocks from the [layers, in, E * 2 * inter] stack (in place, it reads only those
+    experts' columns). Not a gather over a reshaped [in, E, 2 * inter]: on a TPU that
+    reshape changes the tiled layout, a copy of every expert a layer (0.8 GB at
+    Qwen3-30B-A3B's widths)."""
+    stack, i = _stacked(_gate_up(layer))
+    d, width = stack.shape[1], stack.shape[2] // local_experts(layer)
+    block = lambda e: jax.lax.dynamic_slice(stack, (i, 0, e * width), (1, d, width))[0]
+    return jax.vmap(block)(experts.reshape(-1)).reshape(*experts.shape, d, width)
+
+
+def _chosen_down(layer: dict[str, Any], experts: jax.Array) -> jax.Array:
+    """The down matrices of each pair's expert, [T, k, inter, hidden]: one dynamic slice of
+    the [layers, E, inter, hidden] stack a pair (``gathers`` bounds them by E). As one
+    gather over (layer, expert), XLA:TPU rewrote it into slices of the whole stack (3 GB a
+    step at Qwen3-30B-A3B's widths, 4 layers)."""
+    stack, i = _stacked(layer["we_down"])
+    f, d = stack.shape[2:]
+    one = lambda e: jax.lax.dynamic_slice(stack, (i, e, 0, 0), (1, 1, f, d))[0, 0]
+    return jnp.stack([one(e) for e in experts.reshape(-1)]).reshape(*experts.shape, f, d)
+
+
+def all_experts_count(layer: dict[str, Any]) -> int:
+    """The experts the router chooses among (every shard's)."""
+    return _stacked(layer["router"])[0].shape[-1]
 
 
 def local_experts(layer: dict[str, Any]) -> int:
     """The experts this device holds: every one, or an ``ep`` shard's E / ep."""
-    return layer["we_down"].shape[0]
+    return _stacked(layer["we_down"])[0].shape[1]
 
 
 def to_local(layer: dict[str, Any], weights: jax.Array, experts: jax.Array
@@ -74,7 +113,7 @@ def to_local(layer: dict[str, Any], weights: jax.Array, experts: jax.Array
     on an ``ep`` shard (fewer local experts than the router's) the pairs of other shards'
     experts get weight 0 and index 0, so they add nothing (the shards' outputs are summed
     over ep); unchanged on a device holding every expert."""
-    n_local, n_experts = local_experts(layer), layer["router"].shape[-1]
+    n_local, n_experts = local_experts(layer), all_experts_count(layer)
     if n_local == n_experts:
         return weights, experts
     local = experts - jax.lax.axis_index(EP_AXIS) * n_local
@@ -85,9 +124,13 @@ def to_local(layer: dict[str, Any], weights: jax.Array, experts: jax.Array
 def gathered_experts(layer: dict[str, Any], x: jax.Array, weights: jax.Array,
                      experts: jax.Array, act: Callable) -> jax.Array:
     """Few tokens: each token's ``k`` experts' matrices gathered and applied to it alone."""
-    gate, up = jnp.split(jnp.einsum("td,dtkf->tkf", x, _per_expert(layer)[:, experts]), 2,
-                         axis=-1)
-    y = jnp.einsum("tkf,tkfd->tkd", act(gate) * up, layer["we_down"][experts])
+    # One matrix-vector product per pair, batched over (token, pair): the gathered
+    # [T, k, in, 2 * inter] is read as it lies (contracting "td" against it had XLA:GPU
+    # transpose the gathered matrices first).
+    rows = jnp.broadcast_to(x[:, None], (*experts.shape, x.shape[-1]))
+    gate, up = jnp.split(jnp.einsum("tkd,tkdf->tkf", rows, _chosen_gate_up(layer, experts)),
+                         2, axis=-1)
+    y = jnp.einsum("tkf,tkfd->tkd", act(gate) * up, _chosen_down(layer, experts))
     return jnp.einsum("tkd,tk->td", y, weights.astype(y.dtype))
 
 
@@ -96,12 +139,15 @@ def all_experts(layer: dict[str, Any], x: jax.Array, weights: jax.Array,
     """Every expert on every token, as two plain matmuls; an unchosen expert's activations
     are zeroed before the down projection, so it adds nothing."""
     t, n_experts = x.shape[0], local_experts(layer)
-    gate, up = jnp.split((x @ _gate_up(layer)).reshape(t, n_experts, -1), 2, axis=-1)
+    gate, up = jnp.split(matmul(x, _gate_up(layer)).reshape(t, n_experts, -1), 2, axis=-1)
     # top_k's experts are distinct; on an ep shard other shards' pairs add 0 at index 0.
     picked = jnp.zeros((t, n_experts), weights.dtype).at[
         jnp.arange(t)[:, None], experts].add(weights)
     h = act(gate) * up * picked[..., None].astype(x.dtype)
-    return h.reshape(t, -1) @ layer["we_down"].reshape(-1, x.shape[-1])
+    down, i = _stacked(layer["we_down"])  # [E, inter, hidden] as one [E * inter, hidden]
+    flat = down.reshape(down.shape[0], -1, x.shape[-1])
+    return matmul(h.reshape(t, -1), LayerOf(flat, i) if isinstance(layer["we_down"], LayerOf)
+                  else flat[0])
 
 
 def grouped_experts(layer: dict[str, Any], x: jax.Array, weights: jax.Array,
@@ -113,9 +159,10 @@ def grouped_experts(layer: dict[str, Any], x: jax.Array, weights: jax.Array,
     order = jnp.argsort(flat, stable=True)  # the pairs grouped by expert
     token = order // k
     sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
-    stacks = jnp.transpose(_per_expert(layer), (1, 0, 2))
+    gate_up = _whole(_gate_up(layer))  # [in, E * 2 * inter] as [E, in, 2 * inter]
+    stacks = jnp.transpose(gate_up.reshape(gate_up.shape[0], n_experts, -1), (1, 0, 2))
     gate, up = jnp.split(jax.lax.ragged_dot(x[token], stacks, sizes), 2, axis=-1)
-    y = jax.lax.ragged_dot(act(gate) * up, layer["we_down"], sizes)
+    y = jax.lax.ragged_dot(act(gate) * up, _whole(layer["we_down"]), sizes)
     y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
     return jnp.zeros_like(x).at[token].add(y)
 
@@ -132,17 +179,17 @@ def moe_mlp(layer: dict[str, Any], h: jax.Array, k: int, act: Callable = jax.nn.
     experts' gated MLPs, weighted by the router (``route``; a tp shard's partial output)."""
     lead, d = h.shape[:-1], h.shape[-1]
     x = h.reshape(-1, d)
-    weights, experts = to_local(layer, *route(x @ layer["router"].astype(x.dtype), k,
+    weights, experts = to_local(layer, *route(matmul(x, layer["router"]), k,
                                               normalize))
-    run = lambda way: lambda *a: way(*a, act)
+    run = lambda way: lambda: way(layer, x, weights, experts, act)  # closes over the
+    # layer: an in-place leaf (LayerOf) is no JAX type to pass as an operand.
     # By the platform the program is lowered for (a target's, when compiled on a CPU host):
     # XLA:CPU and XLA:GPU expand ragged_dot into a masked dot over every expert per pair,
     # k times all_experts' FLOPs; XLA:TPU has a grouped matmul of its own.
     few = gathers(x.shape[0], k, local_experts(layer))
     out = jax.lax.platform_dependent(
-        layer, x, weights, experts, cpu=run(all_experts),
-        cuda=run(gathered_experts if few else all_experts),
+        cpu=run(all_experts), cuda=run(gathered_experts if few else all_experts),
         default=run(gathered_experts if few else grouped_experts))
-    if local_experts(layer) < layer["router"].shape[-1]:  # an ep shard's share
+    if local_experts(layer) < all_experts_count(layer):  # an ep shard's share
         out = jax.lax.psum(out, EP_AXIS)
     return out.reshape(*lead, d)

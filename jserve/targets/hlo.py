@@ -13,7 +13,8 @@ count, or once when it has none (a decode burst's loop: then the figures are one
 of the burst); a conditional counts its largest branch (the ``least_`` figures: its
 cheapest by bytes, the branch a plain greedy step takes).
 Bytes: each kernel's output plus its
-operands, where a fusion that only slices an operand reads the slices, an in-place update
+operands, where a fusion that only slices an operand reads the slices (and so does an unfused
+gather or slice: an MoE decode step's gather of its chosen experts), an in-place update
 (a dynamic-update-slice or scatter root, a custom call aliasing its operand) moves only the
 update, a custom call's KV pages operand counts nothing (paged attention reads the pages its
 sequences own, which the program does not say) and its stacked weight operand one layer (the
@@ -350,6 +351,8 @@ class _Walk:
             return 2 * _BYTES.get(d, 0) * math.prod(dims)
         if ins.opcode in _ASYNC_DONES:  # counted at the start
             return 0.0
+        if ins.opcode in ("gather", "dynamic-slice", "slice"):  # reads what it takes
+            return 2 * ins.bytes + sum(o.bytes for o in operands[1:])  # (and the indices)
         if ins.opcode != "fusion":
             return ins.bytes + sum(o.bytes for o in operands)
         body = self._fused(ins)
@@ -366,11 +369,22 @@ class _Walk:
                      None)
         if param is None:
             return operand.bytes
-        users = [i for i in body if param.name in i.operands]
-        if users and all(u.opcode in _SLICING and u.operands[0] == param.name
-                         for u in users):
-            return sum(u.bytes for u in users)
-        return operand.bytes
+        taken = self._taken(body, param.name)
+        return operand.bytes if taken is None else taken
+
+    def _taken(self, body: list[Instruction], name: str) -> float | None:
+        """The bytes the slices of value ``name`` take within a fusion ``body``, through any
+        bitcasts of it (a reshaped stack's gather), or None when anything else reads it."""
+        users = [i for i in body if name in i.operands]
+        if not users or any(u.opcode not in _SLICING or u.operands[0] != name for u in users):
+            return None
+        total = 0.0
+        for u in users:
+            part = self._taken(body, u.name) if u.opcode == "bitcast" else u.bytes
+            if part is None:
+                return None
+            total += part
+        return total
 
     def _custom_read(self, operand: Instruction) -> float:
         """Bytes a custom call reads of ``operand``: none of the KV pages (paged: the
