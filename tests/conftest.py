@@ -23,7 +23,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # collected first, so each of the two workers (``--dist loadfile``) starts on one and the
 # run does not end with one worker alone in a long file while the other idles.
 LONG_FILES = ("test_target_steps.py", "test_targets.py", "test_mesh_matrix.py",
-              "test_model_families.py", "test_kv_quant_engine.py",
+              "test_model_families.py", "test_moe.py", "test_kv_quant_engine.py",
               "test_multihost.py", "test_ray_app.py", "test_quantized_tiny_tasks.py",
               "test_speculative_engine.py", "test_prefix_cache_engine.py",
               "test_weight_quant.py", "test_hf_parity.py", "test_prompt_logprobs.py",
