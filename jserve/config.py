@@ -49,15 +49,21 @@ def auto_dtype(stored: str, backend: str, what: str = "checkpoint") -> tuple[str
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """RoPE scaling: Llama 3.1's frequency-dependent kind (``rope_type == "llama3"``), or
+    """RoPE scaling: Llama 3.1's frequency-dependent kind (``rope_type == "llama3"``),
     ``"linear"`` (every frequency divided by ``factor``: Gemma 3's global layers), which
-    uses only ``factor``."""
+    uses only ``factor``, or ``"yarn"`` (gpt-oss, long-context Qwen: the frequencies ramped
+    between extrapolated and interpolated by ``beta_fast``/``beta_slow`` rotations over
+    ``original_max_position_embeddings``, and cos/sin scaled by ``attention_factor``)."""
 
     factor: float
     low_freq_factor: float = 0.0
     high_freq_factor: float = 0.0
     original_max_position_embeddings: int = 0
     rope_type: str = "llama3"
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +117,11 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     shared_expert_size: int = 0
+    # gpt-oss's experts (jserve.model.families.gpt_oss; None: the gated SiLU): a clamped
+    # SwiGLU, the gate clamped above and the up projection on both sides at
+    # ``swiglu_limit``, then (up + 1) * gate * sigmoid(swiglu_alpha * gate).
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -210,12 +221,29 @@ class ModelConfig:
                      moe_intermediate_size=self.expert_size,
                      norm_topk_prob=self.norm_topk_prob,
                      shared_expert_intermediate_size=self.shared_expert_size)
+        if self.swiglu_limit is not None:
+            d.update(swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha)
         for key, value in (("rope_local_base_freq", self.rope_local_theta),
                            ("query_pre_attn_scalar", self.query_pre_attn_scalar),
                            ("final_logit_softcapping", self.final_logit_softcapping)):
             if value is not None:
                 d[key] = value
         return d
+
+
+def refuse_quantized_checkpoint(cfg: dict[str, Any]) -> None:
+    """Raises ValueError, naming the method, on a checkpoint stored quantized by another
+    tool (``quantization_config``: MXFP4 gpt-oss, GPTQ, AWQ, ...): jserve reads float
+    weights and quantizes them itself (``--quantization``)."""
+    qc = cfg.get("quantization_config")
+    if not qc:
+        return
+    method = qc.get("quant_method", "unknown") if isinstance(qc, dict) else qc
+    hint = (" (gpt-oss's released experts: dequantize them first, e.g. transformers' "
+            "Mxfp4Config(dequantize=True) and save_pretrained)" if method == "mxfp4" else "")
+    raise ValueError(f"config.json's quantization_config stores the weights as "
+                     f"{method!r}{hint}; jserve reads float checkpoints and quantizes them "
+                     "itself (--quantization int8 or fp8)")
 
 
 def hf_config_fields(cfg: dict[str, Any], dtype: str | None = None,
@@ -244,13 +272,16 @@ def hf_config_fields(cfg: dict[str, Any], dtype: str | None = None,
             )
         elif kind == "linear":
             scaling = RopeScaling(factor=float(raw_scaling["factor"]), rope_type="linear")
+        elif kind == "yarn":
+            scaling = yarn_scaling(raw_scaling, cfg)
         elif kind != "default":
             raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: llama3, "
-                             "linear)")
+                             "linear, yarn)")
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     if dtype is None:
         dtype = "bfloat16" if stored_dtype(cfg) in ("bfloat16", "float16") else "float32"
+    refuse_quantized_checkpoint(cfg)
     stored = cfg.get("jserve_quantization", "none")
     if quantization is None:
         quantization = stored
@@ -277,6 +308,57 @@ def hf_config_fields(cfg: dict[str, Any], dtype: str | None = None,
     )
 
 
+def yarn_scaling(raw: dict[str, Any], cfg: dict[str, Any]) -> RopeScaling:
+    """YaRN's parameters as transformers reads them: ``factor`` (absent: the context's growth
+    over the original), ``attention_factor`` (absent: 0.1 ln(factor) + 1, or DeepSeek's
+    mscale ratio), ``beta_fast``/``beta_slow`` (32/1), ``truncate`` (true)."""
+    original = int(raw["original_max_position_embeddings"])
+    factor = raw.get("factor") or cfg.get("max_position_embeddings", original) / original
+    factor = float(factor)
+    if raw.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("YaRN with partial_rotary_factor != 1 is not supported")
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = raw.get("attention_factor")
+    if attention is None:
+        m, m_all = raw.get("mscale"), raw.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return RopeScaling(factor=factor, original_max_position_embeddings=original,
+                       rope_type="yarn", beta_fast=float(raw.get("beta_fast") or 32),
+                       beta_slow=float(raw.get("beta_slow") or 1),
+                       truncate=bool(raw.get("truncate", True)),
+                       attention_factor=float(attention))
+
+
+def _yarn_frequencies(pos: np.ndarray, dim: int, base: float, s: RopeScaling) -> np.ndarray:
+    """YaRN's inverse frequencies from ``pos`` = base ** (2i / dim), step by step as
+    transformers computes them."""
+    def correction(rotations: float) -> float:
+        return (dim * math.log(s.original_max_position_embeddings
+                               / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction(s.beta_fast), correction(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low))
+                   / np.float32(high - low), 0, 1).astype(np.float32)
+    extrapolate = (np.float32(1) - ramp).astype(np.float32)
+    inv = (np.float32(1.0) / pos).astype(np.float32)
+    interpolated = (np.float32(1.0) / (np.float32(s.factor) * pos)).astype(np.float32)
+    return (interpolated * (1 - extrapolate) + inv * extrapolate).astype(np.float32)
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """The factor RoPE's cos and sin are multiplied by (YaRN's; 1 otherwise)."""
+    s = cfg.rope_scaling
+    return s.attention_factor if s is not None and s.rope_type == "yarn" else 1.0
+
+
 def inv_frequencies(cfg: ModelConfig) -> np.ndarray:
     """RoPE inverse frequencies in float32, with Llama 3.1 scaling when configured.
 
@@ -284,12 +366,15 @@ def inv_frequencies(cfg: ModelConfig) -> np.ndarray:
     """
     dim = cfg.head_dim
     exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
-    inv = (np.float32(1.0) / (np.float32(cfg.rope_theta) ** exponents)).astype(np.float32)
+    pos = (np.float32(cfg.rope_theta) ** exponents).astype(np.float32)
+    inv = (np.float32(1.0) / pos).astype(np.float32)
     s = cfg.rope_scaling
     if s is None:
         return inv
     if s.rope_type == "linear":
         return (inv / np.float32(s.factor)).astype(np.float32)
+    if s.rope_type == "yarn":
+        return _yarn_frequencies(pos, dim, cfg.rope_theta, s)
     old_len = np.float32(s.original_max_position_embeddings)
     low_wavelen = old_len / np.float32(s.low_freq_factor)
     high_wavelen = old_len / np.float32(s.high_freq_factor)

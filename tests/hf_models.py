@@ -105,6 +105,20 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
                       num_key_value_heads=2, head_dim=40, num_experts=8, num_experts_per_tok=3,
                       moe_intermediate_size=32, norm_topk_prob=True,
                       rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    # gpt-oss: 4 experts 48 wide, top-2 (softmax over the chosen logits), the router's and
+    # the experts' biases, a sink logit per head, windowed (GEMMA3_WINDOW) and full layers
+    # in turn, YaRN RoPE stretching a 32-token original context 4 times (so its ramp and
+    # cos/sin factor matter at these prompts), 6 query heads on 2 KV heads. Its SwiGLU
+    # clamp at 1.5 bites at these weights (gpt-oss's own limit is 7).
+    "gpt_oss": dict(_COMMON, initializer_range=0.2, intermediate_size=48,
+                    num_attention_heads=6, num_key_value_heads=2, head_dim=16,
+                    num_local_experts=4, num_experts_per_tok=2, sliding_window=GEMMA3_WINDOW,
+                    layer_types=["sliding_attention", "full_attention"], swiglu_limit=1.5,
+                    max_position_embeddings=128,
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0,
+                                     "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                     "truncate": False,
+                                     "original_max_position_embeddings": 32}),
 }
 # Qwen2-MoE on 4 query heads (2 KV heads): tp=4 splits it (tests/test_multihost.py; not in
 # FAMILY_CONFIGS' matrix, whose 6 heads tp=4 cannot split).
@@ -135,7 +149,8 @@ _HF_CLASSES = {"mistral": ("MistralConfig", "MistralForCausalLM"),
                "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
                "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
                "qwen2_moe-4heads": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
-               "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
+               "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+               "gpt_oss": ("GptOssConfig", "GptOssForCausalLM")}
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|eot_id|>"]  # ids 0..3, matching the configs above
 
@@ -181,7 +196,7 @@ def tiny_llama_model(name: str) -> transformers.PreTrainedModel:
     model = model_class(tiny_hf_config(name)).eval()
     with torch.no_grad():
         for pname, p in model.named_parameters():
-            if pname.endswith("norm.weight") or pname.endswith(".bias"):
+            if pname.endswith(("norm.weight", ".bias", "_bias")):
                 p.add_(0.1 * torch.randn_like(p))
     return model
 

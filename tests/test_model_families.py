@@ -47,7 +47,7 @@ ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, max_prefill_seqs=2, max
 # The quantized runs: Gemma 3's leaves quantize as Qwen3's (its norms never), and its windows
 # and second RoPE table are what its runs show.
 # The MoE families' experts are not quantized yet (refused: test_moe).
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
 QUANTIZED_FAMILIES = [f for f in FAMILIES if f not in ("gemma3", *MOE_FAMILIES)]
 # Each family's own layer tensors beyond Llama's (and none of the other's).
 OWN_LEAVES = {"qwen2": {"bq", "bk", "bv"}, "qwen3": {"q_norm", "k_norm"},
@@ -55,7 +55,9 @@ OWN_LEAVES = {"qwen2": {"bq", "bk", "bv"}, "qwen3": {"q_norm", "k_norm"},
               "mixtral": {"router", "we_gate", "we_up", "we_down"},
               "qwen2_moe": {"bq", "bk", "bv", "router", "we_gate", "we_up", "we_down",
                             "ws_gate", "ws_up", "ws_down", "shared_gate"},
-              "qwen3_moe": {"q_norm", "k_norm", "router", "we_gate", "we_up", "we_down"}}
+              "qwen3_moe": {"q_norm", "k_norm", "router", "we_gate", "we_up", "we_down"},
+              "gpt_oss": {"bq", "bk", "bv", "bo", "sinks", "router", "router_bias", "we_gate",
+                          "we_up", "we_down", "be_gate", "be_up", "be_down"}}
 
 
 @functools.cache
@@ -100,7 +102,7 @@ def test_an_architecture_without_a_family_is_refused_at_load(tmp_path):
         LLM(str(tmp_path), **ENGINE)
     assert "FalconForCausalLM" in str(err.value)
     assert all(arch in str(err.value) for arch in SUPPORTED_ARCHITECTURES)
-    assert len(SUPPORTED_ARCHITECTURES) == 8
+    assert len(SUPPORTED_ARCHITECTURES) == 9
     # A family's config that asks for what it cannot serve is refused by name too.
     hf = json.loads((tiny_llama_dir("qwen2") / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(

@@ -364,10 +364,12 @@ def test_moe_families_on_ep_meshes_match_generate():
     """Each MoE family's greedy tokens on meshes with ``ep`` (8 CPU devices, one process):
     Qwen2-MoE on ep=2,tp=2 (its shared expert split by tp, its experts by ep and tp),
     Qwen3-MoE on ep=4 (two of its eight experts a shard, top-3), Mixtral on
-    ep=2,kvp=2,spp=2 (ep beside the KV-cache and pipeline axes)."""
+    ep=2,kvp=2,spp=2 (ep beside the KV-cache and pipeline axes), gpt-oss on ep=2,tp=2 (its
+    expert biases split as their matrices, the down biases and sinks added once)."""
     from test_model_families import _SCRIPT, ENGINE, MAX_TOKENS, PROMPTS, hf_tokens
 
-    runs = {"qwen2_moe": "ep=2,tp=2", "qwen3_moe": "ep=4", "mixtral": "ep=2,kvp=2,spp=2"}
+    runs = {"qwen2_moe": "ep=2,tp=2", "qwen3_moe": "ep=4", "mixtral": "ep=2,kvp=2,spp=2",
+            "gpt_oss": "ep=2,tp=2"}
     result = run_on_devices(_SCRIPT, json.dumps({
         f: (str(tiny_llama_dir(f)), mesh, {}) for f, mesh in runs.items()}),
         json.dumps(PROMPTS), json.dumps(ENGINE), str(MAX_TOKENS), timeout=1500).result

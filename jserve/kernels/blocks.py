@@ -177,6 +177,15 @@ def merge_partials(out: jax.Array, lse: jax.Array, reduce_max=lambda x: x.max(ax
     return merged, jnp.where(total > 0, safe_top + jnp.log(total), -jnp.inf)
 
 
+def with_sinks(out: jax.Array, lse: jax.Array, sinks: jax.Array) -> jax.Array:
+    """Attention ``out`` [T, H, D] (its log-sum-exp ``lse`` [T, H]) as if each head's
+    softmax had one more logit, ``sinks`` [H], on a value of zero (gpt-oss's attention
+    sinks): merged with an empty part whose log-sum-exp is the sink, the output scales by
+    exp(lse) / (exp(lse) + exp(sink)). Every kernel's output takes it unchanged."""
+    keep = jax.nn.sigmoid(lse - sinks.astype(jnp.float32))[..., None]
+    return (out.astype(jnp.float32) * keep).astype(out.dtype)
+
+
 def stacked(pages, layer):
     """(pages as a stacked cache [L, ...], layer as int32 [1]) for the kernels, which always
     address a layer of a stack: one layer's pages (``layer`` None) become a stack of one.

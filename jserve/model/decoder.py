@@ -25,6 +25,7 @@ from jserve.kernels import (
     write_kv_pair,
     write_slots,
 )
+from jserve.kernels.blocks import with_sinks
 from jserve.kernels.kv_parallel import kvp_attention, owned_slots
 from jserve.model.families import family_of
 from jserve.model.layer_weights import in_place, layer_view
@@ -158,6 +159,11 @@ def layer_windows(cfg: ModelConfig) -> jax.Array | None:
     return jnp.asarray(cfg.layer_windows, jnp.int32)
 
 
+def _sunk(out: jax.Array, lse: jax.Array, sinks: jax.Array | None) -> jax.Array:
+    """The attention output with the layer's sinks where it has them (gpt-oss)."""
+    return out if sinks is None else with_sinks(out, lse, sinks)
+
+
 def step_layer(batch: StepInput, cos: jax.Array, sin: jax.Array, *, cfg: ModelConfig,
                attention_impl: str, tp_axis: str | None = None,
                kvp_axis: str | None = None, first_layer=0) -> Callable:
@@ -189,17 +195,17 @@ def step_layer(batch: StepInput, cos: jax.Array, sin: jax.Array, *, cfg: ModelCo
         if isinstance(kv, HybridKV):
             return _group_layer(layer, i, x, kv, window)
 
-        def attend(q, k, v):
+        def attend(q, k, v, sinks=None):
             k_pages, v_pages = write_kv_pair(kv[0], kv[1], slots, k, v, impl=attention_impl,
                                              layer=i)
             if kvp_axis is None:
-                out, _ = attention(q, k_pages, v_pages, attn, impl=attention_impl,
-                                   layer=i, window=window)
+                out, lse = attention(q, k_pages, v_pages, attn, impl=attention_impl,
+                                     layer=i, window=window)
             else:
-                out, _ = kvp_attention(q, k_pages, v_pages, attn, axis=kvp_axis,
-                                       impl=attention_impl, start_groups=batch.start_groups,
-                                       layer=i, window=window)
-            return out, (k_pages, v_pages)
+                out, lse = kvp_attention(q, k_pages, v_pages, attn, axis=kvp_axis,
+                                         impl=attention_impl, start_groups=batch.start_groups,
+                                         layer=i, window=window)
+            return _sunk(out, lse, sinks), (k_pages, v_pages)
 
         return decoder_layer(layer, x, *layer_rope(cos, sin, cfg, first_layer + i), attend,
                              cfg=cfg, tp_axis=tp_axis)
@@ -215,12 +221,12 @@ def step_layer(batch: StepInput, cos: jax.Array, sin: jax.Array, *, cfg: ModelCo
         meta = (dataclasses.replace(attn, page_table=batch.local_page_table) if local
                 else attn)
 
-        def attend(q, k, v):
+        def attend(q, k, v, sinks=None):
             k_pages, v_pages = write_kv_pair(pages[0], pages[1], at, k, v,
                                              impl=attention_impl, layer=j)
-            out, _ = attention(q, k_pages, v_pages, meta, impl=attention_impl, layer=j,
-                               window=window)
-            return out, (k_pages, v_pages)
+            out, lse = attention(q, k_pages, v_pages, meta, impl=attention_impl, layer=j,
+                                 window=window)
+            return _sunk(out, lse, sinks), (k_pages, v_pages)
 
         x, new = decoder_layer(layer, x, *layer_rope(cos, sin, cfg, first_layer + i), attend,
                                cfg=cfg, tp_axis=tp_axis)

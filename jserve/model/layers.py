@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jserve.config import ModelConfig, inv_frequencies
-from jserve.model.moe import moe_mlp
+from jserve.config import ModelConfig, inv_frequencies, rope_attention_factor
+from jserve.model.moe import clamped_swiglu, moe_mlp, silu_glu
 from jserve.model.quant import matmul
 from jserve.model.tp_layout import part_widths
 
@@ -56,9 +56,15 @@ def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(np.stack(invs))[
         (slice(None),) + (None,) * positions.ndim]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    factor = rope_attention_factor(cfg)  # YaRN's, on the global table; as HF, after cos/sin
+    if factor != 1.0:
+        scale = jnp.asarray([factor] + [1.0] * (len(invs) - 1), jnp.float32)[
+            (slice(None),) + (None,) * (emb.ndim - 1)]
+        cos, sin = cos * scale, sin * scale
     if len(invs) == 1:
-        emb = emb[0]
-    return jnp.cos(emb), jnp.sin(emb)
+        cos, sin = cos[0], sin[0]
+    return cos, sin
 
 
 def rope_kinds(cfg: ModelConfig) -> tuple[int, ...]:
@@ -124,12 +130,15 @@ def gated_mlp(layer: Layer, h: jax.Array, act: Callable = jax.nn.silu) -> jax.Ar
     return matmul(act(gate) * up, layer["w_down"])
 
 
-def moe_block(layer: Layer, h: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """The MoE MLP (``jserve.model.moe``): the routed experts, plus a shared expert where the
-    layer has one (Qwen2-MoE: a gated MLP on every token, scaled per token by
-    sigmoid(h @ ``shared_gate``); a per-token scalar, so a tp shard's partial sum stays
-    one)."""
-    out = moe_mlp(layer, h, cfg.num_experts_per_tok, normalize=cfg.norm_topk_prob)
+def moe_block(layer: Layer, h: jax.Array, cfg: ModelConfig, tp_axis: str | None = None
+              ) -> jax.Array:
+    """The MoE MLP (``jserve.model.moe``): the routed experts (gpt-oss's clamped SwiGLU
+    where the config sets ``swiglu_limit``), plus a shared expert where the layer has one
+    (Qwen2-MoE: a gated MLP on every token, scaled per token by sigmoid(h @
+    ``shared_gate``); a per-token scalar, so a tp shard's partial sum stays one)."""
+    glu = (silu_glu if cfg.swiglu_limit is None
+           else clamped_swiglu(cfg.swiglu_limit, cfg.swiglu_alpha))
+    out = moe_mlp(layer, h, cfg.num_experts_per_tok, glu, cfg.norm_topk_prob, tp_axis)
     if "ws_down" not in layer:
         return out
     shared = gated_mlp({"w" + name[2:]: w for name, w in layer.items()
@@ -165,5 +174,5 @@ def pre_norm_layer(layer: Layer, x: jax.Array, cos: jax.Array, sin: jax.Array,
     out, aux = attend(q, k, v)
     x = x + reduce(matmul(out.reshape(*lead, -1).astype(x.dtype), layer["wo"]))
     h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
-    mlp = moe_block(layer, h, cfg) if "router" in layer else gated_mlp(layer, h)
+    mlp = moe_block(layer, h, cfg, tp_axis) if "router" in layer else gated_mlp(layer, h)
     return x + reduce(mlp), aux

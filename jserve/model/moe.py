@@ -11,11 +11,15 @@ experts' activations zeroed: XLA:CPU and XLA:GPU expand ``ragged_dot`` into a ma
 over every expert for every pair, k times these FLOPs, and XLA:CPU's gather of weight rows
 is slower than reading every expert (``scripts/bench_moe.py``).
 
-Leaves of one layer: ``router`` [hidden, E]; ``we_gate_up`` [hidden, E * 2 * inter], every
-expert's gate and up columns in turn (``tp_layout``: one plain matmul reads them all), or
-the checkpoint's stacks ``we_gate`` and ``we_up`` [E, hidden, inter]; ``we_down`` [E,
-inter, hidden]. A shared expert (Qwen2-MoE's ``ws_`` leaves and its sigmoid gate) is a
-dense gated MLP the layer adds (``jserve.model.layers.moe_block``). Under tensor
+Leaves of one layer: ``router`` [hidden, E] (and gpt-oss's ``router_bias`` [E]);
+``we_gate_up`` [hidden, E * 2 * inter], every expert's gate and up columns in turn
+(``tp_layout``: one plain matmul reads them all), or the checkpoint's stacks ``we_gate``
+and ``we_up`` [E, hidden, inter]; ``we_down`` [E, inter, hidden]; gpt-oss's expert biases,
+``be_gate_up`` [1, E * 2 * inter] (laid out as ``we_gate_up``'s columns: a matrix of one
+input row, fused from ``be_gate``/``be_up`` [E, 1, inter]) and ``be_down`` [E, hidden]. The
+gated activation is the family's (``glu``: SiLU's, or gpt-oss's clamped SwiGLU,
+:func:`clamped_swiglu`). A shared expert (Qwen2-MoE's ``ws_`` leaves and its sigmoid gate)
+is a dense gated MLP the layer adds (``jserve.model.layers.moe_block``). Under tensor
 parallelism every shard holds every expert's slice of the intermediate axis, so the block's
 output is a partial sum like the dense MLP's, summed by the caller.
 """
@@ -48,16 +52,35 @@ def route(logits: jax.Array, k: int, normalize: bool = True
     return weights, experts.astype(jnp.int32)
 
 
+def silu_glu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """The gated SiLU of Mixtral's and Qwen's experts."""
+    return jax.nn.silu(gate) * up
+
+
+def clamped_swiglu(limit: float, alpha: float) -> Callable:
+    """gpt-oss's expert activation: the gate clamped above and the up projection on both
+    sides at ``limit``, then (up + 1) * gate * sigmoid(alpha * gate)."""
+    def glu(gate: jax.Array, up: jax.Array) -> jax.Array:
+        gate = jnp.minimum(gate, limit)
+        up = jnp.clip(up, -limit, limit)
+        return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
+    return glu
+
+
 def side_by_side(gate_up: jax.Array) -> jax.Array:
     """[E, in, 2 * inter] (each expert's gate and up) as the runtime ``we_gate_up``,
     [in, E * 2 * inter]."""
     return jnp.transpose(gate_up, (1, 0, 2)).reshape(gate_up.shape[1], -1)
 
 
-def _gate_up(layer: dict[str, Any]) -> jax.Array:
-    if "we_gate_up" in layer:
-        return layer["we_gate_up"]
-    return side_by_side(jnp.concatenate([layer["we_gate"], layer["we_up"]], axis=-1))
+def _gate_up(layer: dict[str, Any], kind: str = "we") -> jax.Array | None:
+    """The fused gate/up leaf of either layout: the experts' matrices (``kind`` "we") or
+    their biases ("be": None where the experts have none)."""
+    if kind + "_gate_up" in layer:
+        return layer[kind + "_gate_up"]
+    if kind + "_gate" not in layer:
+        return None
+    return side_by_side(jnp.concatenate([layer[kind + "_gate"], layer[kind + "_up"]], axis=-1))
 
 
 def _stacked(w) -> tuple[jax.Array, Any]:
@@ -74,13 +97,14 @@ def _whole(w) -> jax.Array:
     return w
 
 
-def _chosen_gate_up(layer: dict[str, Any], experts: jax.Array) -> jax.Array:
-    """The gate/up matrices of each pair's expert, [T, k, in, 2 * inter]: one gather of
-    column blocks from the [layers, in, E * 2 * inter] stack (in place, it reads only those
-    experts' columns). Not a gather over a reshaped [in, E, 2 * inter]: on a TPU that
-    reshape changes the tiled layout, a copy of every expert a layer (0.8 GB at
-    Qwen3-30B-A3B's widths)."""
-    stack, i = _stacked(_gate_up(layer))
+def _chosen_gate_up(layer: dict[str, Any], experts: jax.Array, kind: str = "we"
+                    ) -> jax.Array:
+    """The gate/up matrices (or biases, ``kind`` "be": in = 1) of each pair's expert, [T,
+    k, in, 2 * inter]: one gather of column blocks from the [layers, in, E * 2 * inter]
+    stack (in place, it reads only those experts' columns). Not a gather over a reshaped
+    [in, E, 2 * inter]: on a TPU that reshape changes the tiled layout, a copy of every
+    expert a layer (0.8 GB at Qwen3-30B-A3B's widths)."""
+    stack, i = _stacked(_gate_up(layer, kind))
     d, width = stack.shape[1], stack.shape[2] // local_experts(layer)
     block = lambda e: jax.lax.dynamic_slice(stack, (i, 0, e * width), (1, d, width))[0]
     return jax.vmap(block)(experts.reshape(-1)).reshape(*experts.shape, d, width)
@@ -122,28 +146,33 @@ def to_local(layer: dict[str, Any], weights: jax.Array, experts: jax.Array
 
 
 def gathered_experts(layer: dict[str, Any], x: jax.Array, weights: jax.Array,
-                     experts: jax.Array, act: Callable) -> jax.Array:
+                     experts: jax.Array, glu: Callable) -> jax.Array:
     """Few tokens: each token's ``k`` experts' matrices gathered and applied to it alone."""
     # One matrix-vector product per pair, batched over (token, pair): the gathered
     # [T, k, in, 2 * inter] is read as it lies (contracting "td" against it had XLA:GPU
     # transpose the gathered matrices first).
     rows = jnp.broadcast_to(x[:, None], (*experts.shape, x.shape[-1]))
-    gate, up = jnp.split(jnp.einsum("tkd,tkdf->tkf", rows, _chosen_gate_up(layer, experts)),
-                         2, axis=-1)
-    y = jnp.einsum("tkf,tkfd->tkd", act(gate) * up, _chosen_down(layer, experts))
+    gate_up = jnp.einsum("tkd,tkdf->tkf", rows, _chosen_gate_up(layer, experts))
+    if _gate_up(layer, "be") is not None:
+        gate_up = gate_up + _chosen_gate_up(layer, experts, "be")[:, :, 0]
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    y = jnp.einsum("tkf,tkfd->tkd", glu(gate, up), _chosen_down(layer, experts))
     return jnp.einsum("tkd,tk->td", y, weights.astype(y.dtype))
 
 
 def all_experts(layer: dict[str, Any], x: jax.Array, weights: jax.Array,
-                experts: jax.Array, act: Callable) -> jax.Array:
+                experts: jax.Array, glu: Callable) -> jax.Array:
     """Every expert on every token, as two plain matmuls; an unchosen expert's activations
     are zeroed before the down projection, so it adds nothing."""
     t, n_experts = x.shape[0], local_experts(layer)
-    gate, up = jnp.split(matmul(x, _gate_up(layer)).reshape(t, n_experts, -1), 2, axis=-1)
+    gate_up = matmul(x, _gate_up(layer))
+    if _gate_up(layer, "be") is not None:
+        gate_up = gate_up + _whole(_gate_up(layer, "be"))
+    gate, up = jnp.split(gate_up.reshape(t, n_experts, -1), 2, axis=-1)
     # top_k's experts are distinct; on an ep shard other shards' pairs add 0 at index 0.
     picked = jnp.zeros((t, n_experts), weights.dtype).at[
         jnp.arange(t)[:, None], experts].add(weights)
-    h = act(gate) * up * picked[..., None].astype(x.dtype)
+    h = glu(gate, up) * picked[..., None].astype(x.dtype)
     down, i = _stacked(layer["we_down"])  # [E, inter, hidden] as one [E * inter, hidden]
     flat = down.reshape(down.shape[0], -1, x.shape[-1])
     return matmul(h.reshape(t, -1), LayerOf(flat, i) if isinstance(layer["we_down"], LayerOf)
@@ -151,7 +180,7 @@ def all_experts(layer: dict[str, Any], x: jax.Array, weights: jax.Array,
 
 
 def grouped_experts(layer: dict[str, Any], x: jax.Array, weights: jax.Array,
-                    experts: jax.Array, act: Callable) -> jax.Array:
+                    experts: jax.Array, glu: Callable) -> jax.Array:
     """The token-expert pairs sorted by expert and each expert's rows multiplied by its
     matrices as one grouped matmul (``lax.ragged_dot``, on [E, in, out] stacks)."""
     k, n_experts = experts.shape[-1], local_experts(layer)
@@ -161,8 +190,11 @@ def grouped_experts(layer: dict[str, Any], x: jax.Array, weights: jax.Array,
     sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
     gate_up = _whole(_gate_up(layer))  # [in, E * 2 * inter] as [E, in, 2 * inter]
     stacks = jnp.transpose(gate_up.reshape(gate_up.shape[0], n_experts, -1), (1, 0, 2))
-    gate, up = jnp.split(jax.lax.ragged_dot(x[token], stacks, sizes), 2, axis=-1)
-    y = jax.lax.ragged_dot(act(gate) * up, _whole(layer["we_down"]), sizes)
+    gate_up = jax.lax.ragged_dot(x[token], stacks, sizes)
+    if _gate_up(layer, "be") is not None:  # each pair's expert's row of the biases
+        gate_up = gate_up + _whole(_gate_up(layer, "be")).reshape(n_experts, -1)[flat[order]]
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    y = jax.lax.ragged_dot(glu(gate, up), _whole(layer["we_down"]), sizes)
     y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
     return jnp.zeros_like(x).at[token].add(y)
 
@@ -173,15 +205,31 @@ def gathers(tokens: int, k: int, n_experts: int) -> bool:
     return tokens * k < n_experts
 
 
-def moe_mlp(layer: dict[str, Any], h: jax.Array, k: int, act: Callable = jax.nn.silu,
-            normalize: bool = True) -> jax.Array:
+def down_bias(layer: dict[str, Any], weights: jax.Array, experts: jax.Array,
+              tp_axis: str | None) -> jax.Array:
+    """Each token's router-weighted sum of its experts' down-projection biases
+    (``be_down``), [T, hidden], on the first tp shard only (zero on the others: the caller
+    sums the shards' outputs over tp, which then counts it once); local pairs only, like
+    the experts' outputs."""
+    rows = jnp.take(_whole(layer["be_down"]), experts, axis=0)  # [T, k, hidden]
+    bias = jnp.einsum("tk,tkd->td", weights.astype(rows.dtype), rows)
+    if tp_axis is None:
+        return bias
+    return jnp.where(jax.lax.axis_index(tp_axis) == 0, bias, jnp.zeros_like(bias))
+
+
+def moe_mlp(layer: dict[str, Any], h: jax.Array, k: int, glu: Callable = silu_glu,
+            normalize: bool = True, tp_axis: str | None = None) -> jax.Array:
     """The routed experts on ``h`` [..., hidden]: each token through its ``k`` routed
-    experts' gated MLPs, weighted by the router (``route``; a tp shard's partial output)."""
+    experts' gated MLPs, weighted by the router (``route``; a tp shard's partial output,
+    ``tp_axis`` naming the axis it is summed over, for the experts' down biases)."""
     lead, d = h.shape[:-1], h.shape[-1]
     x = h.reshape(-1, d)
-    weights, experts = to_local(layer, *route(matmul(x, layer["router"]), k,
-                                              normalize))
-    run = lambda way: lambda: way(layer, x, weights, experts, act)  # closes over the
+    logits = matmul(x, layer["router"])
+    if "router_bias" in layer:
+        logits = logits + layer["router_bias"]
+    weights, experts = to_local(layer, *route(logits, k, normalize))
+    run = lambda way: lambda: way(layer, x, weights, experts, glu)  # closes over the
     # layer: an in-place leaf (LayerOf) is no JAX type to pass as an operand.
     # By the platform the program is lowered for (a target's, when compiled on a CPU host):
     # XLA:CPU and XLA:GPU expand ragged_dot into a masked dot over every expert per pair,
@@ -190,6 +238,8 @@ def moe_mlp(layer: dict[str, Any], h: jax.Array, k: int, act: Callable = jax.nn.
     out = jax.lax.platform_dependent(
         cpu=run(all_experts), cuda=run(gathered_experts if few else all_experts),
         default=run(gathered_experts if few else grouped_experts))
+    if "be_down" in layer:
+        out = out + down_bias(layer, weights, experts, tp_axis)
     if local_experts(layer) < all_experts_count(layer):  # an ep shard's share
         out = jax.lax.psum(out, EP_AXIS)
     return out.reshape(*lead, d)

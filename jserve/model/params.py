@@ -62,7 +62,7 @@ def active_params(cfg: ModelConfig) -> int:
     follow. ``num_params`` for a dense model."""
     if not cfg.num_experts:
         return num_params(cfg)
-    stacks = [t for t in family_of(cfg).layer_tensors(cfg).values() if t.experts]
+    stacks = [t for name, t in family_of(cfg).layer_tensors(cfg).items() if name in EXPERTS]
     unpicked = sum(math.prod(t.shape) for t in stacks) * (
         cfg.num_experts - cfg.num_experts_per_tok) // cfg.num_experts
     return num_params(cfg) - cfg.num_hidden_layers * unpicked

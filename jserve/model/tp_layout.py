@@ -57,7 +57,11 @@ class LeafKind:
 # tokens to other experts), and the experts' gate, up and down stacks, not quantized yet
 # (``ModelConfig`` refuses quantization with experts) and so not ``matrix``; Qwen2-MoE's
 # shared expert (``ws_``: a dense gated MLP beside the routed ones) and its per-token sigmoid
-# gate (``shared_gate``, replicated like the router).
+# gate (``shared_gate``, replicated like the router). gpt-oss's expert biases: ``be_gate``
+# and ``be_up`` ([experts, 1, inter]: a matrix of one input row) fused like the matrices,
+# so their columns split and gather as those do, and ``be_down`` [experts, hidden], added
+# once (``moe.down_bias``); its attention sinks (one logit a query head, split with the
+# heads) and its o-projection and router biases (``bo``, ``router_bias``: replicated).
 LEAVES: dict[str, LeafKind] = {
     "wq": LeafKind("columns", True),
     "wk": LeafKind("columns", True, kv_heads=True),
@@ -78,6 +82,11 @@ LEAVES: dict[str, LeafKind] = {
     "ws_gate_up": LeafKind("columns", True, parts=("ws_gate", "ws_up")),
     "ws_down": LeafKind("rows", True),
     "shared_gate": LeafKind(None),
+    "be_gate": LeafKind(None, experts=True),
+    "be_up": LeafKind(None, experts=True),
+    "be_gate_up": LeafKind("columns", parts=("be_gate", "be_up"), experts=True),
+    "be_down": LeafKind(None, experts=True),
+    "sinks": LeafKind("bias"),
     "bq": LeafKind("bias"),
     "bk": LeafKind("bias", kv_heads=True),
     "bv": LeafKind("bias", kv_heads=True),
@@ -145,7 +154,7 @@ def _width(part: str, cfg: ModelConfig, tp: int) -> int:
              "wv": len(kv_head_map(cfg, tp))}
     if part in heads:
         return heads[part] * cfg.head_dim
-    if part in ("we_gate", "we_up"):
+    if part in ("we_gate", "we_up", "be_gate", "be_up"):
         return cfg.expert_size
     if part in ("ws_gate", "ws_up"):
         return cfg.shared_expert_size

@@ -8,7 +8,6 @@ import dataclasses
 import functools
 import json
 import shutil
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ from tqdm.auto import tqdm
 
 from jserve import backend as jserve_backend
 from jserve.config import DTYPE_CHOICES, DTYPES, ModelConfig, auto_dtype, stored_dtype
-from jserve.model import quant, tp_layout
+from jserve.model import checkpoint_files, quant, tp_layout
 from jserve.model.families import family_of, read_config_file
 from jserve.model.params import Params, param_shapes, runtime_param_shapes
 from jserve.tokenizer import (
@@ -106,22 +105,6 @@ def _ignorable(name: str, cfg: ModelConfig) -> bool:
     return cfg.tie_word_embeddings and name == "lm_head.weight"  # a copy of the embedding
 
 
-def _safetensors_layout(model_dir: Path) -> dict[Path, list[str]]:
-    """Which tensor names live in which file, for a single or an index-sharded checkpoint."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        by_file: dict[Path, list[str]] = defaultdict(list)
-        for name, file in json.loads(index.read_text())["weight_map"].items():
-            by_file[model_dir / file].append(name)
-        return dict(by_file)
-    single = model_dir / "model.safetensors"
-    if not single.exists():
-        raise FileNotFoundError(f"{model_dir} has neither model.safetensors nor "
-                                "model.safetensors.index.json")
-    with safe_open(single, framework="flax") as f:
-        return {single: list(f.keys())}
-
-
 def load_hf_safetensors(model_dir: str | Path, cfg: ModelConfig) -> Params:
     """Load a HF safetensors checkpoint into the params layout.
 
@@ -140,7 +123,7 @@ def load_hf_safetensors(model_dir: str | Path, cfg: ModelConfig) -> Params:
         layer.update({name: np.empty(layer[name], dtype) for name in experts})
     layout = _checked_layout(Path(model_dir), cfg)
     for f, name, path, transpose in _mapped_tensors(layout, cfg, "flax"):
-        tensor = f.get_tensor(name)
+        tensor = checkpoint_files.read(f, name)
         tensor = (tensor.T if transpose else tensor).astype(dtype)
         _check_shape(name, tensor.shape, _leaf_shape(shapes, path))
         node = params
@@ -160,8 +143,9 @@ def load_hf_safetensors(model_dir: str | Path, cfg: ModelConfig) -> Params:
 def _read_slice(f, name: str, index: tuple[slice, ...]) -> np.ndarray:
     """``f[name][index]`` read from the file without reading the rest of the tensor (one
     contiguous-range slice per axis; numpy framework, which keeps bf16 as
-    ``ml_dtypes.bfloat16``). The one place the streaming loader reads tensor data."""
-    return f.get_slice(name)[index]
+    ``ml_dtypes.bfloat16``; a view, ``checkpoint_files``). The one place the streaming
+    loader reads tensor data."""
+    return checkpoint_files.read(f, name, index)
 
 
 def _runs(src: np.ndarray, rows: np.ndarray) -> list[tuple[int, int, int]]:
@@ -202,10 +186,12 @@ class _LeafSource:
             pieces = []
             for s, a, b in _runs(self.col_src[cols], self.col_row[cols]):
                 name = self.names[s]
-                # Our columns [a, b) are their rows (a vector's elements); our rows are
-                # their columns.
-                pieces.append(_read_slice(files[name], name, (slice(a, b), *rows)))
-            out = pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=0)
+                # Transposed, our columns [a, b) are their rows and our rows their columns;
+                # a vector's columns are its elements.
+                at = (slice(a, b), *rows) if self.transpose else (*rows, slice(a, b))
+                pieces.append(_read_slice(files[name], name, at))
+            axis = 0 if self.transpose else -1
+            out = pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=axis)
             out = out.T if self.transpose else out
         return np.ascontiguousarray(out.astype(dtype, copy=False))
 
@@ -252,7 +238,8 @@ def _leaf_sources(cfg: ModelConfig, tp: int) -> dict[str, Any]:
                   for name, t in per_layer.items() if name not in taken}
         for name, parts in fused.items():  # an expert leaf's sources: e0's parts, e1's, ...
             names = [n for each in zip(*(per_layer[p].names() for p in parts)) for n in each]
-            leaves[name] = _LeafSource(tuple(pre + n for n in names), True, *columns[name])
+            leaves[name] = _LeafSource(tuple(pre + n for n in names),
+                                       per_layer[parts[0]].transpose, *columns[name])
         return leaves
 
     sources: dict[str, Any] = {name: _LeafSource((t.hf,), t.transpose, *source(name, t))
@@ -263,9 +250,10 @@ def _leaf_sources(cfg: ModelConfig, tp: int) -> dict[str, Any]:
 
 def _checked_layout(model_dir: Path, cfg: ModelConfig) -> dict[Path, list[str]]:
     """The file layout, after checking the checkpoint has exactly the tensors ``cfg`` needs."""
-    layout = _safetensors_layout(model_dir)
-    present = {name for names in layout.values() for name in names}
     name_map = _hf_name_map(cfg)
+    layout = checkpoint_files.view_layout(checkpoint_files.safetensors_layout(model_dir),
+                                          name_map)
+    present = {name for names in layout.values() for name in names}
     missing = sorted(name_map.keys() - present)
     unexpected = sorted(n for n in present - name_map.keys() if not _ignorable(n, cfg))
     if missing or unexpected:
@@ -297,7 +285,7 @@ def _check_checkpoint(model_dir: Path, cfg: ModelConfig) -> dict[Path, list[str]
     layout = _checked_layout(model_dir, cfg)
     shapes = param_shapes(cfg)
     for f, name, path, transpose in _mapped_tensors(layout, cfg, "numpy"):
-        got = tuple(f.get_slice(name).get_shape())
+        got = checkpoint_files.shape(f, name)
         _check_shape(name, got[::-1] if transpose else got, _leaf_shape(shapes, path))
     return layout
 

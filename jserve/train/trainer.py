@@ -145,7 +145,7 @@ def dense_forward(params: Params, tokens: jax.Array, positions: jax.Array, segme
     causal = jnp.tril(jnp.ones((t, t), bool))
     mask = causal[None] & (segments[:, :, None] == segments[:, None, :])  # [B, Lq, Lk]
 
-    def attend(q, k, v, window=0):  # q [B, L, Hq, D], k/v [B, L, Hkv, D]
+    def attend(q, k, v, window=0, sinks=None):  # q [B, L, Hq, D], k/v [B, L, Hkv, D]
         b, _, hq, _ = q.shape
         keep = mask if not window else (
             mask & (positions[:, None, :] > positions[:, :, None] - window))
@@ -154,7 +154,11 @@ def dense_forward(params: Params, tokens: jax.Array, positions: jax.Array, segme
         s = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
         s = s / np.sqrt(hd)
         s = jnp.where(keep[:, None, None], s, -1e30)
-        p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+        if sinks is not None:  # one more logit a head on a zero value (gpt-oss)
+            sink = jnp.broadcast_to(sinks.reshape(hkv, hq // hkv, 1, 1).astype(s.dtype),
+                                    (*s.shape[:-1], 1))
+            s = jnp.concatenate([s, sink], axis=-1)
+        p = jax.nn.softmax(s, axis=-1)[..., :t].astype(v.dtype)
         return jnp.einsum("bkgqs,bskd->bqkgd", p, v).reshape(b, t, hq, hd), None
 
     cos, sin = rope_tables(cfg, positions)                                # [B, L, D]

@@ -17,6 +17,7 @@ from typing import Any
 from jserve.config import ModelConfig, hf_config_fields
 from jserve.model.families import (
     gemma3,
+    gpt_oss,
     llama,
     mistral,
     mixtral,
@@ -29,7 +30,7 @@ from jserve.model.families.base import Family, Tensor
 
 FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma3.FAMILY,
                                mistral.FAMILY, mixtral.FAMILY, qwen2_moe.FAMILY,
-                               qwen3_moe.FAMILY)
+                               qwen3_moe.FAMILY, gpt_oss.FAMILY)
 BY_ARCHITECTURE: dict[str, Family] = {a: f for f in FAMILIES for a in f.architectures}
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(BY_ARCHITECTURE)
 
