@@ -58,12 +58,14 @@ def safetensors_layout(model_dir: Path) -> dict[Path, list[str]]:
 def view_layout(layout: dict[Path, list[str]], wanted: Iterable[str]
                 ) -> dict[Path, list[str]]:
     """``layout`` with each stored tensor that ``wanted`` names views of listed as those
-    views instead (the rest as it is)."""
+    views instead (and as itself too where ``wanted`` names it; the rest as it is)."""
+    wanted = set(wanted)
     views: dict[str, list[str]] = defaultdict(list)
     for name in wanted:
         if (v := view_of(name)) is not None:
             views[v[0]].append(name)
-    return {file: [n for stored in names for n in views.get(stored, [stored])]
+    as_is = lambda n: [n] if n in wanted or n not in views else []  # noqa: E731
+    return {file: [n for stored in names for n in views.get(stored, []) + as_is(stored)]
             for file, names in layout.items()}
 
 
