@@ -139,15 +139,6 @@ class ModelConfig:
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok must be in 1..{self.num_experts}, got "
                              f"{self.num_experts_per_tok}")
-        if self.quantization not in self.weight_quantizations:
-            raise ValueError(f"quantization={self.quantization!r}: jserve does not quantize "
-                             "MoE experts yet; serve this model unquantized")
-
-    @property
-    def weight_quantizations(self) -> tuple[str, ...]:
-        """The weight quantizations this model can be stored as: none for MoE models (their
-        experts are not quantized yet)."""
-        return ("none",) if self.num_experts else QUANTIZATIONS
 
     @property
     def expert_size(self) -> int:

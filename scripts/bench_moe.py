@@ -60,7 +60,7 @@ def main() -> int:
                "dense_active_ms": _median_ms(jax.jit(gated_mlp), dense, x, reps=a.reps)}
         for name, way in ways.items():
             run = jax.jit(lambda l, x, way=way: way(l, x, *moe.route(x @ l["router"], k),
-                                                    jax.nn.silu))
+                                                    moe.silu_glu))
             row[f"{name}_ms"] = _median_ms(run, layer, x, reps=a.reps)
         print(json.dumps({key: round(v, 3) if isinstance(v, float) else v
                           for key, v in row.items()}), flush=True)

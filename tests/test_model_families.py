@@ -46,9 +46,10 @@ ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, max_prefill_seqs=2, max
               warmup=False)
 # The quantized runs: Gemma 3's leaves quantize as Qwen3's (its norms never), and its windows
 # and second RoPE table are what its runs show.
-# The MoE families' experts are not quantized yet (refused: test_moe).
+# The MoE families' expert stacks quantize like the dense matrices (a scale per expert and
+# output column; their router and biases never).
+QUANTIZED_FAMILIES = [f for f in FAMILIES if f != "gemma3"]
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
-QUANTIZED_FAMILIES = [f for f in FAMILIES if f not in ("gemma3", *MOE_FAMILIES)]
 # Each family's own layer tensors beyond Llama's (and none of the other's).
 OWN_LEAVES = {"qwen2": {"bq", "bk", "bv"}, "qwen3": {"q_norm", "k_norm"},
               "gemma3": {"q_norm", "k_norm", "attn_out_norm", "mlp_out_norm"},
@@ -157,23 +158,31 @@ def test_quantized_weights_keep_biases_and_norms_stream_as_eager_and_stay_close(
     eager = prepare_params(load_hf_safetensors(model_dir, cfg))
     for name, leaf in streamed["layers"].items():
         assert quant.is_quantized(leaf) == (name in quant.QUANTIZED_LEAVES), name
-    for name in OWN_LEAVES[family]:
-        assert streamed["layers"][name].dtype == np.float32
+    for name in OWN_LEAVES[family] - set(quant.QUANTIZED_LEAVES):  # biases, norms, router
+        if name in streamed["layers"]:  # (gpt-oss's be_gate/be_up: fused, be_gate_up)
+            assert streamed["layers"][name].dtype == np.float32, name
     assert jax.tree.structure(streamed) == jax.tree.structure(eager)
     for a, b in zip(jax.tree.leaves(streamed), jax.tree.leaves(eager), strict=True):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-    # Close to the full-precision logits (measured: max error 3-10% of the largest logit,
-    # the same argmax at 93-98% of positions).
+    # Close to the full-precision logits. Measured (int8): the median position's largest
+    # error 2-3% of the largest logit in every family; the worst 3-10% dense, 7-28% MoE (a
+    # token whose perturbed router flips an expert choice moves further: a discrete
+    # choice, the router itself is never quantized); the same argmax at 93-98% of positions
+    # dense, 85-95% MoE.
     ids = PROMPTS[2] + PROMPTS[0]
     ours = _all_position_logits(cfg, load_hf_safetensors(model_dir, cfg), ids)
     with torch.no_grad():
         theirs = tiny_llama_model(family)(torch.tensor([ids])).logits[0].numpy()
-    assert np.abs(ours - theirs).max() < 0.2 * np.abs(theirs).max()
-    assert (ours.argmax(-1) == theirs.argmax(-1)).mean() > 0.85
+    err = np.abs(ours - theirs).max(-1) / np.abs(theirs).max()
+    routed = family in MOE_FAMILIES
+    assert np.median(err) < 0.05
+    assert err.max() < (0.3 if routed else 0.2)
+    assert (ours.argmax(-1) == theirs.argmax(-1)).mean() > (0.8 if routed else 0.85)
 
 
 _SCRIPT = textwrap.dedent("""
     import json, sys
+    import jax
     from jserve import LLM, SamplingParams
     from harness.evaluate import release_executables
     runs, prompts, engine = (json.loads(a) for a in sys.argv[1:4])
@@ -185,7 +194,8 @@ _SCRIPT = textwrap.dedent("""
         llm.engine.allocator.check()
         result[key] = {"tokens": [o.token_ids for o in outs],
                        "leaked": llm.engine.allocator.num_allocated,
-                       "devices": len(llm.engine.runner.kv_cache[0].sharding.device_set)}
+                       "devices": len(jax.tree.leaves(llm.engine.runner.kv_cache)[0]
+                                      .sharding.device_set)}
         del llm, outs
         release_executables()
     print(json.dumps(result))

@@ -71,7 +71,7 @@ def _run(way, layer, x):
     w, experts = moe.route(jnp.asarray(x) @ jnp.asarray(layer["router"]), K)
     layer = jax.tree.map(jnp.asarray, layer)
     return np.asarray(jax.jit(way, static_argnums=4)(layer, jnp.asarray(x), w, experts,
-                                                    jax.nn.silu))
+                                                    moe.silu_glu))
 
 
 WAYS = [moe.gathered_experts, moe.all_experts, moe.grouped_experts]
@@ -139,7 +139,7 @@ def test_unnormalised_routing_and_a_shared_expert_equal_the_reference(tokens):
     for way in WAYS:  # each way with the weights unnormalised
         weights, experts = moe.route(jnp.asarray(x @ layer["router"]), K, normalize=False)
         got = jax.jit(way, static_argnums=4)(jax.tree.map(jnp.asarray, _fused(layer)),
-                                             jnp.asarray(x), weights, experts, jax.nn.silu)
+                                             jnp.asarray(x), weights, experts, moe.silu_glu)
         np.testing.assert_allclose(np.asarray(got), _reference(
             {k: v for k, v in layer.items() if not k.startswith(("ws_", "shared"))}, x,
             normalize=False), atol=2e-5, rtol=1e-5)
@@ -223,26 +223,48 @@ def test_a_one_token_step_reads_only_its_experts_weights_on_gpu_and_tpu(target):
 
     cpu = jax.tree.map(jnp.asarray, _fused(_layer()))
     grouped = lambda l, h: moe.grouped_experts(l, h, *moe.route(h @ l["router"], K),
-                                               jax.nn.silu)
+                                               moe.silu_glu)
     text = jax.jit(grouped).lower(cpu, jnp.zeros((1, D), jnp.float32)).compile().as_text()
     assert max(_dot_operand_sizes(text)) >= cpu["we_gate_up"].size
 
 
-def test_moe_models_refuse_weight_quantization_by_name():
-    with pytest.raises(ValueError, match="does not quantize MoE experts"):
-        dataclasses.replace(DEFAULT_CONFIG, architecture="MixtralForCausalLM",
-                            num_experts=4, num_experts_per_tok=2, quantization="int8")
+@pytest.mark.parametrize("quantization", ["int8", "fp8"])
+@pytest.mark.parametrize("way", WAYS)
+def test_quantized_experts_equal_the_reference_on_their_dequantized_weights(way, quantization):
+    """Every way on experts quantized as the loaders store them (a scale per expert and
+    output column): equal to the float reference on the dequantized weights, so the
+    scales are applied where they belong; and close to the unquantized block."""
+    from jserve.model import quant
+
+    layer = _layer()
+    x = np.random.default_rng(1).normal(0, 1, (13, D)).astype(np.float32)
+    fused = {name: quant.quantize_weight(w, quantization) if name.startswith("we_") else
+             jnp.asarray(w) for name, w in _fused(layer).items()}
+    assert quant.is_quantized(fused["we_down"]) and fused["we_down"].scale.shape == (E, 1, D)
+    dequantized = {n: np.asarray(w.qvalue.astype(jnp.float32) * w.scale)
+                   if quant.is_quantized(w) else np.asarray(w) for n, w in fused.items()}
+    gate, up = np.split(dequantized.pop("we_gate_up").reshape(D, E, 2 * F), 2, axis=-1)
+    reference = dict(dequantized, we_gate=gate.transpose(1, 0, 2), we_up=up.transpose(1, 0, 2))
+    w, experts = moe.route(jnp.asarray(x) @ jnp.asarray(layer["router"]), K)
+    got = jax.jit(way, static_argnums=4)(fused, jnp.asarray(x), w, experts, moe.silu_glu)
+    np.testing.assert_allclose(np.asarray(got), _reference(reference, x), atol=3e-5,
+                               rtol=1e-5)
+    off = np.abs(np.asarray(got) - _reference(layer, x)).max() / np.abs(_reference(layer, x)).max()
+    assert 0 < off < {"int8": 0.02, "fp8": 0.1}[quantization]
+
+
+def test_moe_config_checks():
     with pytest.raises(ValueError, match="num_experts_per_tok must be in 1..4"):
         dataclasses.replace(DEFAULT_CONFIG, num_experts=4, num_experts_per_tok=5)
 
 
-def test_the_memory_plan_of_an_moe_model_offers_only_unquantized_weights():
+def test_the_memory_plan_of_an_moe_model_counts_total_and_active_parameters():
     from jserve.engine.memory_plan import plan
 
     cfg = dataclasses.replace(DEFAULT_CONFIG, architecture="MixtralForCausalLM",
                               model_type="mixtral", num_experts=4, num_experts_per_tok=2)
     p = plan(cfg, device_memory_bytes=2**30, compile=False)
-    assert {c.quantization for c in p.choices} == {"none"}
+    assert {c.quantization for c in p.choices} == {"none", "int8", "fp8"}
     # Total and active parameters: a token reads 2 of the 4 experts' three matrices.
     d, f, n = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
     assert p.num_params - p.active_params == n * 3 * d * f * 2
@@ -256,8 +278,6 @@ def test_the_memory_plan_of_an_moe_model_offers_only_unquantized_weights():
     ratio = estimated_predictor(cfg).coef[1] / estimated_predictor(DEFAULT_CONFIG).coef[1]
     assert ratio == pytest.approx(active_params(cfg) / num_params(DEFAULT_CONFIG))
     assert {c.kv_cache_dtype for c in p.choices} == {"auto", "int8", "fp8_e4m3"}
-    dense = plan(DEFAULT_CONFIG, device_memory_bytes=2**30, compile=False)
-    assert {c.quantization for c in dense.choices} == {"none", "int8", "fp8"}
 
 
 @pytest.mark.slow
@@ -365,14 +385,22 @@ def test_moe_families_on_ep_meshes_match_generate():
     Qwen2-MoE on ep=2,tp=2 (its shared expert split by tp, its experts by ep and tp),
     Qwen3-MoE on ep=4 (two of its eight experts a shard, top-3), Mixtral on
     ep=2,kvp=2,spp=2 (ep beside the KV-cache and pipeline axes), gpt-oss on ep=2,tp=2 (its
-    expert biases split as their matrices, the down biases and sinks added once)."""
+    expert biases split as their matrices, the down biases and sinks added once); and gpt-oss
+    with int8 experts (and int8 KV pages) on ep=2,tp=2 as on one device, where its
+    windowed and full layers keep two KV page groups."""
     from test_model_families import _SCRIPT, ENGINE, MAX_TOKENS, PROMPTS, hf_tokens
 
     runs = {"qwen2_moe": "ep=2,tp=2", "qwen3_moe": "ep=4", "mixtral": "ep=2,kvp=2,spp=2",
             "gpt_oss": "ep=2,tp=2"}
+    int8 = dict(quantization="int8", kv_cache_dtype="int8")
+    quantized = {f"gpt_oss|int8|{mesh}": (str(tiny_llama_dir("gpt_oss")), mesh, int8)
+                 for mesh in ("tp=1", "ep=2,tp=2")}
     result = run_on_devices(_SCRIPT, json.dumps({
-        f: (str(tiny_llama_dir(f)), mesh, {}) for f, mesh in runs.items()}),
+        f: (str(tiny_llama_dir(f)), mesh, {}) for f, mesh in runs.items()} | quantized),
         json.dumps(PROMPTS), json.dumps(ENGINE), str(MAX_TOKENS), timeout=1500).result
+    one, ep = (result[f"gpt_oss|int8|{mesh}"] for mesh in ("tp=1", "ep=2,tp=2"))
+    assert (one["devices"], ep["devices"], one["leaked"], ep["leaked"]) == (1, 4, 0, 0)
+    assert ep["tokens"] == one["tokens"]
     for family, mesh in runs.items():
         got = result[family]
         assert got["leaked"] == 0

@@ -445,8 +445,7 @@ def plan(cfg: ModelConfig, engine_config: EngineConfig = EngineConfig(),
         kv_cache_dtype=engine_config.kv_cache_dtype, quantization=cfg.quantization,
         window=geo.window, max_chunk=geo.max_chunk)
     p.choices = [_choice(cfg, engine_config, geo, mesh, devices[0], q, kv, state + act,
-                         device_memory_bytes, source) for q, kv in CHOICES
-                 if q in cfg.weight_quantizations]
+                         device_memory_bytes, source) for q, kv in CHOICES]
     _check(p, cfg, mc, split, repl)
     return p
 

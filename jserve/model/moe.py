@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from jserve.model.layer_weights import LayerOf
-from jserve.model.quant import matmul
+from jserve.model.quant import is_quantized, matmul
 
 # The mesh axis experts are split over (``sharding.mesh.AXES``; ``tp_layout.layer_axes``):
 # an ep shard holds whole experts, runs every token (replicated over ep) through the pairs
@@ -80,45 +80,78 @@ def _gate_up(layer: dict[str, Any], kind: str = "we") -> jax.Array | None:
         return layer[kind + "_gate_up"]
     if kind + "_gate" not in layer:
         return None
-    return side_by_side(jnp.concatenate([layer[kind + "_gate"], layer[kind + "_up"]], axis=-1))
+    return jax.tree.map(lambda g, u: side_by_side(jnp.concatenate([g, u], axis=-1)),
+                        layer[kind + "_gate"], layer[kind + "_up"])  # a QArray leaf by leaf
 
 
-def _stacked(w) -> tuple[jax.Array, Any]:
+def _stacked(w) -> tuple[Any, Any]:
     """(the stack with a leading layer axis, the layer to read) of an expert leaf: a layer
     of the stacked weights read in place (``layer_weights.LayerOf``: the indexed layer
-    loop's), or a plain leaf as a stack of one."""
-    return (w.stacked, w.layer) if isinstance(w, LayerOf) else (w[None], 0)
-
-
-def _whole(w) -> jax.Array:
-    """An expert leaf as one plain array (a layer of stacked weights sliced out)."""
+    loop's), or a plain leaf as a stack of one (either may be quantized: a QArray)."""
     if isinstance(w, LayerOf):
-        return jax.lax.dynamic_index_in_dim(w.stacked, w.layer, keepdims=False)
+        return w.stacked, w.layer
+    return jax.tree.map(lambda a: a[None], w), 0
+
+
+def _whole(w):
+    """An expert leaf as one array, or one QArray (a layer of stacked weights sliced out)."""
+    if isinstance(w, LayerOf):
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, w.layer, keepdims=False),
+                            w.stacked)
     return w
 
 
+def _parts(w) -> tuple[jax.Array, jax.Array | None]:
+    """(values, per-output-channel scales [..., 1, out] or None) of a plain or a quantized
+    expert leaf (``jserve.model.quant``: one scale per expert and output column)."""
+    return (w.qvalue, w.scale) if is_quantized(w) else (w, None)
+
+
+def _times(spec: str, a: jax.Array, values: jax.Array, scales: jax.Array | None
+           ) -> jax.Array:
+    """``einsum(spec, a, values)`` of expert matrices that may be quantized (``scales``
+    their per-column scales, broadcast to the product): as ``quant.matmul``, the values in
+    a's dtype (exact), float32 accumulation, the scales on the product."""
+    if scales is None:
+        return jnp.einsum(spec, a, values)
+    y = jnp.einsum(spec, a, values.astype(a.dtype), preferred_element_type=jnp.float32)
+    return (y * scales).astype(a.dtype)
+
+
 def _chosen_gate_up(layer: dict[str, Any], experts: jax.Array, kind: str = "we"
-                    ) -> jax.Array:
+                    ) -> tuple[jax.Array, jax.Array | None]:
     """The gate/up matrices (or biases, ``kind`` "be": in = 1) of each pair's expert, [T,
-    k, in, 2 * inter]: one gather of column blocks from the [layers, in, E * 2 * inter]
-    stack (in place, it reads only those experts' columns). Not a gather over a reshaped
-    [in, E, 2 * inter]: on a TPU that reshape changes the tiled layout, a copy of every
-    expert a layer (0.8 GB at Qwen3-30B-A3B's widths)."""
+    k, in, 2 * inter], and their scales [T, k, 2 * inter] where quantized: one gather of
+    column blocks from the [layers, in, E * 2 * inter] stack (in place, it reads only those
+    experts' columns). Not a gather over a reshaped [in, E, 2 * inter]: on a TPU that
+    reshape changes the tiled layout, a copy of every expert a layer (0.8 GB at
+    Qwen3-30B-A3B's widths)."""
     stack, i = _stacked(_gate_up(layer, kind))
-    d, width = stack.shape[1], stack.shape[2] // local_experts(layer)
-    block = lambda e: jax.lax.dynamic_slice(stack, (i, 0, e * width), (1, d, width))[0]
-    return jax.vmap(block)(experts.reshape(-1)).reshape(*experts.shape, d, width)
+    values, scales = _parts(stack)
+    width = values.shape[2] // local_experts(layer)
+
+    def pick(a):
+        rows = a.shape[1]
+        block = lambda e: jax.lax.dynamic_slice(a, (i, 0, e * width), (1, rows, width))[0]
+        return jax.vmap(block)(experts.reshape(-1)).reshape(*experts.shape, rows, width)
+    return pick(values), None if scales is None else pick(scales)[:, :, 0]
 
 
-def _chosen_down(layer: dict[str, Any], experts: jax.Array) -> jax.Array:
-    """The down matrices of each pair's expert, [T, k, inter, hidden]: one dynamic slice of
-    the [layers, E, inter, hidden] stack a pair (``gathers`` bounds them by E). As one
-    gather over (layer, expert), XLA:TPU rewrote it into slices of the whole stack (3 GB a
-    step at Qwen3-30B-A3B's widths, 4 layers)."""
+def _chosen_down(layer: dict[str, Any], experts: jax.Array
+                 ) -> tuple[jax.Array, jax.Array | None]:
+    """The down matrices of each pair's expert, [T, k, inter, hidden], and their scales
+    [T, k, hidden] where quantized: one dynamic slice of the [layers, E, inter, hidden]
+    stack a pair (``gathers`` bounds them by E). As one gather over (layer, expert),
+    XLA:TPU rewrote it into slices of the whole stack (3 GB a step at Qwen3-30B-A3B's
+    widths, 4 layers)."""
     stack, i = _stacked(layer["we_down"])
-    f, d = stack.shape[2:]
-    one = lambda e: jax.lax.dynamic_slice(stack, (i, e, 0, 0), (1, 1, f, d))[0, 0]
-    return jnp.stack([one(e) for e in experts.reshape(-1)]).reshape(*experts.shape, f, d)
+    values, scales = _parts(stack)
+
+    def pick(a):
+        f, d = a.shape[2:]
+        one = lambda e: jax.lax.dynamic_slice(a, (i, e, 0, 0), (1, 1, f, d))[0, 0]
+        return jnp.stack([one(e) for e in experts.reshape(-1)]).reshape(*experts.shape, f, d)
+    return pick(values), None if scales is None else pick(scales)[:, :, 0]
 
 
 def all_experts_count(layer: dict[str, Any]) -> int:
@@ -128,7 +161,7 @@ def all_experts_count(layer: dict[str, Any]) -> int:
 
 def local_experts(layer: dict[str, Any]) -> int:
     """The experts this device holds: every one, or an ``ep`` shard's E / ep."""
-    return _stacked(layer["we_down"])[0].shape[1]
+    return _parts(_stacked(layer["we_down"])[0])[0].shape[1]
 
 
 def to_local(layer: dict[str, Any], weights: jax.Array, experts: jax.Array
@@ -152,11 +185,11 @@ def gathered_experts(layer: dict[str, Any], x: jax.Array, weights: jax.Array,
     # [T, k, in, 2 * inter] is read as it lies (contracting "td" against it had XLA:GPU
     # transpose the gathered matrices first).
     rows = jnp.broadcast_to(x[:, None], (*experts.shape, x.shape[-1]))
-    gate_up = jnp.einsum("tkd,tkdf->tkf", rows, _chosen_gate_up(layer, experts))
+    gate_up = _times("tkd,tkdf->tkf", rows, *_chosen_gate_up(layer, experts))
     if _gate_up(layer, "be") is not None:
-        gate_up = gate_up + _chosen_gate_up(layer, experts, "be")[:, :, 0]
+        gate_up = gate_up + _chosen_gate_up(layer, experts, "be")[0][:, :, 0]
     gate, up = jnp.split(gate_up, 2, axis=-1)
-    y = jnp.einsum("tkf,tkfd->tkd", glu(gate, up), _chosen_down(layer, experts))
+    y = _times("tkf,tkfd->tkd", glu(gate, up), *_chosen_down(layer, experts))
     return jnp.einsum("tkd,tk->td", y, weights.astype(y.dtype))
 
 
@@ -173,7 +206,11 @@ def all_experts(layer: dict[str, Any], x: jax.Array, weights: jax.Array,
     picked = jnp.zeros((t, n_experts), weights.dtype).at[
         jnp.arange(t)[:, None], experts].add(weights)
     h = glu(gate, up) * picked[..., None].astype(x.dtype)
-    down, i = _stacked(layer["we_down"])  # [E, inter, hidden] as one [E * inter, hidden]
+    down, i = _stacked(layer["we_down"])
+    if is_quantized(down):  # a scale per expert and column: the experts' products apart
+        values, scales = _parts(_whole(layer["we_down"]))
+        return _times("tef,efd->ted", h, values, scales[:, 0]).sum(axis=1)
+    # [E, inter, hidden] as one [E * inter, hidden]
     flat = down.reshape(down.shape[0], -1, x.shape[-1])
     return matmul(h.reshape(t, -1), LayerOf(flat, i) if isinstance(layer["we_down"], LayerOf)
                   else flat[0])
@@ -188,13 +225,25 @@ def grouped_experts(layer: dict[str, Any], x: jax.Array, weights: jax.Array,
     order = jnp.argsort(flat, stable=True)  # the pairs grouped by expert
     token = order // k
     sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
-    gate_up = _whole(_gate_up(layer))  # [in, E * 2 * inter] as [E, in, 2 * inter]
-    stacks = jnp.transpose(gate_up.reshape(gate_up.shape[0], n_experts, -1), (1, 0, 2))
-    gate_up = jax.lax.ragged_dot(x[token], stacks, sizes)
+    pair = flat[order]  # each sorted pair's expert
+
+    def grouped(a, stacks, scales):  # scales [E, out] per expert, or None
+        if scales is None:
+            return jax.lax.ragged_dot(a, stacks, sizes)
+        y = jax.lax.ragged_dot(a, stacks.astype(a.dtype), sizes,
+                               preferred_element_type=jnp.float32)
+        return (y * scales[pair]).astype(a.dtype)
+
+    # [in, E * 2 * inter] as [E, in, 2 * inter]
+    values, scales = _parts(_whole(_gate_up(layer)))
+    stacks = jnp.transpose(values.reshape(values.shape[0], n_experts, -1), (1, 0, 2))
+    gate_up = grouped(x[token], stacks, None if scales is None
+                      else scales.reshape(n_experts, -1))
     if _gate_up(layer, "be") is not None:  # each pair's expert's row of the biases
-        gate_up = gate_up + _whole(_gate_up(layer, "be")).reshape(n_experts, -1)[flat[order]]
+        gate_up = gate_up + _whole(_gate_up(layer, "be")).reshape(n_experts, -1)[pair]
     gate, up = jnp.split(gate_up, 2, axis=-1)
-    y = jax.lax.ragged_dot(glu(gate, up), _whole(layer["we_down"]), sizes)
+    values, scales = _parts(_whole(layer["we_down"]))
+    y = grouped(glu(gate, up), values, None if scales is None else scales[:, 0])
     y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
     return jnp.zeros_like(x).at[token].add(y)
 

@@ -54,8 +54,8 @@ class LeafKind:
 # three on a GPU decode step), gate and up (1.8x faster MLP at 32 rows on a CPU); gate and
 # up alone stay whole (a family always has both: they fuse). The MoE block's leaves
 # (jserve/model/moe.py): the router, replicated and never quantized (a rounding there moves
-# tokens to other experts), and the experts' gate, up and down stacks, not quantized yet
-# (``ModelConfig`` refuses quantization with experts) and so not ``matrix``; Qwen2-MoE's
+# tokens to other experts), and the experts' gate, up and down stacks, matrices like the
+# dense MLP's (quantized with one scale per expert and output channel); Qwen2-MoE's
 # shared expert (``ws_``: a dense gated MLP beside the routed ones) and its per-token sigmoid
 # gate (``shared_gate``, replicated like the router). gpt-oss's expert biases: ``be_gate``
 # and ``be_up`` ([experts, 1, inter]: a matrix of one input row) fused like the matrices,
@@ -73,10 +73,10 @@ LEAVES: dict[str, LeafKind] = {
     "w_gate_up": LeafKind("columns", True, parts=("w_gate", "w_up")),
     "w_down": LeafKind("rows", True),
     "router": LeafKind(None),
-    "we_gate": LeafKind(None, experts=True),
-    "we_up": LeafKind(None, experts=True),
-    "we_gate_up": LeafKind("columns", parts=("we_gate", "we_up"), experts=True),
-    "we_down": LeafKind("rows", experts=True),
+    "we_gate": LeafKind(None, True, experts=True),
+    "we_up": LeafKind(None, True, experts=True),
+    "we_gate_up": LeafKind("columns", True, parts=("we_gate", "we_up"), experts=True),
+    "we_down": LeafKind("rows", True, experts=True),
     "ws_gate": LeafKind(None, True),
     "ws_up": LeafKind(None, True),
     "ws_gate_up": LeafKind("columns", True, parts=("ws_gate", "ws_up")),

@@ -132,8 +132,10 @@ def load_hf_safetensors(model_dir: str | Path, cfg: ModelConfig) -> Params:
         if cfg.quantization != "none" and path[-1] in quant.QUANTIZED_LEAVES:
             tensor = quant.quantize_weight(tensor, cfg.quantization)
         node[path[-1]] = tensor
-    for layer in params["layers"]:
-        layer.update({name: jnp.asarray(layer[name]) for name in experts})
+    for layer in params["layers"]:  # the stacks filled expert by expert, quantized whole
+        layer.update({name: quant.quantize_weight(layer[name], cfg.quantization)
+                      if cfg.quantization != "none" and name in quant.QUANTIZED_LEAVES
+                      else jnp.asarray(layer[name]) for name in experts})
     return params
 
 
@@ -410,7 +412,7 @@ def _stream_quantized(cfg: ModelConfig, sources: list, files: dict[str, Any],
         lambda bb, xx: jax.lax.dynamic_update_index_in_dim(bb, xx, i, 0), b, x),
         donate_argnums=0, out_shardings=stacked)
     for i, source in enumerate(sources):
-        whole = source.read(files, (slice(None), slice(None)), shape[1:], cfg.np_dtype)
+        whole = source.read(files, (slice(None),) * (len(shape) - 1), shape[1:], cfg.np_dtype)
         parts = quant.quantize_host(whole, cfg.quantization)
         del whole
         x = quant.from_parts(*(jax.make_array_from_callback(h.shape, sh, lambda idx, h=h: h[idx])
