@@ -54,8 +54,8 @@ def main() -> int:
     for t in map(int, a.tokens.split(",")):
         x = w(t, d) * 20
         backend, few = jax.default_backend(), moe.gathers(t, k, e)
-        picked = ("all-experts" if backend == "cpu" else "gathered" if few else
-                  "all-experts" if backend == "gpu" else "grouped")  # as moe.moe_mlp picks
+        picked = ("gathered" if few else "grouped" if backend == "tpu"
+                  else "all-experts")  # as moe.moe_mlp picks
         row = {"tokens": t, "picked": picked,
                "dense_active_ms": _median_ms(jax.jit(gated_mlp), dense, x, reps=a.reps)}
         for name, way in ways.items():

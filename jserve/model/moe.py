@@ -1,15 +1,14 @@
 """The mixture-of-experts MLP block (pure JAX): a router picks ``k`` of ``E`` experts per
 token, and each token's output is its experts' gated MLPs weighted by the router.
 
-Three ways, picked statically by the platform the program is lowered for and its token
-count (:func:`moe_mlp`): on a GPU or TPU a few tokens (a decode step: fewer token-expert
-pairs than experts, :func:`gathers`) gather their chosen experts' matrices, so a step reads
-k experts' weights, not E. More tokens on a TPU are sorted by expert and run as one grouped
-matmul (``jax.lax.ragged_dot``, which XLA:TPU compiles to its own). On a CPU (any count)
-and for more tokens on a GPU every expert runs as two plain matmuls with the unchosen
-experts' activations zeroed: XLA:CPU and XLA:GPU expand ``ragged_dot`` into a masked dot
-over every expert for every pair, k times these FLOPs, and XLA:CPU's gather of weight rows
-is slower than reading every expert (``scripts/bench_moe.py``).
+Three ways, picked statically by the step's token count and the platform the program is
+lowered for (:func:`moe_mlp`): a few tokens (a decode step: fewer token-expert pairs than
+experts, :func:`gathers`) gather their chosen experts' matrices on every platform, so a
+step reads k experts' weights, not E. More tokens on a TPU are sorted by expert and run as
+one grouped matmul (``jax.lax.ragged_dot``, which XLA:TPU compiles to its own); on a CPU or
+a GPU every expert runs as two plain matmuls with the unchosen experts' activations zeroed:
+XLA:CPU and XLA:GPU expand ``ragged_dot`` into a masked dot over every expert for every
+pair, k times these FLOPs (``scripts/bench_moe.py``).
 
 Leaves of one layer: ``router`` [hidden, E] (and gpt-oss's ``router_bias`` [E]);
 ``we_gate_up`` [hidden, E * 2 * inter], every expert's gate and up columns in turn
@@ -283,10 +282,13 @@ def moe_mlp(layer: dict[str, Any], h: jax.Array, k: int, glu: Callable = silu_gl
     # By the platform the program is lowered for (a target's, when compiled on a CPU host):
     # XLA:CPU and XLA:GPU expand ragged_dot into a masked dot over every expert per pair,
     # k times all_experts' FLOPs; XLA:TPU has a grouped matmul of its own.
-    few = gathers(x.shape[0], k, local_experts(layer))
-    out = jax.lax.platform_dependent(
-        cpu=run(all_experts), cuda=run(gathered_experts if few else all_experts),
-        default=run(gathered_experts if few else grouped_experts))
+    # Few pairs gather on every platform (on a CPU too since the gather takes column
+    # blocks: half of all_experts' time at one token, scripts/bench_moe.py).
+    if gathers(x.shape[0], k, local_experts(layer)):
+        out = run(gathered_experts)()
+    else:
+        out = jax.lax.platform_dependent(cpu=run(all_experts), cuda=run(all_experts),
+                                         default=run(grouped_experts))
     if "be_down" in layer:
         out = out + down_bias(layer, weights, experts, tp_axis)
     if local_experts(layer) < all_experts_count(layer):  # an ep shard's share
