@@ -228,6 +228,35 @@ def test_a_one_token_step_reads_only_its_experts_weights_on_gpu_and_tpu(target):
     assert max(_dot_operand_sizes(text)) >= cpu["we_gate_up"].size
 
 
+@pytest.mark.parametrize("way", WAYS)
+def test_expert_biases_and_the_clamped_swiglu_equal_the_reference(way):
+    """gpt-oss's experts in every way: gate/up biases as one-row matrices in the fused
+    layout, down biases weighted by the router, the clamped SwiGLU; against numpy."""
+    rng = np.random.default_rng(4)
+    layer = _layer()
+    b_gate, b_up, b_down = (rng.normal(0, 0.5, s).astype(np.float32)
+                            for s in ((E, 1, F), (E, 1, F), (E, D)))
+    x = np.random.default_rng(1).normal(0, 1, (13, D)).astype(np.float32)
+    limit, alpha = 1.0, 1.702
+    want = np.zeros_like(x)
+    for t, row in enumerate(x):
+        w, chosen = moe.route(jnp.asarray(row[None] @ layer["router"]), K)
+        for e, we in zip(np.asarray(chosen)[0], np.asarray(w)[0]):
+            g = np.minimum(row @ layer["we_gate"][e] + b_gate[e, 0], limit)
+            u = np.clip(row @ layer["we_up"][e] + b_up[e, 0], -limit, limit)
+            want[t] += we * (((u + 1) * g / (1 + np.exp(-alpha * g))) @ layer["we_down"][e]
+                             + b_down[e])
+    biased = dict(_fused(layer), be_gate_up=np.asarray(moe.side_by_side(jnp.asarray(
+        np.concatenate([b_gate, b_up], axis=-1)))), be_down=b_down)
+    glu = moe.clamped_swiglu(limit, alpha)
+    w, experts = moe.route(jnp.asarray(x) @ jnp.asarray(layer["router"]), K)
+    got = jax.jit(way, static_argnums=4)(jax.tree.map(jnp.asarray, biased), jnp.asarray(x),
+                                         w, experts, glu)
+    got = np.asarray(got) + np.asarray(moe.down_bias(biased, w, experts, None))
+    np.testing.assert_allclose(got, want, atol=3e-5, rtol=1e-5)
+    assert np.abs(x @ layer["we_gate"][0] + b_gate[0, 0]).max() > limit  # the clamp bites
+
+
 @pytest.mark.parametrize("quantization", ["int8", "fp8"])
 @pytest.mark.parametrize("way", WAYS)
 def test_quantized_experts_equal_the_reference_on_their_dequantized_weights(way, quantization):
