@@ -1,10 +1,12 @@
 """Weight-only quantization of the decoder layers' matrices (``quantization`` = int8 | fp8).
 
-Each of wq/wk/wv (fused: wqkv), wo, w_gate/w_up (fused: w_gate_up) and w_down is stored
-as a qwix ``QArray``: int8 or float8_e4m3 values [..., in, out] and one float32 scale per output
-channel [..., 1, out] (absmax calibration, ``qwix.quantize`` with the output axis, and the
-layer axis when stacked, channelwise). Embeddings, norms (q/k norms too), biases and the LM
-head stay in the model's dtype (the head's logits are what sampling reads; it is one matrix
+Each of wq/wk/wv (fused: wqkv), wo, w_gate/w_up (fused: w_gate_up) and w_down, and an MoE
+model's expert stacks (``tp_layout.LEAVES``' matrices), is stored as a qwix ``QArray``: int8
+or float8_e4m3 values [..., in, out] and one float32 scale per output channel [..., 1, out]
+(absmax calibration, ``qwix.quantize`` with the output axis, and the layer and expert axes
+when stacked, channelwise; ``jserve.model.moe`` applies an expert's scales itself).
+Embeddings, norms (q/k norms too), biases, the MoE router and the LM head stay in the
+model's dtype (the head's logits are what sampling reads; it is one matrix
 of the model's ~80). Leaf names are shared by every family (jserve/model/families/base.py).
 
 Why per output channel: its scale factors out of the dot product, so :func:`matmul`
