@@ -224,17 +224,18 @@ class ModelConfig:
 
 def refuse_quantized_checkpoint(cfg: dict[str, Any]) -> None:
     """Raises ValueError, naming the method, on a checkpoint stored quantized by another
-    tool (``quantization_config``: MXFP4 gpt-oss, GPTQ, AWQ, ...): jserve reads float
-    weights and quantizes them itself (``--quantization``)."""
+    tool (``quantization_config``: GPTQ, AWQ, FP8 blocks, ...): jserve reads float weights
+    and quantizes them itself (``--quantization``). MXFP4 (gpt-oss's released experts) is
+    decoded to float at load (``jserve.model.checkpoint_files``)."""
     qc = cfg.get("quantization_config")
     if not qc:
         return
     method = qc.get("quant_method", "unknown") if isinstance(qc, dict) else qc
-    hint = (" (gpt-oss's released experts: dequantize them first, e.g. transformers' "
-            "Mxfp4Config(dequantize=True) and save_pretrained)" if method == "mxfp4" else "")
+    if method == "mxfp4":
+        return
     raise ValueError(f"config.json's quantization_config stores the weights as "
-                     f"{method!r}{hint}; jserve reads float checkpoints and quantizes them "
-                     "itself (--quantization int8 or fp8)")
+                     f"{method!r}; jserve reads float checkpoints (and MXFP4 experts) and "
+                     "quantizes them itself (--quantization int8 or fp8)")
 
 
 def hf_config_fields(cfg: dict[str, Any], dtype: str | None = None,

@@ -1,9 +1,9 @@
 """gpt-oss's parts one by one (the family against transformers end to end is
 test_model_families' matrix, and its ep mesh test_moe's): YaRN RoPE as transformers computes
 it, attention sinks as a softmax with one more logit, checkpoint tensors read as views of a
-stored one, a checkpoint stored quantized by another tool refused by name, and each of the
-family's parts moving the tiny checkpoint's logits (so the parity test would see it
-broken)."""
+stored one, MXFP4 experts decoded as transformers decodes them, a checkpoint stored
+quantized otherwise refused by name, and each of the family's parts moving the tiny
+checkpoint's logits (so the parity test would see it broken)."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,13 +15,14 @@ import pytest
 import torch
 import transformers
 from safetensors import safe_open
-from safetensors.numpy import save_file
+from safetensors.numpy import load_file, save_file
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from hf_models import tiny_llama_dir, tiny_llama_model
+from hf_models import FAMILY_CONFIGS, tiny_llama_dir, tiny_llama_model
 from jserve.config import hf_config_fields, inv_frequencies, rope_attention_factor
 from jserve.kernels.blocks import with_sinks
 from jserve.model import checkpoint_files
+from jserve.model.decoder import prepare_params
 from jserve.model.families import read_config
 from jserve.model.weights import load_model
 from test_hf_parity import _all_position_logits
@@ -88,12 +89,58 @@ def test_views_of_a_stored_tensor_read_as_numpy_indexes_it(tmp_path):
 
 def test_a_checkpoint_stored_quantized_by_another_tool_is_refused_by_name():
     hf = json.loads((tiny_llama_dir("gpt_oss") / "config.json").read_text())
-    mxfp4 = dict(hf, quantization_config={"quant_method": "mxfp4",
-                                          "modules_to_not_convert": ["router"]})
-    with pytest.raises(ValueError, match="'mxfp4'.*dequantize them first"):
-        read_config(mxfp4)
     with pytest.raises(ValueError, match="'gptq'.*--quantization int8 or fp8"):
         hf_config_fields(dict(hf, quantization_config={"quant_method": "gptq", "bits": 4}))
+    with pytest.raises(ValueError, match="'fp8'"):
+        read_config(dict(hf, quantization_config={"quant_method": "fp8"}))
+    read_config(dict(hf, quantization_config={"quant_method": "mxfp4"}))  # decoded at load
+
+
+def test_mxfp4_experts_decode_as_transformers_does_and_give_its_logits(tmp_path):
+    """A gpt-oss checkpoint whose experts are stored as gpt-oss's releases store them
+    (MXFP4 ``_blocks``/``_scales``, random bytes): both loaders decode them to what
+    transformers' own converter gives, and the logits equal the torch model's with those
+    experts."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    config = transformers.GptOssConfig(**{**FAMILY_CONFIGS["gpt_oss"],
+                                          "intermediate_size": 32})  # blocks of 32
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(config).eval()
+    model.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    rng = np.random.default_rng(0)
+    for i, layer in enumerate(model.model.layers):
+        for proj in ("gate_up_proj", "down_proj"):
+            name = f"model.layers.{i}.mlp.experts.{proj}"
+            e, n_in, n_out = tensors.pop(name).shape
+            blocks = rng.integers(0, 256, (e, n_out, n_in // 32, 16), dtype=np.uint8)
+            scales = rng.integers(119, 124, (e, n_out, n_in // 32), dtype=np.uint8)
+            tensors |= {name + "_blocks": blocks, name + "_scales": scales}
+            decoded = convert_moe_packed_tensors(torch.from_numpy(blocks),
+                                                 torch.from_numpy(scales), dtype=torch.float32)
+            getattr(layer.mlp.experts, proj).data.copy_(decoded)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    hf = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(
+        dict(hf, quantization_config={"quant_method": "mxfp4"})))
+    cfg, params, _ = load_model(str(tmp_path))
+    experts = model.model.layers[1].mlp.experts
+    gate_up = experts.gate_up_proj.detach().numpy()
+    np.testing.assert_array_equal(params["layers"][1]["we_gate"], gate_up[..., 0::2])
+    np.testing.assert_array_equal(params["layers"][1]["we_up"], gate_up[..., 1::2])
+    np.testing.assert_array_equal(params["layers"][1]["we_down"],
+                                  experts.down_proj.detach().numpy())
+    _, lazy, _ = load_model(str(tmp_path), lazy=True)
+    streamed = lazy.place(cfg)["layers"]
+    eager = prepare_params(params)["layers"]
+    for name in ("we_gate_up", "we_down"):
+        np.testing.assert_array_equal(np.asarray(streamed[name]), np.asarray(eager[name]))
+    ids = [3 + (7 * j) % 500 for j in range(45)]
+    with torch.no_grad():
+        theirs = model(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(_all_position_logits(cfg, params, ids), theirs, atol=1e-4,
+                               rtol=1e-4)
 
 
 def test_each_gpt_oss_part_moves_the_logits():

@@ -10,8 +10,8 @@ the full softmax renormalised), each expert a clamped SwiGLU with biases
 The checkpoint stores each layer's experts as stacks: ``gate_up_proj`` [E, hidden, 2 *
 inter] with the gate and up columns interleaved (read as two views, ``checkpoint_files``),
 ``down_proj`` [E, inter, hidden] and their biases. The released checkpoints store those
-stacks in MXFP4 (``quantization_config``), which is refused by name
-(``jserve.config.hf_config_fields``).
+stacks in MXFP4 (``quantization_config``), decoded to float at load
+(``checkpoint_files.decode_mxfp4``).
 """
 from __future__ import annotations
 
