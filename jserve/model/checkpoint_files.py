@@ -72,14 +72,14 @@ def view_layout(layout: dict[Path, list[str]], wanted: Iterable[str]
     """``layout`` with each stored tensor that ``wanted`` names views of listed as those
     views instead (and as itself too where ``wanted`` names it; the rest as it is); an
     MXFP4 tensor's two parts listed as the wanted names that read it."""
-    wanted = set(wanted)
+    wanted, present = set(wanted), {n for names in layout.values() for n in names}
     views: dict[str, list[str]] = defaultdict(list)
     for name in wanted:
         v = view_of(name)
         stored = name if v is None else v[0]
-        if v is not None or _is_mxfp4(layout, stored):
+        if v is not None or _is_mxfp4(present, stored):
             views[stored].append(name)
-    for stored in [s for s in views if _is_mxfp4(layout, s)]:  # listed at its _blocks
+    for stored in [s for s in views if _is_mxfp4(present, s)]:  # listed at its _blocks
         views[stored + "_blocks"], views[stored + "_scales"] = views.pop(stored), []
 
     def listed(stored: str) -> list[str]:
@@ -90,9 +90,9 @@ def view_layout(layout: dict[Path, list[str]], wanted: Iterable[str]
             for file, names in layout.items()}
 
 
-def _is_mxfp4(layout: dict[Path, list[str]], stored: str) -> bool:
-    names = {n for ns in layout.values() for n in ns}
-    return stored not in names and all(stored + p in names for p in MXFP4_PARTS)
+def _is_mxfp4(present: set[str], stored: str) -> bool:
+    """Whether ``stored`` is stored as MXFP4 parts among the ``present`` names."""
+    return stored not in present and all(stored + p in present for p in MXFP4_PARTS)
 
 
 def decode_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
