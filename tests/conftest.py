@@ -19,21 +19,16 @@ os.environ["XLA_FLAGS"] = xla_flags(None)  # before any test imports JAX (device
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-# The files that take minutes (mesh subprocesses, real tools, many engines), longest first
-# (by a --durations run of the whole suite, 2026-12-03): collected first and handed out in
-# this order (``--dist loadfile --no-loadscope-reorder``), each worker taking the next as it
-# finishes one, so the run does not end with one worker alone in a long file while the
-# other idles.
-LONG_FILES = ("test_target_steps.py", "test_ray_app.py", "test_model_families.py",
-              "test_kv_quant_engine.py", "test_targets.py", "test_mesh_matrix.py",
-              "test_quantized_tiny_tasks.py", "test_device_check.py", "test_moe.py",
-              "test_client_limits.py", "test_multihost.py", "test_kv_tier.py",
-              "test_decode_burst.py", "test_program_set.py", "test_spp_engine.py",
-              "test_weight_quant.py", "test_long_prefill_live.py",
-              "test_prefix_cache_engine.py", "test_speculative_engine.py",
-              "test_kvp_engine.py", "test_hf_parity.py", "test_prompt_logprobs.py",
-              "test_lm_eval.py", "test_engine_lifecycle.py", "test_speculative_mesh.py",
-              "test_aiperf.py", "test_gpt_oss.py")
+# The files that take minutes (mesh subprocesses, real tools, many engines), longest first:
+# collected first, so each of the two workers (``--dist loadfile``) starts on one and the
+# run does not end with one worker alone in a long file while the other idles.
+LONG_FILES = ("test_target_steps.py", "test_targets.py", "test_mesh_matrix.py",
+              "test_model_families.py", "test_moe.py", "test_kv_quant_engine.py",
+              "test_multihost.py", "test_ray_app.py", "test_quantized_tiny_tasks.py",
+              "test_speculative_engine.py", "test_prefix_cache_engine.py",
+              "test_weight_quant.py", "test_hf_parity.py", "test_prompt_logprobs.py",
+              "test_device_check.py", "test_engine_lifecycle.py", "test_kvp_engine.py",
+              "test_long_prefill_live.py", "test_speculative_mesh.py", "test_spp_engine.py")
 
 
 def pytest_collection_modifyitems(config, items):
