@@ -21,7 +21,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # The files that take minutes (mesh subprocesses, real tools, many engines), longest first:
 # collected first, so each of the two workers (``--dist loadfile``) starts on one and the
-# run does not end with one worker alone in a long file while the other idles.
+# run does not end with one worker alone in a long file while the other idles. (xdist 3.8's
+# default ``--loadscope-reorder`` then sorts the files by their number of tests, which undoes
+# most of this order: the long files, few tests each, run last. ``--no-loadscope-reorder``
+# was tried on 2026-12-03 and put the Ray app beside the target compiles at the start, where
+# two of its tests timed out on an overloaded host; it is not on.)
 LONG_FILES = ("test_target_steps.py", "test_targets.py", "test_mesh_matrix.py",
               "test_model_families.py", "test_moe.py", "test_kv_quant_engine.py",
               "test_multihost.py", "test_ray_app.py", "test_quantized_tiny_tasks.py",
