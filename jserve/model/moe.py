@@ -279,9 +279,9 @@ def moe_mlp(layer: dict[str, Any], h: jax.Array, k: int, glu: Callable = silu_gl
     weights, experts = to_local(layer, *route(logits, k, normalize))
     run = lambda way: lambda: way(layer, x, weights, experts, glu)  # closes over the
     # layer: an in-place leaf (LayerOf) is no JAX type to pass as an operand.
-    # By the platform the program is lowered for (a target's, when compiled on a CPU host):
-    # XLA:CPU and XLA:GPU expand ragged_dot into a masked dot over every expert per pair,
-    # k times all_experts' FLOPs; XLA:TPU has a grouped matmul of its own.
+    # Many pairs, by the platform the program is lowered for (a target's, when compiled on
+    # a CPU host): XLA:CPU and XLA:GPU expand ragged_dot into a masked dot over every expert
+    # per pair, k times all_experts' FLOPs; XLA:TPU has a grouped matmul of its own.
     # Few pairs gather on every platform (on a CPU too since the gather takes column
     # blocks: half of all_experts' time at one token, scripts/bench_moe.py).
     if gathers(x.shape[0], k, local_experts(layer)):
