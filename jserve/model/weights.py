@@ -168,8 +168,9 @@ class _LeafSource:
 
     ``names``: the source tensors (their rows side by side for a fused leaf, ``w_gate_up``).
     ``transpose``: our ``[in, out]`` is torch's ``[out, in]``; then our column ``c`` is row
-    (untransposed: column) ``col_src[c]``, ``col_row[c]`` of the sources (the tp reordering in index space). A
-    vector (a bias) with ``col_row`` reads its element ``col_row[c]`` as our ``c``.
+    (untransposed: column) ``col_src[c]``, ``col_row[c]`` of the sources (the tp reordering
+    in index space). A vector (a bias) with ``col_row`` reads its element ``col_row[c]`` as
+    our ``c``.
     """
     names: tuple[str, ...]
     transpose: bool
