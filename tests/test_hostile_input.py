@@ -29,6 +29,7 @@ from conftest import Served, wait_blocks_free, wait_idle
 from jserve import fields
 from jserve.client import Client
 from jserve.proto import generate_pb2 as pb
+from jserve.serving import responses_api
 from jserve.serving.http_protocol import PARAMS
 
 TOKEN = "s3cret"
@@ -245,12 +246,35 @@ def _body(endpoint: str):
     return st.fixed_dictionaries(must, optional=optional)
 
 
+def _responses_body():
+    """Responses bodies: plausible input items (messages, calls, their outputs) or anything,
+    and anything in every other field."""
+    item = st.fixed_dictionaries({"type": st.sampled_from(
+        ["message", "function_call", "function_call_output", "reasoning"]) | JSON}, optional={
+        "role": st.sampled_from(["user", "assistant", "developer"]) | JSON,
+        "content": st.just("hi") | JSON, "call_id": st.just("c") | JSON,
+        "name": st.just("f") | JSON, "arguments": st.just("{}") | JSON, "output": JSON})
+    must = {"model": st.just("default") | JSON, "input": st.just("hi") | st.lists(
+        item, max_size=3) | JSON, "max_output_tokens": st.integers(1, 6) | NUMBER}
+    optional = {f: NUMBER if f in FLOATS + INTS else JSON
+                for f in sorted(responses_api.FIELDS - set(must))}
+    optional["tools"] = st.lists(st.fixed_dictionaries(
+        {"type": st.just("function") | JSON, "name": st.just("f") | JSON},
+        optional={"parameters": JSON, "strict": JSON}), max_size=2) | JSON
+    optional["text"] = st.fixed_dictionaries({}, optional={"format": st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "json_object", "json_schema"]) | JSON},
+        optional={"schema": JSON, "name": JSON})}) | JSON
+    optional["previous_response_id"] = st.just("resp_x") | JSON
+    return st.fixed_dictionaries(must, optional=optional)
+
+
 POSTS = {"/v1/completions": _body("completions"), "/v1/chat/completions": _body("chat"),
+         "/v1/responses": _responses_body(),
          "/v1/route/wait": st.fixed_dictionaries({}, optional={
              "prompt": _value("prompt"), "prompt_tokens": NUMBER, "ttft_slo": NUMBER}) | JSON}
 GETS = ("/v1/models", "/health", "/metrics", "/get_load", "/v1/loads", "/get_model_info",
         "/model_info", "/get_server_info", "/server_info", "/health_generate",
-        "/v1/route/load")
+        "/v1/route/load", "/v1/responses/resp_x")
 DEPTH = st.integers(1, 200)
 
 

@@ -186,7 +186,6 @@ def test_served_replies_split_against_their_raw_text(served, tags):
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_a_constrained_reply_thinks_first_and_answers_in_its_grammar(served, tags):
     """A guided choice in a block the prompt left open: the reply is free up to ``</think>``
     (the random model thinks until max_tokens), then held to the choice; forced to end its
@@ -289,6 +288,34 @@ def test_reasoning_can_be_dropped_and_must_stream(served):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(**kw, extra_body={"stream_reasoning": False})
         assert "stream_reasoning" in str(e.value)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_response_splits_its_reasoning_as_the_chat_reply_does(served, stream):
+    """The Responses API on the same parser: a reply in an open block is a reasoning item
+    (its text the chat message's reasoning) and an empty message; a closed block, all
+    message. Streamed, the reasoning deltas add up to the item."""
+    import openai
+    with openai.OpenAI(base_url=served.url + "/v1", api_key="x", max_retries=0,
+                       timeout=300) as client:
+        for extra in (OPEN, CLOSED):
+            m = client.chat.completions.create(
+                model="qwen3", messages=[{"role": "user", "content": "Add 2 and 2."}],
+                temperature=0, max_tokens=10, extra_body=extra).choices[0].message
+            kw = dict(model="qwen3", input="Add 2 and 2.", temperature=0,
+                      max_output_tokens=10, extra_body=extra)
+            if stream:
+                events = list(client.responses.create(stream=True, **kw))
+                r = events[-1].response
+                thought = "".join(e.delta for e in events
+                                  if e.type == "response.reasoning_text.delta")
+                assert thought == "".join(o.content[0].text for o in r.output
+                                          if o.type == "reasoning")
+            else:
+                r = client.responses.create(**kw)
+            reasoning = [o.content[0].text for o in r.output if o.type == "reasoning"]
+            assert (reasoning or [None]) == [m.model_extra["reasoning"]], extra
+            assert r.output_text == (m.content or "") and r.output[-1].type == "message"
 
 
 def test_a_thinking_reply_that_calls_tools_reads_the_same_whole_and_streamed():

@@ -68,6 +68,9 @@ class ServerConfig:
     # The model's default sampling fields for requests that leave them unset, max_tokens
     # also a cap (``jserve.sampling.generation_config``: its generation_config.json).
     sampling_defaults: dict = dataclasses.field(default_factory=dict)
+    # The Responses API's stored responses (previous_response_id, GET /v1/responses/{id}):
+    # at most this many bytes of their JSON, least recently used dropped; 0: none kept.
+    responses_store_bytes: int = 64 << 20
 
     @property
     def open_to_the_network(self) -> bool:
@@ -93,6 +96,9 @@ class ServerConfig:
             raise ValueError("tls_cert and tls_key go together")
         if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
+        if self.responses_store_bytes < 0:
+            raise ValueError(f"responses_store_bytes must be >= 0, got "
+                             f"{self.responses_store_bytes}")
         if not self.head_timeout > 0:
             raise ValueError(f"head_timeout must be > 0, got {self.head_timeout}")
         if self.max_head_bytes < 1024:

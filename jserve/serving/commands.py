@@ -199,6 +199,10 @@ def add_edge_args(s: argparse.ArgumentParser) -> None:
                    help="larger requests get HTTP 413 / RESOURCE_EXHAUSTED, refused while "
                         "reading; the edge then reads and drops the rest for up to 30 s / "
                         "256 MiB so that the client sees the 413")
+    s.add_argument("--responses-store-mib", type=float, default=64,
+                   help="memory for the Responses API's stored responses (for "
+                        "previous_response_id and GET /v1/responses/{id}), least recently "
+                        "used dropped first; 0: none kept")
     s.add_argument("--head-timeout", type=float, default=10.0,
                    help="seconds from accept (or a kept-alive connection's next request's "
                         "first byte) to the end of the request head on the HTTP ports; "
@@ -410,7 +414,8 @@ def server_config(a: argparse.Namespace, sampling_defaults: dict):
         auth_token=a.auth_token or os.environ.get(TOKEN_ENV) or None,
         metrics_open=a.metrics_open, served_model_names=served_model_names(a),
         limits=client_limits(a), tool_call_parser=a.tool_call_parser,
-        reasoning_parser=a.reasoning_parser, sampling_defaults=sampling_defaults)
+        reasoning_parser=a.reasoning_parser, sampling_defaults=sampling_defaults,
+        responses_store_bytes=int(a.responses_store_mib * (1 << 20)))
 
 
 def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:

@@ -123,7 +123,7 @@ class Formatter:
                     "logprobs": self.logprobs(c.logprobs,
                                               echo=c if self.parsed.echo else None)}
             if self.chat:
-                item["message"], called = self._message(c)
+                item["message"], called = self.message(c)
                 if called:
                     item["finish_reason"] = _called(c.finish_reason)
             else:
@@ -148,7 +148,7 @@ class Formatter:
         if self.parsed.include_reasoning:
             out["reasoning"] = out["reasoning_content"] = reasoning
 
-    def _message(self, c: Choice) -> tuple[dict, bool]:
+    def message(self, c: Choice) -> tuple[dict, bool]:
         """A chat choice's whole message, and whether it called tools."""
         text, reasoning = c.text, None
         if self._reasoning is not None:

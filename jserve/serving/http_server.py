@@ -4,10 +4,12 @@ server's event loop, through the same ``Gateway`` and engine loop): the HTTP sid
 ``http_responses``.
 
 ``POST /v1/completions`` and ``/v1/chat/completions`` (``stream: true``: server-sent events
-ending in ``data: [DONE]``), ``GET /v1/models`` and ``/v1/models/{id}``, vLLM's ``POST
-/tokenize`` and ``/detokenize`` and ``GET /version``, ``GET /health`` (503 while draining or
-once the engine thread is gone), ``GET /metrics`` (the server's Prometheus registry; behind
-the bearer token when there is one, unless ``metrics_open``).
+ending in ``data: [DONE]``), ``POST /v1/responses`` (run as the chat completion it means,
+``responses_api``) with ``GET``/``DELETE /v1/responses/{id}``, ``GET /v1/models`` and
+``/v1/models/{id}``, vLLM's ``POST /tokenize`` and ``/detokenize`` and ``GET /version``,
+``GET /health`` (503 while draining or once the engine thread is gone), ``GET /metrics`` (the
+server's Prometheus registry; behind the bearer token when there is one, unless
+``metrics_open``).
 
 The edge is bounded (``edge``: head timeout and size, connections per port): a body over
 ``max_request_bytes`` gets 413 as soon as that is known (from Content-Length before any of it is
@@ -40,7 +42,7 @@ from jserve import __version__, fields
 from jserve.lengths import context_room
 from jserve.sampling.generation_config import capped
 from jserve.sampling.params import SamplingParams
-from jserve.serving import engine_api as el
+from jserve.serving import engine_api as el, responses_api as ra
 from jserve.serving.auth import bearer_matches
 from jserve.serving.edge import EdgeLimits, EdgeServer
 from jserve.serving.engine_api import Prepared
@@ -144,10 +146,14 @@ class OpenAIServer:
             Route("/version", self._version, methods=["GET"]),
             Route("/health", self._health, methods=["GET"]),
             Route("/metrics", self._metrics, methods=["GET"]),
+            Route("/v1/responses/{response_id}", self._stored_response,
+                  methods=["GET", "DELETE"]),
             *RouterEndpoints(gateway, config).routes,
         ], exception_handlers={HTTPException: _http_error})
         self._edge: EdgeServer | None = None
-        self._generation = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+        self._generation = {"/v1/completions": "completions", "/v1/chat/completions": "chat",
+                            "/v1/responses": "responses"}
+        self.responses = ra.ResponseStore(config.responses_store_bytes)
 
     async def asgi(self, scope, receive, send) -> None:
         """The app uvicorn runs: the two generation endpoints skip Starlette (its request
@@ -243,6 +249,18 @@ class OpenAIServer:
             return refused
         return JSONResponse({"version": __version__})
 
+    async def _stored_response(self, request: Request) -> Response:
+        """``GET /v1/responses/{id}``: a stored response; ``DELETE``: forgets it."""
+        if (refused := self._refused(request)) is not None:
+            return refused
+        rid = request.path_params["response_id"]
+        if request.method == "DELETE":
+            if self.responses.delete(rid):
+                return JSONResponse({"id": rid, "object": "response", "deleted": True})
+        elif (stored := self.responses.get(rid)) is not None:
+            return JSONResponse(stored.response)
+        return _error(Rejected(NOT_FOUND, f"no stored response {rid!r}"))
+
     async def _tokenize(self, request: Request) -> Response:
         return await self._utility(request, self._tokenize_body)
 
@@ -305,8 +323,8 @@ class OpenAIServer:
             self._authorized(authorization)
             raw = await read_body(scope, receive, self.config.max_request_bytes)
             gw.check_open()
-            parsed, prepared = await gw.off_loop(self._admit, raw, endpoint,
-                                                 gw.trusted(authorization))
+            parsed, prepared, asked = await gw.off_loop(self._admit, raw, endpoint,
+                                                        gw.trusted(authorization))
             gw.check_open()  # it may have started draining meanwhile
         except Rejected as e:
             gw.refused(e.kind)
@@ -318,15 +336,28 @@ class OpenAIServer:
             log.exception("request intake failed")
             gw.refused(el.INTERNAL)
             return _error(Rejected(el.INTERNAL, f"request intake failed: {e}"))
-        rid = gw.new_id("chatcmpl" if endpoint == "chat" else "cmpl")
-        fmt = Formatter(endpoint, rid, self.model, gw.engine.tokenizer, parsed)
-        return _Work(lambda send: self._run(send, prepared, parsed, fmt, arrival))
+        rid = ra.new_id("resp") if asked else gw.new_id(
+            "chatcmpl" if endpoint == "chat" else "cmpl")
+        fmt = Formatter("chat" if asked else endpoint, rid, self.model, gw.engine.tokenizer,
+                        parsed)
+        return _Work(lambda send: self._run(send, prepared, parsed, fmt, arrival, asked))
 
     def _admit(self, raw: bytes, endpoint: str, trusted: bool
-               ) -> tuple[Parsed, list[Prepared]]:
+               ) -> tuple[Parsed, list[Prepared], ra.Asked | None]:
         """Parses, templates and tokenizes a body (on an intake thread); ``Rejected``
-        naming the field."""
+        naming the field. A Responses body is run as the chat body it means
+        (``responses_api``), its refusals named as it names its fields."""
         body = _loads(raw)
+        if endpoint != "responses":
+            return (*self._admit_body(body, endpoint, trusted), None)
+        chat, asked = ra.to_chat(body, self.responses)
+        try:
+            return (*self._admit_body(chat, "chat", trusted), asked)
+        except BadField as e:
+            raise ra.renamed(e) from None
+
+    def _admit_body(self, body, endpoint: str, trusted: bool
+                    ) -> tuple[Parsed, list[Prepared]]:
         parsed = parse(body, endpoint, self.config.limits.max_choices,
                        self.config.tool_call_parser, self.gateway.engine.tokenizer,
                        self.config.reasoning_parser, self.config.sampling_defaults)
@@ -385,8 +416,8 @@ class OpenAIServer:
                 field = "messages" if endpoint == "chat" else "prompt"
             raise BadField(field, message) from None
 
-    async def _run(self, send, prepared, parsed: Parsed, fmt: Formatter, arrival: float
-                   ) -> None:
+    async def _run(self, send, prepared, parsed: Parsed, fmt: Formatter, arrival: float,
+                   asked: ra.Asked | None = None) -> None:
         """Runs the accepted request to its response. A failure of ours on the way (in
         output formatting, tool-call parsing, ...) ends this request alone with a 500, or an
         error event once the stream has started, its engine requests aborted and counted
@@ -399,7 +430,7 @@ class OpenAIServer:
             started = True
             await send(message)
         try:
-            await self._respond(tracked, prepared, parsed, fmt, arrival, choices)
+            await self._respond(tracked, prepared, parsed, fmt, arrival, choices, asked)
         except Exception as e:  # noqa: BLE001 - this request's failure, not the server's
             log.exception("request %s failed", fmt.rid)
             for c in choices:
@@ -414,7 +445,7 @@ class OpenAIServer:
                 c.stream.close()
 
     async def _respond(self, send, prepared, parsed: Parsed, fmt: Formatter, arrival: float,
-                       choices: list[Choice]) -> None:
+                       choices: list[Choice], asked: ra.Asked | None) -> None:
         gw = self.gateway
         for request in prepared:
             params = request.params
@@ -437,6 +468,8 @@ class OpenAIServer:
                     raise f
                 status, body = error_body(f.kind, f.message)
                 return await _send_json(send, status, body)
+        if asked is not None:
+            return await self._respond_responses(send, choices[0], firsts[0], fmt, asked)
         if parsed.stream:
             await self._stream(send, choices, firsts, fmt)
         else:
@@ -469,3 +502,55 @@ class OpenAIServer:
             await send({"type": "http.response.body", "more_body": True,
                         "body": sse(error_body(e.kind, e.message)[1])})
         await send({"type": "http.response.body", "body": sse("[DONE]"), "more_body": False})
+
+    # -- the Responses API (responses_api): the chat reply as a Response ------------------
+    async def _respond_responses(self, send, c: Choice, first, fmt: Formatter,
+                                 asked: ra.Asked) -> None:
+        model, rid, created = self.model, fmt.rid, fmt.created
+        if not fmt.parsed.stream:
+            apply_deltas(c, first)
+            try:
+                await pump([c], lambda c, deltas, held: apply_deltas(c, deltas))
+            except Rejected as e:
+                status, body = error_body(e.kind, e.message)
+                return await _send_json(send, status, body)
+            items = ra.output_items(fmt.message(c)[0], c.finish_reason)
+            return await _send_json(send, 200, self._responded(c, fmt, asked, items))
+        writer = ra.EventWriter(ra.response(rid, model, asked, created, "in_progress", [],
+                                            None))
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+
+        async def emit(c: Choice, deltas: list[el.Delta], held: bool, first: bool = False,
+                       events: list[dict] | None = None) -> None:
+            apply_deltas(c, deltas)
+            events = (events or []) + writer.feed(
+                fmt.chunk(c, deltas, first)["choices"][0]["delta"])
+            if events:
+                await send({"type": "http.response.body", "more_body": True,
+                            "body": b"".join(map(ra.sse_event, events))})
+        await emit(c, first, False, True, writer.begin())
+        try:
+            await pump([c], emit)
+        except Rejected as e:
+            error = {"code": e.kind, "message": e.message}
+            failed = ra.response(rid, model, asked, created, "failed", writer.items, None)
+            events = [writer.event("error", param=None, **error),
+                      writer.event("response.failed", response={**failed, "error": error})]
+        else:
+            events = writer.end(c.finish_reason)
+            done = self._responded(c, fmt, asked, writer.items)
+            events.append(writer.event(f"response.{done['status']}", response=done))
+        await send({"type": "http.response.body", "more_body": False,
+                    "body": b"".join(map(ra.sse_event, events))})
+
+    def _responded(self, c: Choice, fmt: Formatter, asked: ra.Asked, items: list[dict]
+                   ) -> dict:
+        """The finished Response (kept in the store when asked)."""
+        status = "incomplete" if c.finish_reason == "length" else "completed"
+        out = ra.response(fmt.rid, self.model, asked, fmt.created, status, items,
+                          ra.usage(c.prompt_tokens, len(c.token_ids)))
+        if asked.store and not self.responses.put(
+                out, asked.conversation + [ra.reply_message(items)]):
+            out["store"] = False  # over the store's bound alone
+        return out
