@@ -47,6 +47,9 @@ def auto_dtype(stored: str, backend: str, what: str = "checkpoint") -> tuple[str
     return "float32", f"auto: {short} {what}"
 
 
+CAUSAL_SUFFIX, BASE_SUFFIX = "ForCausalLM", "Model"  # Qwen3ForCausalLM, Qwen3Model
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
     """RoPE scaling: Llama 3.1's frequency-dependent kind (``rope_type == "llama3"``),
@@ -92,6 +95,10 @@ class ModelConfig:
     quantization: str = "none"
     architecture: str = "LlamaForCausalLM"
     model_type: str = "llama"  # config.json's, written back to an orbax checkpoint
+    # The checkpoint is the family's base model (``Qwen3Model``, as sentence-transformers
+    # saves embedding models): its tensor names lack ``model.`` and it stores no LM head, so
+    # the embedding stands in for one (tied). Only a pooling engine serves it.
+    base_model: bool = False
     # Sliding-window attention, one entry per layer (0: full attention): a query at position
     # p reads the keys at positions k with p - window < k <= p (HF's convention). Empty: no
     # layer is windowed.
@@ -175,7 +182,8 @@ class ModelConfig:
         """The HF ``config.json`` form, so an orbax checkpoint directory is self-describing
         (what a family implies by its architecture, like Qwen2's biases, is not written)."""
         d: dict[str, Any] = {
-            "architectures": [self.architecture],
+            "architectures": [BASE_SUFFIX.join(self.architecture.rsplit(CAUSAL_SUFFIX, 1))
+                              if self.base_model else self.architecture],
             "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,

@@ -17,6 +17,13 @@ from jserve.engine.config import EngineConfig
 from jserve.engine.engine import LLMEngine
 from jserve.engine.intake import PreparedRequest
 from jserve.engine.output import RequestOutput
+from jserve.engine.pooling import (
+    POOLED,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    finish,
+    read_spec,
+)
 from jserve.engine.startup import StartupTimes
 from jserve.engine.vllm_names import llm_engine_kwargs, separate_tokenizer
 from jserve.model.weights import load_model, model_dir
@@ -70,6 +77,9 @@ class LLM:
             shipped = default_probe_path(model)  # a built-in model's trained length probe
             if shipped is not None:
                 engine_kwargs["length_probe"] = str(shipped)
+        if engine_kwargs.get("runner") == "pooling" and engine_kwargs.get(
+                "pooler_config") is None:  # the checkpoint's own pooling
+            engine_kwargs["pooler_config"] = read_spec(model_dir(model))
         cfg, params, tokenizer = load_model(
             model, dtype=dtype, lazy=True, quantization=quantization,
             tokenizer=tokenizer if separate_tokenizer(tokenizer, model) else None)
@@ -136,9 +146,9 @@ class LLM:
         All prompts are validated before any is queued: a bad one raises ValueError naming
         its index and leaves the engine as it was.
         """
-        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = [_prompt(p) for p in prompts]
+        if self.engine.pooler is not None:
+            raise ValueError("this LLM makes embeddings (runner='pooling'): call embed()")
+        prompts = _prompts(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
@@ -147,13 +157,37 @@ class LLM:
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         groups = self._prepare(prompts, params)
         ids = [[self.engine.enqueue(r) for r in group] for group in groups]
-        wanted = {i for group in ids for i in group}
+        done = self._run({i for group in ids for i in group})
+        return [_best([done[i] for i in group], p) for group, p in zip(ids, params)]
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], *, dimensions: int | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """vLLM's ``LLM.embed`` (``runner="pooling"``): each prompt's embedding
+        (``outputs.embedding``), pooled and normalized as the checkpoint says
+        (``jserve.engine.pooling``), its first ``dimensions`` entries where the model allows
+        shorter ones (Matryoshka). Prompts are checked before any is queued."""
+        pooler = self.engine.pooler
+        if pooler is None:
+            raise ValueError("embed() needs an embedding model: LLM(..., runner='pooling')")
+        if dimensions is not None:
+            why = pooler.spec.check_dimensions(dimensions, self.engine.model_config.hidden_size)
+            if why is not None:
+                raise ValueError(why)
+        prompts = _prompts(prompts)
+        groups = self._prepare(prompts, [POOLED] * len(prompts))
+        ids = [self.engine.enqueue(group[0]) for group in groups]
+        done = self._run(set(ids))
+        return [EmbeddingRequestOutput(i, done[i].prompt_token_ids, EmbeddingOutput(
+            finish(done[i].embedding, pooler.spec, dimensions).tolist())) for i in ids]
+
+    def _run(self, wanted: set[str]) -> dict[str, RequestOutput]:
+        """Steps the engine until every request in ``wanted`` finished; their outputs."""
         done: dict[str, RequestOutput] = {}
         while wanted - done.keys():
             for out in self.engine.step():
                 if out.finished and out.request_id in wanted:
                     done[out.request_id] = out
-        return [_best([done[i] for i in group], p) for group, p in zip(ids, params)]
+        return done
 
     def _prepare(self, prompts: list, params: list[SamplingParams]
                  ) -> list[list[PreparedRequest]]:
@@ -167,6 +201,13 @@ class LLM:
                 raise ValueError(f"prompt {i}: {e}") from None
             groups.append([first] + [dataclasses.replace(first, params=q) for q in seqs[1:]])
         return groups
+
+
+def _prompts(prompts: Prompt | Sequence[Prompt]) -> list[str | Sequence[int]]:
+    """One prompt or a list of them, as texts or ids."""
+    if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    return [_prompt(p) for p in prompts]
 
 
 def _prompt(p: Prompt) -> str | Sequence[int]:

@@ -7,10 +7,12 @@ import os
 from pathlib import Path
 
 from jserve.config import KV_CACHE_DTYPES
+from jserve.engine.pooling import PoolingSpec
 from jserve.speculative.config import SpeculativeConfig
 from sharding.mesh import MeshConfig
 
 WARMUP_MODES = ("core", "background", "all", "none")
+RUNNERS = ("generate", "pooling")
 LAYER_LOOPS = ("auto", "loop", "unrolled", "sliced", "indexed", "sliced-indexed")
 # Decode burst steps of ``decode_burst="auto"`` (``burst_steps``): a request arriving during
 # a burst waits at most 3 steps for it.
@@ -145,6 +147,12 @@ class EngineConfig:
     # {"method": "draft_model", "model": "<path or name>", "num_speculative_tokens": 4}
     # (or its JSON text); parsed into a SpeculativeConfig. None: off.
     speculative_config: SpeculativeConfig | None = None
+    # vLLM's --runner: "generate", or "pooling" (embeddings, jserve.engine.pooling: every
+    # request is one prompt's pooled vector, nothing generated). pooler_config (a
+    # PoolingSpec or its dict; vLLM's --pooler-config): how; None: the checkpoint's
+    # (``LLM`` reads it from its sentence-transformers files), else the default.
+    runner: str = "generate"
+    pooler_config: PoolingSpec | None = None
 
     def burst_steps(self) -> int:
         """The most steps of a decode burst (``decode_burst``; 1: none), before what the mesh
@@ -228,5 +236,17 @@ class EngineConfig:
             raise ValueError(f"sprpt_c must be >= 0, got {self.sprpt_c}")
         if self.probe_layer is not None and self.probe_layer < 0:
             raise ValueError(f"probe_layer must be >= 0, got {self.probe_layer}")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
+        if self.runner == "pooling":
+            object.__setattr__(self, "pooler_config",
+                               PoolingSpec.of(self.pooler_config or PoolingSpec()))
+            for name, why in (("length_probe", self.length_probe or self.probe_layer),
+                              ("speculative_config", spec)):
+                if why is not None:
+                    raise ValueError(f"{name} is not supported with runner='pooling' "
+                                     f"(nothing is generated)")
+        elif self.pooler_config is not None:
+            raise ValueError("pooler_config needs runner='pooling'")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

@@ -66,6 +66,9 @@ class LLMEngine:
         self.buckets, self.allocator = parts.buckets, parts.allocator
         self.scheduler, self.runner, self.builder = parts.scheduler, parts.runner, parts.builder
         self.predictor, self.length_tracker = parts.predictor, parts.length_tracker
+        self.pooler = parts.pooler  # runner "pooling": each prompt's embedding
+        # What reads each step's captured hidden states (the length probe's or the pooler).
+        self._captured = self.length_tracker or self.pooler
         self.speculator = parts.speculator  # proposes in the scheduler's schedule()
         self._multi_process = parts.multi_process
         # The model's own EOS ids plus the tokenizer's (generation_config may add end-of-turn).
@@ -76,7 +79,8 @@ class LLMEngine:
             no_prompt_logprobs=("stream pipeline parallelism (spp > 1)"
                                 if parts.mesh_config.spp > 1 else
                                 "multi-process serving" if parts.multi_process else None))
-        self.outputs = OutputProcessor(self.eos_ids, self.max_model_len)
+        self.outputs = OutputProcessor(self.eos_ids, self.max_model_len,
+                                       pooling=self.pooler is not None)
         self.host_kv = HostKVStore(self.runner)
         self.kv_tier = build_host_tier(cfg, config, parts)  # None: no host tier
         self.state_rows = StateRows(self.runner.state_sink)
@@ -86,9 +90,9 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self.step_log: list[tuple[BatchPlan, float]] | None = None  # (plan, seconds) when on
         self._in_flight = InFlight(parts.mesh_config.spp)  # one plan per pipeline stage
-        # Settable between steps. Off with a length probe, which reads each step's captured
-        # state before its tokens are appended.
-        self.async_scheduling = config.async_scheduling and self.length_tracker is None
+        # Settable between steps. Off with a length probe or pooling, which read each step's
+        # captured state before its tokens are appended.
+        self.async_scheduling = config.async_scheduling and self._captured is None
         # Async: a structured output's mask goes after the forward (``late_masks``) unless
         # the step is one call (a pipeline tick, multi-process followers).
         self._may_continue = functools.partial(
@@ -201,7 +205,7 @@ class LLMEngine:
             if launched is not None:
                 launched.launched_at = time.perf_counter()
             out = self._execute(launched, lone)
-            if launched is not None and self.length_tracker is not None:
+            if launched is not None and self._captured is not None:
                 launched.capture = self.runner.last_capture
             if (launched is not None and launched.plan.prefills  # (a packed step: no arrays)
                     and launched.built.arrays.want_prompt_logprobs):
@@ -278,8 +282,8 @@ class LLMEngine:
         """The plan ``done`` is back with its sampled tokens (an all-decode step built for
         bursts: [burst steps, rows], the plan's first ``burst`` rows its steps'): the
         scheduler updates request state, output processing makes the outputs."""
-        if self.length_tracker is not None and self._in_flight.depth == 1:
-            self.length_tracker.observe(done.plan, done.built, self.requests, done.capture)
+        if self._captured is not None and self._in_flight.depth == 1:
+            self._captured.observe(done.plan, done.built, self.requests, done.capture)
         rows = [row for row, _ in done.built.sample_rows]
         sampled = (tokens[rows] if tokens.ndim == 1
                    else tokens[:done.plan.burst, rows].T.ravel()).tolist()
@@ -341,8 +345,8 @@ class LLMEngine:
     def _finish(self, req: Request, reason: str, error: str | None = None) -> RequestOutput:
         self.scheduler.finish(req, RequestStatus(reason))
         self.state_rows.release(req)
-        if self.length_tracker is not None:
-            self.length_tracker.forget(req.request_id)
+        if self._captured is not None:
+            self._captured.forget(req.request_id)
         self.host_kv.drop(req.request_id)
         self.outputs.finished(req, reason, error, time.monotonic())
         del self.requests[req.request_id]

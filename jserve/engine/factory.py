@@ -28,6 +28,7 @@ from jserve.engine.burst import DecodeBursts
 from jserve.engine.config import EngineConfig, layer_flags
 from jserve.engine.kv_groups import KVGroups, kv_groups
 from jserve.engine.lowering import pinned_pages
+from jserve.engine.pooling import Pooler
 from jserve.engine.request_state import plain_sampler_row
 from jserve.engine.runner import ModelRunner
 from jserve.engine.startup import StartupTimes
@@ -76,6 +77,7 @@ class EngineParts:
     builder: StepBuilder
     predictor: RuntimePredictor | None      # the deadline policies' step-time model
     length_tracker: LengthTracker | None
+    pooler: Pooler | None                   # runner "pooling": each prompt's embedding
     persistent_cache_hits: int | None       # compiled programs found on disk (warm-up on)
     speculator: Speculator                  # speculative decoding (off without a config)
     bursts: DecodeBursts                    # decode bursts (off unless configured)
@@ -159,6 +161,21 @@ def length_tracker(cfg: ModelConfig, config: EngineConfig) -> LengthTracker | No
     return LengthTracker(probe, layer)
 
 
+def _pooler(cfg: ModelConfig, config: EngineConfig, geo: Geometry) -> Pooler | None:
+    """The embeddings' reader of the captured final norm (runner "pooling"), on one device;
+    a base-model checkpoint (no LM head) only there."""
+    if config.runner != "pooling":
+        if cfg.base_model:
+            raise ValueError(f"this checkpoint is a base model ({cfg.architecture} without "
+                             f"its LM head, as embedding models are saved): serve it with "
+                             f"runner='pooling' (--runner pooling)")
+        return None
+    if geo.mesh_config.size > 1 or jax.process_count() > 1:
+        raise ValueError("runner='pooling' runs on one device for now, not on a mesh "
+                         f"({config.mesh!r})")
+    return Pooler(config.pooler_config, cfg.num_hidden_layers)
+
+
 def _num_kv_pages(cfg: ModelConfig, config: EngineConfig, geo: Geometry) -> int:
     """One kvp group's pool per device, sized by the heads a device stores under tp and the
     layers of its pipeline stage; a sequence keeps at most ``pages_per_group`` pages in one
@@ -233,9 +250,13 @@ def build_engine_parts(cfg: ModelConfig, params: Params, config: EngineConfig,
     if predictor is not None and config.predictor_correction:
         predictor = CorrectedPredictor(predictor)
     tracker = length_tracker(cfg, config)
-    prefix_caching = config.enable_prefix_caching and tracker is None
+    pooler = _pooler(cfg, config, geo)
+    capture = tracker or pooler  # what the step captures its hidden states for
+    prefix_caching = config.enable_prefix_caching and tracker is None and not (
+        pooler is not None and pooler.spec.mode == "mean")
     if config.enable_prefix_caching and not prefix_caching:
-        log.info("prefix caching is off: not supported with a length probe")
+        log.info("prefix caching is off: not supported with a length probe or mean pooling "
+                 "(every prompt token must go through the model)")
     allocator = groups.allocator(config.page_size, prefix_caching, geo.max_chunk) if groups \
         else PageAllocator(num_pages, config.page_size, groups=mesh_config.kvp,
                            pages_per_group=buckets.pages_per_group,
@@ -247,8 +268,8 @@ def build_engine_parts(cfg: ModelConfig, params: Params, config: EngineConfig,
     # shapes) and no pipeline (a tick's shape covers its slots' own).
     defer = (config.warmup in ("core", "background") and mesh_config.spp == 1
              and jax.process_count() == 1)
-    burst_ok = bursts_allowed(config, mesh_config, tracker)
-    runner, hits = _runner(cfg, params, config, mesh_config, buckets, num_pages, tracker,
+    burst_ok = bursts_allowed(config, mesh_config, capture)
+    runner, hits = _runner(cfg, params, config, mesh_config, buckets, num_pages, capture,
                            times, defer, groups and groups.local_pages,
                            (config.burst_steps() if burst_ok else 1,
                             scheduler.swap_policy is not None
@@ -272,7 +293,7 @@ def build_engine_parts(cfg: ModelConfig, params: Params, config: EngineConfig,
                             layout=programs.lowering.layout if mesh_config.spp == 1
                             else None,
                             whole_chain_decodes=programs.lowering.whole_chain_decodes),
-        predictor, tracker, hits, speculator, bursts)
+        predictor, tracker, pooler, hits, speculator, bursts)
 
 
 def whole_chain_decodes(backend: str) -> bool:
@@ -312,7 +333,8 @@ def _warm(runner: ModelRunner, times: StartupTimes, core_only: bool,
 
 
 def runner_options(config: EngineConfig, buckets: Buckets, mesh: jax.sharding.Mesh | None,
-                   layer_mode: str, tracker: LengthTracker | None, burst_steps: int) -> dict:
+                   layer_mode: str, tracker: LengthTracker | Pooler | None,
+                   burst_steps: int) -> dict:
     """``ModelRunner``'s arguments beside the model, params and pages: the same for the
     engine's runner and for one compiled for a target (``jserve.targets.programs``)."""
     return dict(buckets=buckets, max_num_seqs=config.max_num_seqs,
@@ -324,15 +346,15 @@ def runner_options(config: EngineConfig, buckets: Buckets, mesh: jax.sharding.Me
 
 
 def bursts_allowed(config: EngineConfig, mesh_config: MeshConfig,
-                   tracker: LengthTracker | None) -> bool:
-    """Bursts need one device and process, no KV-cache parallelism, no length probe and no
-    speculative decoding (untested together)."""
+                   tracker: LengthTracker | Pooler | None) -> bool:
+    """Bursts need one device and process, no KV-cache parallelism, no captured state (a
+    length probe's, embeddings') and no speculative decoding (untested together)."""
     return (mesh_config.spp == 1 and mesh_config.kvp == 1 and jax.process_count() == 1
             and tracker is None and config.speculative_config is None)
 
 
 def _allocate_kv(cfg: ModelConfig, config: EngineConfig, mesh, num_pages: int,
-                 local_pages: int | None, tracker: LengthTracker | None):
+                 local_pages: int | None, tracker: LengthTracker | Pooler | None):
     """The zeroed pool: on one device, split on ``mesh``, or made in the steps' pinned
     layout (``lowering.pinned_pages``)."""
     spp = mesh.shape["spp"] if mesh is not None else 1
@@ -348,7 +370,7 @@ def _allocate_kv(cfg: ModelConfig, config: EngineConfig, mesh, num_pages: int,
 
 
 def _runner(cfg: ModelConfig, params: Params, config: EngineConfig, mesh_config: MeshConfig,
-            buckets: Buckets, num_pages: int, tracker: LengthTracker | None,
+            buckets: Buckets, num_pages: int, tracker: LengthTracker | Pooler | None,
             times: StartupTimes, core_only: bool, local_pages: int | None = None,
             wanted: tuple[int, bool] = (1, False)) -> tuple[ModelRunner, int | None]:
     """The runner, its programs warmed up (``config.warmup``), and how many came from the

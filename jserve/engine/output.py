@@ -111,6 +111,9 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = dataclasses.field(default=None,
                                                                            repr=False)
     stop_reason: int | str | None = None  # the stop token id or string that ended it
+    # runner "pooling": the prompt's pooled vector (float32 [hidden], before ``dimensions``
+    # and normalization: ``jserve.engine.pooling.finish``)
+    embedding: np.ndarray | None = dataclasses.field(default=None, repr=False)
     _tokenizer: Tokenizer | None = dataclasses.field(default=None, repr=False)
     _more: tuple[RequestOutput, ...] = dataclasses.field(default=(), repr=False)  # n > 1
 
@@ -205,9 +208,10 @@ class OutputProcessor:
     detokenization), and the stop decision (stop and EOS ids, stop strings, ``max_tokens``,
     the context length). The request's ``payload`` is its ``RequestState``."""
 
-    def __init__(self, eos_ids: tuple[int, ...], max_model_len: int):
+    def __init__(self, eos_ids: tuple[int, ...], max_model_len: int, pooling: bool = False):
         self.eos_ids = eos_ids
         self.max_model_len = max_model_len
+        self.pooling = pooling  # every request ends with its prefill (jserve.engine.pooling)
 
     def may_continue(self, req, new_tokens: int = 1, late_masks: bool = False) -> bool:
         """Whether ``req`` may decode again before its newest ``new_tokens`` (still on the
@@ -216,7 +220,7 @@ class OutputProcessor:
         the engine samples that step after reading the token). A stop token or string, or
         a completed grammar, still can; the extra token is then dropped."""
         st = req.payload
-        if st.constraint is not None and not late_masks:
+        if self.pooling or (st.constraint is not None and not late_masks):
             return False
         return req.room(self.max_model_len, new_tokens) > 0
 
@@ -232,8 +236,8 @@ class OutputProcessor:
         which may already hold placeholders for tokens still on the device.)"""
         st = req.payload
         p = st.params
-        if p.max_tokens == 0:  # prompt scoring only: the prefill's sampled token is dropped
-            return "length"
+        if p.max_tokens == 0 or self.pooling:  # prompt scoring or an embedding only: the
+            return "length"                     # prefill's sampled token is dropped
         st.output_ids.append(tok)
         if logprob is not None:
             st.logprobs.append(logprob)
@@ -283,7 +287,8 @@ class OutputProcessor:
             finish_reason=st.finish_reason, metrics=st.metrics,
             num_tokens=len(st.output_ids), error=st.error, _ids=st.output_ids,
             _logprobs=st.logprobs, prompt_logprobs=st.prompt_logprobs,
-            stop_reason=st.stop_reason, _tokenizer=st.detok.tokenizer)
+            stop_reason=st.stop_reason, embedding=st.embedding,
+            _tokenizer=st.detok.tokenizer)
 
 
 def _completes(constraint, tok: int) -> bool:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from jserve.engine.intake import PreparedRequest
 from jserve.engine.output import IncrementalDetokenizer, RequestMetrics, TokenLogprob
 from jserve.sampling.params import MAX_BANNED_IDS, SamplingParams
@@ -27,6 +29,7 @@ class RequestState:
     text: str = ""
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # [None] + one per prompt token
+    embedding: np.ndarray | None = None  # runner "pooling": set when the prompt is prefilled
     state_row: int | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or string that ended it

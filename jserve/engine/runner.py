@@ -45,8 +45,8 @@ def _check_capture_layer(cfg: ModelConfig, layer: int | None, mesh) -> None:
     if mesh is not None:
         raise ValueError("capturing a layer's hidden state (length probe) runs on one "
                          "device only, not with a tensor-parallel mesh")
-    if not 0 <= layer < cfg.num_hidden_layers:
-        raise ValueError(f"capture layer must be in [0, {cfg.num_hidden_layers}), "
+    if not 0 <= layer <= cfg.num_hidden_layers:  # the last: the final norm's output
+        raise ValueError(f"capture layer must be in [0, {cfg.num_hidden_layers}], "
                          f"got {layer}")
 
 

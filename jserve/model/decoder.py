@@ -307,7 +307,8 @@ def final_logits(params: Params, x: jax.Array, rows: jax.Array, cfg: ModelConfig
 
 
 class Capture(NamedTuple):
-    """The residual stream after one layer, what an output-length probe reads (float32).
+    """The residual stream after one layer, what an output-length probe reads, or the final
+    norm's output, what embedding models pool (float32).
 
     rows [S, hidden]: at each sequence row's ``logits_rows`` token. prompt_sum [S, hidden]:
     the sum over each row's tokens that ``prompt_mask`` marks (all of them when no mask), so
@@ -339,7 +340,9 @@ def forward_stream(params: Params, kv_cache: KVCache, batch: StepInput, *, cfg: 
                    prompt_mask: jax.Array | None = None
                    ) -> tuple[jax.Array, KVCache, Capture | None]:
     """``forward`` up to the residual stream of every token after the last layer [T, hidden]
-    (what prompt logprobs take the LM head of), before the final norm and head."""
+    (what prompt logprobs take the LM head of), before the final norm and head.
+    ``capture_layer`` == the number of layers captures the final norm's output (what
+    embedding models pool, ``jserve.engine.pooling``)."""
     x = embed(params, batch.tokens, cfg)
     cos, sin = rope_tables(cfg, batch.attn.positions)
     layers = params["layers"]
@@ -350,13 +353,18 @@ def forward_stream(params: Params, kv_cache: KVCache, batch: StepInput, *, cfg: 
     if capture_layer is None:
         x, kv_cache, _ = layer_loop(layers, x, kv_cache, layer_fn, 0, num_layers)
     else:  # two loops around the captured layer's output
-        x, kv_cache, _ = layer_loop(layers, x, kv_cache, layer_fn, 0, capture_layer + 1)
-        xf = x.astype(jnp.float32)
+        x, kv_cache, _ = layer_loop(layers, x, kv_cache, layer_fn, 0,
+                                    min(capture_layer + 1, num_layers))
+        h = x if capture_layer < num_layers else family_of(cfg).norm(
+            x, params["final_norm"], cfg.rms_norm_eps)
+        h = h.astype(jnp.float32)
+        xf = h
         if prompt_mask is not None:
             xf = jnp.where(prompt_mask[:, None], xf, 0.0)
         s = batch.logits_rows.shape[0]  # padding tokens carry token_seq == s: dropped
         sums = jax.ops.segment_sum(xf, batch.attn.token_seq, num_segments=s + 1)[:s]
-        hidden = Capture(x[batch.logits_rows].astype(jnp.float32), sums)
-        x, kv_cache, _ = layer_loop(layers, x, kv_cache, layer_fn, capture_layer + 1,
-                                    num_layers)
+        hidden = Capture(h[batch.logits_rows], sums)
+        if capture_layer + 1 < num_layers:
+            x, kv_cache, _ = layer_loop(layers, x, kv_cache, layer_fn, capture_layer + 1,
+                                        num_layers)
     return x, kv_cache, hidden

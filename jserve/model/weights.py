@@ -78,15 +78,22 @@ def _hf_name_map(cfg: ModelConfig) -> dict[str, tuple[tuple[str | int, ...], boo
     family's tensors (``jserve.model.families``); an expert's path ends with its index into
     the stacked leaf."""
     family = family_of(cfg)
-    names = {t.hf: ((key,), t.transpose) for key, t in family.top_tensors(cfg).items()}
+    names = {stored_name(cfg, t.hf): ((key,), t.transpose)
+             for key, t in family.top_tensors(cfg).items()}
     per_layer = family.layer_tensors(cfg)
     for i in range(cfg.num_hidden_layers):
-        pre = family.layer_prefix.format(i)
+        pre = stored_name(cfg, family.layer_prefix.format(i))
         for key, t in per_layer.items():
             for e, name in enumerate(t.names()):
                 names[pre + name] = (("layers", i, key, *((e,) if t.experts else ())),
                                      t.transpose)
     return names
+
+
+def stored_name(cfg: ModelConfig, name: str) -> str:
+    """A family's tensor name as ``cfg``'s checkpoint stores it: a base model's
+    (``ModelConfig.base_model``) without the ``model.`` of its ForCausalLM's."""
+    return name.removeprefix("model.") if cfg.base_model else name
 
 
 def _leaf_shape(shapes: Params, path: tuple[str | int, ...]) -> tuple[int, ...]:
@@ -235,7 +242,7 @@ def _leaf_sources(cfg: ModelConfig, tp: int) -> dict[str, Any]:
 
 
     def layer(i: int) -> dict[str, _LeafSource | _ExpertStack]:
-        pre = family.layer_prefix.format(i)
+        pre = stored_name(cfg, family.layer_prefix.format(i))
         leaves = {name: stacked([_LeafSource((pre + n,), t.transpose, *source(name, t))
                                  for n in t.names()], t.experts)
                   for name, t in per_layer.items() if name not in taken}
@@ -245,7 +252,8 @@ def _leaf_sources(cfg: ModelConfig, tp: int) -> dict[str, Any]:
                                        per_layer[parts[0]].transpose, *columns[name])
         return leaves
 
-    sources: dict[str, Any] = {name: _LeafSource((t.hf,), t.transpose, *source(name, t))
+    sources: dict[str, Any] = {name: _LeafSource((stored_name(cfg, t.hf),), t.transpose,
+                                                 *source(name, t))
                                for name, t in family.top_tensors(cfg).items()}
     sources["layers"] = layer
     return sources

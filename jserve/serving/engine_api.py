@@ -22,6 +22,9 @@ from jserve.sampling.params import SamplingParams
 from jserve.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
+    import numpy as np
+
+    from jserve.engine.pooling import PoolingSpec
     from jserve.serving.metrics import ServerMetrics
 
 # Error kinds a stream can end with (the front ends map them to gRPC and HTTP statuses).
@@ -46,6 +49,9 @@ class Delta:
     timings: dict[str, float] | None = None
     # ``prompt_logprobs`` asked: the first delta's (entry i: prompt token i's; the first None)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # A pooling engine's: the prompt's pooled vector, on the last delta
+    # (``jserve.engine.pooling``: raw, before ``dimensions`` and normalization)
+    embedding: np.ndarray | None = None
 
     @property
     def last(self) -> bool:
@@ -71,6 +77,10 @@ class EngineInfo:
     max_num_seqs: int
     prefix_caching: bool
     lone_decode_s: float    # predicted time of a step with one decode: the floor of tpot_slo
+    # runner "pooling" (``jserve.engine.pooling.PoolingSpec``): the engine makes embeddings
+    # and generates nothing; None: a generating engine
+    pooling: PoolingSpec | None = None
+    hidden_size: int = 0    # the embeddings' size
 
 
 @dataclasses.dataclass(frozen=True)

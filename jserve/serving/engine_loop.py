@@ -373,6 +373,7 @@ class EngineLoop(abc.ABC):
                 delta.error = (INTERNAL, o.error or f"request ended with {o.finish_reason}")
             else:
                 delta.finish_reason = o.finish_reason
+                delta.embedding = o.embedding
                 delta.prompt_tokens = lv.prompt_tokens
                 delta.completion_tokens = lv.sent_tokens
                 delta.timings = _timings(o)

@@ -54,7 +54,9 @@ class LiveEngine(EngineLoop):
             eos_token_ids=tuple(engine.eos_ids), has_tokenizer=engine.tokenizer is not None,
             scheduler=cfg.scheduler, page_size=cfg.page_size, num_kv_pages=alloc.total,
             max_num_seqs=cfg.max_num_seqs, prefix_caching=alloc.prefix_caching,
-            lone_decode_s=lone_decode_s(engine.predictor))
+            lone_decode_s=lone_decode_s(engine.predictor),
+            pooling=cfg.pooler_config if engine.pooler is not None else None,
+            hidden_size=engine.model_config.hidden_size)
         self._isolated = isolated_prefill(engine.scheduler)
         self._table: PrefillTable | None = None
         self._predictor: RuntimePredictor | None = None  # with the table: the reports'

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from jserve.config import ModelConfig, hf_config_fields
+from jserve.config import BASE_SUFFIX, CAUSAL_SUFFIX, ModelConfig, hf_config_fields
 from jserve.model.families import (
     gemma3,
     gpt_oss,
@@ -52,15 +52,21 @@ def read_config(hf: dict[str, Any], dtype: str | None = None,
                 quantization: str | None = None) -> ModelConfig:
     """The model config of a ``config.json`` dict: the fields every family shares
     (``jserve.config.hf_config_fields``; ``dtype`` and ``quantization`` as there) and its
-    family's own. No ``architectures`` reads as Llama."""
+    family's own. No ``architectures`` reads as Llama. A family's base model (``Qwen3Model``:
+    no LM head, tensor names without ``model.``) reads as the family with ``base_model``."""
     archs = hf.get("architectures") or ["LlamaForCausalLM"]
-    arch = next((a for a in archs if a in BY_ARCHITECTURE), None)
+    causal = {a: a[:-len(BASE_SUFFIX)] + CAUSAL_SUFFIX if a.endswith(BASE_SUFFIX) else a
+              for a in archs}
+    arch = next((a for a in archs if causal[a] in BY_ARCHITECTURE), None)
     if arch is None:
         raise _unsupported(archs)
-    family = BY_ARCHITECTURE[arch]
+    family, base = BY_ARCHITECTURE[causal[arch]], causal[arch] != arch
     # The family's fields win: a family may read a shared one its own way (Gemma 3's RoPE).
     fields = {**hf_config_fields(hf, dtype, quantization), **family.read_config(hf)}
-    return ModelConfig(**fields, architecture=arch, model_type=family.model_type)
+    if base:
+        fields["tie_word_embeddings"] = True  # no head stored: the embedding stands in
+    return ModelConfig(**fields, architecture=causal[arch], model_type=family.model_type,
+                       base_model=base)
 
 
 def read_config_file(path: str | Path, dtype: str | None = None,

@@ -1,0 +1,182 @@
+"""Embeddings (``EngineConfig.runner = "pooling"``, vLLM's pooling runner): an engine whose
+every request is a prompt pooled into one vector by its prefill; nothing is generated.
+
+The step captures the final norm's output (``decoder.forward_stream``'s last capture layer):
+at each sequence's last token of the step (``Capture.rows``) and summed over its prompt
+tokens (``Capture.prompt_sum``). ``Pooler.observe`` keeps, per request, the sums across its
+prefill chunks and, at the chunk that ends its prompt, its vector: the last token's state
+(``last``: Qwen3-Embedding's) or the mean over the prompt (``mean``). The request then ends
+(``OutputProcessor``: the prefill's sampled token is dropped) with that raw vector;
+``dimensions`` and normalization are applied by ``finish`` (as vLLM's pooler, truncation
+first, then the norm). Mean pooling needs every prompt token computed, so it runs with the
+prefix cache off; last-token pooling reads the last token, which a cache hit still
+computes.
+
+A checkpoint says how it pools in its sentence-transformers files (``read_spec``):
+``modules.json``'s Pooling module (``pooling_mode_lasttoken`` or ``pooling_mode_mean_tokens``)
+and whether a Normalize module follows; with none, last-token pooling, normalized (vLLM's
+default for decoder embedding models). ``dimensions`` (Matryoshka) is allowed where
+config.json says so: ``matryoshka_dimensions`` (those sizes) or ``is_matryoshka`` (any),
+vLLM's keys. No JAX here."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+
+from jserve.sampling.params import SamplingParams
+
+MODES = ("last", "mean")
+# sentence-transformers' pooling modes (``pooling_mode``; before 6.0 a flag each,
+# ``pooling_mode_lasttoken``...) -> ours; the others (cls, max, ...) are refused by name.
+_ST_MODES = {"lasttoken": "last", "mean": "mean", "mean_tokens": "mean"}
+
+
+# What an embedding request runs with: its prefill's one sampled token is dropped.
+POOLED = SamplingParams(max_tokens=1, temperature=0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddingRequestOutput:
+    """``LLM.embed``'s result per prompt, in vLLM's shape (``outputs.embedding``)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolingSpec:
+    """How an embedding is made of a prompt (vLLM's ``--pooler-config`` fields, lower
+    case): ``mode`` last | mean; ``normalize``: to unit L2 norm; ``dimensions``: the sizes
+    ``dimensions`` may ask for (Matryoshka), ``()`` none, ``None`` any."""
+
+    mode: str = "last"
+    normalize: bool = True
+    dimensions: tuple[int, ...] | None = ()
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"pooling mode must be one of {MODES}, got {self.mode!r}")
+        if not isinstance(self.normalize, bool):
+            raise ValueError(f"pooling normalize must be a bool, got {self.normalize!r}")
+        if self.dimensions is not None:
+            object.__setattr__(self, "dimensions", tuple(self.dimensions))
+
+    @classmethod
+    def of(cls, value: PoolingSpec | dict) -> PoolingSpec:
+        if isinstance(value, PoolingSpec):
+            return value
+        if not isinstance(value, dict) or set(value) - {"mode", "normalize", "dimensions"}:
+            raise ValueError(f"pooler_config takes mode, normalize and dimensions, got "
+                             f"{value!r}")
+        return cls(**value)
+
+    def check_dimensions(self, dimensions: int, hidden: int) -> str | None:
+        """Why ``dimensions`` cannot be asked for (None: it can)."""
+        if not 1 <= dimensions <= hidden:
+            return f"dimensions must be in [1, {hidden}], got {dimensions}"
+        if dimensions == hidden or self.dimensions is None or dimensions in self.dimensions:
+            return None
+        if not self.dimensions:
+            return ("this model was not trained for shorter embeddings (no "
+                    "matryoshka_dimensions or is_matryoshka in its config.json), so "
+                    "dimensions cannot be set")
+        return f"dimensions must be one of {list(self.dimensions)} for this model"
+
+
+def read_spec(model_dir: Path | None) -> PoolingSpec:
+    """A checkpoint's pooling, from its sentence-transformers files and config.json (see
+    the module's doc); a built-in model's (``model_dir`` None): the default."""
+    if model_dir is None:
+        return PoolingSpec()
+    mode, normalize = "last", True
+    modules_file = model_dir / "modules.json"
+    if modules_file.exists():
+        modules = json.loads(modules_file.read_text())
+        kinds = [m.get("type", "").rsplit(".", 1)[-1] for m in modules]
+        normalize = "Normalize" in kinds
+        pooling = next((m for m in modules if m.get("type", "").endswith("Pooling")), None)
+        if pooling is not None:
+            mode = _st_mode(model_dir, json.loads(
+                (model_dir / pooling["path"] / "config.json").read_text()))
+    config = model_dir / "config.json"
+    hf = json.loads(config.read_text()) if config.exists() else {}
+    dims = hf.get("matryoshka_dimensions")
+    dimensions = tuple(dims) if dims else (None if hf.get("is_matryoshka") else ())
+    return PoolingSpec(mode, normalize, dimensions)
+
+
+def _st_mode(model_dir: Path, st: dict) -> str:
+    """Our mode of a sentence-transformers Pooling config (either spelling)."""
+    given = st.get("pooling_mode")
+    modes = ([given] if isinstance(given, str) else list(given)) if given is not None else [
+        k.removeprefix("pooling_mode_") for k, v in st.items()
+        if k.startswith("pooling_mode_") and v is True]
+    if len(modes) != 1 or modes[0] not in _ST_MODES:
+        raise ValueError(f"{model_dir}: sentence-transformers pooling {modes} is not "
+                         f"supported by jserve (one of lasttoken, mean)")
+    if st.get("include_prompt", True) is not True:
+        raise ValueError(f"{model_dir}: sentence-transformers pooling with include_prompt "
+                         f"false is not supported by jserve")
+    return _ST_MODES[modes[0]]
+
+
+def finish(vector: np.ndarray, spec: PoolingSpec, dimensions: int | None = None
+           ) -> np.ndarray:
+    """A pooled vector as served: its first ``dimensions`` entries, then normalized when
+    the spec says so (float32)."""
+    v = np.asarray(vector, np.float32)
+    if dimensions is not None:
+        v = v[:dimensions]
+    if spec.normalize:
+        v = v / max(float(np.linalg.norm(v)), 1e-12)  # as torch's F.normalize
+    return v
+
+
+class Pooler:
+    """``observe`` runs after every step (before its tokens are appended), on the step's
+    ``Capture``: sets ``payload.embedding`` of each request whose prompt the step ended."""
+
+    def __init__(self, spec: PoolingSpec, num_layers: int):
+        self.spec = spec
+        self.layer = num_layers  # the capture layer of the final norm's output
+        self._sum: dict[str, np.ndarray] = {}
+        self._count: dict[str, int] = {}
+
+    def observe(self, plan, built, requests, capture) -> None:
+        if not plan.prefills:
+            return
+        mean = self.spec.mode == "mean"
+        sums = np.asarray(capture.prompt_sum) if mean else None
+        rows = None if mean else np.asarray(capture.rows)
+        sampled = {c.request_id: row for row, c in built.sample_rows}
+        bd = built.shape[0]
+        for j, c in enumerate(plan.prefills):
+            rid, req = c.request_id, requests.get(c.request_id)
+            if req is None:
+                continue
+            end = c.start + c.num_tokens
+            if mean:
+                if c.start == 0:  # a first chunk, or a recompute from scratch
+                    self._sum.pop(rid, None)
+                    self._count.pop(rid, None)
+                n = min(end, req.num_prompt_tokens) - c.start
+                if n > 0:
+                    self._sum[rid] = self._sum.get(rid, 0.0) + sums[bd + j]
+                    self._count[rid] = self._count.get(rid, 0) + n
+            if end >= req.num_prompt_tokens:
+                req.payload.embedding = (self._sum.pop(rid) / self._count.pop(rid) if mean
+                                         else rows[sampled[rid]].copy())
+
+    def forget(self, request_id: str) -> None:
+        self._sum.pop(request_id, None)
+        self._count.pop(request_id, None)
