@@ -21,6 +21,7 @@ from jserve.engine.pooling import (
     POOLED,
     EmbeddingOutput,
     EmbeddingRequestOutput,
+    PoolingSpec,
     finish,
     read_spec,
 )
@@ -77,9 +78,12 @@ class LLM:
             shipped = default_probe_path(model)  # a built-in model's trained length probe
             if shipped is not None:
                 engine_kwargs["length_probe"] = str(shipped)
-        if engine_kwargs.get("runner") == "pooling" and engine_kwargs.get(
-                "pooler_config") is None:  # the checkpoint's own pooling
-            engine_kwargs["pooler_config"] = read_spec(model_dir(model))
+        if engine_kwargs.get("runner") == "pooling":  # the checkpoint's pooling, fields
+            # of a pooler_config dict over it (vLLM's --pooler-config)
+            given = engine_kwargs.get("pooler_config")
+            engine_kwargs["pooler_config"] = given if isinstance(given, PoolingSpec) else \
+                PoolingSpec.of({**dataclasses.asdict(read_spec(model_dir(model))),
+                                **(given or {})})
         cfg, params, tokenizer = load_model(
             model, dtype=dtype, lazy=True, quantization=quantization,
             tokenizer=tokenizer if separate_tokenizer(tokenizer, model) else None)

@@ -642,3 +642,47 @@ def write_qwen3_thinking_checkpoint(out_dir: Path) -> Path:
 def qwen3_thinking_dir() -> Path:
     """Process-wide cached ``write_qwen3_thinking_checkpoint``. Read-only."""
     return write_qwen3_thinking_checkpoint(_cache_root() / "qwen3-thinking")
+
+
+# -- embedding checkpoints, written by sentence-transformers -----------------------------------
+def write_qwen3_embedding_checkpoint(out_dir: Path, pooling: str = "lasttoken",
+                                     matryoshka: list[int] | None = None) -> Path:
+    """A random-weight ``Qwen3Model`` (FAMILY_CONFIGS' shape) saved by sentence-transformers
+    as Qwen3-Embedding is: Transformer, Pooling (``pooling``), Normalize; a trained ChatML
+    tokenizer whose post-processor ends every input with <|endoftext|> (Qwen3-Embedding's
+    last-token pooling reads it) and no chat template (so sentence-transformers encodes
+    plain text). ``matryoshka``: config.json's ``matryoshka_dimensions``."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import (
+        Normalize,
+        Pooling,
+        Transformer,
+    )
+    src = out_dir.with_name(out_dir.name + "-src")
+    tok = write_chatml_tokenizer(src, [], None)
+    eot = tok.token_to_id("<|endoftext|>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="$A <|endoftext|>", special_tokens=[("<|endoftext|>", eot)])
+    tok.save(str(src / "tokenizer.json"))
+    n = tok.get_vocab_size(with_added_tokens=True)
+    extra = {"matryoshka_dimensions": matryoshka} if matryoshka else {}
+    config = transformers.Qwen3Config(**dict(
+        FAMILY_CONFIGS["qwen3"], vocab_size=(n // 64 + 1) * 64, max_position_embeddings=2048,
+        bos_token_id=None, eos_token_id=eot, **extra))
+    torch.manual_seed(7)
+    transformers.Qwen3Model(config).eval().save_pretrained(src)
+    module = Transformer(str(src))
+    model = SentenceTransformer(modules=[
+        module, Pooling(config.hidden_size, pooling_mode=pooling), Normalize()], device="cpu")
+    model.save(str(out_dir))
+    shutil.rmtree(src)
+    return out_dir
+
+
+@functools.cache
+def qwen3_embedding_dir(pooling: str = "lasttoken") -> Path:
+    """Process-wide cached ``write_qwen3_embedding_checkpoint`` (the last-token one with
+    Matryoshka sizes 16 and 32). Read-only."""
+    return write_qwen3_embedding_checkpoint(
+        _cache_root() / f"qwen3-embedding-{pooling}", pooling,
+        [16, 32] if pooling == "lasttoken" else None)

@@ -9,7 +9,7 @@ import argparse
 import json
 
 from jserve.config import DTYPE_CHOICES, KV_CACHE_DTYPES, QUANTIZATIONS
-from jserve.engine.config import LAYER_LOOPS, WARMUP_MODES, EngineConfig
+from jserve.engine.config import LAYER_LOOPS, RUNNERS, WARMUP_MODES, EngineConfig
 from jserve.engine.vllm_names import (
     BLOCK_SIZES,
     GIB,
@@ -126,6 +126,14 @@ def _add_step_args(p: argparse.ArgumentParser, warmup: str) -> None:
                    help='speculative decoding as JSON, vLLM\'s dict: e.g. \'{"method": '
                         '"ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' '
                         "(docs/speculative.md)")
+    p.add_argument("--runner", choices=RUNNERS, default=None,
+                   help="generate (default), or pooling: an embedding model, each request "
+                        "one prompt's embedding (/v1/embeddings; docs/server.md)")
+    p.add_argument("--task", choices=["generate", "embed"], default=None,
+                   help="vLLM's older spelling: embed is --runner pooling")
+    p.add_argument("--pooler-config", type=json_object, default=None, metavar="JSON",
+                   help='with --runner pooling, how a prompt is pooled, over what the '
+                        'checkpoint says: \'{"mode": "last" | "mean", "normalize": true}\'')
     p.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
                    help="the sampling defaults of requests that leave the fields unset: auto "
                         "reads the model directory's generation_config.json (temperature, "
@@ -207,8 +215,18 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
               speculative_config=a.speculative_config, decode_burst=a.decode_burst,
               layer_loop=a.layer_loop,
               kv_offload_bytes=a.kv_offload_bytes, page_size=a.page_size,
-              swap_space_bytes=a.swap_space)
+              swap_space_bytes=a.swap_space, runner=runner(a),
+              pooler_config=getattr(a, "pooler_config", None))
     return {k: v for k, v in kw.items() if v is not None}
+
+
+def runner(a: argparse.Namespace) -> str | None:
+    """``--runner``, or vLLM's older ``--task`` (embed: pooling); both given must agree."""
+    task = {"embed": "pooling", "generate": "generate", None: None}[getattr(a, "task", None)]
+    given = getattr(a, "runner", None)
+    if task is not None and given is not None and task != given:
+        raise SystemExit(f"--task {a.task} means --runner {task}, not --runner {given}")
+    return given or task
 
 
 def llm_kwargs(a: argparse.Namespace) -> dict:

@@ -65,6 +65,9 @@ PARAMS = {
 TOKENIZE_PARAMS = {"model", "prompt", "messages", "add_special_tokens", "tools",
                    "return_token_strs", *_CHAT_TEMPLATE}
 DETOKENIZE_PARAMS = {"model", "tokens"}
+# /v1/embeddings (OpenAI's fields, and the SLO fields every engine request takes).
+EMBEDDINGS_PARAMS = {"model", "input", "encoding_format", "dimensions", "user", "ttft_slo",
+                     "priority"}
 STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
 _NEUTRAL = {"suffix": (None, ""), **_ROUTER_FILLED, **_CHAT_ROUTER_FILLED}
 # Why a field is accepted only at its neutral value (the 400's message says it).
@@ -251,6 +254,44 @@ def parse_tokenize(body: Any) -> Tokenize:
     messages = _chat_messages(body)
     tools, _ = _tools(body)
     return Tokenize(None, messages, special, chat_template(body, messages), tools)
+
+
+@dataclasses.dataclass(frozen=True)
+class Embed:
+    """A ``/v1/embeddings`` body."""
+
+    model: str
+    inputs: list[str | list[int]]
+    base64: bool                # encoding_format "base64" (float32, little-endian)
+    dimensions: int | None
+    ttft_slo: float | None
+    priority: int
+
+
+def parse_embeddings(body: Any, max_choices: int) -> Embed:
+    """A ``/v1/embeddings`` body; ``BadField`` naming the field. ``input``: a text, token ids,
+    or a list of either, at most ``max_choices`` of them (each is one engine request)."""
+    body = _object(body, EMBEDDINGS_PARAMS)
+    if "model" not in body:
+        raise BadField("model", "model is required")
+    try:
+        inputs = _prompts({"prompt": body.get("input")})
+    except BadField:
+        raise BadField("input", "input must be a non-empty string, a list of token ids, or a "
+                                "list of those") from None
+    if any(len(x) == 0 for x in inputs):
+        raise BadField("input", "input must not hold an empty string or list")
+    if len(inputs) > max_choices:
+        raise BadField("input", f"{len(inputs)} inputs are over this server's limit of "
+                                f"{max_choices} per request")
+    fmt = body.get("encoding_format", "float")
+    if fmt not in ("float", "base64"):
+        raise BadField("encoding_format", f"encoding_format must be float or base64, got "
+                                          f"{fmt!r}")
+    if "user" in body:
+        _kind_check(body, "user", isinstance(body["user"], str), "a string")
+    return Embed(body["model"], inputs, fmt == "base64", _number(body, "dimensions"),
+                 _number(body, "ttft_slo"), _number(body, "priority", 0))
 
 
 def parse_detokenize(body: Any) -> list[int]:

@@ -25,6 +25,7 @@ disconnects cancels the work at once: every engine request is aborted and its KV
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 import json
 import logging
@@ -39,6 +40,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from jserve import __version__, fields
+from jserve.engine.pooling import POOLED, finish
 from jserve.lengths import context_room
 from jserve.sampling.generation_config import capped
 from jserve.sampling.params import SamplingParams
@@ -52,12 +54,14 @@ from jserve.serving.http_protocol import (
     BadField,
     ChatTemplate,
     ClientGone,
+    Embed,
     JSONResponse,
     Parsed,
     constraint_message,
     error_body,
     parse,
     parse_detokenize,
+    parse_embeddings,
     parse_tokenize,
     read_body,
     rejection,
@@ -148,6 +152,7 @@ class OpenAIServer:
             Route("/metrics", self._metrics, methods=["GET"]),
             Route("/v1/responses/{response_id}", self._stored_response,
                   methods=["GET", "DELETE"]),
+            Route("/v1/embeddings", self._embeddings, methods=["POST"]),
             *RouterEndpoints(gateway, config).routes,
         ], exception_handlers={HTTPException: _http_error})
         self._edge: EdgeServer | None = None
@@ -358,6 +363,9 @@ class OpenAIServer:
 
     def _admit_body(self, body, endpoint: str, trusted: bool
                     ) -> tuple[Parsed, list[Prepared]]:
+        if self.gateway.engine.info.pooling is not None:
+            raise BadField("model", f"model {self.model!r} is an embedding model (--runner "
+                                    f"pooling): it serves /v1/embeddings, not generation")
         parsed = parse(body, endpoint, self.config.limits.max_choices,
                        self.config.tool_call_parser, self.gateway.engine.tokenizer,
                        self.config.reasoning_parser, self.config.sampling_defaults)
@@ -554,3 +562,82 @@ class OpenAIServer:
                 out, asked.conversation + [ra.reply_message(items)]):
             out["store"] = False  # over the store's bound alone
         return out
+
+    # -- embeddings (a pooling engine, jserve.engine.pooling) ------------------------------
+    async def _embeddings(self, request: Request) -> Response:
+        """``POST /v1/embeddings``: each input one engine request (its prefill only); the
+        response once all are pooled. A disconnect aborts them (``_Work``)."""
+        arrival = time.monotonic()
+        gw = self.gateway
+        authorization = request.headers.get("authorization")
+        try:
+            self._authorized(authorization)
+            raw = await read_body(request.scope, request.receive,
+                                  self.config.max_request_bytes)
+            gw.check_open()
+            asked, prepared = await gw.off_loop(self._admit_embeddings, raw,
+                                                gw.trusted(authorization))
+            gw.check_open()
+        except Rejected as e:
+            gw.refused(e.kind)
+            return _error(e)
+        except ClientGone:
+            gw.refused("cancelled")
+            return Response(status_code=499)
+        except Exception as e:  # noqa: BLE001 - ours, not the client's: 500, and keep serving
+            log.exception("embeddings intake failed")
+            gw.refused(el.INTERNAL)
+            return _error(Rejected(el.INTERNAL, f"embeddings intake failed: {e}"))
+        return _Work(lambda send: self._embed(send, asked, prepared, arrival))
+
+    def _admit_embeddings(self, raw: bytes, trusted: bool) -> tuple[Embed, list[Prepared]]:
+        asked = parse_embeddings(_loads(raw), self.config.limits.max_choices)
+        self._check_model(asked.model)
+        info = self.gateway.engine.info
+        if info.pooling is None:
+            raise BadField("model", f"model {self.model!r} generates text; embeddings need an "
+                                    f"embedding model served with --runner pooling")
+        if asked.dimensions is not None and (
+                why := info.pooling.check_dimensions(asked.dimensions, info.hidden_size)):
+            raise BadField("dimensions", why)
+        prepared = []
+        for i, x in enumerate(asked.inputs):
+            try:
+                prepared.append(self.gateway.prepare(
+                    x, POOLED, ttft_slo=asked.ttft_slo, priority=asked.priority,
+                    trusted=trusted))
+            except Rejected as e:
+                field = e.field if e.field in ("ttft_slo", "priority") else "input"
+                where = f"input[{i}]: " if len(asked.inputs) > 1 else ""
+                raise BadField(field, where + e.message) from None
+        return asked, prepared
+
+    async def _embed(self, send, asked: Embed, prepared: list[Prepared], arrival: float
+                     ) -> None:
+        gw, spec = self.gateway, self.gateway.engine.info.pooling
+        streams = [gw.open(gw.new_id("embd"), p, arrival=arrival, ttft_slo=asked.ttft_slo,
+                           priority=asked.priority) for p in prepared]
+
+        async def last(s) -> el.Delta:
+            while True:
+                for d in await s.next():
+                    if d.last:
+                        return d
+        try:
+            ends = await asyncio.gather(*(last(s) for s in streams))
+        except Rejected as e:
+            status, body = error_body(e.kind, e.message)
+            return await _send_json(send, status, body)
+        finally:
+            for s in streams:
+                s.close()
+        data = []
+        for i, d in enumerate(ends):
+            v = finish(d.embedding, spec, asked.dimensions)
+            data.append({"object": "embedding", "index": i, "embedding": base64.b64encode(
+                v.astype("<f4").tobytes()).decode() if asked.base64 else v.tolist()})
+        tokens = sum(d.prompt_tokens for d in ends)
+        await _send_json(send, 200, {
+            "id": gw.new_id("embd"), "object": "list", "created": int(time.time()),
+            "model": self.model, "data": data,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})

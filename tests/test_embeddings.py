@@ -1,0 +1,193 @@
+"""Embeddings (issue 61): ``runner="pooling"`` on tiny Qwen3 embedding checkpoints written by
+sentence-transformers (a ``Qwen3Model``, a trained tokenizer): ``LLM.embed`` and ``POST
+/v1/embeddings`` through the official ``openai`` client give sentence-transformers'
+vectors within float32 tolerance (last-token and mean pooling, prompts chunked across
+steps, prefix-cache hits, Matryoshka ``dimensions``, float and base64), field by field
+refusals, and no KV page left."""
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+
+import httpx2 as httpx
+import numpy as np
+import openai
+import pytest
+
+import conftest
+from conftest import Served
+from hf_models import qwen3_embedding_dir
+from jserve import LLM
+from jserve.engine.pooling import PoolingSpec, finish, read_spec
+
+TEXTS = ["Hello world",
+         "JAX compiles numerical programs with XLA for accelerators, one step at a time.",
+         "a", "Paged attention keeps the key value cache in fixed size blocks. " * 3]
+TOL = 2e-6
+
+
+@pytest.fixture(scope="module")
+def st_models():
+    from sentence_transformers import SentenceTransformer
+    return {mode: SentenceTransformer(str(qwen3_embedding_dir(mode)), device="cpu")
+            for mode in ("lasttoken", "mean")}
+
+
+def test_the_checkpoints_pooling_is_read_from_its_sentence_transformers_files(tmp_path):
+    assert read_spec(qwen3_embedding_dir("lasttoken")) == PoolingSpec("last", True, (16, 32))
+    assert read_spec(qwen3_embedding_dir("mean")) == PoolingSpec("mean", True, ())
+    assert read_spec(None) == PoolingSpec()
+    d = tmp_path / "m"
+    (d / "1_Pooling").mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps({"is_matryoshka": True}))
+    modules = [{"idx": 0, "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    (d / "modules.json").write_text(json.dumps(modules))
+    old_style = {"pooling_mode_cls_token": False, "pooling_mode_mean_tokens": True,
+                 "pooling_mode_lasttoken": False}
+    (d / "1_Pooling" / "config.json").write_text(json.dumps(old_style))
+    assert read_spec(d) == PoolingSpec("mean", False, None)  # no Normalize module
+    assert read_spec(d).check_dimensions(7, 64) is None  # is_matryoshka: any size
+    for bad, words in (({"pooling_mode": "cls"}, "'cls'"),
+                       ({"pooling_mode": "lasttoken", "include_prompt": False}, "include_prompt"),
+                       ({**old_style, "pooling_mode_lasttoken": True},
+                        "['mean_tokens', 'lasttoken']")):
+        (d / "1_Pooling" / "config.json").write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match="not supported by jserve") as e:
+            read_spec(d)
+        assert words in str(e.value)
+    spec = PoolingSpec("last", True, (16, 32))
+    assert spec.check_dimensions(16, 64) is None and spec.check_dimensions(64, 64) is None
+    assert "one of [16, 32]" in spec.check_dimensions(20, 64)
+    assert "[1, 64]" in spec.check_dimensions(65, 64)
+    assert "not trained" in PoolingSpec().check_dimensions(16, 64)
+    v = np.array([3.0, 4.0, 12.0])
+    np.testing.assert_allclose(finish(v, PoolingSpec(), 2), [0.6, 0.8])  # cut, then normed
+
+
+@pytest.mark.parametrize("mode", ["lasttoken", "mean"])
+def test_llm_embed_equals_sentence_transformers(st_models, mode):
+    """8-token steps: the two longer texts are pooled across chunks; the repeated text is a
+    prefix-cache hit under last-token pooling (mean runs with the cache off)."""
+    llm = LLM(str(qwen3_embedding_dir(mode)), runner="pooling", warmup=False,
+              max_num_batched_tokens=8, max_num_seqs=4)
+    texts = TEXTS + TEXTS[1:2]
+    want = st_models[mode].encode(texts, convert_to_numpy=True)
+    out = llm.embed(texts)
+    got = np.array([o.outputs.embedding for o in out])
+    np.testing.assert_allclose(got, want, atol=TOL)
+    tok = st_models[mode].tokenizer
+    assert [o.prompt_token_ids for o in out] == [tok(t)["input_ids"] for t in texts]
+    assert llm.engine.allocator.prefix_caching == (mode == "lasttoken")
+    if mode == "lasttoken":
+        short = np.array([o.outputs.embedding for o in llm.embed(TEXTS, dimensions=16)])
+        np.testing.assert_allclose(short, st_models[mode].encode(
+            TEXTS, truncate_dim=16, normalize_embeddings=True), atol=TOL)
+        with pytest.raises(ValueError, match=r"one of \[16, 32\]"):
+            llm.embed(TEXTS, dimensions=20)
+        with pytest.raises(ValueError, match="call embed"):
+            llm.generate("hi")
+    alloc = llm.engine.allocator
+    alloc.check()
+    assert alloc.num_allocated == 0 and not llm.engine.requests  # every request ended
+
+
+def test_a_base_model_checkpoint_is_refused_for_generation_and_embed_needs_pooling():
+    with pytest.raises(ValueError, match="runner='pooling'"):
+        LLM(str(qwen3_embedding_dir("mean")), warmup=False)
+    with pytest.raises(ValueError, match="pooler_config needs runner='pooling'"):
+        LLM("default", warmup=False, pooler_config={"mode": "mean"})
+    with pytest.raises(ValueError, match="length_probe is not supported with runner"):
+        LLM("default", warmup=False, runner="pooling", probe_layer=0)
+
+
+# -- served ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def served():
+    s = Served(str(qwen3_embedding_dir("lasttoken")), "--runner", "pooling",
+               "--served-model-name", "emb", "--max-num-batched-tokens", "16")
+    yield s
+    s.close()
+
+
+def test_openai_embeddings_equal_sentence_transformers(served, st_models):
+    """The openai client asks for base64 unless told (and decodes it); float as asked; a
+    batch, one text, token ids; ``dimensions``; usage counts every input's tokens."""
+    st = st_models["lasttoken"]
+    want = st.encode(TEXTS, convert_to_numpy=True)
+    with openai.OpenAI(base_url=served.url + "/v1", api_key="x", max_retries=0,
+                       timeout=120) as client:
+        for fmt in (openai.NOT_GIVEN, "float"):
+            r = client.embeddings.create(model="emb", input=TEXTS, encoding_format=fmt)
+            got = np.array([d.embedding for d in sorted(r.data, key=lambda d: d.index)])
+            np.testing.assert_allclose(got, want, atol=TOL)
+        ids = [st.tokenizer(t)["input_ids"] for t in TEXTS]
+        assert r.usage.prompt_tokens == r.usage.total_tokens == sum(map(len, ids))
+        assert r.model == "emb" and [d.index for d in r.data] == [0, 1, 2, 3]
+        one = client.embeddings.create(model="emb", input=ids[1], encoding_format="float")
+        np.testing.assert_allclose(one.data[0].embedding, want[1], atol=TOL)
+        short = client.embeddings.create(model="emb", input=TEXTS[0], dimensions=32,
+                                         encoding_format="float")
+        np.testing.assert_allclose(short.data[0].embedding, st.encode(
+            TEXTS[:1], truncate_dim=32, normalize_embeddings=True)[0], atol=TOL)
+    raw = httpx.post(served.url + "/v1/embeddings", timeout=60, json={
+        "model": "emb", "input": "a", "encoding_format": "base64"}).json()
+    v = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), "<f4")
+    np.testing.assert_allclose(v, want[2], atol=TOL)
+    conftest.wait_blocks_free(served.url)
+
+
+@pytest.mark.parametrize("body, field, status", [
+    ({"input": "x"}, "model", 400),
+    ({"model": "nope", "input": "x"}, None, 404),
+    ({"model": "emb"}, "input", 400),
+    ({"model": "emb", "input": ""}, "input", 400),
+    ({"model": "emb", "input": ["a", ""]}, "input", 400),
+    ({"model": "emb", "input": [[]]}, "input", 400),
+    ({"model": "emb", "input": [1, 99999]}, "input", 400),
+    ({"model": "emb", "input": {"text": "a"}}, "input", 400),
+    ({"model": "emb", "input": ["a"] * 300}, "input", 400),
+    ({"model": "emb", "input": "a", "encoding_format": "int8"}, "encoding_format", 400),
+    ({"model": "emb", "input": "a", "dimensions": 20}, "dimensions", 400),
+    ({"model": "emb", "input": "a", "dimensions": 0}, "dimensions", 400),
+    ({"model": "emb", "input": "a", "dimensions": True}, "dimensions", 400),
+    ({"model": "emb", "input": "a", "user": 3}, "user", 400),
+    ({"model": "emb", "input": "a", "truncate_prompt_tokens": 3}, "truncate_prompt_tokens",
+     400),
+    ({"model": "emb", "input": "a" * 5000}, "input", 400),
+])
+def test_bad_embedding_requests_are_refused_naming_the_field(served, body, field, status):
+    r = httpx.post(served.url + "/v1/embeddings", json=body, timeout=60)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == field, r.json()
+
+
+def test_an_embedding_server_refuses_generation_and_a_generating_one_embeddings(served):
+    for path, body in (("/v1/completions", {"prompt": "a"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user",
+                                                               "content": "a"}]}),
+                       ("/v1/responses", {"input": "a"})):
+        r = httpx.post(served.url + path, json={"model": "emb", **body}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+        assert "/v1/embeddings" in r.json()["error"]["message"]
+    from jserve.serving.app import BackgroundServer, ServerConfig
+    from jserve.serving.fake_engine import FakeEngine
+    fake = BackgroundServer(FakeEngine(), ServerConfig(port=0, metrics_port=None, http_port=0))
+    try:
+        r = httpx.post(fake.http_url + "/v1/embeddings", timeout=30,
+                       json={"model": "default", "input": "a"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+        assert "--runner pooling" in r.json()["error"]["message"]
+    finally:
+        fake.stop(grace=0)
+    conftest.wait_blocks_free(served.url)
+
+
+def test_pooling_spec_is_frozen_and_checked():
+    with pytest.raises(ValueError, match="pooling mode"):
+        PoolingSpec("cls")
+    with pytest.raises(ValueError, match="pooler_config takes"):
+        PoolingSpec.of({"pooling_type": "MEAN"})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        PoolingSpec().mode = "mean"
