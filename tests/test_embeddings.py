@@ -184,6 +184,30 @@ def test_an_embedding_server_refuses_generation_and_a_generating_one_embeddings(
     conftest.wait_blocks_free(served.url)
 
 
+@pytest.mark.slow
+def test_fuzzed_embedding_bodies_never_get_a_5xx_and_leave_no_page(served):
+    """Arbitrary JSON in every field (``test_hostile_input``'s strategies) against the
+    embedding server: a 200 with one vector per input, or a 4xx naming why."""
+    from hypothesis import HealthCheck, given, settings, strategies as st
+
+    from test_hostile_input import _check_answer, embeddings_body
+
+    @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(body=embeddings_body(), named=st.booleans())
+    def run(body, named):
+        if named and isinstance(body, dict):
+            body = {**body, "model": "emb"}
+        r = httpx.post(served.url + "/v1/embeddings", content=json.dumps(body), timeout=60,
+                       headers={"content-type": "application/json"})
+        _check_answer(r)
+        if r.status_code == 200:
+            n = 1 if isinstance(body["input"], str) or isinstance(body["input"][0], int) \
+                else len(body["input"])
+            assert len(r.json()["data"]) == n
+    run()
+    conftest.wait_blocks_free(served.url)
+
+
 def test_pooling_spec_is_frozen_and_checked():
     with pytest.raises(ValueError, match="pooling mode"):
         PoolingSpec("cls")

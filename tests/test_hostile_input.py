@@ -268,8 +268,19 @@ def _responses_body():
     return st.fixed_dictionaries(must, optional=optional)
 
 
+def embeddings_body():
+    """Embedding bodies: plausible inputs (texts, ids, lists of them) or anything."""
+    return st.fixed_dictionaries(
+        {"model": st.just("default") | JSON,
+         "input": st.just("hi") | st.lists(st.text(max_size=6), max_size=3)
+         | st.lists(st.integers(-2, 330), max_size=4) | JSON},
+        optional={"encoding_format": st.sampled_from(["float", "base64"]) | JSON,
+                  "dimensions": NUMBER, "user": JSON, "priority": NUMBER,
+                  "ttft_slo": NUMBER, "\ud800": JSON})
+
+
 POSTS = {"/v1/completions": _body("completions"), "/v1/chat/completions": _body("chat"),
-         "/v1/responses": _responses_body(),
+         "/v1/responses": _responses_body(), "/v1/embeddings": embeddings_body(),
          "/v1/route/wait": st.fixed_dictionaries({}, optional={
              "prompt": _value("prompt"), "prompt_tokens": NUMBER, "ttft_slo": NUMBER}) | JSON}
 GETS = ("/v1/models", "/health", "/metrics", "/get_load", "/v1/loads", "/get_model_info",
