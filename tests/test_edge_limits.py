@@ -1,18 +1,23 @@
 """The bounded edge under the HTTP ports (issue 39, jserve/serving/edge.py, docs/server.md
 "Limits"), against a real ``jserve serve``: connections that never finish a request head are
 closed within the head timeout, heads over the cap get 431 unbuffered, a body over the limit
-gets a 413 the client can read, connections over the cap get 503, and the metrics port holds
-idle connections without a thread each. The edge is the same whatever serves the tokens, so
-these run ``jserve serve --fake-engine`` (no model, no JAX in the process)."""
+gets a 413 the client can read, a body that drips gets a 408 within the body timeout (and
+streams are not cut by it), connections over the cap get 503, TLS connections count toward
+the cap from accept (issue 61), and the metrics port holds idle connections without a thread
+each. The edge is the same whatever serves the tokens, so these run ``jserve serve
+--fake-engine`` (no model, no JAX in the process)."""
 from __future__ import annotations
 
+import json
 import re
 import select
 import socket
+import ssl
 import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import httpx
 import openai
@@ -22,6 +27,8 @@ import requests
 from conftest import Served
 
 HEAD_TIMEOUT = 2.0
+BODY_TIMEOUT = 2.0  # > the drip's 1 s between bytes: only a bound on the total cuts it
+TLS = Path(__file__).resolve().parent / "data" / "tls"  # test_server.py's self-signed pair
 TOKEN = "tok"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
 SMALL = {"model": "default", "prompt": "hi", "max_tokens": 2, "temperature": 0.0}
@@ -253,3 +260,153 @@ def test_the_metrics_port_holds_idle_connections_without_threads(edge):
     for s in idle:
         s.close()
     assert httpx.get(url, headers=AUTH, timeout=5).status_code == 200
+
+
+# -- the body timeout (issue 61) -------------------------------------------------------------
+LONG = {"model": "default", "prompt": "hi", "max_tokens": 1500, "ignore_eos": True,
+        "stream": True, "stream_options": {"include_usage": True}}  # >= 3 s: 2 ms a token
+
+
+@pytest.fixture(scope="module")
+def bodied():
+    s = _served("--body-timeout", str(BODY_TIMEOUT), "--max-model-len", "4096")
+    yield s
+    s.close()
+
+
+def _post_head(body: bytes) -> bytes:
+    return (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer tok\r\n"
+            b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body))
+
+
+def _read_until(s: socket.socket, got: bytes, end: bytes) -> tuple[bytes, bytes]:
+    """Reads until ``end`` has come: (what came up to and with it, what came after)."""
+    while end not in got:
+        data = s.recv(65536)
+        assert data, got[-200:]
+        got += data
+    i = got.index(end) + len(end)
+    return got[:i], got[i:]
+
+
+def _streamed(result: dict) -> None:
+    """A long streaming completion over httpx: its lines and how long it took."""
+    t = time.monotonic()
+    with httpx.stream("POST", result["url"] + "/v1/completions", json=LONG, headers=AUTH,
+                      timeout=60) as r:
+        result["status"] = r.status_code
+        result["lines"] = [line for line in r.iter_lines() if line]
+    result["took"] = time.monotonic() - t
+
+
+def test_a_body_a_byte_a_second_gets_408_within_the_body_timeout_and_streams_run_on(bodied):
+    body = json.dumps(SMALL).encode()
+    drip = _connect(bodied.port)
+    drip.sendall(_post_head(body))  # the head whole: the head timeout is done with it
+    t0 = time.monotonic()
+    stream = {"url": bodied.url}
+    streamer = threading.Thread(target=_streamed, args=(stream,))
+    stop = threading.Event()
+    dribbler = threading.Thread(target=_dribble, args=([drip], body, stop))
+    streamer.start()
+    dribbler.start()
+    try:
+        # Meanwhile a normal POST on another connection is served at once.
+        r = httpx.post(bodied.url + "/v1/completions", json=SMALL, headers=AUTH, timeout=5)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        assert time.monotonic() - t0 < BODY_TIMEOUT - 0.5, time.monotonic() - t0
+        closed = _wait_closed([drip], t0 + BODY_TIMEOUT + 3.0)
+    finally:
+        stop.set()
+        dribbler.join()
+        streamer.join(60)
+    assert drip in closed, "the dripping POST is still open"
+    when, data = closed[drip]
+    drip.close()
+    # Bytes kept coming (one a second, under the 2 s), so only a bound on the total cut it.
+    assert BODY_TIMEOUT <= when - t0 <= BODY_TIMEOUT + 1.0, when - t0
+    assert data.startswith(b"HTTP/1.1 408 ") and b"connection: close\r\n" in data, data[:200]
+    error = json.loads(data.split(b"\r\n\r\n", 1)[1])["error"]
+    assert error["type"] == "invalid_request_error" and error["message"] == \
+        f"the request body did not arrive within {BODY_TIMEOUT:g} s of its head"
+    # The stream, which ran past the body timeout from the start, was not cut.
+    assert stream["status"] == 200 and stream["took"] > BODY_TIMEOUT + 0.5, stream.get("took")
+    assert stream["lines"][-1] == "data: [DONE]"
+    assert json.loads(stream["lines"][-2][6:])["usage"]["completion_tokens"] == 1500
+    assert httpx.post(bodied.url + "/v1/completions", json=SMALL, headers=AUTH,
+                      timeout=5).status_code == 200
+
+
+def test_a_pipelined_body_waits_behind_a_stream_without_timing_out(bodied):
+    """The server reads a pipelined request's body only once the response before it ends: a
+    body timer that ran meanwhile would close the connection, the stream with it."""
+    first = json.dumps(LONG).encode()
+    second = json.dumps(SMALL).encode()
+    with _connect(bodied.port) as s:
+        t0 = time.monotonic()
+        s.sendall(_post_head(first) + first + _post_head(second) + second[:5])
+        streamed, rest = _read_until(s, b"", b"data: [DONE]")
+        streamed, rest = _read_until(s, streamed + rest, b"\r\n0\r\n\r\n")  # its end
+        took = time.monotonic() - t0
+        assert streamed.startswith(b"HTTP/1.1 200 ") and took > BODY_TIMEOUT + 0.5, took
+        assert b'"completion_tokens": 1500' in streamed
+        s.sendall(second[5:])  # now its body is read (and timed)
+        answer, _ = _read_until(s, rest, b"\r\n0\r\n\r\n")  # (chunked too)
+        assert answer.startswith(b"HTTP/1.1 200 ") and b'"completion_tokens": 2' in answer, \
+            answer
+
+
+# -- TLS connections count from accept (issue 61) --------------------------------------------
+def _tls_context() -> ssl.SSLContext:
+    return ssl.create_default_context(cafile=str(TLS / "server.crt"))
+
+
+def _tls_one_write(port: int, request: bytes) -> bytes:
+    """A TLS client whose handshake's last flight and ``request`` go in one write (so the
+    request reaches the server with the handshake's end); the response."""
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = _tls_context().wrap_bio(incoming, outgoing, server_hostname="localhost")
+    with _connect(port) as s:
+        while True:
+            try:
+                tls.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                s.sendall(outgoing.read())
+                incoming.write(s.recv(65536))
+        tls.write(request)
+        s.sendall(outgoing.read())
+        got = b""
+        while not got.endswith(b"}"):
+            try:
+                got += tls.read(65536)
+            except ssl.SSLWantReadError:
+                data = s.recv(65536)
+                assert data, got
+                incoming.write(data)
+        return got
+
+
+def test_tls_handshakes_count_toward_the_cap_and_are_closed_at_the_head_timeout():
+    s = _served("--tls-cert", str(TLS / "server.crt"), "--tls-key", str(TLS / "server.key"),
+                "--max-connections", "2", "--head-timeout", "1")
+    url = s.url.replace("http://", "https://")
+    try:
+        assert httpx.get(url + "/health", verify=_tls_context(), timeout=5).status_code == 200
+        # A request that reaches the server with the handshake's end is served.
+        got = _tls_one_write(s.port, b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert got.startswith(b"HTTP/1.1 200 "), got[:80]
+        t0 = time.monotonic()
+        silent = [_connect(s.port) for _ in range(2)]  # TCP only: no ClientHello, ever
+        # They fill the cap: a real client finishes its handshake and its request gets 503.
+        r = httpx.get(url + "/health", verify=_tls_context(), timeout=5)
+        assert r.status_code == 503 and r.headers["connection"] == "close"
+        # The head timeout closes them (the handshake is inside it), without a byte sent.
+        closed = _wait_closed(silent, t0 + 1.0 + 2.0)
+        assert len(closed) == 2, f"{2 - len(closed)} handshakes still open"
+        for sock, (when, data) in closed.items():
+            assert 1.0 <= when - t0 <= 1.0 + 1.0 and data == b"", (when - t0, data)
+            sock.close()
+        assert httpx.get(url + "/health", verify=_tls_context(), timeout=5).status_code == 200
+    finally:
+        s.close()

@@ -43,9 +43,11 @@ class ServerConfig:
     max_waiting: int = 1024            # admission queue; one more gets RESOURCE_EXHAUSTED
     max_request_bytes: int = 4 << 20   # bigger messages: RESOURCE_EXHAUSTED / HTTP 413
     # The HTTP ports' edge (jserve/serving/edge.py), each port on its own: seconds from
-    # accept (or a new request's first byte) to a whole request head, the head's size
-    # (larger: 431), connections open at once (a request on one more: 503).
+    # accept (or a new request's first byte) to a whole request head, seconds from a head's
+    # end to its body's end (later: 408), the head's size (larger: 431), connections open at
+    # once, TLS handshakes included (a request on one more: 503).
     head_timeout: float = 10.0
+    body_timeout: float = 30.0
     max_head_bytes: int = 64 << 10
     max_connections: int = 2048
     grace_period: float = 30.0         # seconds in-flight requests get to finish on SIGTERM
@@ -101,6 +103,8 @@ class ServerConfig:
                              f"{self.responses_store_bytes}")
         if not self.head_timeout > 0:
             raise ValueError(f"head_timeout must be > 0, got {self.head_timeout}")
+        if not self.body_timeout > 0:
+            raise ValueError(f"body_timeout must be > 0, got {self.body_timeout}")
         if self.max_head_bytes < 1024:
             raise ValueError(f"max_head_bytes must be >= 1024, got {self.max_head_bytes}")
         if self.max_connections < 1:

@@ -207,6 +207,10 @@ def add_edge_args(s: argparse.ArgumentParser) -> None:
                    help="seconds from accept (or a kept-alive connection's next request's "
                         "first byte) to the end of the request head on the HTTP ports; "
                         "later: closed")
+    s.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds from the end of a request head to the end of its body on "
+                        "the HTTP ports, in all (a body a byte a second is cut too); later: "
+                        "408 and closed")
     s.add_argument("--max-head-bytes", type=int, default=64 << 10,
                    help="request line and headers at most (HTTP ports); larger: 431")
     s.add_argument("--max-connections", type=int, default=2048,
@@ -408,8 +412,9 @@ def server_config(a: argparse.Namespace, sampling_defaults: dict):
         metrics_port=None if a.metrics_port < 0 else a.metrics_port,
         http_port=None if a.http_port < 0 else a.http_port,
         max_waiting=a.max_waiting, max_request_bytes=a.max_request_bytes,
-        head_timeout=a.head_timeout, max_head_bytes=a.max_head_bytes,
-        max_connections=a.max_connections, grace_period=a.grace_period,
+        head_timeout=a.head_timeout, body_timeout=a.body_timeout,
+        max_head_bytes=a.max_head_bytes, max_connections=a.max_connections,
+        grace_period=a.grace_period,
         drain_notice=a.drain_notice, tls_cert=a.tls_cert, tls_key=a.tls_key,
         auth_token=a.auth_token or os.environ.get(TOKEN_ENV) or None,
         metrics_open=a.metrics_open, served_model_names=served_model_names(a),
