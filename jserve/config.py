@@ -48,6 +48,7 @@ def auto_dtype(stored: str, backend: str, what: str = "checkpoint") -> tuple[str
 
 
 CAUSAL_SUFFIX, BASE_SUFFIX = "ForCausalLM", "Model"  # Qwen3ForCausalLM, Qwen3Model
+CLASSIFIER_SUFFIX = "ForSequenceClassification"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +100,10 @@ class ModelConfig:
     # saves embedding models): its tensor names lack ``model.`` and it stores no LM head, so
     # the embedding stands in for one (tied). Only a pooling engine serves it.
     base_model: bool = False
+    # A sequence classifier (``Qwen3ForSequenceClassification``: cross-encoders): its head
+    # ``score`` [num_labels, hidden] reads the last token's final norm, and it stores no LM
+    # head (tied, as a base model). 0: none. Only a pooling engine serves it.
+    num_labels: int = 0
     # Sliding-window attention, one entry per layer (0: full attention): a query at position
     # p reads the keys at positions k with p - window < k <= p (HF's convention). Empty: no
     # layer is windowed.
@@ -182,8 +187,9 @@ class ModelConfig:
         """The HF ``config.json`` form, so an orbax checkpoint directory is self-describing
         (what a family implies by its architecture, like Qwen2's biases, is not written)."""
         d: dict[str, Any] = {
-            "architectures": [BASE_SUFFIX.join(self.architecture.rsplit(CAUSAL_SUFFIX, 1))
-                              if self.base_model else self.architecture],
+            "architectures": [self.architecture.removesuffix(CAUSAL_SUFFIX) + (
+                BASE_SUFFIX if self.base_model else CLASSIFIER_SUFFIX if self.num_labels
+                else CAUSAL_SUFFIX)],
             "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,

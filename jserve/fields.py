@@ -100,6 +100,7 @@ NUMBERS: dict[str, Number] = {
     "top_logprobs": Number(True, 0, MAX_TOKEN_LOGPROBS),
     "prompt_tokens": Number(True, 1, MAX_INT),      # /v1/route/wait
     "dimensions": Number(True, 1, MAX_INT),         # /v1/embeddings (the model bounds it)
+    "top_n": Number(True, 0, MAX_INT),              # /v1/rerank (0: all)
 }
 
 

@@ -22,8 +22,12 @@ from jserve.engine.pooling import (
     EmbeddingOutput,
     EmbeddingRequestOutput,
     PoolingSpec,
+    ScoringOutput,
+    ScoringRequestOutput,
     finish,
+    pairs,
     read_spec,
+    score,
 )
 from jserve.engine.startup import StartupTimes
 from jserve.engine.vllm_names import llm_engine_kwargs, separate_tokenizer
@@ -171,6 +175,8 @@ class LLM:
         (``jserve.engine.pooling``), its first ``dimensions`` entries where the model allows
         shorter ones (Matryoshka). Prompts are checked before any is queued."""
         pooler = self.engine.pooler
+        if self.engine.model_config.num_labels:
+            raise ValueError("this is a cross-encoder (a sequence classifier): call score()")
         if pooler is None:
             raise ValueError("embed() needs an embedding model: LLM(..., runner='pooling')")
         if dimensions is not None:
@@ -183,6 +189,22 @@ class LLM:
         done = self._run(set(ids))
         return [EmbeddingRequestOutput(i, done[i].prompt_token_ids, EmbeddingOutput(
             finish(done[i].embedding, pooler.spec, dimensions).tolist())) for i in ids]
+
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str], *,
+              use_tqdm: bool = True) -> list[ScoringRequestOutput]:
+        """vLLM's ``LLM.score`` on a cross-encoder (a one-label sequence classifier,
+        ``runner="pooling"``): each pair's score (``outputs.score``), one ``text_1`` with
+        each ``text_2`` or each with its own (``pooling.pairs``)."""
+        pooler, cfg = self.engine.pooler, self.engine.model_config
+        if pooler is None or cfg.num_labels != 1:
+            raise ValueError("score() needs a one-label cross-encoder (a "
+                             "*ForSequenceClassification checkpoint) with runner='pooling'")
+        prompts = [self.tokenizer.encode_pair(a, b) for a, b in pairs(text_1, text_2)]
+        groups = self._prepare(prompts, [POOLED] * len(prompts))
+        ids = [self.engine.enqueue(group[0]) for group in groups]
+        done = self._run(set(ids))
+        return [ScoringRequestOutput(i, done[i].prompt_token_ids, ScoringOutput(
+            score(done[i].embedding, pooler.spec))) for i in ids]
 
     def _run(self, wanted: set[str]) -> dict[str, RequestOutput]:
         """Steps the engine until every request in ``wanted`` finished; their outputs."""

@@ -236,6 +236,11 @@ class HFTokenizer:
         # prompt through encode() stopped every stream for the whole 5 to 10 s it took.
         return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
+    def encode_pair(self, first: str, second: str) -> list[int]:
+        """A text pair's ids as the post-processor joins pairs (a cross-encoder's input, as
+        transformers' ``tokenizer(first, second)``)."""
+        return self._tok.encode_batch([(first, second)])[0].ids
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

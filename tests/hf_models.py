@@ -686,3 +686,39 @@ def qwen3_embedding_dir(pooling: str = "lasttoken") -> Path:
     return write_qwen3_embedding_checkpoint(
         _cache_root() / f"qwen3-embedding-{pooling}", pooling,
         [16, 32] if pooling == "lasttoken" else None)
+
+
+def write_qwen3_cross_encoder_checkpoint(out_dir: Path) -> Path:
+    """A random-weight one-label ``Qwen3ForSequenceClassification`` saved by
+    sentence-transformers' ``CrossEncoder`` (activation Sigmoid), with the ChatML tokenizer
+    of ``write_qwen3_embedding_checkpoint`` whose post-processor joins a pair as
+    ``A <|endoftext|> B <|endoftext|>``. Its pad token (which transformers' classifier
+    needs: it pools the last token that is not one) is <|im_start|>, which no input holds,
+    so the last token is pooled, as jserve does."""
+    from sentence_transformers import CrossEncoder
+    src = out_dir.with_name(out_dir.name + "-src")
+    tok = write_chatml_tokenizer(src, [], None)
+    eot = tok.token_to_id("<|endoftext|>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="$A <|endoftext|>", pair="$A <|endoftext|> $B:1 <|endoftext|>:1",
+        special_tokens=[("<|endoftext|>", eot)])
+    tok.save(str(src / "tokenizer.json"))
+    tok_config = json.loads((src / "tokenizer_config.json").read_text())
+    tok_config["pad_token"] = "<|im_start|>"  # what a batch is padded with, too
+    (src / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    n = tok.get_vocab_size(with_added_tokens=True)
+    config = transformers.Qwen3Config(**dict(
+        FAMILY_CONFIGS["qwen3"], vocab_size=(n // 64 + 1) * 64, max_position_embeddings=2048,
+        bos_token_id=None, eos_token_id=eot, pad_token_id=tok.token_to_id("<|im_start|>"),
+        num_labels=1))
+    torch.manual_seed(11)
+    transformers.Qwen3ForSequenceClassification(config).eval().save_pretrained(src)
+    CrossEncoder(str(src), device="cpu").save(str(out_dir))
+    shutil.rmtree(src)
+    return out_dir
+
+
+@functools.cache
+def qwen3_cross_encoder_dir() -> Path:
+    """Process-wide cached ``write_qwen3_cross_encoder_checkpoint``. Read-only."""
+    return write_qwen3_cross_encoder_checkpoint(_cache_root() / "qwen3-cross-encoder")

@@ -17,7 +17,7 @@ import pytest
 
 import conftest
 from conftest import Served
-from hf_models import qwen3_embedding_dir
+from hf_models import qwen3_cross_encoder_dir, qwen3_embedding_dir
 from jserve import LLM
 from jserve.engine.pooling import PoolingSpec, finish, read_spec
 
@@ -206,6 +206,88 @@ def test_fuzzed_embedding_bodies_never_get_a_5xx_and_leave_no_page(served):
             assert len(r.json()["data"]) == n
     run()
     conftest.wait_blocks_free(served.url)
+
+
+# -- cross-encoders: /v1/score, /v1/rerank, LLM.score -----------------------------------------
+QUERY = "what does jax compile"
+DOCS = ["JAX compiles programs with XLA", "a b c", TEXTS[3], "Hello world"]
+
+
+@pytest.fixture(scope="module")
+def cross_encoder():
+    from sentence_transformers import CrossEncoder
+    return CrossEncoder(str(qwen3_cross_encoder_dir()), device="cpu")
+
+
+def test_llm_score_equals_the_cross_encoders(cross_encoder):
+    llm = LLM(str(qwen3_cross_encoder_dir()), runner="pooling", warmup=False,
+              max_num_batched_tokens=8)
+    assert read_spec(qwen3_cross_encoder_dir()) == PoolingSpec("last", False, (), "sigmoid")
+    want = cross_encoder.predict([(QUERY, d) for d in DOCS])
+    got = [o.outputs.score for o in llm.score(QUERY, DOCS)]
+    np.testing.assert_allclose(got, want, atol=TOL)
+    pairwise = [o.outputs.score for o in llm.score(DOCS[:2], DOCS[2:])]
+    np.testing.assert_allclose(pairwise, cross_encoder.predict(list(zip(DOCS[:2], DOCS[2:]))),
+                               atol=TOL)
+    with pytest.raises(ValueError, match="give one text_1"):
+        llm.score(DOCS[:2], DOCS[:3])
+    with pytest.raises(ValueError, match="call score"):
+        llm.embed("a")
+
+
+@pytest.fixture(scope="module")
+def ce_served():
+    s = Served(str(qwen3_cross_encoder_dir()), "--runner", "pooling", "--served-model-name",
+               "ce", "--max-num-batched-tokens", "16")
+    yield s
+    s.close()
+
+
+def test_score_and_rerank_equal_the_cross_encoders(ce_served, cross_encoder):
+    """vLLM's shapes: /v1/score's data in pair order; /v1/rerank's results best first,
+    ``top_n`` of them, as CrossEncoder.rank orders them."""
+    url = ce_served.url
+    want = cross_encoder.predict([(QUERY, d) for d in DOCS])
+    r = httpx.post(url + "/v1/score", timeout=60,
+                   json={"model": "ce", "text_1": QUERY, "text_2": DOCS}).json()
+    assert [d["index"] for d in r["data"]] == list(range(len(DOCS)))
+    np.testing.assert_allclose([d["score"] for d in r["data"]], want, atol=TOL)
+    tok = cross_encoder.tokenizer
+    assert r["usage"]["prompt_tokens"] == sum(len(tok(QUERY, d)["input_ids"]) for d in DOCS)
+    ranked = cross_encoder.rank(QUERY, DOCS, top_k=3)
+    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+        r = httpx.post(url + path, timeout=60, json={"model": "ce", "query": QUERY,
+                                                     "documents": DOCS, "top_n": 3}).json()
+        assert [x["index"] for x in r["results"]] == [x["corpus_id"] for x in ranked]
+        np.testing.assert_allclose([x["relevance_score"] for x in r["results"]],
+                                   [x["score"] for x in ranked], atol=TOL)
+        assert [x["document"]["text"] for x in r["results"]] == [DOCS[x["corpus_id"]]
+                                                                 for x in ranked]
+    bare = httpx.post(url + "/score", timeout=60, json={
+        "model": "ce", "text_1": DOCS[:2], "text_2": DOCS[2:]}).json()
+    np.testing.assert_allclose([d["score"] for d in bare["data"]], cross_encoder.predict(
+        list(zip(DOCS[:2], DOCS[2:]))), atol=TOL)
+    for body, path, field in (
+            ({"text_1": DOCS[:2], "text_2": DOCS[:3]}, "/v1/score", "text_1"),
+            ({"text_1": "a"}, "/v1/score", "text_2"),
+            ({"text_1": "a", "text_2": [3]}, "/v1/score", "text_2"),
+            ({"text_1": "a", "text_2": "a" * 5000}, "/v1/score", "text_2"),
+            ({"query": "a", "documents": []}, "/v1/rerank", "documents"),
+            ({"query": ["a"], "documents": ["b"]}, "/v1/rerank", "query"),
+            ({"query": "a", "documents": ["b"], "top_n": -1}, "/v1/rerank", "top_n"),
+            ({"query": "a", "documents": ["b"], "return_documents": 1}, "/v1/rerank",
+             "return_documents"),
+            ({"input": "a"}, "/v1/embeddings", "model")):
+        r = httpx.post(url + path, json={"model": "ce", **body}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (body, r.text)
+    conftest.wait_blocks_free(url)
+
+
+def test_the_embedding_server_refuses_scores(served):
+    r = httpx.post(served.url + "/v1/score", json={"model": "emb", "text_1": "a",
+                                                   "text_2": "b"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+    assert "not a one-label cross-encoder" in r.json()["error"]["message"]
 
 
 def test_pooling_spec_is_frozen_and_checked():

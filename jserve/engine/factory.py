@@ -10,6 +10,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
+import numpy as np
 
 from jserve import backend as jserve_backend
 from jserve.cache.allocator import PageAllocator, held_pages
@@ -165,10 +166,11 @@ def _pooler(cfg: ModelConfig, config: EngineConfig, geo: Geometry) -> Pooler | N
     """The embeddings' reader of the captured final norm (runner "pooling"), on one device;
     a base-model checkpoint (no LM head) only there."""
     if config.runner != "pooling":
-        if cfg.base_model:
-            raise ValueError(f"this checkpoint is a base model ({cfg.architecture} without "
-                             f"its LM head, as embedding models are saved): serve it with "
-                             f"runner='pooling' (--runner pooling)")
+        if cfg.base_model or cfg.num_labels:
+            kind = "a sequence classifier" if cfg.num_labels else "a base model"
+            raise ValueError(f"this checkpoint is {kind} ({cfg.architecture} without its LM "
+                             f"head, as embedding and cross-encoder models are saved): "
+                             f"serve it with runner='pooling' (--runner pooling)")
         return None
     if geo.mesh_config.size > 1 or jax.process_count() > 1:
         raise ValueError("runner='pooling' runs on one device for now, not on a mesh "
@@ -274,6 +276,8 @@ def build_engine_parts(cfg: ModelConfig, params: Params, config: EngineConfig,
                            (config.burst_steps() if burst_ok else 1,
                             scheduler.swap_policy is not None
                             or host_tier_on(config, mesh_config)))
+    if pooler is not None and cfg.num_labels:  # a classifier's head, read on the host
+        pooler.head = np.asarray(runner.params["score"], np.float32)
     programs = runner.programs
     times.deferred = len(programs.deferred_shapes()) + (programs.samplers_missing() if defer
                                                         else 0)

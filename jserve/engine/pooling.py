@@ -29,6 +29,8 @@ import numpy as np
 from jserve.sampling.params import SamplingParams
 
 MODES = ("last", "mean")
+# A classifier's score of its logit (sentence-transformers' activation_fn class names).
+ACTIVATIONS = {None: None, "sigmoid": "Sigmoid", "identity": "Identity"}
 # sentence-transformers' pooling modes (``pooling_mode``; before 6.0 a flag each,
 # ``pooling_mode_lasttoken``...) -> ours; the others (cls, max, ...) are refused by name.
 _ST_MODES = {"lasttoken": "last", "mean": "mean", "mean_tokens": "mean"}
@@ -54,14 +56,32 @@ class EmbeddingRequestOutput:
 
 
 @dataclasses.dataclass(frozen=True)
+class ScoringOutput:
+    score: float
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoringRequestOutput:
+    """``LLM.score``'s result per pair, in vLLM's shape (``outputs.score``)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
 class PoolingSpec:
     """How an embedding is made of a prompt (vLLM's ``--pooler-config`` fields, lower
     case): ``mode`` last | mean; ``normalize``: to unit L2 norm; ``dimensions``: the sizes
-    ``dimensions`` may ask for (Matryoshka), ``()`` none, ``None`` any."""
+    ``dimensions`` may ask for (Matryoshka), ``()`` none, ``None`` any. A sequence
+    classifier's (cross-encoder's) logit becomes a score by ``activation``: sigmoid |
+    identity (sentence-transformers' ``activation_fn``; None: not a classifier)."""
 
     mode: str = "last"
     normalize: bool = True
     dimensions: tuple[int, ...] | None = ()
+    activation: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -70,14 +90,18 @@ class PoolingSpec:
             raise ValueError(f"pooling normalize must be a bool, got {self.normalize!r}")
         if self.dimensions is not None:
             object.__setattr__(self, "dimensions", tuple(self.dimensions))
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"pooling activation must be one of {list(ACTIVATIONS)}, got "
+                             f"{self.activation!r}")
 
     @classmethod
     def of(cls, value: PoolingSpec | dict) -> PoolingSpec:
         if isinstance(value, PoolingSpec):
             return value
-        if not isinstance(value, dict) or set(value) - {"mode", "normalize", "dimensions"}:
-            raise ValueError(f"pooler_config takes mode, normalize and dimensions, got "
-                             f"{value!r}")
+        if not isinstance(value, dict) or set(value) - {f.name for f in dataclasses.fields(
+                cls)}:
+            raise ValueError(f"pooler_config takes mode, normalize, dimensions and "
+                             f"activation, got {value!r}")
         return cls(**value)
 
     def check_dimensions(self, dimensions: int, hidden: int) -> str | None:
@@ -110,9 +134,44 @@ def read_spec(model_dir: Path | None) -> PoolingSpec:
                 (model_dir / pooling["path"] / "config.json").read_text()))
     config = model_dir / "config.json"
     hf = json.loads(config.read_text()) if config.exists() else {}
+    if any(a.endswith("ForSequenceClassification") for a in hf.get("architectures") or ()):
+        return PoolingSpec("last", False, (), _activation(model_dir))  # HF's: the last token
     dims = hf.get("matryoshka_dimensions")
     dimensions = tuple(dims) if dims else (None if hf.get("is_matryoshka") else ())
     return PoolingSpec(mode, normalize, dimensions)
+
+
+def _activation(model_dir: Path) -> str:
+    """A cross-encoder's activation (``config_sentence_transformers.json``'s
+    ``activation_fn``; sigmoid without one, sentence-transformers' and vLLM's default for one
+    label)."""
+    st = model_dir / "config_sentence_transformers.json"
+    name = json.loads(st.read_text()).get("activation_fn") if st.exists() else None
+    if name is None:
+        return "sigmoid"
+    ours = {v: k for k, v in ACTIVATIONS.items()}.get(name.rsplit(".", 1)[-1])
+    if ours is None:
+        raise ValueError(f"{model_dir}: activation_fn {name} is not supported by jserve "
+                         f"(Sigmoid or Identity)")
+    return ours
+
+
+def score(logits: np.ndarray, spec: PoolingSpec) -> float:
+    """A one-label classifier's score of its logits (``spec.activation``)."""
+    x = float(logits[0])
+    return 1.0 / (1.0 + np.exp(-x)) if spec.activation == "sigmoid" else x
+
+
+def pairs(first: str | list[str], second: str | list[str]) -> list[tuple[str, str]]:
+    """vLLM's score pairing: one with one, one with each, or each with its own."""
+    a = [first] if isinstance(first, str) else list(first)
+    b = [second] if isinstance(second, str) else list(second)
+    if len(a) == 1:
+        return [(a[0], x) for x in b]
+    if len(a) != len(b):
+        raise ValueError(f"text_1 has {len(a)} texts and text_2 {len(b)}: give one text_1, "
+                         f"or as many as text_2")
+    return list(zip(a, b))
 
 
 def _st_mode(model_dir: Path, st: dict) -> str:
@@ -149,6 +208,9 @@ class Pooler:
     def __init__(self, spec: PoolingSpec, num_layers: int):
         self.spec = spec
         self.layer = num_layers  # the capture layer of the final norm's output
+        # A sequence classifier's head [num_labels, hidden] (``ModelConfig.num_labels``):
+        # the vector is then its logits of the last token's state.
+        self.head: np.ndarray | None = None
         self._sum: dict[str, np.ndarray] = {}
         self._count: dict[str, int] = {}
 
@@ -174,8 +236,9 @@ class Pooler:
                     self._sum[rid] = self._sum.get(rid, 0.0) + sums[bd + j]
                     self._count[rid] = self._count.get(rid, 0) + n
             if end >= req.num_prompt_tokens:
-                req.payload.embedding = (self._sum.pop(rid) / self._count.pop(rid) if mean
-                                         else rows[sampled[rid]].copy())
+                v = (self._sum.pop(rid) / self._count.pop(rid) if mean
+                     else rows[sampled[rid]].copy())
+                req.payload.embedding = v if self.head is None else self.head @ v
 
     def forget(self, request_id: str) -> None:
         self._sum.pop(request_id, None)

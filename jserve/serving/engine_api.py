@@ -81,6 +81,7 @@ class EngineInfo:
     # and generates nothing; None: a generating engine
     pooling: PoolingSpec | None = None
     hidden_size: int = 0    # the embeddings' size
+    num_labels: int = 0     # a sequence classifier's (cross-encoder's) labels; 0: none
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,6 +15,7 @@ from typing import Any
 from starlette import responses
 
 from jserve import fields
+from jserve.engine import pooling
 from jserve.sampling.params import SamplingParams
 from jserve.sampling.structured import STRUCTURED_KINDS, StructuredOutput
 from jserve.serving import engine_api as el
@@ -68,6 +69,10 @@ DETOKENIZE_PARAMS = {"model", "tokens"}
 # /v1/embeddings (OpenAI's fields, and the SLO fields every engine request takes).
 EMBEDDINGS_PARAMS = {"model", "input", "encoding_format", "dimensions", "user", "ttft_slo",
                      "priority"}
+# vLLM's /v1/score and /v1/rerank (cross-encoders).
+SCORE_PARAMS = {"model", "text_1", "text_2", "user", "ttft_slo", "priority"}
+RERANK_PARAMS = {"model", "query", "documents", "top_n", "return_documents", "user",
+                 "ttft_slo", "priority"}
 STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
 _NEUTRAL = {"suffix": (None, ""), **_ROUTER_FILLED, **_CHAT_ROUTER_FILLED}
 # Why a field is accepted only at its neutral value (the 400's message says it).
@@ -292,6 +297,68 @@ def parse_embeddings(body: Any, max_choices: int) -> Embed:
         _kind_check(body, "user", isinstance(body["user"], str), "a string")
     return Embed(body["model"], inputs, fmt == "base64", _number(body, "dimensions"),
                  _number(body, "ttft_slo"), _number(body, "priority", 0))
+
+
+@dataclasses.dataclass(frozen=True)
+class Score:
+    """A ``/v1/score`` or ``/v1/rerank`` body: the text pairs a cross-encoder scores."""
+
+    model: str
+    pairs: list[tuple[str, str]]
+    field: str                  # where a pair's refusal points: text_2 or documents
+    ttft_slo: float | None
+    priority: int
+    top_n: int | None = None    # rerank: the best this many (None: all)
+    documents: bool = True      # rerank: each result carries its document's text
+
+
+def _texts(body: dict, field: str, one: bool = False) -> list[str]:
+    v = body.get(field)
+    ok = isinstance(v, str) if one else (
+        isinstance(v, str) or (isinstance(v, list) and v and all(isinstance(x, str)
+                                                                 for x in v)))
+    if not ok:
+        raise BadField(field, f"{field} must be a string" + ("" if one else
+                                                             " or a non-empty list of them"))
+    return [v] if isinstance(v, str) else list(v)
+
+
+def _scored(body: dict, pairs: list, field: str, max_choices: int, **extra) -> Score:
+    if "model" not in body:
+        raise BadField("model", "model is required")
+    if len(pairs) > max_choices:
+        raise BadField(field, f"{len(pairs)} pairs are over this server's limit of "
+                              f"{max_choices} per request")
+    if "user" in body:
+        _kind_check(body, "user", isinstance(body["user"], str), "a string")
+    return Score(body["model"], pairs, field, _number(body, "ttft_slo"),
+                 _number(body, "priority", 0), **extra)
+
+
+def parse_score(body: Any, max_choices: int) -> Score:
+    """vLLM's ``/v1/score``: ``text_1`` with each ``text_2``, or each with its own."""
+    body = _object(body, SCORE_PARAMS)
+    try:
+        pairs = pooling.pairs(_texts(body, "text_1"), _texts(body, "text_2"))
+    except ValueError as e:
+        raise BadField("text_1", str(e)) from None
+    return _scored(body, pairs, "text_2", max_choices)
+
+
+def parse_rerank(body: Any, max_choices: int) -> Score:
+    """vLLM's (and Cohere's) ``/v1/rerank``: ``query`` scored with each of ``documents``."""
+    body = _object(body, RERANK_PARAMS)
+    query = _texts(body, "query", one=True)[0]
+    documents = body.get("documents")
+    if not (isinstance(documents, list) and documents and all(
+            isinstance(d, str) for d in documents)):
+        raise BadField("documents", "documents must be a non-empty list of strings")
+    top_n = _number(body, "top_n") if "top_n" in body else None
+    if "return_documents" in body:
+        _kind_check(body, "return_documents", isinstance(body["return_documents"], bool),
+                    "a bool")
+    return _scored(body, [(query, d) for d in documents], "documents", max_choices,
+                   top_n=top_n or None, documents=body.get("return_documents", True))
 
 
 def parse_detokenize(body: Any) -> list[int]:

@@ -56,7 +56,8 @@ class LiveEngine(EngineLoop):
             max_num_seqs=cfg.max_num_seqs, prefix_caching=alloc.prefix_caching,
             lone_decode_s=lone_decode_s(engine.predictor),
             pooling=cfg.pooler_config if engine.pooler is not None else None,
-            hidden_size=engine.model_config.hidden_size)
+            hidden_size=engine.model_config.hidden_size,
+            num_labels=engine.model_config.num_labels)
         self._isolated = isolated_prefill(engine.scheduler)
         self._table: PrefillTable | None = None
         self._predictor: RuntimePredictor | None = None  # with the table: the reports'

@@ -14,7 +14,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from jserve.config import BASE_SUFFIX, CAUSAL_SUFFIX, ModelConfig, hf_config_fields
+from jserve.config import (
+    BASE_SUFFIX,
+    CAUSAL_SUFFIX,
+    CLASSIFIER_SUFFIX,
+    ModelConfig,
+    hf_config_fields,
+)
 from jserve.model.families import (
     gemma3,
     gpt_oss,
@@ -53,18 +59,23 @@ def read_config(hf: dict[str, Any], dtype: str | None = None,
     """The model config of a ``config.json`` dict: the fields every family shares
     (``jserve.config.hf_config_fields``; ``dtype`` and ``quantization`` as there) and its
     family's own. No ``architectures`` reads as Llama. A family's base model (``Qwen3Model``:
-    no LM head, tensor names without ``model.``) reads as the family with ``base_model``."""
+    no LM head, tensor names without ``model.``) reads as the family with ``base_model``, its
+    sequence classifier (``Qwen3ForSequenceClassification``) with ``num_labels``."""
     archs = hf.get("architectures") or ["LlamaForCausalLM"]
-    causal = {a: a[:-len(BASE_SUFFIX)] + CAUSAL_SUFFIX if a.endswith(BASE_SUFFIX) else a
-              for a in archs}
+    causal = {a: next((a.removesuffix(s) + CAUSAL_SUFFIX for s in (BASE_SUFFIX,
+                                                                  CLASSIFIER_SUFFIX)
+                       if a.endswith(s) and not a.endswith(CAUSAL_SUFFIX)), a) for a in archs}
     arch = next((a for a in archs if causal[a] in BY_ARCHITECTURE), None)
     if arch is None:
         raise _unsupported(archs)
-    family, base = BY_ARCHITECTURE[causal[arch]], causal[arch] != arch
+    family = BY_ARCHITECTURE[causal[arch]]
+    base, classifier = arch.endswith(BASE_SUFFIX), arch.endswith(CLASSIFIER_SUFFIX)
     # The family's fields win: a family may read a shared one its own way (Gemma 3's RoPE).
     fields = {**hf_config_fields(hf, dtype, quantization), **family.read_config(hf)}
-    if base:
-        fields["tie_word_embeddings"] = True  # no head stored: the embedding stands in
+    if base or classifier:
+        fields["tie_word_embeddings"] = True  # no LM head stored: the embedding stands in
+    if classifier:  # transformers' default is 2 labels
+        fields["num_labels"] = int(hf.get("num_labels") or len(hf.get("id2label") or ()) or 2)
     return ModelConfig(**fields, architecture=causal[arch], model_type=family.model_type,
                        base_model=base)
 

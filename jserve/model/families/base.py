@@ -49,6 +49,8 @@ def hf_top_tensors(cfg: ModelConfig) -> dict[str, Tensor]:
            "final_norm": Tensor("model.norm.weight", (d,))}
     if not cfg.tie_word_embeddings:
         top["lm_head"] = Tensor("lm_head.weight", (v, d))
+    if cfg.num_labels:  # a sequence classifier's head, as HF stores it
+        top["score"] = Tensor("score.weight", (cfg.num_labels, d))
     return top
 
 
