@@ -646,12 +646,14 @@ def qwen3_thinking_dir() -> Path:
 
 # -- embedding checkpoints, written by sentence-transformers -----------------------------------
 def write_qwen3_embedding_checkpoint(out_dir: Path, pooling: str = "lasttoken",
-                                     matryoshka: list[int] | None = None) -> Path:
+                                     matryoshka: list[int] | None = None,
+                                     **sizes) -> Path:
     """A random-weight ``Qwen3Model`` (FAMILY_CONFIGS' shape) saved by sentence-transformers
     as Qwen3-Embedding is: Transformer, Pooling (``pooling``), Normalize; a trained ChatML
     tokenizer whose post-processor ends every input with <|endoftext|> (Qwen3-Embedding's
     last-token pooling reads it) and no chat template (so sentence-transformers encodes
-    plain text). ``matryoshka``: config.json's ``matryoshka_dimensions``."""
+    plain text). ``matryoshka``: config.json's ``matryoshka_dimensions``; ``sizes``: Qwen3Config
+    fields over FAMILY_CONFIGS' (scripts/bench_embeddings.py's larger model)."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import (
         Normalize,
@@ -668,7 +670,7 @@ def write_qwen3_embedding_checkpoint(out_dir: Path, pooling: str = "lasttoken",
     extra = {"matryoshka_dimensions": matryoshka} if matryoshka else {}
     config = transformers.Qwen3Config(**dict(
         FAMILY_CONFIGS["qwen3"], vocab_size=(n // 64 + 1) * 64, max_position_embeddings=2048,
-        bos_token_id=None, eos_token_id=eot, **extra))
+        bos_token_id=None, eos_token_id=eot, **extra, **sizes))
     torch.manual_seed(7)
     transformers.Qwen3Model(config).eval().save_pretrained(src)
     module = Transformer(str(src))

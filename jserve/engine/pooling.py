@@ -46,28 +46,27 @@ class EmbeddingOutput:
 
 
 @dataclasses.dataclass(frozen=True)
-class EmbeddingRequestOutput:
-    """``LLM.embed``'s result per prompt, in vLLM's shape (``outputs.embedding``)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    outputs: EmbeddingOutput
-    finished: bool = True
-
-
-@dataclasses.dataclass(frozen=True)
 class ScoringOutput:
     score: float
 
 
 @dataclasses.dataclass(frozen=True)
-class ScoringRequestOutput:
-    """``LLM.score``'s result per pair, in vLLM's shape (``outputs.score``)."""
+class PoolingRequestOutput:
+    """A pooled prompt's result, in vLLM's shape: ``outputs`` an ``EmbeddingOutput``
+    (``LLM.embed``) or a ``ScoringOutput`` (``LLM.score``)."""
 
     request_id: str
     prompt_token_ids: list[int]
-    outputs: ScoringOutput
+    outputs: EmbeddingOutput | ScoringOutput
     finished: bool = True
+
+
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    """``LLM.embed``'s, per prompt (``outputs.embedding``)."""
+
+
+class ScoringRequestOutput(PoolingRequestOutput):
+    """``LLM.score``'s, per pair (``outputs.score``)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -226,7 +226,7 @@ class Tokenize:
     tools: list[dict] | None
 
 
-def _object(body: Any, allowed: set[str]) -> dict:
+def body_object(body: Any, allowed: set[str]) -> dict:
     """A body as an object of known fields (nulls dropped), or ``BadField``."""
     if not isinstance(body, dict):
         raise BadField(None, "the request body must be a JSON object")
@@ -240,7 +240,7 @@ def _object(body: Any, allowed: set[str]) -> dict:
 
 
 def parse_tokenize(body: Any) -> Tokenize:
-    body = _object(body, TOKENIZE_PARAMS)
+    body = body_object(body, TOKENIZE_PARAMS)
     if ("prompt" in body) == ("messages" in body):
         raise BadField("prompt", "give prompt (a text) or messages (a chat): one of them")
     for field in ("add_special_tokens", "return_token_strs"):
@@ -276,7 +276,7 @@ class Embed:
 def parse_embeddings(body: Any, max_choices: int) -> Embed:
     """A ``/v1/embeddings`` body; ``BadField`` naming the field. ``input``: a text, token ids,
     or a list of either, at most ``max_choices`` of them (each is one engine request)."""
-    body = _object(body, EMBEDDINGS_PARAMS)
+    body = body_object(body, EMBEDDINGS_PARAMS)
     if "model" not in body:
         raise BadField("model", "model is required")
     try:
@@ -337,7 +337,7 @@ def _scored(body: dict, pairs: list, field: str, max_choices: int, **extra) -> S
 
 def parse_score(body: Any, max_choices: int) -> Score:
     """vLLM's ``/v1/score``: ``text_1`` with each ``text_2``, or each with its own."""
-    body = _object(body, SCORE_PARAMS)
+    body = body_object(body, SCORE_PARAMS)
     try:
         pairs = pooling.pairs(_texts(body, "text_1"), _texts(body, "text_2"))
     except ValueError as e:
@@ -347,7 +347,7 @@ def parse_score(body: Any, max_choices: int) -> Score:
 
 def parse_rerank(body: Any, max_choices: int) -> Score:
     """vLLM's (and Cohere's) ``/v1/rerank``: ``query`` scored with each of ``documents``."""
-    body = _object(body, RERANK_PARAMS)
+    body = body_object(body, RERANK_PARAMS)
     query = _texts(body, "query", one=True)[0]
     documents = body.get("documents")
     if not (isinstance(documents, list) and documents and all(
@@ -363,7 +363,7 @@ def parse_rerank(body: Any, max_choices: int) -> Score:
 
 def parse_detokenize(body: Any) -> list[int]:
     """A ``/detokenize`` body's ``tokens``."""
-    body = _object(body, DETOKENIZE_PARAMS)
+    body = body_object(body, DETOKENIZE_PARAMS)
     tokens = body.get("tokens")
     if not (isinstance(tokens, list) and all(
             isinstance(t, int) and not isinstance(t, bool) for t in tokens)):

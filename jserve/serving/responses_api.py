@@ -24,7 +24,7 @@ import secrets
 import threading
 import time
 
-from jserve.serving.http_protocol import _SAMPLING, BadField
+from jserve.serving.http_protocol import _SAMPLING, BadField, body_object
 
 # The Responses fields read here, and jserve's extras (the chat endpoint's sampling and SLO
 # fields, as ``extra_body``).
@@ -135,12 +135,7 @@ class Asked:
 def to_chat(body, store: ResponseStore) -> tuple[dict, Asked]:
     """A Responses body -> the chat completion body it means, and what else it asked;
     ``BadField`` naming the Responses field."""
-    if not isinstance(body, dict):
-        raise BadField(None, "the request body must be a JSON object")
-    unknown = sorted(set(body) - FIELDS)
-    if unknown:
-        raise BadField(unknown[0], f"{unknown[0]} is not supported by jserve")
-    body = {k: v for k, v in body.items() if v is not None}
+    body = body_object(body, FIELDS)
     for field, ok in _NEUTRAL.items():
         if field in body and body[field] not in ok:
             raise BadField(field, f"{field}={body[field]!r} is not supported by jserve "
