@@ -18,7 +18,7 @@ import pytest
 import conftest
 from conftest import Served
 from hf_models import qwen3_cross_encoder_dir, qwen3_embedding_dir
-from jserve import LLM
+from jserve import LLM, SamplingParams
 from jserve.engine.pooling import PoolingSpec, finish, read_spec
 
 TEXTS = ["Hello world",
@@ -171,6 +171,11 @@ def test_an_embedding_server_refuses_generation_and_a_generating_one_embeddings(
         r = httpx.post(served.url + path, json={"model": "emb", **body}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
         assert "/v1/embeddings" in r.json()["error"]["message"]
+    from jserve.client import Client
+    with Client(served.target) as grpc_client:  # gRPC Generate too
+        with pytest.raises(Exception, match="embedding model") as e:
+            grpc_client.generate("a", SamplingParams(max_tokens=1))
+        assert "INVALID_ARGUMENT" in repr(e.value)
     from jserve.serving.app import BackgroundServer, ServerConfig
     from jserve.serving.fake_engine import FakeEngine
     fake = BackgroundServer(FakeEngine(), ServerConfig(port=0, metrics_port=None, http_port=0))

@@ -251,6 +251,10 @@ class GrpcServer:
         if isinstance(request, _BadMessage):
             raise Rejected(request.kind, request.reason)
         gw.check_open()
+        if gw.engine.info.pooling is not None:
+            raise Rejected(el.INVALID, "this server runs an embedding model (--runner "
+                                       "pooling): Generate has nothing to generate; use the "
+                                       "HTTP API's /v1/embeddings")
         try:
             parsed = parse_request(request, self.config.sampling_defaults)
         except FieldError as e:
