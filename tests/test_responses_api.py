@@ -134,7 +134,7 @@ def test_a_previous_response_continues_its_conversation_without_its_instructions
     items = ra.output_items({"role": "assistant", "content": "Hello.", "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
         "stop")
-    r = ra.response("resp_1", "m", asked, 0, "completed", items, ra.usage(3, 2))
+    r = ra.response("resp_1", "m", asked, 0, "completed", items, ra.usage(3, 2, 0))
     assert [it["type"] for it in items] == ["message", "function_call"]
     assert store.put(r, asked.conversation + [ra.reply_message(items)])
     chat, _ = _chat({"input": [{"type": "function_call_output", "call_id": "c1",
@@ -271,6 +271,10 @@ def test_a_response_is_the_chat_reply_to_the_same_messages(client, stream):
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert r.instructions == "Be brief." and r.max_output_tokens == 12 and r.store
     assert [o.type for o in r.output] == ["message"] and r.id.startswith("resp_")
+    again = client.responses.create(**kw) if not stream else _streamed(client, **kw)[0]
+    assert again.output_text == r.output_text  # its prompt's full pages now cached:
+    cached = again.usage.input_tokens_details.cached_tokens
+    assert cached == (r.usage.input_tokens - 1) // 16 * 16 and cached > 0, again.usage
 
 
 @pytest.mark.parametrize("stream", [False, True])

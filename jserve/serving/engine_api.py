@@ -46,6 +46,7 @@ class Delta:
     error: tuple[str, str] | None = None    # (kind, message)
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0                  # of the prompt, taken from the prefix cache
     timings: dict[str, float] | None = None
     # ``prompt_logprobs`` asked: the first delta's (entry i: prompt token i's; the first None)
     prompt_logprobs: list[TokenLogprob | None] | None = None

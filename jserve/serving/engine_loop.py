@@ -375,6 +375,7 @@ class EngineLoop(abc.ABC):
                 delta.finish_reason = o.finish_reason
                 delta.embedding = o.embedding
                 delta.prompt_tokens = lv.prompt_tokens
+                delta.cached_tokens = o.metrics.cached_tokens
                 delta.completion_tokens = lv.sent_tokens
                 delta.timings = _timings(o)
                 if m is not None:

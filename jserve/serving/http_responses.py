@@ -43,6 +43,7 @@ class Choice:
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt, from the prefix cache (known at the end)
     # The prompt, for echo and prompt_logprobs (``http_echo``): its text when it came as
     # text, its ids, and its logprobs once the engine sends them (with the first tokens).
     prompt: str | None = None
@@ -336,7 +337,7 @@ def apply_deltas(c: Choice, deltas: list[el.Delta]) -> None:
         c.logprobs += d.logprobs
         if d.finish_reason is not None:
             c.finish_reason = d.finish_reason
-            c.prompt_tokens = d.prompt_tokens
+            c.prompt_tokens, c.cached_tokens = d.prompt_tokens, d.cached_tokens
 
 
 

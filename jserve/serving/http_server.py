@@ -564,7 +564,7 @@ class OpenAIServer:
         """The finished Response (kept in the store when asked)."""
         status = "incomplete" if c.finish_reason == "length" else "completed"
         out = ra.response(fmt.rid, self.model, asked, fmt.created, status, items,
-                          ra.usage(c.prompt_tokens, len(c.token_ids)))
+                          ra.usage(c.prompt_tokens, len(c.token_ids), c.cached_tokens))
         if asked.store and not self.responses.put(
                 out, asked.conversation + [ra.reply_message(items)]):
             out["store"] = False  # over the store's bound alone

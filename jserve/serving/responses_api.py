@@ -331,9 +331,10 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(12)}"
 
 
-def usage(prompt_tokens: int, output_tokens: int) -> dict:
+def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int) -> dict:
     return {"input_tokens": prompt_tokens, "output_tokens": output_tokens,
-            "total_tokens": prompt_tokens + output_tokens}
+            "total_tokens": prompt_tokens + output_tokens,
+            "input_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def output_items(message: dict, finish_reason: str | None) -> list[dict]:
