@@ -281,6 +281,13 @@ def embeddings_body():
 
 POSTS = {"/v1/completions": _body("completions"), "/v1/chat/completions": _body("chat"),
          "/v1/responses": _responses_body(), "/v1/embeddings": embeddings_body(),
+         "/v1/score": st.fixed_dictionaries({"model": st.just("default") | JSON}, optional={
+             "text_1": st.just("a") | JSON, "text_2": st.lists(st.text(max_size=4),
+                                                               max_size=3) | JSON}),
+         "/v1/rerank": st.fixed_dictionaries({"model": st.just("default") | JSON}, optional={
+             "query": st.just("a") | JSON, "documents": st.lists(st.text(max_size=4),
+                                                                 max_size=3) | JSON,
+             "top_n": NUMBER, "return_documents": JSON}),
          "/v1/route/wait": st.fixed_dictionaries({}, optional={
              "prompt": _value("prompt"), "prompt_tokens": NUMBER, "ttft_slo": NUMBER}) | JSON}
 GETS = ("/v1/models", "/health", "/metrics", "/get_load", "/v1/loads", "/get_model_info",
