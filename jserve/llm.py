@@ -17,7 +17,10 @@ from jserve.engine.config import EngineConfig
 from jserve.engine.engine import LLMEngine
 from jserve.engine.intake import PreparedRequest
 from jserve.engine.output import RequestOutput
-from jserve.engine.pooling import (
+from jserve.engine.startup import StartupTimes
+from jserve.engine.vllm_names import llm_engine_kwargs, separate_tokenizer
+from jserve.model.weights import load_model, model_dir
+from jserve.pooling import (
     POOLED,
     EmbeddingOutput,
     EmbeddingRequestOutput,
@@ -29,9 +32,6 @@ from jserve.engine.pooling import (
     read_spec,
     score,
 )
-from jserve.engine.startup import StartupTimes
-from jserve.engine.vllm_names import llm_engine_kwargs, separate_tokenizer
-from jserve.model.weights import load_model, model_dir
 from jserve.probe.length_probe import default_probe_path
 from jserve.sampling.generation_config import generation_defaults
 from jserve.sampling.params import SamplingParams
@@ -172,7 +172,7 @@ class LLM:
               use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
         """vLLM's ``LLM.embed`` (``runner="pooling"``): each prompt's embedding
         (``outputs.embedding``), pooled and normalized as the checkpoint says
-        (``jserve.engine.pooling``), its first ``dimensions`` entries where the model allows
+        (``jserve.pooling``), its first ``dimensions`` entries where the model allows
         shorter ones (Matryoshka). Prompts are checked before any is queued."""
         pooler = self.engine.pooler
         if self.engine.model_config.num_labels:

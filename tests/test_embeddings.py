@@ -19,7 +19,7 @@ import conftest
 from conftest import Served
 from hf_models import qwen3_cross_encoder_dir, qwen3_embedding_dir
 from jserve import LLM, SamplingParams
-from jserve.engine.pooling import PoolingSpec, finish, read_spec
+from jserve.pooling import PoolingSpec, finish, read_spec
 
 TEXTS = ["Hello world",
          "JAX compiles numerical programs with XLA for accelerators, one step at a time.",

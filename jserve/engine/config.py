@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from jserve.config import KV_CACHE_DTYPES
-from jserve.engine.pooling import PoolingSpec
+from jserve.pooling import PoolingSpec
 from jserve.speculative.config import SpeculativeConfig
 from sharding.mesh import MeshConfig
 

@@ -112,7 +112,7 @@ class RequestOutput:
                                                                            repr=False)
     stop_reason: int | str | None = None  # the stop token id or string that ended it
     # runner "pooling": the prompt's pooled vector (float32 [hidden], before ``dimensions``
-    # and normalization: ``jserve.engine.pooling.finish``)
+    # and normalization: ``jserve.pooling.finish``)
     embedding: np.ndarray | None = dataclasses.field(default=None, repr=False)
     _tokenizer: Tokenizer | None = dataclasses.field(default=None, repr=False)
     _more: tuple[RequestOutput, ...] = dataclasses.field(default=(), repr=False)  # n > 1

@@ -24,7 +24,7 @@ from jserve.tokenizer import Tokenizer
 if TYPE_CHECKING:
     import numpy as np
 
-    from jserve.engine.pooling import PoolingSpec
+    from jserve.pooling import PoolingSpec
     from jserve.serving.metrics import ServerMetrics
 
 # Error kinds a stream can end with (the front ends map them to gRPC and HTTP statuses).
@@ -51,7 +51,7 @@ class Delta:
     # ``prompt_logprobs`` asked: the first delta's (entry i: prompt token i's; the first None)
     prompt_logprobs: list[TokenLogprob | None] | None = None
     # A pooling engine's: the prompt's pooled vector, on the last delta
-    # (``jserve.engine.pooling``: raw, before ``dimensions`` and normalization)
+    # (``jserve.pooling``: raw, before ``dimensions`` and normalization)
     embedding: np.ndarray | None = None
 
     @property
@@ -78,7 +78,7 @@ class EngineInfo:
     max_num_seqs: int
     prefix_caching: bool
     lone_decode_s: float    # predicted time of a step with one decode: the floor of tpot_slo
-    # runner "pooling" (``jserve.engine.pooling.PoolingSpec``): the engine makes embeddings
+    # runner "pooling" (``jserve.pooling.PoolingSpec``): the engine makes embeddings
     # and generates nothing; None: a generating engine
     pooling: PoolingSpec | None = None
     hidden_size: int = 0    # the embeddings' size

@@ -14,8 +14,7 @@ from typing import Any
 
 from starlette import responses
 
-from jserve import fields
-from jserve.engine import pooling
+from jserve import fields, pooling
 from jserve.sampling.params import SamplingParams
 from jserve.sampling.structured import STRUCTURED_KINDS, StructuredOutput
 from jserve.serving import engine_api as el

@@ -41,8 +41,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from jserve import __version__, fields
-from jserve.engine.pooling import POOLED, finish, score
 from jserve.lengths import context_room
+from jserve.pooling import POOLED, finish, score
 from jserve.sampling.generation_config import capped
 from jserve.sampling.params import SamplingParams
 from jserve.serving import engine_api as el, responses_api as ra
@@ -570,7 +570,7 @@ class OpenAIServer:
             out["store"] = False  # over the store's bound alone
         return out
 
-    # -- a pooling engine's endpoints (jserve.engine.pooling) ------------------------------
+    # -- a pooling engine's endpoints (jserve.pooling) -------------------------------------
     async def _embeddings(self, request: Request) -> Response:
         """``POST /v1/embeddings``: each input one engine request (its prefill only)."""
         return await self._pooled(request, self._admit_embeddings, self._embedded)
