@@ -186,6 +186,22 @@ class EngineConfig:
         # (docs/device.md, "Compiled for"); the indexed loop reads them in place
         return "indexed" if backend in ("gpu", "tpu") else "loop"
 
+    def _check_runner(self) -> None:
+        """``runner`` and ``pooler_config`` (made a ``PoolingSpec``), and what pooling
+        cannot go with."""
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
+        if self.runner == "pooling":
+            object.__setattr__(self, "pooler_config",
+                               PoolingSpec.of(self.pooler_config or PoolingSpec()))
+            for name, why in (("length_probe", self.length_probe or self.probe_layer),
+                              ("speculative_config", self.speculative_config)):
+                if why is not None:
+                    raise ValueError(f"{name} is not supported with runner='pooling' "
+                                     f"(nothing is generated)")
+        elif self.pooler_config is not None:
+            raise ValueError("pooler_config needs runner='pooling'")
+
     def __post_init__(self) -> None:
         if isinstance(self.warmup, bool):
             object.__setattr__(self, "warmup", "all" if self.warmup else "none")
@@ -236,17 +252,6 @@ class EngineConfig:
             raise ValueError(f"sprpt_c must be >= 0, got {self.sprpt_c}")
         if self.probe_layer is not None and self.probe_layer < 0:
             raise ValueError(f"probe_layer must be >= 0, got {self.probe_layer}")
-        if self.runner not in RUNNERS:
-            raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
-        if self.runner == "pooling":
-            object.__setattr__(self, "pooler_config",
-                               PoolingSpec.of(self.pooler_config or PoolingSpec()))
-            for name, why in (("length_probe", self.length_probe or self.probe_layer),
-                              ("speculative_config", spec)):
-                if why is not None:
-                    raise ValueError(f"{name} is not supported with runner='pooling' "
-                                     f"(nothing is generated)")
-        elif self.pooler_config is not None:
-            raise ValueError("pooler_config needs runner='pooling'")
+        self._check_runner()
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

@@ -178,6 +178,18 @@ def _pooler(cfg: ModelConfig, config: EngineConfig, geo: Geometry) -> Pooler | N
     return Pooler(config.pooler_config, cfg.num_hidden_layers)
 
 
+def _prefix_caching(config: EngineConfig, tracker: LengthTracker | None,
+                    pooler: Pooler | None) -> bool:
+    """Prefix caching as configured, but off where every prompt token must go through the
+    model: a length probe, mean pooling."""
+    on = config.enable_prefix_caching and tracker is None and not (
+        pooler is not None and pooler.spec.mode == "mean")
+    if config.enable_prefix_caching and not on:
+        log.info("prefix caching is off: not supported with a length probe or mean pooling "
+                 "(every prompt token must go through the model)")
+    return on
+
+
 def _num_kv_pages(cfg: ModelConfig, config: EngineConfig, geo: Geometry) -> int:
     """One kvp group's pool per device, sized by the heads a device stores under tp and the
     layers of its pipeline stage; a sequence keeps at most ``pages_per_group`` pages in one
@@ -254,11 +266,7 @@ def build_engine_parts(cfg: ModelConfig, params: Params, config: EngineConfig,
     tracker = length_tracker(cfg, config)
     pooler = _pooler(cfg, config, geo)
     capture = tracker or pooler  # what the step captures its hidden states for
-    prefix_caching = config.enable_prefix_caching and tracker is None and not (
-        pooler is not None and pooler.spec.mode == "mean")
-    if config.enable_prefix_caching and not prefix_caching:
-        log.info("prefix caching is off: not supported with a length probe or mean pooling "
-                 "(every prompt token must go through the model)")
+    prefix_caching = _prefix_caching(config, tracker, pooler)
     allocator = groups.allocator(config.page_size, prefix_caching, geo.max_chunk) if groups \
         else PageAllocator(num_pages, config.page_size, groups=mesh_config.kvp,
                            pages_per_group=buckets.pages_per_group,

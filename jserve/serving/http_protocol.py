@@ -14,7 +14,7 @@ from typing import Any
 
 from starlette import responses
 
-from jserve import fields, pooling
+from jserve import fields
 from jserve.sampling.params import SamplingParams
 from jserve.sampling.structured import STRUCTURED_KINDS, StructuredOutput
 from jserve.serving import engine_api as el
@@ -65,13 +65,6 @@ PARAMS = {
 TOKENIZE_PARAMS = {"model", "prompt", "messages", "add_special_tokens", "tools",
                    "return_token_strs", *_CHAT_TEMPLATE}
 DETOKENIZE_PARAMS = {"model", "tokens"}
-# /v1/embeddings (OpenAI's fields, and the SLO fields every engine request takes).
-EMBEDDINGS_PARAMS = {"model", "input", "encoding_format", "dimensions", "user", "ttft_slo",
-                     "priority"}
-# vLLM's /v1/score and /v1/rerank (cross-encoders).
-SCORE_PARAMS = {"model", "text_1", "text_2", "user", "ttft_slo", "priority"}
-RERANK_PARAMS = {"model", "query", "documents", "top_n", "return_documents", "user",
-                 "ttft_slo", "priority"}
 STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
 _NEUTRAL = {"suffix": (None, ""), **_ROUTER_FILLED, **_CHAT_ROUTER_FILLED}
 # Why a field is accepted only at its neutral value (the 400's message says it).
@@ -113,6 +106,13 @@ def error_body(kind: str, message: str, field: str | None = None, status: int | 
                                "server_error")
     return status, {"error": {"message": message, "type": kind_of_status, "param": field,
                               "code": kind}}
+
+
+async def send_json(send, status: int, body: dict) -> None:
+    """An ASGI response of ``body`` as JSON."""
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": json.dumps(body).encode()})
 
 
 def rejection(e: Rejected) -> tuple[int, dict]:
@@ -190,7 +190,7 @@ def chat_template(body: dict, messages: list[dict]) -> ChatTemplate:
     vLLM makes the client say and jserve implies) and ``chat_template_kwargs``."""
     for field in ("add_generation_prompt", "continue_final_message"):
         if field in body:
-            _kind_check(body, field, isinstance(body[field], bool), "a bool")
+            check_kind(body, field, isinstance(body[field], bool), "a bool")
     cont = body.get("continue_final_message", False)
     gen = body.get("add_generation_prompt", not cont)
     if cont:
@@ -204,7 +204,7 @@ def chat_template(body: dict, messages: list[dict]) -> ChatTemplate:
                            "for the reply to continue")
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None:
-        _kind_check(body, "chat_template_kwargs", isinstance(kwargs, dict),
+        check_kind(body, "chat_template_kwargs", isinstance(kwargs, dict),
                     "an object (template variable: value)")
         own = [k for k in _TEMPLATE_OWN if k in kwargs]
         if own:
@@ -234,7 +234,7 @@ def body_object(body: Any, allowed: set[str]) -> dict:
         raise BadField(unknown[0], f"{unknown[0]} is not supported by jserve")
     body = {k: v for k, v in body.items() if v is not None}
     if "model" in body:
-        _kind_check(body, "model", isinstance(body["model"], str), "a string")
+        check_kind(body, "model", isinstance(body["model"], str), "a string")
     return body
 
 
@@ -244,7 +244,7 @@ def parse_tokenize(body: Any) -> Tokenize:
         raise BadField("prompt", "give prompt (a text) or messages (a chat): one of them")
     for field in ("add_special_tokens", "return_token_strs"):
         if field in body:
-            _kind_check(body, field, isinstance(body[field], bool), "a bool")
+            check_kind(body, field, isinstance(body[field], bool), "a bool")
     if body.get("return_token_strs"):
         raise BadField("return_token_strs", "return_token_strs=true is not supported by jserve "
                                             "(decode single ids with /detokenize)")
@@ -253,111 +253,11 @@ def parse_tokenize(body: Any) -> Tokenize:
         chat_only = sorted((_CHAT_TEMPLATE | {"tools"}) & set(body))
         if chat_only:
             raise BadField(chat_only[0], f"{chat_only[0]} goes with messages, not prompt")
-        _kind_check(body, "prompt", isinstance(body["prompt"], str), "a string")
+        check_kind(body, "prompt", isinstance(body["prompt"], str), "a string")
         return Tokenize(body["prompt"], None, special, ChatTemplate(), None)
     messages = _chat_messages(body)
     tools, _ = _tools(body)
     return Tokenize(None, messages, special, chat_template(body, messages), tools)
-
-
-@dataclasses.dataclass(frozen=True)
-class Embed:
-    """A ``/v1/embeddings`` body."""
-
-    model: str
-    inputs: list[str | list[int]]
-    base64: bool                # encoding_format "base64" (float32, little-endian)
-    dimensions: int | None
-    ttft_slo: float | None
-    priority: int
-
-
-def parse_embeddings(body: Any, max_choices: int) -> Embed:
-    """A ``/v1/embeddings`` body; ``BadField`` naming the field. ``input``: a text, token ids,
-    or a list of either, at most ``max_choices`` of them (each is one engine request)."""
-    body = body_object(body, EMBEDDINGS_PARAMS)
-    if "model" not in body:
-        raise BadField("model", "model is required")
-    try:
-        inputs = _prompts({"prompt": body.get("input")})
-    except BadField:
-        raise BadField("input", "input must be a non-empty string, a list of token ids, or a "
-                                "list of those") from None
-    if any(len(x) == 0 for x in inputs):
-        raise BadField("input", "input must not hold an empty string or list")
-    if len(inputs) > max_choices:
-        raise BadField("input", f"{len(inputs)} inputs are over this server's limit of "
-                                f"{max_choices} per request")
-    fmt = body.get("encoding_format", "float")
-    if fmt not in ("float", "base64"):
-        raise BadField("encoding_format", f"encoding_format must be float or base64, got "
-                                          f"{fmt!r}")
-    if "user" in body:
-        _kind_check(body, "user", isinstance(body["user"], str), "a string")
-    return Embed(body["model"], inputs, fmt == "base64", _number(body, "dimensions"),
-                 _number(body, "ttft_slo"), _number(body, "priority", 0))
-
-
-@dataclasses.dataclass(frozen=True)
-class Score:
-    """A ``/v1/score`` or ``/v1/rerank`` body: the text pairs a cross-encoder scores."""
-
-    model: str
-    pairs: list[tuple[str, str]]
-    field: str                  # where a pair's refusal points: text_2 or documents
-    ttft_slo: float | None
-    priority: int
-    top_n: int | None = None    # rerank: the best this many (None: all)
-    documents: bool = True      # rerank: each result carries its document's text
-
-
-def _texts(body: dict, field: str, one: bool = False) -> list[str]:
-    v = body.get(field)
-    ok = isinstance(v, str) if one else (
-        isinstance(v, str) or (isinstance(v, list) and v and all(isinstance(x, str)
-                                                                 for x in v)))
-    if not ok:
-        raise BadField(field, f"{field} must be a string" + ("" if one else
-                                                             " or a non-empty list of them"))
-    return [v] if isinstance(v, str) else list(v)
-
-
-def _scored(body: dict, pairs: list, field: str, max_choices: int, **extra) -> Score:
-    if "model" not in body:
-        raise BadField("model", "model is required")
-    if len(pairs) > max_choices:
-        raise BadField(field, f"{len(pairs)} pairs are over this server's limit of "
-                              f"{max_choices} per request")
-    if "user" in body:
-        _kind_check(body, "user", isinstance(body["user"], str), "a string")
-    return Score(body["model"], pairs, field, _number(body, "ttft_slo"),
-                 _number(body, "priority", 0), **extra)
-
-
-def parse_score(body: Any, max_choices: int) -> Score:
-    """vLLM's ``/v1/score``: ``text_1`` with each ``text_2``, or each with its own."""
-    body = body_object(body, SCORE_PARAMS)
-    try:
-        pairs = pooling.pairs(_texts(body, "text_1"), _texts(body, "text_2"))
-    except ValueError as e:
-        raise BadField("text_1", str(e)) from None
-    return _scored(body, pairs, "text_2", max_choices)
-
-
-def parse_rerank(body: Any, max_choices: int) -> Score:
-    """vLLM's (and Cohere's) ``/v1/rerank``: ``query`` scored with each of ``documents``."""
-    body = body_object(body, RERANK_PARAMS)
-    query = _texts(body, "query", one=True)[0]
-    documents = body.get("documents")
-    if not (isinstance(documents, list) and documents and all(
-            isinstance(d, str) for d in documents)):
-        raise BadField("documents", "documents must be a non-empty list of strings")
-    top_n = _number(body, "top_n") if "top_n" in body else None
-    if "return_documents" in body:
-        _kind_check(body, "return_documents", isinstance(body["return_documents"], bool),
-                    "a bool")
-    return _scored(body, [(query, d) for d in documents], "documents", max_choices,
-                   top_n=top_n or None, documents=body.get("return_documents", True))
 
 
 def parse_detokenize(body: Any) -> list[int]:
@@ -370,7 +270,7 @@ def parse_detokenize(body: Any) -> list[int]:
     return tokens
 
 
-def _kind_check(body: dict, field: str, ok: bool, want: str) -> None:
+def check_kind(body: dict, field: str, ok: bool, want: str) -> None:
     if not ok:
         raise BadField(field, f"{field} must be {want}, got {fields.shown(body[field])}")
 
@@ -403,11 +303,11 @@ def parse(body: Any, endpoint: str, max_choices: int = 256,
     _check_neutral(body, _NEUTRAL | REASONING_FIELDS if reasoning else _NEUTRAL)
     if "model" not in body:
         raise BadField("model", "model is required")
-    _kind_check(body, "model", isinstance(body["model"], str), "a string")
-    n = _number(body, "n", 1)
+    check_kind(body, "model", isinstance(body["model"], str), "a string")
+    n = body_number(body, "n", 1)
     stream = body.get("stream", False)
     if "stream" in body:
-        _kind_check(body, "stream", isinstance(stream, bool), "a bool")
+        check_kind(body, "stream", isinstance(stream, bool), "a bool")
     best_of = _best_of(body, n, stream)
     include_usage, continuous_usage = _stream_options(body, stream)
     chat = ChatTemplate()
@@ -419,7 +319,7 @@ def parse(body: Any, endpoint: str, max_choices: int = 256,
         if "max_completion_tokens" in body and "max_tokens" in body:
             raise BadField("max_tokens", "give max_tokens or max_completion_tokens, not both")
     else:
-        prompts = _prompts(body)
+        prompts = body_prompts(body)
         logprobs = body.get("logprobs")
         max_field = "max_tokens"
     if len(prompts) * best_of > max_choices:
@@ -442,10 +342,10 @@ def parse(body: Any, endpoint: str, max_choices: int = 256,
         kw["max_tokens"] = body[max_field]
     echo, shown_prompt_logprobs, kw["prompt_logprobs"] = _prompt_logprobs(
         body, logprobs if endpoint == "completions" else None)
-    ttft_slo, tpot_slo = _number(body, "ttft_slo"), _number(body, "tpot_slo")
-    priority = _number(body, "priority", 0)
+    ttft_slo, tpot_slo = body_number(body, "ttft_slo"), body_number(body, "tpot_slo")
+    priority = body_number(body, "priority", 0)
     if "user" in body:
-        _kind_check(body, "user", isinstance(body["user"], str), "a string")
+        check_kind(body, "user", isinstance(body["user"], str), "a string")
     try:
         # best_of > n ranks the choices by their tokens' logprobs: asked for if not given
         # (the response shows them only when the client asked)
@@ -475,7 +375,7 @@ def wire_field(field: str, max_field: str, endpoint: str) -> str:
 def _best_of(body: dict, n: int, stream: bool) -> int:
     """``best_of`` (completions): choices run per prompt, >= ``n`` (default ``n``); more
     than ``n`` cannot stream (as OpenAI: the best are known only at the end)."""
-    best_of = _number(body, "best_of", n)
+    best_of = body_number(body, "best_of", n)
     if best_of < n:
         raise BadField("best_of", f"best_of must be >= n ({n}), got {best_of}")
     if best_of > n and stream:
@@ -484,7 +384,7 @@ def _best_of(body: dict, n: int, stream: bool) -> int:
     return best_of
 
 
-def _number(body: dict, field: str, default: int | float | None = None
+def body_number(body: dict, field: str, default: int | float | None = None
             ) -> int | float | None:
     """A numeric body field checked against ``jserve.fields.NUMBERS`` (``default`` when
     absent)."""
@@ -503,8 +403,8 @@ def _prompt_logprobs(body: dict, logprobs: int | None) -> tuple[bool, int | None
     for an echo of ``max_tokens: 0`` alone, a request only the prompt's prefill serves)."""
     echo = body.get("echo", False)
     if "echo" in body:
-        _kind_check(body, "echo", isinstance(echo, bool), "a bool")
-    shown = _number(body, "prompt_logprobs")
+        check_kind(body, "echo", isinstance(echo, bool), "a bool")
+    shown = body_number(body, "prompt_logprobs")
     valid = isinstance(logprobs, int) and not isinstance(logprobs, bool)  # else refused later
     need = [k for k in (shown, logprobs if echo and valid else None) if k is not None]
     if echo and not need and body.get("max_tokens") == 0:
@@ -618,7 +518,7 @@ def _constraint(field: str, so: dict) -> StructuredOutput:
         raise BadField(field, constraint_message(field, str(e))) from None
 
 
-def _prompts(body: dict) -> list[str | list[int]]:
+def body_prompts(body: dict) -> list[str | list[int]]:
     p = body.get("prompt")
     if isinstance(p, str) or (isinstance(p, list) and p and all(
             isinstance(t, int) and not isinstance(t, bool) for t in p)):
@@ -677,5 +577,5 @@ def _chat_logprobs(body: dict) -> int | None:
         raise BadField("logprobs", f"logprobs must be a bool, got {want!r}")
     if "top_logprobs" in body and not want:
         raise BadField("top_logprobs", "top_logprobs needs logprobs: true")
-    return _number(body, "top_logprobs", 0) if want else None
+    return body_number(body, "top_logprobs", 0) if want else None
 

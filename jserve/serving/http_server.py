@@ -25,10 +25,7 @@ disconnects cancels the work at once: every engine request is aborted and its KV
 from __future__ import annotations
 
 import asyncio
-import base64
 import dataclasses
-import functools
-import json
 import logging
 import time
 
@@ -42,7 +39,6 @@ from starlette.routing import Route
 
 from jserve import __version__, fields
 from jserve.lengths import context_room
-from jserve.pooling import POOLED, finish, score
 from jserve.sampling.generation_config import capped
 from jserve.sampling.params import SamplingParams
 from jserve.serving import engine_api as el, responses_api as ra
@@ -50,25 +46,22 @@ from jserve.serving.auth import bearer_matches
 from jserve.serving.edge import EdgeLimits, EdgeServer
 from jserve.serving.engine_api import Prepared
 from jserve.serving.gateway import NOT_FOUND, UNAUTHENTICATED, Gateway, Rejected
+from jserve.serving.http_pooling import PoolingEndpoints
 from jserve.serving.http_protocol import (
     PARAMS,
     BadField,
     ChatTemplate,
     ClientGone,
-    Embed,
     JSONResponse,
     Parsed,
-    Score,
     constraint_message,
     error_body,
     parse,
     parse_detokenize,
-    parse_embeddings,
-    parse_rerank,
-    parse_score,
     parse_tokenize,
     read_body,
     rejection,
+    send_json,
     wire_field,
 )
 from jserve.serving.http_responses import (
@@ -133,12 +126,6 @@ def _loads(raw: bytes):
         raise BadField(None, str(e)) from None
 
 
-async def _send_json(send, status: int, body: dict) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json")]})
-    await send({"type": "http.response.body", "body": json.dumps(body).encode()})
-
-
 # -- the app ---------------------------------------------------------------------------------
 class OpenAIServer:
     def __init__(self, gateway: Gateway, config):
@@ -146,6 +133,7 @@ class OpenAIServer:
         self.config = config
         self.model = config.model_name  # what /v1/models and every response say
         self._names = frozenset(config.served_model_names)  # what `model` may say
+        self.pooling = PoolingEndpoints(gateway, config, self.model, self._check_model)
         self.app = Starlette(routes=[
             Route("/v1/models", self._models, methods=["GET"]),
             Route("/v1/models/{model_id:path}", self._model, methods=["GET"]),
@@ -156,10 +144,7 @@ class OpenAIServer:
             Route("/metrics", self._metrics, methods=["GET"]),
             Route("/v1/responses/{response_id}", self._stored_response,
                   methods=["GET", "DELETE"]),
-            Route("/v1/embeddings", self._embeddings, methods=["POST"]),
-            *(Route(path, self._score, methods=["POST"]) for path in ("/v1/score", "/score")),
-            *(Route(path, self._rerank, methods=["POST"])
-              for path in ("/v1/rerank", "/rerank", "/v2/rerank")),
+            *(Route(path, self._pooled, methods=["POST"]) for path in self.pooling.endpoints),
             *RouterEndpoints(gateway, config).routes,
         ], exception_handlers={HTTPException: _http_error})
         self._edge: EdgeServer | None = None
@@ -452,7 +437,7 @@ class OpenAIServer:
                 c.stream.close(el.INTERNAL)
             status, body = error_body(el.INTERNAL, f"the request failed: {e}")
             if not started:
-                return await _send_json(send, status, body)
+                return await send_json(send, status, body)
             await send({"type": "http.response.body", "more_body": False,
                         "body": sse(body) + sse("[DONE]")})
         finally:
@@ -482,7 +467,7 @@ class OpenAIServer:
                 if not isinstance(f, Rejected):
                     raise f
                 status, body = error_body(f.kind, f.message)
-                return await _send_json(send, status, body)
+                return await send_json(send, status, body)
         if asked is not None:
             return await self._respond_responses(send, choices[0], firsts[0], fmt, asked)
         if parsed.stream:
@@ -494,8 +479,8 @@ class OpenAIServer:
                 await pump(choices, lambda c, deltas, held: apply_deltas(c, deltas))
             except Rejected as e:
                 status, body = error_body(e.kind, e.message)
-                return await _send_json(send, status, body)
-            await _send_json(send, 200, fmt.full(best_choices(choices, parsed), choices))
+                return await send_json(send, status, body)
+            await send_json(send, 200, fmt.full(best_choices(choices, parsed), choices))
 
     async def _stream(self, send, choices: list[Choice], firsts, fmt: Formatter) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": [
@@ -528,9 +513,9 @@ class OpenAIServer:
                 await pump([c], lambda c, deltas, held: apply_deltas(c, deltas))
             except Rejected as e:
                 status, body = error_body(e.kind, e.message)
-                return await _send_json(send, status, body)
+                return await send_json(send, status, body)
             items = ra.output_items(fmt.message(c)[0], c.finish_reason)
-            return await _send_json(send, 200, self._responded(c, fmt, asked, items))
+            return await send_json(send, 200, self._responded(c, fmt, asked, items))
         writer = ra.EventWriter(ra.response(rid, model, asked, created, "in_progress", [],
                                             None))
         await send({"type": "http.response.start", "status": 200, "headers": [
@@ -571,24 +556,10 @@ class OpenAIServer:
         return out
 
     # -- a pooling engine's endpoints (jserve.pooling) -------------------------------------
-    async def _embeddings(self, request: Request) -> Response:
-        """``POST /v1/embeddings``: each input one engine request (its prefill only)."""
-        return await self._pooled(request, self._admit_embeddings, self._embedded)
-
-    async def _score(self, request: Request) -> Response:
-        """vLLM's ``POST /v1/score``: a cross-encoder's score of each text pair."""
-        return await self._pooled(request, functools.partial(self._admit_pairs, parse_score),
-                                  self._scored)
-
-    async def _rerank(self, request: Request) -> Response:
-        """vLLM's ``POST /v1/rerank``: the documents by their score with the query."""
-        return await self._pooled(request, functools.partial(self._admit_pairs, parse_rerank),
-                                  self._reranked)
-
-    async def _pooled(self, request: Request, admit, respond) -> Response:
-        """A pooling endpoint: ``admit(raw, trusted)`` -> (what was asked, its engine
-        requests) on an intake thread, each request's last delta once all are pooled, then
-        ``respond(asked, deltas)``'s body. A disconnect aborts them (``_Work``)."""
+    async def _pooled(self, request: Request) -> Response:
+        """``/v1/embeddings``, ``/v1/score``, ``/v1/rerank`` (``http_pooling``): the body
+        admitted on an intake thread, then run; a disconnect aborts it (``_Work``)."""
+        admit, respond = self.pooling.endpoints[request.url.path]
         arrival = time.monotonic()
         gw = self.gateway
         authorization = request.headers.get("authorization")
@@ -597,7 +568,8 @@ class OpenAIServer:
             raw = await read_body(request.scope, request.receive,
                                   self.config.max_request_bytes)
             gw.check_open()
-            asked, prepared = await gw.off_loop(admit, raw, gw.trusted(authorization))
+            trusted = gw.trusted(authorization)
+            asked, prepared = await gw.off_loop(lambda: admit(_loads(raw), trusted))
             gw.check_open()
         except Rejected as e:
             gw.refused(e.kind)
@@ -609,108 +581,5 @@ class OpenAIServer:
             log.exception("%s intake failed", request.url.path)
             gw.refused(el.INTERNAL)
             return _error(Rejected(el.INTERNAL, f"{request.url.path} intake failed: {e}"))
-        return _Work(lambda send: self._pool(send, asked, prepared, arrival, respond))
+        return _Work(lambda send: self.pooling.run(send, asked, prepared, arrival, respond))
 
-    async def _pool(self, send, asked, prepared: list[Prepared], arrival: float, respond
-                    ) -> None:
-        gw = self.gateway
-        streams = [gw.open(gw.new_id("pool"), p, arrival=arrival, ttft_slo=asked.ttft_slo,
-                           priority=asked.priority) for p in prepared]
-
-        async def last(s) -> el.Delta:
-            while True:
-                for d in await s.next():
-                    if d.last:
-                        return d
-        try:
-            ends = await asyncio.gather(*(last(s) for s in streams))
-            body = respond(asked, ends)
-        except Rejected as e:
-            status, body = error_body(e.kind, e.message)
-            return await _send_json(send, status, body)
-        except Exception as e:  # noqa: BLE001 - this request's failure, not the server's
-            log.exception("a pooling request failed")
-            status, body = error_body(el.INTERNAL, f"the request failed: {e}")
-            return await _send_json(send, status, body)
-        finally:
-            for s in streams:
-                s.close()
-        tokens = sum(d.prompt_tokens for d in ends)
-        await _send_json(send, 200, {
-            "id": gw.new_id("pool"), "created": int(time.time()), "model": self.model, **body,
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
-
-    def _pooling_model(self, scores: bool) -> None:
-        """``BadField`` ("model") unless this engine makes embeddings (``scores``: is a
-        one-label cross-encoder)."""
-        info, name = self.gateway.engine.info, repr(self.model)
-        if info.pooling is None:
-            raise BadField("model", f"model {name} generates text; embeddings and scores need "
-                                    f"an embedding model or cross-encoder served with "
-                                    f"--runner pooling")
-        if scores and info.num_labels != 1:
-            raise BadField("model", f"model {name} is not a one-label cross-encoder (a "
-                                    f"*ForSequenceClassification checkpoint): it serves "
-                                    f"/v1/embeddings, not scores")
-        if not scores and info.num_labels:
-            raise BadField("model", f"model {name} is a cross-encoder: it serves /v1/score "
-                                    f"and /v1/rerank, not embeddings")
-
-    def _admit_embeddings(self, raw: bytes, trusted: bool) -> tuple[Embed, list[Prepared]]:
-        asked = parse_embeddings(_loads(raw), self.config.limits.max_choices)
-        self._check_model(asked.model)
-        self._pooling_model(scores=False)
-        info = self.gateway.engine.info
-        if asked.dimensions is not None and (
-                why := info.pooling.check_dimensions(asked.dimensions, info.hidden_size)):
-            raise BadField("dimensions", why)
-        return asked, self._prepare_pooled(asked.inputs, asked, "input", trusted)
-
-    def _admit_pairs(self, parse_body, raw: bytes, trusted: bool
-                     ) -> tuple[Score, list[Prepared]]:
-        asked = parse_body(_loads(raw), self.config.limits.max_choices)
-        self._check_model(asked.model)
-        self._pooling_model(scores=True)
-        encode = getattr(self.gateway.engine.tokenizer, "encode_pair", None)
-        if encode is None:
-            raise BadField("model", f"model {self.model!r} has no tokenizer.json to join text "
-                                    f"pairs with")
-        return asked, self._prepare_pooled([encode(a, b) for a, b in asked.pairs], asked,
-                                           asked.field, trusted)
-
-    def _prepare_pooled(self, prompts: list, asked, field: str, trusted: bool
-                        ) -> list[Prepared]:
-        """Each prompt as a pooling request; a refusal names ``field`` (its SLO fields
-        their own), with the prompt's index when there are several."""
-        out = []
-        for i, x in enumerate(prompts):
-            try:
-                out.append(self.gateway.prepare(x, POOLED, ttft_slo=asked.ttft_slo,
-                                                priority=asked.priority, trusted=trusted))
-            except Rejected as e:
-                name = e.field if e.field in ("ttft_slo", "priority") else field
-                where = f"{field}[{i}]: " if len(prompts) > 1 else ""
-                raise BadField(name, where + e.message) from None
-        return out
-
-    def _embedded(self, asked: Embed, ends: list[el.Delta]) -> dict:
-        spec, data = self.gateway.engine.info.pooling, []
-        for i, d in enumerate(ends):
-            v = finish(d.embedding, spec, asked.dimensions)
-            data.append({"object": "embedding", "index": i, "embedding": base64.b64encode(
-                v.astype("<f4").tobytes()).decode() if asked.base64 else v.tolist()})
-        return {"object": "list", "data": data}
-
-    def _scored(self, asked: Score, ends: list[el.Delta]) -> dict:
-        spec = self.gateway.engine.info.pooling
-        return {"object": "list", "data": [{"index": i, "object": "score",
-                                            "score": score(d.embedding, spec)}
-                                           for i, d in enumerate(ends)]}
-
-    def _reranked(self, asked: Score, ends: list[el.Delta]) -> dict:
-        spec = self.gateway.engine.info.pooling
-        results = sorted(({"index": i, "relevance_score": score(d.embedding, spec),
-                           **({"document": {"text": asked.pairs[i][1]}} if asked.documents
-                              else {})} for i, d in enumerate(ends)),
-                         key=lambda r: -r["relevance_score"])
-        return {"results": results[:asked.top_n]}
