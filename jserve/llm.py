@@ -31,6 +31,7 @@ from jserve.pooling import (
     pairs,
     read_spec,
     score,
+    unserved,
 )
 from jserve.probe.length_probe import default_probe_path
 from jserve.sampling.generation_config import generation_defaults
@@ -174,37 +175,40 @@ class LLM:
         (``outputs.embedding``), pooled and normalized as the checkpoint says
         (``jserve.pooling``), its first ``dimensions`` entries where the model allows
         shorter ones (Matryoshka). Prompts are checked before any is queued."""
-        pooler = self.engine.pooler
-        if self.engine.model_config.num_labels:
-            raise ValueError("this is a cross-encoder (a sequence classifier): call score()")
-        if pooler is None:
-            raise ValueError("embed() needs an embedding model: LLM(..., runner='pooling')")
+        spec = self._pooling(scores=False)
         if dimensions is not None:
-            why = pooler.spec.check_dimensions(dimensions, self.engine.model_config.hidden_size)
+            why = spec.check_dimensions(dimensions, self.engine.model_config.hidden_size)
             if why is not None:
                 raise ValueError(why)
-        prompts = _prompts(prompts)
-        groups = self._prepare(prompts, [POOLED] * len(prompts))
-        ids = [self.engine.enqueue(group[0]) for group in groups]
-        done = self._run(set(ids))
-        return [EmbeddingRequestOutput(i, done[i].prompt_token_ids, EmbeddingOutput(
-            finish(done[i].embedding, pooler.spec, dimensions).tolist())) for i in ids]
+        return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(
+            finish(o.embedding, spec, dimensions).tolist()))
+            for o in self._pooled(_prompts(prompts))]
 
     def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str], *,
               use_tqdm: bool = True) -> list[ScoringRequestOutput]:
         """vLLM's ``LLM.score`` on a cross-encoder (a one-label sequence classifier,
         ``runner="pooling"``): each pair's score (``outputs.score``), one ``text_1`` with
         each ``text_2`` or each with its own (``pooling.pairs``)."""
-        pooler, cfg = self.engine.pooler, self.engine.model_config
-        if pooler is None or cfg.num_labels != 1:
-            raise ValueError("score() needs a one-label cross-encoder (a "
-                             "*ForSequenceClassification checkpoint) with runner='pooling'")
+        spec = self._pooling(scores=True)
         prompts = [self.tokenizer.encode_pair(a, b) for a, b in pairs(text_1, text_2)]
+        return [ScoringRequestOutput(o.request_id, o.prompt_token_ids, ScoringOutput(
+            score(o.embedding, spec))) for o in self._pooled(prompts)]
+
+    def _pooling(self, scores: bool) -> PoolingSpec:
+        """The engine's pooling, or ValueError if it cannot give embeddings (``scores``:
+        scores; ``pooling.unserved``)."""
+        pooler = self.engine.pooler
+        why = unserved(pooler and pooler.spec, self.engine.model_config.num_labels, scores)
+        if why is not None:
+            raise ValueError(f"this LLM cannot {'score' if scores else 'embed'}: {why}")
+        return pooler.spec
+
+    def _pooled(self, prompts: list) -> list[RequestOutput]:
+        """Each prompt's finished output, pooled (all checked before any is queued)."""
         groups = self._prepare(prompts, [POOLED] * len(prompts))
         ids = [self.engine.enqueue(group[0]) for group in groups]
         done = self._run(set(ids))
-        return [ScoringRequestOutput(i, done[i].prompt_token_ids, ScoringOutput(
-            score(done[i].embedding, pooler.spec))) for i in ids]
+        return [done[i] for i in ids]
 
     def _run(self, wanted: set[str]) -> dict[str, RequestOutput]:
         """Steps the engine until every request in ``wanted`` finished; their outputs."""

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jserve.config import CLASSIFIER_SUFFIX
 from jserve.sampling.params import SamplingParams
 
 MODES = ("last", "mean")
@@ -115,6 +116,22 @@ class PoolingSpec:
         return f"dimensions must be one of {list(self.dimensions)} for this model"
 
 
+def unserved(spec: PoolingSpec | None, num_labels: int, scores: bool) -> str | None:
+    """Why a model (its engine's ``spec``, None when it generates; its classifier labels)
+    cannot give embeddings, or scores (``scores``): a cross-encoder gives only scores, one
+    label's; an embedding model only embeddings. None: it can."""
+    if spec is None:
+        return ("it generates text; embeddings and scores need an embedding model or "
+                "cross-encoder run with runner='pooling' (--runner pooling)")
+    if scores and num_labels != 1:
+        return ("it is not a one-label cross-encoder (a *ForSequenceClassification "
+                "checkpoint): it gives embeddings (/v1/embeddings, LLM.embed), not scores")
+    if not scores and num_labels:
+        return ("it is a cross-encoder: it gives scores (/v1/score, /v1/rerank; offline, "
+                "call score()), not embeddings")
+    return None
+
+
 def read_spec(model_dir: Path | None) -> PoolingSpec:
     """A checkpoint's pooling, from its sentence-transformers files and config.json (see
     the module's doc); a built-in model's (``model_dir`` None): the default."""
@@ -132,7 +149,7 @@ def read_spec(model_dir: Path | None) -> PoolingSpec:
                 (model_dir / pooling["path"] / "config.json").read_text()))
     config = model_dir / "config.json"
     hf = json.loads(config.read_text()) if config.exists() else {}
-    if any(a.endswith("ForSequenceClassification") for a in hf.get("architectures") or ()):
+    if any(a.endswith(CLASSIFIER_SUFFIX) for a in hf.get("architectures") or ()):
         return PoolingSpec("last", False, (), _activation(model_dir))  # HF's: the last token
     dims = hf.get("matryoshka_dimensions")
     dimensions = tuple(dims) if dims else (None if hf.get("is_matryoshka") else ())

@@ -355,12 +355,9 @@ def forward_stream(params: Params, kv_cache: KVCache, batch: StepInput, *, cfg: 
     else:  # two loops around the captured layer's output
         x, kv_cache, _ = layer_loop(layers, x, kv_cache, layer_fn, 0,
                                     min(capture_layer + 1, num_layers))
-        h = x if capture_layer < num_layers else family_of(cfg).norm(
-            x, params["final_norm"], cfg.rms_norm_eps)
-        h = h.astype(jnp.float32)
-        xf = h
-        if prompt_mask is not None:
-            xf = jnp.where(prompt_mask[:, None], xf, 0.0)
+        h = (x if capture_layer < num_layers else family_of(cfg).norm(
+            x, params["final_norm"], cfg.rms_norm_eps)).astype(jnp.float32)
+        xf = h if prompt_mask is None else jnp.where(prompt_mask[:, None], h, 0.0)
         s = batch.logits_rows.shape[0]  # padding tokens carry token_seq == s: dropped
         sums = jax.ops.segment_sum(xf, batch.attn.token_seq, num_segments=s + 1)[:s]
         hidden = Capture(h[batch.logits_rows], sums)

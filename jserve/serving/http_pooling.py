@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from jserve import pooling
-from jserve.pooling import POOLED, finish, score
+from jserve.pooling import POOLED, finish, score, unserved
 from jserve.serving import engine_api as el
 from jserve.serving.engine_api import Prepared
 from jserve.serving.gateway import Gateway, Rejected
@@ -185,19 +185,11 @@ class PoolingEndpoints:
 
     def _pooling_model(self, scores: bool) -> None:
         """``BadField`` ("model") unless this engine makes embeddings (``scores``: is a
-        one-label cross-encoder)."""
-        info, name = self.gateway.engine.info, repr(self.model)
-        if info.pooling is None:
-            raise BadField("model", f"model {name} generates text; embeddings and scores need "
-                                    f"an embedding model or cross-encoder served with "
-                                    f"--runner pooling")
-        if scores and info.num_labels != 1:
-            raise BadField("model", f"model {name} is not a one-label cross-encoder (a "
-                                    f"*ForSequenceClassification checkpoint): it serves "
-                                    f"/v1/embeddings, not scores")
-        if not scores and info.num_labels:
-            raise BadField("model", f"model {name} is a cross-encoder: it serves /v1/score "
-                                    f"and /v1/rerank, not embeddings")
+        one-label cross-encoder; ``pooling.unserved``)."""
+        info = self.gateway.engine.info
+        why = unserved(info.pooling, info.num_labels, scores)
+        if why is not None:
+            raise BadField("model", f"model {self.model!r}: {why}")
 
     def admit_embeddings(self, body, trusted: bool) -> tuple[Embed, list[Prepared]]:
         asked = parse_embeddings(body, self.config.limits.max_choices)

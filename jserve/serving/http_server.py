@@ -110,6 +110,11 @@ class _Work:
                 raise
 
 
+# The start of a 200 response of server-sent events (chat and completion streams, Responses').
+_EVENTS_START = {"type": "http.response.start", "status": 200, "headers": [
+    (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]}
+
+
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     """Starlette's own refusals (an unknown path, a wrong method) in OpenAI's error shape."""
     kind = NOT_FOUND if exc.status_code == 404 else el.INVALID
@@ -315,14 +320,30 @@ class OpenAIServer:
         read, counted cancelled)."""
         arrival = time.monotonic()
         gw = self.gateway
+        admitted = await self._intake(scope, receive, "request", lambda raw, trusted:
+                                      self._admit(raw, endpoint, trusted))
+        if not isinstance(admitted, tuple):  # refused, or the client left (None)
+            return admitted
+        parsed, prepared, asked = admitted
+        rid = ra.new_id("resp") if asked else gw.new_id(
+            "chatcmpl" if endpoint == "chat" else "cmpl")
+        fmt = Formatter("chat" if asked else endpoint, rid, self.model, gw.engine.tokenizer,
+                        parsed)
+        return _Work(lambda send: self._run(send, prepared, parsed, fmt, arrival, asked))
+
+    async def _intake(self, scope, receive, what: str, admit):
+        """A POST body read within the limit and ``admit(raw, trusted)`` on an intake
+        thread: its result (a tuple), or the response of its refusal (counted; a failure of
+        ours a 500), or None when the client left first (counted cancelled)."""
+        gw = self.gateway
         authorization = dict(scope["headers"]).get(b"authorization")
         try:
             self._authorized(authorization)
             raw = await read_body(scope, receive, self.config.max_request_bytes)
             gw.check_open()
-            parsed, prepared, asked = await gw.off_loop(self._admit, raw, endpoint,
-                                                        gw.trusted(authorization))
+            admitted = await gw.off_loop(admit, raw, gw.trusted(authorization))
             gw.check_open()  # it may have started draining meanwhile
+            return admitted
         except Rejected as e:
             gw.refused(e.kind)
             return _error(e)
@@ -330,14 +351,9 @@ class OpenAIServer:
             gw.refused("cancelled")
             return None
         except Exception as e:  # noqa: BLE001 - ours, not the client's: 500, and keep serving
-            log.exception("request intake failed")
+            log.exception("%s intake failed", what)
             gw.refused(el.INTERNAL)
-            return _error(Rejected(el.INTERNAL, f"request intake failed: {e}"))
-        rid = ra.new_id("resp") if asked else gw.new_id(
-            "chatcmpl" if endpoint == "chat" else "cmpl")
-        fmt = Formatter("chat" if asked else endpoint, rid, self.model, gw.engine.tokenizer,
-                        parsed)
-        return _Work(lambda send: self._run(send, prepared, parsed, fmt, arrival, asked))
+            return _error(Rejected(el.INTERNAL, f"{what} intake failed: {e}"))
 
     def _admit(self, raw: bytes, endpoint: str, trusted: bool
                ) -> tuple[Parsed, list[Prepared], ra.Asked | None]:
@@ -483,8 +499,7 @@ class OpenAIServer:
             await send_json(send, 200, fmt.full(best_choices(choices, parsed), choices))
 
     async def _stream(self, send, choices: list[Choice], firsts, fmt: Formatter) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": [
-            (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+        await send(_EVENTS_START)
 
         async def emit(c: Choice, deltas: list[el.Delta], held: bool,
                        first: bool = False) -> None:
@@ -518,8 +533,7 @@ class OpenAIServer:
             return await send_json(send, 200, self._responded(c, fmt, asked, items))
         writer = ra.EventWriter(ra.response(rid, model, asked, created, "in_progress", [],
                                             None))
-        await send({"type": "http.response.start", "status": 200, "headers": [
-            (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+        await send(_EVENTS_START)
 
         async def emit(c: Choice, deltas: list[el.Delta], held: bool, first: bool = False,
                        events: list[dict] | None = None) -> None:
@@ -547,8 +561,8 @@ class OpenAIServer:
     def _responded(self, c: Choice, fmt: Formatter, asked: ra.Asked, items: list[dict]
                    ) -> dict:
         """The finished Response (kept in the store when asked)."""
-        status = "incomplete" if c.finish_reason == "length" else "completed"
-        out = ra.response(fmt.rid, self.model, asked, fmt.created, status, items,
+        out = ra.response(fmt.rid, self.model, asked, fmt.created, ra.status_of(c.finish_reason),
+                          items,
                           ra.usage(c.prompt_tokens, len(c.token_ids), c.cached_tokens))
         if asked.store and not self.responses.put(
                 out, asked.conversation + [ra.reply_message(items)]):
@@ -561,25 +575,10 @@ class OpenAIServer:
         admitted on an intake thread, then run; a disconnect aborts it (``_Work``)."""
         admit, respond = self.pooling.endpoints[request.url.path]
         arrival = time.monotonic()
-        gw = self.gateway
-        authorization = request.headers.get("authorization")
-        try:
-            self._authorized(authorization)
-            raw = await read_body(request.scope, request.receive,
-                                  self.config.max_request_bytes)
-            gw.check_open()
-            trusted = gw.trusted(authorization)
-            asked, prepared = await gw.off_loop(lambda: admit(_loads(raw), trusted))
-            gw.check_open()
-        except Rejected as e:
-            gw.refused(e.kind)
-            return _error(e)
-        except ClientGone:
-            gw.refused("cancelled")
-            return Response(status_code=499)
-        except Exception as e:  # noqa: BLE001 - ours, not the client's: 500, and keep serving
-            log.exception("%s intake failed", request.url.path)
-            gw.refused(el.INTERNAL)
-            return _error(Rejected(el.INTERNAL, f"{request.url.path} intake failed: {e}"))
+        admitted = await self._intake(request.scope, request.receive, request.url.path,
+                                      lambda raw, trusted: admit(_loads(raw), trusted))
+        if not isinstance(admitted, tuple):  # refused, or the client left
+            return admitted or Response(status_code=499)
+        asked, prepared = admitted
         return _Work(lambda send: self.pooling.run(send, asked, prepared, arrival, respond))
 

@@ -22,7 +22,6 @@ import json
 import re
 import secrets
 import threading
-import time
 
 from jserve.serving.http_protocol import _SAMPLING, BadField, body_object
 
@@ -46,7 +45,7 @@ _TEXT_PARTS = {"input_text", "output_text", "text"}
 # The Response fields a request sets and the response echoes.
 _ECHOED = ("instructions", "max_output_tokens", "previous_response_id", "temperature",
            "top_p", "user", "parallel_tool_calls", "tool_choice", "tools", "text", "reasoning",
-           "truncation", "metadata")
+           "metadata")
 
 
 _FLAT = re.compile(r"\b(tools\[\d+\]|tool_choice)\.function\b")  # chat's nesting
@@ -337,9 +336,14 @@ def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int) -> dict:
             "input_tokens_details": {"cached_tokens": cached_tokens}}
 
 
+def status_of(finish_reason: str | None) -> str:
+    """A finished reply's status (and its items'): cut by the length, or whole."""
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
 def output_items(message: dict, finish_reason: str | None) -> list[dict]:
     """A chat reply's message (content, reasoning, tool_calls) as Response output items."""
-    status = "incomplete" if finish_reason == "length" else "completed"
+    status = status_of(finish_reason)
     items = []
     if message.get("reasoning"):
         items.append(reasoning_item(new_id("rs"), message["reasoning"]))
@@ -505,16 +509,12 @@ class EventWriter:
 
     def end(self, finish_reason: str | None) -> list[dict]:
         """The open item closed (an empty message if the reply had no item)."""
-        status = "incomplete" if finish_reason == "length" else "completed"
+        status = status_of(finish_reason)
         out = []
         if not any(it["type"] in ("message", "function_call")
                    for it in [*self.items, self._open or {"type": None}]):
             out += self._text("message", "")[:-1]  # opened (the open item closed), no delta
         return out + self._close(status)
-
-
-def created_at() -> int:
-    return int(time.time())
 
 
 def sse_event(e: dict) -> bytes:
