@@ -19,6 +19,7 @@ from jserve.engine.intake import PreparedRequest
 from jserve.engine.output import RequestOutput
 from jserve.engine.startup import StartupTimes
 from jserve.engine.vllm_names import llm_engine_kwargs, separate_tokenizer
+from jserve.lora.config import LoRARequest
 from jserve.model.weights import load_model, model_dir
 from jserve.pooling import (
     POOLED,
@@ -147,10 +148,13 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
         """Runs every prompt to completion and returns one output per prompt, in prompt
         order, its ``n`` sequences in ``outputs`` (``use_tqdm``: vLLM's progress bar, which
-        jserve does not draw).
+        jserve does not draw). ``lora_request``: the LoRA adapter of every prompt, or one
+        per prompt (None: the base model; ``enable_lora=True``).
 
         All prompts are validated before any is queued: a bad one raises ValueError naming
         its index and leaves the engine as it was.
@@ -164,7 +168,11 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        groups = self._prepare(prompts, params)
+        loras = (list(lora_request) if isinstance(lora_request, (list, tuple))
+                 else [lora_request] * len(prompts))
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora requests for {len(prompts)} prompts")
+        groups = self._prepare(prompts, params, loras)
         ids = [[self.engine.enqueue(r) for r in group] for group in groups]
         done = self._run({i for group in ids for i in group})
         return [_best([done[i] for i in group], p) for group, p in zip(ids, params)]
@@ -219,14 +227,15 @@ class LLM:
                     done[out.request_id] = out
         return done
 
-    def _prepare(self, prompts: list, params: list[SamplingParams]
-                 ) -> list[list[PreparedRequest]]:
+    def _prepare(self, prompts: list, params: list[SamplingParams],
+                 loras: list[LoRARequest | None] | None = None) -> list[list[PreparedRequest]]:
         """Each prompt's sequences, prepared (tokenized and checked once per prompt)."""
         groups = []
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
+        loras = loras or [None] * len(prompts)
+        for i, (prompt, p, lora) in enumerate(zip(prompts, params, loras)):
             seqs = [_sequence_params(p, j) for j in range(p.sequences)]
             try:
-                first = self.engine.prepare(prompt, seqs[0])
+                first = self.engine.prepare(prompt, seqs[0], lora)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
             groups.append([first] + [dataclasses.replace(first, params=q) for q in seqs[1:]])

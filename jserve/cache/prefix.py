@@ -20,9 +20,10 @@ PageKey = Hashable
 _ROOT = b"jserve-prefix-v1"
 
 
-def _digest(parent: PageKey | None) -> bytes:
+def _digest(parent: PageKey | None, salt: str | None = None) -> bytes:
     if parent is None:
-        return _ROOT
+        return _ROOT if salt is None else hashlib.blake2b(
+            _ROOT + salt.encode(), digest_size=16).digest()
     parent_digest, ids = parent
     h = hashlib.blake2b(parent_digest, digest_size=16)
     h.update(np.asarray(ids, np.int32).tobytes())
@@ -30,9 +31,10 @@ def _digest(parent: PageKey | None) -> bytes:
 
 
 def extend_page_keys(keys: list[PageKey], tokens: Sequence[int], page_size: int,
-                     num_pages: int) -> list[PageKey]:
+                     num_pages: int, salt: str | None = None) -> list[PageKey]:
     """Grows ``keys`` (a sequence's keys so far, in place) to its first ``num_pages`` full
-    pages of ``tokens`` and returns it."""
+    pages of ``tokens`` and returns it. ``salt`` (a LoRA adapter's name) starts the chain
+    from another root: the same tokens under two salts share no key."""
     num_pages = min(num_pages, len(tokens) // page_size)
     page_key = getattr(tokens, "page_key", None)
     for j in range(len(keys), num_pages):
@@ -40,5 +42,5 @@ def extend_page_keys(keys: list[PageKey], tokens: Sequence[int], page_size: int,
             keys.append(page_key(j, page_size))
             continue
         ids = tuple(tokens[j * page_size:(j + 1) * page_size])
-        keys.append((_digest(keys[-1] if keys else None), ids))
+        keys.append((_digest(keys[-1] if keys else None, salt), ids))
     return keys

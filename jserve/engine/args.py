@@ -17,6 +17,7 @@ from jserve.engine.vllm_names import (
     mesh_with_tp,
     swap_space_bytes,
 )
+from jserve.lora.config import lora_config, parse_lora_modules
 from jserve.speculative.config import SpeculativeConfig
 
 
@@ -122,6 +123,7 @@ def _add_step_args(p: argparse.ArgumentParser, warmup: str) -> None:
                         "(per-layer arrays), sliced (unrolled over static slices), indexed "
                         "(the loop, matmuls reading each layer in place: Pallas) or auto "
                         "(docs/engine.md)")
+    add_lora_args(p)
     p.add_argument("--speculative-config", type=speculative_config, default=None,
                    help='speculative decoding as JSON, vLLM\'s dict: e.g. \'{"method": '
                         '"ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' '
@@ -202,6 +204,38 @@ def speculative_config(text: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def add_lora_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's LoRA flags (docs/lora.md)."""
+    p.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters on the base model (requests pick one by the "
+                        "OpenAI model field)")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="adapters to load at start: name=path (a PEFT directory), or the "
+                        'JSON form \'{"name": ..., "path": ...}\'')
+    p.add_argument("--max-loras", type=int, default=None,
+                   help="adapters resident on the device at once (and in one step); "
+                        "default 1")
+    p.add_argument("--max-lora-rank", type=int, default=None,
+                   help="the largest adapter rank served (the device pool's); default 16")
+    p.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept read in host memory (default --max-loras)")
+    p.add_argument("--enable-runtime-lora-updating", action="store_true",
+                   help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter while "
+                        "serving")
+
+
+def lora_from_args(a: argparse.Namespace):
+    """``--enable-lora`` and its flags as a ``LoRAConfig`` (None: off)."""
+    try:
+        return lora_config(getattr(a, "enable_lora", False), getattr(a, "max_loras", None),
+                           getattr(a, "max_lora_rank", None),
+                           getattr(a, "max_cpu_loras", None),
+                           parse_lora_modules(getattr(a, "lora_modules", None)),
+                           getattr(a, "enable_runtime_lora_updating", False))
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
 def engine_kwargs(a: argparse.Namespace) -> dict:
     """``EngineConfig`` fields from ``add_engine_args``'s flags. A flag left unset (None) is
     left out, so the caller's own default for it holds (``EngineConfig``'s, or a benchmark's
@@ -216,7 +250,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
               layer_loop=a.layer_loop,
               kv_offload_bytes=a.kv_offload_bytes, page_size=a.page_size,
               swap_space_bytes=a.swap_space, runner=runner(a),
-              pooler_config=getattr(a, "pooler_config", None))
+              pooler_config=getattr(a, "pooler_config", None), lora=lora_from_args(a))
     return {k: v for k, v in kw.items() if v is not None}
 
 

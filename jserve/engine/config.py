@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from jserve.config import KV_CACHE_DTYPES
+from jserve.lora.config import LoRAConfig
 from jserve.pooling import PoolingSpec
 from jserve.speculative.config import SpeculativeConfig
 from sharding.mesh import MeshConfig
@@ -153,6 +154,9 @@ class EngineConfig:
     # (``LLM`` reads it from its sentence-transformers files), else the default.
     runner: str = "generate"
     pooler_config: PoolingSpec | None = None
+    # LoRA adapters (vLLM's --enable-lora and its flags; docs/lora.md): the device slot
+    # pool, its rank and the adapters known at start. None: no adapters.
+    lora: LoRAConfig | None = None
 
     def burst_steps(self) -> int:
         """The most steps of a decode burst (``decode_burst``; 1: none), before what the mesh
@@ -201,6 +205,18 @@ class EngineConfig:
                                      f"(nothing is generated)")
         elif self.pooler_config is not None:
             raise ValueError("pooler_config needs runner='pooling'")
+
+    def _check_lora(self, mesh: MeshConfig) -> None:
+        """What LoRA adapters cannot go with yet."""
+        if self.lora is None:
+            return
+        if not isinstance(self.lora, LoRAConfig):
+            raise ValueError(f"lora must be a LoRAConfig, got {type(self.lora).__name__}")
+        for name, on in (("runner='pooling'", self.runner == "pooling"),
+                         ("a stream pipeline (spp > 1)", mesh.spp > 1),
+                         ("speculative_config", self.speculative_config is not None)):
+            if on:
+                raise ValueError(f"LoRA adapters are not supported with {name} yet")
 
     def __post_init__(self) -> None:
         if isinstance(self.warmup, bool):
@@ -253,5 +269,6 @@ class EngineConfig:
         if self.probe_layer is not None and self.probe_layer < 0:
             raise ValueError(f"probe_layer must be >= 0, got {self.probe_layer}")
         self._check_runner()
+        self._check_lora(mesh)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

@@ -38,6 +38,7 @@ from jserve.engine.swap import HostKVStore
 from jserve.engine.tick_slots import TickSlots
 from jserve.engine.timing import StepClock
 from jserve.fields import check_slos, number
+from jserve.lora.config import LoRARequest
 from jserve.model.params import Params
 from jserve.sampling.params import SamplingParams
 from jserve.scheduler import BatchPlan, Request, RequestStatus
@@ -78,7 +79,9 @@ class LLMEngine:
             tokenizer, cfg.vocab_size, self.max_model_len, self.allocator, self.eos_ids,
             no_prompt_logprobs=("stream pipeline parallelism (spp > 1)"
                                 if parts.mesh_config.spp > 1 else
-                                "multi-process serving" if parts.multi_process else None))
+                                "multi-process serving" if parts.multi_process else None),
+            adapters=parts.adapters)
+        self.adapters = parts.adapters  # LoRA: the adapters and their device slots
         self.outputs = OutputProcessor(self.eos_ids, self.max_model_len,
                                        pooling=self.pooler is not None)
         self.host_kv = HostKVStore(self.runner)
@@ -111,19 +114,24 @@ class LLMEngine:
         log.info("%s", self.startup_summary)
 
     # -- requests ------------------------------------------------------------------------
-    def prepare(self, prompt: str | Sequence[int], params: SamplingParams | None = None
-                ) -> PreparedRequest:
-        """Tokenizes and checks a request (ValueError if refused); safe from any thread."""
-        return self.intake.prepare(prompt, params)
+    def prepare(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                lora_request: LoRARequest | None = None) -> PreparedRequest:
+        """Tokenizes and checks a request (ValueError if refused); safe from any thread.
+        ``lora_request``: the adapter it runs with, registered first if it is new (vLLM's
+        offline form; FieldError if the adapter is refused)."""
+        if lora_request is not None and self.adapters is not None:
+            self.adapters.add(lora_request)
+        return self.intake.prepare(prompt, params,
+                                   lora_request.lora_name if lora_request else None)
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
                     ttft_slo: float | None = None, tpot_slo: float | None = None,
-                    priority: int = 0) -> str:
+                    priority: int = 0, lora_request: LoRARequest | None = None) -> str:
         """``ttft_slo`` (seconds after arrival) overrides the policy's default TTFT deadline;
         ``tpot_slo`` caps the iteration budget while the request runs; a lower ``priority``
-        goes first under deadline-aware policies."""
-        prepared = self.prepare(prompt, params)
+        goes first under deadline-aware policies; ``lora_request``: its LoRA adapter."""
+        prepared = self.prepare(prompt, params, lora_request)
         check_slos(ttft_slo, tpot_slo)
         return self.enqueue(prepared, request_id, arrival_time, ttft_slo, tpot_slo,
                             number("priority", priority))
@@ -153,6 +161,8 @@ class LLMEngine:
                           time.monotonic() if arrival_time is None else arrival_time,
                           self.tokenizer, ttft_slo, tpot_slo, priority, self.intake.grammars)
         self.requests[rid] = req
+        if self.adapters is not None:
+            self.adapters.accept(req.adapter)
         self.scheduler.add(req)
         return rid
 
@@ -195,6 +205,8 @@ class LLMEngine:
         sched = self.scheduler
         plan = sched.schedule(*self.bursts.next()) if sched.has_schedulable() else _EMPTY_PLAN
         self._move_pages(plan)  # before anything can overwrite the pages it frees
+        if self.adapters is not None:
+            self.adapters.flush()  # adapters given a slot by this plan, copied in
         for rid in plan.preempted:
             self.state_rows.release(self.requests[rid])
         if plan.is_empty and not self._in_flight.busy:
@@ -344,6 +356,8 @@ class LLMEngine:
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> RequestOutput:
         self.scheduler.finish(req, RequestStatus(reason))
+        if self.adapters is not None:
+            self.adapters.done(req.adapter)
         self.state_rows.release(req)
         if self._captured is not None:
             self._captured.forget(req.request_id)

@@ -24,6 +24,7 @@ from jserve.cache.pool import (
 from jserve.config import ModelConfig
 from jserve.engine import prompt_logprobs
 from jserve.engine.abstract import abstract_kv_cache, params_on_one_device
+from jserve.engine.adapters import build_adapters, pool_size
 from jserve.engine.buckets import Buckets
 from jserve.engine.burst import DecodeBursts
 from jserve.engine.config import EngineConfig, layer_flags
@@ -37,6 +38,7 @@ from jserve.engine.step_builder import StepBuilder
 from jserve.engine.step_program import runtime_params
 from jserve.engine.timing import estimated_predictor, host_round_trip_seconds, load_predictor
 from jserve.kernels import ATTENTION_IMPLS, resolve_impl
+from jserve.lora.slots import AdapterSlots
 from jserve.model.params import Params
 from jserve.probe.length_probe import LengthProbe
 from jserve.probe.tracker import LengthTracker
@@ -82,6 +84,7 @@ class EngineParts:
     persistent_cache_hits: int | None       # compiled programs found on disk (warm-up on)
     speculator: Speculator                  # speculative decoding (off without a config)
     bursts: DecodeBursts                    # decode bursts (off unless configured)
+    adapters: AdapterSlots | None           # LoRA adapters (None: none served)
 
 
 def check_config(cfg: ModelConfig, config: EngineConfig) -> Geometry:
@@ -292,6 +295,7 @@ def build_engine_parts(cfg: ModelConfig, params: Params, config: EngineConfig,
     if defer:  # counted first: the background thread starts on the sampler at once
         programs.defer(compile_rest=config.warmup == "background")
     speculator = build_speculator(config, cfg, context, scheduler, new_engine)
+    scheduler.adapters = adapters = build_adapters(cfg, config.lora, runner)
     bursts = DecodeBursts(config.burst_steps(), burst_ok, scheduler, runner, buckets, context)
     return EngineParts(
         mesh_config, jax.process_count() > 1, context, buckets, allocator, scheduler,
@@ -304,8 +308,9 @@ def build_engine_parts(cfg: ModelConfig, params: Params, config: EngineConfig,
                             # spp > 1: a tick packs its slots itself
                             layout=programs.lowering.layout if mesh_config.spp == 1
                             else None,
-                            whole_chain_decodes=programs.lowering.whole_chain_decodes),
-        predictor, tracker, pooler, hits, speculator, bursts)
+                            whole_chain_decodes=programs.lowering.whole_chain_decodes,
+                            lora_slot=adapters and (lambda r: adapters.slot(r.adapter))),
+        predictor, tracker, pooler, hits, speculator, bursts, adapters)
 
 
 def whole_chain_decodes(backend: str) -> bool:
@@ -402,7 +407,8 @@ def _runner(cfg: ModelConfig, params: Params, config: EngineConfig, mesh_config:
     def load_weights() -> Params:
         t0 = time.perf_counter()
         p = params.place(cfg, mesh) if placed else params
-        p = jax.block_until_ready(runtime_params(cfg, p, mesh, placed=placed, unroll=unroll))
+        p = jax.block_until_ready(runtime_params(cfg, p, mesh, placed=placed, unroll=unroll,
+                                                 lora=pool_size(config.lora)))
         times.weights = time.perf_counter() - t0
         return p
 
@@ -418,7 +424,7 @@ def _runner(cfg: ModelConfig, params: Params, config: EngineConfig, mesh_config:
 
     make = functools.partial(ModelRunner, **runner_options(config, buckets, mesh, layer_mode,
                                                            tracker, wanted[0]))
-    if mesh is not None or not warm:
+    if mesh is not None or not warm or config.lora is not None:  # (the pool: no spec yet)
         runner = make(cfg, load_weights(), allocate_kv(), params_placed=True)
         return runner, warmup(runner)
     times.overlapped = True

@@ -20,14 +20,18 @@ class PreparedRequest:
     prompt: str | None  # the text when the prompt came as text
     prompt_ids: list[int]
     params: SamplingParams
+    adapter: str | None = None  # the LoRA adapter it runs with (None: the base model)
 
 
 class RequestIntake:
     def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int,
                  allocator: PageAllocator, eos_ids: tuple[int, ...] = (),
-                 no_prompt_logprobs: str | None = None):
+                 no_prompt_logprobs: str | None = None, adapters=None):
         """``no_prompt_logprobs``: what this engine runs on that computes no prompt logprobs
-        (requests asking for them are refused, naming it); None: they are supported."""
+        (requests asking for them are refused, naming it); None: they are supported.
+        ``adapters``: the LoRA adapters requests may name (``jserve.lora.slots``; None:
+        none)."""
+        self.adapters = adapters
         self.tokenizer = tokenizer
         self.no_prompt_logprobs = no_prompt_logprobs
         self.vocab_size = vocab_size
@@ -37,13 +41,18 @@ class RequestIntake:
         # server's intake threads), so the engine thread only copies a cached one.
         self.grammars = GrammarCompiler(tokenizer, vocab_size, eos_ids)
 
-    def prepare(self, prompt: str | Sequence[int], params: SamplingParams | None = None
-                ) -> PreparedRequest:
+    def prepare(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                adapter: str | None = None) -> PreparedRequest:
         """Tokenized and validated; ``FieldError`` says which field is wrong and why."""
         params = params if params is not None else SamplingParams()
+        if adapter is not None:
+            if self.adapters is None:
+                raise FieldError("model", f"{adapter!r}: this engine serves no LoRA adapters "
+                                          "(start it with --enable-lora)")
+            self.adapters.check(adapter)
         text, ids = self.tokenize(prompt)
         self.validate(ids, params)
-        return PreparedRequest(text, ids, params)
+        return PreparedRequest(text, ids, params, adapter)
 
     def tokenize(self, prompt: str | Sequence[int], add_special_tokens: bool = True
                  ) -> tuple[str | None, list[int]]:

@@ -14,6 +14,7 @@ from jserve.config import ModelConfig
 from jserve.engine.buckets import Buckets
 from jserve.engine.step_arrays import PackedLayout, StepArrays, arrays_spec, sample_inputs_spec
 from jserve.engine.step_program import jitted
+from jserve.model.lora import pool_slots
 from sharding import pipeline
 
 
@@ -78,7 +79,8 @@ class StepLowering:
     def arrays_spec(self, num_decodes: int, num_prefill_tokens: int) -> StepArrays:
         """Abstract shapes of a bucket's inputs (what ``StepBuilder`` fills)."""
         return arrays_spec(self.buckets, self.model_config.vocab_size, num_decodes,
-                           num_prefill_tokens, isinstance(self.args[1], HybridKV))
+                           num_prefill_tokens, isinstance(self.args[1], HybridKV),
+                           lora=pool_slots(self.args[0]["layers"]) > 0)
 
     def rows_for(self, shape: tuple[int, int]) -> int:
         """The rows a step of ``shape`` pads its sampling inputs to."""

@@ -103,7 +103,8 @@ def new_request(prepared: PreparedRequest, request_id: str, seed: int, arrival_t
     req = Request(request_id, list(prepared.prompt_ids), p.max_tokens, arrival_time, payload=state,
                   tpot_slo=tpot_slo, priority=priority,
                   cacheable=not p.uses_penalties,  # penalties count every token
-                  takes_cached=p.prompt_logprobs is None)  # each prompt token's logprob
+                  takes_cached=p.prompt_logprobs is None,  # each prompt token's logprob
+                  adapter=prepared.adapter)
     if ttft_slo is not None:
         req.ttft_deadline = arrival_time + ttft_slo
     return req

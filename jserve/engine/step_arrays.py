@@ -286,9 +286,11 @@ def abstract_of(tree):
 
 
 def arrays_spec(buckets: Buckets, vocab_size: int, num_decodes: int,
-                num_prefill_tokens: int, hybrid: bool = False) -> StepArrays:
+                num_prefill_tokens: int, hybrid: bool = False, lora: bool = False
+                ) -> StepArrays:
     """Abstract shapes of a bucket's inputs (what ``StepBuilder`` fills); ``hybrid``: two
-    KV layer groups, the windowed layers' slots and page table too."""
+    KV layer groups, the windowed layers' slots and page table too; ``lora``: adapters
+    served, each token's slot."""
     t = num_decodes + num_prefill_tokens
     s = num_decodes + (buckets.prefill_rows if num_prefill_tokens else 0)
     i32 = jnp.int32
@@ -304,7 +306,8 @@ def arrays_spec(buckets: Buckets, vocab_size: int, num_decodes: int,
                         slot_groups=leaf_spec((t,), i32), start_groups=leaf_spec((s,), i32),
                         **({"local_slots": leaf_spec((t,), i32),
                             "local_page_table": leaf_spec((s, buckets.page_table_width), i32)}
-                           if hybrid else {})),
+                           if hybrid else {}),
+                        **({"lora_slots": leaf_spec((t,), i32)} if lora else {})),
         token_state_rows=leaf_spec((t,), i32), token_is_prompt=leaf_spec((t,), bool),
         token_fed=leaf_spec((t,), bool), state_rows=leaf_spec((s,), i32),
         prompt_targets=leaf_spec((t,), i32), want_prompt_logprobs=leaf_spec((), bool),

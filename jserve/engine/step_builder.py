@@ -147,7 +147,8 @@ class StepBuilder:
                  prompt_logprobs: "callable[[Request], bool] | None" = None,
                  hybrid: bool = False,
                  layout: "callable[[tuple[int, int]], PackedLayout] | None" = None,
-                 whole_chain_decodes: bool = False):
+                 whole_chain_decodes: bool = False,
+                 lora_slot: "callable[[Request], int] | None" = None):
         """``hybrid``: two KV layer groups (``jserve.cache.hybrid``): a page id packs a
         global page and a local one (``global + local * pool_pages``), split here into the
         two page tables and slot arrays. ``ready``: the shape a step of a bucket shape is
@@ -158,7 +159,10 @@ class StepBuilder:
         same requests as the last one is built packed, from that one's buffers
         (``_advance``). ``whole_chain_decodes``: the all-decode steps' programs sample with
         the whole chain (``StepLowering.whole_chain_decodes``), so only logprobs send such a
-        step to the sampling executable (``StepArrays.whole_chain``)."""
+        step to the sampling executable (``StepArrays.whole_chain``). ``lora_slot``: LoRA
+        adapters served, a request's slot in the pool (-1: the base model); its tokens
+        carry it (``StepInput.lora_slots``)."""
+        self.lora_slot = lora_slot
         self.ready = ready or (lambda shape: shape)
         self.plain_row, self.layout = plain_row, layout
         # Whether a request wants prompt logprobs: its prefill tokens get targets.
@@ -265,7 +269,8 @@ class StepBuilder:
             plan.num_decode_rows, sum(c.num_tokens for c in plan.prefills)))
         s = bd + (self.buckets.prefill_rows if padded_prefill_tokens else 0)
         h = _HostArrays.empty(bd + padded_prefill_tokens, s, self.buckets.page_table_width,
-                              self.state_sink, neutral_row, self.hybrid)
+                              self.state_sink, neutral_row, self.hybrid,
+                              lora=self.lora_slot is not None)
         h.token_seq[:bd] = np.arange(bd)
         if plan.decodes:
             self._fill_decodes(h, plan, requests, sampler_row, state_row)
@@ -281,7 +286,8 @@ class StepBuilder:
         arrays = StepArrays(
             batch=StepInput(tokens=h.tokens, slots=h.slots, logits_rows=h.logits_rows,
                             attn=attn, slot_groups=h.slot_groups, start_groups=h.start_groups,
-                            local_slots=h.local_slots, local_page_table=h.local_page_table),
+                            local_slots=h.local_slots, local_page_table=h.local_page_table,
+                            lora_slots=h.lora_slots),
             token_state_rows=h.token_state, token_is_prompt=h.token_is_prompt,
             token_fed=h.token_fed, state_rows=h.state_rows, reset_rows=h.reset_rows,
             prompt_targets=h.prompt_targets,
@@ -323,6 +329,8 @@ class StepBuilder:
         h.kv_lens[:nd] = [p + 1 for p in pos_d]
         h.logits_rows[:nd] = np.arange(nd)
         h.state_rows[:nd] = srows
+        if self.lora_slot is not None:
+            h.lora_slots[:nd] = [self.lora_slot(r) for r in dec]
         if self.hybrid:
             for i, (r, p) in enumerate(zip(dec, pos_d)):
                 self._hybrid_row(h, i, r.page_ids, np.asarray([p]), slice(i, i + 1))
@@ -377,6 +385,8 @@ class StepBuilder:
                 h.slot_groups[start:end] = pages // self.pool_pages
                 h.start_groups[row] = self._kvp_row(h.page_table, row, ids)
             h.token_seq[start:end] = row
+            if self.lora_slot is not None:
+                h.lora_slots[start:end] = self.lora_slot(req)
             srow = state_row(req)
             h.token_state[start:end] = srow
             h.token_is_prompt[start:end] = pos < req.num_prompt_tokens
@@ -475,10 +485,12 @@ class _HostArrays:
     sample_rows: list[tuple[int, ScheduledChunk]]
     local_slots: np.ndarray | None = None  # two KV layer groups: the windowed layers'
     local_page_table: np.ndarray | None = None
+    lora_slots: np.ndarray | None = None  # LoRA adapters served: each token's slot
 
     @classmethod
     def empty(cls, t: int, s: int, page_table_width: int, state_sink: int,
-              neutral_row: SamplerRow, hybrid: bool = False) -> "_HostArrays":
+              neutral_row: SamplerRow, hybrid: bool = False, lora: bool = False
+              ) -> "_HostArrays":
         """Padding everywhere: tokens of row ``s`` (none), state sink rows, neutral sampling."""
         return cls(
             tokens=np.zeros(t, np.int32), positions=np.zeros(t, np.int32),
@@ -495,4 +507,5 @@ class _HostArrays:
             sample_rows=[],
             **({"local_slots": np.zeros(t, np.int32),
                 "local_page_table": np.zeros((s, page_table_width), np.int32)}
-               if hybrid else {}))
+               if hybrid else {}),
+            lora_slots=np.full(t, -1, np.int32) if lora else None)

@@ -22,6 +22,7 @@ from jserve.engine.step_arrays import (
     StepArrays,
     sample_inputs,
 )
+from jserve.model import lora as lora_pool
 from jserve.model.decoder import (
     Params,
     final_logits,
@@ -364,13 +365,17 @@ def _fresh(fn):
 
 
 def runtime_params(cfg: ModelConfig, params: Params, mesh: jax.sharding.Mesh | None, *,
-                   placed: bool, unroll: bool) -> Params:
+                   placed: bool, unroll: bool, lora: tuple[int, int] | None = None) -> Params:
     """``params`` as the step takes them: the runtime layout (``prepare_params``) split
-    for tp on ``mesh`` unless ``placed`` already, with per-layer arrays if ``unroll``."""
+    for tp on ``mesh`` unless ``placed`` already, with per-layer arrays if ``unroll``;
+    ``lora`` (slots, rank): with an empty LoRA adapter pool (``jserve.model.lora``)."""
     if not placed:
         params = prepare_params(params)
         if mesh is not None:
             params = shard_params(params, cfg, mesh)
+    if lora is not None:
+        params = {**params, "layers": {**params["layers"],
+                                       **lora_pool.empty_pool(cfg, *lora, mesh)}}
     return _unstacked(params, mesh) if unroll else params
 
 

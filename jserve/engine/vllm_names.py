@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import os
 
+from jserve.lora.config import lora_config
 from sharding.mesh import AXES, MeshConfig
 
 # Well-known flags of `vllm serve` that jserve refuses, and why (docs/compatibility.md); any
 # other unknown flag gets argparse's "unrecognized arguments", which names it too.
 _FILES_ONLY = "jserve loads a local checkpoint directory (safetensors or orbax); nothing is " \
               "downloaded"
-_NO_LORA = "LoRA adapters are not supported yet"
 VLLM_REFUSED = {
     "--pipeline-parallel-size": "jserve's pipeline is stream pipeline parallel: --mesh spp=N "
                                 "(docs/mesh.md)",
@@ -42,8 +42,6 @@ VLLM_REFUSED = {
     "--cpu-offload-gb": "weights stay on the device",
     "--scheduling-policy": "jserve's policies are --scheduler (docs/scheduler.md); priority "
                            "is a request field",
-    "--enable-lora": _NO_LORA, "--lora-modules": _NO_LORA, "--max-loras": _NO_LORA,
-    "--max-lora-rank": _NO_LORA,
     "--load-format": _FILES_ONLY, "--download-dir": _FILES_ONLY, "--revision": _FILES_ONLY,
     "--tokenizer-revision": _FILES_ONLY, "--code-revision": _FILES_ONLY,
     "--hf-token": _FILES_ONLY,
@@ -155,4 +153,11 @@ def llm_engine_kwargs(model: str, kwargs: dict) -> dict:
     kw.pop("trust_remote_code", None)
     if "seed" in kw and kw["seed"] is None:
         del kw["seed"]
+    lora = lora_config(*(kw.pop(k, None) for k in _LORA_KWARGS))
+    if lora is not None:
+        kw["lora"] = lora
     return kw
+
+
+# ``LLM``'s LoRA keywords, vLLM's, in ``lora_config``'s order.
+_LORA_KWARGS = ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")

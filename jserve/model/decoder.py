@@ -30,6 +30,7 @@ from jserve.kernels.kv_parallel import kvp_attention, owned_slots
 from jserve.model.families import family_of
 from jserve.model.layer_weights import in_place, layer_view
 from jserve.model.layers import layer_rope, rope_tables
+from jserve.model.lora import with_slots
 from jserve.model.moe import side_by_side
 from jserve.model.params import Params
 from jserve.model.tp_layout import EXPERTS, FUSED, fused_in
@@ -52,6 +53,9 @@ class StepInput:
     Two KV layer groups (``jserve.cache.hybrid``): slots and ``attn.page_table`` address the
     full-attention layers' pages, local_slots [T] and local_page_table [S, max_pages] the
     windowed layers' (None without the groups).
+
+    LoRA adapters (``jserve.model.lora``): lora_slots [T] is each token's adapter slot in
+    the pool (-1: the base model); None when the engine serves no adapters.
     """
 
     tokens: jax.Array
@@ -62,6 +66,7 @@ class StepInput:
     start_groups: jax.Array | None = None
     local_slots: jax.Array | None = None
     local_page_table: jax.Array | None = None
+    lora_slots: jax.Array | None = None
 
 
 def is_runtime_layout(params: Params) -> bool:
@@ -191,6 +196,7 @@ def step_layer(batch: StepInput, cos: jax.Array, sin: jax.Array, *, cfg: ModelCo
         batch.attn, attention_impl, cfg.num_attention_heads // cfg.num_key_value_heads)
 
     def layer_fn(layer: Params, i, x: jax.Array, kv: KVCache) -> tuple[jax.Array, KVCache]:
+        layer = with_slots(layer, batch.lora_slots)
         window = None if windows is None else windows[first_layer + i]
         if isinstance(kv, HybridKV):
             return _group_layer(layer, i, x, kv, window)

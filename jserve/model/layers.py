@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jserve.config import ModelConfig, inv_frequencies, rope_attention_factor
+from jserve.model.lora import added
 from jserve.model.moe import clamped_swiglu, moe_mlp, silu_glu
 from jserve.model.quant import matmul
 from jserve.model.tp_layout import part_widths
@@ -27,6 +28,12 @@ from jserve.model.tp_layout import part_widths
 # One layer's params (a dict of arrays); not ``jserve.model.params.Params``, whose module
 # reads the families' shapes, which name the layers here.
 Layer = dict[str, Any]
+
+
+def project(layer: Layer, name: str, h: jax.Array) -> jax.Array:
+    """``h @ layer[name]``, plus each token's LoRA delta where the step has adapters
+    (``jserve.model.lora``): every projection a family's layer makes goes through here."""
+    return added(layer, name, h, matmul(h, layer[name]))
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -108,9 +115,9 @@ def qkv_heads(layer: Layer, h: jax.Array, cfg: ModelConfig, tp_axis: str | None 
     if "wqkv" in layer:
         tp = 1 if tp_axis is None else jax.lax.axis_size(tp_axis)
         widths = [w // tp for w in part_widths("wqkv", cfg, tp)]
-        parts = jnp.split(matmul(h, layer["wqkv"]), np.cumsum(widths)[:-1].tolist(), axis=-1)
+        parts = jnp.split(project(layer, "wqkv", h), np.cumsum(widths)[:-1].tolist(), axis=-1)
     else:
-        parts = [matmul(h, layer[w]) for w in ("wq", "wk", "wv")]
+        parts = [project(layer, w, h) for w in ("wq", "wk", "wv")]
     heads = []
     for y, bias in zip(parts, ("bq", "bk", "bv")):
         if bias in layer:
@@ -124,10 +131,10 @@ def gated_mlp(layer: Layer, h: jax.Array, act: Callable = jax.nn.silu) -> jax.Ar
     ``w_gate_up``) or the checkpoint's (``w_gate`` and ``w_up``); a tp shard's partial
     output (the caller sums it over tp)."""
     if "w_gate_up" in layer:
-        gate, up = jnp.split(matmul(h, layer["w_gate_up"]), 2, axis=-1)
+        gate, up = jnp.split(project(layer, "w_gate_up", h), 2, axis=-1)
     else:
-        gate, up = matmul(h, layer["w_gate"]), matmul(h, layer["w_up"])
-    return matmul(act(gate) * up, layer["w_down"])
+        gate, up = project(layer, "w_gate", h), project(layer, "w_up", h)
+    return project(layer, "w_down", act(gate) * up)
 
 
 def moe_block(layer: Layer, h: jax.Array, cfg: ModelConfig, tp_axis: str | None = None
@@ -172,7 +179,7 @@ def pre_norm_layer(layer: Layer, x: jax.Array, cos: jax.Array, sin: jax.Array,
     q = apply_rope(norm(q, "q_norm"), cos, sin)  # per head, before RoPE (Qwen3)
     k = apply_rope(norm(k, "k_norm"), cos, sin)
     out, aux = attend(q, k, v)
-    x = x + reduce(matmul(out.reshape(*lead, -1).astype(x.dtype), layer["wo"]))
+    x = x + reduce(project(layer, "wo", out.reshape(*lead, -1).astype(x.dtype)))
     h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
     mlp = moe_block(layer, h, cfg, tp_axis) if "router" in layer else gated_mlp(layer, h)
     return x + reduce(mlp), aux

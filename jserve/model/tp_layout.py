@@ -46,6 +46,8 @@ class LeafKind:
     kv_heads: bool = False
     parts: tuple[str, ...] = ()
     experts: bool = False
+    adapter: bool = False  # a LoRA slot pool leaf (jserve.model.lora): [layers, in, slots,
+    # rank] (A) or [layers, slots, rank, out] (B), columns the last axis either way
 
 
 # The one table of layer leaf kinds: a new kind of leaf is declared here once, and the tp
@@ -91,6 +93,14 @@ LEAVES: dict[str, LeafKind] = {
     "bk": LeafKind("bias", kv_heads=True),
     "bv": LeafKind("bias", kv_heads=True),
 }
+# LoRA adapter pools (jserve/model/lora.py), split as their target matrix is: a
+# column-split target's B by columns (wk/wv's in KV-head order), a row-split target's A by
+# rows; the other side replicated. Never quantized (float adapters on int8/fp8 weights).
+for _t, _rows in (("wq", False), ("wk", False), ("wv", False), ("wo", True),
+                  ("w_gate", False), ("w_up", False), ("w_down", True)):
+    LEAVES[f"{_t}.lora_a"] = LeafKind("rows" if _rows else None, adapter=True)
+    LEAVES[f"{_t}.lora_b"] = LeafKind(None if _rows else "columns", adapter=True,
+                                      kv_heads=_t in ("wk", "wv"))
 
 
 def _kinds(**want) -> tuple[str, ...]:
@@ -104,6 +114,7 @@ BIAS_SPLIT = _kinds(split="bias")
 KV_HEAD_COLUMNS = _kinds(kv_heads=True)
 MATRICES = _kinds(matrix=True)
 EXPERTS = _kinds(experts=True)
+ADAPTERS = _kinds(adapter=True)
 FUSED = {n: k.parts for n, k in LEAVES.items() if k.parts}
 
 
@@ -220,6 +231,9 @@ def layer_axes(name: str) -> tuple[str | tuple[str, ...] | None, ...]:
     ("tp", "ep"), ep the minor axis, gives ep shard j of each tp shard experts j * E / ep
     on, as ``we_down``'s split gives it (and at ep=1 the plain tp split). A
     ``PartitionSpec(*layer_axes(name))``."""
+    if name in ADAPTERS:  # [layers, in, slots, rank] / [layers, slots, rank, out]
+        return (("spp", "tp") if name in ROW_SPLIT else
+                ("spp", None, None, "tp") if name in COLUMN_SPLIT else ("spp",))
     experts = ("ep",) if name in EXPERTS and name not in FUSED else ()
     columns = ("tp", "ep") if name in EXPERTS and name in FUSED else "tp"
     if name in COLUMN_SPLIT:

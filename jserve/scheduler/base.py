@@ -89,6 +89,9 @@ class SchedulerBase(abc.ABC):
         # Speculative decoding: called with the scheduler at the start of ``schedule()``;
         # sets ``draft_ids`` of running requests (jserve.speculative).
         self.proposer = None
+        # LoRA: the device's adapter slots (``jserve.lora.slots.AdapterSlots``; None: no
+        # adapters served). A request is admitted only with its adapter's slot.
+        self.adapters = None
 
     # -- queue management --------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -200,7 +203,8 @@ class SchedulerBase(abc.ABC):
         full = min(num_computed // alloc.page_size, len(req.page_ids))
         if full <= req.num_registered_pages:
             return
-        keys = extend_page_keys(req.page_keys, req.token_ids, alloc.page_size, full)
+        keys = extend_page_keys(req.page_keys, req.token_ids, alloc.page_size, full,
+                                req.adapter)
         for j in range(max(req.num_registered_pages, req.num_dropped_pages), full):
             alloc.register(req.page_ids[j], keys[j])
         req.num_registered_pages = full
@@ -211,6 +215,7 @@ class SchedulerBase(abc.ABC):
         if self.swap_policy is not None:
             self.swap_policy.release(req.request_id)
         self.in_flight.discard(req)
+        self._drop_adapter(req)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
@@ -286,7 +291,7 @@ class SchedulerBase(abc.ABC):
             return []
         pages = (len(req.token_ids) - 1) // alloc.page_size
         return alloc.lookup(extend_page_keys(req.page_keys, req.token_ids, alloc.page_size,
-                                             pages))
+                                             pages, req.adapter))
 
     def _peek_prefix(self, req: Request) -> None:
         """Record how much of a newly queued request the cache holds (no pages taken), and
@@ -342,6 +347,7 @@ class SchedulerBase(abc.ABC):
         """Free the victim's pages (swapping its KV out or dropping it for recompute) and
         requeue it at the head of the waiting queue."""
         self.running.remove(req)
+        self._drop_adapter(req)
         self._drop_dead(req)  # a swap moves only the pages still read
         used, dropped = self.allocator.pages_for(req.num_computed), req.num_dropped_pages
         if req.num_computed and self.swap_policy is not None \
@@ -401,13 +407,28 @@ class SchedulerBase(abc.ABC):
     def _admit_first_chunk(self, req: Request, budget: int) -> ScheduledChunk | None:
         """Admit waiting ``req`` (after its cached prefix) with the largest first chunk that
         fits ``budget`` and the pool; None (nothing changed) when none does."""
+        if not self._take_adapter(req):
+            return None
         self._claim_prefix(req)
         chunk = self._fits(req, min(req.num_uncomputed, budget))
         if chunk == 0 or not self._grow(req, req.num_computed + chunk):
             self._unclaim_prefix(req)
+            self._drop_adapter(req)
             return None
         self._admit(req)
         return self._chunk(req, chunk)
+
+    def _take_adapter(self, req: Request) -> bool:
+        """``req``'s adapter slot for its admission (True without one); False: it waits."""
+        if req.holds_adapter or req.adapter is None or self.adapters is None:
+            return True
+        req.holds_adapter = self.adapters.acquire(req.adapter)
+        return req.holds_adapter
+
+    def _drop_adapter(self, req: Request) -> None:
+        if req.holds_adapter:
+            self.adapters.release(req.adapter)
+            req.holds_adapter = False
 
     def _victim(self) -> Request:
         """The running request to preempt under memory pressure (policies override)."""

@@ -160,6 +160,8 @@ class DeadlineScheduler(SchedulerBase):
             work += self.cache.drain_s
         if req.restore_hint and not req.num_computed:  # pages to copy back from the host
             work += self.restore_seconds(req.restore_hint)
+        if req.adapter is not None and self.adapters is not None and not req.holds_adapter:
+            work += self.adapters.load_cost(req.adapter)  # its adapter's copy to the device
         return (math.nan if deadline is None else deadline, req.arrival_time, work, total,
                 req.priority)
 
@@ -298,6 +300,7 @@ class DeadlineScheduler(SchedulerBase):
         cached-prefix hint then reflects the cache now, and its cached parts follow."""
         if queued:
             self._unclaim_prefix(req)
+            self._drop_adapter(req)
             if req.cached_hint != hint or req.restore_hint:
                 self._queued.update(req, self._queued_parts(req))
 
@@ -335,6 +338,8 @@ class DeadlineScheduler(SchedulerBase):
                 if passable[i] if queued else self._passes_over(req, free):
                     continue
             hint = req.cached_hint if queued else 0
+            if queued and not self._take_adapter(req):
+                continue  # every adapter slot is held by other adapters' running requests
             if queued:
                 self._claim_prefix(req)  # a cached prefix counts as processed KV
             long = self._is_long(req)

@@ -80,6 +80,11 @@ class Request:
     draft_ids: list[int] = dataclasses.field(default_factory=list, repr=False)
     num_drafted: int = 0
     num_accepted: int = 0
+    # LoRA: the adapter the request runs with (None: the base model), which also salts its
+    # prefix-cache keys (no page is shared across adapters); whether it holds the
+    # adapter's device slot (from admission until it finishes or is preempted).
+    adapter: str | None = None
+    holds_adapter: bool = False
 
     def __post_init__(self) -> None:
         if not self.token_ids:

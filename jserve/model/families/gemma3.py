@@ -32,10 +32,10 @@ from jserve.model.layers import (
     apply_rope,
     gated_mlp,
     gemma_rms_norm,
+    project,
     qkv_heads,
     tp_sum,
 )
-from jserve.model.quant import matmul
 
 # Gemma3TextConfig's defaults where they differ from what every family reads alike.
 _DEFAULTS = dict(rms_norm_eps=1e-6, head_dim=256, num_key_value_heads=4,
@@ -154,7 +154,7 @@ def decoder_layer(layer: Layer, x: jax.Array, cos: jax.Array, sin: jax.Array,
     if factor != 1.0:
         q = q * jnp.asarray(factor, q.dtype)
     out, aux = attend(q, k, v)
-    x = x + norm(reduce(matmul(out.reshape(*lead, -1).astype(x.dtype), layer["wo"])),
+    x = x + norm(reduce(project(layer, "wo", out.reshape(*lead, -1).astype(x.dtype))),
                  "attn_out_norm")
     return x + norm(reduce(gated_mlp(layer, norm(x, "mlp_norm"), _GELU_TANH)),
                     "mlp_out_norm"), aux

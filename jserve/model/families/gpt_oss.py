@@ -23,8 +23,7 @@ import jax.numpy as jnp
 from jserve.config import ModelConfig
 from jserve.model.families import qwen2
 from jserve.model.families.base import MLP_LEAVES, Family, Tensor
-from jserve.model.layers import Layer, apply_rope, moe_block, qkv_heads, tp_sum
-from jserve.model.quant import matmul
+from jserve.model.layers import Layer, apply_rope, moe_block, project, qkv_heads, tp_sum
 
 _KINDS = ("sliding_attention", "full_attention")
 
@@ -92,7 +91,7 @@ def decoder_layer(layer: Layer, x: jax.Array, cos: jax.Array, sin: jax.Array,
     q, k, v = qkv_heads(layer, h, cfg, tp_axis)
     out, aux = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v,
                       sinks=layer["sinks"])
-    attn = reduce(matmul(out.reshape(*lead, -1).astype(x.dtype), layer["wo"])) + layer["bo"]
+    attn = reduce(project(layer, "wo", out.reshape(*lead, -1).astype(x.dtype))) + layer["bo"]
     x = x + attn
     h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
     return x + reduce(moe_block(layer, h, cfg, tp_axis)), aux

@@ -1,0 +1,164 @@
+"""LoRA adapters in the step: a device slot pool of adapters beside the base weights, and
+each token's delta from its own adapter (many adapters, and the base model, in one step).
+
+The pool is one pair of leaves per target matrix of a layer (``TARGETS``: the attention
+projections and the dense MLP's), in the stacked layer dict with the base weights, so the
+layer loop, the unrolled layers, tp placement and the programs take them as they take any
+leaf: ``"<target>.lora_a"`` [layers, in, slots, rank] and ``"<target>.lora_b"`` [layers,
+slots, rank, out] (``tp_layout.LEAVES``: a column-split target's B is split by columns as
+its matrix is, a row-split target's A by rows; the rest replicated). An adapter of lower
+rank is zero-padded to the pool's rank; its scaling (``lora_alpha / r``, or over sqrt(r)
+with rsLoRA) is folded into B when it is written, so a slot's delta is ``(h @ A) @ B``.
+
+Per step, the layer dict carries each token's slot (``SLOTS``, [T] int32; -1: the base
+model, no delta). The delta of every token is computed against every slot's A at once and
+kept only for its own slot's rank columns (a one-hot mask), then multiplied by every
+slot's B: two plain matmuls of ``slots * rank`` inner width, each adapter's weights read
+once a step however many tokens use it (punica's BGMV gathers per token, which reads an
+adapter once per token; ``scripts/bench_lora.py`` measures the two). Linear in ``h``, so
+a tp shard's partial delta of a row-split target sums over tp with the base's.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jserve.config import ModelConfig
+from jserve.model.tp_layout import FUSED, kv_head_map, tp_layout_leaf
+
+# The matrices an adapter may target, in jserve's leaf names (families/base.py).
+TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+ROW_TARGETS = ("wo", "w_down")  # split by rows under tp (their A is)
+SLOTS = "lora.slots"  # the layer dict's per-token adapter slot while a step runs
+
+
+def a_name(target: str) -> str:
+    return f"{target}.lora_a"
+
+
+def b_name(target: str) -> str:
+    return f"{target}.lora_b"
+
+
+POOL_LEAVES = frozenset(n for t in TARGETS for n in (a_name(t), b_name(t)))
+
+
+def pool_targets(cfg: ModelConfig) -> tuple[str, ...]:
+    """The targets ``cfg``'s family has as plain matrices (an MoE layer's experts are not
+    among them: their MLP has no ``w_gate``)."""
+    from jserve.model.families import family_of
+
+    names = family_of(cfg).layer_tensors(cfg)
+    return tuple(t for t in TARGETS if t in names)
+
+
+def target_shape(cfg: ModelConfig, target: str, tp: int = 1) -> tuple[int, int]:
+    """(in, out) of ``target`` as the runtime stores it for ``tp`` (wk/wv: its stored KV
+    heads, ``kv_head_map``)."""
+    from jserve.model.families import family_of
+
+    d_in, d_out = family_of(cfg).layer_tensors(cfg)[target].shape
+    if target in ("wk", "wv"):
+        d_out = len(kv_head_map(cfg, tp)) * cfg.head_dim
+    return d_in, d_out
+
+
+def pool_shapes(cfg: ModelConfig, slots: int, rank: int, tp: int = 1
+                ) -> dict[str, tuple[int, ...]]:
+    """Each pool leaf's global shape (stacked over the layers)."""
+    n = cfg.num_hidden_layers
+    shapes = {}
+    for t in pool_targets(cfg):
+        d_in, d_out = target_shape(cfg, t, tp)
+        shapes[a_name(t)] = (n, d_in, slots, rank)
+        shapes[b_name(t)] = (n, slots, rank, d_out)
+    return shapes
+
+
+def empty_pool(cfg: ModelConfig, slots: int, rank: int, mesh=None) -> dict[str, jax.Array]:
+    """The zeroed pool leaves (every slot empty), created where they live: on ``mesh``
+    split as ``tp_layout.layer_axes`` says, else on the default device."""
+    tp = 1 if mesh is None else mesh.shape["tp"]
+    dtype = jnp.dtype(cfg.dtype)
+    out = {}
+    for name, shape in pool_shapes(cfg, slots, rank, tp).items():
+        sharding = None
+        if mesh is not None:
+            from jserve.model.tp_layout import layer_axes
+
+            sharding = jax.sharding.NamedSharding(
+                mesh, jax.sharding.PartitionSpec(*layer_axes(name)))
+        out[name] = jnp.zeros(shape, dtype, device=sharding)
+    return out
+
+
+def pool_slots(layers) -> int:
+    """How many adapter slots the pool in runtime ``layers`` (stacked or unrolled) has; 0
+    without a pool."""
+    first = layers[0] if isinstance(layers, list) else layers
+    a = next((w for n, w in first.items() if n in POOL_LEAVES and n.endswith("_a")), None)
+    return 0 if a is None else a.shape[-2]  # A: [(layers,) in, slots, rank]
+
+
+def with_slots(layer: Mapping[str, Any], slots: jax.Array | None) -> Mapping[str, Any]:
+    """``layer`` carrying the step's per-token adapter ``slots`` (unchanged for None)."""
+    return layer if slots is None else {**layer, SLOTS: slots}
+
+
+def added(layer: Mapping[str, Any], name: str, h: jax.Array, y: jax.Array) -> jax.Array:
+    """``y`` (``h @ layer[name]``) plus each token's adapter delta where the layer has a
+    pool for ``name`` (a fused leaf: for its parts, side by side as the leaf's columns are,
+    under tp a shard's own) and carries the step's slots; else ``y`` as it is."""
+    slots = layer.get(SLOTS)
+    parts = FUSED.get(name, (name,))
+    if slots is None or a_name(parts[0]) not in layer:
+        return y
+    deltas = [_delta(layer[a_name(p)], layer[b_name(p)], h, slots) for p in parts]
+    delta = deltas[0] if len(deltas) == 1 else jnp.concatenate(deltas, axis=-1)
+    return y + delta.astype(y.dtype)
+
+
+def _delta(a: jax.Array, b: jax.Array, h: jax.Array, slots: jax.Array) -> jax.Array:
+    """Each token's ``(h @ A[slot]) @ B[slot]``: ``a`` [in, slots, rank], ``b`` [slots,
+    rank, out], ``h`` [T, in], ``slots`` [T] (-1: zero)."""
+    n, r = a.shape[-2], a.shape[-1]
+    xa = jnp.einsum("ti,isr->tsr", h, a.astype(h.dtype))
+    xa = xa * jax.nn.one_hot(slots, n, dtype=xa.dtype)[:, :, None]
+    return jnp.einsum("tsr,sro->to", xa.reshape(h.shape[0], n, r), b.astype(h.dtype))
+
+
+def slot_arrays(adapter: Mapping[str, tuple[np.ndarray, np.ndarray]], cfg: ModelConfig,
+                rank: int, tp: int, dtype) -> dict[str, np.ndarray]:
+    """One adapter's values of every pool leaf for one slot, on the host: A [layers, in,
+    rank] and B [layers, rank, out] per target, padded with zeros to the pool's ``rank``
+    (and zeros for a target it does not adapt), B's columns in the tp layout of its
+    matrix. ``adapter``: target -> (A [layers, in, r], B [layers, r, out], scaled)."""
+    out = {}
+    for t in pool_targets(cfg):
+        d_in, d_out = target_shape(cfg, t, 1)
+        a = np.zeros((cfg.num_hidden_layers, d_in, rank), dtype)
+        b = np.zeros((cfg.num_hidden_layers, rank, d_out), dtype)
+        if t in adapter:
+            ua, ub = adapter[t]
+            a[:, :, :ua.shape[-1]] = ua
+            b[:, :ub.shape[-2], :] = ub
+        out[a_name(t)] = a
+        out[b_name(t)] = tp_layout_leaf(t, b, cfg, tp) if t in ("wk", "wv") else b
+    return out
+
+
+def write_slot(layers, slot, values: Mapping[str, jax.Array]):
+    """Runtime ``layers`` (stacked dict, or the unrolled list) with slot ``slot`` of every
+    pool leaf set to ``values`` (``slot_arrays``'s, stacked); jit it with ``layers``
+    donated, so the pool is written in place."""
+    def put(name, w, v):
+        axis = w.ndim - 2 if name.endswith(".lora_a") else w.ndim - 3
+        return jax.lax.dynamic_update_index_in_dim(w, v.astype(w.dtype), slot, axis)
+
+    if isinstance(layers, list):
+        return [{n: put(n, w, values[n][i]) if n in values else w for n, w in layer.items()}
+                for i, layer in enumerate(layers)]
+    return {n: put(n, w, values[n]) if n in values else w for n, w in layers.items()}
