@@ -117,9 +117,10 @@ class LLMEngine:
     def prepare(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                 lora_request: LoRARequest | None = None) -> PreparedRequest:
         """Tokenizes and checks a request (ValueError if refused); safe from any thread.
-        ``lora_request``: the adapter it runs with, registered first if it is new (vLLM's
-        offline form; FieldError if the adapter is refused)."""
-        if lora_request is not None and self.adapters is not None:
+        ``lora_request``: the adapter it runs with, registered first if it is new and
+        has a path (vLLM's offline form; FieldError if the adapter is refused), or without
+        one an adapter registered already, by name."""
+        if lora_request is not None and lora_request.lora_path and self.adapters is not None:
             self.adapters.add(lora_request)
         return self.intake.prepare(prompt, params,
                                    lora_request.lora_name if lora_request else None)
