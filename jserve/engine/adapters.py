@@ -12,7 +12,7 @@ from jserve.config import ModelConfig
 from jserve.lora.config import LoRAConfig, LoRARequest
 from jserve.lora.peft import Adapter, read_adapter
 from jserve.lora.slots import AdapterSlots
-from jserve.model import lora
+from jserve.model import lora, lora_pool
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def _writer(cfg: ModelConfig, config: LoRAConfig, runner):
     def write(slot: int, adapter: Adapter) -> None:
         layers = runner.params["layers"]
         pool = _pool(layers)
-        values = lora.slot_arrays(adapter.weights, cfg, config.max_lora_rank, tp, np.float32)
+        values = lora_pool.slot_arrays(adapter.weights, cfg, config.max_lora_rank, tp, np.float32)
         if "fn" not in jitted:
             shardings = jax.tree.map(lambda w: w.sharding, pool)
             jitted["fn"] = jax.jit(lora.write_slot, donate_argnums=0, out_shardings=shardings)

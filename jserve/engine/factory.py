@@ -299,18 +299,25 @@ def build_engine_parts(cfg: ModelConfig, params: Params, config: EngineConfig,
     bursts = DecodeBursts(config.burst_steps(), burst_ok, scheduler, runner, buckets, context)
     return EngineParts(
         mesh_config, jax.process_count() > 1, context, buckets, allocator, scheduler,
-        runner, StepBuilder(buckets, config.page_size, runner.state_sink, pool_pages=num_pages,
-                            vocab_size=cfg.vocab_size,
-                            ready=programs.ready_shape if defer else None,
-                            plain_row=plain_sampler_row,
-                            prompt_logprobs=prompt_logprobs.wanted,
-                            hybrid=groups is not None,
-                            # spp > 1: a tick packs its slots itself
-                            layout=programs.lowering.layout if mesh_config.spp == 1
-                            else None,
-                            whole_chain_decodes=programs.lowering.whole_chain_decodes,
-                            lora_slot=adapters and (lambda r: adapters.slot(r.adapter))),
+        runner, _builder(config, buckets, runner, num_pages, cfg.vocab_size, defer,
+                         groups is not None, mesh_config.spp, adapters),
         predictor, tracker, pooler, hits, speculator, bursts, adapters)
+
+
+def _builder(config: EngineConfig, buckets: Buckets, runner: ModelRunner, num_pages: int,
+             vocab_size: int, defer: bool, hybrid: bool, spp: int,
+             adapters: AdapterSlots | None) -> StepBuilder:
+    """The step builder over the runner's programs (``defer``: steps built at a compiled
+    shape while their own compiles)."""
+    programs = runner.programs
+    return StepBuilder(buckets, config.page_size, runner.state_sink, pool_pages=num_pages,
+                       vocab_size=vocab_size, ready=programs.ready_shape if defer else None,
+                       plain_row=plain_sampler_row, prompt_logprobs=prompt_logprobs.wanted,
+                       hybrid=hybrid,
+                       # spp > 1: a tick packs its slots itself
+                       layout=programs.lowering.layout if spp == 1 else None,
+                       whole_chain_decodes=programs.lowering.whole_chain_decodes,
+                       lora_slot=adapters and (lambda r: adapters.slot(r.adapter)))
 
 
 def whole_chain_decodes(backend: str) -> bool:

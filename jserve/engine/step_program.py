@@ -22,7 +22,7 @@ from jserve.engine.step_arrays import (
     StepArrays,
     sample_inputs,
 )
-from jserve.model import lora as lora_pool
+from jserve.model import lora_pool
 from jserve.model.decoder import (
     Params,
     final_logits,

@@ -18,7 +18,7 @@ import numpy as np
 
 from jserve.config import ModelConfig
 from jserve.fields import FieldError
-from jserve.model.lora import pool_targets, target_shape
+from jserve.model.lora_pool import pool_targets, target_shape
 
 _PREFIX = "base_model.model."
 _REFUSED = {"use_dora": "DoRA adapters", "rank_pattern": "per-module ranks (rank_pattern)",

@@ -24,10 +24,8 @@ from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jserve.config import ModelConfig
-from jserve.model.tp_layout import FUSED, kv_head_map, tp_layout_leaf
+from jserve.model.tp_layout import FUSED
 
 # The matrices an adapter may target, in jserve's leaf names (families/base.py).
 TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
@@ -44,55 +42,6 @@ def b_name(target: str) -> str:
 
 
 POOL_LEAVES = frozenset(n for t in TARGETS for n in (a_name(t), b_name(t)))
-
-
-def pool_targets(cfg: ModelConfig) -> tuple[str, ...]:
-    """The targets ``cfg``'s family has as plain matrices (an MoE layer's experts are not
-    among them: their MLP has no ``w_gate``)."""
-    from jserve.model.families import family_of
-
-    names = family_of(cfg).layer_tensors(cfg)
-    return tuple(t for t in TARGETS if t in names)
-
-
-def target_shape(cfg: ModelConfig, target: str, tp: int = 1) -> tuple[int, int]:
-    """(in, out) of ``target`` as the runtime stores it for ``tp`` (wk/wv: its stored KV
-    heads, ``kv_head_map``)."""
-    from jserve.model.families import family_of
-
-    d_in, d_out = family_of(cfg).layer_tensors(cfg)[target].shape
-    if target in ("wk", "wv"):
-        d_out = len(kv_head_map(cfg, tp)) * cfg.head_dim
-    return d_in, d_out
-
-
-def pool_shapes(cfg: ModelConfig, slots: int, rank: int, tp: int = 1
-                ) -> dict[str, tuple[int, ...]]:
-    """Each pool leaf's global shape (stacked over the layers)."""
-    n = cfg.num_hidden_layers
-    shapes = {}
-    for t in pool_targets(cfg):
-        d_in, d_out = target_shape(cfg, t, tp)
-        shapes[a_name(t)] = (n, d_in, slots, rank)
-        shapes[b_name(t)] = (n, slots, rank, d_out)
-    return shapes
-
-
-def empty_pool(cfg: ModelConfig, slots: int, rank: int, mesh=None) -> dict[str, jax.Array]:
-    """The zeroed pool leaves (every slot empty), created where they live: on ``mesh``
-    split as ``tp_layout.layer_axes`` says, else on the default device."""
-    tp = 1 if mesh is None else mesh.shape["tp"]
-    dtype = jnp.dtype(cfg.dtype)
-    out = {}
-    for name, shape in pool_shapes(cfg, slots, rank, tp).items():
-        sharding = None
-        if mesh is not None:
-            from jserve.model.tp_layout import layer_axes
-
-            sharding = jax.sharding.NamedSharding(
-                mesh, jax.sharding.PartitionSpec(*layer_axes(name)))
-        out[name] = jnp.zeros(shape, dtype, device=sharding)
-    return out
 
 
 def pool_slots(layers) -> int:
@@ -128,26 +77,6 @@ def _delta(a: jax.Array, b: jax.Array, h: jax.Array, slots: jax.Array) -> jax.Ar
     xa = jnp.einsum("ti,isr->tsr", h, a.astype(h.dtype))
     xa = xa * jax.nn.one_hot(slots, n, dtype=xa.dtype)[:, :, None]
     return jnp.einsum("tsr,sro->to", xa.reshape(h.shape[0], n, r), b.astype(h.dtype))
-
-
-def slot_arrays(adapter: Mapping[str, tuple[np.ndarray, np.ndarray]], cfg: ModelConfig,
-                rank: int, tp: int, dtype) -> dict[str, np.ndarray]:
-    """One adapter's values of every pool leaf for one slot, on the host: A [layers, in,
-    rank] and B [layers, rank, out] per target, padded with zeros to the pool's ``rank``
-    (and zeros for a target it does not adapt), B's columns in the tp layout of its
-    matrix. ``adapter``: target -> (A [layers, in, r], B [layers, r, out], scaled)."""
-    out = {}
-    for t in pool_targets(cfg):
-        d_in, d_out = target_shape(cfg, t, 1)
-        a = np.zeros((cfg.num_hidden_layers, d_in, rank), dtype)
-        b = np.zeros((cfg.num_hidden_layers, rank, d_out), dtype)
-        if t in adapter:
-            ua, ub = adapter[t]
-            a[:, :, :ua.shape[-1]] = ua
-            b[:, :ub.shape[-2], :] = ub
-        out[a_name(t)] = a
-        out[b_name(t)] = tp_layout_leaf(t, b, cfg, tp) if t in ("wk", "wv") else b
-    return out
 
 
 def write_slot(layers, slot, values: Mapping[str, jax.Array]):
