@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from jserve.fields import FieldError
 from jserve.lora.config import LoRAConfig, LoRARequest
-from jserve.lora.peft import Adapter
+
+if TYPE_CHECKING:  # (no JAX here: the scheduler's tests use the slots alone)
+    from jserve.lora.peft import Adapter
 
 
 class AdapterSlots:
@@ -114,6 +116,11 @@ class AdapterSlots:
         self._lru.move_to_end(name)
         self._refs[name] += 1
         return True
+
+    def can_acquire(self, name: str | None) -> bool:
+        """Whether ``acquire(name)`` would succeed now (nothing changes)."""
+        return (self.resident(name) or None in self._names
+                or any(not self._refs[n] for n in self._lru))
 
     def release(self, name: str | None) -> None:
         if name is not None:

@@ -398,6 +398,11 @@ class SchedulerBase(abc.ABC):
         req.holds_adapter = self.adapters.acquire(req.adapter)
         return req.holds_adapter
 
+    def _adapter_blocked(self, req: Request) -> bool:
+        """``req`` could not take its adapter's slot now (every slot held by others)."""
+        return (req.adapter is not None and self.adapters is not None
+                and not req.holds_adapter and not self.adapters.can_acquire(req.adapter))
+
     def _drop_adapter(self, req: Request) -> None:
         if req.holds_adapter:
             self.adapters.release(req.adapter)

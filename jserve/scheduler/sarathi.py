@@ -20,7 +20,10 @@ class SarathiScheduler(SchedulerBase):
         while (admit and not preempted and self.waiting and budget > 0
                and len(prefills) < self.max_prefill_seqs
                and len(self.running) < self.max_num_seqs):
-            req = self.waiting[0]
+            # In arrival order, past requests whose adapter has no slot now (vLLM's rule)
+            req = next((r for r in self.waiting if not self._adapter_blocked(r)), None)
+            if req is None:
+                break
             spans = self._spans_groups(req)
             if spans and spanning:  # in arrival order: it waits for the next batch
                 break

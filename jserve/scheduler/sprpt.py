@@ -88,7 +88,8 @@ class SPRPTScheduler(SchedulerBase):
         while (admit and not preempted and budget > 0
                and len(prefills) < self.max_prefill_seqs
                and len(self.running) < self.max_num_seqs):
-            ready = [r for r in self.waiting if r.request_id not in just_out]
+            ready = [r for r in self.waiting
+                     if r.request_id not in just_out and not self._adapter_blocked(r)]
             if not ready:
                 break
             req = min(ready, key=self._key)
