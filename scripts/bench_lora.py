@@ -110,7 +110,7 @@ def delta_forms(tokens: int, slots: int, rank: int, d: int, reps: int) -> dict:
     from jserve.model import lora
 
     rng = np.random.default_rng(0)
-    a = jnp.asarray(rng.normal(size=(d, slots, rank)), jnp.float32)
+    a = jnp.asarray(rng.normal(size=(d, slots * rank)), jnp.float32)
     b = jnp.asarray(rng.normal(size=(slots, rank, d)), jnp.float32)
     h = jnp.asarray(rng.normal(size=(tokens, d)), jnp.float32)
     s = jnp.asarray(np.arange(tokens) % slots, jnp.int32)
@@ -118,7 +118,7 @@ def delta_forms(tokens: int, slots: int, rank: int, d: int, reps: int) -> dict:
 
     @jax.jit
     def gathered(a, b, h, s):
-        ga = jnp.moveaxis(a, 1, 0)[s]  # [T, d, r]
+        ga = jnp.moveaxis(a.reshape(d, slots, rank), 1, 0)[s]  # [T, d, r]
         return jnp.einsum("tr,tro->to", jnp.einsum("ti,tir->tr", h, ga), b[s])
 
     @jax.jit

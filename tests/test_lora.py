@@ -221,7 +221,8 @@ def test_delta_is_each_tokens_own_adapter():
     b = rng.normal(size=(slots, r, d_out)).astype(np.float32)
     h = rng.normal(size=(t, d_in)).astype(np.float32)
     s = np.array([0, 2, -1, 1, 2, -1, 0], np.int32)
-    layer = {"wo": np.zeros((d_in, d_out), np.float32), lora_pool.a_name("wo"): a,
+    layer = {"wo": np.zeros((d_in, d_out), np.float32),
+             lora_pool.a_name("wo"): a.reshape(d_in, slots * r),
              lora_pool.b_name("wo"): b, lora_pool.SLOTS: s}
     got = np.asarray(lora_pool.added(layer, "wo", h, np.zeros((t, d_out), np.float32)))
     want = np.stack([np.zeros(d_out) if k < 0 else h[i] @ a[:, k] @ b[k]

@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jserve.cache.pool import HybridKV, hybrid_kv_shapes, kv_cache_shape
 from jserve.config import ModelConfig
 from jserve.kernels import kv_quant
-from jserve.model import quant
+from jserve.model import lora_pool, quant
 from jserve.model.decoder import unstack_layers
 from jserve.model.params import Params, runtime_param_shapes
 from sharding.kv_parallel import STACKED_KV_SPEC
@@ -19,10 +19,15 @@ from sharding.specs import kv_head_map, param_specs
 
 
 def abstract_params(cfg: ModelConfig, mesh: jax.sharding.Mesh | None,
-                    device: jax.Device | None = None) -> Params:
+                    device: jax.Device | None = None, lora: tuple[int, int] | None = None
+                    ) -> Params:
     """Runtime-layout params as ``ShapeDtypeStruct``s: split by ``param_specs`` on ``mesh``
-    (``tp_layout`` reorders, it never reshapes), or on ``device`` without a mesh."""
+    (``tp_layout`` reorders, it never reshapes), or on ``device`` without a mesh; ``lora``
+    (slots, rank): with the LoRA pool (``jserve.model.lora_pool``)."""
     shapes = runtime_param_shapes(cfg)
+    if lora is not None:
+        tp = 1 if mesh is None else mesh.shape["tp"]
+        shapes["layers"].update(lora_pool.pool_shapes(cfg, *lora, tp))
     is_shape = lambda x: isinstance(x, tuple)
     if mesh is None:  # one device: a 1-device mesh's specs, so the tp-split leaves are known
         mesh = jax.sharding.Mesh(np.array([device or jax.devices()[0]]).reshape((1,) * len(AXES)),
@@ -64,21 +69,23 @@ def abstract_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int,
 
 
 def params_on_one_device(cfg: ModelConfig, unroll: bool,
-                         device: jax.Device | None = None) -> Params:
+                         device: jax.Device | None = None,
+                         lora: tuple[int, int] | None = None) -> Params:
     """The step's params on one device (default: the first local one) as
     ``ShapeDtypeStruct``s (``runtime_params``'s output), from the config alone."""
     device = device or jax.local_devices()[0]
     one = jax.sharding.SingleDeviceSharding(device)
-    spec = abstract_params(cfg, None, device)
+    spec = abstract_params(cfg, None, device, lora)
     if unroll:
         spec = jax.eval_shape(unstack_layers, spec)
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), spec)
 
 
-def params_on_mesh(cfg: ModelConfig, mesh: jax.sharding.Mesh, unroll: bool) -> Params:
+def params_on_mesh(cfg: ModelConfig, mesh: jax.sharding.Mesh, unroll: bool,
+                   lora: tuple[int, int] | None = None) -> Params:
     """The step's params split on ``mesh`` as ``ShapeDtypeStruct``s: with ``unroll`` each
     layer's arrays keep their tp split (``step_program._unstacked``'s output)."""
-    spec = abstract_params(cfg, mesh)
+    spec = abstract_params(cfg, mesh, lora=lora)
     if not unroll:
         return spec
     target = jax.eval_shape(unstack_layers, spec)

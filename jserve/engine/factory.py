@@ -431,13 +431,14 @@ def _runner(cfg: ModelConfig, params: Params, config: EngineConfig, mesh_config:
 
     make = functools.partial(ModelRunner, **runner_options(config, buckets, mesh, layer_mode,
                                                            tracker, wanted[0]))
-    if mesh is not None or not warm or config.lora is not None:  # (the pool: no spec yet)
+    if mesh is not None or not warm:
         runner = make(cfg, load_weights(), allocate_kv(), params_placed=True)
         return runner, warmup(runner)
     times.overlapped = True
     with ThreadPoolExecutor(1, thread_name_prefix="jserve-load") as loader:
         loaded = loader.submit(lambda: (load_weights(), allocate_kv()))
-        runner = make(cfg, params_on_one_device(cfg, unroll), abstract_kv_cache(
+        runner = make(cfg, params_on_one_device(cfg, unroll, lora=pool_size(config.lora)),
+                      abstract_kv_cache(
             cfg, num_pages, config.page_size, None, kv_cache_dtype=config.kv_cache_dtype,
             local_pages=local_pages),
             abstract=True)

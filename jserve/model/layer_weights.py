@@ -21,10 +21,11 @@ import jax
 # The layer matrices, the MoE router and expert stacks (``tp_layout.LEAVES``) are read in
 # place (a stack's chosen experts by one gather: jserve/model/moe.py; the router by the
 # layer matmul kernel, which XLA:GPU ran as a materialised product of a sliced layer); other
-# leaves (norms, biases) are a few vectors a layer and are sliced as before.
-from jserve.model.tp_layout import EXPERTS, MATRICES
+# leaves (norms, biases) are a few vectors a layer and are sliced as before. LoRA pools
+# too (jserve/model/lora.py): sliced, each was copied out of its stack a layer a step.
+from jserve.model.tp_layout import ADAPTERS, EXPERTS, MATRICES
 
-IN_PLACE = frozenset(MATRICES) | frozenset(EXPERTS) | {"router"}
+IN_PLACE = frozenset(MATRICES) | frozenset(EXPERTS) | frozenset(ADAPTERS) | {"router"}
 
 _state = threading.local()
 

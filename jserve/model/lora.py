@@ -4,9 +4,12 @@ each token's delta from its own adapter (many adapters, and the base model, in o
 The pool is one pair of leaves per target matrix of a layer (``TARGETS``: the attention
 projections and the dense MLP's), in the stacked layer dict with the base weights, so the
 layer loop, the unrolled layers, tp placement and the programs take them as they take any
-leaf: ``"<target>.lora_a"`` [layers, in, slots, rank] and ``"<target>.lora_b"`` [layers,
-slots, rank, out] (``tp_layout.LEAVES``: a column-split target's B is split by columns as
-its matrix is, a row-split target's A by rows; the rest replicated). An adapter of lower
+leaf: ``"<target>.lora_a"`` [layers, in, slots * rank] (a matrix like the base's, every
+slot's columns side by side, read in place as the base's are) and ``"<target>.lora_b"``
+[layers, slots, rank, out] (read as [slots * rank, out]: a bitcast, on a TPU too while
+the rank is a multiple of its sublane tile, 16 in bf16). ``tp_layout.LEAVES``: a
+column-split target's B is split by columns as its matrix is, a row-split target's A by
+rows; the rest replicated. An adapter of lower
 rank is zero-padded to the pool's rank; its scaling (``lora_alpha / r``, or over sqrt(r)
 with rsLoRA) is folded into B when it is written, so a slot's delta is ``(h @ A) @ B``.
 
@@ -25,6 +28,8 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 
+from jserve.model.layer_weights import LayerOf
+from jserve.model.quant import matmul
 from jserve.model.tp_layout import FUSED
 
 # The matrices an adapter may target, in jserve's leaf names (families/base.py).
@@ -48,8 +53,8 @@ def pool_slots(layers) -> int:
     """How many adapter slots the pool in runtime ``layers`` (stacked or unrolled) has; 0
     without a pool."""
     first = layers[0] if isinstance(layers, list) else layers
-    a = next((w for n, w in first.items() if n in POOL_LEAVES and n.endswith("_a")), None)
-    return 0 if a is None else a.shape[-2]  # A: [(layers,) in, slots, rank]
+    b = next((w for n, w in first.items() if n in POOL_LEAVES and n.endswith("_b")), None)
+    return 0 if b is None else b.shape[-3]  # B: [(layers,) slots, rank, out]
 
 
 def with_slots(layer: Mapping[str, Any], slots: jax.Array | None) -> Mapping[str, Any]:
@@ -70,13 +75,29 @@ def added(layer: Mapping[str, Any], name: str, h: jax.Array, y: jax.Array) -> ja
     return y + delta.astype(y.dtype)
 
 
-def _delta(a: jax.Array, b: jax.Array, h: jax.Array, slots: jax.Array) -> jax.Array:
-    """Each token's ``(h @ A[slot]) @ B[slot]``: ``a`` [in, slots, rank], ``b`` [slots,
-    rank, out], ``h`` [T, in], ``slots`` [T] (-1: zero)."""
-    n, r = a.shape[-2], a.shape[-1]
-    xa = jnp.einsum("ti,isr->tsr", h, a.astype(h.dtype))
-    xa = xa * jax.nn.one_hot(slots, n, dtype=xa.dtype)[:, :, None]
-    return jnp.einsum("tsr,sro->to", xa.reshape(h.shape[0], n, r), b.astype(h.dtype))
+def _delta(a, b, h: jax.Array, slots: jax.Array) -> jax.Array:
+    """Each token's ``(h @ A[slot]) @ B[slot]``: ``a`` [in, slots * rank], ``b`` [slots,
+    rank, out] (or a ``LayerOf`` of their stacks, read in place as the base matrices are:
+    ``jserve.model.layer_weights``), ``h`` [T, in], ``slots`` [T] (-1: zero). Both products
+    are plain matmuls of ``slots * rank`` inner width (the slot and rank axes merged, a
+    bitcast)."""
+    n, r = _shape(b)[-3:-1]
+    xa = matmul(h, a)
+    xa = xa.reshape(h.shape[0], n, r) * jax.nn.one_hot(slots, n, dtype=xa.dtype)[:, :, None]
+    return matmul(xa.reshape(h.shape[0], n * r), _merged(b, -3))
+
+
+def _shape(w) -> tuple[int, ...]:
+    return (w.stacked if isinstance(w, LayerOf) else w).shape
+
+
+def _merged(w, axis: int):
+    """``w`` with axes ``axis`` and ``axis + 1`` (slots, rank) as one."""
+    def merge(x):
+        shape = x.shape
+        k = x.ndim + axis
+        return x.reshape(shape[:k] + (shape[k] * shape[k + 1],) + shape[k + 2:])
+    return LayerOf(merge(w.stacked), w.layer) if isinstance(w, LayerOf) else merge(w)
 
 
 def write_slot(layers, slot, values: Mapping[str, jax.Array]):
@@ -84,8 +105,10 @@ def write_slot(layers, slot, values: Mapping[str, jax.Array]):
     pool leaf set to ``values`` (``slot_arrays``'s, stacked); jit it with ``layers``
     donated, so the pool is written in place."""
     def put(name, w, v):
-        axis = w.ndim - 2 if name.endswith(".lora_a") else w.ndim - 3
-        return jax.lax.dynamic_update_index_in_dim(w, v.astype(w.dtype), slot, axis)
+        v = v.astype(w.dtype)
+        if name.endswith(".lora_a"):  # the slot's rank columns of [..., in, slots * rank]
+            return jax.lax.dynamic_update_slice_in_dim(w, v, slot * v.shape[-1], w.ndim - 1)
+        return jax.lax.dynamic_update_index_in_dim(w, v, slot, w.ndim - 3)
 
     if isinstance(layers, list):
         return [{n: put(n, w, values[n][i]) if n in values else w for n, w in layer.items()}

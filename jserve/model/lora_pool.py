@@ -39,7 +39,7 @@ def pool_shapes(cfg: ModelConfig, slots: int, rank: int, tp: int = 1
     shapes = {}
     for t in pool_targets(cfg):
         d_in, d_out = target_shape(cfg, t, tp)
-        shapes[a_name(t)] = (n, d_in, slots, rank)
+        shapes[a_name(t)] = (n, d_in, slots * rank)
         shapes[b_name(t)] = (n, slots, rank, d_out)
     return shapes
 

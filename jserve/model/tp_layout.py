@@ -46,8 +46,8 @@ class LeafKind:
     kv_heads: bool = False
     parts: tuple[str, ...] = ()
     experts: bool = False
-    adapter: bool = False  # a LoRA slot pool leaf (jserve.model.lora): [layers, in, slots,
-    # rank] (A) or [layers, slots, rank, out] (B), columns the last axis either way
+    adapter: bool = False  # a LoRA slot pool leaf (jserve.model.lora): [layers, in,
+    # slots * rank] (A, a matrix) or [layers, slots, rank, out] (B), columns the last axis
 
 
 # The one table of layer leaf kinds: a new kind of leaf is declared here once, and the tp
@@ -231,9 +231,8 @@ def layer_axes(name: str) -> tuple[str | tuple[str, ...] | None, ...]:
     ("tp", "ep"), ep the minor axis, gives ep shard j of each tp shard experts j * E / ep
     on, as ``we_down``'s split gives it (and at ep=1 the plain tp split). A
     ``PartitionSpec(*layer_axes(name))``."""
-    if name in ADAPTERS:  # [layers, in, slots, rank] / [layers, slots, rank, out]
-        return (("spp", "tp") if name in ROW_SPLIT else
-                ("spp", None, None, "tp") if name in COLUMN_SPLIT else ("spp",))
+    if name in ADAPTERS and name.endswith("_b"):  # [layers, slots, rank, out]
+        return ("spp", None, None, "tp") if name in COLUMN_SPLIT else ("spp",)
     experts = ("ep",) if name in EXPERTS and name not in FUSED else ()
     columns = ("tp", "ep") if name in EXPERTS and name in FUSED else "tp"
     if name in COLUMN_SPLIT:

@@ -134,6 +134,7 @@ class Geometry:
         import jax
 
         from jserve.model.params import layer_matrix_shapes
+        from jserve.model.tp_layout import ADAPTERS
 
         n = cfg.num_hidden_layers
         mats = set(layer_matrix_shapes(cfg))
@@ -146,6 +147,10 @@ class Geometry:
                 mats |= {shard, shard[1:]}
             elif not stacked and len(shard) == 2:
                 mats.add(shard)
+        for name, leaf in (layers.items() if stacked else ()):  # LoRA's B, as the layer
+            if name in ADAPTERS and name.endswith("_b"):  # kernel reads it (lora._delta)
+                ln, slots, rank, out = _shard_shape(leaf)
+                mats |= {(ln, slots * rank, out), (slots * rank, out)}
         kv = set()
         for leaf in jax.tree.leaves(kv_cache):
             shape = _shard_shape(leaf)

@@ -13,6 +13,7 @@ from jserve import backend
 from jserve.cache.hybrid import local_window
 from jserve.config import ModelConfig
 from jserve.engine.abstract import abstract_kv_cache, params_on_mesh, params_on_one_device
+from jserve.engine.adapters import pool_size
 from jserve.engine.config import EngineConfig
 from jserve.engine.factory import bursts_allowed, check_config, host_tier_on, runner_options
 from jserve.engine.memory_plan import CompiledMemory, MemoryPlan, per_device_bytes, plan
@@ -117,8 +118,9 @@ def _runner(cfg: ModelConfig, config: EngineConfig, geo, t: Target, p: MemoryPla
     mode = config.layer_mode(cfg.num_hidden_layers, mc.spp, t.platform,
                              windowed=local_window(cfg) is not None)
     unroll = mode == "unrolled"
-    params = (params_on_one_device(cfg, unroll, devs[0]) if mesh is None
-              else params_on_mesh(cfg, mesh, unroll))
+    lora = pool_size(config.lora)
+    params = (params_on_one_device(cfg, unroll, devs[0], lora) if mesh is None
+              else params_on_mesh(cfg, mesh, unroll, lora))
     kv = abstract_kv_cache(cfg, p.num_kv_pages, config.page_size, mesh, devs[0],
                            config.kv_cache_dtype, p.local_kv_pages)
     bursts = config.burst_steps() if bursts_allowed(config, mc, None) else 1
