@@ -17,11 +17,6 @@ from jserve.model import lora, lora_pool
 log = logging.getLogger(__name__)
 
 
-def pool_size(config: LoRAConfig | None) -> tuple[int, int] | None:
-    """(slots, rank) of the device pool ``runtime_params`` adds; None without LoRA."""
-    return None if config is None else (config.max_loras, config.max_lora_rank)
-
-
 def build_adapters(cfg: ModelConfig, config: LoRAConfig | None, runner) -> AdapterSlots | None:
     """The slots over ``runner``'s pool, ``config.modules`` registered (a bad one refuses
     the start, naming it); None without LoRA."""

@@ -24,7 +24,7 @@ from jserve.cache.pool import (
 from jserve.config import ModelConfig
 from jserve.engine import prompt_logprobs
 from jserve.engine.abstract import abstract_kv_cache, params_on_one_device
-from jserve.engine.adapters import build_adapters, pool_size
+from jserve.engine.adapters import build_adapters
 from jserve.engine.buckets import Buckets
 from jserve.engine.burst import DecodeBursts
 from jserve.engine.config import EngineConfig, layer_flags
@@ -38,6 +38,7 @@ from jserve.engine.step_builder import StepBuilder
 from jserve.engine.step_program import runtime_params
 from jserve.engine.timing import estimated_predictor, host_round_trip_seconds, load_predictor
 from jserve.kernels import ATTENTION_IMPLS, resolve_impl
+from jserve.lora.config import pool_size
 from jserve.lora.slots import AdapterSlots
 from jserve.model.params import Params
 from jserve.probe.length_probe import LengthProbe

@@ -44,6 +44,7 @@ from jserve.engine.factory import Geometry, engine_geometry
 from jserve.engine.kv_groups import group_window, layer_counts, pool_sizes
 from jserve.engine.runner import ModelRunner
 from jserve.engine.step_arrays import state_spec
+from jserve.lora.config import pool_size
 from jserve.model.params import active_params, num_params
 from sharding.mesh import MeshConfig, make_mesh
 from sharding.specs import kv_heads_per_device
@@ -407,8 +408,8 @@ def plan(cfg: ModelConfig, engine_config: EngineConfig = EngineConfig(),
     mesh = make_mesh(mc, devices) if mc.size > 1 else None
     if device_memory_bytes is None:
         device_memory_bytes = available_device_bytes(devices[0])
-    params = abstract_params(cfg, mesh, devices[0])
-    weights = per_device_bytes(params)
+    params = abstract_params(cfg, mesh, devices[0], pool_size(engine_config.lora))
+    weights = per_device_bytes(params)  # the LoRA pool's with them
     split, repl = _split_bytes(params)
     per_page = kv_bytes_per_page(cfg, engine_config.page_size, kv_heads_per_device(cfg, mc.tp),
                                  cfg.num_hidden_layers // mc.spp, engine_config.kv_cache_dtype)
@@ -457,7 +458,8 @@ def _choice(cfg: ModelConfig, engine_config: EngineConfig, geo: Geometry, mesh, 
     ``kv_cache_dtype`` (the rest of the plan, its activations included, unchanged)."""
     mc = geo.mesh_config
     weights = per_device_bytes(abstract_params(
-        dataclasses.replace(cfg, quantization=quantization), mesh, device))
+        dataclasses.replace(cfg, quantization=quantization), mesh, device,
+        pool_size(engine_config.lora)))
     per_page = kv_bytes_per_page(cfg, engine_config.page_size, kv_heads_per_device(cfg, mc.tp),
                                  cfg.num_hidden_layers // mc.spp, kv_cache_dtype)
     budget = (kv_budget_bytes(device_memory_bytes, engine_config.memory_fraction,

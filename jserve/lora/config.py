@@ -55,6 +55,11 @@ class LoRAConfig:
         return self.max_cpu_loras or self.max_loras
 
 
+def pool_size(config: LoRAConfig | None) -> tuple[int, int] | None:
+    """(slots, rank) of the device pool (``jserve.model.lora``); None without LoRA."""
+    return None if config is None else (config.max_loras, config.max_lora_rank)
+
+
 def parse_lora_modules(values: list[str] | None) -> tuple[tuple[str, str], ...]:
     """``--lora-modules`` entries as vLLM takes them: ``name=path``, or the JSON form
     ``{"name": ..., "path": ..., "base_model_name": ...}``."""
