@@ -88,7 +88,8 @@ class _Base:
 
 class Client(_Base):
     """Blocking client. ``prompt`` is text, token ids or a ready ``GenerateRequest``; keyword
-    arguments: ``request_id``, ``priority``, ``ttft_slo``, ``tpot_slo`` (seconds)."""
+    arguments: ``request_id``, ``priority``, ``ttft_slo``, ``tpot_slo`` (seconds),
+    ``lora_name`` (a loaded LoRA adapter to run with; NOT_FOUND if none is)."""
 
     def __init__(self, target: str, *, auth_token: str | None = None,
                  root_certificates: bytes | None = None, tls: bool = False,

@@ -90,7 +90,7 @@ class Choices(_message.Message):
     def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "sampling_params", "priority", "ttft_slo_seconds", "tpot_slo_seconds")
+    __slots__ = ("request_id", "text", "token_ids", "sampling_params", "priority", "ttft_slo_seconds", "tpot_slo_seconds", "lora_name")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,7 @@ class GenerateRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     TTFT_SLO_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TPOT_SLO_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -105,7 +106,8 @@ class GenerateRequest(_message.Message):
     priority: int
     ttft_slo_seconds: float
     tpot_slo_seconds: float
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., ttft_slo_seconds: _Optional[float] = ..., tpot_slo_seconds: _Optional[float] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., ttft_slo_seconds: _Optional[float] = ..., tpot_slo_seconds: _Optional[float] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top_token_ids", "top_logprobs", "rank")
@@ -166,7 +168,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_model_len", "eos_token_ids", "has_tokenizer", "scheduler", "page_size", "num_kv_blocks", "max_num_seqs", "max_logprobs", "max_stop_strings", "max_stop_string_chars", "max_stop_token_ids", "max_request_bytes", "served_model_names", "min_tpot_slo", "min_ttft_slo", "min_priority", "max_priority", "max_choices")
+    __slots__ = ("model", "vocab_size", "max_model_len", "eos_token_ids", "has_tokenizer", "scheduler", "page_size", "num_kv_blocks", "max_num_seqs", "max_logprobs", "max_stop_strings", "max_stop_string_chars", "max_stop_token_ids", "max_request_bytes", "served_model_names", "min_tpot_slo", "min_ttft_slo", "min_priority", "max_priority", "max_choices", "max_loras")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +189,7 @@ class ModelInfo(_message.Message):
     MIN_PRIORITY_FIELD_NUMBER: _ClassVar[int]
     MAX_PRIORITY_FIELD_NUMBER: _ClassVar[int]
     MAX_CHOICES_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_model_len: int
@@ -207,4 +210,5 @@ class ModelInfo(_message.Message):
     min_priority: int
     max_priority: int
     max_choices: int
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_tokenizer: _Optional[bool] = ..., scheduler: _Optional[str] = ..., page_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_stop_string_chars: _Optional[int] = ..., max_stop_token_ids: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., served_model_names: _Optional[_Iterable[str]] = ..., min_tpot_slo: _Optional[float] = ..., min_ttft_slo: _Optional[float] = ..., min_priority: _Optional[int] = ..., max_priority: _Optional[int] = ..., max_choices: _Optional[int] = ...) -> None: ...
+    max_loras: int
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_tokenizer: _Optional[bool] = ..., scheduler: _Optional[str] = ..., page_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_stop_string_chars: _Optional[int] = ..., max_stop_token_ids: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., served_model_names: _Optional[_Iterable[str]] = ..., min_tpot_slo: _Optional[float] = ..., min_ttft_slo: _Optional[float] = ..., min_priority: _Optional[int] = ..., max_priority: _Optional[int] = ..., max_choices: _Optional[int] = ..., max_loras: _Optional[int] = ...) -> None: ...

@@ -54,9 +54,9 @@ class GenerationServicer:
     def Generate(self, request, context):
         """One request in, a stream of token batches out. The last message carries
         finish_reason, usage and timings. Errors end the stream with a status code:
-        INVALID_ARGUMENT (bad field, named in the message), RESOURCE_EXHAUSTED (admission
-        queue full), DEADLINE_EXCEEDED, UNAVAILABLE (shutting down), UNAUTHENTICATED,
-        INTERNAL (engine failure).
+        INVALID_ARGUMENT (bad field, named in the message), NOT_FOUND (lora_name names no
+        loaded adapter), RESOURCE_EXHAUSTED (admission queue full), DEADLINE_EXCEEDED,
+        UNAVAILABLE (shutting down), UNAUTHENTICATED, INTERNAL (engine failure).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

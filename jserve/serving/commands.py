@@ -423,9 +423,34 @@ def server_config(a: argparse.Namespace, sampling_defaults: dict):
         responses_store_bytes=int(a.responses_store_mib * (1 << 20)))
 
 
+def check_lora_names(lora, names: tuple[str, ...], ray: bool = False) -> None:
+    """``--lora-modules``' names are not the base model's (a request's ``model`` picks one
+    or the other); runtime loading needs one engine (under --ray a load would reach one
+    replica)."""
+    if lora is None:
+        return
+    taken = sorted({n for n, _ in lora.modules} & set(names))
+    if taken:
+        raise ValueError(f"--lora-modules: {taken} also named the base model "
+                         "(--served-model-name); give the adapters other names")
+    if ray and lora.runtime_updating:
+        raise ValueError("--enable-runtime-lora-updating is not supported with --ray yet (a "
+                         "load would reach one replica); name the adapters in --lora-modules")
+
+
+def lora_line(lora, info) -> str:
+    """The start-up line of the adapters served."""
+    names = ", ".join(f"{n} ({p})" for n, p in lora.modules) or "none yet"
+    return (f"jserve: LoRA adapters: {names}; --max-loras {info.max_loras} on the device, "
+            f"--max-lora-rank {info.max_lora_rank}; runtime loading "
+            f"{'on (/v1/load_lora_adapter)' if info.runtime_lora_updating else 'off'}")
+
+
 def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
     chat_template = vllm_args(a)
     engine_kwargs = dict(engine_kwargs, seed=a.seed)
+    lora = engine_kwargs.get("lora")
+    check_lora_names(lora, served_model_names(a), a.ray)
     if a.ray:
         return ray_command(a, engine_kwargs)
 
@@ -442,7 +467,8 @@ def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
     if a.fake_engine:
         llm, engine = None, FakeEngine.for_model(a.tokenizer or a.model,
                                                  max_model_len=a.max_model_len or 512,
-                                                 max_num_seqs=a.max_num_seqs or 8)
+                                                 max_num_seqs=a.max_num_seqs or 8,
+                                                 lora=lora)
     else:
         from jserve.model.weights import resolve_dtype
 
@@ -473,6 +499,8 @@ def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
               flush=True)
         print(f"jserve: client limits: {server.gateway.limits.describe()}, requests <= "
               f"{config.max_request_bytes} bytes", flush=True)
+        if lora is not None:
+            print(lora_line(lora, server.engine.info), flush=True)
         if defaults:  # vLLM says so too: the model's creator changed the sampling defaults
             print(f"jserve: sampling defaults from the model's generation_config.json: "
                   f"{describe(defaults)} (--generation-config vllm: none)", flush=True)

@@ -33,6 +33,7 @@ EXHAUSTED = "resource_exhausted"
 DEADLINE = "deadline_exceeded"
 UNAVAILABLE = "unavailable"
 INTERNAL = "internal"
+NOT_FOUND = "not_found"     # a model (LoRA adapter) the engine does not serve
 
 
 @dataclasses.dataclass
@@ -83,6 +84,16 @@ class EngineInfo:
     pooling: PoolingSpec | None = None
     hidden_size: int = 0    # the embeddings' size
     num_labels: int = 0     # a sequence classifier's (cross-encoder's) labels; 0: none
+    # LoRA (``--enable-lora``): adapters resident on the device at once (0: no adapters
+    # served), the largest rank served, and whether adapters may be loaded and unloaded
+    # while serving (``--enable-runtime-lora-updating``)
+    max_loras: int = 0
+    max_lora_rank: int = 0
+    runtime_lora_updating: bool = False
+
+    @property
+    def lora(self) -> bool:
+        return self.max_loras > 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +123,11 @@ class Prepared(Protocol):
     prompt: str | None      # the text, when the prompt came as text
     prompt_ids: list[int]
     params: SamplingParams
+    adapter: str | None     # the LoRA adapter it runs with (None: the base model)
+
+
+class AdapterNotFound(LookupError):
+    """``unload_adapter`` of a name no loaded adapter has."""
 
 
 @runtime_checkable
@@ -130,9 +146,12 @@ class EngineClient(Protocol):
     def alive(self) -> bool:
         """The engine thread runs (False before ``start`` and after a crash or shutdown)."""
 
-    def prepare(self, prompt: str | Sequence[int], params: SamplingParams) -> Prepared:
+    def prepare(self, prompt: str | Sequence[int], params: SamplingParams,
+                adapter: str | None = None) -> Prepared:
         """Tokenized and validated, or ValueError naming the field (the offline API's own
-        checks, so the server refuses exactly what ``LLM.generate`` refuses)."""
+        checks, so the server refuses exactly what ``LLM.generate`` refuses). ``adapter``:
+        the name of a loaded LoRA adapter to run with (FieldError on ``model`` if none is
+        loaded by that name, or the engine serves none); None: the base model."""
 
     def tokenize(self, prompt: str | Sequence[int], add_special_tokens: bool = True
                  ) -> list[int]:
@@ -176,6 +195,20 @@ class EngineClient(Protocol):
 
     async def ping(self) -> None:
         """Returns once the engine thread answers between steps (``/health_generate``)."""
+
+    async def adapters(self) -> dict[str, str]:
+        """The loaded LoRA adapters, name -> path ({}: none), in the order they were
+        loaded, as the engine thread saw them after the last load or unload."""
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Reads, checks and registers the LoRA adapter at ``path`` as ``name`` between
+        steps; FieldError (on ``lora_name`` or ``lora_path``) naming what is wrong if it is
+        refused (a name loaded already, a bad adapter, an engine without LoRA), nothing
+        changed then and no request disturbed."""
+
+    async def unload_adapter(self, name: str) -> None:
+        """Unregisters adapter ``name`` between steps; ``AdapterNotFound`` if none is loaded
+        by that name, FieldError (``lora_name``) while requests use it."""
 
     async def load_report(self, replica: str, *, healthy: bool = True) -> ReplicaLoad:
         """This replica's ``ReplicaLoad`` now, as a router reads it (``/v1/route/load``,

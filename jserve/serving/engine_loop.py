@@ -28,19 +28,22 @@ import time
 from typing import Any, Callable, Protocol, Sequence
 
 from jserve.engine.output import RequestOutput
+from jserve.fields import FieldError
 from jserve.routing.load import ReplicaLoad, predicted_ttft
 from jserve.serving.engine_api import (
     DEADLINE,
     EXHAUSTED,
     INTERNAL,
     INVALID,
+    NOT_FOUND,
     UNAVAILABLE,
+    AdapterNotFound,
     Delta,
     Prepared,
     WaitEstimate,
     error_delta,
 )
-from jserve.serving.metrics import ServerMetrics
+from jserve.serving.metrics import LoRAState, ServerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +122,9 @@ class EngineLoop(abc.ABC):
         self.crashed: BaseException | None = None
         self._stop_sent = False
         self._on_crash: Callable[[BaseException], None] | None = None
+        # The LoRA adapters (name -> path) as the engine thread last saw them: taken at
+        # start and after each load or unload, replaced whole, never changed in place
+        self._adapters_seen: dict[str, str] | None = None
 
     # -- what a subclass says about its core (engine thread) -------------------------------
     @abc.abstractmethod
@@ -136,14 +142,36 @@ class EngineLoop(abc.ABC):
     def _cached_tokens(self, prompt_ids: Sequence[int]) -> int:
         return 0
 
+    # LoRA adapters (engine thread; an engine that serves none keeps these defaults)
+    def _adapter_registry(self) -> dict[str, str]:
+        """The loaded adapters, name -> path."""
+        return {}
+
+    def _add_adapter(self, name: str, path: str) -> None:
+        """Registers an adapter not loaded yet (FieldError if refused, nothing changed)."""
+        raise FieldError("lora_name", f"adapter {name!r}: this engine serves no LoRA "
+                                      "adapters (start it with --enable-lora)")
+
+    def _remove_adapter(self, name: str) -> None:
+        """Unregisters a loaded adapter (FieldError while requests use it)."""
+        raise AssertionError("no adapter is loaded")  # (``unload_adapter`` checks first)
+
+    def _lora_state(self) -> LoRAState | None:
+        """The adapters of the running and waiting requests, and the slot pool's totals
+        (None: no LoRA)."""
+        return None
+
     # -- asyncio side ------------------------------------------------------------------
     def attach_metrics(self, metrics: ServerMetrics) -> None:
         self.metrics = metrics
+        if self.info.lora:
+            metrics.watch_lora(self.info.max_loras)
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None,
               on_crash: Callable[[BaseException], None] | None = None) -> None:
         self._loop = loop or asyncio.get_running_loop()
         self._on_crash = on_crash  # called on the event loop if the engine thread dies
+        self._adapters_seen = dict(self._adapter_registry())  # (the thread is not running)
         self._thread = threading.Thread(target=self._run, name="jserve-engine", daemon=True)
         self._thread.start()
 
@@ -197,6 +225,32 @@ class EngineLoop(abc.ABC):
 
     async def ping(self) -> None:
         await self.call(lambda core: None)
+
+    async def adapters(self) -> dict[str, str]:
+        """As of the last load or unload (which the engine thread publishes): no round trip,
+        so a listing never waits for a long step or a compile."""
+        seen = self._adapters_seen
+        return dict(self._adapter_registry() if seen is None else seen)  # (None: not started)
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        def load(core) -> None:
+            old = self._adapter_registry().get(name)
+            if old is not None:
+                raise FieldError("lora_name", f"the LoRA adapter {name!r} has already been "
+                                              f"loaded (from {old})")
+            self._add_adapter(name, path)
+            self._adapters_seen = dict(self._adapter_registry())
+            log.info("loaded LoRA adapter %r from %s", name, path)
+        await self.call(load)
+
+    async def unload_adapter(self, name: str) -> None:
+        def unload(core) -> None:
+            if name not in self._adapter_registry():
+                raise AdapterNotFound(f"the LoRA adapter {name!r} cannot be found")
+            self._remove_adapter(name)
+            self._adapters_seen = dict(self._adapter_registry())
+            log.info("unloaded LoRA adapter %r", name)
+        await self.call(unload)
 
     async def load_report(self, replica: str, *, healthy: bool = True) -> ReplicaLoad:
         return await self.call(lambda core: self._load(replica, time.monotonic(), healthy))
@@ -301,6 +355,12 @@ class EngineLoop(abc.ABC):
         if deadline is not None and time.monotonic() >= deadline:
             out.append((sink, error_delta(DEADLINE, "deadline passed before admission")))
             return
+        adapter = prepared.adapter
+        if adapter is not None and adapter not in self._adapter_registry():
+            # checked at prepare, on an intake thread; unloaded since
+            out.append((sink, error_delta(NOT_FOUND, f"model {adapter!r} does not exist: its "
+                                                     "LoRA adapter was unloaded")))
+            return
         try:
             self.core.enqueue(prepared, request_id=request_id, arrival_time=arrival_time,
                         ttft_slo=ttft_slo, tpot_slo=tpot_slo, priority=priority)
@@ -400,6 +460,9 @@ class EngineLoop(abc.ABC):
             pages_free=c.pages_free, preemptions=c.preemptions, new_tokens=new_tokens,
             prefix_queried=c.prefix_queried, prefix_hits=c.prefix_hits,
             cached_pages=c.cached_pages)
+        lora = self._lora_state()
+        if lora is not None:
+            self.metrics.lora = lora
 
 
 def _deliver(items: list[tuple[asyncio.Queue, Delta]]) -> None:

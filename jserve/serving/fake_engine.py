@@ -18,6 +18,11 @@ the admission queue, metrics, per-request fault isolation); only the core under 
 - the prefix cache: a prompt's full pages are remembered (up to ``num_kv_pages`` pages) and
   a later prompt starting with them reports them cached, in the counters and the routing
   reports.
+- LoRA (``lora``, a ``LoRAConfig``): a plain registry of adapters by name and path (a
+  path must be a directory; nothing is read from it), ``lora.modules`` registered at start;
+  a request naming an adapter gets the script's tokens from an offset set by the name, so
+  each adapter (and the base model) writes its own text. No slots: any number of adapters
+  run in one step, and nothing is copied (the loads and evictions stay 0).
 - faults: ``fail_steps(error)`` makes the next steps raise (an ``Exception`` fails that
   step's requests; a ``BaseException`` kills the engine thread), ``fail_requests(pick)``
   ends the requests ``pick`` chooses with an engine error after their first token.
@@ -42,11 +47,13 @@ from jserve.engine.output import (
     TokenLogprob,
     find_stop,
 )
+from jserve.fields import FieldError
+from jserve.lora.config import LoRAConfig
 from jserve.routing.load import FIFO, PrefillTable, QueuedPrefill, ReplicaLoad
 from jserve.sampling.params import SamplingParams
 from jserve.serving.engine_api import EngineInfo, decode_ids
 from jserve.serving.engine_loop import EngineCounters, EngineLoop
-from jserve.serving.metrics import ServerMetrics
+from jserve.serving.metrics import LoRAState, ServerMetrics
 from jserve.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 TEXT = "The quick brown fox jumps over the lazy dog; pack my box with five dozen jugs. "
@@ -58,6 +65,24 @@ def text_script(prompt_ids: Sequence[int], params: SamplingParams, i: int) -> in
     the seed at a temperature above 0)."""
     offset = sum(prompt_ids) + (params.seed or 0) * (params.temperature > 0)
     return TEXT.encode()[(offset + i) % len(TEXT)]
+
+
+class FakeAdapters:
+    """The fake's LoRA registry: name -> path (what the intake checks a request's adapter
+    against; changed on the engine thread only)."""
+
+    def __init__(self, modules: Sequence[tuple[str, str]] = ()):
+        self.known: dict[str, str] = dict(modules)
+
+    def check(self, name: str) -> None:
+        if name not in self.known:
+            raise FieldError("model", f"no adapter {name!r} is loaded "
+                                      f"(loaded: {sorted(self.known)})")
+
+
+def adapter_offset(adapter: str | None) -> int:
+    """How far a request of ``adapter`` starts into the script (0: the base model)."""
+    return 0 if adapter is None else sum(adapter.encode())
 
 
 @dataclasses.dataclass(eq=False)
@@ -177,7 +202,7 @@ class _Core:
         if p.max_tokens == 0:  # the prompt scored, nothing generated
             req.finish_reason = "length"
             return
-        tok = fake.script(req.prepared.prompt_ids, p, n)
+        tok = fake.script(req.prepared.prompt_ids, p, n + adapter_offset(req.prepared.adapter))
         req.ids.append(tok)
         if req.logprobs is not None:
             req.logprobs.append(TokenLogprob(tok, -0.25, self._made_up(tok, p.logprobs)))
@@ -254,7 +279,8 @@ class FakeEngine(EngineLoop):
                  prefix_caching: bool = True, lone_decode_s: float = 0.0,
                  prefill_s_per_token: float = 1e-4,
                  isolated_prefill: Callable[[int], float] | None = None,
-                 max_waiting: int = 1024, idle_poll_s: float = 1.0):
+                 max_waiting: int = 1024, idle_poll_s: float = 1.0,
+                 lora: LoRAConfig | None = None):
         self.script = script
         self.step_s = step_s
         self.tokenizer = tokenizer
@@ -263,13 +289,16 @@ class FakeEngine(EngineLoop):
             eos_token_ids=tuple(eos_token_ids), has_tokenizer=tokenizer is not None,
             scheduler=scheduler, page_size=page_size, num_kv_pages=num_kv_pages,
             max_num_seqs=max_num_seqs, prefix_caching=prefix_caching,
-            lone_decode_s=lone_decode_s)
+            lone_decode_s=lone_decode_s, max_loras=lora.max_loras if lora else 0,
+            max_lora_rank=lora.max_lora_rank if lora else 0,
+            runtime_lora_updating=bool(lora and lora.runtime_updating))
+        self.lora_adapters = FakeAdapters(lora.modules) if lora is not None else None
         self.prefill_s_per_token = prefill_s_per_token
         self._isolated = isolated_prefill or (lambda n: 0.0)
         # The engine's intake over a pool of ``num_kv_pages`` (plus the allocator's sink).
         self.intake = RequestIntake(tokenizer, vocab_size, max_model_len,
                                     PageAllocator(num_kv_pages + 1, page_size),
-                                    tuple(eos_token_ids))
+                                    tuple(eos_token_ids), adapters=self.lora_adapters)
         self._step_faults: collections.deque[BaseException] = collections.deque()
         self._request_fault: Callable[[PreparedRequest], bool] = lambda prepared: False
         self.received: collections.deque[FakeRequest] = collections.deque(maxlen=10_000)
@@ -314,10 +343,10 @@ class FakeEngine(EngineLoop):
     def detokenize(self, token_ids: Sequence[int]) -> str:
         return decode_ids(self.tokenizer, token_ids, self.info.vocab_size)
 
-    def prepare(self, prompt: str | Sequence[int], params: SamplingParams | None = None
-                ) -> PreparedRequest:
+    def prepare(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                adapter: str | None = None) -> PreparedRequest:
         """The engine's own intake (``RequestIntake``): its checks and messages."""
-        return self.intake.prepare(prompt, params)
+        return self.intake.prepare(prompt, params, adapter)
 
     def isolated_prefill_s(self, prompt_tokens: int) -> float:
         return self._isolated(prompt_tokens)
@@ -357,3 +386,27 @@ class FakeEngine(EngineLoop):
 
     def _cached_tokens(self, prompt_ids: Sequence[int]) -> int:
         return self.core.cached(prompt_ids)
+
+    def _adapter_registry(self) -> dict[str, str]:
+        return {} if self.lora_adapters is None else self.lora_adapters.known
+
+    def _add_adapter(self, name: str, path: str) -> None:
+        if self.lora_adapters is None:
+            return super()._add_adapter(name, path)
+        if not os.path.isdir(path):
+            raise FieldError("lora_path", f"adapter {path}: no such directory")
+        self.lora_adapters.known[name] = path
+
+    def _remove_adapter(self, name: str) -> None:
+        users = sum(r.prepared.adapter == name for r in self.core.requests.values())
+        if users:
+            raise FieldError("lora_name", f"adapter {name!r} is in use by {users} request(s)")
+        del self.lora_adapters.known[name]
+
+    def _lora_state(self) -> LoRAState | None:
+        if self.lora_adapters is None:
+            return None
+        c = self.core
+        names = lambda reqs: tuple(sorted({r.prepared.adapter for r in reqs
+                                           if r.prepared.adapter is not None}))
+        return LoRAState(names(c.running), names(c.waiting))

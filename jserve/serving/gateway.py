@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 ALREADY_EXISTS = "already_exists"
 UNAUTHENTICATED = "unauthenticated"
-NOT_FOUND = "not_found"
+NOT_FOUND = el.NOT_FOUND
 # A client whose own deadline fired cancels its call a moment before the server's timer
 # would: a cancel this close to the deadline counts as deadline_exceeded.
 DEADLINE_SLACK_S = 0.25
@@ -111,16 +111,22 @@ class Gateway:
                 ttft_slo: float | None = None, tpot_slo: float | None = None,
                 priority: int = 0, trusted: bool = False,
                 name: Callable[[str], str] = lambda f: f,
-                slo_names: tuple[str, str, str] = ("ttft_slo", "tpot_slo", "priority")
-                ) -> Prepared:
+                slo_names: tuple[str, str, str] = ("ttft_slo", "tpot_slo", "priority"),
+                adapter: str | None = None, adapter_field: str = "model") -> Prepared:
         """The request tokenized and validated (the only time it is) and its SLO fields and
         priority within the server's limits, or ``Rejected`` (INVALID) naming the field as
-        ``name`` (``slo_names``) does. Any thread; tokenizes, so not on the event loop."""
+        ``name`` (``slo_names``) does. ``adapter``: the LoRA adapter it runs with, by name
+        (None: the base model), ``Rejected`` NOT_FOUND on ``adapter_field`` when no adapter
+        of that name is loaded. Any thread; tokenizes, so not on the event loop."""
         try:
-            prepared = self.engine.prepare(prompt, params)
+            prepared = (self.engine.prepare(prompt, params) if adapter is None
+                        else self.engine.prepare(prompt, params, adapter))
             self.limits.check(len(prepared.prompt_ids), ttft_slo, tpot_slo, priority, trusted,
                               slo_names)
         except FieldError as e:
+            if e.top == "model" and adapter is not None:  # no adapter of that name
+                e = e.renamed(adapter_field)
+                raise Rejected(NOT_FOUND, e.message, e.field) from None
             raise invalid(e, name) from None
         except ValueError as e:  # a refusal of no one field
             raise Rejected(el.INVALID, str(e)) from None

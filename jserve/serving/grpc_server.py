@@ -9,10 +9,10 @@ whatever piled up while the client was slow. A cancelled or disconnected client,
 gRPC deadline, aborts the request on the engine thread at the next iteration.
 
 Status codes: INVALID_ARGUMENT (the field in a ``BadRequest`` detail: ``client.bad_field``,
-and named in the message), ALREADY_EXISTS (request_id in
-flight), RESOURCE_EXHAUSTED (admission queue full, or a message over ``max_request_bytes``),
-DEADLINE_EXCEEDED, UNAVAILABLE (draining or stopped), UNAUTHENTICATED (bearer token), INTERNAL
-(engine failure).
+and named in the message), NOT_FOUND (``lora_name`` names no loaded LoRA adapter),
+ALREADY_EXISTS (request_id in flight), RESOURCE_EXHAUSTED (admission queue full, or a message
+over ``max_request_bytes``), DEADLINE_EXCEEDED, UNAVAILABLE (draining or stopped),
+UNAUTHENTICATED (bearer token), INTERNAL (engine failure).
 """
 from __future__ import annotations
 
@@ -59,7 +59,8 @@ _CODES = {el.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
           el.DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED,
           el.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
           el.INTERNAL: grpc.StatusCode.INTERNAL,
-          ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS}
+          ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
+          el.NOT_FOUND: grpc.StatusCode.NOT_FOUND}
 # How long a call whose read ended with EOF waits to be cancelled before it is answered
 # "no GenerateRequest was sent" (only a client that half-closes without a message pays it).
 EOF_GRACE_S = 0.5
@@ -159,7 +160,7 @@ class GrpcServer:
             min_ttft_slo=config.limits.min_ttft_slo,
             min_priority=config.limits.priority_range[0],
             max_priority=config.limits.priority_range[1],
-            max_choices=config.limits.max_choices)
+            max_choices=config.limits.max_choices, max_loras=info.max_loras)
 
     # -- lifecycle ---------------------------------------------------------------------
     def bind(self) -> int:
@@ -266,7 +267,8 @@ class GrpcServer:
             gw.prepare, parsed.prompt, parsed.params, ttft_slo=parsed.ttft_slo,
             tpot_slo=parsed.tpot_slo, priority=parsed.priority, trusted=trusted,
             name=lambda f: f"sampling_params.{f}",
-            slo_names=("ttft_slo_seconds", "tpot_slo_seconds", "priority")))
+            slo_names=("ttft_slo_seconds", "tpot_slo_seconds", "priority"),
+            adapter=parsed.adapter, adapter_field="lora_name"))
         gw.check_open()  # it may have started draining meanwhile
         rid = parsed.request_id or gw.new_id("grpc")
         return gw.open(rid, prepared, arrival=arrival, deadline=deadline,

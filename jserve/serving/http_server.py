@@ -6,7 +6,9 @@ server's event loop, through the same ``Gateway`` and engine loop): the HTTP sid
 ``POST /v1/completions`` and ``/v1/chat/completions`` (``stream: true``: server-sent events
 ending in ``data: [DONE]``), ``POST /v1/responses`` (run as the chat completion it means,
 ``responses_api``) with ``GET``/``DELETE /v1/responses/{id}``, ``GET /v1/models`` and
-``/v1/models/{id}``, vLLM's ``POST /tokenize`` and ``/detokenize`` and ``GET /version``,
+``/v1/models/{id}`` (and, with LoRA, vLLM's adapter endpoints: ``http_models``; a body's
+``model`` may name a loaded adapter), vLLM's ``POST /tokenize`` and ``/detokenize`` and
+``GET /version``,
 ``GET /health`` (503 while draining or once the engine thread is gone), ``GET /metrics`` (the
 server's Prometheus registry; behind the bearer token when there is one, unless
 ``metrics_open``).
@@ -46,6 +48,7 @@ from jserve.serving.auth import bearer_matches
 from jserve.serving.edge import EdgeLimits, EdgeServer
 from jserve.serving.engine_api import Prepared
 from jserve.serving.gateway import NOT_FOUND, UNAUTHENTICATED, Gateway, Rejected
+from jserve.serving.http_models import ServedModels
 from jserve.serving.http_pooling import PoolingEndpoints
 from jserve.serving.http_protocol import (
     PARAMS,
@@ -136,12 +139,11 @@ class OpenAIServer:
     def __init__(self, gateway: Gateway, config):
         self.gateway = gateway
         self.config = config
-        self.model = config.model_name  # what /v1/models and every response say
-        self._names = frozenset(config.served_model_names)  # what `model` may say
-        self.pooling = PoolingEndpoints(gateway, config, self.model, self._check_model)
+        self.model = config.model_name  # what /v1/models and every base response say
+        self.models = ServedModels(gateway, config, self._refused)  # what `model` may say
+        self.pooling = PoolingEndpoints(gateway, config, self.model, self.models.check)
         self.app = Starlette(routes=[
-            Route("/v1/models", self._models, methods=["GET"]),
-            Route("/v1/models/{model_id:path}", self._model, methods=["GET"]),
+            *self.models.routes,
             Route("/tokenize", self._tokenize, methods=["POST"]),
             Route("/detokenize", self._detokenize, methods=["POST"]),
             Route("/version", self._version, methods=["GET"]),
@@ -217,35 +219,6 @@ class OpenAIServer:
             return _error(e)
         return None
 
-    def _model_card(self) -> dict:
-        info, limits = self.gateway.engine.info, self.gateway.limits
-        return {"id": self.model, "object": "model", "created": 0, "owned_by": "jserve",
-                "max_model_len": info.max_model_len, "vocab_size": info.vocab_size,
-                "scheduler": info.scheduler, "min_tpot_slo": limits.tpot_floor,
-                "priority_range": list(limits.limits.priority_range),
-                "max_choices": limits.limits.max_choices}
-
-    def _check_model(self, name: str) -> None:
-        if name not in self._names:
-            names = ", ".join(map(repr, self.config.served_model_names))
-            raise Rejected(NOT_FOUND, f"model {name!r} does not exist; this server serves "
-                                      f"{names}")
-
-    async def _models(self, request: Request) -> Response:
-        if (refused := self._refused(request)) is not None:
-            return refused
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
-
-    async def _model(self, request: Request) -> Response:
-        """``GET /v1/models/{id}``: the model object for any served name, else 404."""
-        if (refused := self._refused(request)) is not None:
-            return refused
-        try:
-            self._check_model(request.path_params["model_id"])
-        except Rejected as e:
-            return _error(e)
-        return JSONResponse(self._model_card())
-
     async def _version(self, request: Request) -> Response:
         if (refused := self._refused(request)) is not None:
             return refused
@@ -271,13 +244,15 @@ class OpenAIServer:
 
     async def _utility(self, request: Request, handle) -> Response:
         """A POST endpoint that runs no engine request: behind the bearer token, its body read
-        within the limit and answered by ``handle(raw)`` on an intake thread (it may
-        tokenize a large body)."""
+        within the limit and answered by ``handle(raw, adapters)`` on an intake thread (it
+        may tokenize a large body; ``adapters``: the loaded LoRA adapters its ``model`` may
+        name)."""
         if (refused := self._refused(request)) is not None:
             return refused
         try:
             raw = await read_body(request.scope, request.receive, self.config.max_request_bytes)
-            return JSONResponse(await self.gateway.off_loop(handle, raw))
+            adapters = await self.models.adapters()
+            return JSONResponse(await self.gateway.off_loop(handle, raw, adapters))
         except Rejected as e:
             return _error(e)
         except ClientGone:
@@ -286,14 +261,14 @@ class OpenAIServer:
             log.exception("%s failed", request.url.path)
             return _error(Rejected(el.INTERNAL, f"{request.url.path} failed: {e}"))
 
-    def _tokenize_body(self, raw: bytes) -> dict:
+    def _tokenize_body(self, raw: bytes, adapters: dict[str, str]) -> dict:
         """vLLM's ``/tokenize``: a text's ids (with the tokenizer's special tokens unless
         ``add_special_tokens: false``) or a chat's prompt ids exactly as the chat endpoint
         makes them (``add_special_tokens`` given: the rendered text encoded so)."""
         body = _loads(raw)
         t = parse_tokenize(body)
-        if "model" in body:
-            self._check_model(body["model"])
+        if "model" in body:  # (an adapter's tokenizer is the base model's)
+            self.models.check(body["model"], adapters)
         if t.messages is not None:
             ids = self._prompt(t.messages, t.tools, t.chat, t.add_special_tokens)
         else:
@@ -304,12 +279,12 @@ class OpenAIServer:
         return {"count": len(ids), "max_model_len": self.gateway.engine.info.max_model_len,
                 "tokens": ids, "token_strs": None}
 
-    def _detokenize_body(self, raw: bytes) -> dict:
+    def _detokenize_body(self, raw: bytes, adapters: dict[str, str]) -> dict:
         """vLLM's ``/detokenize``: the ids' text, special tokens written out."""
         body = _loads(raw)
         tokens = parse_detokenize(body)
-        if "model" in body:
-            self._check_model(body["model"])
+        if "model" in body:  # (an adapter's tokenizer is the base model's)
+            self.models.check(body["model"], adapters)
         try:
             return {"prompt": self.gateway.engine.detokenize(tokens)}
         except ValueError as e:
@@ -327,7 +302,9 @@ class OpenAIServer:
         parsed, prepared, asked = admitted
         rid = ra.new_id("resp") if asked else gw.new_id(
             "chatcmpl" if endpoint == "chat" else "cmpl")
-        fmt = Formatter("chat" if asked else endpoint, rid, self.model, gw.engine.tokenizer,
+        # (vLLM's: a response names the adapter it ran with, else the base model)
+        model = prepared[0].adapter or self.model if prepared else self.model
+        fmt = Formatter("chat" if asked else endpoint, rid, model, gw.engine.tokenizer,
                         parsed)
         return _Work(lambda send: self._run(send, prepared, parsed, fmt, arrival, asked))
 
@@ -377,7 +354,7 @@ class OpenAIServer:
         parsed = parse(body, endpoint, self.config.limits.max_choices,
                        self.config.tool_call_parser, self.gateway.engine.tokenizer,
                        self.config.reasoning_parser, self.config.sampling_defaults)
-        self._check_model(body["model"])
+        adapter = self.models.adapter_of(body["model"])
         prepared, context = [], self.gateway.engine.info.max_model_len
         for p in parsed.prompts:
             prompt, params = self._prompt(p, parsed.tools, parsed.chat), parsed.params
@@ -389,7 +366,8 @@ class OpenAIServer:
                 params = dataclasses.replace(params, structured_output=thinking_first(
                     REASONING[parsed.reasoning], params.structured_output,
                     opens_thinking(self.gateway.engine.tokenizer, prompt)))
-            prepared.append(self._prepare(prompt, params, parsed, endpoint, trusted))
+            prepared.append(self._prepare(prompt, params, parsed, endpoint, trusted,
+                                          adapter))
         return parsed, prepared
 
     def _prompt(self, p, tools: list[dict] | None, chat: ChatTemplate,
@@ -415,13 +393,16 @@ class OpenAIServer:
         return p
 
     def _prepare(self, prompt, params: SamplingParams, parsed: Parsed, endpoint: str,
-                 trusted: bool) -> Prepared:
+                 trusted: bool, adapter: str | None = None) -> Prepared:
         try:
             return self.gateway.prepare(
                 prompt, params, ttft_slo=parsed.ttft_slo, tpot_slo=parsed.tpot_slo,
                 priority=parsed.priority, trusted=trusted,
-                name=lambda f: wire_field(f, parsed.max_tokens_field, endpoint))
+                name=lambda f: wire_field(f, parsed.max_tokens_field, endpoint),
+                adapter=adapter)
         except Rejected as e:
+            if e.kind == NOT_FOUND:  # `model` names no loaded adapter
+                raise self.models.unknown(adapter) from None
             field, message = e.field or "", e.message
             if field.startswith("structured_output") and parsed.constraint_field:
                 field = parsed.constraint_field
@@ -521,7 +502,7 @@ class OpenAIServer:
     # -- the Responses API (responses_api): the chat reply as a Response ------------------
     async def _respond_responses(self, send, c: Choice, first, fmt: Formatter,
                                  asked: ra.Asked) -> None:
-        model, rid, created = self.model, fmt.rid, fmt.created
+        model, rid, created = fmt.model, fmt.rid, fmt.created
         if not fmt.parsed.stream:
             apply_deltas(c, first)
             try:
@@ -561,7 +542,7 @@ class OpenAIServer:
     def _responded(self, c: Choice, fmt: Formatter, asked: ra.Asked, items: list[dict]
                    ) -> dict:
         """The finished Response (kept in the store when asked)."""
-        out = ra.response(fmt.rid, self.model, asked, fmt.created, ra.status_of(c.finish_reason),
+        out = ra.response(fmt.rid, fmt.model, asked, fmt.created, ra.status_of(c.finish_reason),
                           items,
                           ra.usage(c.prompt_tokens, len(c.token_ids), c.cached_tokens))
         if asked.store and not self.responses.put(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Callable, Sequence
 
+from jserve.lora.config import LoRARequest
 from jserve.routing.load import PrefillTable, ReplicaLoad
 from jserve.routing.replica import cached_tokens, prefill_table, replica_load
 from jserve.sampling.params import SamplingParams
@@ -20,7 +21,7 @@ from jserve.scheduler.plan import BatchPlan, ScheduledChunk
 from jserve.scheduler.predictor import RuntimePredictor
 from jserve.serving.engine_api import EngineInfo, Prepared, decode_ids
 from jserve.serving.engine_loop import EngineCounters, EngineLoop
-from jserve.serving.metrics import ServerMetrics
+from jserve.serving.metrics import LoRAState, ServerMetrics
 
 if TYPE_CHECKING:
     from jserve.engine.engine import LLMEngine
@@ -49,6 +50,7 @@ class LiveEngine(EngineLoop):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         cfg, alloc = engine.config, engine.allocator
+        lora = cfg.lora if engine.adapters is not None else None
         self.info = EngineInfo(
             vocab_size=engine.model_config.vocab_size, max_model_len=engine.max_model_len,
             eos_token_ids=tuple(engine.eos_ids), has_tokenizer=engine.tokenizer is not None,
@@ -57,14 +59,22 @@ class LiveEngine(EngineLoop):
             lone_decode_s=lone_decode_s(engine.predictor),
             pooling=cfg.pooler_config if engine.pooler is not None else None,
             hidden_size=engine.model_config.hidden_size,
-            num_labels=engine.model_config.num_labels)
+            num_labels=engine.model_config.num_labels,
+            max_loras=lora.max_loras if lora else 0,
+            max_lora_rank=lora.max_lora_rank if lora else 0,
+            runtime_lora_updating=bool(lora and lora.runtime_updating))
         self._isolated = isolated_prefill(engine.scheduler)
         self._table: PrefillTable | None = None
         self._predictor: RuntimePredictor | None = None  # with the table: the reports'
 
     # -- any thread ------------------------------------------------------------------------
-    def prepare(self, prompt: str | Sequence[int], params: SamplingParams) -> Prepared:
-        return self.engine.prepare(prompt, params)
+    def prepare(self, prompt: str | Sequence[int], params: SamplingParams,
+                adapter: str | None = None) -> Prepared:
+        # (a LoRARequest without a path names a registered adapter: nothing is registered
+        # here, off the engine thread)
+        if adapter is None:
+            return self.engine.prepare(prompt, params)
+        return self.engine.prepare(prompt, params, LoRARequest(adapter))
 
     def tokenize(self, prompt: str | Sequence[int], add_special_tokens: bool = True
                  ) -> list[int]:
@@ -96,6 +106,26 @@ class LiveEngine(EngineLoop):
 
     def _check(self) -> None:
         self.engine.allocator.check()
+
+    def _adapter_registry(self) -> dict[str, str]:
+        slots = self.engine.adapters
+        return {} if slots is None else {n: r.lora_path for n, r in slots.known.items()}
+
+    def _add_adapter(self, name: str, path: str) -> None:
+        if self.engine.adapters is None:
+            return super()._add_adapter(name, path)
+        self.engine.adapters.add(LoRARequest(name, 0, path))
+
+    def _remove_adapter(self, name: str) -> None:
+        self.engine.adapters.remove(name)
+
+    def _lora_state(self) -> LoRAState | None:
+        slots = self.engine.adapters
+        if slots is None:
+            return None
+        waiting = {r.adapter for r in self.engine.scheduler.waiting if r.adapter is not None}
+        return LoRAState(tuple(slots.running()), tuple(sorted(waiting)), slots.loads,
+                         slots.evictions)
 
     def _load(self, replica: str, now: float, healthy: bool) -> ReplicaLoad:
         if self._table is None:

@@ -6,6 +6,7 @@ every engine iteration. prometheus-client is thread-safe.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_asgi_app
@@ -24,6 +25,18 @@ _TOKEN_BUCKETS = tuple(m * 10 ** e for e in range(8) for m in (1, 2, 5))[:-2]
 OUTCOMES = ("stop", "length", "cancelled", "deadline_exceeded", "invalid_argument",
             "resource_exhausted", "unavailable", "internal", "already_exists",
             "unauthenticated", "not_found")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAState:
+    """LoRA adapters after an engine iteration: those of the running and of the waiting
+    requests (names, sorted), and the slot pool's totals (copies into a device slot, slots
+    taken from an adapter no running request held)."""
+
+    running: tuple[str, ...] = ()
+    waiting: tuple[str, ...] = ()
+    loads: int = 0
+    evictions: int = 0
 
 
 class ServerMetrics:
@@ -95,6 +108,10 @@ class ServerMetrics:
                                    registry=r)
         self._prefix_seen = (0, 0)
         self.kv_tier_stats = None  # the host tier's totals (``watch_kv_tier``)
+        # LoRA (``watch_lora``): the slots on the device, and the last iteration's state
+        # (set by the engine thread, read at each scrape)
+        self.max_loras = 0
+        self.lora: LoRAState | None = None
         for o in OUTCOMES:
             self.requests.labels(o)
         self._window = rate_window_s
@@ -159,6 +176,13 @@ class ServerMetrics:
         self.kv_tier_stats = stats
         self.registry.register(_KVTierCollector(stats))
 
+    def watch_lora(self, max_loras: int) -> None:
+        """LoRA adapters' counters, read at each scrape from ``lora`` (``VllmNames`` shows
+        ``vllm:lora_requests_info`` from it too)."""
+        self.max_loras = max_loras
+        self.lora = LoRAState()
+        self.registry.register(_LoRACollector(self))
+
     def watch_grammars(self, compiler) -> None:
         """Structured output's grammar cache, read at each scrape: compilations and hits."""
         self.registry.register(_GrammarCollector(compiler))
@@ -194,6 +218,22 @@ class _GrammarCollector:
                                   "compiled (a distinct constraint compiles once)", c.compiles)
         yield CounterMetricFamily("jserve_grammar_cache_hits", "Structured-output requests "
                                   "whose grammar was already compiled", c.hits)
+
+
+class _LoRACollector:
+    def __init__(self, metrics: ServerMetrics):
+        self._m = metrics
+
+    def collect(self):
+        s = self._m.lora
+        yield CounterMetricFamily("jserve_lora_loads", "LoRA adapters copied into a device "
+                                  "slot", s.loads)
+        yield CounterMetricFamily("jserve_lora_evictions", "LoRA device slots taken from an "
+                                  "adapter no running request held (least recently used)",
+                                  s.evictions)
+        for what, names in (("running", s.running), ("waiting", s.waiting)):
+            yield GaugeMetricFamily(f"jserve_lora_adapters_{what}", f"Distinct LoRA adapters "
+                                    f"of the {what} requests", len(names))
 
 
 class _SpeculationCollector:

@@ -124,8 +124,8 @@ def logprob_from_proto(msg: pb.TokenLogprob) -> TokenLogprob:
 
 def build_request(prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                   request_id: str = "", priority: int = 0, ttft_slo: float | None = None,
-                  tpot_slo: float | None = None) -> pb.GenerateRequest:
-    req = pb.GenerateRequest(request_id=request_id, priority=priority,
+                  tpot_slo: float | None = None, lora_name: str = "") -> pb.GenerateRequest:
+    req = pb.GenerateRequest(request_id=request_id, priority=priority, lora_name=lora_name,
                              sampling_params=params_to_proto(params or SamplingParams()))
     if isinstance(prompt, str):
         req.text = prompt
@@ -146,6 +146,7 @@ class ParsedRequest:
     priority: int
     ttft_slo: float | None
     tpot_slo: float | None
+    adapter: str | None = None  # lora_name (None: the base model)
 
 
 def parse_request(req: pb.GenerateRequest, defaults: dict | None = None) -> ParsedRequest:
@@ -170,4 +171,4 @@ def parse_request(req: pb.GenerateRequest, defaults: dict | None = None) -> Pars
     return ParsedRequest(
         request_id=req.request_id, prompt=prompt, params=params,
         priority=fields.number("priority", req.priority), ttft_slo=slos["ttft_slo_seconds"],
-        tpot_slo=slos["tpot_slo_seconds"])
+        tpot_slo=slos["tpot_slo_seconds"], adapter=req.lora_name or None)

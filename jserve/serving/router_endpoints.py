@@ -9,6 +9,8 @@
   labelled ``model_name`` as vLLM does: what the Gateway API Inference Extension's endpoint
   picker (llm-d) and vLLM's Grafana dashboard scrape. They are read at scrape time from
   jserve's own metrics (a histogram with jserve's buckets), so the two sets never disagree.
+  With LoRA, ``vllm:lora_requests_info`` (unlabelled by model, as vLLM's): the adapters of
+  the running and waiting requests, which the endpoint picker's LoRA affinity reads.
 - SGLang's load endpoints, which ``smg`` (SGLang's model gateway) polls: ``GET /get_load``
   (and ``/v1/loads``): one entry per data-parallel rank (jserve has one) with ``num_reqs``
   (waiting + running), ``num_waiting_reqs`` and ``num_tokens`` (KV tokens in use);
@@ -28,6 +30,7 @@ the ``EngineClient`` (``engine_api``): its ``info``, ``ping``, ``load_report`` a
 from __future__ import annotations
 
 import asyncio
+import time
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from starlette.requests import Request
@@ -118,6 +121,8 @@ class VllmNames:
             yield c
         if m.kv_tier_stats is not None:
             yield from _host_tier(m.kv_tier_stats(), label)
+        if m.lora is not None:
+            yield _lora_info(m.lora, m.max_loras)
         outcomes = {s.labels["outcome"]: s.value for s in m.requests.collect()[0].samples
                     if s.name.endswith("_total")}
         c = CounterMetricFamily("vllm:request_success", "Finished requests by finished_reason",
@@ -147,6 +152,16 @@ def _host_tier(s: dict, label: list[str]):
                           labels=["model_name"])
     g.add_metric(label, s["host_pages_used"] / max(s["host_pages_total"], 1))
     yield g
+
+
+def _lora_info(s, max_loras: int) -> GaugeMetricFamily:
+    """vLLM's ``vllm:lora_requests_info``: one series, labelled with the adapters of the
+    running and of the waiting requests (comma-joined) and ``max_lora``, its value the time
+    (Unix seconds) the state was read, so a reader takes the latest series."""
+    g = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                          labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+    g.add_metric([str(max_loras), ",".join(s.waiting), ",".join(s.running)], time.time())
+    return g
 
 
 def export_vllm_names(metrics: ServerMetrics, model_name: str) -> None:
