@@ -130,10 +130,12 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
              use_tqdm: bool = True, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
              ) -> list[RequestOutput]:
         """vLLM's ``LLM.chat``: one conversation (a list of messages) or a list of them,
-        each rendered by ``chat_prompt`` and generated as ``generate`` does. A per-call
+        each rendered by ``chat_prompt`` and generated as ``generate`` does (with
+        ``lora_request`` as there). A per-call
         ``chat_template`` is refused (the tokenizer's is used; ``jserve serve
         --chat-template`` replaces it for a server)."""
         if chat_template is not None:
@@ -144,7 +146,8 @@ class LLM:
                                     continue_final_message=continue_final_message,
                                     chat_template_kwargs=chat_template_kwargs)
                    for m in ([messages] if one else messages)]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
+                             lora_request=lora_request)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,

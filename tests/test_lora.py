@@ -278,3 +278,28 @@ def test_lora_settings():
         from jserve.engine.config import EngineConfig
 
         EngineConfig(lora=LoRAConfig(), mesh="spp=2")
+
+
+def test_chat_with_an_adapter_on_a_trained_tokenizer(tmp_path):
+    """A transformers checkpoint with a trained BPE tokenizer and chat template, an adapter
+    PEFT wrote for it: ``LLM.chat(..., lora_request=...)`` renders the prompt as
+    transformers' ``apply_chat_template`` does and continues it with peft's tokens."""
+    import transformers
+
+    from hf_models import llama3_chat_dir
+
+    base_dir = llama3_chat_dir()
+    adapter = lm.write_peft_adapter(base_dir, tmp_path / "chat-adapter", rank=8, alpha=16,
+                                    targets=lm.ATTENTION + lm.MLP, seed=5, scale=0.5)
+    messages = [{"role": "user", "content": "Count the apples in the basket."}]
+    hf_tok = transformers.AutoTokenizer.from_pretrained(base_dir)
+    ids = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    want = lm.peft_greedy(base_dir, adapter, [ids], N)[0]
+    assert want != lm.peft_greedy(base_dir, None, [ids], N)[0]
+    llm = LLM(str(base_dir), enable_lora=True, max_lora_rank=8, max_model_len=256,
+              warmup=False)
+    (out,) = llm.chat(messages, GREEDY, lora_request=LoRARequest("chat", 1, str(adapter)))
+    assert out.prompt_token_ids == ids
+    assert out.outputs[0].token_ids == want
+    assert out.outputs[0].text == hf_tok.decode(want)
