@@ -303,3 +303,14 @@ def test_chat_with_an_adapter_on_a_trained_tokenizer(tmp_path):
     assert out.prompt_token_ids == ids
     assert out.outputs[0].token_ids == want
     assert out.outputs[0].text == hf_tok.decode(want)
+
+
+def test_lora_modules_json_base_model_name_is_checked():
+    from jserve.lora.config import lora_module_bases
+    from jserve.serving.commands import check_lora_names
+
+    values = ['{"name": "sql", "path": "/a", "base_model_name": "llama"}', "b=/b"]
+    lora = LoRAConfig(modules=parse_lora_modules(values))
+    check_lora_names(lora, ("llama",), bases=lora_module_bases(values))
+    with pytest.raises(ValueError, match="base_model_name {'sql': 'llama'} is not the model"):
+        check_lora_names(lora, ("qwen",), bases=lora_module_bases(values))

@@ -60,9 +60,22 @@ def pool_size(config: LoRAConfig | None) -> tuple[int, int] | None:
     return None if config is None else (config.max_loras, config.max_lora_rank)
 
 
+def lora_module_bases(values: list[str] | None) -> dict[str, str]:
+    """The ``base_model_name`` each JSON ``--lora-modules`` entry gives (name -> base): the
+    server refuses one that is not a name of the model it serves."""
+    bases = {}
+    for v in values or ():
+        if v.strip().startswith("{"):
+            d = json.loads(v)
+            if d.get("base_model_name"):
+                bases[str(d["name"])] = str(d["base_model_name"])
+    return bases
+
+
 def parse_lora_modules(values: list[str] | None) -> tuple[tuple[str, str], ...]:
     """``--lora-modules`` entries as vLLM takes them: ``name=path``, or the JSON form
-    ``{"name": ..., "path": ..., "base_model_name": ...}``."""
+    ``{"name": ..., "path": ..., "base_model_name": ...}`` (the base checked by the server:
+    ``lora_module_bases``)."""
     out = []
     for v in values or ():
         v = v.strip()

@@ -17,6 +17,7 @@ from jserve.engine.config import EngineConfig
 from jserve.engine.vllm_names import VLLM_REFUSED, check_tokenizer
 from jserve.fields import MAX_TOKEN_LOGPROBS
 from jserve.log_setup import configure_logging
+from jserve.lora.config import lora_module_bases
 from jserve.sampling.generation_config import describe, generation_defaults
 from jserve.scheduler import ENGINE_POLICIES
 from jserve.serving.limits import ClientLimits
@@ -423,12 +424,18 @@ def server_config(a: argparse.Namespace, sampling_defaults: dict):
         responses_store_bytes=int(a.responses_store_mib * (1 << 20)))
 
 
-def check_lora_names(lora, names: tuple[str, ...], ray: bool = False) -> None:
+def check_lora_names(lora, names: tuple[str, ...], ray: bool = False,
+                     bases: dict[str, str] | None = None) -> None:
     """``--lora-modules``' names are not the base model's (a request's ``model`` picks one
-    or the other); runtime loading needs one engine (under --ray a load would reach one
+    or the other) and the base each names (vLLM's JSON form's ``base_model_name``) is this
+    server's model; runtime loading needs one engine (under --ray a load would reach one
     replica)."""
     if lora is None:
         return
+    wrong = {n: b for n, b in (bases or {}).items() if b not in names}
+    if wrong:
+        raise ValueError(f"--lora-modules: base_model_name {wrong} is not the model served "
+                         f"({list(names)})")
     taken = sorted({n for n, _ in lora.modules} & set(names))
     if taken:
         raise ValueError(f"--lora-modules: {taken} also named the base model "
@@ -450,7 +457,8 @@ def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
     chat_template = vllm_args(a)
     engine_kwargs = dict(engine_kwargs, seed=a.seed)
     lora = engine_kwargs.get("lora")
-    check_lora_names(lora, served_model_names(a), a.ray)
+    check_lora_names(lora, served_model_names(a), a.ray,
+                     lora_module_bases(getattr(a, "lora_modules", None)))
     if a.ray:
         return ray_command(a, engine_kwargs)
 
