@@ -314,3 +314,35 @@ def test_lora_modules_json_base_model_name_is_checked():
     check_lora_names(lora, ("llama",), bases=lora_module_bases(values))
     with pytest.raises(ValueError, match="base_model_name {'sql': 'llama'} is not the model"):
         check_lora_names(lora, ("qwen",), bases=lora_module_bases(values))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, targets", [
+    ("qwen2", lm.ATTENTION + lm.MLP),    # q/k/v biases beside the adapter
+    ("gemma3", lm.ATTENTION + lm.MLP),   # its own layer; local and global KV pools
+    ("mixtral", lm.ATTENTION)])          # an MoE model: its attention adapted
+def test_families_equal_peft(tmp_path, family, targets):
+    base_dir = tiny_llama_dir(family)
+    adapter = lm.write_peft_adapter(base_dir, tmp_path / "adapter", rank=8, alpha=16,
+                                    targets=targets, seed=3, scale=0.5)
+    want = lm.peft_greedy(base_dir, adapter, lm.PROMPTS, N)
+    want_base = lm.peft_greedy(base_dir, None, lm.PROMPTS, N)
+    assert want != want_base
+    llm = LLM(str(base_dir), enable_lora=True, max_lora_rank=8, max_model_len=256,
+              warmup=False)
+    loras = [LoRARequest("x", 1, str(adapter))] * len(lm.PROMPTS) + [None] * len(lm.PROMPTS)
+    got = [o.outputs[0].token_ids
+           for o in llm.generate(lm.PROMPTS * 2, GREEDY, lora_request=loras)]
+    assert got == want + want_base
+
+
+def test_an_adapter_of_moe_experts_is_refused(tmp_path):
+    """Mixtral's experts are not adapted: an adapter of them is refused, naming the module."""
+    from jserve.model.weights import load_model
+
+    base_dir = tiny_llama_dir("mixtral")
+    adapter = lm.write_peft_adapter(base_dir, tmp_path / "experts", rank=4, alpha=8,
+                                    targets=["q_proj", "w1", "w3"], seed=3)
+    cfg = load_model(str(base_dir), lazy=True)[0]
+    with pytest.raises(FieldError, match="no module 'model.layers.0.*experts"):
+        read_adapter("e", str(adapter), cfg, 16)

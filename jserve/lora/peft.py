@@ -59,11 +59,6 @@ def read_config(path: Path) -> dict:
         raise _bad(str(path), "adapter_config.json is not an object")
     if conf.get("peft_type", "LORA") != "LORA":
         raise _bad(str(path), f"peft_type {conf.get('peft_type')!r}: only LoRA is served")
-    for key, what in _REFUSED.items():
-        if conf.get(key):
-            raise _bad(str(path), f"{what} are not supported")
-    if conf.get("bias", "none") != "none":
-        raise _bad(str(path), f"bias={conf['bias']!r}: adapters with biases are not supported")
     r, alpha = conf.get("r"), conf.get("lora_alpha")
     if not isinstance(r, int) or r < 1 or not isinstance(alpha, (int, float)):
         raise _bad(str(path), f"r={r!r}, lora_alpha={alpha!r}: needs a positive integer r "
@@ -92,6 +87,7 @@ def read_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int) -> Adapt
             raise _bad(path, f"{key}: the base model has no module {module!r} an adapter "
                              f"may target (targets: {sorted(set(_short(m) for m in modules))})")
         pairs.setdefault(modules[module], {})[side] = value
+    _refuse_kinds(conf, path)  # after the modules: an experts adapter says it is one
     weights: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     n = cfg.num_hidden_layers
     for (target, layer), sides in sorted(pairs.items()):
@@ -111,6 +107,15 @@ def read_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int) -> Adapt
     if not weights:
         raise _bad(path, "adapter_model.safetensors holds no LoRA weights")
     return Adapter(name, path, r, weights)
+
+
+def _refuse_kinds(conf: dict, path: str) -> None:
+    """The PEFT LoRA variants jserve does not serve (DoRA, biases, per-module ranks, ...)."""
+    for key, what in _REFUSED.items():
+        if conf.get(key):
+            raise _bad(path, f"{what} are not supported")
+    if conf.get("bias", "none") != "none":
+        raise _bad(path, f"bias={conf['bias']!r}: adapters with biases are not supported")
 
 
 def _read_tensors(root: Path, path: str) -> dict[str, np.ndarray]:

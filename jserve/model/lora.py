@@ -46,7 +46,11 @@ def b_name(target: str) -> str:
     return f"{target}.lora_b"
 
 
-POOL_LEAVES = frozenset(n for t in TARGETS for n in (a_name(t), b_name(t)))
+# Targets whose runtime matrices are fused (``tp_layout.FUSED``: wqkv, w_gate_up) share one A
+# leaf, their A's side by side ([in, parts * slots * rank]): one product of h for all.
+FUSED_A = {n: parts for n, parts in FUSED.items() if set(parts) <= set(TARGETS)}
+POOL_LEAVES = frozenset([n for t in TARGETS for n in (a_name(t), b_name(t))]
+                        + [a_name(n) for n in FUSED_A])
 
 
 def pool_slots(layers) -> int:
@@ -67,24 +71,20 @@ def added(layer: Mapping[str, Any], name: str, h: jax.Array, y: jax.Array) -> ja
     pool for ``name`` (a fused leaf: for its parts, side by side as the leaf's columns are,
     under tp a shard's own) and carries the step's slots; else ``y`` as it is."""
     slots = layer.get(SLOTS)
-    parts = FUSED.get(name, (name,))
-    if slots is None or a_name(parts[0]) not in layer:
+    parts = FUSED_A.get(name, (name,))
+    if slots is None or a_name(name) not in layer:
         return y
-    deltas = [_delta(layer[a_name(p)], layer[b_name(p)], h, slots) for p in parts]
+    bs = [layer[b_name(p)] for p in parts]
+    n, r = _shape(bs[0])[-3:-1]
+    xa = matmul(h, layer[a_name(name)])  # [T, parts * slots * rank]
+    # Each token keeps its own slot's rank columns of every part: a mask of the flat columns
+    # (no reshape of xa, which a TPU's tiled layout would relay).
+    own = jnp.arange(xa.shape[-1]) % (n * r) // r == slots[:, None]
+    xa = jnp.where(own, xa, 0)
+    w = n * r
+    deltas = [matmul(xa[:, p * w:(p + 1) * w], _merged(b, -3)) for p, b in enumerate(bs)]
     delta = deltas[0] if len(deltas) == 1 else jnp.concatenate(deltas, axis=-1)
     return y + delta.astype(y.dtype)
-
-
-def _delta(a, b, h: jax.Array, slots: jax.Array) -> jax.Array:
-    """Each token's ``(h @ A[slot]) @ B[slot]``: ``a`` [in, slots * rank], ``b`` [slots,
-    rank, out] (or a ``LayerOf`` of their stacks, read in place as the base matrices are:
-    ``jserve.model.layer_weights``), ``h`` [T, in], ``slots`` [T] (-1: zero). Both products
-    are plain matmuls of ``slots * rank`` inner width (the slot and rank axes merged, a
-    bitcast)."""
-    n, r = _shape(b)[-3:-1]
-    xa = matmul(h, a)
-    xa = xa.reshape(h.shape[0], n, r) * jax.nn.one_hot(slots, n, dtype=xa.dtype)[:, :, None]
-    return matmul(xa.reshape(h.shape[0], n * r), _merged(b, -3))
 
 
 def _shape(w) -> tuple[int, ...]:
@@ -106,9 +106,16 @@ def write_slot(layers, slot, values: Mapping[str, jax.Array]):
     donated, so the pool is written in place."""
     def put(name, w, v):
         v = v.astype(w.dtype)
-        if name.endswith(".lora_a"):  # the slot's rank columns of [..., in, slots * rank]
+        if not name.endswith(".lora_a"):  # B [..., slots, rank, out]
+            return jax.lax.dynamic_update_index_in_dim(w, v, slot, w.ndim - 3)
+        if v.ndim == w.ndim:  # the slot's rank columns of [..., in, slots * rank]
             return jax.lax.dynamic_update_slice_in_dim(w, v, slot * v.shape[-1], w.ndim - 1)
-        return jax.lax.dynamic_update_index_in_dim(w, v, slot, w.ndim - 3)
+        parts, r = v.shape[-2:]  # a fused A [..., in, parts * slots * rank]: part by part
+        n = w.shape[-1] // (parts * r)
+        for p in range(parts):
+            w = jax.lax.dynamic_update_slice_in_dim(w, v[..., p, :], (p * n + slot) * r,
+                                                    w.ndim - 1)
+        return w
 
     if isinstance(layers, list):
         return [{n: put(n, w, values[n][i]) if n in values else w for n, w in layer.items()}

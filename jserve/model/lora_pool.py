@@ -12,7 +12,7 @@ import numpy as np
 
 from jserve.config import ModelConfig
 from jserve.model.families import family_of
-from jserve.model.lora import TARGETS, a_name, b_name
+from jserve.model.lora import FUSED_A, TARGETS, a_name, b_name
 from jserve.model.tp_layout import kv_head_map, layer_axes, tp_layout_leaf
 
 
@@ -37,11 +37,21 @@ def pool_shapes(cfg: ModelConfig, slots: int, rank: int, tp: int = 1
     """Each pool leaf's global shape (stacked over the layers)."""
     n = cfg.num_hidden_layers
     shapes = {}
+    for leaf, parts in a_leaves(cfg).items():
+        shapes[a_name(leaf)] = (n, target_shape(cfg, parts[0], tp)[0], len(parts) * slots * rank)
     for t in pool_targets(cfg):
-        d_in, d_out = target_shape(cfg, t, tp)
-        shapes[a_name(t)] = (n, d_in, slots * rank)
-        shapes[b_name(t)] = (n, slots, rank, d_out)
+        shapes[b_name(t)] = (n, slots, rank, target_shape(cfg, t, tp)[1])
     return shapes
+
+
+def a_leaves(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """Each A leaf of the pool -> the targets it holds: a fused one (``lora.FUSED_A``) where
+    the family has all its parts (as ``decoder.prepare_params`` fuses the matrices), else
+    one per target."""
+    targets = pool_targets(cfg)
+    fused = {n: parts for n, parts in FUSED_A.items() if set(parts) <= set(targets)}
+    taken = {p for parts in fused.values() for p in parts}
+    return {**fused, **{t: (t,) for t in targets if t not in taken}}
 
 
 def empty_pool(cfg: ModelConfig, slots: int, rank: int, mesh=None) -> dict[str, jax.Array]:
@@ -65,7 +75,7 @@ def slot_arrays(adapter: Mapping[str, tuple[np.ndarray, np.ndarray]], cfg: Model
     rank] and B [layers, rank, out] per target, padded with zeros to the pool's ``rank``
     (and zeros for a target it does not adapt), B's columns in the tp layout of its
     matrix. ``adapter``: target -> (A [layers, in, r], B [layers, r, out], scaled)."""
-    out = {}
+    out, a_of = {}, {}
     for t in pool_targets(cfg):
         d_in, d_out = target_shape(cfg, t, 1)
         a = np.zeros((cfg.num_hidden_layers, d_in, rank), dtype)
@@ -74,6 +84,9 @@ def slot_arrays(adapter: Mapping[str, tuple[np.ndarray, np.ndarray]], cfg: Model
             ua, ub = adapter[t]
             a[:, :, :ua.shape[-1]] = ua
             b[:, :ub.shape[-2], :] = ub
-        out[a_name(t)] = a
+        a_of[t] = a
         out[b_name(t)] = tp_layout_leaf(t, b, cfg, tp) if t in ("wk", "wv") else b
+    for leaf, parts in a_leaves(cfg).items():  # a fused A's parts: [layers, in, parts, rank]
+        out[a_name(leaf)] = (a_of[leaf] if parts == (leaf,)
+                             else np.stack([a_of[p] for p in parts], axis=-2))
     return out

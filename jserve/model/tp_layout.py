@@ -101,6 +101,8 @@ for _t, _rows in (("wq", False), ("wk", False), ("wv", False), ("wo", True),
     LEAVES[f"{_t}.lora_a"] = LeafKind("rows" if _rows else None, adapter=True)
     LEAVES[f"{_t}.lora_b"] = LeafKind(None if _rows else "columns", adapter=True,
                                       kv_heads=_t in ("wk", "wv"))
+for _t in ("wqkv", "w_gate_up"):  # the fused targets' A, side by side (replicated)
+    LEAVES[f"{_t}.lora_a"] = LeafKind(None, adapter=True)
 
 
 def _kinds(**want) -> tuple[str, ...]:

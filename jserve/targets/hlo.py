@@ -148,7 +148,7 @@ class Geometry:
             elif not stacked and len(shard) == 2:
                 mats.add(shard)
         for name, leaf in (layers.items() if stacked else ()):  # LoRA's B, as the layer
-            if name in ADAPTERS and name.endswith("_b"):  # kernel reads it (lora._delta)
+            if name in ADAPTERS and name.endswith("_b"):  # kernel reads it (lora.added)
                 ln, slots, rank, out = _shard_shape(leaf)
                 mats |= {(ln, slots * rank, out), (slots * rank, out)}
         kv = set()
