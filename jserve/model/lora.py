@@ -54,9 +54,9 @@ POOL_LEAVES = frozenset([n for t in TARGETS for n in (a_name(t), b_name(t))]
 
 
 def pool_slots(layers) -> int:
-    """How many adapter slots the pool in runtime ``layers`` (stacked or unrolled) has; 0
-    without a pool."""
-    first = layers[0] if isinstance(layers, list) else layers
+    """How many adapter slots the pool in runtime ``layers`` (stacked, unrolled, or a
+    pipeline's stages) has; 0 without a pool."""
+    first = layers[0] if isinstance(layers, (list, tuple)) else layers
     b = next((w for n, w in first.items() if n in POOL_LEAVES and n.endswith("_b")), None)
     return 0 if b is None else b.shape[-3]  # B: [(layers,) slots, rank, out]
 
