@@ -211,3 +211,12 @@ def peft_logits(base_dir: Path, adapter_dir: Path | None, ids: list[int]):
     model = _reference_model(Path(base_dir), None if adapter_dir is None else Path(adapter_dir))
     with torch.no_grad():
         return model(input_ids=torch.tensor([list(ids)])).logits[0].numpy()
+
+
+def reference_tokens(prompts: list[list[int]], n: int,
+                     keys: tuple = (None, "a", "b", "c")) -> dict:
+    """``peft_greedy`` of ``prompts`` on ``BASE`` per adapter key of ``ADAPTERS`` (None: the
+    base model): what the engine and server tests compare with."""
+    base = tiny_llama_dir(BASE)
+    return {k: peft_greedy(base, None if k is None else peft_adapter_dir(BASE, k), prompts, n)
+            for k in keys}

@@ -36,10 +36,9 @@ def base():
 
 
 @pytest.fixture(scope="module")
-def reference(base):
+def reference():
     """transformers + peft's greedy tokens, by adapter key (None: the base model)."""
-    return {k: lm.peft_greedy(base, None if k is None else lm.peft_adapter_dir(lm.BASE, k),
-                              PROMPTS, N) for k in KEYS}
+    return lm.reference_tokens(PROMPTS, N, KEYS)
 
 
 def _request(key, i=0):

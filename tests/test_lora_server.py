@@ -54,10 +54,9 @@ def base():
 
 
 @pytest.fixture(scope="module")
-def reference(base):
+def reference():
     """transformers + peft's greedy tokens per adapter key (None: the base model)."""
-    return {k: lm.peft_greedy(base, None if k is None else lm.peft_adapter_dir(lm.BASE, k),
-                              lm.PROMPTS, N) for k in KEYS}
+    return lm.reference_tokens(lm.PROMPTS, N, KEYS)
 
 
 @pytest.fixture(scope="module")

@@ -142,9 +142,7 @@ class ServedModels:
         return body
 
     async def _load(self, request: Request) -> Response:
-        if (refused := self.refused(request)) is not None:
-            return refused
-        try:
+        async def load() -> str:
             body = await self._body(request, LOAD_PARAMS)
             name, path = body.get("lora_name"), body.get("lora_path")
             if not name or not path:
@@ -157,18 +155,11 @@ class ServedModels:
                 raise BadField("lora_name", f"lora_name {name!r} is the base model's name")
             self.gateway.check_open()
             await self.gateway.engine.load_adapter(name, path)
-        except fields.FieldError as e:  # the engine's refusal: the adapter, or its name
-            return _error(BadField(e.field, e.message))
-        except Rejected as e:
-            return _error(e)
-        except ClientGone:
-            return Response(status_code=499)
-        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+            return f"Success: LoRA adapter '{name}' added successfully."
+        return await self._answered(request, load)
 
     async def _unload(self, request: Request) -> Response:
-        if (refused := self.refused(request)) is not None:
-            return refused
-        try:
+        async def unload() -> str:
             body = await self._body(request, UNLOAD_PARAMS)
             if "lora_int_id" in body:
                 raise BadField("lora_int_id", "lora_int_id is not supported by jserve (name "
@@ -178,12 +169,22 @@ class ServedModels:
                 raise BadField("lora_name", "lora_name must be provided")
             self.gateway.check_open()
             await self.gateway.engine.unload_adapter(name)
+            return f"Success: LoRA adapter '{name}' removed successfully."
+        return await self._answered(request, unload)
+
+    async def _answered(self, request: Request, work) -> Response:
+        """``work()``'s success text, or its refusal as vLLM answers it: a bad field 400, an
+        adapter nobody loaded 404 (the engine's refusals are its FieldErrors)."""
+        if (refused := self.refused(request)) is not None:
+            return refused
+        try:
+            text = await work()
         except AdapterNotFound as e:
             return _error(Rejected(NOT_FOUND, f"{e.args[0]}", "lora_name"))
-        except fields.FieldError as e:  # in use by requests
+        except fields.FieldError as e:  # the engine's refusal: the adapter, its name, in use
             return _error(BadField(e.field, e.message))
         except Rejected as e:
             return _error(e)
         except ClientGone:
             return Response(status_code=499)
-        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+        return PlainTextResponse(text)
