@@ -22,8 +22,6 @@ def build_adapters(cfg: ModelConfig, config: LoRAConfig | None, runner) -> Adapt
     the start, naming it); None without LoRA."""
     if config is None:
         return None
-    if jax.process_count() > 1:  # the followers' pools would never be written
-        raise ValueError("LoRA adapters are not supported with multi-process serving yet")
     slots = AdapterSlots(
         config, lambda req: read_adapter(req.lora_name, req.lora_path, cfg,
                                          config.max_lora_rank),

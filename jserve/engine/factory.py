@@ -96,6 +96,8 @@ def check_config(cfg: ModelConfig, config: EngineConfig) -> Geometry:
                          f"got {config.attention_impl!r}")
     policy(config.scheduler)  # ValueError naming the choices
     geo = engine_geometry(cfg, config)
+    if jax.process_count() > 1 and config.lora is not None:  # followers' pools stay empty
+        raise ValueError("LoRA adapters are not supported with multi-process serving yet")
     if jax.process_count() > 1 and geo.mesh_config.size != jax.device_count():
         raise ValueError(f"mesh {config.mesh!r}: with {jax.process_count()} processes it "
                          f"must cover all {jax.device_count()} devices")
