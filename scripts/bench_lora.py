@@ -1,10 +1,12 @@
 """LoRA adapters on this CPU: jserve's decode step with a batch over many adapters against
 the same batch on the base model alone, jserve against transformers + peft serving the
-same adapters one at a time, and the delta's two forms (masked over every slot, as the
-step computes it, and gathered per token, punica's BGMV) on their own.
+same adapters one at a time, and the delta's forms on their own: masked over every slot
+(as the step computes it), gathered per token (punica's BGMV) and segmented by adapter with
+``jax.lax.ragged_dot`` (punica's SGMV).
 
     python scripts/bench_lora.py                      # 32 requests over 8 adapters, rank 16
     python scripts/bench_lora.py --reps 5 --out lora.json
+    python scripts/bench_lora.py --delta-only           # the delta's forms alone
 
 A seeded random Llama (hidden 1024, 4 layers, 16 query / 4 KV heads of 64, MLP 2816,
 vocab 8192, float32) and ``--adapters`` PEFT adapters of ``--rank`` on all seven
@@ -126,13 +128,26 @@ def delta_forms(tokens: int, slots: int, rank: int, d: int, reps: int) -> dict:
         return jnp.einsum("tr,tro->to", jnp.einsum("ti,tir->tr", h, ga), b[s])
 
     @jax.jit
+    def ragged(a, b, h, s):  # punica's SGMV: tokens sorted by adapter, one group each
+        order = jnp.argsort(s)
+        sizes = jnp.bincount(s, length=slots).astype(jnp.int32)
+        a3 = jnp.moveaxis(a.reshape(d, slots, rank), 1, 0)  # [slots, d, r]
+        xa = jax.lax.ragged_dot(h[order], a3, sizes)
+        out = jax.lax.ragged_dot(xa, b, sizes)
+        return jnp.zeros_like(out).at[order].set(out)
+
+    @jax.jit
     def base(w, h):
         return h @ w
 
     w = jnp.asarray(rng.normal(size=(d, d)), jnp.float32)
     out = {}
-    for name, fn, args in (("masked", masked, (a, b, h, s)), ("gathered", gathered, (a, b, h, s)),
-                           ("base_matmul", base, (w, h))):
+    forms = (("masked", masked, (a, b, h, s)), ("gathered", gathered, (a, b, h, s)),
+             ("ragged_dot", ragged, (a, b, h, s)), ("base_matmul", base, (w, h)))
+    want = np.asarray(masked(a, b, h, s))
+    for name, fn, args in forms:
+        if name != "base_matmul":  # the same deltas, whichever form
+            np.testing.assert_allclose(np.asarray(fn(*args)), want, rtol=2e-3, atol=2e-3)
         fn(*args).block_until_ready()
         times = []
         for _ in range(max(reps, 5) * 20):
@@ -153,7 +168,13 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--out", type=Path)
+    p.add_argument("--delta-only", action="store_true",
+                   help="only the delta's forms on one projection (no engines, no HF)")
     a = p.parse_args()
+    if a.delta_only:
+        print(json.dumps({t: delta_forms(t, a.adapters, a.rank, MODEL["hidden_size"], a.reps)
+                          for t in (a.requests, 256)}, indent=1))
+        return 0
 
     import numpy as np
 
