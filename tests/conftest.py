@@ -32,7 +32,8 @@ LONG_FILES = ("test_target_steps.py", "test_targets.py", "test_mesh_matrix.py",
               "test_speculative_engine.py", "test_prefix_cache_engine.py",
               "test_weight_quant.py", "test_hf_parity.py", "test_prompt_logprobs.py",
               "test_device_check.py", "test_engine_lifecycle.py", "test_kvp_engine.py",
-              "test_long_prefill_live.py", "test_speculative_mesh.py", "test_spp_engine.py")
+              "test_long_prefill_live.py", "test_speculative_mesh.py", "test_spp_engine.py",
+              "test_lora.py")
 
 
 def pytest_collection_modifyitems(config, items):
