@@ -48,7 +48,7 @@ def _writer(cfg: ModelConfig, config: LoRAConfig, runner):
             shardings = jax.tree.map(lambda w: w.sharding, pool)
             jitted["fn"] = jax.jit(lora.write_slot, donate_argnums=0, out_shardings=shardings)
         new = jitted["fn"](pool, np.int32(slot), values)
-        runner.params = {**runner.params, "layers": _merged(layers, new)}
+        runner.params = {**runner.params, "layers": _with_pool(layers, new)}
 
     return write
 
@@ -60,7 +60,7 @@ def _pool(layers):
     return {n: w for n, w in layers.items() if is_pool(n)}
 
 
-def _merged(layers, pool):
+def _with_pool(layers, pool):
     if isinstance(layers, list):
         return [{**layer, **p} for layer, p in zip(layers, pool)]
     return {**layers, **pool}

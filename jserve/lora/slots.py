@@ -35,7 +35,8 @@ class AdapterSlots:
         self._host: collections.OrderedDict[str, Adapter] = collections.OrderedDict()
         self._names: list[str | None] = [None] * config.max_loras  # by slot
         self._refs: collections.Counter = collections.Counter()  # running holders, by name
-        self._lru: collections.OrderedDict[str, None] = collections.OrderedDict()  # resident
+        # resident adapter -> its slot, least recently used first
+        self._lru: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._pending: dict[int, str] = {}  # slots to write before the next step
         self._users: collections.Counter = collections.Counter()  # accepted requests
         self.loads = self.evictions = 0
@@ -72,11 +73,10 @@ class AdapterSlots:
         req = self.known.pop(name)
         self._ids.pop(req.lora_int_id, None)
         self._host.pop(name, None)
-        self._lru.pop(name, None)
-        for slot, held in enumerate(self._names):
-            if held == name:
-                self._names[slot] = None
-                self._pending.pop(slot, None)
+        slot = self._lru.pop(name, None)
+        if slot is not None:  # its slot empty again (and not copied in, if still pending)
+            self._names[slot] = None
+            self._pending.pop(slot, None)
 
     def check(self, name: str) -> None:
         """FieldError on ``model`` unless adapter ``name`` is known."""
@@ -91,10 +91,7 @@ class AdapterSlots:
             self._users[name] += 1
 
     def done(self, name: str | None) -> None:
-        if name is not None:
-            self._users[name] -= 1
-            if self._users[name] <= 0:
-                del self._users[name]
+        _decrement(self._users, name)
 
     # -- the scheduler's view --------------------------------------------------------------
     def resident(self, name: str | None) -> bool:
@@ -107,44 +104,43 @@ class AdapterSlots:
         if name is None:
             return True
         if name not in self._lru:
-            slot = self._free_slot()
+            slot = self._free_slot(evict=True)
             if slot is None:
                 return False
             self._names[slot] = name
             self._pending[slot] = name
-        self._lru[name] = None
+            self._lru[name] = slot
         self._lru.move_to_end(name)
         self._refs[name] += 1
         return True
 
     def can_acquire(self, name: str | None) -> bool:
         """Whether ``acquire(name)`` would succeed now (nothing changes)."""
-        return (self.resident(name) or None in self._names
-                or any(not self._refs[n] for n in self._lru))
+        return self.resident(name) or self._free_slot(evict=False) is not None
 
     def release(self, name: str | None) -> None:
-        if name is not None:
-            self._refs[name] -= 1
-            if self._refs[name] <= 0:
-                del self._refs[name]
+        _decrement(self._refs, name)
 
     def slot(self, name: str | None) -> int:
         """The slot of a resident adapter (-1: the base model)."""
-        return -1 if name is None else self._names.index(name)
+        return -1 if name is None else self._lru[name]
 
     def load_cost(self, name: str | None) -> float:
         """Seconds the copy in of ``name`` is expected to take before its request can run
         (0 when resident)."""
         return 0.0 if self.resident(name) else self.load_seconds
 
-    def _free_slot(self) -> int | None:
+    def _free_slot(self, evict: bool) -> int | None:
+        """An empty slot, else the least recently used one no running request holds (its
+        adapter evicted when ``evict``; else nothing changes); None: every slot is held."""
         if None in self._names:
             return self._names.index(None)
-        for name in self._lru:  # least recently used first
+        for name, slot in self._lru.items():
             if not self._refs[name]:
-                del self._lru[name]
-                self.evictions += 1
-                return self._names.index(name)
+                if evict:
+                    del self._lru[name]
+                    self.evictions += 1
+                return slot
         return None
 
     # -- the device ------------------------------------------------------------------------
@@ -174,3 +170,11 @@ class AdapterSlots:
     # -- what metrics show -----------------------------------------------------------------
     def running(self) -> list[str]:
         return sorted(self._refs)
+
+
+def _decrement(counter: collections.Counter, name: str | None) -> None:
+    """One fewer for ``name`` (None: nothing), dropped from ``counter`` at zero."""
+    if name is not None:
+        counter[name] -= 1
+        if counter[name] <= 0:
+            del counter[name]

@@ -34,7 +34,6 @@ from jserve.model.tp_layout import FUSED
 
 # The matrices an adapter may target, in jserve's leaf names (families/base.py).
 TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
-ROW_TARGETS = ("wo", "w_down")  # split by rows under tp (their A is)
 SLOTS = "lora.slots"  # the layer dict's per-token adapter slot while a step runs
 
 
