@@ -218,6 +218,19 @@ def _add_simulate_parser(sub) -> None:
                    help="how requests are routed to replicas (with --replicas > 1)")
     s.add_argument("--prefix-caching", action="store_true",
                    help="automatic prefix caching (trace prefix ids say what is shared)")
+    s.add_argument("--prefill-replicas", type=int, default=0,
+                   help="prefill-only replicas of this mesh beside the --replicas decode "
+                   "replicas (jserve.sim.disagg); each request is then placed by "
+                   "jserve.routing.disagg.place (the deadline router among the decode replicas "
+                   "when colocated), and the decode replicas' prefix cache is on (the KV import "
+                   "is found by it)")
+    s.add_argument("--disaggregation", default="auto", choices=("auto", "always", "never"),
+                   help="with --prefill-replicas: per request by deadline, every request, or "
+                   "none")
+    s.add_argument("--transfer-gb-per-s", type=float, default=25.0,
+                   help="with --prefill-replicas: each GPU's link to the other replica (GB/s; "
+                   "25: one 200 Gb/s InfiniBand NIC per GPU), over which it sends its shard of "
+                   "a prompt's KV")
     s.add_argument("--out", required=True, help="records JSONL")
     s.set_defaults(func=_simulate)
 
@@ -232,17 +245,22 @@ def _simulate(a: argparse.Namespace) -> int:
                     iteration_budget=a.iteration_budget, max_num_seqs=a.max_num_seqs,
                     max_num_batched_tokens=a.max_num_batched_tokens, horizon_s=a.horizon,
                     prefix_caching=a.prefix_caching)
-    if a.replicas == 1:
+    if a.prefill_replicas:
+        from jserve.sim.disagg import run_disagg, transfer_cost
+        records = run_disagg(trace, a.policy, a.prefill_replicas, a.replicas,
+                             a.disaggregation, cfg, transfer_cost(cfg, a.transfer_gb_per_s))
+        where = f"{a.prefill_replicas} prefill + {a.replicas} decode replicas of "
+        behind = f" with disaggregation {a.disaggregation}"
+    elif a.replicas == 1:
         records = run(trace, a.policy, cfg)
-        where = ""
+        where = behind = ""
     else:
         from jserve.sim.cluster import run_cluster
         records = run_cluster(trace, a.policy, a.router, a.replicas, cfg)
-        where = f"{a.replicas} replicas of "
+        where, behind = f"{a.replicas} replicas of ", f" behind {a.router}"
     write_records(a.out, records)
     print(f"{a.policy}: {len(records)} requests on {where}{a.model} {a.hardware} "
-          f"tp={a.tp} spp={a.spp} kvp={a.kvp}{f' behind {a.router}' if where else ''}; "
-          f"wrote {a.out}")
+          f"tp={a.tp} spp={a.spp} kvp={a.kvp}{behind}; wrote {a.out}")
     print(format_summary(summarize(records)))
     return 0
 

@@ -26,7 +26,10 @@ from jserve.data import trace_path
 
 RECORD_FIELDS = ("request_id", "prompt_tokens", "output_tokens", "arrival_s", "first_token_s",
                  "finish_s", "finish_reason", "policy")
-OPTIONAL_RECORD_FIELDS = ("token_times_s", "replica")  # replica: cluster runs
+# replica: cluster runs; prefill_replica, transfer_s, kv_import: disaggregated ones
+# (jserve.sim.disagg)
+OPTIONAL_RECORD_FIELDS = ("token_times_s", "replica", "prefill_replica", "transfer_s",
+                          "kv_import")
 
 # Medha-SWE's published statistics (no public trace): prompt P50 393K / P90 839K tokens in
 # 128K-1M, output P50 518 / P90 808. Only a log-normal fitted to the two quantiles is known.
