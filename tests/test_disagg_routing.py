@@ -67,7 +67,7 @@ def test_a_long_document_whose_deadline_allows_the_transfer_goes_to_a_prefill_en
     # A link so slow that the transfer (200 s) would make it late: colocated.
     slow = TransferCost(bytes_per_token=1e6, bytes_per_s=1e9)
     late = _place("auto", 200_000, decode, prefill, link=slow)
-    assert late.prefill is None and late.reason == "prefill pool late"
+    assert late.prefill is None and late.reason == "prefill pool late, decode engine idle"
 
 
 def test_when_colocating_misses_the_deadline_and_disaggregating_meets_it_disaggregate():
@@ -98,11 +98,35 @@ def test_when_the_prefill_pool_is_congested_colocate():
     # idle decode engine prefills the document in 200 s.
     prefill = _views(_load("p0", prefills=[(math.inf, 150.0, 150_000)], running=1))
     got = _place("auto", 200_000, _views(_load("d0")), prefill)
-    assert got.prefill is None and got.reason == "prefill pool late"
+    assert got.prefill is None and got.reason == "prefill pool late, decode engine idle"
     assert got.predicted_ttft_s == pytest.approx(200.0)
-    # and a short chat behind that queue stays colocated under "auto", not under "always"
-    assert _place("auto", 500, _views(_load("d0")), prefill).prefill is None
-    assert _place("always", 500, _views(_load("d0")), prefill).prefill == 0
+    # a short chat behind the same queue: its 0.5 s there would be 150.5 s
+    queued = _views(_load("p0", prefills=[(math.inf, 3.0, 3000)], running=1))
+    busy = _views(_load("d0", running=3))
+    got = _place("auto", 500, busy, queued)
+    assert got.prefill is None and got.reason == "prefill pool late"
+    assert _place("always", 500, busy, queued).prefill == 0
+
+
+def test_a_long_document_stays_off_decode_engines_that_run_decodes_even_when_late():
+    # The same congested pool, but the decode engine runs 20 decodes: colocating the
+    # document would stretch all their iterations for 200 s; it waits in the pool.
+    prefill = _views(_load("p0", prefills=[(math.inf, 150.0, 150_000)], running=1))
+    decode = _views(_load("d0", running=20, t_target=0.05, decode_s=0.01))
+    got = _place("auto", 200_000, decode, prefill)
+    assert got.prefill == 0 and got.reason == "long prompt off the decode engines"
+    assert got.predicted_ttft_s > 300
+
+
+def test_a_short_chat_goes_to_the_prefill_pool_when_decode_slots_are_scarce():
+    # Both placements on time; the decode engine has 70 of 128 slots taken (over half).
+    loads = dict(t_target=0.05, decode_s=0.01, max_num_seqs=128)
+    roomy = _views(_load("d0", running=50, **loads))
+    tight = _views(_load("d0", running=60, waiting=10, **loads))
+    assert _place("auto", 500, roomy, _views(_load("p0"))).prefill is None
+    got = _place("auto", 500, tight, _views(_load("p0")))
+    assert got.prefill == 0 and got.reason == "decode slots scarce"
+    assert got.predicted_ttft_s < 0.75
 
 
 def test_never_is_the_deadline_router_and_always_takes_the_soonest_prefill_engine():

@@ -32,6 +32,9 @@ MODES = ("auto", "always", "never")
 # unknown link as free would disaggregate everything, as infinitely slow nothing; a typical
 # NIC's rate keeps the decision about the queues.
 DEFAULT_BYTES_PER_S = 25e9
+# auto: a short prompt that both placements would serve on time is colocated only while the
+# decode engine has fewer than this share of its sequence slots taken.
+SLOT_PRESSURE = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,14 +144,20 @@ def place(mode: str, request: RouteRequest, decode: Sequence[ReplicaView],
     starts nothing new until a request finishes: its TTFT counts as late.
 
     The ``auto`` rule, with both predicted against the request's TTFT deadline:
-      - only one meets it: that one ("colocated late" / "prefill pool late");
-      - both meet it: a long prompt (the decode engines' ``long_threshold``, 32K tokens) is
-        disaggregated (its prefill would take the decode engine's iterations, KV and slot for
-        its whole length), a short one colocated (moving it buys nothing and costs the
-        transfer and the prefill pool's queue);
-      - neither meets it: a long prompt is disaggregated (late anyway, it keeps off the
-        decode engines, where it would make others late too), a short one goes where its
-        first token is predicted sooner.
+      - a long prompt (the decode engines' ``long_threshold``, 32K tokens) is disaggregated,
+        on time or not: colocated, its prefill would share every iteration of the decode
+        engine for its whole length (minutes for a 1M-token document), stretching each to the
+        iteration budget, so every decode there runs at that pace and holds its sequence
+        slot that much longer. Only when the prefill pool would make it late, colocating
+        would not, and the colocated engine runs nothing at all is it colocated;
+      - a short prompt: where only one placement is on time, that one ("colocated late" /
+        "prefill pool late"); where both are, colocated (its prefill is a few iterations'
+        share anywhere; moving it costs the transfer and the prefill pool's queue) unless
+        the decode engine has ``SLOT_PRESSURE`` (half) of its sequence slots taken or
+        promised, when it goes to the prefill pool ("decode slots scarce": a colocated
+        prefill holds a decode slot while it runs and slows the decodes whose turnover frees
+        slots); where neither is, wherever the first token is predicted sooner (the prefill
+        pool on a tie: its prefill then overlaps the wait for a decode slot).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -164,21 +173,30 @@ def place(mode: str, request: RouteRequest, decode: Sequence[ReplicaView],
     dis = _disaggregated(request, decode, prefill, healthy_prefill, transfer, due)
     if mode == "always":
         return Placement(dis.decode, dis.prefill, dis.ttft, "always disaggregate")
-    choice, why = _auto(request, healthy_decode[0], col, dis, due)
+    choice, why = _auto(request, healthy_decode[0], decode[col.decode], col, dis, due)
     return Placement(choice.decode, choice.prefill, choice.ttft, why)
 
 
-def _auto(request: RouteRequest, first: ReplicaView, col: _Option, dis: _Option, due: float
-          ) -> tuple[_Option, str]:
+def _slots_used(load) -> float:
+    """Share of the engine's sequence slots taken or promised (0: slots unknown)."""
+    return load.outstanding / load.max_num_seqs if load.max_num_seqs > 0 else 0.0
+
+
+def _auto(request: RouteRequest, first: ReplicaView, here: ReplicaView, col: _Option,
+          dis: _Option, due: float) -> tuple[_Option, str]:
     long = request.prompt_tokens >= first.load.long_threshold
     col_meets, dis_meets = col.ttft <= due, dis.ttft <= due
+    if long:
+        if col_meets and not dis_meets and here.load.running == 0:
+            return col, "prefill pool late, decode engine idle"
+        return dis, "long prompt off the decode engines"
     if dis_meets and not col_meets:
         return dis, "colocated late"
     if col_meets and not dis_meets:
         return col, "prefill pool late"
-    if long:
-        return dis, "long prompt off the decode engines"
     if col_meets:
+        if _slots_used(here.load) >= SLOT_PRESSURE:
+            return dis, "decode slots scarce"
         return col, "short prompt"
-    return (dis, "short, late: prefill pool sooner") if dis.ttft < col.ttft else (
+    return (dis, "short, late: prefill pool sooner") if dis.ttft <= col.ttft else (
         col, "short, late: colocated sooner")
