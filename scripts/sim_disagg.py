@@ -1,9 +1,9 @@
 """Prefill/decode disaggregation, simulated: colocated LARS replicas against prefill + decode
 pools (every request disaggregated, or chosen per request by deadline) on the same GPUs.
 
-    python scripts/sim_disagg.py [--gpus 8,16,32] [--seeds 0] [--jobs 2]   (about 4 minutes)
-    python scripts/sim_disagg.py --gpus 8,16,32,64                          (about 13 minutes)
-    python scripts/sim_disagg.py --quick                 (32 GPUs, 15 s of arrivals: a minute)
+    python scripts/sim_disagg.py [--gpus 8,16,32] [--seeds 0] [--jobs 2]   (4.5 minutes)
+    python scripts/sim_disagg.py --gpus 8,16,32,64                          (12.5 minutes)
+    python scripts/sim_disagg.py --quick                 (32 GPUs, 15 s of arrivals: 1.5 min)
 
 Llama-3 8B on A100 meshes (``harness.disagg_sim.MESHES``: 2 x TP4 for 8 GPUs, TP8 replicas
 for 16-64), every replica scheduling with ``lars-ss``, prefix caching on; the trace is the
@@ -45,7 +45,7 @@ def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--gpus", default="8,16,32",
-                   help=f"cluster sizes, of {sorted(MESHES)} (64: about 10 more minutes)")
+                   help=f"cluster sizes, of {sorted(MESHES)} (64: 8 more minutes)")
     p.add_argument("--duration", type=float, default=30.0,
                    help="seconds of arrivals a run (requests: rate x this)")
     p.add_argument("--seeds", default="0", help="trace seeds (comma list); figures: medians")
