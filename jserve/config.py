@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 from typing import Any
 
 import ml_dtypes
@@ -391,3 +392,17 @@ def inv_frequencies(cfg: ModelConfig) -> np.ndarray:
     smoothed = (1 - smooth) * scaled / np.float32(s.factor) + smooth * scaled
     medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
     return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+# The models that ship with the package, by name (``--model tiny-tasks``).
+BUILTIN_MODELS = {"tiny-tasks": Path(__file__).resolve().parent / "assets" / "tiny_tasks"}
+
+
+def resolve_model_dir(model: str) -> Path:
+    """The directory of a built-in model name, else ``model`` as a path."""
+    return BUILTIN_MODELS.get(model, Path(model))
+
+
+def model_dir(model: str) -> Path | None:
+    """``--model``'s directory; None for the built-in random model, which has none."""
+    return None if model == "default" else resolve_model_dir(model)

@@ -13,6 +13,7 @@ import dataclasses
 import warnings
 from typing import Any, Sequence
 
+from jserve.config import model_dir
 from jserve.engine.config import EngineConfig
 from jserve.engine.engine import LLMEngine
 from jserve.engine.intake import PreparedRequest
@@ -20,7 +21,7 @@ from jserve.engine.output import RequestOutput
 from jserve.engine.startup import StartupTimes
 from jserve.engine.vllm_names import llm_engine_kwargs, separate_tokenizer
 from jserve.lora.config import LoRARequest
-from jserve.model.weights import load_model, model_dir
+from jserve.model.weights import load_model
 from jserve.pooling import (
     POOLED,
     EmbeddingOutput,

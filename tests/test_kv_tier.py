@@ -16,9 +16,10 @@ from devices import run_on_devices
 from jserve import SamplingParams
 from jserve.cache.allocator import PageAllocator
 from jserve.cache.host_tier import HostTier
+from jserve.copy_rate import CopyRate
 from jserve.scheduler.chunking import PrefillTimeCache
 from jserve.scheduler.deadline import DeadlineConfig, DeadlineScheduler
-from jserve.scheduler.predictor import CopyRate, LinearPredictor
+from jserve.scheduler.predictor import LinearPredictor
 from jserve.scheduler.request import Request
 from jserve.sim import VirtualClock
 from llm_helpers import check_blocks, small_llm

@@ -10,9 +10,10 @@ import pytest
 
 from jserve import SamplingParams
 from jserve.cache.pool import allocate_kv_cache
+from jserve.config import BUILTIN_MODELS
 from jserve.kernels import AttentionMetadata
 from jserve.model.decoder import StepInput, forward, prepare_params
-from jserve.model.weights import BUILTIN_MODELS, init_params, load_config, load_model
+from jserve.model.weights import init_params, load_config, load_model
 from jserve.tokenizer import ByteTokenizer
 from jserve.train.length_task import (
     FRUITS,

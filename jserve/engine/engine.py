@@ -173,6 +173,11 @@ class LLMEngine:
         req = self.requests.get(request_id)
         return None if req is None else self._finish(req, "abort")
 
+    @property
+    def multi_process(self) -> bool:
+        """The engine's steps run on several processes (``jax.distributed``)."""
+        return self._multi_process
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight.pending
 

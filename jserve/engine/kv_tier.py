@@ -26,11 +26,11 @@ import numpy as np
 from jserve.cache.host_tier import HostTier
 from jserve.cache.pool import kv_bytes_per_page
 from jserve.config import ModelConfig
+from jserve.copy_rate import CopyRate
 from jserve.engine import page_io
 from jserve.engine.config import EngineConfig
 from jserve.engine.timing import host_copy_rate
 from jserve.scheduler import BatchPlan
-from jserve.scheduler.predictor import CopyRate
 from sharding.specs import kv_head_map
 
 log = logging.getLogger(__name__)

@@ -16,9 +16,10 @@ from pathlib import Path
 import jax
 
 from jserve.config import ModelConfig
+from jserve.copy_rate import CopyRate
 from jserve.engine.config import EngineConfig
 from jserve.model.params import active_params
-from jserve.scheduler.predictor import FEATURES, CopyRate, LinearPredictor
+from jserve.scheduler.predictor import FEATURES, LinearPredictor
 from sharding.mesh import MeshConfig
 
 log = logging.getLogger(__name__)

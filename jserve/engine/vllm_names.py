@@ -18,10 +18,6 @@ VLLM_REFUSED = {
     "--pipeline-parallel-size": "jserve's pipeline is stream pipeline parallel: --mesh spp=N "
                                 "(docs/mesh.md)",
     "-pp": "jserve's pipeline is stream pipeline parallel: --mesh spp=N (docs/mesh.md)",
-    "--data-parallel-size": "dp is not supported yet; run replicas behind a router "
-                            "(--ray --replicas N, docs/scale_out.md)",
-    "-dp": "dp is not supported yet; run replicas behind a router (--ray --replicas N, "
-           "docs/scale_out.md)",
     "--enable-expert-parallel": "jserve's expert parallelism is a mesh axis of its own: "
                                 "--mesh ep=N splits the experts N ways (attention is "
                                 "replicated over ep; add tp=M to split it, "

@@ -19,7 +19,16 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from jserve import backend as jserve_backend
-from jserve.config import DTYPE_CHOICES, DTYPES, ModelConfig, auto_dtype, stored_dtype
+from jserve.config import (
+    BUILTIN_MODELS,
+    DTYPE_CHOICES,
+    DTYPES,
+    ModelConfig,
+    auto_dtype,
+    model_dir,
+    resolve_model_dir,
+    stored_dtype,
+)
 from jserve.model import checkpoint_files, quant, tp_layout
 from jserve.model.families import family_of, read_config_file
 from jserve.model.params import Params, param_shapes, runtime_param_shapes
@@ -514,19 +523,6 @@ def restore_orbax(ckpt_dir: str | Path, cfg: ModelConfig) -> Params:
 
 
 # Built-in checkpoints shipped inside the package, by name (scripts/train_task_model.py).
-BUILTIN_MODELS = {"tiny-tasks": Path(__file__).resolve().parents[1] / "assets" / "tiny_tasks"}
-
-
-def resolve_model_dir(model: str) -> Path:
-    """The directory of a built-in model name, else ``model`` as a path."""
-    return BUILTIN_MODELS.get(model, Path(model))
-
-
-def model_dir(model: str) -> Path | None:
-    """``--model``'s directory; None for the built-in random model, which has none."""
-    return None if model == "default" else resolve_model_dir(model)
-
-
 def resolve_dtype(model: str, dtype: str | None = "auto",
                   backend: str | None = None) -> tuple[str, str]:
     """The dtype ``model`` computes in for ``dtype`` (auto | float32 | bfloat16 | None: as

@@ -180,28 +180,3 @@ class CorrectedPredictor:
             ratio = seconds / predicted
             scale = (1 - self.alpha) * self.scale + self.alpha * ratio
             self.scale = min(self.hi, max(self.lo, scale))
-
-
-class CopyRate:
-    """Host <-> device copy time of the prefix cache's host tier, learned online:
-    ``seconds(n) = latency_s + n / bytes_per_s``, with ``observe(n, seconds)`` moving the
-    bandwidth toward each measured copy's (an exponential average with weight ``alpha``),
-    so the deadline policies price a restore by what copies really take on this link."""
-
-    def __init__(self, bytes_per_s: float, latency_s: float = 0.0, alpha: float = 0.2):
-        if bytes_per_s <= 0:
-            raise ValueError(f"bytes_per_s must be > 0, got {bytes_per_s}")
-        self.bytes_per_s, self.latency_s, self.alpha = float(bytes_per_s), latency_s, alpha
-        self.samples = 0
-
-    def seconds(self, num_bytes: int) -> float:
-        return self.latency_s + num_bytes / self.bytes_per_s if num_bytes else 0.0
-
-    def observe(self, num_bytes: int, seconds: float) -> None:
-        moving = seconds - self.latency_s
-        if num_bytes <= 0 or moving <= 0:
-            return
-        rate = num_bytes / moving
-        self.bytes_per_s = rate if self.samples == 0 else (
-            (1 - self.alpha) * self.bytes_per_s + self.alpha * rate)
-        self.samples += 1

@@ -22,6 +22,7 @@ from jserve.serving.engine_api import EngineClient
 from jserve.serving.gateway import Gateway
 from jserve.serving.grpc_server import GrpcServer
 from jserve.serving.http_server import OpenAIServer
+from jserve.serving.kv_params import KVTransferConfig
 from jserve.serving.limits import ClientLimits
 from jserve.serving.live_engine import LiveEngine
 from jserve.serving.metrics import ServerMetrics
@@ -73,6 +74,9 @@ class ServerConfig:
     # The Responses API's stored responses (previous_response_id, GET /v1/responses/{id}):
     # at most this many bytes of their JSON, least recently used dropped; 0: none kept.
     responses_store_bytes: int = 64 << 20
+    # Prefill/decode disaggregation (``--kv-transfer-config``, ``kv_connector``): this
+    # engine's role and peers; None: it takes no part (``kv_transfer_params`` refused).
+    kv_transfer: KVTransferConfig | None = None
 
     @property
     def open_to_the_network(self) -> bool:

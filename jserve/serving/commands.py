@@ -20,6 +20,8 @@ from jserve.log_setup import configure_logging
 from jserve.lora.config import lora_module_bases
 from jserve.sampling.generation_config import describe, generation_defaults
 from jserve.scheduler import ENGINE_POLICIES
+from jserve.serving.front_command import add_scale_out_args, check_scale_out, front_command
+from jserve.serving.kv_params import parse_kv_transfer_config
 from jserve.serving.limits import ClientLimits
 from jserve.serving.reasoning import FORMATS as REASONING
 from jserve.serving.tool_formats import DEFAULT_FORMAT, TOOL_FORMATS
@@ -165,6 +167,7 @@ def add_serve_parser(sub, add_engine_args: Callable, engine_kwargs: Callable) ->
     s.add_argument("--log-level", default="INFO",
                    help="jserve's log level (other libraries log from WARNING up; DEBUG: all)")
     add_vllm_args(s)
+    add_scale_out_args(s)
     g = s.add_argument_group("Ray Serve (docs/scale_out.md): replicas of this engine behind a "
                              "router, the OpenAI API on --port (no gRPC)")
     g.add_argument("--ray", action="store_true", help="serve as a Ray Serve application")
@@ -302,7 +305,7 @@ def add_limit_args(s: argparse.ArgumentParser) -> None:
 
 def sampling_defaults(a: argparse.Namespace) -> dict:
     """The served requests' sampling defaults (``--generation-config``)."""
-    from jserve.model.weights import model_dir  # the model package loads JAX
+    from jserve.config import model_dir
 
     return generation_defaults(a.generation_config, model_dir(a.model),
                                a.override_generation_config)
@@ -311,7 +314,7 @@ def sampling_defaults(a: argparse.Namespace) -> dict:
 def served_model_names(a: argparse.Namespace) -> tuple[str, ...]:
     """``--served-model-name``, or the default: a built-in model's name as given, a
     checkpoint directory's own name (not its path on the server's disk)."""
-    from jserve.model.weights import BUILTIN_MODELS  # the model package loads JAX
+    from jserve.config import BUILTIN_MODELS
 
     if a.served_model_name:
         if not all(a.served_model_name):
@@ -379,7 +382,7 @@ def read_chat_template(arg: str) -> str:
 
 
 def _has_tokenizer_json(model: str) -> bool:
-    from jserve.model.weights import BUILTIN_MODELS  # the model package loads JAX
+    from jserve.config import BUILTIN_MODELS
 
     return model != "default" and os.path.isfile(
         os.path.join(BUILTIN_MODELS.get(model, model), "tokenizer.json"))
@@ -421,7 +424,9 @@ def server_config(a: argparse.Namespace, sampling_defaults: dict):
         metrics_open=a.metrics_open, served_model_names=served_model_names(a),
         limits=client_limits(a), tool_call_parser=a.tool_call_parser,
         reasoning_parser=a.reasoning_parser, sampling_defaults=sampling_defaults,
-        responses_store_bytes=int(a.responses_store_mib * (1 << 20)))
+        responses_store_bytes=int(a.responses_store_mib * (1 << 20)),
+        kv_transfer=None if a.kv_transfer_config is None
+        else parse_kv_transfer_config(a.kv_transfer_config))
 
 
 def check_lora_names(lora, names: tuple[str, ...], ray: bool = False,
@@ -459,8 +464,12 @@ def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
     lora = engine_kwargs.get("lora")
     check_lora_names(lora, served_model_names(a), a.ray,
                      lora_module_bases(getattr(a, "lora_modules", None)))
+    check_scale_out(a)
     if a.ray:
         return ray_command(a, engine_kwargs)
+    if a.data_parallel_size > 1:
+        configure_logging(a.log_level)
+        return front_command(a, server_config(a, {}))
 
     # Imported here: the model loads JAX and the server gRPC, which `jserve simulate` and
     # `--help` never need.

@@ -90,6 +90,10 @@ class EngineInfo:
     max_loras: int = 0
     max_lora_rank: int = 0
     runtime_lora_updating: bool = False
+    # Prefill/decode disaggregation: why this engine cannot export or import KV pages (None:
+    # it can), and the bytes one token's KV takes in them
+    kv_transfer: str | None = "this engine does not move KV pages"
+    kv_bytes_per_token: int = 0
 
     @property
     def lora(self) -> bool:
@@ -209,6 +213,17 @@ class EngineClient(Protocol):
     async def unload_adapter(self, name: str) -> None:
         """Unregisters adapter ``name`` between steps; ``AdapterNotFound`` if none is loaded
         by that name, FieldError (``lora_name``) while requests use it."""
+
+    async def export_kv(self, token_ids: Sequence[int], adapter: str | None = None) -> bytes:
+        """The wire form (``jserve.engine.kv_transfer``) of the KV pages this engine's prefix
+        cache holds of the prompt ``token_ids`` (run with LoRA ``adapter``), read between
+        steps: as many leading pages as are still cached, maybe none."""
+
+    async def import_kv(self, token_ids: Sequence[int], wire: bytes,
+                        adapter: str | None = None) -> tuple[int, int]:
+        """Writes another engine's ``export_kv`` of the same prompt into this engine's prefix
+        cache between steps: (pages new here, pages sent that the cache now holds). ValueError
+        when they are not this engine's pages (nothing changed)."""
 
     async def load_report(self, replica: str, *, healthy: bool = True) -> ReplicaLoad:
         """This replica's ``ReplicaLoad`` now, as a router reads it (``/v1/route/load``,

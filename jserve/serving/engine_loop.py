@@ -161,6 +161,15 @@ class EngineLoop(abc.ABC):
         (None: no LoRA)."""
         return None
 
+    # KV pages (prefill/decode disaggregation, engine thread; ``info.kv_transfer`` None:
+    # an engine that does not move pages keeps these)
+    def _export_kv(self, token_ids: list[int], adapter: str | None) -> bytes:
+        raise FieldError("kv_transfer_params", "this engine does not move KV pages")
+
+    def _import_kv(self, token_ids: list[int], wire: bytes, adapter: str | None
+                   ) -> tuple[int, int]:
+        raise FieldError("kv_transfer_params", "this engine does not move KV pages")
+
     # -- asyncio side ------------------------------------------------------------------
     def attach_metrics(self, metrics: ServerMetrics) -> None:
         self.metrics = metrics
@@ -251,6 +260,15 @@ class EngineLoop(abc.ABC):
             self._adapters_seen = dict(self._adapter_registry())
             log.info("unloaded LoRA adapter %r", name)
         await self.call(unload)
+
+    async def export_kv(self, token_ids: Sequence[int], adapter: str | None = None) -> bytes:
+        ids = list(token_ids)
+        return await self.call(lambda core: self._export_kv(ids, adapter))
+
+    async def import_kv(self, token_ids: Sequence[int], wire: bytes,
+                        adapter: str | None = None) -> tuple[int, int]:
+        ids = list(token_ids)
+        return await self.call(lambda core: self._import_kv(ids, wire, adapter))
 
     async def load_report(self, replica: str, *, healthy: bool = True) -> ReplicaLoad:
         return await self.call(lambda core: self._load(replica, time.monotonic(), healthy))

@@ -19,6 +19,7 @@ from jserve.sampling.params import SamplingParams
 from jserve.sampling.structured import STRUCTURED_KINDS, StructuredOutput
 from jserve.serving import engine_api as el
 from jserve.serving.gateway import NOT_FOUND, UNAUTHENTICATED, Rejected
+from jserve.serving.kv_params import TransferParams, parse_transfer_params
 from jserve.serving.tool_calls import (
     ToolChoice,
     ToolError,
@@ -38,7 +39,7 @@ GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choi
           "guided_grammar": "grammar"}
 _COMMON = {"model", "n", "stream", "stream_options", "max_tokens", "user", "ttft_slo",
            "response_format", "structured_outputs", *GUIDED,
-           "tpot_slo", "priority", *_SAMPLING}
+           "tpot_slo", "priority", "kv_transfer_params", *_SAMPLING}
 # How a chat becomes its prompt (the chat endpoint's and /tokenize's).
 _CHAT_TEMPLATE = {"add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
 # Template variables jserve sets itself (chat_template_kwargs may not).
@@ -173,6 +174,7 @@ class Parsed:
     best_of: int = 1                     # choices run per prompt; the n best returned
     reasoning: str | None = None         # chat: the reply's reasoning format, if split
     include_reasoning: bool = True       # the split reasoning is returned (else dropped)
+    kv_transfer: TransferParams | None = None  # prefill/decode disaggregation's (kv_params)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -346,6 +348,7 @@ def parse(body: Any, endpoint: str, max_choices: int = 256,
     priority = body_number(body, "priority", 0)
     if "user" in body:
         check_kind(body, "user", isinstance(body["user"], str), "a string")
+    kv = _kv_transfer(body)
     try:
         # best_of > n ranks the choices by their tokens' logprobs: asked for if not given
         # (the response shows them only when the client asked)
@@ -361,7 +364,17 @@ def parse(body: Any, endpoint: str, max_choices: int = 256,
                   constraint_field, tools, tool_choice, chat, best_of=best_of, echo=echo,
                   prompt_logprobs=shown_prompt_logprobs,
                   reasoning=reasoning if body.get("separate_reasoning", True) else None,
-                  include_reasoning=body.get("include_reasoning", True))
+                  include_reasoning=body.get("include_reasoning", True), kv_transfer=kv)
+
+
+def _kv_transfer(body: dict):
+    """The body's ``kv_transfer_params`` (vLLM's disaggregation fields), or None."""
+    if "kv_transfer_params" not in body:
+        return None
+    try:
+        return parse_transfer_params(body["kv_transfer_params"])
+    except fields.FieldError as e:
+        raise BadField(e.field, e.message) from None
 
 
 def wire_field(field: str, max_field: str, endpoint: str) -> str:

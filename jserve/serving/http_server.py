@@ -75,6 +75,7 @@ from jserve.serving.http_responses import (
     pump,
     sse,
 )
+from jserve.serving.kv_connector import KVConnector
 from jserve.serving.reasoning import FORMATS as REASONING, opens_thinking, thinking_first
 from jserve.serving.router_endpoints import RouterEndpoints
 from jserve.tokenizer import chat_prompt_ids
@@ -142,6 +143,8 @@ class OpenAIServer:
         self.model = config.model_name  # what /v1/models and every base response say
         self.models = ServedModels(gateway, config, self._refused)  # what `model` may say
         self.pooling = PoolingEndpoints(gateway, config, self.model, self.models.check)
+        self.kv = None if config.kv_transfer is None else KVConnector(gateway,
+                                                                      config.kv_transfer, config)
         self.app = Starlette(routes=[
             *self.models.routes,
             Route("/tokenize", self._tokenize, methods=["POST"]),
@@ -152,7 +155,8 @@ class OpenAIServer:
             Route("/v1/responses/{response_id}", self._stored_response,
                   methods=["GET", "DELETE"]),
             *(Route(path, self._pooled, methods=["POST"]) for path in self.pooling.endpoints),
-            *RouterEndpoints(gateway, config).routes,
+            *RouterEndpoints(gateway, config, self.kv).routes,
+            *(self.kv.routes if self.kv is not None else ()),
         ], exception_handlers={HTTPException: _http_error})
         self._edge: EdgeServer | None = None
         self._generation = {"/v1/completions": "completions", "/v1/chat/completions": "chat",
@@ -185,6 +189,8 @@ class OpenAIServer:
     async def stop(self, timeout: float) -> None:
         if self._edge is not None:
             await self._edge.stop(timeout)
+        if self.kv is not None:
+            await self.kv.close()
 
     # -- endpoints -------------------------------------------------------------------------
     def _authorized(self, authorization: str | bytes | None) -> None:
@@ -355,6 +361,12 @@ class OpenAIServer:
                        self.config.tool_call_parser, self.gateway.engine.tokenizer,
                        self.config.reasoning_parser, self.config.sampling_defaults)
         adapter = self.models.adapter_of(body["model"])
+        if parsed.kv_transfer is not None:
+            if self.kv is None:
+                raise BadField("kv_transfer_params", "this engine takes no part in KV "
+                                                     "transfers (start it with "
+                                                     "--kv-transfer-config)")
+            self.kv.check(parsed.kv_transfer)
         prepared, context = [], self.gateway.engine.info.max_model_len
         for p in parsed.prompts:
             prompt, params = self._prompt(p, parsed.tools, parsed.chat), parsed.params
@@ -444,6 +456,10 @@ class OpenAIServer:
     async def _respond(self, send, prepared, parsed: Parsed, fmt: Formatter, arrival: float,
                        choices: list[Choice], asked: ra.Asked | None) -> None:
         gw = self.gateway
+        kv = parsed.kv_transfer
+        if kv is not None and kv.do_remote_prefill:  # the prompt's pages first, then run
+            for request in prepared:
+                await self.kv.pull(kv, request.prompt_ids, request.adapter)
         for request in prepared:
             params = request.params
             for i in range(parsed.best_of):

@@ -51,6 +51,10 @@ class LiveEngine(EngineLoop):
         self.tokenizer = engine.tokenizer
         cfg, alloc = engine.config, engine.allocator
         lora = cfg.lora if engine.adapters is not None else None
+        # Imported here, as ``estimated_predictor`` below: the engine package loads JAX, which
+        # a server on a fake engine never does (a live engine has long before).
+        from jserve.engine import kv_transfer
+        self._kv = kv_transfer
         self.info = EngineInfo(
             vocab_size=engine.model_config.vocab_size, max_model_len=engine.max_model_len,
             eos_token_ids=tuple(engine.eos_ids), has_tokenizer=engine.tokenizer is not None,
@@ -62,7 +66,9 @@ class LiveEngine(EngineLoop):
             num_labels=engine.model_config.num_labels,
             max_loras=lora.max_loras if lora else 0,
             max_lora_rank=lora.max_lora_rank if lora else 0,
-            runtime_lora_updating=bool(lora and lora.runtime_updating))
+            runtime_lora_updating=bool(lora and lora.runtime_updating),
+            kv_transfer=kv_transfer.unsupported(engine),
+            kv_bytes_per_token=kv_transfer.bytes_per_token(engine))
         self._isolated = isolated_prefill(engine.scheduler)
         self._table: PrefillTable | None = None
         self._predictor: RuntimePredictor | None = None  # with the table: the reports'
@@ -126,6 +132,17 @@ class LiveEngine(EngineLoop):
         waiting = {r.adapter for r in self.engine.scheduler.waiting if r.adapter is not None}
         return LoRAState(tuple(slots.running()), tuple(sorted(waiting)), slots.loads,
                          slots.evictions)
+
+    def _export_kv(self, token_ids: list[int], adapter: str | None) -> bytes:
+        if self.info.kv_transfer is not None:
+            return super()._export_kv(token_ids, adapter)
+        return self._kv.export_pages(self.engine, token_ids, adapter)
+
+    def _import_kv(self, token_ids: list[int], wire: bytes, adapter: str | None
+                   ) -> tuple[int, int]:
+        if self.info.kv_transfer is not None:
+            return super()._import_kv(token_ids, wire, adapter)
+        return self._kv.import_pages(self.engine, token_ids, wire, adapter)
 
     def _load(self, replica: str, now: float, healthy: bool) -> ReplicaLoad:
         if self._table is None:

@@ -38,10 +38,11 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from jserve.engine.config import EngineConfig
 from jserve.routing import ROUTERS, ReplicaLoad, ReplicaView, RouteRequest, choose
-from jserve.routing.load import FIFO, PrefillTable, QueuedPrefill, default_deadline
+from jserve.routing.load import FIFO, PrefillTable
 from jserve.routing.prefix_memory import PrefixMemory
+from jserve.routing.sent import SentLedger
 from jserve.serving.app import Server, ServerConfig
-from jserve.tokenizer import ByteTokenizer, chat_prompt_ids, load_tokenizer
+from jserve.serving.route_prompt import model_tokenizer, route_prompt
 
 log = logging.getLogger(__name__)
 REPLICA_HEADER = "x-jserve-replica"
@@ -64,9 +65,6 @@ def _unknown_load(name: str) -> ReplicaLoad:
     return ReplicaLoad(name, True, 0, 0, 0.0, FIFO, (), PrefillTable((0, 1), (0.0, 0.0)))
 
 
-INTAKE_S = 1.0  # seconds a sent request may take to show in its replica's report
-
-
 class JServeRouter(FIFOMixin, RequestRouter):
     """Ray Serve's request-router API over ``jserve.routing.choose``."""
 
@@ -76,34 +74,12 @@ class JServeRouter(FIFOMixin, RequestRouter):
         self.policy = policy
         self.memory = PrefixMemory(page_size)
         self._seq = itertools.count()
-        # Requests sent to each replica, newest last (wall time, prompt tokens, cached tokens,
-        # ttft_slo): those sent after a replica's last report are not in it yet.
-        self._sent: dict[str, collections.deque] = collections.defaultdict(
-            lambda: collections.deque(maxlen=1024))
-
-    def _with_unreported(self, load: ReplicaLoad, reported_at: float) -> ReplicaLoad:
-        """``load`` plus the requests this router sent the replica that its report may not
-        show yet: sent after it, or less than ``INTAKE_S`` before it (a request reaches
-        the engine's queue only after the replica has read, templated and tokenized it;
-        a report made meanwhile misses it, as a live test saw with a 4,000-token prompt).
-        Such a request may be counted twice for that long, which errs toward the other
-        replicas."""
-        sent = self._sent[load.replica]
-        while sent and sent[0][0] <= reported_at - INTAKE_S:
-            sent.popleft()
-        if not sent:
-            return load
-        now = time.time()
-        extra = tuple(QueuedPrefill(
-            (slo if slo is not None else default_deadline(load.table.remaining(n, 0)))
-            - (now - t), load.table.remaining(n, cached), n - cached)
-            for t, n, cached, slo in sent)
-        return dataclasses.replace(load, waiting=load.waiting + len(extra),
-                                   prefills=load.prefills + extra)
+        self._sent = SentLedger()  # what each replica's last report may not show yet
 
     def on_replica_actor_died(self, replica_id):
         super().on_replica_actor_died(replica_id)
         self.memory.forget(replica_id.unique_id)
+        self._sent.forget(replica_id.unique_id)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
@@ -118,15 +94,15 @@ class JServeRouter(FIFOMixin, RequestRouter):
         for r in candidate_replicas:
             stats, name = r.routing_stats, r.replica_id.unique_id
             load = (ReplicaLoad.from_dict(stats) if "table" in stats else _unknown_load(name))
-            load = self._with_unreported(dataclasses.replace(load, replica=name),
-                                         stats.get("reported_at", 0.0))
+            load = self._sent.with_unreported(dataclasses.replace(load, replica=name),
+                                              stats.get("reported_at", 0.0))
             views.append(ReplicaView(load, self.memory.cached_tokens(name, ids)))
         request = RouteRequest(len(ids), slo, next(self._seq))
         k = choose(self.policy, request, views)
         chosen = candidate_replicas[k]
         self.memory.record(chosen.replica_id.unique_id, ids)
-        self._sent[chosen.replica_id.unique_id].append(
-            (time.time(), request.prompt_tokens, views[k].cached_tokens, slo))
+        self._sent.record(chosen.replica_id.unique_id, request.prompt_tokens,
+                          views[k].cached_tokens, slo)
         # Ray may hold this class as a pickled copy with globals of its own: record into the
         # module the ingress reads.
         from jserve.serving import ray_app
@@ -225,24 +201,12 @@ class Ingress:
 
     def __init__(self, replica, model: str, retries: int = 2):
         self.handle = replica.options(stream=True)
-        self.tokenizer = _tokenizer(model)
+        self.tokenizer = model_tokenizer(model)
         self.retries = retries
 
     def _route(self, path: str, body: bytes) -> dict | None:
-        if path not in ("/v1/completions", "/v1/chat/completions"):
-            return None
-        try:
-            b = json.loads(body)
-            slo = b.get("ttft_slo")
-            if path.endswith("chat/completions"):
-                ids = chat_prompt_ids(self.tokenizer, b["messages"])
-            else:
-                p = b["prompt"]
-                p = p[0] if isinstance(p, list) and p and not isinstance(p[0], int) else p
-                ids = list(p) if isinstance(p, list) else self.tokenizer.encode(p)
-            return route_info(ids, float(slo) if isinstance(slo, (int, float)) else None)
-        except Exception:  # noqa: BLE001 - the replica answers a bad body with a 400
-            return None
+        prompt = route_prompt(self.tokenizer, path, body)
+        return None if prompt is None else route_info(*prompt)
 
     async def __call__(self, request: Request):
         """``GET /v1/route/decisions``: the router's recent decisions (what it saw of each
@@ -283,14 +247,6 @@ async def _body(stream) -> AsyncIterator[bytes]:
     except _RETRYABLE as e:  # mid-response: the client gets what came, then an error event
         yield ("data: " + json.dumps({"error": {"message": f"replica died: {e}",
                                                 "type": "unavailable"}}) + "\n\n").encode()
-
-
-def _tokenizer(model: str):
-    if model == "default":
-        return ByteTokenizer()
-    # Imported here: the model package loads JAX, which the ingress does not need.
-    from jserve.model.weights import resolve_model_dir
-    return load_tokenizer(resolve_model_dir(model)) or ByteTokenizer()
 
 
 def _object_arg(args: dict, key: str) -> dict:

@@ -171,8 +171,9 @@ def export_vllm_names(metrics: ServerMetrics, model_name: str) -> None:
 class RouterEndpoints:
     """The HTTP routes above, for the OpenAI server's app (``routes``)."""
 
-    def __init__(self, gateway: Gateway, config):
+    def __init__(self, gateway: Gateway, config, kv=None):
         self.gateway, self.config = gateway, config
+        self.kv = kv  # the engine's KV connector (``kv_connector``), if it has one
         self.routes = [
             Route("/get_load", self._get_load, methods=["GET"]),
             Route("/v1/loads", self._get_load, methods=["GET"]),
@@ -214,11 +215,17 @@ class RouterEndpoints:
         if (denied := self._denied(request)) is not None:
             return denied
         info = self.gateway.engine.info
+        # (read between steps, the KV pool checked whole: pages held, free, in all)
+        stats = await self.gateway.engine.stats()
+        kv = self.config.kv_transfer
         return JSONResponse({"model_path": self.config.model_name, "dp_size": 1,
                              "scheduler": info.scheduler, "page_size": info.page_size,
                              "max_model_len": info.max_model_len,
                              "max_num_seqs": info.max_num_seqs,
-                             "prefix_caching": info.prefix_caching})
+                             "prefix_caching": info.prefix_caching,
+                             "kv_role": kv.role if kv is not None else None,
+                             "kv_pages": {k: stats[k] for k in ("pages_used", "pages_free",
+                                                                "pages_total")}})
 
     async def _health_generate(self, request: Request) -> Response:
         gw = self.gateway
@@ -237,7 +244,10 @@ class RouterEndpoints:
             return denied
         gw = self.gateway
         load = await gw.engine.load_report(self.config.model_name, healthy=gw.healthy)
-        return JSONResponse(load.to_dict())
+        report = load.to_dict()
+        if self.kv is not None:  # what pricing a KV transfer to this engine needs
+            report["kv_transfer"] = self.kv.report()
+        return JSONResponse(report)
 
     async def _route_wait(self, request: Request) -> Response:
         if (denied := self._denied(request)) is not None:

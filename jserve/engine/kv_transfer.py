@@ -1,0 +1,168 @@
+"""A prompt's KV pages out of one engine and into another (prefill/decode disaggregation,
+docs/scale_out.md): what runs on each engine's thread, between steps, and the pages' wire
+format.
+
+The pages travel by the prefix cache's own identity: a page is named by its content key
+(``jserve.cache.prefix``: the digest of every token up to its end), so nothing else needs to
+agree between the engines.
+
+- **Export** (``export_pages``, on the prefill engine): the cached pages of a prompt's
+  leading full pages, read as stored (quantized pages with their scales,
+  ``page_io.read_pages``). The request that computed them has finished; its pages are idle
+  in the prefix cache until evicted. So a page evicted before the decode engine asks is not
+  sent, and the decode engine computes it.
+- **Import** (``import_pages``, on the decode engine): fresh pages are allocated, written and
+  registered under the same keys, then released. They sit idle in the prefix cache, and the
+  request that follows finds them by its own prompt's keys, as it would a prefix it computed
+  itself. Pages already cached are skipped. A pool with no room imports what fits, and the
+  rest is computed. Pages are conserved: every page ends free, idle cached, or held as
+  before.
+
+Wire format: a 4-byte big-endian header length, a JSON header (``version``, ``page_size``,
+``pages``, and each leaf's ``dtype`` and ``shape``, in ``jax.tree.leaves`` order of the
+KV cache), then each leaf's bytes, C order.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from typing import TYPE_CHECKING, Sequence
+
+import jax
+import numpy as np
+
+from jserve.cache.prefix import extend_page_keys
+from jserve.engine import page_io
+from sharding.mesh import MeshConfig
+
+if TYPE_CHECKING:
+    from jserve.engine.engine import LLMEngine
+
+VERSION = 1
+_LEN = struct.Struct(">I")
+
+
+class PageFormatError(ValueError):
+    """The pages sent are not this engine's pages: another page size, dtype or shape."""
+
+
+def unsupported(engine: LLMEngine) -> str | None:
+    """Why ``engine`` cannot export or import pages (None: it can). The same limits as the
+    host tier's: one process, no pipeline, no sliding window; and one KV group."""
+    alloc, spp = engine.allocator, MeshConfig.parse(engine.config.mesh).spp
+    return ("prefix caching is off" if not alloc.prefix_caching else
+            "not with a stream pipeline (spp > 1)" if spp > 1 else
+            "not with several processes" if engine.multi_process else
+            "not with a sliding window yet" if alloc.window is not None else
+            "not with KV-cache parallelism (kvp > 1) yet" if alloc.groups > 1 else None)
+
+
+def bytes_per_token(engine: LLMEngine) -> int:
+    """Bytes of one token's KV as the pages store and send it (every layer, K and V, values
+    and scales): each leaf is [layers, kv heads, pages, page size, ...]."""
+    return sum(x.dtype.itemsize * int(np.prod(x.shape)) // (x.shape[2] * x.shape[3])
+               for x in jax.tree.leaves(engine.runner.kv_cache))
+
+
+def page_keys(engine: LLMEngine, token_ids: Sequence[int], salt: str | None) -> list:
+    """The keys of the prompt's pages an admission would take from the cache: its full
+    pages, less the one holding its last token (always computed, for its logits)."""
+    size = engine.allocator.page_size
+    return extend_page_keys([], list(token_ids), size, (len(token_ids) - 1) // size, salt)
+
+
+def export_pages(engine: LLMEngine, token_ids: Sequence[int], salt: str | None = None
+                 ) -> bytes:
+    """The wire form of the cached leading pages of ``token_ids`` (LoRA adapter ``salt``):
+    as many leading pages as the prefix cache still holds, maybe none."""
+    alloc = engine.allocator
+    pages = alloc.lookup(page_keys(engine, token_ids, salt))
+    if not pages:
+        return encode(alloc.page_size, _empty(engine))
+    alloc.acquire(pages)  # held while read: nothing evicts them under the copy
+    try:
+        data = page_io.read_pages(engine.runner.kv_cache, pages, engine.runner.programs.movers)
+    finally:
+        alloc.free(pages)
+    return encode(alloc.page_size, data)
+
+
+def import_pages(engine: LLMEngine, token_ids: Sequence[int], wire: bytes,
+                 salt: str | None = None) -> tuple[int, int]:
+    """Writes the pages of ``wire`` (``export_pages`` of the same prompt) into this engine's
+    prefix cache, as idle cached pages under the prompt's keys; returns (pages new here,
+    leading pages sent that the cache now holds: fewer than sent when the pool had no room
+    for the rest). ``PageFormatError`` when they are not this engine's pages (nothing
+    changed)."""
+    alloc = engine.allocator
+    page_size, data = decode(wire, engine.runner.kv_cache)
+    if page_size != alloc.page_size:
+        raise PageFormatError(f"pages of {page_size} tokens sent to an engine with pages of "
+                              f"{alloc.page_size}")
+    sent = jax.tree.leaves(data)[0].shape[2]
+    keys = page_keys(engine, token_ids, salt)[:sent]
+    have, new = alloc.lookup(keys), []
+    alloc.acquire(have)  # so the allocation below evicts none of them
+    try:
+        room = alloc.num_free + alloc.num_idle
+        new = alloc.allocate(min(len(keys) - len(have), room)) if room else []
+        if new:
+            lo = len(have)
+            part = jax.tree.map(lambda x: x[:, :, lo:lo + len(new)], data)
+            runner = engine.runner
+            runner.kv_cache = page_io.write_pages(runner.kv_cache, new, part,
+                                                  runner.programs.movers)
+            for page, key in zip(new, keys[lo:]):
+                alloc.register(page, key)
+    finally:
+        alloc.free(have + new)
+    return len(new), len(have) + len(new)
+
+
+def _empty(engine: LLMEngine):
+    return jax.tree.map(lambda x: np.zeros(x.shape[:2] + (0,) + x.shape[3:], x.dtype),
+                        engine.runner.kv_cache)
+
+
+def encode(page_size: int, data) -> bytes:
+    """``data`` (``page_io.read_pages``'s host pages) in the wire format."""
+    leaves = [np.ascontiguousarray(x) for x in jax.tree.leaves(data)]
+    header = json.dumps({"version": VERSION, "page_size": page_size,
+                         "pages": leaves[0].shape[2] if leaves else 0,
+                         "leaves": [{"dtype": x.dtype.name, "shape": list(x.shape)}
+                                    for x in leaves]}).encode()
+    return b"".join([_LEN.pack(len(header)), header, *(x.tobytes() for x in leaves)])
+
+
+def decode(wire: bytes, like) -> tuple[int, object]:
+    """(page size, host pages in ``like``'s tree) of ``wire``; ``PageFormatError`` unless
+    every leaf matches ``like``'s (the KV cache) in dtype and in every axis but the pages'."""
+    try:
+        (n,) = _LEN.unpack_from(wire)
+        header = json.loads(wire[_LEN.size:_LEN.size + n])
+        offset = _LEN.size + n
+        if header["version"] != VERSION:
+            raise PageFormatError(f"page wire version {header['version']}, not {VERSION}")
+        mine, out = jax.tree.leaves(like), []
+        if len(header["leaves"]) != len(mine):
+            raise PageFormatError(f"{len(header['leaves'])} KV leaves sent, this engine has "
+                                  f"{len(mine)}")
+        for spec, x in zip(header["leaves"], mine):
+            shape, dtype = tuple(spec["shape"]), np.dtype(x.dtype)
+            if spec["dtype"] != dtype.name or len(shape) != x.ndim \
+                    or shape[:2] + shape[3:] != tuple(x.shape[:2] + x.shape[3:]):
+                raise PageFormatError(
+                    f"pages of {spec['dtype']}{list(shape)} sent to an engine storing "
+                    f"{dtype.name}{list(x.shape)} (the page axis third)")
+            size = int(np.prod(shape)) * dtype.itemsize
+            if offset + size > len(wire):
+                raise PageFormatError("the pages' bytes end early")
+            out.append(np.frombuffer(wire, dtype, int(np.prod(shape)), offset).reshape(shape))
+            offset += size
+        if offset != len(wire):
+            raise PageFormatError(f"{len(wire) - offset} bytes after the pages")
+        return int(header["page_size"]), jax.tree.unflatten(jax.tree.structure(like), out)
+    except (KeyError, TypeError, ValueError, struct.error) as e:
+        if isinstance(e, PageFormatError):
+            raise
+        raise PageFormatError(f"not KV pages: {e}") from None
