@@ -95,16 +95,13 @@ def import_pages(engine: LLMEngine, token_ids: Sequence[int], wire: bytes,
     for the rest). ``PageFormatError`` when they are not this engine's pages (nothing
     changed)."""
     alloc = engine.allocator
-    page_size, data = decode(wire, engine.runner.kv_cache)
-    if page_size != alloc.page_size:
-        raise PageFormatError(f"pages of {page_size} tokens sent to an engine with pages of "
-                              f"{alloc.page_size}")
+    data = decode(wire, engine.runner.kv_cache, alloc.page_size)
     sent = jax.tree.leaves(data)[0].shape[2]
     keys = page_keys(engine, token_ids, salt)[:sent]
     have, new = alloc.lookup(keys), []
     alloc.acquire(have)  # so the allocation below evicts none of them
     try:
-        room = alloc.num_free + alloc.num_idle
+        room = alloc.num_free  # free pages and idle cached ones (the LRU ones evicted)
         new = alloc.allocate(min(len(keys) - len(have), room)) if room else []
         if new:
             lo = len(have)
@@ -134,15 +131,19 @@ def encode(page_size: int, data) -> bytes:
     return b"".join([_LEN.pack(len(header)), header, *(x.tobytes() for x in leaves)])
 
 
-def decode(wire: bytes, like) -> tuple[int, object]:
-    """(page size, host pages in ``like``'s tree) of ``wire``; ``PageFormatError`` unless
-    every leaf matches ``like``'s (the KV cache) in dtype and in every axis but the pages'."""
+def decode(wire: bytes, like, page_size: int):
+    """The host pages of ``wire`` in ``like``'s tree (the KV cache); ``PageFormatError``
+    unless they are pages of ``page_size`` tokens and every leaf matches ``like``'s in
+    dtype and in every axis but the pages'."""
     try:
         (n,) = _LEN.unpack_from(wire)
         header = json.loads(wire[_LEN.size:_LEN.size + n])
         offset = _LEN.size + n
         if header["version"] != VERSION:
             raise PageFormatError(f"page wire version {header['version']}, not {VERSION}")
+        if header["page_size"] != page_size:
+            raise PageFormatError(f"pages of {header['page_size']} tokens sent to an engine "
+                                  f"with pages of {page_size}")
         mine, out = jax.tree.leaves(like), []
         if len(header["leaves"]) != len(mine):
             raise PageFormatError(f"{len(header['leaves'])} KV leaves sent, this engine has "
@@ -161,7 +162,7 @@ def decode(wire: bytes, like) -> tuple[int, object]:
             offset += size
         if offset != len(wire):
             raise PageFormatError(f"{len(wire) - offset} bytes after the pages")
-        return int(header["page_size"]), jax.tree.unflatten(jax.tree.structure(like), out)
+        return jax.tree.unflatten(jax.tree.structure(like), out)
     except (KeyError, TypeError, ValueError, struct.error) as e:
         if isinstance(e, PageFormatError):
             raise

@@ -370,8 +370,9 @@ def _returned_headers(r: httpx.Response, e: Engine) -> dict:
 
 def merge_metrics(scrapes: list[tuple[str, str]]) -> str:
     """The engines' Prometheus texts as one: every sample labelled ``engine``, and each
-    counter's and gauge's samples (histograms' buckets, counts and sums too) also summed
-    over the engines without the label."""
+    counter's samples (histograms' buckets, counts and sums too) also summed over the
+    engines without the label. Gauges are not summed (a fraction such as the KV usage has
+    no sum), nor the ``_created`` timestamps."""
     lines: list[str] = []
     sums: dict[str, dict[tuple, float]] = collections.defaultdict(dict)
     meta: dict[str, tuple[str, str]] = {}
@@ -382,7 +383,7 @@ def merge_metrics(scrapes: list[tuple[str, str]]) -> str:
             for s in fam.samples:
                 labels = dict(s.labels)
                 per[fam.name].append(_sample(s.name, dict(labels, engine=engine), s.value))
-                if fam.type in ("counter", "gauge", "histogram"):
+                if fam.type in ("counter", "histogram") and not s.name.endswith("_created"):
                     key = (s.name, tuple(sorted(labels.items())))
                     sums[fam.name][key] = sums[fam.name].get(key, 0.0) + s.value
     for name, (kind, doc) in meta.items():
