@@ -272,8 +272,9 @@ class Front:
                             headers=_returned_headers(r, e))
         req = self.client.build_request(method, e.url + path, headers=headers, content=body)
         r = await self.client.send(req, stream=True)
+        chunks = r.aiter_raw()  # one iterator: a response streams once
         try:
-            first = await r.aiter_raw().__anext__()
+            first = await chunks.__anext__()
         except StopAsyncIteration:
             first = b""
         except _GONE:
@@ -284,7 +285,7 @@ class Front:
             try:
                 if first:
                     yield first
-                async for chunk in r.aiter_raw():
+                async for chunk in chunks:
                     yield chunk
             except _GONE + (httpx.ReadTimeout,) as err:
                 self.failed.labels("engine_died").inc()

@@ -1,0 +1,253 @@
+"""``jserve serve --data-parallel-size 3 --prefill-engines 1 --disaggregation always`` on
+loopback ports (three engine processes behind the front end), and one engine started with
+``--kv-transfer-config`` in vLLM's shape, pulling from peers that fail.
+
+- Through the front end every prompt is prefilled on the prefill engine and decoded on a
+  decode engine from the pages it pulled: the greedy tokens are the ones the prefill engine
+  gives on its own, for completions (a prompt longer than a prefill chunk too) and for a
+  streamed chat. Every page ends free or idle cached on each engine.
+- With the prefill engine killed, the decode engines take every request colocated, with the
+  same tokens.
+- A pull that fails (the peer dies mid-body, answers 500, sends garbage, is too slow, or is
+  not there) is counted by reason and the prompt is computed where it is: the same tokens. A
+  ``remote_url`` that is not a peer is a 400 (the engine fetches only from its peers).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx2 as httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import Served
+from jserve.serving.front import merge_metrics
+
+pytestmark = pytest.mark.slow
+MODEL = "default"
+SHORT = "count the apples in the basket"
+LONG = "a long document about apples. " * 12  # 360 byte tokens: twelve prefill chunks
+FLAGS = ("--max-model-len", "512")
+
+
+def _counters(url: str, prefix: str) -> dict[tuple, float]:
+    out = {}
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for s in fam.samples:
+            if s.name.startswith(prefix) and s.name.endswith("_total"):
+                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def _complete(url: str, prompt: str, **extra) -> httpx.Response:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True, **extra}
+    return httpx.post(url + "/v1/completions", json=body, timeout=120)
+
+
+def _text(r: httpx.Response) -> str:
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def _chat(url: str, stream: bool) -> str:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": SHORT + " twice"}],
+            "max_tokens": 10, "temperature": 0, "ignore_eos": True, "stream": stream}
+    if not stream:
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["message"]["content"]
+    text = ""
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                d = json.loads(line[6:])
+                assert "error" not in d, d
+                text += d["choices"][0]["delta"].get("content") or ""
+    return text
+
+
+def _pages_used(url: str) -> int:
+    return httpx.get(url + "/server_info", timeout=10).json()["kv_pages"]["pages_used"]
+
+
+# -- the front end and its three engines ----------------------------------------------------
+@pytest.fixture(scope="module")
+def cluster():
+    s = Served("--data-parallel-size", "3", "--prefill-engines", "1",
+               "--disaggregation", "always", *FLAGS)
+    yield s
+    s.stop(60)
+
+
+def _engines(front: Served) -> list[dict]:
+    return httpx.get(front.url + "/v1/engines", timeout=10).json()
+
+
+def test_the_front_end_starts_one_prefill_and_two_decode_engines(cluster):
+    engines = _engines(cluster)
+    assert [(e["role"], e["state"]) for e in engines] == [
+        ("prefill", "ready"), ("decode", "ready"), ("decode", "ready")]
+    roles = [httpx.get(e["url"] + "/server_info", timeout=10).json()["kv_role"]
+             for e in engines]
+    assert roles == ["kv_producer", "kv_consumer", "kv_consumer"]
+
+
+def test_disaggregated_tokens_are_the_prefill_engines_own(cluster):
+    prefill = _engines(cluster)[0]["url"]
+    before = _counters(cluster.url, "jserve_kv_transfer_pages")
+    for prompt in (SHORT, LONG):
+        want = _text(_complete(prefill, prompt))  # computed and decoded on one engine
+        r = _complete(cluster.url, prompt)
+        assert r.headers["x-jserve-engine"] in ("engine1", "engine2")
+        assert _text(r) == want
+        last = httpx.get(cluster.url + "/v1/route/decisions", timeout=10).json()[-1]
+        assert last["prefill"] == 0 and last["decode"] in (1, 2)
+    after = _counters(cluster.url, "jserve_kv_transfer_pages")
+    imported = ("jserve_kv_transfer_pages_total", (("direction", "imported"),))
+    # SHORT: 29 tokens, one full page before its last token's; LONG: 359 // 16 = 22
+    assert after[imported] - before.get(imported, 0) == 1 + 22
+
+
+def test_a_streamed_chat_gives_the_tokens_of_a_whole_one(cluster):
+    whole = _chat(cluster.url, stream=False)
+    assert _chat(cluster.url, stream=True) == whole
+    assert whole == _chat(_engines(cluster)[0]["url"], stream=False)
+
+
+def test_every_page_ends_free_or_cached_on_every_engine(cluster):
+    time.sleep(0.5)  # the last request's pages go back when its step ends
+    assert [_pages_used(e["url"]) for e in _engines(cluster)] == [0, 0, 0]
+
+
+def test_metrics_of_the_front_end_label_each_engine(cluster):
+    c = _counters(cluster.url, "jserve_")
+    assert c[("jserve_front_placements_total", (("placement", "disaggregated"),))] >= 4
+    exported = [v for (n, labels), v in c.items() if n == "jserve_kv_transfer_pages_total"
+                and dict(labels).get("direction") == "exported"]
+    # engine0's and the sum's
+    assert len(exported) == 2 and exported[0] == exported[1] >= 23
+
+
+def test_with_the_prefill_engine_killed_the_decode_engines_serve_colocated(cluster):
+    prefill = _engines(cluster)[0]
+    want = _text(_complete(prefill["url"], SHORT + " and pears"))
+    os.kill(prefill["pid"], signal.SIGKILL)
+    end = time.monotonic() + 30
+    while _engines(cluster)[0]["state"] != "dead":
+        assert time.monotonic() < end, "the front end did not see the engine die"
+        time.sleep(0.1)
+    got = [_complete(cluster.url, SHORT + " and pears") for _ in range(2)]
+    assert [_text(r) for r in got] == [want, want]
+    decisions = httpx.get(cluster.url + "/v1/route/decisions", timeout=10).json()[-2:]
+    assert [d["prefill"] for d in decisions] == [None, None]
+
+
+# -- one engine pulling pages from peers that fail --------------------------------------------
+class _Peer(BaseHTTPRequestHandler):
+    """``/cut``: dies mid-body; ``/error``: 500; ``/garbage``: 200 with bytes that are not
+    pages; ``/slow``: answers after the puller's timeout."""
+
+    def do_POST(self):  # noqa: N802
+        self.rfile.read(int(self.headers["content-length"]))
+        kind = self.path.split("/")[1]
+        if kind == "slow":
+            time.sleep(3)
+        if kind == "error":
+            self.send_response(500)
+            self.send_header("content-length", "0")
+            self.end_headers()
+            return
+        body = b"\x00\x00\x00\x02{}" + b"x" * 64
+        try:
+            self.send_response(200)
+            self.send_header("content-type", "application/octet-stream")
+            self.send_header("content-length", str(len(body) * (4 if kind == "cut" else 1)))
+            self.end_headers()
+            self.wfile.write(body)
+            if kind == "cut":
+                self.wfile.flush()
+                self.connection.shutdown(socket.SHUT_RDWR)
+        except (BrokenPipeError, ConnectionResetError):  # /slow: the puller gave up
+            pass
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def peers():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Peer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def consumer(peers):
+    gone = f"http://127.0.0.1:{_closed_port()}"
+    urls = {k: f"{peers}/{k}" for k in ("cut", "error", "garbage", "slow")} | {"gone": gone}
+    config = {"kv_connector": "JServeConnector", "kv_role": "kv_consumer",
+              "kv_connector_extra_config": {"peers": list(urls.values()), "timeout_s": 1.5}}
+    s = Served("--kv-transfer-config", json.dumps(config), *FLAGS)
+    s.peers = urls
+    yield s
+    s.stop()
+
+
+def test_failed_pulls_are_counted_and_the_prompt_computed_here(consumer):
+    want = _text(_complete(consumer.url, LONG))
+    for kind, url in consumer.peers.items():
+        r = _complete(consumer.url, LONG + kind,
+                      kv_transfer_params={"do_remote_prefill": True, "remote_url": url})
+        assert _text(r) == _text(_complete(consumer.url, LONG + kind)), kind
+    assert _text(_complete(consumer.url, LONG)) == want
+    c = _counters(consumer.url, "jserve_kv_transfer_failures")
+    reasons = {dict(labels)["reason"]: v for (_, labels), v in c.items()}
+    assert reasons == {"unreachable": 2.0, "refused": 1.0, "format": 1.0, "timeout": 1.0}
+    assert _pages_used(consumer.url) == 0
+
+
+def test_pulls_only_from_peers(consumer):
+    r = _complete(consumer.url, SHORT, kv_transfer_params={
+        "do_remote_prefill": True, "remote_url": "http://169.254.169.254"})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "kv_transfer_params.remote_url"
+    r = _complete(consumer.url, SHORT, kv_transfer_params={"do_remote_prefill": True})
+    assert r.status_code == 400 and "remote_url" in r.json()["error"]["message"]
+    # a consumer exports nothing
+    r = httpx.post(consumer.url + "/v1/kv/export", json={"token_ids": [1, 2, 3]}, timeout=10)
+    assert r.status_code == 404
+
+
+def test_merge_metrics_labels_each_engine_and_sums_counters():
+    a = ("# TYPE x_total counter\nx_total{k=\"1\"} 2.0\nx_created{k=\"1\"} 100.0\n"
+         "# TYPE g gauge\ng 0.5\n")
+    b = ("# TYPE x_total counter\nx_total{k=\"1\"} 3.0\nx_created{k=\"1\"} 200.0\n"
+         "# TYPE g gauge\ng 0.25\n")
+    samples = {}
+    for fam in text_string_to_metric_families(merge_metrics([("e0", a), ("e1", b)])):
+        for s in fam.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    assert samples == {
+        ("x_total", (("engine", "e0"), ("k", "1"))): 2.0,
+        ("x_total", (("engine", "e1"), ("k", "1"))): 3.0,
+        ("x_total", (("k", "1"),)): 5.0,
+        ("x_created", (("engine", "e0"), ("k", "1"))): 100.0,
+        ("x_created", (("engine", "e1"), ("k", "1"))): 200.0,
+        ("g", (("engine", "e0"),)): 0.5,
+        ("g", (("engine", "e1"),)): 0.25,
+    }
