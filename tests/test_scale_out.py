@@ -7,7 +7,10 @@ loopback ports (three engine processes behind the front end), and one engine sta
   gives on its own, for completions (a prompt longer than a prefill chunk too) and for a
   streamed chat. Every page ends free or idle cached on each engine.
 - With the prefill engine killed, the decode engines take every request colocated, with the
-  same tokens.
+  same tokens; a decode engine killed mid-stream ends its stream with an error event and the
+  other takes the next request; with the last one drained the front end answers 503.
+- Two processes by vLLM's protocol (a proxy's prefill request to a producer, then the
+  request to a consumer pulling from it), int8 pages: the producer's tokens.
 - A pull that fails (the peer dies mid-body, answers 500, sends garbage, is too slow, or is
   not there) is counted by reason and the prompt is computed where it is: the same tokens. A
   ``remote_url`` that is not a peer is a 400 (the engine fetches only from its peers).
@@ -150,6 +153,40 @@ def test_with_the_prefill_engine_killed_the_decode_engines_serve_colocated(clust
     assert [d["prefill"] for d in decisions] == [None, None]
 
 
+def test_a_decode_engine_killed_mid_stream_ends_the_stream_with_an_error(cluster):
+    body = {"model": MODEL, "prompt": SHORT, "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    events = []
+    with httpx.stream("POST", cluster.url + "/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        name = r.headers["x-jserve-engine"]
+        victim = next(e for e in _engines(cluster) if e["name"] == name)
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if len(events) == 3:
+                    os.kill(victim["pid"], signal.SIGKILL)
+    assert events[-1] == "[DONE]"
+    assert "failed mid-response" in json.loads(events[-2])["error"]["message"]
+    end = time.monotonic() + 30
+    while next(e for e in _engines(cluster) if e["name"] == name)["state"] != "dead":
+        assert time.monotonic() < end
+        time.sleep(0.1)
+    r = _complete(cluster.url, SHORT)
+    assert r.status_code == 200 and r.headers["x-jserve-engine"] != name
+    c = _counters(cluster.url, "jserve_front_failed")
+    assert c[("jserve_front_failed_total", (("reason", "engine_died"),))] == 1
+
+
+def test_a_drained_engine_takes_no_more_requests(cluster):
+    last = next(e for e in _engines(cluster) if e["state"] == "ready")
+    r = httpx.post(cluster.url + f"/v1/engines/{last['index']}/drain", timeout=10)
+    assert r.status_code == 200 and r.json()["state"] == "draining"
+    r = _complete(cluster.url, SHORT)
+    assert r.status_code == 503 and "no engine takes requests" in r.json()["error"]["message"]
+    assert httpx.get(cluster.url + "/health", timeout=10).status_code == 503
+
+
 # -- one engine pulling pages from peers that fail --------------------------------------------
 class _Peer(BaseHTTPRequestHandler):
     """``/cut``: dies mid-body; ``/error``: 500; ``/garbage``: 200 with bytes that are not
@@ -196,16 +233,48 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
+def _kv_config(role: str, peers: list[str] = (), timeout_s: float = 30.0) -> str:
+    return json.dumps({"kv_connector": "JServeConnector", "kv_role": role,
+                       "kv_connector_extra_config": {"peers": list(peers),
+                                                     "timeout_s": timeout_s}})
+
+
 @pytest.fixture(scope="module")
-def consumer(peers):
+def producer():
+    s = Served("--kv-transfer-config", _kv_config("kv_producer"), "--kv-cache-dtype", "int8",
+               *FLAGS)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def consumer(peers, producer):
     gone = f"http://127.0.0.1:{_closed_port()}"
     urls = {k: f"{peers}/{k}" for k in ("cut", "error", "garbage", "slow")} | {"gone": gone}
-    config = {"kv_connector": "JServeConnector", "kv_role": "kv_consumer",
-              "kv_connector_extra_config": {"peers": list(urls.values()), "timeout_s": 1.5}}
-    s = Served("--kv-transfer-config", json.dumps(config), *FLAGS)
+    s = Served("--kv-transfer-config",
+               _kv_config("kv_consumer", [*urls.values(), producer.url], timeout_s=1.5),
+               "--kv-cache-dtype", "int8", *FLAGS)
     s.peers = urls
     yield s
     s.stop()
+
+
+def test_two_processes_by_vllms_protocol_give_the_producers_tokens(producer, consumer):
+    """A proxy's two requests, as vLLM's disaggregated serving examples send them: the
+    prompt to the producer (one token, ``do_remote_decode``), then the request to the
+    consumer (``do_remote_prefill`` from the producer); int8 pages as stored."""
+    prompt = LONG + " in pairs"
+    want = _text(_complete(producer.url, prompt + "!"))  # another prompt: decoded there
+    r = _complete(producer.url, prompt, max_tokens=1,
+                  kv_transfer_params={"do_remote_decode": True})
+    assert r.status_code == 200
+    got = _complete(consumer.url, prompt, kv_transfer_params={
+        "do_remote_prefill": True, "remote_url": producer.url})
+    c = _counters(consumer.url, "jserve_kv_transfer_pages")
+    assert c[("jserve_kv_transfer_pages_total", (("direction", "imported"),))] == 23
+    assert _text(got) == _text(_complete(producer.url, prompt))
+    assert _text(_complete(producer.url, prompt + "!")) == want
+    assert _pages_used(producer.url) == _pages_used(consumer.url) == 0
 
 
 def test_failed_pulls_are_counted_and_the_prompt_computed_here(consumer):
@@ -218,6 +287,9 @@ def test_failed_pulls_are_counted_and_the_prompt_computed_here(consumer):
     c = _counters(consumer.url, "jserve_kv_transfer_failures")
     reasons = {dict(labels)["reason"]: v for (_, labels), v in c.items()}
     assert reasons == {"unreachable": 2.0, "refused": 1.0, "format": 1.0, "timeout": 1.0}
+    c = _counters(consumer.url, "jserve_kv_transfer_pages")
+    assert c[("jserve_kv_transfer_pages_total", (("direction", "imported"),))] == 23  # only
+    # the producer's (the test above)
     assert _pages_used(consumer.url) == 0
 
 
