@@ -38,7 +38,7 @@ def add_scale_out_args(s: argparse.ArgumentParser) -> None:
                         "or never (every prompt prefilled on its decode engine)")
     g.add_argument("--front-router", choices=ROUTERS, default="deadline",
                    help="how the front end picks an engine (jserve.routing)")
-    g.add_argument("--devices-per-engine", type=int, default=None, metavar="K",
+    g.add_argument("--engine-devices", type=int, default=None, metavar="K",
                    help="engine i sees accelerators [i*K, (i+1)*K) (CUDA_VISIBLE_DEVICES, "
                         "TPU_VISIBLE_CHIPS); default: every engine sees all")
     g.add_argument("--kv-transfer-config", default=None, metavar="JSON",
@@ -87,7 +87,7 @@ def front_command(a: argparse.Namespace, server_config) -> int:
 
     engine_roles = eng.roles(a.data_parallel_size, a.prefill_engines)
     engines = eng.launch(serve_argv(), engine_roles, transfer_timeout_s=a.kv_transfer_timeout,
-                         devices_per_engine=a.devices_per_engine)
+                         devices_per_engine=a.engine_devices)
     try:
         eng.wait_ready(engines)
         tokenizer = model_tokenizer(a.tokenizer or a.model)
