@@ -30,6 +30,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import Served
+from jserve import SamplingParams
+from jserve.client import Client
 from jserve.serving.front import merge_metrics
 
 pytestmark = pytest.mark.slow
@@ -123,6 +125,16 @@ def test_a_streamed_chat_gives_the_tokens_of_a_whole_one(cluster):
     whole = _chat(cluster.url, stream=False)
     assert _chat(cluster.url, stream=True) == whole
     assert whole == _chat(_engines(cluster)[0]["url"], stream=False)
+
+
+def test_grpc_through_the_front_end_gives_the_http_tokens(cluster):
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    with Client(cluster.target) as c:
+        got = c.generate(LONG + " over gRPC", params)
+        assert c.model_info().max_model_len == 512
+    assert got.text == _text(_complete(cluster.url, LONG + " over gRPC"))
+    last = httpx.get(cluster.url + "/v1/route/decisions", timeout=10).json()[-2]
+    assert last["prefill"] is None  # gRPC is placed colocated
 
 
 def test_every_page_ends_free_or_cached_on_every_engine(cluster):
@@ -274,6 +286,12 @@ def test_two_processes_by_vllms_protocol_give_the_producers_tokens(producer, con
     assert c[("jserve_kv_transfer_pages_total", (("direction", "imported"),))] == 23
     assert _text(got) == _text(_complete(producer.url, prompt))
     assert _text(_complete(producer.url, prompt + "!")) == want
+    # a prompt the producer does not hold (never run there, or evicted): nothing comes, it
+    # is computed here, and the pull is counted as come short
+    unseen = SHORT + " never prefilled there"
+    got = _complete(consumer.url, unseen, kv_transfer_params={
+        "do_remote_prefill": True, "remote_url": producer.url})
+    assert _text(got) == _text(_complete(producer.url, unseen))
     assert _pages_used(producer.url) == _pages_used(consumer.url) == 0
 
 
@@ -286,7 +304,8 @@ def test_failed_pulls_are_counted_and_the_prompt_computed_here(consumer):
     assert _text(_complete(consumer.url, LONG)) == want
     c = _counters(consumer.url, "jserve_kv_transfer_failures")
     reasons = {dict(labels)["reason"]: v for (_, labels), v in c.items()}
-    assert reasons == {"unreachable": 2.0, "refused": 1.0, "format": 1.0, "timeout": 1.0}
+    assert reasons == {"unreachable": 2.0, "refused": 1.0, "format": 1.0, "timeout": 1.0,
+                       "evicted": 1.0}  # the test above's unseen prompt
     c = _counters(consumer.url, "jserve_kv_transfer_pages")
     assert c[("jserve_kv_transfer_pages_total", (("direction", "imported"),))] == 23  # only
     # the producer's (the test above)

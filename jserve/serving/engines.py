@@ -15,6 +15,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -46,6 +47,7 @@ class Engine:
     kv: dict | None = None        # its ``/v1/route/load`` kv_transfer report
     last_answer: float = dataclasses.field(default_factory=time.monotonic)
     why: str = ""                 # why it is out, once it is
+    grpc_target: str | None = None  # its gRPC address, once its serving line gave it
 
     @property
     def name(self) -> str:
@@ -131,6 +133,8 @@ def _relay(e: Engine) -> None:
     for line in e.proc.stdout:
         line = line.rstrip()
         if line.startswith("jserve: serving") and e.state == STARTING:
+            m = re.match(r"jserve: serving .* on ([\d.]+:\d+) ", line)
+            e.grpc_target = m.group(1) if m else None
             e.state = READY
             e.last_answer = time.monotonic()
         log.info("[%s] %s", e.name, line)

@@ -161,13 +161,13 @@ class Front:
             max((k["bytes_per_s"] for k in reports), default=0.0))
         return TransferCost(float(per_token), float(rate))
 
-    def placement(self, ids: list[int], slo: float | None, exclude: set[int] = frozenset()
-                  ) -> tuple[Engine, Engine | None, str]:
-        """(decode engine, prefill engine or None, why) for a prompt; LookupError when no
-        engine takes requests."""
+    def placement(self, ids: list[int], slo: float | None, exclude: set[int] = frozenset(),
+                  colocated: bool = False) -> tuple[Engine, Engine | None, str]:
+        """(decode engine, prefill engine or None, why) for a prompt (``colocated``: no
+        prefill engine); LookupError when no engine takes requests."""
         ready = [e for e in self.engines if e.takes_requests and e.index not in exclude]
         decode = [e for e in ready if not e.prefills_only]
-        prefill = [e for e in ready if e.prefills_only]
+        prefill = [e for e in ready if e.prefills_only and not colocated]
         if not decode:
             raise LookupError("no engine takes requests now")
         request = RouteRequest(len(ids), slo, next(self._seq))

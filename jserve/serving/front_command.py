@@ -83,6 +83,7 @@ def front_command(a: argparse.Namespace, server_config) -> int:
 
     from jserve.serving import engines as eng
     from jserve.serving.front import Front, FrontConfig
+    from jserve.serving.front_grpc import FrontGrpc
     from jserve.serving.route_prompt import model_tokenizer
 
     engine_roles = eng.roles(a.data_parallel_size, a.prefill_engines)
@@ -102,6 +103,8 @@ def front_command(a: argparse.Namespace, server_config) -> int:
 
         async def run() -> None:
             await front.start()
+            grpc_front = FrontGrpc(front)
+            grpc_port = await grpc_front.start(a.host, a.grpc_port)
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
@@ -111,12 +114,13 @@ def front_command(a: argparse.Namespace, server_config) -> int:
                     return await task
                 await asyncio.sleep(0.02)
             bound = server.servers[0].sockets[0].getsockname()[1]
-            print(f"jserve: serving {server_config.model_name} on {a.host}:{bound} with "
+            print(f"jserve: serving {server_config.model_name} on {a.host}:{grpc_port} with "
                   f"{len(engines)} engines ({', '.join(engine_roles)}; router "
                   f"{a.front_router}, disaggregation "
                   f"{a.disaggregation if a.prefill_engines else 'off'}); OpenAI API "
                   f"http://{a.host}:{bound}/v1", flush=True)
             await task
+            await grpc_front.stop()
             await front.close()
         asyncio.run(run())
     finally:

@@ -5,18 +5,21 @@ An engine started with ``--kv-transfer-config`` in vLLM's JSON shape,
 {"peers": [URL, ...], "timeout_s": S}}``, takes part in disaggregation:
 
 - a **producer** (``kv_producer`` or ``kv_both``) answers ``POST /v1/kv/export``
-  ``{"token_ids": [...], "model": NAME}`` with the KV pages its prefix cache holds of that
-  prompt, in ``jserve.engine.kv_transfer``'s wire format (``application/octet-stream``).
-  The prefill itself is an ordinary request (the router sends it with ``max_tokens: 1``),
+  ``{"token_ids": [...], "lora": ADAPTER or null}`` with the KV pages its prefix cache
+  holds of that prompt (its leading full pages, the last token's excluded), in
+  ``jserve.engine.kv_transfer``'s wire format (``application/octet-stream``). The prefill
+  itself is an ordinary request (the router sends it with ``max_tokens: 1``),
   whose pages stay cached when it finishes.
 - a **consumer** (``kv_consumer`` or ``kv_both``) takes vLLM's request field
   ``kv_transfer_params`` ``{"do_remote_prefill": true, "remote_url": URL}``. Before the
   request is queued, it pulls the prompt's pages from ``URL`` (one of its ``peers``: an
   engine never fetches from an address a client names) and writes them into its own prefix
   cache, so the request computes only what did not arrive. A pull that fails (the peer
-  died, timed out, has evicted the pages, sends pages of another format, or this pool has
-  no room) is counted by its reason and the request is computed here in full. Nothing is
-  left half done: the pages either land in the cache whole or not at all.
+  died, timed out, answered an error or sent pages of another format) is counted by its
+  reason and the request is computed here in full; one that brings fewer pages than the
+  prompt has (the peer had evicted the rest: ``evicted``; this pool had no room for them:
+  ``no_room``) keeps the leading pages that came and computes the rest. A page is written
+  whole and registered, or not at all.
 
 The pulls teach a ``CopyRate`` the link's bandwidth, reported with the routing load so
 the router prices a transfer (``/v1/route/load``'s ``kv_transfer``).
@@ -72,7 +75,7 @@ class KVConnector:
         self.token = server_config.auth_token  # the peers share the API key
         info = gateway.engine.info
         self.why_not = info.kv_transfer
-        self.bytes_per_token = info.kv_bytes_per_token
+        self.bytes_per_token, self.page_size = info.kv_bytes_per_token, info.page_size
         self.rate = CopyRate(DEFAULT_BYTES_PER_S)
         r = gateway.metrics.registry
         self.pages = Counter("jserve_kv_transfer_pages", "KV pages moved between engines",
@@ -81,9 +84,9 @@ class KVConnector:
                              "(the wire form)", ["direction"], registry=r)
         self.seconds = Counter("jserve_kv_transfer_seconds", "Seconds of KV pulls (request "
                                "sent to pages in this engine's cache)", registry=r)
-        self.failures = Counter("jserve_kv_transfer_failures", "KV pulls that failed, by why "
-                                "(the request was then computed in full here)", ["reason"],
-                                registry=r)
+        self.failures = Counter("jserve_kv_transfer_failures", "KV pulls that failed or "
+                                "came short, by why (what did not come is computed here)",
+                                ["reason"], registry=r)
         self.routes = ([Route("/v1/kv/export", self._export, methods=["POST"])]
                        if config.exports else [])
         self._client: httpx.AsyncClient | None = None
@@ -129,11 +132,19 @@ class KVConnector:
             return self._failed("format", params.remote_url, e)
         self.rate.observe(len(wire), seconds)
         self.pages.labels("imported").inc(new)
-        if held < pages_in(wire):  # the rest is computed here
-            self._failed("no_room", params.remote_url, f"{held} of {pages_in(wire)} pages kept")
+        sent, whole = pages_in(wire), (len(token_ids) - 1) // self.page_size
+        if held < sent:
+            self._short("no_room", params.remote_url, f"{held} of {sent} pages sent kept")
+        elif sent < whole:
+            self._short("evicted", params.remote_url, f"{sent} of {whole} pages sent")
         self.bytes.labels("imported").inc(len(wire))
         self.seconds.inc(time.perf_counter() - t0)
         return new
+
+    def _short(self, reason: str, url: str, detail: str) -> None:
+        log.info("KV pull from %s came short (%s: %s); computing the rest here", url, reason,
+                 detail)
+        self.failures.labels(reason).inc()
 
     def _failed(self, reason: str, url: str, detail: object = "") -> int:
         log.warning("KV pull from %s failed (%s%s); computing the prompt here", url, reason,
