@@ -32,7 +32,7 @@ import logging
 import struct
 import time
 
-import httpx2 as httpx
+import aiohttp
 from prometheus_client import Counter
 from starlette.requests import Request
 from starlette.responses import Response
@@ -89,7 +89,7 @@ class KVConnector:
                                 ["reason"], registry=r)
         self.routes = ([Route("/v1/kv/export", self._export, methods=["POST"])]
                        if config.exports else [])
-        self._client: httpx.AsyncClient | None = None
+        self._client: aiohttp.ClientSession | None = None
 
     def check(self, params: TransferParams) -> None:
         """``BadField`` for params this engine cannot honour (before anything is queued)."""
@@ -124,9 +124,9 @@ class KVConnector:
                 self.gateway.engine.import_kv(token_ids, wire, adapter), self.config.timeout_s)
         except asyncio.TimeoutError:
             return self._failed("timeout", params.remote_url)
-        except httpx.HTTPStatusError as e:
-            return self._failed("refused", params.remote_url, e.response.status_code)
-        except httpx.HTTPError as e:
+        except aiohttp.ClientResponseError as e:
+            return self._failed("refused", params.remote_url, e.status)
+        except aiohttp.ClientError as e:  # refused connection, a body cut short
             return self._failed("unreachable", params.remote_url, e)
         except ValueError as e:  # not this engine's pages (PageFormatError), or no room
             return self._failed("format", params.remote_url, e)
@@ -153,17 +153,18 @@ class KVConnector:
         return 0
 
     async def _fetch(self, url: str, token_ids: list[int], adapter: str | None) -> bytes:
+        # aiohttp, not httpx: it reads a 17 MB body 4x as fast here (docs/scale_out.md)
         if self._client is None:
-            self._client = httpx.AsyncClient(timeout=self.config.timeout_s)
+            self._client = aiohttp.ClientSession()
         headers = {"authorization": f"Bearer {self.token}"} if self.token else {}
-        r = await self._client.post(url.rstrip("/") + "/v1/kv/export", headers=headers,
-                                    json={"token_ids": token_ids, "lora": adapter})
-        r.raise_for_status()
-        return r.content
+        async with self._client.post(url.rstrip("/") + "/v1/kv/export", headers=headers,
+                                     json={"token_ids": token_ids, "lora": adapter},
+                                     raise_for_status=True) as r:
+            return await r.read()
 
     async def close(self) -> None:
         if self._client is not None:
-            await self._client.aclose()
+            await self._client.close()
 
     async def _export(self, request: Request) -> Response:
         denied = self._denied(request)
