@@ -8,7 +8,8 @@ processes on one host can move the bytes, in one run:
 1. ``http``: jserve's own path. A ``jserve serve`` producer (``kv_producer``, built-in
    ``default`` model) computes the prompt (a completion with ``max_tokens: 1``), then
    ``POST /v1/kv/export`` is timed end to end from the client, as the decode engine's
-   connector sends it. Its parts, in this process: ``export_pages`` (an engine like the
+   connector sends it (with its client, aiohttp; ``http_httpx2``: the same request read by
+   httpx2, which the connector used first). Its parts, in this process: ``export_pages`` (an engine like the
    server's: the pages read out of the KV cache and encoded), and ``encode``/``decode``
    (the wire format alone, on the same bytes). Once with the pages as float32 (``auto``)
    and once as ``int8``.
@@ -26,6 +27,7 @@ Each row is the median (and minimum) of ``--reps`` timed repetitions after one u
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime
 import json
 import multiprocessing as mp
@@ -99,22 +101,40 @@ def producer(dtype: str, sizes: list[int]) -> Served:
 
 
 def http_case(client, url: str, dtype: str, tokens: int, reps: int):
-    """The export of one computed prompt, timed; (row, the wire bytes)."""
+    """The export of one computed prompt, timed with the connector's client (aiohttp) and
+    with httpx2; (rows, the wire bytes)."""
+    import aiohttp
     ids = prompt(tokens, tokens)
     r = client.post(url + "/v1/completions", json={"model": "default", "prompt": ids,
                                                    "max_tokens": 1, "temperature": 0})
     r.raise_for_status()
-    got = {}
+    body, got = {"token_ids": ids, "lora": None}, {}
+    loop = asyncio.new_event_loop()
+    session = loop.run_until_complete(_session(aiohttp))
 
-    def export():
-        r = client.post(url + "/v1/kv/export", json={"token_ids": ids, "lora": None})
+    async def pull():
+        async with session.post(url + "/v1/kv/export", json=body, raise_for_status=True) as r:
+            got["wire"] = await r.read()
+
+    def export_httpx():
+        r = client.post(url + "/v1/kv/export", json=body)
         r.raise_for_status()
         got["wire"] = r.content
 
-    times = timed(export, reps)
+    try:
+        times = timed(lambda: loop.run_until_complete(pull()), reps)
+    finally:
+        loop.run_until_complete(session.close())
+        loop.close()
     wire = got["wire"]
     case = {"dtype": dtype, "tokens": tokens, "pages": header(wire)["pages"]}
-    return row("http", case, len(wire), times, expected_pages=(tokens - 1) // PAGE), wire
+    rows = [row("http", case, len(wire), times, expected_pages=(tokens - 1) // PAGE),
+            row("http_httpx2", case, len(wire), timed(export_httpx, reps))]
+    return rows, wire
+
+
+async def _session(aiohttp):
+    return aiohttp.ClientSession()
 
 
 def header(wire: bytes) -> dict:
@@ -340,8 +360,8 @@ def parse(argv=None) -> argparse.Namespace:
 def run(a) -> dict:
     rows, cases, wires = [], [], []
     for dtype in a.dtypes:
-        for r, wire in http_cases(dtype, a.sizes, a.reps):
-            rows.append(r)
+        for (r, *others), wire in http_cases(dtype, a.sizes, a.reps):
+            rows += [r, *others]
             cases.append({k: r[k] for k in ("tokens", "pages")} | {"dtype": r["kv_cache_dtype"]})
             wires.append(wire)
     for dtype in a.dtypes:
