@@ -8,9 +8,10 @@ processes on one host can move the bytes, in one run:
 1. ``http``: jserve's own path. A ``jserve serve`` producer (``kv_producer``, built-in
    ``default`` model) computes the prompt (a completion with ``max_tokens: 1``), then
    ``POST /v1/kv/export`` is timed end to end from the client, as the decode engine's
-   connector sends it (with its client, aiohttp; ``http_httpx2``: the same request read by
-   httpx2, which the connector used first). Its parts, in this process: ``export_pages`` (an engine like the
-   server's: the pages read out of the KV cache and encoded), and ``encode``/``decode``
+   connector sends it (with its client, aiohttp; ``http_httpx2``: the same request by
+   httpx2's async client, which the connector used first). Its parts, in this process:
+   ``export_pages`` (an engine like the server's: the pages read out of the KV cache and
+   encoded), and ``encode``/``decode``
    (the wire format alone, on the same bytes). Once with the pages as float32 (``auto``)
    and once as ``int8``.
 2. ``jax_transfer``: ``jax.experimental.transfer`` between two JAX processes on the CPU
@@ -116,20 +117,24 @@ def http_case(client, url: str, dtype: str, tokens: int, reps: int):
         async with session.post(url + "/v1/kv/export", json=body, raise_for_status=True) as r:
             got["wire"] = await r.read()
 
-    def export_httpx():
-        r = client.post(url + "/v1/kv/export", json=body)
+    import httpx2 as httpx
+    async_client = httpx.AsyncClient(timeout=600)
+
+    async def pull_httpx():
+        r = await async_client.post(url + "/v1/kv/export", json=body)
         r.raise_for_status()
-        got["wire"] = r.content
 
     try:
         times = timed(lambda: loop.run_until_complete(pull()), reps)
+        times_httpx = timed(lambda: loop.run_until_complete(pull_httpx()), reps)
     finally:
         loop.run_until_complete(session.close())
+        loop.run_until_complete(async_client.aclose())
         loop.close()
     wire = got["wire"]
     case = {"dtype": dtype, "tokens": tokens, "pages": header(wire)["pages"]}
     rows = [row("http", case, len(wire), times, expected_pages=(tokens - 1) // PAGE),
-            row("http_httpx2", case, len(wire), timed(export_httpx, reps))]
+            row("http_httpx2", case, len(wire), times_httpx)]
     return rows, wire
 
 
