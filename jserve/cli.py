@@ -14,6 +14,7 @@ from jserve.config import KV_CACHE_DTYPES, QUANTIZATIONS
 from jserve.engine.args import add_engine_args, engine_kwargs, kv_cache_dtype, llm_from_args
 from jserve.engine.config import EngineConfig
 from jserve.log_setup import configure_logging
+from jserve.routing import MODES
 
 
 class _Parser(argparse.ArgumentParser):
@@ -224,7 +225,7 @@ def _add_simulate_parser(sub) -> None:
                    "jserve.routing.disagg.place (the deadline router among the decode replicas "
                    "when colocated), and the decode replicas' prefix cache is on (the KV import "
                    "is found by it)")
-    s.add_argument("--disaggregation", default="auto", choices=("auto", "always", "never"),
+    s.add_argument("--disaggregation", default="auto", choices=MODES,
                    help="with --prefill-replicas: per request by deadline, every request, or "
                    "none")
     s.add_argument("--transfer-gb-per-s", type=float, default=25.0,

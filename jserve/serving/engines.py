@@ -28,7 +28,7 @@ from jserve.serving.kv_params import CONNECTOR
 
 log = logging.getLogger(__name__)
 
-ROLES = ("both", "prefill", "decode")
+ENGINE_ROLES = ("both", "prefill", "decode")  # KV_ROLE: their kv_role
 KV_ROLE = {"both": "kv_both", "prefill": "kv_producer", "decode": "kv_consumer"}
 POLL_S = 0.1
 DEAD_AFTER_S = 5.0

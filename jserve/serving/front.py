@@ -1,6 +1,7 @@
 """The front end of ``jserve serve --data-parallel-size N``: one OpenAI-compatible HTTP port
 in front of N engine processes (``jserve.serving.engines``), each request placed on an engine
-by the deadline-aware router. No JAX here: the front end only reads prompts and reports.
+by the deadline-aware router (gRPC: ``front_grpc``, on the same placement). No JAX here: the
+front end only reads prompts and reports.
 
 **Placement.** Each completions or chat request's prompt is read (the model's tokenizer;
 ``route_prompt``) and placed from the engines' ``/v1/route/load`` reports, polled every
@@ -10,7 +11,7 @@ guessed from where earlier prompts went (``PrefixMemory``). With prefill engines
 whether the prompt is prefilled colocated (chunked, on the decode engine) or on a prefill
 engine whose pages then go to the decode engine (``--disaggregation auto``; ``always`` or
 ``never`` force it). Without them, ``jserve.routing.choose`` picks the engine
-(``--router``).
+(``--front-router``).
 
 **Disaggregated requests** go to the prefill engine first as the same body with
 ``max_tokens: 1`` (not streamed), then to the decode engine with ``kv_transfer_params``
@@ -25,8 +26,8 @@ every accepted request ends with its result or an explicit status. The engine is
 once its process ends or it misses polls for ``engines.DEAD_AFTER_S``.
 
 **Endpoints of its own.** ``GET /health`` (200 while an engine takes requests),
-``GET /metrics`` (every engine's series labelled ``engine``, the counters and gauges also
-summed without the label, and the front end's own), ``GET /v1/engines`` (each engine's role,
+``GET /metrics`` (every engine's series labelled ``engine``, the counters also summed
+without the label, and the front end's own), ``GET /v1/engines`` (each engine's role,
 state and load), ``POST /v1/engines/{index}/drain`` (no new requests there; the engine
 finishes what it has and exits) and ``GET /v1/route/decisions`` (the last placements and
 what they saw). Everything else goes to a ready engine unchanged.
@@ -51,7 +52,7 @@ from starlette.routing import Route
 
 from jserve.routing import ReplicaView, RouteRequest, choose
 from jserve.routing.disagg import Placement, TransferCost, place
-from jserve.routing.load import ReplicaLoad
+from jserve.routing.load import FIFO, PrefillTable, ReplicaLoad
 from jserve.routing.prefix_memory import PrefixMemory
 from jserve.routing.sent import SentLedger
 from jserve.serving.auth import bearer_matches
@@ -347,7 +348,6 @@ class Front:
 
 
 def _idle(name: str) -> ReplicaLoad:
-    from jserve.routing.load import FIFO, PrefillTable
     return ReplicaLoad(name, True, 0, 0, 0.0, FIFO, (), PrefillTable((0, 1), (0.0, 0.0)))
 
 

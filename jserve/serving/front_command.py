@@ -18,9 +18,8 @@ import os
 import signal
 import sys
 
-from jserve.routing import ROUTERS
+from jserve.routing import MODES, ROUTERS
 
-MODES = ("auto", "always", "never")
 log = logging.getLogger(__name__)
 
 
@@ -91,11 +90,13 @@ def front_command(a: argparse.Namespace, server_config) -> int:
                          devices_per_engine=a.engine_devices)
     try:
         eng.wait_ready(engines)
+        info = eng.server_info(engines[0], server_config.auth_token)
+        if a.prefill_engines and info["kv_transfer_unsupported"]:
+            raise ValueError(f"--prefill-engines: these engines move no KV pages: "
+                             f"{info['kv_transfer_unsupported']}")
         tokenizer = model_tokenizer(a.tokenizer or a.model)
         config = FrontConfig(router=a.front_router, disaggregation=a.disaggregation,
-                             auth_token=server_config.auth_token,
-                             page_size=eng.server_info(engines[0], server_config.auth_token)[
-                                 "page_size"])
+                             auth_token=server_config.auth_token, page_size=info["page_size"])
         front = Front(engines, tokenizer, config)
         port = 8000 if a.http_port < 0 else a.http_port
         server = uvicorn.Server(uvicorn.Config(front.app, host=a.host, port=port,

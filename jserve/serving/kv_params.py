@@ -11,7 +11,7 @@ from jserve import fields
 from jserve.fields import FieldError
 
 CONNECTOR = "JServeConnector"
-ROLES = ("kv_producer", "kv_consumer", "kv_both")
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 TRANSFER_FIELDS = {"do_remote_decode", "do_remote_prefill", "remote_url"}
 
 
@@ -47,8 +47,8 @@ def parse_kv_transfer_config(text: str) -> KVTransferConfig:
     if d.get("kv_connector") != CONNECTOR:
         raise ValueError(f"--kv-transfer-config: kv_connector {d.get('kv_connector')!r} is "
                          f"not supported by jserve; it moves KV pages with {CONNECTOR!r} only")
-    if d.get("kv_role") not in ROLES:
-        raise ValueError(f"--kv-transfer-config: kv_role must be one of {ROLES}, got "
+    if d.get("kv_role") not in KV_ROLES:
+        raise ValueError(f"--kv-transfer-config: kv_role must be one of {KV_ROLES}, got "
                          f"{d.get('kv_role')!r}")
     x = d.get("kv_connector_extra_config") or {}
     if not isinstance(x, dict) or set(x) - {"peers", "timeout_s"}:

@@ -224,6 +224,7 @@ class RouterEndpoints:
                              "max_num_seqs": info.max_num_seqs,
                              "prefix_caching": info.prefix_caching,
                              "kv_role": kv.role if kv is not None else None,
+                             "kv_transfer_unsupported": info.kv_transfer,
                              "kv_pages": {k: stats[k] for k in ("pages_used", "pages_free",
                                                                 "pages_total")}})
 
