@@ -272,16 +272,19 @@ def consumer(peers, producer):
 
 
 def test_two_processes_by_vllms_protocol_give_the_producers_tokens(producer, consumer):
-    """A proxy's two requests, as vLLM's disaggregated serving examples send them: the
-    prompt to the producer (one token, ``do_remote_decode``), then the request to the
-    consumer (``do_remote_prefill`` from the producer); int8 pages as stored."""
+    """A proxy's two requests as vLLM's disaggregation proxy sends them (its NIXL test
+    proxy): the prompt to the producer with its ``kv_transfer_params`` (one token, not
+    streamed), then the request to the consumer with the ``kv_transfer_params`` of the
+    producer's response, copied as they came; int8 pages as stored."""
     prompt = LONG + " in pairs"
     want = _text(_complete(producer.url, prompt + "!"))  # another prompt: decoded there
-    r = _complete(producer.url, prompt, max_tokens=1,
-                  kv_transfer_params={"do_remote_decode": True})
-    assert r.status_code == 200
-    got = _complete(consumer.url, prompt, kv_transfer_params={
-        "do_remote_prefill": True, "remote_url": producer.url})
+    r = _complete(producer.url, prompt, max_tokens=1, stream=False, kv_transfer_params={
+        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+        "remote_block_ids": None, "remote_host": None, "remote_port": None})
+    assert r.status_code == 200, r.text
+    handoff = r.json()["kv_transfer_params"]
+    assert handoff["remote_url"] == producer.url and handoff["do_remote_prefill"] is True
+    got = _complete(consumer.url, prompt, kv_transfer_params=handoff)
     c = _counters(consumer.url, "jserve_kv_transfer_pages")
     assert c[("jserve_kv_transfer_pages_total", (("direction", "imported"),))] == 23
     assert _text(got) == _text(_complete(producer.url, prompt))
@@ -322,6 +325,13 @@ def test_pulls_only_from_peers(consumer):
     # a consumer exports nothing
     r = httpx.post(consumer.url + "/v1/kv/export", json={"token_ids": [1, 2, 3]}, timeout=10)
     assert r.status_code == 404
+    r = _complete(consumer.url, SHORT, kv_transfer_params={"do_remote_decode": True})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "kv_transfer_params.do_remote_decode"
+    r = _complete(consumer.url, SHORT, kv_transfer_params={"do_remote_decode": 1})
+    assert r.status_code == 400 and "must be a bool" in r.json()["error"]["message"]
+    r = _complete(consumer.url, SHORT, kv_transfer_params={"remote_blocks": [1]})
+    assert r.status_code == 400 and "not supported" in r.json()["error"]["message"]
 
 
 def test_merge_metrics_labels_each_engine_and_sums_counters():

@@ -76,6 +76,7 @@ from jserve.serving.http_responses import (
     sse,
 )
 from jserve.serving.kv_connector import KVConnector
+from jserve.serving.kv_params import handoff
 from jserve.serving.reasoning import FORMATS as REASONING, opens_thinking, thinking_first
 from jserve.serving.router_endpoints import RouterEndpoints
 from jserve.tokenizer import chat_prompt_ids
@@ -306,6 +307,9 @@ class OpenAIServer:
         if not isinstance(admitted, tuple):  # refused, or the client left (None)
             return admitted
         parsed, prepared, asked = admitted
+        if parsed.kv_transfer is not None and parsed.kv_transfer.do_remote_decode:
+            parsed = dataclasses.replace(parsed, kv_transfer=dataclasses.replace(
+                parsed.kv_transfer, remote_url=_reached_at(scope)))
         rid = ra.new_id("resp") if asked else gw.new_id(
             "chatcmpl" if endpoint == "chat" else "cmpl")
         # (vLLM's: a response names the adapter it ran with, else the base model)
@@ -493,7 +497,10 @@ class OpenAIServer:
             except Rejected as e:
                 status, body = error_body(e.kind, e.message)
                 return await send_json(send, status, body)
-            await send_json(send, 200, fmt.full(best_choices(choices, parsed), choices))
+            body = fmt.full(best_choices(choices, parsed), choices)
+            if kv is not None and kv.do_remote_decode:  # where the decode engine pulls from
+                body["kv_transfer_params"] = handoff(kv.remote_url)
+            await send_json(send, 200, body)
 
     async def _stream(self, send, choices: list[Choice], firsts, fmt: Formatter) -> None:
         await send(_EVENTS_START)
@@ -579,3 +586,12 @@ class OpenAIServer:
         asked, prepared = admitted
         return _Work(lambda send: self.pooling.run(send, asked, prepared, arrival, respond))
 
+
+def _reached_at(scope) -> str:
+    """This server's base URL as the client reached it (its Host header; else the socket's
+    address)."""
+    host = dict(scope["headers"]).get(b"host")
+    if host:
+        return f"{scope.get('scheme', 'http')}://{host.decode('latin-1')}"
+    addr, port = scope.get("server") or ("127.0.0.1", 0)
+    return f"{scope.get('scheme', 'http')}://{addr}:{port}"

@@ -96,6 +96,9 @@ class KVConnector:
         if self.why_not is not None:
             raise BadField("kv_transfer_params", f"this engine moves no KV pages: "
                                                  f"{self.why_not}")
+        if params.do_remote_decode and not self.config.exports:
+            raise BadField("kv_transfer_params.do_remote_decode",
+                           f"this engine's kv_role is {self.config.role}: it exports no pages")
         if params.do_remote_prefill:
             if not self.config.imports:
                 raise BadField("kv_transfer_params.do_remote_prefill",

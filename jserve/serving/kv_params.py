@@ -13,6 +13,12 @@ from jserve.fields import FieldError
 CONNECTOR = "JServeConnector"
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 TRANSFER_FIELDS = {"do_remote_decode", "do_remote_prefill", "remote_url"}
+# What vLLM's proxies send and pass on for its own connectors (NIXL's, whose prefill
+# response names the blocks, engine and side channel): accepted so that a proxy written for
+# vLLM drives jserve's engines unchanged; only remote_host and remote_port are read (the
+# producer's address when remote_url is not given).
+VLLM_TRANSFER_FIELDS = {"remote_engine_id", "remote_block_ids", "remote_host", "remote_port",
+                        "remote_request_id", "tp_size"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,15 +85,28 @@ def parse_transfer_params(value: Any) -> TransferParams:
     name = "kv_transfer_params"
     if not isinstance(value, dict):
         raise FieldError(name, f"{name} must be an object, got {fields.shown(value)}")
-    extra = sorted(set(value) - TRANSFER_FIELDS)
+    extra = sorted(set(value) - TRANSFER_FIELDS - VLLM_TRANSFER_FIELDS)
     if extra:
         raise FieldError(f"{name}.{extra[0]}", f"{name}.{extra[0]} is not supported by jserve")
     for f in ("do_remote_decode", "do_remote_prefill"):
-        if not isinstance(value.get(f, False), bool):
+        if value.get(f) is not None and not isinstance(value[f], bool):
             raise FieldError(f"{name}.{f}", f"{name}.{f} must be a bool")
     url = value.get("remote_url")
+    host, port = value.get("remote_host"), value.get("remote_port")
+    if url is None and isinstance(host, str) and isinstance(port, int):
+        url = f"http://{host}:{port}"
     if value.get("do_remote_prefill") and not isinstance(url, str):
-        raise FieldError(f"{name}.remote_url", f"{name}.do_remote_prefill needs remote_url, "
-                                             "the prefill engine's base URL")
-    return TransferParams(value.get("do_remote_decode", False),
-                          value.get("do_remote_prefill", False), url)
+        raise FieldError(f"{name}.remote_url", f"{name}.do_remote_prefill needs remote_url "
+                                             "(or remote_host and remote_port), the prefill "
+                                             "engine's address")
+    return TransferParams(value.get("do_remote_decode") or False,
+                          value.get("do_remote_prefill") or False, url)
+
+
+def handoff(url: str) -> dict:
+    """A prefill response's ``kv_transfer_params``: what the decode request sends (a vLLM
+    proxy copies it there as is) to pull the pages from ``url``, this engine as the client
+    reached it."""
+    host, _, port = url.removeprefix("http://").removeprefix("https://").rpartition(":")
+    return {"do_remote_prefill": True, "do_remote_decode": False, "remote_url": url,
+            "remote_host": host, "remote_port": int(port) if port.isdigit() else None}
