@@ -17,6 +17,7 @@ loopback ports (three engine processes behind the front end), and one engine sta
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -135,6 +136,33 @@ def test_grpc_through_the_front_end_gives_the_http_tokens(cluster):
     assert got.text == _text(_complete(cluster.url, LONG + " over gRPC"))
     last = httpx.get(cluster.url + "/v1/route/decisions", timeout=10).json()[-2]
     assert last["prefill"] is None  # gRPC is placed colocated
+
+
+def test_responses_follow_their_previous_response_to_its_engine(cluster):
+    """Stored responses stay on the engine that made them: a follow-up
+    (``previous_response_id``) and a GET go there, while new ones are placed."""
+    async def create(i: int, stream: bool) -> tuple[str, str]:
+        body = {"model": MODEL, "input": f"{SHORT} {i}", "max_output_tokens": 4,
+                "temperature": 0, "stream": stream}
+        async with httpx.AsyncClient(timeout=120) as c:
+            r = await c.post(cluster.url + "/v1/responses", json=body)
+        assert r.status_code == 200, r.text
+        rid = (r.json()["id"] if not stream else
+               json.loads(r.text.split("data: ", 2)[1].split("\n")[0])["response"]["id"])
+        return rid, r.headers["x-jserve-engine"]
+
+    async def made():
+        return await asyncio.gather(*(create(i, stream=i % 2 == 1) for i in range(6)))
+    made = asyncio.run(made())
+    assert {e for _, e in made} == {"engine1", "engine2"}  # placed on both
+    for rid, engine in made:
+        r = httpx.post(cluster.url + "/v1/responses", timeout=120, json={
+            "model": MODEL, "input": "and then?", "previous_response_id": rid,
+            "max_output_tokens": 4, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.headers["x-jserve-engine"] == engine
+        got = httpx.get(cluster.url + f"/v1/responses/{rid}", timeout=10)
+        assert got.status_code == 200 and got.headers["x-jserve-engine"] == engine
 
 
 def test_every_page_ends_free_or_cached_on_every_engine(cluster):

@@ -19,6 +19,11 @@ engine whose pages then go to the decode engine (``--disaggregation auto``; ``al
 (``kv_connector``) and computes only what did not arrive. If the prefill engine fails, the
 request runs colocated on the decode engine (nothing has been sent to the client yet).
 
+**The Responses API** (``/v1/responses``) is placed too, colocated; a response's id is
+remembered with the engine that made it, so a ``previous_response_id`` and ``GET``/``DELETE``
+``/v1/responses/{id}`` go there (stored responses stay where they were made; an engine's
+die with it).
+
 **Faults.** A request whose engine fails before its response started (the connection
 refused or dropped, the engine gone) is sent to another engine, at most ``RETRIES`` times;
 one that fails mid-stream gets an error event (``type`` unavailable) and ``[DONE]``, so
@@ -40,6 +45,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import re
 import time
 
 import httpx2 as httpx
@@ -62,6 +68,9 @@ from jserve.serving.route_prompt import route_prompt
 log = logging.getLogger(__name__)
 RETRIES = 2
 ENGINE_HEADER = "x-jserve-engine"
+RESPONSES = "/v1/responses"
+OWNERS_KEPT = 65536  # response ids remembered with their engine (oldest forgotten first)
+_RESPONSE_ID = re.compile(rb'"id":\s*"(resp_[^"]+)"')
 _GONE = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError,
          httpx.ConnectTimeout, httpx.PoolTimeout)
 # What a prefill-only request drops from the body (it returns one token, not streamed).
@@ -85,6 +94,7 @@ class Front:
         self.sent = SentLedger()
         self._seq = itertools.count()
         self.decisions: collections.deque = collections.deque(maxlen=256)
+        self.owners: collections.OrderedDict[str, int] = collections.OrderedDict()
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(config.request_timeout_s,
                                                               connect=5.0),
                                         limits=httpx.Limits(max_connections=None,
@@ -202,15 +212,29 @@ class Front:
         body = await request.body()
         path = "/" + request.path_params["path"]
         headers = _forwarded_headers(request)
+        if path.startswith(RESPONSES + "/"):  # a stored response: where it was made
+            owner = self._owner(path.split("/")[3])
+            return await self._send(request.method, path, headers, body, request.url.query,
+                                    [owner] if owner else None)
+        if path == RESPONSES and request.method == "POST":
+            return await self._responses(path, headers, body)
         prompt = route_prompt(self.tokenizer, path, body) if request.method == "POST" else None
         if prompt is None:  # not a generation: any engine that takes requests answers
-            return await self._send(request.method, path, headers, body, query=request.url.query)
+            return await self._send(request.method, path, headers, body, request.url.query)
         ids, slo = prompt
-        parsed = json.loads(body)
+        return await self._placed(path, headers, json.loads(body), body, ids, slo)
+
+    async def _placed(self, path: str, headers: dict, parsed: dict, body: bytes,
+                      ids: list[int], slo: float | None, pinned: Engine | None = None,
+                      colocated: bool = False) -> Response:
+        """A generation placed on an engine (``pinned``'s if given and it takes requests)
+        and relayed, prefilled on a prefill engine first where the placement says; sent
+        again to another engine while none has answered."""
         tried: set[int] = set()
         for _ in range(RETRIES + 1):
             try:
-                d, p, _ = self.placement(ids, slo, tried)
+                d, p, _ = ((pinned, None, "pinned") if pinned is not None
+                           else self.placement(ids, slo, tried, colocated))
             except LookupError as e:
                 self.failed.labels("no_engine").inc()
                 return _error(503, f"{e}", "unavailable")
@@ -223,11 +247,41 @@ class Front:
                                          stream=parsed.get("stream") is True)
             except _GONE as err:
                 tried.add(d.index)
+                pinned = None
                 log.warning("%s failed before answering (%r); sending the request again",
                             d.name, err)
                 self.retries.inc()
         self.failed.labels("retries").inc()
         return _error(503, "no engine could take the request", "unavailable")
+
+    async def _responses(self, path: str, headers: dict, body: bytes) -> Response:
+        """A Responses API request: on the engine that holds its ``previous_response_id``
+        (stored responses stay where they were made), else placed colocated (a Responses
+        body carries no KV transfer here); the id of what it answers is remembered."""
+        try:
+            parsed = json.loads(body)
+            given = parsed.get("input")
+            ids = self.tokenizer.encode(given if isinstance(given, str) else json.dumps(given))
+        except (ValueError, AttributeError, TypeError):  # the engine answers it with a 400
+            return await self._send("POST", path, headers, body)
+        prev = parsed.get("previous_response_id")
+        pinned = self._owner(prev) if isinstance(prev, str) else None
+        return await self._placed(path, headers, parsed, body, ids, None, pinned,
+                                  colocated=True)
+
+    def _owner(self, response_id: str) -> Engine | None:
+        i = self.owners.get(response_id)
+        e = self.engines[i] if i is not None else None
+        return e if e is not None and e.takes_requests else None
+
+    def _remember(self, e: Engine, chunk: bytes) -> None:
+        """Notes which engine made the response whose id ``chunk`` (a body, or a stream's
+        first bytes) gives."""
+        m = _RESPONSE_ID.search(chunk)
+        if m is not None:
+            self.owners[m.group(1).decode()] = e.index
+            while len(self.owners) > OWNERS_KEPT:
+                self.owners.popitem(last=False)
 
     async def _prefill(self, p: Engine, path: str, headers: dict, body: dict) -> bool:
         """Runs the prompt on prefill engine ``p`` (one token, its pages left cached);
@@ -249,9 +303,11 @@ class Front:
         return True
 
     async def _send(self, method: str, path: str, headers: dict, body: bytes,
-                    query: str = "") -> Response:
-        """A request that is not a generation, to the first ready engine that answers."""
-        for e in [e for e in self.engines if e.takes_requests and not e.prefills_only]:
+                    query: str = "", engines: list[Engine] | None = None) -> Response:
+        """A request that is not a generation, to the first ready engine (of ``engines``)
+        that answers."""
+        ready = [e for e in self.engines if e.takes_requests and not e.prefills_only]
+        for e in engines or ready:
             try:
                 r = await self.client.request(method, e.url + path + (f"?{query}" if query
                                                                       else ""),
@@ -269,6 +325,8 @@ class Front:
         reached the client."""
         if not stream:
             r = await self.client.request(method, e.url + path, headers=headers, content=body)
+            if path == RESPONSES:
+                self._remember(e, r.content)
             return Response(r.content, status_code=r.status_code,
                             headers=_returned_headers(r, e))
         req = self.client.build_request(method, e.url + path, headers=headers, content=body)
@@ -281,6 +339,8 @@ class Front:
         except _GONE:
             await r.aclose()
             raise
+        if path == RESPONSES:
+            self._remember(e, first)
 
         async def rest():
             try:
