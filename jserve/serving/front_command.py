@@ -1,5 +1,5 @@
 """``jserve serve --data-parallel-size N`` (``-dp N``): the flags past one engine and the
-command that starts the engines and the front end (``engines``, ``front``).
+command that starts the engines and the front end (``engines``, ``front``, ``front_grpc``).
 
 Why these flags: vLLM spells data parallelism ``--data-parallel-size``, which jserve takes as
 is. vLLM has no one command for prefill/decode disaggregation: its prefill and decode
@@ -25,10 +25,10 @@ log = logging.getLogger(__name__)
 
 def add_scale_out_args(s: argparse.ArgumentParser) -> None:
     g = s.add_argument_group("past one engine (docs/scale_out.md): N engine processes behind "
-                             "one OpenAI API port, and prefill/decode disaggregation")
+                             "one front end, and prefill/decode disaggregation")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
                    help="engines, each a process of its own with its own devices, behind "
-                        "one front end on --port (HTTP only) that places each request")
+                        "one front end (--port, --grpc-port) that places each request")
     g.add_argument("--prefill-engines", type=int, default=0, metavar="K",
                    help="of the N engines, K only prefill: the router may run a prompt on "
                         "one and hand its KV pages to a decode engine")
