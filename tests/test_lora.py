@@ -152,6 +152,29 @@ def test_prefix_cache_is_keyed_by_adapter(base, reference):
     check_blocks(eng)
 
 
+def test_pages_moved_between_engines_stay_under_their_adapter(base, reference):
+    """Prefill/decode disaggregation with an adapter: the pages a prompt left under adapter
+    "a" on one engine, exported and imported into another, are found there by the same
+    prompt under "a" (PEFT's tokens, only the last page computed) and by no other."""
+    from jserve.engine import kv_transfer
+    from jserve.serving.kv_connector import pages_in
+
+    prefill, decode = (_llm(base, enable_prefix_caching=True) for _ in range(2))
+    long = PROMPTS[-1]  # 40 tokens: two full pages before the last token's
+    out = prefill.generate([long], GREEDY, lora_request=_request("a", KEYS.index("a")))
+    assert out[0].outputs[0].token_ids == reference["a"][-1]
+    assert pages_in(kv_transfer.export_pages(prefill.engine, long, None)) == 0  # not base's
+    wire = kv_transfer.export_pages(prefill.engine, long, "a")
+    assert kv_transfer.import_pages(decode.engine, long, wire, "a") == (2, 2)
+    eng = decode.engine
+    for k, cached in ((None, 0), ("a", 32)):
+        before = eng.scheduler.prefix_hit_tokens
+        out = decode.generate([long], GREEDY, lora_request=_request(k, KEYS.index(k)))
+        assert out[0].outputs[0].token_ids == reference[k][-1]
+        assert eng.scheduler.prefix_hit_tokens - before == cached, k
+    check_blocks(eng)
+
+
 def test_bad_adapters_refused_while_others_run(base, reference):
     llm = _llm(base)
     eng = llm.engine
