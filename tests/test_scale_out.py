@@ -380,3 +380,36 @@ def test_merge_metrics_labels_each_engine_and_sums_counters():
         ("g", (("engine", "e0"),)): 0.5,
         ("g", (("engine", "e1"),)): 0.25,
     }
+
+
+# -- a transformers-written checkpoint with its tokenizer, through the official client ------
+def test_a_checkpoint_chat_through_the_openai_client_is_disaggregated_exactly():
+    """A Llama checkpoint saved by transformers, with a BPE tokenizer and a chat template,
+    behind ``-dp 2 --prefill-engines 1 --disaggregation always``: the openai client's chat
+    (whole and streamed) gives the prefill engine's own greedy reply, and the pages moved."""
+    import openai
+
+    from hf_models import tiny_llama_dir
+
+    model = str(tiny_llama_dir("llama2", with_tokenizer=True))
+    front = Served("--model", model, "--data-parallel-size", "2", "--prefill-engines", "1",
+                   "--disaggregation", "always", *FLAGS)
+    try:
+        name = httpx.get(front.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        messages = [{"role": "system", "content": "You count fruit."},
+                    {"role": "user", "content": "How many apples are in the basket " * 4}]
+        kw = dict(model=name, messages=messages, max_tokens=8, temperature=0,
+                  extra_body={"ignore_eos": True})
+        prefill = openai.OpenAI(base_url=_engines(front)[0]["url"] + "/v1", api_key="x")
+        want = prefill.chat.completions.create(**kw).choices[0].message.content
+        client = openai.OpenAI(base_url=front.url + "/v1", api_key="x")
+        got = client.chat.completions.create(**kw).choices[0].message.content
+        streamed = "".join(c.choices[0].delta.content or ""
+                           for c in client.chat.completions.create(**kw, stream=True)
+                           if c.choices)
+        assert got == streamed == want and want
+        c = _counters(front.url, "jserve_kv_transfer_pages")
+        assert c[("jserve_kv_transfer_pages_total", (("direction", "imported"),))] >= 2
+        assert [_pages_used(e["url"]) for e in _engines(front)] == [0, 0]
+    finally:
+        front.stop(60)
