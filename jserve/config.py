@@ -394,7 +394,8 @@ def inv_frequencies(cfg: ModelConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-# The models that ship with the package, by name (``--model tiny-tasks``).
+# Checkpoints that ship with the package, by name (``--model tiny-tasks``; written by
+# scripts/train_task_model.py).
 BUILTIN_MODELS = {"tiny-tasks": Path(__file__).resolve().parent / "assets" / "tiny_tasks"}
 
 

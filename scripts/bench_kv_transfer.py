@@ -48,11 +48,11 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 from harness.served import Served  # noqa: E402
+from jserve import kv_wire  # noqa: E402
 
 PAGE = 16  # the engine's default page size (tokens a page)
 PRODUCER = json.dumps({"kv_connector": "JServeConnector", "kv_role": "kv_producer"})
 _N = struct.Struct(">Q")     # the raw socket's request: bytes wanted
-_LEN = struct.Struct(">I")   # the wire format's header length
 
 
 # -- timing ------------------------------------------------------------------------------
@@ -143,8 +143,7 @@ async def _session(aiohttp):
 
 
 def header(wire: bytes) -> dict:
-    (n,) = _LEN.unpack_from(wire)
-    return json.loads(wire[_LEN.size:_LEN.size + n])
+    return kv_wire.header(wire)[0]
 
 
 def http_cases(dtype: str, sizes: list[int], reps: int):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jserve import SamplingParams
+from jserve import SamplingParams, kv_wire
 from jserve.engine import kv_transfer
 from llm_helpers import check_blocks, small_llm
 
@@ -128,7 +128,7 @@ def test_pages_of_another_format_are_refused_with_nothing_changed():
             (f32, b"\x00\x00\x00\x05hello", "not KV pages"),
             (f32, b"", "not KV pages")]:
         before = _pool(eng)
-        with pytest.raises(kv_transfer.PageFormatError, match=why):
+        with pytest.raises(kv_wire.PageFormatError, match=why):
             kv_transfer.import_pages(eng, PROMPT, bad)
         assert _pool(eng) == before
         eng.allocator.check()

@@ -157,7 +157,7 @@ def test_pages_moved_between_engines_stay_under_their_adapter(base, reference):
     "a" on one engine, exported and imported into another, are found there by the same
     prompt under "a" (PEFT's tokens, only the last page computed) and by no other."""
     from jserve.engine import kv_transfer
-    from jserve.serving.kv_connector import pages_in
+    from jserve.kv_wire import pages_in
 
     prefill, decode = (_llm(base, enable_prefix_caching=True) for _ in range(2))
     long = PROMPTS[-1]  # 40 tokens: two full pages before the last token's

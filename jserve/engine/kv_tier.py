@@ -43,10 +43,7 @@ def build_host_tier(cfg: ModelConfig, config: EngineConfig, parts) -> HostKVTier
     if not config.kv_offload_bytes:
         return None
     alloc, mesh_config = parts.allocator, parts.mesh_config
-    why = ("prefix caching is off" if not alloc.prefix_caching else
-           "not with a stream pipeline (spp > 1)" if mesh_config.spp > 1 else
-           "not with several processes" if parts.multi_process else
-           "not with a sliding window yet" if alloc.window is not None else None)
+    why = page_io.unmovable(alloc, mesh_config.spp, parts.multi_process)
     # A host page is a global page: every stored KV head (copies under tp included).
     page_bytes = kv_bytes_per_page(cfg, config.page_size, len(kv_head_map(cfg, mesh_config.tp)),
                                    kv_cache_dtype=config.kv_cache_dtype)

@@ -1,6 +1,5 @@
 """A prompt's KV pages out of one engine and into another (prefill/decode disaggregation,
-docs/scale_out.md): what runs on each engine's thread, between steps, and the pages' wire
-format.
+docs/scale_out.md): what runs on each engine's thread, between steps.
 
 The pages travel by the prefix cache's own identity: a page is named by its content key
 (``jserve.cache.prefix``: the digest of every token up to its end), so nothing else needs to
@@ -18,50 +17,41 @@ agree between the engines.
   rest is computed. Pages are conserved: every page ends free, idle cached, or held as
   before.
 
-Wire format: a 4-byte big-endian header length, a JSON header (``version``, ``page_size``,
-``pages``, and each leaf's ``dtype`` and ``shape``, in ``jax.tree.leaves`` order of the
-KV cache), then each leaf's bytes, C order.
+The wire format is ``jserve.kv_wire``'s.
 """
 from __future__ import annotations
 
-import json
-import struct
 from typing import TYPE_CHECKING, Sequence
 
 import jax
 import numpy as np
 
+from jserve import kv_wire
+from jserve.cache.pool import kv_bytes_per_page
 from jserve.cache.prefix import extend_page_keys
 from jserve.engine import page_io
 from sharding.mesh import MeshConfig
+from sharding.specs import kv_head_map
 
 if TYPE_CHECKING:
     from jserve.engine.engine import LLMEngine
 
-VERSION = 1
-_LEN = struct.Struct(">I")
-
-
-class PageFormatError(ValueError):
-    """The pages sent are not this engine's pages: another page size, dtype or shape."""
-
 
 def unsupported(engine: LLMEngine) -> str | None:
-    """Why ``engine`` cannot export or import pages (None: it can). The same limits as the
-    host tier's: one process, no pipeline, no sliding window; and one KV group."""
-    alloc, spp = engine.allocator, MeshConfig.parse(engine.config.mesh).spp
-    return ("prefix caching is off" if not alloc.prefix_caching else
-            "not with a stream pipeline (spp > 1)" if spp > 1 else
-            "not with several processes" if engine.multi_process else
-            "not with a sliding window yet" if alloc.window is not None else
-            "not with KV-cache parallelism (kvp > 1) yet" if alloc.groups > 1 else None)
+    """Why ``engine`` cannot export or import pages (None: it can): the host tier's limits
+    (``page_io.unmovable``), and one KV group."""
+    alloc = engine.allocator
+    why = page_io.unmovable(alloc, MeshConfig.parse(engine.config.mesh).spp,
+                            engine.multi_process)
+    return why or ("not with KV-cache parallelism (kvp > 1) yet" if alloc.groups > 1 else None)
 
 
 def bytes_per_token(engine: LLMEngine) -> int:
-    """Bytes of one token's KV as the pages store and send it (every layer, K and V, values
-    and scales): each leaf is [layers, kv heads, pages, page size, ...]."""
-    return sum(x.dtype.itemsize * int(np.prod(x.shape)) // (x.shape[2] * x.shape[3])
-               for x in jax.tree.leaves(engine.runner.kv_cache))
+    """Bytes of one token's KV as the pages store and send it: every layer, K and V, values
+    and scales, every stored KV head (the pages are read whole, copies under tp included)."""
+    cfg, config = engine.model_config, engine.config
+    heads = len(kv_head_map(cfg, MeshConfig.parse(config.mesh).tp))
+    return kv_bytes_per_page(cfg, 1, heads, kv_cache_dtype=config.kv_cache_dtype)
 
 
 def page_keys(engine: LLMEngine, token_ids: Sequence[int], salt: str | None) -> list:
@@ -93,7 +83,7 @@ def import_pages(engine: LLMEngine, token_ids: Sequence[int], wire: bytes,
     prefix cache, as idle cached pages under the prompt's keys; returns (pages new here,
     leading pages sent that the cache now holds: fewer than sent when the pool had no room
     for the rest). ``PageFormatError`` when they are not this engine's pages (nothing
-    changed)."""
+    changed; ``kv_wire.PageFormatError``)."""
     alloc = engine.allocator
     data = decode(wire, engine.runner.kv_cache, alloc.page_size)
     sent = jax.tree.leaves(data)[0].shape[2]
@@ -122,48 +112,12 @@ def _empty(engine: LLMEngine):
 
 
 def encode(page_size: int, data) -> bytes:
-    """``data`` (``page_io.read_pages``'s host pages) in the wire format."""
-    leaves = [np.ascontiguousarray(x) for x in jax.tree.leaves(data)]
-    header = json.dumps({"version": VERSION, "page_size": page_size,
-                         "pages": leaves[0].shape[2] if leaves else 0,
-                         "leaves": [{"dtype": x.dtype.name, "shape": list(x.shape)}
-                                    for x in leaves]}).encode()
-    return b"".join([_LEN.pack(len(header)), header, *(x.tobytes() for x in leaves)])
+    """``data`` (``page_io.read_pages``'s host pages) in ``kv_wire``'s format."""
+    return kv_wire.encode(page_size, jax.tree.leaves(data))
 
 
 def decode(wire: bytes, like, page_size: int):
     """The host pages of ``wire`` in ``like``'s tree (the KV cache); ``PageFormatError``
-    unless they are pages of ``page_size`` tokens and every leaf matches ``like``'s in
-    dtype and in every axis but the pages'."""
-    try:
-        (n,) = _LEN.unpack_from(wire)
-        header = json.loads(wire[_LEN.size:_LEN.size + n])
-        offset = _LEN.size + n
-        if header["version"] != VERSION:
-            raise PageFormatError(f"page wire version {header['version']}, not {VERSION}")
-        if header["page_size"] != page_size:
-            raise PageFormatError(f"pages of {header['page_size']} tokens sent to an engine "
-                                  f"with pages of {page_size}")
-        mine, out = jax.tree.leaves(like), []
-        if len(header["leaves"]) != len(mine):
-            raise PageFormatError(f"{len(header['leaves'])} KV leaves sent, this engine has "
-                                  f"{len(mine)}")
-        for spec, x in zip(header["leaves"], mine):
-            shape, dtype = tuple(spec["shape"]), np.dtype(x.dtype)
-            if spec["dtype"] != dtype.name or len(shape) != x.ndim \
-                    or shape[:2] + shape[3:] != tuple(x.shape[:2] + x.shape[3:]):
-                raise PageFormatError(
-                    f"pages of {spec['dtype']}{list(shape)} sent to an engine storing "
-                    f"{dtype.name}{list(x.shape)} (the page axis third)")
-            size = int(np.prod(shape)) * dtype.itemsize
-            if offset + size > len(wire):
-                raise PageFormatError("the pages' bytes end early")
-            out.append(np.frombuffer(wire, dtype, int(np.prod(shape)), offset).reshape(shape))
-            offset += size
-        if offset != len(wire):
-            raise PageFormatError(f"{len(wire) - offset} bytes after the pages")
-        return jax.tree.unflatten(jax.tree.structure(like), out)
-    except (KeyError, TypeError, ValueError, struct.error) as e:
-        if isinstance(e, PageFormatError):
-            raise
-        raise PageFormatError(f"not KV pages: {e}") from None
+    unless they fit it (``kv_wire.decode``)."""
+    leaves = kv_wire.decode(wire, jax.tree.leaves(like), page_size)
+    return jax.tree.unflatten(jax.tree.structure(like), leaves)

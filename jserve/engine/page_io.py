@@ -39,6 +39,15 @@ def _chunks(pages: Sequence[int]):
         yield lo, len(part), ids
 
 
+def unmovable(alloc, spp: int, multi_process: bool) -> str | None:
+    """Why pages of the pool ``alloc`` manages cannot be copied out and written back by
+    content key (the host tier's, and pages sent to another engine); None when they can."""
+    return ("prefix caching is off" if not alloc.prefix_caching else
+            "not with a stream pipeline (spp > 1)" if spp > 1 else
+            "not with several processes" if multi_process else
+            "not with a sliding window yet" if alloc.window is not None else None)
+
+
 def read_pages(kv_cache: KVCache, pages: Sequence[int], movers: PageMovers | None = None):
     """Host copies (k, v) of ``pages`` in every layer ([layers, Hkv, len(pages), S, D]),
     as stored (quantized pages: values and scales)."""

@@ -522,7 +522,6 @@ def restore_orbax(ckpt_dir: str | Path, cfg: ModelConfig) -> Params:
     return quant.quantize_params(params, cfg.quantization)
 
 
-# Built-in checkpoints shipped inside the package, by name (scripts/train_task_model.py).
 def resolve_dtype(model: str, dtype: str | None = "auto",
                   backend: str | None = None) -> tuple[str, str]:
     """The dtype ``model`` computes in for ``dtype`` (auto | float32 | bfloat16 | None: as

@@ -132,6 +132,11 @@ class ReplicaLoad:
         return d
 
     @classmethod
+    def unknown(cls, replica: str) -> "ReplicaLoad":
+        """A replica that has not reported yet: idle as far as anyone knows."""
+        return cls(replica, True, 0, 0, 0.0, FIFO, (), PrefillTable((0, 1), (0.0, 0.0)))
+
+    @classmethod
     def from_dict(cls, d: dict) -> "ReplicaLoad":
         t = d["table"]
         return cls(

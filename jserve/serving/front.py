@@ -58,7 +58,7 @@ from starlette.routing import Route
 
 from jserve.routing import ReplicaView, RouteRequest, choose
 from jserve.routing.disagg import Placement, TransferCost, place
-from jserve.routing.load import FIFO, PrefillTable, ReplicaLoad
+from jserve.routing.load import ReplicaLoad
 from jserve.routing.prefix_memory import PrefixMemory
 from jserve.routing.sent import SentLedger
 from jserve.serving.auth import bearer_matches
@@ -159,7 +159,7 @@ class Front:
     def _views(self, engines: list[Engine], ids: list[int]) -> list[ReplicaView]:
         out = []
         for e in engines:
-            load = e.load or _idle(e.name)
+            load = e.load or ReplicaLoad.unknown(e.name)
             load = self.sent.with_unreported(load, e.reported_at)
             out.append(ReplicaView(load, self.memory.cached_tokens(e.name, ids)))
         return out
@@ -170,7 +170,7 @@ class Front:
         timed = [k["bytes_per_s"] for k in reports if k.get("timed")]
         rate = sum(timed) / len(timed) if timed else (
             max((k["bytes_per_s"] for k in reports), default=0.0))
-        return TransferCost(float(per_token), float(rate))
+        return TransferCost(float(per_token), float(rate), page_size=self.config.page_size)
 
     def placement(self, ids: list[int], slo: float | None, exclude: set[int] = frozenset(),
                   colocated: bool = False) -> tuple[Engine, Engine | None, str]:
@@ -182,16 +182,18 @@ class Front:
         if not decode:
             raise LookupError("no engine takes requests now")
         request = RouteRequest(len(ids), slo, next(self._seq))
-        dviews = self._views(decode, ids)
+        dviews, pviews = self._views(decode, ids), self._views(prefill, ids)
         if not prefill:
             k = choose(self.config.router, request, dviews)
             chosen = Placement(k, None, 0.0, self.config.router)
         else:
-            chosen = place(self.config.disaggregation, request, dviews,
-                           self._views(prefill, ids), self._transfer(decode))
+            chosen = place(self.config.disaggregation, request, dviews, pviews,
+                           self._transfer(decode))
         d = decode[chosen.decode]
         p = prefill[chosen.prefill] if chosen.prefill is not None else None
-        self._record(d, p, ids, slo, dviews[chosen.decode].cached_tokens, chosen)
+        # the engine that prefills: what its prefix cache holds of the prompt
+        first = (pviews[chosen.prefill] if p is not None else dviews[chosen.decode])
+        self._record(d, p, ids, slo, first.cached_tokens, chosen)
         return d, p, chosen.reason
 
     def _record(self, d: Engine, p: Engine | None, ids, slo, cached: int,
@@ -405,10 +407,6 @@ class Front:
             return e, r.text if r.status_code == 200 else None
         except httpx.HTTPError:
             return e, None
-
-
-def _idle(name: str) -> ReplicaLoad:
-    return ReplicaLoad(name, True, 0, 0, 0.0, FIFO, (), PrefillTable((0, 1), (0.0, 0.0)))
 
 
 def _error(status: int, message: str, kind: str) -> JSONResponse:

@@ -27,9 +27,7 @@ the router prices a transfer (``/v1/route/load``'s ``kv_transfer``).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import struct
 import time
 
 import aiohttp
@@ -40,6 +38,7 @@ from starlette.routing import Route
 
 from jserve import fields
 from jserve.copy_rate import CopyRate
+from jserve.kv_wire import pages_in
 from jserve.serving.auth import bearer_matches
 from jserve.serving.engine_api import INVALID
 from jserve.serving.gateway import UNAUTHENTICATED, Gateway, Rejected
@@ -50,15 +49,6 @@ log = logging.getLogger(__name__)
 
 MAX_EXPORT_BODY = 16 << 20          # a prompt's ids as JSON (a 1M-token prompt is ~8 MB)
 DEFAULT_BYTES_PER_S = 1e9           # a first guess of the link, until a pull is timed
-
-
-def pages_in(wire: bytes) -> int:
-    """The page count a wire form's header gives (0 for anything unreadable)."""
-    try:
-        (n,) = struct.unpack_from(">I", wire)
-        return int(json.loads(wire[4:4 + n])["pages"])
-    except (struct.error, ValueError, KeyError, TypeError):
-        return 0
 
 
 def _refusal(e: Rejected) -> JSONResponse:

@@ -38,7 +38,6 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from jserve.engine.config import EngineConfig
 from jserve.routing import ROUTERS, ReplicaLoad, ReplicaView, RouteRequest, choose
-from jserve.routing.load import FIFO, PrefillTable
 from jserve.routing.prefix_memory import PrefixMemory
 from jserve.routing.sent import SentLedger
 from jserve.serving.app import Server, ServerConfig
@@ -58,11 +57,6 @@ def route_info(prompt_ids, ttft_slo: float | None = None) -> dict:
     classes."""
     return {"jserve_route": True, "prompt_ids": [int(t) for t in prompt_ids],
             "ttft_slo": ttft_slo}
-
-
-def _unknown_load(name: str) -> ReplicaLoad:
-    """A replica that has not reported yet: idle as far as anyone knows."""
-    return ReplicaLoad(name, True, 0, 0, 0.0, FIFO, (), PrefillTable((0, 1), (0.0, 0.0)))
 
 
 class JServeRouter(FIFOMixin, RequestRouter):
@@ -93,7 +87,7 @@ class JServeRouter(FIFOMixin, RequestRouter):
         views = []
         for r in candidate_replicas:
             stats, name = r.routing_stats, r.replica_id.unique_id
-            load = (ReplicaLoad.from_dict(stats) if "table" in stats else _unknown_load(name))
+            load = (ReplicaLoad.from_dict(stats) if "table" in stats else ReplicaLoad.unknown(name))
             load = self._sent.with_unreported(dataclasses.replace(load, replica=name),
                                               stats.get("reported_at", 0.0))
             views.append(ReplicaView(load, self.memory.cached_tokens(name, ids)))
