@@ -140,11 +140,15 @@ def _prefill_attention(q, q_seq, q_pos, k_pages, v_pages, kv_lens, page_table, n
         n_rows = jnp.sum(q_seq == i)
 
         def per_tile(tile, carry):
-            # Clamped to stay inside T; rows of other sequences in the tile are masked and
-            # come out of the online update unchanged.
-            at = jnp.minimum(first + tile * r, t - r)
+            # Clamped to stay inside T; rows of other sequences in the tile, and rows an
+            # earlier tile finished (a clamped tile overlaps it), are masked and come out of
+            # the online update unchanged (seen twice, a row's l would double: its LSE, which
+            # KV-parallel merges weigh by, off by log 2).
+            start = first + tile * r
+            at = jnp.minimum(start, t - r)
             sl = lambda x: jax.lax.dynamic_slice_in_dim(x, at, r, axis=1)
-            rows = jax.lax.dynamic_slice_in_dim(q_seq, at, r) == i
+            rows = ((jax.lax.dynamic_slice_in_dim(q_seq, at, r) == i)
+                    & (at + jnp.arange(r) >= start))
             pos_q = jax.lax.dynamic_slice_in_dim(q_pos, at, r)
             qt = sl(qf).reshape(hkv, r * g, d)
             seen = jnp.minimum(kv_lens[i], jnp.max(jnp.where(rows, pos_q, -1)) + 1)
@@ -187,14 +191,15 @@ def _prefill_attention(q, q_seq, q_pos, k_pages, v_pages, kv_lens, page_table, n
 def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            meta: AttentionMetadata, *, pages_per_block: int = PAGES_PER_BLOCK,
                            rows_per_tile: int = _PREFILL_TILE, layer=None, decode=None,
-                           window=None) -> tuple[jax.Array, jax.Array]:
+                           prefill=None, window=None) -> tuple[jax.Array, jax.Array]:
     """Attention of a mixed batch of decodes and prefill chunks over a paged KV cache.
 
     q: [T, Hq, D]; k_pages, v_pages: [Hkv, num_pages, page_size, D] (already holding this
     step's KV), or stacked [layers, Hkv, ...] read at ``layer``. Returns (out [T, Hq, D] in q's
     dtype, lse [T, Hq] float32; -inf where a token has no keys, e.g. padding). ``decode``:
     what attends the decode rows, with ``_decode_attention``'s contract (the native CPU kernel,
-    ``jserve.kernels.cpu``); default ``_decode_attention``. ``window``: the layer's sliding
+    ``jserve.kernels.cpu``); default ``_decode_attention``; ``prefill`` the same for the
+    prefill chunks (``_prefill_attention``'s contract). ``window``: the layer's sliding
     window (an int32 scalar, may be traced; 0: full attention), a query at position p reading
     keys at p - window < k <= p; pages wholly before every query's window are not read (None:
     no window code at all).
@@ -218,10 +223,11 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         outs.append(o)
         lses.append(l)
     if t > nd:
-        o, l = _prefill_attention(qg[:, nd:], meta.token_seq[nd:] - nd, meta.positions[nd:],
+        o, l = (prefill or _prefill_attention)(qg[:, nd:], meta.token_seq[nd:] - nd,
+                                               meta.positions[nd:],
                                   k_pages, v_pages, meta.kv_lens[nd:], meta.page_table[nd:],
-                                  meta.num_prefills, pages_per_block, scale, rows_per_tile,
-                                  layer, window)
+                                  meta.num_prefills, pages_per_block, scale,
+                                  rows_per_tile, layer, window)
         outs.append(o)
         lses.append(l)
     out = jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]  # [Hkv, T, G, D]

@@ -10,14 +10,11 @@
 // window; 0 without one): its loop starts at that key's page, and page-table entries before
 // it are never read (those pages may be freed).
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
-#include <cstring>
-#include <memory>
-#include <mutex>
 
+#include "elements.h"
+#include "pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -28,13 +25,7 @@ constexpr int kMaxGroup = 16;   // query heads per KV head
 constexpr int kMaxDim = 256;    // head_dim
 constexpr int kMaxPage = 256;   // tokens per page
 
-inline float load(const float* p) { return *p; }
-inline float load(const uint16_t* p) {  // bfloat16: the high half of a float32
-  uint32_t bits = static_cast<uint32_t>(*p) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+using jserve_native::load;
 
 template <typename T>
 inline float dot(const float* q, const T* k, int64_t d) {
@@ -106,40 +97,10 @@ void attend(const Problem<T>& p, int64_t h, int64_t row) {
   }
 }
 
-// Runs attend() over every (head, row) pair: the calling thread and up to num_threads - 1
-// tasks on XLA's intra-op pool take pairs from one counter. The caller waits only for pairs
-// that were taken, never for a task to start: on a busy pool (another device's program on
-// the same threads) it does every pair itself. The shared state outlives this call, so a
-// task that starts late finds nothing to do and touches no buffer.
-template <typename T>
-struct Shared {
-  explicit Shared(const Problem<T>& problem) : p(problem), items(problem.hkv * problem.b) {}
-  Problem<T> p;
-  int64_t items;
-  std::atomic<int64_t> next{0};
-  int64_t finished = 0;  // guarded by mu
-  std::mutex mu;
-  std::condition_variable all_done;
-
-  void work() {
-    int64_t mine = 0;
-    for (int64_t i; (i = next.fetch_add(1)) < items; ++mine) attend(p, i / p.b, i % p.b);
-    if (mine == 0) return;
-    std::lock_guard<std::mutex> lock(mu);
-    finished += mine;
-    if (finished == items) all_done.notify_all();
-  }
-};
-
 template <typename T>
 void run(ffi::ThreadPool& pool, const Problem<T>& p) {
-  auto shared = std::make_shared<Shared<T>>(p);
-  const int64_t helpers = std::max<int64_t>(
-      0, std::min<int64_t>(pool.num_threads(), shared->items) - 1);
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([shared]() { shared->work(); });
-  shared->work();
-  std::unique_lock<std::mutex> lock(shared->mu);
-  shared->all_done.wait(lock, [&] { return shared->finished == shared->items; });
+  jserve_native::parallel_for(pool, p.hkv * p.b,
+                              [&p](int64_t i) { attend(p, i / p.b, i % p.b); });
 }
 
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
