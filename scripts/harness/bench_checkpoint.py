@@ -3,7 +3,12 @@ seeded random ``LlamaForCausalLM`` written by transformers (``save_pretrained``)
 byte tokenizer (enough for profiling token ids), cached under ``~/.cache/jserve`` so the
 profiling scripts and the HF comparison load the same weights (``scripts/profile_step.py
 --model bench-32k``, ``scripts/bench_engine.py --vocab 32768``). Real vocabularies are
-32K-256K: what a step does per vocabulary entry shows here and not on the 8K bench model."""
+32K-256K: what a step does per vocabulary entry shows here and not on the 8K bench model.
+
+``llama_bpe_checkpoint``: a larger Llama (hidden 768, 12 layers, GQA 12/4) with a trained
+32,000-token BPE tokenizer and a chat template, the checkpoint jserve and vLLM both load in
+``scripts/bench_vs_vllm.py`` (a tokenizer that vLLM's server and offline API accept as
+they accept a user's)."""
 from __future__ import annotations
 
 import os
@@ -36,12 +41,48 @@ def write_checkpoint(out_dir: Path, vocab: int, seed: int = 0):
     return model
 
 
-def bench_checkpoint(vocab: int, seed: int = 0) -> Path:
-    """The checkpoint's directory, written on first use (a complete one has config.json)."""
+def _cached(name: str, write) -> Path:
+    """``~/.cache/jserve/bench/NAME``, written by ``write(directory)`` on first use into a
+    temporary directory renamed when complete (so a complete one has config.json)."""
     root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jserve" / "bench"
-    out = root / f"llama-bench-v{vocab}-s{seed}"
+    out = root / name
     if not (out / "config.json").exists():
         tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-        write_checkpoint(tmp, vocab, seed)
+        write(tmp)
         tmp.rename(out)
     return out
+
+
+def bench_checkpoint(vocab: int, seed: int = 0) -> Path:
+    """The checkpoint's directory, written on first use (a complete one has config.json)."""
+    return _cached(f"llama-bench-v{vocab}-s{seed}", lambda d: write_checkpoint(d, vocab, seed))
+
+
+# ``llama_bpe_checkpoint``'s shape in HF LlamaConfig terms (vocabulary and MLP width apart).
+BPE_KWARGS = dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12,
+                  num_key_value_heads=4, head_dim=64, max_position_embeddings=16384,
+                  tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+
+
+def write_bpe_checkpoint(out_dir: Path, vocab: int = 32000, intermediate: int = 2048,
+                         seed: int = 0) -> None:
+    """The seeded random Llama of ``BPE_KWARGS`` saved by transformers (float32) beside its
+    trained BPE tokenizer (``harness.bpe_tokenizer``); EOS: Llama 3's three ids."""
+    import torch
+    import transformers
+
+    from harness.bpe_tokenizer import EOS_TOKENS, write_tokenizer
+
+    ids = write_tokenizer(out_dir, vocab, BPE_KWARGS["max_position_embeddings"])
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, intermediate_size=intermediate, bos_token_id=ids["<|begin_of_text|>"],
+        eos_token_id=[ids[t] for t in EOS_TOKENS], **BPE_KWARGS)
+    transformers.LlamaForCausalLM(config).to(torch.float32).eval().save_pretrained(out_dir)
+
+
+def llama_bpe_checkpoint(intermediate: int = 2048, seed: int = 0) -> Path:
+    """``write_bpe_checkpoint``'s directory (32,000 tokens), written on first use."""
+    return _cached(f"llama-h768-l12-i{intermediate}-bpe32000-s{seed}",
+                   lambda d: write_bpe_checkpoint(d, 32000, intermediate, seed))
