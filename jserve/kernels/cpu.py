@@ -1,18 +1,20 @@
-"""Attention on XLA:CPU with a native decode kernel (``attention_impl="cpu"``).
+"""Attention on XLA:CPU with native kernels (``attention_impl="cpu"``).
 
-XLA:CPU runs the jnp reference's decode attention as page gathers (a copy of every KV page
-read) and many small batched dots inside a loop; on a 2-core VM that was about a fifth of a
-batch-32 decode step of the bench model (docs/bench.md). The decode rows here go to a C++
-kernel (``native/cpu_decode_attention.cc``) called through the XLA FFI: it reads the pages in
-place, one pass over each sequence's keys with an online softmax, on XLA's own intra-op
-threads. Prefill chunks, quantized pages and anything the kernel does not take (see
-``decode_supported``) stay on the reference, so every batch the reference serves is served.
+XLA:CPU runs the jnp reference's attention as page gathers (a copy of every KV page read)
+and many small batched dots inside loops: about a fifth of a batch-32 decode step of the
+bench model on a 2-core VM, and a long prompt's prefill attention at about a quarter of the
+matmul rate with one core idle (docs/kernels.md). The decode rows and the prefill chunks go
+instead to C++ kernels (``native/cpu_decode_attention.cc``, ``native/cpu_prefill_attention.cc``)
+called through the XLA FFI: they read the pages in place with an online softmax, on XLA's
+own intra-op threads. What a kernel does not take (``decode_supported``,
+``prefill_supported``: fp8 pages, odd head sizes) stays on the reference, so every batch the
+reference serves is served.
 
-The kernel is compiled on first use with the system's C++ compiler against the FFI headers
-jaxlib ships, for this CPU (``-march=native``), into a cache keyed by the source, the flags,
-jaxlib's version and the CPU (``$JSERVE_KERNEL_CACHE``, default ``~/.cache/jserve/kernels``).
-Without a compiler, or if the build fails, ``available()`` is False (logged once) and
-``attention_impl="auto"`` means the reference on CPU, as before.
+The kernels are compiled on first use, into one library, with the system's C++ compiler
+against the FFI headers jaxlib ships, for this CPU (``-march=native``), into a cache keyed by
+the sources, the flags, jaxlib's version and the CPU (``$JSERVE_KERNEL_CACHE``, default
+``~/.cache/jserve/kernels``). Without a compiler, or if the build fails, ``available()`` is
+False (logged once) and ``attention_impl="auto"`` means the reference on CPU, as before.
 """
 from __future__ import annotations
 
@@ -87,8 +89,8 @@ def _build(path: Path) -> None:
 
 
 def available() -> bool:
-    """Whether the native decode kernel is built, loaded and registered with XLA (tried
-    once per process; the first call may compile it, a few seconds)."""
+    """Whether the native kernels are built, loaded and registered with XLA (tried once per
+    process; the first call may compile them, a few seconds)."""
     with _lock:
         if "ok" not in _state:
             try:
@@ -102,7 +104,7 @@ def available() -> bool:
                 _state["ok"] = True
             except Exception as e:  # noqa: BLE001 - the reference serves instead
                 _state.update(ok=False, error=str(e))
-                log.warning("native CPU decode attention unavailable, using the reference: %s",
+                log.warning("native CPU attention unavailable, using the reference: %s",
                             e)
         return _state["ok"]
 
