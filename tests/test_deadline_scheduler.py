@@ -18,12 +18,12 @@ CONFIG = DeadlineConfig(t_target=0.05, long_threshold=1000, chunk_granularity=50
                         quick_first=0.0)
 
 
-def _run(policy, trace, predictor=MS_PER_TOKEN, config=CONFIG, blocks=4096):
+def _run(policy, trace, predictor=MS_PER_TOKEN, config=CONFIG, blocks=4096, tokens=4096):
     clock = VirtualClock()
     sched = DeadlineScheduler(
         PageAllocator(blocks + 1, 16), policy=policy, predictor=predictor,
         prefill_cache=PrefillTimeCache(predictor, 20_000, config.t_target),
-        max_num_seqs=64, max_num_batched_tokens=4096, max_prefill_seqs=8, config=config,
+        max_num_seqs=64, max_num_batched_tokens=tokens, max_prefill_seqs=8, config=config,
         clock=clock)
     records = {r["request_id"]: r for r in simulate(sched, predictor, clock, trace, policy)}
     sched.allocator.check()
@@ -304,3 +304,44 @@ def test_a_prefill_alone_runs_a_whole_chunk_and_shares_the_budget_otherwise(poli
     assert [c.request_id for c in plan.decodes] == ["short"]
     assert chunks(plan) == {"long": 49}
     sched.allocator.check()
+
+
+# A CPU's shape (issue 56): a 35 ms step before any token, 1.6 ms a token; a 64-token prompt
+# alone takes 0.14 s, and a decode step leaves no 32-token granule inside the 50 ms budget.
+CPU_STEP = LinearPredictor((0.035, 1.6e-3, 0.0, 0.0, 0.0, 0.0))
+CPU_CONFIG = DeadlineConfig(t_target=0.05, full_chunk_alone=True)
+CPU_CONVOY = [TraceRequest("doc", 0.0, 8000, 16)] + [
+    TraceRequest(f"short-{i}", 0.5, 64, 16) for i in range(8)]
+
+
+@pytest.mark.parametrize("policy", ["lars", "edf", "lrs"])
+def test_short_prompts_are_packed_into_a_few_steps_when_the_budget_holds_none(policy):
+    """Eight 64-token prompts behind an 8,000-token document, at most 256 tokens a step.
+    Without packing (quick_first 0) each short waits for the one before it to finish
+    decoding (nothing fits beside a decode), first tokens 0.7 s apart; packed, whole
+    prompts share steps: four, three and one, the last first token 1.4 s after arrival, and
+    the document is done sooner as well (the same work in fewer steps)."""
+    packed = _run(policy, CPU_CONVOY, predictor=CPU_STEP, config=CPU_CONFIG, tokens=256)
+    alone = _run(policy, CPU_CONVOY, predictor=CPU_STEP, tokens=256,
+                 config=dataclasses.replace(CPU_CONFIG, quick_first=0.0))
+    ttft = {name: sorted(r[f"short-{i}"]["first_token_s"] - 0.5 for i in range(8))
+            for name, r in (("packed", packed), ("alone", alone))}
+    assert len(set(ttft["alone"])) == 8 and ttft["alone"][-1] > 5.0
+    assert [ttft["packed"].count(t) for t in sorted(set(ttft["packed"]))] == [4, 3, 1]
+    assert ttft["packed"][-1] < 1.4
+    assert packed["doc"]["first_token_s"] < alone["doc"]["first_token_s"]
+
+
+@pytest.mark.parametrize("policy", ["lars", "edf"])
+def test_a_packed_prompt_makes_no_prompt_of_its_step_miss_a_deadline_it_would_meet(policy):
+    """A decode runs, so no granule fits beside it; two 64-token prompts arrive. With A due
+    0.2 s after arrival, the step with A alone ends in time and one with B too would not:
+    B waits one step. With A's deadline far off both share the step."""
+    decode = TraceRequest("decode", 0.0, 1, 200)
+    tight = [decode, TraceRequest("a", 0.2, 64, 1, ttft_deadline_s=0.2),
+             TraceRequest("b", 0.2, 64, 1, ttft_deadline_s=2.0)]
+    recs = _run(policy, tight, predictor=CPU_STEP, config=CPU_CONFIG, tokens=256)
+    assert recs["a"]["first_token_s"] <= 0.4 < recs["b"]["first_token_s"]
+    loose = [decode] + [dataclasses.replace(t, ttft_deadline_s=2.0) for t in tight[1:]]
+    recs = _run(policy, loose, predictor=CPU_STEP, config=CPU_CONFIG, tokens=256)
+    assert recs["a"]["first_token_s"] == recs["b"]["first_token_s"]

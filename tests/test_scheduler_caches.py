@@ -53,8 +53,10 @@ class Reference(DeadlineScheduler):
             order = sorted(kept, key=urgency)
         else:  # stable: ties keep the kept list's order
             order = sorted(kept, key=lambda r: (key[r], r.arrival_time))
-        # No waiting candidate passed over unread (``plain`` 0), and no running one.
-        return order, set(waiting), np.zeros((3, len(order)))
+        # No waiting candidate passed over unread (``plain`` 0), and no running one; each
+        # one's total isolated prefill time from its fields.
+        total = [self.cache.lookup(len(r.token_ids)) for r in order]
+        return order, set(waiting), np.concatenate([np.zeros((3, len(order))), [total]])
 
     def _passes_over(self, req, free):
         return False  # every candidate goes through claim, fit and unclaim

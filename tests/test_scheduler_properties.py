@@ -157,6 +157,13 @@ def check_batch(sched: DeadlineScheduler, reqs: dict[str, Request], plan: BatchP
     if sched.policy == "fcfs":
         assert len(plan.prefills) <= 1  # non-preemptive, and blind to the budget
         return
+    # Short prompts finished whole (``DeadlineScheduler._whole``) may take the iteration past
+    # the budget: aside from them the batch keeps to it.
+    quick = [c for c in plan.prefills
+             if c.samples and sched.cache.lookup(before[c.request_id][1]) <= sched.pack_s]
+    plan = BatchPlan(plan.decodes, tuple(c for c in plan.prefills if c not in quick))
+    if quick and not plan.prefills:
+        return
     if pred.predict(BatchPlan(plan.decodes, ())) > cfg.t_target:
         assert not plan.prefills, "a prefill beside decodes that alone exceed the budget"
     elif not plan.decodes and pred.predict(plan) > cfg.t_target:

@@ -209,6 +209,46 @@ class DeadlineScheduler(SchedulerBase):
         return keys
 
     @property
+    def pack_s(self) -> float:
+        """Isolated prefill time up to which a prompt is short enough to be finished whole in
+        one iteration past the iteration budget (``_whole``; a long prompt's last part is
+        not): ``quick_first`` x ``t_target``, under every
+        deadline policy (0 for fcfs, which never preempts, or with quick_first 0)."""
+        return 0.0 if self.policy == "fcfs" else self.config.quick_first * self.config.t_target
+
+    def _whole(self, req: Request, cap: int, search: ChunkSearch, until: float,
+               now: float) -> int:
+        """For a short prompt (``pack_s``) that the budget left beside the plan cannot give a
+        first chunk: all of its remainder, however far past the budget, when the iteration
+        with it still ends by ``until`` (``_until``); else 0. Where a step's fixed cost and
+        the decodes beside it leave no room in the budget (a CPU), short prompts are then
+        served several to a step, not one per iteration (or none while anything decodes),
+        and none is made to miss a deadline it would have met."""
+        n = req.num_uncomputed
+        if n > cap:
+            return 0
+        return n if now + search.time(req.request_id, req.num_computed, n, True) <= until \
+            else 0
+
+    def _until(self, req: Request, plan: BatchPlan, until: float, now: float) -> float:
+        """``until`` once ``plan`` completes ``req``'s prompt: its TTFT deadline too when
+        ``plan`` still meets it (a late one is not delayed further by what joins)."""
+        deadline = req.ttft_deadline
+        if deadline is None or deadline >= until:
+            return until
+        return until if now + self.predictor.predict(plan) > deadline else deadline
+
+    def _shared_budget(self, req: Request, plan: BatchPlan, t_target: float,
+                       now: float) -> float:
+        """What of the budget a long prefill may use beside ``plan``: with space sharing, the
+        time left shrunk by its relative slack, so short prefills fit beside it."""
+        if not (self._is_long(req) and self.config.space_sharing):
+            return t_target
+        used = self.predictor.predict(plan)
+        share = 1.0 - min(max(self.relative_slack(req, now), 0.0), self.config.rho_max)
+        return used + (t_target - used) * share
+
+    @property
     def quick_s(self) -> float:
         """lars's due-first class bound: remaining work under it goes first when due
         (``DeadlineConfig.quick_first`` x ``t_target``); 0 when the order has no such class."""
@@ -230,8 +270,9 @@ class DeadlineScheduler(SchedulerBase):
         """Running prefills and the ``room`` most urgent waiting requests, in policy order
         (ties: earlier arrival, then running before waiting, then queue order); which of
         them are waiting; and for each, what ``_queued_parts`` adds to the key parts (zeros
-        for a running one). The waiting requests are keyed from the parts cached when they
-        were queued, and only the ``room`` most urgent of them are read."""
+        for a running one) and its total isolated prefill time. The waiting requests are
+        keyed from the parts cached when they were queued, and only the ``room`` most urgent
+        of them are read."""
         reqs = [r for r in self.running if r.request_id not in scheduled and not r.is_decode]
         num_running, room = len(reqs), self.max_num_seqs - len(self.running)
         cols = self._columns(reqs)
@@ -258,6 +299,7 @@ class DeadlineScheduler(SchedulerBase):
         else:
             keys = self._keys_of(cols, now)
             extra = np.zeros((3, num_running))
+        extra = np.concatenate([extra, cols[_TOTAL][None]])
         # Ties: earlier arrival (unless priorities are in play), then their order here
         # (running first, then waiting by urgency: by queue order among equal keys).
         order = np.lexsort((keys, cols[_PRIORITY]) if self._priorities
@@ -315,8 +357,8 @@ class DeadlineScheduler(SchedulerBase):
 
         granularity, t_target = self.config.chunk_granularity, self.iteration_budget(plan)
         search = ChunkSearch(self.predictor, plan, granularity)
-        used = None  # predicted time of ``plan``, when space sharing needs it
-        tokens_left = self.token_budget - plan.num_tokens
+        tokens_left, until = self.token_budget - plan.num_tokens, math.inf  # ``_until``
+        quick = (extra[3] <= self.pack_s).tolist() if self.pack_s else [False] * len(extra[3])
         # Set once not even a first granule fits beside ``plan``: until the plan changes,
         # only requests that cannot take a whole granule (short remainders, KV-bound) may fit.
         hopeless = False
@@ -329,9 +371,9 @@ class DeadlineScheduler(SchedulerBase):
             if len(plan.prefills) == self.max_prefill_seqs or tokens_left <= 0:
                 break
             queued = req in waiting
-            if hopeless and free and tokens_left >= granularity:
+            if hopeless and free and tokens_left >= granularity and not quick[i]:
                 if passable is None:
-                    uncomputed, kv_need, plain = extra
+                    uncomputed, kv_need, plain, _ = extra
                     passable = ((plain == 1) & (uncomputed >= granularity)
                                 & (free * self.allocator.page_size >= kv_need + granularity)
                                 ).tolist()
@@ -351,35 +393,35 @@ class DeadlineScheduler(SchedulerBase):
                 self._drop_dead(req)  # a window's dead pages go back before it grows
             cap = self._fits(req, min(req.num_uncomputed, tokens_left))
             if hopeless and cap >= granularity:
-                self._unclaim(req, queued, hint)
-                continue
-            if self.policy == "fcfs":
+                n = self._whole(req, cap, search, until, now) if quick[i] else 0
+                if not n:
+                    self._unclaim(req, queued, hint)
+                    continue
+            elif self.policy == "fcfs":
                 n = cap
             elif self.config.full_chunk_alone and plan.is_empty:
                 n = cap  # no decode to protect: the first in policy order, a whole chunk
             else:
-                budget = t_target
-                if long and self.config.space_sharing:
-                    used = self.predictor.predict(plan) if used is None else used
-                    rho = self.relative_slack(req, now)
-                    share = 1.0 - min(max(rho, 0.0), self.config.rho_max)
-                    budget = used + (budget - used) * share
                 n = search.largest(req.request_id, req.num_computed, req.num_uncomputed,
-                                   budget, max_chunk=cap)
+                                   self._shared_budget(req, plan, t_target, now),
+                                   max_chunk=cap)
                 if n == 0 and plan.is_empty:
                     n = min(cap, granularity)  # always make progress
-                elif n == 0 and not hopeless:
-                    hopeless = search.missed(0, granularity, False, t_target)
-                    if hopeless and self.allocator.groups == 1:
-                        free, passable = self.allocator.extendable(()), None
+                elif n == 0:  # none fits beside ``plan``: a short prompt may, whole
+                    n = self._whole(req, cap, search, until, now) if quick[i] else 0
+                    if not n and not hopeless:
+                        hopeless = search.missed(0, granularity, False, t_target)
+                        if hopeless and self.allocator.groups == 1:
+                            free, passable = self.allocator.extendable(()), None
             if n <= 0 or not self._grow(req, req.num_computed + n):
                 self._unclaim(req, queued, hint)
                 continue
             if queued:
                 self._admit(req)
-            plan = with_chunk(plan, req.request_id, req.num_computed, n,
-                              req.num_computed + n == len(req.token_ids))
-            search, used, hopeless = ChunkSearch(self.predictor, plan, granularity), None, False
+            last = req.num_computed + n == len(req.token_ids)
+            plan = with_chunk(plan, req.request_id, req.num_computed, n, last)
+            until = self._until(req, plan, until, now) if last and self.pack_s else until
+            search, hopeless = ChunkSearch(self.predictor, plan, granularity), False
             tokens_left -= n
             has_long |= long
             has_spanning |= spans
