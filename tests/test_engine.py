@@ -194,7 +194,8 @@ def test_the_layer_mode_follows_backend_depth_and_pipeline():
     auto = EngineConfig()
     assert auto.layer_mode(32, 1, "gpu") == "sliced-indexed"
     assert auto.layer_mode(32, 2, "gpu") == "indexed"
-    assert auto.layer_mode(8, 1, "cpu") == "unrolled" and auto.layer_mode(16, 1, "cpu") == "loop"
+    assert auto.layer_mode(8, 1, "cpu") == "unrolled" and auto.layer_mode(64, 2, "cpu") == \
+        "unrolled"
     assert auto.layer_mode(16, 2, "tpu") == "unrolled" and auto.layer_mode(16, 1, "tpu") == \
         "indexed"
     assert EngineConfig(layer_loop="loop").layer_mode(4, 1, "gpu") == "loop"

@@ -18,6 +18,7 @@ whose matmuls read each layer's tiles in place (``jserve.kernels.layer_matmul``)
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -134,6 +135,19 @@ def test_cpu_loop_step_copies_every_layer_matrix(engines):
     ``scripts/bench_layer_loop.py`` counts every mode)."""
     hlo = engines["loop"].runner.programs.lowering.lower(SHAPE)[0].compile().as_text()
     assert layer_matrix_copies(hlo, DEFAULT_CONFIG) == 4
+
+
+@pytest.mark.parametrize("layers", [12, 32])
+def test_cpu_auto_step_copies_no_layer_matrix_at_any_depth(layers):
+    """``auto`` on CPU unrolls deep models too: the optimized decode step of a 12- and a
+    32-layer model materialises no layer matrix (the loop's would, every layer)."""
+    cfg = dataclasses.replace(DEFAULT_CONFIG, num_hidden_layers=layers)
+    eng = LLMEngine(cfg, init_params(cfg), None, EngineConfig(
+        max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, warmup=False,
+        enable_prefix_caching=False))
+    assert eng.config.layer_mode(layers, 1) == "unrolled"
+    hlo = eng.runner.programs.lowering.lower(SHAPE)[0].compile().as_text()
+    assert layer_matrix_copies(hlo, cfg) == 0
 
 
 def test_layer_loop_option_is_wired():

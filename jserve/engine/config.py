@@ -114,9 +114,11 @@ class EngineConfig:
     # copy sliced layers: 1.41 GB a step at 1B on an H100, ``jserve compile``), the steps
     # with prefill tokens sliced (XLA's GEMMs for the large matmuls).
     # "auto": sliced-indexed on GPU without spp (sliced for a model whose KV layer groups
-    # need every step's layers unrolled); else unrolled up to 8 layers per pipeline stage
-    # (the whole model without spp), else indexed on GPU and TPU and the loop on CPU.
-    # (docs/device.md, "Compiled for".)
+    # need every step's layers unrolled); unrolled on CPU at any depth (the loop's copies
+    # made a 12-layer decode step 1.7x slower, more than deeper unrolled programs cost to
+    # compile once: docs/kernels.md); else unrolled up to 8 layers per pipeline stage (the
+    # whole model without spp), else indexed on GPU and TPU. (docs/device.md, "Compiled
+    # for".)
     layer_loop: str = "auto"
     seed: int = 0                      # draws seeds for requests that give none
     # "tp=2,kvp=2,spp=2" (sharding.MeshConfig: dp, spp, kvp, ep, tp); dp is not supported yet.
@@ -184,11 +186,12 @@ class EngineConfig:
             backend = jserve_backend.current()
         if spp == 1 and backend == "gpu":
             return "sliced" if windowed else "sliced-indexed"
-        if num_layers // spp <= 8:
+        # XLA:CPU copies each layer's matrices out of the loop's stack every step, and its
+        # indexed kernel is interpreted; XLA:GPU copies too, libtpu at batch 32 (docs/device.md,
+        # "Compiled for"): the indexed loop reads them in place
+        if backend == "cpu" or num_layers // spp <= 8:
             return "unrolled"
-        # XLA:GPU copies each layer's weights out of the loop's stack, libtpu at batch 32
-        # (docs/device.md, "Compiled for"); the indexed loop reads them in place
-        return "indexed" if backend in ("gpu", "tpu") else "loop"
+        return "indexed"
 
     def _check_runner(self) -> None:
         """``runner`` and ``pooler_config`` (made a ``PoolingSpec``), and what pooling
