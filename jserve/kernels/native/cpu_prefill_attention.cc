@@ -34,7 +34,10 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kKeys = 16;       // key positions a block: one vector of scores a row
+constexpr int kKeys = 16;       // floats a vector
+constexpr int kVecs = 4;        // vectors of key positions a block
+constexpr int kBlock = kKeys * kVecs;
+constexpr int kRows = 4;        // rows whose scores are computed together
 constexpr int kTileRows = 64;   // query rows (tokens x group) a work item, at least one token
 constexpr int kMaxDim = 256;    // head_dim (a multiple of kKeys)
 typedef float v16 __attribute__((vector_size(kKeys * sizeof(float))));
@@ -104,15 +107,15 @@ struct Problem {
   std::vector<Tile> tiles;
 };
 
-// A block's keys, transposed ([D][kKeys]: a vector of scores is sum_d q[d] * kt[d]), and
-// its values [kKeys][D]; positions past `n` are zero.
+// A block's keys, transposed ([D][kVecs] vectors: a row's scores are sum_d q[d] * kt[d]),
+// and its values [kBlock][D]; positions past `n` are zero.
 template <typename T>
 void gather(const Problem<T>& p, int64_t h, int64_t seq, int64_t k0, int64_t n, v16* kt,
             float* vb) {
   const int64_t d = p.d, s_n = p.page_size;
   const int64_t base = (p.layer * p.hkv + h) * p.pages;
-  std::memset(kt, 0, sizeof(v16) * d);
-  std::memset(vb, 0, sizeof(float) * kKeys * d);
+  std::memset(kt, 0, sizeof(v16) * d * kVecs);
+  std::memset(vb, 0, sizeof(float) * kBlock * d);
   for (int64_t j = 0; j < n; ++j) {
     const int64_t at = k0 + j;
     const int64_t slot = (base + p.page_table[seq * p.width + at / s_n]) * s_n + at % s_n;
@@ -120,52 +123,74 @@ void gather(const Problem<T>& p, int64_t h, int64_t seq, int64_t k0, int64_t n, 
     const float vs = p.v_scale ? p.v_scale[slot] : 1.0f;
     const T* kr = p.k + slot * d;
     const T* vr = p.v + slot * d;
+    v16* kcol = kt + j / kKeys;
+    const int lane = static_cast<int>(j % kKeys);
     for (int64_t i = 0; i < d; ++i) {
-      kt[i][j] = load(kr + i) * ks;
+      kcol[i * kVecs][lane] = load(kr + i) * ks;
       vb[j * d + i] = load(vr + i) * vs;
     }
   }
 }
 
-// Scores of four rows against a block: four independent chains of vector FMAs.
-inline void scores4(const float* q, int64_t d, int64_t rows, const v16* kt, v16* s) {
-  v16 a0 = kZero, a1 = kZero, a2 = kZero, a3 = kZero;
-  const float* q0 = q;
-  const float* q1 = rows > 1 ? q + d : q;
-  const float* q2 = rows > 2 ? q + 2 * d : q;
-  const float* q3 = rows > 3 ? q + 3 * d : q;
-  for (int64_t i = 0; i < d; ++i) {
-    a0 += q0[i] * kt[i];
-    a1 += q1[i] * kt[i];
-    a2 += q2[i] * kt[i];
-    a3 += q3[i] * kt[i];
+// Scores of kRows rows against a block: kRows x kVecs independent chains of vector FMAs,
+// each key vector loaded once for all rows. Rows past `rows` repeat the last.
+inline void scores(const float* q, int64_t d, int64_t rows, const v16* kt, v16 (*s)[kVecs]) {
+  const float* qr[kRows];
+  v16 a[kRows][kVecs];
+  for (int r = 0; r < kRows; ++r) {
+    qr[r] = q + std::min<int64_t>(r, rows - 1) * d;
+    for (int v = 0; v < kVecs; ++v) a[r][v] = kZero;
   }
-  s[0] = a0;
-  s[1] = a1;
-  s[2] = a2;
-  s[3] = a3;
+  for (int64_t i = 0; i < d; ++i) {
+    const v16* k = kt + i * kVecs;
+#pragma GCC unroll 4
+    for (int r = 0; r < kRows; ++r) {
+      const float x = qr[r][i];
+#pragma GCC unroll 4
+      for (int v = 0; v < kVecs; ++v) a[r][v] += x * k[v];
+    }
+  }
+  for (int r = 0; r < kRows; ++r)
+    for (int v = 0; v < kVecs; ++v) s[r][v] = a[r][v];
 }
 
-// One row's online-softmax step over a block: `valid` marks its keys (some are).
-inline void update(v16 s, i16 valid, int64_t d, int64_t n, const float* vb, float* m, float* l,
-                   float* acc) {
-  s = valid ? s : kZero - INFINITY;
-  const float top = std::max(*m, hmax(s));
-  const v16 w = valid ? vexp(s - top) : kZero;
+// One row's online-softmax step over a block: keys k0 + [0, n) at or after `first`, at or
+// before `pos` are its own (some are).
+inline void update(const v16* s, int32_t k0, int32_t first, int32_t pos, int64_t d, int64_t n,
+                   const float* vb, float* m, float* l, float* acc) {
+  i16 lane;
+  for (int j = 0; j < kKeys; ++j) lane[j] = j;
+  v16 w[kVecs];
+  i16 valid[kVecs];
+  v16 top_v = kZero - INFINITY;
+  for (int v = 0; v < kVecs; ++v) {
+    const i16 key = lane + (k0 + v * kKeys);
+    valid[v] = (key <= pos) & (key >= first) & (key < static_cast<int32_t>(k0 + n));
+    w[v] = valid[v] ? s[v] : kZero - INFINITY;
+    top_v = top_v > w[v] ? top_v : w[v];
+  }
+  const float top = std::max(*m, hmax(top_v));
+  v16 sum = kZero;
+  for (int v = 0; v < kVecs; ++v) {
+    w[v] = valid[v] ? vexp(w[v] - top) : kZero;
+    sum += w[v];
+  }
   const float alpha = std::exp(*m - top);
-  *l = *l * alpha + hsum(w);
+  *l = *l * alpha + hsum(sum);
   *m = top;
   // four output vectors at a time held in registers across the block's keys: four
   // independent chains of FMAs, and no store of the accumulator between keys
+  const float* wf = reinterpret_cast<const float*>(w);
   v16* a = reinterpret_cast<v16*>(acc);
   const v16* vr = reinterpret_cast<const v16*>(vb);
   const int64_t chunks = d / kKeys;
+  const int64_t j_lo = std::max<int64_t>(0, first - k0), j_hi = std::min<int64_t>(n, pos - k0 + 1);
   for (int64_t c = 0; c < chunks; c += 4) {
     const int64_t nc = std::min<int64_t>(4, chunks - c);
     v16 a0 = a[c] * alpha, a1 = nc > 1 ? a[c + 1] * alpha : kZero;
     v16 a2 = nc > 2 ? a[c + 2] * alpha : kZero, a3 = nc > 3 ? a[c + 3] * alpha : kZero;
-    for (int64_t j = 0; j < n; ++j) {
-      const float wj = w[j];
+    for (int64_t j = j_lo; j < j_hi; ++j) {
+      const float wj = wf[j];
       const v16* row = vr + j * chunks + c;
       a0 += wj * row[0];
       if (nc > 1) a1 += wj * row[1];
@@ -185,8 +210,8 @@ void attend(const Problem<T>& p, int64_t h, const Tile& tile) {
   // vectors, not floats, so that every row of them is aligned for vector loads
   thread_local std::vector<v16> kt_buf, vb_buf, acc_buf;
   thread_local std::vector<float> m, l;
-  kt_buf.resize(d);
-  vb_buf.resize(d);  // [kKeys][D] floats
+  kt_buf.resize(d * kVecs);
+  vb_buf.resize(d * kVecs);  // [kBlock][D] floats
   acc_buf.resize(rows * d / kKeys);
   float* vb = reinterpret_cast<float*>(vb_buf.data());
   m.assign(rows, -INFINITY);
@@ -200,23 +225,19 @@ void attend(const Problem<T>& p, int64_t h, const Tile& tile) {
     hi = std::max<int64_t>(hi, p.q_pos[tile.start + i] + 1);
   }
   hi = std::min<int64_t>(hi, std::min<int64_t>(p.kv_lens[tile.seq], p.width * p.page_size));
-  i16 lane;
-  for (int j = 0; j < kKeys; ++j) lane[j] = j;
-  for (int64_t k0 = lo / kKeys * kKeys; k0 < hi; k0 += kKeys) {
-    const int64_t n = std::min<int64_t>(kKeys, hi - k0);
+  for (int64_t k0 = lo / kKeys * kKeys; k0 < hi; k0 += kBlock) {
+    const int64_t n = std::min<int64_t>(kBlock, hi - k0);
     gather(p, h, tile.seq, k0, n, kt_buf.data(), vb);
-    const i16 key = lane + static_cast<int32_t>(k0);
-    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-      const int64_t nr = std::min<int64_t>(4, rows - r0);
-      v16 s[4];
-      scores4(q + r0 * d, d, nr, kt_buf.data(), s);
+    for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+      const int64_t nr = std::min<int64_t>(kRows, rows - r0);
+      v16 s[kRows][kVecs];
+      scores(q + r0 * d, d, nr, kt_buf.data(), s);
       for (int64_t r = r0; r < r0 + nr; ++r) {
         const int64_t tok = tile.start + r / g;
-        const int32_t pos = p.q_pos[tok], first = p.q_lo[tok];
-        const i16 valid = (key <= pos) & (key >= first) & (key < static_cast<int32_t>(hi));
-        bool any = false;
-        for (int j = 0; j < kKeys; ++j) any |= valid[j] != 0;
-        if (any) update(s[r - r0], valid, d, n, vb, &m[r], &l[r], acc + r * d);
+        const int32_t pos = std::min<int32_t>(p.q_pos[tok], hi - 1);
+        const int32_t first = std::max<int32_t>(0, p.q_lo[tok]);
+        if (k0 <= pos && first < k0 + n)  // some key of the block is the row's
+          update(s[r - r0], k0, first, pos, d, n, vb, &m[r], &l[r], acc + r * d);
       }
     }
   }
