@@ -2,6 +2,7 @@
 
     python scripts/bench_kernels.py                 # full grid (GPU or TPU; tens of minutes)
     python scripts/bench_kernels.py --sanity        # tiny interpreted cases (the default on CPU)
+    python scripts/bench_kernels.py --cpu           # the native CPU kernels (jserve.kernels.cpu)
     python scripts/bench_kernels.py --out kernels.json --peak-tflops 989 --peak-tbps 3.35
 
 What it measures (Llama-3-8B attention shapes: 32 query / 8 KV heads, head_dim 128, bf16,
@@ -20,6 +21,10 @@ For each cell: kernel time, reference time and their ratio; achieved FLOP/s (4 x
 query heads per attended key-query pair: QK^T and PV) and bytes/s (the compulsory traffic:
 every attended K and V row read once, Q read and the output written once), each also as a
 fraction of the device's peak (a table below for known GPUs, else ``--peak-*``).
+
+``--cpu`` times the native CPU kernels against the reference on the 12-layer bench
+checkpoint's heads (12 query / 4 KV, head_dim 64, float32): prefill chunks of 512 and 2048
+tokens at 1K-4K of context, and a batch of 32 decodes at 1K.
 
 ``--sanity`` runs a few tiny cases with the kernels interpreted, checks them against the
 reference and prints times that say nothing about performance (interpreter overhead only).
@@ -124,6 +129,17 @@ def full(impl, reps, peaks, budget_bytes):
     return dict(rows=rows, medha_ratio_1m=ratio)
 
 
+BENCH_HEADS = Heads(hq=12, hkv=4, d=64, dtype=jnp.float32)
+CPU_CELLS = (("prefill", 1, 1024, 512), ("prefill", 1, 4096, 512), ("prefill", 1, 4096, 2048),
+             ("decode", 32, 1024, 1))
+
+
+def cpu(reps):
+    """The native CPU kernels (``impl="cpu"``) against the reference on ``CPU_CELLS``."""
+    return dict(rows=[run_cell(kind, n, kv, chunk, "cpu", reps, None, BENCH_HEADS)
+                      for kind, n, kv, chunk in CPU_CELLS])
+
+
 def sanity(impls):
     """Tiny cases with the kernels interpreted: correctness and plumbing, no performance."""
     heads = Heads(hq=8, hkv=2, d=64, dtype=jnp.float32)
@@ -143,6 +159,7 @@ def sanity(impls):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sanity", action="store_true", help="tiny interpreted cases only")
+    ap.add_argument("--cpu", action="store_true", help="the native CPU kernels")
     ap.add_argument("--impl", default="auto", help="kernel to time (default: the backend's)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--kv-budget-gib", type=float, default=32.0)
@@ -154,7 +171,10 @@ def main() -> None:
     impl = resolve_impl(args.impl)
     device = jax.devices()[0].device_kind
     print(f"backend={backend} device={device}")
-    if args.sanity or backend == "cpu":
+    if args.cpu:
+        impl = "cpu"
+        result = cpu(args.reps)
+    elif args.sanity or backend == "cpu":
         result = sanity(["pallas_gpu", "pallas_tpu"] if args.impl == "auto" else [impl])
     else:
         if impl == "reference":

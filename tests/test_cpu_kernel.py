@@ -50,16 +50,18 @@ def test_native_decode_matches_the_reference(hq, hkv, d, dtype, max_ctx):
     assert np.all(np.asarray(out, np.float32)[empty] == 0)
 
 
-def test_native_decode_reads_a_traced_layer_of_a_stacked_cache():
+@pytest.mark.parametrize("decode_ctx, prefill, target", [
+    ([9, 30, 0], [], TARGET), ([], [(20, 30)], PREFILL)])
+def test_native_kernels_read_a_traced_layer_of_a_stacked_cache(decode_ctx, prefill, target):
     rng = np.random.default_rng(3)
-    q, kp, vp, meta, _ = ragged_case(rng, [9, 30, 0], [], hq=8, hkv=2, d=64, page_size=4,
-                                     width=16)
+    q, kp, vp, meta, _ = ragged_case(rng, decode_ctx, prefill, hq=8, hkv=2, d=64,
+                                     page_size=4, width=16)
     noise = lambda: rng.normal(size=(3, *kp.shape))  # noqa: E731
     k_stack = jnp.asarray(noise(), jnp.float32).at[1].set(kp)
     v_stack = jnp.asarray(noise(), jnp.float32).at[1].set(vp)
     at_layer = lambda q, k, v, meta, i: cpu.ragged_paged_attention(q, k, v, meta, layer=i)  # noqa: E731
     args = (jnp.asarray(q), k_stack, v_stack, meta, jnp.int32(1))
-    assert native_calls(at_layer, *args) == 1
+    assert native_calls(at_layer, *args, target=target) == 1
     out, lse = jax.jit(at_layer)(*args)
     ref_out, ref_lse = reference(jnp.asarray(q), jnp.asarray(kp), jnp.asarray(vp), meta)
     np.testing.assert_allclose(out, ref_out, atol=2e-5, rtol=2e-5)
@@ -102,22 +104,6 @@ def test_native_prefill_matches_the_reference(hq, hkv, d, kind, page_size, prefi
     empty = np.isneginf(np.asarray(ref_lse))  # padding tokens: 0 and -inf exactly
     assert empty.any() and np.array_equal(np.isneginf(np.asarray(lse)), empty)
     assert np.all(np.asarray(out)[empty] == 0)
-
-
-def test_native_prefill_reads_a_traced_layer_of_a_stacked_cache():
-    rng = np.random.default_rng(4)
-    q, kp, vp, meta, _ = ragged_case(rng, [], [(20, 30)], hq=8, hkv=2, d=64, page_size=4,
-                                     width=16)
-    noise = lambda: rng.normal(size=(3, *kp.shape))  # noqa: E731
-    k_stack = jnp.asarray(noise(), jnp.float32).at[2].set(kp)
-    v_stack = jnp.asarray(noise(), jnp.float32).at[2].set(vp)
-    at_layer = lambda q, k, v, meta, i: cpu.ragged_paged_attention(q, k, v, meta, layer=i)  # noqa: E731
-    args = (jnp.asarray(q), k_stack, v_stack, meta, jnp.int32(2))
-    assert native_calls(at_layer, *args, target=PREFILL) == 1
-    out, lse = jax.jit(at_layer)(*args)
-    ref_out, ref_lse = reference(jnp.asarray(q), jnp.asarray(kp), jnp.asarray(vp), meta)
-    np.testing.assert_allclose(out, ref_out, atol=2e-5, rtol=2e-5)
-    np.testing.assert_allclose(lse, ref_lse, atol=2e-5, rtol=2e-5)
 
 
 def test_reference_prefill_lse_counts_each_row_once_when_its_last_tile_is_clamped():

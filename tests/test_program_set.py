@@ -47,22 +47,23 @@ def test_a_mixed_trace_compiles_nothing_after_start():
     llm = LLM("default")  # default settings: warmup "all", the persistent cache
     eng = llm.engine
     programs, shapes = eng.runner.programs, eng.buckets.all_shapes()
-    # 6 decode-only steps, prefill 16/64/256 with no or all 32 decode rows; the sampler; the
-    # swap gather and scatter.
-    assert sorted(shapes) == [(0, 16), (0, 64), (0, 256), (1, 0), (2, 0), (4, 0), (8, 0),
-                              (16, 0), (32, 0), (32, 16), (32, 64), (32, 256)]
-    assert programs.compile_count == programs.compiled_up_front == 15 <= 16
+    # 6 decode-only steps, prefill 16/32/64/128/256 (a CPU's ladder) with no or all 32
+    # decode rows; the sampler; the swap gather and scatter.
+    prefill = [16, 32, 64, 128, 256]
+    assert sorted(shapes) == sorted([(0, p) for p in prefill] + [(32, p) for p in prefill]
+                                    + [(d, 0) for d in (1, 2, 4, 8, 16, 32)])
+    assert programs.compile_count == programs.compiled_up_front == 19
     assert set(programs.steps) == set(shapes) and programs.movers is not None
-    assert eng.startup.cached + eng.startup.compiled == 15 and eng.startup.deferred == 0
+    assert eng.startup.cached + eng.startup.compiled == 19 and eng.startup.deferred == 0
     assert (f"on cpu (1 x cpu), attention {resolve_impl('auto')}, layers unrolled, dtype "
             "float32: ") in eng.startup.line()
-    assert "(15 programs: " in eng.startup.line()
+    assert "(19 programs: " in eng.startup.line()
 
     trace = mixed_trace(num_requests=36, max_prompt=3000, max_output=200, waves=3, seed=1)
     before = _compiles()
     out = _run_in_waves(eng, trace, steps_between=6)
     assert _compiles() == before  # no XLA compile, nor a persistent-cache read, while serving
-    assert programs.compile_count == 15 and not programs.padded
+    assert programs.compile_count == 19 and not programs.padded
     assert {t.request_id: t.output_tokens for t in trace} == {
         rid: len(tokens) for rid, tokens in out.items()}
     ran = set(eng.runner.executed)

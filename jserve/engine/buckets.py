@@ -10,13 +10,14 @@ page-table width is one size. Two families, each one ladder:
 
 - decode-only steps (the steady state of serving): 1, 2, 4, 8 rows, then 4x up to the most
   decodes. On CPU a 1-row step is a matrix-vector product, about twice as fast as 4 rows.
-- steps with prefill tokens: the prefill tokens on a 4x ladder (16, 64, 256, ...), with
-  either no decode rows or all of them. A padded decode row costs its token's forward only
-  (its attention is skipped: its context length is 0), a few percent of a step that carries
-  a prefill chunk, so a finer grid of decode rows would buy little and cost a program each.
+- steps with prefill tokens: the prefill tokens on a ladder (``ladder_factor``: 16, 64,
+  256, ... on an accelerator; 16, 32, 64, ... on a CPU), with either no decode rows or all
+  of them. A padded decode row costs its token's forward only (its attention is skipped:
+  its context length is 0), a small share of a step that carries a prefill chunk, so a
+  finer grid of decode rows would buy little and cost a program each.
 
-The default engine (32 sequences, 256-token budget) has 6 + 2 x 3 = 12 step shapes
-(docs/startup.md)."""
+The default engine (32 sequences, 256-token budget) has 6 + 2 x 3 = 12 step shapes on an
+accelerator, 6 + 2 x 5 = 16 on a CPU (docs/startup.md)."""
 from __future__ import annotations
 
 import bisect
@@ -25,6 +26,15 @@ import dataclasses
 from jserve.kernels.reference import PAGES_PER_BLOCK
 
 LADDER_FACTOR = 4
+
+
+def ladder_factor(platform: str) -> int:
+    """How the prefill-token sizes grow on ``platform``. A CPU's step costs the compute of
+    every padded token (a 128-token prompt padded to 256 took as long as 256 tokens: 0.24-0.27
+    s on the 12-layer bench checkpoint of ``scripts/bench_vs_vllm.py``, 64 tokens 0.08 s), so
+    its sizes double; an accelerator's step at these sizes is bound by launches and bytes
+    more than by tokens, and 4x keeps its program set small."""
+    return 2 if platform == "cpu" else LADDER_FACTOR
 
 
 def _ladder(lo: int, hi: int, factor: int = LADDER_FACTOR) -> tuple[int, ...]:
@@ -57,9 +67,9 @@ class Buckets:
     def for_limits(cls, *, max_num_seqs: int, token_budget: int, max_prefill_seqs: int,
                    max_model_len: int, page_size: int,
                    pages_per_block: int = PAGES_PER_BLOCK, kvp: int = 1,
-                   draft_tokens: int = 0) -> "Buckets":
+                   draft_tokens: int = 0, factor: int = LADDER_FACTOR) -> "Buckets":
         """``draft_tokens``: speculative decoding's k, each decode then takes up to 1 + k
-        decode rows."""
+        decode rows; ``factor``: the prefill-token ladder's (``ladder_factor``)."""
         # Each group's block of the table is padded like a whole table, so the kernels read
         # it (and L = its width x page_size tokens per group) on every group alike.
         pages_per_seq = -(-max_model_len // page_size)
@@ -69,7 +79,7 @@ class Buckets:
         decodes = min(max_num_seqs * (1 + draft_tokens), token_budget)
         return cls(
             decode_rows=(0, decodes),  # a step with prefill tokens: no decodes, or all
-            prefill_tokens=(0,) + _ladder(min(16, token_budget), token_budget),
+            prefill_tokens=(0,) + _ladder(min(16, token_budget), token_budget, factor),
             prefill_rows=max_prefill_seqs,
             page_table_width=width * kvp,
             kvp=kvp,

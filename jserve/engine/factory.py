@@ -25,7 +25,7 @@ from jserve.config import ModelConfig
 from jserve.engine import prompt_logprobs
 from jserve.engine.abstract import abstract_kv_cache, params_on_one_device
 from jserve.engine.adapters import build_adapters
-from jserve.engine.buckets import Buckets
+from jserve.engine.buckets import Buckets, ladder_factor
 from jserve.engine.burst import DecodeBursts
 from jserve.engine.config import EngineConfig, layer_flags
 from jserve.engine.kv_groups import KVGroups, kv_groups
@@ -120,7 +120,8 @@ class Geometry:
 
 
 def engine_geometry(cfg: ModelConfig, config: EngineConfig) -> Geometry:
-    """The mesh, context length, buckets and pool cap ``LLMEngine`` would use."""
+    """The mesh, context length, buckets and pool cap ``LLMEngine`` would use (the buckets
+    for the platform programs are built for: ``jserve.backend.current``)."""
     mc = MeshConfig.parse(config.mesh)
     if mc.dp > 1:
         raise ValueError(f"mesh {config.mesh!r}: dp > 1 not supported yet (tensor, "
@@ -138,7 +139,8 @@ def engine_geometry(cfg: ModelConfig, config: EngineConfig) -> Geometry:
         max_prefill_seqs=config.max_prefill_seqs, max_model_len=max_model_len,
         page_size=config.page_size, kvp=mc.kvp,
         draft_tokens=(config.speculative_config.num_speculative_tokens
-                      if config.speculative_config else 0))
+                      if config.speculative_config else 0),
+        factor=ladder_factor(jserve_backend.current()))
     window = cfg.kv_window if mc.kvp == 1 else None
     max_chunk = max(budget, config.burst_steps())  # a step's tokens: a chunk, or a burst's
     pages_per_seq = (held_pages(max_model_len, config.page_size, window, max_chunk)
