@@ -212,8 +212,8 @@ class DeadlineScheduler(SchedulerBase):
     def pack_s(self) -> float:
         """Isolated prefill time up to which a prompt is short enough to be finished whole in
         one iteration past the iteration budget (``_whole``; a long prompt's last part is
-        not): ``quick_first`` x ``t_target``, under every
-        deadline policy (0 for fcfs, which never preempts, or with quick_first 0)."""
+        not): ``quick_first`` x ``t_target`` under every deadline policy; 0 for fcfs, which
+        never preempts, or with quick_first 0."""
         return 0.0 if self.policy == "fcfs" else self.config.quick_first * self.config.t_target
 
     def _whole(self, req: Request, cap: int, search: ChunkSearch, until: float,
