@@ -116,7 +116,7 @@ class EngineConfig:
     # "auto": sliced-indexed on GPU without spp (sliced for a model whose KV layer groups
     # need every step's layers unrolled); unrolled on CPU at any depth (the loop's copies
     # made a 12-layer decode step 1.7x slower, more than deeper unrolled programs cost to
-    # compile once: docs/kernels.md); else unrolled up to 8 layers per pipeline stage (the
+    # compile once: docs/startup.md); else unrolled up to 8 layers per pipeline stage (the
     # whole model without spp), else indexed on GPU and TPU. (docs/device.md, "Compiled
     # for".)
     layer_loop: str = "auto"
