@@ -26,6 +26,11 @@ class ChunkSearch:
         self._missed: list[tuple[float, int, int, bool]] = []  # (budget, start, n, samples)
 
     @functools.cached_property
+    def plan_time(self) -> float:
+        """The plan's own predicted time (space sharing and packing ask; once a plan)."""
+        return self.predictor.predict(self.plan)
+
+    @functools.cached_property
     def time(self) -> ChunkTimer:
         """Prepared on the first probe: a batch may need none (fcfs, nothing left to pack)."""
         return chunk_timer(self.predictor, self.plan)

@@ -230,21 +230,23 @@ class DeadlineScheduler(SchedulerBase):
         return n if now + search.time(req.request_id, req.num_computed, n, True) <= until \
             else 0
 
-    def _until(self, req: Request, plan: BatchPlan, until: float, now: float) -> float:
-        """``until`` once ``plan`` completes ``req``'s prompt: its TTFT deadline too when
-        ``plan`` still meets it (a late one is not delayed further by what joins)."""
+    @staticmethod
+    def _until(req: Request, search: ChunkSearch, until: float, now: float) -> float:
+        """``until`` once the plan of ``search`` completes ``req``'s prompt: its TTFT deadline
+        too when that plan still meets it (a late one is not delayed further by what joins)."""
         deadline = req.ttft_deadline
         if deadline is None or deadline >= until:
             return until
-        return until if now + self.predictor.predict(plan) > deadline else deadline
+        return until if now + search.plan_time > deadline else deadline
 
-    def _shared_budget(self, req: Request, plan: BatchPlan, t_target: float,
+    def _shared_budget(self, req: Request, search: ChunkSearch, t_target: float,
                        now: float) -> float:
-        """What of the budget a long prefill may use beside ``plan``: with space sharing, the
-        time left shrunk by its relative slack, so short prefills fit beside it."""
+        """What of the budget a long prefill may use beside the plan of ``search``: with
+        space sharing, the time left shrunk by its relative slack, so short prefills fit
+        beside it."""
         if not (self._is_long(req) and self.config.space_sharing):
             return t_target
-        used = self.predictor.predict(plan)
+        used = search.plan_time
         share = 1.0 - min(max(self.relative_slack(req, now), 0.0), self.config.rho_max)
         return used + (t_target - used) * share
 
@@ -252,9 +254,7 @@ class DeadlineScheduler(SchedulerBase):
     def quick_s(self) -> float:
         """lars's due-first class bound: remaining work under it goes first when due
         (``DeadlineConfig.quick_first`` x ``t_target``); 0 when the order has no such class."""
-        if self.policy != "lars" or not self.config.due_first:
-            return 0.0
-        return self.config.quick_first * self.config.t_target
+        return self.pack_s if self.policy == "lars" and self.config.due_first else 0.0
 
     def _victim(self) -> Request:
         keys = self._keys(self.running, self.clock()).tolist()
@@ -403,7 +403,7 @@ class DeadlineScheduler(SchedulerBase):
                 n = cap  # no decode to protect: the first in policy order, a whole chunk
             else:
                 n = search.largest(req.request_id, req.num_computed, req.num_uncomputed,
-                                   self._shared_budget(req, plan, t_target, now),
+                                   self._shared_budget(req, search, t_target, now),
                                    max_chunk=cap)
                 if n == 0 and plan.is_empty:
                     n = min(cap, granularity)  # always make progress
@@ -420,8 +420,8 @@ class DeadlineScheduler(SchedulerBase):
                 self._admit(req)
             last = req.num_computed + n == len(req.token_ids)
             plan = with_chunk(plan, req.request_id, req.num_computed, n, last)
-            until = self._until(req, plan, until, now) if last and self.pack_s else until
             search, hopeless = ChunkSearch(self.predictor, plan, granularity), False
+            until = self._until(req, search, until, now) if last and self.pack_s else until
             tokens_left -= n
             has_long |= long
             has_spanning |= spans

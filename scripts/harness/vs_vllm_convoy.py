@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import statistics
 import subprocess
 import time
@@ -19,14 +18,9 @@ import httpx2 as httpx
 
 from harness.vs_vllm import HARNESS, ROOT, child_env, random_prompts, rotated, sides
 from jserve.bench.metrics import percentile
+from jserve.serving.engines import free_port
 
 MODEL_NAME = "bench"  # --served-model-name of every server
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
