@@ -8,7 +8,8 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {"LLM": "jserve.llm", "SamplingParams": "jserve.sampling.params",
-            "RequestOutput": "jserve.engine.output", "CompletionOutput": "jserve.engine.output",
+            "RequestOutput": "jserve.engine.requests.output",
+            "CompletionOutput": "jserve.engine.requests.output",
             "LoRARequest": "jserve.lora.config"}
 __all__ = list(_EXPORTS)
 __version__ = "0.1.0"

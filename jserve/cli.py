@@ -11,8 +11,8 @@ import argparse
 import sys
 
 from jserve.config import KV_CACHE_DTYPES, QUANTIZATIONS
-from jserve.engine.args import add_engine_args, engine_kwargs, kv_cache_dtype, llm_from_args
 from jserve.engine.config import EngineConfig
+from jserve.flags.args import add_engine_args, engine_kwargs, kv_cache_dtype, llm_from_args
 from jserve.log_setup import configure_logging
 from jserve.routing import MODES
 
@@ -90,8 +90,8 @@ def _convert(a: argparse.Namespace) -> int:
 
 
 def _profile(a: argparse.Namespace) -> int:
-    from jserve.engine.profiler import fit_predictor, profile_samples
-    from jserve.engine.timing import default_predictor_path
+    from jserve.engine.loop.profiler import fit_predictor, profile_samples
+    from jserve.engine.loop.timing import default_predictor_path
     from jserve.scheduler.predictor import FEATURES
 
     llm = llm_from_args(a)
@@ -160,7 +160,7 @@ def _plan(a: argparse.Namespace) -> int:
             if len(jax.devices("cpu")) < a.devices:
                 raise ValueError(f"--devices {a.devices}: JAX already started with "
                                  f"{len(jax.devices('cpu'))} CPU devices") from None
-    from jserve.engine.memory_plan import parse_bytes, plan
+    from jserve.engine.build.memory_plan import parse_bytes, plan
     from jserve.model.families import read_config_file
     from jserve.model.weights import load_config
 

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 
 import grpc
 
-from jserve.engine.output import TokenLogprob
+from jserve.engine.requests.output import TokenLogprob
 from jserve.proto import generate_pb2 as pb, generate_pb2_grpc as pb_grpc
 from jserve.sampling.params import SamplingParams
 from jserve.serving.protocol import bad_field, build_request, logprob_from_proto

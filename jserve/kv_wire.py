@@ -2,7 +2,7 @@
 big-endian header length, a JSON header (``version``, ``page_size``, ``pages``, and each
 leaf's ``dtype`` and ``shape``, in the KV cache's ``jax.tree.leaves`` order, the page axis
 third), then each leaf's bytes in C order. The one authority on it: the engine encodes and
-decodes pages with it (``jserve.engine.kv_transfer``), the server reads headers with it
+decodes pages with it (``jserve.engine.device.kv_transfer``), the server reads headers with it
 (``jserve.serving.kv_connector``). numpy only: no JAX, no engine."""
 from __future__ import annotations
 

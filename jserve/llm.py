@@ -1,5 +1,5 @@
 """The offline API: ``LLM(model=...).generate(prompts, params)`` and ``chat(messages)``,
-the shape vLLM users know (vLLM's constructor names too: ``jserve.engine.vllm_names``).
+the shape vLLM users know (vLLM's constructor names too: ``jserve.flags.vllm_names``).
 
 A prompt's ``n`` sequences (``best_of`` of them run, the ``n`` of highest cumulative logprob
 returned) are engine requests of their own, grouped back into one ``RequestOutput``. With a
@@ -14,12 +14,12 @@ import warnings
 from typing import Any, Sequence
 
 from jserve.config import model_dir
+from jserve.engine.build.startup import StartupTimes
 from jserve.engine.config import EngineConfig
 from jserve.engine.engine import LLMEngine
-from jserve.engine.intake import PreparedRequest
-from jserve.engine.output import RequestOutput
-from jserve.engine.startup import StartupTimes
-from jserve.engine.vllm_names import llm_engine_kwargs, separate_tokenizer
+from jserve.engine.requests.intake import PreparedRequest
+from jserve.engine.requests.output import RequestOutput
+from jserve.flags.vllm_names import llm_engine_kwargs, separate_tokenizer
 from jserve.lora.config import LoRARequest
 from jserve.model.weights import load_model
 from jserve.pooling import (

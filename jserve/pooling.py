@@ -2,9 +2,9 @@
 "pooling"``, vLLM's pooling runner): what a checkpoint says of its pooling (``PoolingSpec``,
 ``read_spec``), a pooled vector as served (``finish``), a cross-encoder's score (``score``)
 and pairs (``pairs``), and ``LLM.embed``/``score``'s outputs. The values the engine and the
-serving layer share; the engine's own part is ``jserve.engine.pooling``.
+serving layer share; the engine's own part is ``jserve.engine.requests.pooling``.
 
-The step captures the final norm's output; ``jserve.engine.pooling.Pooler`` keeps each
+The step captures the final norm's output; ``jserve.engine.requests.pooling.Pooler`` keeps each
 request's vector: the last token's state (``last``: Qwen3-Embedding's) or the mean over the
 prompt (``mean``), or a classifier's logits of the last token's state. ``dimensions`` and
 normalization are applied by ``finish`` (as vLLM's pooler: truncation first, then the

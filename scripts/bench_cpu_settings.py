@@ -6,7 +6,7 @@ every repetition, each figure the median of ``--reps``:
 - ``layers``: ``layer_loop="loop"`` (one loop over the stacked weights, a copy of every layer
   matrix each step on XLA:CPU) against ``"unrolled"`` (CPU ``auto``);
 - ``ladder``: the prefill-token ladder growing 4x (an accelerator's) against 2x (a CPU's,
-  ``jserve.engine.buckets.ladder_factor``);
+  ``jserve.engine.batch.buckets.ladder_factor``);
 - ``budget``: ``max_num_batched_tokens`` 256 (the default) against 1024.
 
 Per variant: start to ready (the persistent compilation cache off), then after one untimed
@@ -41,7 +41,7 @@ def child(spec: dict) -> dict:
     t0 = time.perf_counter()
     ladder = spec.pop("ladder", None)
     if ladder is not None:  # the factor the engine's geometry reads
-        from jserve.engine import factory
+        from jserve.engine.build import factory
         factory.ladder_factor = lambda platform: ladder
     from jserve import SamplingParams
     from jserve.llm import LLM

@@ -161,8 +161,7 @@ def engine_rows(dtype: str, sizes: list[int], reps: int) -> list[dict]:
     """``export_pages`` in this process (an engine like the server's): reading the pages out
     of the KV cache and encoding them, the export's share of the HTTP rows."""
     from jserve import LLM, SamplingParams
-    from jserve.engine import kv_transfer
-
+    from jserve.engine.device import kv_transfer
     pool = max(8192 // PAGE, sum(-(-n // PAGE) + 1 for n in sizes)) + 16
     llm = LLM("default", max_model_len=8192, num_kv_pages=pool, max_num_batched_tokens=512,
               max_num_seqs=2, kv_cache_dtype=dtype)
@@ -181,8 +180,7 @@ def engine_rows(dtype: str, sizes: list[int], reps: int) -> list[dict]:
 
 def codec_rows(case: dict, wire: bytes, reps: int) -> list[dict]:
     """``decode`` then ``encode`` of the same bytes, in this process (no engine)."""
-    from jserve.engine import kv_transfer
-
+    from jserve.engine.device import kv_transfer
     h = header(wire)
     like = [np.zeros(s["shape"][:2] + [0] + s["shape"][3:], s["dtype"]) for s in h["leaves"]]
     data = kv_transfer.decode(wire, like, h["page_size"])

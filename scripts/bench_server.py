@@ -20,22 +20,10 @@ import statistics
 import subprocess
 import time
 
-import httpx2 as httpx
-from prometheus_client.parser import text_string_to_metric_families
-
-from harness.served import Served
+from harness.served import Served, engine_tpot
 from jserve.bench.metrics import percentile, tpot, ttft
 from jserve.bench.replay import run_http, run_remote
 from jserve.sim.trace import TraceRequest
-
-
-def engine_tpot(url: str) -> tuple[float, float]:
-    """(sum, count) of the server's TPOT histogram."""
-    text = httpx.get(url + "/metrics", timeout=30).text
-    got = {s.name: s.value for fam in text_string_to_metric_families(text)
-           for s in fam.samples if s.name.startswith("jserve_time_per_output_token_seconds_")}
-    return (got["jserve_time_per_output_token_seconds_sum"],
-            got["jserve_time_per_output_token_seconds_count"])
 
 
 def figures(records: list[dict], wall: float, engine: float, cpu: float) -> dict[str, float]:

@@ -8,7 +8,7 @@
 32000, 4 heads / 2 KV heads of 64) is saved per depth with ``save_pretrained``; every start
 is a fresh process that imports jserve, builds ``LLM(<HF dir>)`` and generates 4 greedy
 tokens. "cold" uses a new, empty persistent compilation cache, "warm" the same cache again.
-Each start reports the engine's own phase breakdown (``jserve.engine.startup``: imports =
+Each start reports the engine's own phase breakdown (``jserve.engine.build.startup``: imports =
 process start to the engine's construction, weights, KV, programs with cached / compiled /
 deferred counts), process start to first token and to the 4th token, JAX's trace / lower /
 backend-compile split (monitoring events), and the machine's load before and after.

@@ -14,7 +14,7 @@ timed around every ``Constraint.mask`` call, summed per engine step: P50/P99 ove
 of the constrained runs, against those steps' own times. Under async scheduling a
 constrained request decodes every step like a free one: its row joins the next forward before
 its token is read, and its mask goes to the sampler once the host has read that token, while
-the forward runs (``jserve.engine.late_masks``); ``--no-async-scheduling`` measures synchronous
+the forward runs (``jserve.engine.loop.late_masks``); ``--no-async-scheduling`` measures synchronous
 steps instead. The machine's load average is printed with the table.
 """
 from __future__ import annotations

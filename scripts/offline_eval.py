@@ -19,8 +19,8 @@ from pathlib import Path
 from harness.evaluate import evaluate, local_runner, ratio_table, remote_runner, write_plots
 from harness.workload import WorkloadSpec
 from jserve.bench.metrics import Slo
-from jserve.engine.args import add_engine_args, llm_kwargs
 from jserve.engine.config import EngineConfig
+from jserve.flags.args import add_engine_args, llm_kwargs
 from jserve.scheduler import POLICIES
 
 

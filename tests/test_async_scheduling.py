@@ -120,7 +120,7 @@ def test_the_host_plans_the_next_step_before_reading_this_one(burst):
         eng.step_log = []
         while eng.has_unfinished():
             eng.step()
-            fed.append(req.token_ids[-1] == PLACEHOLDER)
+            fed.append(req.all_token_ids[-1] == PLACEHOLDER)
         # Async: after each step but the last (the prompt is one chunk); the 12th token
         # ends the request by length, so it is held until read by one more step.
         n = GREEDY.max_tokens

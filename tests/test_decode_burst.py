@@ -17,9 +17,9 @@ import pytest
 
 from devices import run_on_devices
 from jserve import SamplingParams
-from jserve.engine import burst
+from jserve.engine.batch import burst
 from jserve.engine.config import AUTO_BURST_STEPS, EngineConfig
-from jserve.engine.request_state import NEUTRAL_ROW
+from jserve.engine.requests.state import NEUTRAL_ROW
 from jserve.sampling.structured import StructuredOutput
 from llm_helpers import check_blocks, small_llm
 
@@ -119,8 +119,7 @@ def test_whole_chain_decodes_burst_filtered_penalised_and_biased_requests(
     logits written unconditionally, the bias, penalties, mask and draws of the chain run
     for every row: the same tokens and logprobs."""
     from jserve import backend
-    from jserve.engine import factory
-
+    from jserve.engine.build import factory
     plain, _ = _run(reference, _params())
     params = _beyond_temperature(plain)
     want, _ = _run(reference, params)

@@ -237,7 +237,7 @@ def test_decode_steps_built_from_the_last_step_equal_fresh_builds(llm, reference
     from that one's arrays) gives exactly the arrays a build from request state gives, on
     a workload that makes it stop and start again: requests ending at different lengths,
     rows banned until ``min_tokens``, seeded random rows, new blocks taken mid-run."""
-    from jserve.engine.request_state import NEUTRAL_ROW, sampler_row
+    from jserve.engine.requests.state import NEUTRAL_ROW, sampler_row
 
     eng, b = llm.engine, llm.engine.builder
     monkeypatch.setattr(eng, "async_scheduling", async_scheduling)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jserve import SamplingParams
-from jserve.engine.timing import estimated_predictor
+from jserve.engine.loop.timing import estimated_predictor
 from jserve.scheduler.plan import BatchPlan
 from jserve.scheduler.predictor import CorrectedPredictor, LinearPredictor
 from llm_helpers import run_checked, small_llm

@@ -16,7 +16,13 @@ from pathlib import Path
 import pytest
 
 from jserve import SamplingParams
-from jserve.serving.engine_api import DEADLINE, EXHAUSTED, INTERNAL, INVALID, EngineClient
+from jserve.serving.engine_api import (
+    ALREADY_EXISTS,
+    DEADLINE,
+    EXHAUSTED,
+    INTERNAL,
+    EngineClient,
+)
 from jserve.serving.fake_engine import TEXT, FakeEngine
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,7 +117,7 @@ def _reads_of_internals(path: Path) -> list[str]:
             if owner.split(".")[-1] in ("engine", "eng", "core", "_engine"):
                 out.append(f"{path.name}:{node.lineno} {owner}.{node.attr}")
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(
-                _ENGINE_MODULES) and node.module != "jserve.engine.output":
+                _ENGINE_MODULES) and node.module != "jserve.engine.requests.output":
             out.append(f"{path.name}:{node.lineno} imports {node.module}")
     return out
 
@@ -213,7 +219,7 @@ def test_the_admission_queue_and_an_id_in_use_are_refused():
         return (*ends, queued, q1.empty() and q2.empty(), await fake.stats())
     again, q3, queued, waited, idle = _run(
         FakeEngine(max_num_seqs=1, step_s=0.01, max_waiting=2), body)
-    assert again[-1].error == (INVALID, "request_id 'q0' is already in use")
+    assert again[-1].error == (ALREADY_EXISTS, "request_id 'q0' is already in use")
     assert q3[-1].error == (EXHAUSTED, "admission queue full (2 requests waiting)")
     assert (queued["running"], queued["waiting"]) == (1, 2) and waited
     assert idle["running"] == idle["waiting"] == idle["engine_requests"] == 0

@@ -23,10 +23,10 @@ from jserve import SamplingParams
 from jserve.cache.allocator import PageAllocator, held_pages
 from jserve.cache.hybrid import HybridAllocator, request_layer_pages, split_pages
 from jserve.cache.pool import HybridKV
+from jserve.engine.build.kv_groups import kv_groups
+from jserve.engine.build.memory_plan import plan
 from jserve.engine.config import EngineConfig
 from jserve.engine.engine import LLMEngine
-from jserve.engine.kv_groups import kv_groups
-from jserve.engine.memory_plan import plan
 from jserve.model.weights import load_model
 from llm_helpers import assert_same_output
 

@@ -22,7 +22,7 @@ from hf_models import FAMILY_CONFIGS, tiny_llama_dir, tiny_llama_model
 from jserve.config import hf_config_fields, inv_frequencies, rope_attention_factor
 from jserve.kernels.blocks import with_sinks
 from jserve.model import checkpoint_files
-from jserve.model.decoder import prepare_params
+from jserve.model.decoder import to_runtime_layout
 from jserve.model.families import read_config
 from jserve.model.weights import load_model
 from test_hf_parity import _all_position_logits
@@ -133,7 +133,7 @@ def test_mxfp4_experts_decode_as_transformers_does_and_give_its_logits(tmp_path)
                                   experts.down_proj.detach().numpy())
     _, lazy, _ = load_model(str(tmp_path), lazy=True)
     streamed = lazy.place(cfg)["layers"]
-    eager = prepare_params(params)["layers"]
+    eager = to_runtime_layout(params)["layers"]
     for name in ("we_gate_up", "we_down"):
         np.testing.assert_array_equal(np.asarray(streamed[name]), np.asarray(eager[name]))
     ids = [3 + (7 * j) % 500 for j in range(45)]

@@ -14,7 +14,7 @@ from hf_models import CONFIGS, DEEP_CONFIGS, tiny_llama_dir, tiny_llama_model
 from jserve import LLM, SamplingParams
 from jserve.cache.pool import allocate_kv_cache
 from jserve.kernels import AttentionMetadata
-from jserve.model.decoder import StepInput, forward, prepare_params
+from jserve.model.decoder import StepInput, forward, to_runtime_layout
 from jserve.model.weights import load_model
 
 pytestmark = pytest.mark.slow
@@ -27,7 +27,7 @@ PROMPTS = [[1, 5, 9, 200, 33, 7, 81, 64, 12, 400, 3 + 30, 77, 5, 9],
 
 @functools.partial(jax.jit, static_argnames=("cfg", "num_pages"))
 def _forward_one_sequence(params, batch, *, cfg, num_pages):
-    return forward(prepare_params(params), allocate_kv_cache(cfg, num_pages, _PAGE),
+    return forward(to_runtime_layout(params), allocate_kv_cache(cfg, num_pages, _PAGE),
                    batch, cfg=cfg)[0]
 
 

@@ -412,7 +412,7 @@ def _stages():
     """(stage, (object or "engine", attribute), which request raises, which calls it hits):
     one stage of per-request work each, from intake to the response's formatting."""
     from jserve.engine import engine as engine_module
-    from jserve.engine.output import OutputProcessor
+    from jserve.engine.requests.output import OutputProcessor
     from jserve.sampling.structured import Constraint
     from jserve.serving.engine_loop import EngineLoop
     from jserve.serving.http_responses import Formatter

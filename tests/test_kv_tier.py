@@ -159,7 +159,7 @@ def test_tier_off_by_default_and_spills_as_stored_per_leaf():
     device stores them (one host leaf per cache leaf, the page axis resized)."""
     import argparse
 
-    from jserve.engine.args import add_engine_args, engine_kwargs
+    from jserve.flags.args import add_engine_args, engine_kwargs
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

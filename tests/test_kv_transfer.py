@@ -1,17 +1,16 @@
-"""KV pages moved from one engine to another (``jserve.engine.kv_transfer``, the engine half of
-prefill/decode disaggregation): a prompt prefilled on engine A, its pages exported and
+"""KV pages moved from one engine to another (``jserve.engine.device.kv_transfer``, the engine
+half of prefill/decode disaggregation): a prompt prefilled on engine A, its pages exported and
 imported into engine B, gives on B exactly A's greedy tokens and logprobs while B computes only
-the last page; in f32 and int8 pages, for prompts longer than a prefill chunk, with part of
-the prompt already cached on B, and with no room on B (the rest is computed). Pages are
-conserved on both engines after every step. Pages of another format are refused with nothing
-changed."""
+the last page; in f32 and int8 pages, for prompts longer than a prefill chunk, with part of the
+prompt already cached on B, and with no room on B (the rest is computed). Pages are conserved
+on both engines after every step. Pages of another format are refused with nothing changed."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from jserve import SamplingParams, kv_wire
-from jserve.engine import kv_transfer
+from jserve.engine.device import kv_transfer
 from llm_helpers import check_blocks, small_llm
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)

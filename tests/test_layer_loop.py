@@ -91,12 +91,10 @@ def exported_step(engine: LLMEngine, platform: str) -> str:
     export = jax.export.export(
         low.jitted.step, platforms=[platform],
         disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TARGETS[platform])])
-    return export(*low.args, ibuf, fbuf, masks, low.spare_spec(low.rows_for(SHAPE)),
-                  layout=layout,
-                  cfg=low.model_config,
-                  attention_impl=low.attention_impl, mesh=None, rows=low.rows_for(SHAPE),
-                  capture_layer=None, slice_layers=False,
-                  in_place_layers=low.in_place_layers).mlir_module()
+    spec = low.step_spec(SHAPE, burst_steps=1)  # one decode step, no burst loop around it
+    assert spec.layout is layout and not spec.slice_layers
+    return export(*low.args, ibuf, fbuf, masks, low.spare_spec(spec.rows),
+                  spec=spec).mlir_module()
 
 
 def _tensor(shape) -> str:
@@ -151,7 +149,7 @@ def test_cpu_auto_step_copies_no_layer_matrix_at_any_depth(layers):
 
 
 def test_layer_loop_option_is_wired():
-    from jserve.engine.args import add_engine_args, engine_kwargs
+    from jserve.flags.args import add_engine_args, engine_kwargs
     assert EngineConfig(layer_loop="indexed").layer_mode(32, 2, "gpu") == "indexed"
     # auto on GPU: decode-only steps indexed, the rest sliced; sliced for a model whose KV
     # layer groups need every step's layers unrolled (tests/test_targets.py: what each does)

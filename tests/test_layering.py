@@ -217,3 +217,43 @@ def test_no_import_cycles():
     graph = {**import_graph(), **import_graph(ROOT / "scripts", ("harness",))}
     cycles = import_cycles(graph)
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+# -- the engine's rooms (docs/engine.md, "Modules"): every engine module lives in the room of
+# its seam; the host-only rooms import no device-side room; construction is imported by the
+# loop alone; the command line is not the engine's -------------------------------------------
+ENGINE_ROOMS = ("requests", "batch", "programs", "device", "loop", "build")
+
+
+def _engine_room_imports() -> dict[str, set[str]]:
+    """Engine room (or top module) -> the other rooms (or top modules) it imports."""
+    graph, found = import_graph(), {}
+    for name, deps in graph.items():
+        parts = name.split(".")
+        if parts[:2] != ["jserve", "engine"] or len(parts) < 3:
+            continue
+        found.setdefault(parts[2], set()).update(
+            d.split(".")[2] for d in deps
+            if d.split(".")[:2] == ["jserve", "engine"] and len(d.split(".")) > 2
+            and d.split(".")[2] != parts[2])
+    return found
+
+
+def test_every_engine_module_lives_in_a_room():
+    engine = ROOT / "jserve" / "engine"
+    top = sorted(p.name for p in engine.glob("*.py"))
+    assert top == ["__init__.py", "config.py", "engine.py"]
+    assert sorted(p.name for p in engine.iterdir() if p.is_dir() and p.name != "__pycache__") \
+        == sorted(ENGINE_ROOMS)
+
+
+def test_the_engine_rooms_import_along_the_seams():
+    rooms = _engine_room_imports()
+    assert rooms["requests"] <= {"config"}
+    assert rooms["batch"] <= {"config", "requests"}
+    assert [room for room, deps in sorted(rooms.items()) if "build" in deps] == ["engine"]
+
+
+def test_the_command_line_is_not_the_engines():
+    assert _violations("jserve/engine", "argparse") == []
+    assert _violations("jserve/engine", "jserve.flags") == []

@@ -39,7 +39,7 @@ def _run(eng, prompts, params, seen: collections.Counter, mode: str):
                 seen[f"{mode} accepted"] += o.metrics.accepted_tokens
         check_blocks(eng)
         # No request holds a token past its limit, drafts and tokens on the device counted.
-        assert all(r.room(MAX_MODEL_LEN) >= 0 and len(r.token_ids) + len(r.draft_ids)
+        assert all(r.room(MAX_MODEL_LEN) >= 0 and len(r.all_token_ids) + len(r.draft_ids)
                    <= len(r.prompt_token_ids) + r.max_tokens for r in eng.scheduler.running)
     assert eng.allocator.num_free == eng.allocator.total
     seen[f"{mode} bursts"] += sum(p.burst > 1 for p, _ in eng.step_log)
@@ -92,5 +92,5 @@ def test_plain_bursts_and_speculation_stop_at_the_same_token(engines):
 def test_a_requests_room_counts_its_tokens_on_the_device():
     req = Request("r", [1, 2, 3], max_tokens=5, arrival_time=0.0)
     assert req.room(10) == 5 and req.room(6) == 3    # max_tokens, then the context
-    req.token_ids += [-1, -1]                          # two placeholders in flight
+    req.all_token_ids += [-1, -1]                          # two placeholders in flight
     assert req.room(10) == 3 and req.room(10, ahead=3) == 0 and req.room(7) == 2

@@ -12,7 +12,7 @@ from jserve import SamplingParams
 from jserve.cache.pool import allocate_kv_cache
 from jserve.config import BUILTIN_MODELS
 from jserve.kernels import AttentionMetadata
-from jserve.model.decoder import StepInput, forward, prepare_params
+from jserve.model.decoder import StepInput, forward, to_runtime_layout
 from jserve.model.weights import init_params, load_config, load_model
 from jserve.tokenizer import ByteTokenizer
 from jserve.train.length_task import (
@@ -113,8 +113,8 @@ def _serving_logits(cfg, params, ids, page=16):
                              num_prefills=jnp.asarray(1, jnp.int32), num_decodes=0)
     batch = StepInput(tokens=jnp.asarray(ids, jnp.int32), slots=jnp.asarray(page + pos),
                       logits_rows=jnp.asarray(pos), attn=attn)
-    logits, _, _ = forward(prepare_params(params), allocate_kv_cache(cfg, pages + 1, page), batch,
-                           cfg=cfg)
+    logits, _, _ = forward(to_runtime_layout(params), allocate_kv_cache(cfg, pages + 1, page),
+                           batch, cfg=cfg)
     return np.asarray(logits)
 
 

@@ -156,7 +156,7 @@ def test_pages_moved_between_engines_stay_under_their_adapter(base, reference):
     """Prefill/decode disaggregation with an adapter: the pages a prompt left under adapter
     "a" on one engine, exported and imported into another, are found there by the same
     prompt under "a" (PEFT's tokens, only the last page computed) and by no other."""
-    from jserve.engine import kv_transfer
+    from jserve.engine.device import kv_transfer
     from jserve.kv_wire import pages_in
 
     prefill, decode = (_llm(base, enable_prefix_caching=True) for _ in range(2))

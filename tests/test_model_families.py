@@ -28,7 +28,7 @@ from devices import run_on_devices
 from hf_models import FAMILY_CONFIGS, tiny_llama_dir, tiny_llama_model
 from jserve import LLM, SamplingParams
 from jserve.model import quant
-from jserve.model.decoder import prepare_params
+from jserve.model.decoder import to_runtime_layout
 from jserve.model.families import SUPPORTED_ARCHITECTURES, read_config_file
 from jserve.model.params import num_params, param_shapes
 from jserve.model.weights import load_hf_safetensors, load_model, save_orbax
@@ -155,7 +155,7 @@ def test_quantized_weights_keep_biases_and_norms_stream_as_eager_and_stay_close(
     model_dir = tiny_llama_dir(family)
     cfg, lazy, _ = load_model(str(model_dir), quantization="int8", lazy=True)
     streamed = lazy.place(cfg)
-    eager = prepare_params(load_hf_safetensors(model_dir, cfg))
+    eager = to_runtime_layout(load_hf_safetensors(model_dir, cfg))
     for name, leaf in streamed["layers"].items():
         assert quant.is_quantized(leaf) == (name in quant.QUANTIZED_LEAVES), name
     for name in OWN_LEAVES[family] - set(quant.QUANTIZED_LEAVES):  # biases, norms, router

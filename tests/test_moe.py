@@ -288,7 +288,7 @@ def test_moe_config_checks():
 
 
 def test_the_memory_plan_of_an_moe_model_counts_total_and_active_parameters():
-    from jserve.engine.memory_plan import plan
+    from jserve.engine.build.memory_plan import plan
 
     cfg = dataclasses.replace(DEFAULT_CONFIG, architecture="MixtralForCausalLM",
                               model_type="mixtral", num_experts=4, num_experts_per_tok=2)
@@ -303,7 +303,7 @@ def test_the_memory_plan_of_an_moe_model_counts_total_and_active_parameters():
     assert "active" not in plan(DEFAULT_CONFIG, device_memory_bytes=2**30,
                                 compile=False).summary().split("\n")[1]
     # The estimated predictor prices a token by its active parameters.
-    from jserve.engine.timing import estimated_predictor
+    from jserve.engine.loop.timing import estimated_predictor
     ratio = estimated_predictor(cfg).coef[1] / estimated_predictor(DEFAULT_CONFIG).coef[1]
     assert ratio == pytest.approx(active_params(cfg) / num_params(DEFAULT_CONFIG))
     assert {c.kv_cache_dtype for c in p.choices} == {"auto", "int8", "fp8_e4m3"}

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jserve.engine import step_program
-from jserve.engine.step_arrays import SampleInputs, SeqState
+from jserve.engine.batch.arrays import SampleInputs, SeqState
+from jserve.engine.programs import step_program
 from jserve.sampling.params import SamplingParams
 from jserve.sampling.sampler import (
     ARGMAX_CHUNK,

@@ -14,8 +14,8 @@ import pytest
 
 from devices import run_on_devices
 from jserve import LLM
+from jserve.engine.build.memory_plan import describe_engine, parse_bytes, plan
 from jserve.engine.config import EngineConfig
-from jserve.engine.memory_plan import describe_engine, parse_bytes, plan
 from jserve.model.weights import DEFAULT_CONFIG
 from llm_helpers import SMALL
 
@@ -50,7 +50,7 @@ _SCRIPT = textwrap.dedent("""
     import jax
     from jserve.cli import main
     from jserve.engine.config import EngineConfig
-    from jserve.engine.memory_plan import describe_engine, plan
+    from jserve.engine.build.memory_plan import describe_engine, plan
     from jserve.model.families import read_config_file
 
     config_path, flags = sys.argv[1], json.loads(sys.argv[2])

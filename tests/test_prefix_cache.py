@@ -239,7 +239,7 @@ def test_conservation_and_exact_sharing_under_random_shared_traffic(seed, page, 
         seen: dict[int, tuple] = {}
         for r in sched.running:
             for j, b in enumerate(r.page_ids[:r.num_computed // page]):
-                prefix = tuple(r.token_ids[:(j + 1) * page])
+                prefix = tuple(r.all_token_ids[:(j + 1) * page])
                 assert seen.setdefault(b, prefix) == prefix
         assert all(not r.page_ids for r in sched.waiting)
     for r in list(sched.running) + list(sched.waiting):

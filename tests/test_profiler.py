@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from jserve.engine.profiler import fit_predictor, profile_samples
-from jserve.engine.timing import default_predictor_path
+from jserve.engine.loop.profiler import fit_predictor, profile_samples
+from jserve.engine.loop.timing import default_predictor_path
 from jserve.scheduler.predictor import LinearPredictor
 from llm_helpers import small_llm
 

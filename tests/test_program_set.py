@@ -119,8 +119,8 @@ def test_pages_move_in_fixed_chunks_whatever_their_count(compiled):
     import jax
 
     from jserve.cache.pool import allocate_kv_cache
-    from jserve.engine import page_io
-    from jserve.engine.step_arrays import abstract_of
+    from jserve.engine.batch.arrays import abstract_of
+    from jserve.engine.device import page_io
     from jserve.model.weights import DEFAULT_CONFIG
 
     kv = allocate_kv_cache(DEFAULT_CONFIG, 100, 16)

@@ -1,4 +1,4 @@
-"""Prompt logprobs (``SamplingParams.prompt_logprobs``, jserve/engine/prompt_logprobs.py):
+"""Prompt logprobs (``SamplingParams.prompt_logprobs``, jserve/engine/requests/prompt_logprobs.py):
 every prompt token's logprob, rank and top alternatives equal a reference taken from the
 full logits of one forward over the whole prompt, whether the prompt runs in one chunk or
 several (and in blocks of rows), after a cached prefix, beside ordinary requests (whose
@@ -19,10 +19,10 @@ import pytest
 from devices import run_on_devices
 from jserve import SamplingParams
 from jserve.cache.pool import allocate_kv_cache
-from jserve.engine import prompt_logprobs
-from jserve.engine.output import TokenLogprob
+from jserve.engine.requests import prompt_logprobs
+from jserve.engine.requests.output import TokenLogprob
 from jserve.kernels import AttentionMetadata
-from jserve.model.decoder import StepInput, forward, prepare_params
+from jserve.model.decoder import StepInput, forward, to_runtime_layout
 from jserve.model.weights import load_model
 from llm_helpers import check_blocks, small_llm
 
@@ -39,7 +39,7 @@ TINY_POOL = dict(kv_cache_bytes=9 * 2 * 4 * 2 * 16 * 64 * 4, max_model_len=160) 
 @functools.cache
 def _model():
     cfg, params, _ = load_model("default")
-    return cfg, prepare_params(params)
+    return cfg, to_runtime_layout(params)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "pages"))

@@ -60,7 +60,7 @@ def test_filtered_rows_are_sampled_by_the_executable_with_the_whole_chain(llm, g
 def test_whole_chain_decision_on_each_kind_of_row():
     # Which steps the fused step samples alone and which the sampling executable samples
     # again (``StepArrays.whole_chain``): one row of each kind beside a plain one.
-    from jserve.engine.step_builder import StepFlags, _masked, _whole_chain
+    from jserve.engine.batch.builder import StepFlags, _masked, _whole_chain
     from jserve.sampling.sampler import SamplerRow, make_sampling_batch
     hot = dict(temperature=0.7, max_tokens=4)
     row = lambda **kw: SamplerRow(SamplingParams(**{**hot, **kw}), seed=1, step=0)

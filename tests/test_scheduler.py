@@ -114,10 +114,10 @@ def test_requests_with_a_token_in_flight_are_neither_scheduled_nor_preempted():
     plan = s.schedule()
     assert {d.request_id for d in plan.decodes} == {"a", "b"}
     s.finish(b, RequestStatus.FINISHED_ABORTED)  # while its token is in flight
-    tokens = list(b.token_ids)
+    tokens = list(b.all_token_ids)
     apply_plan(s, plan)
     assert not s.in_flight and s.has_schedulable()
-    assert b.token_ids == tokens  # its late token was dropped
+    assert b.all_token_ids == tokens  # its late token was dropped
 
 
 def test_async_scheduling_decodes_again_on_a_placeholder_and_drops_a_late_token():
@@ -131,18 +131,18 @@ def test_async_scheduling_decodes_again_on_a_placeholder_and_drops_a_late_token(
         s.add(r)
     p1 = s.schedule()
     s.sampled_on_device(p1, lambda r, n: r is not c)
-    assert a.token_ids[-1] == b.token_ids[-1] == PLACEHOLDER and c.token_ids == [1, 2]
+    assert a.all_token_ids[-1] == b.all_token_ids[-1] == PLACEHOLDER and c.all_token_ids == [1, 2]
     p2 = s.schedule()  # a and b decode on their placeholders; c waits for its token
     assert [(d.request_id, d.start) for d in p2.decodes] == [("a", 4), ("b", 3)]
     s.sampled_on_device(p2, lambda r, n: True)
-    assert a.token_ids == [1, 2, 3, 4, PLACEHOLDER, PLACEHOLDER]
+    assert a.all_token_ids == [1, 2, 3, 4, PLACEHOLDER, PLACEHOLDER]
     assert [r.request_id for _, r in s.update(p1, [7, 8, 9])] == ["a", "b", "c"]
-    assert a.token_ids == [1, 2, 3, 4, 7, PLACEHOLDER] and c.token_ids == [1, 2, 9]
+    assert a.all_token_ids == [1, 2, 3, 4, 7, PLACEHOLDER] and c.all_token_ids == [1, 2, 9]
     s.finish(b, RequestStatus.FINISHED_STOPPED)  # b's 8 was a stop token
     s.finish(c, RequestStatus.FINISHED_LENGTH)
     assert b.page_ids == [] and len(s.page_holders()) == 2  # a's, and b's until p2 is back
     assert [r.request_id for _, r in s.update(p2, [10, 11])] == ["a"]
-    assert a.token_ids == [1, 2, 3, 4, 7, 10] and b.token_ids == [1, 2, 3, 8, PLACEHOLDER]
+    assert a.all_token_ids == [1, 2, 3, 4, 7, 10] and b.all_token_ids == [1, 2, 3, 8, PLACEHOLDER]
     assert s.page_holders() == [a.page_ids]
     s.allocator.check_holders(s.page_holders())
 
@@ -158,7 +158,7 @@ def test_a_burst_needs_every_running_request_decoding_and_takes_its_tokens_back(
     for r in (a, b):
         s.add(r)
     apply_plan(s, s.schedule())  # both prefilled; each has one token and decodes next
-    assert len(a.token_ids) == 5 and len(b.token_ids) == 4
+    assert len(a.all_token_ids) == 5 and len(b.all_token_ids) == 4
     yes = lambda r, k: True
     s.add(c)  # waiting: no burst
     plan = s.schedule(4, yes)
@@ -177,12 +177,12 @@ def test_a_burst_needs_every_running_request_decoding_and_takes_its_tokens_back(
         assert len(r.page_ids) * 4 >= starts[r.request_id] + 4
         assert r.num_computed == starts[r.request_id] + 4
     s.sampled_on_device(plan, lambda r, n: n == 4)
-    assert a.token_ids[-4:] == [PLACEHOLDER] * 4 and b.token_ids[-4:] == [PLACEHOLDER] * 4
+    assert a.all_token_ids[-4:] == [PLACEHOLDER] * 4 and b.all_token_ids[-4:] == [PLACEHOLDER] * 4
     appended = s.update(plan, [11, 12, 13, 14, 21, 22, 23, 24])
     assert [(i, r.request_id) for i, r in appended] == [
         (0, "a"), (1, "a"), (2, "a"), (3, "a"), (4, "b"), (5, "b"), (6, "b"), (7, "b")]
-    assert a.token_ids[-4:] == [11, 12, 13, 14] and b.token_ids[-4:] == [21, 22, 23, 24]
-    assert a.num_computed == len(a.token_ids) - 1 and b.num_computed == len(b.token_ids) - 1
+    assert a.all_token_ids[-4:] == [11, 12, 13, 14] and b.all_token_ids[-4:] == [21, 22, 23, 24]
+    assert a.num_computed == len(a.all_token_ids) - 1 and b.num_computed == len(b.all_token_ids) - 1
     s.allocator.check_holders(s.page_holders())
 
 

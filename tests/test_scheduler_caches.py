@@ -55,7 +55,7 @@ class Reference(DeadlineScheduler):
             order = sorted(kept, key=lambda r: (key[r], r.arrival_time))
         # No waiting candidate passed over unread (``plain`` 0), and no running one; each
         # one's total isolated prefill time from its fields.
-        total = [self.cache.lookup(len(r.token_ids)) for r in order]
+        total = [self.cache.lookup(len(r.all_token_ids)) for r in order]
         return order, set(waiting), np.concatenate([np.zeros((3, len(order))), [total]])
 
     def _passes_over(self, req, free):
@@ -138,7 +138,7 @@ def apply(plan: BatchPlan, reqs: dict[str, Request], sched: DeadlineScheduler) -
     requests at max_tokens are retired."""
     if plan.is_empty:
         return
-    sampled = [len(reqs[c.request_id].token_ids) % 997
+    sampled = [len(reqs[c.request_id].all_token_ids) % 997
                for c in plan.decodes + plan.prefills if c.samples]
     for _, req in sched.update(plan, sampled):
         if req.num_output_tokens >= req.max_tokens:

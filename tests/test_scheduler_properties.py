@@ -105,8 +105,8 @@ def build(spec: Spec) -> tuple[DeadlineScheduler, VirtualClock, dict[str, Reques
 
     for i, (prompt, generated) in enumerate(spec.decodes):
         req = reqs[f"d{i}"] = Request(f"d{i}", [0] * prompt, 1000, spec.now - 1.0 - i)
-        req.token_ids += [0] * generated
-        run(req, len(req.token_ids) - 1)
+        req.all_token_ids += [0] * generated
+        run(req, len(req.all_token_ids) - 1)
     for i, (prompt, frac) in enumerate(spec.prefills):
         req = reqs[f"p{i}"] = Request(f"p{i}", [0] * prompt, 1000, spec.now - 0.5 - i)
         run(req, int(prompt * frac))
@@ -186,7 +186,7 @@ def test_every_batch_respects_budget_blocks_and_limits(spec, steps):
     sched, clock, reqs = build(spec)
     fill = 0.0
     for _ in range(steps):
-        before = {rid: (r.num_computed, len(r.token_ids)) for rid, r in reqs.items()}
+        before = {rid: (r.num_computed, len(r.all_token_ids)) for rid, r in reqs.items()}
         plan = sched.schedule()
         check_batch(sched, reqs, plan, before)
         fill = max(fill, min(sched.predictor.predict(plan) / spec.t_target, 2.0))
@@ -221,7 +221,7 @@ def test_chunks_of_one_prefill_shrink_as_its_kv_grows(coef, attention, per_prefi
     reqs = {}
     for i, ctx in enumerate(decodes):
         req = reqs[f"d{i}"] = Request(f"d{i}", [0] * ctx, 10**6, 0.0)
-        req.token_ids.append(0)
+        req.all_token_ids.append(0)
         sched.add(req)
         sched.waiting.remove(req)
         req.num_computed, req.status = ctx, RequestStatus.RUNNING

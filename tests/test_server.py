@@ -481,6 +481,10 @@ def test_duplicate_request_id_in_flight_gets_already_exists(client, bg):
     with pytest.raises(grpc.RpcError) as e:
         client.generate("hi", SamplingParams(max_tokens=2), request_id="dup")
     assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert "'dup' is already in use" in e.value.details()
+    # the engine refused the second alone: the first streams on, counted once in flight
+    next(first)
+    assert bg.server.gateway.in_flight == 1
     first.cancel()
     wait_idle(bg)
     assert client.generate("hi", GREEDY, request_id="dup").finish_reason == "length"

@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from jserve.model.decoder import prepare_params
+from jserve.model.decoder import to_runtime_layout
 from jserve.model.weights import DEFAULT_CONFIG, init_params
 from llm_helpers import small_llm
 from sharding.mesh import MeshConfig
@@ -57,7 +57,7 @@ def test_tp_layout_gives_each_shard_its_gate_up_and_kv_heads(tp):
     heads, one copy each at tp=4) of k and of v."""
     cfg = DEFAULT_CONFIG
     raw = init_params(cfg, seed=0)
-    params = prepare_params(raw)
+    params = to_runtime_layout(raw)
     ref = raw["layers"][0]
     layer = {k: w[0] for k, w in params["layers"].items()}
     laid = {k: w[0] for k, w in tp_layout(params, cfg, tp)["layers"].items()}

@@ -51,8 +51,8 @@ def test_length_only_tokens_behave_like_a_list_of_zeros():
     assert len(t[3:]) == 5 and len(t[10:]) == 0 and len(t[::2]) == 4
     with pytest.raises(IndexError):
         t[8]
-    req = Request("r", LengthOnlyTokens(4), 3, 0.0, token_ids=LengthOnlyTokens(4))
-    req.token_ids.append(0)
+    req = Request("r", LengthOnlyTokens(4), 3, 0.0, all_token_ids=LengthOnlyTokens(4))
+    req.all_token_ids.append(0)
     assert req.num_prompt_tokens == 4 and req.num_output_tokens == 1
     assert len(req.output_token_ids) == 1 and req.num_uncomputed == 5
 

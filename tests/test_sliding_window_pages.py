@@ -20,10 +20,10 @@ import pytest
 from jserve import SamplingParams
 from jserve.cache.allocator import PageAllocator, held_pages
 from jserve.cache.prefix import extend_page_keys
+from jserve.engine.build.memory_plan import plan
 from jserve.engine.config import EngineConfig
 from jserve.engine.engine import LLMEngine
-from jserve.engine.intake import RequestIntake
-from jserve.engine.memory_plan import plan
+from jserve.engine.requests.intake import RequestIntake
 from jserve.model.families import read_config_file
 from jserve.model.weights import load_model
 from jserve.scheduler.plan import BatchPlan, ScheduledChunk, with_chunk
@@ -225,7 +225,7 @@ def test_predictor_counts_at_most_a_window_of_context(tmp_path):
 
 def _keys_match(alloc: PageAllocator, req: Request) -> None:
     """Every cached page ``req`` holds is keyed by ``req``'s own tokens there."""
-    keys = extend_page_keys([], req.token_ids, PS, len(req.token_ids) // PS)
+    keys = extend_page_keys([], req.all_token_ids, PS, len(req.all_token_ids) // PS)
     for j, b in enumerate(req.page_ids):
         if j >= req.num_dropped_pages and b in alloc._key_of and j < len(keys):
             assert alloc._key_of[b] == keys[j]
@@ -271,7 +271,7 @@ def test_scheduler_frees_passed_pages_with_sharing_and_swaps():
         alloc.check_holders(sched.page_holders())
         for r in sched.running:
             _keys_match(alloc, r)
-            assert len(r.held_page_ids) <= alloc.pages_held(len(r.token_ids))
+            assert len(r.held_page_ids) <= alloc.pages_held(len(r.all_token_ids))
         step += 1
     # The second and the long one (same first 34 tokens) each find the first's two pages.
     assert windowed_swaps > 0 and not moved and sched.prefix_hit_tokens == 2 * 32

@@ -78,12 +78,12 @@ def test_update_accepts_the_agreeing_prefix_and_frees_the_rejected_pages():
     plan = sched.schedule()
     (c,) = plan.decodes
     assert (c.start, c.num_tokens, c.drafts) == (11, 7, (50, 51, 52, 53, 54, 55))
-    assert len(req.page_ids) == 5 and req.token_ids[-6:] == [50, 51, 52, 53, 54, 55]
+    assert len(req.page_ids) == 5 and req.all_token_ids[-6:] == [50, 51, 52, 53, 54, 55]
     alloc.check_holders(sched.page_holders())
     # Samples agree with the first two drafts; the third sample replaces draft 52.
     out = sched.update(plan, [50, 51, 77, 0, 0, 0, 0])
     assert [i for i, _ in out] == [0, 1, 2]
-    assert req.token_ids[11:] == [100, 50, 51, 77] and req.num_computed == 14
+    assert req.all_token_ids[11:] == [100, 50, 51, 77] and req.num_computed == 14
     assert len(req.page_ids) == 4 and req.is_decode  # KV of 14 tokens: pages 4
     assert (req.num_drafted, req.num_accepted) == (6, 2)
     assert (sched.num_draft_tokens, sched.num_accepted_tokens, sched.num_draft_steps) \
@@ -94,7 +94,7 @@ def test_update_accepts_the_agreeing_prefix_and_frees_the_rejected_pages():
     req.draft_ids = [5, 6]
     plan = sched.schedule()
     sched.update(plan, [5, 6, 9])
-    assert req.token_ids[-4:] == [77, 5, 6, 9] and req.num_computed == 17
+    assert req.all_token_ids[-4:] == [77, 5, 6, 9] and req.num_computed == 17
     sched.finish(req, req.status.FINISHED_STOPPED)
     assert alloc.num_allocated == 0
 
@@ -180,7 +180,7 @@ def test_under_lars_a_due_short_prefill_is_not_delayed_by_drafts(offers):
     plan = sched.schedule()
     assert not plan.prefills and plan.num_draft_tokens == 32
     for r in decoding:
-        assert r.token_ids[-1] != 1  # (the verification of the previous step's drafts)
+        assert r.all_token_ids[-1] != 1  # (the verification of the previous step's drafts)
     sched.allocator.check_holders(sched.page_holders())
 
 
@@ -212,7 +212,7 @@ def test_ngram_batch_agrees_with_the_rule_on_random_histories():
 def test_cli_reads_the_speculative_config_json_and_refuses_a_bad_one(capsys):
     import argparse
 
-    from jserve.engine.args import add_engine_args, engine_kwargs
+    from jserve.flags.args import add_engine_args, engine_kwargs
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     a = parser.parse_args(["--speculative-config",

@@ -1,4 +1,4 @@
-"""Pipeline ticks sized to the batches in flight (``jserve.engine.tick_slots``): a
+"""Pipeline ticks sized to the batches in flight (``jserve.engine.batch.tick_slots``): a
 decode-only spp engine runs decode-sized ticks, not the largest step shape, and mixed
 traffic, where a decode batch shares a tick with a prefill batch and is re-padded to it,
 gives the one-device engine's tokens. A batch alone in an empty pipeline passes every stage

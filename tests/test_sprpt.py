@@ -23,7 +23,7 @@ def _sched(c=0.8, seqs=2, blocks=64, budget=64, page_size=4, fallback=None):
 
 def _req(rid, prompt_len=4, t=0.0, first=None, remaining=None, generated=0):
     r = Request(rid, list(range(1, prompt_len + 1)), 512, float(t))
-    r.token_ids += [5] * generated
+    r.all_token_ids += [5] * generated
     r.first_prediction = first
     r.predicted_remaining = remaining if remaining is not None else first
     return r
@@ -83,10 +83,10 @@ def test_a_request_past_its_window_is_not_preempted_the_next_largest_is():
     for r in (a, b):
         s.add(r)
     apply_plan(s, s.schedule())
-    a.token_ids += [5] * 8  # a has generated 9 > 0.8 x 10: out of its window
-    a.num_computed = len(a.token_ids) - 1
+    a.all_token_ids += [5] * 8  # a has generated 9 > 0.8 x 10: out of its window
+    a.num_computed = len(a.all_token_ids) - 1
     s.allocator.free(a.page_ids)
-    a.page_ids = s.allocator.allocate(s.allocator.pages_for(len(a.token_ids)))
+    a.page_ids = s.allocator.allocate(s.allocator.pages_for(len(a.all_token_ids)))
     a.predicted_remaining = 40.0  # now the largest prediction, but protected
     s.add(_req("short", t=2, first=5.0))
     plan = s.schedule()

@@ -9,7 +9,7 @@ import pytest
 
 from hf_models import tiny_llama_dir
 from jserve import SamplingParams
-from jserve.engine.startup import StartupTimes
+from jserve.engine.build.startup import StartupTimes
 from llm_helpers import small_llm
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

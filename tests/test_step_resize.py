@@ -1,5 +1,5 @@
 """``BuiltStep.resized``: a built step re-padded to a larger bucket shape (what a pipeline tick
-does to the batches in flight, ``jserve.engine.tick_slots``) is exactly the step built at that
+does to the batches in flight, ``jserve.engine.batch.tick_slots``) is exactly the step built at that
 shape, and runs to the same tokens as the step at its own shape."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jserve import SamplingParams
-from jserve.engine.request_state import NEUTRAL_ROW
+from jserve.engine.requests.state import NEUTRAL_ROW
 from llm_helpers import small_llm
 
 # Greedy, seeded sampling and logprobs (no penalties: running a step twice would count its
@@ -126,7 +126,7 @@ def test_a_resized_step_resizes_from_its_original(recorded):
 
 
 def test_a_tick_covers_every_batch_with_the_smallest_bucket():
-    from jserve.engine.buckets import Buckets
+    from jserve.engine.batch.buckets import Buckets
 
     b = Buckets.for_limits(max_num_seqs=8, token_budget=32, max_prefill_seqs=2,
                            max_model_len=512, page_size=16)

@@ -1,6 +1,6 @@
 """Streaming HF safetensors checkpoints straight into their target sharding
 (``jserve.model.weights.load_hf_runtime``): the placed params equal the eager path's
-``shard_params(prepare_params(load_hf_safetensors(...)))`` leaf for leaf (values, dtype,
+``shard_params(to_runtime_layout(load_hf_safetensors(...)))`` leaf for leaf (values, dtype,
 sharding) on one device, tp=2, tp=4 (KV head copies), spp=2 and spp=2,tp=2, in float32 and
 bfloat16; every read is one device shard (never more than one tensor on the host); and an
 engine built from the streamed checkpoint gives the eager engine's greedy tokens.
@@ -72,7 +72,7 @@ _SCRIPT = textwrap.dedent("""
     import jax, numpy as np
     import jserve.model.weights as weights
     from jserve.model.families import read_config_file
-    from jserve.model.decoder import prepare_params
+    from jserve.model.decoder import to_runtime_layout
     from sharding.mesh import MeshConfig, make_mesh
     from sharding.specs import shard_params
 
@@ -98,7 +98,7 @@ _SCRIPT = textwrap.dedent("""
     for ckpt in ckpts:
         path = Path(ckpt)
         cfg = read_config_file(path / "config.json")
-        eager = prepare_params(weights.load_hf_safetensors(path, cfg))
+        eager = to_runtime_layout(weights.load_hf_safetensors(path, cfg))
         for mesh_text in meshes:
             mc = MeshConfig.parse(mesh_text)
             mesh = make_mesh(mc) if mc.size > 1 else None
@@ -278,10 +278,10 @@ def test_lazy_checkpoint_checks_shapes_up_front(tmp_path: Path) -> None:
 
 def test_streamed_single_device_in_process(tmp_path: Path) -> None:
     """One device, in this process: equal to the eager runtime params, bf16 kept."""
-    from jserve.model.decoder import prepare_params
+    from jserve.model.decoder import to_runtime_layout
     cfg = write_checkpoint(tmp_path / "ckpt", "bfloat16")
     got = load_hf_runtime(tmp_path / "ckpt", cfg)
-    want = prepare_params(load_hf_safetensors(tmp_path / "ckpt", cfg))
+    want = to_runtime_layout(load_hf_safetensors(tmp_path / "ckpt", cfg))
     import jax
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert a.dtype == b.dtype == np.dtype(cfg.np_dtype)

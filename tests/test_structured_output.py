@@ -413,7 +413,7 @@ def test_a_conversation_with_tool_results_goes_through_the_template(served):
 def test_async_steps_send_masks_late_and_give_the_synchronous_tokens(llm, monkeypatch):
     """Under async scheduling a structured output decodes every step: its row runs in the
     next forward before its token is read, and its mask goes to the sampler after the read
-    (``jserve.engine.late_masks``). Sampled with seeds, constrained and free requests get the
+    (``jserve.engine.loop.late_masks``). Sampled with seeds, constrained and free requests get the
     tokens of synchronous steps, every output valid, and the late path is what ran."""
     eng = llm.engine
     late = []
@@ -506,8 +506,8 @@ def test_a_step_sends_its_bitmask_only_when_a_row_is_constrained(llm, monkeypatc
 def test_what_a_step_packs_does_not_grow_with_the_vocabulary():
     """The packed buffers of a bucket are the same size for a 320-token vocabulary and a
     128K one: only the bitmask, sent apart, has a row of vocab/32 words."""
-    from jserve.engine.buckets import Buckets
-    from jserve.engine.step_arrays import PackedLayout, arrays_spec
+    from jserve.engine.batch.arrays import PackedLayout, arrays_spec
+    from jserve.engine.batch.buckets import Buckets
     buckets = Buckets(decode_rows=(0, 8), prefill_tokens=(0, 64), prefill_rows=2,
                       page_table_width=4)
     small, large = (PackedLayout(arrays_spec(buckets, v, 8, 64)) for v in (320, 128256))

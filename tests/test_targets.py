@@ -145,8 +145,8 @@ def test_jserve_compile_builds_the_engines_whole_program_set(tmp_path, target, a
     """``jserve compile`` on the built-in model: every program the engine would compile
     there (each bucket's step and the sampler), compiled by the target's compiler, each
     read; the layer mode and kernels ``auto`` resolves to on that platform."""
+    from jserve.engine.build.factory import engine_geometry
     from jserve.engine.config import EngineConfig
-    from jserve.engine.factory import engine_geometry
     from jserve.model.weights import load_config
 
     report = _compile_default(tmp_path, target)

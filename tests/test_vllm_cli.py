@@ -22,7 +22,7 @@ def _serve_args(*argv: str):
 
 
 def test_vllm_spellings_parse_to_jserve_settings():
-    from jserve.engine.args import engine_kwargs
+    from jserve.flags.args import engine_kwargs
 
     a = _serve_args("some/dir", "--port", "8123", "--tensor-parallel-size", "2",
                     "--gpu-memory-utilization", "0.5", "--api-key", KEY, "--seed", "7",

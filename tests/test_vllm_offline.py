@@ -17,7 +17,7 @@ import conftest
 from conftest import Served
 from hf_models import llama3_chat_dir
 from jserve import LLM, CompletionOutput, RequestOutput, SamplingParams
-from jserve.engine.vllm_names import llm_engine_kwargs
+from jserve.flags.vllm_names import llm_engine_kwargs
 from jserve.tokenizer import chat_prompt_ids
 
 TOKEN = "s3cret"

@@ -17,7 +17,7 @@ import pytest
 from devices import run_on_devices
 from jserve import LLM, SamplingParams
 from jserve.model import quant
-from jserve.model.decoder import prepare_params
+from jserve.model.decoder import to_runtime_layout
 from jserve.model.weights import load_hf_runtime, load_hf_safetensors, load_model, save_orbax
 from jserve.tokenizer import ByteTokenizer
 from llm_helpers import SMALL
@@ -51,7 +51,7 @@ def test_streamed_quantized_load_equals_the_eager_quantized_params(tmp_path: Pat
     cfg = dataclasses.replace(write_checkpoint(tmp_path / "ckpt", "bfloat16"),
                               quantization="int8")
     got = load_hf_runtime(tmp_path / "ckpt", cfg)
-    want = prepare_params(load_hf_safetensors(tmp_path / "ckpt", cfg))
+    want = to_runtime_layout(load_hf_safetensors(tmp_path / "ckpt", cfg))
     assert jax.tree.structure(got) == jax.tree.structure(want)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert a.dtype == b.dtype

@@ -48,7 +48,7 @@ class EngineConfig:
     num_kv_pages: int | None = None
     # A model with windowed and full-attention layers (Gemma 3) keeps two pools
     # (jserve.cache.hybrid): num_kv_pages sizes the full-attention layers' and this the
-    # windowed layers' (sink included; None: num_kv_pages scaled as jserve.engine.kv_groups).
+    # windowed layers' (sink included; None: num_kv_pages scaled as jserve.engine.build.kv_groups).
     num_local_kv_pages: int | None = None
     memory_fraction: float = 0.5
     # How KV pages are stored (jserve.kernels.kv_quant): auto (the model's dtype) | int8 (per
@@ -137,7 +137,7 @@ class EngineConfig:
     # stay there and feed the next step, the host reads them one step later. False: every
     # step waits for its tokens (debugging, exact step timing).
     async_scheduling: bool = True
-    # Decode bursts (jserve.engine.burst): when nothing waits and every running request may
+    # Decode bursts (jserve.engine.batch.burst): when nothing waits and every running request may
     # take this many tokens with no host decision between them, they run as that many decode
     # steps in one executable call, so the host's per-step work is paid once a burst. A
     # request arriving meanwhile waits for the burst to end. 1: off. "auto":
@@ -150,7 +150,7 @@ class EngineConfig:
     # {"method": "draft_model", "model": "<path or name>", "num_speculative_tokens": 4}
     # (or its JSON text); parsed into a SpeculativeConfig. None: off.
     speculative_config: SpeculativeConfig | None = None
-    # vLLM's --runner: "generate", or "pooling" (embeddings, jserve.engine.pooling: every
+    # vLLM's --runner: "generate", or "pooling" (embeddings, jserve.engine.requests.pooling: every
     # request is one prompt's pooled vector, nothing generated). pooler_config (a
     # PoolingSpec or its dict; vLLM's --pooler-config): how; None: the checkpoint's
     # (``LLM`` reads it from its sentence-transformers files), else the default.

@@ -21,22 +21,21 @@ from typing import Sequence
 import numpy as np
 
 from jserve.config import ModelConfig
-from jserve.engine import prompt_logprobs
+from jserve.engine.batch.builder import StepFlags
+from jserve.engine.batch.tick_slots import TickSlots
+from jserve.engine.build.factory import build_engine_parts, enable_compilation_cache
+from jserve.engine.build.memory_plan import startup_summary
+from jserve.engine.build.startup import StartupTimes
 from jserve.engine.config import EngineConfig
-from jserve.engine.factory import build_engine_parts, enable_compilation_cache
-from jserve.engine.faults import RequestFaults
-from jserve.engine.in_flight import InFlight, Launched
-from jserve.engine.intake import PreparedRequest, RequestIntake
-from jserve.engine.kv_tier import build_host_tier
-from jserve.engine.late_masks import late_bitmask, late_rows
-from jserve.engine.memory_plan import startup_summary
-from jserve.engine.output import OutputProcessor, RequestOutput, StepLogprobs
-from jserve.engine.request_state import NEUTRAL_ROW, StateRows, new_request, sampler_row
-from jserve.engine.startup import StartupTimes
-from jserve.engine.step_builder import StepFlags
-from jserve.engine.swap import HostKVStore
-from jserve.engine.tick_slots import TickSlots
-from jserve.engine.timing import StepClock
+from jserve.engine.device.host_pages import HostKVStore, build_host_tier
+from jserve.engine.loop.faults import RequestFaults
+from jserve.engine.loop.in_flight import InFlight, Launched
+from jserve.engine.loop.late_masks import late_bitmask, late_rows
+from jserve.engine.loop.timing import StepClock
+from jserve.engine.requests import prompt_logprobs
+from jserve.engine.requests.intake import PreparedRequest, RequestIntake
+from jserve.engine.requests.output import OutputProcessor, RequestOutput, StepLogprobs
+from jserve.engine.requests.state import NEUTRAL_ROW, StateRows, new_request, sampler_row
 from jserve.fields import check_slos, number
 from jserve.lora.config import LoRARequest
 from jserve.model.params import Params

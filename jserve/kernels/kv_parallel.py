@@ -15,7 +15,7 @@ results are merged by their log-sum-exp (online softmax across the axis).
 The engine starts each sequence on the least-loaded group ``s`` rather than group 0: group
 ``g`` then holds its logical chunk ``(g - s) % kvp``, i.e. tokens from ``row_offsets``; the
 page table's column block ``g`` holds that chunk's local ids, and ``start_groups`` carries
-``s`` per row (see ``jserve/cache/allocator.py`` and ``jserve/engine/step_builder.py``).
+``s`` per row (see ``jserve/cache/allocator.py`` and ``jserve/engine/batch/builder.py``).
 
 This module is the math of one group, called inside ``jax.shard_map`` with the mesh axis
 named by the caller; the mesh specs of the layout are ``sharding/kv_parallel.py``'s.

@@ -76,7 +76,7 @@ def is_runtime_layout(params: Params) -> bool:
     return isinstance(layers, dict) or bool(layers) and any(n in layers[0] for n in FUSED)
 
 
-def prepare_params(params: Params) -> Params:
+def to_runtime_layout(params: Params) -> Params:
     """The runtime layout ``forward`` takes: the layers stacked, one leaf ``[layers, ...]``
     per weight, so the layer loop is one ``fori_loop`` body whatever the depth (compile time
     does not grow with it), and each layer's matrices of one input side by side in one
@@ -330,7 +330,7 @@ def forward(params: Params, kv_cache: KVCache, batch: StepInput, *, cfg: ModelCo
             prompt_mask: jax.Array | None = None) -> tuple[jax.Array, KVCache, Capture | None]:
     """Returns (float32 logits [S, vocab] for ``batch.logits_rows``, updated KV cache, capture).
 
-    ``params`` must be in the runtime layout of :func:`prepare_params`; ``tp_axis`` and
+    ``params`` must be in the runtime layout of :func:`to_runtime_layout`; ``tp_axis`` and
     ``kvp_axis`` as in :func:`step_layer`. ``capture`` is the :class:`Capture` after layer
     ``capture_layer`` (0-based; ``None``: nothing captured and nothing extra computed);
     ``prompt_mask`` [T] picks the tokens its ``prompt_sum`` adds up."""
@@ -348,7 +348,7 @@ def forward_stream(params: Params, kv_cache: KVCache, batch: StepInput, *, cfg: 
     """``forward`` up to the residual stream of every token after the last layer [T, hidden]
     (what prompt logprobs take the LM head of), before the final norm and head.
     ``capture_layer`` == the number of layers captures the final norm's output (what
-    embedding models pool, ``jserve.engine.pooling``)."""
+    embedding models pool, ``jserve.engine.requests.pooling``)."""
     x = embed(params, batch.tokens, cfg)
     cos, sin = rope_tables(cfg, batch.attn.positions)
     layers = params["layers"]

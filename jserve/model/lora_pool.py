@@ -46,7 +46,7 @@ def pool_shapes(cfg: ModelConfig, slots: int, rank: int, tp: int = 1
 
 def a_leaves(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
     """Each A leaf of the pool -> the targets it holds: a fused one (``lora.FUSED_A``) where
-    the family has all its parts (as ``decoder.prepare_params`` fuses the matrices), else
+    the family has all its parts (as ``decoder.to_runtime_layout`` fuses the matrices), else
     one per target."""
     targets = pool_targets(cfg)
     fused = {n: parts for n, parts in FUSED_A.items() if set(parts) <= set(targets)}

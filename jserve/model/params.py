@@ -25,7 +25,7 @@ def param_shapes(cfg: ModelConfig) -> Params:
 
 
 def runtime_param_shapes(cfg: ModelConfig) -> dict:
-    """Shape tuples of the runtime layout (what ``decoder.prepare_params`` returns): the
+    """Shape tuples of the runtime layout (what ``decoder.to_runtime_layout`` returns): the
     checkpoint layout's per-layer shapes stacked, the ``tp_layout.FUSED`` matrices fused
     (an expert stack's [in, experts * widths], ``tp_layout.LeafKind``)."""
     shapes = param_shapes(cfg)

@@ -202,7 +202,7 @@ def column_sources(name: str, cfg: ModelConfig, tp: int) -> tuple[np.ndarray, np
 
 def tp_layout_leaf(name: str, w, cfg: ModelConfig, tp: int):
     """One stacked runtime leaf ``[layers, ...]`` (numpy or jax; a fused leaf as
-    ``decoder.prepare_params`` concatenates it) with its columns in ``column_sources``'s
+    ``decoder.to_runtime_layout`` concatenates it) with its columns in ``column_sources``'s
     order for ``tp``, so a contiguous split gives each shard its own pieces (w_gate_up:
     [gate_0, up_0, gate_1, up_1, ...]). The identity at ``tp=1`` and for every leaf not
     fused and not of KV heads. A quantized leaf (values [layers, in, out] and
@@ -219,7 +219,7 @@ def tp_layout_leaf(name: str, w, cfg: ModelConfig, tp: int):
 
 
 def tp_layout(params: dict[str, Any], cfg: ModelConfig, tp: int) -> dict[str, Any]:
-    """Runtime params (``prepare_params``) with every layer leaf in ``tp_layout_leaf``."""
+    """Runtime params (``to_runtime_layout``) with every layer leaf in ``tp_layout_leaf``."""
     layers = {name: tp_layout_leaf(name, w, cfg, tp) for name, w in params["layers"].items()}
     return {**params, "layers": layers}
 

@@ -313,9 +313,9 @@ def _check_checkpoint(model_dir: Path, cfg: ModelConfig) -> dict[Path, list[str]
 def load_hf_runtime(model_dir: str | Path, cfg: ModelConfig,
                     mesh: jax.sharding.Mesh | None = None) -> Params:
     """A HF safetensors checkpoint streamed straight into the runtime layout
-    (``prepare_params``), tp-laid-out and placed on ``mesh`` by :mod:`jserve.model.tp_layout`
+    (``to_runtime_layout``), tp-laid-out and placed on ``mesh`` by :mod:`jserve.model.tp_layout`
     (the placement ``sharding.specs.shard_params`` gives; one device when ``mesh`` is None):
-    equal to ``shard_params(prepare_params(load_hf_safetensors(...)), cfg, mesh)``, for
+    equal to ``shard_params(to_runtime_layout(load_hf_safetensors(...)), cfg, mesh)``, for
     ``ModelRunner(params_placed=True)``.
 
     Every device shard is read from the file on its own (``jax.make_array_from_callback``

@@ -50,7 +50,7 @@ def sequence_pairs(cfg: ModelConfig, params: Params, prompt_ids: list[int],
                    output_ids: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """For one finished request: embeddings [layers, 1 + L-1, H], remaining [L], generated
     count before each embedding's step [L] (row 0 is the mean prompt embedding).
-    ``params`` in the runtime layout (``prepare_params``)."""
+    ``params`` in the runtime layout (``to_runtime_layout``)."""
     p, big_l = len(prompt_ids), len(output_ids)
     seq = list(prompt_ids) + list(output_ids[:-1])
     n = len(seq)

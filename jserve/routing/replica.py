@@ -45,7 +45,7 @@ def replica_load(name: str, scheduler: SchedulerBase, table: PrefillTable, now: 
     deadline_order = entry is not None and entry.deadline_order
     prefills, decodes = [], []
     for req in (*scheduler.running, *scheduler.waiting):
-        total, done = len(req.token_ids), req.num_done
+        total, done = len(req.all_token_ids), req.num_done
         if req.status.finished or total - done < 1:
             continue
         if req.num_output_tokens and total - done == 1:

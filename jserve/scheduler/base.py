@@ -129,10 +129,10 @@ class SchedulerBase(abc.ABC):
                 if req in entry.held:
                     self.in_flight.discard(req)
                 for j in range(plan.burst) if live else ():
-                    if end + j < len(req.token_ids):  # its placeholder (async scheduling)
-                        req.token_ids[end + j] = sampled[i + j]
+                    if end + j < len(req.all_token_ids):  # its placeholder (async scheduling)
+                        req.all_token_ids[end + j] = sampled[i + j]
                     else:
-                        req.token_ids.append(sampled[i + j])
+                        req.all_token_ids.append(sampled[i + j])
                     appended.append((i + j, req))
                 i += plan.burst
             if live:  # a burst's KV reaches its last input, a token it sampled itself
@@ -157,7 +157,7 @@ class SchedulerBase(abc.ABC):
             held = held - {r for r, c in zip(entry.requests, plan.decodes) if c.drafts}
         for req in list(held):
             if not req.status.finished and may_continue(req, plan.burst):
-                req.token_ids.extend([PLACEHOLDER] * plan.burst)
+                req.all_token_ids.extend([PLACEHOLDER] * plan.burst)
                 entry.held.discard(req)
                 self.in_flight.discard(req)
 
@@ -176,7 +176,7 @@ class SchedulerBase(abc.ABC):
         full = min(num_computed // alloc.page_size, len(req.page_ids))
         if full <= req.num_registered_pages:
             return
-        keys = extend_page_keys(req.page_keys, req.token_ids, alloc.page_size, full,
+        keys = extend_page_keys(req.page_keys, req.all_token_ids, alloc.page_size, full,
                                 req.adapter)
         for j in range(max(req.num_registered_pages, req.num_dropped_pages), full):
             alloc.register(req.page_ids[j], keys[j])
@@ -220,7 +220,7 @@ class SchedulerBase(abc.ABC):
         for req, c in zip(reqs, plan.decodes + plan.prefills):
             req.num_computed += c.num_tokens + extra
             if c.drafts:  # they stand in the tokens until ``update`` verifies them
-                req.token_ids.extend(c.drafts)
+                req.all_token_ids.extend(c.drafts)
             pinned[req] = pinned.get(req, 0) + 1
             if c.samples:
                 held.add(req)
@@ -262,8 +262,8 @@ class SchedulerBase(abc.ABC):
         alloc = self.allocator
         if not (alloc.prefix_caching and req.cacheable and req.takes_cached):
             return []
-        pages = (len(req.token_ids) - 1) // alloc.page_size
-        return alloc.lookup(extend_page_keys(req.page_keys, req.token_ids, alloc.page_size,
+        pages = (len(req.all_token_ids) - 1) // alloc.page_size
+        return alloc.lookup(extend_page_keys(req.page_keys, req.all_token_ids, alloc.page_size,
                                              pages, req.adapter))
 
     def _peek_prefix(self, req: Request) -> None:
@@ -434,7 +434,7 @@ class SchedulerBase(abc.ABC):
         for req in list(self.running):
             if len(decodes) == max_decodes:
                 break
-            n = len(req.token_ids)  # is_decode, inlined: this loop runs for every decode
+            n = len(req.all_token_ids)  # is_decode, inlined: this loop runs for every decode
             if (req.status is not running or n - req.num_computed != 1
                     or n == len(req.prompt_token_ids)):
                 continue
@@ -482,7 +482,7 @@ class SchedulerBase(abc.ABC):
     @staticmethod
     def _chunk(req: Request, n: int) -> ScheduledChunk:
         return ScheduledChunk(req.request_id, req.num_computed, n,
-                              req.num_computed + n == len(req.token_ids))
+                              req.num_computed + n == len(req.all_token_ids))
 
     # -- the policy --------------------------------------------------------------------
     @abc.abstractmethod

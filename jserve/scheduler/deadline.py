@@ -154,7 +154,7 @@ class DeadlineScheduler(SchedulerBase):
         priority): all a policy's key reads of a request, from its state now (no deadline
         yet: NaN, which only fcfs, keyed by arrival, may meet). A waiting request's remaining
         work is its uncached prefill plus the copy of its host-tier pages back."""
-        total, deadline = self.cache.lookup(len(req.token_ids)), req.ttft_deadline
+        total, deadline = self.cache.lookup(len(req.all_token_ids)), req.ttft_deadline
         work = total - self.cache.lookup(req.num_done)
         if work > 0:  # a pipeline's last pass (``drain_s``), owed while any prompt is left
             work += self.cache.drain_s
@@ -181,7 +181,7 @@ class DeadlineScheduler(SchedulerBase):
             computed or pages or req.swapped  # ``_claim_prefix`` returns at once
             or req.cached_hint == 0 and not (self.allocator.prefix_caching and req.cacheable
                                              and req.takes_cached))
-        return self._parts(req) + (len(req.token_ids) - computed,
+        return self._parts(req) + (len(req.all_token_ids) - computed,
                                    computed - len(pages) * self.allocator.page_size, plain)
 
     def _keys(self, reqs: Sequence[Request], now: float) -> np.ndarray:
@@ -334,7 +334,7 @@ class DeadlineScheduler(SchedulerBase):
         ``free`` free pages) is at least a granule. (``_unclaim_prefix`` passes a running
         request over.) Waiting candidates are decided from ``_queued_parts``."""
         g, computed = self.config.chunk_granularity, req.num_computed
-        return len(req.token_ids) - computed >= g \
+        return len(req.all_token_ids) - computed >= g \
             and (len(req.page_ids) + free) * self.allocator.page_size - computed >= g
 
     def _unclaim(self, req: Request, queued: bool, hint: int) -> None:
@@ -418,7 +418,7 @@ class DeadlineScheduler(SchedulerBase):
                 continue
             if queued:
                 self._admit(req)
-            last = req.num_computed + n == len(req.token_ids)
+            last = req.num_computed + n == len(req.all_token_ids)
             plan = with_chunk(plan, req.request_id, req.num_computed, n, last)
             search, hopeless = ChunkSearch(self.predictor, plan, granularity), False
             until = self._until(req, search, until, now) if last and self.pack_s else until

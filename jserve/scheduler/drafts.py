@@ -53,8 +53,8 @@ def verify(self, req: Request, c: ScheduledChunk, sampled: Sequence[int], i: int
         if draft != token:
             break
         accepted += 1
-    del req.token_ids[c.start + 1:]
-    req.token_ids.extend(got[:accepted + 1])
+    del req.all_token_ids[c.start + 1:]
+    req.all_token_ids.extend(got[:accepted + 1])
     req.num_computed = c.start + 1 + accepted
     keep = self.allocator.pages_for(req.num_computed)
     if len(req.page_ids) > keep:

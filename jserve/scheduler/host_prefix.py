@@ -14,7 +14,7 @@ def host_prefix(alloc: PageAllocator, req: Request, num_device: int) -> list[int
     if alloc.host is None or alloc.window is not None or not (
             alloc.prefix_caching and req.cacheable and req.takes_cached):
         return []
-    pages = (len(req.token_ids) - 1) // alloc.page_size
+    pages = (len(req.all_token_ids) - 1) // alloc.page_size
     return alloc.host.lookup(req.page_keys[num_device:pages])
 
 

@@ -34,7 +34,7 @@ class BatchPlan:
     preempted: tuple[str, ...] = ()
     swap_out: tuple[PageMove, ...] = ()
     swap_in: tuple[PageMove, ...] = ()
-    # Decode steps the plan runs in one go (``jserve.engine.burst``): every chunk is a
+    # Decode steps the plan runs in one go (``jserve.engine.batch.burst``): every chunk is a
     # decode, computes ``burst`` tokens and samples ``burst`` tokens, one a step.
     burst: int = 1
     # The prefix cache's host tier (``jserve.cache.host_tier``): evicted cached pages copied

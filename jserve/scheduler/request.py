@@ -8,7 +8,7 @@ from typing import Any
 from jserve.lengths import length_room
 
 # A token sampled by a step that is still on the device (async scheduling): it stands in
-# ``token_ids`` until ``SchedulerBase.update`` writes the real id; the step builder marks it
+# ``all_token_ids`` until ``SchedulerBase.update`` writes the real id; the step builder marks it
 # to be fed from the device.
 PLACEHOLDER = -1
 
@@ -29,7 +29,8 @@ class RequestStatus(enum.Enum):
 
 @dataclasses.dataclass(eq=False)
 class Request:
-    """``token_ids`` is prompt + generated so far. Tokens ``[num_computed, len(token_ids))``
+    """``all_token_ids`` is prompt + generated so far (vLLM's name; an output's
+    ``token_ids`` is its generated tokens alone). Tokens ``[num_computed, len(all_token_ids))``
     still have to go through the model: more than one is a prefill (or a recompute after
     preemption), exactly one is a decode."""
 
@@ -38,7 +39,7 @@ class Request:
     max_tokens: int
     arrival_time: float
     payload: Any = None  # engine-side data (sampling params, detokenizer); opaque here
-    token_ids: list[int] = dataclasses.field(default_factory=list)
+    all_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0
     page_ids: list[int] = dataclasses.field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
@@ -87,8 +88,8 @@ class Request:
     holds_adapter: bool = False
 
     def __post_init__(self) -> None:
-        if not self.token_ids:
-            self.token_ids = list(self.prompt_token_ids)
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -96,11 +97,11 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - len(self.prompt_token_ids)
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids):]
+        return self.all_token_ids[len(self.prompt_token_ids):]
 
     def room(self, max_model_len: int, ahead: int = 0) -> int:
         """``length_room`` once ``ahead`` more tokens are out, counting every token it holds
@@ -115,7 +116,7 @@ class Request:
 
     @property
     def num_uncomputed(self) -> int:
-        return len(self.token_ids) - self.num_computed
+        return len(self.all_token_ids) - self.num_computed
 
     @property
     def num_done(self) -> int:

@@ -53,7 +53,7 @@ class SPRPTScheduler(SchedulerBase):
         """The batch is full for ``req``: no seat, or no KV for the rest of its prompt."""
         if len(self.running) >= self.max_num_seqs:
             return True
-        need = self.allocator.pages_held(len(req.token_ids)) - len(req.held_page_ids)
+        need = self.allocator.pages_held(len(req.all_token_ids)) - len(req.held_page_ids)
         return not self.allocator.can_allocate(max(need, 0))
 
     def _policy_preemptions(self) -> list[str]:

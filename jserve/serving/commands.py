@@ -14,8 +14,8 @@ import sys
 from typing import Callable
 
 from jserve.engine.config import EngineConfig
-from jserve.engine.vllm_names import VLLM_REFUSED, check_tokenizer
 from jserve.fields import MAX_TOKEN_LOGPROBS
+from jserve.flags.vllm_names import VLLM_REFUSED, check_tokenizer
 from jserve.log_setup import configure_logging
 from jserve.lora.config import lora_module_bases
 from jserve.sampling.generation_config import describe, generation_defaults

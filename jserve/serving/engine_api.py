@@ -16,7 +16,7 @@ import asyncio
 import dataclasses
 from typing import TYPE_CHECKING, Callable, Protocol, Sequence, runtime_checkable
 
-from jserve.engine.output import TokenLogprob
+from jserve.engine.requests.output import TokenLogprob
 from jserve.routing.load import ReplicaLoad
 from jserve.sampling.params import SamplingParams
 from jserve.tokenizer import Tokenizer
@@ -33,6 +33,7 @@ EXHAUSTED = "resource_exhausted"
 DEADLINE = "deadline_exceeded"
 UNAVAILABLE = "unavailable"
 INTERNAL = "internal"
+ALREADY_EXISTS = "already_exists"  # a request id the engine holds already
 NOT_FOUND = "not_found"     # a model (LoRA adapter) the engine does not serve
 
 
@@ -215,7 +216,7 @@ class EngineClient(Protocol):
         by that name, FieldError (``lora_name``) while requests use it."""
 
     async def export_kv(self, token_ids: Sequence[int], adapter: str | None = None) -> bytes:
-        """The wire form (``jserve.engine.kv_transfer``) of the KV pages this engine's prefix
+        """The wire form (``jserve.engine.device.kv_transfer``) of the KV pages this engine's prefix
         cache holds of the prompt ``token_ids`` (run with LoRA ``adapter``), read between
         steps: as many leading pages as are still cached, maybe none."""
 

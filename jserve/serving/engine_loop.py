@@ -3,7 +3,7 @@
 An engine core (``LLMEngine``, or the fake one) is not thread-safe, so exactly one thread
 (this loop's) touches it. The asyncio side never calls the core: it puts commands (add,
 abort, run-this-function) on a ``queue.SimpleQueue`` and the engine thread applies them
-between steps, so an abort lands at the next iteration and frees the request's blocks before
+between steps, so an abort lands at the next iteration and frees the request's pages before
 the next ``schedule()``. Outputs go back through ``loop.call_soon_threadsafe`` into one
 ``asyncio.Queue`` per request, one callback per iteration for all requests.
 
@@ -27,14 +27,14 @@ import threading
 import time
 from typing import Any, Callable, Protocol, Sequence
 
-from jserve.engine.output import RequestOutput
+from jserve.engine.requests.output import RequestOutput
 from jserve.fields import FieldError
 from jserve.routing.load import ReplicaLoad, predicted_ttft
 from jserve.serving.engine_api import (
+    ALREADY_EXISTS,
     DEADLINE,
     EXHAUSTED,
     INTERNAL,
-    INVALID,
     NOT_FOUND,
     UNAVAILABLE,
     AdapterNotFound,
@@ -353,8 +353,8 @@ class EngineLoop(abc.ABC):
     def _add(self, out, sink, request_id, prepared, arrival_time, deadline, ttft_slo,
              tpot_slo, priority) -> None:
         """Queues one request on the engine, or ends its stream with why not: a refusal
-        (INVALID, EXHAUSTED, DEADLINE) or, for a failure of ours, INTERNAL with the engine
-        left without it."""
+        (ALREADY_EXISTS, EXHAUSTED, DEADLINE, NOT_FOUND) or, for a failure of ours, INTERNAL
+        with the engine left without it."""
         try:
             self._enqueue(out, sink, request_id, prepared, arrival_time, deadline, ttft_slo,
                           tpot_slo, priority)
@@ -382,8 +382,8 @@ class EngineLoop(abc.ABC):
         try:
             self.core.enqueue(prepared, request_id=request_id, arrival_time=arrival_time,
                         ttft_slo=ttft_slo, tpot_slo=tpot_slo, priority=priority)
-        except ValueError as e:
-            out.append((sink, error_delta(INVALID, str(e))))
+        except ValueError as e:  # the one check of ids: the core's (gateway ids are fresh)
+            out.append((sink, error_delta(ALREADY_EXISTS, str(e))))
             return
         prompt_tokens = len(prepared.prompt_ids)
         holdback = max((len(s) for s in prepared.params.stop), default=1) - 1
@@ -413,7 +413,7 @@ class EngineLoop(abc.ABC):
 
     def _on_output(self, out, o: RequestOutput, now: float) -> int:
         """``o``'s delta for its stream (its new tokens' count); a failure of ours here ends
-        that request alone, INTERNAL, its blocks freed."""
+        that request alone, INTERNAL, its pages freed."""
         lv = self._live.get(o.request_id)
         if lv is None:
             return 0

@@ -14,7 +14,7 @@ the admission queue, metrics, per-request fault isolation); only the core under 
   enforced.
 - time: each step sleeps ``step_s`` seconds and gives every running request one token; a
   request is admitted (first-come first-served, at most ``max_num_seqs`` running) with KV
-  blocks for its prompt and ``max_tokens``, and gets its first token in that step.
+  pages for its prompt and ``max_tokens``, and gets its first token in that step.
 - the prefix cache: a prompt's full pages are remembered (up to ``num_kv_pages`` pages) and
   a later prompt starting with them reports them cached, in the counters and the routing
   reports.
@@ -39,8 +39,8 @@ import time
 from typing import Callable, Sequence
 
 from jserve.cache.allocator import PageAllocator
-from jserve.engine.intake import PreparedRequest, RequestIntake
-from jserve.engine.output import (
+from jserve.engine.requests.intake import PreparedRequest, RequestIntake
+from jserve.engine.requests.output import (
     IncrementalDetokenizer,
     RequestMetrics,
     RequestOutput,
@@ -101,7 +101,7 @@ class FakeRequest:
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     text: str = ""
-    blocks: int = 0
+    pages_held: int = 0
     finish_reason: str | None = None
     error: str | None = None
 
@@ -184,7 +184,7 @@ class _Core:
             if need > fake.info.num_kv_pages - self.pages_used:
                 return
             self.waiting.popleft()
-            req.blocks = need
+            req.pages_held = need
             self.pages_used += need
             self.prefix_queried += len(p.prompt_ids)
             self.prefix_hits += self.cached(p.prompt_ids)
@@ -236,8 +236,8 @@ class _Core:
         self.requests.pop(req.request_id, None)
         if req in self.running:
             self.running.remove(req)
-            self.pages_used -= req.blocks
-            req.blocks = 0
+            self.pages_used -= req.pages_held
+            req.pages_held = 0
         elif req in self.waiting:
             self.waiting.remove(req)
         return req.output()
@@ -367,9 +367,9 @@ class FakeEngine(EngineLoop):
 
     def _check(self) -> None:
         c = self.core
-        held = sum(r.blocks for r in c.running)
+        held = sum(r.pages_held for r in c.running)
         assert held == c.pages_used <= self.info.num_kv_pages, (held, c.pages_used)
-        assert all(not r.blocks for r in c.waiting)
+        assert all(not r.pages_held for r in c.waiting)
 
     def _load(self, replica: str, now: float, healthy: bool) -> ReplicaLoad:
         c, info = self.core, self.info

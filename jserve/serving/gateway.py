@@ -35,7 +35,7 @@ from jserve.serving.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 
-ALREADY_EXISTS = "already_exists"
+ALREADY_EXISTS = el.ALREADY_EXISTS
 UNAUTHENTICATED = "unauthenticated"
 NOT_FOUND = el.NOT_FOUND
 # A client whose own deadline fired cancels its call a moment before the server's timer
@@ -77,7 +77,8 @@ class Gateway:
         # Shutting down soon (the server's drain notice): /health and the gRPC health check
         # fail so routers stop sending, while requests are still accepted.
         self.leaving = False
-        self._in_flight: dict[str, Stream] = {}
+        # The open streams by id (a client's id may repeat while the engine refuses it).
+        self._in_flight: dict[str, list[Stream]] = {}
         self._drained = asyncio.Event()
         self._drained.set()
         self._nonce = secrets.token_hex(3)
@@ -142,23 +143,21 @@ class Gateway:
     def open(self, request_id: str, prepared: Prepared, *,
              arrival: float, deadline: float | None = None, ttft_slo: float | None = None,
              tpot_slo: float | None = None, priority: int = 0) -> Stream:
-        """Accepts the request (``Rejected`` ALREADY_EXISTS if its id is in flight) and queues
-        it on the engine loop. Use as ``async with``: leaving the block ends the request."""
-        if request_id in self._in_flight:
-            raise Rejected(ALREADY_EXISTS, f"request_id {request_id!r} is already in flight",
-                           "request_id")
+        """Queues the request on the engine loop. Use as ``async with``: leaving the block
+        ends the request. An id the engine holds already is refused there, the one place
+        that decides it: the stream's first read raises ``Rejected`` ALREADY_EXISTS."""
         sink = self.engine.submit(request_id, prepared, arrival_time=arrival,
                                   deadline=deadline, ttft_slo=ttft_slo, tpot_slo=tpot_slo,
                                   priority=priority)
         stream = Stream(self, request_id, sink, deadline)
-        self._in_flight[request_id] = stream
+        self._in_flight.setdefault(request_id, []).append(stream)
         self._drained.clear()
         return stream
 
     # -- drain -------------------------------------------------------------------------
     @property
     def in_flight(self) -> int:
-        return len(self._in_flight)
+        return sum(map(len, self._in_flight.values()))
 
     async def wait_drained(self) -> None:
         await self._drained.wait()
@@ -169,12 +168,15 @@ class Gateway:
     def end_all(self, kind: str, message: str) -> None:
         """Ends every stream now from the event loop (the engine thread may be stuck in a
         long step): each reader gets ``Rejected(kind)`` at its next read."""
-        for s in list(self._in_flight.values()):
+        for s in [s for streams in self._in_flight.values() for s in streams]:
             s._sink.put_nowait(el.Delta([], "", [], error=(kind, message)))
 
     def _closed(self, stream: Stream) -> None:
-        if self._in_flight.get(stream.request_id) is stream:
-            del self._in_flight[stream.request_id]
+        streams = self._in_flight.get(stream.request_id, [])
+        if stream in streams:
+            streams.remove(stream)
+            if not streams:
+                del self._in_flight[stream.request_id]
         if not self._in_flight:
             self._drained.set()
 
@@ -233,7 +235,7 @@ class Stream:
             self.gateway._closed(self)
 
     def close(self, outcome: str | None = None) -> None:
-        """Ends the request if it has not ended: aborts it on the engine thread (its blocks
+        """Ends the request if it has not ended: aborts it on the engine thread (its pages
         are free before the next schedule) and counts it as ``outcome``, by default cancelled,
         or deadline_exceeded when its deadline has (about) passed. Idempotent."""
         if self.outcome is not None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from jserve.engine.output import TokenLogprob
+from jserve.engine.requests.output import TokenLogprob
 
 # A logprob JSON can carry (OpenAI and vLLM write -inf so too).
 _FLOOR = -9999.0

@@ -71,7 +71,7 @@ _NEUTRAL = {"suffix": (None, ""), **_ROUTER_FILLED, **_CHAT_ROUTER_FILLED}
 # Why a field is accepted only at its neutral value (the 400's message says it).
 _WHY_NEUTRAL: dict[str, str] = {}
 _STATUS = {el.INVALID: 400, UNAUTHENTICATED: 401, NOT_FOUND: 404, el.EXHAUSTED: 429,
-           el.UNAVAILABLE: 503, el.DEADLINE: 504, el.INTERNAL: 500}
+           el.UNAVAILABLE: 503, el.DEADLINE: 504, el.INTERNAL: 500, el.ALREADY_EXISTS: 409}
 _TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
          413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable",
          504: "timeout", 500: "server_error"}

@@ -18,7 +18,7 @@ import json
 import re
 import time
 
-from jserve.engine.output import TokenLogprob
+from jserve.engine.requests.output import TokenLogprob
 from jserve.serving import engine_api as el, http_echo
 from jserve.serving.gateway import Rejected, Stream
 from jserve.serving.http_protocol import Parsed

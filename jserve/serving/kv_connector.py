@@ -7,7 +7,7 @@ An engine started with ``--kv-transfer-config`` in vLLM's JSON shape,
 - a **producer** (``kv_producer`` or ``kv_both``) answers ``POST /v1/kv/export``
   ``{"token_ids": [...], "lora": ADAPTER or null}`` with the KV pages its prefix cache
   holds of that prompt (its leading full pages, the last token's excluded), in
-  ``jserve.engine.kv_transfer``'s wire format (``application/octet-stream``). The prefill
+  ``jserve.engine.device.kv_transfer``'s wire format (``application/octet-stream``). The prefill
   itself is an ordinary request (the router sends it with ``max_tokens: 1``),
   whose pages stay cached when it finishes.
 - a **consumer** (``kv_consumer`` or ``kv_both``) takes vLLM's request field

@@ -53,7 +53,7 @@ class LiveEngine(EngineLoop):
         lora = cfg.lora if engine.adapters is not None else None
         # Imported here, as ``estimated_predictor`` below: the engine package loads JAX, which
         # a server on a fake engine never does (a live engine has long before).
-        from jserve.engine import kv_transfer
+        from jserve.engine.device import kv_transfer
         self._kv = kv_transfer
         self.info = EngineInfo(
             vocab_size=engine.model_config.vocab_size, max_model_len=engine.max_model_len,
@@ -158,7 +158,7 @@ class LiveEngine(EngineLoop):
         engine's predictor (or its FLOP estimate) with the scheduler's token budget."""
         # Imported here: it imports JAX, which a server on a fake engine never loads (a live
         # engine has loaded it long before).
-        from jserve.engine.timing import estimated_predictor
+        from jserve.engine.loop.timing import estimated_predictor
         eng = self.engine
         self._predictor = predictor = eng.predictor or estimated_predictor(eng.model_config)
         cache = getattr(eng.scheduler, "cache", None)

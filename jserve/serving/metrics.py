@@ -79,8 +79,9 @@ class ServerMetrics:
                              "Requests queued for admission (incl. preempted)", registry=r)
         self.running = Gauge("jserve_num_requests_running",
                              "Requests holding KV pages (prefilling or decoding)", registry=r)
-        self.pages_used = Gauge("jserve_kv_blocks_used", "KV cache blocks in use", registry=r)
-        self.pages_free = Gauge("jserve_kv_blocks_free", "KV cache blocks free", registry=r)
+        # (the metric names keep vLLM's word for a page)
+        self.pages_used = Gauge("jserve_kv_blocks_used", "KV cache pages in use", registry=r)
+        self.pages_free = Gauge("jserve_kv_blocks_free", "KV cache pages free", registry=r)
         self.preemptions = Counter("jserve_preemptions", "Requests preempted under KV pressure",
                                    registry=r)
         self.prompt_tokens = Counter("jserve_prompt_tokens", "Prompt tokens admitted",

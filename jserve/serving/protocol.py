@@ -12,7 +12,7 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from jserve import fields
-from jserve.engine.output import TokenLogprob
+from jserve.engine.requests.output import TokenLogprob
 from jserve.proto import generate_pb2 as pb
 from jserve.sampling.generation_config import capped
 from jserve.sampling.params import SamplingParams

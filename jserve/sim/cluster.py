@@ -59,7 +59,7 @@ class _Replica:
 def _request(t: TraceRequest) -> Request:
     prefix = (t.prefix_id, t.prefix_tokens) if t.prefix_id is not None else None
     req = Request(t.request_id, LengthOnlyTokens(t.prompt_tokens), t.output_tokens,
-                  t.arrival_s, token_ids=LengthOnlyTokens(t.prompt_tokens, prefix=prefix,
+                  t.arrival_s, all_token_ids=LengthOnlyTokens(t.prompt_tokens, prefix=prefix,
                                                           owner=t.request_id))
     if t.ttft_deadline_s is not None:
         req.ttft_deadline = t.arrival_s + t.ttft_deadline_s
@@ -70,7 +70,7 @@ def replica_views(replicas: Sequence[_Replica], req: Request, now: float) -> lis
     """What the router sees of each replica for ``req`` at ``now``."""
     return [ReplicaView(replica_load(str(r.index), r.scheduler, r.table, now,
                                      predictor=r.predictor),
-                        cached_tokens(r.scheduler, req.token_ids)) for r in replicas]
+                        cached_tokens(r.scheduler, req.all_token_ids)) for r in replicas]
 
 
 def make_replica(index: int, policy: str, cfg: SimConfig, clock: VirtualClock,

@@ -83,7 +83,7 @@ def import_pages(rep: _Replica, req: Request) -> bool:
     if not alloc.prefix_caching or not alloc.can_allocate(n):
         return False
     pages = alloc.allocate(n)
-    keys = extend_page_keys([], req.token_ids, alloc.page_size, n, req.adapter)
+    keys = extend_page_keys([], req.all_token_ids, alloc.page_size, n, req.adapter)
     for page, key in zip(pages, keys):
         alloc.register(page, key)
     alloc.free(pages)

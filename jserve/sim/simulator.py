@@ -80,7 +80,7 @@ def simulate(scheduler: SchedulerBase, predictor: RuntimePredictor, clock: Virtu
             t = pending[i]
             prefix = (t.prefix_id, t.prefix_tokens) if t.prefix_id is not None else None
             req = Request(t.request_id, LengthOnlyTokens(t.prompt_tokens), t.output_tokens,
-                          t.arrival_s, token_ids=LengthOnlyTokens(
+                          t.arrival_s, all_token_ids=LengthOnlyTokens(
                               t.prompt_tokens, prefix=prefix, owner=t.request_id))
             if t.ttft_deadline_s is not None:
                 req.ttft_deadline = t.arrival_s + t.ttft_deadline_s

@@ -58,7 +58,7 @@ class DraftModelProposer:
     def propose(self, reqs: list[Request], ks: list[int]) -> list[list[int]]:
         """Up to ``ks[i]`` greedy draft tokens continuing each request's tokens."""
         eng = self.engine
-        ids = [eng.add_request(list(r.token_ids), SamplingParams(
+        ids = [eng.add_request(list(r.all_token_ids), SamplingParams(
             temperature=0.0, max_tokens=k, ignore_eos=True)) for r, k in zip(reqs, ks)]
         done: dict[str, list[int]] = {}
         while eng.has_unfinished():

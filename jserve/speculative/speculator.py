@@ -125,7 +125,7 @@ class Speculator:
         for req in scheduler.running:
             # (Drafts start past min_tokens, so all rows of a step ban the same ids.)
             if (req in scheduler.in_flight or not req.is_decode
-                    or req.token_ids[-1] == PLACEHOLDER or not self.speculates(req)
+                    or req.all_token_ids[-1] == PLACEHOLDER or not self.speculates(req)
                     or req.num_output_tokens < req.payload.params.min_tokens):
                 if self.draft is None and req.is_decode:
                     self._shadow(req)
@@ -140,7 +140,7 @@ class Speculator:
         if self.draft is not None:
             drafts = self.draft.propose(reqs, ks)
         else:
-            drafts = [self._index(r, len(r.token_ids)).propose(k) for r, k in zip(reqs, ks)]
+            drafts = [self._index(r, len(r.all_token_ids)).propose(k) for r, k in zip(reqs, ks)]
         for req, d in zip(reqs, drafts):
             req.draft_ids = [int(t) for t in d]
             self._missed(req, not req.draft_ids)
@@ -156,7 +156,7 @@ class Speculator:
         if (a is None or req.num_output_tokens >= a.resume_at
                 or not self._may_speculate(req)):
             return
-        ids = req.token_ids
+        ids = req.all_token_ids
         n = len(ids)
         while n and ids[n - 1] == PLACEHOLDER:  # async: the token not read back yet
             n -= 1
@@ -191,7 +191,7 @@ class Speculator:
         """``req``'s n-gram index over its first ``n`` tokens (real ones: no placeholder,
         no draft), given the tokens appended since the last step."""
         owner, index = self._indexes.get(req.request_id, (None, None))
-        ids = req.token_ids
+        ids = req.all_token_ids
         if owner is not req or n < len(index.tokens):  # new (or its id reused)
             c = self.config
             index = NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max, INDEX_BUDGET)

@@ -8,7 +8,7 @@ import argparse
 import json
 from pathlib import Path
 
-from jserve.engine.args import add_engine_args, engine_kwargs
+from jserve.flags.args import add_engine_args, engine_kwargs
 
 
 def add_compile_parser(sub) -> None:
@@ -82,8 +82,8 @@ def run(a: argparse.Namespace) -> int:
     config = EngineConfig(**engine_kwargs(a), attention_impl=a.attention_impl)
     cache = None
     if a.write_cache is not None:
+        from jserve.engine.build.factory import enable_compilation_cache
         from jserve.engine.config import default_compilation_cache_dir
-        from jserve.engine.factory import enable_compilation_cache
 
         cache = Path(a.write_cache or default_compilation_cache_dir())
         cache.mkdir(parents=True, exist_ok=True)

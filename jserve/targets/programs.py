@@ -12,11 +12,11 @@ import jax
 from jserve import backend
 from jserve.cache.hybrid import local_window
 from jserve.config import ModelConfig
-from jserve.engine.abstract import abstract_kv_cache, params_on_mesh, params_on_one_device
+from jserve.engine.build.factory import bursts_allowed, check_config, host_tier_on, runner_options
+from jserve.engine.build.memory_plan import CompiledMemory, MemoryPlan, per_device_bytes, plan
 from jserve.engine.config import EngineConfig
-from jserve.engine.factory import bursts_allowed, check_config, host_tier_on, runner_options
-from jserve.engine.memory_plan import CompiledMemory, MemoryPlan, per_device_bytes, plan
-from jserve.engine.runner import ModelRunner
+from jserve.engine.device.runner import ModelRunner
+from jserve.engine.programs.abstract import abstract_kv_cache, params_on_mesh, params_on_one_device
 from jserve.lora.config import pool_size
 from jserve.targets import hlo
 from jserve.targets.specs import Target, devices, target

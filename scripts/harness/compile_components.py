@@ -153,7 +153,7 @@ def penalties(runner, cfg, shape) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from jserve.engine import step_program as runner_mod
+    from jserve.engine.programs import step_program as runner_mod
     from jserve.sampling.sampler import apply_penalties
     spec = runner.programs.lowering.arrays_spec(*shape)
     s = spec.sampling.temperature.shape[0]

@@ -5,6 +5,7 @@ captured and its compiled step run back to back on them (one executable, the for
 sampling executable, or the forward alone), and the matmul ceiling of the same weights."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -14,10 +15,10 @@ import numpy as np
 from harness.bench_checkpoint import BENCH_CHECKPOINTS, bench_checkpoint
 from harness.host_probes import HostPhases
 from jserve.config import ModelConfig
-from jserve.engine import step_program as runner_module
+from jserve.engine.batch.arrays import SampleInputs, sample_inputs
 from jserve.engine.config import EngineConfig
 from jserve.engine.engine import LLMEngine
-from jserve.engine.step_arrays import SampleInputs, sample_inputs
+from jserve.engine.programs import step_program as runner_module
 from jserve.model.decoder import head_product
 from jserve.model.layer_weights import MATRICES
 from jserve.model.params import Params
@@ -142,15 +143,13 @@ def forward_executable(runner, shape: tuple[int, int]) -> jax.stages.Compiled:
     ``shape`` as the runner compiles its steps: the first half of the two-executable step
     the engine ran before the sampling moved into the step."""
     jitted = jax.jit(runner_module._fresh(runner_module._forward_step),
-                     static_argnames=("layout", "cfg", "attention_impl", "mesh", "rows",
-                                      "capture_layer"), donate_argnums=(1, 2))
+                     static_argnames=("spec",), donate_argnums=(1, 2))
     ishape, fshape, _ = runner.buffer_shapes(shape)
-    return jitted.lower(*runner.programs.lowering.args, jax.ShapeDtypeStruct(ishape, jnp.int32),
-                        jax.ShapeDtypeStruct(fshape, jnp.float32),
-                        layout=runner.programs.compiled(shape)[1], cfg=runner.model_config,
-                        attention_impl=runner.attention_impl, mesh=None,
-                        rows=runner.programs.lowering.rows_for(shape),
-                        capture_layer=None).compile()
+    low = runner.programs.lowering
+    spec = dataclasses.replace(low.step_spec(shape, burst_steps=1), mesh=None,
+                               capture_layer=None)
+    return jitted.lower(*low.args, jax.ShapeDtypeStruct(ishape, jnp.int32),
+                        jax.ShapeDtypeStruct(fshape, jnp.float32), spec=spec).compile()
 
 
 class TwoExecutables:

@@ -78,8 +78,8 @@ def ensure_predictor(model: str, *, max_context: int, log: Callable[[str], None]
     all plan with the same, measured model."""
     from jserve import LLM
     from jserve.engine.config import EngineConfig
-    from jserve.engine.profiler import LONG_GRID_TOKENS, fit_predictor, profile_samples
-    from jserve.engine.timing import default_predictor_path
+    from jserve.engine.loop.profiler import LONG_GRID_TOKENS, fit_predictor, profile_samples
+    from jserve.engine.loop.timing import default_predictor_path
     from jserve.model.weights import load_config
     from jserve.scheduler.predictor import LinearPredictor
 

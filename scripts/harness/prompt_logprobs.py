@@ -1,5 +1,5 @@
 """What prompt logprobs add to a prefill (``SamplingParams.prompt_logprobs``,
-jserve/engine/prompt_logprobs.py): one engine, one prompt in one chunk, the same prefill
+jserve/engine/requests/prompt_logprobs.py): one engine, one prompt in one chunk, the same prefill
 without them and with ``prompt_logprobs=k`` for each ``k`` of ``tops`` (0: each token's own
 logprob and rank, the LM head over the step's tokens, a log-sum-exp and a gather; 1: the best
 alternative too, a max, what lm-eval's ``logprobs: 1`` asks; more: the top 20, a sort).

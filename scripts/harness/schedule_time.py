@@ -75,10 +75,10 @@ def build(policy: str, predictor, cache: PrefillTimeCache, seed: int = 0) -> Sch
     for i in range(120):  # decodes: prompt + some output already generated
         prompt, out = rng.choice(lengths)
         req = Request(f"dec{i}", [0] * prompt, out + 1, NOW - rng.uniform(1, 60))
-        req.token_ids += [0] * rng.randint(1, out)
+        req.all_token_ids += [0] * rng.randint(1, out)
         req.first_prediction = probe.uniform(1, 2 * out)
         req.predicted_remaining = probe.uniform(1, 2 * out)
-        run(req, len(req.token_ids) - 1)
+        run(req, len(req.all_token_ids) - 1)
     for i, prompt in enumerate([65_536, 131_072] + [rng.choice(lengths)[0] + 64
                                                     for _ in range(6)]):
         done = 40_000 if prompt > 60_000 else rng.randrange(0, prompt - 32, 32)
@@ -96,7 +96,7 @@ def restore(sched: SchedulerBase) -> SchedulerBase:
     shared = {id(x): x for x in (getattr(sched, "predictor", None), getattr(sched, "cache", None))
               if x is not None}
     for r in (*sched.waiting, *sched.running):
-        shared[id(r.token_ids)] = r.token_ids
+        shared[id(r.all_token_ids)] = r.all_token_ids
         shared[id(r.prompt_token_ids)] = r.prompt_token_ids
     return copy.deepcopy(sched, shared)
 

@@ -54,3 +54,16 @@ class Served:
             self.proc.wait()
         for f in (self.proc.stdout, self.stderr):
             f.close()
+
+
+def engine_tpot(url: str) -> tuple[float, float]:
+    """(sum, count) of the server's TPOT histogram (the gaps between a request's tokens,
+    taken on the engine thread)."""
+    import httpx2 as httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=30).text
+    got = {s.name: s.value for fam in text_string_to_metric_families(text)
+           for s in fam.samples if s.name.startswith("jserve_time_per_output_token_seconds_")}
+    return (got["jserve_time_per_output_token_seconds_sum"],
+            got["jserve_time_per_output_token_seconds_count"])

@@ -52,7 +52,7 @@ def child_start(args) -> dict:
 
 
 def child_first_token(args) -> dict:
-    from jserve.engine.startup import process_age
+    from jserve.engine.build.startup import process_age
     age_at_main = process_age()
     import jax
     rec = EventRecorder()

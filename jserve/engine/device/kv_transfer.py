@@ -29,7 +29,7 @@ import numpy as np
 from jserve import kv_wire
 from jserve.cache.pool import kv_bytes_per_page
 from jserve.cache.prefix import extend_page_keys
-from jserve.engine import page_io
+from jserve.engine.device import page_io
 from sharding.mesh import MeshConfig
 from sharding.specs import kv_head_map
 

@@ -14,20 +14,21 @@ import jax.numpy as jnp
 from jserve import backend as jserve_backend
 from jserve.cache.pool import KVCache
 from jserve.config import ModelConfig
-from jserve.engine import burst, prompt_logprobs
-from jserve.engine.step_arrays import (
+from jserve.engine.batch import burst
+from jserve.engine.batch.arrays import (
     PackedLayout,
     SampleInputs,
     SeqState,
     StepArrays,
     sample_inputs,
 )
+from jserve.engine.requests import prompt_logprobs
 from jserve.model import lora_pool
 from jserve.model.decoder import (
     Params,
     final_logits,
     forward_stream,
-    prepare_params,
+    to_runtime_layout,
     unstack_layers,
 )
 from jserve.model.layer_weights import reading_in_place
@@ -46,6 +47,40 @@ from jserve.sampling.sampler import (
 from sharding import pipeline
 from sharding.specs import param_specs, shard_params
 from sharding.tensor_parallel import tp_forward
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """What one step program is compiled for: static under ``jax.jit`` (hashed, so one
+    spec is one program). ``layout``: the bucket's packed buffers; ``rows``: the sampling
+    rows it pads to (``StepLowering.rows_for``). The modes, each read by one stage:
+
+    - ``capture_layer``: the prompt sums of that layer's input come out too (a length
+      probe's ``Capture``); None compiles exactly the step without it.
+    - ``slice_layers``: stacked params, the layers unrolled over static slices of them
+      (``EngineConfig.layer_loop`` "sliced": on GPU neither the loop's weight copies nor an
+      argument per layer weight).
+    - ``in_place_layers``: the loop's matmuls read each layer of the stacked weights in
+      place (``layer_loop`` "indexed", ``jserve.model.layer_weights``).
+    - ``burst_steps`` > 1 (an all-decode shape, ``jserve.engine.batch.burst``): the step
+      loops over up to that many decode steps; ``page_size`` is what it advances by, and
+      ``whole_chain`` samples every step with the whole chain (a GPU or TPU's all-decode
+      shapes, ``StepLowering.whole_chain_decodes``).
+    - ``decode_rows`` (spp > 1): the pipeline carry's decode rows (``sharding.pipeline``).
+    """
+
+    layout: PackedLayout
+    cfg: ModelConfig
+    attention_impl: str
+    mesh: jax.sharding.Mesh | None
+    rows: int
+    capture_layer: int | None = None
+    slice_layers: bool = False
+    in_place_layers: bool = False
+    burst_steps: int = 1
+    page_size: int = 0
+    whole_chain: bool = False
+    decode_rows: int = 0
 
 
 def _update_state(state: SeqState, tokens, rows, is_prompt, reset_rows, on=True) -> SeqState:
@@ -171,45 +206,35 @@ def _padded(out: SampleResult, rows: int) -> SampleResult:
 
 
 def _forward_step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array,
-                  fbuf: jax.Array, *, layout: PackedLayout, cfg: ModelConfig,
-                  attention_impl: str, mesh: jax.sharding.Mesh | None, rows: int,
-                  capture_layer: int | None = None, slice_layers: bool = False,
-                  in_place_layers: bool = False):
+                  fbuf: jax.Array, *, spec: StepSpec):
     """The forward of one bucket and the penalty state update (the step without its
     sampling, for benchmarks); returns (logits [vocab, S], KV cache, state, PromptLogprobs:
-    zeros unless the step asked, ``prompt_logprobs``). With ``capture_layer`` set, a fifth
-    output: the layer's ``Capture`` (prompt sums over the step's prompt tokens); ``None``
-    compiles exactly the step without it. ``slice_layers``: stacked params, the layers
-    unrolled over static slices of them (``EngineConfig.layer_loop`` "sliced": on GPU
-    neither the loop's weight copies nor an argument per layer weight).
-    ``in_place_layers``: the loop's matmuls read each layer of the stacked weights in place
-    (``layer_loop`` "indexed", ``jserve.model.layer_weights``)."""
+    zeros unless the step asked, ``prompt_logprobs``), and with ``spec.capture_layer`` set
+    a fifth output: the layer's ``Capture`` (prompt sums over the step's prompt tokens)."""
     arrays, logits, kv_cache, state, prompt, *capture = _forward(
-        params, kv_cache, state, ibuf, fbuf, layout=layout, cfg=cfg,
-        attention_impl=attention_impl, mesh=mesh, capture_layer=capture_layer,
-        slice_layers=slice_layers, in_place_layers=in_place_layers)
+        params, kv_cache, state, ibuf, fbuf, spec)
     state = _penalty_state(state, arrays)
     return (logits, kv_cache, state, prompt, *capture)
 
 
-def _forward(params, kv_cache, state, ibuf, fbuf, *, layout, cfg, attention_impl, mesh,
-             capture_layer, slice_layers, in_place_layers, masks=None):
+def _forward(params, kv_cache, state, ibuf, fbuf, spec: StepSpec, masks=None):
     """``_forward_step`` before its tail: (the step's arrays, its logits [vocab, S], KV
     cache, state, PromptLogprobs[, Capture]); ``masks``: the step's bitmask
     (``PackedLayout``; None: every token allowed)."""
-    if slice_layers:
+    cfg, mesh, impl, capture_layer = spec.cfg, spec.mesh, spec.attention_impl, spec.capture_layer
+    if spec.slice_layers:
         params = unstack_layers(params)
-    arrays = layout.unpack_fed(ibuf, fbuf, masks, state.last_tokens)
-    with reading_in_place(in_place_layers):
+    arrays = spec.layout.unpack_fed(ibuf, fbuf, masks, state.last_tokens)
+    with reading_in_place(spec.in_place_layers):
         if mesh is None:
             x, kv_cache, capture = forward_stream(
-                params, kv_cache, arrays.batch, cfg=cfg, attention_impl=attention_impl,
+                params, kv_cache, arrays.batch, cfg=cfg, attention_impl=impl,
                 capture_layer=capture_layer,
                 prompt_mask=arrays.token_is_prompt if capture_layer is not None else None)
             logits = final_logits(params, x, arrays.batch.logits_rows, cfg, vocab_major=True)
         else:  # tensor / KV-cache parallel; the rest runs replicated on the logits
             logits, kv_cache, x = tp_forward(params, kv_cache, arrays.batch, mesh=mesh,
-                                             cfg=cfg, attention_impl=attention_impl,
+                                             cfg=cfg, attention_impl=impl,
                                              stream=True, vocab_major=True)
     prompt = prompt_logprobs.of_step(params, x, arrays, cfg)
     capture = (capture,) if capture_layer is not None else ()
@@ -217,11 +242,7 @@ def _forward(params, kv_cache, state, ibuf, fbuf, *, layout, cfg, attention_impl
 
 
 def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, fbuf: jax.Array,
-          masks: jax.Array, spare: jax.Array, *, layout: PackedLayout, cfg: ModelConfig,
-          attention_impl: str, mesh: jax.sharding.Mesh | None, rows: int,
-          capture_layer: int | None = None, slice_layers: bool = False,
-          in_place_layers: bool = False, burst_steps: int = 1, page_size: int = 0,
-          whole_chain: bool = False):
+          masks: jax.Array, spare: jax.Array, *, spec: StepSpec):
     """The plain step (spp == 1): the forward and the sampling in one executable, so the
     logits never leave it and the host dispatches one call a step. Returns (SampleResult,
     logits, KV cache, state, PromptLogprobs[, Capture]). Its own sampling, on its own rows,
@@ -235,37 +256,35 @@ def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, f
     ``masks``: the structured-output bitmask [S, vocab/32] (``PackedLayout``: all -1, kept on
     the device, when no row has one).
 
-    ``burst_steps`` > 1 (an all-decode shape, ``jserve.engine.burst``): the program loops
-    over ``StepArrays.burst`` steps (1 to ``burst_steps``, a runtime count), each on the
-    buffers ``burst.advance``d from the first; the tokens are [burst_steps, rows], row j
-    step j's (rows past the count: zeros), and the other outputs the last step's (a
-    decode-only step has no prompt logprobs: zeros). One program serves the shape's single
-    steps and its bursts. ``whole_chain`` (static; a GPU or TPU's all-decode shapes,
-    ``StepLowering.whole_chain_decodes``): its steps sample with the whole chain
-    (``_sample``: filters, penalties, bias, bans, masks packed with the step), so bursts
-    take such requests too; only logprobs and late masks still need the sampling
-    executable."""
+    ``spec.burst_steps`` > 1: the program loops over ``StepArrays.burst`` steps (1 to
+    ``burst_steps``, a runtime count), each on the buffers ``burst.advance``d from the
+    first; the tokens are [burst_steps, rows], row j step j's (rows past the count: zeros),
+    and the other outputs the last step's (a decode-only step has no prompt logprobs:
+    zeros). One program serves the shape's single steps and its bursts. With
+    ``spec.whole_chain`` its steps sample with the whole chain (``_sample``: filters,
+    penalties, bias, bans, masks packed with the step), so bursts take such requests too;
+    only logprobs and late masks still need the sampling executable."""
+    layout, rows, burst_steps = spec.layout, spec.rows, spec.burst_steps
+
     def one(kv, st, buf, handed):
-        arrays, logits, kv, st, prompt, *capture = _forward(
-            params, kv, st, buf, fbuf, layout=layout, cfg=cfg,
-            attention_impl=attention_impl, mesh=mesh, capture_layer=capture_layer,
-            slice_layers=slice_layers, in_place_layers=in_place_layers, masks=masks)
-        handed, st = _handed_on(logits, st, arrays, rows, mesh, handed)
+        arrays, logits, kv, st, prompt, *capture = _forward(params, kv, st, buf, fbuf, spec,
+                                                            masks)
+        handed, st = _handed_on(logits, st, arrays, rows, spec.mesh, handed)
         own = sample_inputs(arrays, logits)
-        out, st = (_sample(st, own) if whole_chain
+        out, st = (_sample(st, own) if spec.whole_chain
                    else _common_tokens(st, own, arrays.whole_chain))
         return _padded(out, rows), handed, kv, st, prompt, *capture
 
     if burst_steps == 1:
         return one(kv_cache, state, ibuf, spare)
-    assert capture_layer is None, "a burst captures nothing"
+    assert spec.capture_layer is None, "a burst captures nothing"
     n = jnp.clip(layout.int_leaf(ibuf, ".burst"), 1, burst_steps)
     num_decodes = layout.int_shape(".batch.tokens")[0]
 
     def body(j, carry):
         kv, st, tokens, handed = carry
         buf = burst.advance(layout, ibuf, j, tokens[jnp.maximum(j - 1, 0)], num_decodes,
-                            page_size)
+                            spec.page_size)
         out, handed, kv, st, _ = one(kv, st, buf, handed)
         return kv, st, tokens.at[j].set(out.tokens), handed
 
@@ -276,41 +295,42 @@ def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, f
 
 
 def _tick(params: Params, kv_cache: KVCache, state: SeqState, carry: pipeline.PipelineCarry,
-          ibufs: jax.Array, fbufs: jax.Array, *, layout: PackedLayout, cfg: ModelConfig,
-          attention_impl: str, mesh: jax.sharding.Mesh, rows: int, decode_rows: int,
-          in_place_layers: bool = False):
+          ibufs: jax.Array, fbufs: jax.Array, *, spec: StepSpec):
     """A stream-pipeline tick (``sharding.pipeline.tick``; ``ibufs``/``fbufs`` [spp, size]:
     every stage's batch at the tick's shape), then the plain step's tail on the batch that
     left the last stage (the last row; replicated, outside the shard_map). Every slot's fed
     tokens are filled in: the host resends a batch's buffers each tick, and a sequence's
     ``last_tokens`` entry does not change while its batch is in flight (its sampled chunk is
     its only one in the pipeline)."""
+    layout = spec.layout
     ibufs = jax.vmap(layout.feed, in_axes=(0, None))(ibufs, state.last_tokens)
-    with reading_in_place(in_place_layers):  # each stage's loop (``layer_loop`` "indexed")
+    with reading_in_place(spec.in_place_layers):  # each stage's loop (``layer_loop`` "indexed")
         kv_cache, carry = pipeline.tick(params, kv_cache, carry, ibufs, fbufs,
-                                        unpack=layout.unpack, decode_rows=decode_rows,
-                                        mesh=mesh, cfg=cfg, attention_impl=attention_impl)
+                                        unpack=layout.unpack, decode_rows=spec.decode_rows,
+                                        mesh=spec.mesh, cfg=spec.cfg,
+                                        attention_impl=spec.attention_impl)
     arrays = layout.unpack(ibufs[-1], fbufs[-1])
     x = pipeline.exiting(carry, arrays.batch.attn.num_decodes, arrays.batch.tokens.shape[0],
-                         decode_rows)
-    logits = final_logits(params, x, arrays.batch.logits_rows, cfg, vocab_major=True)
-    logits, state = _handed_on(logits, state, arrays, rows, mesh)
+                         spec.decode_rows)
+    logits = final_logits(params, x, arrays.batch.logits_rows, spec.cfg, vocab_major=True)
+    logits, state = _handed_on(logits, state, arrays, spec.rows, spec.mesh)
     return logits, kv_cache, state, carry
 
 
 def _lone_pass(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array,
-               fbuf: jax.Array, *, layout: PackedLayout, cfg: ModelConfig, attention_impl: str,
-               mesh: jax.sharding.Mesh, rows: int, in_place_layers: bool = False):
+               fbuf: jax.Array, *, spec: StepSpec):
     """A batch alone in an empty pipeline through every stage at once
     (``sharding.pipeline.lone_pass``; ``ibuf``/``fbuf``: its own packed step, fed like the
     plain step's), then ``_tick``'s tail on the stream that left the last stage."""
+    layout = spec.layout
     ibuf = layout.feed(ibuf, state.last_tokens)
     arrays = layout.unpack(ibuf, fbuf)
-    with reading_in_place(in_place_layers):
+    with reading_in_place(spec.in_place_layers):
         kv_cache, x = pipeline.lone_pass(params, kv_cache, ibuf, fbuf, unpack=layout.unpack,
-                                         mesh=mesh, cfg=cfg, attention_impl=attention_impl)
-    logits = final_logits(params, x, arrays.batch.logits_rows, cfg, vocab_major=True)
-    logits, state = _handed_on(logits, state, arrays, rows, mesh)
+                                         mesh=spec.mesh, cfg=spec.cfg,
+                                         attention_impl=spec.attention_impl)
+    logits = final_logits(params, x, arrays.batch.logits_rows, spec.cfg, vocab_major=True)
+    logits, state = _handed_on(logits, state, arrays, spec.rows, spec.mesh)
     return logits, kv_cache, state
 
 
@@ -341,17 +361,14 @@ def jitted(spp: int, page_formats=None) -> Jitted:
     executables (hundreds of memory maps each on CPU) are freed with it instead of
     accumulating for the life of the process. ``page_formats`` (spp == 1, no capture): the
     pinned layouts the step returns the KV pages in (``lowering.pinned_pages``)."""
-    static = ("layout", "cfg", "attention_impl", "mesh", "rows", "in_place_layers")
     if spp > 1:
-        step = jax.jit(_fresh(_tick), static_argnames=static + ("decode_rows",),
-                       donate_argnums=(1, 2, 3))
-        lone = jax.jit(_fresh(_lone_pass), static_argnames=static, donate_argnums=(1, 2))
+        step = jax.jit(_fresh(_tick), static_argnames=("spec",), donate_argnums=(1, 2, 3))
+        lone = jax.jit(_fresh(_lone_pass), static_argnames=("spec",), donate_argnums=(1, 2))
     else:
         pinned = {} if page_formats is None else dict(
             out_shardings=(None, None, page_formats, None, None))
-        step = jax.jit(_fresh(_step), static_argnames=static + (
-            "capture_layer", "slice_layers", "burst_steps", "page_size", "whole_chain"),
-            donate_argnums=(1, 2, 6), **pinned)
+        step = jax.jit(_fresh(_step), static_argnames=("spec",), donate_argnums=(1, 2, 6),
+                       **pinned)
         lone = None
     return Jitted(step, lone, jax.jit(_fresh(_sample), donate_argnums=(0,)))
 
@@ -366,11 +383,11 @@ def _fresh(fn):
 
 def runtime_params(cfg: ModelConfig, params: Params, mesh: jax.sharding.Mesh | None, *,
                    placed: bool, unroll: bool, lora: tuple[int, int] | None = None) -> Params:
-    """``params`` as the step takes them: the runtime layout (``prepare_params``) split
+    """``params`` as the step takes them: the runtime layout (``to_runtime_layout``) split
     for tp on ``mesh`` unless ``placed`` already, with per-layer arrays if ``unroll``;
     ``lora`` (slots, rank): with an empty LoRA adapter pool (``jserve.model.lora``)."""
     if not placed:
-        params = prepare_params(params)
+        params = to_runtime_layout(params)
         if mesh is not None:
             params = shard_params(params, cfg, mesh)
     if lora is not None:

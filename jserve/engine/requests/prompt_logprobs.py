@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jserve.config import ModelConfig
-from jserve.engine.output import TokenLogprob
+from jserve.engine.requests.output import TokenLogprob
 from jserve.model.decoder import Params, head_logits
 from jserve.sampling.params import MAX_LOGPROBS
 

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-from jserve.engine.step_builder import BuiltStep, StepBuilder
+from jserve.engine.batch.builder import BuiltStep, StepBuilder
 from jserve.sampling.sampler import SamplerRow
 
 

@@ -211,7 +211,7 @@ class OutputProcessor:
     def __init__(self, eos_ids: tuple[int, ...], max_model_len: int, pooling: bool = False):
         self.eos_ids = eos_ids
         self.max_model_len = max_model_len
-        self.pooling = pooling  # every request ends with its prefill (jserve.engine.pooling)
+        self.pooling = pooling  # every request ends with its prefill (requests.pooling)
 
     def may_continue(self, req, new_tokens: int = 1, late_masks: bool = False) -> bool:
         """Whether ``req`` may decode again before its newest ``new_tokens`` (still on the

@@ -7,8 +7,8 @@ import dataclasses
 
 import numpy as np
 
-from jserve.engine.intake import PreparedRequest
-from jserve.engine.output import IncrementalDetokenizer, RequestMetrics, TokenLogprob
+from jserve.engine.requests.intake import PreparedRequest
+from jserve.engine.requests.output import IncrementalDetokenizer, RequestMetrics, TokenLogprob
 from jserve.sampling.params import MAX_BANNED_IDS, SamplingParams
 from jserve.sampling.sampler import SamplerRow
 from jserve.sampling.structured import Constraint, GrammarCompiler
@@ -61,7 +61,7 @@ def plain_sampler_row(req: Request) -> bool:
 def mask_pending(req: Request) -> bool:
     """A structured output whose newest token is still on the device (async scheduling):
     its next mask is not known until the host reads that token."""
-    return req.payload.constraint is not None and req.token_ids[-1:] == [PLACEHOLDER]
+    return req.payload.constraint is not None and req.all_token_ids[-1:] == [PLACEHOLDER]
 
 
 class StateRows:
@@ -98,7 +98,7 @@ def new_request(prepared: PreparedRequest, request_id: str, seed: int, arrival_t
         prompt_logprobs=[None] if p.prompt_logprobs is not None else None,
         constraint=(grammars.start(p.structured_output)  # cached by prepare
                     if p.structured_output is not None else None))
-    # The prompt held once: ``Request.prompt_token_ids`` (outputs show it; ``token_ids`` starts
+    # The prompt held once: ``Request.prompt_token_ids`` (outputs show it; ``all_token_ids`` starts
     # as its copy and grows).
     req = Request(request_id, list(prepared.prompt_ids), p.max_tokens, arrival_time, payload=state,
                   tpot_slo=tpot_slo, priority=priority,

@@ -10,7 +10,7 @@ import json
 
 from jserve.config import DTYPE_CHOICES, KV_CACHE_DTYPES, QUANTIZATIONS
 from jserve.engine.config import LAYER_LOOPS, RUNNERS, WARMUP_MODES, EngineConfig
-from jserve.engine.vllm_names import (
+from jserve.flags.vllm_names import (
     BLOCK_SIZES,
     GIB,
     KV_CACHE_DTYPE_ALIASES,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from jserve.engine.engine import LLMEngine
-from jserve.engine.timing import predictor_key
+from jserve.engine.loop.timing import predictor_key
 from jserve.sampling.params import SamplingParams
 from jserve.scheduler.predictor import LinearPredictor
 from sharding.mesh import MeshConfig

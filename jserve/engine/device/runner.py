@@ -18,11 +18,7 @@ import numpy as np
 
 from jserve.cache.pool import KVCache
 from jserve.config import ModelConfig
-from jserve.engine import page_io
-from jserve.engine.buckets import Buckets
-from jserve.engine.lowering import StepLowering
-from jserve.engine.programs import StepPrograms
-from jserve.engine.step_arrays import (
+from jserve.engine.batch.arrays import (
     SampleInputs,
     StepArrays,
     abstract_of,
@@ -30,7 +26,11 @@ from jserve.engine.step_arrays import (
     sample_inputs,
     state_spec,
 )
-from jserve.engine.step_program import runtime_params
+from jserve.engine.batch.buckets import Buckets
+from jserve.engine.device import page_io
+from jserve.engine.programs.compiled import StepPrograms
+from jserve.engine.programs.lowering import StepLowering
+from jserve.engine.programs.step_program import runtime_params
 from jserve.model.params import Params
 from jserve.sampling.params import MAX_LOGPROBS
 from jserve.sampling.sampler import SampleResult

@@ -2,8 +2,10 @@
 sampling executable, traced and lowered against abstract arguments (the
 params, KV pages and penalty state as ``jax.ShapeDtypeStruct``s, so a lowering never reads
 an array, and a background lowering never touches arrays a step donates). Compiling them
-and keeping the executables is ``programs.StepPrograms``'s job."""
+and keeping the executables is ``compiled.StepPrograms``'s job."""
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -11,9 +13,9 @@ import jax.numpy as jnp
 from jserve import backend
 from jserve.cache.pool import HybridKV, formats, pages_row_major, row_major
 from jserve.config import ModelConfig
-from jserve.engine.buckets import Buckets
-from jserve.engine.step_arrays import PackedLayout, StepArrays, arrays_spec, sample_inputs_spec
-from jserve.engine.step_program import jitted
+from jserve.engine.batch.arrays import PackedLayout, StepArrays, arrays_spec, sample_inputs_spec
+from jserve.engine.batch.buckets import Buckets
+from jserve.engine.programs.step_program import StepSpec, jitted
 from jserve.model.lora import pool_slots
 from sharding import pipeline
 
@@ -61,7 +63,7 @@ class StepLowering:
         self.page_size = jax.tree.leaves(args[1])[0].shape[3]
         self.jitted = jitted(self.spp, self.page_formats)
         # The most decode steps an all-decode shape's step runs in one call (a decode burst,
-        # ``jserve.engine.burst``; 1: none; not with a length probe's capture).
+        # ``jserve.engine.batch.burst``; 1: none; not with a length probe's capture).
         self.burst_steps = burst_steps if capture_layer is None else 1
         # With bursts: the all-decode steps sample with the whole chain, so requests with
         # filters, penalties or a bias burst too (``factory.whole_chain_decodes``: a GPU or
@@ -119,33 +121,40 @@ class StepLowering:
                           for s, dtype in zip(self.buffer_shapes(layout, lone),
                                               (jnp.int32, jnp.float32, jnp.int32))))
 
-    def lower(self, shape: tuple[int, int], lone: bool = False,
-              burst_steps: int | None = None) -> tuple[jax.stages.Lowered, PackedLayout]:
-        """The step (spp > 1: tick; ``lone``: pass) of bucket ``shape``, and its layout;
-        ``burst_steps``: in place of the runner's (a benchmark's plain decode step: 1)."""
+    def step_spec(self, shape: tuple[int, int], lone: bool = False,
+                  burst_steps: int | None = None) -> StepSpec:
+        """What the step (spp > 1: tick; ``lone``: pass) of bucket ``shape`` is compiled
+        for; ``burst_steps``: in place of the runner's (a benchmark's plain decode step: 1)."""
         burst_steps = self.burst_steps if burst_steps is None else burst_steps
-        layout, ibuf, fbuf, masks = self._buffer_specs(shape, lone)
-        args = self.args
         in_place = self.in_place_layers is True or (self.in_place_layers == "decode"
                                                     and shape[1] == 0)
-        common = dict(layout=layout, cfg=self.model_config,
-                      attention_impl=self.attention_impl, mesh=self.mesh,
-                      rows=self.rows_for(shape), in_place_layers=in_place)
+        spec = StepSpec(self.layout(shape), self.model_config, self.attention_impl, self.mesh,
+                        self.rows_for(shape), in_place_layers=in_place)
         if lone:
-            lowered = self.jitted.lone.lower(*args, ibuf, fbuf, **common)
+            return spec
+        if self.spp > 1:
+            return dataclasses.replace(spec, decode_rows=self.stream_shape[0])
+        spec = dataclasses.replace(spec, capture_layer=self.capture_layer,
+                                   slice_layers=self.slice_layers and not in_place)
+        if burst_steps > 1 and shape[1] == 0:
+            spec = dataclasses.replace(spec, burst_steps=burst_steps, page_size=self.page_size,
+                                       whole_chain=self.whole_chain_decodes)
+        return spec
+
+    def lower(self, shape: tuple[int, int], lone: bool = False,
+              burst_steps: int | None = None) -> tuple[jax.stages.Lowered, PackedLayout]:
+        """The step (spp > 1: tick; ``lone``: pass) of bucket ``shape``, and its layout."""
+        spec = self.step_spec(shape, lone, burst_steps)
+        layout, ibuf, fbuf, masks = self._buffer_specs(shape, lone)
+        args = self.args
+        if lone:
+            lowered = self.jitted.lone.lower(*args, ibuf, fbuf, spec=spec)
         elif self.spp == 1:
-            bursts = dict(burst_steps=burst_steps, page_size=self.page_size,
-                          whole_chain=self.whole_chain_decodes) \
-                if burst_steps > 1 and shape[1] == 0 else {}
             lowered = self.jitted.step.lower(*args, ibuf, fbuf, masks,
-                                             self.spare_spec(self.rows_for(shape)),
-                                             capture_layer=self.capture_layer,
-                                             slice_layers=self.slice_layers and not in_place,
-                                             **bursts, **common)
+                                             self.spare_spec(spec.rows), spec=spec)
         else:
             carry = pipeline.carry_spec(self.mesh, self.model_config, sum(self.stream_shape))
-            lowered = self.jitted.step.lower(*args, carry, ibuf, fbuf,
-                                             decode_rows=self.stream_shape[0], **common)
+            lowered = self.jitted.step.lower(*args, carry, ibuf, fbuf, spec=spec)
         return lowered, layout
 
     def lower_sampler(self, rows: int | None = None) -> jax.stages.Lowered:

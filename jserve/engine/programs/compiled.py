@@ -19,10 +19,10 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from jserve.engine import page_io
-from jserve.engine.deferred import DeferredCompiles
-from jserve.engine.lowering import StepLowering
-from jserve.engine.step_arrays import PackedLayout
+from jserve.engine.batch.arrays import PackedLayout
+from jserve.engine.device import page_io
+from jserve.engine.programs.deferred import DeferredCompiles
+from jserve.engine.programs.lowering import StepLowering
 
 log = logging.getLogger(__name__)
 

@@ -38,12 +38,12 @@ from jserve.cache.allocator import PageAllocator, held_pages
 from jserve.cache.hybrid import local_window
 from jserve.cache.pool import available_device_bytes, kv_bytes_per_page
 from jserve.config import ModelConfig
-from jserve.engine.abstract import abstract_kv_cache, abstract_params
+from jserve.engine.programs.abstract import abstract_kv_cache, abstract_params
 from jserve.engine.config import EngineConfig, layer_flags
-from jserve.engine.factory import Geometry, engine_geometry
-from jserve.engine.kv_groups import group_window, layer_counts, pool_sizes
-from jserve.engine.runner import ModelRunner
-from jserve.engine.step_arrays import state_spec
+from jserve.engine.build.factory import Geometry, engine_geometry
+from jserve.engine.build.kv_groups import group_window, layer_counts, pool_sizes
+from jserve.engine.device.runner import ModelRunner
+from jserve.engine.batch.arrays import state_spec
 from jserve.lora.config import pool_size
 from jserve.model.params import active_params, num_params
 from sharding.mesh import MeshConfig, make_mesh
@@ -351,7 +351,7 @@ def _num_pages(config: EngineConfig, geo: Geometry, per_page: int,
 def _pool(cfg: ModelConfig, config: EngineConfig, geo: Geometry, per_page: int,
           budget: int | None, platform: str) -> dict:
     """The plan's pool fields: one group's pages (``_num_pages``), or two KV layer groups'
-    (``jserve.engine.kv_groups``, where the engine would run them) from the same budget."""
+    (``jserve.engine.build.kv_groups``, where the engine would run them) from the same budget."""
     mc = geo.mesh_config
     mode = config.layer_mode(cfg.num_hidden_layers, mc.spp, platform,
                              windowed=local_window(cfg) is not None)

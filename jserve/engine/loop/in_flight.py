@@ -6,7 +6,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from jserve.engine.step_builder import BuiltStep
+from jserve.engine.batch.builder import BuiltStep
 from jserve.scheduler import BatchPlan, Request
 
 
@@ -25,7 +25,7 @@ class Launched:
     launched_at: float = 0.0  # time.perf_counter() when its step was launched
     out: object = None      # the SampleResult of the step it left the device in
     # (row, request) of structured outputs whose mask is sent after the forward
-    # (``jserve.engine.late_masks``); ``out`` holds the forward's SampleInputs until then.
+    # (``jserve.engine.loop.late_masks``); ``out`` holds the forward's SampleInputs until then.
     late: list = dataclasses.field(default_factory=list)
 
 

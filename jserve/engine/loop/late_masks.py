@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from jserve.engine.faults import RequestFaults
-from jserve.engine.in_flight import Launched
-from jserve.engine.request_state import mask_pending
-from jserve.engine.step_builder import BuiltStep
+from jserve.engine.batch.builder import BuiltStep
+from jserve.engine.loop.faults import RequestFaults
+from jserve.engine.loop.in_flight import Launched
+from jserve.engine.requests.state import mask_pending
 from jserve.scheduler import Request
 
 

@@ -8,9 +8,9 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from jserve.engine.buckets import Buckets
-from jserve.engine.prompt_logprobs import targets as prompt_targets
-from jserve.engine.step_arrays import PackedLayout, StepArrays
+from jserve.engine.batch.arrays import PackedLayout, StepArrays
+from jserve.engine.batch.buckets import Buckets
+from jserve.engine.requests.prompt_logprobs import targets as prompt_targets
 from jserve.kernels import AttentionMetadata
 from jserve.model.decoder import StepInput
 from jserve.sampling.sampler import SamplerRow, SamplingBatch, make_sampling_batch, mask_words
@@ -323,7 +323,7 @@ class StepBuilder:
         dec = [requests[c.request_id] for c in chunks]
         pos_d = [c.start for c in chunks]
         srows = [state_row(r) for r in dec]
-        h.tokens[:nd] = [r.token_ids[p] for r, p in zip(dec, pos_d)]
+        h.tokens[:nd] = [r.all_token_ids[p] for r, p in zip(dec, pos_d)]
         h.positions[:nd] = pos_d
         h.token_state[:nd] = srows
         h.kv_lens[:nd] = [p + 1 for p in pos_d]
@@ -370,7 +370,7 @@ class StepBuilder:
             n = c.num_tokens
             end = start + n
             pos = np.arange(c.start, c.start + n, dtype=np.int32)
-            h.tokens[start:end] = req.token_ids[c.start:c.start + n]
+            h.tokens[start:end] = req.all_token_ids[c.start:c.start + n]
             h.positions[start:end] = pos
             if self.hybrid:
                 self._hybrid_row(h, row, req.page_ids, pos, slice(start, end))
@@ -425,7 +425,7 @@ def _advance_packed(last: "_LastDecodes", dec: list[Request], pos: list[int],
         at = layout.int_offset(name)
         ibuf[at:at + nd] = values
 
-    tokens = [r.token_ids[p] for r, p in zip(dec, pos)]
+    tokens = [r.all_token_ids[p] for r, p in zip(dec, pos)]
     put(".batch.tokens", [0 if t == PLACEHOLDER else t for t in tokens])
     put(".token_fed", [t == PLACEHOLDER for t in tokens])
     put(".batch.attn.positions", pos)

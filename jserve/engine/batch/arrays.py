@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jserve.config import ModelConfig
-from jserve.engine.buckets import Buckets
+from jserve.engine.batch.buckets import Buckets
 from jserve.kernels import AttentionMetadata
 from jserve.model.decoder import StepInput
 from jserve.sampling.params import MAX_BANNED_IDS, MAX_LOGIT_BIAS
@@ -46,7 +46,7 @@ class StepArrays:
     token_state_rows: jax.Array  # [T]
     token_is_prompt: jax.Array   # [T]
     token_fed: jax.Array         # [T] bool: the token is its sequence's ``last_tokens`` entry
-    # Prompt logprobs (``jserve.engine.prompt_logprobs``): each token's next prompt token
+    # Prompt logprobs (``jserve.engine.requests.prompt_logprobs``): each token's next prompt token
     # (-1: none), whether any token has one, and the most alternatives a request wants.
     prompt_targets: jax.Array    # [T] int32
     want_prompt_logprobs: jax.Array  # scalar bool

@@ -1,16 +1,20 @@
-"""The bytes of the prefix cache's host tier. ``jserve.cache.host_tier`` decides which page
-lives in which host slot and puts the copies in the plan; this store carries them out before
-the plan's step runs, with the swap machinery's programs (``page_io``'s gather and scatter of
-``SWAP_CHUNK`` pages, compiled at start with the steps).
+"""KV pages in host memory: the two stores that carry out the page copies a plan names,
+before its step runs. The scheduler decides; these move the bytes with ``page_io``'s gather
+and scatter of ``SWAP_CHUNK`` pages (compiled at start with the steps).
 
-- **Offload** (device -> host): the gathers are dispatched and their copies to the host
-  started (``page_io.start_read``), and the bytes land in the slots later
-  (``finish``: at the next plan, or at once when a restore needs them), so the host does not
-  wait on the device for them.
-- **Restore** (host -> device): the slots' bytes are put on the device and scattered into the
-  fresh pages; the step after them reads them in order. On one device the transfer is timed
-  (it does not wait on the step in flight) and teaches ``CopyRate`` the link's bandwidth,
-  which prices a restore for the deadline policies.
+- ``HostKVStore``: copies of swapped-out pages (``jserve.scheduler.swap`` decides who
+  swaps), held per request until it swaps back in. Swap-outs go first: the plan may reuse
+  the pages they free.
+- ``HostKVTier``: the prefix cache's host tier (``jserve.cache.host_tier`` decides which
+  page lives in which host slot).
+  - **Offload** (device -> host): the gathers are dispatched and their copies to the host
+    started (``page_io.start_read``); the bytes land in the slots later (``finish``: at the
+    next plan, or at once when a restore needs them), so the host does not wait on the
+    device for them.
+  - **Restore** (host -> device): the slots' bytes are put on the device and scattered into
+    the fresh pages; the step after them reads them in order. On one device the transfer is
+    timed (it does not wait on the step in flight) and teaches ``CopyRate`` the link's
+    bandwidth, which prices a restore for the deadline policies.
 
 Pages move as stored (quantized pages with their scales) and whole: on a mesh every shard's
 part of a page (its tp heads, its kvp group's pool) lands in one host page, and a restore
@@ -27,13 +31,28 @@ from jserve.cache.host_tier import HostTier
 from jserve.cache.pool import kv_bytes_per_page
 from jserve.config import ModelConfig
 from jserve.copy_rate import CopyRate
-from jserve.engine import page_io
 from jserve.engine.config import EngineConfig
-from jserve.engine.timing import host_copy_rate
+from jserve.engine.device import page_io
+from jserve.engine.loop.timing import host_copy_rate
 from jserve.scheduler import BatchPlan
 from sharding.specs import kv_head_map
 
 log = logging.getLogger(__name__)
+
+
+class HostKVStore:
+    def __init__(self, runner):
+        self.runner = runner
+        self.copies: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+
+    def apply(self, plan: BatchPlan) -> None:
+        for rid, pages in plan.swap_out:
+            self.copies[rid] = self.runner.read_pages(pages)
+        for rid, pages in plan.swap_in:
+            self.runner.write_pages(pages, self.copies.pop(rid))
+
+    def drop(self, request_id: str) -> None:
+        self.copies.pop(request_id, None)
 
 
 def build_host_tier(cfg: ModelConfig, config: EngineConfig, parts) -> HostKVTier | None:
@@ -82,10 +101,10 @@ class HostKVTier:
         self.finish()
         if not plan.offload:
             return
-        blocks, slots = zip(*plan.offload)
-        parts = page_io.start_read(self.runner.kv_cache, blocks, self.runner.programs.movers)
+        pages, slots = zip(*plan.offload)
+        parts = page_io.start_read(self.runner.kv_cache, pages, self.runner.programs.movers)
         self._pending.append((slots, parts))
-        self.offloaded_pages += len(blocks)
+        self.offloaded_pages += len(pages)
 
     def finish(self) -> None:
         """The started offloads' bytes into their slots, in plan order (a slot reused by a
@@ -100,11 +119,11 @@ class HostKVTier:
         """Writes ``plan.restore``'s host pages into their fresh device pages."""
         if not plan.restore:
             return
-        slots, blocks = zip(*plan.restore)
+        slots, pages = zip(*plan.restore)
         if self._pending:  # a restore may read a slot an offload is still filling
             self.finish()
         data = jax.tree.map(lambda buf: np.moveaxis(buf[list(slots)], 0, 2), self.slots)
-        chunks = page_io.padded_chunks(blocks, data)
+        chunks = page_io.padded_chunks(pages, data)
         if not self.on_mesh:
             t0 = time.perf_counter()
             placed = jax.block_until_ready(jax.device_put([c for _, c in chunks]))
@@ -115,7 +134,7 @@ class HostKVTier:
         runner = self.runner
         runner.kv_cache = page_io.scatter_chunks(runner.kv_cache, chunks,
                                                  runner.programs.movers)
-        self.restored_pages += len(blocks)
+        self.restored_pages += len(pages)
 
     def stats(self, scheduler) -> dict:
         """Totals since start, for the metrics (read at each scrape): prompt tokens looked up

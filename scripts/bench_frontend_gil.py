@@ -1,0 +1,146 @@
+"""What the front end costs the engine thread: the same decode at ``--batch`` rows with no front
+end (``LLM.generate`` in its own process) and behind ``jserve serve`` with 0... ``--clients``
+concurrent streaming HTTP clients (``/v1/completions``, ``stream: true``; this process is the
+clients, the server another), alternated for ``--reps`` rounds after a warm-up.
+
+The engine and its front ends share one Python process, so the event loop's and the intake
+threads' Python work takes the GIL from the engine thread. Two figures say how much:
+
+- **engine TPOT**: the mean gap between a request's tokens, taken on the engine thread (the
+  server's ``jserve_time_per_output_token_seconds``; offline, the same gaps from each
+  output's ``metrics.token_times``). At ``--batch`` rows a decode step makes one token per
+  row, so this is the step time as the engine lives it. Its ratio against the offline run is
+  what the front end costs the engine, contention for the cores included.
+- **front-end CPU**: the CPU seconds of the server's event-loop and intake threads over the
+  run's wall time (``/proc/PID/task``): the share of the run those threads were running
+  Python, an upper bound on the time they could hold the GIL against the engine thread.
+
+    python scripts/bench_frontend_gil.py [--model bench | default | DIR] [--batch 32]
+        [--clients 32,256] [--prompt-len 64] [--max-tokens 64] [--reps 3]
+
+``--model bench``: the transformers-written Llama of ``bench_vs_vllm.py`` (hidden 768, 12
+layers, BPE vocabulary of 32,000; ``harness.bench_checkpoint.llama_bpe_checkpoint``).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from harness.served import Served, engine_tpot
+from jserve.bench.replay import run_http
+from jserve.sim.trace import TraceRequest
+
+ENGINE_FLAGS = ("--max-model-len", "1024", "--max-num-batched-tokens", "256")
+
+
+def offline_child(model: str, batch: int, requests: int, prompt_len: int, max_tokens: int,
+                  rounds: int) -> None:
+    """Prints one JSON line per round: the mean token gap of ``requests`` greedy requests
+    through ``LLM.generate`` (no front end), the first round a warm-up."""
+    import random
+
+    from jserve import LLM, SamplingParams
+    llm = LLM(model=model, max_num_seqs=batch, max_model_len=1024,
+              max_num_batched_tokens=256)
+    vocab = llm.engine.model_config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    rng = random.Random(0)
+    for _ in range(rounds + 1):
+        prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(requests)]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        gaps = [b - a for o in outs for a, b in zip(o.metrics.token_times,
+                                                     o.metrics.token_times[1:])]
+        assert all(len(o.token_ids) == max_tokens for o in outs)
+        print(json.dumps({"engine_tpot": statistics.fmean(gaps)}), flush=True)
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds of each thread group of process ``pid``: the engine thread, the intake
+    threads, the main thread (the event loop) and the rest (XLA's workers)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    groups = {"engine": 0.0, "intake": 0.0, "loop": 0.0, "other": 0.0}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            comm = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended
+            continue
+        cpu = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        group = ("loop" if task.name == str(pid) else "engine" if comm == "jserve-engine"
+                 else "intake" if comm.startswith("jserve-intake") else "other")
+        groups[group] += cpu
+    return groups
+
+
+def served_round(served: Served, clients: int, prompt_len: int, max_tokens: int) -> dict:
+    trace = [TraceRequest(str(i), 0.0, prompt_len, max_tokens) for i in range(clients)]
+    pid = served.proc.pid
+    before, cpu0, t = engine_tpot(served.url), thread_cpu(pid), time.perf_counter()
+    records = asyncio.run(run_http(served.url, trace, progress=False))
+    wall, cpu1, after = time.perf_counter() - t, thread_cpu(pid), engine_tpot(served.url)
+    assert all(r["error"] is None and r["output_tokens"] == max_tokens for r in records)
+    cpu = {k: cpu1[k] - cpu0[k] for k in cpu0}
+    return {"engine_tpot": (after[0] - before[0]) / max(1.0, after[1] - before[1]),
+            "front_cpu": (cpu["loop"] + cpu["intake"]) / wall,
+            "engine_cpu": cpu["engine"] / wall, "wall": wall}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="bench")
+    ap.add_argument("--batch", type=int, default=32, help="max_num_seqs")
+    ap.add_argument("--clients", default="32,256")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.model == "bench":
+        from harness.bench_checkpoint import llama_bpe_checkpoint
+        a.model = str(llama_bpe_checkpoint())
+    if a.child:
+        return offline_child(a.model, a.batch, a.batch, a.prompt_len, a.max_tokens, a.reps)
+    clients = [int(c) for c in a.clients.split(",")]
+    offline = subprocess.Popen(
+        [sys.executable, __file__, "--child", "--model", a.model, "--batch", str(a.batch),
+         "--prompt-len", str(a.prompt_len), "--max-tokens", str(a.max_tokens),
+         "--reps", str(a.reps)], stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)})
+    # The offline child first, alone (its rounds run back to back); then the server's.
+    base = [json.loads(line)["engine_tpot"] for line in offline.stdout][1:]
+    assert offline.wait() == 0 and len(base) == a.reps
+    served = Served("--model", a.model, "--max-num-seqs", str(a.batch), *ENGINE_FLAGS,
+                    "--log-level", "WARNING", warmup=True)
+    rounds: dict[int, list[dict]] = {c: [] for c in clients}
+    try:
+        for rnd in range(a.reps + 1):  # round 0 warms the server's paths and is dropped
+            for c in clients:
+                got = served_round(served, c, a.prompt_len, a.max_tokens)
+                if rnd:
+                    rounds[c].append(got)
+    finally:
+        served.stop(30)
+    off = statistics.median(base)
+    print(f"{a.model}: batch {a.batch}, {a.prompt_len} prompt + {a.max_tokens} generated "
+          f"tokens each, greedy; median of {a.reps} rounds; {os.cpu_count()} cores; "
+          f"load {os.getloadavg()[0]:.1f}")
+    print("| front end | clients | engine TPOT | vs offline | front-end CPU / wall "
+          "| engine thread CPU / wall |")
+    print("|---|---:|---:|---:|---:|---:|")
+    print(f"| none (LLM.generate) | 0 | {off * 1e3:.1f} ms | 1.00x | | |")
+    for c, rs in rounds.items():
+        med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+        print(f"| HTTP, streaming | {c} | {med['engine_tpot'] * 1e3:.1f} ms | "
+              f"{med['engine_tpot'] / off:.2f}x | {100 * med['front_cpu']:.1f}% | "
+              f"{100 * med['engine_cpu']:.1f}% |")
+
+
+if __name__ == "__main__":
+    main()
