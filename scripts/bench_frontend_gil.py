@@ -16,7 +16,15 @@ threads' Python work takes the GIL from the engine thread. Two figures say how m
   Python, an upper bound on the time they could hold the GIL against the engine thread.
 
     python scripts/bench_frontend_gil.py [--model bench | default | DIR] [--batch 32]
-        [--clients 32,256] [--prompt-len 64] [--max-tokens 64] [--reps 3]
+        [--clients 32,256] [--prompt-len 64] [--max-tokens 64] [--reps 3] [--pin]
+        [--switch-interval S]
+
+``--pin``: the server (every thread) and the offline run on core 0, the clients on core 1, so
+the clients' own work takes no cycle from the engine's process; the server's threads then
+share one core, where the front end's work and the step's serialize as they would under the
+GIL alone. ``--switch-interval S``: the server and the offline run with
+``sys.setswitchinterval(S)`` (Python's default 0.005 s: how long a thread that wants the GIL
+waits before the holder is made to drop it).
 
 ``--model bench``: the transformers-written Llama of ``bench_vs_vllm.py`` (hidden 768, 12
 layers, BPE vocabulary of 32,000; ``harness.bench_checkpoint.llama_bpe_checkpoint``).
@@ -30,6 +38,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -41,10 +50,13 @@ ENGINE_FLAGS = ("--max-model-len", "1024", "--max-num-batched-tokens", "256")
 
 
 def offline_child(model: str, batch: int, requests: int, prompt_len: int, max_tokens: int,
-                  rounds: int) -> None:
+                  rounds: int, pin: bool) -> None:
     """Prints one JSON line per round: the mean token gap of ``requests`` greedy requests
     through ``LLM.generate`` (no front end), the first round a warm-up."""
     import random
+
+    if pin:  # before any thread starts: they all inherit it
+        os.sched_setaffinity(0, {0})
 
     from jserve import LLM, SamplingParams
     llm = LLM(model=model, max_num_seqs=batch, max_model_len=1024,
@@ -87,8 +99,9 @@ def served_round(served: Served, clients: int, prompt_len: int, max_tokens: int)
     wall, cpu1, after = time.perf_counter() - t, thread_cpu(pid), engine_tpot(served.url)
     assert all(r["error"] is None and r["output_tokens"] == max_tokens for r in records)
     cpu = {k: cpu1[k] - cpu0[k] for k in cpu0}
+    front = cpu["loop"] + cpu["intake"]
     return {"engine_tpot": (after[0] - before[0]) / max(1.0, after[1] - before[1]),
-            "front_cpu": (cpu["loop"] + cpu["intake"]) / wall,
+            "front_cpu": front / wall, "front_per_token": front / (clients * max_tokens),
             "engine_cpu": cpu["engine"] / wall, "wall": wall}
 
 
@@ -100,24 +113,39 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--pin", action="store_true", help="server on core 0, clients on core 1")
+    ap.add_argument("--switch-interval", type=float, default=None)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.model == "bench":
         from harness.bench_checkpoint import llama_bpe_checkpoint
         a.model = str(llama_bpe_checkpoint())
     if a.child:
-        return offline_child(a.model, a.batch, a.batch, a.prompt_len, a.max_tokens, a.reps)
+        return offline_child(a.model, a.batch, a.batch, a.prompt_len, a.max_tokens, a.reps,
+                             a.pin)
     clients = [int(c) for c in a.clients.split(",")]
+    if a.switch_interval is not None:  # both processes set it at start (sitecustomize)
+        site = Path(tempfile.mkdtemp())
+        (site / "sitecustomize.py").write_text(
+            f"import sys\nsys.setswitchinterval({a.switch_interval!r})\n")
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            [str(site), *filter(None, [os.environ.get("PYTHONPATH")])])
     offline = subprocess.Popen(
         [sys.executable, __file__, "--child", "--model", a.model, "--batch", str(a.batch),
          "--prompt-len", str(a.prompt_len), "--max-tokens", str(a.max_tokens),
-         "--reps", str(a.reps)], stdout=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)})
+         "--reps", str(a.reps), *(["--pin"] if a.pin else [])], stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).parent), *filter(None, [os.environ.get("PYTHONPATH")])])})
     # The offline child first, alone (its rounds run back to back); then the server's.
     base = [json.loads(line)["engine_tpot"] for line in offline.stdout][1:]
     assert offline.wait() == 0 and len(base) == a.reps
     served = Served("--model", a.model, "--max-num-seqs", str(a.batch), *ENGINE_FLAGS,
                     "--log-level", "WARNING", warmup=True)
+    if a.pin:
+        subprocess.run(["taskset", "-a", "-cp", "0", str(served.proc.pid)], check=True,
+                       capture_output=True)
+        os.sched_setaffinity(0, {1})
     rounds: dict[int, list[dict]] = {c: [] for c in clients}
     try:
         for rnd in range(a.reps + 1):  # round 0 warms the server's paths and is dropped
@@ -129,17 +157,22 @@ def main() -> None:
         served.stop(30)
     off = statistics.median(base)
     print(f"{a.model}: batch {a.batch}, {a.prompt_len} prompt + {a.max_tokens} generated "
-          f"tokens each, greedy; median of {a.reps} rounds; {os.cpu_count()} cores; "
+          f"tokens each, greedy; median of {a.reps} rounds; {os.cpu_count()} cores"
+          f"{' (server on core 0, clients on core 1)' if a.pin else ''}"
+          f"{f'; switch interval {a.switch_interval} s' if a.switch_interval else ''}; "
           f"load {os.getloadavg()[0]:.1f}")
     print("| front end | clients | engine TPOT | vs offline | front-end CPU / wall "
-          "| engine thread CPU / wall |")
-    print("|---|---:|---:|---:|---:|---:|")
-    print(f"| none (LLM.generate) | 0 | {off * 1e3:.1f} ms | 1.00x | | |")
+          "| front-end CPU / token | engine thread CPU / wall |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    print(f"| none (LLM.generate) | 0 | {off * 1e3:.1f} ms | 1.00x | | | |")
     for c, rs in rounds.items():
         med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
         print(f"| HTTP, streaming | {c} | {med['engine_tpot'] * 1e3:.1f} ms | "
               f"{med['engine_tpot'] / off:.2f}x | {100 * med['front_cpu']:.1f}% | "
-              f"{100 * med['engine_cpu']:.1f}% |")
+              f"{med['front_per_token'] * 1e6:.0f} us | {100 * med['engine_cpu']:.1f}% |")
+    print("every round's engine TPOT vs offline: " + "; ".join(
+        f"{c} clients " + " ".join(f"{r['engine_tpot'] / off:.2f}" for r in rs)
+        for c, rs in rounds.items()))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx2 as httpx
 import numpy as np
@@ -270,3 +271,14 @@ def test_every_flag_says_what_it_does_and_its_default():
     assert (a.endpoint, a.dataset_name, a.num_prompts, a.request_rate, a.burstiness,
             a.percentile_metrics, a.metric_percentiles, a.port) == (
         None, "random", 1000, float("inf"), 1.0, "ttft,tpot,itl", "99", 8000)
+
+
+def test_the_servers_threads_carry_their_names_to_the_os(default_served):
+    """A profile of the server (``top -H``, ``py-spy``, ``/proc``) tells its threads apart:
+    the engine thread and the intake threads (started by the requests before) by name."""
+    pid = default_served.proc.pid
+    bench_serve(["--base-url", default_served.url, "--num-prompts", "2", "--random-input-len",
+                 "8", "--random-output-len", "2", "--disable-tqdm"])
+    names = {(task / "comm").read_text().strip()
+             for task in Path(f"/proc/{pid}/task").iterdir()}
+    assert "jserve-engine" in names and "jserve-intake_0" in names, names

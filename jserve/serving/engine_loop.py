@@ -29,6 +29,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 from jserve.engine.requests.output import RequestOutput
 from jserve.fields import FieldError
+from jserve.os_threads import name_os_thread
 from jserve.routing.load import ReplicaLoad, predicted_ttft
 from jserve.serving.engine_api import (
     ALREADY_EXISTS,
@@ -293,6 +294,7 @@ class EngineLoop(abc.ABC):
 
     # -- engine thread -----------------------------------------------------------------
     def _run(self) -> None:
+        name_os_thread()
         eng = self.core
         try:
             while True:

@@ -26,6 +26,7 @@ import time
 from typing import Callable, TypeVar
 
 from jserve.fields import FieldError
+from jserve.os_threads import name_os_thread
 from jserve.sampling.params import SamplingParams
 from jserve.serving import engine_api as el
 from jserve.serving.auth import bearer_matches
@@ -71,8 +72,8 @@ class Gateway:
         self.engine = engine
         self.metrics = metrics
         self.limits = RequestLimits(limits, engine)
-        self._intake = concurrent.futures.ThreadPoolExecutor(INTAKE_THREADS,
-                                                             thread_name_prefix="jserve-intake")
+        self._intake = concurrent.futures.ThreadPoolExecutor(
+            INTAKE_THREADS, thread_name_prefix="jserve-intake", initializer=name_os_thread)
         self.draining = False
         # Shutting down soon (the server's drain notice): /health and the gRPC health check
         # fail so routers stop sending, while requests are still accepted.

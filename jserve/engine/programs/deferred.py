@@ -20,6 +20,8 @@ import threading
 from concurrent.futures import Future
 from typing import Callable, Hashable
 
+from jserve.os_threads import name_os_thread
+
 log = logging.getLogger(__name__)
 
 
@@ -70,6 +72,7 @@ class DeferredCompiles:
         return True
 
     def _run(self) -> None:
+        name_os_thread()
         main = threading.main_thread()
         while True:
             with self._lock:
