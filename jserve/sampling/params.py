@@ -96,7 +96,7 @@ class SamplingParams:
         """Whether choosing a token takes more than greedy or temperature sampling: a filter
         (top-k, top-p, min-p) when sampling, a penalty or a logit bias: the sampling
         executable's whole chain, not the fused step's (a step holding such a sampled row
-        is sampled by it, ``step_builder.StepFlags``; on a CPU such a request takes no
+        is sampled by it, ``batch.builder.StepFlags``; on a CPU such a request takes no
         decode burst, ``burst.may_burst``)."""
         filtered = not self.is_greedy and (self.top_k > 0 or self.top_p < 1.0
                                            or self.min_p > 0.0)

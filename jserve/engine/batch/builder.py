@@ -154,7 +154,7 @@ class StepBuilder:
         two page tables and slot arrays. ``ready``: the shape a step of a bucket shape is
         built at now (``StepPrograms.ready_shape``: a compiled one covering it while its own
         compiles in the background); None: the bucket shape itself. ``plain_row``: whether a
-        request's sampler row has neither bans nor a mask (``request_state.plain_sampler_row``);
+        request's sampler row has neither bans nor a mask (``requests.state.plain_sampler_row``);
         given with ``layout`` (a bucket shape's ``PackedLayout``), an all-decode step of the
         same requests as the last one is built packed, from that one's buffers
         (``_advance``). ``whole_chain_decodes``: the all-decode steps' programs sample with

@@ -233,7 +233,7 @@ def _swap_policy(cfg: ModelConfig, config: EngineConfig, mesh_config: MeshConfig
 
 
 def host_tier_on(config: EngineConfig, mesh_config: MeshConfig) -> bool:
-    """Whether the prefix cache's host tier may run (``kv_tier.build_host_tier`` has the
+    """Whether the prefix cache's host tier may run (``host_pages.build_host_tier`` has the
     rest of the rule): its copies are the swap programs', compiled at start with the steps."""
     return config.kv_offload_bytes > 0 and mesh_config.spp == 1 and jax.process_count() == 1
 

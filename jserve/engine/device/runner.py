@@ -1,6 +1,6 @@
 """The model runner: the device state of the model step (params, KV pages, penalty state,
 pipeline carry) and the execution of steps on it. Its programs, compiled ahead of time per
-bucket with a compile counter tests read, are ``programs.StepPrograms`` (lowered by
+bucket with a compile counter tests read, are ``compiled.StepPrograms`` (lowered by
 ``lowering``, from the device functions of ``step_program``); KV pages move to the host and
 back through ``page_io``. A plain step samples in its own executable; a pipeline tick or
 pass (spp > 1) and a step whose masks come late run the shared sampling executable after

@@ -32,7 +32,7 @@ def pinned_pages(attention_impl: str, spp: int, capture_layer: int | None) -> bo
 
 class StepLowering:
     """The lowerings of one runner's programs. ``args``: (params, KV cache, penalty state)
-    as ``ShapeDtypeStruct``s with their shardings (``step_arrays.abstract_of``)."""
+    as ``ShapeDtypeStruct``s with their shardings (``arrays.abstract_of``)."""
 
     def __init__(self, cfg: ModelConfig, buckets: Buckets, max_num_seqs: int,
                  attention_impl: str, mesh: jax.sharding.Mesh | None, args: tuple,

@@ -112,7 +112,7 @@ def _handed_on(logits: jax.Array, state: SeqState, arrays: StepArrays, rows: int
     """The step's tail after the forward (shared by the plain step, the pipeline tick and
     the lone pass): the penalty state update, which reads the step's tokens, then the
     logits [vocab, ``rows``] for the sampling executable (the rest of its ``SampleInputs``
-    the host makes from the step's buffers, ``step_arrays.sample_inputs``), replicated over
+    the host makes from the step's buffers, ``arrays.sample_inputs``), replicated over
     ``mesh`` as that executable takes them (multi-process leaders read their own copy; the
     donated state keeps its input sharding). The plain step passes ``spare``, the donated
     buffer of its last call, and writes its logits into it only when the sampling
@@ -251,7 +251,7 @@ def _step(params: Params, kv_cache: KVCache, state: SeqState, ibuf: jax.Array, f
     step that needs more (``StepArrays.whole_chain``: filters, bias, penalties, bans, masks,
     logprobs, or masks that come late, ``late_masks``) writes its logits into ``spare``
     (donated, [vocab, rows], ``_handed_on``) and the sampling executable samples it again,
-    with the ``SampleInputs`` the host makes (``step_arrays.sample_inputs``), overwriting
+    with the ``SampleInputs`` the host makes (``arrays.sample_inputs``), overwriting
     the tokens this one kept in ``state.last_tokens`` before anything reads them.
     ``masks``: the structured-output bitmask [S, vocab/32] (``PackedLayout``: all -1, kept on
     the device, when no row has one).

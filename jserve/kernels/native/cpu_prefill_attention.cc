@@ -5,11 +5,13 @@
 // and runs the dots far under the matmul rate (docs/kernels.md). Here each work item is one
 // KV head and a tile of up to kTileRows query rows (consecutive tokens of one sequence, all
 // of their grouped heads); items are spread over XLA's intra-op thread pool. A tile reads
-// its sequence's keys in blocks of kKeys positions straight from the stacked page pool
+// its sequence's keys kKeys positions at a time straight from the stacked page pool
 // [layers, Hkv, pages, page_size, D] at a run-time layer (float32, bfloat16, or int8 with one
 // scale per token and head), stops at its last token's position (causal), and keeps an
-// online softmax per row. Scores are 16-float vectors (GCC vector extensions: AVX-512,
-// AVX2 or NEON, whatever -march=native gives), their exponentials a vector polynomial.
+// online softmax per row. Its queries are transposed once, so that the vectors (16 floats,
+// GCC vector extensions: AVX-512, AVX2 or NEON, whatever -march=native gives) run over rows:
+// a key element is one broadcast for all of them, and the softmax needs no horizontal
+// reduction. Exponentials are a vector polynomial.
 //
 // q [Hkv, T, G, D] float32, already scaled; q_seq [T] each token's row of the page table
 // (tokens of a row are contiguous; a token whose row is negative or not below num_seqs is
@@ -22,10 +24,6 @@
 #include <cstring>
 #include <vector>
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
-
 #include "elements.h"
 #include "pool.h"
 #include "xla/ffi/api/ffi.h"
@@ -35,10 +33,8 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int kKeys = 16;       // floats a vector
-constexpr int kVecs = 4;        // vectors of key positions a block
-constexpr int kBlock = kKeys * kVecs;
-constexpr int kRows = 4;        // rows whose scores are computed together
-constexpr int kTileRows = 64;   // query rows (tokens x group) a work item, at least one token
+constexpr int kBlock = 16;      // keys a block (a multiple of 4)
+constexpr int kTileRows = 64;   // query rows (tokens x group) a work item: at most 4 vectors
 constexpr int kMaxDim = 256;    // head_dim (a multiple of kKeys)
 typedef float v16 __attribute__((vector_size(kKeys * sizeof(float))));
 typedef int32_t i16 __attribute__((vector_size(kKeys * sizeof(int32_t))));
@@ -69,22 +65,6 @@ inline v16 vexp(v16 x) {
   return p * scale * in_range;
 }
 
-#ifdef __AVX512F__
-inline float hmax(v16 x) { return _mm512_reduce_max_ps(reinterpret_cast<__m512>(x)); }
-inline float hsum(v16 x) { return _mm512_reduce_add_ps(reinterpret_cast<__m512>(x)); }
-#else
-inline float hmax(v16 x) {
-  float m = x[0];
-  for (int j = 1; j < kKeys; ++j) m = std::max(m, x[j]);
-  return m;
-}
-
-inline float hsum(v16 x) {
-  float s = 0.0f;
-  for (int j = 0; j < kKeys; ++j) s += x[j];
-  return s;
-}
-#endif
 
 struct Tile {
   int64_t start, tokens, seq;
@@ -107,145 +87,142 @@ struct Problem {
   std::vector<Tile> tiles;
 };
 
-// A block's keys, transposed ([D][kVecs] vectors: a row's scores are sum_d q[d] * kt[d]),
-// and its values [kBlock][D]; positions past `n` are zero.
-template <typename T>
-void gather(const Problem<T>& p, int64_t h, int64_t seq, int64_t k0, int64_t n, v16* kt,
-            float* vb) {
-  const int64_t d = p.d, s_n = p.page_size;
+// One work item: a tile's rows (RV vectors of 16 rows; rows past the tile's are padding)
+// against its keys, kKeys at a time. The tile's queries are transposed once ([D][RV]
+// vectors), so a key's scores for every row are RV vectors, sum_d k[d] * qt[d]: each key
+// element is one broadcast for all the rows and the K and V rows are read in place from
+// their pages. The softmax runs down a block's kBlock keys for all rows at once (running max, sum and
+// rescale are vectors over rows: no horizontal reduction), and the output accumulates
+// transposed, ot[D][RV] += v[key][d] * w[key], then is written back per row.
+template <typename T, int RV>
+void attend_rows(const Problem<T>& p, int64_t h, const Tile& tile) {
+  const int64_t g = p.g, d = p.d, rows = tile.tokens * g;
+  thread_local std::vector<v16> qt_buf, ot_buf;
+  qt_buf.assign(d * RV, kZero);
+  ot_buf.assign(d * RV, kZero);
+  v16* qt = qt_buf.data();
+  v16* ot = ot_buf.data();
+  const float* q = p.q + (h * p.t + tile.start) * g * d;
+  i16 pos[RV], first[RV];
+  v16 m[RV], l[RV];
+  int64_t lo = INT64_MAX, hi = 0;
+  for (int v = 0; v < RV; ++v) {
+    for (int j = 0; j < kKeys; ++j) {
+      const int64_t r = v * kKeys + j;
+      if (r < rows) {
+        const int64_t tok = tile.start + r / g;
+        pos[v][j] = p.q_pos[tok];
+        first[v][j] = std::max<int32_t>(0, p.q_lo[tok]);
+        for (int64_t i = 0; i < d; ++i) qt[i * RV + v][j] = q[r * d + i];
+        lo = std::min<int64_t>(lo, first[v][j]);
+        hi = std::max<int64_t>(hi, pos[v][j] + 1);
+      } else {
+        pos[v][j] = -1;  // no key is a padding row's
+        first[v][j] = 0;
+      }
+    }
+    m[v] = kZero - INFINITY;
+    l[v] = kZero;
+  }
+  hi = std::min<int64_t>(hi, std::min<int64_t>(p.kv_lens[tile.seq], p.width * p.page_size));
   const int64_t base = (p.layer * p.hkv + h) * p.pages;
-  std::memset(kt, 0, sizeof(v16) * d * kVecs);
-  std::memset(vb, 0, sizeof(float) * kBlock * d);
-  for (int64_t j = 0; j < n; ++j) {
-    const int64_t at = k0 + j;
-    const int64_t slot = (base + p.page_table[seq * p.width + at / s_n]) * s_n + at % s_n;
-    const float ks = p.k_scale ? p.k_scale[slot] : 1.0f;
-    const float vs = p.v_scale ? p.v_scale[slot] : 1.0f;
-    const T* kr = p.k + slot * d;
-    const T* vr = p.v + slot * d;
-    v16* kcol = kt + j / kKeys;
-    const int lane = static_cast<int>(j % kKeys);
-    for (int64_t i = 0; i < d; ++i) {
-      kcol[i * kVecs][lane] = load(kr + i) * ks;
-      vb[j * d + i] = load(vr + i) * vs;
+  const T* kr[kBlock];
+  const T* vr[kBlock];
+  float ks[kBlock], vs[kBlock];
+  v16 s[kBlock][RV];
+  const int32_t* table = p.page_table + tile.seq * p.width;
+  for (int64_t k0 = lo; k0 < hi; k0 += kBlock) {
+    const int64_t n = std::min<int64_t>(kBlock, hi - k0);
+    int64_t page = k0 / p.page_size, off = k0 % p.page_size;
+    int64_t row = (base + table[page]) * p.page_size;
+    for (int64_t j = 0; j < kBlock; ++j) {  // keys past n repeat the last (weight 0)
+      const int64_t slot = row + off;
+      kr[j] = p.k + slot * d;
+      vr[j] = p.v + slot * d;
+      ks[j] = p.k_scale ? p.k_scale[slot] : 1.0f;
+      vs[j] = p.v_scale ? p.v_scale[slot] : 1.0f;
+      if (j + 1 < n && ++off == p.page_size) {
+        off = 0;
+        row = (base + table[++page]) * p.page_size;
+      }
     }
-  }
-}
-
-// Scores of kRows rows against a block: kRows x kVecs independent chains of vector FMAs,
-// each key vector loaded once for all rows. Rows past `rows` repeat the last.
-inline void scores(const float* q, int64_t d, int64_t rows, const v16* kt, v16 (*s)[kVecs]) {
-  const float* qr[kRows];
-  v16 a[kRows][kVecs];
-  for (int r = 0; r < kRows; ++r) {
-    qr[r] = q + std::min<int64_t>(r, rows - 1) * d;
-    for (int v = 0; v < kVecs; ++v) a[r][v] = kZero;
-  }
-  for (int64_t i = 0; i < d; ++i) {
-    const v16* k = kt + i * kVecs;
+    // scores, four keys at a time: 4 x RV independent chains of FMAs
+    for (int j0 = 0; j0 < kBlock; j0 += 4) {
+      v16 a[4][RV];
+      for (int j = 0; j < 4; ++j)
+        for (int v = 0; v < RV; ++v) a[j][v] = kZero;
+      for (int64_t i = 0; i < d; ++i) {
+        const v16* qi = qt + i * RV;
 #pragma GCC unroll 4
-    for (int r = 0; r < kRows; ++r) {
-      const float x = qr[r][i];
+        for (int j = 0; j < 4; ++j) {
+          const float x = load(kr[j0 + j] + i);
 #pragma GCC unroll 4
-      for (int v = 0; v < kVecs; ++v) a[r][v] += x * k[v];
+          for (int v = 0; v < RV; ++v) a[j][v] += x * qi[v];
+        }
+      }
+      for (int j = 0; j < 4; ++j)
+        for (int v = 0; v < RV; ++v) s[j0 + j][v] = a[j][v] * ks[j0 + j];
+    }
+    // the online softmax down the block's keys, every row at once
+    v16 alpha[RV];
+    for (int v = 0; v < RV; ++v) {
+      v16 top = m[v];
+      for (int j = 0; j < kBlock; ++j) {
+        const int32_t key = static_cast<int32_t>(k0 + j);
+        const i16 own = (pos[v] >= key) & (first[v] <= key) & (j < n ? -1 : 0);
+        s[j][v] = own ? s[j][v] : kZero - INFINITY;
+        top = top > s[j][v] ? top : s[j][v];
+      }
+      const i16 none = top == kZero - INFINITY;  // no key of the row yet
+      v16 sum = kZero;
+      for (int j = 0; j < kBlock; ++j) {
+        const i16 own = s[j][v] != kZero - INFINITY;
+        s[j][v] = own ? vexp(s[j][v] - top) : kZero;
+        sum += s[j][v];
+      }
+      alpha[v] = none ? kZero + 1.0f : vexp(m[v] - top);
+      l[v] = l[v] * alpha[v] + sum;
+      m[v] = top;
+    }
+    // ot[D][RV] = ot * alpha + sum_j v[j][d] * w[j], four dims at a time
+    for (int64_t i0 = 0; i0 < d; i0 += 4) {
+      v16 a[4][RV];
+      for (int x = 0; x < 4; ++x)
+        for (int v = 0; v < RV; ++v) a[x][v] = ot[(i0 + x) * RV + v] * alpha[v];
+      for (int j = 0; j < kBlock; ++j) {
+        const T* vj = vr[j] + i0;
+        const float sc = vs[j];
+#pragma GCC unroll 4
+        for (int x = 0; x < 4; ++x) {
+          const float y = load(vj + x) * sc;
+#pragma GCC unroll 4
+          for (int v = 0; v < RV; ++v) a[x][v] += y * s[j][v];
+        }
+      }
+      for (int x = 0; x < 4; ++x)
+        for (int v = 0; v < RV; ++v) ot[(i0 + x) * RV + v] = a[x][v];
     }
   }
-  for (int r = 0; r < kRows; ++r)
-    for (int v = 0; v < kVecs; ++v) s[r][v] = a[r][v];
-}
-
-// One row's online-softmax step over a block: keys k0 + [0, n) at or after `first`, at or
-// before `pos` are its own (some are).
-inline void update(const v16* s, int32_t k0, int32_t first, int32_t pos, int64_t d, int64_t n,
-                   const float* vb, float* m, float* l, float* acc) {
-  i16 lane;
-  for (int j = 0; j < kKeys; ++j) lane[j] = j;
-  v16 w[kVecs];
-  i16 valid[kVecs];
-  v16 top_v = kZero - INFINITY;
-  for (int v = 0; v < kVecs; ++v) {
-    const i16 key = lane + (k0 + v * kKeys);
-    valid[v] = (key <= pos) & (key >= first) & (key < static_cast<int32_t>(k0 + n));
-    w[v] = valid[v] ? s[v] : kZero - INFINITY;
-    top_v = top_v > w[v] ? top_v : w[v];
-  }
-  const float top = std::max(*m, hmax(top_v));
-  v16 sum = kZero;
-  for (int v = 0; v < kVecs; ++v) {
-    w[v] = valid[v] ? vexp(w[v] - top) : kZero;
-    sum += w[v];
-  }
-  const float alpha = std::exp(*m - top);
-  *l = *l * alpha + hsum(sum);
-  *m = top;
-  // four output vectors at a time held in registers across the block's keys: four
-  // independent chains of FMAs, and no store of the accumulator between keys
-  const float* wf = reinterpret_cast<const float*>(w);
-  v16* a = reinterpret_cast<v16*>(acc);
-  const v16* vr = reinterpret_cast<const v16*>(vb);
-  const int64_t chunks = d / kKeys;
-  const int64_t j_lo = std::max<int64_t>(0, first - k0), j_hi = std::min<int64_t>(n, pos - k0 + 1);
-  for (int64_t c = 0; c < chunks; c += 4) {
-    const int64_t nc = std::min<int64_t>(4, chunks - c);
-    v16 a0 = a[c] * alpha, a1 = nc > 1 ? a[c + 1] * alpha : kZero;
-    v16 a2 = nc > 2 ? a[c + 2] * alpha : kZero, a3 = nc > 3 ? a[c + 3] * alpha : kZero;
-    for (int64_t j = j_lo; j < j_hi; ++j) {
-      const float wj = wf[j];
-      const v16* row = vr + j * chunks + c;
-      a0 += wj * row[0];
-      if (nc > 1) a1 += wj * row[1];
-      if (nc > 2) a2 += wj * row[2];
-      if (nc > 3) a3 += wj * row[3];
+  for (int v = 0; v < RV; ++v) {
+    for (int j = 0; j < kKeys; ++j) {
+      const int64_t r = v * kKeys + j;
+      if (r >= rows) break;
+      const int64_t at = (h * p.t + tile.start) * g + r;
+      const float lr = l[v][j];
+      const float inv = lr > 0.0f ? 1.0f / lr : 0.0f;
+      for (int64_t i = 0; i < d; ++i) p.out[at * d + i] = ot[i * RV + v][j] * inv;
+      p.lse[at] = lr > 0.0f ? m[v][j] + std::log(lr) : -INFINITY;
     }
-    a[c] = a0;
-    if (nc > 1) a[c + 1] = a1;
-    if (nc > 2) a[c + 2] = a2;
-    if (nc > 3) a[c + 3] = a3;
   }
 }
 
 template <typename T>
 void attend(const Problem<T>& p, int64_t h, const Tile& tile) {
-  const int64_t g = p.g, d = p.d, rows = tile.tokens * g;
-  // vectors, not floats, so that every row of them is aligned for vector loads
-  thread_local std::vector<v16> kt_buf, vb_buf, acc_buf;
-  thread_local std::vector<float> m, l;
-  kt_buf.resize(d * kVecs);
-  vb_buf.resize(d * kVecs);  // [kBlock][D] floats
-  acc_buf.resize(rows * d / kKeys);
-  float* vb = reinterpret_cast<float*>(vb_buf.data());
-  m.assign(rows, -INFINITY);
-  l.assign(rows, 0.0f);
-  float* acc = reinterpret_cast<float*>(acc_buf.data());
-  std::fill(acc, acc + rows * d, 0.0f);
-  const float* q = p.q + (h * p.t + tile.start) * g * d;
-  int64_t lo = INT64_MAX, hi = 0;
-  for (int64_t i = 0; i < tile.tokens; ++i) {
-    lo = std::min<int64_t>(lo, std::max<int32_t>(0, p.q_lo[tile.start + i]));
-    hi = std::max<int64_t>(hi, p.q_pos[tile.start + i] + 1);
-  }
-  hi = std::min<int64_t>(hi, std::min<int64_t>(p.kv_lens[tile.seq], p.width * p.page_size));
-  for (int64_t k0 = lo / kKeys * kKeys; k0 < hi; k0 += kBlock) {
-    const int64_t n = std::min<int64_t>(kBlock, hi - k0);
-    gather(p, h, tile.seq, k0, n, kt_buf.data(), vb);
-    for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
-      const int64_t nr = std::min<int64_t>(kRows, rows - r0);
-      v16 s[kRows][kVecs];
-      scores(q + r0 * d, d, nr, kt_buf.data(), s);
-      for (int64_t r = r0; r < r0 + nr; ++r) {
-        const int64_t tok = tile.start + r / g;
-        const int32_t pos = std::min<int32_t>(p.q_pos[tok], hi - 1);
-        const int32_t first = std::max<int32_t>(0, p.q_lo[tok]);
-        if (k0 <= pos && first < k0 + n)  // some key of the block is the row's
-          update(s[r - r0], k0, first, pos, d, n, vb, &m[r], &l[r], acc + r * d);
-      }
-    }
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t at = (h * p.t + tile.start) * g + r;
-    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-    for (int64_t i = 0; i < d; ++i) p.out[at * d + i] = acc[r * d + i] * inv;
-    p.lse[at] = l[r] > 0.0f ? m[r] + std::log(l[r]) : -INFINITY;
+  switch ((tile.tokens * p.g + kKeys - 1) / kKeys) {
+    case 1: return attend_rows<T, 1>(p, h, tile);
+    case 2: return attend_rows<T, 2>(p, h, tile);
+    case 3: return attend_rows<T, 3>(p, h, tile);
+    default: return attend_rows<T, 4>(p, h, tile);
   }
 }
 
@@ -296,6 +273,8 @@ ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
     return ffi::Error::InvalidArgument("q [Hkv, T, G, D], pages [L, Hkv, P, S, D] expected");
   if (qd[3] > kMaxDim || qd[3] % kKeys != 0)
     return ffi::Error::InvalidArgument("head_dim must be a multiple of 16, at most 256");
+  if (qd[2] > kTileRows)
+    return ffi::Error::InvalidArgument("at most 64 query heads per KV head");
   if (k.element_type() != v.element_type())
     return ffi::Error::InvalidArgument("K and V pages differ in dtype");
   const bool scaled = k.element_type() == ffi::DataType::S8;
