@@ -26,7 +26,7 @@ def default_compilation_cache_dir() -> str:
 
 
 def layer_flags(mode: str) -> dict:
-    """``ModelRunner``'s layer arguments for a ``layer_mode``: stacked weights unrolled over
+    """``ProgramModes``' layer fields for a ``layer_mode``: stacked weights unrolled over
     static slices (``slice_layers``), or read in place (``in_place_layers``: True, or
     "decode" for the decode-only steps alone)."""
     return dict(slice_layers=mode in ("sliced", "sliced-indexed"),

@@ -29,7 +29,7 @@ from jserve.engine.batch.buckets import Buckets, ladder_factor
 from jserve.engine.batch.burst import DecodeBursts
 from jserve.engine.config import EngineConfig, layer_flags
 from jserve.engine.build.kv_groups import KVGroups, kv_groups
-from jserve.engine.programs.lowering import pinned_pages
+from jserve.engine.programs.lowering import ProgramModes, pinned_pages
 from jserve.engine.requests.pooling import Pooler
 from jserve.engine.requests.state import plain_sampler_row
 from jserve.engine.device.runner import ModelRunner
@@ -366,12 +366,11 @@ def runner_options(config: EngineConfig, buckets: Buckets, mesh: jax.sharding.Me
                    burst_steps: int) -> dict:
     """``ModelRunner``'s arguments beside the model, params and pages: the same for the
     engine's runner and for one compiled for a target (``jserve.targets.programs``)."""
+    modes = ProgramModes(capture_layer=tracker.layer if tracker else None,
+                         **layer_flags(layer_mode), burst_steps=burst_steps,
+                         whole_chain_decodes=whole_chain_decodes(jserve_backend.current()))
     return dict(buckets=buckets, max_num_seqs=config.max_num_seqs,
-                attention_impl=config.attention_impl, mesh=mesh,
-                capture_layer=tracker.layer if tracker else None,
-                **layer_flags(layer_mode),
-                burst_steps=burst_steps,
-                whole_chain_decodes=whole_chain_decodes(jserve_backend.current()))
+                attention_impl=config.attention_impl, mesh=mesh, modes=modes)
 
 
 def bursts_allowed(config: EngineConfig, mesh_config: MeshConfig,

@@ -43,6 +43,7 @@ from jserve.engine.config import EngineConfig, layer_flags
 from jserve.engine.build.factory import Geometry, engine_geometry
 from jserve.engine.build.kv_groups import group_window, layer_counts, pool_sizes
 from jserve.engine.device.runner import ModelRunner
+from jserve.engine.programs.lowering import ProgramModes
 from jserve.engine.batch.arrays import state_spec
 from jserve.lora.config import pool_size
 from jserve.model.params import active_params, num_params
@@ -483,8 +484,8 @@ def _compile_largest_step(cfg: ModelConfig, engine_config: EngineConfig, geo: Ge
     mode = engine_config.layer_mode(cfg.num_hidden_layers, spp, device.platform,
                                     windowed=local_window(cfg) is not None)
     runner = ModelRunner(cfg, params, kv, geo.buckets, engine_config.max_num_seqs,
-                         engine_config.attention_impl, mesh, abstract=True,
-                         **layer_flags(mode))
+                         engine_config.attention_impl, mesh,
+                         ProgramModes(**layer_flags(mode)), abstract=True)
     shape = (geo.buckets.decode_rows[-1], geo.buckets.prefill_tokens[-1])
     options = _CPU_COMPILE_OPTIONS if device.platform == "cpu" else None
     lowering = runner.programs.lowering

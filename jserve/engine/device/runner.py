@@ -29,7 +29,7 @@ from jserve.engine.batch.arrays import (
 from jserve.engine.batch.buckets import Buckets
 from jserve.engine.device import page_io
 from jserve.engine.programs.compiled import StepPrograms
-from jserve.engine.programs.lowering import StepLowering
+from jserve.engine.programs.lowering import ProgramModes, StepLowering
 from jserve.engine.programs.step_program import runtime_params
 from jserve.model.params import Params
 from jserve.sampling.params import MAX_LOGPROBS
@@ -60,28 +60,22 @@ class ModelRunner:
 
     def __init__(self, cfg: ModelConfig, params: Params, kv_cache: KVCache, buckets: Buckets,
                  max_num_seqs: int, attention_impl: str, mesh: jax.sharding.Mesh | None = None,
-                 capture_layer: int | None = None, params_placed: bool = False,
-                 abstract: bool = False, unroll_layers: bool = False,
-                 slice_layers: bool = False, in_place_layers: bool | str = False,
-                 burst_steps: int = 1, whole_chain_decodes: bool = False):
-        """``params_placed``: ``params`` are already in the runtime layout, tp-laid-out and
+                 modes: ProgramModes | None = None, params_placed: bool = False,
+                 abstract: bool = False, unroll_layers: bool = False):
+        """``modes``: how the programs are built (``ProgramModes``: a length probe's
+        capture, the layer mode's slicing or in-place reads, decode bursts).
+        ``params_placed``: ``params`` are already in the runtime layout, tp-laid-out and
         placed on ``mesh`` (a loader that streams them there, ``jserve.model.weights``).
         ``abstract``: ``params`` (runtime layout, placed) and ``kv_cache`` are
         ``jax.ShapeDtypeStruct``s and so is the penalty state: the runner only lowers and
         compiles (``programs``), nothing is allocated, until ``attach``.
-        ``unroll_layers``: run the layers unrolled over separate per-layer weight arrays
-        instead of one loop over stacked ones (``jserve.model.decoder.unstack_layers``; with
-        spp each stage's own layers, ``sharding.pipeline.unstack_stages``). ``slice_layers``
-        (spp == 1): stacked params, the layers unrolled in the program over static slices of
-        them (``EngineConfig.layer_loop`` "sliced"). ``in_place_layers``: stacked params, the
-        loop's matmuls reading each layer in place (``layer_loop`` "indexed"; "decode": only
-        in the decode-only shapes' steps, the others sliced: "sliced-indexed").
-        ``burst_steps``: the most decode steps an all-decode shape's step runs in one call
-        (``StepLowering.burst_steps``; 1: no bursts); ``whole_chain_decodes``: those steps
-        sample with the whole chain (``StepLowering.whole_chain_decodes``)."""
-        _check_capture_layer(cfg, capture_layer, mesh)
+        ``unroll_layers`` (params not placed): lay the layers out as separate per-layer
+        weight arrays instead of stacked ones (``jserve.model.decoder.unstack_layers``; with
+        spp each stage's own layers, ``sharding.pipeline.unstack_stages``)."""
+        modes = modes or ProgramModes()
+        _check_capture_layer(cfg, modes.capture_layer, mesh)
         self.model_config, self.mesh, self.attention_impl = cfg, mesh, attention_impl
-        self.capture_layer, self.slice_layers = capture_layer, slice_layers
+        self.capture_layer, self.slice_layers = modes.capture_layer, modes.slice_layers
         self.last_capture = None  # the latest step's Capture (device arrays) when capturing
         # The latest plain step's PromptLogprobs (device arrays; zeros unless it asked).
         self.last_prompt_logprobs = None
@@ -105,8 +99,7 @@ class ModelRunner:
         self.passed: collections.Counter = collections.Counter()  # lone passes per shape
         self.programs = StepPrograms(StepLowering(
             cfg, buckets, max_num_seqs, attention_impl, mesh,
-            abstract_of((self.params, self.kv_cache, self.state)), capture_layer,
-            slice_layers, in_place_layers, burst_steps, whole_chain_decodes))
+            abstract_of((self.params, self.kv_cache, self.state)), modes))
 
     def attach(self, params: Params, kv_cache: KVCache) -> bool:
         """The real weights (the step's layout, placed) and KV pages of a runner built on

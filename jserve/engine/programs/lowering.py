@@ -30,26 +30,43 @@ def pinned_pages(attention_impl: str, spp: int, capture_layer: int | None) -> bo
         backend.current(), resolve_impl(attention_impl))
 
 
+@dataclasses.dataclass(frozen=True)
+class ProgramModes:
+    """How a runner's programs are built, beside the model, its buckets and its mesh: what
+    each bucket's ``StepSpec`` is made from (``StepLowering.step_spec``).
+
+    - ``capture_layer``: a length probe's layer, whose prompt sums the steps return too.
+    - ``slice_layers`` / ``in_place_layers``: the layer mode's (``config.layer_flags``):
+      stacked weights unrolled over static slices ("sliced"), or read in place by the
+      loop's matmuls (``True``: "indexed"; ``"decode"``: in the decode-only steps alone,
+      "sliced-indexed").
+    - ``burst_steps``: the most decode steps an all-decode shape's step runs in one call
+      (1: no bursts); ``whole_chain_decodes``: those steps sample with the whole chain."""
+
+    capture_layer: int | None = None
+    slice_layers: bool = False
+    in_place_layers: bool | str = False
+    burst_steps: int = 1
+    whole_chain_decodes: bool = False
+
+
 class StepLowering:
     """The lowerings of one runner's programs. ``args``: (params, KV cache, penalty state)
     as ``ShapeDtypeStruct``s with their shardings (``arrays.abstract_of``)."""
 
     def __init__(self, cfg: ModelConfig, buckets: Buckets, max_num_seqs: int,
                  attention_impl: str, mesh: jax.sharding.Mesh | None, args: tuple,
-                 capture_layer: int | None = None, slice_layers: bool = False,
-                 in_place_layers: bool | str = False, burst_steps: int = 1,
-                 whole_chain_decodes: bool = False):
+                 modes: ProgramModes = ProgramModes()):
         self.model_config, self.buckets, self.mesh = cfg, buckets, mesh
         self.attention_impl = attention_impl
+        capture_layer, burst_steps = modes.capture_layer, modes.burst_steps
         spp = mesh.shape["spp"] if mesh is not None else 1
         if pinned_pages(attention_impl, spp, capture_layer):
             args = (args[0], row_major(args[1]), args[2])
         self.args = args
         self.page_formats = formats(args[1])  # the steps return the pages as they take them
-        self.capture_layer, self.slice_layers = capture_layer, slice_layers
-        # ``layer_loop`` "indexed" (True) or "sliced-indexed" ("decode": only the
-        # decode-only shapes' steps read their layers in place, the others are sliced).
-        self.in_place_layers = in_place_layers
+        self.capture_layer, self.slice_layers = capture_layer, modes.slice_layers
+        self.in_place_layers = modes.in_place_layers
         self.replicated = (None if mesh is None else
                            jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
         # Stream pipeline: every call of the step is one tick. Params and pages are split by
@@ -68,7 +85,7 @@ class StepLowering:
         # With bursts: the all-decode steps sample with the whole chain, so requests with
         # filters, penalties or a bias burst too (``factory.whole_chain_decodes``: a GPU or
         # TPU, where compiles run in parallel on many cores and the host is the bottleneck).
-        self.whole_chain_decodes = whole_chain_decodes and self.burst_steps > 1
+        self.whole_chain_decodes = modes.whole_chain_decodes and self.burst_steps > 1
         self._layouts: dict[tuple[int, int], PackedLayout] = {}
 
     @property
