@@ -49,9 +49,9 @@ from jserve.sim.trace import TraceRequest
 ENGINE_FLAGS = ("--max-model-len", "1024", "--max-num-batched-tokens", "256")
 
 
-def offline_child(model: str, batch: int, requests: int, prompt_len: int, max_tokens: int,
-                  rounds: int, pin: bool) -> None:
-    """Prints one JSON line per round: the mean token gap of ``requests`` greedy requests
+def offline_child(model: str, batch: int, prompt_len: int, max_tokens: int, rounds: int,
+                  pin: bool) -> None:
+    """Prints one JSON line per round: the mean token gap of ``batch`` greedy requests
     through ``LLM.generate`` (no front end), the first round a warm-up."""
     import random
 
@@ -65,12 +65,17 @@ def offline_child(model: str, batch: int, requests: int, prompt_len: int, max_to
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     rng = random.Random(0)
     for _ in range(rounds + 1):
-        prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(requests)]
+        prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(batch)]
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         gaps = [b - a for o in outs for a, b in zip(o.metrics.token_times,
                                                      o.metrics.token_times[1:])]
         assert all(len(o.token_ids) == max_tokens for o in outs)
         print(json.dumps({"engine_tpot": statistics.fmean(gaps)}), flush=True)
+
+
+def with_path(path: str) -> str:
+    """``$PYTHONPATH`` with ``path`` first."""
+    return os.pathsep.join([path, *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
 def thread_cpu(pid: int) -> dict[str, float]:
@@ -121,22 +126,19 @@ def main() -> None:
         from harness.bench_checkpoint import llama_bpe_checkpoint
         a.model = str(llama_bpe_checkpoint())
     if a.child:
-        return offline_child(a.model, a.batch, a.batch, a.prompt_len, a.max_tokens, a.reps,
-                             a.pin)
+        return offline_child(a.model, a.batch, a.prompt_len, a.max_tokens, a.reps, a.pin)
     clients = [int(c) for c in a.clients.split(",")]
     if a.switch_interval is not None:  # both processes set it at start (sitecustomize)
         site = Path(tempfile.mkdtemp())
         (site / "sitecustomize.py").write_text(
             f"import sys\nsys.setswitchinterval({a.switch_interval!r})\n")
-        os.environ["PYTHONPATH"] = os.pathsep.join(
-            [str(site), *filter(None, [os.environ.get("PYTHONPATH")])])
+        os.environ["PYTHONPATH"] = with_path(str(site))
     offline = subprocess.Popen(
         [sys.executable, __file__, "--child", "--model", a.model, "--batch", str(a.batch),
          "--prompt-len", str(a.prompt_len), "--max-tokens", str(a.max_tokens),
          "--reps", str(a.reps), *(["--pin"] if a.pin else [])], stdout=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(
-            [str(Path(__file__).parent), *filter(None, [os.environ.get("PYTHONPATH")])])})
+        env={**os.environ, "PYTHONPATH": with_path(str(Path(__file__).parent))})
     # The offline child first, alone (its rounds run back to back); then the server's.
     base = [json.loads(line)["engine_tpot"] for line in offline.stdout][1:]
     assert offline.wait() == 0 and len(base) == a.reps

@@ -127,7 +127,7 @@ def test_whole_chain_decodes_burst_filtered_penalised_and_biased_requests(
     monkeypatch.setattr(backend, "branches_cheap", lambda: branches_cheap)
     llm = small_llm(decode_burst=4)
     runner = llm.engine.runner
-    assert runner.programs.lowering.whole_chain_decodes
+    assert runner.programs.lowering.modes.whole_chain_decodes
     sampled, sample = [], runner.sample
     monkeypatch.setattr(runner, "sample", lambda *a, **k: sampled.append(1) or sample(*a, **k))
     got, bursts = _run(llm, params)

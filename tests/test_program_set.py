@@ -102,7 +102,7 @@ def test_decode_bursts_compile_with_the_set():
     reference = [o.token_ids for o in small_llm(decode_burst=1).generate(prompts, greedy)]
     llm = small_llm(decode_burst=4, warmup="all")
     eng, programs = llm.engine, llm.engine.runner.programs
-    assert programs.lowering.burst_steps == 4
+    assert programs.lowering.modes.burst_steps == 4
     assert sorted(programs.steps) == sorted(eng.buckets.all_shapes())
     assert programs.compile_count == len(eng.buckets.all_shapes()) + 1 + 2
     warm, before = programs.compile_count, _compiles()

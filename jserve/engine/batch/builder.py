@@ -158,7 +158,7 @@ class StepBuilder:
         given with ``layout`` (a bucket shape's ``PackedLayout``), an all-decode step of the
         same requests as the last one is built packed, from that one's buffers
         (``_advance``). ``whole_chain_decodes``: the all-decode steps' programs sample with
-        the whole chain (``StepLowering.whole_chain_decodes``), so only logprobs send such a
+        the whole chain (``StepLowering.modes.whole_chain_decodes``), so only logprobs send such a
         step to the sampling executable (``StepArrays.whole_chain``). ``lora_slot``: LoRA
         adapters served, a request's slot in the pool (-1: the base model); its tokens
         carry it (``StepInput.lora_slots``)."""

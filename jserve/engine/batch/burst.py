@@ -8,7 +8,7 @@ it may take ``k`` more tokens without a host decision in between (no structured 
 logprobs, no pending ``min_tokens`` ban, room under ``max_tokens`` and the context) and,
 on a CPU, is sampled greedily or at a temperature with nothing else (what the fused step
 samples itself, ``SamplingParams.beyond_temperature``; a GPU or TPU's all-decode steps
-sample with the whole chain, ``StepLowering.whole_chain_decodes``): then the tokens of
+sample with the whole chain, ``StepLowering.modes.whole_chain_decodes``): then the tokens of
 step ``j`` are exactly the inputs of step ``j + 1``, and what changes between the steps
 (position, KV slot, context length, sampler step) is computed on the device from the
 first step's buffers (``advance``). A stop token or string inside a burst ends the request
@@ -74,7 +74,7 @@ def may_burst(req, steps: int, max_model_len: int, whole_chain: bool = False) ->
 class DecodeBursts:
     """Whether the engine's next plan may be a burst, and of at most how many steps: ``steps``
     (``EngineConfig.decode_burst``; settable between steps from 1, off, to the steps the
-    programs were built for, ``StepLowering.burst_steps``) where bursts are ``supported``
+    programs were built for, ``StepLowering.modes.burst_steps``) where bursts are ``supported``
     (one device and process, no KV-cache parallelism, no length probe or speculative
     decoding), while nothing waits, once the step program of the running requests'
     all-decode shape is compiled (``StepPrograms.burst_ready``: until then the step runs
@@ -87,7 +87,7 @@ class DecodeBursts:
         self.steps = steps
         self.may_burst = functools.partial(
             may_burst, max_model_len=max_model_len,
-            whole_chain=runner.programs.lowering.whole_chain_decodes)
+            whole_chain=runner.programs.lowering.modes.whole_chain_decodes)
 
     @property
     def steps(self) -> int:
@@ -95,7 +95,7 @@ class DecodeBursts:
 
     @steps.setter
     def steps(self, k: int) -> None:
-        most = self.runner.programs.lowering.burst_steps
+        most = self.runner.programs.lowering.modes.burst_steps
         if self.supported and not 1 <= k <= most:
             raise ValueError(f"decode bursts of {k} steps: the step programs run 1 to {most} "
                              "(decode_burst)")

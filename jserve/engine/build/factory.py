@@ -321,7 +321,7 @@ def _builder(config: EngineConfig, buckets: Buckets, runner: ModelRunner, num_pa
                        hybrid=hybrid,
                        # spp > 1: a tick packs its slots itself
                        layout=programs.lowering.layout if spp == 1 else None,
-                       whole_chain_decodes=programs.lowering.whole_chain_decodes,
+                       whole_chain_decodes=programs.lowering.modes.whole_chain_decodes,
                        lora_slot=adapters and (lambda r: adapters.slot(r.adapter)))
 
 
@@ -405,7 +405,7 @@ def _runner(cfg: ModelConfig, params: Params, config: EngineConfig, mesh_config:
     persistent cache (None: no warm-up). On one device the weights and KV pages load in a
     thread while the programs compile against their specs; on a mesh they load first.
     ``wanted``: the decode bursts' steps (1: none) and whether swapping happens, whose
-    programs compile with the steps (``StepLowering.burst_steps``, ``StepPrograms.swaps``).
+    programs compile with the steps (``StepLowering.modes.burst_steps``, ``StepPrograms.swaps``).
     ``local_pages``: two KV layer groups, the windowed layers' pool (``KVGroups``)."""
     mesh = make_mesh(mesh_config) if mesh_config.size > 1 else None
     placed = hasattr(params, "place")  # a lazy checkpoint streams onto the mesh

@@ -142,7 +142,7 @@ class ModelRunner:
         spp == 1 (the step samples too; a row that needs more than greedy or temperature:
         the sampling executable again), two under spp > 1 (the tick or pass, then the
         sampling executable). An all-decode shape's step built for decode bursts
-        (``StepLowering.burst_steps`` > 1) runs ``StepArrays.burst`` decode steps in the one
+        (``StepLowering.modes.burst_steps`` > 1) runs ``StepArrays.burst`` decode steps in the one
         call: its result's ``tokens`` are [burst_steps, rows] (row j: step j's; the rows
         past the burst zeros), its logprobs fields None (bursts carry none)."""
         exe, layout = self.programs.compiled(shape, lone)
@@ -150,10 +150,10 @@ class ModelRunner:
             self.passed[shape] += 1
         else:
             steps = int(ibuf[layout.int_offset(".burst")]) if self.spp == 1 else 1
-            if steps > 1 and (shape[1] or steps > self.programs.lowering.burst_steps):
+            if steps > 1 and (shape[1] or steps > self.programs.lowering.modes.burst_steps):
                 raise ValueError(f"a decode burst of {steps} steps at shape {shape}: only an "
                                  "all-decode shape's step runs bursts, of at most "
-                                 f"{self.programs.lowering.burst_steps} steps")
+                                 f"{self.programs.lowering.modes.burst_steps} steps")
             self.executed[shape] += steps
         rows = self.programs.lowering.rows_for(shape)  # the sampling executable's
         put = self._global

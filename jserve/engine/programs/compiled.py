@@ -145,7 +145,7 @@ class StepPrograms:
 
     def burst_ready(self, shape: tuple[int, int]) -> bool:
         """Whether a decode burst of the all-decode ``shape`` can run now (spp == 1): its
-        step program, which runs the bursts too (``StepLowering.burst_steps``), is compiled.
+        step program, which runs the bursts too (``StepLowering.modes.burst_steps``), is compiled.
         If not, with background compiles (``defer``) it is queued and the caller steps one
         at a time meanwhile, padded up; without, it compiles now."""
         if shape in self.steps:

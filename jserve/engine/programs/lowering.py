@@ -59,19 +59,24 @@ class StepLowering:
                  modes: ProgramModes = ProgramModes()):
         self.model_config, self.buckets, self.mesh = cfg, buckets, mesh
         self.attention_impl = attention_impl
-        capture_layer, burst_steps = modes.capture_layer, modes.burst_steps
-        spp = mesh.shape["spp"] if mesh is not None else 1
-        if pinned_pages(attention_impl, spp, capture_layer):
-            args = (args[0], row_major(args[1]), args[2])
-        self.args = args
-        self.page_formats = formats(args[1])  # the steps return the pages as they take them
-        self.capture_layer, self.slice_layers = capture_layer, modes.slice_layers
-        self.in_place_layers = modes.in_place_layers
-        self.replicated = (None if mesh is None else
-                           jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+        # The modes as they hold here: no decode burst (1: none) with a length probe's
+        # capture; with bursts, the all-decode steps sample with the whole chain, so requests
+        # with filters, penalties or a bias burst too (``factory.whole_chain_decodes``: a GPU
+        # or TPU, where compiles run in parallel on many cores and the host is the
+        # bottleneck); without, there is nothing for it to do.
+        bursts = modes.burst_steps if modes.capture_layer is None else 1
+        self.modes = dataclasses.replace(
+            modes, burst_steps=bursts,
+            whole_chain_decodes=modes.whole_chain_decodes and bursts > 1)
         # Stream pipeline: every call of the step is one tick. Params and pages are split by
         # stage on the mesh's "spp" axis either way.
         self.spp = mesh.shape["spp"] if mesh is not None else 1
+        if pinned_pages(attention_impl, self.spp, modes.capture_layer):
+            args = (args[0], row_major(args[1]), args[2])
+        self.args = args
+        self.page_formats = formats(args[1])  # the steps return the pages as they take them
+        self.replicated = (None if mesh is None else
+                           jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
         self.sample_rows = buckets.max_rows
         # Speculative decoding widens the decode buckets (1 + k rows a decode); steps within
         # the rows of plain decoding keep a sampler of that size (``rows_for``), so they pay
@@ -79,13 +84,6 @@ class StepLowering:
         self.plain_rows = min(max_num_seqs + buckets.prefill_rows, buckets.max_rows)
         self.page_size = jax.tree.leaves(args[1])[0].shape[3]
         self.jitted = jitted(self.spp, self.page_formats)
-        # The most decode steps an all-decode shape's step runs in one call (a decode burst,
-        # ``jserve.engine.batch.burst``; 1: none; not with a length probe's capture).
-        self.burst_steps = burst_steps if capture_layer is None else 1
-        # With bursts: the all-decode steps sample with the whole chain, so requests with
-        # filters, penalties or a bias burst too (``factory.whole_chain_decodes``: a GPU or
-        # TPU, where compiles run in parallel on many cores and the host is the bottleneck).
-        self.whole_chain_decodes = modes.whole_chain_decodes and self.burst_steps > 1
         self._layouts: dict[tuple[int, int], PackedLayout] = {}
 
     @property
@@ -142,20 +140,21 @@ class StepLowering:
                   burst_steps: int | None = None) -> StepSpec:
         """What the step (spp > 1: tick; ``lone``: pass) of bucket ``shape`` is compiled
         for; ``burst_steps``: in place of the runner's (a benchmark's plain decode step: 1)."""
-        burst_steps = self.burst_steps if burst_steps is None else burst_steps
-        in_place = self.in_place_layers is True or (self.in_place_layers == "decode"
-                                                    and shape[1] == 0)
+        modes = self.modes
+        burst_steps = modes.burst_steps if burst_steps is None else burst_steps
+        in_place = modes.in_place_layers is True or (modes.in_place_layers == "decode"
+                                                     and shape[1] == 0)
         spec = StepSpec(self.layout(shape), self.model_config, self.attention_impl, self.mesh,
                         self.rows_for(shape), in_place_layers=in_place)
         if lone:
             return spec
         if self.spp > 1:
             return dataclasses.replace(spec, decode_rows=self.stream_shape[0])
-        spec = dataclasses.replace(spec, capture_layer=self.capture_layer,
-                                   slice_layers=self.slice_layers and not in_place)
+        spec = dataclasses.replace(spec, capture_layer=modes.capture_layer,
+                                   slice_layers=modes.slice_layers and not in_place)
         if burst_steps > 1 and shape[1] == 0:
             spec = dataclasses.replace(spec, burst_steps=burst_steps, page_size=self.page_size,
-                                       whole_chain=self.whole_chain_decodes)
+                                       whole_chain=modes.whole_chain_decodes)
         return spec
 
     def lower(self, shape: tuple[int, int], lone: bool = False,

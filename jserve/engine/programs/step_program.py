@@ -65,7 +65,7 @@ class StepSpec:
     - ``burst_steps`` > 1 (an all-decode shape, ``jserve.engine.batch.burst``): the step
       loops over up to that many decode steps; ``page_size`` is what it advances by, and
       ``whole_chain`` samples every step with the whole chain (a GPU or TPU's all-decode
-      shapes, ``StepLowering.whole_chain_decodes``).
+      shapes, ``StepLowering.modes.whole_chain_decodes``).
     - ``decode_rows`` (spp > 1): the pipeline carry's decode rows (``sharding.pipeline``).
     """
 
