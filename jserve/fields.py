@@ -40,6 +40,10 @@ class FieldError(ValueError):
         self.message = message if message.startswith(field) else f"{field}: {message}"
         super().__init__(self.message)
 
+    def __reduce__(self):
+        # pickled whole (a field error crosses processes: a worker's, a Ray replica's)
+        return FieldError, (self.field, self.message)
+
     @property
     def top(self) -> str:
         """The top-level field (``structured_output`` of ``structured_output.regex``)."""

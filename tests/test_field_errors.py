@@ -96,3 +96,13 @@ def test_no_front_end_reads_a_message_to_find_its_field():
     for pattern in (r'" \+ max_tokens \("', r"message\.split\(", r"\.message\.partition",
                     r"str\(e\)\.(startswith|split|partition)", r"field_message"):
         assert not re.search(pattern, src), pattern
+
+
+def test_a_field_error_crosses_processes_whole():
+    import pickle
+
+    e = pickle.loads(pickle.dumps(FieldError("structured_output.regex", MISLEADING)))
+    assert isinstance(e, FieldError)
+    assert (e.field, e.message) == ("structured_output.regex",
+                                    f"structured_output.regex: {MISLEADING}")
+    assert str(e) == e.message

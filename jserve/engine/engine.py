@@ -159,7 +159,8 @@ class LLMEngine:
         seed = prepared.params.seed
         req = new_request(prepared, rid, seed if seed is not None else self._rng.getrandbits(32),
                           time.monotonic() if arrival_time is None else arrival_time,
-                          self.tokenizer, ttft_slo, tpot_slo, priority, self.intake.grammars)
+                          self.tokenizer, ttft_slo, tpot_slo, priority, self.intake.grammars,
+                          self.eos_ids)
         self.requests[rid] = req
         if self.adapters is not None:
             self.adapters.accept(req.adapter)

@@ -110,8 +110,24 @@ def _padded(view: tuple, ndim: int) -> tuple:
     return view + (slice(None),) * (ndim - sum(v is not None for v in view))
 
 
+_KEY_SETS: list[tuple[Any, frozenset[str]]] = []  # the last few open files' names
+
+
+def _names(f) -> frozenset[str]:
+    """The tensor names of the open file ``f``, listed once: ``f.keys()`` builds a new list
+    on every call, and a checkpoint of many experts has tens of thousands of names, each
+    looked up as it is read."""
+    for g, names in _KEY_SETS:
+        if g is f:
+            return names
+    names = frozenset(f.keys())
+    _KEY_SETS.insert(0, (f, names))
+    del _KEY_SETS[4:]  # (a loader reads few files at once; a miss only lists again)
+    return names
+
+
 def _stored_shape(f, stored: str) -> tuple[int, ...]:
-    if stored in f.keys():
+    if stored in _names(f):
         return tuple(f.get_slice(stored).get_shape())
     *lead, rows, groups, pairs = f.get_slice(stored + "_blocks").get_shape()  # MXFP4
     return (*lead, groups * pairs * 2, rows)
@@ -119,7 +135,7 @@ def _stored_shape(f, stored: str) -> tuple[int, ...]:
 
 def _stored_slab(f, stored: str, picked: tuple[slice, ...]):
     """``stored[picked]`` (slices of its leading axes, the last two whole for MXFP4)."""
-    if stored in f.keys():
+    if stored in _names(f):
         return f.get_slice(stored)[picked]
     lead = picked[:-2]
     return decode_mxfp4(f.get_slice(stored + "_blocks")[lead],
@@ -148,7 +164,7 @@ def read(f, name: str, index: tuple[slice, ...] | None = None) -> Any:
     slices, one an axis): a stored tensor's slice is read without the rest; a view reads
     the whole of what its int entries pick (one expert's stack) and indexes it in memory."""
     v = view_of(name)
-    if v is None and name in f.keys():
+    if v is None and name in _names(f):
         return f.get_slice(name)[index] if index is not None else f.get_tensor(name)
     stored, view = v if v is not None else (name, ())
     view = _padded(view, len(_stored_shape(f, stored)))

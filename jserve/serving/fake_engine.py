@@ -41,11 +41,10 @@ from typing import Callable, Sequence
 from jserve.cache.allocator import PageAllocator
 from jserve.engine.requests.intake import PreparedRequest, RequestIntake
 from jserve.engine.requests.output import (
-    IncrementalDetokenizer,
     RequestMetrics,
     RequestOutput,
+    StopText,
     TokenLogprob,
-    find_stop,
 )
 from jserve.fields import FieldError
 from jserve.lora.config import LoRAConfig
@@ -95,22 +94,22 @@ class FakeRequest:
     ttft_slo: float | None
     tpot_slo: float | None
     priority: int
-    detok: IncrementalDetokenizer
+    out: StopText  # the text so far and its stop
     metrics: RequestMetrics
     ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
-    text: str = ""
     pages_held: int = 0
     finish_reason: str | None = None
     error: str | None = None
 
     def output(self) -> RequestOutput:
         p = self.prepared
-        return RequestOutput(self.request_id, p.prompt, p.prompt_ids, self.text,
+        return RequestOutput(self.request_id, p.prompt, p.prompt_ids, self.out.text,
                              self.finish_reason is not None, self.finish_reason, self.metrics,
                              len(self.ids), self.error, self.ids, self.logprobs,
-                             prompt_logprobs=self.prompt_logprobs)
+                             prompt_logprobs=self.prompt_logprobs,
+                             stop_reason=self.out.stop_reason)
 
 
 class _Core:
@@ -139,7 +138,8 @@ class _Core:
                 p, seed=self._rng.getrandbits(32)))
         arrival = time.monotonic() if arrival_time is None else arrival_time
         req = FakeRequest(rid, prepared, arrival, ttft_slo, tpot_slo, priority,
-                          IncrementalDetokenizer(self.fake.tokenizer), RequestMetrics(arrival),
+                          StopText(self.fake.tokenizer, p, self.fake.info.eos_token_ids),
+                          RequestMetrics(arrival),
                           logprobs=[] if p.logprobs is not None else None)
         self.requests[rid] = req
         self.waiting.append(req)
@@ -209,19 +209,11 @@ class _Core:
         m = req.metrics
         m.first_token_time = m.first_token_time or now
         m.token_times.append(now)
-        n += 1
-        if n >= p.min_tokens and (tok in p.stop_token_ids or (
-                tok in fake.info.eos_token_ids and not p.ignore_eos)):
-            req.text += req.detok.flush()
+        if req.out.add(tok):
             req.finish_reason = "stop"
-            return
-        before = len(req.text)
-        req.text += req.detok.add(tok)
-        cut = find_stop(req.text, before, p.stop) if n >= p.min_tokens else None
-        if cut is not None:
-            req.text, req.finish_reason = req.text[:cut], "stop"
-        elif n >= p.max_tokens or len(req.prepared.prompt_ids) + n >= fake.info.max_model_len:
-            req.text += req.detok.flush()
+        elif n + 1 >= p.max_tokens or len(req.prepared.prompt_ids) + n + 1 >= \
+                fake.info.max_model_len:
+            req.out.finish()
             req.finish_reason = "length"
 
     def _made_up(self, tok: int, n: int) -> tuple[tuple[int, float], ...]:

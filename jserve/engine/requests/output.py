@@ -203,6 +203,50 @@ def find_stop(text: str, new_from: int, stops: tuple[str, ...]) -> int | None:
     return min(hits) if hits else None
 
 
+def stops_on(tok: int, params, eos_ids: tuple[int, ...]) -> bool:
+    """Whether ``tok`` is a stop token for ``params``: one of its ``stop_token_ids``, or an
+    EOS id unless it ignores EOS. A stop token's own text is not part of the output."""
+    return tok in params.stop_token_ids or (tok in eos_ids and not params.ignore_eos)
+
+
+class StopText:
+    """A request's text as its generated tokens arrive, and the stops text decides: stop
+    tokens and stop strings, neither before ``min_tokens`` tokens (vLLM's rule). The one
+    authority for them, so the engine's output processing and the fake engine cut a text
+    at the same token. Length and grammar ends are the caller's (they need the context)."""
+
+    def __init__(self, tokenizer: Tokenizer | None, params, eos_ids: tuple[int, ...]):
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.params = params
+        self.eos_ids = eos_ids
+        self.text = ""
+        self.tokens = 0
+        self.stop_reason: int | str | None = None  # the stop token id or string that ended it
+
+    def add(self, tok: int) -> bool:
+        """Feeds the next generated token; True when it ends the output (the text is then
+        final: cut where a stop string starts, or flushed before a stop token)."""
+        p = self.params
+        self.tokens += 1
+        if self.tokens >= p.min_tokens and stops_on(tok, p, self.eos_ids):
+            self.stop_reason = tok if tok in p.stop_token_ids else None
+            self.finish()
+            return True
+        before = len(self.text)
+        self.text += self.detok.add(tok)
+        cut = find_stop(self.text, before, p.stop) if self.tokens >= p.min_tokens else None
+        if cut is None:
+            return False
+        self.stop_reason = next(s for s in p.stop if self.text.startswith(s, cut))
+        self.text = self.text[:cut]
+        return True
+
+    def finish(self) -> None:
+        """The output ends here for another reason (length, a grammar): the held-back
+        tail is decoded."""
+        self.text += self.detok.flush()
+
+
 class OutputProcessor:
     """Turns each new token of a request into its output: logprobs, text (incremental
     detokenization), and the stop decision (stop and EOS ids, stop strings, ``max_tokens``,
@@ -246,25 +290,13 @@ class OutputProcessor:
             m.first_token_time = now
         m.token_times.append(now)
         n_out = len(st.output_ids)
-        reason = None
-        if tok in p.stop_token_ids or (tok in self.eos_ids and not p.ignore_eos):
+        reason = "stop" if st.out.add(tok) else None
+        if reason is None and st.constraint is not None and _completes(st.constraint, tok):
             reason = "stop"
-            st.stop_reason = tok if tok in p.stop_token_ids else None
-            st.text += st.detok.flush()
-        else:
-            before = len(st.text)
-            st.text += st.detok.add(tok)
-            cut = find_stop(st.text, before, p.stop) if n_out >= p.min_tokens else None
-            if cut is not None:
-                st.stop_reason = next(s for s in p.stop if st.text.startswith(s, cut))
-                st.text = st.text[:cut]
-                reason = "stop"
-            elif st.constraint is not None and _completes(st.constraint, tok):
-                reason = "stop"
-                st.text += st.detok.flush()
+            st.out.finish()
         if reason is None and self._by_length(req, n_out):
             reason = "length"
-            st.text += st.detok.flush()
+            st.out.finish()
         return reason
 
     @staticmethod
@@ -283,12 +315,12 @@ class OutputProcessor:
         st = req.payload
         return RequestOutput(
             request_id=req.request_id, prompt=st.prompt, prompt_token_ids=req.prompt_token_ids,
-            text=st.text, finished=st.finish_reason is not None,
+            text=st.out.text, finished=st.finish_reason is not None,
             finish_reason=st.finish_reason, metrics=st.metrics,
             num_tokens=len(st.output_ids), error=st.error, _ids=st.output_ids,
             _logprobs=st.logprobs, prompt_logprobs=st.prompt_logprobs,
-            stop_reason=st.stop_reason, embedding=st.embedding,
-            _tokenizer=st.detok.tokenizer)
+            stop_reason=st.out.stop_reason, embedding=st.embedding,
+            _tokenizer=st.out.detok.tokenizer)
 
 
 def _completes(constraint, tok: int) -> bool:

@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 
 from jserve.engine.requests.intake import PreparedRequest
-from jserve.engine.requests.output import IncrementalDetokenizer, RequestMetrics, TokenLogprob
+from jserve.engine.requests.output import RequestMetrics, StopText, TokenLogprob
 from jserve.sampling.params import MAX_BANNED_IDS, SamplingParams
 from jserve.sampling.sampler import SamplerRow
 from jserve.sampling.structured import Constraint, GrammarCompiler
@@ -24,15 +24,13 @@ class RequestState:
     seed: int
     prompt: str | None
     metrics: RequestMetrics
-    detok: IncrementalDetokenizer
+    out: StopText  # the text so far and the stop it ended at
     output_ids: list[int] = dataclasses.field(default_factory=list)  # tokens the host has read
-    text: str = ""
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # [None] + one per prompt token
     embedding: np.ndarray | None = None  # runner "pooling": set when the prompt is prefilled
     state_row: int | None = None
     finish_reason: str | None = None
-    stop_reason: int | str | None = None  # the stop token id or string that ended it
     error: str | None = None
     constraint: Constraint | None = None  # structured output: where it is in its grammar
 
@@ -87,13 +85,14 @@ class StateRows:
 def new_request(prepared: PreparedRequest, request_id: str, seed: int, arrival_time: float,
                 tokenizer: Tokenizer | None, ttft_slo: float | None = None,
                 tpot_slo: float | None = None, priority: int = 0,
-                grammars: GrammarCompiler | None = None) -> Request:
+                grammars: GrammarCompiler | None = None, eos_ids: tuple[int, ...] = ()
+                ) -> Request:
     """The scheduler's ``Request`` for a prepared prompt, with the engine's ``RequestState``
     as its payload (``ttft_slo``: seconds after arrival)."""
     p = prepared.params
     state = RequestState(
         params=p, seed=seed, prompt=prepared.prompt, metrics=RequestMetrics(arrival_time),
-        detok=IncrementalDetokenizer(tokenizer),
+        out=StopText(tokenizer, p, eos_ids),
         logprobs=[] if p.logprobs is not None else None,
         prompt_logprobs=[None] if p.prompt_logprobs is not None else None,
         constraint=(grammars.start(p.structured_output)  # cached by prepare
