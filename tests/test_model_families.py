@@ -49,7 +49,7 @@ ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, max_prefill_seqs=2, max
 # The MoE families' expert stacks quantize like the dense matrices (a scale per expert and
 # output column; their router and biases never).
 QUANTIZED_FAMILIES = [f for f in FAMILIES if f != "gemma3"]
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
+MOE_FAMILIES = tuple(f for f in FAMILIES if "num_experts_per_tok" in FAMILY_CONFIGS[f])
 # Each family's own layer tensors beyond Llama's (and none of the other's).
 OWN_LEAVES = {"qwen2": {"bq", "bk", "bv"}, "qwen3": {"q_norm", "k_norm"},
               "gemma3": {"q_norm", "k_norm", "attn_out_norm", "mlp_out_norm"},
