@@ -94,7 +94,8 @@ def test_no_front_end_reads_a_message_to_find_its_field():
     """The patterns the text-parsing front ends used: none is left in the serving code."""
     src = "\n".join(p.read_text() for p in Path(serving.__file__).parent.glob("*.py"))
     for pattern in (r'" \+ max_tokens \("', r"message\.split\(", r"\.message\.partition",
-                    r"str\(e\)\.(startswith|split|partition)", r"field_message"):
+                    r"str\(e\)\.(startswith|split|partition)", r"field_message",
+                    r"message\.replace\("):
         assert not re.search(pattern, src), pattern
 
 
@@ -106,3 +107,19 @@ def test_a_field_error_crosses_processes_whole():
     assert (e.field, e.message) == ("structured_output.regex",
                                     f"structured_output.regex: {MISLEADING}")
     assert str(e) == e.message
+
+
+def test_a_constraint_refusal_is_renamed_by_position_never_inside_its_text():
+    from jserve.serving.http_protocol import constraint_message
+
+    msg = ("structured_output.json must be a JSON schema object or true, got "
+           "['structured_output']")
+    tail = msg[len("structured_output.json"):]
+    assert constraint_message("structured_outputs", "structured_output.json", msg) == \
+        "structured_outputs.json" + tail
+    assert constraint_message("guided_json", "structured_output.json", msg) == \
+        "guided_json" + tail
+    assert constraint_message("guided_json", "structured_output", "structured_output must "
+                              "set one") == "guided_json must set one"
+    assert constraint_message("response_format", "structured_output.json", msg) == \
+        "response_format: " + msg

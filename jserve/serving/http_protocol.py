@@ -506,15 +506,19 @@ def _structured_output(body: dict) -> tuple[str | None, StructuredOutput | None]
     return None, None
 
 
-def constraint_message(field: str, message: str) -> str:
-    """A ``StructuredOutput`` error (``structured_output.regex ...``) as the wire names the
-    constraint: ``structured_outputs.regex ...``, ``guided_regex ...``."""
-    if field in GUIDED:
-        return message.replace(f"structured_output.{GUIDED[field]}", field).replace(
-            "structured_output", field)
-    if field == "structured_outputs":
-        return message.replace("structured_output", "structured_outputs")
-    return message if field in message else f"{field}: {message}"
+def constraint_message(wire: str, field: str, message: str) -> str:
+    """A ``StructuredOutput`` refusal of ``field`` (``structured_output.regex ...``) as the
+    wire ``wire`` names the constraint (``structured_outputs.regex ...``, ``guided_regex
+    ...``): renamed by position (a field error's message starts with its field), so text
+    inside the message (a pattern that says ``structured_output``) is never rewritten."""
+    if wire in GUIDED:  # one field is the whole constraint
+        renamed = wire
+    elif wire == "structured_outputs":
+        renamed = wire + field[len("structured_output"):]
+    else:
+        return message if message.startswith(wire) else f"{wire}: {message}"
+    return renamed + message[len(field):] if message.startswith(field) else \
+        f"{renamed}: {message}"
 
 
 def _constraint(field: str, so: dict) -> StructuredOutput:
@@ -528,7 +532,8 @@ def _constraint(field: str, so: dict) -> StructuredOutput:
     try:
         return StructuredOutput(**so)
     except ValueError as e:
-        raise BadField(field, constraint_message(field, str(e))) from None
+        wrong = e.field if isinstance(e, fields.FieldError) else "structured_output"
+        raise BadField(field, constraint_message(field, wrong, str(e))) from None
 
 
 def body_prompts(body: dict) -> list[str | list[int]]:

@@ -421,8 +421,8 @@ class OpenAIServer:
                 raise self.models.unknown(adapter) from None
             field, message = e.field or "", e.message
             if field.startswith("structured_output") and parsed.constraint_field:
+                message = constraint_message(parsed.constraint_field, field, message)
                 field = parsed.constraint_field
-                message = constraint_message(field, message)
             elif field == "prompt_logprobs" and parsed.prompt_logprobs is None:
                 field = "echo"  # the engine's prompt logprobs are echo's
             elif field not in PARAMS[endpoint]:
