@@ -81,7 +81,7 @@ class LLMEngine:
                                 "multi-process serving" if parts.multi_process else None),
             adapters=parts.adapters)
         self.adapters = parts.adapters  # LoRA: the adapters and their device slots
-        self.outputs = OutputProcessor(self.eos_ids, self.max_model_len,
+        self.outputs = OutputProcessor(self.max_model_len,
                                        pooling=self.pooler is not None)
         self.host_kv = HostKVStore(self.runner)
         self.kv_tier = build_host_tier(cfg, config, parts)  # None: no host tier

@@ -511,14 +511,12 @@ def constraint_message(wire: str, field: str, message: str) -> str:
     wire ``wire`` names the constraint (``structured_outputs.regex ...``, ``guided_regex
     ...``): renamed by position (a field error's message starts with its field), so text
     inside the message (a pattern that says ``structured_output``) is never rewritten."""
+    if wire == "structured_outputs":  # the same field under the wire's top name
+        return fields.FieldError(field, message).renamed(wire).message
     if wire in GUIDED:  # one field is the whole constraint
-        renamed = wire
-    elif wire == "structured_outputs":
-        renamed = wire + field[len("structured_output"):]
-    else:
-        return message if message.startswith(wire) else f"{wire}: {message}"
-    return renamed + message[len(field):] if message.startswith(field) else \
-        f"{renamed}: {message}"
+        return wire + message[len(field):] if message.startswith(field) else \
+            f"{wire}: {message}"
+    return message if message.startswith(wire) else f"{wire}: {message}"
 
 
 def _constraint(field: str, so: dict) -> StructuredOutput:

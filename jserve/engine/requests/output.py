@@ -252,8 +252,7 @@ class OutputProcessor:
     detokenization), and the stop decision (stop and EOS ids, stop strings, ``max_tokens``,
     the context length). The request's ``payload`` is its ``RequestState``."""
 
-    def __init__(self, eos_ids: tuple[int, ...], max_model_len: int, pooling: bool = False):
-        self.eos_ids = eos_ids
+    def __init__(self, max_model_len: int, pooling: bool = False):
         self.max_model_len = max_model_len
         self.pooling = pooling  # every request ends with its prefill (requests.pooling)
 
