@@ -223,11 +223,23 @@ class HFTokenizer:
         jinja_path = model_dir / "chat_template.jinja"
         if template is None and jinja_path.exists():
             template = jinja_path.read_text()
-        self._template = compile_chat_template(template) if template else None
+        self._set_template(template or None)
 
     def set_chat_template(self, template: str) -> None:
         """Replaces the directory's chat template (``jserve serve --chat-template``)."""
-        self._template = compile_chat_template(template)
+        self._set_template(template)
+
+    def _set_template(self, source: str | None) -> None:
+        self._template_source = source  # (kept: a compiled template does not pickle)
+        self._template = compile_chat_template(source) if source is not None else None
+
+    def __getstate__(self) -> dict:
+        """An engine core in another process sends its tokenizer to the front end."""
+        return {k: v for k, v in self.__dict__.items() if k != "_template"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._set_template(state["_template_source"])
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # The tokenizer.json post-processor decides what specials to add (Llama: BOS).

@@ -16,15 +16,24 @@ threads' Python work takes the GIL from the engine thread. Two figures say how m
   Python, an upper bound on the time they could hold the GIL against the engine thread.
 
     python scripts/bench_frontend_gil.py [--model bench | default | DIR] [--batch 32]
-        [--clients 32,256] [--prompt-len 64] [--max-tokens 64] [--reps 3] [--pin]
-        [--switch-interval S]
+        [--clients 32,256] [--prompt-len 64] [--max-tokens 64] [--reps 3] [--pin | --split]
+        [--switch-interval S] [--engine-process]
 
 ``--pin``: the server (every thread) and the offline run on core 0, the clients on core 1, so
 the clients' own work takes no cycle from the engine's process; the server's threads then
 share one core, where the front end's work and the step's serialize as they would under the
-GIL alone. ``--switch-interval S``: the server and the offline run with
-``sys.setswitchinterval(S)`` (Python's default 0.005 s: how long a thread that wants the GIL
-waits before the holder is made to drop it).
+GIL alone. ``--split``: the engine (its thread and XLA's workers; with ``--engine-process``
+its whole process) and the offline run on core 0, the front end (the event loop, the intake
+and pipe threads) and the clients on core 1: no core is shared between the engine and the
+front end, so what the engine still loses is the GIL alone.
+
+``--switch-interval S``: the server and the offline run with ``sys.setswitchinterval(S)``
+(Python's default 0.005 s: how long a thread that wants the GIL waits before the holder is
+made to drop it).
+
+``--engine-process``: the server runs its engine core in a process of its own
+(``jserve serve --engine-process``), where the front end's Python holds no GIL the engine
+thread wants; engine TPOT is still the engine thread's, front-end CPU the server process's.
 
 ``--model bench``: the transformers-written Llama of ``bench_vs_vllm.py`` (hidden 768, 12
 layers, BPE vocabulary of 32,000; ``harness.bench_checkpoint.llama_bpe_checkpoint``).
@@ -79,21 +88,41 @@ def with_path(path: str) -> str:
 
 
 def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds of each thread group of process ``pid``: the engine thread, the intake
-    threads, the main thread (the event loop) and the rest (XLA's workers)."""
+    """CPU seconds of each thread group of server ``pid`` and its engine-core process (with
+    ``--engine-process``): the engine thread, the front end (the event loop, the intake
+    threads, the pipe's threads on the server's side) and the rest (XLA's workers, the core's
+    own reader and loop)."""
     tick = os.sysconf("SC_CLK_TCK")
-    groups = {"engine": 0.0, "intake": 0.0, "loop": 0.0, "other": 0.0}
-    for task in Path(f"/proc/{pid}/task").iterdir():
+    groups = {"engine": 0.0, "front": 0.0, "other": 0.0}
+    for task, group in threads(pid):
         try:
-            comm = (task / "comm").read_text().strip()
             fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:  # the thread ended
             continue
-        cpu = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
-        group = ("loop" if task.name == str(pid) else "engine" if comm == "jserve-engine"
-                 else "intake" if comm.startswith("jserve-intake") else "other")
-        groups[group] += cpu
+        groups[group] += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
     return groups
+
+
+def threads(pid: int):
+    """(/proc task, group) of each thread of server ``pid`` and its children."""
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    for proc in [str(pid), *(children.read_text().split() if children.exists() else [])]:
+        for task in Path(f"/proc/{proc}/task").iterdir():
+            try:
+                comm = (task / "comm").read_text().strip()
+            except OSError:
+                continue
+            front = proc == str(pid) and (task.name == proc or comm.startswith(
+                ("jserve-intake", "jserve-core")))
+            yield task, ("engine" if comm == "jserve-engine" else "front" if front
+                               else "other")
+
+
+def pin(pid: int, split: bool) -> None:
+    """Every thread of server ``pid`` and its engine-core process on core 0; with ``split``
+    the front end's threads (``thread_cpu``'s) on core 1 instead."""
+    for task, group in threads(pid):
+        os.sched_setaffinity(int(task.name), {1} if split and group == "front" else {0})
 
 
 def served_round(served: Served, clients: int, prompt_len: int, max_tokens: int) -> dict:
@@ -104,7 +133,7 @@ def served_round(served: Served, clients: int, prompt_len: int, max_tokens: int)
     wall, cpu1, after = time.perf_counter() - t, thread_cpu(pid), engine_tpot(served.url)
     assert all(r["error"] is None and r["output_tokens"] == max_tokens for r in records)
     cpu = {k: cpu1[k] - cpu0[k] for k in cpu0}
-    front = cpu["loop"] + cpu["intake"]
+    front = cpu["front"]
     return {"engine_tpot": (after[0] - before[0]) / max(1.0, after[1] - before[1]),
             "front_cpu": front / wall, "front_per_token": front / (clients * max_tokens),
             "engine_cpu": cpu["engine"] / wall, "wall": wall}
@@ -119,14 +148,19 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--pin", action="store_true", help="server on core 0, clients on core 1")
+    ap.add_argument("--split", action="store_true",
+                    help="engine on core 0, front end and clients on core 1")
     ap.add_argument("--switch-interval", type=float, default=None)
+    ap.add_argument("--engine-process", action="store_true",
+                    help="the server with its engine core in a process of its own")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.model == "bench":
         from harness.bench_checkpoint import llama_bpe_checkpoint
         a.model = str(llama_bpe_checkpoint())
     if a.child:
-        return offline_child(a.model, a.batch, a.prompt_len, a.max_tokens, a.reps, a.pin)
+        return offline_child(a.model, a.batch, a.prompt_len, a.max_tokens, a.reps,
+                             a.pin or a.split)
     clients = [int(c) for c in a.clients.split(",")]
     if a.switch_interval is not None:  # both processes set it at start (sitecustomize)
         site = Path(tempfile.mkdtemp())
@@ -136,17 +170,18 @@ def main() -> None:
     offline = subprocess.Popen(
         [sys.executable, __file__, "--child", "--model", a.model, "--batch", str(a.batch),
          "--prompt-len", str(a.prompt_len), "--max-tokens", str(a.max_tokens),
-         "--reps", str(a.reps), *(["--pin"] if a.pin else [])], stdout=subprocess.PIPE,
+         "--reps", str(a.reps), *(["--pin"] if a.pin or a.split else [])],
+        stdout=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONPATH": with_path(str(Path(__file__).parent))})
     # The offline child first, alone (its rounds run back to back); then the server's.
     base = [json.loads(line)["engine_tpot"] for line in offline.stdout][1:]
     assert offline.wait() == 0 and len(base) == a.reps
     served = Served("--model", a.model, "--max-num-seqs", str(a.batch), *ENGINE_FLAGS,
-                    "--log-level", "WARNING", warmup=True)
-    if a.pin:
-        subprocess.run(["taskset", "-a", "-cp", "0", str(served.proc.pid)], check=True,
-                       capture_output=True)
+                    "--log-level", "WARNING", *(["--engine-process"] if a.engine_process
+                                                else []), warmup=True)
+    if a.pin or a.split:
+        pin(served.proc.pid, a.split)
         os.sched_setaffinity(0, {1})
     rounds: dict[int, list[dict]] = {c: [] for c in clients}
     try:
@@ -161,7 +196,9 @@ def main() -> None:
     print(f"{a.model}: batch {a.batch}, {a.prompt_len} prompt + {a.max_tokens} generated "
           f"tokens each, greedy; median of {a.reps} rounds; {os.cpu_count()} cores"
           f"{' (server on core 0, clients on core 1)' if a.pin else ''}"
-          f"{f'; switch interval {a.switch_interval} s' if a.switch_interval else ''}; "
+          f"{' (engine on core 0, front end and clients on core 1)' if a.split else ''}"
+          f"{f'; switch interval {a.switch_interval} s' if a.switch_interval else ''}"
+          f"{'; engine core in its own process' if a.engine_process else ''}; "
           f"load {os.getloadavg()[0]:.1f}")
     print("| front end | clients | engine TPOT | vs offline | front-end CPU / wall "
           "| front-end CPU / token | engine thread CPU / wall |")

@@ -92,6 +92,14 @@ class PageAllocator:
         # instead of dropped. None: no tier.
         self.host: HostTier | None = None
 
+    def blank(self) -> PageAllocator:
+        """An empty pool of this one's geometry: what intake in another process checks a
+        request's pages against (the live pool, and its host tier, stay with the engine)."""
+        return PageAllocator(self.pool_pages, self.page_size, groups=self.groups,
+                             pages_per_group=self.pages_per_group,
+                             prefix_caching=self.prefix_caching, window=self.window,
+                             max_chunk=self.max_chunk)
+
     @property
     def frees_dead(self) -> bool:
         """Whether a running sequence gives back pages its window has passed

@@ -82,6 +82,11 @@ class HybridAllocator(PageAllocator):
                                    window=window, max_chunk=max_chunk)
         self.local_window = window
 
+    def blank(self) -> HybridAllocator:
+        return HybridAllocator(self.pool_pages, self.local.pool_pages, self.page_size,
+                               self.local_window, prefix_caching=self.prefix_caching,
+                               max_chunk=self.max_chunk)
+
     frees_dead = True  # the scheduler calls ``drop_dead`` (which drops local halves only)
 
     def pack(self, glob: int, loc: int) -> int:

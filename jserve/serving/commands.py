@@ -66,7 +66,7 @@ def join_processes(a: argparse.Namespace) -> None:
 
 
 @contextlib.contextmanager
-def leading(a: argparse.Namespace, llm):
+def leading(a: argparse.Namespace, engine):
     """Yields True on the process that does the work (process 0, or the only one); on the
     others runs the leader's steps until it stops and yields False. The leader releases its
     followers when its block ends, however it ends."""
@@ -75,7 +75,7 @@ def leading(a: argparse.Namespace, llm):
         return
     from sharding import distributed  # JAX: only multi-host runs load it here
     if not distributed.is_leader():
-        distributed.follow(llm.engine.runner)
+        distributed.follow(engine.runner)
         yield False
         return
     try:
@@ -164,6 +164,10 @@ def add_serve_parser(sub, add_engine_args: Callable, engine_kwargs: Callable) ->
                    help="serve jserve.serving.fake_engine's scripted tokens instead of the "
                         "model (with a checkpoint directory's tokenizer; no JAX): for testing "
                         "clients, routers and the edge")
+    s.add_argument("--engine-process", action="store_true",
+                   help="run the engine core in a process of its own, so the front end's "
+                        "Python (HTTP, SSE, tokenization) takes no time from its steps "
+                        "(docs/server.md)")
     s.add_argument("--log-level", default="INFO",
                    help="jserve's log level (other libraries log from WARNING up; DEBUG: all)")
     add_vllm_args(s)
@@ -458,6 +462,31 @@ def lora_line(lora, info) -> str:
             f"{'on (/v1/load_lora_adapter)' if info.runtime_lora_updating else 'off'}")
 
 
+def serve_engine(a: argparse.Namespace, engine_kwargs: dict):
+    """The engine ``jserve serve`` serves (an ``LLMEngine``, a ``ProcessEngine`` or a
+    ``FakeEngine``) and what the start-up line says of it."""
+    # Imported here: the model loads JAX, which `jserve simulate` and `--help` never need.
+    from jserve.serving.fake_engine import FakeEngine
+    from jserve.serving.live_engine import EngineSpec, build_engine
+    from jserve.serving.process_engine import ProcessEngine
+
+    if a.fake_engine:
+        return FakeEngine.for_model(a.tokenizer or a.model, max_model_len=a.max_model_len or 512,
+                                    max_num_seqs=a.max_num_seqs or 8,
+                                    lora=engine_kwargs.get("lora")), "fake (scripted tokens)"
+    spec = EngineSpec(a.model, a.dtype, dict(
+        quantization=a.quantization, scheduler=a.scheduler, length_probe=a.length_probe,
+        sprpt_c=a.sprpt_c, iteration_budget=a.iteration_budget, prefill_share=a.prefill_share,
+        tokenizer=a.tokenizer, generation_config=a.generation_config,
+        override_generation_config=a.override_generation_config, **engine_kwargs),
+        max_waiting=a.max_waiting, log_level=a.log_level)
+    if a.engine_process:  # its own interpreter builds it (and starts JAX there)
+        engine = ProcessEngine(spec)
+        return engine, f"{engine.startup_line} (engine core in process {engine.pid})"
+    engine = build_engine(spec)  # after join_processes: starts JAX
+    return engine, engine.startup.line()
+
+
 def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
     chat_template = vllm_args(a)
     engine_kwargs = dict(engine_kwargs, seed=a.seed)
@@ -465,38 +494,24 @@ def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
     check_lora_names(lora, served_model_names(a), a.ray,
                      lora_module_bases(getattr(a, "lora_modules", None)))
     check_scale_out(a)
+    clash = [f for f, on in (("--ray", a.ray), ("--coordinator", a.coordinator is not None),
+                             ("--fake-engine", a.fake_engine)) if on]
+    if a.engine_process and clash:
+        raise ValueError(f"--engine-process is not supported with {clash[0]}")
     if a.ray:
         return ray_command(a, engine_kwargs)
     if a.data_parallel_size > 1:
         configure_logging(a.log_level)
         return front_command(a, server_config(a, {}))
 
-    # Imported here: the model loads JAX and the server gRPC, which `jserve simulate` and
-    # `--help` never need.
-    from jserve import LLM
+    # Imported here: the server loads gRPC, which `jserve simulate` and `--help` never need.
     from jserve.serving.app import serve
-    from jserve.serving.fake_engine import FakeEngine
 
     configure_logging(a.log_level)
     defaults = sampling_defaults(a)
     config = server_config(a, defaults)
     join_processes(a)
-    if a.fake_engine:
-        llm, engine = None, FakeEngine.for_model(a.tokenizer or a.model,
-                                                 max_model_len=a.max_model_len or 512,
-                                                 max_num_seqs=a.max_num_seqs or 8,
-                                                 lora=lora)
-    else:
-        from jserve.model.weights import resolve_dtype
-
-        dtype, why = resolve_dtype(a.model, a.dtype)  # after join_processes: starts JAX
-        llm = LLM(a.model, dtype=dtype, quantization=a.quantization, scheduler=a.scheduler,
-                  length_probe=a.length_probe, sprpt_c=a.sprpt_c,
-                  iteration_budget=a.iteration_budget, prefill_share=a.prefill_share,
-                  tokenizer=a.tokenizer, generation_config=a.generation_config,
-                  override_generation_config=a.override_generation_config, **engine_kwargs)
-        engine = llm.engine
-        engine.startup.dtype_reason = why if a.dtype == "auto" else "--dtype"  # start-up line
+    engine, startup = serve_engine(a, engine_kwargs)
     if chat_template is not None:
         if not hasattr(engine.tokenizer, "set_chat_template"):
             raise ValueError(f"--chat-template: model {a.model!r} has no tokenizer.json, so "
@@ -512,8 +527,7 @@ def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
             f"{config.model_name} (--model {a.model})"
         print(f"jserve: serving {name} on {a.host}:{server.port} "
               f"({'TLS' if a.tls_cert else 'plaintext'}; metrics {metrics}{http}); engine "
-              f"{llm.engine.startup.line() if llm else 'fake (scripted tokens)'}",
-              flush=True)
+              f"{startup}", flush=True)
         print(f"jserve: client limits: {server.gateway.limits.describe()}, requests <= "
               f"{config.max_request_bytes} bytes", flush=True)
         if lora is not None:
@@ -524,7 +538,7 @@ def serve_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
         if config.open_to_the_network:
             print(f"jserve: WARNING: listening on {a.host} with no --auth-token: anyone who "
                   f"can reach this host can use the server", file=sys.stderr, flush=True)
-    with leading(a, llm) as leader:
+    with leading(a, engine) as leader:
         if not leader:
             return 0
         try:

@@ -9,6 +9,7 @@ reports (``jserve.routing.replica``, the functions the simulator's cluster mode 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -24,7 +25,9 @@ from jserve.serving.engine_loop import EngineCounters, EngineLoop
 from jserve.serving.metrics import LoRAState, ServerMetrics
 
 if TYPE_CHECKING:
+    from jserve.cache.allocator import PageAllocator
     from jserve.engine.engine import LLMEngine
+    from jserve.tokenizer import Tokenizer
 
 
 def lone_decode_s(predictor: RuntimePredictor | None) -> float:
@@ -39,6 +42,30 @@ def isolated_prefill(scheduler) -> Callable[[int], float]:
     the policies without one)."""
     cache = getattr(scheduler, "cache", None)
     return (lambda n: cache.remaining(n, 0)) if cache is not None else (lambda n: 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSpec:
+    """What ``jserve serve`` builds its engine from: the model and the engine arguments
+    (plain data, so an engine core in its own process builds the same one)."""
+
+    model: str
+    dtype: str = "auto"           # ``--dtype``; ``auto`` is resolved where JAX runs
+    llm_kwargs: dict = dataclasses.field(default_factory=dict)  # the rest of ``LLM(...)``
+    max_waiting: int = 1024
+    log_level: str = "INFO"
+
+
+def build_engine(spec: EngineSpec) -> LLMEngine:
+    """``spec``'s engine: how ``jserve serve`` builds it, in this process or in the engine
+    core's own (``core_process``)."""
+    from jserve import LLM
+    from jserve.model.weights import resolve_dtype
+
+    dtype, why = resolve_dtype(spec.model, spec.dtype)  # starts JAX
+    engine = LLM(spec.model, dtype=dtype, **spec.llm_kwargs).engine
+    engine.startup.dtype_reason = why if spec.dtype == "auto" else "--dtype"
+    return engine
 
 
 class LiveEngine(EngineLoop):
@@ -98,6 +125,34 @@ class LiveEngine(EngineLoop):
         metrics.watch_speculation(self.engine.speculator)
         if self.engine.kv_tier is not None:
             metrics.watch_kv_tier(lambda: self.engine.kv_tier.stats(self.engine.scheduler))
+
+    # -- for an engine core in its own process (``core_process``) -------------------------
+    def intake_parts(self) -> tuple[Tokenizer | None, tuple[int, ...], str | None,
+                                    PageAllocator]:
+        """What a ``RequestIntake`` elsewhere needs to refuse exactly what this engine's
+        does: the tokenizer, the EOS ids, why prompt logprobs are refused (None: they are
+        not) and an empty pool of this one's geometry."""
+        eng = self.engine
+        return (eng.tokenizer, tuple(eng.eos_ids), eng.intake.no_prompt_logprobs,
+                eng.allocator.blank())
+
+    def compile_grammar(self, prepared: Prepared) -> None:
+        """Compiles ``prepared``'s grammar into the engine's cache (any thread): a request
+        prepared in another process brings none."""
+        so = prepared.params.structured_output
+        if so is not None:
+            try:
+                self.engine.intake.grammars.check(so)
+            except Exception:  # noqa: BLE001 - intake checked it; the add reports it
+                pass
+
+    def scrape(self) -> dict:
+        """The counters ``attach_metrics`` reads at each scrape, as data (engine thread)."""
+        eng = self.engine
+        g = eng.intake.grammars
+        return {"grammars": (g.compiles, g.hits),
+                "speculation": eng.speculator.stats() if eng.speculator else None,
+                "kv_tier": eng.kv_tier.stats(eng.scheduler) if eng.kv_tier else None}
 
     # -- engine thread ---------------------------------------------------------------------
     def _counters(self) -> EngineCounters:
