@@ -59,18 +59,34 @@ def reference():
     return lm.reference_tokens(lm.PROMPTS, N, KEYS)
 
 
-@pytest.fixture(scope="module")
-def served(base):
+def _served(base, *flags: str) -> Served:
     a, b = (lm.peft_adapter_dir(lm.BASE, k) for k in "ab")
     s = Served("--model", str(base), "--enable-lora", "--lora-modules", f"a={a}", f"b={b}",
                "--max-loras", "2", "--enable-runtime-lora-updating", "--decode-burst", "1",
-               "--api-key", TOKEN)
+               "--api-key", TOKEN, *flags)
     s.base_name = base.name  # the served name: the directory's
     s.lines = [s.line]
     while not s.lines[-1].startswith("jserve: LoRA") and len(s.lines) < 4:
         s.lines.append(s.proc.stdout.readline())
+    return s
+
+
+@pytest.fixture(scope="module")
+def served(base):
+    s = _served(base)
     yield s
     s.close()
+
+
+@pytest.fixture(scope="module")
+def served_process(base):
+    """The same server with its engine core in a process of its own."""
+    s = _served(base, "--engine-process")
+    yield s
+    s.close()
+
+
+BOTH = pytest.mark.parametrize("which", ["served", "served_process"])
 
 
 def _tokens(logprobs_tokens) -> list[int]:
@@ -116,7 +132,10 @@ def _models(served) -> list[dict]:
     return httpx.get(served.url + "/v1/models", headers=AUTH, timeout=30).json()["data"]
 
 
-def test_model_picks_the_adapter_equal_to_peft_concurrently_and_over_grpc(served, reference):
+@BOTH
+def test_model_picks_the_adapter_equal_to_peft_concurrently_and_over_grpc(which, request,
+                                                                          reference):
+    served = request.getfixturevalue(which)
     jobs = [(k, i) for _ in range(2) for k in (None, "a", "b") for i in range(len(lm.PROMPTS))]
     got = _run_all(served, [(_model(served, k), lm.PROMPTS[i]) for k, i in jobs])
     assert got == [reference[k][i] for k, i in jobs]
@@ -157,7 +176,9 @@ def test_models_lists_the_adapters_and_an_unknown_model_is_404(served, base):
     assert "LoRA: 2 adapter slot(s) of rank 16 on the device, 2 adapter(s) loaded (a, b)" in log
 
 
-def test_an_adapter_loaded_at_run_time_serves_then_unloads(served, reference):
+@BOTH
+def test_an_adapter_loaded_at_run_time_serves_then_unloads(which, request, reference):
+    served = request.getfixturevalue(which)
     c = str(lm.peft_adapter_dir(lm.BASE, "c"))
     body = {"lora_name": "c", "lora_path": c}
     assert _post(served, "/v1/load_lora_adapter", body, headers={}).status_code == 401

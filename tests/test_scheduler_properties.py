@@ -206,8 +206,9 @@ def test_chunks_of_one_prefill_shrink_as_its_kv_grows(coef, attention, per_prefi
                                                       granularity, prompt, decodes, policy):
     """With a positive attention term a chunk costs more the later it starts, so each chunk
     is at most the one before (the last, the whole remainder, may not be a granule multiple:
-    it is at most the one before plus a granule, unless the prompt is a short one). Space sharing is off: its share of the
-    budget moves with the slack, which is not what this is about."""
+    it is at most the one before plus a granule, unless the prompt is a short one). Space
+    sharing is off: its share of the budget moves with the slack, which is not what this is
+    about."""
     predictor = LinearPredictor((*coef, attention, per_prefill))
     config = DeadlineConfig(t_target=t_target, chunk_granularity=granularity,
                             space_sharing=False)

@@ -1,9 +1,8 @@
 """The engine core in a process of its own (``jserve serve --engine-process``): the child's
 side of ``process_engine``.
 
-In one process the event loop's and the intake threads' Python takes the GIL from the
-engine thread, and on a short step that is most of the step (docs/server.md, "the front end
-against the engine thread"). Here the child runs the same ``LiveEngine`` loop over the same
+In one process the event loop's and the intake threads' Python shares a GIL with the
+engine thread's host work. Here the child runs the same ``LiveEngine`` loop over the same
 ``LLMEngine``; only its edges change: its streams are wire ids instead of asyncio queues,
 and each iteration's deltas, metric observations and counters go to the parent as one
 message on a pipe. Commands come back on a reader thread; the ``EngineClient`` reports
@@ -184,7 +183,9 @@ class CoreLoop(LiveEngine):
             self.max_waiting = msg[1]  # (read by the engine thread at each add)
         elif kind == "call":
             _, call_id, name, args, kwargs = msg
-            assert name in CALLS, name
+            if name not in CALLS:
+                self.send(("reply", call_id, None, ValueError(f"no such call: {name!r}")))
+                return False
             fut = asyncio.run_coroutine_threadsafe(getattr(self, name)(*args, **kwargs), loop)
             fut.add_done_callback(lambda f: self._reply(call_id, f))
         elif kind == "isolated":
@@ -230,4 +231,4 @@ def main() -> None:
     # The engine thread may still be inside a step it cannot be stopped in, and tearing JAX
     # down takes a while: the requests are ended, so leave now.
     logging.shutdown()
-    os._exit(0)
+    os._exit(0 if core.crashed is None else 1)

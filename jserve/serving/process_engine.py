@@ -88,7 +88,8 @@ class ProcessEngine:
                 "PYTHONPATH")])]))
         self._proc = subprocess.Popen(
             [sys.executable, "-c", "from jserve.serving.core_process import main; main()",
-             str(theirs.fileno())], pass_fds=[theirs.fileno()], env=env)
+             str(theirs.fileno())], pass_fds=[theirs.fileno()], env=env,
+            stdout=2)  # (its prints to the log: this process's stdout is its own)
         theirs.close()
         self._sock = mine
         self._frames = read_frames(mine.fileno())
