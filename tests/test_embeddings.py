@@ -103,17 +103,31 @@ def test_a_base_model_checkpoint_is_refused_for_generation_and_embed_needs_pooli
 
 
 # -- served ----------------------------------------------------------------------------------
+def _served(*flags: str) -> Served:
+    return Served(str(qwen3_embedding_dir("lasttoken")), "--runner", "pooling",
+                  "--served-model-name", "emb", "--max-num-batched-tokens", "16", *flags)
+
+
 @pytest.fixture(scope="module")
 def served():
-    s = Served(str(qwen3_embedding_dir("lasttoken")), "--runner", "pooling",
-               "--served-model-name", "emb", "--max-num-batched-tokens", "16")
+    s = _served()
     yield s
     s.close()
 
 
-def test_openai_embeddings_equal_sentence_transformers(served, st_models):
+@pytest.fixture(scope="module")
+def served_process():
+    """The same server with its engine core in a process of its own."""
+    s = _served("--engine-process")
+    yield s
+    s.close()
+
+
+@pytest.mark.parametrize("which", ["served", "served_process"])
+def test_openai_embeddings_equal_sentence_transformers(which, request, st_models):
     """The openai client asks for base64 unless told (and decodes it); float as asked; a
     batch, one text, token ids; ``dimensions``; usage counts every input's tokens."""
+    served = request.getfixturevalue(which)
     st = st_models["lasttoken"]
     want = st.encode(TEXTS, convert_to_numpy=True)
     with openai.OpenAI(base_url=served.url + "/v1", api_key="x", max_retries=0,
