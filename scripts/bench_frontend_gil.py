@@ -6,10 +6,12 @@ clients, the server another), alternated for ``--reps`` rounds after a warm-up.
 The engine and its front ends share one Python process, so the event loop's and the intake
 threads' Python work takes the GIL from the engine thread. Two figures say how much:
 
-- **engine TPOT**: the mean gap between a request's tokens, taken on the engine thread (the
-  server's ``jserve_time_per_output_token_seconds``; offline, the same gaps from each
-  output's ``metrics.token_times``). At ``--batch`` rows a decode step makes one token per
-  row, so this is the step time as the engine lives it. Its ratio against the offline run is
+- **engine TPOT**: a request's mean gap between its tokens (first to last token over the
+  tokens after the first), taken on the engine thread: the server's
+  ``jserve_request_time_per_output_token_seconds``, offline the same from each output's
+  ``metrics.token_times``. Every request makes the same tokens, so both are the decode time
+  over the tokens, however the steps were cut (single steps or bursts). At ``--batch`` rows
+  this is the step time per token as the engine lives it. Its ratio against the offline run is
   what the front end costs the engine, contention for the cores included.
 - **front-end CPU**: the CPU seconds of the server's event-loop and intake threads over the
   run's wall time (``/proc/PID/task``): the share of the run those threads were running
@@ -56,6 +58,7 @@ from jserve.bench.replay import run_http
 from jserve.sim.trace import TraceRequest
 
 ENGINE_FLAGS = ("--max-model-len", "1024", "--max-num-batched-tokens", "256")
+PER_REQUEST = "jserve_request_time_per_output_token_seconds"
 
 
 def offline_child(model: str, batch: int, prompt_len: int, max_tokens: int, rounds: int,
@@ -76,10 +79,10 @@ def offline_child(model: str, batch: int, prompt_len: int, max_tokens: int, roun
     for _ in range(rounds + 1):
         prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(batch)]
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-        gaps = [b - a for o in outs for a, b in zip(o.metrics.token_times,
-                                                     o.metrics.token_times[1:])]
         assert all(len(o.token_ids) == max_tokens for o in outs)
-        print(json.dumps({"engine_tpot": statistics.fmean(gaps)}), flush=True)
+        t = [o.metrics.token_times for o in outs]
+        tpot = statistics.fmean((r[-1] - r[0]) / (len(r) - 1) for r in t)
+        print(json.dumps({"engine_tpot": tpot}), flush=True)
 
 
 def with_path(path: str) -> str:
@@ -128,9 +131,10 @@ def pin(pid: int, split: bool) -> None:
 def served_round(served: Served, clients: int, prompt_len: int, max_tokens: int) -> dict:
     trace = [TraceRequest(str(i), 0.0, prompt_len, max_tokens) for i in range(clients)]
     pid = served.proc.pid
-    before, cpu0, t = engine_tpot(served.url), thread_cpu(pid), time.perf_counter()
+    before, cpu0, t = engine_tpot(served.url, PER_REQUEST), thread_cpu(pid), time.perf_counter()
     records = asyncio.run(run_http(served.url, trace, progress=False))
-    wall, cpu1, after = time.perf_counter() - t, thread_cpu(pid), engine_tpot(served.url)
+    wall, cpu1 = time.perf_counter() - t, thread_cpu(pid)
+    after = engine_tpot(served.url, PER_REQUEST)
     assert all(r["error"] is None and r["output_tokens"] == max_tokens for r in records)
     cpu = {k: cpu1[k] - cpu0[k] for k in cpu0}
     front = cpu["front"]

@@ -56,14 +56,16 @@ class Served:
             f.close()
 
 
-def engine_tpot(url: str) -> tuple[float, float]:
-    """(sum, count) of the server's TPOT histogram (the gaps between a request's tokens,
-    taken on the engine thread)."""
+def engine_tpot(url: str, name: str = "jserve_time_per_output_token_seconds"
+                ) -> tuple[float, float]:
+    """(sum, count) of the server's TPOT histogram ``name``, taken on the engine thread: by
+    default one observation per step that gave a request tokens (the gap over its tokens);
+    ``jserve_request_time_per_output_token_seconds``: one per finished request (its mean
+    token gap)."""
     import httpx2 as httpx
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(url + "/metrics", timeout=30).text
     got = {s.name: s.value for fam in text_string_to_metric_families(text)
-           for s in fam.samples if s.name.startswith("jserve_time_per_output_token_seconds_")}
-    return (got["jserve_time_per_output_token_seconds_sum"],
-            got["jserve_time_per_output_token_seconds_count"])
+           for s in fam.samples if s.name.startswith(name + "_")}
+    return got[name + "_sum"], got[name + "_count"]
