@@ -3,9 +3,10 @@
 The front ends, the gateway, the limits, the router endpoints and the metrics talk to the
 engine through this interface and nothing else, so a change inside the engine (scheduler,
 allocator, runner) stops at its implementations, and the edge can be tested against an
-engine that compiles nothing. Two implement it, both run by ``EngineLoop``'s thread:
+engine that compiles nothing. ``EngineLoop``'s thread runs two implementations,
 ``LiveEngine`` (``live_engine``: ``LLMEngine``) and ``FakeEngine`` (``fake_engine``: scripted
-tokens, no JAX). Shaped after JetStream's ``engine_api`` and vLLM v1's ``EngineCoreClient``:
+tokens, no JAX); ``ProcessEngine`` (``process_engine``) runs a ``LiveEngine`` in a process of
+its own. Shaped after JetStream's ``engine_api`` and vLLM v1's ``EngineCoreClient``:
 requests in, a stream of deltas out, and reports read between steps.
 
 No JAX and no engine import here.
