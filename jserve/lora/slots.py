@@ -80,9 +80,7 @@ class AdapterSlots:
 
     def check(self, name: str) -> None:
         """FieldError on ``model`` unless adapter ``name`` is known."""
-        if name not in self.known:
-            raise FieldError("model", f"no adapter {name!r} is loaded "
-                                      f"(loaded: {sorted(self.known)})")
+        check_loaded(name, self.known)
 
     # -- requests --------------------------------------------------------------------------
     def accept(self, name: str | None) -> None:
@@ -178,3 +176,9 @@ def _decrement(counter: collections.Counter, name: str | None) -> None:
         counter[name] -= 1
         if counter[name] <= 0:
             del counter[name]
+
+
+def check_loaded(name: str, loaded) -> None:
+    """FieldError on ``model`` unless adapter ``name`` is among the ``loaded`` names."""
+    if name not in loaded:
+        raise FieldError("model", f"no adapter {name!r} is loaded (loaded: {sorted(loaded)})")

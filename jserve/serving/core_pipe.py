@@ -1,5 +1,5 @@
-"""The engine core's messages to the front end (``core_process`` to ``process_engine``):
-length-prefixed pickled lists of messages on the pipe's socket.
+"""Messages between the engine core's process and the front end's (``core_process``,
+``process_engine``): one pickled message a frame, length-prefixed, on a socket pair.
 
 The engine thread sends each iteration itself, in one non-blocking write, because handing
 the message to another thread costs more than the write: in a process whose cores XLA keeps
@@ -12,7 +12,6 @@ so the engine never waits for the front end and the order is kept.
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 import socket
 import struct
@@ -26,42 +25,37 @@ log = logging.getLogger(__name__)
 _HEAD = struct.Struct("!Q")
 
 
-def dumps(msgs: list) -> bytes:
-    """``msgs`` pickled; a reply that does not pickle becomes the error saying so."""
+def dumps(msg: tuple) -> bytes:
+    """``msg`` pickled; a reply that does not pickle becomes the error saying so."""
     try:
-        return pickle.dumps(msgs, pickle.HIGHEST_PROTOCOL)
-    except Exception:  # noqa: BLE001 - find the one that does not, keep the rest
-        out = []
-        for m in msgs:
-            try:
-                pickle.dumps(m, pickle.HIGHEST_PROTOCOL)
-                out.append(m)
-            except Exception as e:  # noqa: BLE001 - only a reply carries the caller's data
-                log.exception("a message to the front end does not pickle")
-                if m[0] == "reply":
-                    out.append(("reply", m[1], None, RuntimeError(f"{type(e).__name__}: {e}")))
-        return pickle.dumps(out, pickle.HIGHEST_PROTOCOL)
+        return pickle.dumps(msg, pickle.HIGHEST_PROTOCOL)
+    except Exception as e:  # noqa: BLE001 - only a reply carries the caller's data
+        if msg[0] != "reply":
+            raise
+        log.exception("a reply to the front end does not pickle")
+        return pickle.dumps(("reply", msg[1], None, RuntimeError(f"{type(e).__name__}: {e}")),
+                            pickle.HIGHEST_PROTOCOL)
 
 
 class FrameSender:
-    """Frames to the other end of the connection ``fileno``, in order, from any thread."""
+    """Messages to the other end of ``sock``, one a frame, in order, from any thread."""
 
-    def __init__(self, fileno: int):
-        self._sock = socket.socket(fileno=os.dup(fileno))
+    def __init__(self, sock: socket.socket):
+        self._sock = sock
         self._cond = threading.Condition()
         self._backlog: list[bytes] = []   # what the socket did not take yet
         self._writing = False             # the thread is writing the backlog
         self._broken = False
         threading.Thread(target=self._drain, name="jserve-core-sender", daemon=True).start()
 
-    def send(self, msgs: list) -> None:
-        data = dumps(msgs)
+    def send(self, msg: tuple) -> None:
+        data = dumps(msg)
         frame = _HEAD.pack(len(data)) + data
         with self._cond:
             if self._broken:
                 return
             if not self._backlog and not self._writing:
-                try:  # (MSG_DONTWAIT: this write only; the reader's socket stays blocking)
+                try:  # (MSG_DONTWAIT: this write only; the socket stays blocking to read)
                     n = self._sock.send(frame, socket.MSG_DONTWAIT)
                 except BlockingIOError:
                     n = 0
@@ -98,16 +92,12 @@ class FrameSender:
                 self._cond.notify_all()
 
 
-def read_frames(fileno: int) -> Iterator[list]:
-    """The message lists ``FrameSender`` sent to the other end of ``fileno``; EOFError when
-    that end is closed."""
-    sock = socket.socket(fileno=os.dup(fileno))
-    try:
-        while True:
-            (n,) = _HEAD.unpack(_recv(sock, _HEAD.size))
-            yield pickle.loads(_recv(sock, n))
-    finally:
-        sock.close()
+def read_frames(sock: socket.socket) -> Iterator[tuple]:
+    """The messages ``FrameSender`` sent to the other end of ``sock``; EOFError when that end
+    is closed."""
+    while True:
+        (n,) = _HEAD.unpack(_recv(sock, _HEAD.size))
+        yield pickle.loads(_recv(sock, n))
 
 
 def _recv(sock: socket.socket, n: int) -> bytearray:

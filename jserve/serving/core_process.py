@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -52,9 +53,7 @@ class Handshake:
     allocator: object             # a blank ``PageAllocator`` of the engine's geometry
     adapters: dict[str, str]      # loaded at start, name -> path
     startup_line: str
-    speculation: bool             # which scrape-time counters the snapshots carry
-    kv_tier: bool
-    scrape: dict                  # their values at start (``Step.scrape``)
+    scrape: dict                  # the scrape-time counters at start (``Step.scrape``)
 
 
 @dataclasses.dataclass
@@ -105,7 +104,7 @@ class CoreLoop(LiveEngine):
     """``LiveEngine`` whose streams are the parent's wire ids: commands come from
     ``frames``, outputs and replies go out through ``sender`` (``core_pipe``)."""
 
-    def __init__(self, engine, frames: Iterator[list], sender: FrameSender, *,
+    def __init__(self, engine, frames: Iterator[tuple], sender: FrameSender, *,
                  max_waiting: int = 1024):
         super().__init__(engine, max_waiting=max_waiting)
         self._frames = frames
@@ -116,14 +115,12 @@ class CoreLoop(LiveEngine):
 
     def handshake(self) -> Handshake:
         tokenizer, eos_ids, no_prompt_logprobs, blank = self.intake_parts()
-        scrape = self.scrape()
         return Handshake(self.info, tokenizer, eos_ids, no_prompt_logprobs, blank,
                          dict(self._adapter_registry()), self.engine.startup.line(),
-                         scrape["speculation"] is not None, scrape["kv_tier"] is not None,
-                         scrape)
+                         self.scrape())
 
     def send(self, msg: tuple) -> None:
-        self._sender.send([msg])
+        self._sender.send(msg)
 
     def close(self) -> None:
         """Returns once everything sent is written (or the parent is gone)."""
@@ -160,10 +157,9 @@ class CoreLoop(LiveEngine):
         name_os_thread()
         try:
             try:
-                for msgs in self._frames:
-                    for msg in msgs:
-                        if self._take(msg, loop):
-                            return
+                for msg in self._frames:
+                    if self._take(msg, loop):
+                        return
             except (EOFError, OSError):
                 pass
             self._take(("shutdown", 30.0), loop)  # the parent is gone: end what is in flight
@@ -212,17 +208,16 @@ def main() -> None:
     # and then says ``shutdown``; this process ends only then, or when the parent is gone.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    fd = int(sys.argv[1])
-    frames = read_frames(fd)
-    sender = FrameSender(fd)
-    ((_, spec),) = next(frames)
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    frames, sender = read_frames(sock), FrameSender(sock)
+    _, spec = next(frames)
     configure_logging(spec.log_level)
     try:
         core = CoreLoop(build_engine(spec), frames, sender, max_waiting=spec.max_waiting)
         hello = core.handshake()
     except BaseException as e:  # noqa: BLE001 - the parent says why and exits
         log.exception("the engine core could not start")
-        sender.send([("failed", f"{type(e).__name__}: {e}")])
+        sender.send(("failed", f"{type(e).__name__}: {e}"))
         sender.close()
         os._exit(1)
     core.send(("ready", hello))

@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 
 import jserve
 from jserve.engine.requests.intake import RequestIntake
-from jserve.fields import FieldError
+from jserve.lora.slots import check_loaded
 from jserve.os_threads import name_os_thread
 from jserve.routing.load import ReplicaLoad
 from jserve.sampling.params import SamplingParams
@@ -54,9 +54,7 @@ class _AdapterNames:
         self._engine = engine
 
     def check(self, name: str) -> None:
-        known = self._engine._adapters_seen
-        if name not in known:
-            raise FieldError("model", f"no adapter {name!r} is loaded (loaded: {sorted(known)})")
+        check_loaded(name, self._engine._adapters_seen)
 
 
 class _Scraped:
@@ -91,12 +89,10 @@ class ProcessEngine:
              str(theirs.fileno())], pass_fds=[theirs.fileno()], env=env,
             stdout=2)  # (its prints to the log: this process's stdout is its own)
         theirs.close()
-        self._sock = mine
-        self._frames = read_frames(mine.fileno())
-        self._sender = FrameSender(mine.fileno())
-        self._sender.send([("spec", spec)])
+        self._frames, self._sender = read_frames(mine), FrameSender(mine)
+        self._sender.send(("spec", spec))
         try:
-            ((kind, hello),) = next(self._frames)
+            kind, hello = next(self._frames)
         except (EOFError, OSError, StopIteration):
             raise RuntimeError(f"the engine core exited with {self._proc.wait()} while "
                                "starting") from None
@@ -168,9 +164,9 @@ class ProcessEngine:
         if self.info.lora:
             metrics.watch_lora(self.info.max_loras)
         metrics.watch_grammars(self._scraped)
-        if self._hello.speculation:
+        if self._hello.scrape["speculation"] is not None:  # (the engine has a speculator)
             metrics.watch_speculation(self._scraped)
-        if self._hello.kv_tier:
+        if self._hello.scrape["kv_tier"] is not None:
             metrics.watch_kv_tier(lambda: self._scraped.kv_tier)
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None,
@@ -267,41 +263,35 @@ class ProcessEngine:
         return fut
 
     def _send(self, msg: tuple) -> None:
-        self._sender.send([msg])
+        self._sender.send(msg)
 
     def _read(self) -> None:
         name_os_thread()
         try:
-            for msgs in self._frames:
-                steps = []
-                for msg in msgs:
-                    kind = msg[0]
-                    if kind == "step":
-                        steps.append(msg[1])
-                    elif kind == "reply":
-                        _, call_id, result, exc = msg
-                        fut = self._calls.pop(call_id)
-                        fut.set_exception(exc) if exc is not None else fut.set_result(result)
-                    elif kind == "crashed":
-                        crash = Step(msg[2], [], None, 0, None)
-                        self._gone(RuntimeError(msg[1]), [*steps, crash])
-                        return
-                    elif kind == "bye":
-                        self._to_loop(self._deliver_all, steps)
-                        self._bye.set()
-                        return
-                if steps:
-                    self._to_loop(self._deliver_all, steps)
+            for msg in self._frames:
+                kind = msg[0]
+                if kind == "step":
+                    self._to_loop(self._deliver, msg[1])
+                elif kind == "reply":
+                    _, call_id, result, exc = msg
+                    fut = self._calls.pop(call_id)
+                    fut.set_exception(exc) if exc is not None else fut.set_result(result)
+                elif kind == "crashed":
+                    self._gone(RuntimeError(msg[1]), Step(msg[2], [], None, 0, None))
+                    return
+                elif kind == "bye":
+                    self._bye.set()
+                    return
         except (EOFError, OSError):
             try:
                 code = self._proc.wait(1.0)
             except subprocess.TimeoutExpired:
                 code = None
-            self._gone(RuntimeError(f"the engine core exited (exit code {code})"), [])
+            self._gone(RuntimeError(f"the engine core exited (exit code {code})"), None)
 
-    def _gone(self, error: BaseException, last: list) -> None:
-        """The child died: the streams it ended still get their deltas, the rest INTERNAL
-        (``last``: the ``Step``s it sent last, the crash's deltas in the final one)."""
+    def _gone(self, error: BaseException, last: Step | None) -> None:
+        """The child died: the streams it ended still get their deltas (``last``: the
+        crash's), the rest INTERNAL."""
         log.error("%s", error)
         self.crashed = error
         for fut in self._calls.values():
@@ -310,7 +300,8 @@ class ProcessEngine:
         self._bye.set()
 
         def fail() -> None:
-            self._deliver_all(last)
+            if last is not None:
+                self._deliver(last)
             for sink in self._sinks.values():
                 sink.put_nowait(error_delta(INTERNAL, str(error)))
             self._sinks.clear()
@@ -325,10 +316,6 @@ class ProcessEngine:
             self._loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
-
-    def _deliver_all(self, steps: list[Step]) -> None:
-        for step in steps:
-            self._deliver(step)
 
     def _deliver(self, step: Step) -> None:
         """One iteration's deltas to their streams, its observations to the metrics."""
