@@ -427,7 +427,7 @@ def _stages():
         ("output processing", (OutputProcessor, "add_token"),
          lambda self, r, *a: _victim(r.payload.params), both),
         ("stream delta", (EngineLoop, "_delta"),
-         lambda self, out, lv, o, now: lv.holdback == 3, both),
+         lambda self, out, lv, o, now: lv.text.hold == 3, both),
         ("response formatting", (Formatter, "full"),
          lambda self, choices, *a: _victim(self.parsed.params), {"victim"}),
         ("stream formatting", (Formatter, "events"),

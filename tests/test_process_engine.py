@@ -27,9 +27,15 @@ from jserve.cache.hybrid import HybridAllocator
 from jserve.engine.requests.intake import RequestIntake
 from jserve.fields import FieldError
 from jserve.serving.app import BackgroundServer, ServerConfig
-from jserve.serving.engine_api import ALREADY_EXISTS, INTERNAL, UNAVAILABLE, EngineClient
+from jserve.serving.engine_api import (
+    ALREADY_EXISTS,
+    INTERNAL,
+    UNAVAILABLE,
+    Delta,
+    EngineClient,
+)
 from jserve.serving.live_engine import EngineSpec
-from jserve.serving.process_engine import ProcessEngine
+from jserve.serving.process_engine import ProcessEngine, _Stream, for_core
 from jserve.tokenizer import HFTokenizer
 from llm_helpers import SMALL, small_llm
 
@@ -90,6 +96,83 @@ def test_text_streamed_or_not_is_the_offline_engines(bg, oai, offline):
                                       temperature=0, stop=[stop], stream=True))
     assert "".join(c.choices[0].text for c in cut) == want.text[:want.text.index(stop)]
     assert cut[-1].choices[0].finish_reason == "stop"
+
+
+def test_stop_strings_found_by_the_front_end_cut_where_the_engine_cuts(bg, oai, offline):
+    """The text is made in the front end's process: a stop string ends the request at the
+    token the offline engine ends it at (mid-stream, at min_tokens, at the last token the
+    core would make anyway), with the same usage, its pages freed, and the request's
+    histograms counting the tokens the client got."""
+    prompt, n = "Once upon a time", 24
+    text = offline.generate(prompt, greedy(n))[0].text
+    k = next(k for k in range(2, 8) if text.find(text[-k:]) == len(text) - k)
+    cases = [(text[3:6], 0), (text[10:12], 0), (text[3:6], 8), (text[-k:], 0)]
+    before = gauges(bg.http_url)
+    for stop, min_tokens in cases:
+        want = offline.generate(prompt, greedy(n, stop=[stop], min_tokens=min_tokens))[0]
+        chunks = list(oai.completions.create(
+            model=NAME, prompt=prompt, max_tokens=n, temperature=0, stop=[stop],
+            stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True, "min_tokens": min_tokens}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == \
+            want.finish_reason
+        assert chunks[-1].usage.completion_tokens == want.num_tokens
+    assert [w for w in cases[:3] if w[0] in text[:3]] == []  # (each stop is met mid-text)
+    assert wait_idle(bg)["pages_used"] == 0
+    after = gauges(bg.http_url)
+    wants = [offline.generate(prompt, greedy(n, stop=[s], min_tokens=m))[0].num_tokens
+             for s, m in cases]
+    assert after["jserve_request_generation_tokens_count"] == \
+        before["jserve_request_generation_tokens_count"] + len(cases)
+    assert after["jserve_request_generation_tokens_sum"] == \
+        before["jserve_request_generation_tokens_sum"] + sum(wants)
+    assert wants[0] < wants[2] and wants[3] == n  # min_tokens moves the cut; the last token
+    # The core stops where the front end found the stop, not at max_tokens.
+    made = after["jserve_generation_tokens_total"]
+    got = oai.completions.create(model=NAME, prompt=prompt, max_tokens=400, temperature=0,
+                                 stop=[cases[0][0]], extra_body={"ignore_eos": True})
+    assert got.usage.completion_tokens == wants[0] and got.choices[0].finish_reason == "stop"
+    assert wait_idle(bg)["pages_used"] == 0
+    assert gauges(bg.http_url)["jserve_generation_tokens_total"] - made < 100
+
+
+def test_a_stream_cut_here_waits_for_the_cores_last_delta_and_drops_what_follows(model):
+    """The front end's side of a cut (constructed deltas, the real tokenizer): the tokens
+    past the stop never reach the client; the core's last delta gives the usage of those
+    sent, even when the core had ended the request first (by length); an error after a
+    cut stays an error."""
+    tok = HFTokenizer(model)
+    ids = tok.encode(" one two three four five six", add_special_tokens=False)
+    stop_tok = next(i for i in range(1, len(ids) + 1) if "three" in tok.decode(ids[:i]))
+    params = SamplingParams(max_tokens=40, stop=["three"])
+    for last in (Delta(ids[stop_tok:], "", [], finish_reason="length", prompt_tokens=3,
+                       completion_tokens=len(ids), timings={"e2e_seconds": 1.0}),
+                 Delta(ids[stop_tok:], "", [], error=(UNAVAILABLE, "shutting down"))):
+        stream = _Stream(None, "r", params, tok, tok.eos_token_ids)
+        first, stop = stream.take(Delta(ids[:stop_tok - 1], "", []))
+        assert not stop and tok.decode(ids[:stop_tok - 1]).startswith(first.text)
+        cut, stop = stream.take(Delta(ids[stop_tok - 1:], "", []))
+        assert stop and cut.token_ids == ids[stop_tok - 1:stop_tok]
+        assert first.text + cut.text == " one two "
+        assert stream.take(Delta(ids[:2], "", [])) == (None, False)  # the core ran on
+        end, stop = stream.take(last)
+        assert not stop and end.token_ids == [] and end.text == ""
+        if last.error is None:
+            assert (end.finish_reason, end.completion_tokens) == ("stop", stop_tok)
+            assert end.timings == last.timings and end.prompt_tokens == 3
+        else:
+            assert end.error == last.error and end.finish_reason is None
+    # A stop string met in the core's own last delta ends it there too.
+    stream = _Stream(None, "r", params, tok, tok.eos_token_ids)
+    end, stop = stream.take(Delta(list(ids), "", [], finish_reason="length",
+                                  completion_tokens=len(ids)))
+    assert not stop and end.text == " one two " and end.token_ids == ids[:stop_tok]
+    assert (end.finish_reason, end.completion_tokens) == ("stop", stop_tok)
+    # The core is sent no stop strings and makes no text.
+    core = for_core(RequestIntake(tok, 1000, 512, PageAllocator(9, 16)).prepare("hi", params))
+    assert core.params.stop == () and core.params.detokenize is False
+    assert core.params.max_tokens == 40
 
 
 def test_refusals_name_their_field_and_leave_the_core_whole(bg, oai):

@@ -89,6 +89,8 @@ INVALID = [
     ({"stop_token_ids": list(range(MAX_STOP_TOKEN_IDS + 1))}, None, "stop_token_ids"),
     ({"stop_token_ids": [100]}, 100, "stop_token_ids"),
     ({"ignore_eos": 1}, None, "ignore_eos"),
+    ({"detokenize": 0}, None, "detokenize"),
+    ({"detokenize": False, "stop": ["x"]}, None, "stop"),
     ({"logprobs": -1}, None, "logprobs"),
     ({"logprobs": MAX_LOGPROBS + 1}, None, "logprobs"),
     ({"logprobs": True}, None, "logprobs"),

@@ -97,6 +97,13 @@ def test_stop_string_ends_text_exactly_before_it(llm, greedy_ref):
     assert out.token_ids == greedy_ref.token_ids[:len(out.token_ids)]
 
 
+def test_detokenize_false_gives_the_same_tokens_and_no_text(llm, greedy_ref):
+    out = llm.generate(PROMPT, dataclasses.replace(GREEDY, detokenize=False, logprobs=2))[0]
+    assert out.token_ids == greedy_ref.token_ids and out.text == "" and greedy_ref.text
+    assert all(lp.decoded_token is None for step in out.outputs[0].logprobs
+               for lp in step.values())
+
+
 def test_stop_token_id_and_min_tokens(llm, greedy_ref):
     ids = greedy_ref.token_ids
     stop_id = ids[3]

@@ -323,8 +323,9 @@ def test_priority_and_slos_reach_the_schedulers_request(live_client, live):
 
 
 # Offline fields gRPC does not carry, and why: Generate runs one sequence (n and best_of are
-# the offline API's and HTTP's grouping of several).
-NOT_ON_THE_WIRE = {"n", "best_of"}
+# the offline API's and HTTP's grouping of several); a response carries its text and ids
+# (detokenize is for a front end that makes the text itself).
+NOT_ON_THE_WIRE = {"n", "best_of", "detokenize"}
 
 
 def test_proto_sampling_params_carry_every_offline_field():

@@ -75,6 +75,9 @@ class SamplingParams:
     # Token id -> a bias in [-100, 100] added to its logit before penalties and sampling
     # (OpenAI's ``logit_bias``; logprobs stay the model's own). Keys may be decimal strings.
     logit_bias: Mapping[int, float] | None = None
+    # vLLM's ``detokenize``: False leaves the output's text empty (ids only). A front end
+    # that makes the text itself (``jserve serve --engine-process``) sends its requests so.
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         self.stop = _as_tuple("stop", (self.stop,) if isinstance(self.stop, str) else self.stop)
@@ -138,6 +141,12 @@ class SamplingParams:
         if not isinstance(self.speculative, bool):
             raise FieldError("speculative",
                              f"speculative must be a bool, got {self.speculative!r}")
+        if not isinstance(self.detokenize, bool):
+            raise FieldError("detokenize",
+                             f"detokenize must be a bool, got {self.detokenize!r}")
+        if self.stop and not self.detokenize:
+            raise FieldError("stop", "stop strings need detokenize=True: they are found in "
+                                     "the text")
         if not isinstance(self.ignore_eos, bool):
             raise FieldError("ignore_eos",
                              f"ignore_eos must be a bool, got {self.ignore_eos!r}")

@@ -5,7 +5,9 @@ In one process the event loop's and the intake threads' Python shares a GIL with
 engine thread's host work. Here the child runs the same ``LiveEngine`` loop over the same
 ``LLMEngine``; only its edges change: its streams are wire ids instead of asyncio queues,
 and each iteration's deltas, metric observations and counters go to the parent as one
-message on a pipe. Commands come back on a reader thread; the ``EngineClient`` reports
+message on a pipe. The parent makes the text: requests come without stop strings and are
+not detokenized here, and a stop string the parent finds ends its request here
+(``stop_at``). Commands come back on a reader thread; the ``EngineClient`` reports
 (``stats``, adapters, KV pages, routing) run on a small asyncio loop here, through the very
 methods the thread engine answers them with.
 
@@ -27,7 +29,7 @@ from typing import Iterator
 
 from jserve.os_threads import name_os_thread
 from jserve.serving.core_pipe import FrameSender, read_frames
-from jserve.serving.engine_api import EngineInfo
+from jserve.serving.engine_api import INTERNAL, EngineInfo, error_delta
 from jserve.serving.engine_loop import EngineCounters
 from jserve.serving.live_engine import LiveEngine, build_engine
 from jserve.serving.metrics import LoRAState
@@ -81,8 +83,9 @@ class _Observer:
 
 class _Relay:
     """Stands in for ``ServerMetrics`` on the engine thread here: what ``EngineLoop`` records
-    per request (token latencies, prompt tokens, finished requests), kept for the parent to
-    replay on its own metrics (``process_engine.replay``)."""
+    per request (token latencies, prompt tokens), kept for the parent to replay on its own
+    metrics (``process_engine.replay``). A finished request is recorded by the parent, from
+    its last delta, which a stop string found there may have cut."""
 
     def __init__(self):
         self.observed: list = []
@@ -92,7 +95,7 @@ class _Relay:
 
     def finished(self, timings: dict[str, float], prompt_tokens: int,
                  completion_tokens: int) -> None:
-        self.observed.append(("finished", (timings, prompt_tokens, completion_tokens)))
+        pass
 
     def take(self) -> list:
         taken = self.observed[:]
@@ -127,6 +130,22 @@ class CoreLoop(LiveEngine):
         self._sender.close()
 
     # -- engine thread -------------------------------------------------------------------
+    def _stop_at(self, out: list, request_id: str, n_tokens: int) -> None:
+        """The parent found a stop string at ``request_id``'s ``n_tokens``-th generated
+        token: the request ends there, stopped, its pages freed; its last delta carries the
+        usage and timings of those tokens."""
+        lv = self._live.get(request_id)
+        if lv is None:
+            return  # it ended here first: its last delta is on its way
+        o = self.core.abort(request_id)
+        if o is None:  # (the engine no longer holds it; its stream must still end)
+            del self._live[request_id]
+            out.append((lv.sink, error_delta(INTERNAL, "the request ended before its stop "
+                                                       "string was found")))
+            return
+        lv.sent_tokens, lv.sent_logprobs = n_tokens, min(lv.sent_logprobs, n_tokens)
+        self._delta(out, lv, o.stopped_at(n_tokens), time.monotonic())
+
     def _publish(self, out: list) -> None:
         self._deltas.extend(out)  # sent with the iteration's counters (``_update_metrics``)
 
@@ -175,6 +194,9 @@ class CoreLoop(LiveEngine):
             self._cmds.put(lambda out: self._add(out, wire, request_id, prepared, **kw))
         elif kind == "abort":
             self.abort(msg[1])
+        elif kind == "stop_at":
+            _, request_id, n_tokens = msg
+            self._cmds.put(lambda out: self._stop_at(out, request_id, n_tokens))
         elif kind == "max_waiting":
             self.max_waiting = msg[1]  # (read by the engine thread at each add)
         elif kind == "call":

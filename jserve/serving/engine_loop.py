@@ -12,9 +12,7 @@ thread, the streams, deadlines, the admission queue, latency metrics and per-req
 isolation. A subclass says what its core is (``LiveEngine``, ``FakeEngine``): its counters,
 its reports, its model info and intake.
 
-Text deltas hold back the last ``len(longest stop string) - 1`` characters until the request
-finishes: a stop string that completes later cuts the text where it starts, and what was
-already streamed must stay a prefix of the final text.
+Text deltas hold back what a stop string completed later could still cut (``HeldBack``).
 """
 from __future__ import annotations
 
@@ -27,7 +25,7 @@ import threading
 import time
 from typing import Any, Callable, Protocol, Sequence
 
-from jserve.engine.requests.output import RequestOutput
+from jserve.engine.requests.output import HeldBack, RequestOutput
 from jserve.fields import FieldError
 from jserve.os_threads import name_os_thread
 from jserve.routing.load import ReplicaLoad, predicted_ttft
@@ -91,10 +89,9 @@ class _Live:
 
     sink: asyncio.Queue
     deadline: float | None
-    holdback: int
+    text: HeldBack
     prompt_tokens: int = 0
     sent_tokens: int = 0
-    sent_text: int = 0
     sent_logprobs: int = 0
     sent_prompt_logprobs: bool = False
     last_token_time: float | None = None
@@ -388,8 +385,8 @@ class EngineLoop(abc.ABC):
             out.append((sink, error_delta(ALREADY_EXISTS, str(e))))
             return
         prompt_tokens = len(prepared.prompt_ids)
-        holdback = max((len(s) for s in prepared.params.stop), default=1) - 1
-        self._live[request_id] = _Live(sink, deadline, holdback, prompt_tokens)
+        self._live[request_id] = _Live(sink, deadline, HeldBack(prepared.params.stop),
+                                       prompt_tokens)
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(prompt_tokens)
 
@@ -433,9 +430,7 @@ class EngineLoop(abc.ABC):
         lv.sent_tokens += len(ids)
         lps = o.new_logprobs(lv.sent_logprobs)
         lv.sent_logprobs += len(lps)
-        end = len(o.text) if o.finished else len(o.text) - lv.holdback
-        text = o.text[lv.sent_text:end] if end > lv.sent_text else ""
-        lv.sent_text = max(lv.sent_text, end)
+        text = lv.text.take(o.text, o.finished)
         m = self.metrics
         if m is not None and ids:
             if lv.last_token_time is None:

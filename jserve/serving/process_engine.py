@@ -5,10 +5,11 @@ engine's host work. vLLM v1's engine-core client, as the second live ``EngineCli
 The parent keeps what the front end reads without a round trip: the model info, the
 tokenizer and a ``RequestIntake`` of the engine's geometry (``Handshake``), so prompts are
 tokenized and checked here and refused before anything crosses. A request crosses once,
-prepared; its deltas come back one message per engine iteration, read on a thread and
-handed to the event loop in one callback. Streams are keyed by wire ids of the parent's
-(the core stays the one check of request ids). The reports are calls answered between
-steps by the child's own ``LiveEngine`` methods.
+prepared; its deltas come back one message per engine iteration, read on a thread, which
+also makes their text (``_Stream``: detokenization and stop strings are the front end's, as
+in vLLM v1), and handed to the event loop in one callback. Streams are keyed by wire ids
+of the parent's (the core stays the one check of request ids). The reports are calls
+answered between steps by the child's own ``LiveEngine`` methods.
 
 If the child dies, every stream in flight ends INTERNAL and ``on_crash`` is called.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import itertools
 import logging
 import os
@@ -28,6 +30,7 @@ from typing import Any, Callable, Sequence
 
 import jserve
 from jserve.engine.requests.intake import RequestIntake
+from jserve.engine.requests.output import HeldBack, StopText
 from jserve.lora.slots import check_loaded
 from jserve.os_threads import name_os_thread
 from jserve.routing.load import ReplicaLoad
@@ -36,6 +39,7 @@ from jserve.serving.core_pipe import FrameSender, read_frames
 from jserve.serving.core_process import Handshake, Step
 from jserve.serving.engine_api import (
     INTERNAL,
+    Delta,
     Prepared,
     WaitEstimate,
     decode_ids,
@@ -43,6 +47,7 @@ from jserve.serving.engine_api import (
 )
 from jserve.serving.live_engine import EngineSpec
 from jserve.serving.metrics import ServerMetrics
+from jserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +77,55 @@ class _Scraped:
 
     def stats(self) -> dict:  # (as ``Speculator.stats``)
         return self.speculation
+
+
+def for_core(prepared: Prepared) -> Prepared:
+    """``prepared`` as the core gets it: its text is made here (``_Stream``), so the core
+    neither detokenizes nor looks for stop strings."""
+    return dataclasses.replace(prepared, params=dataclasses.replace(
+        prepared.params, stop=(), detokenize=False))
+
+
+class _Stream:
+    """One request's stream on the front end's side: its text made from the core's token
+    ids, by the same ``StopText`` the engine's own output processing runs (so stop tokens,
+    stop strings and ``min_tokens`` cut at the same token), held back as the engine thread
+    holds it (``HeldBack``). Used on the reader thread only."""
+
+    def __init__(self, sink: asyncio.Queue, request_id: str, params: SamplingParams,
+                 tokenizer: Tokenizer | None, eos_ids: tuple[int, ...]):
+        self.sink, self.request_id = sink, request_id
+        self.text = StopText(tokenizer, params, eos_ids)
+        self.held = HeldBack(params.stop)
+        self.tokens = 0      # generated tokens the client has been sent
+        self.cut = False     # a stop string ended it here; the core's last delta is awaited
+
+    def take(self, d: Delta) -> tuple[Delta | None, bool]:
+        """``d`` as its client gets it (None: the core's tokens past a stop string), and
+        whether a stop string ended the request here while the core runs it on."""
+        if self.cut:
+            if not d.last:
+                return None, False
+            d = dataclasses.replace(d, token_ids=[], text="", logprobs=[])
+            if d.error is None:  # the usage and timings of the tokens sent
+                d.finish_reason, d.completion_tokens = "stop", self.tokens
+            return d, False
+        keep = len(d.token_ids)
+        stopped = False
+        for i, tok in enumerate(d.token_ids):
+            if self.text.add(tok):
+                keep, stopped = i + 1, True
+                break
+        if keep < len(d.token_ids):
+            d.token_ids, d.logprobs = d.token_ids[:keep], d.logprobs[:keep]
+        self.tokens += keep
+        if d.last and not stopped:
+            self.text.finish()  # (a length limit, a grammar's end, an error)
+        d.text = self.held.take(self.text.text, d.last or stopped)
+        if stopped and d.finish_reason is not None:  # the core ran past it in this delta
+            d.finish_reason, d.completion_tokens = "stop", self.tokens
+        self.cut = stopped and not d.last
+        return d, self.cut
 
 
 class ProcessEngine:
@@ -115,7 +169,8 @@ class ProcessEngine:
         self._scraped.update(hello.scrape)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_crash: Callable[[BaseException], None] | None = None
-        self._sinks: dict[int, asyncio.Queue] = {}   # wire id -> stream (event loop only)
+        # wire id -> stream (added and removed on the event loop, read by the reader thread)
+        self._streams: dict[int, _Stream] = {}
         self._wire_of: dict[str, int] = {}           # request id -> its live wire id
         self._rid_of: dict[int, str] = {}            # and back
         self._wires = itertools.count()
@@ -185,19 +240,20 @@ class ProcessEngine:
             sink.put_nowait(error_delta(INTERNAL, f"the engine core is gone: {self.crashed}"))
             return sink
         wire = next(self._wires)
-        self._sinks[wire] = sink
+        self._streams[wire] = _Stream(sink, request_id, prepared.params, self.tokenizer,
+                                      self._hello.eos_ids)
         if request_id not in self._wire_of:  # (a second one is refused by the core)
             self._wire_of[request_id], self._rid_of[wire] = wire, request_id
         kw = dict(arrival_time=arrival_time, deadline=deadline, ttft_slo=ttft_slo,
                   tpot_slo=tpot_slo, priority=priority)
-        self._send(("submit", wire, request_id, prepared, kw))
+        self._send(("submit", wire, request_id, for_core(prepared), kw))
         return sink
 
     def abort(self, request_id: str) -> None:
         wire = self._wire_of.pop(request_id, None)
         if wire is not None:
             del self._rid_of[wire]
-            self._sinks.pop(wire, None)  # nothing more is sent to it
+            self._streams.pop(wire, None)  # nothing more is sent to it
             self._send(("abort", request_id))
 
     async def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
@@ -205,7 +261,7 @@ class ProcessEngine:
 
     async def stats(self) -> dict[str, int]:
         got = await self._call("stats")
-        return dict(got, in_flight=len(self._sinks))
+        return dict(got, in_flight=len(self._streams))
 
     async def ping(self) -> None:
         await self._call("ping")
@@ -271,13 +327,14 @@ class ProcessEngine:
             for msg in self._frames:
                 kind = msg[0]
                 if kind == "step":
-                    self._to_loop(self._deliver, msg[1])
+                    self._to_loop(self._deliver, self._texts(msg[1]))
                 elif kind == "reply":
                     _, call_id, result, exc = msg
                     fut = self._calls.pop(call_id)
                     fut.set_exception(exc) if exc is not None else fut.set_result(result)
                 elif kind == "crashed":
-                    self._gone(RuntimeError(msg[1]), Step(msg[2], [], None, 0, None))
+                    self._gone(RuntimeError(msg[1]),
+                               self._texts(Step(msg[2], [], None, 0, None)))
                     return
                 elif kind == "bye":
                     self._bye.set()
@@ -302,9 +359,9 @@ class ProcessEngine:
         def fail() -> None:
             if last is not None:
                 self._deliver(last)
-            for sink in self._sinks.values():
-                sink.put_nowait(error_delta(INTERNAL, str(error)))
-            self._sinks.clear()
+            for stream in self._streams.values():
+                stream.sink.put_nowait(error_delta(INTERNAL, str(error)))
+            self._streams.clear()
             self._wire_of.clear()
             self._rid_of.clear()
             if self._on_crash is not None:
@@ -317,19 +374,38 @@ class ProcessEngine:
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
 
+    def _texts(self, step: Step) -> Step:
+        """``step``'s deltas with their text (reader thread); a stop string found ends its
+        request in the core."""
+        deltas = []
+        for wire, delta in step.deltas:
+            stream = self._streams.get(wire)
+            if stream is None:  # aborted since
+                continue
+            delta, stop = stream.take(delta)
+            if stop:
+                self._send(("stop_at", stream.request_id, stream.tokens))
+            if delta is not None:
+                deltas.append((wire, delta))
+        step.deltas = deltas
+        return step
+
     def _deliver(self, step: Step) -> None:
         """One iteration's deltas to their streams, its observations to the metrics."""
+        m = self.metrics
         for wire, delta in step.deltas:
-            sink = self._sinks.get(wire)
-            if sink is None:  # aborted here since
+            stream = self._streams.get(wire)
+            if stream is None:  # aborted here since
                 continue
-            sink.put_nowait(delta)
+            stream.sink.put_nowait(delta)
             if delta.last:
-                del self._sinks[wire]
+                del self._streams[wire]
                 rid = self._rid_of.pop(wire, None)
                 if rid is not None:
                     del self._wire_of[rid]
-        if self.metrics is not None and step.counters is not None:
+                if m is not None and delta.finish_reason is not None:
+                    m.finished(delta.timings, delta.prompt_tokens, delta.completion_tokens)
+        if m is not None and step.counters is not None:
             replay(self.metrics, step)
         if step.scrape is not None:
             self._scraped.update(step.scrape)
@@ -338,9 +414,7 @@ class ProcessEngine:
 def replay(m: ServerMetrics, step: Step) -> None:
     """``step``'s metric observations and gauges on the parent's metrics."""
     for name, value in step.observed:
-        if name == "finished":
-            m.finished(*value)
-        elif name == "prompt_tokens":
+        if name == "prompt_tokens":
             m.prompt_tokens.inc(value)
         else:
             getattr(m, name).observe(value)

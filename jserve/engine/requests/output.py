@@ -159,6 +159,14 @@ class RequestOutput:
     def new_logprobs(self, start: int) -> list[TokenLogprob]:
         return [] if self._logprobs is None else self._logprobs[start:self.num_tokens]
 
+    def stopped_at(self, n_tokens: int) -> RequestOutput:
+        """This output as ended by a stop at its ``n_tokens``-th generated token, found where
+        its text is made apart from the engine (``core_process``): what the engine made past
+        it is not part of it, nor of its token times."""
+        m = dataclasses.replace(self.metrics, token_times=self.metrics.token_times[:n_tokens])
+        return dataclasses.replace(self, finished=True, finish_reason="stop", error=None,
+                                   metrics=m, num_tokens=min(n_tokens, self.num_tokens))
+
 
 class IncrementalDetokenizer:
     """Turns a growing list of ids into text deltas without re-decoding everything each step.
@@ -245,6 +253,23 @@ class StopText:
         """The output ends here for another reason (length, a grammar): the held-back
         tail is decoded."""
         self.text += self.detok.flush()
+
+
+class HeldBack:
+    """What of a growing text a stream may send now: all of it once final; before that, all
+    but the last ``len(longest stop string) - 1`` characters, which a stop string completed
+    later may still cut (what was sent must stay a prefix of the final text)."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.sent = 0  # characters sent
+
+    def take(self, text: str, final: bool) -> str:
+        end = len(text) if final else len(text) - self.hold
+        if end <= self.sent:
+            return ""
+        piece, self.sent = text[self.sent:end], end
+        return piece
 
 
 class OutputProcessor:

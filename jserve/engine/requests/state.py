@@ -92,7 +92,7 @@ def new_request(prepared: PreparedRequest, request_id: str, seed: int, arrival_t
     p = prepared.params
     state = RequestState(
         params=p, seed=seed, prompt=prepared.prompt, metrics=RequestMetrics(arrival_time),
-        out=StopText(tokenizer, p, eos_ids),
+        out=StopText(tokenizer if p.detokenize else None, p, eos_ids),
         logprobs=[] if p.logprobs is not None else None,
         prompt_logprobs=[None] if p.prompt_logprobs is not None else None,
         constraint=(grammars.start(p.structured_output)  # cached by prepare
