@@ -376,6 +376,66 @@ def llama3_chat_dir() -> Path:
     return write_llama3_chat_checkpoint(_cache_root() / "llama3-chat")
 
 
+# -- a gpt-oss checkpoint speaking harmony ---------------------------------------------------
+# Harmony's special tokens after a trained byte-level BPE, EOS on <|return|>, <|call|> and
+# <|endoftext|> (gpt-oss's generation config), and a harmony chat template of our own: a
+# developer message listing the tools, each turn <|start|>ROLE<|message|>...<|end|>, an
+# assistant turn's reasoning on the analysis channel and its answer on final, its calls on
+# commentary to=functions.NAME; the generation prompt ends with <|start|>assistant.
+HARMONY_SPECIAL_TOKENS = ["<|startoftext|>", "<|endoftext|>", "<|start|>", "<|end|>",
+                          "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>",
+                          "<|call|>"]
+HARMONY_CHAT_TEMPLATE = (
+    "{% if tools %}<|start|>developer<|message|># Tools{% for t in tools %}"
+    "{{ '\\n' }}functions.{{ t.function.name }}: {{ t.function.description }}{% endfor %}"
+    "<|end|>{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'assistant' %}"
+    "{% if m.reasoning_content %}<|start|>assistant<|channel|>analysis<|message|>"
+    "{{ m.reasoning_content }}<|end|>{% endif %}"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}<|start|>assistant<|channel|>commentary"
+    " to=functions.{{ c.function.name }} <|constrain|>json<|message|>"
+    "{{ c.function.arguments }}<|call|>{% endfor %}"
+    "{% else %}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>{% endif %}"
+    "{% elif m.role == 'tool' %}<|start|>functions.{{ m.name }} to=assistant<|channel|>"
+    "commentary<|message|>{{ m.content }}<|end|>"
+    "{% else %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|start|>assistant{% endif %}")
+
+
+def write_gpt_oss_chat_checkpoint(out_dir: Path) -> Path:
+    """A random-weight ``GptOssForCausalLM`` (``FAMILY_CONFIGS["gpt_oss"]``, YaRN to a
+    512-token context) saved by transformers with a trained tokenizer holding harmony's special
+    tokens and ``HARMONY_CHAT_TEMPLATE``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok, trainer = _byte_level_bpe(1200)
+    tok.train_from_iterator(_llama3_corpus(), trainer)
+    tok.add_special_tokens(HARMONY_SPECIAL_TOKENS)
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.save(str(out_dir / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|return|>",
+              "pad_token": "<|endoftext|>", "model_max_length": 512,
+              "chat_template": HARMONY_CHAT_TEMPLATE}
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    n = tok.get_vocab_size(with_added_tokens=True)
+    ids = {t: tok.token_to_id(t) for t in HARMONY_SPECIAL_TOKENS}
+    hf = transformers.GptOssConfig(**dict(
+        FAMILY_CONFIGS["gpt_oss"], vocab_size=(n // 64 + 1) * 64, max_position_embeddings=512,
+        rope_parameters=dict(FAMILY_CONFIGS["gpt_oss"]["rope_parameters"],
+                             original_max_position_embeddings=128),
+        bos_token_id=ids["<|startoftext|>"], pad_token_id=ids["<|endoftext|>"],
+        eos_token_id=[ids["<|return|>"], ids["<|call|>"], ids["<|endoftext|>"]]))
+    torch.manual_seed(0)
+    transformers.GptOssForCausalLM(hf).eval().save_pretrained(out_dir)
+    return out_dir
+
+
+@functools.cache
+def gpt_oss_chat_dir() -> Path:
+    """Process-wide cached ``write_gpt_oss_chat_checkpoint``. Read-only."""
+    return write_gpt_oss_chat_checkpoint(_cache_root() / "gpt-oss-chat")
+
+
 # -- a Qwen-style ChatML checkpoint whose template asks for Hermes tool calls --------------
 # ChatML turns (<|im_start|>role ... <|im_end|>), no BOS, EOS <|im_end|> (and <|endoftext|>
 # in generation_config.json), <tool_call> and </tool_call> as added tokens that are not special

@@ -268,7 +268,7 @@ BAD_FIELDS = [  # (endpoint, extra body fields, the field the 400 must name)
     ("chat", {"logit_bias": {"99999": 1}}, "logit_bias"),  # outside the vocabulary
     ("completions", {"frobnicate": 1}, "frobnicate"),
     ("completions", {"no_stop_trim": True}, "no_stop_trim"),  # router-filled: only neutral
-    ("completions", {"skip_special_tokens": False}, "skip_special_tokens"),
+    ("completions", {"skip_special_tokens": "no"}, "skip_special_tokens"),
     ("chat", {"include_reasoning": False}, "include_reasoning"),
     ("chat", {"continue_final_message": True}, "continue_final_message"),  # a user's last
     ("chat", {"add_generation_prompt": "no"}, "add_generation_prompt"),

@@ -961,6 +961,7 @@ VALID = {
     "prompt_logprobs": st.none() | st.integers(0, 20),
     "logit_bias": st.dictionaries(st.integers(0, 319), st.floats(-100.0, 100.0), max_size=3),
     "speculative": st.none() | st.booleans(),
+    "skip_special_tokens": st.none() | st.booleans(),
     "prompt": st.text(min_size=1, max_size=30) | st.lists(st.integers(0, 319), min_size=1,
                                                           max_size=30),
     "ttft_slo": st.none() | st.floats(0.001, 100.0),

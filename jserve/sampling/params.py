@@ -78,6 +78,8 @@ class SamplingParams:
     # vLLM's ``detokenize``: False leaves the output's text empty (ids only). A front end
     # that makes the text itself (``jserve serve --engine-process``) sends its requests so.
     detokenize: bool = True
+    # vLLM's: False keeps special tokens in the text (what gpt-oss's harmony parser reads).
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         self.stop = _as_tuple("stop", (self.stop,) if isinstance(self.stop, str) else self.stop)
@@ -144,6 +146,9 @@ class SamplingParams:
         if not isinstance(self.detokenize, bool):
             raise FieldError("detokenize",
                              f"detokenize must be a bool, got {self.detokenize!r}")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise FieldError("skip_special_tokens", f"skip_special_tokens must be a bool, got "
+                                                    f"{self.skip_special_tokens!r}")
         if self.stop and not self.detokenize:
             raise FieldError("stop", "stop strings need detokenize=True: they are found in "
                                      "the text")

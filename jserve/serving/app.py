@@ -123,6 +123,9 @@ class ServerConfig:
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING:
             raise ValueError(f"reasoning_parser must be one of {sorted(REASONING)} or None, "
                              f"got {self.reasoning_parser!r}")
+        if self.tool_call_parser == "openai" and self.reasoning_parser != "openai_gptoss":
+            raise ValueError("tool_call_parser openai reads gpt-oss's harmony replies: it "
+                             "needs reasoning_parser openai_gptoss (--reasoning-parser)")
         names = self.served_model_names
         if isinstance(names, str) or not names or not all(isinstance(n, str) and n
                                                           for n in names):

@@ -33,7 +33,7 @@ from jserve.serving.tool_formats import DEFAULT_FORMAT, constraint
 # noted; the neutral-only ones are accepted only at the value that changes nothing.
 _SAMPLING = ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
              "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
-             "stop_token_ids", "speculative", "logit_bias")
+             "stop_token_ids", "speculative", "logit_bias", "skip_special_tokens")
 # vLLM's older spelling of structured_outputs: guided_json is structured_outputs.json, ...
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
           "guided_grammar": "grammar"}
@@ -49,8 +49,7 @@ _TEMPLATE_OWN = ("messages", "tools", "add_generation_prompt", "continue_final_m
 # separating or streaming reasoning changes nothing and dropping it cannot be honoured; with
 # one (``REASONING_FIELDS``) reasoning can be dropped or left in the content, and it streams
 # as it comes.
-_ROUTER_FILLED = {"no_stop_trim": (False,), "skip_special_tokens": (True,),
-                  "return_hidden_states": (False,)}
+_ROUTER_FILLED = {"no_stop_trim": (False,), "return_hidden_states": (False,)}
 _CHAT_ROUTER_FILLED = {"separate_reasoning": (False, True),
                        "stream_reasoning": (False, True), "include_reasoning": (True,)}
 REASONING_FIELDS = {"separate_reasoning": (False, True), "stream_reasoning": (True,),

@@ -24,7 +24,7 @@ from jserve.serving.gateway import Rejected, Stream
 from jserve.serving.http_protocol import Parsed
 from jserve.serving.reasoning import (
     FORMATS as REASONING,
-    ReasoningStream,
+    ReplyReader,
     opens_thinking,
     split,
 )
@@ -67,7 +67,7 @@ class Formatter:
         # Chat with a reasoning parser: each choice's reply split into reasoning and answer.
         self._reasoning = REASONING[parsed.reasoning] if self.chat and parsed.reasoning \
             else None
-        self._reasoners: dict[int, ReasoningStream] = {}
+        self._reasoners: dict[int, ReplyReader] = {}
         self._splits = self._tools is not None or self._reasoning is not None
 
     def _token(self, tid: int) -> str:
@@ -139,10 +139,10 @@ class Formatter:
             response["prompt_logprobs"] = self.prompt_logprobs(choices[0])
         return response
 
-    def _reasoner(self, c: Choice) -> ReasoningStream:
+    def _reasoner(self, c: Choice) -> ReplyReader:
         """A new reader of ``c``'s reply: inside a thinking block from the start when the
         prompt (its last tokens) left one open."""
-        return ReasoningStream(self._reasoning, opens_thinking(self.tok, c.prompt_ids))
+        return self._reasoning.reader(opens_thinking(self.tok, c.prompt_ids))
 
     def _with_reasoning(self, out: dict, reasoning: str | None) -> None:
         """Puts the reply's reasoning in ``out``, under vLLM's name and the older one."""

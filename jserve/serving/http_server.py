@@ -378,6 +378,8 @@ class OpenAIServer:
                 params = dataclasses.replace(params, max_tokens=max(
                     1, context_room(len(prompt), context), params.min_tokens))
             params = capped(params, self.config.sampling_defaults)
+            if parsed.reasoning is not None and REASONING[parsed.reasoning].keeps_special_tokens:
+                params = dataclasses.replace(params, skip_special_tokens=False)  # (markers)
             if parsed.reasoning is not None and params.structured_output is not None:
                 params = dataclasses.replace(params, structured_output=thinking_first(
                     REASONING[parsed.reasoning], params.structured_output,

@@ -21,7 +21,8 @@ from jserve.sampling.structured import StructuredOutput
 # Scalar SamplingParams fields carried as proto3 ``optional`` (unset: the offline default).
 SCALAR_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p",
                  "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
-                 "ignore_eos", "logprobs", "speculative", "prompt_logprobs")
+                 "ignore_eos", "logprobs", "speculative", "prompt_logprobs",
+                 "skip_special_tokens")
 LIST_FIELDS = ("stop", "stop_token_ids")
 MAP_FIELDS = ("logit_bias",)
 MESSAGE_FIELDS = ("structured_output",)

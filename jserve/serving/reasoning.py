@@ -22,6 +22,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from jserve.sampling.structured import THINK_END, THINK_START, StructuredOutput
+from jserve.serving.harmony import HarmonyStream, partial_mark
 
 # How many prompt tokens to read back for an open thinking block: templates open it at the
 # very end of the generation prompt ("<think>\n", or "<think>\n\n</think>\n\n" closed).
@@ -32,11 +33,27 @@ PROMPT_TAIL_TOKENS = 16
 class ReasoningFormat:
     name: str
     thinks_by_default: bool  # a reply that opens no block is reasoning (else the answer)
-    think: str  # a constrained reply's block (``StructuredOutput.think``) unless opened
+    # a constrained reply's block (``StructuredOutput.think``) unless opened; None: the
+    # constraint holds from the first token
+    think: str | None
+    # what marks the reasoning: ``<think>`` blocks, or gpt-oss's harmony channels
+    # (``jserve.serving.harmony``), whose markers are special tokens kept in the text
+    markup: str = "think"
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Whether replies are decoded with their special tokens (the parser reads them)."""
+        return self.markup == "harmony"
+
+    def reader(self, thinking: bool = False) -> ReplyReader:
+        """A reader of one reply (``feed``/``finish``/``answering``); ``thinking``: the
+        prompt left a block open."""
+        return HarmonyStream() if self.markup == "harmony" else ReasoningStream(self, thinking)
 
 
 FORMATS = {f.name: f for f in (ReasoningFormat("deepseek_r1", True, "first"),
-                               ReasoningFormat("qwen3", False, "optional"))}
+                               ReasoningFormat("qwen3", False, "optional"),
+                               ReasoningFormat("openai_gptoss", False, None, "harmony"))}
 
 
 def prompt_leaves_open(tail: str) -> bool:
@@ -55,15 +72,6 @@ def thinking_first(fmt: ReasoningFormat, so: StructuredOutput, opened: bool
     """``so`` held only after the reply's thinking block: one the prompt ``opened``, else
     the block the format lets the reply open."""
     return dataclasses.replace(so, think="open" if opened else fmt.think)
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """The length of the longest end of ``text`` that begins ``tag`` (held back: the tag may
-    be arriving)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 class ReasoningStream:
@@ -92,7 +100,7 @@ class ReasoningStream:
             if tag:
                 reasoning, self._phase, text = before, "content", after
             else:
-                keep = _partial_suffix(text, THINK_END)
+                keep = partial_mark(text, (THINK_END,))
                 self._held = text[len(text) - keep:] if keep else ""
                 return text[:len(text) - keep], ""
         content = text
@@ -114,7 +122,10 @@ class ReasoningStream:
 def split(fmt: ReasoningFormat, text: str, thinking: bool = False
           ) -> tuple[str | None, str | None]:
     """A whole reply as (reasoning, content), None for a part that is empty."""
-    s = ReasoningStream(fmt, thinking)
+    s = fmt.reader(thinking)
     r, c = s.feed(text)
     r2, c2 = s.finish()
     return (r + r2) or None, (c + c2) or None
+
+
+ReplyReader = ReasoningStream | HarmonyStream  # what ``ReasoningFormat.reader`` gives

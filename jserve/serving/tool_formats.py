@@ -4,6 +4,9 @@ so a stream's deltas add up to the non-streamed answer) and what ``tool_choice: 
 a named function holds the output to. The chat template (the checkpoint's, or
 ``--chat-template``) decides what the model is told; a format only reads what it writes.
 
+``openai`` reads what ``harmony.HarmonyStream`` (``--reasoning-parser openai_gptoss``) leaves
+of a gpt-oss reply, so it needs that reasoning parser (``ServerConfig`` says so).
+
 vLLM's other parsers write other formats (``qwen3_coder`` and ``qwen3_xml``: XML parameters,
 ``pythonic``: Python calls, ...): none is an alias of these three.
 """
@@ -13,6 +16,7 @@ import dataclasses
 from typing import Callable
 
 from jserve.sampling.structured import StructuredOutput
+from jserve.serving.harmony import HarmonyCallParser, harmony_constraint
 from jserve.serving.hermes_tools import HermesCallParser, hermes_constraint
 from jserve.serving.mistral_tools import MistralCallParser, mistral_constraint
 from jserve.serving.tool_calls import (
@@ -40,6 +44,9 @@ TOOL_FORMATS = {f.name: f for f in (
                          "(Qwen2.5, Qwen3, Hermes)", HermesCallParser, hermes_constraint),
     ToolFormat("mistral", "[TOOL_CALLS] [{\"name\": ..., \"arguments\": ...}] (Mistral 7B "
                           "v0.3, Nemo, Small 24B)", MistralCallParser, mistral_constraint),
+    ToolFormat("openai", "gpt-oss's harmony: a commentary message to=functions.NAME "
+                         "(with --reasoning-parser openai_gptoss)", HarmonyCallParser,
+               harmony_constraint),
 )}
 DEFAULT_FORMAT = "llama3_json"
 

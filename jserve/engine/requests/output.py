@@ -175,8 +175,9 @@ class IncrementalDetokenizer:
     text ending in U+FFFD (an incomplete UTF-8 sequence) is held back until it completes.
     """
 
-    def __init__(self, tokenizer: Tokenizer | None):
+    def __init__(self, tokenizer: Tokenizer | None, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
         self.ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
@@ -192,8 +193,9 @@ class IncrementalDetokenizer:
     def _emit(self, final: bool) -> str:
         if self.tokenizer is None or self.read_offset == len(self.ids):
             return ""
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        ids, skip = self.ids, self.skip
+        prefix = self.tokenizer.decode(ids[self.prefix_offset:self.read_offset], skip)
+        full = self.tokenizer.decode(ids[self.prefix_offset:], skip)
         if not final and (len(full) <= len(prefix) or full.endswith("\ufffd")):
             return ""
         self.prefix_offset = len(self.ids) if final else self.read_offset
@@ -224,7 +226,7 @@ class StopText:
     at the same token. Length and grammar ends are the caller's (they need the context)."""
 
     def __init__(self, tokenizer: Tokenizer | None, params, eos_ids: tuple[int, ...]):
-        self.detok = IncrementalDetokenizer(tokenizer)
+        self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
         self.params = params
         self.eos_ids = eos_ids
         self.text = ""

@@ -1,0 +1,172 @@
+"""gpt-oss's harmony replies (``--reasoning-parser openai_gptoss``, ``--tool-call-parser
+openai``): the reader's split of constructed replies, whole or in pieces of any size; and a
+transformers-written gpt-oss checkpoint with harmony's special tokens behind the real server
+and the official ``openai`` client, its replies held to harmony by a grammar, whose reasoning,
+answer and tool calls are those of the offline engine's raw text (decoded with its special
+tokens, ``skip_special_tokens=False``), streamed or not."""
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from hf_models import gpt_oss_chat_dir
+from jserve import SamplingParams
+from jserve.sampling.structured import StructuredOutput
+from jserve.serving.app import BackgroundServer, ServerConfig
+from jserve.serving.harmony import HarmonyCallParser, HarmonyStream
+from jserve.serving.reasoning import FORMATS, split
+from jserve.serving.tool_calls import ToolChoice
+from jserve.serving.tool_formats import read_calls
+from llm_helpers import small_llm
+
+HARMONY = FORMATS["openai_gptoss"]
+AUTO = ToolChoice("auto", format="openai")
+CALL = ('<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>'
+        'commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}')
+REPLIES = {  # reply -> (reasoning, content, calls as (name, arguments))
+    "<|channel|>analysis<|message|>User greets.<|end|><|start|>assistant<|channel|>final"
+    "<|message|>Hello there.": ("User greets.", "Hello there.", []),
+    "<|channel|>final<|message|>Just <b>this</b> <| not a marker": (
+        None, "Just <b>this</b> <| not a marker", []),
+    "<|channel|>analysis<|message|>Cut short in thought": ("Cut short in thought", None, []),
+    "<|channel|>analysis<|message|>Plan.<|end|><|start|>assistant<|channel|>commentary"
+    "<|message|>Checking now.<|end|><|start|>assistant<|channel|>final<|message|>Done.": (
+        "Plan.", "Checking now.Done.", []),
+    CALL: ("Need the weather.", None, [("get_weather", '{"city": "Paris"}')]),
+    "<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{}": (
+        None, None, [("get_time", "{}")]),
+    '{"answer": 42}': (None, '{"answer": 42}', []),  # held by a structured output: no header
+    "<|channel|>final": (None, None, []),  # a header cut short says nothing
+}
+
+
+def read(reply: str, size: int) -> tuple[str | None, str | None, list[tuple[str, str]]]:
+    """``reply`` read as a stream in pieces of ``size`` characters, through both readers."""
+    reasoner, caller = HarmonyStream(), HarmonyCallParser(AUTO)
+    reasoning = content = ""
+    for piece in [reply[i:i + size] for i in range(0, len(reply), size)] + [None]:
+        r, c = reasoner.feed(piece) if piece is not None else reasoner.finish()
+        got, _ = caller.feed(c)
+        if piece is None:
+            rest, _ = caller.finish()
+            got += rest
+        reasoning, content = reasoning + r, content + got
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in caller.calls]
+    return reasoning or None, content or None, calls
+
+
+@pytest.mark.parametrize("reply", list(REPLIES), ids=range(len(REPLIES)))
+def test_a_reply_splits_the_same_whole_or_in_pieces_of_any_size(reply):
+    want = REPLIES[reply]
+    reasoning, content = split(HARMONY, reply)
+    content, calls = read_calls(AUTO, content) if content else (content, [])
+    assert (reasoning, content, [(c["function"]["name"], c["function"]["arguments"])
+                                 for c in calls]) == want
+    for size in range(1, 12):
+        assert read(reply, size) == want, size
+
+
+def test_an_openai_tool_parser_needs_the_harmony_reasoning_parser():
+    with pytest.raises(ValueError, match="openai_gptoss"):
+        ServerConfig(tool_call_parser="openai")
+    assert ServerConfig(tool_call_parser="openai", reasoning_parser="openai_gptoss")
+
+
+# -- served --------------------------------------------------------------------------------
+# Replies held to harmony by a Lark grammar (llguidance's: ``<|channel|>`` is the special
+# token; a quoted literal or a regex never matches one).
+ANSWER = ('%llguidance {}\nstart: <|channel|> "analysis" <|message|> /[a-z]{2,6}( [a-z]{2,6})'
+          '{1,3}/ <|end|> <|start|> "assistant" <|channel|> "final" <|message|> '
+          '/[a-z]{2,6}( [a-z]{2,6}){1,2}/\n')
+CALLING = ('%llguidance {}\nstart: <|channel|> "analysis" <|message|> /[a-z]{2,6} [a-z]{2,6}/ '
+           '<|end|> <|start|> "assistant" <|channel|> "commentary to=functions.get_weather " '
+           '<|constrain|> "json" <|message|> "{\\"city\\": \\"" /[a-z]{2,6}/ "\\"}"\n')
+MSGS = [{"role": "user", "content": "What is the weather in Paris?"}]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather",
+                                           "parameters": {"type": "object", "properties": {
+                                               "city": {"type": "string"}}}}}]
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    return str(gpt_oss_chat_dir())
+
+
+@pytest.fixture(scope="module")
+def offline(model):
+    return small_llm(model)
+
+
+@pytest.fixture(scope="module")
+def oai(model):
+    server = BackgroundServer(small_llm(model).engine, ServerConfig(
+        host="127.0.0.1", port=0, http_port=0, metrics_port=None, served_model_names=("oss",),
+        reasoning_parser="openai_gptoss", tool_call_parser="openai"))
+    with openai.OpenAI(base_url=server.http_url + "/v1", api_key="-", max_retries=0,
+                       timeout=120) as client:
+        yield client
+    server.stop(grace=0)
+
+
+def raw(offline, grammar: str, tools=None) -> str:
+    """The offline engine's reply to MSGS held to ``grammar``, its special tokens kept."""
+    prompt = offline.engine.tokenizer.apply_chat_template(MSGS, tools=tools)
+    params = SamplingParams(temperature=0.0, max_tokens=60, skip_special_tokens=False,
+                            structured_output=StructuredOutput(grammar=grammar))
+    return offline.generate(prompt, params)[0].text
+
+
+def test_served_reasoning_and_answer_are_the_raw_replys(oai, offline):
+    text = raw(offline, ANSWER)
+    assert text.startswith("<|channel|>analysis<|message|>") and "<|end|>" in text
+    reasoning, content = split(HARMONY, text)
+    body = dict(model="oss", messages=MSGS, temperature=0, max_tokens=60,
+                extra_body={"structured_outputs": {"grammar": ANSWER}})
+    msg = oai.chat.completions.create(**body).choices[0].message
+    assert (msg.model_extra["reasoning"], msg.content) == (reasoning, content)
+    assert "<|" not in reasoning + content
+    chunks = list(oai.chat.completions.create(**body, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.model_extra.get("reasoning") or "" for d in deltas) == reasoning
+    assert "".join(d.content or "" for d in deltas) == content
+    # The markers are special tokens the default decoding drops: a completion keeps them
+    # only when asked.
+    tok = offline.engine.tokenizer
+    channel = tok.encode("<|channel|>", add_special_tokens=False)
+    assert len(channel) == 1
+    forced = dict(model="oss", prompt="hi", max_tokens=3, temperature=0,
+                  extra_body={"logit_bias": {str(channel[0]): 100}})
+    assert oai.completions.create(**forced).choices[0].text == ""
+    forced["extra_body"]["skip_special_tokens"] = False
+    assert oai.completions.create(**forced).choices[0].text == "<|channel|>" * 3
+
+
+def test_served_tool_calls_are_the_raw_replys(oai, offline):
+    text = raw(offline, CALLING, TOOLS)
+    reasoning, content = split(HARMONY, text)
+    _, calls = read_calls(AUTO, content)
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+    body = dict(model="oss", messages=MSGS, tools=TOOLS, temperature=0, max_tokens=60,
+                extra_body={"structured_outputs": {"grammar": CALLING}})
+    choice = oai.chat.completions.create(**body).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert choice.message.model_extra["reasoning"] == reasoning
+    got = choice.message.tool_calls
+    assert [(c.function.name, c.function.arguments) for c in got] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in calls]
+    assert set(json.loads(got[0].function.arguments)) == {"city"}
+    streamed, finish = {}, None
+    for chunk in oai.chat.completions.create(**body, stream=True):
+        for d in chunk.choices[0].delta.tool_calls or []:
+            entry = streamed.setdefault(d.index, ["", ""])
+            entry[0] += d.function.name or ""
+            entry[1] += d.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls"
+    assert streamed == {0: [got[0].function.name, got[0].function.arguments]}
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model="oss", messages=MSGS, tools=TOOLS,
+                                    tool_choice="required", max_tokens=8)
+    assert e.value.body["param"] == "tool_choice"
