@@ -251,16 +251,24 @@ def test_a_shutdown_ends_the_streams_in_flight_unavailable():
 
 
 def test_a_killed_core_ends_the_streams_internal_and_reports_it():
-    engine = ProcessEngine(EngineSpec("default", llm_kwargs=dict(SMALL)))
+    # (lars: a deadline policy, whose prompts have an isolated prefill time to ask for)
+    engine = ProcessEngine(EngineSpec("default", llm_kwargs=dict(SMALL, scheduler="lars")))
     crashed = []
 
     async def run():
         loop = asyncio.get_running_loop()
         engine.start(loop, on_crash=crashed.append)
+        engine.ISOLATED_WAIT_S = 0.3
+        assert engine.isolated_prefill_s(100) > 0
+        os.kill(engine.pid, signal.SIGSTOP)  # a hung core holds no intake thread
+        t0 = time.monotonic()
+        assert engine.isolated_prefill_s(100) == 0.0 and time.monotonic() - t0 < 2
+        os.kill(engine.pid, signal.SIGCONT)
         return await _first_then(engine, lambda: os.kill(engine.pid, signal.SIGKILL))
     deltas = asyncio.run(run())
     assert deltas[-1].error[0] == INTERNAL and "exited" in deltas[-1].error[1]
     assert len(crashed) == 1 and not engine.alive
+    assert engine.isolated_prefill_s(100) == 0.0  # (gone: no floor, the submit refuses)
 
     async def after():
         sink = engine.submit("later", engine.prepare("hi", greedy(4)),

@@ -132,6 +132,8 @@ class ProcessEngine:
     """Starts the child and waits for its engine to be built (``RuntimeError`` saying why it
     could not be); ``start`` then connects it to the event loop."""
 
+    ISOLATED_WAIT_S = 5.0  # how long ``isolated_prefill_s`` waits for the core
+
     def __init__(self, spec: EngineSpec):
         mine, theirs = socket.socketpair()
         # A fresh interpreter (JAX starts there), importing this very jserve
@@ -192,7 +194,14 @@ class ProcessEngine:
         return decode_ids(self.tokenizer, token_ids, self.info.vocab_size)
 
     def isolated_prefill_s(self, prompt_tokens: int) -> float:
-        return self._request("isolated", prompt_tokens).result()
+        """The core's T(n), one round trip to its reader thread; 0 (no floor) when it cannot
+        say within ``ISOLATED_WAIT_S`` or is gone: the request then meets the core's state
+        at its submit, and an intake thread never waits on a hung core."""
+        try:
+            return self._request("isolated", prompt_tokens).result(self.ISOLATED_WAIT_S)
+        except (concurrent.futures.TimeoutError, RuntimeError):
+            log.warning("the engine core did not say a prompt's prefill time: no TTFT floor")
+            return 0.0
 
     @property
     def pid(self) -> int:
