@@ -66,3 +66,18 @@ def test_the_iteration_budget_keeps_its_old_flag_deprecated(capsys):
         assert old.iteration_budget == 0.08
         assert "--tpot-slo is deprecated; use --iteration-budget" in capsys.readouterr().err
         assert parser.parse_args(command).iteration_budget == 0.05
+
+
+def test_ray_replicas_get_the_engine_arguments_serve_builds_with(monkeypatch):
+    """``--ray`` hands each replica the ``LLM`` arguments the in-process engine gets
+    (``commands.llm_kwargs``: quantization, the scheduler's knobs, generation config)."""
+    from jserve.serving import ray_app
+    got = {}
+    monkeypatch.setattr(ray_app, "run", lambda args, host, port, ready=None:
+                        got.update(args) or 0)
+    assert main(["serve", "--ray", "--quantization", "int8", "--scheduler", "sprpt",
+                 "--sprpt-c", "0.5", "--generation-config", "vllm"]) == 0
+    engine = got["engine"]
+    assert (engine["quantization"], engine["scheduler"], engine["sprpt_c"]) == (
+        "int8", "sprpt", 0.5)
+    assert engine["generation_config"] == "vllm" and engine["dtype"] == "auto"

@@ -344,9 +344,7 @@ def client_limits(a: argparse.Namespace) -> ClientLimits:
 def ray_command(a: argparse.Namespace, engine_kwargs: dict) -> int:
     from jserve.serving.ray_app import run  # Ray: only --ray loads it
 
-    engine = dict(engine_kwargs, dtype=a.dtype, scheduler=a.scheduler,
-                  iteration_budget=a.iteration_budget, prefill_share=a.prefill_share,
-                  tokenizer=a.tokenizer)
+    engine = dict(llm_kwargs(a, engine_kwargs), dtype=a.dtype)
     args = dict(model=a.model, replicas=a.replicas, router=a.router, engine=engine,
                 server=dict(served_model_names=served_model_names(a),
                             max_waiting=a.max_waiting, max_request_bytes=a.max_request_bytes,
@@ -462,6 +460,16 @@ def lora_line(lora, info) -> str:
             f"{'on (/v1/load_lora_adapter)' if info.runtime_lora_updating else 'off'}")
 
 
+def llm_kwargs(a: argparse.Namespace, engine_kwargs: dict) -> dict:
+    """The ``LLM(...)`` arguments of ``jserve serve``'s engine, whichever process or Ray
+    replica builds it (``live_engine.EngineSpec``)."""
+    return dict(quantization=a.quantization, scheduler=a.scheduler,
+                length_probe=a.length_probe, sprpt_c=a.sprpt_c,
+                iteration_budget=a.iteration_budget, prefill_share=a.prefill_share,
+                tokenizer=a.tokenizer, generation_config=a.generation_config,
+                override_generation_config=a.override_generation_config, **engine_kwargs)
+
+
 def serve_engine(a: argparse.Namespace, engine_kwargs: dict):
     """The engine ``jserve serve`` serves (an ``LLMEngine``, a ``ProcessEngine`` or a
     ``FakeEngine``) and what the start-up line says of it."""
@@ -474,12 +482,8 @@ def serve_engine(a: argparse.Namespace, engine_kwargs: dict):
         return FakeEngine.for_model(a.tokenizer or a.model, max_model_len=a.max_model_len or 512,
                                     max_num_seqs=a.max_num_seqs or 8,
                                     lora=engine_kwargs.get("lora")), "fake (scripted tokens)"
-    spec = EngineSpec(a.model, a.dtype, dict(
-        quantization=a.quantization, scheduler=a.scheduler, length_probe=a.length_probe,
-        sprpt_c=a.sprpt_c, iteration_budget=a.iteration_budget, prefill_share=a.prefill_share,
-        tokenizer=a.tokenizer, generation_config=a.generation_config,
-        override_generation_config=a.override_generation_config, **engine_kwargs),
-        max_waiting=a.max_waiting, log_level=a.log_level)
+    spec = EngineSpec(a.model, a.dtype, llm_kwargs(a, engine_kwargs),
+                      max_waiting=a.max_waiting, log_level=a.log_level)
     if a.engine_process:  # its own interpreter builds it (and starts JAX there)
         engine = ProcessEngine(spec)
         return engine, f"{engine.startup_line} (engine core in process {engine.pid})"

@@ -115,12 +115,13 @@ class JServeReplica:
     def __init__(self, model: str, engine_kwargs: dict, server_kwargs: dict):
         # Imported here: the model loads JAX, which the ingress and the router (this module
         # too) never need.
-        from jserve import LLM
+        from jserve.serving.live_engine import EngineSpec, build_engine
 
-        self.llm = LLM(model, **engine_kwargs)
+        kw = dict(engine_kwargs)  # (``dtype`` among them, as ``jserve serve --ray`` gives it)
+        self.engine = build_engine(EngineSpec(model, kw.pop("dtype", "auto"), kw))
         self.config = ServerConfig(port=None, http_port=None, metrics_port=None,
                                    **server_kwargs)
-        self.server = Server(self.llm.engine, self.config)
+        self.server = Server(self.engine, self.config)
         self.http = self.server.http
         self.name = serve.get_replica_context().replica_id.unique_id
         self._started = False
@@ -253,7 +254,8 @@ def _object_arg(args: dict, key: str) -> dict:
 def build_app(args: dict | None = None):
     """The application: ``args`` (strings from ``serve run ... key=value`` or values):
     ``model`` ("default"), ``replicas`` (2), ``router`` ("deadline"), ``engine`` (a JSON
-    object of ``LLM`` keyword arguments), ``server`` (of ``ServerConfig`` fields),
+    object of ``LLM`` keyword arguments; ``dtype`` ``auto`` resolved as ``jserve serve``
+    resolves it), ``server`` (of ``ServerConfig`` fields),
     ``stats_period_s`` (0.2), ``num_cpus`` / ``num_gpus`` per replica, ``max_ongoing``
     (requests Ray lets a replica hold; default the engine's ``max_num_seqs``, its batch:
     beyond it the router holds them and routes each on fresher reports),
