@@ -250,6 +250,14 @@ def test_a_shutdown_ends_the_streams_in_flight_unavailable():
     assert engine._proc.returncode == 0 and not engine.alive
 
 
+def _wait_stopped(pid: int) -> None:
+    """Until ``pid`` is stopped (its state ``T`` in /proc)."""
+    deadline = time.monotonic() + 10
+    while open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+        assert time.monotonic() < deadline, "the core did not stop"
+        time.sleep(0.01)
+
+
 def test_a_killed_core_ends_the_streams_internal_and_reports_it():
     # (lars: a deadline policy, whose prompts have an isolated prefill time to ask for)
     engine = ProcessEngine(EngineSpec("default", llm_kwargs=dict(SMALL, scheduler="lars")))
@@ -261,6 +269,7 @@ def test_a_killed_core_ends_the_streams_internal_and_reports_it():
         engine.ISOLATED_WAIT_S = 0.3
         assert engine.isolated_prefill_s(100) > 0
         os.kill(engine.pid, signal.SIGSTOP)  # a hung core holds no intake thread
+        _wait_stopped(engine.pid)  # (a signal lands a moment after kill() returns)
         t0 = time.monotonic()
         assert engine.isolated_prefill_s(100) == 0.0 and time.monotonic() - t0 < 2
         os.kill(engine.pid, signal.SIGCONT)
