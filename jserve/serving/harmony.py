@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 
-from jserve.serving.tool_calls import ToolCallParser, ToolChoice, ToolError
+from jserve.serving.tool_calls import ToolCallParser, ToolChoice, ToolError, partial_mark
 
 START, CHANNEL, MESSAGE, END = "<|start|>", "<|channel|>", "<|message|>", "<|end|>"
 CONSTRAIN = "<|constrain|>"
@@ -31,13 +31,10 @@ _HEADS = (START, CHANNEL)
 _BODY_ENDS = (END, START)
 
 
-def partial_mark(text: str, marks: tuple[str, ...]) -> int:
-    """The length of the longest end of ``text`` that begins one of ``marks`` (held back: a
-    mark may be arriving)."""
-    for n in range(min(max(map(len, marks)) - 1, len(text)), 0, -1):
-        if any(m.startswith(text[-n:]) for m in marks):
-            return n
-    return 0
+def _hold(text: str, marks: tuple[str, ...]) -> tuple[str, str]:
+    """``text`` as (what may go out now, what is held back: a mark may be arriving)."""
+    keep = partial_mark(text, marks)
+    return text[:len(text) - keep], text[len(text) - keep:]
 
 
 def _first(text: str, marks: tuple[str, ...]) -> tuple[int, str]:
@@ -60,7 +57,7 @@ class HarmonyStream:
     """One reply read piece by piece: ``feed`` returns the (reasoning, content) text each
     piece adds, ``finish`` what was held back; the pieces add up to the whole reply's."""
 
-    def __init__(self, fmt=None, thinking: bool = False):
+    def __init__(self):
         self._phase = "start"    # start | header | body | plain
         self._route = "content"  # where the body in progress goes
         self._header = ""
@@ -68,7 +65,8 @@ class HarmonyStream:
 
     @property
     def answering(self) -> bool:
-        """Never settled for good: another message may follow (each chunk is read)."""
+        """Only a reply with no header settles into plain content; a harmony reply may
+        open another message, so each of its chunks is read."""
         return self._phase == "plain"
 
     def feed(self, text: str) -> tuple[str, str]:
@@ -102,9 +100,8 @@ class HarmonyStream:
             i, mark = _first(text, _BODY_ENDS)
             body = "reasoning" if self._route == "reasoning" else "content"
             if i == -1:
-                keep = partial_mark(text, _BODY_ENDS)
-                self._held = text[len(text) - keep:] if keep else ""
-                out[body] += text[:len(text) - keep]
+                piece, self._held = _hold(text, _BODY_ENDS)
+                out[body] += piece
                 break
             out[body] += text[:i]
             if self._route == "call":
@@ -143,9 +140,8 @@ class HarmonyCallParser(ToolCallParser):
             if self._phase == "content":
                 i = text.find(self._OPEN)
                 if i == -1:
-                    keep = partial_mark(text, (self._OPEN,))
-                    self._held = text[len(text) - keep:] if keep else ""
-                    content += text[:len(text) - keep]
+                    piece, self._held = _hold(text, (self._OPEN,))
+                    content += piece
                     break
                 content, text, self._phase = content + text[:i], text[i + len(self._OPEN):], \
                     "name"
@@ -159,9 +155,8 @@ class HarmonyCallParser(ToolCallParser):
             else:
                 i = text.find(END)
                 if i == -1:
-                    keep = partial_mark(text, (END,))
-                    self._held = text[len(text) - keep:] if keep else ""
-                    self._arguments(text[:len(text) - keep], deltas)
+                    piece, self._held = _hold(text, (END,))
+                    self._arguments(piece, deltas)
                     break
                 self._arguments(text[:i], deltas)
                 text, self._phase = text[i + len(END):], "content"

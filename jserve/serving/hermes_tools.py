@@ -39,6 +39,7 @@ from jserve.serving.tool_calls import (
     any_of,
     call_header,
     call_schemas,
+    partial_mark,
 )
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -66,14 +67,6 @@ def hermes_constraint(tools: list[dict], choice: ToolChoice, tokenizer=None
     start = "start: call" if one else f"start: call ({gap} call)*"
     return StructuredOutput(grammar=f"%llguidance {{}}\n{start}\n"
                                     f"call: {head} %json {json.dumps(schema)} {tail}\n")
-
-
-def _held(text: str, tag: str) -> int:
-    """How many characters at the end of ``text`` could be the start of ``tag``."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-k:]):
-            return k
-    return 0
 
 
 def _whole_call(body: str) -> tuple[str, str] | None:
@@ -136,7 +129,7 @@ class HermesCallParser(ToolCallParser):
             piece = t[self._at:k]
             self._begin(k)
             return piece
-        end = len(t) - _held(t[self._at:], OPEN)
+        end = len(t) - partial_mark(t[self._at:], (OPEN,))
         if end == self._at:
             return None
         piece, self._at = t[self._at:end], end

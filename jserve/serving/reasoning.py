@@ -22,7 +22,8 @@ import dataclasses
 from collections.abc import Sequence
 
 from jserve.sampling.structured import THINK_END, THINK_START, StructuredOutput
-from jserve.serving.harmony import HarmonyStream, partial_mark
+from jserve.serving.harmony import HarmonyStream
+from jserve.serving.tool_calls import partial_mark
 
 # How many prompt tokens to read back for an open thinking block: templates open it at the
 # very end of the generation prompt ("<think>\n", or "<think>\n\n</think>\n\n" closed).

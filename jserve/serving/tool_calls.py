@@ -206,6 +206,15 @@ def new_call_id() -> str:
 
 # -- reading calls out of the text ---------------------------------------------------------
 WS = " \t\r\n"
+
+
+def partial_mark(text: str, marks: tuple[str, ...]) -> int:
+    """The length of the longest end of ``text`` that begins one of ``marks``: what a
+    streaming reader (tool formats, reasoning) holds back, since a mark may be arriving."""
+    for n in range(min(max(map(len, marks)) - 1, len(text)), 0, -1):
+        if any(m.startswith(text[-n:]) for m in marks):
+            return n
+    return 0
 PARTIAL = object()  # not decided yet: more text may complete it
 
 
