@@ -46,16 +46,19 @@ def main() -> int:
     e, k, d, f = a.experts, a.top_k, a.hidden, a.mlp
     rng = np.random.default_rng(0)
     w = lambda *s: jnp.asarray(rng.normal(0, 0.05, s), jnp.float32)
+    backend = jax.default_backend()
     gate_up = moe.side_by_side(w(e, d, 2 * f))
     layer = {"router": w(d, e), "we_gate_up": gate_up, "we_down": w(e, f, d)}
     dense = {"w_gate_up": w(d, 2 * k * f), "w_down": w(k * f, d)}  # the active parameters
     ways = {"gathered": moe.gathered_experts, "all-experts": moe.all_experts,
             "grouped": moe.grouped_experts}
+    if backend == "cpu" and moe.native(layer, moe.silu_glu):
+        ways["native"] = moe.native_experts
     for t in map(int, a.tokens.split(",")):
         x = w(t, d) * 20
-        backend, few = jax.default_backend(), moe.gathers(t, k, e)
-        picked = ("gathered" if few else "grouped" if backend == "tpu"
-                  else "all-experts")  # as moe.moe_mlp picks
+        few = moe.gathers(t, k, e)
+        picked = ("native" if "native" in ways else "gathered" if few
+                  else "grouped" if backend == "tpu" else "all-experts")  # as moe_mlp picks
         row = {"tokens": t, "picked": picked,
                "dense_active_ms": _median_ms(jax.jit(gated_mlp), dense, x, reps=a.reps)}
         for name, way in ways.items():

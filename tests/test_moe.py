@@ -74,7 +74,8 @@ def _run(way, layer, x):
                                                     moe.silu_glu))
 
 
-WAYS = [moe.gathered_experts, moe.all_experts, moe.grouped_experts]
+XLA_WAYS = [moe.gathered_experts, moe.all_experts, moe.grouped_experts]
+WAYS = [*XLA_WAYS, moe.native_experts]  # the native CPU kernel (jserve.kernels.cpu_moe)
 
 
 @pytest.mark.parametrize("way", WAYS)
@@ -85,7 +86,7 @@ def test_both_ways_equal_the_reference(way, fused):
     want = _reference(layer, x)
     got = _run(way, _fused(layer) if fused else layer, x)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
-    # The block as the layer calls it (13 tokens on a CPU: every expert, zeroed).
+    # The block as the layer calls it (on a CPU: the native kernel).
     block = jax.jit(moe.moe_mlp, static_argnums=2)(
         jax.tree.map(jnp.asarray, _fused(layer) if fused else layer), jnp.asarray(x), K)
     np.testing.assert_allclose(np.asarray(block), want, atol=2e-5, rtol=1e-5)
@@ -258,7 +259,7 @@ def test_expert_biases_and_the_clamped_swiglu_equal_the_reference(way):
 
 
 @pytest.mark.parametrize("quantization", ["int8", "fp8"])
-@pytest.mark.parametrize("way", WAYS)
+@pytest.mark.parametrize("way", XLA_WAYS)
 def test_quantized_experts_equal_the_reference_on_their_dequantized_weights(way, quantization):
     """Every way on experts quantized as the loaders store them (a scale per expert and
     output column): equal to the float reference on the dequantized weights, so the

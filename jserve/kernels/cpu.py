@@ -40,12 +40,14 @@ from jserve.kernels.metadata import AttentionMetadata
 log = logging.getLogger(__name__)
 
 _NATIVE = Path(__file__).with_name("native")
-_SOURCES = (_NATIVE / "cpu_decode_attention.cc", _NATIVE / "cpu_prefill_attention.cc")
+_SOURCES = (_NATIVE / "cpu_decode_attention.cc", _NATIVE / "cpu_prefill_attention.cc",
+            _NATIVE / "cpu_moe.cc")
 _HEADERS = (_NATIVE / "elements.h", _NATIVE / "pool.h")
 # FFI target names and the library's handler symbols
 _TARGETS = {"jserve_cpu_decode_attention": "JserveCpuDecodeAttention",
-            "jserve_cpu_prefill_attention": "JserveCpuPrefillAttention"}
-_DECODE, _PREFILL = _TARGETS
+            "jserve_cpu_prefill_attention": "JserveCpuPrefillAttention",
+            "jserve_cpu_moe_experts": "JserveCpuMoeExperts"}
+_DECODE, _PREFILL, MOE_EXPERTS = _TARGETS
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 _MAX_GROUP, _MAX_DIM, _MAX_PAGE = 16, 256, 256  # the kernel's limits
 _lock = threading.Lock()
@@ -69,7 +71,7 @@ def _library_path() -> Path:
         key.update(part)
     root = Path(os.environ.get("JSERVE_KERNEL_CACHE",
                                Path.home() / ".cache" / "jserve" / "kernels"))
-    return root / key.hexdigest()[:16] / "libjserve_cpu_attention.so"
+    return root / key.hexdigest()[:16] / "libjserve_cpu_kernels.so"
 
 
 def _build(path: Path) -> None:
@@ -107,6 +109,11 @@ def available() -> bool:
                 log.warning("native CPU attention unavailable, using the reference: %s",
                             e)
         return _state["ok"]
+
+
+def unavailable() -> str | None:
+    """Why the native kernels are not available (None when they are, or not tried yet)."""
+    return _state.get("error")
 
 
 def decode_supported(q: jax.Array, k_pages) -> bool:

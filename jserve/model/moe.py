@@ -1,14 +1,17 @@
 """The mixture-of-experts MLP block (pure JAX): a router picks ``k`` of ``E`` experts per
 token, and each token's output is its experts' gated MLPs weighted by the router.
 
-Three ways, picked statically by the step's token count and the platform the program is
-lowered for (:func:`moe_mlp`): a few tokens (a decode step: fewer token-expert pairs than
-experts, :func:`gathers`) gather their chosen experts' matrices on every platform, so a
-step reads k experts' weights, not E. More tokens on a TPU are sorted by expert and run as
-one grouped matmul (``jax.lax.ragged_dot``, which XLA:TPU compiles to its own); on a CPU or
-a GPU every expert runs as two plain matmuls with the unchosen experts' activations zeroed:
-XLA:CPU and XLA:GPU expand ``ragged_dot`` into a masked dot over every expert for every
-pair, k times these FLOPs (``scripts/bench_moe.py``).
+Four ways, picked statically by the step's token count and the platform the program is
+lowered for (:func:`moe_mlp`). On a CPU the native kernel (:func:`native_experts`,
+``jserve.kernels.cpu_moe``) groups the pairs by expert and reads each chosen expert's
+matrices in place, at any token count. Elsewhere (and on a CPU it cannot take: quantized
+experts) a few tokens (a decode step: fewer token-expert pairs than experts,
+:func:`gathers`) gather their chosen experts' matrices, so a step reads k experts' weights,
+not E. More tokens on a TPU are sorted by expert and run as one grouped matmul
+(``jax.lax.ragged_dot``, which XLA:TPU compiles to its own); on a GPU every expert runs as
+two plain matmuls with the unchosen experts' activations zeroed: XLA:CPU and XLA:GPU expand
+``ragged_dot`` into a masked dot over every expert for every pair, k times these FLOPs
+(``scripts/bench_moe.py``).
 
 Leaves of one layer: ``router`` [hidden, E] (and gpt-oss's ``router_bias`` [E]);
 ``we_gate_up`` [hidden, E * 2 * inter], every expert's gate and up columns in turn
@@ -24,11 +27,13 @@ output is a partial sum like the dense MLP's, summed by the caller.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
+from jserve.kernels import cpu_moe
 from jserve.model.layer_weights import LayerOf
 from jserve.model.quant import is_quantized, matmul
 
@@ -56,14 +61,18 @@ def silu_glu(gate: jax.Array, up: jax.Array) -> jax.Array:
     return jax.nn.silu(gate) * up
 
 
-def clamped_swiglu(limit: float, alpha: float) -> Callable:
+@dataclasses.dataclass(frozen=True)
+class clamped_swiglu:  # noqa: N801 - used as the activation function it builds
     """gpt-oss's expert activation: the gate clamped above and the up projection on both
-    sides at ``limit``, then (up + 1) * gate * sigmoid(alpha * gate)."""
-    def glu(gate: jax.Array, up: jax.Array) -> jax.Array:
-        gate = jnp.minimum(gate, limit)
-        up = jnp.clip(up, -limit, limit)
-        return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
-    return glu
+    sides at ``limit``, then (up + 1) * gate * sigmoid(alpha * gate). Data, so the native
+    CPU way knows it (and a jit keys on it)."""
+    limit: float
+    alpha: float
+
+    def __call__(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+        gate = jnp.minimum(gate, self.limit)
+        up = jnp.clip(up, -self.limit, self.limit)
+        return (up + 1) * (gate * jax.nn.sigmoid(gate * self.alpha))
 
 
 def side_by_side(gate_up: jax.Array) -> jax.Array:
@@ -247,6 +256,36 @@ def grouped_experts(layer: dict[str, Any], x: jax.Array, weights: jax.Array,
     return jnp.zeros_like(x).at[token].add(y)
 
 
+def _native_act(glu: Callable) -> tuple[int, float, float] | None:
+    """The native kernel's (act, limit, alpha) for ``glu``, or None for one it lacks."""
+    if glu is silu_glu:
+        return cpu_moe.SILU, 0.0, 0.0
+    if isinstance(glu, clamped_swiglu):
+        return cpu_moe.CLAMPED_SWIGLU, glu.limit, glu.alpha
+    return None
+
+
+def native(layer: dict[str, Any], glu: Callable) -> bool:
+    """Whether :func:`native_experts` takes this layer: its experts unquantized, in float32
+    or bfloat16, an activation the kernel has, and the kernel built."""
+    gate_up, down = _gate_up(layer), layer["we_down"]
+    if any(is_quantized(_stacked(w)[0]) for w in (gate_up, down)):
+        return False
+    return (_native_act(glu) is not None
+            and cpu_moe.supported(_stacked(gate_up)[0], _stacked(down)[0]))
+
+
+def native_experts(layer: dict[str, Any], x: jax.Array, weights: jax.Array,
+                   experts: jax.Array, glu: Callable) -> jax.Array:
+    """The pairs grouped by expert in the native CPU kernel (``jserve.kernels.cpu_moe``),
+    each expert's matrices read where they lie (a layer of the stacks in place): the chosen
+    experts' FLOPs and bytes, at any token count."""
+    (gate_up, i), (down, _) = _stacked(_gate_up(layer)), _stacked(layer["we_down"])
+    bias = _gate_up(layer, "be")
+    return cpu_moe.routed_experts(x, weights, experts, gate_up, down, i, *_native_act(glu),
+                                  bias=None if bias is None else _stacked(bias)[0])
+
+
 def gathers(tokens: int, k: int, n_experts: int) -> bool:
     """Whether ``tokens`` rows take :func:`gathered_experts`: while their pairs are fewer
     than the experts, gathering reads less than any way that touches every expert."""
@@ -279,16 +318,19 @@ def moe_mlp(layer: dict[str, Any], h: jax.Array, k: int, glu: Callable = silu_gl
     weights, experts = to_local(layer, *route(logits, k, normalize))
     run = lambda way: lambda: way(layer, x, weights, experts, glu)  # closes over the
     # layer: an in-place leaf (LayerOf) is no JAX type to pass as an operand.
-    # Many pairs, by the platform the program is lowered for (a target's, when compiled on
-    # a CPU host): XLA:CPU and XLA:GPU expand ragged_dot into a masked dot over every expert
-    # per pair, k times all_experts' FLOPs; XLA:TPU has a grouped matmul of its own.
-    # Few pairs gather on every platform (on a CPU too since the gather takes column
-    # blocks: half of all_experts' time at one token, scripts/bench_moe.py).
-    if gathers(x.shape[0], k, local_experts(layer)):
-        out = run(gathered_experts)()
+    # By the platform the program is lowered for (a target's, when compiled on a CPU host).
+    # Few pairs gather on every platform but a CPU with the native kernel, which reads only
+    # the chosen experts at any size. Many: XLA:GPU (and XLA:CPU without the kernel) expand
+    # ragged_dot into a masked dot over every expert per pair, k times all_experts' FLOPs;
+    # XLA:TPU has a grouped matmul of its own.
+    few = gathers(x.shape[0], k, local_experts(layer))
+    gpu = gathered_experts if few else all_experts
+    tpu = gathered_experts if few else grouped_experts
+    on_cpu = native_experts if native(layer, glu) else gpu
+    if on_cpu is gpu is tpu:
+        out = run(gpu)()
     else:
-        out = jax.lax.platform_dependent(cpu=run(all_experts), cuda=run(all_experts),
-                                         default=run(grouped_experts))
+        out = jax.lax.platform_dependent(cpu=run(on_cpu), cuda=run(gpu), default=run(tpu))
     if "be_down" in layer:
         out = out + down_bias(layer, weights, experts, tp_axis)
     if local_experts(layer) < all_experts_count(layer):  # an ep shard's share

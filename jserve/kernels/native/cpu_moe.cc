@@ -1,0 +1,396 @@
+// The routed experts of a mixture-of-experts MLP for XLA:CPU, called through the XLA FFI
+// (jserve/kernels/cpu.py, jserve/model/moe.py's native way).
+//
+// XLA:CPU has no grouped matmul: its ragged_dot is a masked dot over every expert, so the
+// XLA ways either run every expert (E/k times the FLOPs) or gather the chosen experts'
+// matrices (a copy of them). Here the token-expert pairs are sorted by expert and each
+// expert's rows are multiplied by its matrices read in place, at a run-time layer of the
+// stacked weights: the FLOPs and the weight bytes of the chosen experts only. Pairs of
+// weight 0 (another ep shard's experts) are skipped.
+//
+// x [T, H] float32; weights, experts [T, k] (local expert ids); gate_up [L, H, E * 2I]
+// (each expert's gate then up columns in turn: the runtime we_gate_up), down [L, E, I, H],
+// both float32 or bfloat16; bias [L, 1, E * 2I] float32 or [1] (has_bias 0). Returns out
+// [T, H] float32 (the router-weighted sum) and scratch [T * k, 2I], the sorted pairs' gate
+// and up products (the activations written over the gate half), so XLA owns every buffer.
+// Three passes over the intra-op pool: gate/up as (expert, column block) items, the gated
+// activation per pair, down as column blocks of H that visit every expert (no two items
+// write one output element).
+#if defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "elements.h"
+#include "pool.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+constexpr int kRows = 6;            // rows of one register tile (6 x 16: 12 accumulators,
+constexpr int kVecs = 2;            // 8-float vectors across one  two weights, a broadcast)
+constexpr int kTile = 8 * kVecs;    // columns of one register tile
+constexpr int kStream = 4;           // rows at most that stream a block row by row
+constexpr int64_t kBlock = 8 * kTile;  // columns of one gate/up work item (at most)
+constexpr int64_t kDownBlock = 4 * kTile;  // columns of H of one down work item
+constexpr int64_t kAhead = 8;          // rows of weights prefetched ahead
+
+inline v8 load8(const float* p) {
+  v8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline v8 load8(const uint16_t* p) {  // bfloat16: the high half of a float32's bits
+  u16x8 h;
+  std::memcpy(&h, p, sizeof h);
+  u32x8 w = __builtin_convertvector(h, u32x8) << 16;
+  v8 v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+}
+inline v8 fma8(v8 a, v8 b, v8 c) {
+#ifdef __FMA__
+  return _mm256_fmadd_ps(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
+using jserve_native::load;
+
+// Lanes [0, n) of v to p (n <= 8).
+inline void store(float* p, v8 v, int64_t n) {
+  if (n >= 8) {
+    std::memcpy(p, &v, sizeof v);
+    return;
+  }
+  for (int64_t j = 0; j < n; ++j) p[j] = v[j];
+}
+inline v8 load_n(const float* p, int64_t n) {  // lanes past n zero
+  if (n >= 8) return load8(p);
+  v8 v = {};
+  for (int64_t j = 0; j < n; ++j) v[j] = p[j];
+  return v;
+}
+
+// out[r][0, n) = scale[r] * (sum_i rows[r][i] * w[i * ldw + 0, kTile)) (+ bias, or added to
+// out[r] when ``add``), for R rows in registers; the columns past n < kTile are computed
+// from whatever w holds there and not stored.
+template <int R, bool kAdd, typename W>
+void tile(const float* const* rows, int64_t depth, const W* w, int64_t ldw, int64_t n,
+          const float* scale, const float* bias, float* const* out) {
+  v8 acc[R][kVecs] = {};
+  for (int64_t i = 0; i < depth; ++i) {
+    const W* wi = w + i * ldw;
+    // unpacked rows lie ldw apart, beyond what the hardware prefetcher follows
+    const W* ahead = wi + kAhead * ldw;
+    __builtin_prefetch(ahead);
+    __builtin_prefetch(ahead + kTile - 1);
+    v8 wv[kVecs];
+    for (int v = 0; v < kVecs; ++v) wv[v] = load8(wi + 8 * v);
+    for (int r = 0; r < R; ++r) {
+      const float xs = rows[r][i];
+      const v8 xb = {xs, xs, xs, xs, xs, xs, xs, xs};
+      for (int v = 0; v < kVecs; ++v) acc[r][v] = fma8(xb, wv[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kVecs && 8 * v < n; ++v) {
+      const int64_t lanes = n - 8 * v;
+      v8 y = acc[r][v] * scale[r];
+      if (bias) y += load_n(bias + 8 * v, lanes);
+      if (kAdd) y += load_n(out[r] + 8 * v, lanes);
+      store(out[r] + 8 * v, y, lanes);
+    }
+}
+
+template <bool kAdd, typename W>
+void rows_times_at(const float* const* rows, const float* scale, float* const* out,
+                   int64_t count, int64_t depth, const W* w, int64_t ldw, int64_t n,
+                   const float* bias) {
+  int64_t r = 0;
+  for (; r + kRows <= count; r += kRows)
+    tile<kRows, kAdd>(rows + r, depth, w, ldw, n, scale + r, bias, out + r);
+  switch (count - r) {
+    case 5: tile<5, kAdd>(rows + r, depth, w, ldw, n, scale + r, bias, out + r); break;
+    case 4: tile<4, kAdd>(rows + r, depth, w, ldw, n, scale + r, bias, out + r); break;
+    case 3: tile<3, kAdd>(rows + r, depth, w, ldw, n, scale + r, bias, out + r); break;
+    case 2: tile<2, kAdd>(rows + r, depth, w, ldw, n, scale + r, bias, out + r); break;
+    case 1: tile<1, kAdd>(rows + r, depth, w, ldw, n, scale + r, bias, out + r); break;
+    default: break;
+  }
+}
+
+// R <= kStream rows (a decode step's expert) times a block of n <= kBlock columns, each
+// weight row read whole (contiguous, so the hardware prefetcher streams it) and the
+// accumulators in L1; register tiles would read 64 bytes a row, rows a power of two apart.
+template <int R, bool kAdd, typename W>
+void stream(const float* const* rows, const float* scale, float* const* out, int64_t depth,
+            const W* w, int64_t ldw, int64_t n, const float* bias) {
+  v8 acc[R][kBlock / 8] = {};
+  const int64_t vecs = (n + 7) / 8, full = n / 8;
+  for (int64_t i = 0; i < depth; ++i) {
+    const W* wi = w + i * ldw;
+    float xs[R];
+    for (int r = 0; r < R; ++r) xs[r] = rows[r][i];
+    for (int64_t v = 0; v < full; ++v) {
+      const v8 wv = load8(wi + 8 * v);
+      for (int r = 0; r < R; ++r) acc[r][v] = fma8(v8{} + xs[r], wv, acc[r][v]);
+    }
+    for (int64_t j = 8 * full; j < n; ++j)
+      for (int r = 0; r < R; ++r) acc[r][full][j % 8] += xs[r] * load(wi + j);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int64_t v = 0; v < vecs; ++v) {
+      const int64_t lanes = n - 8 * v;
+      v8 y = acc[r][v] * scale[r];
+      if (bias) y += load_n(bias + 8 * v, lanes);
+      if (kAdd) y += load_n(out[r] + 8 * v, lanes);
+      store(out[r] + 8 * v, y, lanes);
+    }
+}
+
+// dst[i * kTile + j] = w[i * ldw + j] for j < n <= kTile, zero past n.
+template <typename W>
+void pack(const W* w, int64_t ldw, int64_t depth, int64_t n, float* dst) {
+  for (int64_t i = 0; i < depth; ++i, dst += kTile) {
+    const W* wi = w + i * ldw;
+    __builtin_prefetch(wi + kAhead * ldw);
+    __builtin_prefetch(wi + kAhead * ldw + kTile - 1);
+    if (n == kTile) {
+      for (int v = 0; v < kVecs; ++v) {
+        const v8 x = load8(wi + 8 * v);
+        std::memcpy(dst + 8 * v, &x, sizeof x);
+      }
+      continue;
+    }
+    for (int64_t j = 0; j < kTile; ++j) dst[j] = j < n ? load(wi + j) : 0.0f;
+  }
+}
+
+// Columns [0, n) (n <= kBlock) of ``count`` rows times w: few rows stream the block; more
+// go kTile columns at a time through register tiles of kRows rows, over a packed panel
+// (contiguous float32, zero-padded to kTile: several row tiles read it, and rows of a
+// stacked matrix can lie a power of two apart and fall in one cache set).
+template <bool kAdd, typename W>
+void rows_times(const float* const* rows, const float* scale, float* const* out,
+                int64_t count, int64_t depth, const W* w, int64_t ldw, int64_t n,
+                const float* bias) {
+  switch (count) {
+    case 1: return stream<1, kAdd>(rows, scale, out, depth, w, ldw, n, bias);
+    case 2: return stream<2, kAdd>(rows, scale, out, depth, w, ldw, n, bias);
+    case 3: return stream<3, kAdd>(rows, scale, out, depth, w, ldw, n, bias);
+    case 4: return stream<4, kAdd>(rows, scale, out, depth, w, ldw, n, bias);
+    default: break;
+  }
+  thread_local std::vector<float> panel;
+  std::vector<float*> at(count);
+  for (int64_t c = 0; c < n; c += kTile) {
+    const int64_t cols = std::min<int64_t>(kTile, n - c);
+    panel.resize(depth * kTile);
+    pack(w + c, ldw, depth, cols, panel.data());
+    for (int64_t r = 0; r < count; ++r) at[r] = out[r] + c;
+    rows_times_at<kAdd>(rows, scale, at.data(), count, depth, panel.data(), kTile, cols,
+                        bias ? bias + c : nullptr);
+  }
+}
+
+struct Pairs {  // the nonzero pairs sorted by expert (stable: token order within one)
+  std::vector<int64_t> start;  // [E + 1]: expert e's pairs are [start[e], start[e + 1])
+  std::vector<int64_t> token;
+  std::vector<float> weight;
+};
+
+Pairs sort_pairs(const float* weights, const int32_t* experts, int64_t pairs, int64_t n_exp) {
+  Pairs p;
+  p.start.assign(n_exp + 1, 0);
+  for (int64_t i = 0; i < pairs; ++i)
+    if (weights[i] != 0.0f) ++p.start[experts[i] + 1];
+  for (int64_t e = 0; e < n_exp; ++e) p.start[e + 1] += p.start[e];
+  std::vector<int64_t> at(p.start.begin(), p.start.end() - 1);
+  p.token.resize(p.start[n_exp]);
+  p.weight.resize(p.start[n_exp]);
+  for (int64_t i = 0; i < pairs; ++i) {
+    if (weights[i] == 0.0f) continue;
+    const int64_t j = at[experts[i]]++;
+    p.token[j] = i;  // the pair's index; its token is i / k
+    p.weight[j] = weights[i];
+  }
+  return p;
+}
+
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+
+// exp on 8 lanes: 2^n * e^r with |r| <= ln2 / 2, e^r by its Taylor polynomial to r^7
+// (relative error near 1e-7, as std::exp's float), the input clamped to float's range.
+inline v8 exp8(v8 x) {
+  const v8 lo = v8{} - 87.0f, hi = v8{} + 88.0f;
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  v8 n = (x * 1.44269504f + kRound) - kRound;
+  v8 r = x - n * 0.693145752f - n * 1.42860677e-6f;
+  v8 p = v8{} + 1.0f / 5040;
+  p = p * r + 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  i32x8 bits = (__builtin_convertvector(n, i32x8) + 127) << 23;
+  v8 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+struct Glu {
+  int kind;  // 0: SiLU(gate) * up; 1: gpt-oss's clamped SwiGLU
+  float limit, alpha;
+  float operator()(float g, float u) const {
+    if (kind == 0) return g / (1.0f + std::exp(-g)) * u;
+    g = std::min(g, limit);
+    u = std::min(std::max(u, -limit), limit);
+    return (u + 1.0f) * (g / (1.0f + std::exp(-alpha * g)));
+  }
+  v8 operator()(v8 g, v8 u) const {
+    if (kind == 0) return g / (1.0f + exp8(-g)) * u;
+    const v8 top = v8{} + limit, bottom = v8{} - limit;
+    g = g > top ? top : g;
+    u = u > top ? top : u;
+    u = u < bottom ? bottom : u;
+    return (u + 1.0f) * (g / (1.0f + exp8(-alpha * g)));
+  }
+  // row[0, n) = glu(row[0, n), row[n, 2n))
+  void apply(float* row, int64_t n) const {
+    int64_t c = 0;
+    for (; c + 8 <= n; c += 8) {
+      v8 y = (*this)(load8(row + c), load8(row + n + c));
+      std::memcpy(row + c, &y, sizeof y);
+    }
+    for (; c < n; ++c) row[c] = (*this)(row[c], row[n + c]);
+  }
+};
+
+template <typename W>
+void run(ffi::ThreadPool& pool, const float* x, const Pairs& p, const W* gate_up,
+         const W* down, const float* bias, int64_t k, int64_t h, int64_t n_exp, int64_t inter,
+         int64_t t, Glu glu, float* out, float* scratch) {
+  const int64_t n = p.token.size(), wide = 2 * inter, ldw = n_exp * wide;
+  std::vector<const float*> x_rows(n), act_rows(n);
+  std::vector<float*> s_rows(n), out_rows(n);
+  const std::vector<float> ones(n, 1.0f);
+  for (int64_t j = 0; j < n; ++j) {
+    x_rows[j] = x + (p.token[j] / k) * h;
+    s_rows[j] = scratch + j * wide;
+    act_rows[j] = s_rows[j];
+    out_rows[j] = out + (p.token[j] / k) * h;
+  }
+  // gate/up: items (expert, block of kBlock columns of its 2I)
+  const int64_t blocks = (wide + kBlock - 1) / kBlock;
+  std::vector<int64_t> busy;
+  for (int64_t e = 0; e < n_exp; ++e)
+    if (p.start[e + 1] > p.start[e]) busy.push_back(e);
+  jserve_native::parallel_for(pool, busy.size() * blocks, [&](int64_t item) {
+    const int64_t e = busy[item / blocks], c0 = (item % blocks) * kBlock;
+    const int64_t lo = p.start[e], count = p.start[e + 1] - lo;
+    std::vector<float*> dst(count);
+    for (int64_t r = 0; r < count; ++r) dst[r] = s_rows[lo + r] + c0;
+    rows_times<false>(x_rows.data() + lo, ones.data(), dst.data(), count, h,
+                      gate_up + e * wide + c0, ldw, std::min<int64_t>(kBlock, wide - c0),
+                      bias ? bias + e * wide + c0 : nullptr);
+  });
+  // the gated activation, over the gate half of each pair's row
+  jserve_native::parallel_for(pool, n, [&](int64_t j) {
+    glu.apply(s_rows[j], inter);
+  });
+  // down: items (block of kDownBlock columns of H), every token's row zeroed first
+  const int64_t tiles = (h + kDownBlock - 1) / kDownBlock;
+  jserve_native::parallel_for(pool, tiles, [&](int64_t item) {
+    const int64_t c = item * kDownBlock, cols = std::min<int64_t>(kDownBlock, h - c);
+    for (int64_t row = 0; row < t; ++row) std::fill_n(out + row * h + c, cols, 0.0f);
+    for (int64_t e = 0; e < n_exp; ++e) {
+      const int64_t lo = p.start[e], count = p.start[e + 1] - lo;
+      if (count == 0) continue;
+      std::vector<float*> dst(count);
+      for (int64_t r = 0; r < count; ++r) dst[r] = out_rows[lo + r] + c;
+      rows_times<true>(act_rows.data() + lo, p.weight.data() + lo, dst.data(), count, inter,
+                       down + e * inter * h + c, h, cols, nullptr);
+    }
+  });
+}
+
+ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                      ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> experts,
+                      ffi::AnyBuffer gate_up, ffi::AnyBuffer down, ffi::Buffer<ffi::F32> bias,
+                      ffi::Buffer<ffi::S32> layer, int32_t act, float limit, float alpha,
+                      int32_t has_bias, ffi::ResultBuffer<ffi::F32> out,
+                      ffi::ResultBuffer<ffi::F32> scratch) {
+  auto xd = x.dimensions(), wd = weights.dimensions(), gd = gate_up.dimensions(),
+       dd = down.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || gd.size() != 3 || dd.size() != 4)
+    return ffi::Error::InvalidArgument(
+        "x [T, H], weights [T, k], gate_up [L, H, E * 2I], down [L, E, I, H] expected");
+  const int64_t t = xd[0], h = xd[1], k = wd[1], n_exp = dd[1], inter = dd[2];
+  if (wd[0] != t || experts.element_count() != t * k || gd[1] != h || dd[3] != h ||
+      gd[2] != n_exp * 2 * inter || gd[0] != dd[0])
+    return ffi::Error::InvalidArgument("the experts' shapes disagree");
+  if (gate_up.element_type() != down.element_type())
+    return ffi::Error::InvalidArgument("gate_up and down differ in dtype");
+  if (has_bias && bias.element_count() != gd[0] * n_exp * 2 * inter)
+    return ffi::Error::InvalidArgument("bias [L, 1, E * 2I] expected");
+  const int64_t at = layer.typed_data()[0];
+  if (at < 0 || at >= gd[0]) return ffi::Error::InvalidArgument("layer out of range");
+  const int32_t* ids = experts.typed_data();
+  for (int64_t i = 0; i < t * k; ++i)
+    if (ids[i] < 0 || ids[i] >= n_exp) return ffi::Error::InvalidArgument("expert out of range");
+  const Pairs p = sort_pairs(weights.typed_data(), ids, t * k, n_exp);
+  const int64_t gate_up_layer = h * n_exp * 2 * inter, down_layer = n_exp * inter * h;
+  const float* b = has_bias ? bias.typed_data() + at * n_exp * 2 * inter : nullptr;
+  const Glu glu{act, limit, alpha};
+  auto go = [&](auto* g, auto* d) {
+    run(pool, x.typed_data(), p, g + at * gate_up_layer, d + at * down_layer, b, k, h, n_exp,
+        inter, t, glu, out->typed_data(), scratch->typed_data());
+    return ffi::Error::Success();
+  };
+  switch (gate_up.element_type()) {
+    case ffi::DataType::F32:
+      return go(static_cast<const float*>(gate_up.untyped_data()),
+                static_cast<const float*>(down.untyped_data()));
+    case ffi::DataType::BF16:
+      return go(static_cast<const uint16_t*>(gate_up.untyped_data()),
+                static_cast<const uint16_t*>(down.untyped_data()));
+    default:
+      return ffi::Error::InvalidArgument("expert weights must be float32 or bfloat16");
+  }
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveCpuMoeExperts, MoeExperts,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int32_t>("act")
+                                  .Attr<float>("limit")
+                                  .Attr<float>("alpha")
+                                  .Attr<int32_t>("has_bias")
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
