@@ -12,7 +12,7 @@ from jserve.cache.allocator import PageAllocator
 from jserve.fields import FieldError
 from jserve.lora.config import LoRAConfig, LoRARequest
 from jserve.lora.slots import AdapterSlots
-from jserve.scheduler import build_scheduler
+from jserve.scheduler import Limits, SchedulerSpec, build_scheduler
 from jserve.scheduler.predictor import LinearPredictor
 from jserve.scheduler.request import Request, RequestStatus
 
@@ -27,10 +27,9 @@ def _slots(max_loras: int, written: list) -> AdapterSlots:
 
 
 def _sched(policy: str, slots: AdapterSlots):
-    sched = build_scheduler(policy, PageAllocator(257, 16), max_num_seqs=8,
-                            max_num_batched_tokens=256, max_prefill_seqs=4,
-                            predictor=LinearPredictor((0.0, 1e-3, 0.0, 0.0, 0.0, 0.0)),
-                            max_context=4096)
+    sched = build_scheduler(SchedulerSpec(policy, Limits(8, 256, 4), max_context=4096),
+                            PageAllocator(257, 16),
+                            predictor=LinearPredictor((0.0, 1e-3, 0.0, 0.0, 0.0, 0.0)))
     sched.adapters = slots
     return sched
 

@@ -11,7 +11,7 @@ from jserve.scheduler.base import SchedulerBase
 from jserve.scheduler.chunking import PrefillTimeCache
 from jserve.scheduler.deadline import DeadlineConfig, DeadlineScheduler
 from jserve.scheduler.predictor import LinearPredictor
-from jserve.scheduler.registry import build_scheduler
+from jserve.scheduler.registry import Limits, SchedulerSpec, build_scheduler
 from jserve.scheduler.request import Request
 from jserve.speculative import SpeculativeConfig, propose_ngram
 
@@ -71,8 +71,7 @@ def _decoding(sched, prompt_len=20, rid="r"):
 
 def test_update_accepts_the_agreeing_prefix_and_frees_the_rejected_pages():
     alloc = PageAllocator(64, 4)
-    sched = build_scheduler("sarathi", alloc, max_num_seqs=4, max_num_batched_tokens=64,
-                            max_prefill_seqs=2)
+    sched = build_scheduler(SchedulerSpec("sarathi", Limits(4, 64, 2)), alloc)
     req = _decoding(sched, prompt_len=11)  # 12 tokens: 3 full pages of 4
     req.draft_ids = [50, 51, 52, 53, 54, 55]
     plan = sched.schedule()
@@ -101,8 +100,7 @@ def test_update_accepts_the_agreeing_prefix_and_frees_the_rejected_pages():
 
 def test_abort_while_drafts_are_in_flight_frees_every_page():
     alloc = PageAllocator(64, 4)
-    sched = build_scheduler("sarathi", alloc, max_num_seqs=4, max_num_batched_tokens=64,
-                            max_prefill_seqs=2)
+    sched = build_scheduler(SchedulerSpec("sarathi", Limits(4, 64, 2)), alloc)
     req = _decoding(sched, prompt_len=11)
     req.draft_ids = [1, 2, 3, 4]
     plan = sched.schedule()
@@ -116,8 +114,7 @@ def test_drafts_take_only_the_token_budget_and_kv_left():
     """Budget 12 tokens: two decodes (2) and a 6-token prefill chunk leave 4 for drafts,
     given in decode order; a request whose KV cannot grow gets none (no preemption)."""
     alloc = PageAllocator(9, 4)  # 8 usable pages
-    sched = build_scheduler("sarathi", alloc, max_num_seqs=4, max_num_batched_tokens=12,
-                            max_prefill_seqs=2)
+    sched = build_scheduler(SchedulerSpec("sarathi", Limits(4, 12, 2)), alloc)
     a, b = _decoding(sched, 7, "a"), _decoding(sched, 7, "b")  # 2 pages each
     sched.add(Request("p", list(range(6)), 4, 0.0))
     a.draft_ids, b.draft_ids = [1, 2, 3], [4, 5, 6]
@@ -234,8 +231,7 @@ def test_speculator_proposes_only_for_requests_that_may_speculate():
     from jserve.speculative.speculator import Speculator
 
     alloc = PageAllocator(64, 4)
-    sched = build_scheduler("sarathi", alloc, max_num_seqs=8, max_num_batched_tokens=64,
-                            max_prefill_seqs=8)
+    sched = build_scheduler(SchedulerSpec("sarathi", Limits(8, 64, 8)), alloc)
     kinds = {"plain": SamplingParams(), "off": SamplingParams(speculative=False),
              "penalised": SamplingParams(frequency_penalty=0.5),
              "min_tokens": SamplingParams(min_tokens=5, max_tokens=16),
@@ -290,8 +286,7 @@ def test_a_paused_request_resumes_once_a_host_only_proposal_comes_true():
     from jserve.speculative.speculator import Speculator, _Acceptance
 
     alloc = PageAllocator(64, 4)
-    sched = build_scheduler("sarathi", alloc, max_num_seqs=4, max_num_batched_tokens=64,
-                            max_prefill_seqs=2)
+    sched = build_scheduler(SchedulerSpec("sarathi", Limits(4, 64, 2)), alloc)
     doc = [10, 11, 12, 13, 14, 15, 16]
     req = Request("r", doc + [20, 21], 64, 0.0, payload=SimpleNamespace(
         params=SamplingParams(max_tokens=64)))

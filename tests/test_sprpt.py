@@ -10,15 +10,16 @@ from conftest import apply_plan
 from jserve.cache.allocator import PageAllocator
 from jserve.probe import LengthBins, train_probe
 from jserve.sampling.params import SamplingParams
-from jserve.scheduler import Request, RequestStatus, build_scheduler
+from jserve.scheduler import Limits, Request, RequestStatus, SchedulerSpec, build_scheduler
 from jserve.scheduler.sprpt import SPRPTScheduler
 from llm_helpers import run_checked, small_llm
 
 
 def _sched(c=0.8, seqs=2, blocks=64, budget=64, page_size=4, fallback=None):
-    return build_scheduler("sprpt", PageAllocator(blocks + 1, page_size), max_num_seqs=seqs,
-                           max_num_batched_tokens=budget, max_prefill_seqs=4, sprpt_c=c,
-                           fallback_remaining=fallback)
+    spec = SchedulerSpec("sprpt", Limits(max_num_seqs=seqs, max_num_batched_tokens=budget,
+                                         max_prefill_seqs=4),
+                         sprpt_c=c, fallback_remaining=fallback)
+    return build_scheduler(spec, PageAllocator(blocks + 1, page_size))
 
 
 def _req(rid, prompt_len=4, t=0.0, first=None, remaining=None, generated=0):

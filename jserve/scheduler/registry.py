@@ -63,34 +63,58 @@ def policy(name: str, where: str = "engine") -> Policy:
     return POLICIES[name]
 
 
-def build_scheduler(name: str, allocator: PageAllocator, *, max_num_seqs: int,
-                    max_num_batched_tokens: int, max_prefill_seqs: int,
-                    predictor: RuntimePredictor | None = None, max_context: int | None = None,
-                    deadline: DeadlineConfig = DeadlineConfig(),
-                    clock: Callable[[], float] = time.monotonic,
-                    prefill_cache: PrefillTimeCache | None = None, sprpt_c: float = 0.8,
-                    fallback_remaining: float | None = None,
-                    where: str = "engine") -> SchedulerBase:
-    """Policies with a predictor need it and either the longest context (to build the
-    prefill-time cache) or a ready cache; ``sarathi`` needs none of them; ``sprpt`` takes its
-    preemption window ``sprpt_c`` and the remaining length assumed before a prediction."""
-    p = policy(name, where)
-    limits = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                  max_prefill_seqs=max_prefill_seqs)
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """The batch limits every scheduler takes (``SchedulerBase``): one value, so a policy
+    built anywhere gets the three together."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_prefill_seqs: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerSpec:
+    """What a scheduler is, by policy ``name``: its ``limits`` and the knobs of the policies
+    that read them (``deadline`` for the deadline policies; ``sprpt_c``, the preemption
+    window, and ``fallback_remaining``, the remaining length assumed before a prediction,
+    for ``sprpt``). ``max_context``: the longest context, for the prefill-time cache a
+    deadline policy builds when given none. ``where``: whose policy names it takes
+    (``engine`` or ``simulator``)."""
+
+    name: str
+    limits: Limits
+    deadline: DeadlineConfig = DeadlineConfig()
+    sprpt_c: float = 0.8
+    fallback_remaining: float | None = None
+    max_context: int | None = None
+    where: str = "engine"
+
+
+def build_scheduler(spec: SchedulerSpec, allocator: PageAllocator, *,
+                    predictor: RuntimePredictor | None = None,
+                    prefill_cache: PrefillTimeCache | None = None,
+                    clock: Callable[[], float] = time.monotonic) -> SchedulerBase:
+    """Policies with a predictor need it and either ``spec.max_context`` (to build the
+    prefill-time cache) or a ready ``prefill_cache``; ``sarathi`` and ``sprpt`` need none of
+    them."""
+    p = policy(spec.name, spec.where)
+    limits = dataclasses.asdict(spec.limits)
     if p.name == "sarathi":
         return SarathiScheduler(allocator, **limits)
     if p.name == "sprpt":
-        return SPRPTScheduler(allocator, c=sprpt_c, fallback_remaining=fallback_remaining,
-                              **limits)
+        return SPRPTScheduler(allocator, c=spec.sprpt_c,
+                              fallback_remaining=spec.fallback_remaining, **limits)
     if not p.predictor:
-        raise ValueError(f"policy {name!r} is not a scheduler (it runs through its own "
+        raise ValueError(f"policy {spec.name!r} is not a scheduler (it runs through its own "
                          f"simulator)")
-    if predictor is None or (max_context is None and prefill_cache is None):
-        raise ValueError(f"policy {name!r} needs a runtime predictor and max_context")
+    if predictor is None or (spec.max_context is None and prefill_cache is None):
+        raise ValueError(f"policy {spec.name!r} needs a runtime predictor and max_context")
+    deadline = spec.deadline
     if p.space_sharing is not None:
         deadline = dataclasses.replace(deadline, space_sharing=p.space_sharing)
-    cache = prefill_cache or PrefillTimeCache(predictor, max_context, deadline.t_target,
+    cache = prefill_cache or PrefillTimeCache(predictor, spec.max_context, deadline.t_target,
                                               chunk_granularity=deadline.chunk_granularity,
-                                              max_chunk=max_num_batched_tokens)
+                                              max_chunk=spec.limits.max_num_batched_tokens)
     return DeadlineScheduler(allocator, policy=p.runs or p.name, predictor=predictor,
                              prefill_cache=cache, config=deadline, clock=clock, **limits)

@@ -128,8 +128,8 @@ def build(policy: str, cfg: SimConfig, clock: VirtualClock, max_context: int
           ) -> tuple[SchedulerBase, RuntimePredictor]:
     """A fresh scheduler (with its KV pool) and the time model that executes its plans."""
     entry = registry.policy(policy, "simulator")
-    limits = dict(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                  max_prefill_seqs=cfg.max_prefill_seqs)
+    budget = cfg.max_num_batched_tokens if entry.predictor else cfg.sarathi_chunk  # fixed chunks
+    limits = registry.Limits(cfg.max_num_seqs, budget, cfg.max_prefill_seqs)
 
     def pool(kv_tokens: int) -> PageAllocator:
         return PageAllocator(kv_tokens // cfg.page_size + 1, cfg.page_size,
@@ -139,14 +139,13 @@ def build(policy: str, cfg: SimConfig, clock: VirtualClock, max_context: int
     alloc = pool(cfg.kv_cache_tokens or model.kv_cache_tokens(cfg.memory_fraction))
     if cfg.prefix_caching and cfg.host_tier_tokens:
         alloc.host = HostTier(cfg.host_tier_tokens // cfg.page_size)
-    if not entry.predictor:  # fixed chunks
-        limits["max_num_batched_tokens"] = cfg.sarathi_chunk
-    sched = registry.build_scheduler(
-        policy, alloc, **limits, predictor=model,
+    spec = registry.SchedulerSpec(
+        policy, limits, where="simulator",
         deadline=DeadlineConfig(t_target=cfg.iteration_budget, space_sharing=False,
-                                due_first=cfg.due_first, quick_first=cfg.quick_first),
-        clock=clock, prefill_cache=_prefill_cache(cfg, max_context) if entry.predictor else None,
-        where="simulator")
+                                due_first=cfg.due_first, quick_first=cfg.quick_first))
+    sched = registry.build_scheduler(
+        spec, alloc, predictor=model, clock=clock,
+        prefill_cache=_prefill_cache(cfg, max_context) if entry.predictor else None)
     if alloc.host is not None:
         page_s = cfg.page_size * model.kv_token_bytes() / (cfg.host_gb_per_s * 1e9)
         sched.restore_seconds = lambda pages: pages * page_s

@@ -32,6 +32,11 @@ from jserve.scheduler.request import Request  # noqa: E402
 from jserve.sim import GpuTimeModel, VirtualClock  # noqa: E402
 from jserve.sim.trace import read_lengths  # noqa: E402
 
+try:  # a checkout from before SchedulerSpec takes the policy's fields as keywords
+    from jserve.scheduler.registry import Limits, SchedulerSpec  # noqa: E402
+except ImportError:
+    Limits = SchedulerSpec = None
+
 DESCRIPTION = ('The scheduler\'s schedule() ("FormNextBatch") time with 1,000 waiting and 128 '
                "running requests.")
 DEADLINE_POLICIES = ("lars", "edf", "lrs", "fcfs")
@@ -60,9 +65,13 @@ def build(policy: str, predictor, cache: PrefillTimeCache, seed: int = 0) -> Sch
     rng = random.Random(seed)
     lengths = read_lengths("sharegpt4")
     clock = VirtualClock(NOW)
-    sched = build_scheduler(policy, PageAllocator(65_536, 16), predictor=predictor,
-                            prefill_cache=cache, deadline=CONFIG, clock=clock, **LIMITS)
-    alloc = sched.allocator
+    alloc = PageAllocator(65_536, 16)
+    if SchedulerSpec is None:
+        sched = build_scheduler(policy, alloc, predictor=predictor, prefill_cache=cache,
+                                deadline=CONFIG, clock=clock, **LIMITS)
+    else:
+        sched = build_scheduler(SchedulerSpec(policy, Limits(**LIMITS), deadline=CONFIG), alloc,
+                                predictor=predictor, prefill_cache=cache, clock=clock)
 
     def run(req: Request, computed: int) -> None:
         """Put ``req`` in the running queue as if it had already computed ``computed`` tokens."""

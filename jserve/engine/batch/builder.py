@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import numpy as np
@@ -134,50 +134,65 @@ class BuiltStep:
                          masked=self.masked)
 
 
+@dataclasses.dataclass(frozen=True)
+class BuilderSpec:
+    """What every step an engine builds is laid out by, fixed for the engine's life."""
+
+    page_size: int
+    state_sink: int  # the penalty-state row that padding rows and tokens name
+    # KV pages per group (``buckets.kvp`` > 1: page ids are ``group * pool_pages + local``),
+    # or the global pool's pages (``hybrid``)
+    pool_pages: int | None = None
+    vocab_size: int = 32  # sets the structured-output bitmask's width (``mask_words``)
+    # Two KV layer groups (``jserve.cache.hybrid``): a page id packs a global page and a local
+    # one (``global + local * pool_pages``), split into the two page tables and slot arrays.
+    hybrid: bool = False
+    # The all-decode steps' programs sample with the whole chain
+    # (``StepLowering.modes.whole_chain_decodes``), so only logprobs send such a step to the
+    # sampling executable (``StepArrays.whole_chain``).
+    whole_chain_decodes: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestHooks:
+    """What the builder asks of a request beyond its own state."""
+
+    # Whether its sampler row has neither bans nor a mask (``requests.state.plain_sampler_row``):
+    # with a ``layout``, an all-decode step of plain rows is packed as built and the next one
+    # of the same requests is built from its buffers (``StepBuilder._advance``).
+    plain_row: Callable[[Request], bool] | None = None
+    # Whether it wants prompt logprobs: its prefill tokens get targets.
+    prompt_logprobs: Callable[[Request], bool] = lambda req: False
+    # LoRA adapters served: its slot in the pool (-1: the base model), carried by its tokens
+    # (``StepInput.lora_slots``); None: no adapters.
+    lora_slot: Callable[[Request], int] | None = None
+
+
 class StepBuilder:
     """With ``buckets.kvp`` > 1 page ids are global (``group * pool_pages + local``, see
     ``jserve.cache.allocator``): each row's page table gets, in column block g, the local ids
     of its logical chunk ``(g - start) % kvp``; each token its local slot and owning group;
     each row its start group. On one group those are the plain ids, slots and zeros."""
 
-    def __init__(self, buckets: Buckets, page_size: int, state_sink: int,
-                 pool_pages: int | None = None, vocab_size: int = 32,
-                 ready: "callable[[tuple[int, int]], tuple[int, int]] | None" = None,
-                 plain_row: "callable[[Request], bool] | None" = None,
-                 prompt_logprobs: "callable[[Request], bool] | None" = None,
-                 hybrid: bool = False,
-                 layout: "callable[[tuple[int, int]], PackedLayout] | None" = None,
-                 whole_chain_decodes: bool = False,
-                 lora_slot: "callable[[Request], int] | None" = None):
-        """``hybrid``: two KV layer groups (``jserve.cache.hybrid``): a page id packs a
-        global page and a local one (``global + local * pool_pages``), split here into the
-        two page tables and slot arrays. ``ready``: the shape a step of a bucket shape is
-        built at now (``StepPrograms.ready_shape``: a compiled one covering it while its own
-        compiles in the background); None: the bucket shape itself. ``plain_row``: whether a
-        request's sampler row has neither bans nor a mask (``requests.state.plain_sampler_row``);
-        given with ``layout`` (a bucket shape's ``PackedLayout``), an all-decode step of the
-        same requests as the last one is built packed, from that one's buffers
-        (``_advance``). ``whole_chain_decodes``: the all-decode steps' programs sample with
-        the whole chain (``StepLowering.modes.whole_chain_decodes``), so only logprobs send such a
-        step to the sampling executable (``StepArrays.whole_chain``). ``lora_slot``: LoRA
-        adapters served, a request's slot in the pool (-1: the base model); its tokens
-        carry it (``StepInput.lora_slots``)."""
-        self.lora_slot = lora_slot
-        self.ready = ready or (lambda shape: shape)
-        self.plain_row, self.layout = plain_row, layout
-        # Whether a request wants prompt logprobs: its prefill tokens get targets.
-        self.prompt_logprobs = prompt_logprobs or (lambda req: False)
-        self._last: _LastDecodes | None = None
-        if buckets.kvp > 1 and pool_pages is None:
+    def __init__(self, buckets: Buckets, spec: BuilderSpec, hooks: RequestHooks | None = None,
+                 ready: Callable[[tuple[int, int]], tuple[int, int]] | None = None,
+                 layout: Callable[[tuple[int, int]], PackedLayout] | None = None):
+        """``ready``: the shape a step of a bucket shape is built at now
+        (``StepPrograms.ready_shape``: a compiled one covering it while its own compiles in
+        the background); None: the bucket shape itself. ``layout``: a bucket shape's
+        ``PackedLayout`` (None: steps are not packed here). ``hooks``: None, none of them."""
+        if buckets.kvp > 1 and spec.pool_pages is None:
             raise ValueError("kvp > 1 needs pool_pages (KV pages per group)")
-        self.buckets = buckets
-        self.page_size = page_size
-        self.state_sink = state_sink
-        self.kvp = buckets.kvp
-        self.pool_pages = pool_pages
-        self.hybrid = hybrid
-        self.whole_chain_decodes = whole_chain_decodes
-        self.mask_words = mask_words(vocab_size)  # structured-output bitmask width
+        self.buckets, self.spec, self.kvp = buckets, spec, buckets.kvp
+        self.ready = ready or (lambda shape: shape)
+        self.layout, hooks = layout, hooks or RequestHooks()
+        self.plain_row, self.prompt_logprobs = hooks.plain_row, hooks.prompt_logprobs
+        self.lora_slot = hooks.lora_slot
+        self._last: _LastDecodes | None = None
+        self.page_size, self.state_sink = spec.page_size, spec.state_sink
+        self.pool_pages, self.hybrid = spec.pool_pages, spec.hybrid
+        self.whole_chain_decodes = spec.whole_chain_decodes
+        self.mask_words = mask_words(spec.vocab_size)  # structured-output bitmask width
 
     def _kvp_row(self, page_table: np.ndarray, row: int, page_ids) -> int:
         """Fills ``row`` of the page table from global ``page_ids``; returns the start group."""

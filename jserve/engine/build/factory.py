@@ -34,7 +34,7 @@ from jserve.engine.requests.pooling import Pooler
 from jserve.engine.requests.state import plain_sampler_row
 from jserve.engine.device.runner import ModelRunner
 from jserve.engine.build.startup import StartupTimes
-from jserve.engine.batch.builder import StepBuilder
+from jserve.engine.batch.builder import BuilderSpec, RequestHooks, StepBuilder
 from jserve.engine.programs.step_program import runtime_params
 from jserve.engine.loop.timing import estimated_predictor, host_round_trip_seconds, load_predictor
 from jserve.kernels import ATTENTION_IMPLS, resolve_impl
@@ -43,7 +43,14 @@ from jserve.lora.slots import AdapterSlots
 from jserve.model.params import Params
 from jserve.probe.length_probe import LengthProbe
 from jserve.probe.tracker import LengthTracker
-from jserve.scheduler import BatchPlan, ScheduledChunk, build_scheduler, policy
+from jserve.scheduler import (
+    BatchPlan,
+    Limits,
+    ScheduledChunk,
+    SchedulerSpec,
+    build_scheduler,
+    policy,
+)
 from jserve.scheduler.base import SchedulerBase
 from jserve.scheduler.deadline import DeadlineConfig
 from jserve.scheduler.predictor import CorrectedPredictor, RuntimePredictor
@@ -242,16 +249,16 @@ def _scheduler(config: EngineConfig, allocator: PageAllocator, budget: int,
                context: int, predictor: RuntimePredictor | None,
                tracker: LengthTracker | None) -> SchedulerBase:
     probe = tracker.probe if tracker else None
-    return build_scheduler(
-        config.scheduler, allocator, max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=budget, max_prefill_seqs=config.max_prefill_seqs,
-        predictor=predictor, max_context=context,
+    spec = SchedulerSpec(
+        config.scheduler, Limits(config.max_num_seqs, budget, config.max_prefill_seqs),
         deadline=DeadlineConfig(t_target=config.iteration_budget, ttft_k=config.ttft_slo_factor,
                                 ttft_floor=config.ttft_slo_floor,
                                 space_sharing=config.space_sharing,
                                 prefill_share=config.prefill_share,
                                 full_chunk_alone=config.full_chunk_alone),
-        sprpt_c=config.sprpt_c, fallback_remaining=probe.prior_mean if probe else None)
+        sprpt_c=config.sprpt_c, fallback_remaining=probe.prior_mean if probe else None,
+        max_context=context)
+    return build_scheduler(spec, allocator, predictor=predictor)
 
 
 def build_engine_parts(cfg: ModelConfig, params: Params, config: EngineConfig,
@@ -315,14 +322,14 @@ def _builder(config: EngineConfig, buckets: Buckets, runner: ModelRunner, num_pa
     """The step builder over the runner's programs (``defer``: steps built at a compiled
     shape while their own compiles)."""
     programs = runner.programs
-    return StepBuilder(buckets, config.page_size, runner.state_sink, pool_pages=num_pages,
-                       vocab_size=vocab_size, ready=programs.ready_shape if defer else None,
-                       plain_row=plain_sampler_row, prompt_logprobs=prompt_logprobs.wanted,
-                       hybrid=hybrid,
+    spec = BuilderSpec(config.page_size, runner.state_sink, pool_pages=num_pages,
+                       vocab_size=vocab_size, hybrid=hybrid,
+                       whole_chain_decodes=programs.lowering.modes.whole_chain_decodes)
+    hooks = RequestHooks(plain_row=plain_sampler_row, prompt_logprobs=prompt_logprobs.wanted,
+                         lora_slot=adapters and (lambda r: adapters.slot(r.adapter)))
+    return StepBuilder(buckets, spec, hooks, ready=programs.ready_shape if defer else None,
                        # spp > 1: a tick packs its slots itself
-                       layout=programs.lowering.layout if spp == 1 else None,
-                       whole_chain_decodes=programs.lowering.modes.whole_chain_decodes,
-                       lora_slot=adapters and (lambda r: adapters.slot(r.adapter)))
+                       layout=programs.lowering.layout if spp == 1 else None)
 
 
 def whole_chain_decodes(backend: str) -> bool:
