@@ -122,7 +122,8 @@ _SCRIPT = textwrap.dedent("""
                 out = buffers(new, in_flight, lone)
                 ticks.append({"tick": list(out[0]), "own": own, "exits": exits, "lone": lone,
                               "buffers": [list(b.shape) for b in out[1][:2]],
-                              "masks": out[1][2], "samples": out[1][3]})
+                              "masks": out[1][2], "launch": out[2].name,
+                              "samples": out[2].name != "NO_EXIT"})
                 return out
 
             eng._slots.buffers = record
@@ -227,12 +228,13 @@ def test_mixed_traffic_matches_one_device(result):
     # (and a pass: one batch's buffers at its own shape, which samples) ...
     passes = [t for t in ticks if t["lone"]]
     assert passes and all(t["samples"] and len(t["own"]) == 1 and t["tick"] == t["own"][0]
-                          and len(t["buffers"][0]) == 1 for t in passes), passes
+                          and len(t["buffers"][0]) == 1 and t["launch"] == "PASS"
+                          for t in passes), passes
     ticks = [t for t in ticks if not t["lone"]]
     for t in ticks:
         assert all(t["tick"][0] >= d and t["tick"][1] >= p for d, p in t["own"]), t
         assert [b[0] for b in t["buffers"]] == [2, 2], t
-        assert t["samples"] == t["exits"], t
+        assert t["samples"] == t["exits"] and t["launch"] in ("STEP", "NO_EXIT"), t
     assert any(t["samples"] for t in ticks) and not all(t["samples"] for t in ticks)
     # No request has structured output: no tick or pass sends a bitmask.
     assert all(t["masks"] is None for t in spp["ticks"])

@@ -291,10 +291,12 @@ class LLMEngine:
         """Multi-process: the leader broadcasts every step (empty ticks too) to the followers.
         A plan with late masks runs its forward only (its sampling waits for them)."""
         built = launched.built if launched else None
-        shape, bufs = self._slots.buffers(built, self._in_flight.slots, lone)
+        shape, bufs, launch = self._slots.buffers(built, self._in_flight.slots, lone)
         if self._multi_process:
-            return distributed.leader_execute(self.runner, shape, *bufs)
-        return self.runner.execute_packed(shape, *bufs, defer=bool(launched and launched.late))
+            return distributed.leader_execute(self.runner, shape, *bufs, launch)
+        if launched and launched.late:
+            launch = distributed.Launch.FORWARD
+        return self.runner.execute_packed(shape, *bufs, launch)
 
     def _complete(self, done: Launched, tokens: np.ndarray) -> list[RequestOutput]:
         """The plan ``done`` is back with its sampled tokens (an all-decode step built for

@@ -16,6 +16,7 @@ import numpy as np
 
 from jserve.engine.batch.builder import BuiltStep, StepBuilder
 from jserve.sampling.sampler import SamplerRow
+from sharding.distributed import Launch
 
 
 class TickSlots:
@@ -40,21 +41,21 @@ class TickSlots:
                                              if s is not None)
 
     def buffers(self, new: BuiltStep | None, in_flight: Sequence, lone: bool = False
-                ) -> tuple[tuple[int, int], tuple]:
-        """The step's shape and ``ModelRunner.execute_packed``'s buffer arguments. With
-        spp == 1: ``new``'s shape and packed buffers and bitmask (``PackedLayout.pack``).
-        ``lone`` (spp > 1): ``new``'s shape, those, and that it samples and is a pass. A
-        tick: ``new`` is the batch entering stage 0 (None: an empty slot), ``in_flight`` the
-        records of the batches entering stages 1, 2, ... (None or missing: empty), each with
-        a ``built`` step, which becomes the re-padded one; returns the tick's shape, its
-        [spp, size] int32 and float32 buffers, the bitmask of the batch leaving the last
-        stage, and whether the tick samples (a batch leaves it)."""
+                ) -> tuple[tuple[int, int], tuple, Launch]:
+        """The step's shape, ``ModelRunner.execute_packed``'s buffers and bitmask
+        (``PackedLayout.pack``) and its ``Launch``. With spp == 1 or ``lone`` (spp > 1: a
+        pass): ``new``'s shape and its own. A tick: ``new`` is the batch entering stage 0
+        (None: an empty slot), ``in_flight`` the records of the batches entering stages 1,
+        2, ... (None or missing: empty), each with a ``built`` step, which becomes the
+        re-padded one; returns the tick's shape, its [spp, size] int32 and float32 buffers,
+        the bitmask of the batch leaving the last stage, and ``Launch.NO_EXIT`` when no
+        batch leaves it."""
         if self.spp == 1 and new.packed is not None:  # the builder packed it
-            return new.shape, new.packed
+            return new.shape, new.packed, Launch.STEP
         if self.spp == 1 or lone:
             packed = self.runner.programs.compiled(new.shape, lone)[1].pack(new.arrays,
                                                                             new.masked)
-            return new.shape, (packed + (True, True) if lone else packed)
+            return new.shape, packed, Launch.PASS if lone else Launch.STEP
         records = [None] + list(in_flight)
         records += [None] * (self.spp - len(records))
         steps = [new] + [r.built if r is not None else None for r in records[1:]]
@@ -78,4 +79,4 @@ class TickSlots:
                 record.built = held[0]
         self._packed = packed
         return shape, (np.stack([i for i, _, _ in rows]), np.stack([f for _, f, _ in rows]),
-                       rows[-1][2], steps[-1] is not None)
+                       rows[-1][2]), Launch.STEP if steps[-1] is not None else Launch.NO_EXIT

@@ -35,6 +35,7 @@ from jserve.model.params import Params
 from jserve.sampling.params import MAX_LOGPROBS
 from jserve.sampling.sampler import SampleResult
 from sharding import pipeline
+from sharding.distributed import Launch
 
 log = logging.getLogger(__name__)
 
@@ -126,25 +127,16 @@ class ModelRunner:
         return self.execute_packed(shape, *self.programs.compiled(shape)[1].pack(arrays))
 
     def execute_packed(self, shape: tuple[int, int], ibuf, fbuf, masks=None,
-                       sample: bool = True, lone: bool = False, defer: bool = False
-                       ) -> SampleResult | SampleInputs:
-        """The step on already packed buffers (what multi-process followers receive); with
-        spp > 1 one pipeline tick, ``ibuf``/``fbuf`` [spp, size] (``buffer_shapes``): row
-        ``s`` the batch stage ``s`` runs, the result the last row's samples. ``masks``: the
-        step's bitmask (a tick's: the last row's batch's), None when no row has one
-        (``PackedLayout.pack``): then nothing vocabulary-sized is sent. ``sample``
-        False (an empty slot leaves the pipeline): no sampling, and the result is host
-        zeros, so the caller does not wait for the tick. ``lone`` (spp > 1, the pipeline
-        empty): one batch's buffers [size] through every stage in one pass; the carry is
-        left as it is. ``defer``: the forward only; the result is its ``SampleInputs`` (the
-        step's logits, the rest made here from its buffers), which the caller hands to
-        ``sample`` (with the masks it could not know at launch). One executable call when
-        spp == 1 (the step samples too; a row that needs more than greedy or temperature:
-        the sampling executable again), two under spp > 1 (the tick or pass, then the
-        sampling executable). An all-decode shape's step built for decode bursts
-        (``StepLowering.modes.burst_steps`` > 1) runs ``StepArrays.burst`` decode steps in the one
-        call: its result's ``tokens`` are [burst_steps, rows] (row j: step j's; the rows
-        past the burst zeros), its logprobs fields None (bursts carry none)."""
+                       launch: Launch = Launch.STEP) -> SampleResult | SampleInputs:
+        """The step on already packed buffers (``buffer_shapes``; what multi-process
+        followers receive), run as ``launch`` says (``Launch``: each way and its result).
+        ``masks``: the step's bitmask (a tick's: the last row's batch's), None when no row
+        has one (``PackedLayout.pack``): then nothing vocabulary-sized is sent. An
+        all-decode shape's step built for decode bursts (``StepLowering.modes.burst_steps``
+        > 1) runs ``StepArrays.burst`` decode steps in the one call: its result's ``tokens``
+        are [burst_steps, rows] (row j: step j's; the rows past the burst zeros), its
+        logprobs fields None (bursts carry none)."""
+        lone, defer = launch is Launch.PASS, launch is Launch.FORWARD
         exe, layout = self.programs.compiled(shape, lone)
         if lone:
             self.passed[shape] += 1
@@ -179,7 +171,7 @@ class ModelRunner:
             # Beyond greedy and temperature: the sampling executable (``step_program._step``).
             if not ibuf[at]:
                 return out
-        if not sample:
+        if launch is Launch.NO_EXIT:
             return self._nothing_sampled()
         inputs = sample_inputs(layout.host_arrays(ibuf, fbuf, masks), logits, rows,
                                self.state_sink)
