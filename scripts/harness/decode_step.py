@@ -22,6 +22,7 @@ from jserve.engine.programs import step_program as runner_module
 from jserve.model.decoder import head_product
 from jserve.model.layer_weights import MATRICES
 from jserve.model.params import Params
+from jserve.model.tp_layout import EXPERTS
 from jserve.model.weights import init_params, load_model
 from jserve.sampling import sampler as sampler_module
 
@@ -217,15 +218,28 @@ class DeviceStep:
         return (clocks() - t) / calls
 
 
-def step_weights(params) -> list[jax.Array]:
+def step_weights(params, experts_per_token: int = 0) -> list[jax.Array]:
     """Every weight matrix a decode step multiplies by (runtime layout, stacked or
-    unrolled): the layers' projections ([in, out]), then the LM head ([vocab, hidden])."""
+    unrolled): the layers' projections ([in, out]), then the LM head ([vocab, hidden]). Of
+    an MoE layer's experts, ``experts_per_token`` experts' gate/up and down matrices (what
+    one token multiplies by: the active parameters)."""
     layers = params["layers"]
-    names = [n for n in MATRICES if n in (layers if isinstance(layers, dict) else layers[0])]
+    first = layers if isinstance(layers, dict) else layers[0]
+    names = [n for n in MATRICES if n in first and n not in EXPERTS]
+    experts = [n for n in ("we_gate_up", "we_down") if n in first]
     if isinstance(layers, dict):
-        ws = [layers[n][i] for i in range(layers[names[0]].shape[0]) for n in names]
+        count = layers[names[0]].shape[0]
+        per_layer = [{n: layers[n][i] for n in names + experts} for i in range(count)]
     else:
-        ws = [layer[n] for layer in layers for n in names]
+        per_layer = layers
+    ws = []
+    for layer in per_layer:
+        ws += [layer[n] for n in names]
+        if experts:  # the first k experts' columns of we_gate_up, their rows of we_down
+            down = layer["we_down"]  # [E, inter, hidden]
+            inter, hidden = down.shape[1:]
+            ws.append(layer["we_gate_up"][:, :experts_per_token * 2 * inter])
+            ws.append(down[:experts_per_token].reshape(experts_per_token * inter, hidden))
     head = params.get("lm_head")
     return ws + [params["embed"] if head is None else head]
 

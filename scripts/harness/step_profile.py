@@ -82,7 +82,8 @@ def profile_batch(batch: int, a, bar: tqdm, model=None) -> dict:
             eng.bursts.steps = 1
             burst_phases, phases.runs = phases.runs, burst_phases
     # Device step and ceiling alternate, so a change of machine load hits both alike.
-    ceiling = MatmulCeiling(step_weights(eng.runner.params), batch)
+    ceiling = MatmulCeiling(step_weights(eng.runner.params,
+                                         eng.runner.model_config.num_experts_per_tok), batch)
     times: dict[str, list[np.ndarray]] = {"one": [], "two": [], "forward": [], "ceiling": []}
     plain = step.without_bursts() if a.loop_ab else None
     if plain is not None:
