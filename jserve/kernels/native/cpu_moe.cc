@@ -69,6 +69,14 @@ inline v8 fma8(v8 a, v8 b, v8 c) {
 
 using jserve_native::load;
 
+// The cache lines of n weights from w on: rows of a stacked matrix lie far apart, beyond
+// what the hardware prefetcher follows.
+template <typename W>
+inline void prefetch_row(const W* w, int64_t n) {
+  const char* at = reinterpret_cast<const char*>(w);
+  for (int64_t b = 0; b < n * int64_t(sizeof(W)); b += 64) __builtin_prefetch(at + b);
+}
+
 // Lanes [0, n) of v to p (n <= 8).
 inline void store(float* p, v8 v, int64_t n) {
   if (n >= 8) {
@@ -142,6 +150,7 @@ void stream(const float* const* rows, const float* scale, float* const* out, int
   const int64_t vecs = (n + 7) / 8, full = n / 8;
   for (int64_t i = 0; i < depth; ++i) {
     const W* wi = w + i * ldw;
+    prefetch_row(wi + kAhead * ldw, n);
     float xs[R];
     for (int r = 0; r < R; ++r) xs[r] = rows[r][i];
     for (int64_t v = 0; v < full; ++v) {
@@ -161,28 +170,33 @@ void stream(const float* const* rows, const float* scale, float* const* out, int
     }
 }
 
-// dst[i * kTile + j] = w[i * ldw + j] for j < n <= kTile, zero past n.
+// The block w[0, depth) x [0, n) (n <= kBlock) as panels of kTile columns, panel t at
+// dst + t * depth * kTile (row i of it at i * kTile), zero past n: one pass over the rows,
+// each read whole.
 template <typename W>
 void pack(const W* w, int64_t ldw, int64_t depth, int64_t n, float* dst) {
-  for (int64_t i = 0; i < depth; ++i, dst += kTile) {
+  const int64_t panels = (n + kTile - 1) / kTile, full = n / kTile;
+  for (int64_t i = 0; i < depth; ++i) {
     const W* wi = w + i * ldw;
-    __builtin_prefetch(wi + kAhead * ldw);
-    __builtin_prefetch(wi + kAhead * ldw + kTile - 1);
-    if (n == kTile) {
-      for (int v = 0; v < kVecs; ++v) {
-        const v8 x = load8(wi + 8 * v);
-        std::memcpy(dst + 8 * v, &x, sizeof x);
+    prefetch_row(wi + kAhead * ldw, n);
+    for (int64_t t = 0; t < panels; ++t) {
+      float* d = dst + (t * depth + i) * kTile;
+      if (t < full) {
+        for (int v = 0; v < kVecs; ++v) {
+          const v8 x = load8(wi + t * kTile + 8 * v);
+          std::memcpy(d + 8 * v, &x, sizeof x);
+        }
+        continue;
       }
-      continue;
+      for (int64_t j = 0; j < kTile; ++j) d[j] = t * kTile + j < n ? load(wi + t * kTile + j) : 0.0f;
     }
-    for (int64_t j = 0; j < kTile; ++j) dst[j] = j < n ? load(wi + j) : 0.0f;
   }
 }
 
 // Columns [0, n) (n <= kBlock) of ``count`` rows times w: few rows stream the block; more
-// go kTile columns at a time through register tiles of kRows rows, over a packed panel
-// (contiguous float32, zero-padded to kTile: several row tiles read it, and rows of a
-// stacked matrix can lie a power of two apart and fall in one cache set).
+// go through register tiles of kRows rows over the block packed into panels (several row
+// tiles read each, and rows of a stacked matrix can lie a power of two apart, in one cache
+// set).
 template <bool kAdd, typename W>
 void rows_times(const float* const* rows, const float* scale, float* const* out,
                 int64_t count, int64_t depth, const W* w, int64_t ldw, int64_t n,
@@ -194,15 +208,14 @@ void rows_times(const float* const* rows, const float* scale, float* const* out,
     case 4: return stream<4, kAdd>(rows, scale, out, depth, w, ldw, n, bias);
     default: break;
   }
-  thread_local std::vector<float> panel;
+  thread_local std::vector<float> panels;
+  panels.resize(depth * ((n + kTile - 1) / kTile) * kTile);
+  pack(w, ldw, depth, n, panels.data());
   std::vector<float*> at(count);
   for (int64_t c = 0; c < n; c += kTile) {
-    const int64_t cols = std::min<int64_t>(kTile, n - c);
-    panel.resize(depth * kTile);
-    pack(w + c, ldw, depth, cols, panel.data());
     for (int64_t r = 0; r < count; ++r) at[r] = out[r] + c;
-    rows_times_at<kAdd>(rows, scale, at.data(), count, depth, panel.data(), kTile, cols,
-                        bias ? bias + c : nullptr);
+    rows_times_at<kAdd>(rows, scale, at.data(), count, depth, panels.data() + c * depth,
+                        kTile, std::min<int64_t>(kTile, n - c), bias ? bias + c : nullptr);
   }
 }
 
