@@ -4,10 +4,12 @@ the dense gated MLP of the same active parameters, one layer alone, float32:
     python scripts/bench_moe.py                       # 8 experts, top 2, hidden 256, MLP 768
     python scripts/bench_moe.py --experts 128 --top-k 8 --tokens 1,16,256
 
-``gathered``, ``all-experts`` and ``grouped`` are the block's three ways (``moe.moe_mlp``
-picks one by the token count and the platform; ``picked`` says which it takes here), on the
-runtime layout (``we_gate_up`` [hidden, experts * 2 * MLP]). Medians of ``--reps`` timed
-calls after one untimed, in ms."""
+``gathered``, ``all-experts``, ``grouped`` and (on a CPU) ``native`` are the block's ways
+(``moe.moe_mlp`` picks one by the token count and the platform; ``picked`` says which it
+takes here), on the runtime layout (``we_gate_up`` [hidden, experts * 2 * MLP]), the router
+included. Each of ``--reps`` rounds times 10 calls of every way in turn, after one untimed
+(so a change of machine load hits all ways alike); medians of the rounds, in ms, and the
+median over rounds of ``picked`` / dense."""
 from __future__ import annotations
 
 import argparse
@@ -23,14 +25,12 @@ from jserve.model import moe
 from jserve.model.layers import gated_mlp
 
 
-def _median_ms(f, *args, reps: int) -> float:
-    f(*args).block_until_ready()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        f(*args).block_until_ready()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times) * 1e3)
+def _round_ms(f, *args) -> float:
+    t0 = time.perf_counter()
+    for _ in range(10):
+        out = f(*args)
+    out.block_until_ready()
+    return (time.perf_counter() - t0) * 100
 
 
 def main() -> int:
@@ -41,7 +41,7 @@ def main() -> int:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--mlp", type=int, default=768, help="one expert's intermediate size")
     p.add_argument("--tokens", default="1,8,64,256")
-    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--reps", type=int, default=15, help="rounds")
     a = p.parse_args()
     e, k, d, f = a.experts, a.top_k, a.hidden, a.mlp
     rng = np.random.default_rng(0)
@@ -59,12 +59,18 @@ def main() -> int:
         few = moe.gathers(t, k, e)
         picked = ("native" if "native" in ways else "gathered" if few
                   else "grouped" if backend == "tpu" else "all-experts")  # as moe_mlp picks
-        row = {"tokens": t, "picked": picked,
-               "dense_active_ms": _median_ms(jax.jit(gated_mlp), dense, x, reps=a.reps)}
+        runs = {"dense_active": (jax.jit(gated_mlp), dense)}
         for name, way in ways.items():
-            run = jax.jit(lambda l, x, way=way: way(l, x, *moe.route(x @ l["router"], k),
-                                                    moe.silu_glu))
-            row[f"{name}_ms"] = _median_ms(run, layer, x, reps=a.reps)
+            runs[name] = (jax.jit(lambda l, x, way=way: way(l, x, *moe.route(x @ l["router"], k),
+                                                            moe.silu_glu)), layer)
+        for f, params in runs.values():
+            f(params, x).block_until_ready()
+        rounds = [{name: _round_ms(f, params, x) for name, (f, params) in runs.items()}
+                  for _ in range(a.reps)]
+        row = {"tokens": t, "picked": picked,
+               **{f"{name}_ms": float(np.median([r[name] for r in rounds])) for name in runs},
+               "picked_over_dense": float(np.median([r[picked] / r["dense_active"]
+                                                     for r in rounds]))}
         print(json.dumps({key: round(v, 3) if isinstance(v, float) else v
                           for key, v in row.items()}), flush=True)
     return 0

@@ -3,7 +3,7 @@ numpy reference: every path through it (one to three rows an expert streamed, re
 of six over packed panels, column tails that are no multiple of a tile), bfloat16 experts,
 a traced layer of stacked experts read in place, the expert biases and clamped SwiGLU of
 gpt-oss, pairs of weight 0 (another ep shard's) left out; and that a CPU step takes it at
-every token count where it applies, quantized experts staying on the XLA ways."""
+every token count, on int8 and fp8 experts too."""
 from __future__ import annotations
 
 import jax
@@ -118,20 +118,32 @@ def test_a_traced_layer_of_stacked_experts_with_biases_and_the_clamped_swiglu():
     np.testing.assert_allclose(np.asarray(jax.jit(block)(*args)), want, atol=3e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("tokens", [1, 3, 32, 256])
-def test_a_cpu_step_takes_the_kernel_at_every_size_and_quantized_experts_do_not(tokens):
+@pytest.mark.parametrize("quantization", ["int8", "fp8"])
+@pytest.mark.parametrize("tokens", [1, 3, 70])
+def test_a_cpu_step_takes_the_kernel_at_every_size_quantized_experts_too(tokens, quantization):
+    """The block on a CPU calls the kernel once at any token count, on float experts and on
+    experts quantized as the loaders store them (int8 or fp8 values, a scale per expert and
+    output column), which equal the reference on their dequantized weights (70 tokens: the
+    packed register tiles, 1 and 3: the streamed rows)."""
     from jserve.model import quant
 
     e, k, d, f = 8, 2, 32, 48
     gate, up, down = _case(1, e, d, f)
     gate_up, down_s = _stacks(gate, up, down)
-    layer = {"router": jnp.zeros((d, e), jnp.float32), "we_gate_up": jnp.asarray(gate_up[0]),
-             "we_down": jnp.asarray(down_s[0])}
-    x = jnp.zeros((tokens, d), jnp.float32)
-    text = jax.jit(lambda l, h: moe.moe_mlp(l, h, k)).lower(layer, x).as_text()
-    assert text.count(TARGET) == 1
-    quantized = {n: quant.quantize_weight(w, "int8") if n.startswith("we_") else w
+    rng = np.random.default_rng(tokens)
+    layer = {"router": jnp.asarray(rng.normal(0, 1, (d, e)), jnp.float32),
+             "we_gate_up": jnp.asarray(gate_up[0]), "we_down": jnp.asarray(down_s[0])}
+    x = jnp.asarray(rng.normal(0, 1, (tokens, d)), jnp.float32)
+    block = jax.jit(lambda l, h: moe.moe_mlp(l, h, k))
+    assert block.lower(layer, x).as_text().count(TARGET) == 1
+    quantized = {n: quant.quantize_weight(w, quantization) if n.startswith("we_") else w
                  for n, w in layer.items()}
-    assert not moe.native(quantized, moe.silu_glu)
-    text = jax.jit(lambda l, h: moe.moe_mlp(l, h, k)).lower(quantized, x).as_text()
-    assert TARGET not in text
+    assert moe.native(quantized, moe.silu_glu)
+    assert block.lower(quantized, x).as_text().count(TARGET) == 1
+    values = {n: np.asarray(w.qvalue.astype(jnp.float32) * w.scale)
+              for n, w in quantized.items() if n.startswith("we_")}
+    g, u = np.split(values["we_gate_up"].reshape(d, e, 2 * f), 2, axis=-1)
+    weights, experts = moe.route(x @ layer["router"], k)
+    want = _want(np.asarray(x), np.asarray(weights), np.asarray(experts),
+                 g.transpose(1, 0, 2), u.transpose(1, 0, 2), values["we_down"])
+    np.testing.assert_allclose(np.asarray(block(quantized, x)), want, atol=3e-5, rtol=1e-5)

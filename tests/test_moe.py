@@ -259,7 +259,7 @@ def test_expert_biases_and_the_clamped_swiglu_equal_the_reference(way):
 
 
 @pytest.mark.parametrize("quantization", ["int8", "fp8"])
-@pytest.mark.parametrize("way", XLA_WAYS)
+@pytest.mark.parametrize("way", WAYS)
 def test_quantized_experts_equal_the_reference_on_their_dequantized_weights(way, quantization):
     """Every way on experts quantized as the loaders store them (a scale per expert and
     output column): equal to the float reference on the dequantized weights, so the

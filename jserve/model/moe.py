@@ -4,8 +4,8 @@ token, and each token's output is its experts' gated MLPs weighted by the router
 Four ways, picked statically by the step's token count and the platform the program is
 lowered for (:func:`moe_mlp`). On a CPU the native kernel (:func:`native_experts`,
 ``jserve.kernels.cpu_moe``) groups the pairs by expert and reads each chosen expert's
-matrices in place, at any token count. Elsewhere (and on a CPU it cannot take: quantized
-experts) a few tokens (a decode step: fewer token-expert pairs than experts,
+matrices in place, at any token count. Elsewhere (and on a CPU without a C++ compiler) a
+few tokens (a decode step: fewer token-expert pairs than experts,
 :func:`gathers`) gather their chosen experts' matrices, so a step reads k experts' weights,
 not E. More tokens on a TPU are sorted by expert and run as one grouped matmul
 (``jax.lax.ragged_dot``, which XLA:TPU compiles to its own); on a GPU every expert runs as
@@ -266,13 +266,13 @@ def _native_act(glu: Callable) -> tuple[int, float, float] | None:
 
 
 def native(layer: dict[str, Any], glu: Callable) -> bool:
-    """Whether :func:`native_experts` takes this layer: its experts unquantized, in float32
-    or bfloat16, an activation the kernel has, and the kernel built."""
-    gate_up, down = _gate_up(layer), layer["we_down"]
-    if any(is_quantized(_stacked(w)[0]) for w in (gate_up, down)):
-        return False
-    return (_native_act(glu) is not None
-            and cpu_moe.supported(_stacked(gate_up)[0], _stacked(down)[0]))
+    """Whether :func:`native_experts` takes this layer: its experts float32 or bfloat16, or
+    int8 or fp8 with their scales (both stacks alike), an activation the kernel has, and
+    the kernel built."""
+    stacks = [_stacked(w)[0] for w in (_gate_up(layer), layer["we_down"])]
+    quantized = {is_quantized(w) for w in stacks}
+    return (len(quantized) == 1 and _native_act(glu) is not None
+            and cpu_moe.supported(*(_parts(w)[0] for w in stacks), quantized=quantized.pop()))
 
 
 def native_experts(layer: dict[str, Any], x: jax.Array, weights: jax.Array,
@@ -281,9 +281,12 @@ def native_experts(layer: dict[str, Any], x: jax.Array, weights: jax.Array,
     each expert's matrices read where they lie (a layer of the stacks in place): the chosen
     experts' FLOPs and bytes, at any token count."""
     (gate_up, i), (down, _) = _stacked(_gate_up(layer)), _stacked(layer["we_down"])
+    (gate_up, gate_up_scale), (down, down_scale) = _parts(gate_up), _parts(down)
     bias = _gate_up(layer, "be")
-    return cpu_moe.routed_experts(x, weights, experts, gate_up, down, i, *_native_act(glu),
-                                  bias=None if bias is None else _stacked(bias)[0])
+    return cpu_moe.routed_experts(
+        x, weights, experts, gate_up, down, i, *_native_act(glu),
+        bias=None if bias is None else _stacked(bias)[0],
+        scales=None if gate_up_scale is None else (gate_up_scale, down_scale))
 
 
 def gathers(tokens: int, k: int, n_experts: int) -> bool:

@@ -10,7 +10,10 @@
 //
 // x [T, H] float32; weights, experts [T, k] (local expert ids); gate_up [L, H, E * 2I]
 // (each expert's gate then up columns in turn: the runtime we_gate_up), down [L, E, I, H],
-// both float32 or bfloat16; bias [L, 1, E * 2I] float32 or [1] (has_bias 0). Returns out
+// both float32, bfloat16, int8 or float8_e4m3fn, the last two with float32 scales per
+// column, gate_up_scale [L, 1, E * 2I] and down_scale [L, E, 1, H] ([1] each, has_scales
+// 0, otherwise), applied to the products; bias [L, 1, E * 2I] float32 or [1] (has_bias 0).
+// Returns out
 // [T, H] float32 (the router-weighted sum) and scratch [T * k, 2I], the sorted pairs' gate
 // and up products (the activations written over the gate half), so XLA owns every buffer.
 // Three passes over the intra-op pool: gate/up as (expert, column block) items, the gated
@@ -59,6 +62,36 @@ inline v8 load8(const uint16_t* p) {  // bfloat16: the high half of a float32's 
   std::memcpy(&v, &w, sizeof v);
   return v;
 }
+typedef int8_t i8x8 __attribute__((vector_size(8)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+inline v8 load8(const int8_t* p) {  // int8 values (the scales are applied to the product)
+  i8x8 q;
+  std::memcpy(&q, p, sizeof q);
+  return __builtin_convertvector(__builtin_convertvector(q, i32x8), v8);
+}
+
+struct F8 {  // float8_e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities
+  uint8_t bits;
+};
+struct F8Table {
+  float value[256];
+  F8Table() {
+    for (int b = 0; b < 256; ++b) {
+      const int e = (b >> 3) & 15, m = b & 7;
+      float v = e == 0 ? std::ldexp(m / 8.0f, -6) : std::ldexp(1.0f + m / 8.0f, e - 7);
+      if (e == 15 && m == 7) v = NAN;
+      value[b] = b & 128 ? -v : v;
+    }
+  }
+};
+const F8Table kF8;
+inline float load(const F8* p) { return kF8.value[p->bits]; }
+inline v8 load8(const F8* p) {
+  v8 v;
+  for (int j = 0; j < 8; ++j) v[j] = kF8.value[p[j].bits];
+  return v;
+}
+
 inline v8 fma8(v8 a, v8 b, v8 c) {
 #ifdef __FMA__
   return _mm256_fmadd_ps(a, b, c);
@@ -92,12 +125,13 @@ inline v8 load_n(const float* p, int64_t n) {  // lanes past n zero
   return v;
 }
 
-// out[r][0, n) = scale[r] * (sum_i rows[r][i] * w[i * ldw + 0, kTile)) (+ bias, or added to
-// out[r] when ``add``), for R rows in registers; the columns past n < kTile are computed
-// from whatever w holds there and not stored.
+// out[r][0, n) = scale[r] * cols[0, n) * (sum_i rows[r][i] * w[i * ldw + 0, kTile)) (+ bias,
+// or added to out[r] when ``add``), for R rows in registers; ``cols`` a quantized matrix's
+// scales per column (or null); the columns past n < kTile are computed from whatever w
+// holds there and not stored.
 template <int R, bool kAdd, typename W>
 void tile(const float* const* rows, int64_t depth, const W* w, int64_t ldw, int64_t n,
-          const float* scale, const float* bias, float* const* out) {
+          const float* scale, const float* cols, const float* bias, float* const* out) {
   v8 acc[R][kVecs] = {};
   for (int64_t i = 0; i < depth; ++i) {
     const W* wi = w + i * ldw;
@@ -117,6 +151,7 @@ void tile(const float* const* rows, int64_t depth, const W* w, int64_t ldw, int6
     for (int v = 0; v < kVecs && 8 * v < n; ++v) {
       const int64_t lanes = n - 8 * v;
       v8 y = acc[r][v] * scale[r];
+      if (cols) y *= load_n(cols + 8 * v, lanes);
       if (bias) y += load_n(bias + 8 * v, lanes);
       if (kAdd) y += load_n(out[r] + 8 * v, lanes);
       store(out[r] + 8 * v, y, lanes);
@@ -126,16 +161,16 @@ void tile(const float* const* rows, int64_t depth, const W* w, int64_t ldw, int6
 template <bool kAdd, typename W>
 void rows_times_at(const float* const* rows, const float* scale, float* const* out,
                    int64_t count, int64_t depth, const W* w, int64_t ldw, int64_t n,
-                   const float* bias) {
+                   const float* cols, const float* bias) {
   int64_t r = 0;
   for (; r + kRows <= count; r += kRows)
-    tile<kRows, kAdd>(rows + r, depth, w, ldw, n, scale + r, bias, out + r);
+    tile<kRows, kAdd>(rows + r, depth, w, ldw, n, scale + r, cols, bias, out + r);
   switch (count - r) {
-    case 5: tile<5, kAdd>(rows + r, depth, w, ldw, n, scale + r, bias, out + r); break;
-    case 4: tile<4, kAdd>(rows + r, depth, w, ldw, n, scale + r, bias, out + r); break;
-    case 3: tile<3, kAdd>(rows + r, depth, w, ldw, n, scale + r, bias, out + r); break;
-    case 2: tile<2, kAdd>(rows + r, depth, w, ldw, n, scale + r, bias, out + r); break;
-    case 1: tile<1, kAdd>(rows + r, depth, w, ldw, n, scale + r, bias, out + r); break;
+    case 5: tile<5, kAdd>(rows + r, depth, w, ldw, n, scale + r, cols, bias, out + r); break;
+    case 4: tile<4, kAdd>(rows + r, depth, w, ldw, n, scale + r, cols, bias, out + r); break;
+    case 3: tile<3, kAdd>(rows + r, depth, w, ldw, n, scale + r, cols, bias, out + r); break;
+    case 2: tile<2, kAdd>(rows + r, depth, w, ldw, n, scale + r, cols, bias, out + r); break;
+    case 1: tile<1, kAdd>(rows + r, depth, w, ldw, n, scale + r, cols, bias, out + r); break;
     default: break;
   }
 }
@@ -145,7 +180,7 @@ void rows_times_at(const float* const* rows, const float* scale, float* const* o
 // accumulators in L1; register tiles would read 64 bytes a row, rows a power of two apart.
 template <int R, bool kAdd, typename W>
 void stream(const float* const* rows, const float* scale, float* const* out, int64_t depth,
-            const W* w, int64_t ldw, int64_t n, const float* bias) {
+            const W* w, int64_t ldw, int64_t n, const float* cols, const float* bias) {
   v8 acc[R][kBlock / 8] = {};
   const int64_t vecs = (n + 7) / 8, full = n / 8;
   for (int64_t i = 0; i < depth; ++i) {
@@ -164,6 +199,7 @@ void stream(const float* const* rows, const float* scale, float* const* out, int
     for (int64_t v = 0; v < vecs; ++v) {
       const int64_t lanes = n - 8 * v;
       v8 y = acc[r][v] * scale[r];
+      if (cols) y *= load_n(cols + 8 * v, lanes);
       if (bias) y += load_n(bias + 8 * v, lanes);
       if (kAdd) y += load_n(out[r] + 8 * v, lanes);
       store(out[r] + 8 * v, y, lanes);
@@ -200,12 +236,12 @@ void pack(const W* w, int64_t ldw, int64_t depth, int64_t n, float* dst) {
 template <bool kAdd, typename W>
 void rows_times(const float* const* rows, const float* scale, float* const* out,
                 int64_t count, int64_t depth, const W* w, int64_t ldw, int64_t n,
-                const float* bias) {
+                const float* cols, const float* bias) {
   switch (count) {
-    case 1: return stream<1, kAdd>(rows, scale, out, depth, w, ldw, n, bias);
-    case 2: return stream<2, kAdd>(rows, scale, out, depth, w, ldw, n, bias);
-    case 3: return stream<3, kAdd>(rows, scale, out, depth, w, ldw, n, bias);
-    case 4: return stream<4, kAdd>(rows, scale, out, depth, w, ldw, n, bias);
+    case 1: return stream<1, kAdd>(rows, scale, out, depth, w, ldw, n, cols, bias);
+    case 2: return stream<2, kAdd>(rows, scale, out, depth, w, ldw, n, cols, bias);
+    case 3: return stream<3, kAdd>(rows, scale, out, depth, w, ldw, n, cols, bias);
+    case 4: return stream<4, kAdd>(rows, scale, out, depth, w, ldw, n, cols, bias);
     default: break;
   }
   thread_local std::vector<float> panels;
@@ -215,7 +251,8 @@ void rows_times(const float* const* rows, const float* scale, float* const* out,
   for (int64_t c = 0; c < n; c += kTile) {
     for (int64_t r = 0; r < count; ++r) at[r] = out[r] + c;
     rows_times_at<kAdd>(rows, scale, at.data(), count, depth, panels.data() + c * depth,
-                        kTile, std::min<int64_t>(kTile, n - c), bias ? bias + c : nullptr);
+                        kTile, std::min<int64_t>(kTile, n - c), cols ? cols + c : nullptr,
+                        bias ? bias + c : nullptr);
   }
 }
 
@@ -242,8 +279,6 @@ Pairs sort_pairs(const float* weights, const int32_t* experts, int64_t pairs, in
   }
   return p;
 }
-
-typedef int32_t i32x8 __attribute__((vector_size(32)));
 
 // exp on 8 lanes: 2^n * e^r with |r| <= ln2 / 2, e^r by its Taylor polynomial to r^7
 // (relative error near 1e-7, as std::exp's float), the input clamped to float's range.
@@ -297,9 +332,18 @@ struct Glu {
 };
 
 template <typename W>
-void run(ffi::ThreadPool& pool, const float* x, const Pairs& p, const W* gate_up,
-         const W* down, const float* bias, int64_t k, int64_t h, int64_t n_exp, int64_t inter,
-         int64_t t, Glu glu, float* out, float* scratch) {
+struct Experts {  // one layer's expert matrices, their column scales (null: unquantized)
+  const W* gate_up;
+  const W* down;
+  const float* gate_up_scale;  // [E * 2I]
+  const float* down_scale;     // [E, H]
+  const float* bias;           // [E * 2I] or null
+};
+
+template <typename W>
+void run(ffi::ThreadPool& pool, const float* x, const Pairs& p, const Experts<W>& m,
+         int64_t k, int64_t h, int64_t n_exp, int64_t inter, int64_t t, Glu glu, float* out,
+         float* scratch) {
   const int64_t n = p.token.size(), wide = 2 * inter, ldw = n_exp * wide;
   std::vector<const float*> x_rows(n), act_rows(n);
   std::vector<float*> s_rows(n), out_rows(n);
@@ -320,9 +364,11 @@ void run(ffi::ThreadPool& pool, const float* x, const Pairs& p, const W* gate_up
     const int64_t lo = p.start[e], count = p.start[e + 1] - lo;
     std::vector<float*> dst(count);
     for (int64_t r = 0; r < count; ++r) dst[r] = s_rows[lo + r] + c0;
+    const int64_t at = e * wide + c0;
     rows_times<false>(x_rows.data() + lo, ones.data(), dst.data(), count, h,
-                      gate_up + e * wide + c0, ldw, std::min<int64_t>(kBlock, wide - c0),
-                      bias ? bias + e * wide + c0 : nullptr);
+                      m.gate_up + at, ldw, std::min<int64_t>(kBlock, wide - c0),
+                      m.gate_up_scale ? m.gate_up_scale + at : nullptr,
+                      m.bias ? m.bias + at : nullptr);
   });
   // the gated activation, over the gate half of each pair's row
   jserve_native::parallel_for(pool, n, [&](int64_t j) {
@@ -331,52 +377,65 @@ void run(ffi::ThreadPool& pool, const float* x, const Pairs& p, const W* gate_up
   // down: items (block of kDownBlock columns of H), every token's row zeroed first
   const int64_t tiles = (h + kDownBlock - 1) / kDownBlock;
   jserve_native::parallel_for(pool, tiles, [&](int64_t item) {
-    const int64_t c = item * kDownBlock, cols = std::min<int64_t>(kDownBlock, h - c);
-    for (int64_t row = 0; row < t; ++row) std::fill_n(out + row * h + c, cols, 0.0f);
+    const int64_t c = item * kDownBlock, width = std::min<int64_t>(kDownBlock, h - c);
+    for (int64_t row = 0; row < t; ++row) std::fill_n(out + row * h + c, width, 0.0f);
     for (int64_t e = 0; e < n_exp; ++e) {
       const int64_t lo = p.start[e], count = p.start[e + 1] - lo;
       if (count == 0) continue;
       std::vector<float*> dst(count);
       for (int64_t r = 0; r < count; ++r) dst[r] = out_rows[lo + r] + c;
       rows_times<true>(act_rows.data() + lo, p.weight.data() + lo, dst.data(), count, inter,
-                       down + e * inter * h + c, h, cols, nullptr);
+                       m.down + e * inter * h + c, h, width,
+                       m.down_scale ? m.down_scale + e * h + c : nullptr, nullptr);
     }
   });
 }
 
 ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                       ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> experts,
-                      ffi::AnyBuffer gate_up, ffi::AnyBuffer down, ffi::Buffer<ffi::F32> bias,
-                      ffi::Buffer<ffi::S32> layer, int32_t act, float limit, float alpha,
-                      int32_t has_bias, ffi::ResultBuffer<ffi::F32> out,
-                      ffi::ResultBuffer<ffi::F32> scratch) {
+                      ffi::AnyBuffer gate_up, ffi::AnyBuffer down,
+                      ffi::Buffer<ffi::F32> gate_up_scale, ffi::Buffer<ffi::F32> down_scale,
+                      ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::S32> layer, int32_t act,
+                      float limit, float alpha, int32_t has_scales, int32_t has_bias,
+                      ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> scratch) {
   auto xd = x.dimensions(), wd = weights.dimensions(), gd = gate_up.dimensions(),
        dd = down.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || gd.size() != 3 || dd.size() != 4)
     return ffi::Error::InvalidArgument(
         "x [T, H], weights [T, k], gate_up [L, H, E * 2I], down [L, E, I, H] expected");
   const int64_t t = xd[0], h = xd[1], k = wd[1], n_exp = dd[1], inter = dd[2];
+  const int64_t layers = gd[0], wide = n_exp * 2 * inter;
   if (wd[0] != t || experts.element_count() != t * k || gd[1] != h || dd[3] != h ||
-      gd[2] != n_exp * 2 * inter || gd[0] != dd[0])
+      gd[2] != wide || dd[0] != layers)
     return ffi::Error::InvalidArgument("the experts' shapes disagree");
   if (gate_up.element_type() != down.element_type())
     return ffi::Error::InvalidArgument("gate_up and down differ in dtype");
-  if (has_bias && bias.element_count() != gd[0] * n_exp * 2 * inter)
+  if (has_bias && bias.element_count() != layers * wide)
     return ffi::Error::InvalidArgument("bias [L, 1, E * 2I] expected");
+  if (has_scales && (gate_up_scale.element_count() != layers * wide ||
+                     down_scale.element_count() != layers * n_exp * h))
+    return ffi::Error::InvalidArgument("scales [L, 1, E * 2I] and [L, E, 1, H] expected");
   const int64_t at = layer.typed_data()[0];
-  if (at < 0 || at >= gd[0]) return ffi::Error::InvalidArgument("layer out of range");
+  if (at < 0 || at >= layers) return ffi::Error::InvalidArgument("layer out of range");
   const int32_t* ids = experts.typed_data();
   for (int64_t i = 0; i < t * k; ++i)
     if (ids[i] < 0 || ids[i] >= n_exp) return ffi::Error::InvalidArgument("expert out of range");
   const Pairs p = sort_pairs(weights.typed_data(), ids, t * k, n_exp);
-  const int64_t gate_up_layer = h * n_exp * 2 * inter, down_layer = n_exp * inter * h;
-  const float* b = has_bias ? bias.typed_data() + at * n_exp * 2 * inter : nullptr;
   const Glu glu{act, limit, alpha};
   auto go = [&](auto* g, auto* d) {
-    run(pool, x.typed_data(), p, g + at * gate_up_layer, d + at * down_layer, b, k, h, n_exp,
-        inter, t, glu, out->typed_data(), scratch->typed_data());
+    using W = std::remove_const_t<std::remove_pointer_t<decltype(g)>>;
+    const Experts<W> m{g + at * h * wide, d + at * n_exp * inter * h,
+                       has_scales ? gate_up_scale.typed_data() + at * wide : nullptr,
+                       has_scales ? down_scale.typed_data() + at * n_exp * h : nullptr,
+                       has_bias ? bias.typed_data() + at * wide : nullptr};
+    run(pool, x.typed_data(), p, m, k, h, n_exp, inter, t, glu, out->typed_data(),
+        scratch->typed_data());
     return ffi::Error::Success();
   };
+  const bool quantized = gate_up.element_type() == ffi::DataType::S8 ||
+                         gate_up.element_type() == ffi::DataType::F8E4M3FN;
+  if (quantized != bool(has_scales))
+    return ffi::Error::InvalidArgument("int8 and fp8 experts need their scales");
   switch (gate_up.element_type()) {
     case ffi::DataType::F32:
       return go(static_cast<const float*>(gate_up.untyped_data()),
@@ -384,8 +443,15 @@ ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     case ffi::DataType::BF16:
       return go(static_cast<const uint16_t*>(gate_up.untyped_data()),
                 static_cast<const uint16_t*>(down.untyped_data()));
+    case ffi::DataType::S8:
+      return go(static_cast<const int8_t*>(gate_up.untyped_data()),
+                static_cast<const int8_t*>(down.untyped_data()));
+    case ffi::DataType::F8E4M3FN:
+      return go(static_cast<const F8*>(gate_up.untyped_data()),
+                static_cast<const F8*>(down.untyped_data()));
     default:
-      return ffi::Error::InvalidArgument("expert weights must be float32 or bfloat16");
+      return ffi::Error::InvalidArgument(
+          "expert weights must be float32, bfloat16, int8 or float8_e4m3fn");
   }
 }
 
@@ -400,10 +466,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveCpuMoeExperts, MoeExperts,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<int32_t>("act")
                                   .Attr<float>("limit")
                                   .Attr<float>("alpha")
+                                  .Attr<int32_t>("has_scales")
                                   .Attr<int32_t>("has_bias")
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
