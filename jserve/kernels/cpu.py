@@ -10,7 +10,8 @@ own intra-op threads. What a kernel does not take (``decode_supported``,
 ``prefill_supported``: fp8 pages, odd head sizes) stays on the reference, so every batch the
 reference serves is served.
 
-The kernels are compiled on first use, into one library, with the system's C++ compiler
+The kernels (and the MoE experts' kernel of ``cpu_moe``) are compiled on first use, into one
+library, with the system's C++ compiler
 against the FFI headers jaxlib ships, for this CPU (``-march=native``), into a cache keyed by
 the sources, the flags, jaxlib's version and the CPU (``$JSERVE_KERNEL_CACHE``, default
 ``~/.cache/jserve/kernels``). Without a compiler, or if the build fails, ``available()`` is
@@ -106,7 +107,7 @@ def available() -> bool:
                 _state["ok"] = True
             except Exception as e:  # noqa: BLE001 - the reference serves instead
                 _state.update(ok=False, error=str(e))
-                log.warning("native CPU attention unavailable, using the reference: %s",
+                log.warning("native CPU kernels unavailable, using the XLA ways: %s",
                             e)
         return _state["ok"]
 
