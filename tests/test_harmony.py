@@ -13,7 +13,7 @@ import pytest
 
 from hf_models import gpt_oss_chat_dir
 from jserve import SamplingParams
-from jserve.sampling.structured import StructuredOutput
+from jserve.sampling.structured import GrammarCompiler, StructuredOutput
 from jserve.serving.app import BackgroundServer, ServerConfig
 from jserve.serving.harmony import HarmonyCallParser, HarmonyStream
 from jserve.serving.reasoning import FORMATS, split
@@ -166,7 +166,50 @@ def test_served_tool_calls_are_the_raw_replys(oai, offline):
         finish = chunk.choices[0].finish_reason or finish
     assert finish == "tool_calls"
     assert streamed == {0: [got[0].function.name, got[0].function.arguments]}
-    with pytest.raises(openai.BadRequestError) as e:
-        oai.chat.completions.create(model="oss", messages=MSGS, tools=TOOLS,
-                                    tool_choice="required", max_tokens=8)
-    assert e.value.body["param"] == "tool_choice"
+
+
+@pytest.mark.parametrize("tool_choice", [
+    "required", {"type": "function", "function": {"name": "get_time"}}])
+def test_required_and_named_tool_choices_hold_the_reply_to_a_call(oai, offline, tool_choice):
+    """``required`` / a named function: the reply is held to (an analysis message, then) a
+    call message to one of the tools, its arguments to that tool's parameters; served, it
+    is that call, as the offline engine's raw reply under the same constraint reads."""
+    from jserve.serving.tool_formats import constraint
+
+    tools = TOOLS + [{"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string", "maxLength": 6}},
+        "required": ["zone"], "additionalProperties": False}}}]
+    named = isinstance(tool_choice, dict)
+    choice = ToolChoice("named", name="get_time", format="openai") if named else \
+        ToolChoice("required", format="openai")
+    held = constraint(tools, choice, offline.engine.tokenizer)
+    prompt = offline.engine.tokenizer.apply_chat_template(MSGS, tools=tools)
+    text = offline.generate(prompt, SamplingParams(
+        temperature=0.0, max_tokens=60, skip_special_tokens=False,
+        structured_output=held))[0].text
+    _, content = split(HARMONY, text)
+    _, calls = read_calls(AUTO, content)
+    assert len(calls) == 1, text
+    name, arguments = calls[0]["function"]["name"], calls[0]["function"]["arguments"]
+    if named:
+        assert name == "get_time" and set(json.loads(arguments)) == {"zone"}
+    # An analysis message may come first; nothing but a call to a given tool may follow.
+    tok, eos = offline.engine.tokenizer, tuple(offline.engine.tokenizer.eos_token_ids)
+    grammars = GrammarCompiler(tok, offline.engine.model_config.vocab_size, eos)
+    think = ("<|channel|>analysis<|message|>Time, then.<|end|><|start|>assistant"
+             '<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>')
+    for reply, whole in [(think + '{"zone":"UTC"}', True), (think + '{"zone":"Europe/Paris"}',
+                                                             False),
+                         ("<|channel|>final<|message|>It is noon.", False),
+                         ('<|channel|>commentary to=functions.get_date <|constrain|>json'
+                          '<|message|>{}', False)]:
+        held_to = grammars.compile(held)
+        ids = tok.encode(reply, add_special_tokens=False)
+        taken = all(held_to.advance(i) for i in ids)
+        assert (taken and held_to.done) == whole, reply
+    choice = oai.chat.completions.create(model="oss", messages=MSGS, tools=tools,
+                                         tool_choice=tool_choice, temperature=0,
+                                         max_tokens=60).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [
+        (name, arguments)]

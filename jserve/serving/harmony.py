@@ -20,9 +20,16 @@ content whole. Either holds back only what could still be a marker. No engine st
 """
 from __future__ import annotations
 
+import json
 import re
 
-from jserve.serving.tool_calls import ToolCallParser, ToolChoice, ToolError, partial_mark
+from jserve.sampling.structured import StructuredOutput, lark_literal
+from jserve.serving.tool_calls import (
+    ToolCallParser,
+    ToolChoice,
+    call_schemas,
+    partial_mark,
+)
 
 START, CHANNEL, MESSAGE, END = "<|start|>", "<|channel|>", "<|message|>", "<|end|>"
 CONSTRAIN = "<|constrain|>"
@@ -171,10 +178,35 @@ class HarmonyCallParser(ToolCallParser):
         return (held if self._phase == "content" else ""), deltas
 
 
-def harmony_constraint(tools: list[dict], choice: ToolChoice, tokenizer=None):
-    """``required`` and a named function are refused: a constraint would have to let the
-    analysis message come first and hold only the call's body (not built)."""
-    if choice.mode in ("required", "named"):
-        raise ToolError("tool_choice", f"tool_choice {choice.mode!r} is not supported with "
-                                       "the openai (harmony) tool-call parser: use auto")
-    return None
+def harmony_constraint(tools: list[dict], choice: ToolChoice, tokenizer=None
+                       ) -> StructuredOutput | None:
+    """The grammar of ``required`` and of a named function: at most one analysis message
+    (its body any text), then a call, ``<|channel|>commentary
+    to=functions.NAME <|constrain|>json<|message|>`` and the arguments held to that tool's
+    parameters (compact JSON); the call token after them ends the reply. Harmony has one call
+    a message and the reply ends at it, so ``parallel_tool_calls`` makes no second one.
+    None for ``auto`` and ``none``. The markers as ``tokenizer`` has them (one token each)."""
+    if choice.mode == "named":
+        given = [(i, t) for i, t in enumerate(tools) if t["function"]["name"] == choice.name]
+    elif choice.mode == "required":
+        given = list(enumerate(tools))
+    else:
+        return None
+    mark = lambda text: lark_literal(tokenizer, text)  # noqa: E731
+    calls = []
+    for call in call_schemas(given):
+        name = call["properties"]["name"]["const"]
+        schema = {**call["properties"]["arguments"], "x-guidance": {"whitespace_flexible": False}}
+        calls.append(f'{mark(CHANNEL)} {json.dumps(f"commentary to=functions.{name} ")} '
+                     f'{mark(CONSTRAIN)} "json" {mark(MESSAGE)} %json {json.dumps(schema)}')
+    end = mark(END)
+    if end.startswith('"'):  # the marker is text: free text up to it (a lazy rule)
+        body, thought = "thought", f"thought[stop={end}]: /(?s:.*)/"
+    else:  # a token of the vocabulary, which no text lexeme can cross
+        body, thought = f"THOUGHT {end}", "THOUGHT: /(?s:.*)/"
+    rules = [f'analysis: {mark(CHANNEL)} "analysis" {mark(MESSAGE)} {body} {mark(START)} '
+             f'"assistant"', thought,
+             "call: " + " | ".join(f"call{j}" for j in range(len(calls))),
+             *(f"call{j}: {c}" for j, c in enumerate(calls))]
+    return StructuredOutput(grammar="%llguidance {}\nstart: analysis? call\n"
+                                    + "\n".join(rules) + "\n")
