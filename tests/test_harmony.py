@@ -87,6 +87,9 @@ MSGS = [{"role": "user", "content": "What is the weather in Paris?"}]
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather",
                                            "parameters": {"type": "object", "properties": {
                                                "city": {"type": "string"}}}}}]
+BOTH = TOOLS + [{"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "maxLength": 6}},
+    "required": ["zone"], "additionalProperties": False}}}]
 
 
 @pytest.fixture(scope="module")
@@ -176,9 +179,7 @@ def test_required_and_named_tool_choices_hold_the_reply_to_a_call(oai, offline, 
     is that call, as the offline engine's raw reply under the same constraint reads."""
     from jserve.serving.tool_formats import constraint
 
-    tools = TOOLS + [{"type": "function", "function": {"name": "get_time", "parameters": {
-        "type": "object", "properties": {"zone": {"type": "string", "maxLength": 6}},
-        "required": ["zone"], "additionalProperties": False}}}]
+    tools = BOTH
     named = isinstance(tool_choice, dict)
     choice = ToolChoice("named", name="get_time", format="openai") if named else \
         ToolChoice("required", format="openai")
@@ -213,3 +214,35 @@ def test_required_and_named_tool_choices_hold_the_reply_to_a_call(oai, offline, 
     assert choice.finish_reason == "tool_calls"
     assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [
         (name, arguments)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_response_carries_harmonys_reasoning_and_its_call(oai, offline, stream):
+    """The Responses API on the harmony readers: the analysis body a reasoning item and the
+    final body the message (a reply held to both by ANSWER), and a required call a
+    function_call item; each as the chat reply to the same input gives it."""
+    kw = dict(model="oss", input=MSGS[0]["content"], temperature=0, max_output_tokens=60)
+
+    def respond(**more):
+        if not stream:
+            return oai.responses.create(**kw, **more)
+        events = list(oai.responses.create(stream=True, **kw, **more))
+        r = events[-1].response
+        thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+        assert thought == "".join(o.content[0].text for o in r.output if o.type == "reasoning")
+        return r
+    chat = dict(model="oss", messages=MSGS, temperature=0, max_tokens=60)
+    grammar = {"structured_outputs": {"grammar": ANSWER}}
+    m = oai.chat.completions.create(**chat, extra_body=grammar).choices[0].message
+    r = respond(extra_body=grammar)
+    assert [o.type for o in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == m.model_extra["reasoning"]
+    assert r.output_text == m.content and "<|" not in r.output_text
+    # (A random model in an analysis body rarely leaves it: with these tools its greedy
+    # reply goes to the call at once.)
+    call = oai.chat.completions.create(**chat, tools=BOTH, tool_choice="required"
+                                       ).choices[0].message.tool_calls[0].function
+    r = respond(tools=[{"type": "function", **t["function"]} for t in BOTH],
+                tool_choice="required")
+    assert [(o.type, o.name, o.arguments) for o in r.output] == [
+        ("function_call", call.name, call.arguments)]

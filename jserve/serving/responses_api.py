@@ -26,12 +26,13 @@ import threading
 from jserve.serving.http_protocol import _SAMPLING, BadField, body_object
 
 # The Responses fields read here, and jserve's extras (the chat endpoint's sampling and SLO
-# fields, as ``extra_body``).
+# fields and vLLM's ``structured_outputs``, as ``extra_body``).
 _OWN = {"model", "input", "instructions", "tools", "tool_choice", "text", "reasoning",
         "max_output_tokens", "previous_response_id", "stream", "store", "temperature", "top_p",
         "metadata", "user", "parallel_tool_calls", "truncation", "include", "background",
         "service_tier", "stream_options"}
-_EXTRA = {*_SAMPLING, "ttft_slo", "tpot_slo", "priority", "chat_template_kwargs"} - {
+_EXTRA = {*_SAMPLING, "ttft_slo", "tpot_slo", "priority", "chat_template_kwargs",
+          "structured_outputs"} - {
     "temperature", "top_p"}
 FIELDS = _OWN | _EXTRA
 # Accepted only at the value that is what jserve does.
