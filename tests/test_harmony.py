@@ -246,3 +246,18 @@ def test_a_response_carries_harmonys_reasoning_and_its_call(oai, offline, stream
                 tool_choice="required")
     assert [(o.type, o.name, o.arguments) for o in r.output] == [
         ("function_call", call.name, call.arguments)]
+
+
+def test_a_regex_spelling_a_markers_text_makes_that_text(offline):
+    """A regex whose forced bytes spell a special token's text: llguidance's mask offers the
+    special token alone, which its matcher then refuses (the request ended there, empty);
+    the constraint offers the text instead, so the reply is the text, whole."""
+    prompt = offline.engine.tokenizer.apply_chat_template(MSGS)
+    for regex in (r"<\|channel\|>final", r"(ok|no) <\|end\|>"):
+        out = offline.generate(prompt, SamplingParams(
+            temperature=0.0, max_tokens=30, skip_special_tokens=False,
+            structured_output=StructuredOutput(regex=regex)))[0]
+        assert out.finish_reason == "stop"
+        assert out.text in ("<|channel|>final", "ok <|end|>", "no <|end|>"), out.text
+        assert "<|channel|>" not in [offline.engine.tokenizer.decode(
+            [t], skip_special_tokens=False) for t in out.token_ids]

@@ -202,7 +202,8 @@ class GrammarCompiler:
         return self._constraint(self._template(so, count=True))
 
     def _constraint(self, template) -> Constraint:
-        return Constraint(template.deep_copy(), self.vocab_size, self._ll.vocab_size)
+        return Constraint(template.deep_copy(), self.vocab_size, self._ll,
+                          _special_ids(self._ll))
 
     def _template(self, so: StructuredOutput, count: bool):
         from llguidance import LLMatcher
@@ -234,10 +235,10 @@ class GrammarCompiler:
 class Constraint:
     """One request's place in its grammar."""
 
-    def __init__(self, matcher, vocab_size: int, tokenizer_vocab: int):
-        self._matcher = matcher
+    def __init__(self, matcher, vocab_size: int, ll, specials: np.ndarray):
+        self._matcher, self._ll, self._specials = matcher, ll, specials
         self._words = (vocab_size + 31) // 32  # the model's mask width
-        self._buf = np.zeros((1, (tokenizer_vocab + 31) // 32), np.int32)  # llguidance's
+        self._buf = np.zeros((1, (ll.vocab_size + 31) // 32), np.int32)  # llguidance's
 
     def mask(self) -> np.ndarray:
         """int32[words]: bit j of word i allows token 32 i + j next (tokens the tokenizer
@@ -247,6 +248,28 @@ class Constraint:
         row = np.zeros(self._words, np.int32)
         n = min(self._words, self._buf.shape[1])
         row[:n] = self._buf[0, :n]
+        return self._without_refused_specials(row)
+
+    def _without_refused_specials(self, row: np.ndarray) -> np.ndarray:
+        """``row`` with no special token the matcher would refuse. Where a grammar forces
+        bytes that spell a special token's text (a regex ``<\\|end\\|>``), llguidance's mask
+        offers that token alone and ``consume_token`` then refuses it (the request would end
+        at it); the token of the bytes' first character is offered instead."""
+        ids = self._specials[self._specials < 32 * len(row)]
+        allowed = ids[(row[ids // 32] >> (ids % 32)) & 1 == 1]
+        refused = [int(t) for t in allowed if not self._matcher.validate_tokens([int(t)])]
+        if not refused:
+            return row
+        bits = row.view(np.uint32)
+        for t in refused:
+            bits[t // 32] &= ~np.uint32(1 << (t % 32))
+        if not bits.any():
+            # the forced text's first character alone (llguidance's tokenizer reads a
+            # special token's text as the token, even asked not to parse specials)
+            forced = self._matcher.compute_ff_bytes().decode("utf-8", errors="ignore")
+            first = self._ll.tokenize_str(forced[:1])[:1]
+            if first and first[0] < 32 * len(row) and self._matcher.validate_tokens(first):
+                bits[first[0] // 32] |= np.uint32(1 << (first[0] % 32))
         return row
 
     def advance(self, token: int) -> bool:
@@ -257,6 +280,12 @@ class Constraint:
     def done(self) -> bool:
         """The output is complete: the grammar allows nothing more (only end-of-sequence)."""
         return self._matcher.is_stopped()
+
+
+@functools.lru_cache(maxsize=8)
+def _special_ids(ll) -> np.ndarray:
+    """The special tokens of llguidance's tokenizer (its vocabulary's, ascending)."""
+    return np.asarray([t for t in range(ll.vocab_size) if ll.is_special_token(t)], np.int64)
 
 
 def llguidance_tokenizer(tokenizer, eos_ids: tuple[int, ...]):
