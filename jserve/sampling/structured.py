@@ -284,8 +284,12 @@ class Constraint:
 
 @functools.lru_cache(maxsize=8)
 def _special_ids(ll) -> np.ndarray:
-    """The special tokens of llguidance's tokenizer (its vocabulary's, ascending)."""
-    return np.asarray([t for t in range(ll.vocab_size) if ll.is_special_token(t)], np.int64)
+    """The special tokens of llguidance's tokenizer but its end-of-sequence ones (which end a
+    complete output: the matcher's own rule, whatever ``validate_tokens`` says once it has
+    stopped), ascending."""
+    eos = set(ll.eos_tokens)
+    return np.asarray([t for t in range(ll.vocab_size)
+                       if ll.is_special_token(t) and t not in eos], np.int64)
 
 
 def llguidance_tokenizer(tokenizer, eos_ids: tuple[int, ...]):
