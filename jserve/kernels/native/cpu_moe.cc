@@ -125,37 +125,41 @@ inline v8 load_n(const float* p, int64_t n) {  // lanes past n zero
   return v;
 }
 
-// out[r][0, n) = scale[r] * cols[0, n) * (sum_i rows[r][i] * w[i * ldw + 0, kTile)) (+ bias,
-// or added to out[r] when ``add``), for R rows in registers; ``cols`` a quantized matrix's
-// scales per column (or null); the columns past n < kTile are computed from whatever w
-// holds there and not stored.
+inline v8 splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
+
+// One vector of a product's row to out (its first ``lanes`` <= 8): times the row's scale and
+// the columns' (a quantized matrix's, or null), plus the bias (or null), added to what out
+// holds when ``add``.
+template <bool kAdd>
+inline void finish(v8 y, float scale, const float* cols, const float* bias, float* out,
+                   int64_t lanes) {
+  y *= scale;
+  if (cols) y *= load_n(cols, lanes);
+  if (bias) y += load_n(bias, lanes);
+  if (kAdd) y += load_n(out, lanes);
+  store(out, y, lanes);
+}
+
+// out[r][0, n) = (sum_i rows[r][i] * w[i * ldw + 0, kTile)) as ``finish`` scales and adds
+// it, for R rows in registers over a packed panel (ldw kTile); the columns past n < kTile
+// are computed from its zeros and not stored.
 template <int R, bool kAdd, typename W>
 void tile(const float* const* rows, int64_t depth, const W* w, int64_t ldw, int64_t n,
           const float* scale, const float* cols, const float* bias, float* const* out) {
   v8 acc[R][kVecs] = {};
   for (int64_t i = 0; i < depth; ++i) {
     const W* wi = w + i * ldw;
-    // unpacked rows lie ldw apart, beyond what the hardware prefetcher follows
-    const W* ahead = wi + kAhead * ldw;
-    __builtin_prefetch(ahead);
-    __builtin_prefetch(ahead + kTile - 1);
     v8 wv[kVecs];
     for (int v = 0; v < kVecs; ++v) wv[v] = load8(wi + 8 * v);
     for (int r = 0; r < R; ++r) {
-      const float xs = rows[r][i];
-      const v8 xb = {xs, xs, xs, xs, xs, xs, xs, xs};
+      const v8 xb = splat(rows[r][i]);
       for (int v = 0; v < kVecs; ++v) acc[r][v] = fma8(xb, wv[v], acc[r][v]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kVecs && 8 * v < n; ++v) {
-      const int64_t lanes = n - 8 * v;
-      v8 y = acc[r][v] * scale[r];
-      if (cols) y *= load_n(cols + 8 * v, lanes);
-      if (bias) y += load_n(bias + 8 * v, lanes);
-      if (kAdd) y += load_n(out[r] + 8 * v, lanes);
-      store(out[r] + 8 * v, y, lanes);
-    }
+    for (int v = 0; v < kVecs && 8 * v < n; ++v)
+      finish<kAdd>(acc[r][v], scale[r], cols ? cols + 8 * v : nullptr,
+                   bias ? bias + 8 * v : nullptr, out[r] + 8 * v, n - 8 * v);
 }
 
 template <bool kAdd, typename W>
@@ -190,20 +194,15 @@ void stream(const float* const* rows, const float* scale, float* const* out, int
     for (int r = 0; r < R; ++r) xs[r] = rows[r][i];
     for (int64_t v = 0; v < full; ++v) {
       const v8 wv = load8(wi + 8 * v);
-      for (int r = 0; r < R; ++r) acc[r][v] = fma8(v8{} + xs[r], wv, acc[r][v]);
+      for (int r = 0; r < R; ++r) acc[r][v] = fma8(splat(xs[r]), wv, acc[r][v]);
     }
     for (int64_t j = 8 * full; j < n; ++j)
       for (int r = 0; r < R; ++r) acc[r][full][j % 8] += xs[r] * load(wi + j);
   }
   for (int r = 0; r < R; ++r)
-    for (int64_t v = 0; v < vecs; ++v) {
-      const int64_t lanes = n - 8 * v;
-      v8 y = acc[r][v] * scale[r];
-      if (cols) y *= load_n(cols + 8 * v, lanes);
-      if (bias) y += load_n(bias + 8 * v, lanes);
-      if (kAdd) y += load_n(out[r] + 8 * v, lanes);
-      store(out[r] + 8 * v, y, lanes);
-    }
+    for (int64_t v = 0; v < vecs; ++v)
+      finish<kAdd>(acc[r][v], scale[r], cols ? cols + 8 * v : nullptr,
+                   bias ? bias + 8 * v : nullptr, out[r] + 8 * v, n - 8 * v);
 }
 
 // The block w[0, depth) x [0, n) (n <= kBlock) as panels of kTile columns, panel t at
