@@ -7,7 +7,7 @@ Workloads (one engine per model and mode, all buckets compiled before timing):
   quote      tiny-tasks "list N fruits" (N = 16...), greedy: the answer repeats its own
              earlier lines, the fruit names every eight lines, while the numbers count
              down. The stand-in for document QA that quotes: no model here copies a
-             document (docs/speculative.md says what was tried)
+             document (docs/notes/speculative.md says what was tried)
   countdown  tiny-tasks "count down from N" (N = 60...), greedy: the tens digit repeats, the
              units do not, so prompt lookup drafts little; also run with a draft model
              (``--draft-model``, default tiny-tasks itself: every draft is right, so this is

@@ -7,7 +7,7 @@ ended at. A step adds only the tokens appended since the last one and looks up n
 so a proposal costs microseconds whatever the context length; rescanning the whole history
 every step (one numpy pass over the padded batch, the first version) cost about 0.15 ms for
 one 200-token sequence on this CPU, a tenth of a decode step of the tiny model, and grows
-with the context (docs/speculative.md, the profile).
+with the context (docs/notes/speculative.md, the profile).
 """
 from __future__ import annotations
 
