@@ -84,10 +84,7 @@ class StructuredOutput:
         except ValueError:  # a bare Lark grammar
             grammars = [{"lark_grammar": inner}]
         start, end = (lark_literal(tokenizer, t) for t in (THINK_START, THINK_END))
-        if end.startswith('"'):  # the tag is text: free text up to it (a lazy rule)
-            thought, closed = f"thought[stop={end}]: /(?s:.*)/", "thought"
-        else:  # a token of the vocabulary, which no text lexeme can cross
-            thought, closed = "THOUGHT: /(?s:.*)/", f"THOUGHT {end}"
+        closed, thought = text_until(end)
         block = {"open": closed, "first": f"{start}? {closed}",
                  "optional": f"({start} {closed})?"}[self.think]
         # A newline or two may follow the end tag, as thinking models write it.
@@ -309,6 +306,15 @@ def llguidance_tokenizer(tokenizer, eos_ids: tuple[int, ...]):
     return llguidance.LLTokenizer(
         llguidance.TokenizerWrapper(_ByteTokens(tokenizer, eos[0] if eos else None)),
         eos_token=eos)
+
+
+def text_until(end: str) -> tuple[str, str]:
+    """(the Lark term for free text closed by ``end``, the rule it needs), ``end`` a
+    ``lark_literal``: quoted text ends a lazy rule; a special token ends a terminal, since no
+    text lexeme can cross a token of the vocabulary."""
+    if end.startswith('"'):
+        return "thought", f"thought[stop={end}]: /(?s:.*)/"
+    return f"THOUGHT {end}", "THOUGHT: /(?s:.*)/"
 
 
 def lark_literal(tokenizer, text: str) -> str:

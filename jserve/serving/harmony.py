@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import re
 
-from jserve.sampling.structured import StructuredOutput, lark_literal
+from jserve.sampling.structured import StructuredOutput, lark_literal, text_until
 from jserve.serving.tool_calls import (
     ToolCallParser,
     ToolChoice,
@@ -199,11 +199,7 @@ def harmony_constraint(tools: list[dict], choice: ToolChoice, tokenizer=None
         schema = {**call["properties"]["arguments"], "x-guidance": {"whitespace_flexible": False}}
         calls.append(f'{mark(CHANNEL)} {json.dumps(f"commentary to=functions.{name} ")} '
                      f'{mark(CONSTRAIN)} "json" {mark(MESSAGE)} %json {json.dumps(schema)}')
-    end = mark(END)
-    if end.startswith('"'):  # the marker is text: free text up to it (a lazy rule)
-        body, thought = "thought", f"thought[stop={end}]: /(?s:.*)/"
-    else:  # a token of the vocabulary, which no text lexeme can cross
-        body, thought = f"THOUGHT {end}", "THOUGHT: /(?s:.*)/"
+    body, thought = text_until(mark(END))
     rules = [f'analysis: {mark(CHANNEL)} "analysis" {mark(MESSAGE)} {body} {mark(START)} '
              f'"assistant"', thought,
              "call: " + " | ".join(f"call{j}" for j in range(len(calls))),
