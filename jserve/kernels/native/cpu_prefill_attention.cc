@@ -5,13 +5,15 @@
 // and runs the dots far under the matmul rate (docs/kernels.md). Here each work item is one
 // KV head and a tile of up to kTileRows query rows (consecutive tokens of one sequence, all
 // of their grouped heads); items are spread over XLA's intra-op thread pool. A tile reads
-// its sequence's keys kKeys positions at a time straight from the stacked page pool
+// its sequence's keys kBlock positions at a time straight from the stacked page pool
 // [layers, Hkv, pages, page_size, D] at a run-time layer (float32, bfloat16, or int8 with one
 // scale per token and head), stops at its last token's position (causal), and keeps an
-// online softmax per row. Its queries are transposed once, so that the vectors (16 floats,
-// GCC vector extensions: AVX-512, AVX2 or NEON, whatever -march=native gives) run over rows:
-// a key element is one broadcast for all of them, and the softmax needs no horizontal
-// reduction. Exponentials are a vector polynomial.
+// online softmax per row. Its queries are transposed once, so that the vectors (GCC vector
+// extensions, one machine register wide: 16 floats with AVX-512, else 8) run over rows: a
+// key element is one broadcast for all of them, and the softmax needs no horizontal
+// reduction. Exponentials are a vector polynomial. The accumulators of the two inner loops
+// are sized to the register file (32 vector registers with AVX-512, 16 with AVX2): 16-float
+// vectors on an AVX2 host took two registers each and spilled, 17x slower.
 //
 // q [Hkv, T, G, D] float32, already scaled; q_seq [T] each token's row of the page table
 // (tokens of a row are contiguous; a token whose row is negative or not below num_seqs is
@@ -32,35 +34,41 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+#ifdef __AVX512F__
 constexpr int kKeys = 16;       // floats a vector
-constexpr int kBlock = 16;      // keys a block (a multiple of 4)
-constexpr int kTileRows = 64;   // query rows (tokens x group) a work item: at most 4 vectors
-constexpr int kMaxDim = 256;    // head_dim (a multiple of kKeys)
-typedef float v16 __attribute__((vector_size(kKeys * sizeof(float))));
-typedef int32_t i16 __attribute__((vector_size(kKeys * sizeof(int32_t))));
+constexpr int kGroup = 4;       // keys (scores) or dims (outputs) an inner loop accumulates
+#else
+constexpr int kKeys = 8;
+constexpr int kGroup = 2;
+#endif
+constexpr int kBlock = 16;      // keys a block (a multiple of kGroup)
+constexpr int kTileRows = 4 * kKeys;  // query rows (tokens x group) a work item: 4 vectors
+constexpr int kMaxDim = 256;    // head_dim (a multiple of 16)
+typedef float vf __attribute__((vector_size(kKeys * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(kKeys * sizeof(int32_t))));
 
 using jserve_native::load;
 
 // exp(x) for x <= 0 (scores minus their running maximum), to about 2 ulp: 2^n * p(r) with
 // n = round(x / ln 2) and r = x - n ln 2 in two parts, p Taylor's to degree 6; below -87 it
 // is 0 (the caller masks invalid keys separately).
-constexpr v16 kZero = {};
+constexpr vf kZero = {};
 
-inline v16 vexp(v16 x) {
-  const v16 in_range = x < -87.0f ? kZero : kZero + 1.0f;
+inline vf vexp(vf x) {
+  const vf in_range = x < -87.0f ? kZero : kZero + 1.0f;
   x = x < -87.0f ? kZero - 87.0f : x;
-  const v16 magic = kZero + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  v16 n = (x * 1.44269504f + magic) - magic;
-  v16 r = x - n * 0.693145752f;
+  const vf magic = kZero + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  vf n = (x * 1.44269504f + magic) - magic;
+  vf r = x - n * 0.693145752f;
   r = r - n * 1.42860677e-6f;
-  v16 p = r * (1.0f / 720) + (1.0f / 120);
+  vf p = r * (1.0f / 720) + (1.0f / 120);
   p = p * r + (1.0f / 24);
   p = p * r + (1.0f / 6);
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  i16 bits = (__builtin_convertvector(n, i16) + 127) << 23;
-  v16 scale;
+  vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale * in_range;
 }
@@ -87,7 +95,7 @@ struct Problem {
   std::vector<Tile> tiles;
 };
 
-// One work item: a tile's rows (RV vectors of 16 rows; rows past the tile's are padding)
+// One work item: a tile's rows (RV vectors of kKeys rows; rows past the tile's are padding)
 // against its keys, kKeys at a time. The tile's queries are transposed once ([D][RV]
 // vectors), so a key's scores for every row are RV vectors, sum_d k[d] * qt[d]: each key
 // element is one broadcast for all the rows and the K and V rows are read in place from
@@ -97,14 +105,14 @@ struct Problem {
 template <typename T, int RV>
 void attend_rows(const Problem<T>& p, int64_t h, const Tile& tile) {
   const int64_t g = p.g, d = p.d, rows = tile.tokens * g;
-  thread_local std::vector<v16> qt_buf, ot_buf;
+  thread_local std::vector<vf> qt_buf, ot_buf;
   qt_buf.assign(d * RV, kZero);
   ot_buf.assign(d * RV, kZero);
-  v16* qt = qt_buf.data();
-  v16* ot = ot_buf.data();
+  vf* qt = qt_buf.data();
+  vf* ot = ot_buf.data();
   const float* q = p.q + (h * p.t + tile.start) * g * d;
-  i16 pos[RV], first[RV];
-  v16 m[RV], l[RV];
+  vi pos[RV], first[RV];
+  vf m[RV], l[RV];
   int64_t lo = INT64_MAX, hi = 0;
   for (int v = 0; v < RV; ++v) {
     for (int j = 0; j < kKeys; ++j) {
@@ -129,7 +137,7 @@ void attend_rows(const Problem<T>& p, int64_t h, const Tile& tile) {
   const T* kr[kBlock];
   const T* vr[kBlock];
   float ks[kBlock], vs[kBlock];
-  v16 s[kBlock][RV];
+  vf s[kBlock][RV];
   const int32_t* table = p.page_table + tile.seq * p.width;
   for (int64_t k0 = lo; k0 < hi; k0 += kBlock) {
     const int64_t n = std::min<int64_t>(kBlock, hi - k0);
@@ -146,37 +154,37 @@ void attend_rows(const Problem<T>& p, int64_t h, const Tile& tile) {
         row = (base + table[++page]) * p.page_size;
       }
     }
-    // scores, four keys at a time: 4 x RV independent chains of FMAs
-    for (int j0 = 0; j0 < kBlock; j0 += 4) {
-      v16 a[4][RV];
-      for (int j = 0; j < 4; ++j)
+    // scores, kGroup keys at a time: kGroup x RV independent chains of FMAs
+    for (int j0 = 0; j0 < kBlock; j0 += kGroup) {
+      vf a[kGroup][RV];
+      for (int j = 0; j < kGroup; ++j)
         for (int v = 0; v < RV; ++v) a[j][v] = kZero;
       for (int64_t i = 0; i < d; ++i) {
-        const v16* qi = qt + i * RV;
+        const vf* qi = qt + i * RV;
 #pragma GCC unroll 4
-        for (int j = 0; j < 4; ++j) {
+        for (int j = 0; j < kGroup; ++j) {
           const float x = load(kr[j0 + j] + i);
 #pragma GCC unroll 4
           for (int v = 0; v < RV; ++v) a[j][v] += x * qi[v];
         }
       }
-      for (int j = 0; j < 4; ++j)
+      for (int j = 0; j < kGroup; ++j)
         for (int v = 0; v < RV; ++v) s[j0 + j][v] = a[j][v] * ks[j0 + j];
     }
     // the online softmax down the block's keys, every row at once
-    v16 alpha[RV];
+    vf alpha[RV];
     for (int v = 0; v < RV; ++v) {
-      v16 top = m[v];
+      vf top = m[v];
       for (int j = 0; j < kBlock; ++j) {
         const int32_t key = static_cast<int32_t>(k0 + j);
-        const i16 own = (pos[v] >= key) & (first[v] <= key) & (j < n ? -1 : 0);
+        const vi own = (pos[v] >= key) & (first[v] <= key) & (j < n ? -1 : 0);
         s[j][v] = own ? s[j][v] : kZero - INFINITY;
         top = top > s[j][v] ? top : s[j][v];
       }
-      const i16 none = top == kZero - INFINITY;  // no key of the row yet
-      v16 sum = kZero;
+      const vi none = top == kZero - INFINITY;  // no key of the row yet
+      vf sum = kZero;
       for (int j = 0; j < kBlock; ++j) {
-        const i16 own = s[j][v] != kZero - INFINITY;
+        const vi own = s[j][v] != kZero - INFINITY;
         s[j][v] = own ? vexp(s[j][v] - top) : kZero;
         sum += s[j][v];
       }
@@ -184,22 +192,22 @@ void attend_rows(const Problem<T>& p, int64_t h, const Tile& tile) {
       l[v] = l[v] * alpha[v] + sum;
       m[v] = top;
     }
-    // ot[D][RV] = ot * alpha + sum_j v[j][d] * w[j], four dims at a time
-    for (int64_t i0 = 0; i0 < d; i0 += 4) {
-      v16 a[4][RV];
-      for (int x = 0; x < 4; ++x)
+    // ot[D][RV] = ot * alpha + sum_j v[j][d] * w[j], kGroup dims at a time
+    for (int64_t i0 = 0; i0 < d; i0 += kGroup) {
+      vf a[kGroup][RV];
+      for (int x = 0; x < kGroup; ++x)
         for (int v = 0; v < RV; ++v) a[x][v] = ot[(i0 + x) * RV + v] * alpha[v];
       for (int j = 0; j < kBlock; ++j) {
         const T* vj = vr[j] + i0;
         const float sc = vs[j];
 #pragma GCC unroll 4
-        for (int x = 0; x < 4; ++x) {
+        for (int x = 0; x < kGroup; ++x) {
           const float y = load(vj + x) * sc;
 #pragma GCC unroll 4
           for (int v = 0; v < RV; ++v) a[x][v] += y * s[j][v];
         }
       }
-      for (int x = 0; x < 4; ++x)
+      for (int x = 0; x < kGroup; ++x)
         for (int v = 0; v < RV; ++v) ot[(i0 + x) * RV + v] = a[x][v];
     }
   }
@@ -271,10 +279,11 @@ ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   auto td = page_table.dimensions();
   if (qd.size() != 4 || kd.size() != 5 || td.size() != 2)
     return ffi::Error::InvalidArgument("q [Hkv, T, G, D], pages [L, Hkv, P, S, D] expected");
-  if (qd[3] > kMaxDim || qd[3] % kKeys != 0)
+  if (qd[3] > kMaxDim || qd[3] % 16 != 0)
     return ffi::Error::InvalidArgument("head_dim must be a multiple of 16, at most 256");
   if (qd[2] > kTileRows)
-    return ffi::Error::InvalidArgument("at most 64 query heads per KV head");
+    return ffi::Error::InvalidArgument(
+        "more query heads per KV head than a tile holds (32; 64 with AVX-512)");
   if (k.element_type() != v.element_type())
     return ffi::Error::InvalidArgument("K and V pages differ in dtype");
   const bool scaled = k.element_type() == ffi::DataType::S8;
