@@ -54,10 +54,10 @@ class StepRunner(Protocol):
     """What multi-process serving needs of the compiled model step."""
     mesh: Mesh
 
-    def buffer_shapes(self, shape: tuple[int, int], lone: bool = False
+    def buffer_shapes(self, shape: tuple[int, int], launch: Launch = Launch.STEP
                       ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-        """The shapes of the int32 and float32 buffers and the bitmask a step (``lone``: a
-        pass) of ``shape`` takes."""
+        """The shapes of the int32 and float32 buffers and the bitmask a ``launch`` of
+        ``shape`` takes."""
 
     def execute_packed(self, shape: tuple[int, int], ibuf: np.ndarray, fbuf: np.ndarray,
                        masks: np.ndarray | None = None, launch: Launch = Launch.STEP
@@ -122,7 +122,7 @@ def follow(runner: StepRunner) -> int:
         if kind == _STOP:
             return steps
         shape, launch = (bd, tp), Launch(launch)
-        ishape, fshape, mshape = runner.buffer_shapes(shape, launch is Launch.PASS)
+        ishape, fshape, mshape = runner.buffer_shapes(shape, launch)
         ibuf, fbuf = broadcast_one_to_all((np.zeros(ishape, np.int32),
                                            np.zeros(fshape, np.float32)))
         masks = broadcast_one_to_all(np.zeros(mshape, np.int32)) if masked else None

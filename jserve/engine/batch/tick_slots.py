@@ -53,9 +53,10 @@ class TickSlots:
         if self.spp == 1 and new.packed is not None:  # the builder packed it
             return new.shape, new.packed, Launch.STEP
         if self.spp == 1 or lone:
-            packed = self.runner.programs.compiled(new.shape, lone)[1].pack(new.arrays,
-                                                                            new.masked)
-            return new.shape, packed, Launch.PASS if lone else Launch.STEP
+            launch = Launch.PASS if lone else Launch.STEP
+            packed = self.runner.programs.compiled(new.shape, launch)[1].pack(new.arrays,
+                                                                              new.masked)
+            return new.shape, packed, launch
         records = [None] + list(in_flight)
         records += [None] * (self.spp - len(records))
         steps = [new] + [r.built if r is not None else None for r in records[1:]]

@@ -115,11 +115,11 @@ class ModelRunner:
                         "were compiled for; compiling again")
         return same
 
-    def buffer_shapes(self, shape: tuple[int, int], lone: bool = False
+    def buffer_shapes(self, shape: tuple[int, int], launch: Launch = Launch.STEP
                       ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
         """The packed buffers and bitmask ``execute_packed`` takes for ``shape``
         (``StepPrograms``)."""
-        return self.programs.buffer_shapes(shape, lone)
+        return self.programs.buffer_shapes(shape, launch)
 
     # -- running steps -------------------------------------------------------------------
     def execute(self, shape: tuple[int, int], arrays: StepArrays) -> SampleResult:
@@ -137,7 +137,7 @@ class ModelRunner:
         are [burst_steps, rows] (row j: step j's; the rows past the burst zeros), its
         logprobs fields None (bursts carry none)."""
         lone, defer = launch is Launch.PASS, launch is Launch.FORWARD
-        exe, layout = self.programs.compiled(shape, lone)
+        exe, layout = self.programs.compiled(shape, launch)
         if lone:
             self.passed[shape] += 1
         else:

@@ -23,6 +23,7 @@ from jserve.engine.batch.arrays import PackedLayout
 from jserve.engine.device import page_io
 from jserve.engine.programs.deferred import DeferredCompiles
 from jserve.engine.programs.lowering import StepLowering
+from sharding.distributed import Launch
 
 log = logging.getLogger(__name__)
 
@@ -104,18 +105,18 @@ class StepPrograms:
         self._lock = threading.Lock()  # the caches and counters, shared with that thread
 
     # -- compiled on first use -----------------------------------------------------------
-    def compiled(self, shape: tuple[int, int], lone: bool = False) -> Program:
-        """The step (spp: tick) executable of ``shape`` and its layout, compiled on first use
-        (a shape the background thread has in hand: waits for it); ``lone``: the pass
-        executable instead (spp > 1)."""
-        cache = self.passes if lone else self.steps
+    def compiled(self, shape: tuple[int, int], launch: Launch = Launch.STEP) -> Program:
+        """The executable that runs ``launch`` at ``shape``, and its layout, compiled on
+        first use (a shape the background thread has in hand: waits for it): the pass
+        executable for ``Launch.PASS`` (spp > 1), the step (spp > 1: tick) for the others."""
+        cache = self.passes if launch is Launch.PASS else self.steps
         entry = cache.get(shape)
-        if entry is None and not lone:
+        if entry is None and cache is self.steps:
             _wait_for(self.deferred, shape)
             entry = cache.get(shape)
         if entry is None:
             t0 = time.perf_counter()
-            lowered, layout = self.lowering.lower(shape, lone)
+            lowered, layout = self.lowering.lower(shape, launch)
             exe = _compile(lowered, self.cache_events)
             with self._lock:
                 entry = cache.setdefault(shape, (exe, layout))
@@ -165,12 +166,12 @@ class StepPrograms:
                 self.compile_count += 1
                 self.compile_seconds += time.perf_counter() - t0
 
-    def buffer_shapes(self, shape: tuple[int, int], lone: bool = False
+    def buffer_shapes(self, shape: tuple[int, int], launch: Launch = Launch.STEP
                       ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-        """The packed int32 and float32 buffers a step of ``shape`` takes: one step's, or with
-        spp > 1 one per pipeline slot ([spp, size]) unless ``lone`` (a pass: one step's);
-        and its bitmask (``PackedLayout``)."""
-        return self.lowering.buffer_shapes(self.compiled(shape, lone)[1], lone)
+        """The packed int32 and float32 buffers a ``launch`` of ``shape`` takes: one step's,
+        or with spp > 1 one per pipeline slot ([spp, size]) unless a pass (one step's); and
+        its bitmask (``PackedLayout``)."""
+        return self.lowering.buffer_shapes(self.compiled(shape, launch)[1], launch)
 
     def reset(self, args: tuple) -> bool:
         """The arrays a runner built on specs is given, as abstract arguments (params, KV
@@ -270,12 +271,12 @@ class StepPrograms:
         their lowering is the worker's (the scatter takes the compiled gather's output
         shardings)."""
         shapes = self.core_shapes() if core else self.lowering.buckets.all_shapes()
-        todo = [(s, False) for s in shapes if s not in self.steps]
-        todo += [(s, True) for s in self.pass_warmup_shapes() if s not in self.passes]
+        todo = [(s, Launch.STEP) for s in shapes if s not in self.steps]
+        todo += [(s, Launch.PASS) for s in self.pass_warmup_shapes() if s not in self.passes]
         todo.sort(key=lambda job: -sum(job[0]))  # the longest compiles start first
-        for s, lone in todo:
-            yield (f"{'pass' if lone else 'step'} {s[0]}x{s[1]}", (s, lone),
-                   self.lowering.lower(s, lone))
+        for s, launch in todo:
+            yield (f"{'pass' if launch is Launch.PASS else 'step'} {s[0]}x{s[1]}",
+                   (s, launch), self.lowering.lower(s, launch))
         # A plain step samples in its own executable; the sampling executable serves only
         # steps whose masks come late, so with ``core`` it compiles after start (``defer``).
         if self.spp > 1 or not core:
@@ -342,6 +343,6 @@ class StepPrograms:
             if isinstance(key, _SamplerKey):
                 self.samplers[key.rows] = program
             else:
-                shape, lone = key
-                (self.passes if lone else self.steps)[shape] = program
+                shape, launch = key
+                (self.passes if launch is Launch.PASS else self.steps)[shape] = program
             self.compile_count += 1

@@ -18,6 +18,7 @@ from jserve.engine.batch.buckets import Buckets
 from jserve.engine.programs.step_program import StepSpec, jitted
 from jserve.model.lora import pool_slots
 from sharding import pipeline
+from sharding.distributed import Launch
 
 
 def pinned_pages(attention_impl: str, spp: int, capture_layer: int | None) -> bool:
@@ -111,12 +112,12 @@ class StepLowering:
         return jax.ShapeDtypeStruct((self.model_config.vocab_size, rows), jnp.float32,
                                     sharding=self.replicated)
 
-    def buffer_shapes(self, layout: PackedLayout, lone: bool = False
+    def buffer_shapes(self, layout: PackedLayout, launch: Launch = Launch.STEP
                       ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
         """The packed int32 and float32 buffers of a step laid out by ``layout``: one step's,
-        or with spp > 1 one per pipeline slot ([spp, size]) unless ``lone``; and its bitmask
-        (a tick's: the batch leaving the last stage's)."""
-        lead = (self.spp,) if self.spp > 1 and not lone else ()
+        or with spp > 1 one per pipeline slot ([spp, size]) unless ``launch`` is a pass; and
+        its bitmask (a tick's: the batch leaving the last stage's)."""
+        lead = (self.spp,) if self.spp > 1 and launch is not Launch.PASS else ()
         return lead + (layout.int_size,), lead + (layout.float_size,), layout.mask_shape
 
     def layout(self, shape: tuple[int, int]) -> PackedLayout:
@@ -126,19 +127,20 @@ class StepLowering:
             layout = self._layouts.setdefault(shape, PackedLayout(self.arrays_spec(*shape)))
         return layout
 
-    def _buffer_specs(self, shape: tuple[int, int], lone: bool = False
+    def _buffer_specs(self, shape: tuple[int, int], launch: Launch = Launch.STEP
                       ) -> tuple[PackedLayout, jax.ShapeDtypeStruct, jax.ShapeDtypeStruct,
                                  jax.ShapeDtypeStruct]:
         """A bucket's layout, its packed int32 and float32 buffers and its bitmask (the
         plain step's argument), abstract."""
         layout = self.layout(shape)
         return (layout, *(jax.ShapeDtypeStruct(s, dtype, sharding=self.replicated)
-                          for s, dtype in zip(self.buffer_shapes(layout, lone),
+                          for s, dtype in zip(self.buffer_shapes(layout, launch),
                                               (jnp.int32, jnp.float32, jnp.int32))))
 
-    def step_spec(self, shape: tuple[int, int], lone: bool = False,
+    def step_spec(self, shape: tuple[int, int], launch: Launch = Launch.STEP,
                   burst_steps: int | None = None) -> StepSpec:
-        """What the step (spp > 1: tick; ``lone``: pass) of bucket ``shape`` is compiled
+        """What the program running ``launch`` (``Launch.PASS``: the pass, spp > 1; any
+        other: the step, spp > 1: the tick) of bucket ``shape`` is compiled
         for; ``burst_steps``: in place of the runner's (a benchmark's plain decode step: 1)."""
         modes = self.modes
         burst_steps = modes.burst_steps if burst_steps is None else burst_steps
@@ -146,7 +148,7 @@ class StepLowering:
                                                      and shape[1] == 0)
         spec = StepSpec(self.layout(shape), self.model_config, self.attention_impl, self.mesh,
                         self.rows_for(shape), in_place_layers=in_place)
-        if lone:
+        if launch is Launch.PASS:
             return spec
         if self.spp > 1:
             return dataclasses.replace(spec, decode_rows=self.stream_shape[0])
@@ -157,13 +159,14 @@ class StepLowering:
                                        whole_chain=modes.whole_chain_decodes)
         return spec
 
-    def lower(self, shape: tuple[int, int], lone: bool = False,
+    def lower(self, shape: tuple[int, int], launch: Launch = Launch.STEP,
               burst_steps: int | None = None) -> tuple[jax.stages.Lowered, PackedLayout]:
-        """The step (spp > 1: tick; ``lone``: pass) of bucket ``shape``, and its layout."""
-        spec = self.step_spec(shape, lone, burst_steps)
-        layout, ibuf, fbuf, masks = self._buffer_specs(shape, lone)
+        """The program running ``launch`` (``step_spec``) of bucket ``shape``, and its
+        layout."""
+        spec = self.step_spec(shape, launch, burst_steps)
+        layout, ibuf, fbuf, masks = self._buffer_specs(shape, launch)
         args = self.args
-        if lone:
+        if launch is Launch.PASS:
             lowered = self.jitted.lone.lower(*args, ibuf, fbuf, spec=spec)
         elif self.spp == 1:
             lowered = self.jitted.step.lower(*args, ibuf, fbuf, masks,
