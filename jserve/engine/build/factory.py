@@ -294,11 +294,10 @@ def build_engine_parts(cfg: ModelConfig, params: Params, config: EngineConfig,
     defer = (config.warmup in ("core", "background") and mesh_config.spp == 1
              and jax.process_count() == 1)
     burst_ok = bursts_allowed(config, mesh_config, capture)
-    runner, hits = _runner(cfg, params, config, mesh_config, buckets, num_pages, capture,
-                           times, defer, groups and groups.local_pages,
-                           (config.burst_steps() if burst_ok else 1,
-                            scheduler.swap_policy is not None
-                            or host_tier_on(config, mesh_config)))
+    plan = RunnerPlan(geo, num_pages, capture, defer, groups and groups.local_pages,
+                      config.burst_steps() if burst_ok else 1,
+                      scheduler.swap_policy is not None or host_tier_on(config, mesh_config))
+    runner, hits = _runner(cfg, params, config, plan, times)
     if pooler is not None and cfg.num_labels:  # a classifier's head, read on the host
         pooler.head = np.asarray(runner.params["score"], np.float32)
     programs = runner.programs
@@ -311,25 +310,40 @@ def build_engine_parts(cfg: ModelConfig, params: Params, config: EngineConfig,
     bursts = DecodeBursts(config.burst_steps(), burst_ok, scheduler, runner, buckets, context)
     return EngineParts(
         mesh_config, jax.process_count() > 1, context, buckets, allocator, scheduler,
-        runner, _builder(config, buckets, runner, num_pages, cfg.vocab_size, defer,
-                         groups is not None, mesh_config.spp, adapters),
+        runner, _builder(config, plan, runner, cfg.vocab_size, adapters),
         predictor, tracker, pooler, hits, speculator, bursts, adapters)
 
 
-def _builder(config: EngineConfig, buckets: Buckets, runner: ModelRunner, num_pages: int,
-             vocab_size: int, defer: bool, hybrid: bool, spp: int,
+@dataclasses.dataclass(frozen=True)
+class RunnerPlan:
+    """What the factory decided the runner and the step builder are built for, beside the
+    model, its weights and the config."""
+
+    geo: Geometry
+    num_pages: int
+    capture: LengthTracker | Pooler | None  # what the step captures hidden states for
+    # Steps of shapes not compiled yet run padded up to a compiled one while theirs compiles
+    # in the background (so warm-up compiles only the core shapes).
+    defer: bool
+    local_pages: int | None  # two KV layer groups: the windowed layers' pool (``KVGroups``)
+    burst_steps: int         # the decode bursts' steps (1: none)
+    swaps: bool              # the swap programs compile with the steps (``StepPrograms.swaps``)
+
+
+def _builder(config: EngineConfig, plan: RunnerPlan, runner: ModelRunner, vocab_size: int,
              adapters: AdapterSlots | None) -> StepBuilder:
-    """The step builder over the runner's programs (``defer``: steps built at a compiled
-    shape while their own compiles)."""
+    """The step builder over the runner's programs."""
     programs = runner.programs
-    spec = BuilderSpec(config.page_size, runner.state_sink, pool_pages=num_pages,
-                       vocab_size=vocab_size, hybrid=hybrid,
+    spec = BuilderSpec(config.page_size, runner.state_sink, pool_pages=plan.num_pages,
+                       vocab_size=vocab_size, hybrid=plan.local_pages is not None,
                        whole_chain_decodes=programs.lowering.modes.whole_chain_decodes)
     hooks = RequestHooks(plain_row=plain_sampler_row, prompt_logprobs=prompt_logprobs.wanted,
                          lora_slot=adapters and (lambda r: adapters.slot(r.adapter)))
-    return StepBuilder(buckets, spec, hooks, ready=programs.ready_shape if defer else None,
+    return StepBuilder(plan.geo.buckets, spec, hooks,
+                       ready=programs.ready_shape if plan.defer else None,
                        # spp > 1: a tick packs its slots itself
-                       layout=programs.lowering.layout if spp == 1 else None)
+                       layout=programs.lowering.layout if plan.geo.mesh_config.spp == 1
+                       else None)
 
 
 def whole_chain_decodes(backend: str) -> bool:
@@ -352,14 +366,13 @@ def describe_run(times: StartupTimes, cfg: ModelConfig, config: EngineConfig,
     times.layer_mode, times.dtype = layer_mode, cfg.dtype
 
 
-def _warm(runner: ModelRunner, times: StartupTimes, core_only: bool,
-          wanted: tuple[int, bool]) -> int:
+def _warm(runner: ModelRunner, times: StartupTimes, plan: RunnerPlan) -> int:
     """``runner``'s warm-up (``StepPrograms.warmup``) timed into ``times``; returns the
     persistent-cache hits."""
     t0 = time.perf_counter()
     programs = runner.programs
-    programs.swaps = wanted[1]
-    programs.warmup(core=core_only)
+    programs.swaps = plan.swaps
+    programs.warmup(core=plan.defer)
     times.programs += time.perf_counter() - t0
     times.cached = programs.cache_events["cache_hits"]
     times.compiled = programs.compiled_up_front - times.cached
@@ -404,16 +417,12 @@ def _allocate_kv(cfg: ModelConfig, config: EngineConfig, mesh, num_pages: int,
                                      mesh, config.kv_cache_dtype)
 
 
-def _runner(cfg: ModelConfig, params: Params, config: EngineConfig, mesh_config: MeshConfig,
-            buckets: Buckets, num_pages: int, tracker: LengthTracker | Pooler | None,
-            times: StartupTimes, core_only: bool, local_pages: int | None = None,
-            wanted: tuple[int, bool] = (1, False)) -> tuple[ModelRunner, int | None]:
+def _runner(cfg: ModelConfig, params: Params, config: EngineConfig, plan: RunnerPlan,
+            times: StartupTimes) -> tuple[ModelRunner, int | None]:
     """The runner, its programs warmed up (``config.warmup``), and how many came from the
     persistent cache (None: no warm-up). On one device the weights and KV pages load in a
-    thread while the programs compile against their specs; on a mesh they load first.
-    ``wanted``: the decode bursts' steps (1: none) and whether swapping happens, whose
-    programs compile with the steps (``StepLowering.modes.burst_steps``, ``StepPrograms.swaps``).
-    ``local_pages``: two KV layer groups, the windowed layers' pool (``KVGroups``)."""
+    thread while the programs compile against their specs; on a mesh they load first."""
+    mesh_config, num_pages, local_pages = plan.geo.mesh_config, plan.num_pages, plan.local_pages
     mesh = make_mesh(mesh_config) if mesh_config.size > 1 else None
     placed = hasattr(params, "place")  # a lazy checkpoint streams onto the mesh
     layer_mode = config.layer_mode(cfg.num_hidden_layers, mesh_config.spp,
@@ -433,15 +442,16 @@ def _runner(cfg: ModelConfig, params: Params, config: EngineConfig, mesh_config:
     def allocate_kv():
         t0 = time.perf_counter()
         kv = jax.block_until_ready(_allocate_kv(cfg, config, mesh, num_pages, local_pages,
-                                                tracker))
+                                                plan.capture))
         times.kv = time.perf_counter() - t0
         return kv
 
     def warmup(runner: ModelRunner) -> int | None:
-        return _warm(runner, times, core_only, wanted) if warm else None
+        return _warm(runner, times, plan) if warm else None
 
-    make = functools.partial(ModelRunner, **runner_options(config, buckets, mesh, layer_mode,
-                                                           tracker, wanted[0]))
+    make = functools.partial(ModelRunner, **runner_options(config, plan.geo.buckets, mesh,
+                                                           layer_mode, plan.capture,
+                                                           plan.burst_steps))
     if mesh is not None or not warm:
         runner = make(cfg, load_weights(), allocate_kv(), params_placed=True)
         return runner, warmup(runner)
