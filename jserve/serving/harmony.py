@@ -28,6 +28,7 @@ from jserve.serving.tool_calls import (
     ToolCallParser,
     ToolChoice,
     call_schemas,
+    forced_tools,
     partial_mark,
 )
 
@@ -186,11 +187,8 @@ def harmony_constraint(tools: list[dict], choice: ToolChoice, tokenizer=None
     parameters (compact JSON); the call token after them ends the reply. Harmony has one call
     a message and the reply ends at it, so ``parallel_tool_calls`` makes no second one.
     None for ``auto`` and ``none``. The markers as ``tokenizer`` has them (one token each)."""
-    if choice.mode == "named":
-        given = [(i, t) for i, t in enumerate(tools) if t["function"]["name"] == choice.name]
-    elif choice.mode == "required":
-        given = list(enumerate(tools))
-    else:
+    given = forced_tools(tools, choice)
+    if given is None:
         return None
     mark = lambda text: lark_literal(tokenizer, text)  # noqa: E731
     calls = []

@@ -39,6 +39,7 @@ from jserve.serving.tool_calls import (
     any_of,
     call_header,
     call_schemas,
+    forced_tools,
     partial_mark,
 )
 
@@ -50,13 +51,10 @@ def hermes_constraint(tools: list[dict], choice: ToolChoice, tokenizer=None
     """The grammar of ``required`` and of a named function (a Lark grammar for llguidance,
     each block's object an inline JSON schema; the tags as ``tokenizer`` has them: one token
     each, or text); None for ``auto`` and ``none``."""
-    if choice.mode == "named":
-        given, one = [(i, t) for i, t in enumerate(tools)
-                      if t["function"]["name"] == choice.name], True
-    elif choice.mode == "required":
-        given, one = list(enumerate(tools)), not choice.parallel
-    else:
+    given = forced_tools(tools, choice)
+    if given is None:
         return None
+    one = choice.mode == "named" or not choice.parallel
     calls = call_schemas(given)
     schema = any_of(calls)
     # Compact JSON, as the other constraints (structured.py): no padding with whitespace.

@@ -150,6 +150,16 @@ def call_array(calls: list[dict], parallel: bool) -> dict[str, Any]:
     return schema
 
 
+def forced_tools(tools: list[dict], choice: ToolChoice) -> list[tuple[int, dict]] | None:
+    """The ``(index, tool)`` pairs a reply must call one of: the named function's, or every
+    tool's under ``required``; None when the choice forces no call (``auto``, ``none``)."""
+    if choice.mode == "named":
+        return [(i, t) for i, t in enumerate(tools) if t["function"]["name"] == choice.name]
+    if choice.mode == "required":
+        return list(enumerate(tools))
+    return None
+
+
 def call_schemas(given: list[tuple[int, dict]]) -> list[dict]:
     """The JSON schema of a call of each ``(index, tool)``: ``{"name": <its name>,
     "arguments": <its parameters>}`` (\\d, \\w, \\s as ASCII classes, for a grammar that
