@@ -22,21 +22,21 @@ from jserve.cache.pool import (
     row_major,
 )
 from jserve.config import ModelConfig
-from jserve.engine.requests import prompt_logprobs
-from jserve.engine.programs.abstract import abstract_kv_cache, params_on_one_device
-from jserve.engine.device.adapters import build_adapters
 from jserve.engine.batch.buckets import Buckets, ladder_factor
+from jserve.engine.batch.builder import BuilderSpec, RequestHooks, StepBuilder
 from jserve.engine.batch.burst import DecodeBursts
-from jserve.engine.config import EngineConfig, layer_flags
 from jserve.engine.build.kv_groups import KVGroups, kv_groups
+from jserve.engine.build.startup import StartupTimes
+from jserve.engine.config import EngineConfig, layer_flags
+from jserve.engine.device.adapters import build_adapters
+from jserve.engine.device.runner import ModelRunner
+from jserve.engine.loop.timing import estimated_predictor, host_round_trip_seconds, load_predictor
+from jserve.engine.programs.abstract import abstract_kv_cache, params_on_one_device
 from jserve.engine.programs.lowering import ProgramModes, pinned_pages
+from jserve.engine.programs.step_program import runtime_params
+from jserve.engine.requests import prompt_logprobs
 from jserve.engine.requests.pooling import Pooler
 from jserve.engine.requests.state import plain_sampler_row
-from jserve.engine.device.runner import ModelRunner
-from jserve.engine.build.startup import StartupTimes
-from jserve.engine.batch.builder import BuilderSpec, RequestHooks, StepBuilder
-from jserve.engine.programs.step_program import runtime_params
-from jserve.engine.loop.timing import estimated_predictor, host_round_trip_seconds, load_predictor
 from jserve.kernels import ATTENTION_IMPLS, resolve_impl
 from jserve.lora.config import pool_size
 from jserve.lora.slots import AdapterSlots

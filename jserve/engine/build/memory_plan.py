@@ -38,13 +38,13 @@ from jserve.cache.allocator import PageAllocator, held_pages
 from jserve.cache.hybrid import local_window
 from jserve.cache.pool import available_device_bytes, kv_bytes_per_page
 from jserve.config import ModelConfig
-from jserve.engine.programs.abstract import abstract_kv_cache, abstract_params
-from jserve.engine.config import EngineConfig, layer_flags
+from jserve.engine.batch.arrays import state_spec
 from jserve.engine.build.factory import Geometry, engine_geometry
 from jserve.engine.build.kv_groups import group_window, layer_counts, pool_sizes
+from jserve.engine.config import EngineConfig, layer_flags
 from jserve.engine.device.runner import ModelRunner
+from jserve.engine.programs.abstract import abstract_kv_cache, abstract_params
 from jserve.engine.programs.lowering import ProgramModes
-from jserve.engine.batch.arrays import state_spec
 from jserve.lora.config import pool_size
 from jserve.model.params import active_params, num_params
 from sharding.mesh import MeshConfig, make_mesh
