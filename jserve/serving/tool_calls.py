@@ -125,15 +125,15 @@ def _parameters(tool: dict) -> dict:
 
 def tool_constraint(tools: list[dict], choice: ToolChoice) -> StructuredOutput | None:
     """The output constraint of ``required`` and of a named function; None otherwise."""
-    if choice.mode == "named":
-        tool = next(t for t in tools if t["function"]["name"] == choice.name)
-        return StructuredOutput(json=_parameters(tool))
-    if choice.mode != "required":
+    given = forced_tools(tools, choice)
+    if given is None:
         return None
+    if choice.mode == "named":
+        return StructuredOutput(json=_parameters(given[0][1]))
     calls = [{"type": "object", "additionalProperties": False,
               "required": ["name", "parameters"],
               "properties": {"name": {"const": t["function"]["name"]},
-                             "parameters": _parameters(t)}} for t in tools]
+                             "parameters": _parameters(t)}} for _, t in given]
     return StructuredOutput(json=call_array(calls, choice.parallel))
 
 

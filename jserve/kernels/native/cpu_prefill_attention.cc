@@ -13,7 +13,7 @@
 // key element is one broadcast for all of them, and the softmax needs no horizontal
 // reduction. Exponentials are a vector polynomial. The accumulators of the two inner loops
 // are sized to the register file (32 vector registers with AVX-512, 16 with AVX2): 16-float
-// vectors on an AVX2 host took two registers each and spilled, 17x slower.
+// vectors on an AVX2 host took two registers each and spilled, about 10x slower.
 //
 // q [Hkv, T, G, D] float32, already scaled; q_seq [T] each token's row of the page table
 // (tokens of a row are contiguous; a token whose row is negative or not below num_seqs is
@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "elements.h"
@@ -96,7 +97,7 @@ struct Problem {
 };
 
 // One work item: a tile's rows (RV vectors of kKeys rows; rows past the tile's are padding)
-// against its keys, kKeys at a time. The tile's queries are transposed once ([D][RV]
+// against its keys, kBlock at a time. The tile's queries are transposed once ([D][RV]
 // vectors), so a key's scores for every row are RV vectors, sum_d k[d] * qt[d]: each key
 // element is one broadcast for all the rows and the K and V rows are read in place from
 // their pages. The softmax runs down a block's kBlock keys for all rows at once (running max, sum and
@@ -282,8 +283,8 @@ ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   if (qd[3] > kMaxDim || qd[3] % 16 != 0)
     return ffi::Error::InvalidArgument("head_dim must be a multiple of 16, at most 256");
   if (qd[2] > kTileRows)
-    return ffi::Error::InvalidArgument(
-        "more query heads per KV head than a tile holds (32; 64 with AVX-512)");
+    return ffi::Error::InvalidArgument("at most " + std::to_string(kTileRows) +
+                                       " query heads per KV head (a tile's rows)");
   if (k.element_type() != v.element_type())
     return ffi::Error::InvalidArgument("K and V pages differ in dtype");
   const bool scaled = k.element_type() == ffi::DataType::S8;
